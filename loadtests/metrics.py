@@ -1,0 +1,123 @@
+"""Aggregate statistics with the field names of ``vllm bench serve``."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+from .client import RequestOutput
+from .datasets import RequestInput
+from .energy import EnergyReading
+
+
+def percentile(values: Sequence[float], p: float) -> float:
+    """Linear-interpolation percentile (same as ``numpy.percentile`` default); 0.0 if empty."""
+    if not values:
+        return 0.0
+    xs = sorted(values)
+    pos = (len(xs) - 1) * p / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def percentile_key(p: float) -> str:
+    """``99`` -> ``p99``, ``99.9`` -> ``p99.9`` (vLLM's spelling)."""
+    return f"p{int(p)}" if float(p).is_integer() else f"p{p}"
+
+
+def summarize_ms(name: str, values_s: Sequence[float], percentiles: Sequence[float]) -> dict[str, float]:
+    """``mean/median/std/pXX_<name>_ms`` from values in seconds; std is population std (ddof=0)."""
+    ms = [v * 1000.0 for v in values_s]
+    out = {
+        f"mean_{name}_ms": statistics.fmean(ms) if ms else 0.0,
+        f"median_{name}_ms": statistics.median(ms) if ms else 0.0,
+        f"std_{name}_ms": statistics.pstdev(ms) if ms else 0.0,
+    }
+    for p in percentiles:
+        out[f"{percentile_key(p)}_{name}_ms"] = percentile(ms, p)
+    return out
+
+
+def request_tpot(o: RequestOutput) -> float | None:
+    """Time per output token after the first, seconds: (e2e - ttft) / (tokens - 1)."""
+    if o.output_tokens > 1:
+        return (o.latency - o.ttft) / (o.output_tokens - 1)
+    return None
+
+
+def is_good(o: RequestOutput, slo_ms: dict[str, float]) -> bool:
+    """True if a successful request meets every SLO in ``slo_ms`` (keys ttft/tpot/e2el, ms)."""
+    if not o.success:
+        return False
+    vals = {"ttft": o.ttft, "tpot": request_tpot(o) or 0.0, "e2el": o.latency}
+    return all(vals[k] * 1000.0 <= ms for k, ms in slo_ms.items())
+
+
+def calculate_metrics(
+    inputs: Sequence[RequestInput],
+    outputs: Sequence[RequestOutput],
+    duration_s: float,
+    percentiles: Sequence[float] = (50, 90, 99),
+    goodput: dict[str, float] | None = None,
+) -> dict[str, Any]:
+    """Throughput (per second) and latency stats (ms) over completed requests.
+
+    Token totals count completed requests only (failed requests did no useful work);
+    input tokens come from ``usage.prompt_tokens`` when reported, else the estimate.
+    """
+    ok = [(i, o) for i, o in zip(inputs, outputs) if o.success]
+    in_tokens = [o.prompt_tokens if o.prompt_tokens is not None else i.prompt_len for i, o in ok]
+    out_tokens = [o.output_tokens for _, o in ok]
+    total_in, total_out = sum(in_tokens), sum(out_tokens)
+
+    def rate(x: float) -> float:
+        return x / duration_s if duration_s > 0 else 0.0
+
+    m: dict[str, Any] = {
+        "duration": duration_s,
+        "completed": len(ok),
+        "failed": len(outputs) - len(ok),
+        "total_input_tokens": total_in,
+        "total_output_tokens": total_out,
+        "request_throughput": rate(len(ok)),
+        "request_goodput": None,
+        "output_throughput": rate(total_out),
+        "total_token_throughput": rate(total_in + total_out),
+    }
+    if goodput:
+        good = sum(1 for _, o in ok if is_good(o, goodput))
+        m["request_goodput"] = rate(good)
+        m["good_requests"] = good
+    tpots = [t for _, o in ok if (t := request_tpot(o)) is not None]
+    m |= summarize_ms("ttft", [o.ttft for _, o in ok], percentiles)
+    m |= summarize_ms("tpot", tpots, percentiles)
+    m |= summarize_ms("itl", [x for _, o in ok for x in o.itl], percentiles)
+    m |= summarize_ms("e2el", [o.latency for _, o in ok], percentiles)
+    return m
+
+
+def energy_metrics(reading: EnergyReading, total_input_tokens: int, total_output_tokens: int) -> dict[str, Any]:
+    """Energy-efficiency fields (J, W, tokens/J); all None when there is no energy source.
+
+    Average power divides by the scrape-to-scrape window, the interval the energy covers.
+    """
+    e = reading.energy_j
+    total = total_input_tokens + total_output_tokens
+    has = e is not None and e > 0
+    return {
+        "gpu_energy_j": e,
+        "gpu_avg_power_w": (e / reading.window_s) if e is not None and reading.window_s > 0 else None,
+        "gpu_energy_per_output_token_j": (e / total_output_tokens) if e is not None and total_output_tokens else None,
+        "gpu_energy_per_total_token_j": (e / total) if e is not None and total else None,
+        "output_tokens_per_joule": (total_output_tokens / e) if has else None,
+        "total_tokens_per_joule": (total / e) if has else None,
+        "energy_source": reading.source,
+        "energy_provider": reading.provider,
+        "energy_by_phase_j": dict(reading.by_phase_j),
+        "energy_by_gpu_j": dict(reading.by_gpu_j),
+        "energy_window_s": reading.window_s,
+        "energy_note": reading.note,
+    }

@@ -1,0 +1,166 @@
+"""Human-readable output: console table, Markdown report, multi-run comparison, optional plot."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from .metrics import percentile_key
+
+_NO_ENERGY = "n/a (no energy source)"
+
+
+def _num(v: Any, digits: int = 2) -> str:
+    if v is None:
+        return "n/a"
+    if isinstance(v, float):
+        if not math.isfinite(v):
+            return str(v)
+        return f"{v:.{digits}f}"
+    return str(v)
+
+
+def _energy(result: dict[str, Any], key: str, digits: int = 4) -> str:
+    """An energy number with its provenance, e.g. ``0.0123 (simulated)``."""
+    v = result.get(key)
+    if v is None or result.get("energy_source") is None:
+        return _NO_ENERGY
+    return f"{_num(v, digits)} ({result['energy_source']})"
+
+
+def _latency_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
+    rows: list[tuple[str, str]] = []
+    titles = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2el": "E2E latency"}
+    for name, title in titles.items():
+        rows.append((f"Mean {title} (ms)", _num(result.get(f"mean_{name}_ms"))))
+        rows.append((f"Median {title} (ms)", _num(result.get(f"median_{name}_ms"))))
+        rows.append((f"Std {title} (ms)", _num(result.get(f"std_{name}_ms"))))
+        for p in result.get("percentiles", [50, 90, 99]):
+            k = percentile_key(p)
+            rows.append((f"{k.upper()} {title} (ms)", _num(result.get(f"{k}_{name}_ms"))))
+    return rows
+
+
+def _summary_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
+    rows = [
+        ("Label", str(result.get("label") or "-")),
+        ("Model", str(result.get("model_id"))),
+        ("Endpoint", str(result.get("endpoint"))),
+        ("Successful requests", _num(result.get("completed"))),
+        ("Failed requests", _num(result.get("failed"))),
+        ("Benchmark duration (s)", _num(result.get("duration"))),
+        ("Total input tokens", _num(result.get("total_input_tokens"))),
+        ("Total generated tokens", _num(result.get("total_output_tokens"))),
+        ("Request throughput (req/s)", _num(result.get("request_throughput"))),
+    ]
+    if result.get("request_goodput") is not None:
+        rows.append(("Request goodput (req/s)", _num(result.get("request_goodput"))))
+    rows += [
+        ("Output token throughput (tok/s)", _num(result.get("output_throughput"))),
+        ("Total token throughput (tok/s)", _num(result.get("total_token_throughput"))),
+    ]
+    rows += _latency_rows(result)
+    if result.get("energy_source") is None:
+        rows.append(("GPU energy", result.get("energy_note") or _NO_ENERGY))
+    else:
+        rows += [
+            ("GPU energy (J)", _energy(result, "gpu_energy_j", 2)),
+            ("GPU average power (W)", _energy(result, "gpu_avg_power_w", 1)),
+            ("Energy per output token (J)", _energy(result, "gpu_energy_per_output_token_j")),
+            ("Energy per total token (J)", _energy(result, "gpu_energy_per_total_token_j")),
+            ("Output tokens per joule", _energy(result, "output_tokens_per_joule")),
+            ("Total tokens per joule", _energy(result, "total_tokens_per_joule")),
+        ]
+        for phase, j in sorted((result.get("energy_by_phase_j") or {}).items()):
+            rows.append((f"  energy in {phase} (J)", f"{_num(j)} ({result['energy_source']})"))
+    if result.get("timed_out"):
+        rows.append(("Note", f"global --timeout of {_num(result.get('timeout_s'), 0)} s reached"))
+    return rows
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """Plain-text console table in the style of ``vllm bench serve``."""
+    rows = _summary_rows(result)
+    width = max(len(k) for k, _ in rows) + 2
+    lines = ["{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=60, c="=")]
+    lines += [f"{k + ':':<{width}}{v}" for k, v in rows]
+    lines.append("=" * 60)
+    errors = [e for e in result.get("errors", []) if e]
+    if errors:
+        lines.append(f"First error ({len(errors)} failed): {errors[0]}")
+    return "\n".join(lines)
+
+
+def format_markdown(result: dict[str, Any]) -> str:
+    """Markdown report of one result: a two-column metric table plus the first error."""
+    rows = _summary_rows(result)
+    title = f"## Load test: {result.get('label') or result.get('model_id')}"
+    lines = [title, "", "| Metric | Value |", "|---|---|"]
+    lines += [f"| {k.strip()} | {v} |" for k, v in rows]
+    errors = [e for e in result.get("errors", []) if e]
+    if errors:
+        lines += ["", f"First error ({len(errors)} failed): `{errors[0]}`"]
+    return "\n".join(lines) + "\n"
+
+
+def compare_table(results: dict[str, dict[str, Any]]) -> str:
+    """Side-by-side Markdown table of labelled results (one column per label).
+
+    Every energy number carries its provenance ("measured"/"simulated") so simulated
+    numbers are never mistaken for measurements.
+    """
+    labels = list(results)
+    rows: list[tuple[str, list[str]]] = []
+
+    def add(title: str, fn: Any) -> None:
+        rows.append((title, [fn(results[lab]) for lab in labels]))
+
+    add("Model", lambda r: str(r.get("model_id")))
+    add("Completed / failed", lambda r: f"{r.get('completed')} / {r.get('failed')}")
+    add("Request throughput (req/s)", lambda r: _num(r.get("request_throughput")))
+    add("Output throughput (tok/s)", lambda r: _num(r.get("output_throughput")))
+    add("Total token throughput (tok/s)", lambda r: _num(r.get("total_token_throughput")))
+    for name, title in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2E")):
+        # The median is p50 under any --percentiles choice, so p50 is always available.
+        add(f"{title} p50 (ms)", lambda r, k=f"median_{name}_ms": _num(r.get(k)))
+        add(f"{title} p99 (ms)", lambda r, k=f"p99_{name}_ms": _num(r.get(k)))
+    add("GPU avg power (W)", lambda r: _energy(r, "gpu_avg_power_w", 1))
+    add("J / output token", lambda r: _energy(r, "gpu_energy_per_output_token_j"))
+    add("Output tokens / J", lambda r: _energy(r, "output_tokens_per_joule"))
+    add("Total tokens / J", lambda r: _energy(r, "total_tokens_per_joule"))
+    add("Energy source", lambda r: r.get("energy_source") or "none")
+
+    header = "| Metric | " + " | ".join(labels) + " |"
+    sep = "|---|" + "---|" * len(labels)
+    return "\n".join([header, sep] + [f"| {t} | " + " | ".join(v) + " |" for t, v in rows]) + "\n"
+
+
+def write_result_json(result: dict[str, Any], path: str | Path) -> None:
+    """Write strict JSON (no NaN/Infinity) so any consumer can read it."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(result, indent=2, allow_nan=False) + "\n", encoding="utf-8")
+
+
+def plot_results(results: dict[str, dict[str, Any]], path: str | Path) -> bool:
+    """Bar chart of output throughput and output tokens/J per label; False if matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    labels = list(results)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(max(6, 2 * len(labels)), 4))
+    ax1.bar(labels, [results[k].get("output_throughput") or 0 for k in labels])
+    ax1.set_ylabel("output tokens / s")
+    ax2.bar(labels, [results[k].get("output_tokens_per_joule") or 0 for k in labels])
+    ax2.set_ylabel("output tokens / J")
+    srcs = {results[k].get("energy_source") or "none" for k in labels}
+    ax2.set_title("energy: " + ", ".join(sorted(srcs)))
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True

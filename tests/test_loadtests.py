@@ -1,0 +1,530 @@
+"""Tests for the ``loadtests`` harness against an in-process fake OpenAI-compatible server.
+
+The fake server runs in its own thread/event loop so both the async API and the CLI's
+``asyncio.run`` can talk to it. Energy is deterministic: each request adds PREFILL_J to
+the prefill series and DECODE_J per generated token to the decode series, so the
+expected energy delta is known exactly (values are dyadic, so float sums are exact).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from loadtests import BenchConfig, ConfigError, compare_table, format_markdown, run
+from loadtests.__main__ import main
+from loadtests.client import RequestOutput
+from loadtests.datasets import RequestInput, random_requests
+from loadtests import energy as energy_mod
+from loadtests.energy import diff_counters, parse_energy_counters
+from loadtests.metrics import calculate_metrics, percentile, summarize_ms
+from loadtests.runner import arrival_offsets
+
+REPO = Path(__file__).resolve().parents[1]
+PREFILL_J = 0.5
+DECODE_J = 0.25
+
+
+class FakeServer:
+    """Minimal OpenAI-compatible server with a ``powersave_gpu_energy_joules_total`` counter.
+
+    Prompt markers change behaviour: ``MALFORMED`` (bad JSON chunk mid-stream),
+    ``HTTP500`` (error status), ``SLOW`` (first token after ``slow_delay`` s),
+    ``HANG`` (never finishes).
+    """
+
+    def __init__(
+        self,
+        *,
+        first_delay: float = 0.02,
+        itl_delay: float = 0.002,
+        slow_delay: float = 0.4,
+        usage: bool = True,
+        tokens_per_chunk: int = 1,
+        metrics: bool = True,
+        sources: dict[str, str] | None = None,
+        typed_total: bool = False,
+    ) -> None:
+        self.first_delay = first_delay
+        self.itl_delay = itl_delay
+        self.slow_delay = slow_delay
+        self.usage = usage
+        self.tokens_per_chunk = tokens_per_chunk
+        self.metrics = metrics
+        self.sources = sources or {"prefill": "simulated", "decode": "simulated", "idle": "simulated"}
+        self.typed_total = typed_total
+        self.energy = {"prefill": 0.0, "decode": 0.0, "idle": 3.0}
+        self.payloads: list[dict[str, Any]] = []
+        self.inflight = 0
+        self.max_inflight = 0
+        self.url = ""
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._runner: web.AppRunner | None = None
+
+    # -- lifecycle -------------------------------------------------------------------
+    def start(self) -> "FakeServer":
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(timeout=10)
+        return self
+
+    async def _start(self) -> None:
+        app = web.Application()
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/completions", self._complete)
+        app.router.add_post("/v1/chat/completions", self._complete)
+        if self.metrics:
+            app.router.add_get("/metrics", self._metrics)
+        # handler_cancellation: a HANG handler dies when the client gives up, so shutdown is quick.
+        self._runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.1)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        port = self._runner.addresses[0][1]
+        self.url = f"http://127.0.0.1:{port}"
+
+    def stop(self) -> None:
+        assert self._runner is not None
+        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(timeout=10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+
+    # -- handlers --------------------------------------------------------------------
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        name = "powersave_gpu_energy_joules_total" if self.typed_total else "powersave_gpu_energy_joules"
+        lines = [f"# HELP {name} GPU energy by phase", f"# TYPE {name} counter"]
+        for phase, v in self.energy.items():
+            labels = f'gpu="0",phase="{phase}",source="{self.sources[phase]}"'
+            lines.append(f"powersave_gpu_energy_joules_total{{{labels}}} {v!r}")
+            lines.append(f"powersave_gpu_energy_joules_created{{{labels}}} 1.7e9")
+        lines.append("# TYPE other_metric gauge")
+        lines.append("other_metric 42.0")
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+
+    async def _complete(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.payloads.append(body)
+        chat = request.path.endswith("/chat/completions")
+        prompt = body["messages"][0]["content"] if chat else body["prompt"]
+        if "HTTP500" in prompt:
+            return web.json_response({"error": {"message": "boom"}}, status=500)
+        self.inflight += 1
+        self.max_inflight = max(self.max_inflight, self.inflight)
+        try:
+            return await self._generate(request, body, chat, prompt)
+        finally:
+            self.inflight -= 1
+
+    async def _generate(self, request: web.Request, body: dict[str, Any], chat: bool, prompt: str) -> web.StreamResponse:
+        self.energy["prefill"] += PREFILL_J
+        n = int(body["max_tokens"])
+        usage = {"prompt_tokens": len(prompt.split()) + 1, "completion_tokens": n, "total_tokens": 0}
+        first = self.slow_delay if "SLOW" in prompt else self.first_delay
+        if "HANG" in prompt:
+            await asyncio.sleep(30)
+        if not body.get("stream"):
+            await asyncio.sleep(first)
+            self.energy["decode"] += DECODE_J * n
+            text = " ".join(f"tok{i}" for i in range(n))
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}} if chat else {"index": 0, "text": text}
+            out: dict[str, Any] = {"choices": [choice]}
+            if self.usage:
+                out["usage"] = usage
+            return web.json_response(out)
+
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+
+        async def send(obj: Any) -> None:
+            data = obj if isinstance(obj, str) else json.dumps(obj)
+            await resp.write(f"data: {data}\n\n".encode())
+
+        if chat:  # role-only chunk with empty content must not count as the first token
+            await send({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+        sent = 0
+        while sent < n:
+            await asyncio.sleep(first if sent == 0 else self.itl_delay)
+            k = min(self.tokens_per_chunk, n - sent)
+            self.energy["decode"] += DECODE_J * k
+            text = "".join(f" tok{sent + j}" for j in range(k))
+            choice = {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
+            await send({"choices": [choice]})
+            sent += k
+            if "MALFORMED" in prompt:
+                await send("{this is not json")
+                return resp
+        if self.usage and body.get("stream_options", {}).get("include_usage"):
+            await send({"choices": [], "usage": usage})
+        await send("[DONE]")
+        return resp
+
+
+@pytest.fixture
+def server_factory():
+    started: list[FakeServer] = []
+
+    def make(**kw: Any) -> FakeServer:
+        s = FakeServer(**kw).start()
+        started.append(s)
+        return s
+
+    yield make
+    for s in started:
+        s.stop()
+
+
+@pytest.fixture
+def no_nvml(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keep tests independent of whether the test host has GPUs."""
+    monkeypatch.setattr(energy_mod.NvmlEnergy, "open", classmethod(lambda cls, gpus: (None, "disabled in test")))
+
+
+def write_jsonl(tmp_path: Path, prompts: list[str], output_len: int | None = None) -> str:
+    p = tmp_path / "data.jsonl"
+    rows = [{"prompt": x} | ({"output_len": output_len} if output_len else {}) for x in prompts]
+    p.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return f"jsonl:{p}"
+
+
+# ---------------------------------------------------------------------------------
+# End-to-end against the fake server
+# ---------------------------------------------------------------------------------
+
+
+def test_streaming_energy_tokens_per_joule_exact(server_factory) -> None:
+    srv = server_factory(first_delay=0.1, itl_delay=0.005, sources={"prefill": "measured", "decode": "measured", "idle": "measured"})
+    n, out_len = 6, 4
+    res = run(BenchConfig(base_url=srv.url + "/v1", num_prompts=n, output_len=out_len, input_len=16,
+                          max_concurrency=3, num_warmups=2, label="base", seed=1))
+    assert res["model_id"] == "fake-model"  # auto-detected from /v1/models
+    assert res["completed"] == n and res["failed"] == 0
+    assert len(srv.payloads) == n + 2  # warm-ups were sent but are not in the stats
+    assert res["total_output_tokens"] == n * out_len
+    assert res["output_lens"] == [out_len] * n
+    # prompt_tokens come from usage (fake server reports words + 1 BOS)
+    assert res["total_input_tokens"] == n * (16 + 1)
+    # TTFT ~ first-token delay: never below it, generous upper bound for slow CI hosts
+    assert all(0.1 <= t < 0.6 for t in res["ttfts"])
+    assert 100.0 <= res["median_ttft_ms"] < 600.0
+    assert all(len(itl) == out_len - 1 for itl in res["itls"])
+    assert all(x >= 0 for itl in res["itls"] for x in itl)  # gaps can bunch on the client; no lower bound
+    # Energy: only the measured window (warm-ups happened before the first scrape)
+    expected = n * PREFILL_J + n * out_len * DECODE_J
+    assert res["gpu_energy_j"] == expected
+    assert res["energy_by_phase_j"] == {"prefill": n * PREFILL_J, "decode": n * out_len * DECODE_J, "idle": 0.0}
+    assert res["output_tokens_per_joule"] == res["total_output_tokens"] / expected
+    assert res["total_tokens_per_joule"] == (res["total_input_tokens"] + res["total_output_tokens"]) / expected
+    assert res["gpu_energy_per_output_token_j"] == expected / res["total_output_tokens"]
+    assert res["energy_source"] == "measured"
+    assert res["energy_provider"] == "server-metrics"
+    assert res["gpu_avg_power_w"] == pytest.approx(expected / res["energy_window_s"])
+    # payload fields sent to the server
+    p = srv.payloads[-1]
+    assert p["ignore_eos"] is True and p["temperature"] == 0 and p["max_tokens"] == out_len
+    assert p["stream"] is True and p["stream_options"] == {"include_usage": True}
+    assert "prompt_logprobs" not in p
+    assert srv.max_inflight <= 3
+
+
+def test_simulated_and_mixed_source_labels(server_factory) -> None:
+    srv = server_factory(typed_total=True)  # "# TYPE ..._total counter" spelling
+    res = run(BenchConfig(base_url=srv.url, num_prompts=2, output_len=2, input_len=4))
+    assert res["energy_source"] == "simulated"
+    assert res["gpu_energy_j"] == 2 * PREFILL_J + 4 * DECODE_J
+
+    srv2 = server_factory(sources={"prefill": "measured", "decode": "simulated", "idle": "measured"})
+    res2 = run(BenchConfig(base_url=srv2.url, num_prompts=2, output_len=2, input_len=4))
+    assert res2["energy_source"] == "simulated"  # mixed never claims "measured"
+
+
+def test_chat_endpoint_skips_role_chunk_and_passes_prompt_logprobs(server_factory) -> None:
+    srv = server_factory(first_delay=0.08)
+    res = run(BenchConfig(base_url=srv.url, endpoint="chat", num_prompts=3, output_len=3, input_len=8,
+                          model="my-model", prompt_logprobs=2))
+    assert res["completed"] == 3
+    assert all(t >= 0.08 for t in res["ttfts"])  # the immediate role-only chunk is not a token
+    assert srv.payloads[0]["messages"][0]["role"] == "user"
+    assert srv.payloads[0]["model"] == "my-model"
+    assert srv.payloads[0]["prompt_logprobs"] == 2
+    assert res["endpoint_type"] == "openai-chat"
+
+
+def test_output_tokens_from_usage_else_chunk_count(server_factory) -> None:
+    # 2 tokens per chunk: usage says 6 tokens, but only 3 chunks arrive
+    with_usage = server_factory(tokens_per_chunk=2, usage=True)
+    res = run(BenchConfig(base_url=with_usage.url, num_prompts=2, output_len=6, input_len=4))
+    assert res["output_lens"] == [6, 6]
+    assert all(len(i) == 2 for i in res["itls"])  # ITL is per text chunk
+    no_usage = server_factory(tokens_per_chunk=2, usage=False)
+    res2 = run(BenchConfig(base_url=no_usage.url, num_prompts=2, output_len=6, input_len=4))
+    assert res2["output_lens"] == [3, 3]
+
+
+def test_non_streaming(server_factory) -> None:
+    srv = server_factory()
+    res = run(BenchConfig(base_url=srv.url, stream=False, num_prompts=2, output_len=5, input_len=4))
+    assert res["completed"] == 2 and res["total_output_tokens"] == 10
+    assert res["ttfts"] == res["e2els"]
+    assert "stream_options" not in srv.payloads[0]
+
+
+def test_malformed_chunk_and_http_error_are_counted_failures(server_factory, tmp_path) -> None:
+    srv = server_factory()
+    ds = write_jsonl(tmp_path, ["hello world", "MALFORMED please", "HTTP500 now"], output_len=3)
+    res = run(BenchConfig(base_url=srv.url, num_prompts=3, dataset=ds))
+    assert res["completed"] == 1 and res["failed"] == 2
+    assert res["errors"][0] == ""
+    assert res["errors"][1].startswith("malformed stream chunk")
+    assert res["errors"][2].startswith("HTTP 500")
+    assert res["total_output_tokens"] == 3  # failed requests contribute no tokens
+
+
+def test_goodput_counts_requests_meeting_slo(server_factory, tmp_path) -> None:
+    srv = server_factory(first_delay=0.01, slow_delay=0.4)
+    ds = write_jsonl(tmp_path, ["a b", "SLOW c", "d e", "SLOW f", "g h"], output_len=2)
+    res = run(BenchConfig(base_url=srv.url, num_prompts=5, dataset=ds, goodput={"ttft": 200.0}))
+    assert res["good_requests"] == 3
+    assert res["request_goodput"] == pytest.approx(3 / res["duration"])
+
+
+def test_global_timeout_never_hangs(server_factory, tmp_path) -> None:
+    srv = server_factory()
+    ds = write_jsonl(tmp_path, ["quick one", "HANG forever"], output_len=2)
+    t0 = time.monotonic()
+    res = run(BenchConfig(base_url=srv.url, num_prompts=2, dataset=ds, timeout_s=0.6))
+    assert time.monotonic() - t0 < 5
+    assert res["timed_out"] is True
+    assert res["completed"] == 1 and res["failed"] == 1
+    assert "--timeout" in res["errors"][1]
+
+
+def test_poisson_open_loop_respects_schedule(server_factory) -> None:
+    srv = server_factory()
+    cfg = BenchConfig(base_url=srv.url, num_prompts=5, output_len=2, input_len=4, request_rate=40.0, seed=3)
+    res = run(cfg)
+    offsets = arrival_offsets(5, 40.0, 1.0, 3)
+    assert res["completed"] == 5
+    assert all(st >= off - 1e-3 for st, off in zip(res["start_times"], offsets))
+    assert res["request_rate"] == 40.0
+
+
+def test_no_energy_source(server_factory, no_nvml) -> None:
+    srv = server_factory(metrics=False)
+    res = run(BenchConfig(base_url=srv.url, num_prompts=1, output_len=2, input_len=4))
+    assert res["gpu_energy_j"] is None and res["output_tokens_per_joule"] is None
+    assert res["energy_source"] is None
+    assert "no energy source" in format_markdown(res)
+
+
+def test_nvml_fallback(server_factory, monkeypatch) -> None:
+    calls = {"n": 0}
+
+    class FakeNvml:
+        @staticmethod
+        def nvmlInit() -> None: ...
+        @staticmethod
+        def nvmlDeviceGetCount() -> int:
+            return 4
+        @staticmethod
+        def nvmlDeviceGetHandleByIndex(i: int) -> int:
+            return i
+        @staticmethod
+        def nvmlDeviceGetTotalEnergyConsumption(h: int) -> int:
+            calls["n"] += 1
+            return 1500 * calls["n"]  # mJ, grows on every read
+
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml)
+    srv = server_factory(metrics=False)
+    res = run(BenchConfig(base_url=srv.url, num_prompts=1, output_len=2, input_len=4, gpus=[1, 3]))
+    # The fake counter grows 1.5 J per read; each GPU is read twice more between before and after -> 3 J each.
+    assert res["energy_provider"] == "nvml" and res["energy_source"] == "measured"
+    assert res["gpu_energy_j"] == pytest.approx(6.0)
+    assert set(res["energy_by_gpu_j"]) == {"1", "3"}
+
+
+# ---------------------------------------------------------------------------------
+# CLI and bad input
+# ---------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_unreachable_server_cli_one_line_exit_2() -> None:
+    url = f"http://127.0.0.1:{_free_port()}"
+    p = subprocess.run([sys.executable, "-m", "loadtests", "--base-url", url, "--num-prompts", "1"],
+                       cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1, p.stderr
+    assert lines[0].startswith(f"error: cannot reach server at {url}: ")
+    assert p.stdout == ""
+
+
+@pytest.mark.parametrize(
+    "content, needle",
+    [('{"prompt": "ok"}\n{not json\n', "line 2: invalid JSON"),
+     ('{"prompt": ""}\n', "line 1: 'prompt' must be a non-empty string"),
+     ('{"prompt": "x", "output_len": 0}\n', "line 1: 'output_len'"),
+     (None, "No such file")],
+)
+def test_bad_dataset_one_line_error(tmp_path, capsys, content, needle) -> None:
+    path = tmp_path / "bad.jsonl"
+    if content is not None:
+        path.write_text(content)
+    # The dataset is checked before contacting the server, so the URL need not exist.
+    rc = main(["--base-url", f"http://127.0.0.1:{_free_port()}", "--dataset", f"jsonl:{path}", "--num-prompts", "1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2
+    assert len(err) == 1 and err[0].startswith("error: bad dataset file ") and needle in err[0], err
+
+
+def test_config_validation_is_one_line(capsys) -> None:
+    with pytest.raises(ConfigError) as ei:
+        BenchConfig(num_prompts=0)
+    msg = str(ei.value)
+    assert "\n" not in msg and "num_prompts" in msg and "= 0" in msg
+    with pytest.raises(ConfigError, match="goodput"):
+        BenchConfig(goodput={"latency": 5.0})
+    with pytest.raises(ConfigError, match=r"^invalid config: field 'endpoint' = 'x': [^\n]*$"):
+        BenchConfig.model_validate({"endpoint": "x"})
+    cfg = BenchConfig(base_url="http://h:1/v1/")
+    assert cfg.base_url == "http://h:1"
+    with pytest.raises(ConfigError, match="max_concurrency"):
+        cfg.max_concurrency = 0
+    rc = main(["--request-rate", "-1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "request_rate" in err[0] and "-1" in err[0]
+    rc = main(["--num-prompts", "many"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "--num-prompts" in err[0]
+
+
+def test_cli_writes_json_and_compare(server_factory, tmp_path, capsys) -> None:
+    srv = server_factory()
+    out_a, out_b = tmp_path / "a.json", tmp_path / "b.json"
+    rc = main(["--base-url", srv.url, "--num-prompts", "3", "--input-len", "8", "--output-len", "3",
+               "--max-concurrency", "2", "--goodput", "ttft:5000", "--label", "A", "--result-json", str(out_a),
+               "--markdown", str(tmp_path / "a.md")])
+    assert rc == 0
+    assert "Serving Benchmark Result" in capsys.readouterr().out
+    a = json.loads(out_a.read_text())
+    for key in ("date", "base_url", "endpoint_type", "model_id", "num_prompts", "request_rate", "burstiness",
+                "max_concurrency", "label", "input_len", "output_len", "ttfts", "itls", "input_lens",
+                "output_lens", "errors", "p99_tpot_ms", "std_e2el_ms", "request_goodput", "energy_by_phase_j"):
+        assert key in a, key
+    assert a["request_rate"] == "inf" and a["good_requests"] == 3
+    b = dict(a, label="B", energy_source="measured")
+    out_b.write_text(json.dumps(b))
+    rc = main(["--compare", str(out_a), str(out_b)])
+    table = capsys.readouterr().out
+    assert rc == 0 and "| Metric | A | B |" in table
+    assert "(simulated)" in table and "(measured)" in table
+    assert (tmp_path / "a.md").read_text().startswith("## Load test: A")
+
+
+# ---------------------------------------------------------------------------------
+# Pure units
+# ---------------------------------------------------------------------------------
+
+
+def test_percentiles_on_known_list() -> None:
+    xs = [float(i) for i in range(1, 11)]
+    assert percentile(xs, 50) == pytest.approx(5.5)
+    assert percentile(xs, 90) == pytest.approx(9.1)
+    assert percentile(xs, 99) == pytest.approx(9.91)
+    assert percentile(xs, 0) == 1.0 and percentile(xs, 100) == 10.0
+    assert percentile([], 50) == 0.0
+    s = summarize_ms("ttft", [0.001, 0.002, 0.003, 0.004], [50, 99.9])
+    assert s["mean_ttft_ms"] == pytest.approx(2.5)
+    assert s["median_ttft_ms"] == pytest.approx(2.5)
+    assert s["std_ttft_ms"] == pytest.approx(math.sqrt(1.25))
+    assert s["p99.9_ttft_ms"] == pytest.approx(3.997)
+    try:
+        import numpy as np
+    except ImportError:
+        return
+    for p in (1, 25, 50, 75, 90, 99):
+        assert percentile(xs, p) == pytest.approx(float(np.percentile(xs, p)))
+
+
+def test_tpot_and_goodput_unit() -> None:
+    inputs = [RequestInput("a", 1, 10)] * 3
+    outs = [
+        RequestOutput(success=True, ttft=0.1, latency=1.0, output_tokens=10, prompt_tokens=5),  # tpot 100 ms
+        RequestOutput(success=True, ttft=0.3, latency=0.5, output_tokens=5, prompt_tokens=5),  # tpot 50 ms
+        RequestOutput(success=False, error="x"),
+    ]
+    m = calculate_metrics(inputs, outs, duration_s=2.0, goodput={"ttft": 200.0, "tpot": 120.0})
+    assert m["completed"] == 2 and m["failed"] == 1
+    assert m["mean_tpot_ms"] == pytest.approx(75.0)
+    assert m["good_requests"] == 1 and m["request_goodput"] == pytest.approx(0.5)
+    assert m["total_input_tokens"] == 10 and m["total_output_tokens"] == 15
+    assert m["output_throughput"] == pytest.approx(7.5)
+
+
+def test_arrival_offsets_seeded_poisson() -> None:
+    a = arrival_offsets(2000, 10.0, 1.0, seed=5)
+    assert a == arrival_offsets(2000, 10.0, 1.0, seed=5)
+    assert a != arrival_offsets(2000, 10.0, 1.0, seed=6)
+    gaps = [y - x for x, y in zip(a, a[1:])]
+    assert sum(gaps) / len(gaps) == pytest.approx(0.1, rel=0.1)
+    assert arrival_offsets(3, math.inf) == [0.0, 0.0, 0.0]
+
+
+def test_random_prompts_lengths_and_determinism() -> None:
+    r = random_requests(50, 100, 20, range_ratio=0.5, seed=2)
+    assert r == random_requests(50, 100, 20, range_ratio=0.5, seed=2)
+    assert all(50 <= x.prompt_len <= 150 and len(x.prompt.split()) == x.prompt_len for x in r)
+    assert all(10 <= x.output_len <= 30 for x in r)
+
+
+def test_parse_and_diff_energy_counters() -> None:
+    before_txt = (
+        "# TYPE powersave_gpu_energy_joules counter\n"
+        'powersave_gpu_energy_joules_total{gpu="0",phase="decode",source="measured"} 10.0\n'
+        'powersave_gpu_energy_joules_created{gpu="0",phase="decode",source="measured"} 1.0\n'
+    )
+    after_txt = (
+        "# TYPE powersave_gpu_energy_joules counter\n"
+        'powersave_gpu_energy_joules_total{gpu="0",phase="decode",source="measured"} 12.5\n'
+        'powersave_gpu_energy_joules_total{gpu="1",phase="prefill",source="measured"} 1.5\n'
+    )
+    b, a = parse_energy_counters(before_txt), parse_energy_counters(after_txt)
+    assert b is not None and a is not None and len(b) == 1
+    r = diff_counters(b, a)
+    assert r.energy_j == 4.0 and r.source == "measured"
+    assert r.by_phase_j == {"decode": 2.5, "prefill": 1.5} and r.by_gpu_j == {"0": 2.5, "1": 1.5}
+    assert parse_energy_counters("other_metric 1\n") is None
+    assert parse_energy_counters("garbage {{{\n") is None
+
+
+def test_compare_table_marks_every_energy_number() -> None:
+    base = {"model_id": "m", "completed": 1, "failed": 0, "output_throughput": 10.0,
+            "median_ttft_ms": 5.0, "p99_ttft_ms": 9.0, "gpu_energy_per_output_token_j": 0.5,
+            "output_tokens_per_joule": 2.0, "total_tokens_per_joule": 4.0, "gpu_avg_power_w": 100.0}
+    t = compare_table({"sim": base | {"energy_source": "simulated"}, "real": base | {"energy_source": "measured"},
+                       "none": base | {"energy_source": None}})
+    rows = {line.split("|")[1].strip(): line for line in t.splitlines()}
+    for row in ("J / output token", "Output tokens / J", "Total tokens / J"):
+        cells = [c.strip() for c in rows[row].split("|")[2:-1]]
+        assert cells[0].endswith("(simulated)") and cells[1].endswith("(measured)")
+        assert cells[2] == "n/a (no energy source)"
+    assert "| TTFT p50 (ms) | 5.00 | 5.00 | 5.00 |" in t

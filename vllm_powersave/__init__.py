@@ -1,0 +1,100 @@
+"""vllm-powersave: a vLLM plugin that cuts GPU energy per generated token.
+
+Enable it for one server with any of:
+
+* ``vllm serve MODEL --plugin powersave``
+* ``VLLM_PLUGINS=powersave vllm serve MODEL`` (or ``VLLM_POWERSAVE=1``)
+* ``vllm serve MODEL --additional-config '{"powersave": {...}}'``
+
+Installed but not enabled, it changes nothing but accepting the ``--plugin`` flag.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+
+__version__ = "0.1.0"
+
+log = logging.getLogger("vllm_powersave")
+
+ENV_ENABLE = "VLLM_POWERSAVE"
+
+_STATE = {"registered": False, "active": False}
+
+
+def enabled_by_env(env: dict[str, str] | None = None) -> bool:
+    """True if ``VLLM_POWERSAVE`` is set (non-zero) or ``VLLM_PLUGINS`` names ``powersave``."""
+    env = os.environ if env is None else env
+    if env.get(ENV_ENABLE, "") not in ("", "0", "false", "False"):
+        return True
+    plugins = env.get("VLLM_PLUGINS")
+    return plugins is not None and "powersave" in [p.strip() for p in plugins.split(",")]
+
+
+def register() -> None:
+    """``vllm.general_plugins`` entry point. Idempotent and cheap; starts neither CUDA nor NVML.
+
+    Runs in every vLLM process (CLI/API server, EngineCore, workers). It installs two inert hooks
+    (the ``--plugin`` flag and a settings check before vLLM builds its config); worker-side hooks
+    (LM-head chunking, step hook) are installed only where the plugin is enabled.
+    """
+    if _STATE["registered"]:
+        return
+    _STATE["registered"] = True
+    from . import vllm_compat
+
+    ok, why = vllm_compat.check_version()
+    if not ok:
+        if enabled_by_env():
+            log.warning("powersave: disabled: %s", why)
+        return
+    vllm_compat.install_cli_flag()
+    vllm_compat.install_config_hook(_on_engine_args)
+    if enabled_by_env():
+        activate()
+
+
+def activate() -> None:
+    """Install the worker-side hooks in this process (inherited by forked engine processes)."""
+    if _STATE["active"]:
+        return
+    _STATE["active"] = True
+    from . import runtime, vllm_compat
+
+    vllm_compat.register_logits_processor(runtime.chunked_head)
+    vllm_compat.install_step_hooks(runtime.on_step_start, runtime.on_step_end)
+
+
+def _on_engine_args(engine_args: object) -> None:
+    """Before vLLM builds its config: validate settings, export them, start the metrics collector."""
+    from . import vllm_compat
+    from .settings import ENV_SETTINGS_JSON, SettingsError, load_settings
+
+    inline = vllm_compat.additional_config(engine_args).get("powersave")
+    if inline is None and not enabled_by_env():
+        return
+    try:
+        settings = load_settings(inline if inline is not None else {})
+    except SettingsError as err:
+        if vllm_compat.CLI_STATE["parser_built"]:
+            # One line, then exit before any engine process exists.
+            print(f"error: {err}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
+        raise
+    if settings.stats_dir is None:
+        base = os.path.join(tempfile.gettempdir(), "vllm-powersave", "stats")
+        os.makedirs(base, exist_ok=True)
+        stats_dir = tempfile.mkdtemp(prefix=f"{os.getpid()}-{int(time.time())}-", dir=base)
+        settings = settings.model_copy(update={"stats_dir": stats_dir})
+    os.environ[ENV_ENABLE] = "1"
+    os.environ[ENV_SETTINGS_JSON] = settings.model_dump_json()
+    activate()
+    from .metrics import register_collector
+
+    register_collector(settings.stats_dir, __version__)
+    log.info("powersave: enabled; settings %s", json.dumps(settings.model_dump(mode="json"), sort_keys=True))

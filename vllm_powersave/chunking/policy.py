@@ -1,0 +1,68 @@
+"""Adaptive LM-head chunking: how many token-dimension chunks for a given number of rows.
+
+The LM-head GEMM is ``[rows, hidden] x [hidden, vocab]``. Seed 004 (chunked LM head on power- and
+thermally-throttled GPUs) reports -14 % energy and -20 % time on a DGX Spark and 1-2 % on an L40S;
+on the H200 we measured no gain (``shared/notes/h200-facts.md``), and every extra chunk re-reads the
+whole weight, which is pure cost for decode-sized row counts. Hence the policy is a table tuned per
+GPU and the default is "no chunking".
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Callable
+
+import torch
+
+from ..settings import ChunkingSettings
+
+
+class ChunkPolicy:
+    """Chunk count as a function of the rows reaching the LM head.
+
+    ``chunks(rows)`` returns the ``chunks`` of the rule with the largest ``min_rows <= rows``
+    (1 when no rule applies), capped at ``rows`` so that no chunk is empty.
+    """
+
+    def __init__(self, settings: ChunkingSettings) -> None:
+        self.enabled = settings.enabled
+        self.rules = [(r.min_rows, r.chunks) for r in settings.table]
+        self.calls: Counter[int] = Counter()
+        self.rows_total = 0
+        self._lock = threading.Lock()
+
+    def chunks(self, rows: int) -> int:
+        n = 1
+        if self.enabled:
+            for min_rows, c in self.rules:
+                if rows >= min_rows:
+                    n = c
+                else:
+                    break
+        return max(1, min(n, rows))
+
+    def record(self, chunks: int, rows: int) -> None:
+        with self._lock:
+            self.calls[chunks] += 1
+            self.rows_total += rows
+
+
+def apply_chunked(head: Callable[[torch.Tensor], torch.Tensor], hidden_states: torch.Tensor, chunks: int) -> torch.Tensor:
+    """``head(hidden_states)`` computed over ``chunks`` row blocks and concatenated.
+
+    Args:
+        head: maps ``[rows, hidden]`` to ``[rows, vocab_shard]`` (the LM-head GEMM, any dtype).
+        hidden_states: ``[rows, hidden]``.
+        chunks: number of row blocks (>= 1); 1 calls ``head`` once on the whole input.
+
+    Returns:
+        ``[rows, vocab_shard]``, equal to ``head(hidden_states)``: every output row is the same dot
+        products over the same ``hidden`` reduction, only grouped in fewer rows per GEMM call.
+
+    No host synchronisation: the split is by shape only, so it is safe inside graph capture.
+    """
+    if chunks <= 1 or hidden_states.dim() < 2 or hidden_states.shape[0] <= 1:
+        return head(hidden_states)
+    parts = [head(h) for h in torch.tensor_split(hidden_states, chunks, dim=0)]
+    return torch.cat(parts, dim=0)

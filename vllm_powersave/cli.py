@@ -1,0 +1,174 @@
+"""``vllm-powersave`` command line: make-model, compare (the main job), reset-clocks."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+PRESET_DIR = Path(__file__).parent / "presets"
+
+
+def _cmd_make_model(ns: argparse.Namespace) -> int:
+    from .modelgen import make_model
+
+    out = make_model(Path(ns.dir), ns.shape, seed=ns.seed, weights=not ns.no_weights, overwrite=ns.overwrite)
+    print(f"wrote {ns.shape} model to {out}")
+    return 0
+
+
+def _configs(gpu: bool, clock_backend: str | None) -> list[tuple[str, str, list[str]]]:
+    """(label, description, extra serve args) for the off and on servers."""
+    if gpu:
+        on: dict[str, Any] = {"clocks": {"backend": clock_backend or "dry-run"}}
+        return [
+            ("off", "stock vLLM (energy: NVML on this machine, measured)", []),
+            ("on", f"vLLM + powersave (clocks {clock_backend or 'dry-run'})", ["--plugin", "powersave", "--additional-config", json.dumps({"powersave": on})]),
+        ]
+    # No GPU: a stock server has no energy at all, so the baseline runs the plugin's simulated meter
+    # with stock clocks and no chunking; only the "on" server applies the (simulated) presets.
+    base = {"chunking": {"enabled": False}, "clocks": {"backend": "simulated", "presets": {}}, "energy": {"meter": "simulated"}}
+    on = {"config_file": str(PRESET_DIR / "h200-simulated.yaml")}
+    return [
+        ("off", "vLLM, stock clocks, no chunking (powersave meter only: simulated H200 energy)", ["--additional-config", json.dumps({"powersave": base})]),
+        ("on", "vLLM + powersave, h200-simulated presets (simulated H200 energy)", ["--plugin", "powersave", "--additional-config", json.dumps({"powersave": on})]),
+    ]
+
+
+def _cmd_compare(ns: argparse.Namespace) -> int:
+    from loadtests import BenchConfig, compare_table, run
+
+    from .serving import ServerError, VllmServer, cpu_only, default_serve_args
+
+    model = Path(ns.model) if ns.model else Path(".models") / ns.shape
+    if ns.model is None and not (model / "config.json").exists():
+        from .modelgen import make_model
+
+        print(f"[compare] generating the {ns.shape} model in {model}")
+        make_model(model, ns.shape)
+    if not (model / "config.json").exists():
+        print(f"error: model directory not found or not a Hugging Face model: {str(model)!r}", file=sys.stderr)
+        return 2
+    out_dir = Path(ns.out) / time.strftime("compare-%Y%m%d-%H%M%S")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    gpu = not cpu_only()
+    results: dict[str, dict] = {}
+    descriptions: dict[str, str] = {}
+    for label, desc, extra in _configs(gpu, ns.clock_backend):
+        descriptions[label] = desc
+        print(f"[compare] {label}: starting vllm serve ({desc})", flush=True)
+        server = VllmServer(default_serve_args(str(model)) + extra + list(ns.serve_arg or []), log_path=out_dir / f"server-{label}.log", startup_timeout_s=ns.startup_timeout)
+        try:
+            server.start()
+        except ServerError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 1
+        try:
+            cfg = BenchConfig(
+                base_url=server.base_url,
+                model=None,
+                endpoint=ns.endpoint,
+                num_prompts=ns.num_prompts,
+                max_concurrency=ns.concurrency,
+                input_len=ns.input_len,
+                output_len=ns.output_len,
+                num_warmups=ns.warmups,
+                seed=ns.seed,
+                label=label,
+            )
+            print(f"[compare] {label}: {ns.num_prompts} requests at concurrency {ns.concurrency}", flush=True)
+            res = run(cfg)
+            res["config_description"] = desc
+            results[label] = res
+            (out_dir / f"result-{label}.json").write_text(json.dumps(res, indent=2))
+        finally:
+            server.stop()
+    table = compare_table(results)
+    header = f"# vllm-powersave: plugin off vs on\n\nModel: `{model}`; {ns.num_prompts} requests, concurrency {ns.concurrency}, {ns.input_len} in / {ns.output_len} out; machine: {'GPU (energy measured by NVML)' if gpu else 'no GPU (energy SIMULATED for an H200 by the plugin meter)'}\n\n"
+    legend = "".join(f"- **{k}**: {v}\n" for k, v in descriptions.items())
+    md = header + legend + "\n" + table + "\n"
+    (out_dir / "comparison.md").write_text(md)
+    (out_dir / "comparison.json").write_text(json.dumps({"model": str(model), "gpu": gpu, "results": results}, indent=2))
+    print()
+    print(md)
+    print(f"[compare] results in {out_dir}")
+    return 0
+
+
+def _cmd_reset_clocks(ns: argparse.Namespace) -> int:
+    from .clocks import LeaseStore, NvmlClockBackend
+
+    store = LeaseStore(ns.lease_dir)
+    leases = store.stale() if not ns.all else [{"gpu": p.stem, "path": str(p)} for p in sorted(Path(ns.lease_dir).glob("*.json"))]
+    if not leases:
+        print("no clock leases to reset")
+        return 0
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception as exc:
+        print(f"error: NVML unavailable, cannot reset {len(leases)} lease(s): {exc}", file=sys.stderr)
+        return 1
+    rc = 0
+    for lease in leases:
+        gpu = str(lease["gpu"])
+        try:
+            NvmlClockBackend(pynvml, pynvml.nvmlDeviceGetHandleByUUID(gpu)).reset()
+            store.release(gpu)
+            print(f"reset clocks of {gpu}")
+        except Exception as exc:
+            print(f"error: reset of {gpu} failed: {exc}", file=sys.stderr)
+            rc = 1
+    return rc
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="vllm-powersave", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    m = sub.add_parser("make-model", help="write an offline Hugging Face model directory with random weights")
+    m.add_argument("dir")
+    m.add_argument("--shape", default="qwen2-tiny")
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--no-weights", action="store_true", help="config + tokenizer only (serve with --load-format dummy)")
+    m.add_argument("--overwrite", action="store_true")
+    m.set_defaults(fn=_cmd_make_model)
+
+    c = sub.add_parser("compare", help="serve a model with the plugin off and on, load-test both, print one table")
+    c.add_argument("--model", default=None, help="local HF model directory (default: generate --shape in .models/)")
+    c.add_argument("--shape", default="qwen2-tiny")
+    c.add_argument("--num-prompts", type=int, default=200)
+    c.add_argument("--concurrency", type=int, default=16)
+    c.add_argument("--input-len", type=int, default=128)
+    c.add_argument("--output-len", type=int, default=64)
+    c.add_argument("--warmups", type=int, default=4)
+    c.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--clock-backend", choices=["dry-run", "nvml"], default=None, help="GPU machines only; default dry-run")
+    c.add_argument("--serve-arg", action="append", help="extra argument passed to vllm serve (repeatable)")
+    c.add_argument("--startup-timeout", type=float, default=600.0)
+    c.add_argument("--out", default="runs")
+    c.set_defaults(fn=_cmd_compare)
+
+    r = sub.add_parser("reset-clocks", help="reset GPU clocks left locked by a crashed server")
+    r.add_argument("--lease-dir", default="/tmp/vllm-powersave/leases")
+    r.add_argument("--all", action="store_true", help="reset every leased GPU, not only those of dead processes")
+    r.set_defaults(fn=_cmd_reset_clocks)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    try:
+        return int(ns.fn(ns) or 0)
+    except ValueError as err:  # validation errors are one line by construction
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

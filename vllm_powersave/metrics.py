@@ -1,0 +1,92 @@
+"""``powersave_*`` series on vLLM's own ``/metrics`` (API-server process).
+
+Workers publish a small JSON snapshot per rank into the run's stats directory (atomic rename);
+this collector reads them at scrape time. No metric is named ``vllm:*`` because vLLM's Prometheus
+logger unregisters those at start-up. Each energy, power and clock series carries ``source``
+(``measured`` or ``simulated``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+log = logging.getLogger("vllm_powersave")
+
+
+def read_snapshots(stats_dir: str | Path) -> list[dict[str, Any]]:
+    """All rank snapshots in ``stats_dir`` (unreadable files are skipped)."""
+    out = []
+    d = Path(stats_dir)
+    if not d.is_dir():
+        return out
+    for p in sorted(d.glob("rank*.json")):
+        try:
+            out.append(json.loads(p.read_text()))
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+class PowersaveCollector(Collector):
+    """Prometheus collector over the worker snapshots of one server."""
+
+    def __init__(self, stats_dir: str | Path, version: str = "") -> None:
+        self.stats_dir = Path(stats_dir)
+        self.version = version
+
+    def collect(self) -> Iterator[Any]:
+        snaps = read_snapshots(self.stats_dir)
+        energy = CounterMetricFamily("powersave_gpu_energy_joules", "GPU energy by engine phase (J)", labels=["gpu", "phase", "source"])
+        steps = CounterMetricFamily("powersave_steps", "Engine steps by phase", labels=["gpu", "phase"])
+        tokens = CounterMetricFamily("powersave_tokens", "Tokens processed by kind (prefill, decode)", labels=["gpu", "kind"])
+        power = GaugeMetricFamily("powersave_gpu_power_watts", "GPU power (W)", labels=["gpu", "source"])
+        clock = GaugeMetricFamily("powersave_sm_clock_mhz", "SM clock (MHz)", labels=["gpu", "source"])
+        target = GaugeMetricFamily("powersave_clock_target_mhz", "SM clock the controller wants (MHz; 0 = driver default)", labels=["gpu", "backend"])
+        changes = CounterMetricFamily("powersave_clock_changes", "Clock changes decided", labels=["gpu", "backend"])
+        chunks = CounterMetricFamily("powersave_lm_head_calls", "LM-head calls by chunk count", labels=["gpu", "chunks"])
+        simulated = GaugeMetricFamily("powersave_energy_simulated", "1 if this GPU's energy figures are simulated, 0 if measured", labels=["gpu"])
+        info = GaugeMetricFamily("powersave_info", "vllm-powersave is active", labels=["version", "source", "clock_backend"])
+        sources, backends = set(), set()
+        for s in snaps:
+            gpu, src, be = str(s.get("gpu", s.get("rank", "?"))), str(s.get("source", "none")), str(s.get("clock_backend", "?"))
+            sources.add(src)
+            backends.add(be)
+            for phase, j in (s.get("energy_j") or {}).items():
+                energy.add_metric([gpu, phase, src], float(j))
+            for phase, n in (s.get("steps") or {}).items():
+                steps.add_metric([gpu, phase], float(n))
+            for kind, n in (s.get("tokens") or {}).items():
+                tokens.add_metric([gpu, kind], float(n))
+            if s.get("power_w") is not None:
+                power.add_metric([gpu, src], float(s["power_w"]))
+            if s.get("sm_clock_mhz") is not None:
+                clock.add_metric([gpu, src], float(s["sm_clock_mhz"]))
+            target.add_metric([gpu, be], float(s.get("target_sm_clock_mhz") or 0))
+            changes.add_metric([gpu, be], float(s.get("clock_changes", 0)))
+            for c, n in (s.get("lm_head_calls") or {}).items():
+                chunks.add_metric([gpu, str(c)], float(n))
+            simulated.add_metric([gpu], 1.0 if src == "simulated" else 0.0)
+        info.add_metric([self.version, ",".join(sorted(sources)) or "pending", ",".join(sorted(backends)) or "pending"], 1.0)
+        yield from (energy, steps, tokens, power, clock, target, changes, chunks, simulated, info)
+
+
+_REGISTERED: dict[str, PowersaveCollector] = {}
+
+
+def register_collector(stats_dir: str | Path, version: str = "") -> PowersaveCollector:
+    """Register the collector in prometheus_client's global registry (which vLLM's /metrics serves)."""
+    from prometheus_client import REGISTRY
+
+    key = str(stats_dir)
+    if key not in _REGISTERED:
+        col = PowersaveCollector(stats_dir, version)
+        REGISTRY.register(col)
+        _REGISTERED[key] = col
+    return _REGISTERED[key]

@@ -1,0 +1,671 @@
+"""Generate offline Hugging Face model directories with random weights.
+
+The project never downloads anything from a model hub.  Tests, load tests and
+GPU benchmarks instead run against model directories produced here:
+
+* ``config.json`` with a real architecture (Qwen2 or Llama), copied field for
+  field from the reference configs of the real checkpoints for the big shapes;
+* ``generation_config.json``;
+* random weights (``model.safetensors``, or sharded ``model-0000i-of-0000n``
+  files plus ``model.safetensors.index.json`` when the total exceeds 2 GB),
+  named exactly as in transformers' ``Qwen2ForCausalLM`` / ``LlamaForCausalLM``
+  state dicts -- or no weights at all, in which case the directory is meant to be
+  served by vLLM with ``--load-format dummy``;
+* an offline byte-level BPE tokenizer trained with the ``tokenizers`` library on
+  the Python standard library's own source files (``tokenizer.json``,
+  ``tokenizer_config.json`` with a chat template, ``special_tokens_map.json``).
+
+Everything is deterministic for a given ``(shape, seed, dtype)`` on a given
+Python installation: the tokenizer's training text is the stdlib source of the
+running interpreter, read in sorted order, so two machines with different
+Python versions may get different (but equally valid) tokenizers.
+
+Only ``torch``, ``safetensors`` and ``tokenizers`` are imported, lazily;
+``transformers`` and ``vllm`` are not needed to *make* a model.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+import sysconfig
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "SHAPES",
+    "DTYPE_BYTES",
+    "WEIGHTS_DEFAULT_LIMIT_BYTES",
+    "SHARD_LIMIT_BYTES",
+    "make_model",
+    "param_count",
+    "weight_bytes",
+    "tensor_shapes",
+]
+
+#: Weights larger than this (in bytes, at the requested dtype) are not written
+#: unless ``weights=True`` is passed explicitly; such shapes are meant for
+#: ``--load-format dummy``.  Also the limit above which weights are sharded.
+WEIGHTS_DEFAULT_LIMIT_BYTES = 2 * 1000**3
+#: Maximum size of one safetensors shard, in bytes (2 GB, as in transformers'
+#: ``max_shard_size="2GB"``).
+SHARD_LIMIT_BYTES = 2 * 1000**3
+
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+_INIT_STD = 0.02  # normal(0, 0.02) like transformers' initializer_range
+
+# ---------------------------------------------------------------------------
+# Architecture shapes
+# ---------------------------------------------------------------------------
+
+
+def _qwen2(
+    *,
+    hidden: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    intermediate: int,
+    vocab: int,
+    tie: bool,
+    max_pos: int = 32768,
+    max_window_layers: int | None = None,
+) -> dict[str, Any]:
+    """A Qwen2 config with the same fields (and order) as the reference JSONs."""
+    return {
+        "architectures": ["Qwen2ForCausalLM"],
+        "attention_dropout": 0.0,
+        "bos_token_id": 151643,
+        "dtype": "bfloat16",
+        "eos_token_id": 151643,
+        "hidden_act": "silu",
+        "hidden_size": hidden,
+        "initializer_range": 0.02,
+        "intermediate_size": intermediate,
+        "layer_types": ["full_attention"] * layers,
+        "max_position_embeddings": max_pos,
+        "max_window_layers": layers if max_window_layers is None else max_window_layers,
+        "model_type": "qwen2",
+        "num_attention_heads": heads,
+        "num_hidden_layers": layers,
+        "num_key_value_heads": kv_heads,
+        "pad_token_id": None,
+        "rms_norm_eps": 1e-06,
+        "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"},
+        "sliding_window": None,
+        "tie_word_embeddings": tie,
+        "transformers_version": "5.17.0",
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vocab_size": vocab,
+    }
+
+
+#: Architecture configs by shape name.  Each value is a complete ``config.json``
+#: body (before the token ids are set from the generated tokenizer), plus two
+#: private keys consumed by :func:`make_model`: ``_family`` ("qwen2" or
+#: "llama": selects special tokens and chat template) and ``_tokenizer_vocab``
+#: (size of the trained BPE tokenizer, always <= ``vocab_size``; any rows past
+#: it are padding, as in the real checkpoints).
+#:
+#: ``qwen2-tiny`` is made to serve fast on 2 CPU cores under vLLM's CPU
+#: backend: head_dim = 128 / 4 = 32, the smallest head size vLLM's CPU
+#: attention supports (``CPUAttentionBackend.get_supported_head_sizes()`` is
+#: [32, 64, 80, ...]; block size must be a multiple of 32); vocab 4096 so the
+#: LM head and sampler stay cheap and BPE training takes about a second.
+SHAPES: dict[str, dict[str, Any]] = {
+    "qwen2-tiny": {
+        **_qwen2(
+            hidden=128,
+            layers=2,
+            heads=4,
+            kv_heads=2,
+            intermediate=256,
+            vocab=4096,
+            tie=True,
+            max_pos=4096,
+        ),
+        "_family": "qwen2",
+        "_tokenizer_vocab": 4096,
+    },
+    # Copied from /work/shared/gpu/shapes/qwen2.5-0.5b.json
+    "qwen2.5-0.5b": {
+        **_qwen2(
+            hidden=896,
+            layers=24,
+            heads=14,
+            kv_heads=2,
+            intermediate=4864,
+            vocab=151936,
+            tie=True,
+        ),
+        "_family": "qwen2",
+        "_tokenizer_vocab": 8192,
+    },
+    # Copied from /work/shared/gpu/shapes/qwen2.5-7b.json
+    "qwen2.5-7b": {
+        **_qwen2(
+            hidden=3584,
+            layers=28,
+            heads=28,
+            kv_heads=4,
+            intermediate=18944,
+            vocab=152064,
+            tie=False,
+        ),
+        "_family": "qwen2",
+        "_tokenizer_vocab": 8192,
+    },
+    # Copied from /work/shared/gpu/shapes/llama3-8b.json
+    "llama3-8b": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "vocab_size": 128256,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 500000.0,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
+        "dtype": "bfloat16",
+        "head_dim": 128,
+        "_family": "llama",
+        "_tokenizer_vocab": 8192,
+    },
+}
+
+
+def _shape(shape: str) -> dict[str, Any]:
+    if shape not in SHAPES:
+        raise ValueError(
+            f"unknown shape {shape!r}: shape must be one of {', '.join(sorted(SHAPES))}"
+        )
+    return SHAPES[shape]
+
+
+def _check_dtype(dtype: str) -> None:
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(
+            f"unsupported dtype {dtype!r}: dtype must be one of {', '.join(DTYPE_BYTES)}"
+        )
+
+
+def _rope_theta(cfg: dict[str, Any]) -> float:
+    if "rope_theta" in cfg:
+        return float(cfg["rope_theta"])
+    return float(cfg["rope_parameters"]["rope_theta"])
+
+
+def _head_dim(cfg: dict[str, Any]) -> int:
+    return int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+
+
+def tensor_shapes(shape: str) -> dict[str, tuple[int, ...]]:
+    """Parameter names and shapes of the shape's transformers state dict.
+
+    Names are exactly those of ``Qwen2ForCausalLM`` / ``LlamaForCausalLM``
+    (``model.embed_tokens.weight``, ``model.layers.{i}.self_attn.q_proj.weight``,
+    ...).  Qwen2 has biases on q/k/v; Llama has none.  ``lm_head.weight`` is
+    omitted for tied embeddings, as ``save_pretrained`` does.  Insertion order is
+    the module order.  Raises ``ValueError`` for an unknown shape.
+    """
+    cfg = _shape(shape)
+    h = cfg["hidden_size"]
+    inter = cfg["intermediate_size"]
+    v = cfg["vocab_size"]
+    hd = _head_dim(cfg)
+    q_out = cfg["num_attention_heads"] * hd
+    kv_out = cfg["num_key_value_heads"] * hd
+    qkv_bias = cfg["model_type"] == "qwen2" or bool(cfg.get("attention_bias"))
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        out[p + "self_attn.q_proj.weight"] = (q_out, h)
+        if qkv_bias:
+            out[p + "self_attn.q_proj.bias"] = (q_out,)
+        out[p + "self_attn.k_proj.weight"] = (kv_out, h)
+        if qkv_bias:
+            out[p + "self_attn.k_proj.bias"] = (kv_out,)
+        out[p + "self_attn.v_proj.weight"] = (kv_out, h)
+        if qkv_bias:
+            out[p + "self_attn.v_proj.bias"] = (kv_out,)
+        out[p + "self_attn.o_proj.weight"] = (h, q_out)
+        out[p + "mlp.gate_proj.weight"] = (inter, h)
+        out[p + "mlp.up_proj.weight"] = (inter, h)
+        out[p + "mlp.down_proj.weight"] = (h, inter)
+        out[p + "input_layernorm.weight"] = (h,)
+        out[p + "post_attention_layernorm.weight"] = (h,)
+    out["model.norm.weight"] = (h,)
+    if not cfg["tie_word_embeddings"]:
+        out["lm_head.weight"] = (v, h)
+    return out
+
+
+def param_count(shape: str) -> int:
+    """Number of stored parameters (tied embeddings counted once)."""
+    n = 0
+    for s in tensor_shapes(shape).values():
+        k = 1
+        for d in s:
+            k *= d
+        n += k
+    return n
+
+
+def weight_bytes(shape: str, dtype: str = "bfloat16") -> int:
+    """Size in bytes of the shape's weights at ``dtype`` (excluding file headers)."""
+    _check_dtype(dtype)
+    return param_count(shape) * DTYPE_BYTES[dtype]
+
+
+# ---------------------------------------------------------------------------
+# Tokenizer
+# ---------------------------------------------------------------------------
+
+_QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+_LLAMA_SPECIALS = [
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+]
+
+# ChatML as in Qwen2/Qwen2.5 (without Qwen's default system prompt).
+QWEN_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- endif %}"
+)
+
+# Llama-3-Instruct style (without the tool-calling / date preamble of 3.1).
+LLAMA3_CHAT_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- for message in messages %}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'"
+    " + message['content'] | trim + '<|eot_id|>' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+    "{%- endif %}"
+)
+
+# Pre-tokenizer split patterns of the real Qwen2 and Llama-3 tokenizers.
+_QWEN_PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+_LLAMA3_PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+#: Bytes of stdlib source used to train the BPE (deterministic prefix of the
+#: sorted file list).  ~3 MB trains an 8k vocab in about a second on 2 cores.
+_TRAIN_BYTES = 3_000_000
+
+
+def _training_files() -> list[Path]:
+    """Stdlib ``*.py`` files of the running interpreter, in sorted order.
+
+    Only the top level of the stdlib plus a few pure-Python packages are used,
+    so the result does not depend on what is installed in site-packages.
+    """
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    if not stdlib.is_dir():  # pragma: no cover - exotic embedded interpreters
+        import inspect
+
+        stdlib = Path(inspect.getfile(os)).parent
+    files = sorted(p for p in stdlib.glob("*.py") if p.is_file())
+    for pkg in ("email", "json", "http", "asyncio", "unittest", "logging", "xml"):
+        d = stdlib / pkg
+        if d.is_dir():
+            files.extend(sorted(p for p in d.rglob("*.py") if p.is_file()))
+    if not files:
+        raise RuntimeError(f"no Python source files found under stdlib path {stdlib}")
+    return files
+
+
+def _training_text(limit: int = _TRAIN_BYTES) -> list[str]:
+    chunks: list[str] = []
+    total = 0
+    for p in _training_files():
+        try:
+            text = p.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        # Split into paragraphs so the trainer sees many moderate sequences.
+        for para in text.split("\n\n"):
+            if para.strip():
+                chunks.append(para + "\n\n")
+                total += len(para) + 2
+        if total >= limit:
+            break
+    # Some natural-language-ish text so prompts in English tokenize sensibly.
+    chunks.append(
+        "The quick brown fox jumps over the lazy dog. Hello, world! "
+        "You are a helpful assistant. What is the capital of France? "
+    )
+    return chunks
+
+
+def _build_tokenizer(family: str, vocab_size: int):
+    """Train a byte-level BPE of exactly ``vocab_size`` tokens (specials included)."""
+    from tokenizers import (
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
+
+    specials = _QWEN_SPECIALS if family == "qwen2" else _LLAMA_SPECIALS
+    tok = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
+    # Same normalizer / pre-tokenizer as the real tokenizers: transformers 5
+    # rebuilds a Qwen2Tokenizer's pipeline from these (NFC + Qwen regex) whatever
+    # tokenizer.json says, so anything else would tokenize differently under
+    # AutoTokenizer than under tokenizers.Tokenizer.from_file.
+    if family == "qwen2":
+        tok.normalizer = normalizers.NFC()
+        regex = _QWEN_PRETOKENIZE_REGEX
+    else:
+        regex = _LLAMA3_PRETOKENIZE_REGEX
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        show_progress=False,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(_training_text(), trainer=trainer)
+    got = tok.get_vocab_size(with_added_tokens=True)
+    if got != vocab_size:
+        raise RuntimeError(
+            f"trained tokenizer has {got} tokens, wanted vocab_size={vocab_size} "
+            "(training text too small?)"
+        )
+    if family == "llama":
+        bos = "<|begin_of_text|>"
+        bos_id = tok.token_to_id(bos)
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos}:0 $A:0",
+            pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
+            special_tokens=[(bos, bos_id)],
+        )
+    else:
+        tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    return tok
+
+
+def _write_tokenizer(out: Path, family: str, vocab_size: int, model_max_length: int) -> dict[str, int]:
+    """Write tokenizer files; return the special token ids by name."""
+    tok = _build_tokenizer(family, vocab_size)
+    tok.save(str(out / "tokenizer.json"))
+    if family == "qwen2":
+        specials = _QWEN_SPECIALS
+        bos, eos, pad = "<|endoftext|>", "<|endoftext|>", "<|endoftext|>"
+        template = QWEN_CHAT_TEMPLATE
+        add_bos = False
+    else:
+        specials = _LLAMA_SPECIALS
+        bos, eos, pad = "<|begin_of_text|>", "<|end_of_text|>", "<|end_of_text|>"
+        template = LLAMA3_CHAT_TEMPLATE
+        add_bos = True
+    ids = {s: tok.token_to_id(s) for s in specials}
+    added = {
+        str(ids[s]): {
+            "content": s,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
+        for s in specials
+    }
+    tok_cfg = {
+        "add_bos_token": add_bos,
+        "add_eos_token": False,
+        "added_tokens_decoder": added,
+        "additional_special_tokens": [s for s in specials if s not in (bos, eos, pad)],
+        "bos_token": bos,
+        "chat_template": template,
+        "clean_up_tokenization_spaces": False,
+        "eos_token": eos,
+        "errors": "replace",
+        "model_input_names": ["input_ids", "attention_mask"],
+        "model_max_length": model_max_length,
+        "pad_token": pad,
+        "split_special_tokens": False,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "unk_token": None,
+    }
+    _dump(out / "tokenizer_config.json", tok_cfg)
+    _dump(
+        out / "special_tokens_map.json",
+        {
+            "additional_special_tokens": tok_cfg["additional_special_tokens"],
+            "bos_token": bos,
+            "eos_token": eos,
+            "pad_token": pad,
+        },
+    )
+    return {"bos": ids[bos], "eos": ids[eos], "pad": ids[pad], **ids}
+
+
+# ---------------------------------------------------------------------------
+# Weights
+# ---------------------------------------------------------------------------
+
+
+def _init_tensor(name: str, shp: tuple[int, ...], gen, torch_dtype):
+    import torch
+
+    if name.endswith("norm.weight"):
+        return torch.ones(shp, dtype=torch_dtype)
+    if name.endswith(".bias"):
+        return torch.zeros(shp, dtype=torch_dtype)
+    t = torch.empty(shp, dtype=torch.float32)
+    t.normal_(mean=0.0, std=_INIT_STD, generator=gen)
+    return t.to(torch_dtype)
+
+
+def _write_weights(out: Path, shape: str, seed: int, dtype: str) -> list[str]:
+    """Write random weights; return the file names written.
+
+    Tensors are drawn in state-dict order from one ``torch.Generator`` seeded
+    with ``seed`` (float32 normal(0, 0.02), then cast), so a tensor's values do
+    not depend on ``dtype`` beyond rounding.  At most one shard is held in memory.
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    torch_dtype = getattr(torch, dtype)
+    elem = DTYPE_BYTES[dtype]
+    shapes = tensor_shapes(shape)
+    total = weight_bytes(shape, dtype)
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(seed)
+    meta = {"format": "pt"}
+
+    if total <= SHARD_LIMIT_BYTES:
+        sd = {n: _init_tensor(n, s, gen, torch_dtype).contiguous() for n, s in shapes.items()}
+        save_file(sd, str(out / "model.safetensors"), metadata=meta)
+        return ["model.safetensors"]
+
+    # Plan shards greedily by size, like transformers' max_shard_size="2GB".
+    groups: list[list[str]] = [[]]
+    cur = 0
+    for n, s in shapes.items():
+        nbytes = elem
+        for d in s:
+            nbytes *= d
+        if groups[-1] and cur + nbytes > SHARD_LIMIT_BYTES:
+            groups.append([])
+            cur = 0
+        groups[-1].append(n)
+        cur += nbytes
+    nshards = len(groups)
+    weight_map: dict[str, str] = {}
+    files = []
+    for i, names in enumerate(groups, start=1):
+        fname = f"model-{i:05d}-of-{nshards:05d}.safetensors"
+        sd = {n: _init_tensor(n, shapes[n], gen, torch_dtype).contiguous() for n in names}
+        save_file(sd, str(out / fname), metadata=meta)
+        del sd
+        for n in names:
+            weight_map[n] = fname
+        files.append(fname)
+    _dump(
+        out / "model.safetensors.index.json",
+        {"metadata": {"total_size": total}, "weight_map": weight_map},
+    )
+    files.append("model.safetensors.index.json")
+    return files
+
+
+# ---------------------------------------------------------------------------
+# Public entry point
+# ---------------------------------------------------------------------------
+
+_OWN_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "model.safetensors",
+    "model.safetensors.index.json",
+)
+
+
+def _dump(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def make_model(
+    out_dir: Path | str,
+    shape: str,
+    seed: int = 0,
+    dtype: str = "bfloat16",
+    weights: bool | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write a Hugging Face model directory for ``shape`` and return its path.
+
+    Args:
+        out_dir: directory to create.  It may exist only if empty, unless
+            ``overwrite`` is true; then the files this function writes (and any
+            ``model*.safetensors`` shards) are replaced, other files are left.
+        shape: a key of :data:`SHAPES` (``qwen2-tiny``, ``qwen2.5-0.5b``,
+            ``qwen2.5-7b``, ``llama3-8b``).
+        seed: seed of the ``torch.Generator`` drawing the weights (normal,
+            mean 0, std 0.02; RMSNorm weights 1, biases 0).  The tokenizer does
+            not depend on it.
+        dtype: ``"bfloat16"``, ``"float16"`` or ``"float32"``: the stored weight
+            dtype and ``config.json``'s ``dtype``/``torch_dtype``.
+        weights: write weight files.  ``None`` (default) means: yes when the
+            weights are at most 2 GB at ``dtype`` (``qwen2-tiny`` ~1.3 MB,
+            ``qwen2.5-0.5b`` ~1 GB in bf16), otherwise no, with a note on
+            stderr (``qwen2.5-7b`` ~15 GB, ``llama3-8b`` ~16 GB).  A directory
+            without weights is meant for vLLM's ``--load-format dummy``.
+            Weights over 2 GB are written as 2 GB shards plus
+            ``model.safetensors.index.json``.
+        overwrite: allow a non-empty ``out_dir``.
+
+    Returns:
+        ``out_dir`` as a :class:`~pathlib.Path`.
+
+    Raises:
+        ValueError: unknown ``shape``, unsupported ``dtype``, ``out_dir`` that is
+            a file, or an existing non-empty ``out_dir`` without ``overwrite``.
+
+    The tokenizer is a byte-level BPE trained (about a second) on the Python
+    standard library sources.  Its size is ``vocab_size`` for ``qwen2-tiny`` and
+    8192 for the big shapes, where ``config.json``'s ``vocab_size`` stays that of
+    the real model (the extra embedding rows are padding, which is legal).
+    Because the token ids differ from the real tokenizers, ``bos_token_id`` /
+    ``eos_token_id`` in ``config.json`` are set to this tokenizer's ids; every
+    other field equals the reference config.
+    """
+    cfg0 = _shape(shape)
+    _check_dtype(dtype)
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"out_dir {str(out)!r} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()):
+        if not overwrite:
+            raise ValueError(
+                f"out_dir {str(out)!r} exists and is not empty (pass overwrite=True to replace)"
+            )
+        for p in out.iterdir():
+            if p.is_file() and (
+                p.name in _OWN_FILES or (p.name.startswith("model-") and p.name.endswith(".safetensors"))
+            ):
+                p.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+
+    wbytes = weight_bytes(shape, dtype)
+    if weights is None:
+        weights = wbytes <= WEIGHTS_DEFAULT_LIMIT_BYTES
+        if not weights:
+            print(
+                f"note: {shape} weights would be {wbytes / 1e9:.1f} GB at {dtype}; "
+                f"not writing them (serve {out} with vLLM --load-format dummy, "
+                "or pass weights=True to write them)",
+                file=sys.stderr,
+            )
+
+    family = cfg0["_family"]
+    tok_vocab = cfg0["_tokenizer_vocab"]
+    assert tok_vocab <= cfg0["vocab_size"]
+    ids = _write_tokenizer(out, family, tok_vocab, int(cfg0["max_position_embeddings"]))
+
+    cfg = {k: copy.deepcopy(v) for k, v in cfg0.items() if not k.startswith("_")}
+    cfg["bos_token_id"] = ids["bos"]
+    cfg["eos_token_id"] = ids["eos"]
+    cfg["dtype"] = dtype
+    # transformers < 5 and older vLLM read these spellings instead.
+    cfg["torch_dtype"] = dtype
+    cfg.setdefault("rope_theta", _rope_theta(cfg))
+    _dump(out / "config.json", cfg)
+
+    if family == "qwen2":
+        gen_eos: int | list[int] = [ids["<|endoftext|>"], ids["<|im_end|>"]]
+    else:
+        gen_eos = [ids["<|end_of_text|>"], ids["<|eot_id|>"]]
+    _dump(
+        out / "generation_config.json",
+        {
+            "bos_token_id": ids["bos"],
+            "eos_token_id": gen_eos,
+            "pad_token_id": ids["pad"],
+            "transformers_version": cfg.get("transformers_version", "5.17.0"),
+        },
+    )
+
+    if weights:
+        _write_weights(out, shape, seed, dtype)
+    return out

@@ -1,0 +1,90 @@
+"""Engine-step classification: prefill, decode, mixed or idle, with token counts.
+
+The input is a plain description of the step (built from vLLM's ``SchedulerOutput`` by
+:mod:`vllm_powersave.vllm_compat`), so this logic is testable without vLLM and identical on every
+TP/PP rank: all ranks receive the same scheduler output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ReqSched:
+    """One request's part of a step.
+
+    ``scheduled``: tokens scheduled this step; ``spec``: speculative (draft) tokens among them;
+    ``context_phase``: the request has produced no output yet (its prompt is being processed);
+    ``computed``: tokens already in its KV cache before this step.
+    """
+
+    scheduled: int
+    spec: int = 0
+    context_phase: bool = False
+    computed: int = 0
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """Composition of one engine step.
+
+    ``prefill_tokens``: prompt (or recomputed) tokens; ``decode_tokens``: generated-token positions
+    (1 + spec per decoding request); ``lm_head_rows``: rows that reach the LM head (one per request
+    plus its spec tokens); ``decode_ctx_tokens``: KV-cache tokens read by decoding requests.
+    """
+
+    phase: str
+    num_reqs: int
+    prefill_reqs: int
+    decode_reqs: int
+    prefill_tokens: int
+    decode_tokens: int
+    spec_tokens: int
+    lm_head_rows: int
+    decode_ctx_tokens: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prefill_tokens + self.decode_tokens
+
+
+IDLE = StepInfo("idle", 0, 0, 0, 0, 0, 0, 0, 0)
+
+
+def classify(reqs: list[ReqSched]) -> StepInfo:
+    """Classify a step from its requests.
+
+    A request in its context phase counts all its scheduled tokens as prefill (chunked-prefill
+    continuations included). A decoding request counts ``1 + spec`` decode tokens; anything beyond
+    that (a preempted request recomputing its prompt and outputs) counts as prefill, which vLLM's own
+    ``compute_iteration_details`` would call generation.
+    """
+    if not reqs:
+        return IDLE
+    pre_r = dec_r = pre_t = dec_t = spec_t = rows = ctx = 0
+    for r in reqs:
+        if r.scheduled <= 0:
+            continue
+        rows += 1 + r.spec
+        spec_t += r.spec
+        if r.context_phase:
+            pre_r += 1
+            pre_t += r.scheduled
+            continue
+        d = min(r.scheduled, 1 + r.spec)
+        extra = r.scheduled - d
+        dec_r += 1
+        dec_t += d
+        ctx += r.computed
+        if extra > 0:
+            pre_t += extra
+    if pre_r + dec_r == 0:
+        return IDLE
+    if dec_r == 0:
+        phase = "prefill"
+    elif pre_r == 0 and pre_t == 0:
+        phase = "decode"
+    else:
+        phase = "mixed"
+    return StepInfo(phase, pre_r + dec_r, pre_r, dec_r, pre_t, dec_t, spec_t, rows, ctx)

@@ -1,0 +1,230 @@
+"""Per-worker runtime: meter, phase accounting, clock controller, chunk policy and stats publishing.
+
+One :class:`WorkerRuntime` per worker process (one GPU), created lazily on the first real engine
+step, so that NVML is never touched by ``register()`` and CUDA is already set up by vLLM.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from . import vllm_compat
+from .chunking.policy import ChunkPolicy, apply_chunked
+from .clocks import ClockController, DryRunClockBackend, NvmlClockBackend, SimulatedClockBackend
+from .clocks.backends import ClockBackend
+from .energy import NvmlEnergyMeter, PhaseEnergyAccount, SimulatedEnergyMeter
+from .energy.meters import EnergyMeter, nvml_handle_for_torch_device
+from .phases import classify
+from .settings import PowersaveSettings, settings_from_env
+from .sim.gpu import SPECS, ModelCost, SimulatedGpu
+
+log = logging.getLogger("vllm_powersave")
+
+#: Set on machines whose GPU settings must never change (the shared H200): any clock backend
+#: becomes dry-run, whatever the settings say.
+ENV_FORCE_DRY_RUN = "VLLM_POWERSAVE_FORCE_DRY_RUN"
+
+_POLICY: ChunkPolicy | None = None
+_RUNTIME: "WorkerRuntime | None" = None
+_RT_LOCK = threading.Lock()
+
+
+def chunk_policy() -> ChunkPolicy:
+    global _POLICY
+    if _POLICY is None:
+        _POLICY = ChunkPolicy(settings_from_env().chunking)
+    return _POLICY
+
+
+def chunked_head(head: Any, hidden_states: Any) -> Any:
+    """LM-head hook: chunk count from the policy, keyed on rows reaching the head."""
+    policy = chunk_policy()
+    rows = int(hidden_states.shape[0]) if hidden_states.dim() >= 2 else 1
+    n = policy.chunks(rows)
+    policy.record(n, rows)
+    return apply_chunked(head, hidden_states, n)
+
+
+def _init_nvml() -> Any | None:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return pynvml
+    except Exception as exc:
+        log.warning("powersave: NVML unavailable (%s)", exc)
+        return None
+
+
+class WorkerRuntime:
+    """Everything the plugin runs inside one worker process."""
+
+    def __init__(self, runner: Any, settings: PowersaveSettings) -> None:
+        self.settings = settings
+        ident = vllm_compat.runner_identity(runner)
+        self.rank = int(ident["rank"])
+        on_gpu = ident["device_type"] == "cuda"
+        self.sim: SimulatedGpu | None = None
+        self.model_cost: ModelCost | None = None
+        nvml, handle, gpu_id = None, None, f"sim{self.rank}"
+        if on_gpu and settings.energy.meter in ("auto", "nvml") or settings.clocks.backend == "nvml":
+            nvml = _init_nvml() if on_gpu else None
+            if nvml is not None:
+                try:
+                    handle, gpu_id = nvml_handle_for_torch_device(nvml, ident["device_index"] or 0)
+                except Exception as exc:
+                    log.warning("powersave: cannot map CUDA device to NVML (%s)", exc)
+                    nvml = None
+        self.gpu_id = gpu_id
+        meter_kind = settings.energy.meter
+        if meter_kind == "auto":
+            meter_kind = "nvml" if handle is not None else "simulated"
+        if meter_kind == "nvml" and handle is None:
+            log.warning("powersave: energy.meter 'nvml' requested but no NVML device; using the simulated meter")
+            meter_kind = "simulated"
+        needs_sim = meter_kind == "simulated" or settings.clocks.backend == "simulated"
+        if needs_sim:
+            self.sim = SimulatedGpu(SPECS[settings.energy.simulated_gpu])
+            cost = vllm_compat.runner_model_cost(runner)
+            self.model_cost = ModelCost(cost["n_params"], cost["kv_bytes_per_token"], cost["weight_bytes"])
+            self.vocab_params = cost["vocab_params"]
+        self.meter: EnergyMeter | None
+        if meter_kind == "nvml":
+            self.meter = NvmlEnergyMeter(nvml, handle, gpu_id)
+        elif meter_kind == "simulated":
+            assert self.sim is not None
+            self.meter = SimulatedEnergyMeter(self.sim, gpu_id)
+        else:
+            self.meter = None
+        self.clocks = ClockController(self._backend(settings, nvml, handle), settings.clocks, gpu_id=gpu_id, asynchronous=settings.clocks.backend == "nvml")
+        self.account = PhaseEnergyAccount(self.meter, settings.energy.idle_after_s) if self.meter else None
+        self.stats_path = Path(settings.stats_dir) / f"rank{self.rank}.json" if settings.stats_dir else None
+        self._stop = threading.Event()
+        self._last_step_s = time.monotonic()
+        self._thread = threading.Thread(target=self._publisher, name="powersave-stats", daemon=True)
+        self._thread.start()
+        atexit.register(self.close)
+        log.info(
+            "powersave: active on rank %d (gpu %s): energy %s, clocks %s%s, chunk table %s",
+            self.rank, gpu_id, self.meter.source if self.meter else "off", self.clocks.backend.kind,
+            " (simulated)" if self.clocks.backend.kind == "simulated" else "",
+            [(r.min_rows, r.chunks) for r in settings.chunking.table] or "none",
+        )
+
+    def _backend(self, settings: PowersaveSettings, nvml: Any, handle: Any) -> ClockBackend:
+        kind = settings.clocks.backend
+        if os.environ.get(ENV_FORCE_DRY_RUN, "") not in ("", "0") and kind != "dry-run":
+            log.warning("powersave: %s=1: clock backend %r forced to dry-run", ENV_FORCE_DRY_RUN, kind)
+            kind = "dry-run"
+        if kind == "nvml":
+            if handle is None:
+                log.warning("powersave: clocks.backend 'nvml' but no NVML device; using dry-run")
+                return DryRunClockBackend()
+            return NvmlClockBackend(nvml, handle)
+        if kind == "simulated":
+            assert self.sim is not None
+            return SimulatedClockBackend(self.sim)
+        supported = None
+        if handle is not None:
+            try:
+                supported = NvmlClockBackend(nvml, handle).supported_sm_clocks()  # read-only query
+            except Exception:
+                supported = None
+        elif self.sim is not None:
+            supported = self.sim.spec.sm_clocks_mhz
+        return DryRunClockBackend(supported)
+
+    # -- per step ----------------------------------------------------------------------------
+    def on_step_start(self, scheduler_output: Any) -> None:
+        info = classify(vllm_compat.step_requests(scheduler_output))
+        if info.phase == "idle":
+            return
+        self._last_step_s = time.monotonic()
+        self.clocks.on_phase(info.phase)
+        if self.account is not None:
+            self.account.on_step(info.phase, info.prefill_tokens, info.decode_tokens)
+        if self.sim is not None and self.model_cost is not None:
+            self.sim.run(self.model_cost.step_work(info.num_tokens, info.lm_head_rows, info.decode_ctx_tokens, self.vocab_params))
+
+    def on_step_end(self) -> None:
+        if self.account is not None:
+            self.account.on_step_end()
+
+    # -- publishing --------------------------------------------------------------------------
+    def snapshot(self) -> dict[str, Any]:
+        policy = chunk_policy()
+        acc = self.account
+        return {
+            "pid": os.getpid(),
+            "rank": self.rank,
+            "gpu": self.gpu_id,
+            "t": time.time(),
+            "source": self.meter.source if self.meter else "none",
+            "clock_backend": self.clocks.backend.kind,
+            "energy_j": dict(acc.energy_j) if acc else {},
+            "time_s": dict(acc.time_s) if acc else {},
+            "steps": dict(acc.steps) if acc else {},
+            "tokens": dict(acc.tokens) if acc else {},
+            "power_w": self.meter.power_w() if self.meter else None,
+            "sm_clock_mhz": self.meter.sm_clock_mhz() if self.meter else None,
+            "target_sm_clock_mhz": self.clocks.target_sm_clock_mhz,
+            "clock_changes": len(self.clocks.decisions),
+            "clock_disabled": self.clocks.disabled_reason,
+            "lm_head_calls": {str(k): v for k, v in sorted(policy.calls.items())},
+            "lm_head_rows": policy.rows_total,
+        }
+
+    def publish(self) -> None:
+        if self.stats_path is None:
+            return
+        self.stats_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.stats_path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(self.snapshot()))
+        tmp.replace(self.stats_path)  # atomic: the API server never reads half a file
+
+    def _publisher(self) -> None:
+        period = min(0.5, self.settings.energy.idle_after_s / 2)
+        while not self._stop.wait(period):
+            try:
+                if self.account is not None:
+                    self.account.tick()
+                if time.monotonic() - self._last_step_s >= self.settings.energy.idle_after_s:
+                    self.clocks.on_phase("idle")
+                self.publish()
+            except Exception as exc:
+                log.debug("powersave: publish failed: %s", exc)
+
+    def close(self) -> None:
+        self._stop.set()
+        self.clocks.close()
+        try:
+            if self.account is not None:
+                self.account.tick()
+            self.publish()
+        except Exception:
+            pass
+
+
+def _runtime_for(runner: Any) -> WorkerRuntime:
+    global _RUNTIME
+    if _RUNTIME is None:
+        with _RT_LOCK:
+            if _RUNTIME is None:
+                _RUNTIME = WorkerRuntime(runner, settings_from_env())
+    return _RUNTIME
+
+
+def on_step_start(runner: Any, scheduler_output: Any) -> None:
+    _runtime_for(runner).on_step_start(scheduler_output)
+
+
+def on_step_end(runner: Any) -> None:
+    if _RUNTIME is not None:
+        _RUNTIME.on_step_end()

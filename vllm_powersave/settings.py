@@ -1,0 +1,186 @@
+"""Plugin settings: one pydantic model, loaded from ``--additional-config`` or a YAML/JSON file.
+
+Sources, later ones overriding earlier ones key by key:
+
+1. a file named by the environment variable ``VLLM_POWERSAVE_CONFIG`` (YAML or JSON);
+2. a file named by ``config_file`` inside ``--additional-config '{"powersave": {...}}'``;
+3. the inline ``powersave`` dict of ``--additional-config``.
+
+Every validation failure becomes one :class:`SettingsError` whose message is a single line that
+names the field and the offending value, so that ``vllm serve`` stops before any engine process is
+started.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+PHASES: tuple[str, ...] = ("prefill", "decode", "mixed", "idle")
+Phase = Literal["prefill", "decode", "mixed", "idle"]
+
+ENV_CONFIG_FILE = "VLLM_POWERSAVE_CONFIG"
+#: JSON of the validated settings, exported by the API-server process so that EngineCore and
+#: worker processes (fork or spawn) see exactly what was validated there.
+ENV_SETTINGS_JSON = "VLLM_POWERSAVE_SETTINGS"
+
+
+class SettingsError(ValueError):
+    """An invalid powersave setting; ``str(err)`` is one line naming field and value."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ChunkRule(_Strict):
+    """Use ``chunks`` LM-head chunks when at least ``min_rows`` rows reach the LM head."""
+
+    min_rows: int = Field(ge=1)
+    chunks: int = Field(ge=1, le=1024)
+
+
+class ChunkingSettings(_Strict):
+    """LM-head chunking policy keyed on the number of rows reaching the LM head.
+
+    The default table is empty: no chunking, because on the GPUs we measured (H200) token-dimension
+    chunking gives no time or energy gain (``docs/results``); a tuned preset file fills it in.
+    """
+
+    enabled: bool = True
+    table: tuple[ChunkRule, ...] = ()
+
+    @field_validator("table")
+    @classmethod
+    def _sorted_unique(cls, table: tuple[ChunkRule, ...]) -> tuple[ChunkRule, ...]:
+        seen = [r.min_rows for r in table]
+        if len(set(seen)) != len(seen):
+            raise ValueError(f"duplicate min_rows in {seen}")
+        return tuple(sorted(table, key=lambda r: r.min_rows))
+
+
+class ClockPreset(_Strict):
+    """Clocks for one phase; ``None`` means "leave the driver's default" (no lock)."""
+
+    sm_clock_mhz: int | None = Field(default=None, ge=100, le=5000)
+    mem_clock_mhz: int | None = Field(default=None, ge=100, le=20000)
+
+
+class ClockSettings(_Strict):
+    """Per-phase SM clock presets and how they are applied.
+
+    ``backend``: ``dry-run`` (default) records decisions and never calls a setter; ``nvml`` locks
+    clocks with ``nvmlDeviceSetGpuLockedClocks`` (needs root or CAP_SYS_ADMIN, falls back to
+    dry-run with one warning); ``simulated`` drives the simulated GPU (machines without a GPU).
+    """
+
+    backend: Literal["dry-run", "nvml", "simulated"] = "dry-run"
+    presets: dict[Phase, ClockPreset] = Field(default_factory=dict)
+    #: Minimum time a clock stays applied before another change (hysteresis), in ms.
+    min_dwell_ms: float = Field(default=500.0, ge=0.0, le=600_000.0)
+    #: Directory of lease files (one per locked GPU) used to undo locks after a crash.
+    lease_dir: str = "/tmp/vllm-powersave/leases"
+
+
+class EnergySettings(_Strict):
+    """Energy meter: ``auto`` = NVML where a GPU is present, else the simulated GPU."""
+
+    meter: Literal["auto", "nvml", "simulated", "off"] = "auto"
+    #: GPU model the simulated meter and clock backend stand for.
+    simulated_gpu: Literal["h200"] = "h200"
+    #: Seconds without an engine step after which time is booked as idle.
+    idle_after_s: float = Field(default=0.25, gt=0.0, le=60.0)
+
+
+class PowersaveSettings(_Strict):
+    """All plugin settings (``--additional-config '{"powersave": {...}}'``)."""
+
+    chunking: ChunkingSettings = Field(default_factory=ChunkingSettings)
+    clocks: ClockSettings = Field(default_factory=ClockSettings)
+    energy: EnergySettings = Field(default_factory=EnergySettings)
+    #: Optional YAML/JSON file with further settings (inline keys win).
+    config_file: str | None = None
+    #: Directory where worker processes publish their figures for the API server's /metrics.
+    stats_dir: str | None = None
+
+    @model_validator(mode="after")
+    def _simulated_needs_sim_meter(self) -> "PowersaveSettings":
+        if self.clocks.backend == "simulated" and self.energy.meter == "nvml":
+            raise ValueError("clocks.backend 'simulated' cannot be combined with energy.meter 'nvml'")
+        return self
+
+
+def _one_line(err: ValidationError) -> str:
+    first = err.errors()[0]
+    loc = ".".join(str(p) for p in first["loc"]) or "<root>"
+    value = first.get("input")
+    more = f" (+{err.error_count() - 1} more)" if err.error_count() > 1 else ""
+    return f"powersave setting '{loc}' = {value!r}: {first['msg']}{more}"
+
+
+def _read_file(path: str, field: str) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise SettingsError(f"powersave setting '{field}' = {path!r}: file not found")
+    text = p.read_text()
+    try:
+        if p.suffix.lower() in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text)
+        else:
+            data = json.loads(text)
+    except Exception as exc:  # parse errors differ per format; keep the first line only
+        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise SettingsError(f"powersave setting '{field}' = {path!r}: cannot parse: {msg}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise SettingsError(f"powersave setting '{field}' = {path!r}: top level must be a mapping")
+    # A file may hold the settings bare or under a "powersave" key (same shape as additional-config).
+    return data.get("powersave", data) if isinstance(data.get("powersave"), dict) else data
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def load_settings(inline: dict[str, Any] | None = None, env: dict[str, str] | None = None) -> PowersaveSettings:
+    """Validate settings from the inline dict, ``config_file`` and ``$VLLM_POWERSAVE_CONFIG``.
+
+    Raises:
+        SettingsError: one line naming the first invalid field and its value.
+    """
+    env = os.environ if env is None else env
+    if inline is not None and not isinstance(inline, dict):
+        raise SettingsError(f"powersave setting 'powersave' = {inline!r}: must be a mapping")
+    data: dict[str, Any] = {}
+    if env.get(ENV_CONFIG_FILE):
+        data = _merge(data, _read_file(env[ENV_CONFIG_FILE], ENV_CONFIG_FILE))
+    inline = dict(inline or {})
+    if inline.get("config_file"):
+        data = _merge(data, _read_file(str(inline["config_file"]), "config_file"))
+    data = _merge(data, inline)
+    try:
+        return PowersaveSettings.model_validate(data)
+    except ValidationError as err:
+        raise SettingsError(_one_line(err)) from None
+
+
+def settings_from_env(env: dict[str, str] | None = None) -> PowersaveSettings:
+    """Settings exported by the API-server process, or defaults plus ``$VLLM_POWERSAVE_CONFIG``."""
+    env = os.environ if env is None else env
+    raw = env.get(ENV_SETTINGS_JSON)
+    if raw:
+        try:
+            return PowersaveSettings.model_validate_json(raw)
+        except ValidationError as err:
+            raise SettingsError(_one_line(err)) from None
+    return load_settings(None, env)

@@ -1,0 +1,198 @@
+"""A simulated GPU: step time and power as functions of the work and the SM clock.
+
+Everything this module returns is **simulated** and must be labelled so wherever it is shown.
+
+Model (roofline plus a DVFS power model), per engine step:
+
+* time ``t = max(t_compute, t_memory) + t_fixed`` where ``t_compute = FLOPs / (peak * f / f_max)``
+  (compute-bound kernels scale with the SM clock) and ``t_memory = bytes / bandwidth`` (HBM-bound
+  kernels do not scale with the SM clock while the SM clock stays above ``mem_bound_min_mhz``);
+* power ``P = P_busy_static + P_mem * u_mem + P_sm(f) * a`` with ``P_sm(f) ∝ f V(f)^2`` and ``V``
+  linear in ``f`` between ``v_min`` and 1; the SM activity ``a`` is 1 for compute-bound and
+  ``mem_bound_sm_activity`` for memory-bound work (stalled SMs still burn clock power, which is the
+  waste a lower decode clock removes);
+* a power cap: if ``P`` exceeds it the clock drops until it fits (the H200's SW power cap).
+
+Calibration (H200, ``shared/notes/h200-facts.md``, measured on the test GPU): engine-loaded idle
+122 W at 1980 MHz; bf16 GEMM 661 TFLOP/s at a capped ~1450 MHz and 689 W; device copy 4.28 TB/s
+at 674 W and ~1940 MHz. The constants below reproduce those three points within ~5 %.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """Constants of a simulated GPU. Units: MHz, W, FLOP/s, B/s, s."""
+
+    name: str
+    sm_clocks_mhz: tuple[int, ...]
+    f_max_mhz: int
+    peak_flops: float  # dense bf16 at f_max, achievable
+    mem_bw: float  # achievable HBM bandwidth
+    power_cap_w: float
+    p_idle_w: float  # engine loaded (CUDA context), no work
+    p_busy_static_w: float
+    p_mem_w: float  # HBM power at full bandwidth use
+    p_sm_max_w: float  # SM dynamic power at f_max, full activity (uncapped)
+    v_min: float  # relative voltage at the lowest clock
+    mem_bound_sm_activity: float
+    mem_bound_min_mhz: int  # below this even memory-bound kernels slow down
+    t_fixed_s: float  # per-step launch/sync overhead on the GPU side
+
+
+def _h200_clocks() -> tuple[int, ...]:
+    # 110 values 345..1980 MHz in ~15 MHz steps on the test GPU (nvmlDeviceGetSupportedGraphicsClocks).
+    step = (1980 - 345) / 109
+    return tuple(sorted({int(round(345 + i * step)) for i in range(110)}))
+
+
+H200 = GpuSpec(
+    name="NVIDIA H200 (simulated)",
+    sm_clocks_mhz=_h200_clocks(),
+    f_max_mhz=1980,
+    peak_flops=900e12,  # uncapped at 1980 MHz; the cap brings GEMMs to ~660 TFLOP/s like the measurement
+    mem_bw=4.28e12,
+    power_cap_w=700.0,
+    p_idle_w=122.0,
+    p_busy_static_w=120.0,
+    p_mem_w=200.0,
+    p_sm_max_w=875.0,
+    v_min=0.70,
+    mem_bound_sm_activity=0.43,
+    mem_bound_min_mhz=900,
+    t_fixed_s=150e-6,
+)
+
+SPECS: dict[str, GpuSpec] = {"h200": H200}
+
+
+@dataclass(frozen=True)
+class StepWork:
+    """Work of one engine step, in FLOPs and bytes moved to/from HBM."""
+
+    flops: float
+    bytes: float
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """Simulated outcome of one step: seconds, joules, watts and the effective SM clock (MHz)."""
+
+    time_s: float
+    energy_j: float
+    power_w: float
+    sm_clock_mhz: int
+    power_capped: bool
+
+
+def _voltage(spec: GpuSpec, f: float) -> float:
+    f_min = spec.sm_clocks_mhz[0]
+    return spec.v_min + (1.0 - spec.v_min) * (f - f_min) / (spec.f_max_mhz - f_min)
+
+
+def _eval(spec: GpuSpec, work: StepWork, f: float) -> tuple[float, float]:
+    rel = f / spec.f_max_mhz
+    t_c = work.flops / (spec.peak_flops * rel)
+    bw = spec.mem_bw * min(1.0, f / spec.mem_bound_min_mhz)
+    t_m = work.bytes / bw
+    t_kernel = max(t_c, t_m)
+    t = t_kernel + spec.t_fixed_s
+    if t_kernel <= 0:
+        return t, spec.p_idle_w
+    u_c = t_c / t_kernel
+    u_m = t_m / t_kernel
+    # Quadratic in the compute share: partly compute-bound kernels overlap with memory stalls.
+    act = spec.mem_bound_sm_activity + (1.0 - spec.mem_bound_sm_activity) * u_c**2
+    p_sm = spec.p_sm_max_w * rel * _voltage(spec, f) ** 2 * act
+    p_kernel = spec.p_busy_static_w + spec.p_mem_w * u_m + p_sm
+    # The fixed part of the step (launches, syncs) runs near idle power.
+    p = (p_kernel * t_kernel + spec.p_idle_w * spec.t_fixed_s) / t
+    return t, p
+
+
+def simulate_step(spec: GpuSpec, work: StepWork, sm_clock_mhz: float) -> StepResult:
+    """Simulate one step at a requested SM clock (MHz), applying the power cap. Simulated."""
+    clocks = [c for c in spec.sm_clocks_mhz if c <= sm_clock_mhz] or [spec.sm_clocks_mhz[0]]
+    capped = False
+    for f in reversed(clocks):
+        t, p = _eval(spec, work, f)
+        if p <= spec.power_cap_w:
+            return StepResult(t, p * t, p, f, capped)
+        capped = True
+    f = clocks[0]
+    t, p = _eval(spec, work, f)
+    return StepResult(t, p * t, p, f, True)
+
+
+@dataclass
+class ModelCost:
+    """FLOPs and bytes per token of a decoder-only transformer (bf16 weights and KV cache).
+
+    ``n_params``: parameters touched per token (embedding lookup excluded);
+    ``kv_bytes_per_token``: K+V bytes per token over all layers.
+    """
+
+    n_params: float
+    kv_bytes_per_token: float
+    weight_bytes: float
+
+    def step_work(self, num_tokens: int, lm_head_rows: int, decode_ctx_tokens: int, vocab_params: float = 0.0) -> StepWork:
+        """Work of a step with ``num_tokens`` scheduled tokens and ``lm_head_rows`` LM-head rows.
+
+        Prefill tokens only need the LM head for their last row, which is why ``vocab_params`` is
+        charged per LM-head row instead of per token.
+        """
+        body = self.n_params - vocab_params
+        flops = 2.0 * body * num_tokens + 2.0 * vocab_params * lm_head_rows
+        nbytes = self.weight_bytes + self.kv_bytes_per_token * (decode_ctx_tokens + num_tokens)
+        return StepWork(flops=flops, bytes=nbytes)
+
+
+@dataclass
+class SimulatedGpu:
+    """Stateful simulated GPU: current SM clock and cumulative energy (J). Thread-safe. Simulated."""
+
+    spec: GpuSpec = H200
+    sm_clock_mhz: int = 0
+    locked: bool = False
+    energy_j: float = 0.0
+    busy_time_s: float = 0.0
+    last_power_w: float = 0.0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.sm_clock_mhz:
+            self.sm_clock_mhz = self.spec.f_max_mhz
+        self.last_power_w = self.spec.p_idle_w
+
+    def set_sm_clock(self, mhz: int | None) -> None:
+        """Lock the simulated SM clock (MHz), or unlock (``None``: back to the boost clock)."""
+        with self._lock:
+            self.locked = mhz is not None
+            self.sm_clock_mhz = int(mhz) if mhz is not None else self.spec.f_max_mhz
+
+    def run(self, work: StepWork) -> StepResult:
+        with self._lock:
+            res = simulate_step(self.spec, work, self.sm_clock_mhz)
+            self.energy_j += res.energy_j
+            self.busy_time_s += res.time_s
+            self.last_power_w = res.power_w
+            return res
+
+    def idle(self, seconds: float) -> float:
+        """Book ``seconds`` of idle time; returns the joules added. An unlocked idle GPU draws p_idle."""
+        if seconds <= 0:
+            return 0.0
+        with self._lock:
+            p = self.spec.p_idle_w
+            if self.locked:
+                # A locked clock keeps the idle GPU from dropping its clock: scale the SM share.
+                f = self.sm_clock_mhz
+                p = self.spec.p_busy_static_w * 0.6 + 0.06 * self.spec.p_sm_max_w * (f / self.spec.f_max_mhz) * _voltage(self.spec, f) ** 2
+            self.energy_j += p * seconds
+            self.last_power_w = p
+            return p * seconds

