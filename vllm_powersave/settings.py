@@ -116,7 +116,7 @@ class PowersaveSettings(_Strict):
 
 def _one_line(err: ValidationError) -> str:
     first = err.errors()[0]
-    loc = ".".join(str(p) for p in first["loc"]) or "<root>"
+    loc = ".".join(str(p) for p in first["loc"] if p != "[key]") or "<root>"
     value = first.get("input")
     more = f" (+{err.error_count() - 1} more)" if err.error_count() > 1 else ""
     return f"powersave setting '{loc}' = {value!r}: {first['msg']}{more}"

@@ -67,7 +67,8 @@ class PhaseEnergyAccount:
             idle = t - self._last_step_t >= self.idle_after_s
             if idle:
                 self.meter.on_idle(t - self._t)
-            self._book("idle" if idle or self._phase == "idle" else self._phase)
+                self._phase = "idle"  # the interval since the last booking had no step: idle
+            self._book(self._phase)
 
     @property
     def current_phase(self) -> str:

@@ -1,0 +1,79 @@
+import pytest
+import torch
+
+from vllm_powersave.chunking.policy import ChunkPolicy, apply_chunked
+from vllm_powersave.settings import load_settings
+
+
+def _policy(table, enabled=True):
+    return ChunkPolicy(load_settings({"chunking": {"enabled": enabled, "table": table}}, env={}).chunking)
+
+
+def test_policy_default_is_no_chunking():
+    p = _policy([])
+    assert [p.chunks(r) for r in (1, 64, 8192)] == [1, 1, 1]
+
+
+def test_policy_table_lookup_and_caps():
+    p = _policy([{"min_rows": 1024, "chunks": 2}, {"min_rows": 8192, "chunks": 8}])
+    assert [p.chunks(r) for r in (1, 1023, 1024, 8191, 8192, 50000)] == [1, 1, 2, 2, 8, 8]
+    q = _policy([{"min_rows": 1, "chunks": 16}])
+    assert q.chunks(3) == 3  # never more chunks than rows
+    assert _policy([{"min_rows": 1, "chunks": 4}], enabled=False).chunks(100) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 64, 333])
+@pytest.mark.parametrize("chunks", [2, 3, 8])
+def test_apply_chunked_equals_unchunked(dtype, rows, chunks):
+    g = torch.Generator().manual_seed(rows * chunks)
+    w = torch.randn(3000, 96, generator=g).to(dtype)
+    x = torch.randn(rows, 96, generator=g).to(dtype)
+    head = lambda h: torch.nn.functional.linear(h, w)  # noqa: E731
+    seen = []
+    out = apply_chunked(lambda h: (seen.append(h.shape[0]), head(h))[1], x, chunks)
+    ref = head(x)
+    # Plain torch (MKL) may pick another kernel for a different row count: equal within rounding.
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+    assert torch.equal(out.argmax(-1), ref.argmax(-1))
+    assert sum(seen) == rows and len(seen) == min(chunks, rows)
+
+
+def test_vllm_logits_processor_replacement_matches_unchunked():
+    """The out-of-tree LogitsProcessor in real vLLM: same logits bitwise (CPU), any chunk count."""
+    vllm = pytest.importorskip("vllm")  # noqa: F841
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    from vllm_powersave import vllm_compat
+
+    n = {"chunks": 1, "calls": 0}
+
+    def chunk(head, h):
+        n["calls"] += 1
+        return apply_chunked(head, h, n["chunks"])
+
+    vllm_compat.register_logits_processor(chunk)
+    assert vllm_compat.register_logits_processor(chunk) is False  # idempotent
+    with set_current_vllm_config(VllmConfig()):
+        lp = LogitsProcessor(vocab_size=1000)
+    assert type(lp).__name__ == "PowersaveLogitsProcessor"
+    for dtype in (torch.float32, torch.bfloat16):
+        lm = torch.nn.Module()
+        lm.weight = torch.nn.Parameter(torch.randn(1000, 64).to(dtype), requires_grad=False)
+        lm.quant_method = UnquantizedEmbeddingMethod()
+        lm.tp_size = 1
+        dispatch_cpu_unquantized_gemm(lm, remove_weight=False)
+        for rows in (5, 300):
+            x = torch.randn(rows, 64).to(dtype)
+            n["chunks"] = 1
+            ref = lp(lm, x)
+            for c in (2, 4, 16):
+                n["chunks"] = c
+                out = lp(lm, x)
+                assert torch.equal(out, ref), (dtype, rows, c)  # bitwise through vLLM's CPU GEMM
+                assert torch.equal(out.argmax(-1), ref.argmax(-1))
+    assert n["calls"] == 16

@@ -1,0 +1,180 @@
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+from fakes import FakeNvml
+
+from vllm_powersave.clocks import ClockController, DryRunClockBackend, LeaseStore, NvmlClockBackend, SimulatedClockBackend
+from vllm_powersave.settings import load_settings
+from vllm_powersave.sim.gpu import SimulatedGpu
+
+
+class Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def _settings(tmp_path, **clocks):
+    base = {"backend": "nvml", "min_dwell_ms": 500, "lease_dir": str(tmp_path / "leases"),
+            "presets": {"decode": {"sm_clock_mhz": 1210}, "idle": {"sm_clock_mhz": 345}}}
+    base.update(clocks)
+    return load_settings({"clocks": base}, env={}).clocks
+
+
+def _ctl(tmp_path, nvml, clock, **kw):
+    return ClockController(NvmlClockBackend(nvml, "h0"), _settings(tmp_path, **kw), gpu_id="GPU-test", asynchronous=False, clock=clock)
+
+
+def test_presets_snap_to_supported_clocks(tmp_path):
+    ctl = _ctl(tmp_path, FakeNvml(), Clock())
+    assert ctl.presets["decode"].sm_clock_mhz == 1200  # 1210 is not supported; highest below is 1200
+    ctl.close()
+
+
+def test_dwell_lowers_only_after_min_dwell_and_raises_at_once(tmp_path):
+    nvml, clock = FakeNvml(), Clock()
+    ctl = _ctl(tmp_path, nvml, clock)
+    ctl.on_phase("decode")  # first decode step: wants lower, dwell starts
+    assert nvml.calls == []
+    clock.t += 0.3
+    ctl.on_phase("decode")
+    assert nvml.calls == []
+    clock.t += 0.25  # 0.55 s of uninterrupted decode
+    ctl.on_phase("decode")
+    assert nvml.calls == [("set", 1200, 1200)]
+    ctl.on_phase("decode")  # no-op: same target
+    assert len(nvml.calls) == 1
+    clock.t += 0.01
+    ctl.on_phase("prefill")  # higher clock (driver default): immediately
+    assert nvml.calls[-1] == ("reset",)
+    clock.t += 0.1
+    ctl.on_phase("decode")  # dwell restarts
+    clock.t += 0.1
+    ctl.on_phase("prefill")  # interrupts: still at default, nothing to do
+    clock.t += 0.45
+    ctl.on_phase("decode")  # only 0 s since this decode run began
+    assert nvml.calls[-1] == ("reset",)
+    assert [d.phase for d in ctl.decisions] == ["decode", "prefill"]
+    ctl.close()
+
+
+def test_restore_on_close_and_lease_lifecycle(tmp_path):
+    nvml, clock = FakeNvml(), Clock()
+    ctl = _ctl(tmp_path, nvml, clock, min_dwell_ms=0)
+    ctl.on_phase("decode")
+    lease = tmp_path / "leases" / "GPU-test.json"
+    assert json.loads(lease.read_text())["pid"] == os.getpid()
+    ctl.close()
+    assert nvml.locked is None and nvml.calls[-1] == ("reset",)
+    assert not lease.exists()
+    ctl.close()  # idempotent
+    assert nvml.calls.count(("reset",)) == 1
+
+
+def test_permission_denied_falls_back_to_dry_run_with_one_warning(tmp_path, caplog):
+    nvml, clock = FakeNvml(no_permission=True), Clock()
+    ctl = _ctl(tmp_path, nvml, clock, min_dwell_ms=0)
+    with caplog.at_level(logging.WARNING, logger="vllm_powersave.clocks"):
+        ctl.on_phase("decode")
+        ctl.on_phase("prefill")
+        ctl.on_phase("decode")
+    assert isinstance(ctl.backend, DryRunClockBackend)
+    assert [r for r in caplog.records if "dry-run" in r.getMessage()].__len__() == 1
+    assert ctl.backend.calls == [("set", 1200, None), ("reset", None, None), ("set", 1200, None)]
+    assert nvml.calls == [("set", 1200, 1200)]  # the only real attempt
+    assert not (tmp_path / "leases" / "GPU-test.json").exists()
+    ctl.close()
+
+
+def test_nvml_fault_stops_control_resets_once_and_keeps_going(tmp_path):
+    nvml, clock = FakeNvml(), Clock()
+    ctl = _ctl(tmp_path, nvml, clock, min_dwell_ms=0)
+    ctl.on_phase("decode")
+    nvml.fail_set = 999
+    ctl.on_phase("prefill")  # reset fails -> fault
+    assert ctl.disabled_reason is not None
+    n = len(nvml.calls)
+    ctl.on_phase("decode")
+    assert len(nvml.calls) == n  # never touched again
+    ctl.close()
+
+
+def test_stale_lease_of_dead_process_is_reset_at_start(tmp_path):
+    leases = LeaseStore(tmp_path / "leases")
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    leases.acquire("GPU-test", 1200)
+    p = tmp_path / "leases" / "GPU-test.json"
+    p.write_text(json.dumps({"gpu": "GPU-test", "pid": int(dead.stdout), "sm_clock_mhz": 1200}))
+    nvml = FakeNvml()
+    nvml.locked = (1200, 1200)
+    ctl = _ctl(tmp_path, nvml, Clock())
+    assert nvml.calls == [("reset",)] and nvml.locked is None
+    assert not p.exists()
+    ctl.close()
+
+
+def test_sigkilled_owner_lease_recovered_by_cli(tmp_path):
+    code = (
+        "import sys, time; sys.path.insert(0, %r)\n"
+        "from vllm_powersave.clocks import LeaseStore\n"
+        "LeaseStore(%r).acquire('GPU-x', 990); print('locked', flush=True); time.sleep(60)\n"
+    ) % (os.getcwd(), str(tmp_path / "leases"))
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "locked"
+    proc.kill()
+    proc.wait()
+    stale = LeaseStore(tmp_path / "leases").stale()
+    assert [s["gpu"] for s in stale] == ["GPU-x"] and stale[0]["pid"] == proc.pid
+
+
+def test_async_apply_coalesces_to_latest_target(tmp_path):
+    import time as _time
+
+    class SlowNvml(FakeNvml):
+        def nvmlDeviceSetGpuLockedClocks(self, h, lo, hi):
+            _time.sleep(0.05)  # an NVML call takes milliseconds: decisions pile up meanwhile
+            super().nvmlDeviceSetGpuLockedClocks(h, lo, hi)
+
+        def nvmlDeviceResetGpuLockedClocks(self, h):
+            _time.sleep(0.05)
+            super().nvmlDeviceResetGpuLockedClocks(h)
+
+    nvml, clock = SlowNvml(), Clock()
+    ctl = ClockController(NvmlClockBackend(nvml, "h0"), _settings(tmp_path, min_dwell_ms=0), gpu_id="GPU-a", asynchronous=True, clock=clock)
+    for phase in ["decode", "prefill"] * 7 + ["decode"]:
+        ctl.on_phase(phase)
+    assert len(ctl.decisions) == 15
+    deadline = _time.monotonic() + 5
+    while nvml.locked != (1200, 1200) and _time.monotonic() < deadline:
+        _time.sleep(0.01)
+    _time.sleep(0.1)
+    applied = list(nvml.calls)
+    assert applied[-1] == ("set", 1200, 1200)  # the newest target wins
+    assert len(applied) < 15  # older targets were coalesced away
+    ctl.close()
+    assert nvml.locked is None  # restored at exit
+
+
+def test_simulated_backend_drives_simulated_gpu(tmp_path):
+    gpu = SimulatedGpu()
+    s = load_settings({"clocks": {"backend": "simulated", "min_dwell_ms": 0, "presets": {"decode": {"sm_clock_mhz": 1200}}}, "energy": {"meter": "simulated"}}, env={}).clocks
+    ctl = ClockController(SimulatedClockBackend(gpu), s, asynchronous=False)
+    ctl.on_phase("decode")
+    assert gpu.sm_clock_mhz <= 1200 and gpu.locked
+    ctl.close()
+    assert gpu.sm_clock_mhz == gpu.spec.f_max_mhz and not gpu.locked
+
+
+def test_dry_run_never_calls_a_setter(tmp_path):
+    backend = DryRunClockBackend()
+    s = load_settings({"clocks": {"min_dwell_ms": 0, "presets": {"decode": {"sm_clock_mhz": 1200}}}}, env={}).clocks
+    ctl = ClockController(backend, s, asynchronous=False)
+    ctl.on_phase("decode")
+    ctl.close()
+    assert backend.calls[0][0] == "set" and backend.calls[-1][0] == "reset"

@@ -1,0 +1,78 @@
+import json
+
+import pytest
+
+from vllm_powersave.settings import ENV_SETTINGS_JSON, PowersaveSettings, SettingsError, load_settings, settings_from_env
+
+
+def test_defaults_are_inert():
+    s = load_settings({}, env={})
+    assert s.chunking.table == ()
+    assert s.clocks.backend == "dry-run"
+    assert s.clocks.presets == {}
+    assert s.energy.meter == "auto"
+
+
+def test_inline_values_and_sorting():
+    s = load_settings({"chunking": {"table": [{"min_rows": 4096, "chunks": 4}, {"min_rows": 512, "chunks": 2}]},
+                       "clocks": {"presets": {"decode": {"sm_clock_mhz": 1200}}, "min_dwell_ms": 50}}, env={})
+    assert [(r.min_rows, r.chunks) for r in s.chunking.table] == [(512, 2), (4096, 4)]
+    assert s.clocks.presets["decode"].sm_clock_mhz == 1200
+    assert s.clocks.min_dwell_ms == 50
+
+
+@pytest.mark.parametrize(
+    "inline, field, value",
+    [
+        ({"clocks": {"backend": "turbo"}}, "clocks.backend", "'turbo'"),
+        ({"clocks": {"presets": {"decode": {"sm_clock_mhz": 50}}}}, "clocks.presets.decode.sm_clock_mhz", "50"),
+        ({"clocks": {"presets": {"warp": {}}}}, "clocks.presets.warp", ""),
+        ({"chunking": {"table": [{"min_rows": 0, "chunks": 2}]}}, "chunking.table.0.min_rows", "0"),
+        ({"chunk": {}}, "chunk", ""),
+        ({"energy": {"idle_after_s": -1}}, "energy.idle_after_s", "-1"),
+    ],
+)
+def test_invalid_setting_is_one_line_naming_field_and_value(inline, field, value):
+    with pytest.raises(SettingsError) as ei:
+        load_settings(inline, env={})
+    msg = str(ei.value)
+    assert "\n" not in msg
+    assert f"'{field}'" in msg
+    assert value in msg
+
+
+def test_duplicate_chunk_rows_rejected():
+    with pytest.raises(SettingsError, match="duplicate min_rows"):
+        load_settings({"chunking": {"table": [{"min_rows": 8, "chunks": 2}, {"min_rows": 8, "chunks": 4}]}}, env={})
+
+
+def test_file_sources_merge_inline_wins(tmp_path):
+    f = tmp_path / "p.yaml"
+    f.write_text("powersave:\n  clocks:\n    backend: simulated\n    min_dwell_ms: 100\n  energy:\n    meter: simulated\n")
+    env_file = tmp_path / "e.json"
+    env_file.write_text(json.dumps({"clocks": {"min_dwell_ms": 7}, "energy": {"idle_after_s": 2}}))
+    s = load_settings({"config_file": str(f), "clocks": {"min_dwell_ms": 300}}, env={"VLLM_POWERSAVE_CONFIG": str(env_file)})
+    assert s.clocks.backend == "simulated"  # from config_file
+    assert s.clocks.min_dwell_ms == 300  # inline beats both files
+    assert s.energy.idle_after_s == 2  # from the env file
+
+
+def test_missing_and_broken_files(tmp_path):
+    with pytest.raises(SettingsError, match="'config_file' = '/nope.yaml': file not found"):
+        load_settings({"config_file": "/nope.yaml"}, env={})
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(SettingsError, match="cannot parse"):
+        load_settings({}, env={"VLLM_POWERSAVE_CONFIG": str(bad)})
+
+
+def test_simulated_clock_with_nvml_meter_refused():
+    with pytest.raises(SettingsError, match="cannot be combined"):
+        load_settings({"clocks": {"backend": "simulated"}, "energy": {"meter": "nvml"}}, env={})
+
+
+def test_exported_settings_round_trip():
+    s = load_settings({"clocks": {"backend": "simulated", "presets": {"idle": {"sm_clock_mhz": 345}}}, "energy": {"meter": "simulated"}}, env={})
+    back = settings_from_env({ENV_SETTINGS_JSON: s.model_dump_json()})
+    assert back == s
+    assert isinstance(back, PowersaveSettings)
