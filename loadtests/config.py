@@ -58,6 +58,10 @@ class BenchConfig(BaseModel):
     prompt_logprobs: int | None = Field(default=None, ge=0)
     label: str | None = None
     gpus: list[int] | None = None
+    #: Energy source: "auto" (server powersave_* metrics, else local NVML), "server", "nvml"
+    #: (local NVML even when the server publishes metrics: the fair choice for A/B against a stock
+    #: server on the same GPU) or "none".
+    energy: Literal["auto", "server", "nvml", "none"] = "auto"
 
     def __init__(self, **data: Any) -> None:
         try:

@@ -149,7 +149,8 @@ async def scrape_metrics(session: aiohttp.ClientSession, base_url: str, timeout_
 class EnergyMeter:
     """Brackets the measured window: call :meth:`start` before load and :meth:`stop` after."""
 
-    def __init__(self, session: aiohttp.ClientSession, base_url: str, gpus: list[int] | None, timeout_s: float = 5.0):
+    def __init__(self, session: aiohttp.ClientSession, base_url: str, gpus: list[int] | None, timeout_s: float = 5.0, mode: str = "auto"):
+        self._mode = mode
         self._session = session
         self._base_url = base_url
         self._gpus = gpus
@@ -162,12 +163,23 @@ class EnergyMeter:
 
     async def start(self) -> None:
         """Take the "before" reading, choosing the first available source."""
-        text = await scrape_metrics(self._session, self._base_url, self._timeout_s)
-        counters = parse_energy_counters(text) if text is not None else None
         self._t0 = time.perf_counter()
-        if counters is not None:
-            self._before = counters
+        if self._mode == "none":
+            self._note = "no energy source (disabled by energy='none')"
             return
+        reason = "not tried"
+        if self._mode in ("auto", "server"):
+            text = await scrape_metrics(self._session, self._base_url, self._timeout_s)
+            counters = parse_energy_counters(text) if text is not None else None
+            self._t0 = time.perf_counter()
+            if counters is None and text is not None and "powersave_info" in text:
+                counters = {}  # plugin active, no step booked yet: every counter is still 0
+            if counters is not None:
+                self._before = counters
+                return
+            if self._mode == "server":
+                self._note = f"no energy source (server has no {METRIC}_total)"
+                return
         self._nvml, reason = NvmlEnergy.open(self._gpus)
         if self._nvml is not None:
             self._nvml_before = self._nvml.per_gpu_j()

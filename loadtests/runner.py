@@ -170,7 +170,7 @@ async def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
                 max_concurrency=cfg.max_concurrency or len(warm), deadline=deadline,
             )
             warm_failed = sum(1 for o in w_out if not o.success)
-        meter = EnergyMeter(session, cfg.base_url, cfg.gpus, timeout_s=cfg.connect_timeout_s)
+        meter = EnergyMeter(session, cfg.base_url, cfg.gpus, timeout_s=cfg.connect_timeout_s, mode=cfg.energy)
         await meter.start()
         outputs, duration, timed_out = await run_load(
             session, cfg, model, reqs, request_rate=cfg.request_rate,

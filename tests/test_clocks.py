@@ -80,7 +80,7 @@ def test_restore_on_close_and_lease_lifecycle(tmp_path):
 def test_permission_denied_falls_back_to_dry_run_with_one_warning(tmp_path, caplog):
     nvml, clock = FakeNvml(no_permission=True), Clock()
     ctl = _ctl(tmp_path, nvml, clock, min_dwell_ms=0)
-    with caplog.at_level(logging.WARNING, logger="vllm_powersave.clocks"):
+    with caplog.at_level(logging.WARNING, logger="vllm.powersave.clocks"):
         ctl.on_phase("decode")
         ctl.on_phase("prefill")
         ctl.on_phase("decode")

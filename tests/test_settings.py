@@ -51,7 +51,7 @@ def test_file_sources_merge_inline_wins(tmp_path):
     f.write_text("powersave:\n  clocks:\n    backend: simulated\n    min_dwell_ms: 100\n  energy:\n    meter: simulated\n")
     env_file = tmp_path / "e.json"
     env_file.write_text(json.dumps({"clocks": {"min_dwell_ms": 7}, "energy": {"idle_after_s": 2}}))
-    s = load_settings({"config_file": str(f), "clocks": {"min_dwell_ms": 300}}, env={"VLLM_POWERSAVE_CONFIG": str(env_file)})
+    s = load_settings({"config_file": str(f), "clocks": {"min_dwell_ms": 300}}, env={"POWERSAVE_CONFIG": str(env_file)})
     assert s.clocks.backend == "simulated"  # from config_file
     assert s.clocks.min_dwell_ms == 300  # inline beats both files
     assert s.energy.idle_after_s == 2  # from the env file
@@ -63,7 +63,7 @@ def test_missing_and_broken_files(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
     with pytest.raises(SettingsError, match="cannot parse"):
-        load_settings({}, env={"VLLM_POWERSAVE_CONFIG": str(bad)})
+        load_settings({}, env={"POWERSAVE_CONFIG": str(bad)})
 
 
 def test_simulated_clock_with_nvml_meter_refused():

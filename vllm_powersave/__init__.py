@@ -3,7 +3,7 @@
 Enable it for one server with any of:
 
 * ``vllm serve MODEL --plugin powersave``
-* ``VLLM_PLUGINS=powersave vllm serve MODEL`` (or ``VLLM_POWERSAVE=1``)
+* ``VLLM_PLUGINS=powersave vllm serve MODEL`` (or ``POWERSAVE_ENABLED=1``)
 * ``vllm serve MODEL --additional-config '{"powersave": {...}}'``
 
 Installed but not enabled, it changes nothing but accepting the ``--plugin`` flag.
@@ -20,15 +20,15 @@ import time
 
 __version__ = "0.1.0"
 
-log = logging.getLogger("vllm_powersave")
+log = logging.getLogger("vllm.powersave")
 
-ENV_ENABLE = "VLLM_POWERSAVE"
+ENV_ENABLE = "POWERSAVE_ENABLED"
 
 _STATE = {"registered": False, "active": False}
 
 
 def enabled_by_env(env: dict[str, str] | None = None) -> bool:
-    """True if ``VLLM_POWERSAVE`` is set (non-zero) or ``VLLM_PLUGINS`` names ``powersave``."""
+    """True if ``POWERSAVE_ENABLED`` is set (non-zero) or ``VLLM_PLUGINS`` names ``powersave``."""
     env = os.environ if env is None else env
     if env.get(ENV_ENABLE, "") not in ("", "0", "false", "False"):
         return True

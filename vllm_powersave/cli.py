@@ -15,7 +15,7 @@ PRESET_DIR = Path(__file__).parent / "presets"
 def _cmd_make_model(ns: argparse.Namespace) -> int:
     from .modelgen import make_model
 
-    out = make_model(Path(ns.dir), ns.shape, seed=ns.seed, weights=not ns.no_weights, overwrite=ns.overwrite)
+    out = make_model(Path(ns.dir), ns.shape, seed=ns.seed, weights=False if ns.no_weights else None, overwrite=ns.overwrite)
     print(f"wrote {ns.shape} model to {out}")
     return 0
 
@@ -89,6 +89,10 @@ def _cmd_compare(ns: argparse.Namespace) -> int:
     table = compare_table(results)
     header = f"# vllm-powersave: plugin off vs on\n\nModel: `{model}`; {ns.num_prompts} requests, concurrency {ns.concurrency}, {ns.input_len} in / {ns.output_len} out; machine: {'GPU (energy measured by NVML)' if gpu else 'no GPU (energy SIMULATED for an H200 by the plugin meter)'}\n\n"
     legend = "".join(f"- **{k}**: {v}\n" for k, v in descriptions.items())
+    if not gpu:
+        legend += ("- *simulated*: joules an H200 would spend on exactly the engine steps this CPU run executed "
+                   "(vllm_powersave/sim/gpu.py); throughput and latency are the CPU's, measured. Average power is "
+                   "that energy over the CPU run's wall time, so it is not an H200 power figure.\n")
     md = header + legend + "\n" + table + "\n"
     (out_dir / "comparison.md").write_text(md)
     (out_dir / "comparison.json").write_text(json.dumps({"model": str(model), "gpu": gpu, "results": results}, indent=2))
@@ -141,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("compare", help="serve a model with the plugin off and on, load-test both, print one table")
     c.add_argument("--model", default=None, help="local HF model directory (default: generate --shape in .models/)")
     c.add_argument("--shape", default="qwen2-tiny")
-    c.add_argument("--num-prompts", type=int, default=200)
+    c.add_argument("--num-prompts", type=int, default=400)
     c.add_argument("--concurrency", type=int, default=16)
     c.add_argument("--input-len", type=int, default=128)
     c.add_argument("--output-len", type=int, default=64)

@@ -17,7 +17,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-log = logging.getLogger("vllm_powersave")
+log = logging.getLogger("vllm.powersave")
 
 
 def read_snapshots(stats_dir: str | Path) -> list[dict[str, Any]]:

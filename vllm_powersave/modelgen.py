@@ -47,7 +47,7 @@ __all__ = [
 
 #: Weights larger than this (in bytes, at the requested dtype) are not written
 #: unless ``weights=True`` is passed explicitly; such shapes are meant for
-#: ``--load-format dummy``.  Also the limit above which weights are sharded.
+#: ``--load-format dummy``.
 WEIGHTS_DEFAULT_LIMIT_BYTES = 2 * 1000**3
 #: Maximum size of one safetensors shard, in bytes (2 GB, as in transformers'
 #: ``max_shard_size="2GB"``).
@@ -492,6 +492,17 @@ def _init_tensor(name: str, shp: tuple[int, ...], gen, torch_dtype):
     return t.to(torch_dtype)
 
 
+def _save(sd, path: Path, meta: dict[str, str]) -> None:
+    from safetensors.torch import save_file
+
+    save_file(sd, str(path), metadata=meta)
+    # safetensors creates files 0600; give them the usual umask-based mode
+    # so a server running as another user (e.g. in a container) can read them.
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
+
+
 def _write_weights(out: Path, shape: str, seed: int, dtype: str) -> list[str]:
     """Write random weights; return the file names written.
 
@@ -500,7 +511,6 @@ def _write_weights(out: Path, shape: str, seed: int, dtype: str) -> list[str]:
     not depend on ``dtype`` beyond rounding.  At most one shard is held in memory.
     """
     import torch
-    from safetensors.torch import save_file
 
     torch_dtype = getattr(torch, dtype)
     elem = DTYPE_BYTES[dtype]
@@ -512,7 +522,7 @@ def _write_weights(out: Path, shape: str, seed: int, dtype: str) -> list[str]:
 
     if total <= SHARD_LIMIT_BYTES:
         sd = {n: _init_tensor(n, s, gen, torch_dtype).contiguous() for n, s in shapes.items()}
-        save_file(sd, str(out / "model.safetensors"), metadata=meta)
+        _save(sd, out / "model.safetensors", meta)
         return ["model.safetensors"]
 
     # Plan shards greedily by size, like transformers' max_shard_size="2GB".
@@ -533,7 +543,7 @@ def _write_weights(out: Path, shape: str, seed: int, dtype: str) -> list[str]:
     for i, names in enumerate(groups, start=1):
         fname = f"model-{i:05d}-of-{nshards:05d}.safetensors"
         sd = {n: _init_tensor(n, shapes[n], gen, torch_dtype).contiguous() for n in names}
-        save_file(sd, str(out / fname), metadata=meta)
+        _save(sd, out / fname, meta)
         del sd
         for n in names:
             weight_map[n] = fname
@@ -587,7 +597,7 @@ def make_model(
         dtype: ``"bfloat16"``, ``"float16"`` or ``"float32"``: the stored weight
             dtype and ``config.json``'s ``dtype``/``torch_dtype``.
         weights: write weight files.  ``None`` (default) means: yes when the
-            weights are at most 2 GB at ``dtype`` (``qwen2-tiny`` ~1.3 MB,
+            weights are at most 2 GB at ``dtype`` (``qwen2-tiny`` ~1.6 MB,
             ``qwen2.5-0.5b`` ~1 GB in bf16), otherwise no, with a note on
             stderr (``qwen2.5-7b`` ~15 GB, ``llama3-8b`` ~16 GB).  A directory
             without weights is meant for vLLM's ``--load-format dummy``.

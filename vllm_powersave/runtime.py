@@ -25,11 +25,11 @@ from .phases import classify
 from .settings import PowersaveSettings, settings_from_env
 from .sim.gpu import SPECS, ModelCost, SimulatedGpu
 
-log = logging.getLogger("vllm_powersave")
+log = logging.getLogger("vllm.powersave")
 
 #: Set on machines whose GPU settings must never change (the shared H200): any clock backend
 #: becomes dry-run, whatever the settings say.
-ENV_FORCE_DRY_RUN = "VLLM_POWERSAVE_FORCE_DRY_RUN"
+ENV_FORCE_DRY_RUN = "POWERSAVE_FORCE_DRY_RUN"
 
 _POLICY: ChunkPolicy | None = None
 _RUNTIME: "WorkerRuntime | None" = None
@@ -108,6 +108,10 @@ class WorkerRuntime:
         self.stats_path = Path(settings.stats_dir) / f"rank{self.rank}.json" if settings.stats_dir else None
         self._stop = threading.Event()
         self._last_step_s = time.monotonic()
+        try:
+            self.publish()  # series exist from the first step on, not one period later
+        except OSError as exc:
+            log.warning("powersave: cannot write stats to %s: %s", self.stats_path, exc)
         self._thread = threading.Thread(target=self._publisher, name="powersave-stats", daemon=True)
         self._thread.start()
         atexit.register(self.close)

@@ -2,7 +2,7 @@
 
 Sources, later ones overriding earlier ones key by key:
 
-1. a file named by the environment variable ``VLLM_POWERSAVE_CONFIG`` (YAML or JSON);
+1. a file named by the environment variable ``POWERSAVE_CONFIG`` (YAML or JSON);
 2. a file named by ``config_file`` inside ``--additional-config '{"powersave": {...}}'``;
 3. the inline ``powersave`` dict of ``--additional-config``.
 
@@ -23,10 +23,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 PHASES: tuple[str, ...] = ("prefill", "decode", "mixed", "idle")
 Phase = Literal["prefill", "decode", "mixed", "idle"]
 
-ENV_CONFIG_FILE = "VLLM_POWERSAVE_CONFIG"
+ENV_CONFIG_FILE = "POWERSAVE_CONFIG"
 #: JSON of the validated settings, exported by the API-server process so that EngineCore and
 #: worker processes (fork or spawn) see exactly what was validated there.
-ENV_SETTINGS_JSON = "VLLM_POWERSAVE_SETTINGS"
+ENV_SETTINGS_JSON = "POWERSAVE_SETTINGS_JSON"
 
 
 class SettingsError(ValueError):
@@ -153,7 +153,7 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 
 
 def load_settings(inline: dict[str, Any] | None = None, env: dict[str, str] | None = None) -> PowersaveSettings:
-    """Validate settings from the inline dict, ``config_file`` and ``$VLLM_POWERSAVE_CONFIG``.
+    """Validate settings from the inline dict, ``config_file`` and ``$POWERSAVE_CONFIG``.
 
     Raises:
         SettingsError: one line naming the first invalid field and its value.
@@ -175,7 +175,7 @@ def load_settings(inline: dict[str, Any] | None = None, env: dict[str, str] | No
 
 
 def settings_from_env(env: dict[str, str] | None = None) -> PowersaveSettings:
-    """Settings exported by the API-server process, or defaults plus ``$VLLM_POWERSAVE_CONFIG``."""
+    """Settings exported by the API-server process, or defaults plus ``$POWERSAVE_CONFIG``."""
     env = os.environ if env is None else env
     raw = env.get(ENV_SETTINGS_JSON)
     if raw:

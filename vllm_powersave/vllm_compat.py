@@ -30,7 +30,7 @@ from typing import Any
 
 from .phases import ReqSched
 
-log = logging.getLogger("vllm_powersave")
+log = logging.getLogger("vllm.powersave")
 
 MIN_VERSION = (0, 25)
 MAX_VERSION = (0, 32)  # inclusive, minor granularity
@@ -92,7 +92,7 @@ class _PluginAction(argparse.Action):
         for n in names:
             if n != "powersave":
                 parser.error(f"argument --plugin: unknown plugin {n!r} (known: powersave)")
-        os.environ["VLLM_POWERSAVE"] = "1"
+        os.environ["POWERSAVE_ENABLED"] = "1"
         items = list(getattr(namespace, self.dest, None) or [])
         setattr(namespace, self.dest, items + names)
 

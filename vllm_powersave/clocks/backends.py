@@ -14,7 +14,7 @@ from typing import Any
 
 from ..sim.gpu import SimulatedGpu
 
-log = logging.getLogger("vllm_powersave.clocks")
+log = logging.getLogger("vllm.powersave.clocks")
 
 
 class ClockError(RuntimeError):

@@ -26,7 +26,7 @@ from pathlib import Path
 from ..settings import ClockPreset, ClockSettings
 from .backends import ClockBackend, ClockChange, ClockError, ClockPermissionError, DryRunClockBackend
 
-log = logging.getLogger("vllm_powersave.clocks")
+log = logging.getLogger("vllm.powersave.clocks")
 
 
 class LeaseStore:

@@ -13,7 +13,7 @@ from typing import Any
 
 from ..sim.gpu import SimulatedGpu
 
-log = logging.getLogger("vllm_powersave.energy")
+log = logging.getLogger("vllm.powersave.energy")
 
 
 class EnergyMeter(ABC):

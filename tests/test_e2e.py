@@ -1,0 +1,129 @@
+"""End to end: a real `vllm serve` (vLLM CPU build) with the plugin on the tiny model.
+
+One server for the whole module (start-up costs ~1 min on 2 cores); bad-input cases start no
+engine at all, so they are cheap.
+"""
+
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from loadtests import BenchConfig, run  # noqa: E402
+from vllm_powersave.serving import ServerError, VllmServer, default_serve_args, vllm_command  # noqa: E402
+
+PRESET = Path(__file__).resolve().parents[1] / "vllm_powersave" / "presets" / "h200-simulated.yaml"
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from vllm_powersave.modelgen import make_model
+
+    return make_model(tmp_path_factory.mktemp("models") / "qwen2-tiny", "qwen2-tiny")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    log = tmp_path_factory.mktemp("logs") / "server.log"
+    cfg = {"powersave": {"config_file": str(PRESET), "clocks": {"min_dwell_ms": 50},
+                         "chunking": {"table": [{"min_rows": 4, "chunks": 2}]}}}
+    srv = VllmServer(default_serve_args(str(tiny_model)) + ["--plugin", "powersave", "--additional-config", json.dumps(cfg)], log_path=log)
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+def _post(url, body):
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())
+
+
+def _metrics(url):
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("powersave_"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def test_answers_completions_and_chat(server):
+    c = _post(server.base_url + "/v1/completions", {"model": "model", "prompt": "def main():", "max_tokens": 12, "ignore_eos": True, "temperature": 0})
+    assert c["usage"]["completion_tokens"] == 12 and c["choices"][0]["text"]
+    chat = _post(server.base_url + "/v1/chat/completions", {"model": "model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "ignore_eos": True})
+    assert chat["usage"]["completion_tokens"] == 8 and chat["choices"][0]["message"]["role"] == "assistant"
+    # Greedy decoding is deterministic: chunking (table: 2 chunks from 4 rows) must not change results.
+    again = _post(server.base_url + "/v1/completions", {"model": "model", "prompt": "def main():", "max_tokens": 12, "ignore_eos": True, "temperature": 0})
+    assert again["choices"][0]["text"] == c["choices"][0]["text"]
+
+
+def test_metrics_and_load_test(server):
+    before = _metrics(server.base_url)
+    res = run(BenchConfig(base_url=server.base_url, num_prompts=24, max_concurrency=8, input_len=32, output_len=16, num_warmups=1, label="e2e"))
+    time.sleep(0.6)  # one publish period
+    after = _metrics(server.base_url)
+    assert res["completed"] == 24 and res["failed"] == 0
+    assert res["total_output_tokens"] == 24 * 16
+    assert res["energy_source"] == "simulated"
+    assert res["gpu_energy_j"] > 0 and res["output_tokens_per_joule"] == pytest.approx(res["total_output_tokens"] / res["gpu_energy_j"])
+    key = 'powersave_gpu_energy_joules_total{gpu="sim0",phase="decode",source="simulated"}'
+    assert after[key] > before.get(key, 0.0)
+    dec = 'powersave_steps_total{gpu="sim0",phase="decode"}'
+    assert after[dec] - before.get(dec, 0) >= 15  # 16 tokens per request, batched
+    assert after['powersave_tokens_total{gpu="sim0",kind="decode"}'] >= 24 * 15
+    assert after['powersave_energy_simulated{gpu="sim0"}'] == 1.0
+    # Batches of >= 4 rows reached the LM head in 2 chunks, single rows in 1.
+    assert after['powersave_lm_head_calls_total{chunks="2",gpu="sim0"}'] > 0
+    assert after['powersave_lm_head_calls_total{chunks="1",gpu="sim0"}'] > 0
+    # Idle for longer than idle_after_s: the simulated controller applied the idle preset.
+    assert after['powersave_clock_target_mhz{backend="simulated",gpu="sim0"}'] == 345
+    assert after['powersave_sm_clock_mhz{gpu="sim0",source="simulated"}'] == 345
+
+
+def test_clock_follows_phases_of_one_long_request(server):
+    key = 'powersave_clock_changes_total{backend="simulated",gpu="sim0"}'
+    _post(server.base_url + "/v1/completions", {"model": "model", "prompt": "x", "max_tokens": 4, "ignore_eos": True})
+    time.sleep(0.8)
+    before = _metrics(server.base_url)[key]
+    # idle (345) -> prefill: default at once -> decode lasting > 50 ms: 1200 MHz -> idle again: 345
+    _post(server.base_url + "/v1/completions", {"model": "model", "prompt": "def main():", "max_tokens": 200, "ignore_eos": True})
+    time.sleep(0.8)
+    m = _metrics(server.base_url)
+    assert m[key] - before == 3
+    assert m['powersave_clock_target_mhz{backend="simulated",gpu="sim0"}'] == 345
+
+
+def test_invalid_setting_stops_startup_with_one_line(tiny_model, tmp_path):
+    cmd = [*vllm_command(), "serve", str(tiny_model), "--plugin", "powersave", "--additional-config", json.dumps({"powersave": {"clocks": {"backend": "turbo"}}})]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2
+    errors = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
+    assert errors == ["error: powersave setting 'clocks.backend' = 'turbo': Input should be 'dry-run', 'nvml' or 'simulated'"]
+    assert "EngineCore" not in p.stderr + p.stdout  # nothing was started
+
+
+def test_unknown_plugin_name_is_refused(tiny_model):
+    p = subprocess.run([*vllm_command(), "serve", str(tiny_model), "--plugin", "turbo"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2 and "unknown plugin 'turbo'" in p.stderr
+
+
+def test_missing_model_dir_is_one_clear_error(tmp_path):
+    with pytest.raises(ServerError, match="model directory not found: '/nonexistent/model'"):
+        VllmServer(["/nonexistent/model"], log_path=tmp_path / "x.log").start()
+
+
+def test_compare_cli_missing_model(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "vllm_powersave.cli", "compare", "--model", str(tmp_path / "none")], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2
+    assert p.stderr.strip().splitlines()[-1].startswith("error: model directory not found")

@@ -1,0 +1,61 @@
+"""register(): idempotent, cheap, inert unless enabled. Each case runs in a fresh interpreter."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("vllm")
+
+PROBE = r"""
+import json, os, sys
+import vllm_powersave
+from vllm_powersave import vllm_compat
+vllm_powersave.register(); vllm_powersave.register()
+from vllm.model_executor.custom_op import op_registry_oot
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+from vllm.engine.arg_utils import EngineArgs
+import torch
+print(json.dumps({
+    "oot": sorted(op_registry_oot),
+    "runner_patched": hasattr(GPUModelRunner.execute_model, "__powersave_original__"),
+    "cli_patched": hasattr(EngineArgs.add_cli_args, "__powersave_original__"),
+    "cuda_initialized": torch.cuda.is_initialized(),
+    "runtime_imported": "vllm_powersave.runtime" in sys.modules,
+    "active": vllm_powersave._STATE["active"],
+}))
+"""
+
+
+def _probe(env_extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("POWERSAVE_", "VLLM_PLUGINS"))}
+    env.update(env_extra)
+    p = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def test_installed_but_not_enabled_is_inert():
+    r = _probe({})
+    assert r["oot"] == [] and not r["runner_patched"] and not r["active"]
+    assert r["cli_patched"]  # only the --plugin flag and the (inert) settings check are installed
+    assert not r["cuda_initialized"] and not r["runtime_imported"]
+
+
+@pytest.mark.parametrize("env", [{"VLLM_PLUGINS": "powersave"}, {"POWERSAVE_ENABLED": "1"}])
+def test_enabled_by_env_installs_worker_hooks_without_cuda(env):
+    r = _probe(env)
+    assert r["oot"] == ["LogitsProcessor"] and r["runner_patched"] and r["active"]
+    assert not r["cuda_initialized"]
+
+
+def test_version_guard():
+    from vllm_powersave.vllm_compat import check_version
+
+    assert check_version("0.25.0")[0] and check_version("0.32.0+cpu")[0]
+    ok, why = check_version("0.24.9")
+    assert not ok and "outside the tested range 0.25-0.32.x" in why
+    assert not check_version("0.33.0")[0]
+    assert not check_version("garbage")[0]
