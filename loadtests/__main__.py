@@ -75,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-logprobs", type=int, default=None)
     p.add_argument("--label", default=None)
     p.add_argument("--gpus", default=None, help="NVML fallback GPU indices, e.g. 0,1 (default all)")
+    p.add_argument("--duration", type=float, default=None, help="stop starting requests after this many seconds")
     p.add_argument("--energy", choices=["auto", "server", "nvml", "none"], default="auto",
                    help="energy source: server powersave_* metrics, local NVML, or auto (server, else NVML)")
     p.add_argument("--result-json", default=None, help="write the full result here")
@@ -116,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             burstiness=args.burstiness, input_len=args.input_len, output_len=args.output_len,
             range_ratio=args.range_ratio, num_warmups=args.num_warmups, seed=args.seed, timeout_s=args.timeout,
             goodput=_goodput(args.goodput), percentiles=_csv_floats(args.percentiles, "--percentiles"),
-            dataset=args.dataset, prompt_logprobs=args.prompt_logprobs, label=args.label, gpus=gpus, energy=args.energy,
+            dataset=args.dataset, prompt_logprobs=args.prompt_logprobs, label=args.label, gpus=gpus, energy=args.energy, duration_s=args.duration,
         )
         result = run(cfg)
     except _ArgError as e:

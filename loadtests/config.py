@@ -62,6 +62,9 @@ class BenchConfig(BaseModel):
     #: (local NVML even when the server publishes metrics: the fair choice for A/B against a stock
     #: server on the same GPU) or "none".
     energy: Literal["auto", "server", "nvml", "none"] = "auto"
+    #: Stop starting requests after this many seconds (requests already running finish); with a
+    #: large ``num_prompts`` this gives fixed-length measurement windows (e.g. >= 15 s for NVML).
+    duration_s: float | None = Field(default=None, gt=0)
 
     def __init__(self, **data: Any) -> None:
         try:

@@ -90,21 +90,28 @@ async def run_load(
     request_rate: float,
     max_concurrency: int | None,
     deadline: float,
-) -> tuple[list[RequestOutput], float, bool]:
+    duration_s: float | None = None,
+) -> tuple[list[RequestOutput], float, bool, list[int]]:
     """Send ``reqs`` with the given arrival shape and concurrency cap.
 
-    Returns ``(outputs, duration_s, timed_out)``. Requests still running at ``deadline``
-    (``time.monotonic`` seconds) are cancelled and reported as failed, so this never hangs.
+    Returns ``(outputs, duration_s, timed_out, sent)``. Requests still running at ``deadline``
+    (``time.monotonic`` seconds) are cancelled and reported as failed, so this never hangs. With
+    ``duration_s``, no request starts after that many seconds (those already running finish);
+    ``sent`` lists the indices of requests that were started, and only they are returned.
     """
     outputs: list[RequestOutput | None] = [None] * len(reqs)
     offsets = arrival_offsets(len(reqs), request_rate, cfg.burstiness, cfg.seed)
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     tasks: list[asyncio.Task[None]] = []
+    running: set[int] = set()
     t0 = time.perf_counter()
 
     async def one(i: int) -> None:
         async def go() -> None:
             start = time.perf_counter()
+            if duration_s is not None and start - t0 > duration_s:
+                return  # window closed: not sent, not counted
+            running.add(i)
             o = await send_request(
                 session, cfg.base_url, cfg.endpoint, model, reqs[i],
                 stream=cfg.stream, prompt_logprobs=cfg.prompt_logprobs,
@@ -138,11 +145,15 @@ async def run_load(
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
     duration = time.perf_counter() - t0
+    started = {i for i, o in enumerate(outputs) if o is not None} if duration_s is not None else set(range(len(outputs)))
+    if duration_s is not None:
+        started |= {i for i in range(len(outputs)) if i in running}
     final = [
         o if o is not None else RequestOutput(error=f"not finished within --timeout {cfg.timeout_s:g} s")
-        for o in outputs
+        for i, o in enumerate(outputs)
+        if i in started
     ]
-    return final, duration, timed_out
+    return final, duration, timed_out, sorted(started)
 
 
 async def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
@@ -165,18 +176,19 @@ async def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
         model = await check_server(session, cfg.base_url, cfg.model, min(cfg.connect_timeout_s, cfg.timeout_s))
         warm_failed = 0
         if warm:
-            w_out, _, _ = await run_load(
+            w_out, _, _, _ = await run_load(
                 session, cfg, model, warm, request_rate=math.inf,
                 max_concurrency=cfg.max_concurrency or len(warm), deadline=deadline,
             )
             warm_failed = sum(1 for o in w_out if not o.success)
         meter = EnergyMeter(session, cfg.base_url, cfg.gpus, timeout_s=cfg.connect_timeout_s, mode=cfg.energy)
         await meter.start()
-        outputs, duration, timed_out = await run_load(
+        outputs, duration, timed_out, sent = await run_load(
             session, cfg, model, reqs, request_rate=cfg.request_rate,
-            max_concurrency=cfg.max_concurrency, deadline=deadline,
+            max_concurrency=cfg.max_concurrency, deadline=deadline, duration_s=cfg.duration_s,
         )
         reading = await meter.stop()
+        reqs = [reqs[i] for i in sent]
 
     m = calculate_metrics(reqs, outputs, duration, cfg.percentiles, cfg.goodput or None)
     e = energy_metrics(reading, m["total_input_tokens"], m["total_output_tokens"])
@@ -189,7 +201,8 @@ async def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
         "stream": cfg.stream,
         "model_id": model,
         "dataset": cfg.dataset,
-        "num_prompts": cfg.num_prompts,
+        "num_prompts": len(reqs),
+        "duration_limit_s": cfg.duration_s,
         "num_warmups": cfg.num_warmups,
         "warmup_failed": warm_failed,
         # JSON has no Infinity; vllm bench writes the string "inf" too.

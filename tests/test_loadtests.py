@@ -528,3 +528,19 @@ def test_compare_table_marks_every_energy_number() -> None:
         assert cells[0].endswith("(simulated)") and cells[1].endswith("(measured)")
         assert cells[2] == "n/a (no energy source)"
     assert "| TTFT p50 (ms) | 5.00 | 5.00 | 5.00 |" in t
+
+
+def test_duration_bounded_window(server_factory) -> None:
+    # Each request takes >= 0.05 s; 2 at a time for a 0.3 s window: a handful start, none is cut.
+    srv = server_factory(first_delay=0.05)
+    res = run(BenchConfig(base_url=srv.url, num_prompts=500, max_concurrency=2, output_len=2, input_len=4, duration_s=0.3))
+    assert 2 <= res["completed"] <= 20
+    assert res["failed"] == 0
+    assert res["num_prompts"] == res["completed"] and len(res["ttfts"]) == res["completed"]
+    assert res["duration_limit_s"] == 0.3
+
+
+def test_energy_mode_nvml_ignores_server_metrics(server_factory, no_nvml) -> None:
+    srv = server_factory()
+    res = run(BenchConfig(base_url=srv.url, num_prompts=1, output_len=2, input_len=4, energy="nvml"))
+    assert res["energy_source"] is None and res["gpu_energy_j"] is None  # no NVML here: no energy, not the server's
