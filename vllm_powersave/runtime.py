@@ -108,6 +108,9 @@ class WorkerRuntime:
         self.stats_path = Path(settings.stats_dir) / f"rank{self.rank}.json" if settings.stats_dir else None
         self._stop = threading.Event()
         self._last_step_s = time.monotonic()
+        self._trace: list[dict[str, Any]] | None = [] if settings.trace_steps and self.stats_path else None
+        self._trace_lock = threading.Lock()
+        self._trace_path = self.stats_path.with_name(f"trace-rank{self.rank}.jsonl") if self.stats_path else None
         try:
             self.publish()  # series exist from the first step on, not one period later
         except OSError as exc:
@@ -152,12 +155,19 @@ class WorkerRuntime:
             return
         self._last_step_s = time.monotonic()
         self.clocks.on_phase(info.phase)
+        if self._trace is not None:
+            with self._trace_lock:
+                self._trace.append({"t": self._last_step_s, "phase": info.phase, "prefill": info.prefill_tokens,
+                                "decode": info.decode_tokens, "rows": info.lm_head_rows, "ctx": info.decode_ctx_tokens,
+                                    "reqs": info.num_reqs, "sm_target": self.clocks.target_sm_clock_mhz})
         if self.account is not None:
             self.account.on_step(info.phase, info.prefill_tokens, info.decode_tokens)
         if self.sim is not None and self.model_cost is not None:
             self.sim.run(self.model_cost.step_work(info.num_tokens, info.lm_head_rows, info.decode_ctx_tokens, self.vocab_params))
 
     def on_step_end(self) -> None:
+        if self._trace and "t_end" not in self._trace[-1]:
+            self._trace[-1]["t_end"] = time.monotonic()
         if self.account is not None:
             self.account.on_step_end()
 
@@ -185,9 +195,21 @@ class WorkerRuntime:
             "lm_head_rows": policy.rows_total,
         }
 
+    def _flush_trace(self) -> None:
+        if not self._trace or self._trace_path is None:
+            return
+        # Keep the newest record in memory: its t_end may still be filled in.
+        with self._trace_lock:
+            done = self._trace[:-1]
+            del self._trace[:-1]
+        if done:
+            with open(self._trace_path, "a") as f:
+                f.writelines(json.dumps(r) + "\n" for r in done)
+
     def publish(self) -> None:
         if self.stats_path is None:
             return
+        self._flush_trace()
         self.stats_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.stats_path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(self.snapshot()))
@@ -212,6 +234,10 @@ class WorkerRuntime:
             if self.account is not None:
                 self.account.tick()
             self.publish()
+            if self._trace and self._trace_path is not None:
+                with open(self._trace_path, "a") as f:
+                    f.writelines(json.dumps(r) + "\n" for r in self._trace)
+                self._trace.clear()
         except Exception:
             pass
 

@@ -106,6 +106,10 @@ class PowersaveSettings(_Strict):
     config_file: str | None = None
     #: Directory where worker processes publish their figures for the API server's /metrics.
     stats_dir: str | None = None
+    #: Write one JSON line per engine step (phase, tokens, LM-head rows, clock decision, host
+    #: start/end times in s) to ``stats_dir/trace-rank<N>.jsonl``: the data the controller and the
+    #: simulator are judged against. Costs a dict and a list append per step.
+    trace_steps: bool = False
 
     @model_validator(mode="after")
     def _simulated_needs_sim_meter(self) -> "PowersaveSettings":

@@ -1,0 +1,267 @@
+#!/usr/bin/env python3
+"""Stock vLLM vs vLLM + powersave on one GPU, through the OpenAI server and our load-test harness.
+
+Runs ON the GPU machine (see ``benchmarks/README.md``). Both servers stay resident on the same GPU
+for the whole run (each with ``--gpu-memory-utilization`` ~0.4), and load windows alternate
+A B A B ... so that drift (temperature, other tenants) hits both equally. Energy of a window is the
+GPU's NVML total-energy counter (whole GPU, so the resting engine's idle draw is in both A's and B's
+windows alike). Clocks are never changed: this script refuses to run unless
+``POWERSAVE_FORCE_DRY_RUN=1``, and the plugin's controller runs in dry-run, recording decisions.
+
+Output: one JSON file (``--out``) with the device facts, the idle window, every load window (harness
+summary), a 10 Hz power/SM-clock timeline and the plugin's per-step trace (phases, tokens, dry-run
+clock decisions), written incrementally so that a run cut short still returns what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+T0 = time.monotonic()
+SERVE_EXTRA: list[str] = []
+
+
+def log(*a: object) -> None:
+    print(f"[ab +{time.monotonic() - T0:6.1f}s]", *a, flush=True)
+
+
+class Sampler(threading.Thread):
+    """NVML power (W), SM clock (MHz) and energy counter (mJ) at ~10 Hz; read-only."""
+
+    def __init__(self, index: int = 0, period_s: float = 0.1) -> None:
+        super().__init__(daemon=True)
+        import pynvml as N
+
+        N.nvmlInit()
+        self.N, self.h, self.period = N, N.nvmlDeviceGetHandleByIndex(index), period_s
+        self.rows: list[tuple[float, float, int, int]] = []
+        self.stop_ev = threading.Event()
+
+    def run(self) -> None:
+        N, h = self.N, self.h
+        while not self.stop_ev.is_set():
+            try:
+                self.rows.append((time.monotonic(), N.nvmlDeviceGetPowerUsage(h) / 1000.0,
+                                  N.nvmlDeviceGetClockInfo(h, N.NVML_CLOCK_SM), N.nvmlDeviceGetTotalEnergyConsumption(h)))
+            except Exception:
+                pass
+            time.sleep(self.period)
+
+    def window(self, t0: float, t1: float) -> dict:
+        rows = [r for r in self.rows if t0 <= r[0] <= t1]
+        if len(rows) < 2:
+            return {}
+        clocks = sorted(r[2] for r in rows)
+        return {"avg_power_w": sum(r[1] for r in rows) / len(rows), "median_sm_clock_mhz": clocks[len(clocks) // 2],
+                "energy_j_counter": (rows[-1][3] - rows[0][3]) / 1000.0, "seconds": rows[-1][0] - rows[0][0]}
+
+
+class NullSampler:
+    rows: list = []
+    stop_ev = threading.Event()
+
+    def start(self) -> None:
+        pass
+
+    def window(self, t0: float, t1: float) -> dict:
+        return {}
+
+
+def device_facts() -> dict:
+    import pynvml as N
+
+    try:
+        N.nvmlInit()
+    except Exception as exc:
+        return {"name": f"no NVML ({exc})"}
+    h = N.nvmlDeviceGetHandleByIndex(0)
+    name = N.nvmlDeviceGetName(h)
+    return {"name": name.decode() if isinstance(name, bytes) else name,
+            "driver": str(N.nvmlSystemGetDriverVersion()),
+            "power_limit_w": N.nvmlDeviceGetEnforcedPowerLimit(h) / 1000.0}
+
+
+def make_model(shape: str, shapes_dir: Path, tok_dir: Path) -> Path:
+    d = Path("/tmp/models") / shape
+    d.mkdir(parents=True, exist_ok=True)
+    shutil.copy(shapes_dir / f"{shape}.json", d / "config.json")
+    for f in tok_dir.iterdir():
+        if f.is_file() and f.name != "config.json":
+            shutil.copy(f, d / f.name)
+    return d
+
+
+def start_server(label: str, model: Path, port: int, extra: list[str], pythonpath: str, out: Path, gpu_mem: float) -> subprocess.Popen:
+    extra = [*extra, *SERVE_EXTRA]
+    env = dict(os.environ, PYTHONPATH=pythonpath)
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name", "model",
+           "--load-format", "dummy", "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048",
+           "--max-num-seqs", "256", "--gpu-memory-utilization", str(gpu_mem), *extra]
+    logf = open(out / f"server-{label}.log", "wb")
+    logf.write((" ".join(cmd) + "\n").encode())
+    return subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def wait_healthy(procs: dict[str, tuple[subprocess.Popen, int]], timeout_s: float) -> None:
+    pending = dict(procs)
+    deadline = time.monotonic() + timeout_s
+    while pending and time.monotonic() < deadline:
+        for label, (p, port) in list(pending.items()):
+            if p.poll() is not None:
+                raise RuntimeError(f"server {label} exited with {p.returncode} during start-up")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        log(f"server {label} healthy")
+                        pending.pop(label)
+            except Exception:
+                pass
+        time.sleep(1)
+    if pending:
+        raise RuntimeError(f"servers {sorted(pending)} not healthy after {timeout_s:.0f} s")
+
+
+def stop(p: subprocess.Popen) -> None:
+    for sig, wait in ((signal.SIGINT, 20), (signal.SIGKILL, 5)):
+        if p.poll() is not None:
+            return
+        try:
+            os.killpg(p.pid, sig)
+            p.wait(wait)
+        except Exception:
+            pass
+
+
+SUMMARY_KEYS = ("completed", "failed", "duration", "total_input_tokens", "total_output_tokens", "request_throughput",
+                "output_throughput", "total_token_throughput", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms",
+                "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms", "median_itl_ms", "p99_itl_ms", "median_e2el_ms",
+                "gpu_energy_j", "gpu_avg_power_w", "gpu_energy_per_output_token_j", "output_tokens_per_joule",
+                "total_tokens_per_joule", "energy_source", "energy_window_s")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", required=True)
+    ap.add_argument("--loads", default="8,64,256")
+    ap.add_argument("--pairs", type=int, default=3)
+    ap.add_argument("--window", type=float, default=15.0)
+    ap.add_argument("--idle-window", type=float, default=15.0)
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--gpu-mem", type=float, default=0.42)
+    ap.add_argument("--serve-arg", action="append", default=[], help="extra vllm serve argument for both servers")
+    ap.add_argument("--budget-s", type=float, default=540.0, help="stop starting windows after this (s since start)")
+    ap.add_argument("--shapes-dir", default=".gpu-bundle/shapes")
+    ap.add_argument("--tok-dir", default="/tmp/model_cfg")
+    ap.add_argument("--plugin-site", default="/tmp/psite")
+    ap.add_argument("--stock-site", default="/tmp/site")
+    ap.add_argument("--out", required=True)
+    ns = ap.parse_args()
+
+    if os.environ.get("POWERSAVE_FORCE_DRY_RUN") != "1":
+        print("error: refusing to run: POWERSAVE_FORCE_DRY_RUN=1 must be set on a shared GPU", file=sys.stderr)
+        return 2
+    SERVE_EXTRA.extend(a for arg in ns.serve_arg for a in arg.split())
+    sys.path[:0] = [ns.plugin_site]
+    from loadtests import BenchConfig, run
+
+    out_file = Path(ns.out)
+    out_dir = out_file.parent
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stats_dir = Path("/tmp/powersave-stats") / ns.shape
+    shutil.rmtree(stats_dir, ignore_errors=True)
+    model = make_model(ns.shape, Path(ns.shapes_dir), Path(ns.tok_dir))
+    import vllm  # noqa: F401 - version only
+
+    result: dict = {"shape": ns.shape, "device": device_facts(), "vllm_version": vllm.__version__,
+                    "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    "method": {"pairs": ns.pairs, "window_s": ns.window, "input_len": ns.input_len, "output_len": ns.output_len,
+                               "order": "A B per pair (A = stock vLLM, B = vLLM + powersave), both servers resident",
+                               "energy": "NVML total-energy counter of the whole GPU over each harness window (measured)",
+                               "clocks": "never changed: POWERSAVE_FORCE_DRY_RUN=1, controller dry-run"},
+                    "idle": {}, "windows": [], "timeline": [], "trace": [], "notes": []}
+
+    def save() -> None:
+        tmp = out_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(result))
+        tmp.replace(out_file)
+
+    plugin_cfg = {"powersave": {
+        "stats_dir": str(stats_dir), "trace_steps": True,
+        # Policy active but choosing 1 chunk at every row count seen here (H200: no gain measured).
+        "chunking": {"table": [{"min_rows": 1_000_000, "chunks": 2}]},
+        "clocks": {"backend": "dry-run", "min_dwell_ms": 200,
+                   "presets": {"decode": {"sm_clock_mhz": 1200}, "idle": {"sm_clock_mhz": 345}}},
+        "energy": {"meter": "nvml"}}}
+    try:
+        sampler = Sampler()
+    except Exception as exc:  # no NVML (a CPU dry run of this script): keep going without a timeline
+        log("no NVML sampler:", exc)
+        sampler = NullSampler()
+    sampler.start()
+    procs = {
+        "A": (start_server("A", model, 8001, [], ns.stock_site, out_dir, ns.gpu_mem), 8001),
+        "B": (start_server("B", model, 8002, ["--plugin", "powersave", "--additional-config", json.dumps(plugin_cfg)],
+                           f"{ns.plugin_site}:{ns.stock_site}", out_dir, ns.gpu_mem), 8002),
+    }
+    try:
+        wait_healthy(procs, timeout_s=300)
+        result["startup_s"] = time.monotonic() - T0
+        # Idle: both engines loaded, no requests.
+        time.sleep(3)
+        t0 = time.monotonic()
+        time.sleep(ns.idle_window)
+        result["idle"] = sampler.window(t0, time.monotonic())
+        log("idle", result["idle"])
+        save()
+        for load in [int(x) for x in ns.loads.split(",")]:
+            for label, (_, port) in procs.items():  # warm-up: compile/graph paths for this batch size
+                run(BenchConfig(base_url=f"http://127.0.0.1:{port}", model="model", num_prompts=load, max_concurrency=load,
+                                input_len=ns.input_len, output_len=32, energy="none", label=f"warm-{label}"))
+            for pair in range(ns.pairs):
+                for label, (_, port) in procs.items():
+                    if time.monotonic() - T0 > ns.budget_s:
+                        result["notes"].append(f"budget reached before load {load} pair {pair} {label}")
+                        raise TimeoutError
+                    t0 = time.monotonic()
+                    res = run(BenchConfig(base_url=f"http://127.0.0.1:{port}", model="model", num_prompts=20000,
+                                          max_concurrency=load, input_len=ns.input_len, output_len=ns.output_len,
+                                          duration_s=ns.window, energy="nvml", gpus=[0], seed=pair, label=f"{label}-{load}-{pair}"))
+                    t1 = time.monotonic()
+                    w = {"server": label, "load": load, "pair": pair, "t0": t0, "t1": t1, **{k: res.get(k) for k in SUMMARY_KEYS},
+                         "sampler": sampler.window(t0, t1)}
+                    result["windows"].append(w)
+                    log(f"load {load} pair {pair} {label}: {w['output_throughput']:.0f} tok/s, "
+                        f"{w['output_tokens_per_joule']} tok/J, {w['gpu_avg_power_w']} W")
+                    save()
+    except TimeoutError:
+        log("budget reached; saving partial results")
+    except Exception as exc:
+        result["notes"].append(f"error: {type(exc).__name__}: {exc}")
+        log("error:", exc)
+    finally:
+        sampler.stop_ev.set()
+        for p, _ in procs.values():
+            stop(p)
+        result["timeline"] = [(round(t, 3), round(w, 1), c) for t, w, c, _ in sampler.rows[::2]]
+        for f in sorted(stats_dir.glob("trace-rank*.jsonl")):
+            result["trace"] = [json.loads(x) for x in f.read_text().splitlines() if x.strip()]
+        for f in sorted(stats_dir.glob("rank*.json")):
+            result["plugin_snapshot"] = json.loads(f.read_text())
+        save()
+        log(f"saved {out_file} ({out_file.stat().st_size} bytes)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
