@@ -60,7 +60,7 @@ def test_dwell_lowers_only_after_min_dwell_and_raises_at_once(tmp_path):
     clock.t += 0.45
     ctl.on_phase("decode")  # only 0 s since this decode run began
     assert nvml.calls[-1] == ("reset",)
-    assert [d.phase for d in ctl.decisions] == ["decode", "prefill"]
+    assert [d.phase for d in ctl.decisions] == ["decode", "prefill"] and ctl.n_changes == 2
     ctl.close()
 
 
@@ -86,7 +86,7 @@ def test_permission_denied_falls_back_to_dry_run_with_one_warning(tmp_path, capl
         ctl.on_phase("decode")
     assert isinstance(ctl.backend, DryRunClockBackend)
     assert [r for r in caplog.records if "dry-run" in r.getMessage()].__len__() == 1
-    assert ctl.backend.calls == [("set", 1200, None), ("reset", None, None), ("set", 1200, None)]
+    assert list(ctl.backend.calls) == [("set", 1200, None), ("reset", None, None), ("set", 1200, None)]
     assert nvml.calls == [("set", 1200, 1200)]  # the only real attempt
     assert not (tmp_path / "leases" / "GPU-test.json").exists()
     ctl.close()
@@ -177,4 +177,4 @@ def test_dry_run_never_calls_a_setter(tmp_path):
     ctl = ClockController(backend, s, asynchronous=False)
     ctl.on_phase("decode")
     ctl.close()
-    assert backend.calls[0][0] == "set" and backend.calls[-1][0] == "reset"
+    assert list(backend.calls)[0][0] == "set" and list(backend.calls)[-1][0] == "reset"

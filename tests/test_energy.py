@@ -31,32 +31,57 @@ def test_nvml_meter_deltas_reset_and_fault():
     assert m.power_w() == 250.0
 
 
-def test_account_books_steps_gaps_and_idle_and_sums_to_total():
+def test_account_splits_tick_energy_by_phase_time_and_sums_to_total():
     nvml, clock = FakeNvml(energy_mj=0), Clock()
     meter = NvmlEnergyMeter(nvml, "h")
     acc = PhaseEnergyAccount(meter, idle_after_s=0.25, clock=clock)
+    reads = []
+    orig = meter.energy_j
+    meter.energy_j = lambda: (reads.append(clock.t), orig())[1]
 
     def advance(dt, watts):
         clock.t += dt
-        nvml.energy_mj += int(dt * watts * 1000)
+        nvml.energy_mj += int(round(dt * watts * 1000))
 
     advance(1.0, 100)  # idle before any request
     acc.tick()
+    assert acc.energy_j["idle"] == pytest.approx(100.0)
     acc.on_step("prefill", prefill_tokens=512)
     advance(0.05, 600)
     acc.on_step_end()
-    advance(0.01, 300)  # host gap: belongs to the last step's phase
+    advance(0.01, 300)  # short host gap: still the prefill step's
     acc.on_step("decode", decode_tokens=8)
-    advance(0.02, 400)
+    advance(0.04, 600)
     acc.on_step_end()
-    advance(0.5, 120)
-    acc.tick()  # 0.5 s without a step: idle
-    assert acc.energy_j["idle"] == pytest.approx(100 + 60, rel=1e-6)
-    assert acc.energy_j["prefill"] == pytest.approx(30 + 3, rel=1e-6)
-    assert acc.energy_j["decode"] == pytest.approx(8, rel=1e-6)
+    advance(0.5, 120)  # long gap after the decode step: idle
+    n_reads = len(reads)
+    acc.tick()
+    assert len(reads) == n_reads + 1  # one meter read per tick, none per step
+    d_e = 0.05 * 600 + 0.01 * 300 + 0.04 * 600 + 0.5 * 120  # 117 J over 0.6 s
+    assert acc.time_s["prefill"] == pytest.approx(0.06)
+    assert acc.time_s["decode"] == pytest.approx(0.04)
+    assert acc.time_s["idle"] == pytest.approx(1.0 + 0.5)
+    assert acc.energy_j["prefill"] == pytest.approx(d_e * 0.06 / 0.6)
+    assert acc.energy_j["decode"] == pytest.approx(d_e * 0.04 / 0.6)
+    assert acc.energy_j["idle"] == pytest.approx(100.0 + d_e * 0.5 / 0.6)
     assert acc.total_j() == pytest.approx(meter.energy_j(), rel=1e-9)
     assert acc.steps == {"prefill": 1, "decode": 1, "mixed": 0, "idle": 0}
     assert acc.tokens == {"prefill": 512, "decode": 8}
+    assert acc.current_phase == "idle"
+
+
+def test_account_step_spanning_ticks_keeps_its_phase():
+    nvml, clock = FakeNvml(energy_mj=0), Clock()
+    acc = PhaseEnergyAccount(NvmlEnergyMeter(nvml, "h"), idle_after_s=0.25, clock=clock)
+    acc.on_step("decode")
+    clock.t += 0.1
+    nvml.energy_mj += 40_000
+    acc.tick()  # mid-step: all decode
+    clock.t += 0.1
+    nvml.energy_mj += 40_000
+    acc.on_step_end()
+    acc.tick()
+    assert acc.energy_j["decode"] == pytest.approx(80.0) and acc.energy_j["idle"] == 0.0
 
 
 def test_simulated_meter_idle_and_steps():
@@ -68,7 +93,9 @@ def test_simulated_meter_idle_and_steps():
     assert acc.energy_j["idle"] == pytest.approx(2.0 * H200.p_idle_w)
     acc.on_step("decode", decode_tokens=1)
     res = gpu.run(StepWork(flops=1e12, bytes=1e9))
+    clock.t += 0.01
     acc.on_step_end()
+    acc.tick()
     assert acc.energy_j["decode"] == pytest.approx(res.energy_j)
     assert meter.source == "simulated"
 

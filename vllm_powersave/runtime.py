@@ -189,7 +189,7 @@ class WorkerRuntime:
             "power_w": self.meter.power_w() if self.meter else None,
             "sm_clock_mhz": self.meter.sm_clock_mhz() if self.meter else None,
             "target_sm_clock_mhz": self.clocks.target_sm_clock_mhz,
-            "clock_changes": len(self.clocks.decisions),
+            "clock_changes": self.clocks.n_changes,
             "clock_disabled": self.clocks.disabled_reason,
             "lm_head_calls": {str(k): v for k, v in sorted(policy.calls.items())},
             "lm_head_rows": policy.rows_total,

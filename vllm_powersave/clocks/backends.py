@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from abc import ABC, abstractmethod
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,7 +73,7 @@ class DryRunClockBackend(ClockBackend):
 
     def __init__(self, supported: tuple[int, ...] | None = None) -> None:
         self._supported = tuple(sorted(supported)) if supported else tuple(range(345, 1981, 15))
-        self.calls: list[tuple[str, int | None, int | None]] = []
+        self.calls: deque[tuple[str, int | None, int | None]] = deque(maxlen=4096)
 
     def supported_sm_clocks(self) -> tuple[int, ...]:
         return self._supported

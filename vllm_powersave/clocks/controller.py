@@ -20,6 +20,7 @@ import logging
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
@@ -117,7 +118,9 @@ class ClockController:
         self.last_change_s = -1e18
         self._down_since: float | None = None
         self._down_target: ClockPreset | None = None
-        self.decisions: list[ClockChange] = []
+        # Bounded: a server runs for weeks; the count is kept separately.
+        self.decisions: deque[ClockChange] = deque(maxlen=4096)
+        self.n_changes = 0
         self.disabled_reason: str | None = None
         self._pending: tuple[str, ClockPreset] | None = None
         self._cv = threading.Condition()
@@ -164,6 +167,7 @@ class ClockController:
         self.current = target
         self.last_change_s = self.clock()
         self.decisions.append(ClockChange(self.last_change_s, phase, target.sm_clock_mhz, target.mem_clock_mhz))
+        self.n_changes += 1
         if self._thread is None:
             self._apply(phase, target)
         else:
