@@ -33,3 +33,36 @@ def test_from_scheduler_output_shape():
     assert reqs == [ReqSched(128, 0, True, 0), ReqSched(1, 0, False, 70), ReqSched(32, 0, True, 9)]
     info = classify(reqs)
     assert (info.phase, info.prefill_tokens, info.decode_tokens, info.prefill_reqs, info.decode_reqs) == ("mixed", 160, 1, 2, 1)
+
+
+def test_fast_aggregate_classification_equals_per_request_classification():
+    import random
+
+    from vllm_powersave.vllm_compat import step_info
+
+    rng = random.Random(0)
+    for _ in range(500):
+        new = [f"n{i}" for i in range(rng.randint(0, 3))]
+        cached = [f"c{i}" for i in range(rng.randint(0, 40))]
+        nst, spec = {}, {}
+        n_out, computed = [], []
+        for r in new:
+            nst[r] = rng.randint(1, 2048)
+        for r in cached:
+            ctx = rng.random() < 0.1
+            n_out.append(0 if ctx else rng.randint(1, 500))
+            computed.append(rng.randint(0, 4000))
+            k = 0 if ctx or rng.random() < 0.5 else rng.randint(1, 4)
+            if k:
+                spec[r] = [0] * k
+            resumed = (not ctx) and rng.random() < 0.05
+            nst[r] = rng.randint(1, 512) if ctx else (1 + k + (rng.randint(1, 300) if resumed else 0))
+        so = SimpleNamespace(
+            scheduled_new_reqs=[SimpleNamespace(req_id=r, num_computed_tokens=0) for r in new],
+            scheduled_cached_reqs=SimpleNamespace(req_ids=cached, num_computed_tokens=computed, num_output_tokens=n_out),
+            num_scheduled_tokens=nst, scheduled_spec_decode_tokens=spec, total_num_scheduled_tokens=sum(nst.values()),
+        )
+        slow = classify(step_requests(so))
+        fast = step_info(so)
+        assert (fast.phase, fast.prefill_tokens, fast.decode_tokens, fast.lm_head_rows, fast.num_reqs, fast.spec_tokens) == \
+            (slow.phase, slow.prefill_tokens, slow.decode_tokens, slow.lm_head_rows, slow.num_reqs, slow.spec_tokens)

@@ -88,3 +88,32 @@ def classify(reqs: list[ReqSched]) -> StepInfo:
     else:
         phase = "mixed"
     return StepInfo(phase, pre_r + dec_r, pre_r, dec_r, pre_t, dec_t, spec_t, rows, ctx)
+
+
+def classify_counts(
+    new_reqs: int,
+    cached_ctx_reqs: int,
+    cached_decode_reqs: int,
+    total_tokens: int,
+    spec_tokens: int = 0,
+    decode_ctx_tokens: int = 0,
+) -> StepInfo:
+    """:func:`classify` from aggregate counts: O(1) Python work for the per-step hot path.
+
+    Equal to ``classify`` whenever speculative tokens belong to decoding requests (the only case
+    vLLM schedules): decode tokens are ``1 + spec`` per decoding request and every other scheduled
+    token is prefill work (context-phase prompts, or a resumed request's recomputation).
+    """
+    prefill_reqs = new_reqs + cached_ctx_reqs
+    num_reqs = prefill_reqs + cached_decode_reqs
+    if num_reqs == 0 or total_tokens <= 0:
+        return IDLE
+    decode_tokens = min(cached_decode_reqs + spec_tokens, total_tokens)
+    prefill_tokens = total_tokens - decode_tokens
+    if cached_decode_reqs == 0:
+        phase = "prefill"
+    elif prefill_tokens == 0:
+        phase = "decode"
+    else:
+        phase = "mixed"
+    return StepInfo(phase, num_reqs, prefill_reqs, cached_decode_reqs, prefill_tokens, decode_tokens, spec_tokens, num_reqs + spec_tokens, decode_ctx_tokens)

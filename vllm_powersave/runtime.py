@@ -12,6 +12,7 @@ import logging
 import os
 import threading
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,6 @@ from .clocks import ClockController, DryRunClockBackend, NvmlClockBackend, Simul
 from .clocks.backends import ClockBackend
 from .energy import NvmlEnergyMeter, PhaseEnergyAccount, SimulatedEnergyMeter
 from .energy.meters import EnergyMeter, nvml_handle_for_torch_device
-from .phases import classify
 from .settings import PowersaveSettings, settings_from_env
 from .sim.gpu import SPECS, ModelCost, SimulatedGpu
 
@@ -108,8 +108,7 @@ class WorkerRuntime:
         self.stats_path = Path(settings.stats_dir) / f"rank{self.rank}.json" if settings.stats_dir else None
         self._stop = threading.Event()
         self._last_step_s = time.monotonic()
-        self._trace: list[dict[str, Any]] | None = [] if settings.trace_steps and self.stats_path else None
-        self._trace_lock = threading.Lock()
+        self._trace: deque[tuple] | None = deque() if settings.trace_steps and self.stats_path else None
         self._trace_path = self.stats_path.with_name(f"trace-rank{self.rank}.jsonl") if self.stats_path else None
         try:
             self.publish()  # series exist from the first step on, not one period later
@@ -150,24 +149,23 @@ class WorkerRuntime:
 
     # -- per step ----------------------------------------------------------------------------
     def on_step_start(self, scheduler_output: Any) -> None:
-        info = classify(vllm_compat.step_requests(scheduler_output))
+        info = vllm_compat.step_info(scheduler_output)
         if info.phase == "idle":
             return
         self._last_step_s = time.monotonic()
         self.clocks.on_phase(info.phase)
         if self._trace is not None:
-            with self._trace_lock:
-                self._trace.append({"t": self._last_step_s, "phase": info.phase, "prefill": info.prefill_tokens,
-                                "decode": info.decode_tokens, "rows": info.lm_head_rows, "ctx": info.decode_ctx_tokens,
-                                    "reqs": info.num_reqs, "sm_target": self.clocks.target_sm_clock_mhz})
+            # A tuple per step (cheap); turned into JSON by the publisher thread.
+            self._trace.append((self._last_step_s, info.phase, info.prefill_tokens, info.decode_tokens, info.lm_head_rows,
+                                info.decode_ctx_tokens, info.num_reqs, self.clocks.target_sm_clock_mhz, None))
         if self.account is not None:
             self.account.on_step(info.phase, info.prefill_tokens, info.decode_tokens)
         if self.sim is not None and self.model_cost is not None:
             self.sim.run(self.model_cost.step_work(info.num_tokens, info.lm_head_rows, info.decode_ctx_tokens, self.vocab_params))
 
     def on_step_end(self) -> None:
-        if self._trace and "t_end" not in self._trace[-1]:
-            self._trace[-1]["t_end"] = time.monotonic()
+        if self._trace and self._trace[-1][-1] is None:
+            self._trace[-1] = (*self._trace[-1][:-1], time.monotonic())
         if self.account is not None:
             self.account.on_step_end()
 
@@ -195,16 +193,18 @@ class WorkerRuntime:
             "lm_head_rows": policy.rows_total,
         }
 
-    def _flush_trace(self) -> None:
+    _TRACE_KEYS = ("t", "phase", "prefill", "decode", "rows", "ctx", "reqs", "sm_target", "t_end")
+
+    def _flush_trace(self, keep_last: bool = True) -> None:
         if not self._trace or self._trace_path is None:
             return
-        # Keep the newest record in memory: its t_end may still be filled in.
-        with self._trace_lock:
-            done = self._trace[:-1]
-            del self._trace[:-1]
+        # Keep the newest record in memory (its t_end may still be filled in). popleft from a
+        # deque is atomic under the GIL, so the step thread never needs a lock.
+        n = len(self._trace) - (1 if keep_last else 0)
+        done = [self._trace.popleft() for _ in range(max(0, n))]
         if done:
             with open(self._trace_path, "a") as f:
-                f.writelines(json.dumps(r) + "\n" for r in done)
+                f.writelines(json.dumps(dict(zip(self._TRACE_KEYS, r))) + "\n" for r in done)
 
     def publish(self) -> None:
         if self.stats_path is None:
@@ -234,10 +234,7 @@ class WorkerRuntime:
             if self.account is not None:
                 self.account.tick()
             self.publish()
-            if self._trace and self._trace_path is not None:
-                with open(self._trace_path, "a") as f:
-                    f.writelines(json.dumps(r) + "\n" for r in self._trace)
-                self._trace.clear()
+            self._flush_trace(keep_last=False)
         except Exception:
             pass
 

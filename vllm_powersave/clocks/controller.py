@@ -115,6 +115,8 @@ class ClockController:
         }
         self.min_dwell_s = settings.min_dwell_ms / 1000.0
         self.current: ClockPreset = ClockPreset()  # None/None: driver default
+        self._all_targets = {p: self.presets.get(p, ClockPreset()) for p in ("prefill", "decode", "mixed", "idle")}
+        self._same = {p: t == self.current for p, t in self._all_targets.items()}
         self.last_change_s = -1e18
         self._down_since: float | None = None
         self._down_target: ClockPreset | None = None
@@ -142,7 +144,7 @@ class ClockController:
         asking for it have lasted ``min_dwell_ms`` without interruption, so short decode runs
         between prefills do not make the clock oscillate.
         """
-        target = self.presets.get(phase, ClockPreset())
+        target = self._all_targets.get(phase) or ClockPreset()
         if target == self.current:
             self._down_since = None
             return None
@@ -158,13 +160,16 @@ class ClockController:
         return None
 
     def on_phase(self, phase: str) -> None:
-        """Called once per engine step (hot path: no NVML here)."""
+        """Called once per engine step (hot path: no NVML here, and no work when nothing changes)."""
+        if self._same.get(phase, False) and self._down_since is None:
+            return  # the common case: this phase's preset is already applied
         if self.disabled_reason is not None or self._closed:
             return
         target = self.decide(phase)
         if target is None:
             return
         self.current = target
+        self._same = {p: t == target for p, t in self._all_targets.items()}
         self.last_change_s = self.clock()
         self.decisions.append(ClockChange(self.last_change_s, phase, target.sm_clock_mhz, target.mem_clock_mhz))
         self.n_changes += 1
