@@ -1,0 +1,265 @@
+#!/usr/bin/env python3
+"""Turn the raw H200 A/B runs (benchmarks/h200_ab.py) into docs/results/h200-vllm.{json,md} + plots.
+
+Measured numbers come from the runs; the only simulated numbers (labelled so) are the energy the
+simulated GPU predicts for the controller's dry-run decisions over the traced steps.
+
+Usage: python benchmarks/analyze_h200.py RAW.json [RAW.json ...] --out docs/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import math
+import statistics as st
+import sys
+from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from vllm_powersave.modelgen import SHAPES, param_count  # noqa: E402
+from vllm_powersave.sim.gpu import H200, ModelCost, simulate_step  # noqa: E402
+
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571}
+
+
+def ci95(xs: list[float]) -> tuple[float, float]:
+    if len(xs) < 2:
+        return (math.nan, math.nan)
+    m, s = st.mean(xs), st.stdev(xs)
+    h = T95.get(len(xs) - 1, 2.0) * s / math.sqrt(len(xs))
+    return (m - h, m + h)
+
+
+def model_cost(shape: str) -> tuple[ModelCost, float]:
+    cfg = SHAPES[shape]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    kv = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 2
+    n = float(param_count(shape))
+    return ModelCost(n, kv, 2 * n), float(cfg["vocab_size"] * cfg["hidden_size"])
+
+
+def sim_decisions(trace: list[dict], shape: str, t0: float, t1: float) -> dict:
+    """Simulated energy of the traced steps at stock clocks vs at the dry-run decisions."""
+    cost, vocab = model_cost(shape)
+    e_stock = e_dec = t_stock = t_dec = 0.0
+    e_alt = 0.0
+    n = 0
+    for s in trace:
+        if not (t0 <= s["t"] <= t1):
+            continue
+        w = cost.step_work(s["prefill"] + s["decode"], s["rows"], s["ctx"], vocab)
+        a = simulate_step(H200, w, H200.f_max_mhz)
+        b = simulate_step(H200, w, s["sm_target"] or H200.f_max_mhz)
+        # Alternative policy, for comparison: every step with few prefill tokens at 1200 MHz.
+        c = simulate_step(H200, w, 1200 if s["prefill"] <= 512 else H200.f_max_mhz)
+        e_stock += a.energy_j
+        e_dec += b.energy_j
+        e_alt += c.energy_j
+        t_stock += a.time_s
+        t_dec += b.time_s
+        n += 1
+    if n == 0:
+        return {}
+    return {"steps": n, "stock_j": e_stock, "decisions_j": e_dec, "energy_saving_pct": 100 * (1 - e_dec / e_stock),
+            "time_change_pct": 100 * (t_dec / t_stock - 1),
+            "alt_policy_low_prefill_steps_1200mhz_saving_pct": 100 * (1 - e_alt / e_stock), "source": "simulated"}
+
+
+def analyze(raw: dict, tag: str) -> dict:
+    shape = raw["shape"]
+    trace = raw.get("trace", [])
+    cases = []
+    by_load: dict[int, list[dict]] = {}
+    for w in raw["windows"]:
+        by_load.setdefault(w["load"], []).append(w)
+    for load, ws in sorted(by_load.items()):
+        pairs = sorted({w["pair"] for w in ws})
+        a = {w["pair"]: w for w in ws if w["server"] == "A"}
+        b = {w["pair"]: w for w in ws if w["server"] == "B"}
+        full = [p for p in pairs if p in a and p in b]
+        if not full:
+            continue
+        thr = [b[p]["output_throughput"] / a[p]["output_throughput"] for p in full]
+        jpt = [b[p]["gpu_energy_per_output_token_j"] / a[p]["gpu_energy_per_output_token_j"] for p in full]
+        lo, hi = ci95(thr)
+        jlo, jhi = ci95(jpt)
+        trace_steps = [s for p in full for s in trace if b[p]["t0"] <= s["t"] <= b[p]["t1"]]
+        phases = Counter(s["phase"] for s in trace_steps)
+        host_ms = [1000 * (s["t_end"] - s["t"]) for s in trace_steps if s.get("t_end") and s["t_end"] - s["t"] < 1.0]
+        intervals = [1000 * (y["t"] - x["t"]) for x, y in zip(trace_steps, trace_steps[1:]) if 0 < y["t"] - x["t"] < 1.0]
+        targets = Counter(str(s["sm_target"] or "default") for s in trace_steps)
+        sims = [sim_decisions(trace, shape, b[p]["t0"], b[p]["t1"]) for p in full]
+        sims = [x for x in sims if x]
+        case = {
+            "shape": shape, "load": load, "load_kind": "closed-loop concurrency (OpenAI server, load-test harness)",
+            "pairs": len(full),
+            "throughput_ratio": st.mean(thr), "throughput_ratio_ci95": [lo, hi], "throughput_ratio_per_pair": thr,
+            "j_per_token_ratio": st.mean(jpt), "j_per_token_ratio_ci95": [jlo, jhi], "j_per_token_ratio_per_pair": jpt,
+            "verdict": ("no difference beyond noise" if (lo <= 1 <= hi and jlo <= 1 <= jhi) else "difference beyond noise"),
+            "stock_out_tok_per_s": st.mean(a[p]["output_throughput"] for p in full),
+            "plugin_out_tok_per_s": st.mean(b[p]["output_throughput"] for p in full),
+            "stock_out_tok_per_j": st.mean(a[p]["output_tokens_per_joule"] for p in full),
+            "plugin_out_tok_per_j": st.mean(b[p]["output_tokens_per_joule"] for p in full),
+            "stock_avg_power_w": st.mean(a[p]["gpu_avg_power_w"] for p in full),
+            "plugin_avg_power_w": st.mean(b[p]["gpu_avg_power_w"] for p in full),
+            "stock_median_sm_clock_mhz": st.median(a[p]["sampler"].get("median_sm_clock_mhz", math.nan) for p in full),
+            "plugin_median_sm_clock_mhz": st.median(b[p]["sampler"].get("median_sm_clock_mhz", math.nan) for p in full),
+            "stock_p99_tpot_ms": st.mean(a[p]["p99_tpot_ms"] for p in full),
+            "plugin_p99_tpot_ms": st.mean(b[p]["p99_tpot_ms"] for p in full),
+            "stock_median_ttft_ms": st.mean(a[p]["median_ttft_ms"] for p in full),
+            "plugin_median_ttft_ms": st.mean(b[p]["median_ttft_ms"] for p in full),
+            "energy_source": "measured",
+            "phase_mix": {"steps_by_phase": dict(phases),
+                          "host_step_ms_median": st.median(host_ms) if host_ms else None,
+                          "step_interval_ms_median": st.median(intervals) if intervals else None,
+                          "dry_run_sm_target_share": {k: v / max(1, sum(targets.values())) for k, v in targets.items()}},
+            "simulated_decision_energy": {
+                "source": "simulated",
+                "energy_saving_pct_mean": st.mean(x["energy_saving_pct"] for x in sims) if sims else None,
+                "time_change_pct_mean": st.mean(x["time_change_pct"] for x in sims) if sims else None,
+                "alt_policy_saving_pct_mean": st.mean(x["alt_policy_low_prefill_steps_1200mhz_saving_pct"] for x in sims) if sims else None,
+            },
+        }
+        cases.append(case)
+    snap = raw.get("plugin_snapshot", {})
+    return {"run": tag, "shape": shape, "vllm_version": raw["vllm_version"], "device": raw["device"], "date_utc": raw["date_utc"],
+            "method": raw["method"], "startup_s": raw.get("startup_s"), "notes": raw.get("notes", []),
+            "idle": {**raw.get("idle", {}), "what": "both engines (stock and plugin) loaded, no requests, measured",
+                     "idle_preset_prediction_w": H200.p_busy_static_w * 0.6 + 0.06 * H200.p_sm_max_w * (345 / 1980) * (0.7 ** 2),
+                     "idle_preset_prediction_source": "simulated (idle preset 345 MHz lock; cf. measured 77-82 W with no CUDA context)",
+                     "dry_run_clock_changes_total": snap.get("clock_changes")},
+            "plugin_energy_by_phase_j": snap.get("energy_j"), "plugin_time_by_phase_s": snap.get("time_s"),
+            "cases": cases}
+
+
+def plots(runs: list[dict], raws: dict[str, dict], out: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    files = []
+    fig, axes = plt.subplots(1, len(runs), figsize=(5 * len(runs), 4), squeeze=False)
+    for ax, r in zip(axes[0], runs):
+        loads = [c["load"] for c in r["cases"]]
+        for key, label, m in (("stock", "stock vLLM", "o"), ("plugin", "vLLM + powersave", "s")):
+            ys = [c[f"{key}_out_tok_per_j"] for c in r["cases"]]
+            ax.plot(loads, ys, marker=m, label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel("output tokens / J (measured)")
+        ax.set_title(f"{r['shape']} — {r['run']}")
+        ax.legend()
+        ax.grid(alpha=0.3)
+    fig.suptitle("H200, vLLM 0.25.0, clocks untouched (dry-run): tokens per joule vs load")
+    fig.tight_layout()
+    p = out / "h200-vllm-tokens-per-joule.png"
+    fig.savefig(p, dpi=110)
+    files.append(p.name)
+    plt.close(fig)
+
+    # Timeline with phase shading, for the largest run.
+    tag, raw = max(raws.items(), key=lambda kv: float(kv[1].get("method", {}).get("timeline_priority", 0)) or len(kv[1]["windows"]))
+    tl = raw["timeline"]
+    if tl:
+        t0 = tl[0][0]
+        fig, ax = plt.subplots(figsize=(12, 4))
+        ax.plot([t - t0 for t, _, _ in tl], [w for _, w, _ in tl], lw=0.8, color="k", label="power (W)")
+        ax2 = ax.twinx()
+        ax2.plot([t - t0 for t, _, _ in tl], [c for _, _, c in tl], lw=0.8, color="tab:blue", label="SM clock (MHz)")
+        colors = {"prefill": "tab:red", "mixed": "tab:orange", "decode": "tab:green"}
+        bins: dict[int, Counter] = {}
+        for s in raw["trace"]:
+            bins.setdefault(int((s["t"] - t0) * 2), Counter())[s["phase"]] += 1
+        for b, cnt in bins.items():
+            ph = cnt.most_common(1)[0][0]
+            ax.axvspan(b / 2, b / 2 + 0.5, color=colors.get(ph, "grey"), alpha=0.15, lw=0)
+        top = max(w for _, w, _ in tl)
+        for w in raw["windows"]:
+            ax.annotate(f"{w['server']}{w['load']}", (w["t0"] - t0, top * 1.02), fontsize=7)
+        ax.set_ylim(0, top * 1.08)
+        ax.set_xlabel("s (A = stock window, no trace; B = plugin window, shaded by dominant step phase: red prefill, orange mixed, green decode)")
+        ax.set_ylabel("GPU power (W, measured)")
+        ax2.set_ylabel("SM clock (MHz, measured, read-only)")
+        ax.set_title(f"{raw['shape']}: power and SM clock timeline ({tag})")
+        fig.tight_layout()
+        p = out / "h200-vllm-timeline.png"
+        fig.savefig(p, dpi=110)
+        files.append(p.name)
+        plt.close(fig)
+    return files
+
+
+def markdown(doc: dict) -> str:
+    lines = ["# vLLM + powersave vs stock vLLM on the H200 (measured)", "",
+             f"- Device: {doc['device']['name']}, driver {doc['device'].get('driver')}, power limit {doc['device'].get('power_limit_w')} W; vLLM {doc['vllm_version']} (V1 engine, V2 model runner, torch.compile + CUDA graphs), `--load-format dummy`.",
+             f"- When: {doc['date_utc']} (UTC). Script: `benchmarks/h200_ab.py` (device), `benchmarks/analyze_h200.py` (this report).",
+             "- Method: both servers resident on the one GPU (0.42 of memory each), OpenAI `/v1/completions` streaming through `loadtests`, closed loop at the given concurrency, 128 prompt / 256 output tokens (`ignore_eos`), windows of 15 s of request starts (in-flight requests finish), order A B per pair, 3 pairs. Energy: the GPU's NVML total-energy counter over each window (whole GPU: the resting engine's idle draw is in both A and B windows). Ratios are plugin / stock per pair; CI is a t-interval over pairs.",
+             "- Clocks: **never changed**. `POWERSAVE_FORCE_DRY_RUN=1`; the controller ran in dry-run with presets decode 1200 MHz, idle 345 MHz, dwell 200 ms, recording decisions. Chunking policy active with a table that selects 1 chunk at every row count seen (the H200 measurement below shows no gain from chunking).",
+             "- Simulated numbers (marked *simulated*) are the simulated GPU's prediction for the recorded dry-run decisions; everything else is measured.", ""]
+    for r in doc["runs"]:
+        lines += [f"## {r['shape']} — {r['run']}", "", r.get("about", ""), "",
+                  f"Idle, both engines loaded, no requests: **{r['idle'].get('avg_power_w', float('nan')):.1f} W** (measured, median SM clock {r['idle'].get('median_sm_clock_mhz')} MHz). The idle preset (345 MHz lock) is predicted at {r['idle']['idle_preset_prediction_w']:.0f} W per GPU (*simulated*).", "",
+                  "| load | pairs | throughput ratio (95% CI) | J/token ratio (95% CI) | stock tok/s | plugin tok/s | stock tok/J | plugin tok/J | stock W | plugin W | median SM MHz (A/B) | p99 TPOT ms (A/B) | verdict |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for c in r["cases"]:
+            lo, hi = c["throughput_ratio_ci95"]
+            jlo, jhi = c["j_per_token_ratio_ci95"]
+            lines.append(f"| {c['load']} | {c['pairs']} | {c['throughput_ratio']:.3f} ({lo:.3f}–{hi:.3f}) | {c['j_per_token_ratio']:.3f} ({jlo:.3f}–{jhi:.3f}) | "
+                         f"{c['stock_out_tok_per_s']:.0f} | {c['plugin_out_tok_per_s']:.0f} | {c['stock_out_tok_per_j']:.2f} | {c['plugin_out_tok_per_j']:.2f} | "
+                         f"{c['stock_avg_power_w']:.0f} | {c['plugin_avg_power_w']:.0f} | {c['stock_median_sm_clock_mhz']:.0f}/{c['plugin_median_sm_clock_mhz']:.0f} | "
+                         f"{c['stock_p99_tpot_ms']:.2f}/{c['plugin_p99_tpot_ms']:.2f} | {c['verdict']} |")
+        lines += ["", "Phase mix of real serving (plugin server's step trace) and the dry-run controller:", "",
+                  "| load | steps by phase | host ms per step (median) | step interval ms (median) | dry-run SM target share | predicted energy saving of those decisions (*simulated*) | predicted time change (*simulated*) | alt. policy: steps with ≤512 prefill tokens at 1200 MHz (*simulated*) |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for c in r["cases"]:
+            pm, sd = c["phase_mix"], c["simulated_decision_energy"]
+            share = ", ".join(f"{k}: {v:.0%}" for k, v in sorted(pm["dry_run_sm_target_share"].items()))
+            fmt = (lambda x: f"{x:.1f} %" if x is not None else "n/a")
+            hm = pm["host_step_ms_median"]
+            si = pm["step_interval_ms_median"]
+            lines.append(f"| {c['load']} | {pm['steps_by_phase']} | {hm:.2f} | {si:.2f} | {share} | {fmt(sd['energy_saving_pct_mean'])} | {fmt(sd['time_change_pct_mean'])} | {fmt(sd['alt_policy_saving_pct_mean'])} |"
+                         if hm is not None and si is not None else f"| {c['load']} | {pm['steps_by_phase']} | n/a | n/a | {share} | n/a | n/a | n/a |")
+        lines.append("")
+    lines += ["## Plots", ""] + [f"![{f}]({f})" for f in doc.get("plots", [])] + [""]
+    lines += ["## Findings", ""] + [f"- {x}" for x in doc.get("findings", [])] + [""]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("raw", nargs="+", help="TAG=PATH of raw h200_ab.py outputs")
+    ap.add_argument("--out", default="docs/results")
+    ap.add_argument("--about", action="append", default=[], help="TAG=text")
+    ap.add_argument("--finding", action="append", default=[])
+    ns = ap.parse_args()
+    out = Path(ns.out)
+    (out / "raw").mkdir(parents=True, exist_ok=True)
+    about = dict(a.split("=", 1) for a in ns.about)
+    raws, runs = {}, []
+    for spec in ns.raw:
+        tag, path = spec.split("=", 1)
+        raw = json.loads(Path(path).read_text())
+        raws[tag] = raw
+        r = analyze(raw, tag)
+        r["about"] = about.get(tag, "")
+        runs.append(r)
+        with gzip.open(out / "raw" / f"h200-ab-{tag}.json.gz", "wt") as f:
+            json.dump(raw, f)
+    doc = {"what": "stock vLLM vs vLLM + powersave (clocks dry-run) on the H200 test GPU", "measured": True,
+           "vllm_version": runs[0]["vllm_version"], "device": runs[0]["device"], "date_utc": runs[0]["date_utc"],
+           "runs": runs, "findings": ns.finding}
+    doc["cases"] = [c | {"run": r["run"]} for r in runs for c in r["cases"]]
+    doc["plots"] = plots(runs, raws, out)
+    (out / "h200-vllm.json").write_text(json.dumps(doc, indent=1, default=float))
+    (out / "h200-vllm.md").write_text(markdown(doc))
+    print(markdown(doc))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
