@@ -28,7 +28,7 @@ def _settings(tmp_path, **clocks):
 
 
 def _ctl(tmp_path, nvml, clock, **kw):
-    return ClockController(NvmlClockBackend(nvml, "h0"), _settings(tmp_path, **kw), gpu_id="GPU-test", asynchronous=False, clock=clock)
+    return ClockController(NvmlClockBackend(nvml, "h0"), _settings(tmp_path, **kw), gpu_id="GPU-test", asynchronous=False, clock=clock, watchdog=False)
 
 
 def test_presets_snap_to_supported_clocks(tmp_path):
@@ -146,7 +146,7 @@ def test_async_apply_coalesces_to_latest_target(tmp_path):
             super().nvmlDeviceResetGpuLockedClocks(h)
 
     nvml, clock = SlowNvml(), Clock()
-    ctl = ClockController(NvmlClockBackend(nvml, "h0"), _settings(tmp_path, min_dwell_ms=0), gpu_id="GPU-a", asynchronous=True, clock=clock)
+    ctl = ClockController(NvmlClockBackend(nvml, "h0"), _settings(tmp_path, min_dwell_ms=0), gpu_id="GPU-a", asynchronous=True, clock=clock, watchdog=False)
     for phase in ["decode", "prefill"] * 7 + ["decode"]:
         ctl.on_phase(phase)
     assert len(ctl.decisions) == 15
@@ -178,3 +178,25 @@ def test_dry_run_never_calls_a_setter(tmp_path):
     ctl.on_phase("decode")
     ctl.close()
     assert list(backend.calls)[0][0] == "set" and list(backend.calls)[-1][0] == "reset"
+
+
+def test_watchdog_resets_clocks_of_a_sigkilled_owner(tmp_path):
+    import threading
+
+    from vllm_powersave.clocks.watchdog import watch
+
+    owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    store = LeaseStore(tmp_path / "leases")
+    (tmp_path / "leases").mkdir()
+    (tmp_path / "leases" / "GPU-w.json").write_text(json.dumps({"gpu": "GPU-w", "pid": owner.pid, "sm_clock_mhz": 1200}))
+    (tmp_path / "leases" / "GPU-other.json").write_text(json.dumps({"gpu": "GPU-other", "pid": os.getpid(), "sm_clock_mhz": 990}))
+    resets, out = [], {}
+    t = threading.Thread(target=lambda: out.setdefault("r", watch(owner.pid, store, resets.append, poll_s=0.05)))
+    t.start()
+    assert resets == []
+    owner.kill()
+    owner.wait()
+    t.join(timeout=10)
+    assert out["r"] == ["GPU-w"] and resets == ["GPU-w"]
+    assert not (tmp_path / "leases" / "GPU-w.json").exists()
+    assert (tmp_path / "leases" / "GPU-other.json").exists()  # a live owner's lease is left alone

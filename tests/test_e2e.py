@@ -33,7 +33,7 @@ def tiny_model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
     log = tmp_path_factory.mktemp("logs") / "server.log"
-    cfg = {"powersave": {"config_file": str(PRESET), "clocks": {"min_dwell_ms": 50},
+    cfg = {"powersave": {"config_file": str(PRESET), "clocks": {"min_dwell_ms": 50}, "cuda_perf_boost": "off",
                          "chunking": {"table": [{"min_rows": 4, "chunks": 2}]}}}
     srv = VllmServer(default_serve_args(str(tiny_model)) + ["--plugin", "powersave", "--additional-config", json.dumps(cfg)], log_path=log)
     srv.start()
@@ -83,6 +83,8 @@ def test_metrics_and_load_test(server):
     assert after[dec] - before.get(dec, 0) >= 15  # 16 tokens per request, batched
     assert after['powersave_tokens_total{gpu="sim0",kind="decode"}'] >= 24 * 15
     assert after['powersave_energy_simulated{gpu="sim0"}'] == 1.0
+    # cuda_perf_boost: off reached the worker process's environment before its device init.
+    assert any(k.startswith("powersave_info{") and 'cuda_perf_boost="off"' in k for k in after)
     # Batches of >= 4 rows reached the LM head in 2 chunks, single rows in 1.
     assert after['powersave_lm_head_calls_total{chunks="2",gpu="sim0"}'] > 0
     assert after['powersave_lm_head_calls_total{chunks="1",gpu="sim0"}'] > 0

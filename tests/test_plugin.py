@@ -59,3 +59,16 @@ def test_version_guard():
     assert not ok and "outside the tested range 0.25-0.32.x" in why
     assert not check_version("0.33.0")[0]
     assert not check_version("garbage")[0]
+
+
+def test_perf_boost_off_sets_cuda_variable_for_this_process_and_children(monkeypatch):
+    import vllm_powersave
+    from vllm_powersave.settings import load_settings
+
+    monkeypatch.delenv("CUDA_DISABLE_PERF_BOOST", raising=False)
+    vllm_powersave.apply_process_env(load_settings({}, env={}))
+    assert "CUDA_DISABLE_PERF_BOOST" not in os.environ
+    vllm_powersave.apply_process_env(load_settings({"cuda_perf_boost": "off"}, env={}))
+    assert os.environ["CUDA_DISABLE_PERF_BOOST"] == "1"
+    child = subprocess.run([sys.executable, "-c", "import os; print(os.environ.get('CUDA_DISABLE_PERF_BOOST'))"], capture_output=True, text=True)
+    assert child.stdout.strip() == "1"

@@ -59,6 +59,21 @@ def register() -> None:
         activate()
 
 
+ENV_PERF_BOOST = "CUDA_DISABLE_PERF_BOOST"
+
+
+def apply_process_env(settings: object) -> None:
+    """Set per-process CUDA variables the settings ask for (before any CUDA context exists).
+
+    Called in the API server before engine processes start (they inherit the environment) and
+    again in each engine process's ``register()``, which vLLM runs before the worker's device init.
+    """
+    if getattr(settings, "cuda_perf_boost", "on") == "off":
+        if os.environ.get(ENV_PERF_BOOST) != "1":
+            os.environ[ENV_PERF_BOOST] = "1"
+            log.info("powersave: %s=1 (cuda_perf_boost: off) for this process and its children", ENV_PERF_BOOST)
+
+
 def activate() -> None:
     """Install the worker-side hooks in this process (inherited by forked engine processes)."""
     if _STATE["active"]:
@@ -93,6 +108,7 @@ def _on_engine_args(engine_args: object) -> None:
         settings = settings.model_copy(update={"stats_dir": stats_dir})
     os.environ[ENV_ENABLE] = "1"
     os.environ[ENV_SETTINGS_JSON] = settings.model_dump_json()
+    apply_process_env(settings)
     activate()
     from .metrics import register_collector
 

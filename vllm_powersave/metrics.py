@@ -52,12 +52,13 @@ class PowersaveCollector(Collector):
         changes = CounterMetricFamily("powersave_clock_changes", "Clock changes decided", labels=["gpu", "backend"])
         chunks = CounterMetricFamily("powersave_lm_head_calls", "LM-head calls by chunk count", labels=["gpu", "chunks"])
         simulated = GaugeMetricFamily("powersave_energy_simulated", "1 if this GPU's energy figures are simulated, 0 if measured", labels=["gpu"])
-        info = GaugeMetricFamily("powersave_info", "vllm-powersave is active", labels=["version", "source", "clock_backend"])
-        sources, backends = set(), set()
+        info = GaugeMetricFamily("powersave_info", "vllm-powersave is active", labels=["version", "source", "clock_backend", "cuda_perf_boost"])
+        sources, backends, boost = set(), set(), set()
         for s in snaps:
             gpu, src, be = str(s.get("gpu", s.get("rank", "?"))), str(s.get("source", "none")), str(s.get("clock_backend", "?"))
             sources.add(src)
             backends.add(be)
+            boost.add(str(s.get("cuda_perf_boost", "on")))
             for phase, j in (s.get("energy_j") or {}).items():
                 energy.add_metric([gpu, phase, src], float(j))
             for phase, n in (s.get("steps") or {}).items():
@@ -73,7 +74,8 @@ class PowersaveCollector(Collector):
             for c, n in (s.get("lm_head_calls") or {}).items():
                 chunks.add_metric([gpu, str(c)], float(n))
             simulated.add_metric([gpu], 1.0 if src == "simulated" else 0.0)
-        info.add_metric([self.version, ",".join(sorted(sources)) or "pending", ",".join(sorted(backends)) or "pending"], 1.0)
+        info.add_metric([self.version, ",".join(sorted(sources)) or "pending", ",".join(sorted(backends)) or "pending",
+                         ",".join(sorted(boost)) or "pending"], 1.0)
         yield from (energy, steps, tokens, power, clock, target, changes, chunks, simulated, info)
 
 

@@ -191,6 +191,7 @@ class WorkerRuntime:
             "clock_disabled": self.clocks.disabled_reason,
             "lm_head_calls": {str(k): v for k, v in sorted(policy.calls.items())},
             "lm_head_rows": policy.rows_total,
+            "cuda_perf_boost": "off" if os.environ.get("CUDA_DISABLE_PERF_BOOST") == "1" else "on",
         }
 
     _TRACE_KEYS = ("t", "phase", "prefill", "decode", "rows", "ctx", "reqs", "sm_target", "t_end")

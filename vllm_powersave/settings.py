@@ -106,6 +106,12 @@ class PowersaveSettings(_Strict):
     config_file: str | None = None
     #: Directory where worker processes publish their figures for the API server's /metrics.
     stats_dir: str | None = None
+    #: "off" sets CUDA_DISABLE_PERF_BOOST=1 in every engine process before it creates its CUDA
+    #: context: the driver then stops holding the boost clock on a loaded-but-idle GPU and manages
+    #: the SM clock itself under load. Needs no privilege and changes no device setting. Measured on
+    #: the H200 test GPU: idle engine 123 W -> 80 W; under load -15-20 % throughput for +2-12 %
+    #: tokens per joule (shared/notes/h200-facts.md). Read once per process: not switchable per phase.
+    cuda_perf_boost: Literal["on", "off"] = "on"
     #: Write one JSON line per engine step (phase, tokens, LM-head rows, clock decision, host
     #: start/end times in s) to ``stats_dir/trace-rank<N>.jsonl``: the data the controller and the
     #: simulator are judged against. Costs a dict and a list append per step.

@@ -91,6 +91,7 @@ class ClockController:
         gpu_id: GPU UUID (lease key).
         asynchronous: apply in a background thread (production) or inline (tests, simulation).
         clock: monotonic time source in seconds (tests inject one).
+        watchdog: start the out-of-process watchdog before the first real lock.
     """
 
     def __init__(
@@ -100,7 +101,9 @@ class ClockController:
         gpu_id: str = "gpu0",
         asynchronous: bool = True,
         clock: Callable[[], float] = time.monotonic,
+        watchdog: bool = True,
     ) -> None:
+        self.watchdog = watchdog
         self.backend = backend
         self.settings = settings
         self.gpu_id = gpu_id
@@ -201,6 +204,7 @@ class ClockController:
             else:
                 if self.leases:
                     self.leases.acquire(self.gpu_id, target.sm_clock_mhz)
+                    self._start_watchdog()
                 self.backend.set_clocks(target.sm_clock_mhz, target.mem_clock_mhz)
         except ClockPermissionError as exc:
             log.warning("powersave: %s; clock control falls back to dry-run for GPU %s", exc, self.gpu_id)
@@ -218,6 +222,24 @@ class ClockController:
             self._fault(exc)
         except Exception as exc:  # never let a clock problem take the engine down
             self._fault(exc)
+
+    _watchdog_started = False
+
+    def _start_watchdog(self) -> None:
+        """Once per process, before the first real lock: survive a SIGKILL of this process."""
+        if ClockController._watchdog_started or not self.watchdog:
+            return
+        ClockController._watchdog_started = True
+        import subprocess
+        import sys
+
+        try:
+            subprocess.Popen(
+                [sys.executable, "-m", "vllm_powersave.clocks.watchdog", "--pid", str(os.getpid()), "--lease-dir", str(self.settings.lease_dir)],
+                start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            )
+        except OSError as exc:
+            log.warning("powersave: clock watchdog not started (%s); stale locks are reset at the next start", exc)
 
     def _fault(self, exc: Exception) -> None:
         self.disabled_reason = f"{type(exc).__name__}: {exc}"
