@@ -51,6 +51,8 @@ class PowersaveCollector(Collector):
         target = GaugeMetricFamily("powersave_clock_target_mhz", "SM clock the controller wants (MHz; 0 = driver default)", labels=["gpu", "backend"])
         changes = CounterMetricFamily("powersave_clock_changes", "Clock changes decided", labels=["gpu", "backend"])
         chunks = CounterMetricFamily("powersave_lm_head_calls", "LM-head calls by chunk count", labels=["gpu", "chunks"])
+        req_e = CounterMetricFamily("powersave_request_energy_joules", "Energy attributed to finished requests (J; token share per step)", labels=["gpu", "source"])
+        req_n = CounterMetricFamily("powersave_requests_finished", "Requests whose energy was attributed", labels=["gpu"])
         simulated = GaugeMetricFamily("powersave_energy_simulated", "1 if this GPU's energy figures are simulated, 0 if measured", labels=["gpu"])
         info = GaugeMetricFamily("powersave_info", "vllm-powersave is active", labels=["version", "source", "clock_backend", "cuda_perf_boost"])
         sources, backends, boost = set(), set(), set()
@@ -74,9 +76,12 @@ class PowersaveCollector(Collector):
             for c, n in (s.get("lm_head_calls") or {}).items():
                 chunks.add_metric([gpu, str(c)], float(n))
             simulated.add_metric([gpu], 1.0 if src == "simulated" else 0.0)
+            if s.get("requests_finished"):
+                req_e.add_metric([gpu, src], float(s.get("request_energy_j_finished", 0.0)))
+                req_n.add_metric([gpu], float(s["requests_finished"]))
         info.add_metric([self.version, ",".join(sorted(sources)) or "pending", ",".join(sorted(backends)) or "pending",
                          ",".join(sorted(boost)) or "pending"], 1.0)
-        yield from (energy, steps, tokens, power, clock, target, changes, chunks, simulated, info)
+        yield from (energy, steps, tokens, power, clock, target, changes, chunks, req_e, req_n, simulated, info)
 
 
 _REGISTERED: dict[str, PowersaveCollector] = {}

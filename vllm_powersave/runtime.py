@@ -104,7 +104,10 @@ class WorkerRuntime:
         else:
             self.meter = None
         self.clocks = ClockController(self._backend(settings, nvml, handle), settings.clocks, gpu_id=gpu_id, asynchronous=settings.clocks.backend == "nvml")
-        self.account = PhaseEnergyAccount(self.meter, settings.energy.idle_after_s) if self.meter else None
+        self._done_requests: deque[tuple[str, float]] = deque()
+        self.account = (PhaseEnergyAccount(self.meter, settings.energy.idle_after_s, per_request=settings.per_request_energy,
+                                           on_request_done=lambda rid, j: self._done_requests.append((rid, j)))
+                        if self.meter else None)
         self.stats_path = Path(settings.stats_dir) / f"rank{self.rank}.json" if settings.stats_dir else None
         self._stop = threading.Event()
         self._last_step_s = time.monotonic()
@@ -159,7 +162,11 @@ class WorkerRuntime:
             self._trace.append((self._last_step_s, info.phase, info.prefill_tokens, info.decode_tokens, info.lm_head_rows,
                                 info.decode_ctx_tokens, info.num_reqs, self.clocks.target_sm_clock_mhz, None))
         if self.account is not None:
-            self.account.on_step(info.phase, info.prefill_tokens, info.decode_tokens)
+            if self.account.per_request:
+                req, fin = vllm_compat.step_request_tokens(scheduler_output)
+                self.account.on_step(info.phase, info.prefill_tokens, info.decode_tokens, req, fin)
+            else:
+                self.account.on_step(info.phase, info.prefill_tokens, info.decode_tokens)
         if self.sim is not None and self.model_cost is not None:
             self.sim.run(self.model_cost.step_work(info.num_tokens, info.lm_head_rows, info.decode_ctx_tokens, self.vocab_params))
 
@@ -191,6 +198,9 @@ class WorkerRuntime:
             "clock_disabled": self.clocks.disabled_reason,
             "lm_head_calls": {str(k): v for k, v in sorted(policy.calls.items())},
             "lm_head_rows": policy.rows_total,
+            "requests_finished": acc.finished_requests if acc else 0,
+            "request_energy_j_finished": acc.finished_request_j if acc else 0.0,
+            "request_energy_j_in_flight": sum(list(acc.request_j.values())) if acc else 0.0,
             "cuda_perf_boost": "off" if os.environ.get("CUDA_DISABLE_PERF_BOOST") == "1" else "on",
         }
 
@@ -207,10 +217,23 @@ class WorkerRuntime:
             with open(self._trace_path, "a") as f:
                 f.writelines(json.dumps(dict(zip(self._TRACE_KEYS, r))) + "\n" for r in done)
 
+    def _flush_requests(self) -> None:
+        if not self._done_requests or self.stats_path is None:
+            return
+        src = self.meter.source if self.meter else "none"
+        lines = []
+        while self._done_requests:
+            rid, j = self._done_requests.popleft()
+            lines.append(json.dumps({"request_id": rid, "energy_j": round(j, 6), "source": src, "gpu": self.gpu_id}) + "\n")
+            log.debug("powersave: request %s used %.3f J (%s)", rid, j, src)
+        with open(self.stats_path.with_name(f"requests-rank{self.rank}.jsonl"), "a") as f:
+            f.writelines(lines)
+
     def publish(self) -> None:
         if self.stats_path is None:
             return
         self._flush_trace()
+        self._flush_requests()
         self.stats_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.stats_path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(self.snapshot()))

@@ -106,6 +106,9 @@ class PowersaveSettings(_Strict):
     config_file: str | None = None
     #: Directory where worker processes publish their figures for the API server's /metrics.
     stats_dir: str | None = None
+    #: Attribute energy to requests (token share per step, see energy/account.py), write one line per
+    #: finished request to ``stats_dir/requests-rank<N>.jsonl`` and export the totals on /metrics.
+    per_request_energy: bool = False
     #: "off" sets CUDA_DISABLE_PERF_BOOST=1 in every engine process before it creates its CUDA
     #: context: the driver then stops holding the boost clock on a loaded-but-idle GPU and manages
     #: the SM clock itself under load. Needs no privilege and changes no device setting. Measured on

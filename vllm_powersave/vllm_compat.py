@@ -296,6 +296,11 @@ def step_info(scheduler_output: Any) -> StepInfo:
     )
 
 
+def step_request_tokens(scheduler_output: Any) -> tuple[dict[str, int] | None, Any]:
+    """``(scheduled tokens per request id, ids finished since the previous step)``, by reference."""
+    return getattr(scheduler_output, "num_scheduled_tokens", None), getattr(scheduler_output, "finished_req_ids", None)
+
+
 def runner_identity(runner: Any) -> dict[str, Any]:
     """Rank, device and model facts of a runner, read defensively."""
     info: dict[str, Any] = {"rank": 0, "device_type": "cpu", "device_index": None}

@@ -11,6 +11,13 @@ with no step at all are idle. The interval's energy is split in proportion to th
 totals therefore always sum to the meter's total; idle energy is kept as its own phase, never
 dropped or subtracted. Resolution is the tick period, which is finer than NVML's 100 ms counter
 update anyway, so the split is meaningful over many ticks, not for a single step.
+
+Per-request energy (opt-in, ``per_request=True``): each step's share of the interval energy is split
+over the requests scheduled in it in proportion to their scheduled tokens in that step (prefill
+chunks weigh by their prompt tokens, decodes by 1 + speculative tokens). A request's energy is the
+sum over every step it took part in; idle energy belongs to no request. At any moment
+``sum(requests, finished and in flight) + idle == total`` up to rounding. This is the token-share
+rule; it does not model that a prefill token costs more or less than a decode token on a given GPU.
 """
 
 from __future__ import annotations
@@ -33,7 +40,8 @@ class PhaseEnergyAccount:
         clock: monotonic seconds (tests inject one).
     """
 
-    def __init__(self, meter: EnergyMeter, idle_after_s: float = 0.25, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, meter: EnergyMeter, idle_after_s: float = 0.25, clock: Callable[[], float] = time.monotonic,
+                 per_request: bool = False, on_request_done: Callable[[str, float], None] | None = None) -> None:
         self.meter = meter
         self.idle_after_s = idle_after_s
         self.clock = clock
@@ -41,8 +49,15 @@ class PhaseEnergyAccount:
         self.time_s: dict[str, float] = {p: 0.0 for p in PHASES}
         self.steps: dict[str, int] = {p: 0 for p in PHASES}
         self.tokens: dict[str, int] = {"prefill": 0, "decode": 0}
-        # (t, phase) for a step start, (t, None) for a step end; appended by the hot path only.
-        self._events: deque[tuple[float, str | None]] = deque()
+        # (t, phase, {req: tokens} | None, finished ids | None) for a step start, (t, None, None, None)
+        # for a step end; appended by the hot path only.
+        self._events: deque[tuple[float, str | None, dict | None, object]] = deque()
+        self.per_request = per_request
+        self.on_request_done = on_request_done
+        self.request_j: dict[str, float] = {}  # in flight
+        self.finished_request_j = 0.0
+        self.finished_requests = 0
+        self._req: dict | None = None
         self._phase = "idle"  # phase owning the time at _t
         self._end_t: float | None = None  # end of the last step, if it ended
         self._t = clock()
@@ -50,16 +65,21 @@ class PhaseEnergyAccount:
         self._lock = threading.Lock()  # serialises tick() callers, never taken by the hot path
 
     # -- hot path (no meter access, no lock) ---------------------------------------------------
-    def on_step(self, phase: str, prefill_tokens: int = 0, decode_tokens: int = 0) -> None:
-        """A step of ``phase`` starts now."""
-        self._events.append((self.clock(), phase))
+    def on_step(self, phase: str, prefill_tokens: int = 0, decode_tokens: int = 0,
+                req_tokens: dict[str, int] | None = None, finished: object = None) -> None:
+        """A step of ``phase`` starts now.
+
+        ``req_tokens``: scheduled tokens per request id (kept by reference, not copied);
+        ``finished``: ids of requests that finished before this step (their energy is final).
+        """
+        self._events.append((self.clock(), phase, req_tokens if self.per_request else None, finished if self.per_request else None))
         self.steps[phase] += 1
         self.tokens["prefill"] += prefill_tokens
         self.tokens["decode"] += decode_tokens
 
     def on_step_end(self) -> None:
         """The current step's host work ended now (its GPU work may still run)."""
-        self._events.append((self.clock(), None))
+        self._events.append((self.clock(), None, None, None))
 
     # -- background ----------------------------------------------------------------------------
     def tick(self) -> None:
@@ -68,25 +88,32 @@ class PhaseEnergyAccount:
             t_now = self.clock()
             shares: dict[str, float] = {}
 
-            def own(phase: str, t0: float, t1: float) -> None:
+            segments: list[tuple[float, dict]] = []
+            finished: list = []
+
+            def own(phase: str, t0: float, t1: float, req: dict | None = None) -> None:
                 if t1 > t0:
                     shares[phase] = shares.get(phase, 0.0) + (t1 - t0)
+                    if req and phase != "idle":
+                        segments.append((t1 - t0, req))
 
-            t, phase, end_t = self._t, self._phase, self._end_t
+            t, phase, end_t, req = self._t, self._phase, self._end_t, self._req
             while self._events:
-                te, ev = self._events.popleft()
+                te, ev, ev_req, ev_fin = self._events.popleft()
                 te = max(te, t)
                 if ev is None:
                     end_t = te
                     continue
-                self._close(own, phase, t, te, end_t)
-                t, phase, end_t = te, ev, None
-            self._close(own, phase, t, t_now, end_t)
+                self._close(own, phase, t, te, end_t, req)
+                t, phase, end_t, req = te, ev, None, ev_req
+                if ev_fin:
+                    finished.extend(ev_fin)
+            self._close(own, phase, t, t_now, end_t, req)
             if shares.get("idle", 0.0) > 0:
                 self.meter.on_idle(shares["idle"])  # a simulated meter adds idle power for it
             # Time after a long-finished step is idle from here on.
             if end_t is not None and t_now - end_t >= self.idle_after_s:
-                phase, end_t = "idle", None
+                phase, end_t, req = "idle", None, None
             e_now = self.meter.energy_j()
             d_e = e_now - self._e
             total = sum(shares.values())
@@ -96,15 +123,34 @@ class PhaseEnergyAccount:
                     self.time_s[p] += s
             else:
                 self.energy_j[phase] += d_e
-            self._t, self._e, self._phase, self._end_t = t_now, e_now, phase, end_t
+            if total > 0 and segments:
+                self._attribute_requests(d_e / total, segments)
+            for rid in finished:
+                j = self.request_j.pop(rid, None)
+                if j is not None:
+                    self.finished_request_j += j
+                    self.finished_requests += 1
+                    if self.on_request_done is not None:
+                        self.on_request_done(rid, j)
+            self._t, self._e, self._phase, self._end_t, self._req = t_now, e_now, phase, end_t, req
 
-    def _close(self, own: Callable[[str, float, float], None], phase: str, t0: float, t1: float, end_t: float | None) -> None:
+    def _attribute_requests(self, j_per_s: float, segments: list[tuple[float, dict]]) -> None:
+        acc = self.request_j
+        for seconds, req in segments:
+            n = sum(req.values())
+            if n <= 0:
+                continue
+            k = j_per_s * seconds / n
+            for rid, tok in req.items():
+                acc[rid] = acc.get(rid, 0.0) + k * tok
+
+    def _close(self, own: Callable[..., None], phase: str, t0: float, t1: float, end_t: float | None, req: dict | None) -> None:
         """Assign [t0, t1] to ``phase``, except a gap after the step's end longer than idle_after_s."""
         if phase != "idle" and end_t is not None and t1 - end_t >= self.idle_after_s:
-            own(phase, t0, max(t0, end_t))
+            own(phase, t0, max(t0, end_t), req)
             own("idle", max(t0, end_t), t1)
         else:
-            own(phase, t0, t1)
+            own(phase, t0, t1, req)
 
     @property
     def current_phase(self) -> str:
