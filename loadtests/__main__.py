@@ -94,6 +94,8 @@ def _compare(paths: list[str], plot: str | None) -> int:
                 r = json.load(f)
         except (OSError, ValueError) as e:
             raise LoadTestError(f"cannot read result file {path}: {' '.join(str(e).split())}") from None
+        if not isinstance(r, dict) or "output_throughput" not in r:
+            raise LoadTestError(f"not a load-test result file: {path} (expected a JSON object written by --result-json)")
         name = str(r.get("label") or path)
         results[name if name not in results else f"{name} ({path})"] = r
     print(compare_table(results), end="")

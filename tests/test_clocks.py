@@ -200,3 +200,70 @@ def test_watchdog_resets_clocks_of_a_sigkilled_owner(tmp_path):
     assert out["r"] == ["GPU-w"] and resets == ["GPU-w"]
     assert not (tmp_path / "leases" / "GPU-w.json").exists()
     assert (tmp_path / "leases" / "GPU-other.json").exists()  # a live owner's lease is left alone
+
+
+def test_failed_reset_keeps_lease_and_close_retries(tmp_path):
+    nvml, clock = FakeNvml(), Clock()
+    ctl = _ctl(tmp_path, nvml, clock, min_dwell_ms=0)
+    ctl.on_phase("decode")
+    nvml.fail_set = 999
+    ctl.on_phase("prefill")  # reset fails: control stops, GPU may still be locked
+    lease = tmp_path / "leases" / "GPU-test.json"
+    assert lease.exists() and nvml.locked == (1200, 1200)
+    nvml.fail_set = None
+    ctl.close()  # retries the reset
+    assert nvml.locked is None and not lease.exists()
+
+
+def test_close_racing_a_pending_reset_leaves_no_lock(tmp_path):
+    import time as _time
+
+    for _ in range(20):
+        nvml, clock = FakeNvml(), Clock()
+        ctl = ClockController(NvmlClockBackend(nvml, "h0"), _settings(tmp_path, min_dwell_ms=0), gpu_id="GPU-r",
+                              asynchronous=True, clock=clock, watchdog=False)
+        ctl.on_phase("decode")
+        _time.sleep(0.01)
+        ctl.on_phase("prefill")
+        ctl.close()
+        assert nvml.locked is None
+        assert not (tmp_path / "leases" / "GPU-r.json").exists()
+
+
+def test_slow_set_finishing_after_close_started_is_undone(tmp_path):
+    import threading as _th
+    import time as _time
+
+    class SlowSet(FakeNvml):
+        def nvmlDeviceSetGpuLockedClocks(self, h, lo, hi):
+            _time.sleep(0.3)
+            super().nvmlDeviceSetGpuLockedClocks(h, lo, hi)
+
+    nvml = SlowSet()
+    ctl = ClockController(NvmlClockBackend(nvml, "h0"), _settings(tmp_path, min_dwell_ms=0), gpu_id="GPU-s",
+                          asynchronous=True, clock=Clock(), watchdog=False)
+    ctl.on_phase("decode")
+    _time.sleep(0.05)  # the set is in flight
+    ctl.close()
+    assert nvml.locked is None and nvml.calls[-1] == ("reset",)
+
+
+@pytest.mark.parametrize("content", ["[1]", '"str"', '{"pid": "abc"}', "null", '{"pid": 1e300}', "\xff\xfe"])
+def test_corrupt_lease_is_treated_as_stale_not_a_crash(tmp_path, content):
+    d = tmp_path / "leases"
+    d.mkdir()
+    (d / "GPU-bad.json").write_text(content, errors="surrogateescape") if content != "\xff\xfe" else (d / "GPU-bad.json").write_bytes(b"\xff\xfe")
+    stale = LeaseStore(d).stale()
+    assert [s["gpu"] for s in stale] == ["GPU-bad"]
+
+
+def test_stale_lease_whose_reset_fails_is_kept(tmp_path):
+    d = tmp_path / "leases"
+    d.mkdir()
+    (d / "GPU-test.json").write_text(json.dumps({"gpu": "GPU-test", "pid": -5}))
+    nvml = FakeNvml()
+    nvml.fail_set = 999
+    ctl = _ctl(tmp_path, nvml, Clock())
+    assert (d / "GPU-test.json").exists()
+    nvml.fail_set = None
+    ctl.close()

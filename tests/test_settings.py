@@ -67,7 +67,7 @@ def test_missing_and_broken_files(tmp_path):
 
 
 def test_simulated_clock_with_nvml_meter_refused():
-    with pytest.raises(SettingsError, match="cannot be combined"):
+    with pytest.raises(SettingsError, match="^powersave settings: clocks.backend .simulated. needs a simulated GPU"):
         load_settings({"clocks": {"backend": "simulated"}, "energy": {"meter": "nvml"}}, env={})
 
 
@@ -76,3 +76,26 @@ def test_exported_settings_round_trip():
     back = settings_from_env({ENV_SETTINGS_JSON: s.model_dump_json()})
     assert back == s
     assert isinstance(back, PowersaveSettings)
+
+
+def test_file_edge_cases_are_one_line(tmp_path):
+    binary = tmp_path / "b.json"
+    binary.write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(SettingsError, match="cannot read: UnicodeDecodeError"):
+        load_settings({"config_file": str(binary)}, env={})
+    with pytest.raises(SettingsError, match="is a directory"):
+        load_settings({"config_file": str(tmp_path)}, env={})
+    nested = tmp_path / "n.json"
+    nested.write_text(json.dumps({"config_file": "/elsewhere.json"}))
+    with pytest.raises(SettingsError, match="may not name another config_file"):
+        load_settings({}, env={"POWERSAVE_CONFIG": str(nested)})
+
+
+def test_long_values_are_shortened_and_nan_refused():
+    with pytest.raises(SettingsError) as ei:
+        load_settings({"clocks": {"backend": "x" * 5000}}, env={})
+    assert len(str(ei.value)) < 300
+    with pytest.raises(SettingsError, match="'clocks.min_dwell_ms' = nan"):
+        load_settings({"clocks": {"min_dwell_ms": float("nan")}}, env={})
+    with pytest.raises(SettingsError, match="'clocks.lease_dir' = ''"):
+        load_settings({"clocks": {"lease_dir": ""}}, env={})

@@ -85,6 +85,41 @@ def activate() -> None:
     vllm_compat.install_step_hooks(runtime.on_step_start, runtime.on_step_end)
 
 
+def _prepare_stats_dir(settings):  # type: ignore[no-untyped-def]
+    """Create the directory workers publish into; a default one is removed when this process exits.
+
+    Default directories of servers that are gone (their PID is the name's prefix) are pruned here,
+    so crashed servers do not leave a growing pile behind.
+    """
+    import atexit
+    import shutil
+
+    if settings.stats_dir is not None:
+        os.makedirs(settings.stats_dir, exist_ok=True)
+        if not os.path.isdir(settings.stats_dir):
+            raise NotADirectoryError(20, "not a directory", settings.stats_dir)
+        return settings
+    base = os.path.join(tempfile.gettempdir(), "vllm-powersave", "stats")
+    os.makedirs(base, exist_ok=True)
+    for name in os.listdir(base):
+        pid = name.split("-", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not _pid_exists(int(pid)):
+            shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+    stats_dir = tempfile.mkdtemp(prefix=f"{os.getpid()}-{int(time.time())}-", dir=base)
+    atexit.register(shutil.rmtree, stats_dir, True)
+    return settings.model_copy(update={"stats_dir": stats_dir})
+
+
+def _pid_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    return True
+
+
 def _on_engine_args(engine_args: object) -> None:
     """Before vLLM builds its config: validate settings, export them, start the metrics collector."""
     from . import vllm_compat
@@ -101,11 +136,14 @@ def _on_engine_args(engine_args: object) -> None:
             print(f"error: {err}", file=sys.stderr, flush=True)
             raise SystemExit(2) from None
         raise
-    if settings.stats_dir is None:
-        base = os.path.join(tempfile.gettempdir(), "vllm-powersave", "stats")
-        os.makedirs(base, exist_ok=True)
-        stats_dir = tempfile.mkdtemp(prefix=f"{os.getpid()}-{int(time.time())}-", dir=base)
-        settings = settings.model_copy(update={"stats_dir": stats_dir})
+    try:
+        settings = _prepare_stats_dir(settings)
+    except OSError as exc:
+        err = SettingsError(f"powersave setting 'stats_dir' = {settings.stats_dir!r}: cannot create the stats directory: {exc.strerror or exc}")
+        if vllm_compat.CLI_STATE["parser_built"]:
+            print(f"error: {err}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
+        raise err from None
     os.environ[ENV_ENABLE] = "1"
     os.environ[ENV_SETTINGS_JSON] = settings.model_dump_json()
     apply_process_env(settings)

@@ -43,6 +43,9 @@ def _cmd_compare(ns: argparse.Namespace) -> int:
 
     from .serving import ServerError, VllmServer, cpu_only, default_serve_args
 
+    if ns.model is not None and not ns.model.strip():
+        print("error: --model is empty (give a Hugging Face model directory, or omit it to generate --shape)", file=sys.stderr)
+        return 2
     model = Path(ns.model) if ns.model else Path(".models") / ns.shape
     if ns.model is None and not (model / "config.json").exists():
         from .modelgen import make_model
@@ -106,9 +109,11 @@ def _cmd_reset_clocks(ns: argparse.Namespace) -> int:
     from .clocks import LeaseStore, NvmlClockBackend
 
     store = LeaseStore(ns.lease_dir)
-    leases = store.stale() if not ns.all else [{"gpu": p.stem, "path": str(p)} for p in sorted(Path(ns.lease_dir).glob("*.json"))]
+    every = sorted(Path(ns.lease_dir).glob("*.json")) if Path(ns.lease_dir).is_dir() else []
+    leases = store.stale() if not ns.all else [{"gpu": p.stem, "path": str(p)} for p in every]
     if not leases:
-        print("no clock leases to reset")
+        live = len(every)
+        print("no clock leases to reset" + (f" ({live} held by running processes; --all resets them too)" if live else ""))
         return 0
     try:
         import pynvml

@@ -64,7 +64,8 @@ class PowersaveCollector(Collector):
             for phase, j in (s.get("energy_j") or {}).items():
                 energy.add_metric([gpu, phase, src], float(j))
             for phase, n in (s.get("steps") or {}).items():
-                steps.add_metric([gpu, phase], float(n))
+                if phase != "idle":  # idle is time without steps, not a kind of step
+                    steps.add_metric([gpu, phase], float(n))
             for kind, n in (s.get("tokens") or {}).items():
                 tokens.add_metric([gpu, kind], float(n))
             if s.get("power_w") is not None:

@@ -234,7 +234,6 @@ class WorkerRuntime:
             return
         self._flush_trace()
         self._flush_requests()
-        self.stats_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.stats_path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(self.snapshot()))
         tmp.replace(self.stats_path)  # atomic: the API server never reads half a file

@@ -81,9 +81,9 @@ class ClockSettings(_Strict):
     backend: Literal["dry-run", "nvml", "simulated"] = "dry-run"
     presets: dict[Phase, ClockPreset] = Field(default_factory=dict)
     #: Minimum time a clock stays applied before another change (hysteresis), in ms.
-    min_dwell_ms: float = Field(default=500.0, ge=0.0, le=600_000.0)
+    min_dwell_ms: float = Field(default=500.0, ge=0.0, le=600_000.0, allow_inf_nan=False)
     #: Directory of lease files (one per locked GPU) used to undo locks after a crash.
-    lease_dir: str = "/tmp/vllm-powersave/leases"
+    lease_dir: str = Field(default="/tmp/vllm-powersave/leases", min_length=1)
 
 
 class EnergySettings(_Strict):
@@ -93,7 +93,7 @@ class EnergySettings(_Strict):
     #: GPU model the simulated meter and clock backend stand for.
     simulated_gpu: Literal["h200"] = "h200"
     #: Seconds without an engine step after which time is booked as idle.
-    idle_after_s: float = Field(default=0.25, gt=0.0, le=60.0)
+    idle_after_s: float = Field(default=0.25, gt=0.0, le=60.0, allow_inf_nan=False)
 
 
 class PowersaveSettings(_Strict):
@@ -103,9 +103,9 @@ class PowersaveSettings(_Strict):
     clocks: ClockSettings = Field(default_factory=ClockSettings)
     energy: EnergySettings = Field(default_factory=EnergySettings)
     #: Optional YAML/JSON file with further settings (inline keys win).
-    config_file: str | None = None
+    config_file: str | None = Field(default=None, min_length=1)
     #: Directory where worker processes publish their figures for the API server's /metrics.
-    stats_dir: str | None = None
+    stats_dir: str | None = Field(default=None, min_length=1)
     #: Attribute energy to requests (token share per step, see energy/account.py), write one line per
     #: finished request to ``stats_dir/requests-rank<N>.jsonl`` and export the totals on /metrics.
     per_request_energy: bool = False
@@ -123,23 +123,35 @@ class PowersaveSettings(_Strict):
     @model_validator(mode="after")
     def _simulated_needs_sim_meter(self) -> "PowersaveSettings":
         if self.clocks.backend == "simulated" and self.energy.meter == "nvml":
-            raise ValueError("clocks.backend 'simulated' cannot be combined with energy.meter 'nvml'")
+            raise ValueError("clocks.backend 'simulated' needs a simulated GPU, energy.meter 'nvml' measures a real one: use energy.meter 'simulated' or 'auto'")
         return self
+
+
+def _short(value: Any, limit: int = 120) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 5] + "...'"
 
 
 def _one_line(err: ValidationError) -> str:
     first = err.errors()[0]
-    loc = ".".join(str(p) for p in first["loc"] if p != "[key]") or "<root>"
-    value = first.get("input")
+    loc = ".".join(str(p) for p in first["loc"] if p != "[key]")
     more = f" (+{err.error_count() - 1} more)" if err.error_count() > 1 else ""
-    return f"powersave setting '{loc}' = {value!r}: {first['msg']}{more}"
+    msg = first["msg"].removeprefix("Value error, ")
+    if not loc:  # a rule across fields: the message names them
+        return f"powersave settings: {msg}{more}"
+    return f"powersave setting '{loc}' = {_short(first.get('input'))}: {msg}{more}"
 
 
 def _read_file(path: str, field: str) -> dict[str, Any]:
     p = Path(path)
+    if p.is_dir():
+        raise SettingsError(f"powersave setting '{field}' = {path!r}: is a directory, not a YAML/JSON file")
     if not p.is_file():
         raise SettingsError(f"powersave setting '{field}' = {path!r}: file not found")
-    text = p.read_text()
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SettingsError(f"powersave setting '{field}' = {path!r}: cannot read: {type(exc).__name__}") from None
     try:
         if p.suffix.lower() in (".yaml", ".yml"):
             import yaml
@@ -155,7 +167,10 @@ def _read_file(path: str, field: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise SettingsError(f"powersave setting '{field}' = {path!r}: top level must be a mapping")
     # A file may hold the settings bare or under a "powersave" key (same shape as additional-config).
-    return data.get("powersave", data) if isinstance(data.get("powersave"), dict) else data
+    data = data["powersave"] if isinstance(data.get("powersave"), dict) else data
+    if "config_file" in data:
+        raise SettingsError(f"powersave setting '{field}' = {path!r}: a settings file may not name another config_file")
+    return data
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:

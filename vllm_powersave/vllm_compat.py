@@ -89,6 +89,8 @@ class _PluginAction(argparse.Action):
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option_string: str | None = None) -> None:
         names = [n.strip() for n in str(values).split(",") if n.strip()]
+        if not names:
+            parser.error(f"argument --plugin: empty plugin name {values!r} (known: powersave)")
         for n in names:
             if n != "powersave":
                 parser.error(f"argument --plugin: unknown plugin {n!r} (known: powersave)")

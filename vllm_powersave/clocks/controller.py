@@ -57,9 +57,14 @@ class LeaseStore:
         for p in sorted(self.dir.glob("*.json")):
             try:
                 lease = json.loads(p.read_text())
-            except (OSError, ValueError):
-                lease = {"gpu": p.stem, "pid": -1}
-            if not _pid_alive(int(lease.get("pid", -1))):
+                if not isinstance(lease, dict):
+                    raise ValueError("not a mapping")
+                lease["pid"] = int(lease.get("pid", -1))
+                lease["gpu"] = str(lease.get("gpu") or p.stem)
+            except (OSError, ValueError, TypeError, OverflowError, UnicodeDecodeError):
+                # A corrupt lease cannot prove its owner alive: treat the GPU as possibly locked.
+                lease = {"gpu": p.stem, "pid": -1, "corrupt": True}
+            if not _pid_alive(lease["pid"]):
                 lease["path"] = str(p)
                 out.append(lease)
         return out
@@ -70,7 +75,7 @@ def _pid_alive(pid: int) -> bool:
         return False
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError, ValueError):
         return False
     except PermissionError:
         return True
@@ -128,6 +133,8 @@ class ClockController:
         self.n_changes = 0
         self.disabled_reason: str | None = None
         self._pending: tuple[str, ClockPreset] | None = None
+        self._apply_lock = threading.Lock()
+        self._maybe_locked = False  # what the GPU may have, as opposed to what we last wanted
         self._cv = threading.Condition()
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -196,32 +203,44 @@ class ClockController:
             self._apply(phase, target)
 
     def _apply(self, phase: str, target: ClockPreset) -> None:
-        try:
-            if target.sm_clock_mhz is None:
-                self.backend.reset()
-                if self.leases:
-                    self.leases.release(self.gpu_id)
-            else:
-                if self.leases:
-                    self.leases.acquire(self.gpu_id, target.sm_clock_mhz)
-                    self._start_watchdog()
-                self.backend.set_clocks(target.sm_clock_mhz, target.mem_clock_mhz)
-        except ClockPermissionError as exc:
-            log.warning("powersave: %s; clock control falls back to dry-run for GPU %s", exc, self.gpu_id)
-            if self.leases:
-                self.leases.release(self.gpu_id)
+        with self._apply_lock:
+            if self._closed and target.sm_clock_mhz is not None:
+                return  # close() owns the final state: never lock after it started
             try:
-                supported: tuple[int, ...] | None = self.backend.supported_sm_clocks()
-            except Exception:
-                supported = None
-            self.backend = DryRunClockBackend(supported)
-            self.leases = None
-            if target.sm_clock_mhz is not None:
-                self.backend.set_clocks(target.sm_clock_mhz, target.mem_clock_mhz)
-        except ClockError as exc:
-            self._fault(exc)
-        except Exception as exc:  # never let a clock problem take the engine down
-            self._fault(exc)
+                if target.sm_clock_mhz is None:
+                    self._reset_and_release()
+                else:
+                    if self.leases:
+                        self.leases.acquire(self.gpu_id, target.sm_clock_mhz)
+                        self._start_watchdog()
+                    # Pessimistic: from here on the GPU may be locked, even if the call fails midway.
+                    self._maybe_locked = True
+                    self.backend.set_clocks(target.sm_clock_mhz, target.mem_clock_mhz)
+            except ClockPermissionError as exc:
+                self._to_dry_run(exc, target)
+            except Exception as exc:  # NVML faults and anything else: never take the engine down
+                self._fault(exc)
+
+    def _reset_and_release(self) -> None:
+        """Reset the clocks; the lease is released only once the reset succeeded (raises otherwise)."""
+        self.backend.reset()
+        self._maybe_locked = False
+        if self.leases:
+            self.leases.release(self.gpu_id)
+
+    def _to_dry_run(self, exc: Exception, target: ClockPreset) -> None:
+        log.warning("powersave: %s; clock control falls back to dry-run for GPU %s", exc, self.gpu_id)
+        if self.leases:
+            self.leases.release(self.gpu_id)  # a refused lock never took effect
+        self._maybe_locked = False
+        try:
+            supported: tuple[int, ...] | None = self.backend.supported_sm_clocks()
+        except Exception:
+            supported = None
+        self.backend = DryRunClockBackend(supported)
+        self.leases = None
+        if target.sm_clock_mhz is not None:
+            self.backend.set_clocks(target.sm_clock_mhz, target.mem_clock_mhz)
 
     _watchdog_started = False
 
@@ -245,11 +264,10 @@ class ClockController:
         self.disabled_reason = f"{type(exc).__name__}: {exc}"
         log.error("powersave: clock control stopped for GPU %s after a fault (%s); serving continues", self.gpu_id, exc)
         try:
-            self.backend.reset()
-        except Exception:
-            pass
-        if self.leases:
-            self.leases.release(self.gpu_id)
+            self._reset_and_release()
+        except Exception as exc2:
+            # Keep the lease: the watchdog, the next start or `vllm-powersave reset-clocks` retries.
+            log.error("powersave: reset after the fault failed for GPU %s (%s); lease kept for recovery", self.gpu_id, exc2)
 
     def recover_stale(self) -> list[str]:
         """Reset GPUs whose lease belongs to a dead process (a SIGKILLed server). Returns their ids."""
@@ -261,28 +279,39 @@ class ClockController:
                 try:
                     self.backend.reset()
                 except Exception as exc:
-                    log.error("powersave: reset of stale lock failed: %s", exc)
+                    log.error("powersave: reset of stale lock failed (%s); lease kept", exc)
+                    continue
                 self.leases.release(self.gpu_id)
                 recovered.append(self.gpu_id)
         return recovered
 
     def close(self) -> None:
-        """Stop the thread and restore the driver's default clocks. Idempotent."""
+        """Stop the thread and restore the driver's default clocks. Idempotent.
+
+        Waits for an in-flight NVML call (up to 30 s); the reset then runs whatever the controller
+        last wanted, because what matters is what the GPU may have been given.
+        """
         if self._closed:
             return
         with self._cv:
             self._closed = True
+            self._pending = None
             self._cv.notify()
-        if self._thread is not None:
-            self._thread.join(timeout=5.0)
-        if self.current.sm_clock_mhz is not None or self.current.mem_clock_mhz is not None:
-            try:
-                self.backend.reset()
-            except Exception as exc:
-                log.error("powersave: clock reset at exit failed for GPU %s: %s", self.gpu_id, exc)
+        got = self._apply_lock.acquire(timeout=30.0)
+        try:
+            if self._maybe_locked:
+                try:
+                    self._reset_and_release()
+                except Exception as exc:
+                    log.error("powersave: clock reset at exit failed for GPU %s (%s); lease kept for recovery", self.gpu_id, exc)
+            elif self.leases:
+                self.leases.release(self.gpu_id)
             self.current = ClockPreset()
-        if self.leases:
-            self.leases.release(self.gpu_id)
+        finally:
+            if got:
+                self._apply_lock.release()
+        if self._thread is not None:
+            self._thread.join(timeout=1.0)
 
     @property
     def target_sm_clock_mhz(self) -> int | None:
