@@ -102,14 +102,16 @@ def calculate_metrics(
 def energy_metrics(reading: EnergyReading, total_input_tokens: int, total_output_tokens: int) -> dict[str, Any]:
     """Energy-efficiency fields (J, W, tokens/J); all None when there is no energy source.
 
-    Average power divides by the scrape-to-scrape window, the interval the energy covers.
+    Average power divides by the scrape-to-scrape window, the interval the energy covers. For
+    simulated energy it is left out (None): a simulated GPU's joules over a CPU run's wall time is
+    not a power anyone could measure.
     """
     e = reading.energy_j
     total = total_input_tokens + total_output_tokens
     has = e is not None and e > 0
     return {
         "gpu_energy_j": e,
-        "gpu_avg_power_w": (e / reading.window_s) if e is not None and reading.window_s > 0 else None,
+        "gpu_avg_power_w": (e / reading.window_s) if e is not None and reading.window_s > 0 and reading.source == "measured" else None,
         "gpu_energy_per_output_token_j": (e / total_output_tokens) if e is not None and total_output_tokens else None,
         "gpu_energy_per_total_token_j": (e / total) if e is not None and total else None,
         "output_tokens_per_joule": (total_output_tokens / e) if has else None,

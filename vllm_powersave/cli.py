@@ -15,12 +15,13 @@ PRESET_DIR = Path(__file__).parent / "presets"
 def _cmd_make_model(ns: argparse.Namespace) -> int:
     from .modelgen import make_model
 
-    out = make_model(Path(ns.dir), ns.shape, seed=ns.seed, weights=False if ns.no_weights else None, overwrite=ns.overwrite)
+    weights = False if ns.no_weights else (True if ns.weights else None)
+    out = make_model(Path(ns.dir), ns.shape, seed=ns.seed, weights=weights, overwrite=ns.overwrite)
     print(f"wrote {ns.shape} model to {out}")
     return 0
 
 
-def _configs(gpu: bool, clock_backend: str | None) -> list[tuple[str, str, list[str]]]:
+def _configs(gpu: bool, clock_backend: str | None, sim_shape: str | None = None) -> list[tuple[str, str, list[str]]]:
     """(label, description, extra serve args) for the off and on servers."""
     if gpu:
         on: dict[str, Any] = {"clocks": {"backend": clock_backend or "dry-run"}}
@@ -30,11 +31,13 @@ def _configs(gpu: bool, clock_backend: str | None) -> list[tuple[str, str, list[
         ]
     # No GPU: a stock server has no energy at all, so the baseline runs the plugin's simulated meter
     # with stock clocks and no chunking; only the "on" server applies the (simulated) presets.
-    base = {"chunking": {"enabled": False}, "clocks": {"backend": "simulated", "presets": {}}, "energy": {"meter": "simulated"}}
-    on = {"config_file": str(PRESET_DIR / "h200-simulated.yaml")}
+    sim = {"meter": "simulated", "simulated_model_shape": sim_shape} if sim_shape else {"meter": "simulated"}
+    base = {"chunking": {"enabled": False}, "clocks": {"backend": "simulated", "presets": {}}, "energy": sim}
+    on = {"config_file": str(PRESET_DIR / "h200-simulated.yaml"), "energy": sim}
+    as_what = f"an H200 running a {sim_shape}-shaped model through the same steps" if sim_shape else "an H200"
     return [
-        ("off", "vLLM, stock clocks, no chunking (powersave meter only: simulated H200 energy)", ["--additional-config", json.dumps({"powersave": base})]),
-        ("on", "vLLM + powersave, h200-simulated presets (simulated H200 energy)", ["--plugin", "powersave", "--additional-config", json.dumps({"powersave": on})]),
+        ("off", f"vLLM, stock clocks, no chunking (powersave meter only; energy simulated for {as_what})", ["--additional-config", json.dumps({"powersave": base})]),
+        ("on", f"vLLM + powersave, h200-simulated clock presets (energy simulated for {as_what})", ["--plugin", "powersave", "--additional-config", json.dumps({"powersave": on})]),
     ]
 
 
@@ -60,7 +63,8 @@ def _cmd_compare(ns: argparse.Namespace) -> int:
     gpu = not cpu_only()
     results: dict[str, dict] = {}
     descriptions: dict[str, str] = {}
-    for label, desc, extra in _configs(gpu, ns.clock_backend):
+    sim_shape = None if ns.sim_shape == "served" else ns.sim_shape
+    for label, desc, extra in _configs(gpu, ns.clock_backend, sim_shape):
         descriptions[label] = desc
         print(f"[compare] {label}: starting vllm serve ({desc})", flush=True)
         server = VllmServer(default_serve_args(str(model)) + extra + list(ns.serve_arg or []), log_path=out_dir / f"server-{label}.log", startup_timeout_s=ns.startup_timeout)
@@ -94,8 +98,9 @@ def _cmd_compare(ns: argparse.Namespace) -> int:
     legend = "".join(f"- **{k}**: {v}\n" for k, v in descriptions.items())
     if not gpu:
         legend += ("- *simulated*: joules an H200 would spend on exactly the engine steps this CPU run executed "
-                   "(vllm_powersave/sim/gpu.py); throughput and latency are the CPU's, measured. Average power is "
-                   "that energy over the CPU run's wall time, so it is not an H200 power figure.\n")
+                   "(vllm_powersave/sim/gpu.py), each step costed for the model shape named above; throughput and latency are "
+                   "the CPU's own, measured (noisy on 2 cores: compare repeated runs). No average power is shown: simulated "
+                   "joules over a CPU run's wall time is not a power anyone could measure.\n")
     md = header + legend + "\n" + table + "\n"
     (out_dir / "comparison.md").write_text(md)
     (out_dir / "comparison.json").write_text(json.dumps({"model": str(model), "gpu": gpu, "results": results}, indent=2))
@@ -144,6 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--shape", default="qwen2-tiny")
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--no-weights", action="store_true", help="config + tokenizer only (serve with --load-format dummy)")
+    m.add_argument("--weights", action="store_true", help="write weights even for shapes over 2 GB (default: only small shapes)")
     m.add_argument("--overwrite", action="store_true")
     m.set_defaults(fn=_cmd_make_model)
 
@@ -158,6 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--clock-backend", choices=["dry-run", "nvml"], default=None, help="GPU machines only; default dry-run")
+    c.add_argument("--sim-shape", default="qwen2.5-7b", choices=["served", "qwen2.5-0.5b", "qwen2.5-7b", "llama3-8b"],
+                   help="no-GPU machines: simulate energy as if each step ran a model of this shape ('served': the served model itself)")
     c.add_argument("--serve-arg", action="append", help="extra argument passed to vllm serve (repeatable)")
     c.add_argument("--startup-timeout", type=float, default=600.0)
     c.add_argument("--out", default="runs")

@@ -628,7 +628,7 @@ def make_model(
     if out.is_dir() and any(out.iterdir()):
         if not overwrite:
             raise ValueError(
-                f"out_dir {str(out)!r} exists and is not empty (pass overwrite=True to replace)"
+                f"out_dir {str(out)!r} exists and is not empty (pass overwrite=True, or --overwrite on the command line)"
             )
         for p in out.iterdir():
             if p.is_file() and (
@@ -644,7 +644,7 @@ def make_model(
             print(
                 f"note: {shape} weights would be {wbytes / 1e9:.1f} GB at {dtype}; "
                 f"not writing them (serve {out} with vLLM --load-format dummy, "
-                "or pass weights=True to write them)",
+                "or pass weights=True, or --weights on the command line, to write them)",
                 file=sys.stderr,
             )
 

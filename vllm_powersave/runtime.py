@@ -52,6 +52,17 @@ def chunked_head(head: Any, hidden_states: Any) -> Any:
     return apply_chunked(head, hidden_states, n)
 
 
+def _shape_cost(shape: str) -> dict[str, float]:
+    """FLOP/byte constants of a named real model shape (bf16), for the simulated GPU."""
+    from .modelgen import SHAPES, param_count
+
+    cfg = SHAPES[shape]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    n = float(param_count(shape))
+    return {"n_params": n, "weight_bytes": 2 * n, "vocab_params": float(cfg["vocab_size"] * cfg["hidden_size"]),
+            "kv_bytes_per_token": float(2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 2)}
+
+
 def _init_nvml() -> Any | None:
     try:
         import pynvml
@@ -92,7 +103,8 @@ class WorkerRuntime:
         needs_sim = meter_kind == "simulated" or settings.clocks.backend == "simulated"
         if needs_sim:
             self.sim = SimulatedGpu(SPECS[settings.energy.simulated_gpu])
-            cost = vllm_compat.runner_model_cost(runner)
+            cost = (_shape_cost(settings.energy.simulated_model_shape) if settings.energy.simulated_model_shape
+                    else vllm_compat.runner_model_cost(runner))
             self.model_cost = ModelCost(cost["n_params"], cost["kv_bytes_per_token"], cost["weight_bytes"])
             self.vocab_params = cost["vocab_params"]
         self.meter: EnergyMeter | None

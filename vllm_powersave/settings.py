@@ -92,6 +92,11 @@ class EnergySettings(_Strict):
     meter: Literal["auto", "nvml", "simulated", "off"] = "auto"
     #: GPU model the simulated meter and clock backend stand for.
     simulated_gpu: Literal["h200"] = "h200"
+    #: Simulate the steps as if the served model had this shape (e.g. "qwen2.5-7b"): the scheduled
+    #: tokens and batches are the real ones, the FLOPs and bytes per step those of the named shape.
+    #: For CPU demos with a tiny model, whose steps an H200 would spend almost entirely in launch
+    #: overhead. Default: the served model's own parameter count.
+    simulated_model_shape: Literal["qwen2.5-0.5b", "qwen2.5-7b", "llama3-8b"] | None = None
     #: Seconds without an engine step after which time is booked as idle.
     idle_after_s: float = Field(default=0.25, gt=0.0, le=60.0, allow_inf_nan=False)
 
@@ -113,7 +118,7 @@ class PowersaveSettings(_Strict):
     #: context: the driver then stops holding the boost clock on a loaded-but-idle GPU and manages
     #: the SM clock itself under load. Needs no privilege and changes no device setting. Measured on
     #: the H200 test GPU: idle engine 123 W -> 80 W; under load -15-20 % throughput for +2-12 %
-    #: tokens per joule (shared/notes/h200-facts.md). Read once per process: not switchable per phase.
+    #: tokens per joule (docs/h200-facts.md). Read once per process: not switchable per phase.
     cuda_perf_boost: Literal["on", "off"] = "on"
     #: Write one JSON line per engine step (phase, tokens, LM-head rows, clock decision, host
     #: start/end times in s) to ``stats_dir/trace-rank<N>.jsonl``: the data the controller and the

@@ -2,7 +2,7 @@
 
 The LM-head GEMM is ``[rows, hidden] x [hidden, vocab]``. Seed 004 (chunked LM head on power- and
 thermally-throttled GPUs) reports -14 % energy and -20 % time on a DGX Spark and 1-2 % on an L40S;
-on the H200 we measured no gain (``shared/notes/h200-facts.md``), and every extra chunk re-reads the
+on the H200 we measured no gain (``docs/h200-facts.md``), and every extra chunk re-reads the
 whole weight, which is pure cost for decode-sized row counts. Hence the policy is a table tuned per
 GPU and the default is "no chunking".
 """

@@ -1,4 +1,4 @@
-"""Choosing the chunk table from measurements (the rule `vllm-powersave tune` applies).
+"""Choosing the chunk table from measurements (used by benchmarks/analyze_lm_head.py; the tuner will reuse it).
 
 Seed 004 leaves chunk-size selection open; seed 000 warns that searches over noisy measurements
 select outliers. The rule is therefore conservative: per row count, a chunk count other than 1 is

@@ -13,7 +13,7 @@ Model (roofline plus a DVFS power model), per engine step:
   waste a lower decode clock removes);
 * a power cap: if ``P`` exceeds it the clock drops until it fits (the H200's SW power cap).
 
-Calibration (H200, ``shared/notes/h200-facts.md``, measured on the test GPU): engine-loaded idle
+Calibration (H200, ``docs/h200-facts.md``, measured on the test GPU): engine-loaded idle
 122 W at 1980 MHz; bf16 GEMM 661 TFLOP/s at a capped ~1450 MHz and 689 W; device copy 4.28 TB/s
 at 674 W and ~1940 MHz. The constants below reproduce those three points within ~5 %.
 """
