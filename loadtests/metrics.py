@@ -116,6 +116,12 @@ def energy_metrics(reading: EnergyReading, total_input_tokens: int, total_output
         "gpu_energy_per_total_token_j": (e / total) if e is not None and total else None,
         "output_tokens_per_joule": (total_output_tokens / e) if has else None,
         "total_tokens_per_joule": (total / e) if has else None,
+        # Idle energy (server up, no engine step) of the window, shown separately, and the output
+        # tokens per joule of the active phases alone (needs the server's per-phase counters).
+        "gpu_idle_energy_j": reading.by_phase_j.get("idle") if reading.by_phase_j else None,
+        "gpu_active_energy_per_output_token_j": (
+            (e - reading.by_phase_j.get("idle", 0.0)) / total_output_tokens
+            if e is not None and reading.by_phase_j and total_output_tokens else None),
         "energy_source": reading.source,
         "energy_provider": reading.provider,
         "energy_by_phase_j": dict(reading.by_phase_j),

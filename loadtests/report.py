@@ -128,6 +128,8 @@ def compare_table(results: dict[str, dict[str, Any]]) -> str:
         add(f"{title} p99 (ms)", lambda r, k=f"p99_{name}_ms": _num(r.get(k)))
     add("GPU avg power (W)", lambda r: _energy(r, "gpu_avg_power_w", 1))
     add("J / output token", lambda r: _energy(r, "gpu_energy_per_output_token_j"))
+    add("of which idle (J total)", lambda r: _energy(r, "gpu_idle_energy_j", 1))
+    add("J / output token, active phases only", lambda r: _energy(r, "gpu_active_energy_per_output_token_j"))
     add("Output tokens / J", lambda r: _energy(r, "output_tokens_per_joule"))
     add("Total tokens / J", lambda r: _energy(r, "total_tokens_per_joule"))
     add("Energy source", lambda r: r.get("energy_source") or "none")

@@ -232,6 +232,8 @@ def test_streaming_energy_tokens_per_joule_exact(server_factory) -> None:
     assert res["energy_source"] == "measured"
     assert res["energy_provider"] == "server-metrics"
     assert res["gpu_avg_power_w"] == pytest.approx(expected / res["energy_window_s"])
+    assert res["gpu_idle_energy_j"] == 0.0
+    assert res["gpu_active_energy_per_output_token_j"] == pytest.approx(expected / res["total_output_tokens"])
     # payload fields sent to the server
     p = srv.payloads[-1]
     assert p["ignore_eos"] is True and p["temperature"] == 0 and p["max_tokens"] == out_len
