@@ -166,3 +166,18 @@ def test_per_request_energy_token_share_and_sum_invariant():
     assert acc.energy_j["idle"] == pytest.approx(100.0)
     total = meter.energy_j()
     assert acc.finished_request_j + sum(acc.request_j.values()) + acc.energy_j["idle"] == pytest.approx(total, rel=1e-9)
+
+
+def test_shadow_gpu_prices_identical_steps_at_stock_clocks():
+    gpu, shadow = SimulatedGpu(), SimulatedGpu()
+    meter = SimulatedEnergyMeter(gpu, shadow=shadow)
+    gpu.set_sm_clock(1200)
+    cost = ModelCost(n_params=7.6e9, kv_bytes_per_token=57344, weight_bytes=15.2e9)
+    for _ in range(100):
+        w = cost.step_work(num_tokens=32, lm_head_rows=32, decode_ctx_tokens=32 * 400)
+        gpu.run(w)
+        shadow.run(w)
+    meter.on_idle(1.0)
+    assert shadow.sm_clock_mhz == H200.f_max_mhz and gpu.sm_clock_mhz == 1200
+    saving = 1 - gpu.energy_j / shadow.energy_j
+    assert 0.10 < saving < 0.35  # memory-bound decode at 1200 MHz, plus a locked (lower) idle

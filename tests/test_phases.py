@@ -66,3 +66,15 @@ def test_fast_aggregate_classification_equals_per_request_classification():
         fast = step_info(so)
         assert (fast.phase, fast.prefill_tokens, fast.decode_tokens, fast.lm_head_rows, fast.num_reqs, fast.spec_tokens) == \
             (slow.phase, slow.prefill_tokens, slow.decode_tokens, slow.lm_head_rows, slow.num_reqs, slow.spec_tokens)
+
+
+def test_small_mixed_steps_take_the_decode_clock():
+    from vllm_powersave.runtime import clock_phase
+
+    small = classify([ReqSched(40, context_phase=True)] + [ReqSched(1, computed=100)] * 60)
+    big = classify([ReqSched(512, context_phase=True)] + [ReqSched(1, computed=100)] * 60)
+    assert small.phase == big.phase == "mixed"
+    assert clock_phase(small, 128) == "decode"
+    assert clock_phase(big, 128) == "mixed"
+    assert clock_phase(small, 0) == "mixed"
+    assert clock_phase(classify([ReqSched(64, context_phase=True)]), 128) == "prefill"

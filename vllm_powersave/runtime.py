@@ -52,6 +52,13 @@ def chunked_head(head: Any, hidden_states: Any) -> Any:
     return apply_chunked(head, hidden_states, n)
 
 
+def clock_phase(info: Any, memory_bound_max_tokens: int) -> str:
+    """The phase whose clock preset a step gets: small mixed steps are memory-bound, like decode."""
+    if info.phase == "mixed" and info.num_tokens <= memory_bound_max_tokens:
+        return "decode"
+    return info.phase
+
+
 def _shape_cost(shape: str) -> dict[str, float]:
     """FLOP/byte constants of a named real model shape (bf16), for the simulated GPU."""
     from .modelgen import SHAPES, param_count
@@ -83,6 +90,7 @@ class WorkerRuntime:
         self.rank = int(ident["rank"])
         on_gpu = ident["device_type"] == "cuda"
         self.sim: SimulatedGpu | None = None
+        self.sim_stock: SimulatedGpu | None = None
         self.model_cost: ModelCost | None = None
         nvml, handle, gpu_id = None, None, f"sim{self.rank}"
         if on_gpu and settings.energy.meter in ("auto", "nvml") or settings.clocks.backend == "nvml":
@@ -112,7 +120,9 @@ class WorkerRuntime:
             self.meter = NvmlEnergyMeter(nvml, handle, gpu_id)
         elif meter_kind == "simulated":
             assert self.sim is not None
-            self.meter = SimulatedEnergyMeter(self.sim, gpu_id)
+            if settings.clocks.backend == "simulated" and settings.clocks.presets:
+                self.sim_stock = SimulatedGpu(self.sim.spec)
+            self.meter = SimulatedEnergyMeter(self.sim, gpu_id, shadow=self.sim_stock)
         else:
             self.meter = None
         self.clocks = ClockController(self._backend(settings, nvml, handle), settings.clocks, gpu_id=gpu_id, asynchronous=settings.clocks.backend == "nvml")
@@ -168,7 +178,7 @@ class WorkerRuntime:
         if info.phase == "idle":
             return
         self._last_step_s = time.monotonic()
-        self.clocks.on_phase(info.phase)
+        self.clocks.on_phase(clock_phase(info, self.settings.clocks.memory_bound_max_tokens))
         if self._trace is not None:
             # A tuple per step (cheap); turned into JSON by the publisher thread.
             self._trace.append((self._last_step_s, info.phase, info.prefill_tokens, info.decode_tokens, info.lm_head_rows,
@@ -180,7 +190,10 @@ class WorkerRuntime:
             else:
                 self.account.on_step(info.phase, info.prefill_tokens, info.decode_tokens)
         if self.sim is not None and self.model_cost is not None:
-            self.sim.run(self.model_cost.step_work(info.num_tokens, info.lm_head_rows, info.decode_ctx_tokens, self.vocab_params))
+            work = self.model_cost.step_work(info.num_tokens, info.lm_head_rows, info.decode_ctx_tokens, self.vocab_params)
+            self.sim.run(work)
+            if self.sim_stock is not None:
+                self.sim_stock.run(work)
 
     def on_step_end(self) -> None:
         if self._trace and self._trace[-1][-1] is None:
@@ -213,6 +226,8 @@ class WorkerRuntime:
             "requests_finished": acc.finished_requests if acc else 0,
             "request_energy_j_finished": acc.finished_request_j if acc else 0.0,
             "request_energy_j_in_flight": sum(list(acc.request_j.values())) if acc else 0.0,
+            "sim_energy_j": self.sim.energy_j if self.sim is not None else None,
+            "sim_stock_clocks_energy_j": self.sim_stock.energy_j if self.sim_stock is not None else None,
             "cuda_perf_boost": "off" if os.environ.get("CUDA_DISABLE_PERF_BOOST") == "1" else "on",
         }
 

@@ -82,6 +82,12 @@ class ClockSettings(_Strict):
     presets: dict[Phase, ClockPreset] = Field(default_factory=dict)
     #: Minimum time a clock stays applied before another change (hysteresis), in ms.
     min_dwell_ms: float = Field(default=500.0, ge=0.0, le=600_000.0, allow_inf_nan=False)
+    #: A mixed step scheduling at most this many tokens in total is memory-bound (its FLOPs per
+    #: weight byte, ~tokens, sit below the GPU's ridge point: ~190 for bf16 on an H200) and gets
+    #: the decode preset. Under continuous batching a new request joins every few steps, so pure
+    #: decode runs rarely outlast the dwell; H200 traces: 97-99 % of steps are decode or such
+    #: small mixed steps (docs/results/h200-vllm.md). 0 disables.
+    memory_bound_max_tokens: int = Field(default=128, ge=0, le=100_000)
     #: Directory of lease files (one per locked GPU) used to undo locks after a crash.
     lease_dir: str = Field(default="/tmp/vllm-powersave/leases", min_length=1)
 

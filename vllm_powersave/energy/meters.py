@@ -101,9 +101,12 @@ class SimulatedEnergyMeter(EnergyMeter):
 
     source = "simulated"
 
-    def __init__(self, gpu: SimulatedGpu, gpu_id: str = "sim0") -> None:
+    def __init__(self, gpu: SimulatedGpu, gpu_id: str = "sim0", shadow: SimulatedGpu | None = None) -> None:
         self.gpu = gpu
         self.gpu_id = gpu_id
+        #: Optional twin at stock clocks fed the same steps and idle time: the counterfactual
+        #: "these exact steps without the presets", free of run-to-run batching noise.
+        self.shadow = shadow
         self._start = gpu.energy_j
 
     def energy_j(self) -> float:
@@ -114,6 +117,8 @@ class SimulatedEnergyMeter(EnergyMeter):
 
     def on_idle(self, seconds: float) -> None:
         self.gpu.idle(seconds)
+        if self.shadow is not None:
+            self.shadow.idle(seconds)
 
     def sm_clock_mhz(self) -> int | None:
         return self.gpu.sm_clock_mhz
