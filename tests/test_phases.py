@@ -74,7 +74,7 @@ def test_small_mixed_steps_take_the_decode_clock():
     small = classify([ReqSched(40, context_phase=True)] + [ReqSched(1, computed=100)] * 60)
     big = classify([ReqSched(512, context_phase=True)] + [ReqSched(1, computed=100)] * 60)
     assert small.phase == big.phase == "mixed"
-    assert clock_phase(small, 128) == "decode"
-    assert clock_phase(big, 128) == "mixed"
+    assert clock_phase(small, 150) == "decode"
+    assert clock_phase(big, 150) == "mixed"
     assert clock_phase(small, 0) == "mixed"
-    assert clock_phase(classify([ReqSched(64, context_phase=True)]), 128) == "prefill"
+    assert clock_phase(classify([ReqSched(64, context_phase=True)]), 150) == "prefill"

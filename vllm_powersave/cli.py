@@ -94,7 +94,7 @@ def _cmd_compare(ns: argparse.Namespace) -> int:
         print(f"[compare] {label}: starting vllm serve ({desc})", flush=True)
         stats_dir = (out_dir / f"stats-{label}-{run_i}").resolve()
         extra = _with_stats_dir(extra, str(stats_dir))
-        server = VllmServer(default_serve_args(str(model)) + extra + list(ns.serve_arg or []), log_path=out_dir / f"server-{label}.log", startup_timeout_s=ns.startup_timeout)
+        server = VllmServer(default_serve_args(str(model)) + extra + list(ns.serve_arg or []), log_path=out_dir / f"server-{label}-{run_i}.log", startup_timeout_s=ns.startup_timeout)
         try:
             server.start()
         except ServerError as err:

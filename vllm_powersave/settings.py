@@ -83,11 +83,12 @@ class ClockSettings(_Strict):
     #: Minimum time a clock stays applied before another change (hysteresis), in ms.
     min_dwell_ms: float = Field(default=500.0, ge=0.0, le=600_000.0, allow_inf_nan=False)
     #: A mixed step scheduling at most this many tokens in total is memory-bound (its FLOPs per
-    #: weight byte, ~tokens, sit below the GPU's ridge point: ~190 for bf16 on an H200) and gets
+    #: weight byte equal its token count, below the GPU's ridge point: 661 TFLOP/s / 4.28 TB/s =
+    #: 154 FLOP/B measured on the H200, docs/h200-facts.md) and gets
     #: the decode preset. Under continuous batching a new request joins every few steps, so pure
     #: decode runs rarely outlast the dwell; H200 traces: 97-99 % of steps are decode or such
     #: small mixed steps (docs/results/h200-vllm.md). 0 disables.
-    memory_bound_max_tokens: int = Field(default=128, ge=0, le=100_000)
+    memory_bound_max_tokens: int = Field(default=150, ge=0, le=100_000)
     #: Directory of lease files (one per locked GPU) used to undo locks after a crash.
     lease_dir: str = Field(default="/tmp/vllm-powersave/leases", min_length=1)
 
