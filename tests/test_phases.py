@@ -78,3 +78,22 @@ def test_small_mixed_steps_take_the_decode_clock():
     assert clock_phase(big, 150) == "mixed"
     assert clock_phase(small, 0) == "mixed"
     assert clock_phase(classify([ReqSched(64, context_phase=True)]), 150) == "prefill"
+
+
+def test_regime_filter_keeps_decode_clock_through_occasional_prompts_but_not_bursts():
+    from vllm_powersave.runtime import RegimeFilter
+
+    f = RegimeFilter(window_s=0.5, share_max=0.3, burst_tokens=2048, memory_bound_max_tokens=150)
+    dec = classify([ReqSched(1, computed=100)] * 16)
+    new_prompt = classify([ReqSched(200, context_phase=True)] + [ReqSched(1, computed=100)] * 15)
+    burst = classify([ReqSched(4096, context_phase=True)])
+    t, phases = 0.0, []
+    assert f.phase(new_prompt, t) == "mixed"  # unknown regime: no lowering
+    for i in range(400):  # 4 ms steps; a new prompt every 5th step
+        t += 0.004
+        phases.append(f.phase(new_prompt if i % 5 == 0 else dec, t))
+    assert phases[-50:].count("decode") == 50  # steady state: the prompts ride at the decode clock
+    assert f.phase(burst, t + 0.004) == "prefill"  # a real prefill burst is raised at once
+    g = RegimeFilter(0.5, 0.3, 2048, 150)
+    busy = [g.phase(new_prompt, 0.004 * i) for i in range(300)]
+    assert busy[-1] == "mixed"  # prefill-heavy regime keeps the default clock

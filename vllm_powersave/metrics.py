@@ -44,6 +44,8 @@ class PowersaveCollector(Collector):
     def collect(self) -> Iterator[Any]:
         snaps = read_snapshots(self.stats_dir)
         energy = CounterMetricFamily("powersave_gpu_energy_joules", "GPU energy by engine phase (J)", labels=["gpu", "phase", "source"])
+        engine = CounterMetricFamily("powersave_engine_energy_joules", "Energy of all GPUs of the engine (every TP/PP rank) by phase (J)", labels=["phase", "source"])
+        engine_sum: dict[tuple[str, str], float] = {}
         steps = CounterMetricFamily("powersave_steps", "Engine steps by phase", labels=["gpu", "phase"])
         tokens = CounterMetricFamily("powersave_tokens", "Tokens processed by kind (prefill, decode)", labels=["gpu", "kind"])
         power = GaugeMetricFamily("powersave_gpu_power_watts", "GPU power (W)", labels=["gpu", "source"])
@@ -63,6 +65,7 @@ class PowersaveCollector(Collector):
             boost.add(str(s.get("cuda_perf_boost", "on")))
             for phase, j in (s.get("energy_j") or {}).items():
                 energy.add_metric([gpu, phase, src], float(j))
+                engine_sum[(phase, src)] = engine_sum.get((phase, src), 0.0) + float(j)
             for phase, n in (s.get("steps") or {}).items():
                 if phase != "idle":  # idle is time without steps, not a kind of step
                     steps.add_metric([gpu, phase], float(n))
@@ -80,9 +83,11 @@ class PowersaveCollector(Collector):
             if s.get("requests_finished"):
                 req_e.add_metric([gpu, src], float(s.get("request_energy_j_finished", 0.0)))
                 req_n.add_metric([gpu], float(s["requests_finished"]))
+        for (phase, src), j in sorted(engine_sum.items()):
+            engine.add_metric([phase, src], j)
         info.add_metric([self.version, ",".join(sorted(sources)) or "pending", ",".join(sorted(backends)) or "pending",
                          ",".join(sorted(boost)) or "pending"], 1.0)
-        yield from (energy, steps, tokens, power, clock, target, changes, chunks, req_e, req_n, simulated, info)
+        yield from (energy, engine, steps, tokens, power, clock, target, changes, chunks, req_e, req_n, simulated, info)
 
 
 _REGISTERED: dict[str, PowersaveCollector] = {}

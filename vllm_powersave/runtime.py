@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -53,10 +54,37 @@ def chunked_head(head: Any, hidden_states: Any) -> Any:
 
 
 def clock_phase(info: Any, memory_bound_max_tokens: int) -> str:
-    """The phase whose clock preset a step gets: small mixed steps are memory-bound, like decode."""
+    """The phase whose clock preset a step gets on its own: small mixed steps are memory-bound."""
     if info.phase == "mixed" and info.num_tokens <= memory_bound_max_tokens:
         return "decode"
     return info.phase
+
+
+class RegimeFilter:
+    """Time-weighted share of compute-bound steps; decides the clock phase under continuous batching.
+
+    Deterministic given the step sequence and the step times, which every TP rank shares up to
+    host jitter (ranks start each step within microseconds of each other).
+    """
+
+    def __init__(self, window_s: float, share_max: float, burst_tokens: int, memory_bound_max_tokens: int) -> None:
+        self.window_s, self.share_max, self.burst_tokens = window_s, share_max, burst_tokens
+        self.mb_tokens = memory_bound_max_tokens
+        self.share = 1.0  # start compute-bound: never lower before the regime is known
+        self._t: float | None = None
+
+    def phase(self, info: Any, now: float) -> str:
+        own = clock_phase(info, self.mb_tokens)
+        x = 0.0 if own == "decode" else 1.0
+        if self._t is None:
+            self.share = x
+        else:
+            a = math.exp(-max(0.0, now - self._t) / self.window_s)
+            self.share = a * self.share + (1 - a) * x
+        self._t = now
+        if info.phase == "prefill" and info.num_tokens >= self.burst_tokens:
+            return "prefill"
+        return "decode" if self.share < self.share_max else own
 
 
 def _shape_cost(shape: str) -> dict[str, float]:
@@ -133,6 +161,8 @@ class WorkerRuntime:
         self.stats_path = Path(settings.stats_dir) / f"rank{self.rank}.json" if settings.stats_dir else None
         self._stop = threading.Event()
         self._last_step_s = time.monotonic()
+        c = settings.clocks
+        self.regime = RegimeFilter(c.regime_window_s, c.compute_share_max, c.prefill_burst_tokens, c.memory_bound_max_tokens)
         self._trace: deque[tuple] | None = deque() if settings.trace_steps and self.stats_path else None
         self._trace_path = self.stats_path.with_name(f"trace-rank{self.rank}.jsonl") if self.stats_path else None
         try:
@@ -178,7 +208,7 @@ class WorkerRuntime:
         if info.phase == "idle":
             return
         self._last_step_s = time.monotonic()
-        self.clocks.on_phase(clock_phase(info, self.settings.clocks.memory_bound_max_tokens))
+        self.clocks.on_phase(self.regime.phase(info, self._last_step_s))
         if self._trace is not None:
             # A tuple per step (cheap); turned into JSON by the publisher thread.
             self._trace.append((self._last_step_s, info.phase, info.prefill_tokens, info.decode_tokens, info.lm_head_rows,
@@ -228,6 +258,8 @@ class WorkerRuntime:
             "request_energy_j_in_flight": sum(list(acc.request_j.values())) if acc else 0.0,
             "sim_energy_j": self.sim.energy_j if self.sim is not None else None,
             "sim_stock_clocks_energy_j": self.sim_stock.energy_j if self.sim_stock is not None else None,
+            "sim_busy_s": self.sim.busy_time_s if self.sim is not None else None,
+            "sim_stock_clocks_busy_s": self.sim_stock.busy_time_s if self.sim_stock is not None else None,
             "cuda_perf_boost": "off" if os.environ.get("CUDA_DISABLE_PERF_BOOST") == "1" else "on",
         }
 

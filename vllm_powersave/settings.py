@@ -89,6 +89,15 @@ class ClockSettings(_Strict):
     #: decode runs rarely outlast the dwell; H200 traces: 97-99 % of steps are decode or such
     #: small mixed steps (docs/results/h200-vllm.md). 0 disables.
     memory_bound_max_tokens: int = Field(default=150, ge=0, le=100_000)
+    #: Regime detection for continuous batching, where a new request joins every few steps: a
+    #: time-weighted share of compute-bound steps (prefill, or mixed above
+    #: memory_bound_max_tokens) over ``regime_window_s``; while it stays below
+    #: ``compute_share_max`` every step gets the decode preset, so the occasional new prompt rides
+    #: along instead of resetting the dwell. A prefill of ``prefill_burst_tokens`` or more always
+    #: gets its own (higher) preset at once, so TTFT of real prefill bursts is not traded away.
+    regime_window_s: float = Field(default=0.5, gt=0.0, le=60.0, allow_inf_nan=False)
+    compute_share_max: float = Field(default=0.3, ge=0.0, le=1.0, allow_inf_nan=False)
+    prefill_burst_tokens: int = Field(default=2048, ge=1)
     #: Directory of lease files (one per locked GPU) used to undo locks after a crash.
     lease_dir: str = Field(default="/tmp/vllm-powersave/leases", min_length=1)
 
