@@ -26,7 +26,10 @@ def test_tp2_ranks_agree_and_engine_energy_is_their_sum(tmp_path):
                                     "presets": {"decode": {"sm_clock_mhz": 1200}, "idle": {"sm_clock_mhz": 345}}},
                          "energy": {"meter": "simulated"}}}
     args = default_serve_args(str(model)) + ["--tensor-parallel-size", "2", "--plugin", "powersave", "--additional-config", json.dumps(cfg)]
-    with VllmServer(args, log_path=tmp_path / "server.log", startup_timeout_s=900) as srv:
+    # One core per rank: the CPU build binds each worker's OpenMP threads; with one NUMA node it
+    # cannot choose for two workers by itself.
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    with VllmServer(args, env=env, log_path=tmp_path / "server.log", startup_timeout_s=900) as srv:
         for i in range(6):
             body = {"model": "model", "prompt": f"def f{i}():", "max_tokens": 48, "ignore_eos": True}
             req = urllib.request.Request(srv.base_url + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
