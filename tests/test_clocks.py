@@ -231,7 +231,6 @@ def test_close_racing_a_pending_reset_leaves_no_lock(tmp_path):
 
 
 def test_slow_set_finishing_after_close_started_is_undone(tmp_path):
-    import threading as _th
     import time as _time
 
     class SlowSet(FakeNvml):

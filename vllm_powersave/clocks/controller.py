@@ -25,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..settings import ClockPreset, ClockSettings
-from .backends import ClockBackend, ClockChange, ClockError, ClockPermissionError, DryRunClockBackend
+from .backends import ClockBackend, ClockChange, ClockPermissionError, DryRunClockBackend
 
 log = logging.getLogger("vllm.powersave.clocks")
 
