@@ -93,10 +93,18 @@ def test_metrics_and_load_test(server):
     total = sum(snap["energy_j"].values())
     parts = snap["request_energy_j_finished"] + snap["request_energy_j_in_flight"] + snap["energy_j"]["idle"]
     assert parts == pytest.approx(total, rel=0.01)
-    lines = [json.loads(x) for x in (STATS["dir"] / "requests-rank0.jsonl").read_text().splitlines()]
-    # vLLM reports a request as finished with the next step, so the last few wait for more traffic.
-    assert len(lines) >= 10 and all(x["energy_j"] > 0 and x["source"] == "simulated" for x in lines)
-    assert after['powersave_requests_finished_total{gpu="sim0"}'] >= 10
+    # vLLM reports a request as finished with the next step, and the worker writes the file at its
+    # next publish: one more request flushes the last batch, then poll the file.
+    _post(server.base_url + "/v1/completions", {"model": "model", "prompt": "x", "max_tokens": 2, "ignore_eos": True})
+    deadline = time.monotonic() + 20
+    while True:
+        path = STATS["dir"] / "requests-rank0.jsonl"
+        lines = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+        if len(lines) >= 24 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert len(lines) >= 24 and all(x["energy_j"] > 0 and x["source"] == "simulated" for x in lines)
+    assert after['powersave_requests_finished_total{gpu="sim0"}'] >= 1
     # cuda_perf_boost: off reached the worker process's environment before its device init.
     assert any(k.startswith("powersave_info{") and 'cuda_perf_boost="off"' in k for k in after)
     # Batches of >= 4 rows reached the LM head in 2 chunks, single rows in 1.

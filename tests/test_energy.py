@@ -181,3 +181,16 @@ def test_shadow_gpu_prices_identical_steps_at_stock_clocks():
     assert shadow.sm_clock_mhz == H200.f_max_mhz and gpu.sm_clock_mhz == 1200
     saving = 1 - gpu.energy_j / shadow.energy_j
     assert 0.10 < saving < 0.35  # memory-bound decode at 1200 MHz, plus a locked (lower) idle
+
+
+def test_finished_ids_from_an_empty_step_still_close_requests():
+    nvml, clock = FakeNvml(energy_mj=0), Clock()
+    done = {}
+    acc = PhaseEnergyAccount(NvmlEnergyMeter(nvml, "h"), clock=clock, per_request=True, on_request_done=lambda r, j: done.__setitem__(r, j))
+    acc.on_step("decode", req_tokens={"a": 1})
+    clock.t += 0.1
+    nvml.energy_mj += 30_000
+    acc.on_step_end()
+    acc.on_finished({"a"})  # vLLM's last, empty scheduler output of a drained batch
+    acc.tick()
+    assert done == {"a": pytest.approx(30.0)}

@@ -206,6 +206,8 @@ class WorkerRuntime:
     def on_step_start(self, scheduler_output: Any) -> None:
         info = vllm_compat.step_info(scheduler_output)
         if info.phase == "idle":
+            if self.account is not None and self.account.per_request:
+                self.account.on_finished(vllm_compat.step_request_tokens(scheduler_output)[1])
             return
         self._last_step_s = time.monotonic()
         self.clocks.on_phase(self.regime.phase(info, self._last_step_s))

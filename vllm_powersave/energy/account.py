@@ -77,6 +77,11 @@ class PhaseEnergyAccount:
         self.tokens["prefill"] += prefill_tokens
         self.tokens["decode"] += decode_tokens
 
+    def on_finished(self, finished: object) -> None:
+        """Requests reported finished by a step that schedules no work (vLLM sends one as a batch drains)."""
+        if self.per_request and finished:
+            self._events.append((self.clock(), "", None, finished))
+
     def on_step_end(self) -> None:
         """The current step's host work ended now (its GPU work may still run)."""
         self._events.append((self.clock(), None, None, None))
@@ -103,6 +108,9 @@ class PhaseEnergyAccount:
                 te = max(te, t)
                 if ev is None:
                     end_t = te
+                    continue
+                if ev == "":  # finished ids only: no new step
+                    finished.extend(ev_fin)
                     continue
                 self._close(own, phase, t, te, end_t, req)
                 t, phase, end_t, req = te, ev, None, ev_req
