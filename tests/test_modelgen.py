@@ -13,7 +13,8 @@ from vllm_powersave.modelgen import SHAPES, make_model
 
 REPO = Path(__file__).resolve().parents[1]
 # shared/ sits beside the repository checkout (here and in CI).
-REF_DIRS = [REPO.parent / "shared" / "gpu" / "shapes", REPO / "shared" / "gpu" / "shapes"]
+# Copies of the H200 bundle's configs live in tests/data/shapes, so a clean checkout runs these tests.
+REF_DIRS = [REPO / "tests" / "data" / "shapes", REPO.parent / "shared" / "gpu" / "shapes"]
 
 BIG = ["qwen2.5-0.5b", "qwen2.5-7b", "llama3-8b"]
 
