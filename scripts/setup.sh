@@ -14,7 +14,12 @@ if ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
   echo "error: Python >= 3.11 is required (found $("$PY" -V 2>&1)); set PYTHON=..." >&2; exit 2
 fi
 [ -x "$VENV/bin/python" ] || { log "creating $VENV"; "$PY" -m venv "$VENV"; }
-PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
+# Some machines' pip configs name absent local indexes; pip then warns once per package. Drop only
+# those lines so the [setup] messages and real errors stay readable.
+pip_install() {
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$@" 2> >(grep -v "^WARNING: Location 'file:" >&2)
+}
+PIP=(pip_install)
 
 if ! "$VENV/bin/python" -c 'import vllm' >/dev/null 2>&1; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
