@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--label", default=None)
     p.add_argument("--gpus", default=None, help="NVML fallback GPU indices, e.g. 0,1 (default all)")
     p.add_argument("--duration", type=float, default=None, help="stop starting requests after this many seconds")
+    p.add_argument("--ab-base-url", default=None, metavar="URL_B",
+                   help="A/B mode: --base-url is A, this is B; runs --pairs interleaved pairs (ABBA) and reports ratios with 95%% CIs")
+    p.add_argument("--pairs", type=int, default=3, help="A/B mode: number of pairs (default 3)")
     p.add_argument("--energy", choices=["auto", "server", "nvml", "none"], default="auto",
                    help="energy source: server powersave_* metrics, local NVML, or auto (server, else NVML)")
     p.add_argument("--result-json", default=None, help="write the full result here")
@@ -121,6 +124,16 @@ def main(argv: list[str] | None = None) -> int:
             goodput=_goodput(args.goodput), percentiles=_csv_floats(args.percentiles, "--percentiles"),
             dataset=args.dataset, prompt_logprobs=args.prompt_logprobs, label=args.label, gpus=gpus, energy=args.energy, duration_s=args.duration,
         )
+        if args.ab_base_url:
+            if args.pairs < 1:
+                raise _ArgError(f"--pairs must be >= 1 (got {args.pairs})")
+            from .ab import format_ab, run_ab
+
+            ab = run_ab(cfg, cfg.model_copy(update={"base_url": args.ab_base_url.rstrip("/").removesuffix("/v1")}), pairs=args.pairs)
+            print(format_ab(ab))
+            if args.result_json:
+                write_result_json(ab, args.result_json)
+            return 0
         result = run(cfg)
     except _ArgError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -546,3 +546,43 @@ def test_energy_mode_nvml_ignores_server_metrics(server_factory, no_nvml) -> Non
     srv = server_factory()
     res = run(BenchConfig(base_url=srv.url, num_prompts=1, output_len=2, input_len=4, energy="nvml"))
     assert res["energy_source"] is None and res["gpu_energy_j"] is None  # no NVML here: no energy, not the server's
+
+
+def test_ab_ratio_ci_and_verdicts() -> None:
+    from loadtests.ab import ratio_ci, summarize
+
+    m, lo, hi = ratio_ci([1.0, 1.02, 0.98])
+    assert m == pytest.approx(1.0) and lo < 1 < hi
+    m, lo, hi = ratio_ci([0.80, 0.82, 0.81])
+    assert hi < 1
+    pairs = [({"output_throughput": 100.0, "gpu_energy_per_output_token_j": 1.0}, {"output_throughput": 101.0, "gpu_energy_per_output_token_j": 0.8}),
+             ({"output_throughput": 100.0, "gpu_energy_per_output_token_j": 1.0}, {"output_throughput": 99.0, "gpu_energy_per_output_token_j": 0.81}),
+             ({"output_throughput": 100.0, "gpu_energy_per_output_token_j": 1.0}, {"output_throughput": 100.5, "gpu_energy_per_output_token_j": 0.79})]
+    s = summarize(pairs)
+    assert s["output_throughput"]["verdict"] == "inside noise"
+    assert s["gpu_energy_per_output_token_j"]["verdict"] == "B lower"
+    assert s["gpu_energy_per_output_token_j"]["ratios"] == pytest.approx([0.8, 0.81, 0.79])
+
+
+def test_ab_against_two_fake_servers_abba(server_factory) -> None:
+    from loadtests.ab import format_ab, run_ab
+
+    fast, slow = server_factory(first_delay=0.01), server_factory(first_delay=0.08)
+    a = BenchConfig(base_url=fast.url, num_prompts=4, output_len=2, input_len=4, max_concurrency=2)
+    res = run_ab(a, a.model_copy(update={"base_url": slow.url}), pairs=2)
+    ttft = res["summary"]["median_ttft_ms"]
+    assert len(ttft["ratios"]) == 2 and all(r > 2 for r in ttft["ratios"])  # B (slow) has the higher TTFT
+    assert len(fast.payloads) == len(slow.payloads) == 8
+    assert "B/A per pair" in format_ab(res)
+
+
+def test_ab_cli_writes_strict_json_even_with_one_pair(server_factory, tmp_path) -> None:
+    from loadtests.__main__ import main
+
+    a, b = server_factory(), server_factory()
+    out = tmp_path / "ab.json"
+    rc = main(["--base-url", a.url, "--ab-base-url", b.url, "--pairs", "1", "--num-prompts", "2", "--output-len", "2",
+               "--input-len", "4", "--result-json", str(out)])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert doc["pairs"] == 1 and doc["summary"]["output_throughput"]["ci95"] == [None, None]
