@@ -139,6 +139,16 @@ def test_invalid_setting_stops_startup_with_one_line(tiny_model, tmp_path):
     assert "EngineCore" not in p.stderr + p.stdout  # nothing was started
 
 
+def test_preset_tuned_for_another_vllm_is_refused_at_startup(tiny_model):
+    cfg = {"powersave": {"tuned_for": {"vllm_version": "0.25"}}}
+    p = subprocess.run([*vllm_command(), "serve", str(tiny_model), "--plugin", "powersave", "--additional-config", json.dumps(cfg)],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2
+    errors = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "'tuned_for.vllm_version' = '0.25': this server has '0.32" in errors[0]
+    assert "EngineCore" not in p.stderr + p.stdout
+
+
 def test_unknown_plugin_name_is_refused(tiny_model):
     p = subprocess.run([*vllm_command(), "serve", str(tiny_model), "--plugin", "turbo"], capture_output=True, text=True, timeout=300)
     assert p.returncode == 2 and "unknown plugin 'turbo'" in p.stderr

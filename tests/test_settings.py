@@ -99,3 +99,16 @@ def test_long_values_are_shortened_and_nan_refused():
         load_settings({"clocks": {"min_dwell_ms": float("nan")}}, env={})
     with pytest.raises(SettingsError, match="'clocks.lease_dir' = ''"):
         load_settings({"clocks": {"lease_dir": ""}}, env={})
+
+
+def test_tuned_for_mismatch_lines():
+    from vllm_powersave.settings import check_tuned_for
+
+    s = load_settings({"tuned_for": {"gpu_name": "NVIDIA H200", "vllm_version": "0.25", "model": "qwen2.5-7b"}}, env={})
+    facts = {"gpu_name": "NVIDIA H200 (simulated)", "driver": None, "vllm_version": "0.25.0", "model": "/models/qwen2.5-7b"}
+    assert check_tuned_for(s.tuned_for, facts) == []
+    facts2 = dict(facts, gpu_name="NVIDIA A100-SXM4-80GB", vllm_version="0.32.0+cpu")
+    lines = check_tuned_for(s.tuned_for, facts2)
+    assert lines == ["powersave setting 'tuned_for.gpu_name' = 'NVIDIA H200': this server has 'NVIDIA A100-SXM4-80GB'",
+                     "powersave setting 'tuned_for.vllm_version' = '0.25': this server has '0.32.0+cpu'"]
+    assert check_tuned_for(None, facts2) == []

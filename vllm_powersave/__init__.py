@@ -85,6 +85,31 @@ def activate() -> None:
     vllm_compat.install_step_hooks(runtime.on_step_start, runtime.on_step_end)
 
 
+def _server_facts(engine_args: object, settings: object) -> dict:
+    """GPU name and driver (NVML, read-only; no CUDA), vLLM version and model of this server."""
+    from . import vllm_compat
+
+    facts = {"gpu_name": None, "driver": None, "vllm_version": vllm_compat.vllm_version(),
+             "model": str(getattr(engine_args, "model", "") or "")}
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        first = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0].strip()
+        h = pynvml.nvmlDeviceGetHandleByUUID(first) if first.startswith(("GPU-", "MIG-")) else pynvml.nvmlDeviceGetHandleByIndex(int(first))
+        name = pynvml.nvmlDeviceGetName(h)
+        drv = pynvml.nvmlSystemGetDriverVersion()
+        facts["gpu_name"] = name.decode() if isinstance(name, bytes) else str(name)
+        facts["driver"] = drv.decode() if isinstance(drv, bytes) else str(drv)
+    except Exception:
+        clocks = getattr(settings, "clocks", None)
+        if getattr(clocks, "backend", None) == "simulated":
+            from .sim.gpu import SPECS
+
+            facts["gpu_name"] = SPECS[settings.energy.simulated_gpu].name  # type: ignore[attr-defined]
+    return facts
+
+
 def _prepare_stats_dir(settings):  # type: ignore[no-untyped-def]
     """Create the directory workers publish into; a default one is removed when this process exits.
 
@@ -136,6 +161,18 @@ def _on_engine_args(engine_args: object) -> None:
             print(f"error: {err}", file=sys.stderr, flush=True)
             raise SystemExit(2) from None
         raise
+    from .settings import check_tuned_for
+
+    mismatches = check_tuned_for(settings.tuned_for, _server_facts(engine_args, settings))
+    if mismatches and settings.tuned_for is not None and settings.tuned_for.allow_mismatch:
+        for m in mismatches:
+            log.warning("%s (allowed by tuned_for.allow_mismatch)", m)
+    elif mismatches:
+        err = SettingsError(mismatches[0] + (f" (+{len(mismatches) - 1} more)" if len(mismatches) > 1 else ""))
+        if vllm_compat.CLI_STATE["parser_built"]:
+            print(f"error: {err}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
+        raise err
     try:
         settings = _prepare_stats_dir(settings)
     except OSError as exc:

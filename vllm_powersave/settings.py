@@ -117,9 +117,25 @@ class EnergySettings(_Strict):
     idle_after_s: float = Field(default=0.25, gt=0.0, le=60.0, allow_inf_nan=False)
 
 
+class TunedFor(_Strict):
+    """What a preset file was tuned for. Any field left out is not checked.
+
+    A mismatch stops the server at start-up with one line, unless ``allow_mismatch`` is true (then
+    one warning): clocks tuned on one GPU model or driver can cost time on another.
+    """
+
+    gpu_name: str | None = Field(default=None, min_length=1)  # prefix, e.g. "NVIDIA H200"
+    driver: str | None = Field(default=None, min_length=1)  # prefix, e.g. "580."
+    vllm_version: str | None = Field(default=None, min_length=1)  # prefix, e.g. "0.25"
+    model: str | None = Field(default=None, min_length=1)  # substring of the served model path/name
+    allow_mismatch: bool = False
+
+
 class PowersaveSettings(_Strict):
     """All plugin settings (``--additional-config '{"powersave": {...}}'``)."""
 
+    #: Provenance of the presets; checked against this server before anything starts.
+    tuned_for: TunedFor | None = None
     chunking: ChunkingSettings = Field(default_factory=ChunkingSettings)
     clocks: ClockSettings = Field(default_factory=ClockSettings)
     energy: EnergySettings = Field(default_factory=EnergySettings)
@@ -233,3 +249,23 @@ def settings_from_env(env: dict[str, str] | None = None) -> PowersaveSettings:
         except ValidationError as err:
             raise SettingsError(_one_line(err)) from None
     return load_settings(None, env)
+
+
+def check_tuned_for(tuned: TunedFor | None, facts: dict[str, str | None]) -> list[str]:
+    """Mismatches between a preset's ``tuned_for`` and this server's facts (one line each).
+
+    ``facts``: ``gpu_name``, ``driver``, ``vllm_version``, ``model`` (``None`` = unknown here,
+    which is reported as a mismatch only for fields the preset pins).
+    """
+    if tuned is None:
+        return []
+    out = []
+    for field, how in (("gpu_name", "prefix"), ("driver", "prefix"), ("vllm_version", "prefix"), ("model", "substring")):
+        want = getattr(tuned, field)
+        if want is None:
+            continue
+        have = facts.get(field)
+        ok = have is not None and (have.startswith(want) if how == "prefix" else want in have)
+        if not ok:
+            out.append(f"powersave setting 'tuned_for.{field}' = {want!r}: this server has {have!r}")
+    return out
