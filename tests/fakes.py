@@ -63,4 +63,15 @@ class FakeNvml:
         return self.power_mw
 
     def nvmlDeviceGetClockInfo(self, h, kind):
+        if kind == 2:  # NVML_CLOCK_MEM
+            return 3201
         return self.locked[0] if self.locked else 1980
+
+    NVML_TEMPERATURE_GPU = 0
+    NVML_CLOCK_MEM = 2
+
+    def nvmlDeviceGetTemperature(self, h, kind):
+        return 47
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, h):
+        return 0x4  # SW power cap

@@ -29,6 +29,7 @@ def test_nvml_meter_deltas_reset_and_fault():
     nvml.fail_energy = True
     assert m.energy_j() == pytest.approx(4.0) and m.faults == 1
     assert m.power_w() == 250.0
+    assert m.extra() == {"temperature_c": 47, "mem_clock_mhz": 3201, "clock_event_reasons": 4}
 
 
 def test_account_splits_tick_energy_by_phase_time_and_sums_to_total():
@@ -123,7 +124,7 @@ def test_collector_exposes_labelled_series(tmp_path):
             "energy_j": {"prefill": 1.5, "decode": 2.0, "mixed": 0.0, "idle": 10.0},
             "steps": {"prefill": 3, "decode": 40, "mixed": 0, "idle": 0}, "tokens": {"prefill": 300, "decode": 40},
             "power_w": 300.0, "sm_clock_mhz": 1200, "target_sm_clock_mhz": 1200, "clock_changes": 4,
-            "lm_head_calls": {"1": 43}}
+            "lm_head_calls": {"1": 43}, "temperature_c": 51, "clock_event_reasons": 4}
     (tmp_path / "rank0.json").write_text(json.dumps(snap))
     (tmp_path / "rank1.json").write_text("{half a file")  # skipped, not fatal
     from prometheus_client import CollectorRegistry, generate_latest
@@ -136,6 +137,9 @@ def test_collector_exposes_labelled_series(tmp_path):
     assert 'powersave_lm_head_calls_total{chunks="1",gpu="GPU-a"} 43.0' in text
     assert 'powersave_energy_simulated{gpu="GPU-a"} 1.0' in text
     assert 'powersave_steps_total{gpu="GPU-a",phase="decode"} 40.0' in text
+    assert 'powersave_gpu_temperature_celsius{gpu="GPU-a"} 51.0' in text
+    assert 'powersave_clock_event_reasons{gpu="GPU-a"} 4.0' in text
+    assert 'powersave_engine_energy_joules_total{phase="decode",source="simulated"} 2.0' in text
 
 
 def test_per_request_energy_token_share_and_sum_invariant():

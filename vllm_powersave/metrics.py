@@ -51,6 +51,9 @@ class PowersaveCollector(Collector):
         power = GaugeMetricFamily("powersave_gpu_power_watts", "GPU power (W)", labels=["gpu", "source"])
         clock = GaugeMetricFamily("powersave_sm_clock_mhz", "SM clock (MHz)", labels=["gpu", "source"])
         target = GaugeMetricFamily("powersave_clock_target_mhz", "SM clock the controller wants (MHz; 0 = driver default)", labels=["gpu", "backend"])
+        temp = GaugeMetricFamily("powersave_gpu_temperature_celsius", "GPU temperature (°C, measured)", labels=["gpu"])
+        mem_clock = GaugeMetricFamily("powersave_mem_clock_mhz", "Memory clock (MHz, measured)", labels=["gpu"])
+        reasons = GaugeMetricFamily("powersave_clock_event_reasons", "NVML clock-event (throttle) reasons bitmask (0x4 SW power cap, 0x20 SW thermal)", labels=["gpu"])
         changes = CounterMetricFamily("powersave_clock_changes", "Clock changes decided", labels=["gpu", "backend"])
         chunks = CounterMetricFamily("powersave_lm_head_calls", "LM-head calls by chunk count", labels=["gpu", "chunks"])
         req_e = CounterMetricFamily("powersave_request_energy_joules", "Energy attributed to finished requests (J; token share per step)", labels=["gpu", "source"])
@@ -76,6 +79,9 @@ class PowersaveCollector(Collector):
             if s.get("sm_clock_mhz") is not None:
                 clock.add_metric([gpu, src], float(s["sm_clock_mhz"]))
             target.add_metric([gpu, be], float(s.get("target_sm_clock_mhz") or 0))
+            for fam, key in ((temp, "temperature_c"), (mem_clock, "mem_clock_mhz"), (reasons, "clock_event_reasons")):
+                if s.get(key) is not None:
+                    fam.add_metric([gpu], float(s[key]))
             changes.add_metric([gpu, be], float(s.get("clock_changes", 0)))
             for c, n in (s.get("lm_head_calls") or {}).items():
                 chunks.add_metric([gpu, str(c)], float(n))
@@ -87,7 +93,7 @@ class PowersaveCollector(Collector):
             engine.add_metric([phase, src], j)
         info.add_metric([self.version, ",".join(sorted(sources)) or "pending", ",".join(sorted(backends)) or "pending",
                          ",".join(sorted(boost)) or "pending"], 1.0)
-        yield from (energy, engine, steps, tokens, power, clock, target, changes, chunks, req_e, req_n, simulated, info)
+        yield from (energy, engine, steps, tokens, power, clock, temp, mem_clock, reasons, target, changes, chunks, req_e, req_n, simulated, info)
 
 
 _REGISTERED: dict[str, PowersaveCollector] = {}

@@ -250,6 +250,7 @@ class WorkerRuntime:
             "tokens": dict(acc.tokens) if acc else {},
             "power_w": self.meter.power_w() if self.meter else None,
             "sm_clock_mhz": self.meter.sm_clock_mhz() if self.meter else None,
+            **(self.meter.extra() if self.meter else {}),
             "target_sm_clock_mhz": self.clocks.target_sm_clock_mhz,
             "clock_changes": self.clocks.n_changes,
             "clock_disabled": self.clocks.disabled_reason,

@@ -34,6 +34,10 @@ class EnergyMeter(ABC):
     def sm_clock_mhz(self) -> int | None:
         """Current SM clock in MHz, or ``None`` where unavailable."""
 
+    def extra(self) -> dict[str, float | int | None]:
+        """Read-only device state: temperature (°C), memory clock (MHz), clock-event reasons (bitmask)."""
+        return {}
+
     def on_idle(self, seconds: float) -> None:  # noqa: B027 - optional hook
         """Told that the engine was idle for ``seconds``; only a simulated meter needs this."""
 
@@ -94,6 +98,19 @@ class NvmlEnergyMeter(EnergyMeter):
             return int(self.nvml.nvmlDeviceGetClockInfo(self.handle, self.nvml.NVML_CLOCK_SM))
         except Exception:
             return None
+
+    def extra(self) -> dict[str, float | int | None]:
+        n, h, out = self.nvml, self.handle, {}
+        for key, fn in (("temperature_c", lambda: n.nvmlDeviceGetTemperature(h, n.NVML_TEMPERATURE_GPU)),
+                        ("mem_clock_mhz", lambda: n.nvmlDeviceGetClockInfo(h, n.NVML_CLOCK_MEM)),
+                        # Named "throttle reasons" before NVML 12; same bitmask (0x4 = SW power cap).
+                        ("clock_event_reasons", lambda: n.nvmlDeviceGetCurrentClocksEventReasons(h)
+                         if hasattr(n, "nvmlDeviceGetCurrentClocksEventReasons") else n.nvmlDeviceGetCurrentClocksThrottleReasons(h))):
+            try:
+                out[key] = int(fn())
+            except Exception:
+                out[key] = None
+        return out
 
 
 class SimulatedEnergyMeter(EnergyMeter):
