@@ -13,8 +13,12 @@ Touch points (module: symbol):
   (``_apply_head`` where it exists, which LoRA's wrapper also calls; else ``_get_logits``);
 * ``vllm.v1.worker.gpu_model_runner.GPUModelRunner`` (V1, also the CPU runner's base) and
   ``vllm.v1.worker.gpu.model_runner.GPUModelRunner`` (V2): ``execute_model``, ``sample_tokens``;
-* ``SchedulerOutput`` fields read: ``scheduled_new_reqs``, ``scheduled_cached_reqs``,
-  ``num_scheduled_tokens``, ``scheduled_spec_decode_tokens``.
+* ``SchedulerOutput`` fields read: ``scheduled_new_reqs``, ``scheduled_cached_reqs``
+  (``req_ids``, ``num_computed_tokens``, ``num_output_tokens``), ``num_scheduled_tokens``,
+  ``total_num_scheduled_tokens``, ``scheduled_spec_decode_tokens``, ``finished_req_ids``;
+* runner attributes read: ``device``, ``get_model()``/``model``, ``model_config``;
+  ``vllm.distributed.parallel_state.get_world_group().rank`` for the rank;
+* ``vllm.version.__version__`` for the guard.
 """
 
 from __future__ import annotations
