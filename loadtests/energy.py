@@ -10,6 +10,7 @@ Preference order:
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -132,6 +133,23 @@ class NvmlEnergy:
             for i, h in zip(self._indices, self._handles)
         }
 
+    async def aligned_per_gpu_j(self, max_wait_s: float = 0.25, poll_s: float = 0.002) -> tuple[float, dict[str, float]]:
+        """``(t, per-GPU joules)`` taken right when the first GPU's counter updates.
+
+        The counter advances in ~100 ms steps, so a window read at arbitrary times is off by up to
+        a step at each edge (±2 % on a 5 s window). Starting and ending the window on a counter
+        update removes that quantisation; the window then grows by < 100 ms per edge (the energy
+        of that time is real and stays in). Falls back to a plain read after ``max_wait_s``.
+        """
+        h0 = self._handles[0]
+        first = self._nvml.nvmlDeviceGetTotalEnergyConsumption(h0)
+        deadline = time.perf_counter() + max_wait_s
+        while time.perf_counter() < deadline:
+            if self._nvml.nvmlDeviceGetTotalEnergyConsumption(h0) != first:
+                break
+            await asyncio.sleep(poll_s)
+        return time.perf_counter(), self.per_gpu_j()
+
 
 async def scrape_metrics(session: aiohttp.ClientSession, base_url: str, timeout_s: float) -> str | None:
     """``GET {base_url}/metrics`` text, or None on any error (metrics are optional)."""
@@ -182,8 +200,7 @@ class EnergyMeter:
                 return
         self._nvml, reason = NvmlEnergy.open(self._gpus)
         if self._nvml is not None:
-            self._nvml_before = self._nvml.per_gpu_j()
-            self._t0 = time.perf_counter()
+            self._t0, self._nvml_before = await self._nvml.aligned_per_gpu_j()
         else:
             self._note = f"no energy source (server has no {METRIC}_total; {reason})"
 
@@ -200,10 +217,10 @@ class EnergyMeter:
             return r
         if self._nvml is not None and self._nvml_before is not None:
             try:
-                after_gpu = self._nvml.per_gpu_j()
+                t1, after_gpu = await self._nvml.aligned_per_gpu_j()
             except Exception as e:  # driver hiccup: report no energy instead of crashing the run
                 return EnergyReading(window_s=time.perf_counter() - self._t0, note=f"no energy source (NVML read failed: {e})")
-            window = time.perf_counter() - self._t0
+            window = t1 - self._t0
             by_gpu = {k: after_gpu[k] - self._nvml_before.get(k, 0.0) for k in after_gpu}
             return EnergyReading(
                 energy_j=sum(by_gpu.values()),

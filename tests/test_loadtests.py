@@ -332,10 +332,12 @@ def test_no_energy_source(server_factory, no_nvml) -> None:
     assert "no energy source" in format_markdown(res)
 
 
-def test_nvml_fallback(server_factory, monkeypatch) -> None:
-    calls = {"n": 0}
+def test_nvml_fallback_aligns_window_to_counter_updates(server_factory, monkeypatch) -> None:
+    t0 = time.perf_counter()
 
     class FakeNvml:
+        """Counter like NVML's: advances every 100 ms; GPU i draws (i + 1) * 10 W."""
+
         @staticmethod
         def nvmlInit() -> None: ...
         @staticmethod
@@ -346,16 +348,21 @@ def test_nvml_fallback(server_factory, monkeypatch) -> None:
             return i
         @staticmethod
         def nvmlDeviceGetTotalEnergyConsumption(h: int) -> int:
-            calls["n"] += 1
-            return 1500 * calls["n"]  # mJ, grows on every read
+            steps = int((time.perf_counter() - t0) / 0.1)
+            return steps * (h + 1) * 1000  # mJ per 100 ms step = (h + 1) * 10 W
 
     monkeypatch.setitem(sys.modules, "pynvml", FakeNvml)
     srv = server_factory(metrics=False)
-    res = run(BenchConfig(base_url=srv.url, num_prompts=1, output_len=2, input_len=4, gpus=[1, 3]))
-    # The fake counter grows 1.5 J per read; each GPU is read twice more between before and after -> 3 J each.
+    res = run(BenchConfig(base_url=srv.url, num_prompts=3, output_len=2, input_len=4, gpus=[1, 3]))
     assert res["energy_provider"] == "nvml" and res["energy_source"] == "measured"
-    assert res["gpu_energy_j"] == pytest.approx(6.0)
     assert set(res["energy_by_gpu_j"]) == {"1", "3"}
+    w = res["energy_window_s"]
+    # Edges on counter updates: energy = power x window with no +-100 ms quantisation per edge.
+    # Tolerance: 30 ms of poll and scheduling jitter at each edge on a loaded machine.
+    assert res["energy_by_gpu_j"]["1"] == pytest.approx(20.0 * w, rel=0.05, abs=1.2)
+    assert res["energy_by_gpu_j"]["3"] == pytest.approx(40.0 * w, rel=0.05, abs=2.4)
+    assert res["gpu_energy_j"] == pytest.approx(res["energy_by_gpu_j"]["1"] + res["energy_by_gpu_j"]["3"])
+    assert round(res["energy_by_gpu_j"]["1"] / 2.0, 6) == round(res["energy_by_gpu_j"]["1"] / 2.0)  # whole steps
 
 
 # ---------------------------------------------------------------------------------
