@@ -20,31 +20,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from vllm_powersave.modelgen import SHAPES, param_count  # noqa: E402
+from loadtests.ab import ratio_ci  # noqa: E402
 from vllm_powersave.sim.gpu import H200, ModelCost, simulate_step  # noqa: E402
 
-T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571}
-
-
 def ci95(xs: list[float]) -> tuple[float, float]:
-    if len(xs) < 2:
-        return (math.nan, math.nan)
-    m, s = st.mean(xs), st.stdev(xs)
-    h = T95.get(len(xs) - 1, 2.0) * s / math.sqrt(len(xs))
-    return (m - h, m + h)
-
-
-def model_cost(shape: str) -> tuple[ModelCost, float]:
-    cfg = SHAPES[shape]
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    kv = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 2
-    n = float(param_count(shape))
-    return ModelCost(n, kv, 2 * n), float(cfg["vocab_size"] * cfg["hidden_size"])
+    _, lo, hi = ratio_ci(xs)
+    return lo, hi
 
 
 def sim_decisions(trace: list[dict], shape: str, t0: float, t1: float) -> dict:
     """Simulated energy of the traced steps at stock clocks vs at the dry-run decisions."""
-    cost, vocab = model_cost(shape)
+    cost = ModelCost.for_shape(shape)
+    vocab = cost.vocab_params
     e_stock = e_dec = t_stock = t_dec = 0.0
     e_alt = 0.0
     n = 0

@@ -59,15 +59,14 @@ def register() -> None:
         activate()
 
 
-ENV_PERF_BOOST = "CUDA_DISABLE_PERF_BOOST"
-
-
 def apply_process_env(settings: object) -> None:
     """Set per-process CUDA variables the settings ask for (before any CUDA context exists).
 
     Called in the API server before engine processes start (they inherit the environment) and
     again in each engine process's ``register()``, which vLLM runs before the worker's device init.
     """
+    from .settings import ENV_PERF_BOOST
+
     if getattr(settings, "cuda_perf_boost", "on") == "off":
         if os.environ.get(ENV_PERF_BOOST) != "1":
             os.environ[ENV_PERF_BOOST] = "1"
@@ -119,6 +118,8 @@ def _prepare_stats_dir(settings):  # type: ignore[no-untyped-def]
     import atexit
     import shutil
 
+    from .clocks.controller import _pid_alive
+
     if settings.stats_dir is not None:
         os.makedirs(settings.stats_dir, exist_ok=True)
         if not os.path.isdir(settings.stats_dir):
@@ -128,21 +129,22 @@ def _prepare_stats_dir(settings):  # type: ignore[no-untyped-def]
     os.makedirs(base, exist_ok=True)
     for name in os.listdir(base):
         pid = name.split("-", 1)[0]
-        if pid.isdigit() and int(pid) != os.getpid() and not _pid_exists(int(pid)):
+        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
             shutil.rmtree(os.path.join(base, name), ignore_errors=True)
     stats_dir = tempfile.mkdtemp(prefix=f"{os.getpid()}-{int(time.time())}-", dir=base)
     atexit.register(shutil.rmtree, stats_dir, True)
     return settings.model_copy(update={"stats_dir": stats_dir})
 
 
-def _pid_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError):
-        return True
-    return True
+def _stop_startup(err: Exception) -> None:
+    """A setting problem found before vLLM builds its config: one line and exit 2 under the CLI
+    (nothing has started yet), the exception itself for library callers (offline ``LLM``)."""
+    from . import vllm_compat
+
+    if vllm_compat.CLI_STATE["parser_built"]:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    raise err
 
 
 def _on_engine_args(engine_args: object) -> None:
@@ -156,11 +158,7 @@ def _on_engine_args(engine_args: object) -> None:
     try:
         settings = load_settings(inline if inline is not None else {})
     except SettingsError as err:
-        if vllm_compat.CLI_STATE["parser_built"]:
-            # One line, then exit before any engine process exists.
-            print(f"error: {err}", file=sys.stderr, flush=True)
-            raise SystemExit(2) from None
-        raise
+        _stop_startup(err)
     from .settings import check_tuned_for
 
     mismatches = check_tuned_for(settings.tuned_for, _server_facts(engine_args, settings))
@@ -168,19 +166,11 @@ def _on_engine_args(engine_args: object) -> None:
         for m in mismatches:
             log.warning("%s (allowed by tuned_for.allow_mismatch)", m)
     elif mismatches:
-        err = SettingsError(mismatches[0] + (f" (+{len(mismatches) - 1} more)" if len(mismatches) > 1 else ""))
-        if vllm_compat.CLI_STATE["parser_built"]:
-            print(f"error: {err}", file=sys.stderr, flush=True)
-            raise SystemExit(2) from None
-        raise err
+        _stop_startup(SettingsError(mismatches[0] + (f" (+{len(mismatches) - 1} more)" if len(mismatches) > 1 else "")))
     try:
         settings = _prepare_stats_dir(settings)
     except OSError as exc:
-        err = SettingsError(f"powersave setting 'stats_dir' = {settings.stats_dir!r}: cannot create the stats directory: {exc.strerror or exc}")
-        if vllm_compat.CLI_STATE["parser_built"]:
-            print(f"error: {err}", file=sys.stderr, flush=True)
-            raise SystemExit(2) from None
-        raise err from None
+        _stop_startup(SettingsError(f"powersave setting 'stats_dir' = {settings.stats_dir!r}: cannot create the stats directory: {exc.strerror or exc}"))
     os.environ[ENV_ENABLE] = "1"
     os.environ[ENV_SETTINGS_JSON] = settings.model_dump_json()
     apply_process_env(settings)

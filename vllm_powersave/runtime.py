@@ -23,7 +23,7 @@ from .clocks import ClockController, DryRunClockBackend, NvmlClockBackend, Simul
 from .clocks.backends import ClockBackend
 from .energy import NvmlEnergyMeter, PhaseEnergyAccount, SimulatedEnergyMeter
 from .energy.meters import EnergyMeter, nvml_handle_for_torch_device
-from .settings import PowersaveSettings, settings_from_env
+from .settings import ENV_PERF_BOOST, PowersaveSettings, settings_from_env
 from .sim.gpu import SPECS, ModelCost, SimulatedGpu
 
 log = logging.getLogger("vllm.powersave")
@@ -87,17 +87,6 @@ class RegimeFilter:
         return "decode" if self.share < self.share_max else own
 
 
-def _shape_cost(shape: str) -> dict[str, float]:
-    """FLOP/byte constants of a named real model shape (bf16), for the simulated GPU."""
-    from .modelgen import SHAPES, param_count
-
-    cfg = SHAPES[shape]
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    n = float(param_count(shape))
-    return {"n_params": n, "weight_bytes": 2 * n, "vocab_params": float(cfg["vocab_size"] * cfg["hidden_size"]),
-            "kv_bytes_per_token": float(2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 2)}
-
-
 def _init_nvml() -> Any | None:
     try:
         import pynvml
@@ -139,10 +128,11 @@ class WorkerRuntime:
         needs_sim = meter_kind == "simulated" or settings.clocks.backend == "simulated"
         if needs_sim:
             self.sim = SimulatedGpu(SPECS[settings.energy.simulated_gpu])
-            cost = (_shape_cost(settings.energy.simulated_model_shape) if settings.energy.simulated_model_shape
-                    else vllm_compat.runner_model_cost(runner))
-            self.model_cost = ModelCost(cost["n_params"], cost["kv_bytes_per_token"], cost["weight_bytes"])
-            self.vocab_params = cost["vocab_params"]
+            if settings.energy.simulated_model_shape:
+                self.model_cost = ModelCost.for_shape(settings.energy.simulated_model_shape)
+            else:
+                cost = vllm_compat.runner_model_cost(runner)
+                self.model_cost = ModelCost(cost["n_params"], cost["kv_bytes_per_token"], cost["weight_bytes"], cost["vocab_params"])
         self.meter: EnergyMeter | None
         if meter_kind == "nvml":
             self.meter = NvmlEnergyMeter(nvml, handle, gpu_id)
@@ -206,7 +196,7 @@ class WorkerRuntime:
     def on_step_start(self, scheduler_output: Any) -> None:
         info = vllm_compat.step_info(scheduler_output)
         if info.phase == "idle":
-            if self.account is not None and self.account.per_request:
+            if self.account is not None:
                 self.account.on_finished(vllm_compat.step_request_tokens(scheduler_output)[1])
             return
         self._last_step_s = time.monotonic()
@@ -216,13 +206,11 @@ class WorkerRuntime:
             self._trace.append((self._last_step_s, info.phase, info.prefill_tokens, info.decode_tokens, info.lm_head_rows,
                                 info.decode_ctx_tokens, info.num_reqs, self.clocks.target_sm_clock_mhz, None))
         if self.account is not None:
-            if self.account.per_request:
-                req, fin = vllm_compat.step_request_tokens(scheduler_output)
-                self.account.on_step(info.phase, info.prefill_tokens, info.decode_tokens, req, fin)
-            else:
-                self.account.on_step(info.phase, info.prefill_tokens, info.decode_tokens)
+            # References only (no copies); the account drops them unless per_request is on.
+            req, fin = vllm_compat.step_request_tokens(scheduler_output)
+            self.account.on_step(info.phase, info.prefill_tokens, info.decode_tokens, req, fin)
         if self.sim is not None and self.model_cost is not None:
-            work = self.model_cost.step_work(info.num_tokens, info.lm_head_rows, info.decode_ctx_tokens, self.vocab_params)
+            work = self.model_cost.step_work(info.num_tokens, info.lm_head_rows, info.decode_ctx_tokens, self.model_cost.vocab_params)
             self.sim.run(work)
             if self.sim_stock is not None:
                 self.sim_stock.run(work)
@@ -263,7 +251,7 @@ class WorkerRuntime:
             "sim_stock_clocks_energy_j": self.sim_stock.energy_j if self.sim_stock is not None else None,
             "sim_busy_s": self.sim.busy_time_s if self.sim is not None else None,
             "sim_stock_clocks_busy_s": self.sim_stock.busy_time_s if self.sim_stock is not None else None,
-            "cuda_perf_boost": "off" if os.environ.get("CUDA_DISABLE_PERF_BOOST") == "1" else "on",
+            "cuda_perf_boost": "off" if os.environ.get(ENV_PERF_BOOST) == "1" else "on",
         }
 
     _TRACE_KEYS = ("t", "phase", "prefill", "decode", "rows", "ctx", "reqs", "sm_target", "t_end")

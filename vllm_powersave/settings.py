@@ -24,6 +24,8 @@ PHASES: tuple[str, ...] = ("prefill", "decode", "mixed", "idle")
 Phase = Literal["prefill", "decode", "mixed", "idle"]
 
 ENV_CONFIG_FILE = "POWERSAVE_CONFIG"
+#: CUDA's per-process switch behind ``cuda_perf_boost: "off"`` (read at CUDA context creation).
+ENV_PERF_BOOST = "CUDA_DISABLE_PERF_BOOST"
 #: JSON of the validated settings, exported by the API-server process so that EngineCore and
 #: worker processes (fork or spawn) see exactly what was validated there.
 ENV_SETTINGS_JSON = "POWERSAVE_SETTINGS_JSON"

@@ -139,6 +139,19 @@ class ModelCost:
     n_params: float
     kv_bytes_per_token: float
     weight_bytes: float
+    #: Parameters of the LM head (vocab x hidden), charged per LM-head row rather than per token.
+    vocab_params: float = 0.0
+
+    @classmethod
+    def for_shape(cls, shape: str) -> "ModelCost":
+        """Costs of a named real model shape (``vllm_powersave.modelgen.SHAPES``), bf16."""
+        from ..modelgen import SHAPES, param_count
+
+        cfg = SHAPES[shape]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        n = float(param_count(shape))
+        kv = float(2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 2)
+        return cls(n, kv, 2 * n, float(cfg["vocab_size"] * cfg["hidden_size"]))
 
     def step_work(self, num_tokens: int, lm_head_rows: int, decode_ctx_tokens: int, vocab_params: float = 0.0) -> StepWork:
         """Work of a step with ``num_tokens`` scheduled tokens and ``lm_head_rows`` LM-head rows.
