@@ -191,7 +191,7 @@ def test_watchdog_resets_clocks_of_a_sigkilled_owner(tmp_path):
     (tmp_path / "leases" / "GPU-w.json").write_text(json.dumps({"gpu": "GPU-w", "pid": owner.pid, "sm_clock_mhz": 1200}))
     (tmp_path / "leases" / "GPU-other.json").write_text(json.dumps({"gpu": "GPU-other", "pid": os.getpid(), "sm_clock_mhz": 990}))
     resets, out = [], {}
-    t = threading.Thread(target=lambda: out.setdefault("r", watch(owner.pid, store, resets.append, poll_s=0.05)))
+    t = threading.Thread(target=lambda: out.setdefault("r", watch(owner.pid, store, lambda lease: resets.append(lease["gpu"]), poll_s=0.05)))
     t.start()
     assert resets == []
     owner.kill()

@@ -157,27 +157,22 @@ def _cmd_compare(ns: argparse.Namespace) -> int:
 
 
 def _cmd_reset_clocks(ns: argparse.Namespace) -> int:
-    from .clocks import LeaseStore, NvmlClockBackend
+    from .clocks import LeaseStore
+    from .clocks.backends import reset_from_lease
 
     store = LeaseStore(ns.lease_dir)
-    every = sorted(Path(ns.lease_dir).glob("*.json")) if Path(ns.lease_dir).is_dir() else []
-    leases = store.stale() if not ns.all else [{"gpu": p.stem, "path": str(p)} for p in every]
+    every = store.all()
+    leases = store.stale() if not ns.all else every
     if not leases:
         live = len(every)
         print("no clock leases to reset" + (f" ({live} held by running processes; --all resets them too)" if live else ""))
         return 0
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-    except Exception as exc:
-        print(f"error: NVML unavailable, cannot reset {len(leases)} lease(s): {exc}", file=sys.stderr)
-        return 1
     rc = 0
     for lease in leases:
         gpu = str(lease["gpu"])
         try:
-            NvmlClockBackend(pynvml, pynvml.nvmlDeviceGetHandleByUUID(gpu)).reset()
+            # Each lease says how its lock was taken (nvml or zeusd) and so how to undo it.
+            reset_from_lease(lease)
             store.release(gpu)
             print(f"reset clocks of {gpu}")
         except Exception as exc:

@@ -65,11 +65,36 @@ class ChunkingSettings(_Strict):
         return tuple(sorted(table, key=lambda r: r.min_rows))
 
 
-class ClockPreset(_Strict):
-    """Clocks for one phase; ``None`` means "leave the driver's default" (no lock)."""
+#: Kernel groups inside a step that may get their own clocks (``ClockPreset.groups``).
+KERNEL_GROUPS: tuple[str, ...] = ("attention", "mlp", "lm_head", "sampling")
+KernelGroup = Literal["attention", "mlp", "lm_head", "sampling"]
+
+
+class GroupPreset(_Strict):
+    """Clocks for one kernel group inside a phase (attention, MLP GEMMs, LM head, sampling).
+
+    ``duration_ms``: measured duration of one *contiguous* run of the group on this GPU and model
+    (ms; per layer for attention and MLP, which alternate layer by layer). The preset is used only
+    if ``duration_ms >= clocks.group_min_switch_multiple * clocks.switch_latency_ms``; unmeasured
+    (``None``) or shorter groups are ignored with one log line, because a clock needs
+    ``switch_latency_ms`` to take effect and would otherwise land on the neighbouring kernels.
+    """
 
     sm_clock_mhz: int | None = Field(default=None, ge=100, le=5000)
     mem_clock_mhz: int | None = Field(default=None, ge=100, le=20000)
+    duration_ms: float | None = Field(default=None, gt=0.0, le=3_600_000.0, allow_inf_nan=False)
+
+
+class ClockPreset(_Strict):
+    """Clocks for one phase; ``None`` means "leave the driver's default" (no lock).
+
+    ``mem_clock_mhz`` is applied only where the GPU supports memory locks (not on the H200: one
+    warning, then SM clocks only). ``groups``: optional kernel-group presets inside this phase.
+    """
+
+    sm_clock_mhz: int | None = Field(default=None, ge=100, le=5000)
+    mem_clock_mhz: int | None = Field(default=None, ge=100, le=20000)
+    groups: dict[KernelGroup, GroupPreset] = Field(default_factory=dict)
 
 
 class ClockSettings(_Strict):
@@ -77,10 +102,12 @@ class ClockSettings(_Strict):
 
     ``backend``: ``dry-run`` (default) records decisions and never calls a setter; ``nvml`` locks
     clocks with ``nvmlDeviceSetGpuLockedClocks`` (needs root or CAP_SYS_ADMIN, falls back to
-    dry-run with one warning); ``simulated`` drives the simulated GPU (machines without a GPU).
+    dry-run with one warning); ``zeusd`` asks Zeus's privileged daemon over its Unix socket (for
+    unprivileged servers; unreachable or refused -> dry-run with one warning); ``simulated`` drives
+    the simulated GPU (machines without a GPU).
     """
 
-    backend: Literal["dry-run", "nvml", "simulated"] = "dry-run"
+    backend: Literal["dry-run", "nvml", "zeusd", "simulated"] = "dry-run"
     presets: dict[Phase, ClockPreset] = Field(default_factory=dict)
     #: Minimum time a clock stays applied before another change (hysteresis), in ms.
     min_dwell_ms: float = Field(default=500.0, ge=0.0, le=600_000.0, allow_inf_nan=False)
@@ -102,6 +129,27 @@ class ClockSettings(_Strict):
     prefill_burst_tokens: int = Field(default=2048, ge=1)
     #: Directory of lease files (one per locked GPU) used to undo locks after a crash.
     lease_dir: str = Field(default="/tmp/vllm-powersave/leases", min_length=1)
+    #: Look-ahead: raise the clock as soon as prompt tokens waiting in the scheduler's queue reach
+    #: ``prefill_burst_tokens`` (before the burst's first step), and when a request arrives at an
+    #: idle engine (single-process engines, see clocks/controller.py).
+    lookahead: bool = True
+    #: Time from a clock request until the new clock is in effect, in ms. Default 6 ms: the only
+    #: public H200 figure (Velicka et al., as cited by Spaan, Chen, Varbanescu 2026,
+    #: arXiv:2601.08539 Sec. 9; secondary, verbal; ../shared/data/dvfs/switch_latency.csv).
+    #: Other reports for Hopper range 10-100 ms. Measure it on your GPU.
+    switch_latency_ms: float = Field(default=6.0, gt=0.0, le=10_000.0, allow_inf_nan=False)
+    #: A kernel-group preset is used only if the group's measured contiguous duration is at least
+    #: this multiple of ``switch_latency_ms`` (10: at most ~10 % of the group runs at the old clock).
+    group_min_switch_multiple: float = Field(default=10.0, ge=1.0, le=1000.0, allow_inf_nan=False)
+    #: The out-of-process watchdog resets the clocks if the engine has not heart-beaten for this
+    #: long (a hung step or a frozen process), not only when the process dies. Seconds.
+    heartbeat_timeout_s: float = Field(default=30.0, ge=1.0, le=3600.0, allow_inf_nan=False)
+    #: ``zeusd`` backend: Unix socket of Zeus's privileged daemon (default ``$ZEUSD_SOCK_PATH``).
+    #: A JWT, if the daemon requires one, is read from ``$ZEUSD_TOKEN`` only (settings are logged).
+    zeusd_socket: str | None = Field(default=None, min_length=1)
+    #: zeusd's index of this worker's GPU; default: matched by PCI address from ``/discover``,
+    #: else the CUDA device index.
+    zeusd_gpu_index: int | None = Field(default=None, ge=0, le=1024)
 
 
 class EnergySettings(_Strict):

@@ -1,13 +1,25 @@
-"""Clock backends: one small interface, three implementations (real NVML, dry-run, simulated).
+"""Clock backends: one small interface, four implementations (NVML, zeusd, dry-run, simulated).
 
 The controller only ever talks to :class:`ClockBackend`; which backend runs is a setting. The NVML
-backend is the only code in the project that calls an NVML setter.
+backend is the only code in the project that calls an NVML setter; the zeusd backend asks Zeus's
+privileged daemon (https://ml.energy/zeus, ``zeusd``) to call the same NVML setters for us.
+
+Errors: every backend raises :class:`ClockPermissionError` when clocks cannot be controlled at all
+from this process (no privilege, GPU without locked clocks, daemon unreachable or refusing): the
+controller then falls back to dry-run with one warning. Any other failure is a
+:class:`ClockError` (an NVML fault such as GpuIsLost or Unknown): the controller stops clock
+control after one reset attempt and the server keeps serving.
 """
 
 from __future__ import annotations
 
+import http.client
+import json
 import logging
+import os
+import socket
 import time
+import urllib.parse
 from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass
@@ -17,13 +29,28 @@ from ..sim.gpu import SimulatedGpu
 
 log = logging.getLogger("vllm.powersave.clocks")
 
+#: NVML return codes (nvml.h); pynvml exposes them under the same names.
+NVML_ERROR_NOT_SUPPORTED = 3
+NVML_ERROR_NO_PERMISSION = 4
+NVML_ERROR_GPU_IS_LOST = 15
+NVML_ERROR_UNKNOWN = 999
+
+#: zeusd's socket when ``clocks.zeusd_socket`` is not set (Zeus's own convention).
+ENV_ZEUSD_SOCK = "ZEUSD_SOCK_PATH"
+#: JWT for a zeusd started with auth; read from the environment only (settings are logged).
+ENV_ZEUSD_TOKEN = "ZEUSD_TOKEN"
+
 
 class ClockError(RuntimeError):
-    """A clock call failed for a reason other than permission (NVML fault, unsupported GPU)."""
+    """A clock call failed for a reason other than permission (NVML fault, daemon error)."""
 
 
 class ClockPermissionError(ClockError):
-    """The process may not change clocks (needs root or CAP_SYS_ADMIN)."""
+    """This process cannot change clocks (no root/CAP_SYS_ADMIN, daemon unreachable or refusing)."""
+
+
+class ClockUnsupportedError(ClockPermissionError):
+    """The GPU does not support locked clocks (NVML NotSupported): same fallback as no permission."""
 
 
 @dataclass(frozen=True)
@@ -36,6 +63,11 @@ class ClockChange:
     mem_clock_mhz: int | None
 
 
+def _snap(clocks: tuple[int, ...], mhz: int) -> int:
+    below = [c for c in clocks if c <= mhz]
+    return below[-1] if below else clocks[0]
+
+
 class ClockBackend(ABC):
     """Sets or resets the SM (and memory) clock of one GPU."""
 
@@ -46,24 +78,41 @@ class ClockBackend(ABC):
     def supported_sm_clocks(self) -> tuple[int, ...]:
         """Supported SM clocks in MHz, ascending."""
 
+    def supported_mem_clocks(self) -> tuple[int, ...]:
+        """Supported memory clocks in MHz, ascending; ``()`` if unknown."""
+        return ()
+
     @abstractmethod
     def set_clocks(self, sm_clock_mhz: int, mem_clock_mhz: int | None = None) -> None:
-        """Lock the SM clock (MHz) and optionally the memory clock.
+        """Lock the SM clock (MHz) and optionally the memory clock (MHz).
+
+        A GPU without memory locks (the H200) keeps its memory clock: one warning, no error.
 
         Raises:
-            ClockPermissionError: no privilege to change clocks.
+            ClockPermissionError: clocks cannot be changed from this process.
             ClockError: any other failure.
         """
 
     @abstractmethod
     def reset(self) -> None:
-        """Return to the driver's default clock management. Idempotent."""
+        """Return to the driver's default clock management. Idempotent.
+
+        Raises:
+            ClockPermissionError, ClockError: the GPU may still be locked.
+        """
 
     def snap(self, mhz: int) -> int:
         """The highest supported SM clock not above ``mhz`` (the lowest if none is)."""
-        clocks = self.supported_sm_clocks()
-        below = [c for c in clocks if c <= mhz]
-        return below[-1] if below else clocks[0]
+        return _snap(self.supported_sm_clocks(), mhz)
+
+    def snap_mem(self, mhz: int) -> int:
+        """Like :meth:`snap` for the memory clock; unchanged if the list is unknown."""
+        clocks = self.supported_mem_clocks()
+        return _snap(clocks, mhz) if clocks else mhz
+
+    def lease_info(self) -> dict[str, Any]:
+        """What a lease must record so that another process can undo this backend's locks."""
+        return {"backend": self.kind}
 
 
 class DryRunClockBackend(ClockBackend):
@@ -104,18 +153,26 @@ class SimulatedClockBackend(ClockBackend):
 
 
 class NvmlClockBackend(ClockBackend):
-    """Locks SM clocks with ``nvmlDeviceSetGpuLockedClocks`` (min = max = target).
+    """Locks clocks with ``nvmlDeviceSetGpuLockedClocks`` / ``SetMemoryLockedClocks`` (min = max).
 
     ``nvml`` is the ``pynvml`` module (nvidia-ml-py) or a fake with the same functions (tests).
+    ``mem_may_be_locked``: a recovering process does not know whether the crashed one locked the
+    memory clock, so it resets that too (NotSupported is ignored).
     """
 
     kind = "real"
 
-    def __init__(self, nvml: Any, handle: Any) -> None:
+    def __init__(self, nvml: Any, handle: Any, mem_may_be_locked: bool = False) -> None:
         self.nvml = nvml
         self.handle = handle
         self._supported: tuple[int, ...] | None = None
+        self._supported_mem: tuple[int, ...] | None = None
         self.locked = False
+        self.mem_lock_supported: bool | None = None  # None: not tried yet
+        self.mem_may_be_locked = mem_may_be_locked
+
+    def _code(self, name: str, default: int) -> int:
+        return int(getattr(self.nvml, name, default))
 
     def _call(self, fn_name: str, *args: Any) -> Any:
         fn = getattr(self.nvml, fn_name)
@@ -123,15 +180,21 @@ class NvmlClockBackend(ClockBackend):
             return fn(self.handle, *args)
         except Exception as exc:  # pynvml raises NVMLError subclasses; map them to ours
             code = getattr(exc, "value", None)
-            if code == getattr(self.nvml, "NVML_ERROR_NO_PERMISSION", 4):
+            if code == self._code("NVML_ERROR_NO_PERMISSION", NVML_ERROR_NO_PERMISSION):
                 raise ClockPermissionError(f"{fn_name}: no permission (needs root or CAP_SYS_ADMIN)") from exc
+            if code == self._code("NVML_ERROR_NOT_SUPPORTED", NVML_ERROR_NOT_SUPPORTED):
+                raise ClockUnsupportedError(f"{fn_name}: not supported on this GPU") from exc
             raise ClockError(f"{fn_name}: {exc}") from exc
+
+    def supported_mem_clocks(self) -> tuple[int, ...]:
+        if self._supported_mem is None:
+            self._supported_mem = tuple(sorted(int(m) for m in self._call("nvmlDeviceGetSupportedMemoryClocks")))
+        return self._supported_mem
 
     def supported_sm_clocks(self) -> tuple[int, ...]:
         if self._supported is None:
-            mems = self._call("nvmlDeviceGetSupportedMemoryClocks")
             sm: set[int] = set()
-            for m in mems:
+            for m in self.supported_mem_clocks():
                 sm.update(int(c) for c in self._call("nvmlDeviceGetSupportedGraphicsClocks", m))
             self._supported = tuple(sorted(sm))
         return self._supported
@@ -139,16 +202,199 @@ class NvmlClockBackend(ClockBackend):
     def set_clocks(self, sm_clock_mhz: int, mem_clock_mhz: int | None = None) -> None:
         self._call("nvmlDeviceSetGpuLockedClocks", int(sm_clock_mhz), int(sm_clock_mhz))
         self.locked = True
-        if mem_clock_mhz is not None:
+        if mem_clock_mhz is None or self.mem_lock_supported is False:
+            return
+        self.mem_may_be_locked = True  # pessimistic: a failing call may still have taken effect
+        try:
             self._call("nvmlDeviceSetMemoryLockedClocks", int(mem_clock_mhz), int(mem_clock_mhz))
+            self.mem_lock_supported = True
+        except ClockUnsupportedError:
+            self.mem_lock_supported = False
+            self.mem_may_be_locked = False
+            log.warning("powersave: this GPU does not support memory-clock locks; memory clock presets are ignored (SM clocks only)")
 
     def reset(self) -> None:
         self._call("nvmlDeviceResetGpuLockedClocks")
+        self.locked = False
+        if not self.mem_may_be_locked:
+            return
         try:
             self._call("nvmlDeviceResetMemoryLockedClocks")
-        except ClockError:
-            pass  # many GPUs (the H200 among them) do not support memory locks at all
-        self.locked = False
+        except ClockUnsupportedError:
+            pass  # many GPUs (the H200 among them) have no memory locks at all
+        self.mem_may_be_locked = False
+
+    def lease_info(self) -> dict[str, Any]:
+        return {"backend": "nvml", "mem_locked": bool(self.mem_may_be_locked)}
+
+
+class _UnixHTTPConnection(http.client.HTTPConnection):
+    """HTTP/1.1 over a Unix domain socket (zeusd's default transport)."""
+
+    def __init__(self, socket_path: str, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self.socket_path = socket_path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(self.socket_path)
+        except BaseException:
+            sock.close()
+            raise
+        self.sock = sock
+
+
+class ZeusdClockBackend(ClockBackend):
+    """Locks clocks through Zeus's privileged daemon ``zeusd`` (HTTP over a Unix socket).
+
+    For servers that run without root or CAP_SYS_ADMIN: an administrator runs ``zeusd serve``
+    (``--enable gpu-control``); this process only needs write access to its socket. API (zeusd
+    0.4+, ``docs/zeusd/api.md`` of ml-energy/zeus): ``POST /gpu/set_gpu_locked_clocks`` with
+    query parameters ``gpu_ids``, ``min_clock_mhz``, ``max_clock_mhz``, ``block``;
+    ``POST /gpu/reset_gpu_locked_clocks`` (``gpu_ids``, ``block``); the same for
+    ``*_mem_locked_clocks``; ``GET /discover`` lists GPUs with their PCI addresses. Status 200 is
+    success; 401/403 (no or insufficient token, or NVML NoPermission) and 404 (gpu-control group
+    disabled) mean "may not" (dry-run fallback); 400/500 are faults. ``block=true`` makes the
+    daemon report the NVML result; the call runs on the controller's background thread.
+
+    Args:
+        socket_path: the daemon's socket.
+        gpu_index: zeusd's (NVML) index of the GPU.
+        token: JWT (``$ZEUSD_TOKEN``) or ``None``.
+        supported: supported SM clocks (MHz), read locally with NVML (no privilege needed).
+        timeout_s: per-request timeout (s).
+    """
+
+    kind = "real"
+
+    def __init__(self, socket_path: str, gpu_index: int, token: str | None = None,
+                 supported: tuple[int, ...] | None = None, supported_mem: tuple[int, ...] | None = None,
+                 timeout_s: float = 5.0) -> None:
+        self.socket_path = socket_path
+        self.gpu_index = int(gpu_index)
+        self.token = token
+        self.timeout_s = timeout_s
+        self._supported = tuple(sorted(supported)) if supported else tuple(range(345, 1981, 15))
+        self._supported_mem = tuple(sorted(supported_mem)) if supported_mem else ()
+        self.mem_lock_supported: bool | None = None
+        self.mem_may_be_locked = False
+
+    def request(self, method: str, path: str, params: dict[str, Any] | None = None) -> Any:
+        """One HTTP request to the daemon; returns the decoded JSON body (or ``None``).
+
+        Raises:
+            ClockPermissionError: socket missing or refused, 401, 403 or 404.
+            ClockError: timeout, 4xx/5xx otherwise, malformed reply.
+        """
+        query = "?" + urllib.parse.urlencode(params) if params else ""
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        conn = _UnixHTTPConnection(self.socket_path, self.timeout_s)
+        try:
+            conn.request(method, path + query, headers=headers)
+            resp = conn.getresponse()
+            body = resp.read()
+        except (FileNotFoundError, ConnectionRefusedError, PermissionError) as exc:
+            raise ClockPermissionError(f"zeusd unreachable at {self.socket_path} ({type(exc).__name__})") from exc
+        except (OSError, http.client.HTTPException) as exc:
+            raise ClockError(f"zeusd {path}: {type(exc).__name__}: {exc}") from exc
+        finally:
+            conn.close()
+        text = body.decode("utf-8", "replace").strip()
+        if resp.status in (401, 403):
+            raise ClockPermissionError(f"zeusd {path}: HTTP {resp.status} (token missing or without gpu-control scope, or NVML NoPermission): {text[:200]}")
+        if resp.status == 404:
+            raise ClockPermissionError(f"zeusd {path}: HTTP 404 (gpu-control API group not enabled on the daemon)")
+        if resp.status != 200:
+            raise ClockError(f"zeusd {path}: HTTP {resp.status}: {text[:200]}")
+        if not text:
+            return None
+        try:
+            return json.loads(text)
+        except ValueError as exc:
+            raise ClockError(f"zeusd {path}: reply is not JSON: {text[:80]!r}") from exc
+
+    def _post(self, path: str, **params: Any) -> None:
+        self.request("POST", path, {"gpu_ids": str(self.gpu_index), **params, "block": "true"})
+
+    @classmethod
+    def index_for_pci(cls, socket_path: str, pci_bus_id: str, token: str | None = None, timeout_s: float = 5.0) -> int | None:
+        """zeusd's index of the GPU at ``pci_bus_id`` (``/discover``), or ``None`` if not listed."""
+        probe = cls(socket_path, 0, token, timeout_s=timeout_s)
+        found = probe.request("GET", "/discover") or {}
+        want = pci_bus_id.lower().lstrip("0")
+        for g in found.get("gpus", []):
+            if str(g.get("pci_address", "")).lower().lstrip("0") == want:
+                return int(g["id"])
+        return None
+
+    def supported_sm_clocks(self) -> tuple[int, ...]:
+        return self._supported
+
+    def supported_mem_clocks(self) -> tuple[int, ...]:
+        return self._supported_mem
+
+    def set_clocks(self, sm_clock_mhz: int, mem_clock_mhz: int | None = None) -> None:
+        self._post("/gpu/set_gpu_locked_clocks", min_clock_mhz=int(sm_clock_mhz), max_clock_mhz=int(sm_clock_mhz))
+        if mem_clock_mhz is None or self.mem_lock_supported is False:
+            return
+        self.mem_may_be_locked = True
+        try:
+            self._post("/gpu/set_mem_locked_clocks", min_clock_mhz=int(mem_clock_mhz), max_clock_mhz=int(mem_clock_mhz))
+            self.mem_lock_supported = True
+        except ClockError as exc:
+            if isinstance(exc, ClockPermissionError) or "HTTP 400" not in str(exc) and "NotSupported" not in str(exc):
+                raise
+            # zeusd reports NVML NotSupported as a 400/500 naming it: the GPU has no memory locks.
+            self.mem_lock_supported = False
+            self.mem_may_be_locked = False
+            log.warning("powersave: zeusd: memory-clock locks not supported on GPU %d; memory clock presets are ignored", self.gpu_index)
+
+    def reset(self) -> None:
+        self._post("/gpu/reset_gpu_locked_clocks")
+        if self.mem_may_be_locked:
+            try:
+                self._post("/gpu/reset_mem_locked_clocks")
+            except ClockError as exc:
+                if isinstance(exc, ClockPermissionError) or "HTTP 400" not in str(exc) and "NotSupported" not in str(exc):
+                    raise
+            self.mem_may_be_locked = False
+
+    def lease_info(self) -> dict[str, Any]:
+        # Never the token: lease files live in a shared directory.
+        return {"backend": "zeusd", "socket": self.socket_path, "gpu_index": self.gpu_index, "mem_locked": bool(self.mem_may_be_locked)}
+
+
+def reset_from_lease(lease: dict[str, Any], nvml: Any | None = None) -> None:
+    """Undo the locks a lease records, from any process (watchdog, next start, ``reset-clocks``).
+
+    ``lease``: as written by :class:`~vllm_powersave.clocks.controller.LeaseStore` (``gpu`` is the
+    GPU UUID; ``backend`` ``nvml`` (default) or ``zeusd`` with ``socket`` and ``gpu_index``).
+    ``nvml``: the ``pynvml`` module (imported and initialised here if ``None``).
+
+    Raises:
+        ClockError: the reset failed (the caller keeps the lease).
+    """
+    if lease.get("backend") == "zeusd":
+        b = ZeusdClockBackend(str(lease["socket"]), int(lease["gpu_index"]), token=os.environ.get(ENV_ZEUSD_TOKEN) or None)
+        b.mem_may_be_locked = bool(lease.get("mem_locked", False))
+        b.reset()
+        return
+    if nvml is None:
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+        except Exception as exc:
+            raise ClockError(f"NVML unavailable: {exc}") from exc
+        nvml = pynvml
+    try:
+        handle = nvml.nvmlDeviceGetHandleByUUID(str(lease["gpu"]))
+    except Exception as exc:
+        raise ClockError(f"no NVML device {lease['gpu']!r}: {exc}") from exc
+    # Unknown (corrupt) leases: reset the memory lock too, in case it was taken.
+    NvmlClockBackend(nvml, handle, mem_may_be_locked=bool(lease.get("mem_locked", True))).reset()
 
 
 def now() -> float:

@@ -1,15 +1,41 @@
-"""Per-phase clock controller with hysteresis, applied off vLLM's critical path.
+"""Per-phase clock controller with hysteresis and look-ahead, applied off vLLM's critical path.
 
-Decisions (:meth:`ClockController.decide`) are a pure function of the phase sequence and the time,
-so every TP/PP rank, which sees the same scheduler output, takes the same decision. Applying a
-decision can take milliseconds (an NVML call), so :meth:`ClockController.on_phase` only records the
-target; a background thread applies the latest one (older targets are coalesced, no-ops skipped).
+**How TP/PP ranks stay in agreement without talking.** Every rank runs its own controller for its
+own GPU, and every input that decides a clock is identical on all ranks:
 
-Safety: a lock is never left behind. Every applied lock writes a lease file naming the GPU and our
-PID; :meth:`close` resets and removes it (also run by ``atexit``); a later start, or
-``vllm-powersave reset-clocks``, resets GPUs whose lease belongs to a dead process. Any backend
-fault other than a permission error stops clock control for the rest of the run after one reset
-attempt; the server keeps serving.
+* the phase of each step, classified from the ``SchedulerOutput`` that the EngineCore broadcasts
+  to every worker (same object, same order);
+* the look-ahead facts (requests and prompt tokens waiting in the scheduler's queue) and the
+  *scheduler's* timestamp, both attached to that ``SchedulerOutput`` in the EngineCore process by
+  :func:`vllm_powersave.vllm_compat.install_scheduler_hooks` before the broadcast. The dwell and the
+  regime window are measured on that shared timestamp (``now=`` of :meth:`ClockController.on_phase`),
+  not on each rank's own clock, so a rank never lowers one step earlier than another;
+* the settings (validated once in the API server and exported to every process).
+
+:meth:`ClockController.decide` is therefore a pure function of the step sequence, and equal
+sequences give equal decision streams (tested for TP=2). Two inputs are local and used only while
+no step runs: idle detection (no step for ``energy.idle_after_s``) and the arrival ramp
+(:meth:`ClockController.on_arrival`, only where the worker shares the EngineCore process, i.e.
+single-GPU engines). Neither can put two ranks at different clocks during a collective; the next
+step's decision is again identical on every rank.
+
+**Async scheduling (the host runs one step ahead).** With ``async_scheduling`` vLLM schedules and
+launches step N+1 while the GPU still executes step N, so the hook sees each step about one step
+before the GPU runs it. Raising early is harmless (a prefill burst gets its clock up to one step
+sooner; it costs at most one step of energy). Lowering early would slow the previous step, so with
+``host_ahead_steps=1`` a lower clock additionally needs ``host_ahead_steps + 1`` consecutive steps
+asking for it (on top of ``min_dwell_ms``): the step that is still running on the GPU is never one
+that wanted the higher clock.
+
+**Applying.** An NVML or zeusd call takes milliseconds, so :meth:`on_phase` only records the target;
+a background thread applies the newest one (older targets are coalesced, no-ops skipped).
+
+**Safety.** A lock is never left behind. Every lock writes a lease file naming the GPU, our PID and
+how to undo it; :meth:`close` resets and removes it (also run by ``atexit``); a later start, or
+``vllm-powersave reset-clocks``, resets GPUs whose lease belongs to a dead process; the watchdog
+process (``clocks/watchdog.py``) resets when we die *or* stop heart-beating (:meth:`heartbeat`).
+Any backend fault other than a permission error stops clock control for the rest of the run after
+one reset attempt; the server keeps serving.
 """
 
 from __future__ import annotations
@@ -23,51 +49,89 @@ import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-from ..settings import ClockPreset, ClockSettings
-from .backends import ClockBackend, ClockChange, ClockPermissionError, DryRunClockBackend
+from ..settings import KERNEL_GROUPS, ClockPreset, ClockSettings
+from .backends import ClockBackend, ClockChange, ClockError, ClockPermissionError, DryRunClockBackend, reset_from_lease
 
 log = logging.getLogger("vllm.powersave.clocks")
 
 
 class LeaseStore:
-    """One JSON lease file per GPU (keyed by UUID) recording who holds a clock lock."""
+    """One JSON lease file per GPU (keyed by UUID) recording who holds a clock lock.
+
+    Beside each lease: ``<gpu>.hb`` (its mtime is the owner's last heartbeat) and
+    ``<gpu>.revoked`` (written by the watchdog when it reset the GPU of a live but silent owner;
+    holds that owner's PID).
+    """
 
     def __init__(self, directory: str | Path) -> None:
         self.dir = Path(directory)
 
-    def _path(self, gpu_id: str) -> Path:
+    def _path(self, gpu_id: str, suffix: str = ".json") -> Path:
         safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in gpu_id)
-        return self.dir / f"{safe}.json"
+        return self.dir / f"{safe}{suffix}"
 
-    def acquire(self, gpu_id: str, sm_clock_mhz: int) -> None:
+    def acquire(self, gpu_id: str, sm_clock_mhz: int, info: dict[str, Any] | None = None) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
-        tmp = self._path(gpu_id).with_suffix(".tmp")
-        tmp.write_text(json.dumps({"gpu": gpu_id, "pid": os.getpid(), "sm_clock_mhz": sm_clock_mhz, "t": time.time()}))
+        tmp = self._path(gpu_id, f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({**(info or {}), "gpu": gpu_id, "pid": os.getpid(), "sm_clock_mhz": sm_clock_mhz, "t": time.time()}))
         tmp.replace(self._path(gpu_id))
+        self.beat(gpu_id)
 
     def release(self, gpu_id: str) -> None:
-        self._path(gpu_id).unlink(missing_ok=True)
+        for suffix in (".json", ".hb", ".revoked"):
+            self._path(gpu_id, suffix).unlink(missing_ok=True)
+
+    def held(self, gpu_id: str) -> bool:
+        return self._path(gpu_id).exists()
+
+    def beat(self, gpu_id: str) -> None:
+        """Record a heartbeat (the file's mtime)."""
+        p = self._path(gpu_id, ".hb")
+        try:
+            os.utime(p)
+        except FileNotFoundError:
+            p.touch()
+
+    def heartbeat_age_s(self, gpu_id: str) -> float | None:
+        """Seconds since the last heartbeat (wall clock), or ``None`` if none was ever written."""
+        try:
+            return max(0.0, time.time() - self._path(gpu_id, ".hb").stat().st_mtime)
+        except OSError:
+            return None
+
+    def revoke(self, gpu_id: str, owner_pid: int) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._path(gpu_id, ".revoked").write_text(str(owner_pid))
+
+    def revoked_for(self, gpu_id: str, pid: int) -> bool:
+        try:
+            return int(self._path(gpu_id, ".revoked").read_text().strip() or -1) == pid
+        except (OSError, ValueError):
+            return False
+
+    def _load(self, p: Path) -> dict[str, Any]:
+        try:
+            lease = json.loads(p.read_text())
+            if not isinstance(lease, dict):
+                raise ValueError("not a mapping")
+            lease["pid"] = int(lease.get("pid", -1))
+            lease["gpu"] = str(lease.get("gpu") or p.stem)
+        except (OSError, ValueError, TypeError, OverflowError, UnicodeDecodeError):
+            # A corrupt lease cannot prove its owner alive: treat the GPU as possibly locked.
+            lease = {"gpu": p.stem, "pid": -1, "corrupt": True}
+        lease["path"] = str(p)
+        return lease
+
+    def all(self) -> list[dict[str, Any]]:
+        if not self.dir.is_dir():
+            return []
+        return [self._load(p) for p in sorted(self.dir.glob("*.json"))]
 
     def stale(self) -> list[dict]:
         """Leases whose owning process no longer exists."""
-        out = []
-        if not self.dir.is_dir():
-            return out
-        for p in sorted(self.dir.glob("*.json")):
-            try:
-                lease = json.loads(p.read_text())
-                if not isinstance(lease, dict):
-                    raise ValueError("not a mapping")
-                lease["pid"] = int(lease.get("pid", -1))
-                lease["gpu"] = str(lease.get("gpu") or p.stem)
-            except (OSError, ValueError, TypeError, OverflowError, UnicodeDecodeError):
-                # A corrupt lease cannot prove its owner alive: treat the GPU as possibly locked.
-                lease = {"gpu": p.stem, "pid": -1, "corrupt": True}
-            if not _pid_alive(lease["pid"]):
-                lease["path"] = str(p)
-                out.append(lease)
-        return out
+        return [lease for lease in self.all() if not _pid_alive(lease["pid"])]
 
 
 def _pid_alive(pid: int) -> bool:
@@ -87,16 +151,41 @@ def _rank(p: ClockPreset) -> float:
     return float("inf") if p.sm_clock_mhz is None else float(p.sm_clock_mhz)
 
 
+def group_gate(settings: ClockSettings) -> tuple[dict[str, dict[str, ClockPreset]], list[str]]:
+    """Kernel-group presets that pass the switch-latency gate, and one line per ignored group.
+
+    A group preset is used only if its measured contiguous duration is at least
+    ``group_min_switch_multiple * switch_latency_ms``: a clock takes ``switch_latency_ms`` to take
+    effect, so for shorter groups most of the requested clock would land on the neighbouring
+    kernels (seed 000 tuned kernel clocks offline and never paid this cost).
+    """
+    min_ms = settings.group_min_switch_multiple * settings.switch_latency_ms
+    active: dict[str, dict[str, ClockPreset]] = {}
+    ignored = []
+    for phase, preset in settings.presets.items():
+        for group, gp in preset.groups.items():
+            where = f"clocks.presets.{phase}.groups.{group}"
+            if gp.duration_ms is None:
+                ignored.append(f"{where}: ignored, no measured duration_ms (needs >= {min_ms:g} ms)")
+            elif gp.duration_ms < min_ms:
+                ignored.append(f"{where}: ignored, measured {gp.duration_ms:g} ms < {settings.group_min_switch_multiple:g} x "
+                               f"switch latency {settings.switch_latency_ms:g} ms")
+            else:
+                active.setdefault(phase, {})[group] = ClockPreset(sm_clock_mhz=gp.sm_clock_mhz, mem_clock_mhz=gp.mem_clock_mhz)
+    return active, ignored
+
+
 class ClockController:
-    """Maps phases to clock presets with hysteresis (minimum dwell before lowering a clock).
+    """Maps phases (and kernel groups) to clock presets with hysteresis and look-ahead.
 
     Args:
-        backend: where clocks go (real, dry-run or simulated).
-        settings: presets per phase and ``min_dwell_ms``.
+        backend: where clocks go (nvml, zeusd, dry-run or simulated).
+        settings: presets per phase, dwell, switch latency, heartbeat timeout.
         gpu_id: GPU UUID (lease key).
         asynchronous: apply in a background thread (production) or inline (tests, simulation).
-        clock: monotonic time source in seconds (tests inject one).
+        clock: monotonic time source in seconds, used when a call passes no ``now``.
         watchdog: start the out-of-process watchdog before the first real lock.
+        host_ahead_steps: 1 under vLLM's async scheduling (host one step ahead of the GPU), else 0.
     """
 
     def __init__(
@@ -107,26 +196,31 @@ class ClockController:
         asynchronous: bool = True,
         clock: Callable[[], float] = time.monotonic,
         watchdog: bool = True,
+        host_ahead_steps: int = 0,
     ) -> None:
         self.watchdog = watchdog
         self.backend = backend
         self.settings = settings
         self.gpu_id = gpu_id
         self.clock = clock
+        self.host_ahead_steps = max(0, int(host_ahead_steps))
         self.leases = LeaseStore(settings.lease_dir) if backend.kind == "real" else None
-        self.presets: dict[str, ClockPreset] = {
-            phase: ClockPreset(
-                sm_clock_mhz=backend.snap(p.sm_clock_mhz) if p.sm_clock_mhz is not None else None,
-                mem_clock_mhz=p.mem_clock_mhz,
-            )
-            for phase, p in settings.presets.items()
-        }
+        self.presets: dict[str, ClockPreset] = {phase: self._snapped(p, f"presets.{phase}") for phase, p in settings.presets.items()}
+        groups, ignored = group_gate(settings)
+        for line in ignored:
+            log.info("powersave: %s", line)
+        self.groups: dict[str, dict[str, ClockPreset]] = {
+            ph: {g: self._snapped(p, f"presets.{ph}.groups.{g}") for g, p in gs.items()} for ph, gs in groups.items()}
+        self.groups_ignored = ignored
         self.min_dwell_s = settings.min_dwell_ms / 1000.0
         self.current: ClockPreset = ClockPreset()  # None/None: driver default
+        self.phase: str | None = None
+        self.group: str | None = None
         self._all_targets = {p: self.presets.get(p, ClockPreset()) for p in ("prefill", "decode", "mixed", "idle")}
         self._same = {p: t == self.current for p, t in self._all_targets.items()}
         self.last_change_s = -1e18
         self._down_since: float | None = None
+        self._down_steps = 0
         self._down_target: ClockPreset | None = None
         # Bounded: a server runs for weeks; the count is kept separately.
         self.decisions: deque[ClockChange] = deque(maxlen=4096)
@@ -135,6 +229,8 @@ class ClockController:
         self._pending: tuple[str, ClockPreset] | None = None
         self._apply_lock = threading.Lock()
         self._maybe_locked = False  # what the GPU may have, as opposed to what we last wanted
+        self._lock_backend: ClockBackend | None = None  # the backend that may hold that lock
+        self._step_since: float | None = None  # heartbeat: start of the step in flight (monotonic)
         self._cv = threading.Condition()
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -145,14 +241,24 @@ class ClockController:
             self._thread.start()
         atexit.register(self.close)
 
+    def _snapped(self, p: ClockPreset, where: str) -> ClockPreset:
+        """Out-of-range or unsupported clocks snapped to the GPU's supported list (one info line)."""
+        sm = self.backend.snap(p.sm_clock_mhz) if p.sm_clock_mhz is not None else None
+        mem = self.backend.snap_mem(p.mem_clock_mhz) if p.mem_clock_mhz is not None else None
+        if (sm, mem) != (p.sm_clock_mhz, p.mem_clock_mhz):
+            log.info("powersave: clocks.%s snapped to supported clocks: SM %s -> %s MHz, memory %s -> %s MHz",
+                     where, p.sm_clock_mhz, sm, p.mem_clock_mhz, mem)
+        return ClockPreset(sm_clock_mhz=sm, mem_clock_mhz=mem)
+
     # -- decisions ---------------------------------------------------------------------------
-    def decide(self, phase: str) -> ClockPreset | None:
+    def decide(self, phase: str, now: float | None = None) -> ClockPreset | None:
         """The preset to switch to now for ``phase``, or ``None`` to stay.
 
         Asymmetric hysteresis: a higher clock (or the driver default) is applied at once, so a
         prefill burst after idle or decode is never slowed; a lower clock only once the phases
-        asking for it have lasted ``min_dwell_ms`` without interruption, so short decode runs
-        between prefills do not make the clock oscillate.
+        asking for it have lasted ``min_dwell_ms`` (and ``host_ahead_steps + 1`` steps) without
+        interruption, so short decode runs between prefills do not make the clock oscillate.
+        ``now``: the scheduler's timestamp (s), identical on all ranks; default ``clock()``.
         """
         target = self._all_targets.get(phase) or ClockPreset()
         if target == self.current:
@@ -161,26 +267,62 @@ class ClockController:
         if _rank(target) > _rank(self.current):
             self._down_since = None
             return target
-        t = self.clock()
+        t = self.clock() if now is None else now
         if self._down_since is None or self._down_target != target:
-            self._down_since, self._down_target = t, target
-        if t - self._down_since >= self.min_dwell_s:
+            self._down_since, self._down_target, self._down_steps = t, target, 0
+        self._down_steps += 1
+        if t - self._down_since >= self.min_dwell_s and self._down_steps > self.host_ahead_steps:
             self._down_since = None
             return target
         return None
 
-    def on_phase(self, phase: str) -> None:
-        """Called once per engine step (hot path: no NVML here, and no work when nothing changes)."""
-        if self._same.get(phase, False) and self._down_since is None:
+    def on_phase(self, phase: str, now: float | None = None) -> None:
+        """Called once per engine step (hot path: no I/O here, and no work when nothing changes)."""
+        self.phase = phase
+        if self._same.get(phase, False) and self._down_since is None and self.group is None:
             return  # the common case: this phase's preset is already applied
         if self.disabled_reason is not None or self._closed:
             return
-        target = self.decide(phase)
-        if target is None:
+        self.group = None
+        target = self.decide(phase, now)
+        if target is not None:
+            self._switch(phase, target, now)
+
+    def on_arrival(self, now: float | None = None) -> None:
+        """A request arrived (look-ahead): an idle-clocked GPU ramps up before the first step.
+
+        Raises to the prefill preset at once if the current clock is lower; never lowers. Called
+        from the scheduler's ``add_request`` where the worker shares the EngineCore process.
+        """
+        if not self.settings.lookahead or self.disabled_reason is not None or self._closed:
             return
+        target = self._all_targets["prefill"]
+        if _rank(target) > _rank(self.current):
+            self._down_since = None
+            self._switch("arrival", target, now)
+
+    def on_group(self, group: str, now: float | None = None) -> None:
+        """Entering kernel group ``group`` of the current phase: its preset, if it passed the gate."""
+        preset = self.groups.get(self.phase or "", {}).get(group)
+        if preset is None or self.disabled_reason is not None or self._closed:
+            return
+        self.group = group
+        if preset != self.current:
+            self._switch(f"{self.phase}/{group}", preset, now)
+
+    def end_group(self, now: float | None = None) -> None:
+        """Leaving the kernel group: back to the phase's clock (no dwell: the gate already paid it)."""
+        if self.group is None:
+            return
+        self.group = None
+        target = self._all_targets.get(self.phase or "", ClockPreset())
+        if target != self.current and self.disabled_reason is None and not self._closed:
+            self._switch(self.phase or "", target, now)
+
+    def _switch(self, phase: str, target: ClockPreset, now: float | None) -> None:
         self.current = target
         self._same = {p: t == target for p, t in self._all_targets.items()}
-        self.last_change_s = self.clock()
+        self.last_change_s = self.clock() if now is None else now
         self.decisions.append(ClockChange(self.last_change_s, phase, target.sm_clock_mhz, target.mem_clock_mhz))
         self.n_changes += 1
         if self._thread is None:
@@ -190,62 +332,118 @@ class ClockController:
                 self._pending = (phase, target)  # coalesce: only the newest target matters
                 self._cv.notify()
 
+    # -- heartbeat ---------------------------------------------------------------------------
+    def step_begun(self, now: float | None = None) -> None:
+        """A step started (hot path: one attribute write)."""
+        self._step_since = time.monotonic() if now is None else now
+
+    def step_ended(self) -> None:
+        self._step_since = None
+
+    def heartbeat(self) -> bool:
+        """Tell the watchdog we are alive, unless a step has hung for ``heartbeat_timeout_s``.
+
+        Runs on the background thread every quarter timeout (call it yourself when
+        ``asynchronous=False``). A frozen process, or one whose step never ends (a hung kernel or
+        collective), stops beating and the watchdog resets its clocks. If the watchdog already did,
+        clock control stops here (one reset attempt; the server keeps serving). Returns whether a
+        beat was written.
+        """
+        if self.leases is None or not self._maybe_locked or self._closed:
+            return False
+        if self.leases.revoked_for(self.gpu_id, os.getpid()):
+            with self._apply_lock:
+                if self.disabled_reason is None:
+                    self._fault(ClockError("the watchdog reset the clocks: this engine missed its heartbeats"))
+            return False
+        since = self._step_since
+        if since is not None and time.monotonic() - since > self.settings.heartbeat_timeout_s:
+            return False
+        try:
+            self.leases.beat(self.gpu_id)
+        except OSError:
+            return False
+        return True
+
     # -- applying ----------------------------------------------------------------------------
     def _loop(self) -> None:
+        period = self.settings.heartbeat_timeout_s / 4
         while True:
             with self._cv:
-                while self._pending is None and not self._closed:
-                    self._cv.wait()
+                if self._pending is None and not self._closed:
+                    self._cv.wait(timeout=period)
                 if self._closed:
                     return
-                phase, target = self._pending  # type: ignore[misc]
-                self._pending = None
-            self._apply(phase, target)
+                item, self._pending = self._pending, None
+            if item is not None:
+                self._apply(*item)
+            self.heartbeat()
 
     def _apply(self, phase: str, target: ClockPreset) -> None:
         with self._apply_lock:
             if self._closed and target.sm_clock_mhz is not None:
                 return  # close() owns the final state: never lock after it started
+            if self.disabled_reason is not None:
+                return
+            was_locked = self._maybe_locked
             try:
+                if self.leases and self.leases.revoked_for(self.gpu_id, os.getpid()):
+                    raise ClockError("the watchdog reset the clocks: this engine missed its heartbeats")
                 if target.sm_clock_mhz is None:
                     self._reset_and_release()
                 else:
-                    if self.leases:
-                        self.leases.acquire(self.gpu_id, target.sm_clock_mhz)
+                    if self.leases and self.backend.kind == "real":
+                        info = self.backend.lease_info()
+                        if target.mem_clock_mhz is not None:
+                            info["mem_locked"] = True  # pessimistic, like _maybe_locked below
+                        self.leases.acquire(self.gpu_id, target.sm_clock_mhz, info)
                         self._start_watchdog()
+                        self._lock_backend = self.backend
                     # Pessimistic: from here on the GPU may be locked, even if the call fails midway.
                     self._maybe_locked = True
                     self.backend.set_clocks(target.sm_clock_mhz, target.mem_clock_mhz)
             except ClockPermissionError as exc:
-                self._to_dry_run(exc, target)
+                self._to_dry_run(exc, target, was_locked)
             except Exception as exc:  # NVML faults and anything else: never take the engine down
                 self._fault(exc)
 
     def _reset_and_release(self) -> None:
         """Reset the clocks; the lease is released only once the reset succeeded (raises otherwise)."""
         self.backend.reset()
+        if self._lock_backend is not None and self._lock_backend is not self.backend:
+            self._lock_backend.reset()  # a real lock left behind when we fell back to dry-run
         self._maybe_locked = False
+        self._lock_backend = None
         if self.leases:
             self.leases.release(self.gpu_id)
 
-    def _to_dry_run(self, exc: Exception, target: ClockPreset) -> None:
+    def _to_dry_run(self, exc: Exception, target: ClockPreset, was_locked: bool) -> None:
         log.warning("powersave: %s; clock control falls back to dry-run for GPU %s", exc, self.gpu_id)
-        if self.leases:
-            self.leases.release(self.gpu_id)  # a refused lock never took effect
-        self._maybe_locked = False
+        if was_locked or target.sm_clock_mhz is None:
+            # An earlier lock may still hold (the daemon went away, a token expired): undo it once.
+            try:
+                self._reset_and_release()
+            except Exception as exc2:
+                log.error("powersave: reset failed for GPU %s (%s); lease kept for recovery", self.gpu_id, exc2)
+        else:
+            self._maybe_locked = False  # the refused lock never took effect
+            self._lock_backend = None
+            if self.leases:
+                self.leases.release(self.gpu_id)
         try:
             supported: tuple[int, ...] | None = self.backend.supported_sm_clocks()
         except Exception:
             supported = None
         self.backend = DryRunClockBackend(supported)
-        self.leases = None
+        if not self._maybe_locked:
+            self.leases = None
         if target.sm_clock_mhz is not None:
             self.backend.set_clocks(target.sm_clock_mhz, target.mem_clock_mhz)
 
     _watchdog_started = False
 
     def _start_watchdog(self) -> None:
-        """Once per process, before the first real lock: survive a SIGKILL of this process."""
+        """Once per process, before the first real lock: survive a SIGKILL or a hang of this process."""
         if ClockController._watchdog_started or not self.watchdog:
             return
         ClockController._watchdog_started = True
@@ -254,7 +452,8 @@ class ClockController:
 
         try:
             subprocess.Popen(
-                [sys.executable, "-m", "vllm_powersave.clocks.watchdog", "--pid", str(os.getpid()), "--lease-dir", str(self.settings.lease_dir)],
+                [sys.executable, "-m", "vllm_powersave.clocks.watchdog", "--pid", str(os.getpid()),
+                 "--lease-dir", str(self.settings.lease_dir), "--heartbeat-timeout-s", str(self.settings.heartbeat_timeout_s)],
                 start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
             )
         except OSError as exc:
@@ -274,15 +473,21 @@ class ClockController:
         recovered = []
         assert self.leases is not None
         for lease in self.leases.stale():
-            if lease.get("gpu") == self.gpu_id:
-                log.warning("powersave: resetting clocks of GPU %s left locked by dead PID %s", self.gpu_id, lease.get("pid"))
-                try:
+            if lease.get("gpu") != self.gpu_id:
+                continue
+            log.warning("powersave: resetting clocks of GPU %s left locked by dead PID %s", self.gpu_id, lease.get("pid"))
+            try:
+                if lease.get("backend", "nvml") == self.backend.lease_info().get("backend") or lease.get("corrupt"):
+                    if hasattr(self.backend, "mem_may_be_locked"):
+                        self.backend.mem_may_be_locked = bool(lease.get("mem_locked", True))  # type: ignore[attr-defined]
                     self.backend.reset()
-                except Exception as exc:
-                    log.error("powersave: reset of stale lock failed (%s); lease kept", exc)
-                    continue
-                self.leases.release(self.gpu_id)
-                recovered.append(self.gpu_id)
+                else:
+                    reset_from_lease(lease)
+            except Exception as exc:
+                log.error("powersave: reset of stale lock failed (%s); lease kept", exc)
+                continue
+            self.leases.release(self.gpu_id)
+            recovered.append(self.gpu_id)
         return recovered
 
     def close(self) -> None:
@@ -316,3 +521,6 @@ class ClockController:
     @property
     def target_sm_clock_mhz(self) -> int | None:
         return self.current.sm_clock_mhz
+
+
+__all__ = ["KERNEL_GROUPS", "ClockController", "LeaseStore", "group_gate"]
