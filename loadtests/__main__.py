@@ -10,6 +10,7 @@ import argparse
 import json
 import math
 import sys
+from pathlib import Path
 from typing import Any
 
 from .config import BenchConfig
@@ -38,6 +39,8 @@ def _goodput(items: list[str]) -> dict[str, float]:
         key, sep, val = it.partition(":")
         if not sep:
             raise LoadTestError(f"invalid --goodput item {it!r}: expected KEY:MS, e.g. ttft:200")
+        if key.strip() in out:
+            raise LoadTestError(f"invalid --goodput: SLO {key.strip()!r} given twice ({out[key.strip()]:g} and {val})")
         try:
             out[key.strip()] = float(val)
         except ValueError:
@@ -52,37 +55,74 @@ def _csv_floats(s: str, what: str) -> list[float]:
         raise LoadTestError(f"invalid {what} {s!r}: expected comma-separated numbers") from None
 
 
+def _levels(s: str, what: str, conv: Any) -> list[Any]:
+    """``"1,2,4"`` -> [1, 2, 4] (one value is a list of one)."""
+    try:
+        vals = [conv(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise LoadTestError(f"invalid {what} {s!r}: expected a number or comma-separated numbers") from None
+    if not vals:
+        raise LoadTestError(f"invalid {what} {s!r}: empty")
+    return vals
+
+
+def _int(s: str) -> int:
+    return int(s.strip())
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Argument parser; option names follow ``vllm bench serve`` where they overlap."""
     p = _Parser(prog="python -m loadtests", description="Load generator for OpenAI-compatible servers; reports tokens per joule.")
-    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server base URL (with or without /v1)")
+    p.add_argument("--base-url", nargs="+", default=["http://127.0.0.1:8000"], metavar="URL",
+                   help="server base URL (with or without /v1); several = a fleet, requests round-robin")
     p.add_argument("--model", default=None, help="model id (default: first id from GET /v1/models)")
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     p.add_argument("--no-stream", action="store_true", help="use non-streaming requests (TTFT = E2E)")
-    p.add_argument("--num-prompts", type=int, default=100)
-    p.add_argument("--max-concurrency", type=int, default=None, help="cap on in-flight requests (closed loop)")
-    p.add_argument("--request-rate", type=_float_or_inf, default=math.inf, help="requests/s, 'inf' = all at once")
+    p.add_argument("--num-prompts", type=int, default=None, help="requests to send (default 100; a trace: all)")
+    p.add_argument("--max-concurrency", default=None, metavar="C[,C...]",
+                   help="cap on in-flight requests (closed loop); a list sweeps concurrency")
+    p.add_argument("--request-rate", default="inf", metavar="R[,R...]",
+                   help="requests/s, 'inf' = all at once; a list sweeps the rate")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrivals (1 = Poisson)")
-    p.add_argument("--input-len", type=int, default=1024, help="prompt length, ~tokens (random dataset)")
+    p.add_argument("--arrival", choices=["gamma", "constant"], default="gamma",
+                   help="inter-arrival law: gamma (shape --burstiness) or constant gaps of 1/rate")
+    p.add_argument("--ramp-up-strategy", choices=["linear", "exponential"], default=None)
+    p.add_argument("--ramp-up-start-rps", type=float, default=None)
+    p.add_argument("--ramp-up-end-rps", type=float, default=None)
+    p.add_argument("--ramp-up-duration", type=float, default=None, help="ramp length, s (then end rps held); default: whole run")
+    p.add_argument("--trace", default=None, metavar="PATH", help="replay a timed JSONL trace (timestamp, prompt|input_len, output_len)")
+    p.add_argument("--trace-time-scale", type=float, default=1.0, help="multiply trace timestamps by this (0.5 = twice as fast)")
+    p.add_argument("--input-len", type=int, default=1024, help="prompt length, ~tokens (random; prefix-repetition suffix)")
     p.add_argument("--output-len", type=int, default=128, help="max_tokens per request")
     p.add_argument("--range-ratio", type=float, default=0.0)
     p.add_argument("--num-warmups", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=1800.0, help="global run time limit, s")
+    p.add_argument("--request-timeout", type=float, default=None, help="per-request limit, s (a stalled stream fails)")
     p.add_argument("--goodput", nargs="+", default=[], metavar="KEY:MS", help="SLOs, e.g. ttft:200 tpot:50 e2el:5000")
     p.add_argument("--percentiles", "--metric-percentiles", dest="percentiles", default="50,90,99")
-    p.add_argument("--dataset", default="random", help="'random' or 'jsonl:PATH'")
+    p.add_argument("--dataset", default="random",
+                   help="'random', 'prefix-repetition', 'jsonl:PATH' or 'sharegpt:PATH'")
+    p.add_argument("--prefix-len", type=int, default=256, help="prefix-repetition: shared prefix, tokens")
+    p.add_argument("--num-prefixes", type=int, default=10, help="prefix-repetition: number of prefix groups")
+    p.add_argument("--sharegpt-output-len", type=int, default=None, help="ShareGPT: fixed output length")
+    p.add_argument("--tokenizer", default=None, help="local tokenizer directory for dataset lengths (offline)")
     p.add_argument("--prompt-logprobs", type=int, default=None)
     p.add_argument("--label", default=None)
     p.add_argument("--gpus", default=None, help="NVML fallback GPU indices, e.g. 0,1 (default all)")
     p.add_argument("--duration", type=float, default=None, help="stop starting requests after this many seconds")
-    p.add_argument("--ab-base-url", default=None, metavar="URL_B",
+    p.add_argument("--steady-state-batch", type=int, default=None,
+                   help="target batch B of the steady-state window (default --max-concurrency)")
+    p.add_argument("--sample-interval", type=float, default=0.5, help="energy/power/clock sample period, s (0 = edges only)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (it is only shown on a terminal anyway)")
+    p.add_argument("--ab-base-url", nargs="+", default=None, metavar="URL_B",
                    help="A/B mode: --base-url is A, this is B; runs --pairs interleaved pairs (ABBA) and reports ratios with 95%% CIs")
     p.add_argument("--pairs", type=int, default=3, help="A/B mode: number of pairs (default 3)")
     p.add_argument("--energy", choices=["auto", "server", "nvml", "none"], default="auto",
                    help="energy source: server powersave_* metrics, local NVML, or auto (server, else NVML)")
     p.add_argument("--result-json", default=None, help="write the full result here")
     p.add_argument("--markdown", default=None, help="write a Markdown report here")
+    p.add_argument("--plot-dir", default=None, help="write PNG plots here (timeline; sweep curves)")
     p.add_argument("--compare", nargs="+", default=None, metavar="RESULT_JSON",
                    help="print a comparison table of existing result files and exit")
     p.add_argument("--plot", default=None, help="with --compare: save a PNG bar chart (needs matplotlib)")
@@ -107,33 +147,73 @@ def _compare(paths: list[str], plot: str | None) -> int:
     return 0
 
 
+def _config(args: argparse.Namespace, rate: float, conc: int | None) -> BenchConfig:
+    gpus = [int(x) for x in _csv_floats(args.gpus, "--gpus")] if args.gpus else None
+    urls = args.base_url
+    kw: dict[str, Any] = dict(
+        base_url=urls[0], model=args.model, endpoint=args.endpoint, stream=not args.no_stream,
+        max_concurrency=conc, request_rate=rate,
+        burstiness=args.burstiness, arrival=args.arrival, input_len=args.input_len, output_len=args.output_len,
+        range_ratio=args.range_ratio, num_warmups=args.num_warmups, seed=args.seed, timeout_s=args.timeout,
+        goodput=_goodput(args.goodput), percentiles=_csv_floats(args.percentiles, "--percentiles"),
+        dataset=args.dataset, prompt_logprobs=args.prompt_logprobs, label=args.label, gpus=gpus, energy=args.energy,
+        duration_s=args.duration, ramp_up_strategy=args.ramp_up_strategy, ramp_up_start_rps=args.ramp_up_start_rps,
+        ramp_up_end_rps=args.ramp_up_end_rps, ramp_up_duration_s=args.ramp_up_duration, trace=args.trace,
+        trace_time_scale=args.trace_time_scale, prefix_len=args.prefix_len, num_prefixes=args.num_prefixes,
+        sharegpt_output_len=args.sharegpt_output_len, tokenizer=args.tokenizer, request_timeout_s=args.request_timeout,
+        progress=not args.no_progress, steady_state_batch=args.steady_state_batch, sample_interval_s=args.sample_interval,
+    )
+    if len(urls) > 1:
+        kw["base_urls"] = urls
+    if args.num_prompts is not None:
+        kw["num_prompts"] = args.num_prompts
+    return BenchConfig(**kw)
+
+
+def _write_outputs(args: argparse.Namespace, result: dict[str, Any], markdown: str) -> None:
+    if args.result_json:
+        write_result_json(result, args.result_json)
+    if args.markdown:
+        with open(args.markdown, "w", encoding="utf-8") as f:
+            f.write(markdown)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit code (see module docstring)."""
     try:
         args = build_parser().parse_args(argv)
         if args.compare:
             return _compare(args.compare, args.plot)
-        gpus = None
-        if args.gpus:
-            gpus = [int(x) for x in _csv_floats(args.gpus, "--gpus")]
-        cfg = BenchConfig(
-            base_url=args.base_url, model=args.model, endpoint=args.endpoint, stream=not args.no_stream,
-            num_prompts=args.num_prompts, max_concurrency=args.max_concurrency, request_rate=args.request_rate,
-            burstiness=args.burstiness, input_len=args.input_len, output_len=args.output_len,
-            range_ratio=args.range_ratio, num_warmups=args.num_warmups, seed=args.seed, timeout_s=args.timeout,
-            goodput=_goodput(args.goodput), percentiles=_csv_floats(args.percentiles, "--percentiles"),
-            dataset=args.dataset, prompt_logprobs=args.prompt_logprobs, label=args.label, gpus=gpus, energy=args.energy, duration_s=args.duration,
-        )
+        rates = _levels(args.request_rate, "--request-rate", _float_or_inf)
+        concs = _levels(args.max_concurrency, "--max-concurrency", _int) if args.max_concurrency else [None]
+        if len(rates) > 1 and len(concs) > 1:
+            raise _ArgError("sweep one parameter at a time: --request-rate or --max-concurrency, not both")
+        cfg = _config(args, rates[0], concs[0])
         if args.ab_base_url:
             if args.pairs < 1:
                 raise _ArgError(f"--pairs must be >= 1 (got {args.pairs})")
+            if len(rates) > 1 or len(concs) > 1:
+                raise _ArgError("A/B mode takes one --request-rate and one --max-concurrency")
             from .ab import format_ab, run_ab
 
-            ab = run_ab(cfg, cfg.model_copy(update={"base_url": args.ab_base_url.rstrip("/").removesuffix("/v1")}), pairs=args.pairs)
+            b_urls = args.ab_base_url
+            b = BenchConfig.model_validate({**cfg.model_dump(exclude_unset=True), "base_url": b_urls[0],
+                                            "base_urls": b_urls if len(b_urls) > 1 else None})
+            ab = run_ab(cfg, b, pairs=args.pairs)
             print(format_ab(ab))
-            if args.result_json:
-                write_result_json(ab, args.result_json)
+            _write_outputs(args, ab, format_ab(ab))
             return 0
+        if len(rates) > 1 or len(concs) > 1:
+            from .sweep import format_sweep, run_sweep
+
+            param, levels = ("request_rate", rates) if len(rates) > 1 else ("max_concurrency", concs)
+            sweep = run_sweep(cfg, param, levels)  # type: ignore[arg-type]
+            report = format_sweep(sweep)
+            print(report)
+            _write_outputs(args, sweep, report)
+            if args.plot_dir:
+                _sweep_plots(sweep, args.plot_dir)
+            return 0 if any(r["completed"] > 0 for r in sweep["results"]) else 1
         result = run(cfg)
     except _ArgError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -145,12 +225,30 @@ def main(argv: list[str] | None = None) -> int:
         print("error: interrupted", file=sys.stderr)
         return 130
     print(format_table(result))
-    if args.result_json:
-        write_result_json(result, args.result_json)
-    if args.markdown:
-        with open(args.markdown, "w", encoding="utf-8") as f:
-            f.write(format_markdown(result))
+    _write_outputs(args, result, format_markdown(result))
+    if args.plot_dir:
+        from .plots import plot_timeline
+
+        path = Path(args.plot_dir) / "timeline.png"
+        if plot_timeline(result, path):
+            print(f"plot: {path}")
+        else:
+            print("warning: no timeline plot (no energy samples, or matplotlib missing)", file=sys.stderr)
     return 0 if result["completed"] > 0 else 1
+
+
+def _sweep_plots(sweep: dict[str, Any], plot_dir: str) -> None:
+    from .plots import plot_sweep, plot_timeline
+
+    files = plot_sweep(sweep["results"], sweep["sweep"]["parameter"], sweep["sweep"]["levels"], plot_dir)
+    for k, r in enumerate(sweep["results"]):
+        p = Path(plot_dir) / f"timeline-{k}.png"
+        if plot_timeline(r, p):
+            files.append(p)
+    if not files:
+        print("warning: matplotlib not installed; no plots written", file=sys.stderr)
+    for f in files:
+        print(f"plot: {f}")
 
 
 if __name__ == "__main__":

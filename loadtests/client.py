@@ -37,6 +37,10 @@ class RequestOutput:
     usage_reported: bool = False
     generated_text: str = ""
     error: str = ""
+    #: Index of the fleet endpoint that served it (0 for a single server).
+    endpoint: int = 0
+    #: Seconds between the request's scheduled arrival and its start (waiting for a concurrency slot).
+    queue_time: float = 0.0
 
 
 def _short(s: str) -> str:
@@ -115,7 +119,7 @@ async def send_request(
     path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
     payload = build_payload(endpoint, model, req, stream=stream, prompt_logprobs=prompt_logprobs)
     out = RequestOutput()
-    timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s else aiohttp.ClientTimeout(total=None)
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
     st = time.perf_counter()
     try:
         # No redirects: only the user-given server may be contacted.
@@ -131,7 +135,7 @@ async def send_request(
             else:
                 await _read_json(resp, endpoint, out, st)
     except TimeoutError:
-        out.error = f"timeout after {timeout_s:.1f} s" if timeout_s else "timeout"
+        out.error = f"request timeout after {timeout_s:g} s (--request-timeout)" if timeout_s else "timeout"
     except aiohttp.ClientError as e:
         out.error = _short(f"{type(e).__name__}: {e}")
     except (ValueError, UnicodeDecodeError) as e:
@@ -139,6 +143,8 @@ async def send_request(
         out.error = _short(f"{type(e).__name__}: {e}")
     if out.error:
         out.success = False
+        if not out.latency:
+            out.latency = time.perf_counter() - st  # when it ended, for the steady-state rule
     return out
 
 

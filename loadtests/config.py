@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import ConfigError
 
@@ -17,14 +17,29 @@ def _one_line(err: ValidationError, data: dict[str, Any]) -> str:
     """Collapse a pydantic ValidationError into ``invalid config: field 'x' = v: reason; ...``."""
     parts = []
     for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"]) or "<config>"
-        top = e["loc"][0] if e["loc"] else None
+        msg = " ".join(str(e["msg"]).removeprefix("Value error, ").split())
+        if not e["loc"]:  # a cross-field rule: its message names the fields itself
+            parts.append(msg)
+            continue
+        loc = ".".join(str(p) for p in e["loc"])
+        top = e["loc"][0]
         # Show the value the user gave for the top-level field: nested locations
         # (e.g. goodput.ttft) are easier to fix when the whole value is visible.
         value = data.get(top, e.get("input")) if isinstance(top, str) else e.get("input")
-        msg = " ".join(str(e["msg"]).removeprefix("Value error, ").split())
         parts.append(f"field '{loc}' = {value!r}: {msg}")
     return "invalid config: " + "; ".join(parts)
+
+
+def normalize_url(v: str) -> str:
+    """``http(s)://host:port`` without trailing ``/`` or ``/v1``; ValueError otherwise."""
+    v = v.strip()
+    if not (v.startswith("http://") or v.startswith("https://")) or len(v.split("://", 1)[1]) == 0:
+        raise ValueError(f"{v!r} must start with http:// or https:// and name a host")
+    v = v.rstrip("/")
+    # Accept ".../v1" as users often paste the OpenAI base URL; endpoints add /v1 themselves.
+    if v.endswith("/v1"):
+        v = v[: -len("/v1")]
+    return v
 
 
 class BenchConfig(BaseModel):
@@ -38,6 +53,9 @@ class BenchConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     base_url: str = "http://127.0.0.1:8000"
+    #: A fleet: several servers behind no router; requests go round-robin. ``base_url`` is then the
+    #: first of them. Only these addresses (and nothing they redirect to) are ever contacted.
+    base_urls: list[str] | None = None
     model: str | None = None
     endpoint: Literal["completions", "chat"] = "completions"
     stream: bool = True
@@ -65,6 +83,32 @@ class BenchConfig(BaseModel):
     #: Stop starting requests after this many seconds (requests already running finish); with a
     #: large ``num_prompts`` this gives fixed-length measurement windows (e.g. >= 15 s for NVML).
     duration_s: float | None = Field(default=None, gt=0)
+    #: Inter-arrival law of open-loop runs: gamma (shape ``burstiness``; 1 = Poisson) or constant.
+    arrival: Literal["gamma", "constant"] = "gamma"
+    #: Ramp-up (names as ``vllm bench serve``): rate goes from start to end rps over
+    #: ``ramp_up_duration_s`` (then held), or over the whole run when that is None.
+    ramp_up_strategy: Literal["linear", "exponential"] | None = None
+    ramp_up_start_rps: float | None = Field(default=None, gt=0)
+    ramp_up_end_rps: float | None = Field(default=None, gt=0)
+    ramp_up_duration_s: float | None = Field(default=None, gt=0)
+    #: Timed trace (JSONL: timestamp, prompt | input_len, output_len): replaces dataset and arrivals.
+    trace: str | None = None
+    trace_time_scale: float = Field(default=1.0, gt=0)
+    #: prefix-repetition dataset: shared prefix length (tokens) and number of prefix groups.
+    prefix_len: int = Field(default=256, ge=1)
+    num_prefixes: int = Field(default=10, ge=1)
+    #: ShareGPT: fixed output length instead of the reply's length.
+    sharegpt_output_len: int | None = Field(default=None, ge=1)
+    #: Local Hugging Face tokenizer directory for dataset lengths (never downloaded).
+    tokenizer: str | None = None
+    #: Per-request limit, s: a stalled stream becomes a counted failure (the run limit is timeout_s).
+    request_timeout_s: float | None = Field(default=None, gt=0)
+    #: Progress bar on stderr (shown only when stderr is a terminal).
+    progress: bool = True
+    #: Target concurrency B of the steady-state window (ML.ENERGY rule); default max_concurrency.
+    steady_state_batch: int | None = Field(default=None, ge=1)
+    #: Period of energy/power/clock samples during the run, s (0 = only the window edges).
+    sample_interval_s: float = Field(default=0.5, ge=0)
 
     def __init__(self, **data: Any) -> None:
         try:
@@ -91,17 +135,54 @@ class BenchConfig(BaseModel):
                     raise inner from None
             raise ConfigError(_one_line(e, obj if isinstance(obj, dict) else {})) from None
 
+    @property
+    def endpoints(self) -> list[str]:
+        """The server base URLs of this run (one, or the fleet)."""
+        return list(self.base_urls) if self.base_urls else [self.base_url]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fleet_first(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("base_urls"):
+            urls = data["base_urls"]
+            if isinstance(urls, list) and urls and isinstance(urls[0], str):
+                data = {**data, "base_url": urls[0]}
+        return data
+
     @field_validator("base_url")
     @classmethod
     def _check_base_url(cls, v: str) -> str:
-        v = v.strip()
-        if not (v.startswith("http://") or v.startswith("https://")):
-            raise ValueError("must start with http:// or https://")
-        v = v.rstrip("/")
-        # Accept ".../v1" as users often paste the OpenAI base URL; endpoints add /v1 themselves.
-        if v.endswith("/v1"):
-            v = v[: -len("/v1")]
-        return v
+        return normalize_url(v)
+
+    @field_validator("base_urls")
+    @classmethod
+    def _check_base_urls(cls, v: list[str] | None) -> list[str] | None:
+        if v is None:
+            return None
+        if not v:
+            raise ValueError("need at least one URL")
+        urls = [normalize_url(u) for u in v]
+        dup = sorted({u for u in urls if urls.count(u) > 1})
+        if dup:
+            raise ValueError(f"duplicate endpoint {dup[0]}")
+        return urls
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> BenchConfig:
+        ramp = (self.ramp_up_strategy, self.ramp_up_start_rps, self.ramp_up_end_rps)
+        if any(x is not None for x in ramp) and any(x is None for x in ramp):
+            raise ValueError("ramp_up_strategy, ramp_up_start_rps and ramp_up_end_rps must be given together "
+                             f"(got {ramp[0]!r}, {ramp[1]!r}, {ramp[2]!r})")
+        if self.ramp_up_duration_s is not None and self.ramp_up_strategy is None:
+            raise ValueError("ramp_up_duration_s needs ramp_up_strategy")
+        if self.ramp_up_strategy is not None and math.isfinite(self.request_rate):
+            raise ValueError(f"request_rate = {self.request_rate:g} conflicts with ramp_up_strategy: the ramp sets the rate")
+        if self.trace is not None:
+            if self.ramp_up_strategy is not None or math.isfinite(self.request_rate):
+                raise ValueError("trace replay sets the arrival times itself: drop request_rate / ramp-up")
+            if self.dataset != "random":
+                raise ValueError(f"trace replay carries its own prompts: drop dataset = {self.dataset!r}")
+        return self
 
     @field_validator("goodput")
     @classmethod
@@ -126,9 +207,12 @@ class BenchConfig(BaseModel):
     @field_validator("dataset")
     @classmethod
     def _check_dataset(cls, v: str) -> str:
-        if v != "random" and not (v.startswith("jsonl:") and len(v) > len("jsonl:")):
-            raise ValueError("expected 'random' or 'jsonl:PATH'")
-        return v
+        if v in ("random", "prefix-repetition"):
+            return v
+        for kind in ("jsonl:", "sharegpt:"):
+            if v.startswith(kind) and len(v) > len(kind):
+                return v
+        raise ValueError("expected 'random', 'prefix-repetition', 'jsonl:PATH' or 'sharegpt:PATH'")
 
     @field_validator("gpus")
     @classmethod

@@ -164,8 +164,102 @@ async def scrape_metrics(session: aiohttp.ClientSession, base_url: str, timeout_
         return None
 
 
+_KEEP_PREFIXES = ("powersave_gpu_energy_joules", "powersave_gpu_power_watts", "powersave_sm_clock_mhz",
+                  "powersave_info", "vllm:num_requests_running")
+
+
+def filter_metrics_text(text: str) -> str:
+    """Only the lines of the series the harness reads (vLLM's /metrics is large; parsing it all twice
+    a second would cost the client a few ms per scrape)."""
+    keep = []
+    for line in text.splitlines():
+        body = line[7:] if line.startswith(("# HELP ", "# TYPE ")) else line
+        if body.startswith(_KEEP_PREFIXES):
+            keep.append(line)
+    return "\n".join(keep) + "\n"
+
+
+@dataclass
+class Scrape:
+    """The series the harness uses from one ``/metrics`` text."""
+
+    counters: dict[LabelKey, float] | None = None  # energy counters (J) by label set; None = absent
+    power_w: float | None = None  # sum of powersave_gpu_power_watts over GPUs
+    sm_clock_mhz: float | None = None  # mean of powersave_sm_clock_mhz over GPUs
+    gauge_source: str | None = None  # "measured" | "simulated" (from the gauges' source label)
+    running: float | None = None  # vllm:num_requests_running summed over engines
+    plugin: bool = False  # powersave_info present
+
+
+def parse_scrape(text: str) -> Scrape:
+    """Parse a (filtered or full) ``/metrics`` text into a :class:`Scrape`; never raises."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = Scrape()
+    counters: dict[LabelKey, float] = {}
+    power: list[float] = []
+    clock: list[float] = []
+    sources: set[str] = set()
+    running: list[float] = []
+    try:
+        for fam in text_string_to_metric_families(filter_metrics_text(text)):
+            for smp in fam.samples:
+                if smp.name in _SAMPLE_NAMES:
+                    counters[tuple(sorted(smp.labels.items()))] = float(smp.value)
+                elif smp.name == "powersave_gpu_power_watts":
+                    power.append(float(smp.value))
+                    sources.add(smp.labels.get("source", ""))
+                elif smp.name == "powersave_sm_clock_mhz":
+                    clock.append(float(smp.value))
+                    sources.add(smp.labels.get("source", ""))
+                elif smp.name == "vllm:num_requests_running":
+                    running.append(float(smp.value))
+                elif smp.name == "powersave_info":
+                    out.plugin = True
+    except Exception:  # the parser raises bare ValueError/TypeError variants on bad input
+        return Scrape()
+    out.counters = counters or None
+    out.power_w = sum(power) if power else None
+    out.sm_clock_mhz = sum(clock) / len(clock) if clock else None
+    out.gauge_source = ("measured" if sources == {"measured"} else "simulated") if sources else None
+    out.running = sum(running) if running else None
+    return out
+
+
+@dataclass
+class Sample:
+    """One reading of an energy source at ``t`` (``time.perf_counter`` s).
+
+    ``counters`` (server metrics, J by label set) or ``gpu_j`` (NVML, J by GPU index) are cumulative;
+    either is None when the read failed. Gauges are None when not published.
+    """
+
+    t: float
+    counters: dict[LabelKey, float] | None = None
+    gpu_j: dict[str, float] | None = None
+    power_w: float | None = None
+    sm_clock_mhz: float | None = None
+    gauge_source: str | None = None
+    running: float | None = None
+
+
+def _nvml_gauges(nvml: NvmlEnergy) -> tuple[float | None, float | None]:
+    """Summed power (W) and mean SM clock (MHz) of the selected GPUs; read-only NVML queries."""
+    try:
+        lib = nvml._nvml
+        power = sum(lib.nvmlDeviceGetPowerUsage(h) for h in nvml._handles) / 1000.0
+        clocks = [lib.nvmlDeviceGetClockInfo(h, getattr(lib, "NVML_CLOCK_SM", 1)) for h in nvml._handles]
+        return power, sum(clocks) / len(clocks)
+    except Exception:  # older drivers / fakes without these queries: timeline just lacks them
+        return None, None
+
+
 class EnergyMeter:
-    """Brackets the measured window: call :meth:`start` before load and :meth:`stop` after."""
+    """Brackets the measured window: :meth:`start` before load, :meth:`sample` during, :meth:`stop` after.
+
+    Every reading (start, samples, stop) is kept in :attr:`samples`, so the energy of any sub-window
+    between two readings can be computed afterwards (steady-state window, timelines).
+    """
 
     def __init__(self, session: aiohttp.ClientSession, base_url: str, gpus: list[int] | None, timeout_s: float = 5.0, mode: str = "auto"):
         self._mode = mode
@@ -178,6 +272,25 @@ class EnergyMeter:
         self._nvml_before: dict[str, float] | None = None
         self._t0 = 0.0
         self._note = ""
+        self.samples: list[Sample] = []
+
+    @property
+    def provider(self) -> str | None:
+        """``server-metrics``, ``nvml`` or None (no energy source)."""
+        if self._before is not None:
+            return "server-metrics"
+        return "nvml" if self._nvml is not None and self._nvml_before is not None else None
+
+    async def _scrape(self) -> tuple[float, Scrape | None]:
+        text = await scrape_metrics(self._session, self._base_url, self._timeout_s)
+        return time.perf_counter(), (parse_scrape(text) if text is not None else None)
+
+    @staticmethod
+    def _from_scrape(t: float, sc: Scrape | None) -> Sample:
+        if sc is None:
+            return Sample(t=t)
+        return Sample(t=t, counters=sc.counters or ({} if sc.plugin else None), power_w=sc.power_w,
+                      sm_clock_mhz=sc.sm_clock_mhz, gauge_source=sc.gauge_source, running=sc.running)
 
     async def start(self) -> None:
         """Take the "before" reading, choosing the first available source."""
@@ -187,13 +300,13 @@ class EnergyMeter:
             return
         reason = "not tried"
         if self._mode in ("auto", "server"):
-            text = await scrape_metrics(self._session, self._base_url, self._timeout_s)
-            counters = parse_energy_counters(text) if text is not None else None
-            self._t0 = time.perf_counter()
-            if counters is None and text is not None and "powersave_info" in text:
+            self._t0, sc = await self._scrape()
+            counters = sc.counters if sc is not None else None
+            if counters is None and sc is not None and sc.plugin:
                 counters = {}  # plugin active, no step booked yet: every counter is still 0
             if counters is not None:
                 self._before = counters
+                self.samples.append(self._from_scrape(self._t0, sc))
                 return
             if self._mode == "server":
                 self._note = f"no energy source (server has no {METRIC}_total)"
@@ -201,15 +314,33 @@ class EnergyMeter:
         self._nvml, reason = NvmlEnergy.open(self._gpus)
         if self._nvml is not None:
             self._t0, self._nvml_before = await self._nvml.aligned_per_gpu_j()
+            power, clock = _nvml_gauges(self._nvml)
+            self.samples.append(Sample(t=self._t0, gpu_j=dict(self._nvml_before), power_w=power, sm_clock_mhz=clock,
+                                       gauge_source="measured" if power is not None else None))
         else:
             self._note = f"no energy source (server has no {METRIC}_total; {reason})"
+
+    async def sample(self) -> None:
+        """One periodic reading (a plain scrape or NVML read, not aligned); no-op without a source."""
+        if self._before is not None:
+            t, sc = await self._scrape()
+            self.samples.append(self._from_scrape(t, sc))
+        elif self._nvml is not None and self._nvml_before is not None:
+            try:
+                gpu_j = self._nvml.per_gpu_j()
+            except Exception:  # a failed read leaves a gap; the window edges still come from start/stop
+                gpu_j = None
+            power, clock = _nvml_gauges(self._nvml)
+            self.samples.append(Sample(t=time.perf_counter(), gpu_j=gpu_j, power_w=power, sm_clock_mhz=clock,
+                                       gauge_source="measured" if power is not None else None))
 
     async def stop(self) -> EnergyReading:
         """Take the "after" reading and return the window's energy (J) and duration (s)."""
         if self._before is not None:
-            text = await scrape_metrics(self._session, self._base_url, self._timeout_s)
-            window = time.perf_counter() - self._t0
-            after = parse_energy_counters(text) if text is not None else None
+            t1, sc = await self._scrape()
+            window = t1 - self._t0
+            self.samples.append(self._from_scrape(t1, sc))
+            after = self.samples[-1].counters
             if after is None:
                 return EnergyReading(window_s=window, note="no energy source (final /metrics scrape failed)")
             r = diff_counters(self._before, after)
@@ -220,6 +351,9 @@ class EnergyMeter:
                 t1, after_gpu = await self._nvml.aligned_per_gpu_j()
             except Exception as e:  # driver hiccup: report no energy instead of crashing the run
                 return EnergyReading(window_s=time.perf_counter() - self._t0, note=f"no energy source (NVML read failed: {e})")
+            power, clock = _nvml_gauges(self._nvml)
+            self.samples.append(Sample(t=t1, gpu_j=dict(after_gpu), power_w=power, sm_clock_mhz=clock,
+                                       gauge_source="measured" if power is not None else None))
             window = t1 - self._t0
             by_gpu = {k: after_gpu[k] - self._nvml_before.get(k, 0.0) for k in after_gpu}
             return EnergyReading(
@@ -231,3 +365,16 @@ class EnergyMeter:
                 note="local NVML counters (server assumed to run on this host)",
             )
         return EnergyReading(window_s=time.perf_counter() - self._t0, note=self._note or "no energy source")
+
+
+def energy_between(a: Sample, b: Sample) -> EnergyReading | None:
+    """Energy (J) between two readings of one meter, or None if either read failed."""
+    if a.counters is not None and b.counters is not None:
+        r = diff_counters(a.counters, b.counters)
+        r.window_s = b.t - a.t
+        return r
+    if a.gpu_j is not None and b.gpu_j is not None:
+        by_gpu = {k: b.gpu_j[k] - a.gpu_j.get(k, 0.0) for k in b.gpu_j}
+        return EnergyReading(energy_j=sum(by_gpu.values()), window_s=b.t - a.t, source="measured",
+                             provider="nvml", by_gpu_j=by_gpu)
+    return None

@@ -129,3 +129,31 @@ def energy_metrics(reading: EnergyReading, total_input_tokens: int, total_output
         "energy_window_s": reading.window_s,
         "energy_note": reading.note,
     }
+
+
+def peak_metrics(outputs: Sequence[RequestOutput]) -> dict[str, Any]:
+    """``max_output_tokens_per_s`` and ``max_concurrent_requests`` over 1-s buckets, as ``vllm bench serve``.
+
+    Buckets start at the first successful request's start; a token counts in the bucket of its
+    chunk's arrival, a request in every bucket it overlaps.
+    """
+    ok = [o for o in outputs if o.success]
+    if not ok:
+        return {"max_output_tokens_per_s": 0.0, "max_concurrent_requests": 0}
+    t_min = min(o.start_time for o in ok)
+    n_buckets = int(math.ceil(max(o.start_time + o.latency for o in ok) - t_min)) + 1
+    tokens = [0.0] * n_buckets
+    conc = [0] * n_buckets
+    for o in ok:
+        t = o.start_time + o.ttft
+        times = [t]
+        for gap in o.itl:
+            t += gap
+            times.append(t)
+        for t in times:
+            b = int(t - t_min)
+            if 0 <= b < n_buckets:
+                tokens[b] += 1
+        for b in range(int(o.start_time - t_min), int(o.start_time + o.latency - t_min) + 1):
+            conc[b] += 1
+    return {"max_output_tokens_per_s": max(tokens), "max_concurrent_requests": max(conc)}

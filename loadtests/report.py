@@ -25,8 +25,11 @@ def _num(v: Any, digits: int = 2) -> str:
 def _energy(result: dict[str, Any], key: str, digits: int = 4) -> str:
     """An energy number with its provenance, e.g. ``0.0123 (simulated)``."""
     v = result.get(key)
-    if v is None or result.get("energy_source") is None:
+    if result.get("energy_source") is None:
         return _NO_ENERGY
+    if v is None:
+        # Average power of simulated energy is left out on purpose (no one could measure it).
+        return f"n/a ({result['energy_source']})"
     return f"{_num(v, digits)} ({result['energy_source']})"
 
 
@@ -75,9 +78,55 @@ def _summary_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
         ]
         for phase, j in sorted((result.get("energy_by_phase_j") or {}).items()):
             rows.append((f"  energy in {phase} (J)", f"{_num(j)} ({result['energy_source']})"))
+    rows += _steady_rows(result)
     if result.get("timed_out"):
         rows.append(("Note", f"global --timeout of {_num(result.get('timeout_s'), 0)} s reached"))
     return rows
+
+
+def _steady_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
+    if "steady_state_batch" not in result:
+        return []
+    if result.get("steady_state_duration_s") is None:
+        return [("Steady state", result.get("steady_state_note") or "n/a")]
+    src = result.get("steady_state_energy_source")
+
+    def en(key: str, digits: int = 4) -> str:
+        v = result.get(key)
+        if src is None:
+            return _NO_ENERGY
+        return f"n/a ({src})" if v is None else f"{_num(v, digits)} ({src})"
+
+    rows = [
+        ("Steady state: target batch B", _num(result.get("steady_state_batch"))),
+        ("Steady state: window (s)", f"{_num(result.get('steady_state_start_s'))} - {_num(result.get('steady_state_end_s'))}"
+                                     f" ({_num(result.get('steady_state_duration_s'))} s)"),
+        ("Steady state: avg concurrency", f"{_num(result.get('steady_state_avg_concurrency'))}"
+                                          f" ({_num(result.get('steady_state_batch_utilization'))} of B)"),
+        ("Steady state: output throughput (tok/s)", _num(result.get("steady_state_output_throughput"))),
+        ("Steady state: GPU energy (J)", en("steady_state_gpu_energy_j", 2)),
+        ("Steady state: GPU average power (W)", en("steady_state_gpu_avg_power_w", 1)),
+        ("Steady state: energy per output token (J)", en("steady_state_gpu_energy_per_output_token_j")),
+        ("Steady state: output tokens per joule", en("steady_state_output_tokens_per_joule")),
+    ]
+    if result.get("steady_state_note"):
+        rows.append(("Steady state: note", str(result["steady_state_note"])))
+    return rows
+
+
+def _endpoint_table(result: dict[str, Any]) -> list[str]:
+    """Markdown rows per fleet endpoint (only for fleets of two or more)."""
+    eps = result.get("endpoints") or []
+    if len(eps) < 2:
+        return []
+    lines = ["", "### Per endpoint", "",
+             "| Endpoint | Completed / failed | Output tok/s | TTFT p50 (ms) | TPOT p50 (ms) | GPU energy (J) | J / output token | Output tokens / J |",
+             "|---|---|---|---|---|---|---|---|"]
+    for ep in eps + [dict(result, base_url="**fleet total**")]:
+        lines.append(f"| {ep['base_url']} | {ep.get('completed')} / {ep.get('failed')} | {_num(ep.get('output_throughput'))} | "
+                     f"{_num(ep.get('median_ttft_ms'))} | {_num(ep.get('median_tpot_ms'))} | {_energy(ep, 'gpu_energy_j', 2)} | "
+                     f"{_energy(ep, 'gpu_energy_per_output_token_j')} | {_energy(ep, 'output_tokens_per_joule')} |")
+    return lines
 
 
 def format_table(result: dict[str, Any]) -> str:
@@ -87,6 +136,10 @@ def format_table(result: dict[str, Any]) -> str:
     lines = ["{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=60, c="=")]
     lines += [f"{k + ':':<{width}}{v}" for k, v in rows]
     lines.append("=" * 60)
+    fleet = result.get("endpoints") or []
+    for ep in fleet if len(fleet) > 1 else []:
+        lines.append(f"  {ep['base_url']}: {ep.get('completed')} ok / {ep.get('failed')} failed, "
+                     f"{_num(ep.get('output_throughput'))} tok/s, J/output token {_energy(ep, 'gpu_energy_per_output_token_j')}")
     errors = [e for e in result.get("errors", []) if e]
     if errors:
         lines.append(f"First error ({len(errors)} failed): {errors[0]}")
@@ -99,6 +152,7 @@ def format_markdown(result: dict[str, Any]) -> str:
     title = f"## Load test: {result.get('label') or result.get('model_id')}"
     lines = [title, "", "| Metric | Value |", "|---|---|"]
     lines += [f"| {k.strip()} | {v} |" for k, v in rows]
+    lines += _endpoint_table(result)
     errors = [e for e in result.get("errors", []) if e]
     if errors:
         lines += ["", f"First error ({len(errors)} failed): `{errors[0]}`"]
@@ -133,6 +187,20 @@ def compare_table(results: dict[str, dict[str, Any]]) -> str:
     add("Output tokens / J", lambda r: _energy(r, "output_tokens_per_joule"))
     add("Total tokens / J", lambda r: _energy(r, "total_tokens_per_joule"))
     add("Energy source", lambda r: r.get("energy_source") or "none")
+    if any(r.get("steady_state_duration_s") is not None for r in results.values()):
+        def ss(key: str, digits: int = 4) -> Any:
+            def f(r: dict[str, Any]) -> str:
+                v, src = r.get(key), r.get("steady_state_energy_source")
+                if "energy" in key or "joule" in key or "power" in key:
+                    if src is None:
+                        return _NO_ENERGY
+                    return f"n/a ({src})" if v is None else f"{_num(v, digits)} ({src})"
+                return _num(v, digits)
+            return f
+        add("Steady state duration (s)", ss("steady_state_duration_s", 2))
+        add("Steady state output tok/s", ss("steady_state_output_throughput", 2))
+        add("Steady state J / output token", ss("steady_state_gpu_energy_per_output_token_j"))
+        add("Steady state output tokens / J", ss("steady_state_output_tokens_per_joule"))
 
     header = "| Metric | " + " | ".join(labels) + " |"
     sep = "|---|" + "---|" * len(labels)

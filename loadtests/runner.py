@@ -1,11 +1,11 @@
-"""Load shapes and orchestration: reachability check, warm-ups, measured window, energy."""
+"""Orchestration: reachability check, warm-ups, load shapes over one server or a fleet, energy sampling."""
 
 from __future__ import annotations
 
 import asyncio
 import math
 import os
-import random
+import sys
 import time
 from datetime import datetime
 from typing import Any
@@ -14,32 +14,20 @@ import aiohttp
 
 from .client import RequestOutput, send_request
 from .config import BenchConfig
-from .datasets import RequestInput, sample_requests
-from .energy import EnergyMeter
+from .datasets import RequestInput, load_trace, random_requests, sample_requests
+from .energy import METRIC, EnergyMeter, EnergyReading
 from .errors import LoadTestError, ServerUnreachableError
-from .metrics import calculate_metrics, energy_metrics
+from .metrics import calculate_metrics, energy_metrics, peak_metrics, percentile_key
+from .shapes import arrival_offsets, ramp_offsets
+from .window import steady_state, sum_readings, timeline
 
-# Arrival times and prompts use different streams so changing --request-rate does not
-# change which prompts are sent.
-_ARRIVAL_SEED_OFFSET = 7919
-
-
-def arrival_offsets(n: int, request_rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:
-    """Send times (s, relative to the first request) for ``n`` requests.
-
-    ``request_rate`` is requests/s; ``inf`` sends all at once. Inter-arrival gaps are
-    gamma(shape=burstiness, scale=1/(rate*burstiness)): mean 1/rate, burstiness 1 is
-    Poisson, < 1 burstier, > 1 more regular (same as ``vllm bench serve``).
-    """
-    if math.isinf(request_rate):
-        return [0.0] * n
-    rng = random.Random(seed + _ARRIVAL_SEED_OFFSET)
-    scale = 1.0 / (request_rate * burstiness)
-    t, out = 0.0, []
-    for _ in range(n):
-        out.append(t)
-        t += rng.gammavariate(burstiness, scale)
-    return out
+def schedule(cfg: BenchConfig, n: int) -> list[float]:
+    """Send offsets (s) for ``n`` measured requests from the config's load shape (not for traces)."""
+    if cfg.ramp_up_strategy is not None:
+        assert cfg.ramp_up_start_rps is not None and cfg.ramp_up_end_rps is not None
+        return ramp_offsets(n, cfg.ramp_up_start_rps, cfg.ramp_up_end_rps, duration_s=cfg.ramp_up_duration_s,
+                            strategy=cfg.ramp_up_strategy, burstiness=cfg.burstiness, seed=cfg.seed, arrival=cfg.arrival)
+    return arrival_offsets(n, cfg.request_rate, cfg.burstiness, cfg.seed, cfg.arrival)
 
 
 def _reason(e: BaseException) -> str:
@@ -81,43 +69,74 @@ async def check_server(session: aiohttp.ClientSession, base_url: str, model: str
         ) from None
 
 
+class _Progress:
+    """Completed-request counter on stderr (tqdm); silent when disabled or stderr is not a terminal."""
+
+    def __init__(self, total: int, enabled: bool, desc: str) -> None:
+        self._bar = None
+        if enabled and sys.stderr.isatty():
+            try:
+                from tqdm import tqdm
+            except ImportError:  # optional: no bar rather than no run
+                return
+            self._bar = tqdm(total=total, desc=desc, unit="req", file=sys.stderr, leave=False, dynamic_ncols=True)
+
+    def update(self) -> None:
+        if self._bar is not None:
+            self._bar.update(1)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
 async def run_load(
     session: aiohttp.ClientSession,
     cfg: BenchConfig,
-    model: str,
+    models: list[str],
     reqs: list[RequestInput],
     *,
-    request_rate: float,
+    offsets: list[float],
     max_concurrency: int | None,
     deadline: float,
     duration_s: float | None = None,
+    t0: float | None = None,
+    progress: _Progress | None = None,
 ) -> tuple[list[RequestOutput], float, bool, list[int]]:
-    """Send ``reqs`` with the given arrival shape and concurrency cap.
+    """Send ``reqs[i]`` at ``t0 + offsets[i]`` to endpoint ``i % len(endpoints)`` (round-robin).
 
     Returns ``(outputs, duration_s, timed_out, sent)``. Requests still running at ``deadline``
     (``time.monotonic`` seconds) are cancelled and reported as failed, so this never hangs. With
     ``duration_s``, no request starts after that many seconds (those already running finish);
     ``sent`` lists the indices of requests that were started, and only they are returned.
+    ``max_concurrency`` caps in-flight requests over the whole fleet (closed loop).
     """
+    endpoints = cfg.endpoints
     outputs: list[RequestOutput | None] = [None] * len(reqs)
-    offsets = arrival_offsets(len(reqs), request_rate, cfg.burstiness, cfg.seed)
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     tasks: list[asyncio.Task[None]] = []
     running: set[int] = set()
-    t0 = time.perf_counter()
+    t0 = time.perf_counter() if t0 is None else t0
 
     async def one(i: int) -> None:
+        arrived = time.perf_counter()
+
         async def go() -> None:
             start = time.perf_counter()
             if duration_s is not None and start - t0 > duration_s:
                 return  # window closed: not sent, not counted
             running.add(i)
+            e = i % len(endpoints)
             o = await send_request(
-                session, cfg.base_url, cfg.endpoint, model, reqs[i],
-                stream=cfg.stream, prompt_logprobs=cfg.prompt_logprobs,
+                session, endpoints[e], cfg.endpoint, models[e], reqs[i],
+                stream=cfg.stream, prompt_logprobs=cfg.prompt_logprobs, timeout_s=cfg.request_timeout_s,
             )
             o.start_time = start - t0
+            o.queue_time = start - arrived
+            o.endpoint = e
             outputs[i] = o
+            if progress is not None:
+                progress.update()
 
         if sem is None:
             await go()
@@ -131,6 +150,8 @@ async def run_load(
             delay = t0 + off - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
+            if duration_s is not None and time.perf_counter() - t0 > duration_s:
+                break  # later arrivals would not be sent either
             tasks.append(asyncio.create_task(one(i)))
         await asyncio.gather(*tasks)
 
@@ -148,59 +169,163 @@ async def run_load(
     started = {i for i, o in enumerate(outputs) if o is not None} if duration_s is not None else set(range(len(outputs)))
     if duration_s is not None:
         started |= {i for i in range(len(outputs)) if i in running}
-    final = [
-        o if o is not None else RequestOutput(error=f"not finished within --timeout {cfg.timeout_s:g} s")
-        for i, o in enumerate(outputs)
-        if i in started
-    ]
+    final = []
+    for i, o in enumerate(outputs):
+        if i not in started:
+            continue
+        if o is None:
+            o = RequestOutput(error=f"not finished within --timeout {cfg.timeout_s:g} s", endpoint=i % len(endpoints))
+        final.append(o)
     return final, duration, timed_out, sorted(started)
 
 
+async def _sampler(meters: list[EnergyMeter], interval_s: float, stop: asyncio.Event) -> None:
+    """Read every meter each ``interval_s`` until ``stop`` is set (one tick = all meters together)."""
+    while True:
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=interval_s)
+            return
+        except TimeoutError:
+            pass
+        await asyncio.gather(*(m.sample() for m in meters))
+
+
+async def _open_meters(session: aiohttp.ClientSession, cfg: BenchConfig) -> tuple[list[EnergyMeter], list[str], str]:
+    """Energy meters for the run: one per endpoint (server metrics), or one NVML meter for the host.
+
+    Returns ``(meters, names, scope)``; ``meters`` is empty when there is no energy source. Per-endpoint
+    server metrics are used only when every endpoint publishes them; otherwise (``auto``) local NVML
+    covers the whole fleet once, so no GPU is counted twice.
+    """
+    tmo = cfg.connect_timeout_s
+    notes: list[str] = []
+    if cfg.energy in ("auto", "server"):
+        meters = [EnergyMeter(session, url, cfg.gpus, timeout_s=tmo, mode="server") for url in cfg.endpoints]
+        await asyncio.gather(*(m.start() for m in meters))
+        if all(m.provider == "server-metrics" for m in meters):
+            return meters, list(cfg.endpoints), "server-metrics per endpoint"
+        missing = [u for u, m in zip(cfg.endpoints, meters) if m.provider is None]
+        notes.append(f"no {METRIC}_total at {', '.join(missing)}")
+        if cfg.energy == "server":
+            return [], [], "no energy source (" + "; ".join(notes) + ")"
+    if cfg.energy in ("auto", "nvml"):
+        m = EnergyMeter(session, cfg.base_url, cfg.gpus, timeout_s=tmo, mode="nvml")
+        await m.start()
+        if m.provider == "nvml":
+            return [m], ["nvml"], "local NVML (whole fleet)"
+        notes.append(m._note.removeprefix("no energy source (").removesuffix(")"))
+    else:
+        notes.append("disabled by energy='none'")
+    return [], [], "no energy source (" + "; ".join(notes) + ")"
+
+
+def _endpoint_summary(url: str, model: str, inputs: list[RequestInput], outputs: list[RequestOutput], duration: float,
+                      cfg: BenchConfig, reading: EnergyReading | None) -> dict[str, Any]:
+    m = calculate_metrics(inputs, outputs, duration, cfg.percentiles, cfg.goodput or None)
+    keep = ("completed", "failed", "total_input_tokens", "total_output_tokens", "request_throughput",
+            "request_goodput", "output_throughput", "total_token_throughput", "mean_ttft_ms", "median_ttft_ms",
+            "mean_tpot_ms", "median_tpot_ms", "mean_itl_ms", "median_e2el_ms")
+    out: dict[str, Any] = {"base_url": url, "model_id": model, "num_prompts": len(outputs)}
+    out |= {k: m.get(k) for k in keep}
+    for p in cfg.percentiles:
+        out[f"{percentile_key(p)}_ttft_ms"] = m[f"{percentile_key(p)}_ttft_ms"]
+    e = energy_metrics(reading or EnergyReading(note="energy measured for the whole fleet only"),
+                       m["total_input_tokens"], m["total_output_tokens"])
+    out |= {k: e[k] for k in ("gpu_energy_j", "gpu_avg_power_w", "gpu_energy_per_output_token_j",
+                              "gpu_energy_per_total_token_j", "output_tokens_per_joule", "total_tokens_per_joule",
+                              "energy_source", "energy_note")}
+    return out
+
+
 async def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
-    """Run one benchmark and return the result dict (see ``loadtests`` docs for fields).
+    """Run one benchmark and return the result dict (see ``loadtests/README.md`` for fields).
 
     Raises :class:`~loadtests.errors.LoadTestError` subclasses (one-line messages) for a
     bad dataset or an unreachable server; failed requests never raise.
     """
     deadline = time.monotonic() + cfg.timeout_s
-    # Warm-ups come after the measured prompts so they do not warm the prefix cache for them.
-    all_reqs = sample_requests(
-        cfg.dataset, cfg.num_prompts + cfg.num_warmups,
-        input_len=cfg.input_len, output_len=cfg.output_len, range_ratio=cfg.range_ratio, seed=cfg.seed,
-    )
-    reqs, warm = all_reqs[: cfg.num_prompts], all_reqs[cfg.num_prompts :]
+    if cfg.trace is not None:
+        offsets, reqs = load_trace(cfg.trace, cfg.output_len, seed=cfg.seed, time_scale=cfg.trace_time_scale)
+        if "num_prompts" in cfg.model_fields_set:
+            offsets, reqs = offsets[: cfg.num_prompts], reqs[: cfg.num_prompts]
+        warm = random_requests(cfg.num_warmups, cfg.input_len, cfg.output_len, cfg.range_ratio, cfg.seed + 1)
+    else:
+        # Warm-ups come after the measured prompts so they do not warm the prefix cache for them.
+        all_reqs = sample_requests(
+            cfg.dataset, cfg.num_prompts + cfg.num_warmups,
+            input_len=cfg.input_len, output_len=cfg.output_len, range_ratio=cfg.range_ratio, seed=cfg.seed,
+            prefix_len=cfg.prefix_len, num_prefixes=cfg.num_prefixes, sharegpt_output_len=cfg.sharegpt_output_len,
+            tokenizer=cfg.tokenizer,
+        )
+        reqs, warm = all_reqs[: cfg.num_prompts], all_reqs[cfg.num_prompts :]
+        try:
+            offsets = schedule(cfg, len(reqs))
+        except ValueError as e:
+            raise LoadTestError(f"invalid load shape: {e}") from None
+    endpoints = cfg.endpoints
 
     connector = aiohttp.TCPConnector(limit=cfg.max_concurrency or 0)
-    # trust_env=False: never route through proxies from the environment; only base_url is contacted.
+    # trust_env=False: never route through proxies from the environment; only the given URLs are contacted.
     async with aiohttp.ClientSession(connector=connector, trust_env=False) as session:
-        model = await check_server(session, cfg.base_url, cfg.model, min(cfg.connect_timeout_s, cfg.timeout_s))
+        tmo = min(cfg.connect_timeout_s, cfg.timeout_s)
+        models = list(await asyncio.gather(*(check_server(session, url, cfg.model, tmo) for url in endpoints)))
         warm_failed = 0
         if warm:
             w_out, _, _, _ = await run_load(
-                session, cfg, model, warm, request_rate=math.inf,
+                session, cfg, models, warm, offsets=[0.0] * len(warm),
                 max_concurrency=cfg.max_concurrency or len(warm), deadline=deadline,
             )
             warm_failed = sum(1 for o in w_out if not o.success)
-        meter = EnergyMeter(session, cfg.base_url, cfg.gpus, timeout_s=cfg.connect_timeout_s, mode=cfg.energy)
-        await meter.start()
-        outputs, duration, timed_out, sent = await run_load(
-            session, cfg, model, reqs, request_rate=cfg.request_rate,
-            max_concurrency=cfg.max_concurrency, deadline=deadline, duration_s=cfg.duration_s,
-        )
-        reading = await meter.stop()
+        meters, names, scope = await _open_meters(session, cfg)
+        stop = asyncio.Event()
+        sampler = (asyncio.create_task(_sampler(meters, cfg.sample_interval_s, stop))
+                   if meters and cfg.sample_interval_s > 0 else None)
+        progress = _Progress(len(reqs), cfg.progress, cfg.label or "requests")
+        t0 = time.perf_counter()
+        try:
+            outputs, duration, timed_out, sent = await run_load(
+                session, cfg, models, reqs, offsets=offsets, max_concurrency=cfg.max_concurrency,
+                deadline=deadline, duration_s=cfg.duration_s, t0=t0, progress=progress,
+            )
+        finally:
+            progress.close()
+            stop.set()
+            if sampler is not None:
+                await sampler
+        readings = list(await asyncio.gather(*(m.stop() for m in meters)))
         reqs = [reqs[i] for i in sent]
+
+    per_endpoint_energy = len(meters) == len(endpoints) and names == list(endpoints)
+    reading = sum_readings(readings) if readings else None
+    if reading is None:
+        notes = [r.note for r in readings if r.energy_j is None and r.note]
+        reading = EnergyReading(window_s=duration, note=(notes[0] if notes else scope))
+    elif len(meters) > 1:
+        reading.note = f"sum over {len(meters)} endpoints' server metrics"
+    else:
+        reading.note = readings[0].note
 
     m = calculate_metrics(reqs, outputs, duration, cfg.percentiles, cfg.goodput or None)
     e = energy_metrics(reading, m["total_input_tokens"], m["total_output_tokens"])
+    batch = cfg.steady_state_batch or cfg.max_concurrency
+    ss = steady_state(outputs, batch, meters, t0)
+    ep_rows = []
+    for k, url in enumerate(endpoints):
+        idx = [i for i, o in enumerate(outputs) if o.endpoint == k]
+        r_k = readings[k] if per_endpoint_energy else None
+        ep_rows.append(_endpoint_summary(url, models[k], [reqs[i] for i in idx], [outputs[i] for i in idx], duration, cfg, r_k))
     return {
         "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
         "label": cfg.label,
         "base_url": cfg.base_url,
+        "base_urls": list(endpoints),
         "endpoint_type": "openai-chat" if cfg.endpoint == "chat" else "openai",
+        "backend": "openai-chat" if cfg.endpoint == "chat" else "openai",
         "endpoint": "/v1/chat/completions" if cfg.endpoint == "chat" else "/v1/completions",
         "stream": cfg.stream,
-        "model_id": model,
-        "dataset": cfg.dataset,
+        "model_id": models[0],
+        "tokenizer_id": cfg.tokenizer,
+        "dataset": f"trace:{cfg.trace}" if cfg.trace else cfg.dataset,
         "num_prompts": len(reqs),
         "duration_limit_s": cfg.duration_s,
         "num_warmups": cfg.num_warmups,
@@ -208,7 +333,11 @@ async def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
         # JSON has no Infinity; vllm bench writes the string "inf" too.
         "request_rate": cfg.request_rate if math.isfinite(cfg.request_rate) else "inf",
         "burstiness": cfg.burstiness,
+        "arrival": "trace" if cfg.trace else cfg.arrival,
         "max_concurrency": cfg.max_concurrency,
+        **({"ramp_up_strategy": cfg.ramp_up_strategy, "ramp_up_start_rps": cfg.ramp_up_start_rps,
+            "ramp_up_end_rps": cfg.ramp_up_end_rps, "ramp_up_duration_s": cfg.ramp_up_duration_s}
+           if cfg.ramp_up_strategy else {}),
         "input_len": cfg.input_len,
         "output_len": cfg.output_len,
         "range_ratio": cfg.range_ratio,
@@ -216,16 +345,26 @@ async def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
         "percentiles": list(cfg.percentiles),
         "goodput_slo_ms": dict(cfg.goodput),
         "timeout_s": cfg.timeout_s,
+        "request_timeout_s": cfg.request_timeout_s,
         "timed_out": timed_out,
         **m,
+        **peak_metrics(outputs),
         **e,
-        # Per-request arrays; times in seconds like vllm bench's ttfts/itls.
+        "gpu_energy_duration_s": e["energy_window_s"] if e["gpu_energy_j"] is not None else None,
+        "energy_scope": scope,
+        **ss,
+        "endpoints": ep_rows,
+        "timeline": timeline(meters, names, t0, cfg.sample_interval_s),
+        # Per-request arrays; times in seconds like vllm bench's ttfts/itls/latencies.
         "start_times": [o.start_time for o in outputs],
+        "queue_times": [o.queue_time for o in outputs],
         "ttfts": [o.ttft for o in outputs],
         "itls": [o.itl for o in outputs],
+        "latencies": [o.latency for o in outputs],
         "e2els": [o.latency for o in outputs],
         "input_lens": [o.prompt_tokens if o.prompt_tokens is not None else r.prompt_len for r, o in zip(reqs, outputs)],
         "output_lens": [o.output_tokens for o in outputs],
+        "endpoint_ids": [o.endpoint for o in outputs],
         "errors": [o.error for o in outputs],
     }
 
@@ -235,4 +374,4 @@ def run(cfg: BenchConfig) -> dict[str, Any]:
     return asyncio.run(run_benchmark(cfg))
 
 
-__all__ = ["arrival_offsets", "check_server", "run_load", "run_benchmark", "run", "LoadTestError"]
+__all__ = ["arrival_offsets", "ramp_offsets", "schedule", "check_server", "run_load", "run_benchmark", "run", "LoadTestError"]
