@@ -1,6 +1,19 @@
-"""A fake NVML (module-shaped) for clock and energy tests: records every setter call."""
+"""A fake NVML (module-shaped) for clock and energy tests: records every setter call.
+
+Also: per-call NVML error injection (:meth:`FakeNvml.inject`), an optional state file so that
+several processes (a server, its watchdog, the next start, ``reset-clocks``) share one fake GPU,
+and :class:`FakeZeusd`, an in-process zeusd (HTTP over a Unix socket) in front of a FakeNvml.
+"""
 
 from __future__ import annotations
+
+import http.server
+import json
+import os
+import socketserver
+import threading
+import urllib.parse
+from pathlib import Path
 
 
 class NVMLError(Exception):
@@ -10,18 +23,66 @@ class NVMLError(Exception):
 
 
 class FakeNvml:
+    NVML_ERROR_NOT_SUPPORTED = 3
     NVML_ERROR_NO_PERMISSION = 4
+    NVML_ERROR_GPU_IS_LOST = 15
     NVML_ERROR_UNKNOWN = 999
     NVML_CLOCK_SM = 1
 
-    def __init__(self, energy_mj: int = 1_000_000, no_permission: bool = False) -> None:
+    def __init__(self, energy_mj: int = 1_000_000, no_permission: bool = False, mem_locks: bool = False,
+                 state_file: str | Path | None = None) -> None:
         self.energy_mj = energy_mj
         self.no_permission = no_permission
         self.fail_energy = False
         self.fail_set: int | None = None
         self.calls: list[tuple] = []
-        self.locked: tuple[int, int] | None = None
+        self.state_file = Path(state_file) if state_file else None
+        self._locked: tuple[int, int] | None = None
+        self._mem_locked: tuple[int, int] | None = None
+        self.mem_locks = mem_locks  # False: memory locks NotSupported, as on the H200
+        self.faults: dict[str, list] = {}
         self.power_mw = 250_000
+
+    # -- state (optionally shared through a file) -------------------------------------------
+    def _state(self) -> dict:
+        if self.state_file is None:
+            return {"locked": self._locked, "mem_locked": self._mem_locked}
+        try:
+            d = json.loads(self.state_file.read_text())
+        except (OSError, ValueError):
+            d = {}
+        return {k: tuple(d[k]) if d.get(k) else None for k in ("locked", "mem_locked")}
+
+    def _put(self, key: str, value) -> None:
+        if self.state_file is None:
+            setattr(self, "_" + key, value)
+            return
+        d = self._state()
+        d[key] = value
+        tmp = self.state_file.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(d))
+        tmp.replace(self.state_file)
+
+    locked = property(lambda self: self._state()["locked"], lambda self, v: self._put("locked", v))
+    mem_locked = property(lambda self: self._state()["mem_locked"], lambda self, v: self._put("mem_locked", v))
+
+    # -- fault injection ---------------------------------------------------------------------
+    def inject(self, fn: str, code: int, times: int | None = 1, after: bool = False) -> None:
+        """Make ``fn`` raise NVML error ``code`` for its next ``times`` calls (``None``: always).
+
+        ``after=True``: the call takes effect and *then* fails (the worst case for a setter).
+        """
+        self.faults[fn] = [code, times, after]
+
+    def _fault(self, fn: str, when_after: bool) -> None:
+        f = self.faults.get(fn)
+        if not f or f[2] != when_after:
+            return
+        code, left, _ = f
+        if left is None or left > 0:
+            if left is not None:
+                f[1] -= 1
+            raise NVMLError(code)
 
     def _check(self) -> None:
         if self.no_permission:
@@ -29,29 +90,59 @@ class FakeNvml:
         if self.fail_set is not None:
             raise NVMLError(self.fail_set)
 
+    # module-level functions of pynvml used outside a handle
+    def nvmlInit(self):
+        self.calls.append(("init",))
+
+    def nvmlDeviceGetHandleByUUID(self, uuid):
+        return f"h:{uuid}"
+
+    def nvmlDeviceGetPciInfo(self, h):
+        class Pci:
+            busId = b"00000000:41:00.0"
+
+        return Pci()
+
     # setters
     def nvmlDeviceSetGpuLockedClocks(self, h, lo, hi):
         self.calls.append(("set", lo, hi))
+        self._fault("nvmlDeviceSetGpuLockedClocks", False)
         self._check()
         self.locked = (lo, hi)
+        self._fault("nvmlDeviceSetGpuLockedClocks", True)
 
     def nvmlDeviceResetGpuLockedClocks(self, h):
         self.calls.append(("reset",))
+        self._fault("nvmlDeviceResetGpuLockedClocks", False)
         self._check()
         self.locked = None
+        self._fault("nvmlDeviceResetGpuLockedClocks", True)
 
     def nvmlDeviceSetMemoryLockedClocks(self, h, lo, hi):
         self.calls.append(("set_mem", lo, hi))
-        raise NVMLError(3)  # not supported, as on the H200
+        self._fault("nvmlDeviceSetMemoryLockedClocks", False)
+        if not self.mem_locks:
+            raise NVMLError(3)  # not supported, as on the H200
+        self._check()
+        self.mem_locked = (lo, hi)
+        self._fault("nvmlDeviceSetMemoryLockedClocks", True)
 
     def nvmlDeviceResetMemoryLockedClocks(self, h):
-        raise NVMLError(3)
+        self.calls.append(("reset_mem",))
+        self._fault("nvmlDeviceResetMemoryLockedClocks", False)
+        if not self.mem_locks:
+            raise NVMLError(3)
+        self._check()
+        self.mem_locked = None
+        self._fault("nvmlDeviceResetMemoryLockedClocks", True)
 
     # getters
     def nvmlDeviceGetSupportedMemoryClocks(self, h):
+        self._fault("nvmlDeviceGetSupportedMemoryClocks", False)
         return [3201, 2201]
 
     def nvmlDeviceGetSupportedGraphicsClocks(self, h, mem):
+        self._fault("nvmlDeviceGetSupportedGraphicsClocks", False)
         return [1980, 1500, 1200, 990, 345]
 
     def nvmlDeviceGetTotalEnergyConsumption(self, h):
@@ -75,3 +166,170 @@ class FakeNvml:
 
     def nvmlDeviceGetCurrentClocksEventReasons(self, h):
         return 0x4  # SW power cap
+
+
+class _UnixHTTPServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    daemon_threads = True
+
+
+class FakeZeusd:
+    """zeusd's GPU API (0.4+, ``docs/zeusd/api.md``) over a Unix socket, backed by FakeNvml GPUs.
+
+    ``POST /gpu/{set,reset}_{gpu,mem}_locked_clocks?gpu_ids=..&block=..`` and ``GET /discover``.
+    NVML errors map like zeusd's: NoPermission -> 403, NotSupported -> 400, others -> 500. With
+    ``token`` set, requests without ``Authorization: Bearer <token>`` get 401;
+    ``control_enabled=False`` answers 404 (gpu-control group disabled). ``requests`` records
+    ``(method, path, params, authorization)``.
+    """
+
+    def __init__(self, socket_path: str | Path, gpus: list[FakeNvml] | None = None, token: str | None = None,
+                 control_enabled: bool = True, pci: list[str] | None = None) -> None:
+        self.socket_path = str(socket_path)
+        self.gpus = gpus if gpus is not None else [FakeNvml()]
+        self.pci = pci or [f"0000:{0x41 + i:02x}:00.0" for i in range(len(self.gpus))]
+        self.token = token
+        self.control_enabled = control_enabled
+        self.requests: list[tuple] = []
+        fake = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):  # quiet; client_address is '' on a Unix socket
+                pass
+
+            def _reply(self, status: int, body: object = None) -> None:
+                data = b"" if body is None else json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def _handle(self, method: str) -> None:
+                url = urllib.parse.urlsplit(self.path)
+                params = dict(urllib.parse.parse_qsl(url.query))
+                auth = self.headers.get("Authorization")
+                fake.requests.append((method, url.path, params, auth))
+                if method == "GET" and url.path == "/discover":
+                    return self._reply(200, {"gpus": [{"id": i, "name": "NVIDIA H200", "pci_address": a, "cumulative_energy_available": True}
+                                                      for i, a in enumerate(fake.pci)],
+                                             "cpus": [], "enabled_api_groups": ["gpu-control"] if fake.control_enabled else [],
+                                             "auth_required": fake.token is not None})
+                if fake.token is not None and auth != f"Bearer {fake.token}":
+                    return self._reply(401, {"error": "missing or invalid token"})
+                fns = {"/gpu/set_gpu_locked_clocks": "nvmlDeviceSetGpuLockedClocks", "/gpu/reset_gpu_locked_clocks": "nvmlDeviceResetGpuLockedClocks",
+                       "/gpu/set_mem_locked_clocks": "nvmlDeviceSetMemoryLockedClocks", "/gpu/reset_mem_locked_clocks": "nvmlDeviceResetMemoryLockedClocks"}
+                if method != "POST" or url.path not in fns or not fake.control_enabled:
+                    return self._reply(404)
+                errors = {}
+                status = 200
+                for gid in (int(x) for x in params["gpu_ids"].split(",")):
+                    nv = fake.gpus[gid]
+                    args = (int(params["min_clock_mhz"]), int(params["max_clock_mhz"])) if "min_clock_mhz" in params else ()
+                    try:
+                        getattr(nv, fns[url.path])(f"h{gid}", *args)
+                    except NVMLError as exc:
+                        code = {4: 403, 3: 400}.get(exc.value, 500)
+                        errors[str(gid)] = f"NVML error {exc.value}" + (" NotSupported" if exc.value == 3 else "")
+                        status = max(status, code)
+                return self._reply(status, {"errors": errors} if errors else None)
+
+            def do_GET(self):
+                self._handle("GET")
+
+            def do_POST(self):
+                self._handle("POST")
+
+        self._server = _UnixHTTPServer(self.socket_path, Handler)
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    def __enter__(self) -> "FakeZeusd":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        Path(self.socket_path).unlink(missing_ok=True)
+
+
+class _FieldValue:
+    """Shaped like nvidia-ml-py's ``c_nvmlFieldValue_t`` (only what the meter reads)."""
+
+    def __init__(self, field_id: int, ret: int, value_mw: int) -> None:
+        class _V:
+            uiVal = value_mw
+
+        self.fieldId, self.nvmlReturn, self.value = field_id, ret, _V()
+
+
+class FakeNvmlDevices(FakeNvml):
+    """A fake NVML with several devices (index -> UUID), instant power and per-call fault injection.
+
+    ``faults[name] = code`` makes the NVML function ``name`` raise ``NVMLError(code)`` from then on.
+    Energy and power are per device (``energy_mj[i]``, ``power_mw[i]``); handles are indices.
+    """
+
+    NVML_SUCCESS = 0
+    NVML_ERROR_NOT_SUPPORTED = 3
+    NVML_ERROR_GPU_IS_LOST = 15
+    NVML_FI_DEV_POWER_INSTANT = 186
+
+    def __init__(self, uuids=("GPU-aaaa-0000",), energy_mj=1_000_000, power_w=250.0, instant=True) -> None:
+        super().__init__(energy_mj=energy_mj)
+        self.uuids = list(uuids)
+        self.energy_mj = [int(energy_mj)] * len(self.uuids)
+        self.power_mw = [int(power_w * 1000)] * len(self.uuids)
+        self.instant = instant
+        self.faults: dict[str, int] = {}
+        self.calls_by_name: dict[str, int] = {}
+
+    def _hit(self, name: str) -> None:
+        self.calls_by_name[name] = self.calls_by_name.get(name, 0) + 1
+        if name in self.faults:
+            raise NVMLError(self.faults[name])
+
+    def nvmlDeviceGetCount(self):
+        self._hit("nvmlDeviceGetCount")
+        return len(self.uuids)
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        self._hit("nvmlDeviceGetHandleByIndex")
+        if not 0 <= int(i) < len(self.uuids):
+            raise NVMLError(2)  # invalid argument
+        return int(i)
+
+    def nvmlDeviceGetHandleByUUID(self, uuid):
+        self._hit("nvmlDeviceGetHandleByUUID")
+        if uuid not in self.uuids:
+            raise NVMLError(6)  # not found
+        return self.uuids.index(uuid)
+
+    def nvmlDeviceGetUUID(self, h):
+        self._hit("nvmlDeviceGetUUID")
+        return self.uuids[h]
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, h):
+        self._hit("nvmlDeviceGetTotalEnergyConsumption")
+        return self.energy_mj[h]
+
+    def nvmlDeviceGetFieldValues(self, h, ids):
+        self._hit("nvmlDeviceGetFieldValues")
+        ret = self.NVML_SUCCESS if self.instant else self.NVML_ERROR_NOT_SUPPORTED
+        return [_FieldValue(i, ret, self.power_mw[h]) for i in ids]
+
+    def nvmlDeviceGetPowerUsage(self, h):
+        self._hit("nvmlDeviceGetPowerUsage")
+        return self.power_mw[h]
+
+    def nvmlDeviceGetClockInfo(self, h, kind):
+        self._hit("nvmlDeviceGetClockInfo")
+        return super().nvmlDeviceGetClockInfo(h, kind)
+
+    def nvmlDeviceGetTemperature(self, h, kind):
+        self._hit("nvmlDeviceGetTemperature")
+        return 47
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, h):
+        self._hit("nvmlDeviceGetCurrentClocksEventReasons")
+        return 0x4

@@ -82,6 +82,8 @@ def activate() -> None:
 
     vllm_compat.register_logits_processor(runtime.chunked_head)
     vllm_compat.install_step_hooks(runtime.on_step_start, runtime.on_step_end)
+    # EngineCore side: look-ahead facts stamped on each SchedulerOutput, arrival ramp.
+    vllm_compat.install_scheduler_hooks(runtime.on_arrival)
 
 
 def _server_facts(engine_args: object, settings: object) -> dict:

@@ -73,7 +73,11 @@ class RegimeFilter:
         self.share = 1.0  # start compute-bound: never lower before the regime is known
         self._t: float | None = None
 
-    def phase(self, info: Any, now: float) -> str:
+    def phase(self, info: Any, now: float, waiting_tokens: int = 0) -> str:
+        """The clock phase of this step. ``now``: the scheduler's timestamp (s) where vLLM's
+        scheduler was hooked (identical on all ranks); ``waiting_tokens``: prompt tokens waiting in
+        the scheduler's queue (look-ahead: at least ``burst_tokens`` of them raise the clock before
+        the burst's first step)."""
         own = clock_phase(info, self.mb_tokens)
         x = 0.0 if own == "decode" else 1.0
         if self._t is None:
@@ -82,7 +86,7 @@ class RegimeFilter:
             a = math.exp(-max(0.0, now - self._t) / self.window_s)
             self.share = a * self.share + (1 - a) * x
         self._t = now
-        if info.phase == "prefill" and info.num_tokens >= self.burst_tokens:
+        if waiting_tokens >= self.burst_tokens or info.phase == "prefill" and info.num_tokens >= self.burst_tokens:
             return "prefill"
         return "decode" if self.share < self.share_max else own
 
@@ -105,6 +109,7 @@ class WorkerRuntime:
         self.settings = settings
         ident = vllm_compat.runner_identity(runner)
         self.rank = int(ident["rank"])
+        self.device_index = int(ident["device_index"] or 0)
         on_gpu = ident["device_type"] == "cuda"
         self.sim: SimulatedGpu | None = None
         self.sim_stock: SimulatedGpu | None = None
@@ -143,7 +148,9 @@ class WorkerRuntime:
             self.meter = SimulatedEnergyMeter(self.sim, gpu_id, shadow=self.sim_stock)
         else:
             self.meter = None
-        self.clocks = ClockController(self._backend(settings, nvml, handle), settings.clocks, gpu_id=gpu_id, asynchronous=settings.clocks.backend == "nvml")
+        self.clocks = ClockController(self._backend(settings, nvml, handle), settings.clocks, gpu_id=gpu_id,
+                                      asynchronous=settings.clocks.backend in ("nvml", "zeusd"),
+                                      host_ahead_steps=1 if vllm_compat.async_scheduling(runner) else 0)
         self._done_requests: deque[tuple[str, float]] = deque()
         self.account = (PhaseEnergyAccount(self.meter, settings.energy.idle_after_s, per_request=settings.per_request_energy,
                                            on_request_done=lambda rid, j: self._done_requests.append((rid, j)))
@@ -179,6 +186,8 @@ class WorkerRuntime:
                 log.warning("powersave: clocks.backend 'nvml' but no NVML device; using dry-run")
                 return DryRunClockBackend()
             return NvmlClockBackend(nvml, handle)
+        if kind == "zeusd":
+            return self._zeusd_backend(settings, nvml, handle)
         if kind == "simulated":
             assert self.sim is not None
             return SimulatedClockBackend(self.sim)
@@ -192,6 +201,34 @@ class WorkerRuntime:
             supported = self.sim.spec.sm_clocks_mhz
         return DryRunClockBackend(supported)
 
+    def _zeusd_backend(self, settings: PowersaveSettings, nvml: Any, handle: Any) -> ClockBackend:
+        """Zeus's daemon for unprivileged servers; unreachable or unset -> dry-run, one warning."""
+        from .clocks.backends import ENV_ZEUSD_SOCK, ENV_ZEUSD_TOKEN, ClockError, ZeusdClockBackend
+
+        sock = settings.clocks.zeusd_socket or os.environ.get(ENV_ZEUSD_SOCK)
+        supported = mem = None
+        if handle is not None:
+            try:  # read-only queries: no privilege needed
+                local = NvmlClockBackend(nvml, handle)
+                supported, mem = local.supported_sm_clocks(), local.supported_mem_clocks()
+            except Exception:
+                supported = mem = None
+        if not sock:
+            log.warning("powersave: clocks.backend 'zeusd' but neither clocks.zeusd_socket nor $%s is set; using dry-run", ENV_ZEUSD_SOCK)
+            return DryRunClockBackend(supported)
+        token = os.environ.get(ENV_ZEUSD_TOKEN) or None
+        index = settings.clocks.zeusd_gpu_index
+        try:
+            if index is None and handle is not None:
+                bus = nvml.nvmlDeviceGetPciInfo(handle).busId
+                index = ZeusdClockBackend.index_for_pci(sock, bus.decode() if isinstance(bus, bytes) else str(bus), token)
+        except ClockError as exc:
+            log.warning("powersave: zeusd: %s; clock control falls back to dry-run", exc)
+            return DryRunClockBackend(supported)
+        except Exception as exc:
+            log.warning("powersave: zeusd: cannot map this GPU to a zeusd index (%s); using the CUDA device index", exc)
+        return ZeusdClockBackend(sock, int(index if index is not None else self.device_index), token, supported, mem)
+
     # -- per step ----------------------------------------------------------------------------
     def on_step_start(self, scheduler_output: Any) -> None:
         info = vllm_compat.step_info(scheduler_output)
@@ -200,7 +237,12 @@ class WorkerRuntime:
                 self.account.on_finished(vllm_compat.step_request_tokens(scheduler_output)[1])
             return
         self._last_step_s = time.monotonic()
-        self.clocks.on_phase(self.regime.phase(info, self._last_step_s))
+        # The scheduler's stamp (same on every rank) drives the regime window and the dwell.
+        la = vllm_compat.step_lookahead(scheduler_output)
+        now = la[0] if la is not None else self._last_step_s
+        waiting = la[2] if la is not None and self.settings.clocks.lookahead else 0
+        self.clocks.step_begun()
+        self.clocks.on_phase(self.regime.phase(info, now, waiting), now)
         if self._trace is not None:
             # A tuple per step (cheap); turned into JSON by the publisher thread.
             self._trace.append((self._last_step_s, info.phase, info.prefill_tokens, info.decode_tokens, info.lm_head_rows,
@@ -216,6 +258,7 @@ class WorkerRuntime:
                 self.sim_stock.run(work)
 
     def on_step_end(self) -> None:
+        self.clocks.step_ended()
         if self._trace and self._trace[-1][-1] is None:
             self._trace[-1] = (*self._trace[-1][:-1], time.monotonic())
         if self.account is not None:
@@ -323,6 +366,13 @@ def _runtime_for(runner: Any) -> WorkerRuntime:
 
 def on_step_start(runner: Any, scheduler_output: Any) -> None:
     _runtime_for(runner).on_step_start(scheduler_output)
+
+
+def on_arrival(prompt_tokens: int) -> None:
+    """Scheduler ``add_request`` hook (EngineCore process). Only a worker living in the same
+    process (single-GPU engines) reacts: an idle-clocked GPU ramps up before the first step."""
+    if _RUNTIME is not None:
+        _RUNTIME.clocks.on_arrival()
 
 
 def on_step_end(runner: Any) -> None:

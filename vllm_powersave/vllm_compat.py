@@ -18,6 +18,11 @@ Touch points (module: symbol):
   ``total_num_scheduled_tokens``, ``scheduled_spec_decode_tokens``, ``finished_req_ids``;
 * runner attributes read: ``device``, ``get_model()``/``model``, ``model_config``;
   ``vllm.distributed.parallel_state.get_world_group().rank`` for the rank;
+* ``vllm.v1.core.sched.scheduler.Scheduler`` (EngineCore process): ``add_request`` (arrival
+  look-ahead) and ``schedule`` (attaches ``powersave_lookahead``: the scheduler's timestamp and the
+  waiting queue's size to the ``SchedulerOutput`` before it is broadcast to the workers); reads
+  ``waiting`` (``len``, iteration) and ``Request.num_prompt_tokens`` / ``num_computed_tokens``;
+* runner ``use_async_scheduling`` or ``scheduler_config.async_scheduling`` (host one step ahead);
 * ``vllm.version.__version__`` for the guard.
 """
 
@@ -340,3 +345,82 @@ def runner_model_cost(runner: Any) -> dict[str, float]:
     except Exception as exc:
         log.debug("powersave: model cost unavailable: %s", exc)
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# Scheduler look-ahead (EngineCore process)
+# --------------------------------------------------------------------------------------------
+#: Attribute set on each ``SchedulerOutput``: ``(t_sched_s, waiting_reqs, waiting_prompt_tokens)``.
+#: ``SchedulerOutput`` is a plain dataclass, pickled whole to every worker, so every TP/PP rank
+#: receives the same tuple.
+LOOKAHEAD_ATTR = "powersave_lookahead"
+#: Prompt tokens are summed over at most this many waiting requests (bounded per-step cost).
+LOOKAHEAD_MAX_REQS = 64
+
+
+def install_scheduler_hooks(on_arrival: Callable[[int], None]) -> bool:
+    """Wrap the V1 scheduler's ``add_request`` and ``schedule`` (runs in the EngineCore process).
+
+    ``on_arrival(prompt_tokens)`` runs after a request joined the waiting queue. Each
+    ``SchedulerOutput`` gets :data:`LOOKAHEAD_ATTR` = ``(time.monotonic(), waiting requests,
+    prompt tokens still to prefill among the first 64 waiting)``, stamped once here so that all
+    ranks use the same time and queue facts. Returns ``False`` if the scheduler is missing.
+    """
+    import time
+
+    try:
+        from vllm.v1.core.sched.scheduler import Scheduler
+    except Exception as exc:
+        log.debug("powersave: scheduler hooks not installed: %s", exc)
+        return False
+
+    def make_add(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def add_request(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+            out = orig(self, request, *args, **kwargs)
+            _safe(on_arrival, int(getattr(request, "num_prompt_tokens", 0) or 0))
+            return out
+
+        return add_request
+
+    def make_schedule(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
+            out = orig(self, *args, **kwargs)
+            try:
+                waiting = getattr(self, "waiting", None)
+                n = len(waiting) if waiting is not None else 0
+                tokens = 0
+                if n:
+                    for i, r in enumerate(waiting):
+                        if i >= LOOKAHEAD_MAX_REQS:
+                            break
+                        tokens += max(0, int(r.num_prompt_tokens) - int(getattr(r, "num_computed_tokens", 0) or 0))
+                setattr(out, LOOKAHEAD_ATTR, (time.monotonic(), n, tokens))
+            except Exception as exc:  # never break scheduling for a hint
+                _safe(_raise, exc)
+            return out
+
+        return schedule
+
+    _patch(Scheduler, "add_request", "sched.add_request", make_add)
+    _patch(Scheduler, "schedule", "sched.schedule", make_schedule)
+    return True
+
+
+def _raise(exc: Exception) -> None:
+    raise exc
+
+
+def step_lookahead(scheduler_output: Any) -> tuple[float, int, int] | None:
+    """``(scheduler time s, waiting requests, waiting prompt tokens)`` of a step, if stamped."""
+    return getattr(scheduler_output, LOOKAHEAD_ATTR, None)
+
+
+def async_scheduling(runner: Any) -> bool:
+    """Whether vLLM schedules one step ahead of the GPU (``--async-scheduling``)."""
+    flag = getattr(runner, "use_async_scheduling", None)
+    if flag is None:
+        flag = getattr(getattr(runner, "scheduler_config", None), "async_scheduling", None)
+    if flag is None:
+        vc = getattr(runner, "vllm_config", None)
+        flag = getattr(getattr(vc, "scheduler_config", None), "async_scheduling", None)
+    return bool(flag)

@@ -114,6 +114,10 @@ class ClockBackend(ABC):
         """What a lease must record so that another process can undo this backend's locks."""
         return {"backend": self.kind}
 
+    def may_hold_lock(self) -> bool:
+        """Whether a lock of ours may be in effect (a call that failed half-way counts)."""
+        return False
+
 
 class DryRunClockBackend(ClockBackend):
     """Records what it would set; never calls a setter. The default, and forced on shared GPUs."""
@@ -221,11 +225,16 @@ class NvmlClockBackend(ClockBackend):
         try:
             self._call("nvmlDeviceResetMemoryLockedClocks")
         except ClockUnsupportedError:
-            pass  # many GPUs (the H200 among them) have no memory locks at all
+            if self.mem_lock_supported:
+                raise  # we did lock the memory clock: "not supported" now cannot mean "not locked"
+            # Many GPUs (the H200 among them) have no memory locks at all.
         self.mem_may_be_locked = False
 
     def lease_info(self) -> dict[str, Any]:
         return {"backend": "nvml", "mem_locked": bool(self.mem_may_be_locked)}
+
+    def may_hold_lock(self) -> bool:
+        return self.locked or self.mem_may_be_locked
 
 
 class _UnixHTTPConnection(http.client.HTTPConnection):
@@ -280,6 +289,7 @@ class ZeusdClockBackend(ClockBackend):
         self._supported_mem = tuple(sorted(supported_mem)) if supported_mem else ()
         self.mem_lock_supported: bool | None = None
         self.mem_may_be_locked = False
+        self.locked = False
 
     def request(self, method: str, path: str, params: dict[str, Any] | None = None) -> Any:
         """One HTTP request to the daemon; returns the decoded JSON body (or ``None``).
@@ -337,6 +347,7 @@ class ZeusdClockBackend(ClockBackend):
 
     def set_clocks(self, sm_clock_mhz: int, mem_clock_mhz: int | None = None) -> None:
         self._post("/gpu/set_gpu_locked_clocks", min_clock_mhz=int(sm_clock_mhz), max_clock_mhz=int(sm_clock_mhz))
+        self.locked = True
         if mem_clock_mhz is None or self.mem_lock_supported is False:
             return
         self.mem_may_be_locked = True
@@ -344,26 +355,34 @@ class ZeusdClockBackend(ClockBackend):
             self._post("/gpu/set_mem_locked_clocks", min_clock_mhz=int(mem_clock_mhz), max_clock_mhz=int(mem_clock_mhz))
             self.mem_lock_supported = True
         except ClockError as exc:
-            if isinstance(exc, ClockPermissionError) or "HTTP 400" not in str(exc) and "NotSupported" not in str(exc):
+            if not _zeusd_unsupported(exc):
                 raise
-            # zeusd reports NVML NotSupported as a 400/500 naming it: the GPU has no memory locks.
             self.mem_lock_supported = False
             self.mem_may_be_locked = False
             log.warning("powersave: zeusd: memory-clock locks not supported on GPU %d; memory clock presets are ignored", self.gpu_index)
 
     def reset(self) -> None:
         self._post("/gpu/reset_gpu_locked_clocks")
+        self.locked = False
         if self.mem_may_be_locked:
             try:
                 self._post("/gpu/reset_mem_locked_clocks")
             except ClockError as exc:
-                if isinstance(exc, ClockPermissionError) or "HTTP 400" not in str(exc) and "NotSupported" not in str(exc):
+                if not _zeusd_unsupported(exc) or self.mem_lock_supported:
                     raise
             self.mem_may_be_locked = False
 
     def lease_info(self) -> dict[str, Any]:
         # Never the token: lease files live in a shared directory.
         return {"backend": "zeusd", "socket": self.socket_path, "gpu_index": self.gpu_index, "mem_locked": bool(self.mem_may_be_locked)}
+
+    def may_hold_lock(self) -> bool:
+        return self.locked or self.mem_may_be_locked
+
+
+def _zeusd_unsupported(exc: ClockError) -> bool:
+    """zeusd answers an NVML NotSupported with HTTP 400 (bad input or unsupported operation)."""
+    return not isinstance(exc, ClockPermissionError) and ("HTTP 400" in str(exc) or "NotSupported" in str(exc))
 
 
 def reset_from_lease(lease: dict[str, Any], nvml: Any | None = None) -> None:

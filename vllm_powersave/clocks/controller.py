@@ -175,6 +175,27 @@ def group_gate(settings: ClockSettings) -> tuple[dict[str, dict[str, ClockPreset
     return active, ignored
 
 
+def _sigterm_exit(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _exit_on_sigterm() -> None:
+    """Make SIGTERM run ``atexit`` (and so :meth:`ClockController.close`) where nobody handles it.
+
+    Python's default SIGTERM action ends the process without ``atexit``; vLLM's processes install
+    their own handler (raising ``SystemExit``), which is left alone. Main thread only.
+    """
+    import signal
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+    try:
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, _sigterm_exit)
+    except (ValueError, OSError):
+        pass
+
+
 class ClockController:
     """Maps phases (and kernel groups) to clock presets with hysteresis and look-ahead.
 
@@ -205,13 +226,22 @@ class ClockController:
         self.clock = clock
         self.host_ahead_steps = max(0, int(host_ahead_steps))
         self.leases = LeaseStore(settings.lease_dir) if backend.kind == "real" else None
-        self.presets: dict[str, ClockPreset] = {phase: self._snapped(p, f"presets.{phase}") for phase, p in settings.presets.items()}
+        self.disabled_reason: str | None = None
         groups, ignored = group_gate(settings)
         for line in ignored:
             log.info("powersave: %s", line)
-        self.groups: dict[str, dict[str, ClockPreset]] = {
-            ph: {g: self._snapped(p, f"presets.{ph}.groups.{g}") for g, p in gs.items()} for ph, gs in groups.items()}
         self.groups_ignored = ignored
+        try:
+            self._snap_all(settings, groups)
+        except ClockPermissionError as exc:  # cannot even list clocks: nothing can be locked
+            log.warning("powersave: %s; clock control falls back to dry-run for GPU %s", exc, gpu_id)
+            self.backend = DryRunClockBackend()
+            self.leases = None
+            self._snap_all(settings, groups)
+        except Exception as exc:
+            self.disabled_reason = f"{type(exc).__name__}: {exc}"
+            log.error("powersave: clock control disabled for GPU %s: cannot read supported clocks (%s); serving continues", gpu_id, exc)
+            self.presets, self.groups = {}, {}
         self.min_dwell_s = settings.min_dwell_ms / 1000.0
         self.current: ClockPreset = ClockPreset()  # None/None: driver default
         self.phase: str | None = None
@@ -225,21 +255,28 @@ class ClockController:
         # Bounded: a server runs for weeks; the count is kept separately.
         self.decisions: deque[ClockChange] = deque(maxlen=4096)
         self.n_changes = 0
-        self.disabled_reason: str | None = None
         self._pending: tuple[str, ClockPreset] | None = None
         self._apply_lock = threading.Lock()
         self._maybe_locked = False  # what the GPU may have, as opposed to what we last wanted
-        self._lock_backend: ClockBackend | None = None  # the backend that may hold that lock
+        # A real backend whose lock could not be undone when we fell back to dry-run: close()
+        # retries once; its lease stays for the watchdog, the next start or reset-clocks.
+        self._leftover: ClockBackend | None = None
         self._step_since: float | None = None  # heartbeat: start of the step in flight (monotonic)
         self._cv = threading.Condition()
         self._closed = False
         self._thread: threading.Thread | None = None
         if self.leases is not None:
             self.recover_stale()
+            _exit_on_sigterm()
         if asynchronous:
             self._thread = threading.Thread(target=self._loop, name="powersave-clocks", daemon=True)
             self._thread.start()
         atexit.register(self.close)
+
+    def _snap_all(self, settings: ClockSettings, groups: dict[str, dict[str, ClockPreset]]) -> None:
+        self.presets: dict[str, ClockPreset] = {phase: self._snapped(p, f"presets.{phase}") for phase, p in settings.presets.items()}
+        self.groups: dict[str, dict[str, ClockPreset]] = {
+            ph: {g: self._snapped(p, f"presets.{ph}.groups.{g}") for g, p in gs.items()} for ph, gs in groups.items()}
 
     def _snapped(self, p: ClockPreset, where: str) -> ClockPreset:
         """Out-of-range or unsupported clocks snapped to the GPU's supported list (one info line)."""
@@ -398,7 +435,6 @@ class ClockController:
                             info["mem_locked"] = True  # pessimistic, like _maybe_locked below
                         self.leases.acquire(self.gpu_id, target.sm_clock_mhz, info)
                         self._start_watchdog()
-                        self._lock_backend = self.backend
                     # Pessimistic: from here on the GPU may be locked, even if the call fails midway.
                     self._maybe_locked = True
                     self.backend.set_clocks(target.sm_clock_mhz, target.mem_clock_mhz)
@@ -410,32 +446,29 @@ class ClockController:
     def _reset_and_release(self) -> None:
         """Reset the clocks; the lease is released only once the reset succeeded (raises otherwise)."""
         self.backend.reset()
-        if self._lock_backend is not None and self._lock_backend is not self.backend:
-            self._lock_backend.reset()  # a real lock left behind when we fell back to dry-run
         self._maybe_locked = False
-        self._lock_backend = None
-        if self.leases:
+        if self.leases and self._leftover is None:
             self.leases.release(self.gpu_id)
 
     def _to_dry_run(self, exc: Exception, target: ClockPreset, was_locked: bool) -> None:
         log.warning("powersave: %s; clock control falls back to dry-run for GPU %s", exc, self.gpu_id)
-        if was_locked or target.sm_clock_mhz is None:
-            # An earlier lock may still hold (the daemon went away, a token expired): undo it once.
+        if was_locked or target.sm_clock_mhz is None or self.backend.may_hold_lock():
+            # An earlier lock may still hold (the daemon went away, a token expired), or the SM
+            # lock took effect before the memory lock was refused: undo it once.
             try:
                 self._reset_and_release()
             except Exception as exc2:
+                self._leftover = self.backend
                 log.error("powersave: reset failed for GPU %s (%s); lease kept for recovery", self.gpu_id, exc2)
-        else:
-            self._maybe_locked = False  # the refused lock never took effect
-            self._lock_backend = None
-            if self.leases:
-                self.leases.release(self.gpu_id)
+        elif self.leases:
+            self.leases.release(self.gpu_id)  # a refused lock never took effect
+        self._maybe_locked = False
         try:
             supported: tuple[int, ...] | None = self.backend.supported_sm_clocks()
         except Exception:
             supported = None
         self.backend = DryRunClockBackend(supported)
-        if not self._maybe_locked:
+        if self._leftover is None:
             self.leases = None
         if target.sm_clock_mhz is not None:
             self.backend.set_clocks(target.sm_clock_mhz, target.mem_clock_mhz)
@@ -509,8 +542,16 @@ class ClockController:
                     self._reset_and_release()
                 except Exception as exc:
                     log.error("powersave: clock reset at exit failed for GPU %s (%s); lease kept for recovery", self.gpu_id, exc)
-            elif self.leases:
+            elif self.leases and self._leftover is None:
                 self.leases.release(self.gpu_id)
+            if self._leftover is not None:
+                try:
+                    self._leftover.reset()
+                    self._leftover = None
+                    if self.leases:
+                        self.leases.release(self.gpu_id)
+                except Exception as exc:
+                    log.error("powersave: clock reset at exit failed for GPU %s (%s); lease kept for recovery", self.gpu_id, exc)
             self.current = ClockPreset()
         finally:
             if got:

@@ -37,33 +37,45 @@ def _say(msg: str) -> None:
     print(f"powersave watchdog: {msg}", file=sys.stderr, flush=True)
 
 
+def check_heartbeats(owner_pid: int, leases: LeaseStore, reset: Callable[[dict[str, Any]], None],
+                     heartbeat_timeout_s: float, revoked: set[str]) -> list[str]:
+    """One pass: revoke and reset (once) each lease of ``owner_pid`` whose heartbeat is too old.
+
+    ``revoked`` carries the GPUs already handled across passes. Returns the GPU ids reset.
+    """
+    done = []
+    for lease in leases.all():
+        gpu = str(lease["gpu"])
+        if lease["pid"] != owner_pid or gpu in revoked:
+            continue
+        age = leases.heartbeat_age_s(gpu)
+        if age is None or age <= heartbeat_timeout_s:
+            continue
+        leases.revoke(gpu, owner_pid)  # first, so a waking owner cannot lock again unnoticed
+        revoked.add(gpu)
+        try:
+            reset(lease)
+            done.append(gpu)
+            _say(f"owner {owner_pid} silent for {age:.1f} s (> {heartbeat_timeout_s:g} s); reset clocks of {gpu}")
+        except Exception as exc:
+            _say(f"owner {owner_pid} silent; reset of {gpu} failed: {exc} (retried when it exits)")
+    return done
+
+
 def watch(owner_pid: int, leases: LeaseStore, reset: Callable[[dict[str, Any]], None], poll_s: float = 1.0,
           stop: threading.Event | None = None, heartbeat_timeout_s: float | None = None) -> list[str]:
     """Block until ``owner_pid`` dies, then ``reset(lease)`` for each GPU it still leases.
 
     While the owner lives, a lease whose heartbeat is older than ``heartbeat_timeout_s`` (``None``:
-    heartbeats not checked) is revoked and reset once. Returns the GPU ids reset (heartbeat resets
-    first, then those at death). Errors of one reset do not stop the others.
+    heartbeats not checked) is revoked and reset once (:func:`check_heartbeats`). Returns the GPU
+    ids reset (heartbeat resets first, then those at death). Errors of one reset do not stop the
+    others.
     """
     done: list[str] = []
     revoked: set[str] = set()
     while _pid_alive(owner_pid):
         if heartbeat_timeout_s is not None:
-            for lease in leases.all():
-                gpu = str(lease["gpu"])
-                if lease["pid"] != owner_pid or gpu in revoked:
-                    continue
-                age = leases.heartbeat_age_s(gpu)
-                if age is None or age <= heartbeat_timeout_s:
-                    continue
-                leases.revoke(gpu, owner_pid)  # first, so a waking owner cannot lock again unnoticed
-                revoked.add(gpu)
-                try:
-                    reset(lease)
-                    done.append(gpu)
-                    _say(f"owner {owner_pid} silent for {age:.1f} s (> {heartbeat_timeout_s:g} s); reset clocks of {gpu}")
-                except Exception as exc:
-                    _say(f"owner {owner_pid} silent; reset of {gpu} failed: {exc} (retried when it exits)")
+            done += check_heartbeats(owner_pid, leases, reset, heartbeat_timeout_s, revoked)
         if stop is not None:
             if stop.wait(poll_s):
                 return done
