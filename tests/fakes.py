@@ -241,7 +241,7 @@ class FakeZeusd:
                 self._handle("POST")
 
         self._server = _UnixHTTPServer(self.socket_path, Handler)
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
 
     def __enter__(self) -> "FakeZeusd":
         self._thread.start()
@@ -288,6 +288,9 @@ class FakeNvmlDevices(FakeNvml):
         self.calls_by_name[name] = self.calls_by_name.get(name, 0) + 1
         if name in self.faults:
             raise NVMLError(self.faults[name])
+
+    def nvmlInit(self):
+        self._hit("nvmlInit")
 
     def nvmlDeviceGetCount(self):
         self._hit("nvmlDeviceGetCount")

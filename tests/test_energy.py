@@ -17,24 +17,29 @@ class Clock:
 
 
 def test_nvml_meter_deltas_reset_and_fault():
-    nvml = FakeNvml(energy_mj=5_000_000)
-    m = NvmlEnergyMeter(nvml, "h", "GPU-0")
-    assert m.energy_j() == 0.0
+    nvml, clock = FakeNvml(energy_mj=5_000_000), Clock()
+    m = NvmlEnergyMeter(nvml, "h", "GPU-0", clock=clock, interpolate=False)
+    assert m.energy_j() == 0.0 and m.method == "energy-counter"
+    clock.t += 0.1
     nvml.energy_mj += 1500
     assert m.energy_j() == pytest.approx(1.5)
-    nvml.energy_mj = 200  # driver reload: counter restarts
-    assert m.energy_j() == pytest.approx(1.5) and m.resets == 1
+    clock.t += 0.1
+    nvml.energy_mj = 200  # driver reload: counter restarts; 0.1 s bridged with 250 W
+    assert m.energy_j() == pytest.approx(1.5 + 25.0) and m.counter_resets == 1
+    clock.t += 0.1
     nvml.energy_mj += 2500
-    assert m.energy_j() == pytest.approx(4.0)
+    assert m.energy_j() == pytest.approx(29.0)
     nvml.fail_energy = True
-    assert m.energy_j() == pytest.approx(4.0) and m.faults == 1
+    assert m.energy_j() is None and m.faults == 1 and not m.available  # unavailable, not frozen
+    nvml.fail_energy = False
+    assert m.energy_j() is None  # stays unavailable: the gap's energy is unknown
     assert m.power_w() == 250.0
     assert m.extra() == {"temperature_c": 47, "mem_clock_mhz": 3201, "clock_event_reasons": 4}
 
 
 def test_account_splits_tick_energy_by_phase_time_and_sums_to_total():
     nvml, clock = FakeNvml(energy_mj=0), Clock()
-    meter = NvmlEnergyMeter(nvml, "h")
+    meter = NvmlEnergyMeter(nvml, "h", clock=clock, interpolate=False)
     acc = PhaseEnergyAccount(meter, idle_after_s=0.25, clock=clock)
     reads = []
     orig = meter.energy_j
@@ -73,7 +78,7 @@ def test_account_splits_tick_energy_by_phase_time_and_sums_to_total():
 
 def test_account_step_spanning_ticks_keeps_its_phase():
     nvml, clock = FakeNvml(energy_mj=0), Clock()
-    acc = PhaseEnergyAccount(NvmlEnergyMeter(nvml, "h"), idle_after_s=0.25, clock=clock)
+    acc = PhaseEnergyAccount(NvmlEnergyMeter(nvml, "h", clock=clock, interpolate=False), idle_after_s=0.25, clock=clock)
     acc.on_step("decode")
     clock.t += 0.1
     nvml.energy_mj += 40_000
@@ -132,7 +137,7 @@ def test_collector_exposes_labelled_series(tmp_path):
     reg = CollectorRegistry()
     reg.register(PowersaveCollector(tmp_path, "0.1.0"))
     text = generate_latest(reg).decode()
-    assert 'powersave_gpu_energy_joules_total{gpu="GPU-a",phase="decode",source="simulated"} 2.0' in text
+    assert 'powersave_gpu_energy_joules_total{gpu="GPU-a",method="model",phase="decode",source="simulated"} 2.0' in text
     assert 'powersave_sm_clock_mhz{gpu="GPU-a",source="simulated"} 1200.0' in text
     assert 'powersave_lm_head_calls_total{chunks="1",gpu="GPU-a"} 43.0' in text
     assert 'powersave_energy_simulated{gpu="GPU-a"} 1.0' in text
@@ -144,7 +149,7 @@ def test_collector_exposes_labelled_series(tmp_path):
 
 def test_per_request_energy_token_share_and_sum_invariant():
     nvml, clock = FakeNvml(energy_mj=0), Clock()
-    meter = NvmlEnergyMeter(nvml, "h")
+    meter = NvmlEnergyMeter(nvml, "h", clock=clock, interpolate=False)
     done = {}
     acc = PhaseEnergyAccount(meter, idle_after_s=0.25, clock=clock, per_request=True, on_request_done=lambda r, j: done.__setitem__(r, j))
 
@@ -190,7 +195,7 @@ def test_shadow_gpu_prices_identical_steps_at_stock_clocks():
 def test_finished_ids_from_an_empty_step_still_close_requests():
     nvml, clock = FakeNvml(energy_mj=0), Clock()
     done = {}
-    acc = PhaseEnergyAccount(NvmlEnergyMeter(nvml, "h"), clock=clock, per_request=True, on_request_done=lambda r, j: done.__setitem__(r, j))
+    acc = PhaseEnergyAccount(NvmlEnergyMeter(nvml, "h", clock=clock, interpolate=False), clock=clock, per_request=True, on_request_done=lambda r, j: done.__setitem__(r, j))
     acc.on_step("decode", req_tokens={"a": 1})
     clock.t += 0.1
     nvml.energy_mj += 30_000
@@ -198,3 +203,165 @@ def test_finished_ids_from_an_empty_step_still_close_requests():
     acc.on_finished({"a"})  # vLLM's last, empty scheduler output of a drained batch
     acc.tick()
     assert done == {"a": pytest.approx(30.0)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Meter per physical GPU, interpolation, counter anomalies, fallbacks, faults
+# ---------------------------------------------------------------------------------------------
+import logging  # noqa: E402
+import math  # noqa: E402
+import random  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
+
+from fakes import FakeNvmlDevices  # noqa: E402
+
+from vllm_powersave.energy.meters import (  # noqa: E402
+    PowerSamplingEnergyMeter,
+    UnavailableEnergyMeter,
+    open_nvml_meter,
+    resolve_nvml_device,
+)
+
+UUIDS = ("GPU-aaaa-0000", "GPU-bbbb-1111", "GPU-cccc-2222", "GPU-dddd-3333")
+
+
+def test_resolve_device_by_uuid_honouring_cuda_visible_devices():
+    nvml = FakeNvmlDevices(uuids=UUIDS)
+    # torch's UUID (bare, as torch prints it) wins over any mask
+    assert resolve_nvml_device(nvml, 0, torch_uuid="cccc-2222", visible="0,1") == (2, "GPU-cccc-2222")
+    # index form: CUDA device 1 of "2,3" is NVML device 3
+    assert resolve_nvml_device(nvml, 1, visible="2,3") == (3, "GPU-dddd-3333")
+    # UUID form, in any order; and a unique UUID prefix, which CUDA accepts
+    assert resolve_nvml_device(nvml, 1, visible="GPU-cccc-2222,GPU-aaaa-0000") == (0, "GPU-aaaa-0000")
+    assert resolve_nvml_device(nvml, 0, visible="GPU-dd") == (3, "GPU-dddd-3333")
+    assert resolve_nvml_device(nvml, 2, visible=None) == (2, "GPU-cccc-2222")
+    with pytest.raises(ValueError, match="has no entry 2"):
+        resolve_nvml_device(nvml, 2, visible="0,1")
+    with pytest.raises(ValueError, match="matches 4 NVML devices"):
+        resolve_nvml_device(nvml, 0, visible="GPU-")
+
+
+class CounterGpu(FakeNvmlDevices):
+    """NVML counter that steps every ``period`` s (at ``phase`` + k x period) to the energy of a
+    piecewise-constant power trace up to that step; instant power is the trace's value now."""
+
+    def __init__(self, clock, segments, period=0.1, phase=0.037):
+        super().__init__(uuids=("GPU-x",), energy_mj=0)
+        self.clock, self.segments, self.period, self.phase = clock, segments, period, phase
+
+    def power_at(self, t):
+        return [w for t0, w in self.segments if t0 <= t][-1]
+
+    def true_j(self, t):
+        j = 0.0
+        for (t0, w), nxt in zip(self.segments, self.segments[1:] + [(math.inf, 0)]):
+            if t <= t0:
+                break
+            j += w * (min(t, nxt[0]) - t0)
+        return j
+
+    def raw_mj(self):
+        t = self.clock()
+        k = math.floor((t - self.phase) / self.period)
+        return 7_000_000 + int(round(self.true_j(max(0.0, self.phase + k * self.period)) * 1000))
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, h):
+        self._hit("nvmlDeviceGetTotalEnergyConsumption")
+        return self.raw_mj()
+
+    def nvmlDeviceGetFieldValues(self, h, ids):
+        self.power_mw = [int(self.power_at(self.clock()) * 1000)]
+        return super().nvmlDeviceGetFieldValues(h, ids)
+
+
+def test_counter_edges_interpolated_with_instant_power():
+    rng = random.Random(7)
+    clock = Clock()
+    segs, t = [(0.0, 150.0)], 0.0
+    while t < 30:
+        t += rng.uniform(0.8, 2.0)
+        segs.append((t, rng.choice([150.0, 300.0, 450.0, 650.0])))
+    gpu = CounterGpu(clock, segs)
+    clock.t = 0.5
+    meter = NvmlEnergyMeter(gpu, 0, "GPU-x", clock=clock, counter_period_s=0.1)
+    gpu.period = 0.1004  # the real period differs a little from the nominal one: learnt
+    meter.sync_every_s = 5.0
+
+    def sleep(s):
+        clock.t += s
+
+    reads = []  # (t, meter J, raw counter J)
+    while clock.t < 29:
+        clock.t += rng.uniform(0.09, 0.16)  # the publisher's tick, with jitter
+        if clock.t >= meter.sync_due:
+            assert meter.sync_counter_phase(sleep=sleep)  # polls the counter every 1 ms
+        reads.append((clock.t, meter.energy_j(), gpu.raw_mj() / 1000.0))
+    assert meter.period == pytest.approx(0.1004, abs=2e-5) and meter.phase_losses <= 2
+    t0 = reads[0][0]
+    e0_true = gpu.true_j(t0)
+
+    def errors(span):
+        interp, raw = [], []
+        for a, b in zip(reads[10:], reads[10 + span:]):
+            truth = gpu.true_j(b[0]) - gpu.true_j(a[0])
+            interp.append(abs((b[1] - a[1]) - truth) / truth)
+            raw.append(abs((b[2] - a[2]) - truth) / truth)
+        return sorted(interp), sorted(raw)
+
+    for span, limit in ((1, 0.03), (8, 0.005)):  # one tick (~125 ms) and ~1 s windows
+        interp, raw = errors(span)
+        med_i, med_r = interp[len(interp) // 2], raw[len(raw) // 2]
+        assert med_i < limit, (span, med_i, med_r)
+        assert med_i < med_r / 3, (span, med_i, med_r)  # the raw counter is quantised by its 100 ms steps
+    # Errors do not accumulate: the whole run agrees with the truth within one step's energy.
+    total_true = gpu.true_j(reads[-1][0]) - e0_true
+    assert reads[-1][1] - reads[0][1] == pytest.approx(total_true, abs=650 * 0.1)
+    assert all(b[1] >= a[1] for a, b in zip(reads, reads[1:]))  # never decreases
+
+
+def test_counter_wrap_reset_and_absurd_jump_are_reported_never_negative(caplog):
+    nvml, clock = FakeNvmlDevices(power_w=200.0), Clock()
+    nvml.energy_mj = [(1 << 32) - 5_000]
+    m = NvmlEnergyMeter(nvml, 0, "GPU-w", clock=clock, interpolate=False)
+    clock.t += 0.1
+    nvml.energy_mj[0] = 15_000  # 32-bit wrap: 20 J in 0.1 s is plausible
+    assert m.energy_j() == pytest.approx(20.0) and m.counter_wraps == 1 and m.counter_resets == 0
+    clock.t += 0.1
+    nvml.energy_mj[0] = 3_000  # backwards by a non-wrap amount: driver reload
+    assert m.energy_j() == pytest.approx(20.0 + 200 * 0.1) and m.counter_resets == 1
+    clock.t += 0.1
+    nvml.energy_mj[0] += 10**12  # 1 GJ in 0.1 s: a glitch, bridged with instant power
+    assert m.energy_j() == pytest.approx(40.0 + 200 * 0.1) and m.counter_resets == 2
+    clock.t += 0.1
+    nvml.energy_mj[0] += 30_000
+    assert m.energy_j() == pytest.approx(90.0)
+    assert sum(r.levelno == logging.WARNING for r in caplog.records) == 3  # one per anomaly
+
+
+def test_gpu_without_counter_falls_back_to_power_sampling(caplog):
+    nvml, clock = FakeNvmlDevices(power_w=100.0), Clock()
+    nvml.faults["nvmlDeviceGetTotalEnergyConsumption"] = nvml.NVML_ERROR_NOT_SUPPORTED  # pre-Volta / vGPU
+    m = open_nvml_meter(nvml, 0, "GPU-p", clock=clock, start_thread=False)
+    assert isinstance(m, PowerSamplingEnergyMeter) and (m.source, m.method) == ("measured", "power-sampling")
+    assert [r.levelno for r in caplog.records] == [logging.WARNING]
+    for _ in range(10):  # 1 s at 100 W
+        clock.t += 0.1
+        m.sample()
+    nvml.power_mw[0] = 300_000
+    clock.t += 0.1
+    m.sample()  # trapezoid: (100 + 300) / 2 W over 0.1 s
+    assert m.energy_j() == pytest.approx(100.0 + 20.0)
+    clock.t += 0.05  # the last power held to now
+    assert m.energy_j() == pytest.approx(120.0 + 15.0)
+    nvml.instant = False  # only the (averaged) nvmlDeviceGetPowerUsage
+    clock.t += 0.05
+    m.sample()
+    assert m.energy_j() == pytest.approx(150.0) and nvml.calls_by_name["nvmlDeviceGetPowerUsage"] == 1
+
+
+def test_no_counter_and_no_power_is_unavailable_with_one_warning(caplog):
+    nvml = FakeNvmlDevices()
+    nvml.faults.update(nvmlDeviceGetTotalEnergyConsumption=3, nvmlDeviceGetFieldValues=3, nvmlDeviceGetPowerUsage=3)
+    m = open_nvml_meter(nvml, 0, "GPU-n", start_thread=False)
+    assert isinstance(m, UnavailableEnergyMeter) and m.energy_j() is None and not m.available
+    assert len(caplog.records) == 1

@@ -127,6 +127,11 @@ def _prepare_stats_dir(settings):  # type: ignore[no-untyped-def]
         if not os.path.isdir(settings.stats_dir):
             raise NotADirectoryError(20, "not a directory", settings.stats_dir)
         return settings
+    inherited = _inherited_stats_dir()
+    if inherited is not None:
+        # An API-server process of `--api-server-count N`, started by the process that created the
+        # directory (and removes it): publish and read in the same place as the engine's workers.
+        return settings.model_copy(update={"stats_dir": inherited})
     base = os.path.join(tempfile.gettempdir(), "vllm-powersave", "stats")
     os.makedirs(base, exist_ok=True)
     for name in os.listdir(base):
@@ -136,6 +141,20 @@ def _prepare_stats_dir(settings):  # type: ignore[no-untyped-def]
     stats_dir = tempfile.mkdtemp(prefix=f"{os.getpid()}-{int(time.time())}-", dir=base)
     atexit.register(shutil.rmtree, stats_dir, True)
     return settings.model_copy(update={"stats_dir": stats_dir})
+
+
+def _inherited_stats_dir() -> str | None:
+    """The default stats directory exported by a parent process (not by this one), if it exists."""
+    from .settings import ENV_SETTINGS_JSON
+
+    try:
+        d = json.loads(os.environ.get(ENV_SETTINGS_JSON) or "{}").get("stats_dir")
+    except (ValueError, AttributeError):
+        return None
+    if not d or not os.path.isdir(d):
+        return None
+    pid = os.path.basename(os.path.normpath(d)).split("-", 1)[0]
+    return d if pid.isdigit() and int(pid) != os.getpid() else None
 
 
 def _stop_startup(err: Exception) -> None:
@@ -180,4 +199,9 @@ def _on_engine_args(engine_args: object) -> None:
     from .metrics import register_collector
 
     register_collector(settings.stats_dir, __version__)
+    if settings.per_request_energy:
+        from . import request_energy
+
+        wait_s = settings.energy.response_wait_ms / 1000.0
+        vllm_compat.install_app_hook(lambda app, _args: request_energy.install(app, settings.stats_dir, wait_s))
     log.info("powersave: enabled; settings %s", json.dumps(settings.model_dump(mode="json"), sort_keys=True))

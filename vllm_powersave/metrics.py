@@ -3,7 +3,26 @@
 Workers publish a small JSON snapshot per rank into the run's stats directory (atomic rename);
 this collector reads them at scrape time. No metric is named ``vllm:*`` because vLLM's Prometheus
 logger unregisters those at start-up. Each energy, power and clock series carries ``source``
-(``measured`` or ``simulated``).
+(``measured`` or ``simulated``); per-GPU energy also ``method`` (``energy-counter``,
+``power-sampling``, ``model``: see ``energy/meters.py``).
+
+Unavailable meters (NVML faults): ``powersave_energy_available{gpu}`` is 0 and that GPU's energy,
+power, window and request series are left out, never frozen at their last value; engine-level
+sums and tokens-per-joule gauges are left out while any GPU is unavailable (no partial sums).
+
+Several API servers (``--api-server-count N``): vLLM then serves a fresh registry with
+prometheus_client's ``MultiProcessCollector`` instead of the global one; ``register_collector``
+adds this collector to each such registry too (``vllm_compat.install_metrics_registry_hook``).
+Every API-server process reads the same worker files at scrape time and exports each series once,
+so a scrape answered by any of them gives the same, un-summed values. Nothing of ours goes through
+the multiprocess files (which would sum counters across the N processes).
+
+Tokens per joule (``powersave_tokens_per_joule``): engine-level gauges, energy summed over the
+engine's GPUs, tokens counted once (every TP/PP rank sees the same steps); ``window``: the sliding
+window (``energy.window_s``, computed in the workers, idle energy included), ``steady`` (steps at
+the batch limit, ML.ENERGY's steady state), ``run`` (since start). ``kind``: ``decode`` (one per
+decoding request per step, plus speculative tokens: close to output tokens, without the first
+token of each request, which its prefill step makes) or ``total`` (prompt + decode tokens).
 """
 
 from __future__ import annotations
@@ -43,7 +62,7 @@ class PowersaveCollector(Collector):
 
     def collect(self) -> Iterator[Any]:
         snaps = read_snapshots(self.stats_dir)
-        energy = CounterMetricFamily("powersave_gpu_energy_joules", "GPU energy by engine phase (J)", labels=["gpu", "phase", "source"])
+        energy = CounterMetricFamily("powersave_gpu_energy_joules", "GPU energy by engine phase (J)", labels=["gpu", "phase", "source", "method"])
         engine = CounterMetricFamily("powersave_engine_energy_joules", "Energy of all GPUs of the engine (every TP/PP rank) by phase (J)", labels=["phase", "source"])
         engine_sum: dict[tuple[str, str], float] = {}
         steps = CounterMetricFamily("powersave_steps", "Engine steps by phase", labels=["gpu", "phase"])
@@ -60,15 +79,49 @@ class PowersaveCollector(Collector):
         req_n = CounterMetricFamily("powersave_requests_finished", "Requests whose energy was attributed", labels=["gpu"])
         simulated = GaugeMetricFamily("powersave_energy_simulated", "1 if this GPU's energy figures are simulated, 0 if measured", labels=["gpu"])
         info = GaugeMetricFamily("powersave_info", "vllm-powersave is active", labels=["version", "source", "clock_backend", "cuda_perf_boost"])
+        available = GaugeMetricFamily("powersave_energy_available", "1 if this GPU's energy figures are current, 0 if its meter failed (figures left out)", labels=["gpu", "method"])
+        resets = CounterMetricFamily("powersave_energy_counter_resets", "NVML energy counter went backwards or jumped implausibly (bridged with instant power)", labels=["gpu"])
+        wraps = CounterMetricFamily("powersave_energy_counter_wraps", "NVML energy counter wrapped (delta kept)", labels=["gpu"])
+        faults = CounterMetricFamily("powersave_meter_faults", "Failed NVML reads of the meter (the first one is logged)", labels=["gpu"])
+        tpj = GaugeMetricFamily("powersave_tokens_per_joule", "Engine tokens per joule (all GPUs): sliding window, steady state, whole run", labels=["window", "kind", "source"])
+        tpj_energy = GaugeMetricFamily("powersave_window_energy_joules", "Engine energy over the sliding tokens-per-joule window (J)", labels=["window", "source"])
+        steady_e = CounterMetricFamily("powersave_steady_energy_joules", "Energy of steps at the batch limit (steady state, J)", labels=["gpu", "source"])
+        steady_s = CounterMetricFamily("powersave_steady_seconds", "Time of steps at the batch limit (s)", labels=["gpu"])
+        steady_t = CounterMetricFamily("powersave_steady_tokens", "Tokens of steps at the batch limit", labels=["gpu", "kind"])
         sources, backends, boost = set(), set(), set()
+        all_available = bool(snaps)
+        eng: dict[str, dict[str, float]] = {"window": {}, "steady": {}, "run": {}}
+        window_label = ""
         for s in snaps:
             gpu, src, be = str(s.get("gpu", s.get("rank", "?"))), str(s.get("source", "none")), str(s.get("clock_backend", "?"))
+            method = str(s.get("energy_method", "energy-counter" if src == "measured" else "model"))
             sources.add(src)
             backends.add(be)
             boost.add(str(s.get("cuda_perf_boost", "on")))
-            for phase, j in (s.get("energy_j") or {}).items():
-                energy.add_metric([gpu, phase, src], float(j))
-                engine_sum[(phase, src)] = engine_sum.get((phase, src), 0.0) + float(j)
+            ok = bool(s.get("energy_available", bool(s.get("energy_j"))))
+            all_available = all_available and ok
+            available.add_metric([gpu, method], 1.0 if ok else 0.0)
+            resets.add_metric([gpu], float(s.get("counter_resets", 0)))
+            wraps.add_metric([gpu], float(s.get("counter_wraps", 0)))
+            faults.add_metric([gpu], float(s.get("meter_faults", 0)))
+            if ok:  # else no stale figures: energy, window and request series of this GPU are left out
+                for phase, j in (s.get("energy_j") or {}).items():
+                    energy.add_metric([gpu, phase, src, method], float(j))
+                    engine_sum[(phase, src)] = engine_sum.get((phase, src), 0.0) + float(j)
+                tok = s.get("tokens") or {}
+                _engine_add(eng["run"], sum((s.get("energy_j") or {}).values()), tok.get("prefill", 0), tok.get("decode", 0))
+                w = s.get("window") or {}
+                if w.get("seconds"):
+                    window_label = f"{float(w.get('window_s', 0)):g}s"
+                    _engine_add(eng["window"], w.get("energy_j", 0.0), w.get("prefill_tokens", 0), w.get("decode_tokens", 0))
+                st = s.get("steady") or {}
+                if st.get("seconds"):
+                    st_tok = st.get("tokens") or {}
+                    steady_e.add_metric([gpu, src], float(st.get("energy_j", 0.0)))
+                    steady_s.add_metric([gpu], float(st["seconds"]))
+                    for kind, n in st_tok.items():
+                        steady_t.add_metric([gpu, kind], float(n))
+                    _engine_add(eng["steady"], st.get("energy_j", 0.0), st_tok.get("prefill", 0), st_tok.get("decode", 0))
             for phase, n in (s.get("steps") or {}).items():
                 if phase != "idle":  # idle is time without steps, not a kind of step
                     steps.add_metric([gpu, phase], float(n))
@@ -86,14 +139,33 @@ class PowersaveCollector(Collector):
             for c, n in (s.get("lm_head_calls") or {}).items():
                 chunks.add_metric([gpu, str(c)], float(n))
             simulated.add_metric([gpu], 1.0 if src == "simulated" else 0.0)
-            if s.get("requests_finished"):
+            if ok and s.get("requests_finished") and s.get("request_energy_j_finished") is not None:
                 req_e.add_metric([gpu, src], float(s.get("request_energy_j_finished", 0.0)))
                 req_n.add_metric([gpu], float(s["requests_finished"]))
-        for (phase, src), j in sorted(engine_sum.items()):
-            engine.add_metric([phase, src], j)
+        engine_src = "measured" if sources == {"measured"} else "simulated"
+        if all_available:  # engine-level figures only when every GPU's energy is known
+            for (phase, src), j in sorted(engine_sum.items()):
+                engine.add_metric([phase, src], j)
+            for name, e in eng.items():
+                if name == "window" and not window_label:
+                    continue
+                if e.get("energy_j", 0.0) > 0:
+                    label = window_label if name == "window" else name
+                    tpj.add_metric([label, "decode", engine_src], e["decode"] / e["energy_j"])
+                    tpj.add_metric([label, "total", engine_src], (e["prefill"] + e["decode"]) / e["energy_j"])
+                    if name == "window":
+                        tpj_energy.add_metric([label, engine_src], e["energy_j"])
         info.add_metric([self.version, ",".join(sorted(sources)) or "pending", ",".join(sorted(backends)) or "pending",
                          ",".join(sorted(boost)) or "pending"], 1.0)
-        yield from (energy, engine, steps, tokens, power, clock, temp, mem_clock, reasons, target, changes, chunks, req_e, req_n, simulated, info)
+        yield from (energy, engine, steps, tokens, power, clock, temp, mem_clock, reasons, target, changes, chunks, req_e, req_n, simulated, info,
+                    available, resets, wraps, faults, tpj, tpj_energy, steady_e, steady_s, steady_t)
+
+
+def _engine_add(acc: dict[str, float], energy_j: float, prefill: float, decode: float) -> None:
+    """Engine sums: energy adds over GPUs; tokens are the same steps on every rank, so the max."""
+    acc["energy_j"] = acc.get("energy_j", 0.0) + float(energy_j)
+    acc["prefill"] = max(acc.get("prefill", 0.0), float(prefill))
+    acc["decode"] = max(acc.get("decode", 0.0), float(decode))
 
 
 _REGISTERED: dict[str, PowersaveCollector] = {}
@@ -108,4 +180,20 @@ def register_collector(stats_dir: str | Path, version: str = "") -> PowersaveCol
         col = PowersaveCollector(stats_dir, version)
         REGISTRY.register(col)
         _REGISTERED[key] = col
+        from . import vllm_compat
+
+        vllm_compat.install_metrics_registry_hook(add_to_registry)
     return _REGISTERED[key]
+
+
+def add_to_registry(registry: Any) -> None:
+    """Register every collector of this process on ``registry`` once (the multiprocess registry
+    vLLM builds for ``--api-server-count > 1``)."""
+    mine = getattr(registry, "_powersave_collectors", None)
+    if mine is None:
+        mine = set()
+        registry._powersave_collectors = mine
+    for key, col in _REGISTERED.items():
+        if key not in mine:
+            registry.register(col)
+            mine.add(key)

@@ -21,8 +21,8 @@ from . import vllm_compat
 from .chunking.policy import ChunkPolicy, apply_chunked
 from .clocks import ClockController, DryRunClockBackend, NvmlClockBackend, SimulatedClockBackend
 from .clocks.backends import ClockBackend
-from .energy import NvmlEnergyMeter, PhaseEnergyAccount, SimulatedEnergyMeter
-from .energy.meters import EnergyMeter, nvml_handle_for_torch_device
+from .energy import PhaseEnergyAccount, SimulatedEnergyMeter
+from .energy.meters import EnergyMeter, UnavailableEnergyMeter, nvml_handle_for_torch_device, open_nvml_meter
 from .settings import ENV_PERF_BOOST, PowersaveSettings, settings_from_env
 from .sim.gpu import SPECS, ModelCost, SimulatedGpu
 
@@ -115,19 +115,24 @@ class WorkerRuntime:
         self.sim_stock: SimulatedGpu | None = None
         self.model_cost: ModelCost | None = None
         nvml, handle, gpu_id = None, None, f"sim{self.rank}"
+        nvml_failed = None
         if on_gpu and settings.energy.meter in ("auto", "nvml") or settings.clocks.backend == "nvml":
             nvml = _init_nvml() if on_gpu else None
+            if nvml is None and on_gpu:
+                nvml_failed = "NVML unavailable"
             if nvml is not None:
                 try:
                     handle, gpu_id = nvml_handle_for_torch_device(nvml, ident["device_index"] or 0)
                 except Exception as exc:
-                    log.warning("powersave: cannot map CUDA device to NVML (%s)", exc)
-                    nvml = None
+                    log.warning("powersave: cannot map CUDA device to NVML (%s); energy figures of this GPU unavailable", exc)
+                    nvml, nvml_failed = None, f"cannot map CUDA device to NVML: {exc}"
+        if nvml_failed is not None:
+            gpu_id = f"cuda{ident['device_index'] or 0}-rank{self.rank}"
         self.gpu_id = gpu_id
         meter_kind = settings.energy.meter
         if meter_kind == "auto":
-            meter_kind = "nvml" if handle is not None else "simulated"
-        if meter_kind == "nvml" and handle is None:
+            meter_kind = "nvml" if handle is not None or nvml_failed is not None else "simulated"
+        if meter_kind == "nvml" and handle is None and nvml_failed is None:
             log.warning("powersave: energy.meter 'nvml' requested but no NVML device; using the simulated meter")
             meter_kind = "simulated"
         needs_sim = meter_kind == "simulated" or settings.clocks.backend == "simulated"
@@ -139,8 +144,11 @@ class WorkerRuntime:
                 cost = vllm_compat.runner_model_cost(runner)
                 self.model_cost = ModelCost(cost["n_params"], cost["kv_bytes_per_token"], cost["weight_bytes"], cost["vocab_params"])
         self.meter: EnergyMeter | None
-        if meter_kind == "nvml":
-            self.meter = NvmlEnergyMeter(nvml, handle, gpu_id)
+        if meter_kind == "nvml" and handle is None:
+            # A GPU whose NVML fails: its energy is unknown (never replaced by the simulated H200).
+            self.meter = UnavailableEnergyMeter(gpu_id, nvml_failed or "no NVML device")
+        elif meter_kind == "nvml":
+            self.meter = open_nvml_meter(nvml, handle, gpu_id, sample_period_s=settings.energy.sample_period_s)
         elif meter_kind == "simulated":
             assert self.sim is not None
             if settings.clocks.backend == "simulated" and settings.clocks.presets:
@@ -151,10 +159,17 @@ class WorkerRuntime:
         self.clocks = ClockController(self._backend(settings, nvml, handle), settings.clocks, gpu_id=gpu_id,
                                       asynchronous=settings.clocks.backend in ("nvml", "zeusd"),
                                       host_ahead_steps=1 if vllm_compat.async_scheduling(runner) else 0)
-        self._done_requests: deque[tuple[str, float]] = deque()
+        self._done_requests: deque[tuple[str, float | None]] = deque()
         self.account = (PhaseEnergyAccount(self.meter, settings.energy.idle_after_s, per_request=settings.per_request_energy,
-                                           on_request_done=lambda rid, j: self._done_requests.append((rid, j)))
+                                           on_request_done=lambda rid, j: self._done_requests.append((rid, j)),
+                                           window_s=settings.energy.window_s)
                         if self.meter else None)
+        # Steady state = the running batch at the scheduler's limit (ML.ENERGY's window, account.py).
+        self.steady_batch = settings.energy.steady_batch or vllm_compat.runner_max_num_seqs(runner)
+        # Set by the step hook when requests finished: the publisher then ticks at once (at most every
+        # flush_min_s) so that per-request energy reaches the API server within milliseconds.
+        self._wake = threading.Event()
+        self._flush_min_s = 0.01
         self.stats_path = Path(settings.stats_dir) / f"rank{self.rank}.json" if settings.stats_dir else None
         self._stop = threading.Event()
         self._last_step_s = time.monotonic()
@@ -234,7 +249,10 @@ class WorkerRuntime:
         info = vllm_compat.step_info(scheduler_output)
         if info.phase == "idle":
             if self.account is not None:
-                self.account.on_finished(vllm_compat.step_request_tokens(scheduler_output)[1])
+                fin = vllm_compat.step_request_tokens(scheduler_output)[1]
+                self.account.on_finished(fin)
+                if fin and self.account.per_request:
+                    self._wake.set()
             return
         self._last_step_s = time.monotonic()
         # The scheduler's stamp (same on every rank) drives the regime window and the dwell.
@@ -250,7 +268,10 @@ class WorkerRuntime:
         if self.account is not None:
             # References only (no copies); the account drops them unless per_request is on.
             req, fin = vllm_compat.step_request_tokens(scheduler_output)
-            self.account.on_step(info.phase, info.prefill_tokens, info.decode_tokens, req, fin)
+            steady = self.steady_batch is not None and info.num_reqs >= self.steady_batch
+            self.account.on_step(info.phase, info.prefill_tokens, info.decode_tokens, req, fin, steady)
+            if fin and self.account.per_request:
+                self._wake.set()
         if self.sim is not None and self.model_cost is not None:
             work = self.model_cost.step_work(info.num_tokens, info.lm_head_rows, info.decode_ctx_tokens, self.model_cost.vocab_params)
             self.sim.run(work)
@@ -265,9 +286,37 @@ class WorkerRuntime:
             self.account.on_step_end()
 
     # -- publishing --------------------------------------------------------------------------
+    def energy_snapshot(self) -> dict[str, Any]:
+        """Energy fields of the snapshot; figures of an unavailable meter are left out, not frozen."""
+        acc, m = self.account, self.meter
+        if m is None or acc is None:
+            return {"energy_available": False}
+        out: dict[str, Any] = {
+            "energy_method": m.method,
+            "energy_available": bool(acc.available and m.available),
+            "energy_unavailable_reason": m.unavailable_reason,
+            "counter_resets": m.counter_resets,
+            "counter_wraps": m.counter_wraps,
+            "meter_faults": m.faults,
+            "steps": dict(acc.steps),
+            "tokens": dict(acc.tokens),
+            "requests_finished": acc.finished_requests,
+        }
+        if out["energy_available"]:
+            out.update({
+                "energy_j": dict(acc.energy_j),
+                "time_s": dict(acc.time_s),
+                "request_energy_j_finished": acc.finished_request_j,
+                "request_energy_j_in_flight": sum(list(acc.request_j.values())),
+                "window": {"window_s": acc.window_s, **acc.window()},
+                "steady": {"batch": self.steady_batch, "energy_j": acc.steady_j, "seconds": acc.steady_s, "tokens": dict(acc.steady_tokens)},
+            })
+        return out
+
     def snapshot(self) -> dict[str, Any]:
         policy = chunk_policy()
         acc = self.account
+        energy = self.energy_snapshot()
         return {
             "pid": os.getpid(),
             "rank": self.rank,
@@ -275,10 +324,11 @@ class WorkerRuntime:
             "t": time.time(),
             "source": self.meter.source if self.meter else "none",
             "clock_backend": self.clocks.backend.kind,
-            "energy_j": dict(acc.energy_j) if acc else {},
-            "time_s": dict(acc.time_s) if acc else {},
-            "steps": dict(acc.steps) if acc else {},
-            "tokens": dict(acc.tokens) if acc else {},
+            "energy_j": {},
+            "time_s": {},
+            "steps": {},
+            "tokens": {},
+            **energy,
             "power_w": self.meter.power_w() if self.meter else None,
             "sm_clock_mhz": self.meter.sm_clock_mhz() if self.meter else None,
             **(self.meter.extra() if self.meter else {}),
@@ -287,9 +337,6 @@ class WorkerRuntime:
             "clock_disabled": self.clocks.disabled_reason,
             "lm_head_calls": {str(k): v for k, v in sorted(policy.calls.items())},
             "lm_head_rows": policy.rows_total,
-            "requests_finished": acc.finished_requests if acc else 0,
-            "request_energy_j_finished": acc.finished_request_j if acc else 0.0,
-            "request_energy_j_in_flight": sum(list(acc.request_j.values())) if acc else 0.0,
             "sim_energy_j": self.sim.energy_j if self.sim is not None else None,
             "sim_stock_clocks_energy_j": self.sim_stock.energy_j if self.sim_stock is not None else None,
             "sim_busy_s": self.sim.busy_time_s if self.sim is not None else None,
@@ -314,11 +361,13 @@ class WorkerRuntime:
         if not self._done_requests or self.stats_path is None:
             return
         src = self.meter.source if self.meter else "none"
+        method = self.meter.method if self.meter else "none"
         lines = []
         while self._done_requests:
             rid, j = self._done_requests.popleft()
-            lines.append(json.dumps({"request_id": rid, "energy_j": round(j, 6), "source": src, "gpu": self.gpu_id}) + "\n")
-            log.debug("powersave: request %s used %.3f J (%s)", rid, j, src)
+            lines.append(json.dumps({"request_id": rid, "energy_j": None if j is None else round(j, 6), "source": src,
+                                     "method": method, "gpu": self.gpu_id, "rank": self.rank}) + "\n")
+            log.debug("powersave: request %s used %s J (%s)", rid, "unavailable" if j is None else f"{j:.3f}", src)
         with open(self.stats_path.with_name(f"requests-rank{self.rank}.jsonl"), "a") as f:
             f.writelines(lines)
 
@@ -333,18 +382,42 @@ class WorkerRuntime:
 
     def _publisher(self) -> None:
         period = min(0.5, self.settings.energy.idle_after_s / 2)
-        while not self._stop.wait(period):
+        next_full = time.monotonic() + period
+        last_flush = 0.0
+        while not self._stop.is_set():
+            woke = self._wake.wait(max(0.0, next_full - time.monotonic()))
+            if self._stop.is_set():
+                break
             try:
+                now = time.monotonic()
+                if now < next_full:
+                    # Requests finished: attribute and write them now (the API server may be
+                    # holding their responses), but no more often than every flush_min_s.
+                    if woke and now - last_flush < self._flush_min_s:
+                        time.sleep(self._flush_min_s - (now - last_flush))
+                    self._wake.clear()
+                    if self.account is not None:
+                        self.account.tick()
+                    self._flush_requests()
+                    last_flush = time.monotonic()
+                    continue
+                self._wake.clear()
+                next_full = now + period
+                sync = getattr(self.meter, "sync_counter_phase", None)
+                if sync is not None and now >= getattr(self.meter, "sync_due", float("inf")):
+                    sync()  # learn when the NVML counter steps (<= 2.5 x 100 ms of 1 ms polls, every 30 s)
                 if self.account is not None:
                     self.account.tick()
                 if time.monotonic() - self._last_step_s >= self.settings.energy.idle_after_s:
                     self.clocks.on_phase("idle")
                 self.publish()
+                last_flush = time.monotonic()
             except Exception as exc:
                 log.debug("powersave: publish failed: %s", exc)
 
     def close(self) -> None:
         self._stop.set()
+        self._wake.set()
         self.clocks.close()
         try:
             if self.account is not None:
@@ -353,6 +426,8 @@ class WorkerRuntime:
             self._flush_trace(keep_last=False)
         except Exception:
             pass
+        if self.meter is not None:
+            self.meter.close()
 
 
 def _runtime_for(runner: Any) -> WorkerRuntime:

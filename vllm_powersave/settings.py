@@ -165,6 +165,17 @@ class EnergySettings(_Strict):
     simulated_model_shape: Literal["qwen2.5-0.5b", "qwen2.5-7b", "llama3-8b"] | None = None
     #: Seconds without an engine step after which time is booked as idle.
     idle_after_s: float = Field(default=0.25, gt=0.0, le=60.0, allow_inf_nan=False)
+    #: Sliding window of the tokens-per-joule gauge, s.
+    window_s: float = Field(default=60.0, gt=0.0, le=86_400.0, allow_inf_nan=False)
+    #: Power sampling period on GPUs without NVML's energy counter (method "power-sampling"), s.
+    sample_period_s: float = Field(default=0.05, ge=0.005, le=10.0, allow_inf_nan=False)
+    #: Steady state = steps whose running batch has at least this many requests (ML.ENERGY's
+    #: window); default: the engine's max_num_seqs.
+    steady_batch: int | None = Field(default=None, ge=1)
+    #: With per_request_energy: how long a non-streaming completion waits for its energy before it
+    #: is sent without the x-powersave-energy-j header (ms; 0 = never wait). GET
+    #: /powersave/requests/{id} serves the figure afterwards either way.
+    response_wait_ms: float = Field(default=200.0, ge=0.0, le=10_000.0, allow_inf_nan=False)
 
 
 class TunedFor(_Strict):

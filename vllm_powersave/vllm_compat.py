@@ -11,6 +11,12 @@ Touch points (module: symbol):
   ``EngineArgs.create_engine_config`` (validates settings before any engine process starts);
 * ``vllm.model_executor.layers.logits_processor``: ``LogitsProcessor`` via ``register_oot``
   (``_apply_head`` where it exists, which LoRA's wrapper also calls; else ``_get_logits``);
+* API server: ``build_app`` where the serving code looks it up
+  (``vllm.entrypoints.launchers.api_server.entry`` in 0.32, ``vllm.entrypoints.openai.api_server``
+  before; the returned FastAPI app gets one ASGI middleware) and
+  ``vllm.v1.metrics.prometheus.get_prometheus_registry`` (also rebound in
+  ``vllm.entrypoints.serve.instrumentator.metrics``): the registry ``/metrics`` serves;
+* runner ``scheduler_config.max_num_seqs`` (steady-state batch size);
 * ``vllm.v1.worker.gpu_model_runner.GPUModelRunner`` (V1, also the CPU runner's base) and
   ``vllm.v1.worker.gpu.model_runner.GPUModelRunner`` (V2): ``execute_model``, ``sample_tokens``;
 * ``SchedulerOutput`` fields read: ``scheduled_new_reqs``, ``scheduled_cached_reqs``
@@ -310,6 +316,96 @@ def step_info(scheduler_output: Any) -> StepInfo:
 def step_request_tokens(scheduler_output: Any) -> tuple[dict[str, int] | None, Any]:
     """``(scheduled tokens per request id, ids finished since the previous step)``, by reference."""
     return getattr(scheduler_output, "num_scheduled_tokens", None), getattr(scheduler_output, "finished_req_ids", None)
+
+
+def runner_max_num_seqs(runner: Any) -> int | None:
+    """The scheduler's batch limit (``max_num_seqs``) as seen by a runner, or ``None``."""
+    for owner in (getattr(runner, "scheduler_config", None), getattr(getattr(runner, "vllm_config", None), "scheduler_config", None)):
+        n = getattr(owner, "max_num_seqs", None)
+        if isinstance(n, int) and n > 0:
+            return n
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# API server: app hook and the /metrics registry
+# --------------------------------------------------------------------------------------------
+#: Modules whose global ``build_app`` the serving path calls (first importable one wins): 0.32
+#: moved it to ``launchers.app`` and imports it by name into ``launchers.api_server.entry``.
+APP_BUILDERS = ("vllm.entrypoints.launchers.api_server.entry", "vllm.entrypoints.openai.api_server")
+
+
+def install_app_hook(on_app: Callable[[Any, Any], None]) -> str | None:
+    """Call ``on_app(app, args)`` on the FastAPI app ``vllm serve`` builds, before it starts.
+
+    Runs in each API-server process (``--api-server-count`` N: in each of the N), where the
+    serving module is already imported (it is the caller of ``create_engine_config``). Returns the
+    module patched, or ``None`` in processes that serve nothing, and where no known builder exists
+    (one warning). ``on_app`` failures are logged once and the app is served as is.
+    """
+    import sys
+
+    if "app_hook" in _PATCHED:
+        return None
+    serving = [m for m in APP_BUILDERS if m in sys.modules]
+    if not serving:
+        return None  # not an API server (offline LLM, bench client): nothing to hook
+    for mod_name in serving:
+        mod = sys.modules[mod_name]
+        if not callable(getattr(mod, "build_app", None)):
+            continue
+
+        def make(orig: Callable[..., Any]) -> Callable[..., Any]:
+            def build_app(args: Any, *a: Any, **kw: Any) -> Any:
+                app = orig(args, *a, **kw)
+                _safe(on_app, app, args)
+                return app
+
+            return build_app
+
+        _patch(mod, "build_app", "app_hook", make)
+        return mod_name
+    log.warning("powersave: no known vLLM API-server builder (%s); per-request energy is not added to responses", ", ".join(APP_BUILDERS))
+    return None
+
+
+def install_metrics_registry_hook(add: Callable[[Any], None]) -> bool:
+    """Make ``/metrics`` serve our collector also with ``--api-server-count > 1``.
+
+    vLLM serves ``get_prometheus_registry()``: the global ``REGISTRY`` normally, but a fresh
+    ``CollectorRegistry`` holding only prometheus_client's ``MultiProcessCollector`` when
+    ``PROMETHEUS_MULTIPROC_DIR`` is set (vLLM sets it itself for several API servers). A collector
+    in ``REGISTRY`` is then not served at all. The wrapper calls ``add(registry)`` for every such
+    fresh registry; ``add`` must register each collector once per registry.
+    """
+    if "metrics_registry" in _PATCHED:
+        return False
+    try:
+        prom = importlib.import_module("vllm.v1.metrics.prometheus")
+        from prometheus_client import REGISTRY
+    except Exception as exc:
+        log.debug("powersave: metrics registry hook not installed: %s", exc)
+        return False
+
+    def make(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def get_prometheus_registry(*args: Any, **kwargs: Any) -> Any:
+            reg = orig(*args, **kwargs)
+            if reg is not REGISTRY:
+                _safe(add, reg)
+            return reg
+
+        return get_prometheus_registry
+
+    _patch(prom, "get_prometheus_registry", "metrics_registry", make)
+    wrapped = prom.get_prometheus_registry
+    # The /metrics router imports the function by name: rebind it where that already happened (a
+    # later import picks up the wrapper by itself).
+    import sys
+
+    inst = sys.modules.get("vllm.entrypoints.serve.instrumentator.metrics")
+    if inst is not None and getattr(inst, "get_prometheus_registry", None) is getattr(wrapped, "__powersave_original__", None):
+        inst.get_prometheus_registry = wrapped
+    return True
 
 
 def runner_identity(runner: Any) -> dict[str, Any]:

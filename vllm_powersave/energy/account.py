@@ -18,6 +18,20 @@ chunks weigh by their prompt tokens, decodes by 1 + speculative tokens). A reque
 sum over every step it took part in; idle energy belongs to no request. At any moment
 ``sum(requests, finished and in flight) + idle == total`` up to rounding. This is the token-share
 rule; it does not model that a prefill token costs more or less than a decode token on a given GPU.
+
+A meter that becomes unavailable (an NVML fault, see :mod:`.meters`) stops the attribution for good:
+``available`` turns False, the cumulative figures freeze and must not be published as current, and
+requests finishing afterwards are reported with ``None`` joules rather than a partial figure.
+
+Tokens per joule over a sliding window (:meth:`window`): the account keeps one
+``(t, joules, prefill tokens, decode tokens)`` sample per tick for ``window_s`` seconds; the window
+is the oldest kept sample to now. Idle energy is in it: it is what the server spent.
+
+Steady state (:meth:`on_step`'s ``steady``): the ML.ENERGY benchmark measures J/token in the window
+that opens once ``max_num_seqs`` requests have their first token and closes when the batch starts
+to drain (Chung et al., "The ML.ENERGY Benchmark", arXiv:2505.06371). Server-side this is "the
+running batch is at its limit": the step hook flags steps with ``num_reqs >= max_num_seqs``, and
+their time share of each tick's energy, their time and their tokens are summed in ``steady_*``.
 """
 
 from __future__ import annotations
@@ -41,7 +55,8 @@ class PhaseEnergyAccount:
     """
 
     def __init__(self, meter: EnergyMeter, idle_after_s: float = 0.25, clock: Callable[[], float] = time.monotonic,
-                 per_request: bool = False, on_request_done: Callable[[str, float], None] | None = None) -> None:
+                 per_request: bool = False, on_request_done: Callable[[str, float | None], None] | None = None,
+                 window_s: float = 60.0) -> None:
         self.meter = meter
         self.idle_after_s = idle_after_s
         self.clock = clock
@@ -49,42 +64,57 @@ class PhaseEnergyAccount:
         self.time_s: dict[str, float] = {p: 0.0 for p in PHASES}
         self.steps: dict[str, int] = {p: 0 for p in PHASES}
         self.tokens: dict[str, int] = {"prefill": 0, "decode": 0}
-        # (t, phase, {req: tokens} | None, finished ids | None) for a step start, (t, None, None, None)
-        # for a step end; appended by the hot path only.
-        self._events: deque[tuple[float, str | None, dict | None, object]] = deque()
+        # (t, phase, {req: tokens} | None, finished ids | None, steady) for a step start,
+        # (t, None, None, None, False) for a step end; appended by the hot path only.
+        self._events: deque[tuple[float, str | None, dict | None, object, bool]] = deque()
+        self.steady_j = 0.0
+        self.steady_s = 0.0
+        self.steady_tokens: dict[str, int] = {"prefill": 0, "decode": 0}
+        self.window_s = window_s
+        self._window: deque[tuple[float, float, int, int]] = deque()
+        self.available = True
         self.per_request = per_request
         self.on_request_done = on_request_done
         self.request_j: dict[str, float] = {}  # in flight
         self.finished_request_j = 0.0
         self.finished_requests = 0
         self._req: dict | None = None
+        self._steady = False
         self._phase = "idle"  # phase owning the time at _t
         self._end_t: float | None = None  # end of the last step, if it ended
         self._t = clock()
-        self._e = meter.energy_j()
+        e0 = meter.energy_j()
+        self._e = e0 if e0 is not None else 0.0
+        if e0 is None:
+            self.available = False
+        self._window.append((self._t, 0.0, 0, 0))
         self._lock = threading.Lock()  # serialises tick() callers, never taken by the hot path
 
     # -- hot path (no meter access, no lock) ---------------------------------------------------
     def on_step(self, phase: str, prefill_tokens: int = 0, decode_tokens: int = 0,
-                req_tokens: dict[str, int] | None = None, finished: object = None) -> None:
+                req_tokens: dict[str, int] | None = None, finished: object = None, steady: bool = False) -> None:
         """A step of ``phase`` starts now.
 
         ``req_tokens``: scheduled tokens per request id (kept by reference, not copied);
-        ``finished``: ids of requests that finished before this step (their energy is final).
+        ``finished``: ids of requests that finished before this step (their energy is final);
+        ``steady``: the running batch is at its limit (steady state, see the module docstring).
         """
-        self._events.append((self.clock(), phase, req_tokens if self.per_request else None, finished if self.per_request else None))
+        self._events.append((self.clock(), phase, req_tokens if self.per_request else None, finished if self.per_request else None, steady))
         self.steps[phase] += 1
         self.tokens["prefill"] += prefill_tokens
         self.tokens["decode"] += decode_tokens
+        if steady:
+            self.steady_tokens["prefill"] += prefill_tokens
+            self.steady_tokens["decode"] += decode_tokens
 
     def on_finished(self, finished: object) -> None:
         """Requests reported finished by a step that schedules no work (vLLM sends one as a batch drains)."""
         if self.per_request and finished:
-            self._events.append((self.clock(), "", None, finished))
+            self._events.append((self.clock(), "", None, finished, False))
 
     def on_step_end(self) -> None:
         """The current step's host work ended now (its GPU work may still run)."""
-        self._events.append((self.clock(), None, None, None))
+        self._events.append((self.clock(), None, None, None, False))
 
     # -- background ----------------------------------------------------------------------------
     def tick(self) -> None:
@@ -95,16 +125,19 @@ class PhaseEnergyAccount:
 
             segments: list[tuple[float, dict]] = []
             finished: list = []
+            steady_s = [0.0]
 
-            def own(phase: str, t0: float, t1: float, req: dict | None = None) -> None:
+            def own(phase: str, t0: float, t1: float, req: dict | None = None, steady: bool = False) -> None:
                 if t1 > t0:
                     shares[phase] = shares.get(phase, 0.0) + (t1 - t0)
                     if req and phase != "idle":
                         segments.append((t1 - t0, req))
+                    if steady and phase != "idle":
+                        steady_s[0] += t1 - t0
 
-            t, phase, end_t, req = self._t, self._phase, self._end_t, self._req
+            t, phase, end_t, req, steady = self._t, self._phase, self._end_t, self._req, self._steady
             while self._events:
-                te, ev, ev_req, ev_fin = self._events.popleft()
+                te, ev, ev_req, ev_fin, ev_steady = self._events.popleft()
                 te = max(te, t)
                 if ev is None:
                     end_t = te
@@ -112,23 +145,35 @@ class PhaseEnergyAccount:
                 if ev == "":  # finished ids only: no new step
                     finished.extend(ev_fin)
                     continue
-                self._close(own, phase, t, te, end_t, req)
-                t, phase, end_t, req = te, ev, None, ev_req
+                self._close(own, phase, t, te, end_t, req, steady)
+                t, phase, end_t, req, steady = te, ev, None, ev_req, ev_steady
                 if ev_fin:
                     finished.extend(ev_fin)
-            self._close(own, phase, t, t_now, end_t, req)
+            self._close(own, phase, t, t_now, end_t, req, steady)
             if shares.get("idle", 0.0) > 0:
                 self.meter.on_idle(shares["idle"])  # a simulated meter adds idle power for it
             # Time after a long-finished step is idle from here on.
             if end_t is not None and t_now - end_t >= self.idle_after_s:
-                phase, end_t, req = "idle", None, None
-            e_now = self.meter.energy_j()
+                phase, end_t, req, steady = "idle", None, None, False
+            e_now = self.meter.energy_j() if self.available else None
+            if e_now is None:
+                # Meter unavailable (fault): nothing more is attributed; requests that finish from
+                # now on get None, never a partial figure.
+                self.available = False
+                self.request_j.clear()
+                for rid in finished:
+                    if self.on_request_done is not None:
+                        self.on_request_done(rid, None)
+                self._t, self._phase, self._end_t, self._req, self._steady = t_now, phase, end_t, req, steady
+                return
             d_e = e_now - self._e
             total = sum(shares.values())
             if total > 0:
                 for p, s in shares.items():
                     self.energy_j[p] += d_e * s / total
                     self.time_s[p] += s
+                self.steady_j += d_e * steady_s[0] / total
+                self.steady_s += steady_s[0]
             else:
                 self.energy_j[phase] += d_e
             if total > 0 and segments:
@@ -140,7 +185,10 @@ class PhaseEnergyAccount:
                     self.finished_requests += 1
                     if self.on_request_done is not None:
                         self.on_request_done(rid, j)
-            self._t, self._e, self._phase, self._end_t, self._req = t_now, e_now, phase, end_t, req
+            self._t, self._e, self._phase, self._end_t, self._req, self._steady = t_now, e_now, phase, end_t, req, steady
+            self._window.append((t_now, self.total_j(), self.tokens["prefill"], self.tokens["decode"]))
+            while len(self._window) > 2 and t_now - self._window[1][0] >= self.window_s:
+                self._window.popleft()
 
     def _attribute_requests(self, j_per_s: float, segments: list[tuple[float, dict]]) -> None:
         acc = self.request_j
@@ -152,13 +200,14 @@ class PhaseEnergyAccount:
             for rid, tok in req.items():
                 acc[rid] = acc.get(rid, 0.0) + k * tok
 
-    def _close(self, own: Callable[..., None], phase: str, t0: float, t1: float, end_t: float | None, req: dict | None) -> None:
+    def _close(self, own: Callable[..., None], phase: str, t0: float, t1: float, end_t: float | None, req: dict | None,
+               steady: bool = False) -> None:
         """Assign [t0, t1] to ``phase``, except a gap after the step's end longer than idle_after_s."""
         if phase != "idle" and end_t is not None and t1 - end_t >= self.idle_after_s:
-            own(phase, t0, max(t0, end_t), req)
+            own(phase, t0, max(t0, end_t), req, steady)
             own("idle", max(t0, end_t), t1)
         else:
-            own(phase, t0, t1, req)
+            own(phase, t0, t1, req, steady)
 
     @property
     def current_phase(self) -> str:
@@ -166,3 +215,13 @@ class PhaseEnergyAccount:
 
     def total_j(self) -> float:
         return sum(self.energy_j.values())
+
+    def window(self) -> dict[str, float]:
+        """Energy (J), tokens and seconds over the sliding window (oldest kept tick to the last tick).
+
+        ``seconds`` is 0 before the second tick. Figures are meaningless once ``available`` is False.
+        """
+        with self._lock:
+            t0, e0, p0, d0 = self._window[0]
+            t1, e1, p1, d1 = self._window[-1]
+        return {"seconds": t1 - t0, "energy_j": e1 - e0, "prefill_tokens": p1 - p0, "decode_tokens": d1 - d0}

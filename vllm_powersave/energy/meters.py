@@ -1,30 +1,80 @@
-"""Energy meters: NVML's total-energy counter (measured) or the simulated GPU (simulated).
+"""Energy meters: NVML's total-energy counter, sampled power, or the simulated GPU.
 
-Both expose the same small interface, so the per-phase accounting and the metrics do not care which
-one runs; ``source`` ("measured" / "simulated") travels with every figure.
+All meters expose the same small interface, so the per-phase accounting and the metrics do not care
+which one runs. Every figure travels with two labels:
+
+* ``source``: ``measured`` (read from the GPU) or ``simulated`` (the roofline/DVFS model);
+* ``method``: how the joules were obtained, documented here and on ``/metrics``:
+
+  - ``energy-counter``: ``nvmlDeviceGetTotalEnergyConsumption`` (mJ since driver load, Volta and
+    newer), with both window edges interpolated by instant power (see :class:`NvmlEnergyMeter`);
+  - ``power-sampling``: the trapezoid integral of power sampled by a background thread, for GPUs
+    without the counter (pre-Volta, some vGPUs answer ``NVML_ERROR_NOT_SUPPORTED``). Coarser: its
+    error grows with the sampling period and, where only ``nvmlDeviceGetPowerUsage`` exists, with
+    that reading's own averaging window (1 s on Ampere and newer, NVML docs);
+  - ``model``: the simulated GPU (``source`` is then ``simulated``).
+
+Faults (any NVML error at any call: NotSupported, NoPermission, GpuIsLost, Unknown, ...) never
+propagate: the figure concerned reads ``None``, a failed energy read makes the meter
+*unavailable* for the rest of the run (``energy_j()`` returns ``None``; no frozen or partial total
+is ever presented as current), and each meter logs exactly one warning, for its first fault.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import os
 import threading
+import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any
 
 from ..sim.gpu import SimulatedGpu
 
 log = logging.getLogger("vllm.powersave.energy")
 
+METHOD_COUNTER = "energy-counter"
+METHOD_SAMPLING = "power-sampling"
+METHOD_MODEL = "model"
+METHOD_NONE = "none"
+
+#: NVML return codes used here (values from nvml.h; identical in nvidia-ml-py).
+NVML_SUCCESS = 0
+NVML_ERROR_NOT_SUPPORTED = 3
+NVML_FI_DEV_POWER_INSTANT = 186
+
+#: A counter step implying more than this per GPU is not energy but a glitch (the largest modules,
+#: GB200 superchips, draw ~2.7 kW including the CPU).
+MAX_PLAUSIBLE_W = 5000.0
+
+
+def nvml_error_code(exc: BaseException) -> int | None:
+    """NVML return code of an ``NVMLError`` (or of the test fake), else ``None``."""
+    v = getattr(exc, "value", None)
+    return v if isinstance(v, int) else None
+
+
+def is_not_supported(exc: BaseException) -> bool:
+    return nvml_error_code(exc) == NVML_ERROR_NOT_SUPPORTED
+
 
 class EnergyMeter(ABC):
     """Cumulative energy of one GPU since the meter was created."""
 
     source: str = "measured"
+    method: str = METHOD_COUNTER
     gpu_id: str = "0"
+    #: Counter anomalies seen (see NvmlEnergyMeter); 0 for meters without a counter.
+    counter_resets: int = 0
+    counter_wraps: int = 0
+    faults: int = 0
+    unavailable_reason: str | None = None
 
     @abstractmethod
-    def energy_j(self) -> float:
-        """Joules since the meter started; never decreases."""
+    def energy_j(self) -> float | None:
+        """Joules since the meter started; never decreases. ``None`` once the meter is unavailable."""
 
     @abstractmethod
     def power_w(self) -> float | None:
@@ -33,6 +83,11 @@ class EnergyMeter(ABC):
     @abstractmethod
     def sm_clock_mhz(self) -> int | None:
         """Current SM clock in MHz, or ``None`` where unavailable."""
+
+    @property
+    def available(self) -> bool:
+        """False once an energy read has failed: energy figures of this GPU are then unknown."""
+        return self.unavailable_reason is None
 
     def extra(self) -> dict[str, float | int | None]:
         """Read-only device state: temperature (°C), memory clock (MHz), clock-event reasons (bitmask)."""
@@ -45,78 +100,402 @@ class EnergyMeter(ABC):
         pass
 
 
-class NvmlEnergyMeter(EnergyMeter):
-    """Reads ``nvmlDeviceGetTotalEnergyConsumption`` (mJ since driver load; updates every 100 ms).
+class _NvmlReader:
+    """NVML calls of one device with the fault policy: first fault warns once, later ones are quiet.
 
-    A counter that goes backwards (driver reload) is reported in ``resets`` and contributes no
-    energy for that interval instead of a negative or absurd value. NVML faults are logged once and
-    leave the last good value in place: metering must never take the server down.
+    ``NotSupported`` on an optional reading (temperature, clock-event reasons, ...) is a capability
+    of the device, not a fault: it is remembered and never asked again, without a warning.
+    """
+
+    def __init__(self, nvml: Any, handle: Any, gpu_id: str, owner: EnergyMeter) -> None:
+        self.nvml, self.handle, self.gpu_id, self.owner = nvml, handle, gpu_id, owner
+        self.unsupported: set[str] = set()
+        self.warned = False
+        self.instant_ok = hasattr(nvml, "nvmlDeviceGetFieldValues")
+
+    def fault(self, what: str, exc: BaseException) -> None:
+        self.owner.faults += 1
+        if not self.warned:
+            self.warned = True
+            log.warning("powersave: NVML %s failed on GPU %s (%s); the figures it feeds are marked unavailable, serving continues",
+                        what, self.gpu_id, exc)
+        else:
+            log.debug("powersave: NVML %s failed on GPU %s (%s)", what, self.gpu_id, exc)
+
+    def optional(self, key: str, fn: Callable[[], Any]) -> int | None:
+        if key in self.unsupported:
+            return None
+        try:
+            return int(fn())
+        except Exception as exc:
+            if is_not_supported(exc):
+                self.unsupported.add(key)
+            else:
+                self.fault(key, exc)
+            return None
+
+    def instant_power_w(self) -> float:
+        """``NVML_FI_DEV_POWER_INSTANT`` (W), falling back to ``nvmlDeviceGetPowerUsage``.
+
+        ``nvmlDeviceGetPowerUsage`` is a 1 s average on Ampere and newer (NVML docs), so the field
+        value is preferred where the driver has it (as Zeus does). Raises the NVML error if neither
+        answers.
+        """
+        n = self.nvml
+        if self.instant_ok:
+            try:
+                fid = getattr(n, "NVML_FI_DEV_POWER_INSTANT", NVML_FI_DEV_POWER_INSTANT)
+                v = n.nvmlDeviceGetFieldValues(self.handle, [fid])[0]
+                if int(v.nvmlReturn) == NVML_SUCCESS:
+                    return float(v.value.uiVal) / 1000.0
+                self.instant_ok = False  # this driver/GPU has no instant field: use the average
+            except Exception as exc:
+                if is_not_supported(exc):
+                    self.instant_ok = False
+                else:
+                    self.fault("instant power read", exc)  # then try the average for this reading
+        return float(n.nvmlDeviceGetPowerUsage(self.handle)) / 1000.0
+
+
+class NvmlEnergyMeter(EnergyMeter):
+    """``nvmlDeviceGetTotalEnergyConsumption`` with window edges interpolated by instant power.
+
+    The counter (mJ) advances in steps, about every 100 ms on Hopper (ML.ENERGY; measured on the
+    H200 test GPU in ``docs/results/h200-energy-meter.md``), so a raw difference of two reads is
+    off by up to one step's energy at each edge: ±70 J per edge at 700 W, which makes short
+    windows (and the per-tick attribution) meaningless. Each read therefore returns::
+
+        E(t) = C + P_instant(t) * (t - t_update)
+
+    where ``C`` is the counter and ``t_update`` the time of its last step. The counter steps at a
+    fixed period, so :meth:`sync_counter_phase` (called by the background publisher, never on the
+    step path) polls it every 1 ms until it steps, which gives the phase to ~1 ms and, on the first
+    call, the period; later syncs (every 30 s) refine the period over the long baseline. Every read
+    checks the phase (a step seen where none was due, or none where one was due, beyond 3 ms) and
+    drops it until the next sync if it is wrong. Without a phase the estimate uses the middle of
+    the last step's bracket between two reads: at most ``P x period / 2`` per edge, half the raw
+    counter's error. Errors do not accumulate: every read is re-anchored to the counter.
+
+    Counter anomalies, each counted, logged with one warning and bridged with instant power x
+    elapsed time instead of a negative or absurd value:
+
+    * ``counter_resets``: the counter went backwards (driver reload), or jumped by more than
+      :data:`MAX_PLAUSIBLE_W` over the interval;
+    * ``counter_wraps``: it went backwards by a 32- or 64-bit wrap (the delta across the wrap is
+      plausible and is kept).
+
+    The returned total never decreases (a momentary over-estimate is held until the counter
+    catches up). Any NVML error in the energy read makes the meter unavailable (``energy_j()`` ->
+    ``None``) with exactly one warning per meter (shared with the other reads).
 
     Args:
-        nvml: the ``pynvml`` module, or a fake with the same functions (tests).
+        nvml: the ``pynvml`` module (nvidia-ml-py), or a fake with the same functions (tests).
         handle: NVML device handle.
-        gpu_id: label for metrics (UUID or index).
+        gpu_id: label for metrics (UUID).
+        clock: monotonic seconds (tests inject one).
+        counter_period_s: the counter's update period, s.
+        interpolate: False reads the raw counter (quantised; for comparisons).
+
+    Raises:
+        the NVML error of the first counter read (e.g. ``NotSupported`` on pre-Volta GPUs), so that
+        :func:`open_nvml_meter` can fall back to power sampling.
     """
 
     source = "measured"
+    method = METHOD_COUNTER
 
-    def __init__(self, nvml: Any, handle: Any, gpu_id: str = "0") -> None:
+    def __init__(self, nvml: Any, handle: Any, gpu_id: str = "0", clock: Callable[[], float] = time.monotonic,
+                 counter_period_s: float = 0.1, interpolate: bool = True) -> None:
         self.nvml = nvml
         self.handle = handle
         self.gpu_id = gpu_id
+        self.clock = clock
+        self.period = counter_period_s
+        self.interpolate = interpolate
         self._lock = threading.Lock()
-        self._last_mj = int(nvml.nvmlDeviceGetTotalEnergyConsumption(handle))
-        self._total_mj = 0
-        self.resets = 0
+        self._r = _NvmlReader(nvml, handle, gpu_id, self)
+        self.counter_resets = 0
+        self.counter_wraps = 0
         self.faults = 0
+        self.unavailable_reason = None
+        self._last_mj = int(nvml.nvmlDeviceGetTotalEnergyConsumption(handle))  # raises: caller falls back
+        self._t_read = clock()
+        self._acc_mj = 0.0  # counter energy since start (anomalies bridged)
+        # When the counter steps: a time it stepped at (learnt by sync_counter_phase), else the
+        # bracket (lo, hi] of the last step seen between two reads.
+        self._phase_t: float | None = None
+        self._last_sync_t: float | None = None
+        self._bracket = (self._t_read - self.period, self._t_read)
+        self.sync_every_s = 30.0
+        self.sync_due = self._t_read
+        self.phase_losses = 0
+        self._power: float | None = None
+        self._t_power = -1.0
+        self._offset_j = 0.0
+        self._offset_j = self._estimate_j(self._t_read, self._read_power())
+        self._reported = 0.0
 
-    def energy_j(self) -> float:
+    # -- internals ---------------------------------------------------------------------------
+    def _read_power(self) -> float | None:
+        try:
+            p = self._r.instant_power_w()
+        except Exception as exc:
+            self._r.fault("power read", exc)
+            p = None
+        self._power, self._t_power = p, self.clock()
+        return p
+
+    def _estimate_j(self, t: float, p: float | None) -> float:
+        since = 0.0
+        if self.interpolate and p is not None:
+            since = self._since_update(t) * max(0.0, p)
+        return (self._acc_mj / 1000.0 + since) - self._offset_j
+
+    def _observe_update(self, t_prev: float, t: float, changed: bool) -> None:
+        """Keep the bracket of the last step and check the learnt phase against this pair of reads."""
+        T = self.period
+        if changed:
+            self._bracket = (max(t_prev, t - T), t)
+        if self._phase_t is None:
+            return
+        k_prev, k_now = math.floor((t_prev - self._phase_t) / T), math.floor((t - self._phase_t) / T)
+        tol = 0.003  # s: poll resolution plus jitter
+        if changed and k_now == k_prev:
+            nearest = min(abs(t - (self._phase_t + (k_now + 1) * T)), abs(t_prev - (self._phase_t + k_now * T)))
+            ok = nearest <= tol
+        elif not changed and k_now > k_prev:
+            first = self._phase_t + (k_prev + 1) * T
+            ok = first - t_prev <= tol or (k_now == k_prev + 1 and t - first <= tol)
+        else:
+            ok = True
+        if not ok:  # the counter does not step where the learnt phase says: relearn it soon
+            self._phase_t = None
+            self.sync_due = t
+            self.phase_losses += 1
+
+    def _since_update(self, t: float) -> float:
+        """Estimated seconds since the counter's last step before ``t`` (0 .. period)."""
+        T = self.period
+        if self._phase_t is not None:
+            return (t - self._phase_t) % T
+        lo, hi = self._bracket  # phase unknown: the middle of the last step's bracket
+        return min(T, max(0.0, t - (lo + hi) / 2))
+
+    def sync_counter_phase(self, poll_s: float = 0.001, sleep: Callable[[float], None] = time.sleep) -> bool:
+        """Learn when the counter steps: poll it every ``poll_s`` until it changes (background only).
+
+        The first call follows two steps and also measures the period; later calls (every
+        ``sync_every_s``, or after a read contradicted the phase) follow one step and refine the
+        period over the long baseline. At most ~2.5 periods of polling (``poll_s`` apart, NVML reads
+        only). Returns False if the counter did not step in that time (phase stays unknown).
+        """
+        if self.unavailable_reason is not None or not self.interpolate:
+            return False
+        T = self.period
+        steps: list[float] = []
+        try:
+            c_prev, t_prev = int(self.nvml.nvmlDeviceGetTotalEnergyConsumption(self.handle)), self.clock()
+            deadline = t_prev + 2.5 * T
+            want = 2 if self._phase_t is None else 1
+            while len(steps) < want and self.clock() < deadline:
+                sleep(poll_s)
+                c, t = int(self.nvml.nvmlDeviceGetTotalEnergyConsumption(self.handle)), self.clock()
+                if c != c_prev:
+                    steps.append((t_prev + t) / 2)
+                c_prev, t_prev = c, t
+        except Exception as exc:
+            log.debug("powersave: counter phase sync failed on GPU %s: %s", self.gpu_id, exc)
+            return False  # the next energy read reports the fault
+        self.sync_due = self.clock() + self.sync_every_s
+        if len(steps) < want:
+            return False
+        if len(steps) == 2 and 0.5 * T < steps[1] - steps[0] < 2.0 * T:
+            T = self.period = steps[1] - steps[0]
+        elif self._last_sync_t is not None:
+            n = round((steps[-1] - self._last_sync_t) / T)
+            if n >= 2 and abs((steps[-1] - self._last_sync_t) / n - T) < 0.05 * T:
+                self.period = (steps[-1] - self._last_sync_t) / n
+        self._phase_t = self._last_sync_t = steps[-1]
+        return True
+
+    def _step(self, now_mj: int, t: float) -> None:
+        d = now_mj - self._last_mj
+        dt = max(t - self._t_read, 0.0)
+        limit_mj = MAX_PLAUSIBLE_W * (dt + 2 * self.period) * 1000.0
+        bridge = (self._power or 0.0) * dt * 1000.0
+        if d < 0:
+            for bits in (32, 64):
+                wrapped = now_mj + (1 << bits) - self._last_mj
+                if 0 <= wrapped <= limit_mj and self._last_mj < (1 << bits):
+                    self.counter_wraps += 1
+                    log.warning("powersave: NVML energy counter of GPU %s wrapped at 2^%d mJ; delta kept (%d mJ)", self.gpu_id, bits, wrapped)
+                    self._acc_mj += wrapped
+                    break
+            else:
+                self.counter_resets += 1
+                log.warning("powersave: NVML energy counter of GPU %s went backwards (%d -> %d mJ: driver reload?); "
+                            "interval bridged with instant power x %.3f s", self.gpu_id, self._last_mj, now_mj, dt)
+                self._acc_mj += bridge
+        elif d > limit_mj:
+            self.counter_resets += 1
+            log.warning("powersave: NVML energy counter of GPU %s jumped by %d mJ in %.3f s (> %.0f W); "
+                        "interval bridged with instant power", self.gpu_id, d, dt, MAX_PLAUSIBLE_W)
+            self._acc_mj += bridge
+        else:
+            self._acc_mj += d
+        self._observe_update(self._t_read, t, now_mj != self._last_mj)
+        self._last_mj, self._t_read = now_mj, t
+
+    # -- interface ---------------------------------------------------------------------------
+    def energy_j(self) -> float | None:
         with self._lock:
+            if self.unavailable_reason is not None:
+                return None
             try:
                 now = int(self.nvml.nvmlDeviceGetTotalEnergyConsumption(self.handle))
             except Exception as exc:
-                self.faults += 1
-                if self.faults == 1:
-                    log.error("powersave: NVML energy read failed (%s); keeping the last value", exc)
-                return self._total_mj / 1000.0
-            if now < self._last_mj:
-                self.resets += 1
-                log.warning("powersave: NVML energy counter went backwards (%d -> %d mJ): reset; interval dropped", self._last_mj, now)
-            else:
-                self._total_mj += now - self._last_mj
-            self._last_mj = now
-            return self._total_mj / 1000.0
+                self.unavailable_reason = f"energy counter read failed: {exc}"
+                self._r.fault("energy counter read", exc)
+                return None
+            t = self.clock()
+            p = self._read_power() if self.interpolate else self._power
+            self._step(now, t)
+            self._reported = max(self._reported, self._estimate_j(t, p))
+            return self._reported
 
     def power_w(self) -> float | None:
-        try:
-            return self.nvml.nvmlDeviceGetPowerUsage(self.handle) / 1000.0
-        except Exception:
-            return None
+        # The tick reads instant power with the counter; reuse a reading younger than 50 ms.
+        if self._power is not None and self.clock() - self._t_power < 0.05:
+            return self._power
+        return self._read_power()
 
     def sm_clock_mhz(self) -> int | None:
-        try:
-            return int(self.nvml.nvmlDeviceGetClockInfo(self.handle, self.nvml.NVML_CLOCK_SM))
-        except Exception:
-            return None
+        n = self.nvml
+        return self._r.optional("sm clock", lambda: n.nvmlDeviceGetClockInfo(self.handle, n.NVML_CLOCK_SM))
 
     def extra(self) -> dict[str, float | int | None]:
-        n, h, out = self.nvml, self.handle, {}
-        for key, fn in (("temperature_c", lambda: n.nvmlDeviceGetTemperature(h, n.NVML_TEMPERATURE_GPU)),
-                        ("mem_clock_mhz", lambda: n.nvmlDeviceGetClockInfo(h, n.NVML_CLOCK_MEM)),
-                        # Named "throttle reasons" before NVML 12; same bitmask (0x4 = SW power cap).
-                        ("clock_event_reasons", lambda: n.nvmlDeviceGetCurrentClocksEventReasons(h)
-                         if hasattr(n, "nvmlDeviceGetCurrentClocksEventReasons") else n.nvmlDeviceGetCurrentClocksThrottleReasons(h))):
-            try:
-                out[key] = int(fn())
-            except Exception:
-                out[key] = None
-        return out
+        return _extra(self._r)
+
+
+def _extra(r: _NvmlReader) -> dict[str, float | int | None]:
+    n, h = r.nvml, r.handle
+
+    def reasons() -> int:
+        # Named "throttle reasons" before NVML 12; same bitmask (0x4 = SW power cap).
+        if hasattr(n, "nvmlDeviceGetCurrentClocksEventReasons"):
+            return n.nvmlDeviceGetCurrentClocksEventReasons(h)
+        return n.nvmlDeviceGetCurrentClocksThrottleReasons(h)
+
+    return {
+        "temperature_c": r.optional("temperature", lambda: n.nvmlDeviceGetTemperature(h, n.NVML_TEMPERATURE_GPU)),
+        "mem_clock_mhz": r.optional("memory clock", lambda: n.nvmlDeviceGetClockInfo(h, n.NVML_CLOCK_MEM)),
+        "clock_event_reasons": r.optional("clock-event reasons", reasons),
+    }
+
+
+class PowerSamplingEnergyMeter(EnergyMeter):
+    """Energy as the trapezoid integral of sampled power, for GPUs without the energy counter.
+
+    A daemon thread samples instant power (``NVML_FI_DEV_POWER_INSTANT``, else
+    ``nvmlDeviceGetPowerUsage``) every ``period_s``; ``energy_j()`` returns the integral up to the
+    last sample plus the last power held to now. The same method as Zeus's pre-Volta path
+    (``PowerMonitor`` + AUC). ``source`` is ``measured``, ``method`` ``power-sampling``.
+
+    Args:
+        nvml, handle, gpu_id: as :class:`NvmlEnergyMeter`.
+        period_s: sampling period, s (the error of a window grows with it).
+        start_thread: False for tests, which call :meth:`sample` themselves.
+
+    Raises:
+        the NVML error of the first power read, when the GPU reports no power at all.
+    """
+
+    source = "measured"
+    method = METHOD_SAMPLING
+
+    def __init__(self, nvml: Any, handle: Any, gpu_id: str = "0", period_s: float = 0.05,
+                 clock: Callable[[], float] = time.monotonic, start_thread: bool = True) -> None:
+        self.nvml, self.handle, self.gpu_id, self.clock = nvml, handle, gpu_id, clock
+        self.period_s = period_s
+        self.faults = 0
+        self.unavailable_reason = None
+        self._r = _NvmlReader(nvml, handle, gpu_id, self)
+        self._lock = threading.Lock()
+        p0 = self._r.instant_power_w()  # raises: no power reading at all
+        self._t, self._p, self._j = clock(), p0, 0.0
+        self.samples = 1
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if start_thread:
+            self._thread = threading.Thread(target=self._run, name=f"powersave-power-{gpu_id}", daemon=True)
+            self._thread.start()
+
+    def sample(self) -> None:
+        """Take one power sample and extend the integral (trapezoid rule)."""
+        if self.unavailable_reason is not None:
+            return
+        try:
+            p = self._r.instant_power_w()
+        except Exception as exc:
+            with self._lock:
+                self.unavailable_reason = f"power read failed: {exc}"
+            self._r.fault("power read", exc)
+            return
+        t = self.clock()
+        with self._lock:
+            self._j += (self._p + p) / 2.0 * max(0.0, t - self._t)
+            self._t, self._p = t, p
+            self.samples += 1
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            self.sample()
+
+    def energy_j(self) -> float | None:
+        with self._lock:
+            if self.unavailable_reason is not None:
+                return None
+            return self._j + self._p * max(0.0, self.clock() - self._t)
+
+    def power_w(self) -> float | None:
+        return None if self.unavailable_reason is not None else self._p
+
+    def sm_clock_mhz(self) -> int | None:
+        n = self.nvml
+        return self._r.optional("sm clock", lambda: n.nvmlDeviceGetClockInfo(self.handle, n.NVML_CLOCK_SM))
+
+    def extra(self) -> dict[str, float | int | None]:
+        return _extra(self._r)
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+class UnavailableEnergyMeter(EnergyMeter):
+    """A GPU whose energy cannot be read at all (NVML refuses every energy and power reading)."""
+
+    source = "measured"
+    method = METHOD_NONE
+
+    def __init__(self, gpu_id: str, reason: str) -> None:
+        self.gpu_id = gpu_id
+        self.unavailable_reason = reason
+
+    def energy_j(self) -> float | None:
+        return None
+
+    def power_w(self) -> float | None:
+        return None
+
+    def sm_clock_mhz(self) -> int | None:
+        return None
 
 
 class SimulatedEnergyMeter(EnergyMeter):
     """Energy of a :class:`SimulatedGpu`. Every figure is simulated."""
 
     source = "simulated"
+    method = METHOD_MODEL
 
     def __init__(self, gpu: SimulatedGpu, gpu_id: str = "sim0", shadow: SimulatedGpu | None = None) -> None:
         self.gpu = gpu
@@ -126,7 +505,7 @@ class SimulatedEnergyMeter(EnergyMeter):
         self.shadow = shadow
         self._start = gpu.energy_j
 
-    def energy_j(self) -> float:
+    def energy_j(self) -> float | None:
         return self.gpu.energy_j - self._start
 
     def power_w(self) -> float | None:
@@ -141,14 +520,93 @@ class SimulatedEnergyMeter(EnergyMeter):
         return self.gpu.sm_clock_mhz
 
 
-def nvml_handle_for_torch_device(nvml: Any, device_index: int) -> tuple[Any, str]:
-    """NVML handle and UUID of torch's CUDA device ``device_index``.
+def open_nvml_meter(nvml: Any, handle: Any, gpu_id: str, sample_period_s: float = 0.05,
+                    clock: Callable[[], float] = time.monotonic, start_thread: bool = True) -> EnergyMeter:
+    """The best meter this GPU allows: counter, else power sampling, else unavailable.
 
-    NVML enumerates all GPUs and ignores ``CUDA_VISIBLE_DEVICES``; torch's index is relative to it.
-    Matching by UUID is the one mapping that is right under any visibility mask or MIG.
+    Only ``NotSupported`` on the counter (a capability: pre-Volta, some vGPUs) leads to power
+    sampling; any other error is a fault and the meter is unavailable. Never raises. Exactly one
+    warning when the meter is not the counter.
     """
-    import torch
+    try:
+        return NvmlEnergyMeter(nvml, handle, gpu_id, clock=clock)
+    except Exception as exc:
+        counter_exc = exc
+    if not is_not_supported(counter_exc):
+        log.warning("powersave: NVML energy counter read failed on GPU %s (%s); energy figures of this GPU are marked unavailable, "
+                    "serving continues", gpu_id, counter_exc)
+        return UnavailableEnergyMeter(gpu_id, f"energy counter read failed: {counter_exc}")
+    try:
+        m = PowerSamplingEnergyMeter(nvml, handle, gpu_id, period_s=sample_period_s, clock=clock, start_thread=start_thread)
+    except Exception as exc:
+        log.warning("powersave: GPU %s: no NVML energy counter (%s) and no power reading (%s); energy figures unavailable",
+                    gpu_id, counter_exc, exc)
+        return UnavailableEnergyMeter(gpu_id, f"no energy counter ({counter_exc}) and no power reading ({exc})")
+    log.warning("powersave: GPU %s has no NVML energy counter (%s); energy from power sampled every %.0f ms "
+                "(method 'power-sampling', coarser than the counter)", gpu_id, counter_exc, 1000 * sample_period_s)
+    return m
 
-    uuid = str(torch.cuda.get_device_properties(device_index).uuid)
-    nvml_uuid = uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"
-    return nvml.nvmlDeviceGetHandleByUUID(nvml_uuid), nvml_uuid
+
+def resolve_nvml_device(nvml: Any, device_index: int, torch_uuid: str | None = None,
+                        visible: str | None = None) -> tuple[Any, str]:
+    """NVML handle and UUID of the CUDA device ``device_index`` of this process.
+
+    NVML enumerates all GPUs and ignores ``CUDA_VISIBLE_DEVICES``; CUDA's (and torch's) index is
+    relative to it. Order of evidence:
+
+    1. ``torch_uuid`` (``torch.cuda.get_device_properties(i).uuid``): exact under any mask and MIG;
+    2. entry ``device_index`` of ``visible`` (``CUDA_VISIBLE_DEVICES``): a UUID (``GPU-...``,
+       ``MIG-...``, or a unique prefix of one, as CUDA accepts) or an NVML index (valid with
+       ``CUDA_DEVICE_ORDER=PCI_BUS_ID``, which NVML's order is);
+    3. no mask: ``device_index`` itself as the NVML index.
+
+    Raises:
+        ValueError: the mask has no entry ``device_index``, or a UUID prefix matches no or several GPUs.
+        The NVML error of a failed lookup.
+    """
+    def by_uuid(uuid: str) -> tuple[Any, str]:
+        try:
+            return nvml.nvmlDeviceGetHandleByUUID(uuid), uuid
+        except Exception:
+            # CUDA accepts unique UUID prefixes in CUDA_VISIBLE_DEVICES; NVML wants the full UUID.
+            matches = []
+            for i in range(int(nvml.nvmlDeviceGetCount())):
+                h = nvml.nvmlDeviceGetHandleByIndex(i)
+                full = _text(nvml.nvmlDeviceGetUUID(h))
+                if full.startswith(uuid):
+                    matches.append((h, full))
+            if len(matches) != 1:
+                raise ValueError(f"CUDA_VISIBLE_DEVICES entry {uuid!r} matches {len(matches)} NVML devices") from None
+            return matches[0]
+
+    if torch_uuid:
+        u = str(torch_uuid)
+        return by_uuid(u if u.startswith(("GPU-", "MIG-")) else f"GPU-{u}")
+    if visible is not None and visible.strip() != "":
+        entries = [e.strip() for e in visible.split(",") if e.strip()]
+        if device_index >= len(entries):
+            raise ValueError(f"CUDA_VISIBLE_DEVICES={visible!r} has no entry {device_index}")
+        e = entries[device_index]
+        if not e.lstrip("-").isdigit():
+            return by_uuid(e)
+        idx = int(e)
+    else:
+        idx = device_index
+    h = nvml.nvmlDeviceGetHandleByIndex(idx)
+    return h, _text(nvml.nvmlDeviceGetUUID(h))
+
+
+def _text(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def nvml_handle_for_torch_device(nvml: Any, device_index: int) -> tuple[Any, str]:
+    """NVML handle and UUID of torch's CUDA device ``device_index`` (see :func:`resolve_nvml_device`)."""
+    uuid = None
+    try:
+        import torch
+
+        uuid = str(torch.cuda.get_device_properties(device_index).uuid)
+    except Exception as exc:  # older torch without .uuid: fall back to CUDA_VISIBLE_DEVICES
+        log.debug("powersave: torch device UUID unavailable (%s)", exc)
+    return resolve_nvml_device(nvml, device_index, uuid, os.environ.get("CUDA_VISIBLE_DEVICES"))

@@ -1,0 +1,307 @@
+"""Per-request energy for HTTP clients (API-server process).
+
+Workers write one JSON line per finished request to ``<stats_dir>/requests-rank<N>.jsonl``
+(``energy/account.py`` explains the token-share attribution). This module reads those files in the
+API server and returns the figures two ways that OpenAI clients ignore safely:
+
+* **Response headers** on non-streaming ``/v1/completions`` and ``/v1/chat/completions``
+  responses (status 200, ``application/json``)::
+
+      x-powersave-energy-status: complete | pending | unavailable
+      x-powersave-energy-j: 0.731542          (only when complete: joules, sum over the engine's GPUs)
+      x-powersave-energy-source: measured | simulated
+      x-powersave-energy-method: energy-counter | power-sampling | model
+
+  Attribution is tick-based: a request's energy is final once a worker has seen vLLM report it
+  finished (with the next engine step, or the empty step vLLM runs when a batch drains) and has
+  ticked; the step hook wakes the publisher at once for that, so the lag is a few ms plus one
+  file write. The middleware holds the finished response for at most ``response_wait_ms``
+  (settings, default 200 ms) waiting for every rank's line; past that the response goes out with
+  ``status: pending`` and no figure (never a partial sum over some ranks). Streaming responses
+  send their headers before the request finishes and get nothing added.
+
+* **A read-only route** ``GET /powersave/requests/{id}[?wait_ms=N]``, ``id`` being the ``id`` of
+  the OpenAI response (``cmpl-...``, ``chatcmpl-...``). 200 with JSON (``energy_j``,
+  ``status``, ``gpus``: joules per GPU, ``ranks_expected``/``ranks_reported``, ``source``,
+  ``method``, ``parts``: vLLM's internal requests summed, e.g. one per prompt or per ``n``
+  sample); 404 while nothing is recorded. ``wait_ms`` (at most 10000) waits for completion.
+  Like ``/metrics`` and ``/health`` it is outside vLLM's ``--api-key`` guard (which covers
+  ``/v1`` paths); response ids are random, and the route reveals joules only.
+
+Id matching: vLLM runs a response as one or more internal requests named
+``[<k>_]<response id>[-<prompt index>|_<prompt index>]-<8 hex>`` (``<k>_``: sample ``k`` of ``n``;
+the 8 hex characters are vLLM's uniqueness suffix). A line is filed under every prefix form of
+its id, so the route and the header find all parts of a response. Two client-chosen
+``X-Request-Id`` values that differ only by such a suffix (``a`` and ``a-1``) would share figures.
+Completeness counts the ranks that publish a snapshot in ``stats_dir`` (one engine; with data
+parallelism several engines publish there and figures stay ``partial``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, unquote
+
+log = logging.getLogger("vllm.powersave")
+
+_SUFFIX = re.compile(r"^(.*)-[0-9a-f]{8}$")
+_INDEX = re.compile(r"^(.*)[-_]\d+$")
+_CHILD = re.compile(r"^\d+_(.+)$")
+COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
+ROUTE = "/powersave/requests/"
+MAX_ROUTE_WAIT_S = 10.0
+
+
+def candidate_keys(internal_id: str) -> set[str]:
+    """Every response id an internal vLLM request id can belong to (see the module docstring)."""
+    out: set[str] = set()
+    bases = [internal_id]
+    m = _CHILD.match(internal_id)
+    if m:
+        bases.append(m.group(1))
+    for b in bases:
+        forms = [b]
+        s = _SUFFIX.match(b)
+        if s:
+            forms.append(s.group(1))
+        for f in list(forms):
+            i = _INDEX.match(f)
+            if i:
+                forms.append(i.group(1))
+        out.update(forms)
+    return out
+
+
+class RequestEnergyIndex:
+    """In-memory index over the workers' ``requests-rank<N>.jsonl`` files, read incrementally.
+
+    Keeps the newest ``max_requests`` internal requests. Not thread-safe; used from the API
+    server's event loop.
+    """
+
+    def __init__(self, stats_dir: str | Path, max_requests: int = 100_000) -> None:
+        self.stats_dir = Path(stats_dir)
+        self.max_requests = max_requests
+        self._offsets: dict[Path, int] = {}
+        self._partial: dict[Path, bytes] = {}
+        # internal id -> {rank: record}
+        self._records: OrderedDict[str, dict[int, dict[str, Any]]] = OrderedDict()
+        self._keys: dict[str, set[str]] = {}
+        self._ranks = 0
+        self._last_refresh = -1.0
+
+    def refresh(self, min_interval_s: float = 0.0) -> None:
+        """Read lines appended since the last call (at most once per ``min_interval_s``)."""
+        now = time.monotonic()
+        if now - self._last_refresh < min_interval_s:
+            return
+        self._last_refresh = now
+        if not self.stats_dir.is_dir():
+            return
+        self._ranks = sum(1 for _ in self.stats_dir.glob("rank*.json"))
+        for path in sorted(self.stats_dir.glob("requests-rank*.jsonl")):
+            try:
+                with open(path, "rb") as f:
+                    f.seek(self._offsets.get(path, 0))
+                    data = f.read()
+            except OSError:
+                continue
+            if not data:
+                continue
+            self._offsets[path] = self._offsets.get(path, 0) + len(data)
+            data = self._partial.pop(path, b"") + data
+            lines = data.split(b"\n")
+            if lines[-1]:
+                self._partial[path] = lines[-1]  # a line still being written
+            for raw in lines[:-1]:
+                try:
+                    self._add(json.loads(raw))
+                except (ValueError, TypeError, KeyError):
+                    continue
+
+    def _add(self, rec: dict[str, Any]) -> None:
+        rid = str(rec["request_id"])
+        rank = int(rec.get("rank", 0))
+        if rid not in self._records:
+            self._records[rid] = {}
+            for k in candidate_keys(rid):
+                self._keys.setdefault(k, set()).add(rid)
+            while len(self._records) > self.max_requests:
+                old, _ = self._records.popitem(last=False)
+                for k in candidate_keys(old):
+                    ids = self._keys.get(k)
+                    if ids is not None:
+                        ids.discard(old)
+                        if not ids:
+                            del self._keys[k]
+        self._records[rid][rank] = rec
+
+    def lookup(self, response_id: str) -> dict[str, Any] | None:
+        """Energy of one OpenAI response id, or ``None`` if no line names it yet.
+
+        ``status``: ``complete`` (every part reported by every rank), ``partial`` (some lines
+        missing: ``energy_j`` is then ``None``), ``unavailable`` (a rank's meter was unavailable).
+        """
+        ids = self._keys.get(response_id)
+        if not ids:
+            return None
+        gpus: dict[str, float] = {}
+        sources, methods = set(), set()
+        unavailable = False
+        reported = []
+        total = 0.0
+        for rid in sorted(ids):
+            ranks = self._records.get(rid, {})
+            reported.append(len(ranks))
+            for rec in ranks.values():
+                sources.add(str(rec.get("source", "?")))
+                methods.add(str(rec.get("method", "?")))
+                j = rec.get("energy_j")
+                if j is None:
+                    unavailable = True
+                    continue
+                gpu = str(rec.get("gpu", "?"))
+                gpus[gpu] = gpus.get(gpu, 0.0) + float(j)
+                total += float(j)
+        expected = max(self._ranks, max(reported, default=0), 1)
+        complete = all(n >= expected for n in reported)
+        status = "unavailable" if unavailable else ("complete" if complete else "partial")
+        return {
+            "id": response_id,
+            "status": status,
+            "energy_j": round(total, 6) if status == "complete" else None,
+            "gpus": {g: round(j, 6) for g, j in sorted(gpus.items())},
+            "source": ",".join(sorted(sources)),
+            "method": ",".join(sorted(methods)),
+            "parts": len(ids),
+            "ranks_expected": expected,
+            "ranks_reported": min(reported, default=0),
+        }
+
+    async def wait(self, response_id: str, timeout_s: float, poll_s: float = 0.005) -> dict[str, Any] | None:
+        """:meth:`lookup` until the status is final (complete/unavailable) or ``timeout_s`` passed."""
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        while True:
+            self.refresh(min_interval_s=poll_s / 2)
+            res = self.lookup(response_id)
+            if (res is not None and res["status"] != "partial") or time.monotonic() >= deadline:
+                return res
+            await asyncio.sleep(poll_s)
+
+
+def energy_headers(res: dict[str, Any] | None) -> list[tuple[bytes, bytes]]:
+    """The ``x-powersave-energy-*`` headers for a lookup result (see the module docstring)."""
+    if res is None or res["status"] == "partial":
+        return [(b"x-powersave-energy-status", b"pending")]
+    out = [(b"x-powersave-energy-status", res["status"].encode())]
+    if res["status"] == "complete":
+        out.append((b"x-powersave-energy-j", f"{res['energy_j']:.6f}".encode()))
+    out.append((b"x-powersave-energy-source", res["source"].encode()))
+    out.append((b"x-powersave-energy-method", res["method"].encode()))
+    return out
+
+
+class RequestEnergyMiddleware:
+    """Pure ASGI middleware: energy headers on finished non-streaming completions, and the route.
+
+    Fails open: any error inside it sends the response unchanged.
+    """
+
+    def __init__(self, app: Any, index: RequestEnergyIndex, wait_s: float = 0.2) -> None:
+        self.app = app
+        self.index = index
+        self.wait_s = wait_s
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope.get("type") != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        root = scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root):]
+        method = scope.get("method", "")
+        if path.startswith(ROUTE) and method in ("GET", "HEAD"):
+            await self._route(scope, path[len(ROUTE):], send)
+            return
+        if method != "POST" or path not in COMPLETION_PATHS:
+            await self.app(scope, receive, send)
+            return
+        await self._with_headers(scope, receive, send)
+
+    async def _with_headers(self, scope: dict, receive: Any, send: Any) -> None:
+        start: dict | None = None
+        body: list[bytes] = []
+        passthrough = False
+
+        async def capture(message: dict) -> None:
+            nonlocal start, passthrough
+            if passthrough:
+                await send(message)
+                return
+            if message["type"] == "http.response.start":
+                ctype = dict(message.get("headers") or []).get(b"content-type", b"")
+                if message.get("status") != 200 or not ctype.startswith(b"application/json"):
+                    passthrough = True  # streams and errors go out untouched
+                    await send(message)
+                    return
+                start = message
+                return
+            if message["type"] == "http.response.body" and start is not None:
+                body.append(message.get("body", b""))
+                if message.get("more_body", False):
+                    return
+                await self._finish(start, b"".join(body), send)
+                return
+            await send(message)
+
+        await self.app(scope, receive, capture)
+
+    async def _finish(self, start: dict, payload: bytes, send: Any) -> None:
+        headers = list(start.get("headers") or [])
+        try:
+            rid = json.loads(payload).get("id")
+            if isinstance(rid, str) and rid:
+                res = await self.index.wait(rid, self.wait_s)
+                headers += energy_headers(res)
+        except Exception as exc:  # fail open: the client gets its response either way
+            log.debug("powersave: energy header skipped: %s", exc)
+        await send({**start, "headers": headers})
+        await send({"type": "http.response.body", "body": payload, "more_body": False})
+
+    async def _route(self, scope: dict, rest: str, send: Any) -> None:
+        rid = unquote(rest.strip("/"))
+        qs = parse_qs((scope.get("query_string") or b"").decode(errors="replace"))
+        try:
+            wait_s = min(MAX_ROUTE_WAIT_S, max(0.0, float(qs.get("wait_ms", ["0"])[0]) / 1000.0))
+        except ValueError:
+            await _json(send, 400, {"error": f"query parameter 'wait_ms' = {qs.get('wait_ms', [''])[0]!r}: not a number"})
+            return
+        if not rid or "/" in rid:
+            await _json(send, 404, {"error": "use GET /powersave/requests/{response id}"})
+            return
+        res = await self.index.wait(rid, wait_s)
+        if res is None:
+            await _json(send, 404, {"id": rid, "status": "unknown",
+                                    "error": f"no energy recorded for request {rid!r} (yet: it is written once the request finished)"})
+            return
+        await _json(send, 200, res)
+
+
+async def _json(send: Any, status: int, obj: dict[str, Any]) -> None:
+    body = json.dumps(obj).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def install(app: Any, stats_dir: str | Path, wait_s: float) -> None:
+    """Add the middleware to a FastAPI/Starlette ``app`` that has not started yet."""
+    app.add_middleware(RequestEnergyMiddleware, index=RequestEnergyIndex(stats_dir), wait_s=wait_s)
