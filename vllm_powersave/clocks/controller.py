@@ -328,10 +328,12 @@ class ClockController:
     def on_arrival(self, now: float | None = None) -> None:
         """A request arrived (look-ahead): an idle-clocked GPU ramps up before the first step.
 
-        Raises to the prefill preset at once if the current clock is lower; never lowers. Called
-        from the scheduler's ``add_request`` where the worker shares the EngineCore process.
+        Only from the idle phase (arrivals during serving join the running batch and are handled
+        by the step's own decision); raises to the prefill preset at once if the current clock is
+        lower, never lowers. Called from the scheduler's ``add_request`` where the worker shares
+        the EngineCore process.
         """
-        if not self.settings.lookahead or self.disabled_reason is not None or self._closed:
+        if self.phase != "idle" or not self.settings.lookahead or self.disabled_reason is not None or self._closed:
             return
         target = self._all_targets["prefill"]
         if _rank(target) > _rank(self.current):

@@ -1,0 +1,166 @@
+"""Controller decisions: look-ahead, arrival ramp, async scheduling, rank agreement, kernel groups."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from vllm_powersave.clocks import ClockController, DryRunClockBackend
+from vllm_powersave.clocks.controller import group_gate
+from vllm_powersave.phases import StepInfo
+from vllm_powersave.runtime import RegimeFilter
+from vllm_powersave.settings import load_settings
+
+
+def _settings(**kw):
+    c = {"min_dwell_ms": 200, "presets": {"decode": {"sm_clock_mhz": 1200}, "idle": {"sm_clock_mhz": 345}}}
+    c.update(kw)
+    return load_settings({"clocks": c}, env={}).clocks
+
+
+def _ctl(clock=lambda: 0.0, **kw):
+    host_ahead = kw.pop("host_ahead_steps", 0)
+    return ClockController(DryRunClockBackend(), _settings(**kw), asynchronous=False, clock=clock, watchdog=False, host_ahead_steps=host_ahead)
+
+
+def _step(phase, tokens, reqs=32):
+    dec = reqs if phase in ("decode", "mixed") else 0
+    return StepInfo(phase, reqs, reqs - dec, dec, tokens - dec, dec, 0, reqs, 1000)
+
+
+def test_waiting_queue_raises_the_clock_before_the_burst_starts():
+    f = RegimeFilter(window_s=0.5, share_max=0.3, burst_tokens=2048, memory_bound_max_tokens=150)
+    ctl = _ctl()
+    t = 0.0
+    for _ in range(100):  # a decode regime
+        t += 0.005
+        ctl.on_phase(f.phase(_step("decode", 32), t), t)
+    assert ctl.target_sm_clock_mhz == 1200
+    # A 100-token mixed step on its own is memory-bound (decode clock) ...
+    t += 0.005
+    assert f.phase(_step("mixed", 132), t, waiting_tokens=0) == "decode"
+    # ... but with 16 prompts of 512 tokens waiting, the next steps are a prefill burst: raise now.
+    t += 0.005
+    ctl.on_phase(f.phase(_step("mixed", 132), t, waiting_tokens=16 * 512), t)
+    assert ctl.target_sm_clock_mhz is None and ctl.decisions[-1].sm_clock_mhz is None
+
+
+def test_idle_gpu_ramps_up_when_a_request_arrives_but_decode_regime_does_not():
+    ctl = _ctl()
+    ctl.on_phase("idle", 0.0)
+    ctl.on_phase("idle", 0.3)
+    assert ctl.target_sm_clock_mhz == 345
+    ctl.on_arrival(0.31)
+    assert ctl.target_sm_clock_mhz is None and [d.phase for d in ctl.decisions][-1] == "arrival"
+    for i in range(60):
+        ctl.on_phase("decode", 0.32 + i * 0.005)
+    assert ctl.target_sm_clock_mhz == 1200
+    n = ctl.n_changes
+    ctl.on_arrival(0.7)  # arrivals during decode join the running batch: no ramp
+    assert ctl.n_changes == n and ctl.target_sm_clock_mhz == 1200
+    off = _ctl(lookahead=False)
+    off.on_phase("idle", 0.0)
+    off.on_phase("idle", 0.3)
+    off.on_arrival(0.31)
+    assert off.target_sm_clock_mhz == 345
+
+
+def test_async_scheduling_lowers_one_step_later_and_raises_at_once():
+    sync, ahead = _ctl(min_dwell_ms=0), _ctl(min_dwell_ms=0, host_ahead_steps=1)
+    for c in (sync, ahead):
+        c.on_phase("prefill", 0.0)
+        c.on_phase("decode", 0.01)
+    # The step the host schedules is not yet running: the prefill before it is still on the GPU.
+    assert sync.target_sm_clock_mhz == 1200 and ahead.target_sm_clock_mhz is None
+    ahead.on_phase("decode", 0.02)
+    assert ahead.target_sm_clock_mhz == 1200
+    ahead.on_phase("prefill", 0.03)
+    assert ahead.target_sm_clock_mhz is None  # raising is never delayed
+
+
+def test_ranks_with_different_local_clocks_take_identical_decisions():
+    """Each rank's own clock differs (start skew, jitter); the scheduler stamp they all receive is one."""
+    import random
+
+    rng = random.Random(4)
+    phases = []
+    while len(phases) < 3000:  # decode runs between bursts of compute-bound steps
+        phases += ["decode"] * rng.randint(20, 300) + [rng.choice(["prefill", "mixed"]) for _ in range(rng.randint(5, 60))]
+    stamps = [i * 0.004 for i in range(len(phases))]
+    streams = []
+    for skew in (0.0, 0.0031):
+        local = {"t": 0.0}
+        f = RegimeFilter(0.5, 0.3, 2048, 150)
+        ctl = _ctl(clock=lambda: local["t"])
+        for ph, t in zip(phases, stamps):
+            local["t"] = t + skew + rng.uniform(0, 0.002)  # what this rank's own clock says
+            info = _step(ph, 32 if ph == "decode" else 600)
+            ctl.on_phase(f.phase(info, t), t)
+        streams.append([(d.t_monotonic_s, d.phase, d.sm_clock_mhz) for d in ctl.decisions])
+    assert len(streams[0]) >= 8 and streams[0] == streams[1]
+
+
+def test_group_presets_gated_by_measured_duration_versus_switch_latency():
+    s = _settings(presets={"prefill": {"groups": {"lm_head": {"sm_clock_mhz": 1200, "duration_ms": 50.9},
+                                                  "attention": {"sm_clock_mhz": 1500, "duration_ms": 0.7},
+                                                  "sampling": {"sm_clock_mhz": 990}}}},
+                  switch_latency_ms=6.0, group_min_switch_multiple=5.0)
+    active, ignored = group_gate(s)
+    assert {ph: sorted(g) for ph, g in active.items()} == {"prefill": ["lm_head"]}
+    assert active["prefill"]["lm_head"].sm_clock_mhz == 1200
+    assert sorted(line.split(":")[0] for line in ignored) == ["clocks.presets.prefill.groups.attention", "clocks.presets.prefill.groups.sampling"]
+    assert "0.7 ms < 5 x switch latency 6 ms" in " ".join(ignored) and "no measured duration_ms" in " ".join(ignored)
+    # With the default multiple (10 x 6 ms = 60 ms) even the 50.9 ms LM head is ignored.
+    assert group_gate(_settings(presets=s.model_dump()["presets"]))[0] == {}
+
+    ctl = ClockController(DryRunClockBackend(), s, asynchronous=False, watchdog=False)
+    ctl.on_phase("prefill", 0.0)
+    ctl.on_group("attention", 0.001)  # ignored group: nothing happens
+    ctl.on_group("lm_head", 0.01)
+    assert ctl.target_sm_clock_mhz == 1200
+    ctl.end_group(0.07)
+    assert ctl.target_sm_clock_mhz is None
+    ctl.on_phase("decode", 0.08)
+    ctl.on_group("lm_head", 0.09)  # no lm_head preset in decode
+    assert [(d.phase, d.sm_clock_mhz) for d in ctl.decisions] == [("prefill/lm_head", 1200), ("prefill", None)]
+
+
+def test_group_duration_must_be_positive():
+    from vllm_powersave.settings import SettingsError
+
+    with pytest.raises(SettingsError, match=r"clocks.presets.prefill.groups.mlp.duration_ms' = -1"):
+        _settings(presets={"prefill": {"groups": {"mlp": {"sm_clock_mhz": 1200, "duration_ms": -1}}}})
+    with pytest.raises(SettingsError, match=r"clocks.presets.prefill.groups.softmax"):
+        _settings(presets={"prefill": {"groups": {"softmax": {"sm_clock_mhz": 1200}}}})
+
+
+PROBE = r"""
+import json, pickle
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.core.sched.output import SchedulerOutput
+# Stand-ins for the real methods (which need a whole engine); our wrappers go around them.
+Scheduler.schedule = lambda self, *a, **k: SchedulerOutput.make_empty()
+Scheduler.add_request = lambda self, request: self.waiting.append(request)
+from vllm_powersave import vllm_compat
+arrivals = []
+assert vllm_compat.install_scheduler_hooks(arrivals.append)
+class Req:
+    def __init__(self, p, c): self.num_prompt_tokens, self.num_computed_tokens = p, c
+class Sched: pass
+s = Sched(); s.waiting = []
+for p, c in [(512, 0), (2048, 1024)] + [(10, 0)] * 100:
+    Scheduler.add_request(s, Req(p, c))
+out = pickle.loads(pickle.dumps(Scheduler.schedule(s)))   # the broadcast to the workers pickles it
+t, n, tokens = vllm_compat.step_lookahead(out)
+print(json.dumps({"arrivals": arrivals[:3], "n": n, "tokens": tokens, "t": t > 0}))
+"""
+
+
+def test_scheduler_hooks_stamp_lookahead_that_survives_the_broadcast():
+    pytest.importorskip("vllm")
+    p = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    # 102 waiting; tokens summed over the first 64: 512 + 1024 + 62 * 10.
+    assert r == {"arrivals": [512, 2048, 10], "n": 102, "tokens": 512 + 1024 + 620, "t": True}
