@@ -186,7 +186,8 @@ class WorkerRuntime:
         atexit.register(self.close)
         log.info(
             "powersave: active on rank %d (gpu %s): energy %s, clocks %s%s, chunk table %s",
-            self.rank, gpu_id, self.meter.source if self.meter else "off", self.clocks.backend.kind,
+            self.rank, gpu_id, (f"{self.meter.source} ({self.meter.method}{'' if self.meter.available else ', unavailable'})"
+                                if self.meter else "off"), self.clocks.backend.kind,
             " (simulated)" if self.clocks.backend.kind == "simulated" else "",
             [(r.min_rows, r.chunks) for r in settings.chunking.table] or "none",
         )

@@ -73,6 +73,7 @@ class PhaseEnergyAccount:
         self.window_s = window_s
         self._window: deque[tuple[float, float, int, int]] = deque()
         self.available = True
+        self._unknown: set[str] = set()  # requests in flight while the meter is unavailable
         self.per_request = per_request
         self.on_request_done = on_request_done
         self.request_j: dict[str, float] = {}  # in flight
@@ -160,10 +161,15 @@ class PhaseEnergyAccount:
                 # Meter unavailable (fault): nothing more is attributed; requests that finish from
                 # now on get None, never a partial figure.
                 self.available = False
+                self._unknown.update(self.request_j)
                 self.request_j.clear()
+                for _, req_tok in segments:
+                    self._unknown.update(req_tok)
                 for rid in finished:
-                    if self.on_request_done is not None:
-                        self.on_request_done(rid, None)
+                    if rid in self._unknown:
+                        self._unknown.discard(rid)
+                        if self.on_request_done is not None:
+                            self.on_request_done(rid, None)
                 self._t, self._phase, self._end_t, self._req, self._steady = t_now, phase, end_t, req, steady
                 return
             d_e = e_now - self._e

@@ -472,23 +472,44 @@ class PowerSamplingEnergyMeter(EnergyMeter):
 
 
 class UnavailableEnergyMeter(EnergyMeter):
-    """A GPU whose energy cannot be read at all (NVML refuses every energy and power reading)."""
+    """A GPU whose energy cannot be read (NVML fault at start, or no counter and no power).
+
+    With an NVML handle, the other read-only gauges (power, clocks, temperature) are still read
+    where they answer; their faults are quiet (the one warning was logged by whoever found the
+    meter unavailable).
+    """
 
     source = "measured"
     method = METHOD_NONE
 
-    def __init__(self, gpu_id: str, reason: str) -> None:
+    def __init__(self, gpu_id: str, reason: str, nvml: Any = None, handle: Any = None) -> None:
         self.gpu_id = gpu_id
         self.unavailable_reason = reason
+        self.faults = 0
+        self._r = _NvmlReader(nvml, handle, gpu_id, self) if nvml is not None else None
+        if self._r is not None:
+            self._r.warned = True
 
     def energy_j(self) -> float | None:
         return None
 
     def power_w(self) -> float | None:
-        return None
+        if self._r is None:
+            return None
+        try:
+            return self._r.instant_power_w()
+        except Exception as exc:
+            self._r.fault("power read", exc)
+            return None
 
     def sm_clock_mhz(self) -> int | None:
-        return None
+        if self._r is None:
+            return None
+        n = self._r.nvml
+        return self._r.optional("sm clock", lambda: n.nvmlDeviceGetClockInfo(self._r.handle, n.NVML_CLOCK_SM))
+
+    def extra(self) -> dict[str, float | int | None]:
+        return _extra(self._r) if self._r is not None else {}
 
 
 class SimulatedEnergyMeter(EnergyMeter):
@@ -535,13 +556,13 @@ def open_nvml_meter(nvml: Any, handle: Any, gpu_id: str, sample_period_s: float 
     if not is_not_supported(counter_exc):
         log.warning("powersave: NVML energy counter read failed on GPU %s (%s); energy figures of this GPU are marked unavailable, "
                     "serving continues", gpu_id, counter_exc)
-        return UnavailableEnergyMeter(gpu_id, f"energy counter read failed: {counter_exc}")
+        return UnavailableEnergyMeter(gpu_id, f"energy counter read failed: {counter_exc}", nvml, handle)
     try:
         m = PowerSamplingEnergyMeter(nvml, handle, gpu_id, period_s=sample_period_s, clock=clock, start_thread=start_thread)
     except Exception as exc:
         log.warning("powersave: GPU %s: no NVML energy counter (%s) and no power reading (%s); energy figures unavailable",
                     gpu_id, counter_exc, exc)
-        return UnavailableEnergyMeter(gpu_id, f"no energy counter ({counter_exc}) and no power reading ({exc})")
+        return UnavailableEnergyMeter(gpu_id, f"no energy counter ({counter_exc}) and no power reading ({exc})", nvml, handle)
     log.warning("powersave: GPU %s has no NVML energy counter (%s); energy from power sampled every %.0f ms "
                 "(method 'power-sampling', coarser than the counter)", gpu_id, counter_exc, 1000 * sample_period_s)
     return m

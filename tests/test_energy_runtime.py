@@ -1,0 +1,274 @@
+"""The energy layer inside a worker (WorkerRuntime) with a fake NVML: faults at every NVML call,
+multi-GPU (TP ranks) sums, and the per-request attribution invariant."""
+
+import json
+import logging
+import random
+import sys
+from types import SimpleNamespace
+
+import pytest
+from fakes import FakeNvmlDevices
+from prometheus_client import CollectorRegistry, generate_latest
+
+from vllm_powersave import runtime as rt_mod
+from vllm_powersave import vllm_compat
+from vllm_powersave.energy import PhaseEnergyAccount
+from vllm_powersave.energy.meters import NvmlEnergyMeter
+from vllm_powersave.metrics import PowersaveCollector
+from vllm_powersave.request_energy import RequestEnergyIndex
+from vllm_powersave.settings import PowersaveSettings
+
+CODES = {"NotSupported": 3, "NoPermission": 4, "GpuIsLost": 15, "Unknown": 999}
+
+
+class Warnings(logging.Handler):
+    """Counts WARNING+ records of the plugin's loggers (vLLM may stop propagation to root)."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.records = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+
+@pytest.fixture
+def warnings_seen():
+    h = Warnings()
+    lg = logging.getLogger("vllm.powersave")
+    old = lg.level
+    lg.addHandler(h)
+    lg.setLevel(logging.DEBUG)
+    yield h.records
+    lg.removeHandler(h)
+    lg.setLevel(old)
+
+
+def sched(reqs, finished=()):
+    """A decode step's SchedulerOutput (the fields vllm_compat reads)."""
+    ids = list(reqs)
+    return SimpleNamespace(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=ids, num_computed_tokens=[10] * len(ids), num_output_tokens=[1] * len(ids)),
+        num_scheduled_tokens=dict(reqs), total_num_scheduled_tokens=sum(reqs.values()),
+        scheduled_spec_decode_tokens={}, finished_req_ids=set(finished))
+
+
+def make_runtime(monkeypatch, tmp_path, nvml, rank=0, visible="GPU-bbbb-1111"):
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)  # _init_nvml imports it
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    monkeypatch.setattr(vllm_compat, "runner_identity", lambda r: {"rank": r.rank, "device_type": "cuda", "device_index": 0})
+    runner = SimpleNamespace(rank=rank, scheduler_config=SimpleNamespace(max_num_seqs=2, async_scheduling=False))
+    # idle_after_s 20: the background publisher (period 0.5 s) stays out of the way; the test ticks.
+    settings = PowersaveSettings.model_validate({"stats_dir": str(tmp_path), "per_request_energy": True,
+                                                 "energy": {"idle_after_s": 20.0}})
+    return rt_mod.WorkerRuntime(runner, settings)
+
+
+def scrape(stats_dir):
+    reg = CollectorRegistry()
+    reg.register(PowersaveCollector(stats_dir, "t"))
+    out = {}
+    for line in generate_latest(reg).decode().splitlines():
+        if line.startswith("powersave_"):
+            k, v = line.rsplit(" ", 1)
+            out[k] = float(v)
+    return out
+
+
+def run_steps(rt, nvml, n=6):
+    for i in range(n):
+        rt.on_step_start(sched({"a": 1, "b": 1}, finished=("x",) if i == 0 else ()))
+        nvml.energy_mj = [e + 30_000 for e in nvml.energy_mj]
+        rt.on_step_end()
+        rt.account.tick()
+    rt.on_step_start(sched({"b": 1}, finished=("a",)))
+    rt.on_step_end()
+    rt.account.tick()
+    rt.publish()
+
+
+# call -> what a fault there affects
+MATRIX = {
+    "nvmlDeviceGetTotalEnergyConsumption": "energy",
+    "nvmlDeviceGetFieldValues": "instant-power",
+    "nvmlDeviceGetPowerUsage": "power",
+    "nvmlDeviceGetClockInfo": "clocks",
+    "nvmlDeviceGetTemperature": "temperature",
+    "nvmlDeviceGetCurrentClocksEventReasons": "reasons",
+}
+
+
+@pytest.mark.parametrize("when", ["start", "running"])
+@pytest.mark.parametrize("code", CODES)
+@pytest.mark.parametrize("call", MATRIX)
+def test_fault_at_every_nvml_call_serving_continues_one_warning(monkeypatch, tmp_path, warnings_seen, call, code, when):
+    # PowerUsage is only read where the instant-power field is missing.
+    nvml = FakeNvmlDevices(uuids=("GPU-aaaa-0000", "GPU-bbbb-1111"), instant=call != "nvmlDeviceGetPowerUsage")
+    if when == "start":
+        nvml.faults[call] = CODES[code]
+    runtime = make_runtime(monkeypatch, tmp_path, nvml)
+    try:
+        assert runtime.gpu_id == "GPU-bbbb-1111"  # CUDA_VISIBLE_DEVICES=GPU-bbbb-1111 -> NVML device 1
+        run_steps(runtime, nvml, 2)
+        if when == "running":
+            nvml.faults[call] = CODES[code]
+        run_steps(runtime, nvml, 4)  # serving continues: no exception from the hooks, ticks or publishing
+        m = scrape(tmp_path)
+        lines = [json.loads(x) for x in (tmp_path / "requests-rank0.jsonl").read_text().splitlines()]
+    finally:
+        runtime.close()
+    what = MATRIX[call]
+    capability = code == "NotSupported" and what in ("instant-power", "clocks", "temperature", "reasons")
+    assert len(warnings_seen) == (0 if capability else 1), [r.getMessage() for r in warnings_seen]
+    gpu = 'gpu="GPU-bbbb-1111"'
+    energy_series = [k for k in m if k.startswith("powersave_gpu_energy_joules_total{")]
+    if what == "energy" and not (when == "start" and code == "NotSupported"):
+        # unavailable: the gauge says so, and no energy figure is published (none frozen)
+        method = "energy-counter" if when == "running" else "none"
+        assert m[f'powersave_energy_available{{{gpu},method="{method}"}}'] == 0.0
+        assert not energy_series and not any(k.startswith(("powersave_engine_energy", "powersave_tokens_per_joule")) for k in m)
+        assert [x["energy_j"] for x in lines if x["request_id"] == "a"][-1] is None  # finished after the fault
+    elif what == "energy":  # no counter at start: power sampling, labelled
+        assert m[f'powersave_energy_available{{{gpu},method="power-sampling"}}'] == 1.0
+        assert energy_series and all('method="power-sampling"' in k and 'source="measured"' in k for k in energy_series)
+    else:
+        assert m[f'powersave_energy_available{{{gpu},method="energy-counter"}}'] == 1.0
+        assert sum(m[k] for k in energy_series) > 0
+        assert [x["energy_j"] > 0 for x in lines if x["request_id"] == "a"] == [True, True]
+    power = f'powersave_gpu_power_watts{{{gpu},source="measured"}}'
+    if what == "power":
+        assert power not in m
+    elif what != "energy":
+        assert m[power] == 250.0  # the instant field, or the average where it fails
+    present = {"clocks": 'powersave_sm_clock_mhz{' + gpu, "temperature": "powersave_gpu_temperature_celsius{" + gpu,
+               "reasons": "powersave_clock_event_reasons{" + gpu}
+    for w, prefix in present.items():
+        assert any(k.startswith(prefix) for k in m) == (w != what), w
+
+
+def test_nvml_init_or_device_lookup_failing_marks_energy_unavailable(monkeypatch, tmp_path, warnings_seen):
+    for faults in ({"nvmlInit": 999}, {"nvmlDeviceGetHandleByUUID": 15, "nvmlDeviceGetCount": 15}):
+        warnings_seen.clear()
+        nvml = FakeNvmlDevices(uuids=("GPU-aaaa-0000", "GPU-bbbb-1111"))
+        nvml.faults.update(faults)
+        (tmp_path / str(len(faults))).mkdir()
+        runtime = make_runtime(monkeypatch, tmp_path / str(len(faults)), nvml)
+        try:
+            run_steps(runtime, nvml, 3)
+            m = scrape(tmp_path / str(len(faults)))
+        finally:
+            runtime.close()
+        assert len(warnings_seen) == 1, [r.getMessage() for r in warnings_seen]
+        assert m['powersave_energy_available{gpu="cuda0-rank0",method="none"}'] == 0.0  # never the simulated H200
+        assert m['powersave_steps_total{gpu="cuda0-rank0",phase="decode"}'] == 4.0  # serving went on
+        assert not any(k.startswith("powersave_gpu_energy_joules_total") for k in m)
+
+
+def test_tensor_parallel_ranks_sum_to_engine_and_requests(monkeypatch, tmp_path):
+    """Two fake GPUs (TP=2: same steps, different power): engine = sum of ranks, per request too."""
+    nvml = [FakeNvmlDevices(uuids=("GPU-aaaa-0000", "GPU-bbbb-1111")) for _ in range(2)]
+    rts = [make_runtime(monkeypatch, tmp_path, nvml[r], rank=r, visible=("GPU-aaaa-0000", "GPU-bbbb-1111")[r]) for r in range(2)]
+    try:
+        steps = [({"r1": 64}, ()), ({"r1": 1, "r2": 32}, ()), ({"r1": 1, "r2": 1}, ()), ({"r2": 1}, ("r1",)), ({}, ("r2",))]
+        for reqs, fin in steps:
+            for r, rt in enumerate(rts):  # every rank gets the same scheduler output
+                rt.on_step_start(sched(reqs, fin))
+                nvml[r].energy_mj = [e + (40_000 if r == 0 else 25_000) for e in nvml[r].energy_mj]
+                rt.on_step_end()
+                rt.account.tick()
+        for rt in rts:
+            rt.account.tick()
+            rt.publish()
+        m = scrape(tmp_path)
+        acc = [rt.account for rt in rts]
+    finally:
+        for rt in rts:
+            rt.close()
+    per_gpu = {}
+    for k, v in m.items():
+        if k.startswith("powersave_gpu_energy_joules_total{"):
+            g = k.split('gpu="')[1].split('"')[0]
+            per_gpu[g] = per_gpu.get(g, 0.0) + v
+    engine = sum(v for k, v in m.items() if k.startswith("powersave_engine_energy_joules_total{"))
+    assert set(per_gpu) == {"GPU-aaaa-0000", "GPU-bbbb-1111"}
+    assert engine == pytest.approx(per_gpu["GPU-aaaa-0000"] + per_gpu["GPU-bbbb-1111"], rel=1e-9)
+    assert per_gpu["GPU-aaaa-0000"] > per_gpu["GPU-bbbb-1111"] > 0
+    idx = RequestEnergyIndex(tmp_path)
+    idx.refresh()
+    req = {r: idx.lookup(r) for r in ("r1", "r2")}
+    for r in ("r1", "r2"):
+        assert req[r]["status"] == "complete" and req[r]["ranks_reported"] == 2
+        assert req[r]["energy_j"] == pytest.approx(sum(req[r]["gpus"].values()), abs=1e-5)
+    # per rank and summed over ranks: requests + idle == total
+    for a in acc:
+        assert a.finished_request_j + sum(a.request_j.values()) + a.energy_j["idle"] == pytest.approx(a.total_j(), rel=1e-9)
+    total_req = req["r1"]["energy_j"] + req["r2"]["energy_j"]
+    idle = sum(a.energy_j["idle"] for a in acc)
+    assert total_req + idle == pytest.approx(engine, rel=0.01)
+    assert m['powersave_tokens_per_joule{kind="total",source="measured",window="run"}'] == pytest.approx(
+        (64 + 33 + 2 + 1) / engine, rel=1e-6)  # tokens counted once, energy of both GPUs
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_requests_plus_idle_equal_measured_total_within_1_percent_with_interpolation():
+    """A random serving trace on an interpolating counter meter with a 100 ms counter: the
+    attribution sums to the account total exactly and to the GPU's true energy within 1 %."""
+    rng = random.Random(3)
+    clock = Clock()
+    nvml = FakeNvmlDevices(power_w=200.0)
+    true_j = [0.0]
+    t_upd = [0.0]
+
+    def advance(dt, watts):
+        # the counter steps every 100 ms to the energy up to that step
+        nvml.power_mw[0] = int(watts * 1000)
+        end = clock.t + dt
+        while t_upd[0] + 0.1 <= end:
+            true_j[0] += watts * (t_upd[0] + 0.1 - max(clock.t, t_upd[0]))
+            clock.t = max(clock.t, t_upd[0])
+            t_upd[0] += 0.1
+            clock.t = t_upd[0]
+            nvml.energy_mj[0] = 1_000_000 + int(true_j[0] * 1000)
+        true_j[0] += watts * (end - clock.t)
+        clock.t = end
+
+    meter = NvmlEnergyMeter(nvml, 0, "g", clock=clock)
+    done = {}
+    acc = PhaseEnergyAccount(meter, idle_after_s=0.25, clock=clock, per_request=True, on_request_done=lambda r, j: done.__setitem__(r, j))
+    running, finished, n, next_tick = {}, [], 0, 0.125
+    t_start_true = true_j[0]
+    while clock.t < 40:
+        if rng.random() < 0.05 or not running:
+            n += 1
+            running[f"q{n}"] = rng.randint(50, 400)  # prompt tokens first
+        step = {r: (tok if tok > 1 else 1) for r, tok in running.items()}
+        acc.on_step("mixed" if any(v > 1 for v in step.values()) else "decode", req_tokens=step, finished=finished)
+        finished = []
+        advance(rng.uniform(0.01, 0.04), rng.choice([250.0, 400.0, 600.0]))
+        acc.on_step_end()
+        for r in list(running):
+            running[r] = 1 if running[r] > 1 else running[r]
+            if rng.random() < 0.03:
+                finished.append(r)
+                del running[r]
+        if rng.random() < 0.02:
+            advance(rng.uniform(0.3, 1.5), 90.0)  # idle gap
+        if clock.t >= next_tick:
+            acc.tick()
+            next_tick = clock.t + rng.uniform(0.1, 0.15)
+    acc.on_finished(set(running) | set(finished))
+    advance(0.3, 90.0)
+    acc.tick()
+    assert len(done) == n and not acc.request_j
+    total = acc.total_j()
+    assert sum(done.values()) + acc.energy_j["idle"] == pytest.approx(total, rel=1e-9)
+    assert total == pytest.approx(true_j[0] - t_start_true, rel=0.01)
