@@ -15,7 +15,13 @@ from typing import Any
 
 from .config import BenchConfig
 from .errors import LoadTestError
-from .report import compare_table, format_markdown, format_table, plot_results, write_result_json
+from .report import (
+    compare_table,
+    format_markdown,
+    format_table,
+    plot_results,
+    write_result_json,
+)
 from .runner import run
 
 

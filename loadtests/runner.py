@@ -21,6 +21,7 @@ from .metrics import calculate_metrics, energy_metrics, peak_metrics, percentile
 from .shapes import arrival_offsets, ramp_offsets
 from .window import steady_state, sum_readings, timeline
 
+
 def schedule(cfg: BenchConfig, n: int) -> list[float]:
     """Send offsets (s) for ``n`` measured requests from the config's load shape (not for traces)."""
     if cfg.ramp_up_strategy is not None:
@@ -79,7 +80,7 @@ class _Progress:
                 from tqdm import tqdm
             except ImportError:  # optional: no bar rather than no run
                 return
-            self._bar = tqdm(total=total, desc=desc, unit="req", file=sys.stderr, leave=False, dynamic_ncols=True)
+            self._bar = tqdm(total=total, desc=desc, unit="req", file=sys.stderr, dynamic_ncols=True)
 
     def update(self) -> None:
         if self._bar is not None:
@@ -266,7 +267,10 @@ async def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
 
     connector = aiohttp.TCPConnector(limit=cfg.max_concurrency or 0)
     # trust_env=False: never route through proxies from the environment; only the given URLs are contacted.
-    async with aiohttp.ClientSession(connector=connector, trust_env=False) as session:
+    # Metrics scrapes get their own session: in the request pool (limited to max_concurrency) they would
+    # wait for a request to finish, so every sample would land between requests.
+    async with aiohttp.ClientSession(connector=connector, trust_env=False) as session, \
+            aiohttp.ClientSession(trust_env=False) as metrics_session:
         tmo = min(cfg.connect_timeout_s, cfg.timeout_s)
         models = list(await asyncio.gather(*(check_server(session, url, cfg.model, tmo) for url in endpoints)))
         warm_failed = 0
@@ -276,7 +280,7 @@ async def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
                 max_concurrency=cfg.max_concurrency or len(warm), deadline=deadline,
             )
             warm_failed = sum(1 for o in w_out if not o.success)
-        meters, names, scope = await _open_meters(session, cfg)
+        meters, names, scope = await _open_meters(metrics_session, cfg)
         stop = asyncio.Event()
         sampler = (asyncio.create_task(_sampler(meters, cfg.sample_interval_s, stop))
                    if meters and cfg.sample_interval_s > 0 else None)

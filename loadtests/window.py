@@ -47,7 +47,7 @@ def steady_state_bounds(outputs: Sequence[RequestOutput], batch: int) -> tuple[f
     done = sorted(o.start_time + o.latency for o in outputs if o.latency > 0)
     k_end = n - batch - 1
     if k_end < 1:
-        return f"needs more than 2B + 1 requests (N = {n}, B = {batch})"
+        return f"needs at least B + 2 requests (N = {n}, B = {batch})"
     if len(first) < batch:
         return f"only {len(first)} requests got a first token; the batch of {batch} never filled"
     if len(done) < k_end:

@@ -1,176 +1,35 @@
 """Tests for the ``loadtests`` harness against an in-process fake OpenAI-compatible server.
 
-The fake server runs in its own thread/event loop so both the async API and the CLI's
-``asyncio.run`` can talk to it. Energy is deterministic: each request adds PREFILL_J to
-the prefill series and DECODE_J per generated token to the decode series, so the
+The fake server (``loadtests.fake_server``) runs in its own thread/event loop so both the async
+API and the CLI's ``asyncio.run`` can talk to it. Energy is deterministic: each request adds
+PREFILL_J to the prefill series and DECODE_J per generated token to the decode series, so the
 expected energy delta is known exactly (values are dyadic, so float sums are exact).
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from aiohttp import web
 
 from loadtests import BenchConfig, ConfigError, compare_table, format_markdown, run
+from loadtests import energy as energy_mod
 from loadtests.__main__ import main
 from loadtests.client import RequestOutput
 from loadtests.datasets import RequestInput, random_requests
-from loadtests import energy as energy_mod
 from loadtests.energy import diff_counters, parse_energy_counters
+from loadtests.fake_server import DECODE_J, PREFILL_J, FakeServer
 from loadtests.metrics import calculate_metrics, percentile, summarize_ms
 from loadtests.runner import arrival_offsets
 
 REPO = Path(__file__).resolve().parents[1]
-PREFILL_J = 0.5
-DECODE_J = 0.25
-
-
-class FakeServer:
-    """Minimal OpenAI-compatible server with a ``powersave_gpu_energy_joules_total`` counter.
-
-    Prompt markers change behaviour: ``MALFORMED`` (bad JSON chunk mid-stream),
-    ``HTTP500`` (error status), ``SLOW`` (first token after ``slow_delay`` s),
-    ``HANG`` (never finishes).
-    """
-
-    def __init__(
-        self,
-        *,
-        first_delay: float = 0.02,
-        itl_delay: float = 0.002,
-        slow_delay: float = 0.4,
-        usage: bool = True,
-        tokens_per_chunk: int = 1,
-        metrics: bool = True,
-        sources: dict[str, str] | None = None,
-        typed_total: bool = False,
-    ) -> None:
-        self.first_delay = first_delay
-        self.itl_delay = itl_delay
-        self.slow_delay = slow_delay
-        self.usage = usage
-        self.tokens_per_chunk = tokens_per_chunk
-        self.metrics = metrics
-        self.sources = sources or {"prefill": "simulated", "decode": "simulated", "idle": "simulated"}
-        self.typed_total = typed_total
-        self.energy = {"prefill": 0.0, "decode": 0.0, "idle": 3.0}
-        self.payloads: list[dict[str, Any]] = []
-        self.inflight = 0
-        self.max_inflight = 0
-        self.url = ""
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
-        self._runner: web.AppRunner | None = None
-
-    # -- lifecycle -------------------------------------------------------------------
-    def start(self) -> "FakeServer":
-        self._thread.start()
-        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(timeout=10)
-        return self
-
-    async def _start(self) -> None:
-        app = web.Application()
-        app.router.add_get("/v1/models", self._models)
-        app.router.add_post("/v1/completions", self._complete)
-        app.router.add_post("/v1/chat/completions", self._complete)
-        if self.metrics:
-            app.router.add_get("/metrics", self._metrics)
-        # handler_cancellation: a HANG handler dies when the client gives up, so shutdown is quick.
-        self._runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.1)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        port = self._runner.addresses[0][1]
-        self.url = f"http://127.0.0.1:{port}"
-
-    def stop(self) -> None:
-        assert self._runner is not None
-        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(timeout=10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=5)
-
-    # -- handlers --------------------------------------------------------------------
-    async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
-
-    async def _metrics(self, request: web.Request) -> web.Response:
-        name = "powersave_gpu_energy_joules_total" if self.typed_total else "powersave_gpu_energy_joules"
-        lines = [f"# HELP {name} GPU energy by phase", f"# TYPE {name} counter"]
-        for phase, v in self.energy.items():
-            labels = f'gpu="0",phase="{phase}",source="{self.sources[phase]}"'
-            lines.append(f"powersave_gpu_energy_joules_total{{{labels}}} {v!r}")
-            lines.append(f"powersave_gpu_energy_joules_created{{{labels}}} 1.7e9")
-        lines.append("# TYPE other_metric gauge")
-        lines.append("other_metric 42.0")
-        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
-
-    async def _complete(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        self.payloads.append(body)
-        chat = request.path.endswith("/chat/completions")
-        prompt = body["messages"][0]["content"] if chat else body["prompt"]
-        if "HTTP500" in prompt:
-            return web.json_response({"error": {"message": "boom"}}, status=500)
-        self.inflight += 1
-        self.max_inflight = max(self.max_inflight, self.inflight)
-        try:
-            return await self._generate(request, body, chat, prompt)
-        finally:
-            self.inflight -= 1
-
-    async def _generate(self, request: web.Request, body: dict[str, Any], chat: bool, prompt: str) -> web.StreamResponse:
-        self.energy["prefill"] += PREFILL_J
-        n = int(body["max_tokens"])
-        usage = {"prompt_tokens": len(prompt.split()) + 1, "completion_tokens": n, "total_tokens": 0}
-        first = self.slow_delay if "SLOW" in prompt else self.first_delay
-        if "HANG" in prompt:
-            await asyncio.sleep(30)
-        if not body.get("stream"):
-            await asyncio.sleep(first)
-            self.energy["decode"] += DECODE_J * n
-            text = " ".join(f"tok{i}" for i in range(n))
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}} if chat else {"index": 0, "text": text}
-            out: dict[str, Any] = {"choices": [choice]}
-            if self.usage:
-                out["usage"] = usage
-            return web.json_response(out)
-
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-
-        async def send(obj: Any) -> None:
-            data = obj if isinstance(obj, str) else json.dumps(obj)
-            await resp.write(f"data: {data}\n\n".encode())
-
-        if chat:  # role-only chunk with empty content must not count as the first token
-            await send({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
-        sent = 0
-        while sent < n:
-            await asyncio.sleep(first if sent == 0 else self.itl_delay)
-            k = min(self.tokens_per_chunk, n - sent)
-            self.energy["decode"] += DECODE_J * k
-            text = "".join(f" tok{sent + j}" for j in range(k))
-            choice = {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
-            await send({"choices": [choice]})
-            sent += k
-            if "MALFORMED" in prompt:
-                await send("{this is not json")
-                return resp
-        if self.usage and body.get("stream_options", {}).get("include_usage"):
-            await send({"choices": [], "usage": usage})
-        await send("[DONE]")
-        return resp
 
 
 @pytest.fixture
