@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -39,6 +40,8 @@ def server(tiny_model, tmp_path_factory):
     STATS["dir"] = tmp_path_factory.mktemp("stats")
     cfg = {"powersave": {"config_file": str(PRESET), "clocks": {"min_dwell_ms": 50}, "cuda_perf_boost": "off",
                          "per_request_energy": True, "stats_dir": str(STATS["dir"]),
+                         # a loaded 2-core CI machine may need more than the default 200 ms
+                         "energy": {"response_wait_ms": 3000},
                          "chunking": {"table": [{"min_rows": 4, "chunks": 2}]}}}
     srv = VllmServer(default_serve_args(str(tiny_model)) + ["--plugin", "powersave", "--additional-config", json.dumps(cfg)], log_path=log)
     srv.start()
@@ -82,7 +85,7 @@ def test_metrics_and_load_test(server):
     assert res["total_output_tokens"] == 24 * 16
     assert res["energy_source"] == "simulated"
     assert res["gpu_energy_j"] > 0 and res["output_tokens_per_joule"] == pytest.approx(res["total_output_tokens"] / res["gpu_energy_j"])
-    key = 'powersave_gpu_energy_joules_total{gpu="sim0",phase="decode",source="simulated"}'
+    key = 'powersave_gpu_energy_joules_total{gpu="sim0",method="model",phase="decode",source="simulated"}'
     assert after[key] > before.get(key, 0.0)
     dec = 'powersave_steps_total{gpu="sim0",phase="decode"}'
     assert after[dec] - before.get(dec, 0) >= 15  # 16 tokens per request, batched
@@ -113,6 +116,29 @@ def test_metrics_and_load_test(server):
     # Idle for longer than idle_after_s: the simulated controller applied the idle preset.
     assert after['powersave_clock_target_mhz{backend="simulated",gpu="sim0"}'] == 345
     assert after['powersave_sm_clock_mhz{gpu="sim0",source="simulated"}'] == 345
+
+
+def test_per_request_energy_returned_to_the_client(server):
+    """Non-streaming responses carry x-powersave-energy-* headers (OpenAI clients ignore them);
+    GET /powersave/requests/{response id} serves the same figure."""
+    for path, body in (("/v1/completions", {"model": "model", "prompt": "def f():", "max_tokens": 6, "ignore_eos": True}),
+                       ("/v1/chat/completions", {"model": "model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
+                                                 "ignore_eos": True})):
+        req = urllib.request.Request(server.base_url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            resp, headers = json.loads(r.read()), r.headers
+        assert resp["usage"]["completion_tokens"] == body["max_tokens"]  # the OpenAI body is unchanged
+        assert headers["x-powersave-energy-status"] == "complete", dict(headers)
+        assert headers["x-powersave-energy-source"] == "simulated" and headers["x-powersave-energy-method"] == "model"
+        joules = float(headers["x-powersave-energy-j"])
+        assert joules > 0
+        with urllib.request.urlopen(f"{server.base_url}/powersave/requests/{resp['id']}", timeout=30) as r:
+            got = json.loads(r.read())
+        assert got["status"] == "complete" and got["energy_j"] == pytest.approx(joules, abs=1e-6)
+        assert got["gpus"] == {"sim0": pytest.approx(joules, abs=1e-6)} and got["parts"] == 1
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(server.base_url + "/powersave/requests/cmpl-nonexistent", timeout=30)
+    assert err.value.code == 404
 
 
 def test_clock_follows_phases_of_one_long_request(server):

@@ -202,6 +202,5 @@ def _on_engine_args(engine_args: object) -> None:
     if settings.per_request_energy:
         from . import request_energy
 
-        wait_s = settings.energy.response_wait_ms / 1000.0
-        vllm_compat.install_app_hook(lambda app, _args: request_energy.install(app, settings.stats_dir, wait_s))
+        vllm_compat.install_app_hook(request_energy.configure(settings.stats_dir, settings.energy.response_wait_ms / 1000.0))
     log.info("powersave: enabled; settings %s", json.dumps(settings.model_dump(mode="json"), sort_keys=True))

@@ -302,6 +302,22 @@ async def _json(send: Any, status: int, obj: dict[str, Any]) -> None:
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-def install(app: Any, stats_dir: str | Path, wait_s: float) -> None:
-    """Add the middleware to a FastAPI/Starlette ``app`` that has not started yet."""
-    app.add_middleware(RequestEnergyMiddleware, index=RequestEnergyIndex(stats_dir), wait_s=wait_s)
+#: Set by :func:`configure` in the API-server process; read by :class:`PowersaveEnergyMiddleware`.
+_CONFIG: dict[str, Any] = {}
+#: Import path handed to vLLM's ``--middleware`` list (see ``vllm_compat.install_app_hook``).
+MIDDLEWARE_PATH = "vllm_powersave.request_energy.PowersaveEnergyMiddleware"
+
+
+def configure(stats_dir: str | Path, wait_s: float) -> str:
+    """Configure the middleware vLLM will construct with ``cls(app)``; returns its import path."""
+    _CONFIG.update(stats_dir=str(stats_dir), wait_s=float(wait_s))
+    return MIDDLEWARE_PATH
+
+
+class PowersaveEnergyMiddleware(RequestEnergyMiddleware):
+    """:class:`RequestEnergyMiddleware` constructible as ``cls(app)`` (vLLM's ``--middleware``)."""
+
+    def __init__(self, app: Any) -> None:
+        if not _CONFIG:
+            raise RuntimeError("vllm_powersave.request_energy.configure() was not called in this process")
+        super().__init__(app, RequestEnergyIndex(_CONFIG["stats_dir"]), _CONFIG["wait_s"])

@@ -13,7 +13,7 @@ Touch points (module: symbol):
   (``_apply_head`` where it exists, which LoRA's wrapper also calls; else ``_get_logits``);
 * API server: ``build_app`` where the serving code looks it up
   (``vllm.entrypoints.launchers.api_server.entry`` in 0.32, ``vllm.entrypoints.openai.api_server``
-  before; the returned FastAPI app gets one ASGI middleware) and
+  before; one import path is appended to ``args.middleware``, vLLM's ``--middleware`` list) and
   ``vllm.v1.metrics.prometheus.get_prometheus_registry`` (also rebound in
   ``vllm.entrypoints.serve.instrumentator.metrics``): the registry ``/metrics`` serves;
 * runner ``scheduler_config.max_num_seqs`` (steady-state batch size);
@@ -335,13 +335,16 @@ def runner_max_num_seqs(runner: Any) -> int | None:
 APP_BUILDERS = ("vllm.entrypoints.launchers.api_server.entry", "vllm.entrypoints.openai.api_server")
 
 
-def install_app_hook(on_app: Callable[[Any, Any], None]) -> str | None:
-    """Call ``on_app(app, args)`` on the FastAPI app ``vllm serve`` builds, before it starts.
+def install_app_hook(middleware: str) -> str | None:
+    """Have ``vllm serve`` add the ASGI middleware class at import path ``middleware`` to its app.
 
-    Runs in each API-server process (``--api-server-count`` N: in each of the N), where the
-    serving module is already imported (it is the caller of ``create_engine_config``). Returns the
-    module patched, or ``None`` in processes that serve nothing, and where no known builder exists
-    (one warning). ``on_app`` failures are logged once and the app is served as is.
+    Uses vLLM's own ``--middleware`` mechanism (``args.middleware``, a list of import paths whose
+    classes ``build_app`` adds with ``app.add_middleware(cls)``): ``build_app`` is wrapped to
+    append the path to ``args.middleware`` before it runs (the built app's middleware stack is
+    already assembled in 0.32, so adding afterwards fails). Runs in each API-server process
+    (``--api-server-count`` N: in each of the N), where the serving module is already imported (it
+    is the caller of ``create_engine_config``). Returns the module patched, or ``None`` in
+    processes that serve nothing, and where no known builder exists (one warning).
     """
     import sys
 
@@ -357,9 +360,13 @@ def install_app_hook(on_app: Callable[[Any, Any], None]) -> str | None:
 
         def make(orig: Callable[..., Any]) -> Callable[..., Any]:
             def build_app(args: Any, *a: Any, **kw: Any) -> Any:
-                app = orig(args, *a, **kw)
-                _safe(on_app, app, args)
-                return app
+                try:
+                    current = list(getattr(args, "middleware", None) or [])
+                    if middleware not in current:
+                        args.middleware = [*current, middleware]
+                except Exception as exc:  # a frozen or unusual args object: serve without it
+                    _safe(_raise, exc)
+                return orig(args, *a, **kw)
 
             return build_app
 
