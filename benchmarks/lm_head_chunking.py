@@ -1,17 +1,18 @@
 #!/usr/bin/env python3
-"""LM-head chunking on a real GPU: time, energy and peak memory per chunk count and row count.
+"""LM-head chunking on a GPU: time and energy per chunk count and row count, for the chunking tuner.
 
-Measures ``vllm_powersave.chunking.apply.apply_chunked`` (the code the plugin runs) on bf16 weights
-of real model shapes, in two modes:
+Runs ``vllm_powersave.tune.lmhead.measure`` (which calls ``apply_chunked``, the plugin's own code) on
+bf16 weights of real model shapes over a grid of row counts: decode batches and speculative rows
+(logits only, ``mm``) and prompt-logprob lengths (logits + fp32 log-softmax + gather, ``mm+lsm``).
 
-* ``mm``: logits only (``[rows, hidden] x [hidden, vocab]``), the decode / speculative case;
-* ``mm+lsm``: logits, fp32 log-softmax and a gather per chunk, keeping only ``[rows]`` values: the
-  prompt-logprob pattern, where chunking bounds the ``[rows, vocab]`` fp32 peak.
+Energy: NVML's total-energy counter between two counter updates (it advances every ~100 ms), taken
+while the GPU runs the call back to back for >= ``--window`` s; time: CUDA events. Read-only on
+GPU settings: no clock, power limit or other setting is touched. Without a GPU it still runs (time
+on the CPU, energy simulated for an H200, labelled ``simulated`` in every point).
 
-Each configuration repeats the call until the window lasts ``--window`` seconds (NVML's energy
-counter updates every 100 ms; windows of ~1 s keep its quantisation near ±5 %, and the A/B of chunk
-counts is interleaved per row count so drift cancels). Time from CUDA events; energy from
-``nvmlDeviceGetTotalEnergyConsumption`` (measured). Read-only on GPU settings.
+Defaults measure qwen2.5-0.5b (hidden 896, vocab 151936) and llama3-8b (4096, 128256) in about
+110 s on an H200. Needs only torch, nvidia-ml-py and this repository (run from its root or give its
+path in PYTHONPATH). Turn the output into the record with ``benchmarks/lmhead_chunking_record.py``.
 """
 
 from __future__ import annotations
@@ -20,85 +21,49 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
-import torch
-
-sys.path.insert(0, ".")
-from vllm_powersave.chunking.apply import apply_chunked  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from vllm_powersave.tune import lmhead  # noqa: E402
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", default="896x151936,3584x152064")
-    ap.add_argument("--rows", default="8,64,256,1024,4096,16384")
-    ap.add_argument("--chunks", default="1,2,4,8")
-    ap.add_argument("--modes", default="mm,mm+lsm")
-    ap.add_argument("--window", type=float, default=1.0)
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default=lmhead.DEFAULT_SHAPES, help="HIDDENxVOCAB,... (default: %(default)s)")
+    ap.add_argument("--rows", default=lmhead.DEFAULT_GRID, help="ROWS:KIND,... with KIND decode|spec|logprobs (default: %(default)s)")
+    ap.add_argument("--chunks", default=lmhead.DEFAULT_CHUNKS, help="candidate chunk counts (default: %(default)s)")
+    ap.add_argument("--window", type=float, default=1.0, help="energy window per point, s (>= 1 on a GPU; default 1)")
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--out", required=True)
-    ns = ap.parse_args()
-    import pynvml as N
+    ap.add_argument("--warmup", type=float, default=2.0, help="per shape, s of the heaviest call before measuring")
+    ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    ap.add_argument("--out", required=True, help="raw JSON output path")
+    ns = ap.parse_args(argv)
+    try:
+        shapes, grid = lmhead.parse_shapes(ns.shapes), lmhead.parse_grid(ns.rows)
+        chunks = lmhead.parse_ints(ns.chunks, "--chunks")
+        if ns.repeats < 1:
+            raise ValueError(f"--repeats = {ns.repeats}: must be >= 1")
+        if not 0 < ns.window <= 60:
+            raise ValueError(f"--window = {ns.window}: must be in (0, 60] s")
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    n = lmhead.planned_points(shapes, grid, chunks, ns.repeats)
+    print(f"[lm-head] {n} points, window {ns.window} s each (~{n * (ns.window + 0.15) + len(shapes) * ns.warmup:.0f} s)", flush=True)
+    done = [0]
+    t0 = time.monotonic()
 
-    N.nvmlInit()
-    h = N.nvmlDeviceGetHandleByIndex(0)
-    dev = torch.device("cuda:0")
-    results = []
-    t_start = time.monotonic()
-    for shape in ns.shapes.split(","):
-        hidden, vocab = (int(x) for x in shape.split("x"))
-        w = torch.randn(vocab, hidden, device=dev, dtype=torch.bfloat16) * 0.02
-        for mode in ns.modes.split(","):
-            for rows in (int(r) for r in ns.rows.split(",")):
-                x = torch.randn(rows, hidden, device=dev, dtype=torch.bfloat16)
-                idx = torch.randint(0, vocab, (rows, 1), device=dev)
+    def progress(pt: dict) -> None:
+        done[0] += 1
+        print(f"[lm-head {done[0]}/{n} {time.monotonic() - t0:5.1f}s] {pt['hidden']}x{pt['vocab']} {pt['kind']:8s} rows {pt['rows']:6d} "
+              f"chunks {pt['chunks']}: {pt['ms']:.3f} ms, {pt['j_per_call']:.4f} J ({pt['energy_source']}, window {pt['window_s']:.2f} s)",
+              flush=True)
 
-                def head(hs):
-                    return hs @ w.t()
-
-                def call(c):
-                    if mode == "mm":
-                        return apply_chunked(head, x, c)
-                    parts = [head_rows(xs, ids) for xs, ids in zip(torch.tensor_split(x, c), torch.tensor_split(idx, c))] if c > 1 else [head_rows(x, idx)]
-                    return torch.cat(parts)
-
-                def head_rows(xs, ids):
-                    return torch.log_softmax((xs @ w.t()).float(), dim=-1).gather(-1, ids)
-
-                chunk_list = [int(c) for c in ns.chunks.split(",") if int(c) <= rows]
-                for rep in range(ns.repeats):
-                    for c in (chunk_list if rep % 2 == 0 else list(reversed(chunk_list))):
-                        torch.cuda.synchronize()
-                        torch.cuda.reset_peak_memory_stats(dev)
-                        base = torch.cuda.memory_allocated(dev)
-                        call(c)
-                        torch.cuda.synchronize()
-                        peak_mib = (torch.cuda.max_memory_allocated(dev) - base) / 2**20
-                        # calibrate iterations for the window
-                        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                        s.record()
-                        for _ in range(3):
-                            call(c)
-                        e.record()
-                        torch.cuda.synchronize()
-                        per = max(s.elapsed_time(e) / 3, 1e-3)
-                        iters = max(3, int(ns.window * 1000 / per))
-                        e0 = N.nvmlDeviceGetTotalEnergyConsumption(h)
-                        s.record()
-                        for _ in range(iters):
-                            call(c)
-                        e.record()
-                        torch.cuda.synchronize()
-                        e1 = N.nvmlDeviceGetTotalEnergyConsumption(h)
-                        ms = s.elapsed_time(e) / iters
-                        results.append({"hidden": hidden, "vocab": vocab, "mode": mode, "rows": rows, "chunks": c, "repeat": rep,
-                                        "ms": ms, "j_per_call": (e1 - e0) / 1000.0 / iters, "window_s": ms * iters / 1000,
-                                        "peak_mib": peak_mib, "sm_clock_mhz": N.nvmlDeviceGetClockInfo(h, N.NVML_CLOCK_SM)})
-                        print(json.dumps(results[-1]), flush=True)
-                with open(ns.out, "w") as f:
-                    json.dump({"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "results": results}, f)
-        del w
-        torch.cuda.empty_cache()
-    print(f"done in {time.monotonic() - t_start:.0f} s", flush=True)
+    doc = lmhead.run_benchmark(ns.shapes, ns.rows, ns.chunks, window_s=ns.window, repeats=ns.repeats,
+                               warmup_s=ns.warmup, device=ns.device, progress=progress)
+    Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(ns.out).write_text(json.dumps(doc, indent=1))
+    print(f"[lm-head] wrote {ns.out} ({len(doc['results'])} points, {doc['elapsed_s']:.0f} s, energy {doc['results'][0]['energy_source']})")
     return 0
 
 

@@ -218,6 +218,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--lease-dir", default="/tmp/vllm-powersave/leases")
     r.add_argument("--all", action="store_true", help="reset every leased GPU, not only those of dead processes")
     r.set_defaults(fn=_cmd_reset_clocks)
+
+    from .tune.cli import add_parser as _add_tune_parser
+
+    _add_tune_parser(sub)
     return p
 
 

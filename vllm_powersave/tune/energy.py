@@ -1,0 +1,190 @@
+"""Time and energy of a repeated GPU call: NVML counter windows (measured) or the H200 model (simulated).
+
+NVML's total-energy counter (``nvmlDeviceGetTotalEnergyConsumption``, mJ) advances only every
+~100 ms on the H200 (``docs/h200-facts.md``). A window read at arbitrary instants is therefore off by
+up to one update at each edge (±10 % on a 1 s window). :func:`busy_window` instead keeps the GPU
+continuously busy and takes both window edges *at counter updates* seen while the queue is full, so
+that the power between the two updates is the power of the call alone; energy per call is that
+power times the call's duration from CUDA events. Seed 000 (Spaan et al., arXiv 2601.08539) used
+5 s windows for the same reason; the edge alignment is what lets 1 s windows suffice here.
+
+Only torch and (on a GPU) nvidia-ml-py are imported: this module runs on a bare GPU machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..sim.gpu import H200, GpuSpec, StepWork, simulate_step
+
+#: Per-kernel launch/tail cost charged by the simulated costing, in s (a CUDA kernel launch on
+#: Hopper is a few µs; the engine-step overhead of the simulator, 150 µs, is per step, not per kernel).
+SIM_KERNEL_OVERHEAD_S = 5e-6
+
+
+@dataclass(frozen=True)
+class Window:
+    """One measurement window of a repeated call.
+
+    ``ms_per_call`` (ms) and ``j_per_call`` (J) per call; ``window_s``: the energy window (s, between
+    two counter updates); ``calls``: calls in the timed loop; ``power_w``: average power (W);
+    ``sm_clock_mhz``: SM clock read at the end (MHz, None where unknown); ``source``: "measured" or
+    "simulated".
+    """
+
+    ms_per_call: float
+    j_per_call: float
+    window_s: float
+    calls: int
+    power_w: float
+    sm_clock_mhz: int | None
+    source: str
+
+
+def open_nvml(index: int = 0) -> tuple[Any, Any] | None:
+    """``(pynvml, handle)`` for GPU ``index``, or None where NVML is unavailable. Read-only use."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return pynvml, pynvml.nvmlDeviceGetHandleByIndex(index)
+    except Exception:
+        return None
+
+
+def busy_window(
+    call: Callable[[], Any],
+    window_s: float,
+    nvml: Any,
+    handle: Any,
+    *,
+    poll_s: float = 0.002,
+    lead_in_s: float = 0.05,
+    queue_s: float = 0.005,
+    max_s: float | None = None,
+) -> Window:
+    """Run ``call`` back to back on the current CUDA device and measure time and energy per call.
+
+    Args:
+        call: enqueues one call (asynchronous CUDA work; its result is discarded).
+        window_s: minimum energy window in s, between two counter updates (>= 1 s recommended).
+        nvml, handle: the ``pynvml`` module and device handle (read-only calls only).
+        poll_s: how often the host polls the counter (s).
+        lead_in_s: busy time before the first edge may be taken (power ramp), s.
+        queue_s: GPU work kept queued ahead of the host (s), so that host time tracks GPU time.
+        max_s: give up waiting for counter updates after this long (default ``window_s + 1``).
+
+    Returns:
+        A measured :class:`Window`.
+
+    Raises:
+        RuntimeError: the counter did not advance twice within ``max_s`` (no energy reading).
+    """
+    import torch
+
+    read = nvml.nvmlDeviceGetTotalEnergyConsumption
+    # Duration of one call, to size the queue: enough calls in flight that the GPU never idles
+    # while the host polls NVML, few enough that host time stays within ~queue_s of GPU time.
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    call()
+    torch.cuda.synchronize()
+    s.record()
+    for _ in range(3):
+        call()
+    e.record()
+    torch.cuda.synchronize()
+    per_call_s = max(s.elapsed_time(e) / 3 / 1000, 1e-6)
+    depth = max(2, int(queue_s / per_call_s) + 1)
+    max_s = window_s + 1.0 if max_s is None else max_s
+
+    ring: deque[Any] = deque()
+    start_evt, end_evt = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start_evt.record()
+    t_begin = time.perf_counter()
+    st = {"last": t_begin, "prev": read(handle), "edge0": None, "edge1": None}
+
+    def poll() -> bool:
+        """Poll the counter if due; True once the window is complete (or timed out)."""
+        now = time.perf_counter()
+        if now - st["last"] >= poll_s:
+            st["last"] = now
+            cur = read(handle)
+            if cur != st["prev"]:
+                st["prev"] = cur
+                if st["edge0"] is None:
+                    if now - t_begin >= lead_in_s:
+                        st["edge0"] = (now, cur)
+                elif now - st["edge0"][0] >= window_s:
+                    st["edge1"] = (now, cur)
+                    return True
+        return now - t_begin > max_s
+
+    n = 0
+    done = False
+    while not done:
+        call()
+        n += 1
+        ev = torch.cuda.Event()
+        ev.record()
+        ring.append(ev)
+        # Keep polling while the queue drains, so that long calls do not delay the edges.
+        while len(ring) > depth and not done:
+            if ring[0].query():
+                ring.popleft()
+            else:
+                done = poll()
+        done = done or poll()
+    edge0, edge1 = st["edge0"], st["edge1"]
+    end_evt.record()
+    torch.cuda.synchronize()
+    if edge0 is None or edge1 is None:
+        raise RuntimeError(f"NVML energy counter did not advance twice within {max_s:.1f} s")
+    ms = start_evt.elapsed_time(end_evt) / n
+    dt = edge1[0] - edge0[0]
+    power = (edge1[1] - edge0[1]) / 1000.0 / dt
+    try:
+        clock = int(nvml.nvmlDeviceGetClockInfo(handle, getattr(nvml, "NVML_CLOCK_SM", 1)))
+    except Exception:
+        clock = None
+    return Window(ms_per_call=ms, j_per_call=power * ms / 1000.0, window_s=dt, calls=n, power_w=power,
+                  sm_clock_mhz=clock, source="measured")
+
+
+def timed_window(call: Callable[[], Any], window_s: float, sync: Callable[[], None] | None = None) -> tuple[float, int]:
+    """``(ms per call, calls)`` of ``call`` repeated for at least ``window_s`` s (wall clock; CPU or GPU)."""
+    sync = sync or (lambda: None)
+    call()
+    sync()
+    n = 0
+    t0 = time.perf_counter()
+    while True:
+        call()
+        n += 1
+        if n % 4 == 0 or n < 4:
+            sync()
+            el = time.perf_counter() - t0
+            if el >= window_s:
+                return el * 1000.0 / n, n
+
+
+def simulated_kernels(kernels: list[tuple[float, float]], sm_clock_mhz: float | None = None, spec: GpuSpec = H200) -> tuple[float, float]:
+    """``(seconds, joules)`` a simulated GPU spends on a sequence of kernels. Simulated.
+
+    Args:
+        kernels: ``(FLOPs, bytes moved to/from HBM)`` per kernel launch.
+        sm_clock_mhz: requested SM clock (MHz); default: the boost clock (driver default).
+        spec: the simulated GPU (default: the H200 model of ``vllm_powersave.sim.gpu``).
+    """
+    kspec = dataclasses.replace(spec, t_fixed_s=SIM_KERNEL_OVERHEAD_S)
+    f = spec.f_max_mhz if sm_clock_mhz is None else sm_clock_mhz
+    t = j = 0.0
+    for flops, nbytes in kernels:
+        r = simulate_step(kspec, StepWork(flops=flops, bytes=nbytes), f)
+        t += r.time_s
+        j += r.energy_j
+    return t, j
