@@ -160,8 +160,13 @@ def test_app_hook_adds_the_middleware_to_vllms_app(tmp_path):
 
 
 def test_metrics_served_once_per_api_server_with_multiprocess_registry(tmp_path, monkeypatch):
+    """--api-server-count > 1: vLLM sets PROMETHEUS_MULTIPROC_DIR and /metrics is answered from a
+    registry holding only a MultiProcessCollector (the instrumentator's handler builds one per
+    request; vLLM's get_prometheus_registry another). Ours must be in both, once, un-summed."""
     pytest.importorskip("vllm")
-    from prometheus_client import generate_latest
+    from prometheus_client import REGISTRY, CollectorRegistry, generate_latest, multiprocess
+    from prometheus_fastapi_instrumentator import Instrumentator
+    from starlette.applications import Starlette
 
     from vllm.v1.metrics import prometheus as vprom
     from vllm_powersave import metrics, vllm_compat
@@ -176,21 +181,23 @@ def test_metrics_served_once_per_api_server_with_multiprocess_registry(tmp_path,
     mp = tmp_path / "mp"
     mp.mkdir()
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(mp))  # what vLLM sets for --api-server-count > 1
-    orig = vprom.get_prometheus_registry
     monkeypatch.setattr(metrics, "_REGISTERED", {})
-    from prometheus_client import REGISTRY
-
+    orig_init = multiprocess.MultiProcessCollector.__init__
+    col = metrics.register_collector(stats, "t")
     try:
-        col = metrics.register_collector(stats, "t")
         texts = []
-        for _ in range(2):  # two API-server processes each build their /metrics registry
-            reg = vprom.get_prometheus_registry()
-            assert reg is not REGISTRY
-            metrics.add_to_registry(reg)  # idempotent per registry
-            texts.append(generate_latest(reg).decode())
+        # the route vLLM exposes first: the instrumentator's handler
+        app = Starlette()
+        Instrumentator(registry=CollectorRegistry()).expose(app)
+        client = TestClient(app)
+        texts += [client.get("/metrics").text for _ in range(2)]
+        reg = vprom.get_prometheus_registry()  # vLLM's /metrics mount
+        assert reg is not REGISTRY
+        metrics.add_to_registry(reg)  # idempotent per registry
+        texts.append(generate_latest(reg).decode())
     finally:
         REGISTRY.unregister(col)
-        vprom.get_prometheus_registry = orig
+        multiprocess.MultiProcessCollector.__init__ = orig_init
         vllm_compat._PATCHED.discard("metrics_registry")
     for text in texts:
         lines = [ln for ln in text.splitlines() if ln.startswith("powersave_engine_energy_joules_total{")]
@@ -200,7 +207,7 @@ def test_metrics_served_once_per_api_server_with_multiprocess_registry(tmp_path,
                                  'powersave_engine_energy_joules_total{phase="prefill",source="measured"} 0.0']
         # tokens once (same steps on both ranks), energy of both GPUs: 32 / 16
         assert 'powersave_tokens_per_joule{kind="decode",source="measured",window="60s"} 2.0' in text
-    assert texts[0] == texts[1]  # any API server answers the same, un-summed figures
+    assert texts[0] == texts[1] == texts[2]  # any API server answers the same, un-summed figures
 
 
 def test_api_server_processes_share_the_parents_stats_dir(tmp_path, monkeypatch):

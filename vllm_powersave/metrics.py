@@ -10,12 +10,14 @@ Unavailable meters (NVML faults): ``powersave_energy_available{gpu}`` is 0 and t
 power, window and request series are left out, never frozen at their last value; engine-level
 sums and tokens-per-joule gauges are left out while any GPU is unavailable (no partial sums).
 
-Several API servers (``--api-server-count N``): vLLM then serves a fresh registry with
-prometheus_client's ``MultiProcessCollector`` instead of the global one; ``register_collector``
-adds this collector to each such registry too (``vllm_compat.install_metrics_registry_hook``).
-Every API-server process reads the same worker files at scrape time and exports each series once,
-so a scrape answered by any of them gives the same, un-summed values. Nothing of ours goes through
-the multiprocess files (which would sum counters across the N processes).
+Several API servers (``--api-server-count N``): vLLM sets ``PROMETHEUS_MULTIPROC_DIR`` and
+``/metrics`` is answered from a fresh registry holding only prometheus_client's
+``MultiProcessCollector`` (built per request by prometheus-fastapi-instrumentator's handler), so a
+collector in the global registry would not be served at all. ``register_collector`` has this
+collector added to every such registry (``vllm_compat.install_metrics_registry_hook``). Every
+API-server process reads the same worker files at scrape time and exports each series once, so a
+scrape answered by any of them gives the same, un-summed values. Nothing of ours goes through the
+multiprocess files (which would sum counters over the N processes: double counting).
 
 Tokens per joule (``powersave_tokens_per_joule``): engine-level gauges, energy summed over the
 engine's GPUs, tokens counted once (every TP/PP rank sees the same steps); ``window``: the sliding
@@ -187,8 +189,8 @@ def register_collector(stats_dir: str | Path, version: str = "") -> PowersaveCol
 
 
 def add_to_registry(registry: Any) -> None:
-    """Register every collector of this process on ``registry`` once (the multiprocess registry
-    vLLM builds for ``--api-server-count > 1``)."""
+    """Register every collector of this process on ``registry`` once (the multiprocess registries
+    ``/metrics`` is answered from with ``--api-server-count > 1``)."""
     mine = getattr(registry, "_powersave_collectors", None)
     if mine is None:
         mine = set()

@@ -13,9 +13,9 @@ Touch points (module: symbol):
   (``_apply_head`` where it exists, which LoRA's wrapper also calls; else ``_get_logits``);
 * API server: ``build_app`` where the serving code looks it up
   (``vllm.entrypoints.launchers.api_server.entry`` in 0.32, ``vllm.entrypoints.openai.api_server``
-  before; one import path is appended to ``args.middleware``, vLLM's ``--middleware`` list) and
-  ``vllm.v1.metrics.prometheus.get_prometheus_registry`` (also rebound in
-  ``vllm.entrypoints.serve.instrumentator.metrics``): the registry ``/metrics`` serves;
+  before; one import path is appended to ``args.middleware``, vLLM's ``--middleware`` list);
+  ``/metrics`` with ``PROMETHEUS_MULTIPROC_DIR`` (several API servers): prometheus_client's
+  ``MultiProcessCollector.__init__``, which vLLM's registries are built with;
 * runner ``scheduler_config.max_num_seqs`` (steady-state batch size);
 * ``vllm.v1.worker.gpu_model_runner.GPUModelRunner`` (V1, also the CPU runner's base) and
   ``vllm.v1.worker.gpu.model_runner.GPUModelRunner`` (V2): ``execute_model``, ``sample_tokens``;
@@ -379,39 +379,32 @@ def install_app_hook(middleware: str) -> str | None:
 def install_metrics_registry_hook(add: Callable[[Any], None]) -> bool:
     """Make ``/metrics`` serve our collector also with ``--api-server-count > 1``.
 
-    vLLM serves ``get_prometheus_registry()``: the global ``REGISTRY`` normally, but a fresh
-    ``CollectorRegistry`` holding only prometheus_client's ``MultiProcessCollector`` when
-    ``PROMETHEUS_MULTIPROC_DIR`` is set (vLLM sets it itself for several API servers). A collector
-    in ``REGISTRY`` is then not served at all. The wrapper calls ``add(registry)`` for every such
-    fresh registry; ``add`` must register each collector once per registry.
+    vLLM sets ``PROMETHEUS_MULTIPROC_DIR`` for several API servers. ``/metrics`` is then answered
+    from a registry holding only prometheus_client's ``MultiProcessCollector``: built per request
+    by prometheus-fastapi-instrumentator's handler (the route vLLM's ``attach_router`` exposes
+    first), or by ``vllm.v1.metrics.prometheus.get_prometheus_registry`` (its ``/metrics`` mount).
+    A collector in the global ``REGISTRY`` is not served at all. Both build the registry with
+    ``MultiProcessCollector(registry)``, so that constructor is wrapped to call ``add(registry)``;
+    ``add`` must register each collector once per registry. In an API-server process nothing else
+    builds such registries.
     """
     if "metrics_registry" in _PATCHED:
         return False
     try:
-        prom = importlib.import_module("vllm.v1.metrics.prometheus")
-        from prometheus_client import REGISTRY
+        from prometheus_client import multiprocess
     except Exception as exc:
         log.debug("powersave: metrics registry hook not installed: %s", exc)
         return False
 
     def make(orig: Callable[..., Any]) -> Callable[..., Any]:
-        def get_prometheus_registry(*args: Any, **kwargs: Any) -> Any:
-            reg = orig(*args, **kwargs)
-            if reg is not REGISTRY:
-                _safe(add, reg)
-            return reg
+        def __init__(self: Any, registry: Any, *args: Any, **kwargs: Any) -> None:
+            orig(self, registry, *args, **kwargs)
+            if registry is not None:
+                _safe(add, registry)
 
-        return get_prometheus_registry
+        return __init__
 
-    _patch(prom, "get_prometheus_registry", "metrics_registry", make)
-    wrapped = prom.get_prometheus_registry
-    # The /metrics router imports the function by name: rebind it where that already happened (a
-    # later import picks up the wrapper by itself).
-    import sys
-
-    inst = sys.modules.get("vllm.entrypoints.serve.instrumentator.metrics")
-    if inst is not None and getattr(inst, "get_prometheus_registry", None) is getattr(wrapped, "__powersave_original__", None):
-        inst.get_prometheus_registry = wrapped
+    _patch(multiprocess.MultiProcessCollector, "__init__", "metrics_registry", make)
     return True
 
 
