@@ -59,7 +59,8 @@ def _markdown(res: Any) -> str:
     if res.chunk_table is not None:
         L += ["## LM-head chunking", "", f"Source: {res.chunk_source}. Rule: `vllm_powersave.chunking.tune.choose_chunks` "
               "(the fastest count not worse in energy; none unless a gain exceeds the measured noise).", "",
-              "| rows | kind | chosen | noise | time vs 1 | energy vs 1 | candidates (ms, J per call) |", "|---|---|---|---|---|---|---|"]
+              f"| rows | kind | chosen | noise | time vs 1 | energy vs 1 | candidates ({'ms' if gpu else 'H200 ms (simulated)'}, J per call) |",
+              "|---|---|---|---|---|---|---|"]
         kinds = {p["rows"]: p["kind"] for p in res.chunk_points}
         for rows, c in res.chunk_choice.items():
             cands = "; ".join(f"{k}: {v['ms']:.3f}, {v['j']:.4f}" for k, v in c["candidates"].items())

@@ -263,6 +263,12 @@ class _Bar:
             self.bar.total += n
             self.bar.refresh()
 
+    def write(self, msg: str, log: Callable[[str], None]) -> None:
+        if self.bar is not None:
+            self.bar.write(msg)  # above the bar instead of through it
+        else:
+            log(msg)
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
@@ -329,8 +335,8 @@ def run_tune(opts: TuneOptions, log: Callable[[str], None] = print) -> TuneResul
     bar = _Bar(opts.progress, (len(steps) if do_clocks else 0) + n_chunk_pts)
     try:
         res.ceilings = measure_ceilings(torch, dev) if gpu else simulated_ceilings()
-        log(f"[tune] {shape.name}: {shape.layers} layers, hidden {shape.hidden}, vocab {shape.vocab}, tp {opts.tp}; device {info['name']}; "
-            f"ceilings {res.ceilings.peak_flops / 1e12:.0f} TFLOP/s, {res.ceilings.mem_bw / 1e12:.2f} TB/s ({res.ceilings.source.split(' (')[0]})")
+        bar.write(f"[tune] {shape.name}: {shape.layers} layers, hidden {shape.hidden}, vocab {shape.vocab}, tp {opts.tp}; device {info['name']}; "
+            f"ceilings {res.ceilings.peak_flops / 1e12:.0f} TFLOP/s, {res.ceilings.mem_bw / 1e12:.2f} TB/s ({res.ceilings.source.split(' (')[0]})", log)
         if do_clocks:
             for s in steps:
                 bar.update(0, f"profile {s.phase}")
@@ -342,7 +348,7 @@ def run_tune(opts: TuneOptions, log: Callable[[str], None] = print) -> TuneResul
         if do_clocks:
             perm, why = clock_permission()
             res.clock_mode = clock_mode(opts.predict, opts.simulate_sweep, gpu, perm, os.environ)
-            log(f"[tune] clocks: {res.clock_mode[0]} ({res.clock_mode[1]})")
+            bar.write(f"[tune] clocks: {res.clock_mode[0]} ({res.clock_mode[1]})", log)
             _tune_clocks(res, torch, shape, dev, dtype, nv, bar)
     finally:
         bar.close()
