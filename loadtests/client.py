@@ -88,6 +88,19 @@ def _choice_text(choice: dict[str, Any], endpoint: str) -> str:
     return text if isinstance(text, str) else ""
 
 
+def _role_only(choice: dict[str, Any], endpoint: str) -> bool:
+    """A chat chunk that only announces the role (``{"role": ..., "content": ""}``): not a token.
+
+    vLLM sends it together with the first token, but other servers send it before any work is done,
+    so counting it would make TTFT meaningless there.
+    """
+    if endpoint != "chat":
+        return False
+    delta = choice.get("delta")
+    return isinstance(delta, dict) and "role" in delta and not delta.get("content") and not delta.get("reasoning_content") \
+        and not delta.get("reasoning") and not delta.get("tool_calls")
+
+
 def _apply_usage(out: RequestOutput, usage: Any) -> None:
     if isinstance(usage, dict):
         ct, pt = usage.get("completion_tokens"), usage.get("prompt_tokens")
@@ -111,8 +124,9 @@ async def send_request(
 ) -> RequestOutput:
     """Send one request and measure TTFT, ITL and E2E latency (seconds).
 
-    TTFT is the time to the first chunk carrying non-empty text (a chat stream's
-    role-only first chunk does not count). Output tokens come from ``usage`` when
+    TTFT is the time to the first chunk carrying a choice, as in ``vllm bench serve`` (its text may
+    be empty: a token that does not decode to text alone); a chat stream's role-only announcement
+    does not count. Output tokens come from ``usage`` when
     the server reports it, else the number of text chunks (streaming) or the word
     count (non-streaming, a rough fallback).
     """
@@ -181,10 +195,10 @@ async def _read_stream(resp: aiohttp.ClientResponse, endpoint: str, out: Request
             return
         _apply_usage(out, chunk.get("usage"))
         choices = chunk.get("choices") or []
-        text = ""
-        if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+        if isinstance(choices, list) and choices and isinstance(choices[0], dict) and not _role_only(choices[0], endpoint):
+            # Every chunk carrying a choice is a token event, even with empty text (a token that does
+            # not decode to text on its own, e.g. part of a UTF-8 character): as `vllm bench serve`.
             text = _choice_text(choices[0], endpoint)
-        if text:
             now = time.perf_counter()
             if chunks == 0:
                 out.ttft = now - st

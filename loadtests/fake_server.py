@@ -16,7 +16,8 @@ decode), ``powersave_steps_total`` and vLLM's ``vllm:num_requests_running``.
 Prompt markers inject faults: ``MALFORMED`` (bad JSON chunk mid-stream), ``HTTP500`` (error
 status), ``SLOW`` (first token after ``slow_delay``), ``HANG`` (no answer for 30 s), ``STALL``
 (one token, then silence for 30 s), ``NODONE`` (stream closes without ``[DONE]``), ``BADUTF8``
-(a chunk with invalid UTF-8), ``ERRCHUNK`` (an ``{"error": ...}`` chunk mid-stream).
+(a chunk with invalid UTF-8), ``ERRCHUNK`` (an ``{"error": ...}`` chunk mid-stream), ``EMPTYFIRST``
+(the first two token chunks carry empty text, like tokens that do not decode to text alone).
 """
 
 from __future__ import annotations
@@ -212,7 +213,7 @@ class FakeServer:
             self.energy["decode"] += DECODE_J * k
             self.steps["decode"] += k
             self.last_event = "decode"
-            text = "".join(f" tok{sent + j}" for j in range(k))
+            text = "" if "EMPTYFIRST" in prompt and sent < 2 else "".join(f" tok{sent + j}" for j in range(k))
             choice = {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
             await send({"choices": [choice]})
             sent += k

@@ -101,6 +101,16 @@ def test_ttft_tpot_itl_match_the_servers_delays(fake) -> None:
     assert res["max_concurrent_requests"] >= 1
 
 
+def test_ttft_counts_a_token_chunk_with_empty_text(fake, tmp_path) -> None:
+    # As vllm bench serve: a chunk carrying a choice is a token even if its text is empty (a token
+    # that does not decode alone); waiting for text would add two ITLs (0.2 s) to TTFT here.
+    srv = fake(first_delay=0.05, itl_delay=0.1)
+    ds = _jsonl(tmp_path / "d.jsonl", [{"prompt": "EMPTYFIRST x", "output_len": 4}])
+    res = run(BenchConfig(base_url=srv.url, num_prompts=1, dataset=f"jsonl:{ds}", sample_interval_s=0))
+    assert 0.0499 <= res["ttfts"][0] < 0.05 + 0.08
+    assert len(res["itls"][0]) == 3 and res["output_lens"] == [4]
+
+
 def test_queue_time_under_a_concurrency_cap(fake) -> None:
     # 4 requests at once, cap 2, each ~0.1 s: the second pair waits one request's length.
     srv = fake(first_delay=0.1, itl_delay=0.0)
@@ -552,3 +562,30 @@ def test_result_fields_match_vllm_bench_serve(fake) -> None:
     assert res["gpu_energy_duration_s"] == res["energy_window_s"]
     json.dumps(res, allow_nan=False)
     assert statistics.fmean(res["latencies"]) * 1000 == pytest.approx(res["mean_e2el_ms"])
+
+
+def test_sharegpt_selection_equals_vllm_bench_serve(tmp_path) -> None:
+    """Same file, seed and tokenizer: the same prompts, lengths and order as vLLM's ShareGPTDataset."""
+    pytest.importorskip("vllm")
+    import types
+
+    datasets = pytest.importorskip("vllm.benchmarks.datasets.datasets")
+    rng = random.Random(1)
+    data = [{"id": i, "conversations": [
+        {"from": "human" if k % 2 == 0 else "gpt",
+         "value": " ".join(rng.choice(WORDS) for _ in range(rng.choice([2, 3, 5, 50, 900, 1100])))}
+        for k in range(rng.choice([1, 2, 3]))]} for i in range(300)]
+    path = tmp_path / "sg.json"
+    path.write_text(json.dumps(data))
+
+    class WordTokenizer:  # the same length function on both sides
+        def __call__(self, text: str) -> Any:
+            return types.SimpleNamespace(input_ids=text.split())
+
+    for seed, out_len in ((0, None), (5, 16)):
+        theirs = datasets.ShareGPTDataset(dataset_path=str(path), random_seed=seed).sample(
+            WordTokenizer(), 60, output_len=out_len, no_oversample=True)
+        ours = load_sharegpt(path, len(theirs), seed=seed, output_len=out_len)
+        assert len(theirs) == 60
+        assert [(s.prompt, s.prompt_len, s.expected_output_len) for s in theirs] == \
+               [(r.prompt, r.prompt_len, r.output_len) for r in ours]
