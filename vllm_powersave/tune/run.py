@@ -406,14 +406,14 @@ def _tune_clocks(res: TuneResult, torch: Any, shape: ModelShape, dev: Any, dtype
         if mode == "simulated-sweep":
             clocks = _sweep_clocks(model.clocks, res.opts.sweep_points, spec.f_max_mhz)
             truth = {k: Curve(c.clocks[:-1] + (DEFAULT,), c.t, c.e, "simulated") for k, c in regions.items()}
-            sweeps = {}
-            for solver in ("single", "global"):
-                n = (len(clocks) + 1) * len(truth) * res.opts.sweep_repeats
-                bar.grow(n)
-                meas = SimulatedMeasurer({k: _restrict(c, clocks) for k, c in truth.items()}, noise_t=res.opts.sim_noise / 3,
-                                         noise_e=res.opts.sim_noise, seed=res.opts.seed + zlib.crc32(f"{ph}/{solver}".encode()) % 1000)
+            sweeps: dict[str, SweepResult] = {}
+            bar.grow((len(clocks) + 1) * len(truth) * res.opts.sweep_repeats)
+            meas = SimulatedMeasurer({k: _restrict(c, clocks) for k, c in truth.items()}, noise_t=res.opts.sim_noise / 3,
+                                     noise_e=res.opts.sim_noise, seed=res.opts.seed + zlib.crc32(ph.encode()) % 1000)
+            for solver in ("single", "global"):  # one sweep; the global solver reuses its readings
                 sweeps[solver] = sweep_and_solve(meas, list(truth), clocks, budget, solver=solver, repeats=res.opts.sweep_repeats,
-                                                 source="simulated", progress=lambda k: bar.update(k, f"sim sweep {ph}"))
+                                                 source="simulated", progress=lambda k: bar.update(k, f"sim sweep {ph}"),
+                                                 table=sweeps["single"].table if sweeps else None)
             res.sweeps[ph] = sweeps
             chosen, glob = sweeps["single"].choice, sweeps["global"].choice
         elif mode == "sweep":
@@ -464,10 +464,11 @@ def _real_sweep(res: TuneResult, torch: Any, shape: ModelShape, sp: StepProfile,
             while time.monotonic() < t_end:  # thermal warm-up at default clocks (seed 000: 100 s)
                 step_fn()
             torch.cuda.synchronize()
-            for solver in ("single", "global"):
-                bar.grow((len(clocks) + 1) * len(workloads) * res.opts.sweep_repeats)
+            bar.grow((len(clocks) + 1) * len(workloads) * res.opts.sweep_repeats)
+            for solver in ("single", "global"):  # one sweep; the global solver reuses its readings
                 out[solver] = sweep_and_solve(meas, list(workloads), clocks, budget, solver=solver, repeats=res.opts.sweep_repeats,
-                                              source="measured", progress=lambda k: bar.update(k, f"clock sweep {sp.step.phase}"))
+                                              source="measured", progress=lambda k: bar.update(k, f"clock sweep {sp.step.phase}"),
+                                              table=out["single"].table if out else None)
     finally:
         meas.close()
     return out

@@ -312,6 +312,7 @@ def sweep_and_solve(
     tol_floor: float = 0.005,
     source: str = "measured",
     progress: Callable[[int], None] | None = None,
+    table: dict[str, dict[int, list[tuple[float, float]]]] | None = None,
 ) -> SweepResult:
     """Sweep ``clocks`` for every item, solve, re-measure the choice, and repeat until they agree.
 
@@ -327,6 +328,8 @@ def sweep_and_solve(
         tol_floor: minimum tolerance (fraction) between expected and re-measured saving.
         source: "measured" or "simulated" (labels the curves).
         progress: called with the number of measurements just taken.
+        table: readings of an earlier sweep over the same items and clocks (e.g. another solver's
+            :attr:`SweepResult.table`); the sweep is then skipped and the readings reused.
 
     Returns:
         :class:`SweepResult`. The re-measured saving and slowdown are medians over ``recheck``
@@ -341,14 +344,17 @@ def sweep_and_solve(
         raise ValueError(f"repeats = {repeats}, recheck = {recheck}: need repeats >= 1 and recheck >= 2")
     grid = tuple(sorted({int(f) for f in clocks if f != DEFAULT})) + (DEFAULT,)
     # Curves index the default as their last clock; store it under DEFAULT.
-    table: dict[str, dict[int, list[tuple[float, float]]]] = {k: {f: [] for f in grid} for k in items}
-    for rep in range(repeats):
-        order = grid if rep % 2 == 0 else tuple(reversed(grid))
-        for f in order:
-            for k in items:
-                table[k][f].append(measure(k, f))
-        if progress:
-            progress(len(grid) * len(items))
+    if table is not None:
+        table = {k: {f: list(table[k][f]) for f in grid} for k in items}
+    else:
+        table = {k: {f: [] for f in grid} for k in items}
+        for rep in range(repeats):
+            order = grid if rep % 2 == 0 else tuple(reversed(grid))
+            for f in order:
+                for k in items:
+                    table[k][f].append(measure(k, f))
+            if progress:
+                progress(len(grid) * len(items))
     noise = st.median([_rel_sd([x[1] for x in table[k][f]]) for k in items for f in grid]) if repeats > 1 else 0.03
     noise_t = st.median([_rel_sd([x[0] for x in table[k][f]]) for k in items for f in grid]) if repeats > 1 else 0.01
     # Two standard errors of the median of ``recheck`` paired ratios (1.25 x the mean's standard error).
