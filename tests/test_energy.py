@@ -211,7 +211,6 @@ def test_finished_ids_from_an_empty_step_still_close_requests():
 import logging  # noqa: E402
 import math  # noqa: E402
 import random  # noqa: E402
-from types import SimpleNamespace  # noqa: E402
 
 from fakes import FakeNvmlDevices  # noqa: E402
 
@@ -365,3 +364,36 @@ def test_no_counter_and_no_power_is_unavailable_with_one_warning(caplog):
     m = open_nvml_meter(nvml, 0, "GPU-n", start_thread=False)
     assert isinstance(m, UnavailableEnergyMeter) and m.energy_j() is None and not m.available
     assert len(caplog.records) == 1
+
+
+def test_steady_state_and_sliding_window():
+    """Steps flagged steady (batch at its limit) get their time share of each tick's energy; the
+    sliding window covers the last window_s of ticks, idle included."""
+    nvml, clock = FakeNvml(energy_mj=0), Clock()
+    acc = PhaseEnergyAccount(NvmlEnergyMeter(nvml, "h", clock=clock, interpolate=False), idle_after_s=0.25, clock=clock, window_s=1.0)
+
+    def step(steady, dt, watts, decode=4):
+        acc.on_step("decode", decode_tokens=decode, steady=steady)
+        clock.t += dt
+        nvml.energy_mj += int(round(dt * watts * 1000))
+        acc.on_step_end()
+
+    step(False, 0.1, 300)  # ramp-up: 30 J
+    acc.tick()
+    step(True, 0.1, 500)   # steady: 50 J
+    step(True, 0.1, 500)   # steady: 50 J (same tick: split by time, 500 W both)
+    acc.tick()
+    step(False, 0.1, 200)  # draining: 20 J
+    acc.tick()
+    assert acc.steady_j == pytest.approx(100.0) and acc.steady_s == pytest.approx(0.2)
+    assert acc.steady_tokens == {"prefill": 0, "decode": 8}
+    clock.t += 2.0
+    nvml.energy_mj += 200_000  # 2 s idle at 100 W
+    acc.tick()
+    w = acc.window()
+    # the window is the newest tick at least window_s back (t=0.4) to now (t=2.4)
+    assert w["seconds"] == pytest.approx(2.0) and w["energy_j"] == pytest.approx(200.0) and w["decode_tokens"] == 0
+    step(False, 0.5, 400)
+    acc.tick()
+    w = acc.window()
+    assert w["seconds"] == pytest.approx(2.5) and w["energy_j"] == pytest.approx(400.0) and w["decode_tokens"] == 4

@@ -209,6 +209,12 @@ def test_tensor_parallel_ranks_sum_to_engine_and_requests(monkeypatch, tmp_path)
     assert total_req + idle == pytest.approx(engine, rel=0.01)
     assert m['powersave_tokens_per_joule{kind="total",source="measured",window="run"}'] == pytest.approx(
         (64 + 33 + 2 + 1) / engine, rel=1e-6)  # tokens counted once, energy of both GPUs
+    # max_num_seqs = 2: the steps with two requests are the steady state (33 + 2 tokens)
+    for g in ("GPU-aaaa-0000", "GPU-bbbb-1111"):
+        assert sum(v for k, v in m.items() if k.startswith(f'powersave_steady_tokens_total{{gpu="{g}"')) == 35
+    steady_j = sum(v for k, v in m.items() if k.startswith("powersave_steady_energy_joules_total{"))
+    assert 0 < steady_j < engine
+    assert m['powersave_tokens_per_joule{kind="total",source="measured",window="steady"}'] == pytest.approx(35 / steady_j, rel=1e-6)
 
 
 class Clock:

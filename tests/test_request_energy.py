@@ -13,7 +13,11 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from vllm_powersave.request_energy import RequestEnergyIndex, RequestEnergyMiddleware, candidate_keys
+from vllm_powersave.request_energy import (
+    RequestEnergyIndex,
+    RequestEnergyMiddleware,
+    candidate_keys,
+)
 
 
 def write_lines(d, rank, recs):
@@ -164,11 +168,16 @@ def test_metrics_served_once_per_api_server_with_multiprocess_registry(tmp_path,
     registry holding only a MultiProcessCollector (the instrumentator's handler builds one per
     request; vLLM's get_prometheus_registry another). Ours must be in both, once, un-summed."""
     pytest.importorskip("vllm")
-    from prometheus_client import REGISTRY, CollectorRegistry, generate_latest, multiprocess
+    from prometheus_client import (
+        REGISTRY,
+        CollectorRegistry,
+        generate_latest,
+        multiprocess,
+    )
     from prometheus_fastapi_instrumentator import Instrumentator
     from starlette.applications import Starlette
-
     from vllm.v1.metrics import prometheus as vprom
+
     from vllm_powersave import metrics, vllm_compat
 
     stats = tmp_path / "stats"

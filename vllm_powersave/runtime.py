@@ -316,7 +316,6 @@ class WorkerRuntime:
 
     def snapshot(self) -> dict[str, Any]:
         policy = chunk_policy()
-        acc = self.account
         energy = self.energy_snapshot()
         return {
             "pid": os.getpid(),
