@@ -11,7 +11,8 @@
 (b) Our harness vs ``vllm bench serve`` (the same vLLM from .venv) on one CPU vLLM server (stock, no
     plugin, tiny model) and the same workload: a synthetic ShareGPT-format file (identical prompt
     selection in both tools: ``tests/test_loadtests_shapes.py::test_sharegpt_selection_equals_vllm_bench_serve``),
-    the model's own tokenizer directory (offline), fixed output length with ``ignore_eos``, closed
+    the model's own tokenizer directory (offline), fixed output length with ``ignore_eos``, greedy
+    sampling in both (``vllm bench serve --temperature 0``; ours always sends temperature 0), closed
     loop. Runs are interleaved A B A B ... (A = ours, B = vllm bench) because the 2-core machine is
     shared and noisy; per pair the ratios ours / vllm of output throughput and median TTFT are taken,
     and reported with their spread and 95 % t-interval.
@@ -50,10 +51,10 @@ os.sched_setaffinity(0, {cpu})
 from loadtests import BenchConfig, run
 cfg = BenchConfig(base_url={url!r}, num_prompts={n}, max_concurrency={conc}, input_len=16, output_len=16,
                   num_warmups=50, progress=False, seed=0)
-c0 = time.process_time()
+c0, w0 = time.process_time(), time.perf_counter()
 r = run(cfg)
-cpu = time.process_time() - c0
-print(json.dumps({{"completed": r["completed"], "failed": r["failed"], "duration_s": r["duration"],
+cpu, wall = time.process_time() - c0, time.perf_counter() - w0
+print(json.dumps({{"completed": r["completed"], "failed": r["failed"], "duration_s": r["duration"], "wall_s": wall,
                   "request_throughput": r["request_throughput"], "output_throughput": r["output_throughput"],
                   "harness_cpu_s": cpu, "median_ttft_ms": r["median_ttft_ms"]}}))
 """
@@ -79,12 +80,12 @@ def fake_server_part(n: int, conc: int, reps: int) -> dict[str, Any]:
             p = subprocess.run([PY, "-c", _HARNESS_CHILD.format(cpu={harness_cpu}, url=url, n=n, conc=conc)], cwd=REPO,
                                capture_output=True, text=True, timeout=600, check=True)
             r = json.loads(p.stdout.strip().splitlines()[-1])
-            # The server also served the 50 warm-ups; its share of the window is what matters: scale by
-            # measured requests / all requests (warm-ups are the same size).
-            r["server_cpu_s"] = (_proc_cpu_s(srv.pid) - s0) * n / (n + 50)
-            r["harness_cpu_utilization"] = r["harness_cpu_s"] / r["duration_s"]
-            r["server_cpu_utilization"] = r["server_cpu_s"] / r["duration_s"]
-            r["harness_cpu_ms_per_request"] = 1000 * r["harness_cpu_s"] / r["completed"]
+            # CPU shares are over the whole run() call (warm-ups, checks, measured window, teardown), the
+            # span both CPU times cover; CPU per request counts the 50 warm-ups too (same size).
+            r["server_cpu_s"] = _proc_cpu_s(srv.pid) - s0
+            r["harness_cpu_utilization"] = r["harness_cpu_s"] / r["wall_s"]
+            r["server_cpu_utilization"] = r["server_cpu_s"] / r["wall_s"]
+            r["harness_cpu_ms_per_request"] = 1000 * r["harness_cpu_s"] / (r["completed"] + 50)
             runs.append(r)
             print(f"[fake] {r['request_throughput']:.0f} req/s, harness core {100 * r['harness_cpu_utilization']:.0f} %, "
                   f"server core {100 * r['server_cpu_utilization']:.0f} %", flush=True)
@@ -129,7 +130,7 @@ def vllm_part(pairs: int, n: int, conc: int, out_len: int, workdir: Path) -> dic
     vllm_cmd = [str(Path(PY).parent / "vllm"), "bench", "serve", "--backend", "openai", "--base-url", server.base_url,
                 "--endpoint", "/v1/completions", "--model", "model", "--tokenizer", str(model), "--dataset-name", "sharegpt",
                 "--dataset-path", str(data), "--sharegpt-output-len", str(out_len), "--num-prompts", str(n),
-                "--max-concurrency", str(conc), "--seed", "0", "--ignore-eos", "--disable-tqdm", "--save-result",
+                "--max-concurrency", str(conc), "--seed", "0", "--ignore-eos", "--temperature", "0", "--disable-tqdm", "--save-result",
                 "--result-dir", str(workdir)]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
     runs: list[dict[str, Any]] = []
@@ -188,7 +189,8 @@ def write_md(doc: dict[str, Any], path: Path) -> None:
         "",
         f"- Date (UTC): {doc['date_utc']}. Machine: {doc['host']['machine']}, {doc['host']['cpus']} CPUs, Python {doc['host']['python']}, "
         f"aiohttp {doc['host']['aiohttp']}. Script: `benchmarks/harness_overhead.py`. All numbers measured; no energy involved.",
-        "- The machine is shared with other jobs: repetitions and interleaving are there to show the noise, not to hide it.",
+        f"- The machine is shared with other jobs (1-min load average {doc['host']['loadavg_1m_at_start']:.1f} at the start, "
+        f"{doc['host']['loadavg_1m_at_end']:.1f} at the end, on 2 cores): repetitions and interleaving show the noise, they do not remove it.",
         "",
         "## (a) Requests/s from one core against the fake server",
         "",
@@ -215,7 +217,7 @@ def write_md(doc: dict[str, Any], path: Path) -> None:
         c = v["config"]
         lines += ["", "## (b) loadtests vs `vllm bench serve` on the same CPU vLLM server", "",
                   f"vLLM {c['vllm_version']} CPU build; server: `{c['server']}`; workload: {c['dataset']}, "
-                  f"{c['n']} requests, output {c['output_len']} tokens (ignore_eos), concurrency {c['conc']}, both tools "
+                  f"{c['n']} requests, output {c['output_len']} tokens (ignore_eos, greedy), concurrency {c['conc']}, both tools "
                   f"with `--tokenizer` = the model directory (offline), {c['warmups']}; order {c['order']}.",
                   f"Same prompts in both tools (equal input-token totals in every pair): {v['same_input_tokens_every_pair']}.", "",
                   "| pair | ours tok/s | vllm bench tok/s | throughput ratio | ours TTFT p50 (ms) | vllm bench TTFT p50 (ms) | TTFT ratio |",
@@ -238,13 +240,13 @@ def write_md(doc: dict[str, Any], path: Path) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--pairs", type=int, default=3)
-    ap.add_argument("--fake-requests", type=int, default=3000)
+    ap.add_argument("--pairs", type=int, default=5)
+    ap.add_argument("--fake-requests", type=int, default=5000)
     ap.add_argument("--fake-concurrency", type=int, default=64)
     ap.add_argument("--fake-reps", type=int, default=3)
-    ap.add_argument("--vllm-requests", type=int, default=64)
+    ap.add_argument("--vllm-requests", type=int, default=256)
     ap.add_argument("--vllm-concurrency", type=int, default=8)
-    ap.add_argument("--vllm-output-len", type=int, default=48)
+    ap.add_argument("--vllm-output-len", type=int, default=64)
     ap.add_argument("--skip-vllm", action="store_true")
     ap.add_argument("--out", default=str(REPO / "docs" / "results" / "harness-overhead.json"))
     ns = ap.parse_args()
@@ -256,6 +258,7 @@ def main() -> int:
         "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version(),
                  "aiohttp": aiohttp.__version__},
     }
+    doc["host"]["loadavg_1m_at_start"] = os.getloadavg()[0]
     fake = fake_server_part(ns.fake_requests, ns.fake_concurrency, ns.fake_reps)
     doc["fake_server_req_per_s_one_core"] = fake["req_per_s_median"]
     doc["fake_server"] = fake
@@ -263,6 +266,7 @@ def main() -> int:
         with tempfile.TemporaryDirectory(prefix="harness-overhead-") as d:
             v = vllm_part(ns.pairs, ns.vllm_requests, ns.vllm_concurrency, ns.vllm_output_len, Path(d))
         doc["vs_vllm_bench"] = v
+    doc["host"]["loadavg_1m_at_end"] = os.getloadavg()[0]
     out = Path(ns.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=2) + "\n")

@@ -65,8 +65,12 @@ def run_ab(a: BenchConfig, b: BenchConfig, pairs: int = 3) -> dict[str, Any]:
     return {"pairs": pairs, "order": "ABBA", "a": a.base_url, "b": b.base_url,
             "energy_source": "simulated" if "simulated" in sources else ("measured" if sources == {"measured"} else None),
             "summary": summarize(runs),
-            "runs": [{"a": {k: v for k, v in ra.items() if not isinstance(v, list)},
-                      "b": {k: v for k, v in rb.items() if not isinstance(v, list)}} for ra, rb in runs]}
+            "runs": [{"a": _scalars(ra), "b": _scalars(rb)} for ra, rb in runs]}
+
+
+def _scalars(r: dict[str, Any]) -> dict[str, Any]:
+    """A run's summary without per-request arrays and the sample timeline (kept small)."""
+    return {k: v for k, v in r.items() if not isinstance(v, list) and k != "timeline"}
 
 
 def format_ab(result: dict[str, Any]) -> str:
