@@ -10,8 +10,8 @@ while the GPU runs the call back to back for >= ``--window`` s; time: CUDA event
 GPU settings: no clock, power limit or other setting is touched. Without a GPU it still runs (time
 on the CPU, energy simulated for an H200, labelled ``simulated`` in every point).
 
-Defaults measure qwen2.5-0.5b (hidden 896, vocab 151936) and llama3-8b (4096, 128256) in about
-110 s on an H200. Needs only torch, nvidia-ml-py and this repository (run from its root or give its
+Defaults measure qwen2.5-0.5b (hidden 896, vocab 151936) and llama3-8b (4096, 128256): 80 points,
+116 s wall on an H200 with a 2 s warm-up (measured 2026-11-30), ~114 s with the default 1 s. Needs only torch, nvidia-ml-py and this repository (run from its root or give its
 path in PYTHONPATH). Turn the output into the record with ``benchmarks/lmhead_chunking_record.py``.
 """
 
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunks", default=lmhead.DEFAULT_CHUNKS, help="candidate chunk counts (default: %(default)s)")
     ap.add_argument("--window", type=float, default=1.0, help="energy window per point, s (>= 1 on a GPU; default 1)")
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--warmup", type=float, default=2.0, help="per shape, s of the heaviest call before measuring")
+    ap.add_argument("--warmup", type=float, default=1.0, help="per shape, s of the heaviest call before measuring (default 1)")
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     ap.add_argument("--out", required=True, help="raw JSON output path")
     ns = ap.parse_args(argv)
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     n = lmhead.planned_points(shapes, grid, chunks, ns.repeats)
-    print(f"[lm-head] {n} points, window {ns.window} s each (~{n * (ns.window + 0.15) + len(shapes) * ns.warmup:.0f} s)", flush=True)
+    print(f"[lm-head] {n} points, window {ns.window} s each (~{n * (ns.window + 0.3) + len(shapes) * ns.warmup:.0f} s)", flush=True)
     done = [0]
     t0 = time.monotonic()
 

@@ -7,7 +7,7 @@ Output, per model shape (hidden x vocab), mode and row count: the chunk counts t
 call (mean, min, max, repeats), the energy windows, and the chunk count chosen by
 ``vllm_powersave.chunking.tune.choose_chunks``; per shape the resulting chunk table.
 
-    python benchmarks/lmhead_chunking_record.py RAW.json [--out docs/results/h200-lmhead-chunking] [--date YYYY-MM-DD]
+    python benchmarks/lmhead_chunking_record.py RAW.json [--out docs/results/h200-lmhead-chunking] [--date YYYY-MM-DD] [--note TEXT]
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ CLASSES = {(896, 151936): "qwen2.5-0.5b (0.5B class)", (3584, 152064): "qwen2.5-
 REQUESTED = [(896, 151936), (4096, 128256)]
 
 
-def build(raw: dict, raw_path: str, date: str | None = None) -> tuple[dict, str]:
+def build(raw: dict, raw_path: str, date: str | None = None, note: str | None = None) -> tuple[dict, str]:
     """``(record JSON, Markdown)`` from a raw benchmark document.
 
     Raises:
@@ -92,7 +92,7 @@ def build(raw: dict, raw_path: str, date: str | None = None) -> tuple[dict, str]
         "what": "LM-head chunking: time and energy per call per chunk count and row count, and the chosen chunk count",
         "measured": measured, "energy_source": "measured" if measured else "simulated",
         "device": raw.get("device"), "torch": raw.get("torch"), "driver": raw.get("driver"), "date": date,
-        "raw": raw_path, "window_edges_aligned_to_counter_updates": aligned, "method": raw.get("method"),
+        "raw": raw_path, "window_edges_aligned_to_counter_updates": aligned, "method": raw.get("method"), "note": note,
         "windows_s": {"min": min(windows), "median": st.median(windows), "max": max(windows), "below_1s": below, "points": len(windows)} if windows else None,
         "repeats": max(int(p.get("repeat", 0)) for p in pts) + 1,
         "shapes_present": [list(s) for s in present], "shapes_requested_missing": [list(s) for s in missing],
@@ -123,7 +123,8 @@ def build(raw: dict, raw_path: str, date: str | None = None) -> tuple[dict, str]
                + (f" **Not in it** (requested by issue 6): {', '.join(f'{h}x{v} ({CLASSES[(h, v)]})' for h, v in missing)}." if missing else ""),
                "- `mm`: logits only (decode batches, speculative rows). `mm+lsm`: logits, fp32 log-softmax and a gather per chunk "
                "(prompt logprobs).",
-               f"- Choice rule: {doc['choice_rule']}. Spread = min–max over repeats.", ""]
+               f"- Choice rule: {doc['choice_rule']}. Spread = min–max over repeats.",
+               *([f"- Note: {note}"] if note else []), ""]
     chosen = {f"{s['hidden']}x{s['vocab']}": s["table"] for s in shapes_out}
     md_tail = ["## Result", "", *(f"- {k}: chunk table `{v or '[]'}` ({'no chunking' if not v else 'chunking where listed'})" for k, v in chosen.items()), ""]
     return doc, "\n".join(md_head + md_tables + md_tail)
@@ -134,10 +135,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("raw", help="raw JSON from benchmarks/lm_head_chunking.py")
     ap.add_argument("--out", default="docs/results/h200-lmhead-chunking", help="output path without extension")
     ap.add_argument("--date", default=None, help="UTC date of the run, where the raw file has none")
+    ap.add_argument("--note", default=None, help="one line for the Markdown (who ran it, where)")
     ns = ap.parse_args(argv)
     try:
         raw = json.loads(Path(ns.raw).read_text())
-        doc, md = build(raw, ns.raw, ns.date)
+        doc, md = build(raw, ns.raw, ns.date, ns.note)
     except (OSError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -106,3 +106,24 @@ def test_grid_and_shape_parsing_errors_name_the_entry():
     with pytest.raises(ValueError, match="shape '896'"):
         lmhead.parse_shapes("896")
     assert lmhead.planned_points([(8, 16)], lmhead.parse_grid("2,64:spec"), [1, 2, 4], 2) == 2 * (2 + 3)
+
+
+def test_counter_poller_records_each_update_with_its_time():
+    import time
+
+    from vllm_powersave.tune.energy import _CounterPoller
+
+    t0 = time.perf_counter()
+
+    def read(_h):  # NVML-like: advances every 20 ms by 2000 mJ (100 W)
+        return int((time.perf_counter() - t0) / 0.02) * 2000
+
+    p = _CounterPoller(read, None, 0.001)
+    p.start()
+    time.sleep(0.25)
+    p.stop_evt.set()
+    p.join()
+    assert len(p.changes) >= 8
+    (ta, ea), (tb, eb) = p.changes[1], p.changes[-1]
+    # Power between two recorded updates is the counter's 100 W, within the edges' poll jitter.
+    assert (eb - ea) / 1000 / (tb - ta) == pytest.approx(100.0, rel=0.15)

@@ -54,9 +54,18 @@ def chunked_head(head: Any, hidden_states: Any) -> Any:
 
 
 def clock_phase(info: Any, memory_bound_max_tokens: int) -> str:
-    """The phase whose clock preset a step gets on its own: small mixed steps are memory-bound."""
-    if info.phase == "mixed" and info.num_tokens <= memory_bound_max_tokens:
-        return "decode"
+    """The phase whose clock preset a step gets on its own.
+
+    A step's FLOPs per weight byte equal its token count, so a step of at most
+    ``memory_bound_max_tokens`` tokens is memory-bound whatever vLLM calls it: small mixed steps
+    get the decode clock, and decode batches above it (e.g. 256 requests, or speculative tokens)
+    are compute-bound and get the mixed (compute) clock. 0 disables both.
+    """
+    if memory_bound_max_tokens and info.phase in ("mixed", "decode"):
+        if info.num_tokens <= memory_bound_max_tokens:
+            return "decode"
+        if info.phase == "decode":
+            return "mixed"
     return info.phase
 
 

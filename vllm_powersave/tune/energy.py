@@ -14,6 +14,7 @@ Only torch and (on a GPU) nvidia-ml-py are imported: this module runs on a bare 
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -57,13 +58,42 @@ def open_nvml(index: int = 0) -> tuple[Any, Any] | None:
         return None
 
 
+class _CounterPoller(threading.Thread):
+    """Reads the energy counter in a background thread and records every change ``(time, mJ)``.
+
+    NVML reads are slow on some machines (~4 ms each on the H200 test machine): polled from the
+    launch loop they starve the GPU of work. ctypes releases the GIL during the call, so a thread
+    keeps the launch loop free; an edge's time is taken right after the read that saw the change.
+    """
+
+    def __init__(self, read: Callable[[Any], int], handle: Any, poll_s: float) -> None:
+        super().__init__(name="powersave-energy-poller", daemon=True)
+        self.read, self.handle, self.poll_s = read, handle, poll_s
+        self.changes: list[tuple[float, int]] = []
+        self.stop_evt = threading.Event()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            prev = self.read(self.handle)
+            while not self.stop_evt.is_set():
+                cur = self.read(self.handle)
+                now = time.perf_counter()
+                if cur != prev:
+                    self.changes.append((now, int(cur)))
+                    prev = cur
+                self.stop_evt.wait(self.poll_s)
+        except BaseException as exc:  # reported by the caller
+            self.error = exc
+
+
 def busy_window(
     call: Callable[[], Any],
     window_s: float,
     nvml: Any,
     handle: Any,
     *,
-    poll_s: float = 0.002,
+    poll_s: float = 0.001,
     lead_in_s: float = 0.05,
     queue_s: float = 0.005,
     max_s: float | None = None,
@@ -74,22 +104,20 @@ def busy_window(
         call: enqueues one call (asynchronous CUDA work; its result is discarded).
         window_s: minimum energy window in s, between two counter updates (>= 1 s recommended).
         nvml, handle: the ``pynvml`` module and device handle (read-only calls only).
-        poll_s: how often the host polls the counter (s).
+        poll_s: pause between counter reads in the poller thread (s).
         lead_in_s: busy time before the first edge may be taken (power ramp), s.
         queue_s: GPU work kept queued ahead of the host (s), so that host time tracks GPU time.
         max_s: give up waiting for counter updates after this long (default ``window_s + 1``).
 
     Returns:
-        A measured :class:`Window`.
+        A measured :class:`Window`: ``j_per_call`` = average power between the two counter updates
+        x time per call (CUDA events over the whole loop).
 
     Raises:
         RuntimeError: the counter did not advance twice within ``max_s`` (no energy reading).
     """
     import torch
 
-    read = nvml.nvmlDeviceGetTotalEnergyConsumption
-    # Duration of one call, to size the queue: enough calls in flight that the GPU never idles
-    # while the host polls NVML, few enough that host time stays within ~queue_s of GPU time.
     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     call()
     torch.cuda.synchronize()
@@ -99,49 +127,49 @@ def busy_window(
     e.record()
     torch.cuda.synchronize()
     per_call_s = max(s.elapsed_time(e) / 3 / 1000, 1e-6)
-    depth = max(2, int(queue_s / per_call_s) + 1)
+    # An event every ~0.5 ms of work (not every call: recording costs host time on tiny calls), and
+    # enough of them in flight that the GPU never waits for the host.
+    stride = max(1, int(0.0005 / per_call_s))
+    depth = max(2, int(queue_s / (stride * per_call_s)) + 1)
     max_s = window_s + 1.0 if max_s is None else max_s
 
+    poller = _CounterPoller(nvml.nvmlDeviceGetTotalEnergyConsumption, handle, poll_s)
     ring: deque[Any] = deque()
     start_evt, end_evt = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start_evt.record()
     t_begin = time.perf_counter()
-    st = {"last": t_begin, "prev": read(handle), "edge0": None, "edge1": None}
-
-    def poll() -> bool:
-        """Poll the counter if due; True once the window is complete (or timed out)."""
-        now = time.perf_counter()
-        if now - st["last"] >= poll_s:
-            st["last"] = now
-            cur = read(handle)
-            if cur != st["prev"]:
-                st["prev"] = cur
-                if st["edge0"] is None:
-                    if now - t_begin >= lead_in_s:
-                        st["edge0"] = (now, cur)
-                elif now - st["edge0"][0] >= window_s:
-                    st["edge1"] = (now, cur)
-                    return True
-        return now - t_begin > max_s
-
+    poller.start()
+    edge0: tuple[float, int] | None = None
+    edge1: tuple[float, int] | None = None
     n = 0
-    done = False
-    while not done:
-        call()
-        n += 1
-        ev = torch.cuda.Event()
-        ev.record()
-        ring.append(ev)
-        # Keep polling while the queue drains, so that long calls do not delay the edges.
-        while len(ring) > depth and not done:
-            if ring[0].query():
-                ring.popleft()
-            else:
-                done = poll()
-        done = done or poll()
-    edge0, edge1 = st["edge0"], st["edge1"]
+    try:
+        while True:
+            call()
+            n += 1
+            if n % stride:
+                continue
+            ev = torch.cuda.Event()
+            ev.record()
+            ring.append(ev)
+            while len(ring) > depth:
+                if ring[0].query():
+                    ring.popleft()
+            ch = poller.changes
+            if edge0 is None:
+                edge0 = next((c for c in ch if c[0] - t_begin >= lead_in_s), None)
+            if edge0 is not None:
+                edge1 = next((c for c in ch if c[0] - edge0[0] >= window_s), None)
+                if edge1 is not None:
+                    break
+            if time.perf_counter() - t_begin > max_s or poller.error is not None:
+                break
+    finally:
+        poller.stop_evt.set()
+        poller.join()
     end_evt.record()
     torch.cuda.synchronize()
+    if poller.error is not None:
+        raise RuntimeError(f"NVML energy read failed: {poller.error}")
     if edge0 is None or edge1 is None:
         raise RuntimeError(f"NVML energy counter did not advance twice within {max_s:.1f} s")
     ms = start_evt.elapsed_time(end_evt) / n

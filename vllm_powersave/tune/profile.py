@@ -6,7 +6,8 @@ shapes vLLM uses (fused ``qkv_proj`` and ``gate_up_proj``, GQA, RoPE, RMSNorm, S
 under ``torch.profiler`` and multiplied by the layer count, as seed 000 did (Spaan et al., arXiv
 2601.08539: "one layer measured x24"). After the layers: final norm, the LM head on the sampled rows
 only (vLLM's ``logits_indices``: one row per request) and vLLM's random sampler (fp32 softmax and
-the exponential race ``argmax(p / q)``).
+the exponential race ``argmax(p / q)``). RoPE and SiLU-and-mul run as unfused torch ops where vLLM
+has fused kernels, so the elementwise group's time share is an upper bound of vLLM's.
 
 Every op carries two labels:
 
@@ -256,6 +257,14 @@ def build_ops(shape: ModelShape, step: StepSpec, torch: Any | None = None, devic
     return ops
 
 
+def _sdpa(F: Any, q: Any, k: Any, v: Any, rep: int, causal: bool) -> Any:
+    """Causal SDPA with grouped-query attention (``enable_gqa`` where torch has it, else repeated KV)."""
+    try:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=rep > 1)
+    except TypeError:  # torch < 2.5
+        return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), is_causal=causal)
+
+
 def _attach_fns(ops: list[Op], torch: Any, s: ModelShape, step: StepSpec, device: Any, dtype: Any, seed: int) -> None:
     F = torch.nn.functional
     g = torch.Generator(device="cpu").manual_seed(seed)
@@ -275,6 +284,8 @@ def _attach_fns(ops: list[Op], torch: Any, s: ModelShape, step: StepSpec, device
     st: dict[str, Any] = {}
 
     def rms(t: Any) -> Any:
+        if hasattr(F, "rms_norm"):
+            return F.rms_norm(t, (H,), w_norm, 1e-6)
         v = t.float().pow(2).mean(-1, keepdim=True)
         return (t.float() * torch.rsqrt(v + 1e-6)).to(dtype) * w_norm
 
@@ -292,9 +303,12 @@ def _attach_fns(ops: list[Op], torch: Any, s: ModelShape, step: StepSpec, device
         rep = s.heads // s.kv_heads
         for _ in range(step.prompts):
             L = step.prompt_len
-            k = st["qk_rot"][n : n + L, s.heads :].transpose(0, 1).repeat_interleave(rep, 0)
-            v = qkv[n : n + L, Q + K :].view(L, s.kv_heads, hd).transpose(0, 1).repeat_interleave(rep, 0)
-            outs.append(F.scaled_dot_product_attention(q[:, n : n + L], k, v, is_causal=True).transpose(0, 1).reshape(L, Q))
+            # 4-D [1, heads, L, hd] with GQA: the flash/cuDNN backends apply (3-D inputs fall back
+            # to the fp32 math path on CUDA, which is not what vLLM runs).
+            k = st["qk_rot"][n : n + L, s.heads :].transpose(0, 1)[None]
+            v = qkv[n : n + L, Q + K :].view(L, s.kv_heads, hd).transpose(0, 1)[None]
+            o = _sdpa(F, q[None, :, n : n + L], k, v, rep, causal=True)
+            outs.append(o[0].transpose(0, 1).reshape(L, Q))
             n += L
         if step.decodes:
             qd = q[:, n : n + step.decodes].transpose(0, 1).reshape(step.decodes, s.kv_heads, rep, hd)
@@ -366,7 +380,7 @@ class StepProfile:
 
 def _event_time_us(ev: Any, gpu: bool) -> float:
     if gpu:
-        return float(getattr(ev, "device_time_total", getattr(ev, "cuda_time_total", 0.0)))
+        return float(ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total)
     return float(ev.cpu_time_total)
 
 
