@@ -190,3 +190,24 @@ def test_solver_vs_public_on_a_known_curve(tmp_path):
     assert wl["budgets"][0]["chosen_mhz"] == 3000  # strict: any lower clock is slower
     assert doc["not_checkable"][0]["reasons"] == ["verbal or relayed figure"]
     assert "No number here was measured by this project" in md
+
+
+def test_preset_writes_kernel_group_clocks_only_with_measured_durations(tmp_path):
+    from vllm_powersave.tune.run import TuneOptions, TuneResult, write_preset
+
+    def result(kind):
+        r = TuneResult(TuneOptions(model=str(tmp_path / "m")), tmp_path, {"kind": kind, "name": "NVIDIA H200" if kind == "cuda" else "cpu"},
+                       model_name="m", clock_mode=("predict", "test"), clock_source="test")
+        r.presets = {"prefill": {"sm_clock_mhz": 1500}, "decode": {"sm_clock_mhz": 900}, "idle": {"sm_clock_mhz": 345}}
+        r.group_presets = {"prefill": {"attention": {"sm_clock_mhz": 1500, "duration_ms": 0.7}, "lm_head": {"sm_clock_mhz": 900, "duration_ms": 0.53741}},
+                           "decode": {"lm_head": {"sm_clock_mhz": 900, "duration_ms": 0.5}}}
+        return r
+
+    s = load_settings({"config_file": str(write_preset(result("cuda"), tmp_path / "gpu.yaml"))}, env={})
+    g = s.clocks.presets["prefill"].groups
+    assert set(g) == {"lm_head"} and g["lm_head"].sm_clock_mhz == 900 and g["lm_head"].duration_ms == pytest.approx(0.5374)
+    assert not s.clocks.presets["decode"].groups  # same clock as the phase: nothing to switch
+    assert s.tuned_for.gpu_name == "NVIDIA H200" and s.tuned_for.model == "m"
+    # On a CPU the durations would be the simulator's: no kernel-group presets are written.
+    s = load_settings({"config_file": str(write_preset(result("cpu"), tmp_path / "cpu.yaml"))}, env={})
+    assert not s.clocks.presets["prefill"].groups

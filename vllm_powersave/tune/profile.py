@@ -149,10 +149,6 @@ class Op:
     fn: Callable[[], Any] | None = None  # None: modelled only (communication)
     model_time_s: float | None = None  # for modelled ops
 
-    @property
-    def count(self) -> int:
-        return 1
-
 
 @dataclass
 class Ceilings:
@@ -197,11 +193,9 @@ def measure_ceilings(torch: Any, device: Any, seconds: float = 0.3) -> Ceilings:
     a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     flops = rate(lambda: a @ b, 2 * 8192**3)
-    del a, b
     src = torch.empty(2**29, device=device, dtype=torch.int16)
     dst = torch.empty_like(src)
     bw = rate(lambda: dst.copy_(src), 2 * 2**30)
-    del src, dst
     return Ceilings(flops, bw, f"measured on this GPU ({seconds:.1f} s bursts: bf16 GEMM 8192^3, 1 GiB device copy)")
 
 

@@ -211,6 +211,7 @@ class TuneResult:
     presets: dict[str, dict] = field(default_factory=dict)
     group_presets: dict[str, dict[str, dict]] = field(default_factory=dict)
     preset_path: Path | None = None
+    model_name: str = ""
     notes: list[str] = field(default_factory=list)
 
     def summary(self) -> dict:
@@ -322,7 +323,7 @@ def run_tune(opts: TuneOptions, log: Callable[[str], None] = print) -> TuneResul
     out_dir = Path(opts.out or Path("runs") / f"tune-{shape.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     out_dir.mkdir(parents=True, exist_ok=True)
     info, nv = _device_info(torch, gpu)
-    res = TuneResult(opts, out_dir, info)
+    res = TuneResult(opts, out_dir, info, model_name=shape.name)
     dev = torch.device("cuda" if gpu else "cpu")
     dtype = torch.bfloat16 if gpu else torch.float32
     do_chunks, do_clocks = opts.only in (None, "chunking"), opts.only in (None, "clocks")
@@ -486,7 +487,7 @@ def write_preset(res: TuneResult, path: Path) -> Path:
 
     body: dict[str, Any] = {}
     gpu = res.device["kind"] == "cuda"
-    body["tuned_for"] = {"gpu_name": res.device["name"] if gpu else "NVIDIA H200", "model": Path(res.opts.model).name}
+    body["tuned_for"] = {"gpu_name": res.device["name"] if gpu else "NVIDIA H200", "model": res.model_name or Path(res.opts.model).name}
     if res.chunk_table is not None:
         body["chunking"] = {"table": res.chunk_table}
     if res.clock_mode:
@@ -499,12 +500,20 @@ def write_preset(res: TuneResult, path: Path) -> Path:
             # uses a group preset only if it lasts long enough for a clock switch) and only where it
             # differs from the phase clock.
             if has_groups and gpu and res.clock_mode[0] != "simulated-sweep":
-                groups = {g: {k: v for k, v in d.items() if v is not None} for g, d in gp.items()
+                groups = {g: {k: (round(v, 4) if k == "duration_ms" else v) for k, v in d.items() if v is not None} for g, d in gp.items()
                           if d.get("duration_ms") and d.get("sm_clock_mhz") != p.get("sm_clock_mhz")}
                 if groups:
                     presets[ph]["groups"] = groups
         body["clocks"] = {"presets": presets}
-    PowersaveSettings.model_validate(body)  # raises on a schema mismatch before anything is written
+    try:
+        PowersaveSettings.model_validate(body)
+    except ValueError as exc:
+        if not any("groups" in p for p in body.get("clocks", {}).get("presets", {}).values()):
+            raise  # a bug: nothing is written
+        for p in body["clocks"]["presets"].values():  # an older schema without kernel-group presets
+            p.pop("groups", None)
+        PowersaveSettings.model_validate(body)
+        res.notes.append(f"kernel-group presets left out of the preset file: this settings schema refuses them ({str(exc).splitlines()[0]})")
     mode = res.clock_mode[0] if res.clock_mode else None
     what = []
     if res.chunk_table is not None:
