@@ -124,18 +124,20 @@ CHILD = textwrap.dedent("""
     while nvml.locked is None:
         time.sleep(0.005)
     print("locked", flush=True)
+    import select
+    # Short waits: a signal delivered to another thread is only acted on when the main thread runs.
+    while mode == "wait" or not select.select([sys.stdin], [], [], 0.05)[0]:
+        time.sleep(0.05)
     if mode == "exit":
         sys.exit(0)
-    if mode == "exception":
-        raise RuntimeError("engine step failed")
-    time.sleep(60)
+    raise RuntimeError("engine step failed")
 """)
 
 
 def _child(tmp_path, mode):
     script = tmp_path / "child.py"
     script.write_text(CHILD.format(tests=str(TESTS), repo=str(REPO), state=str(tmp_path / "gpu.json"), leases=str(tmp_path / "leases")))
-    proc = subprocess.Popen([sys.executable, str(script), mode], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, str(script), mode], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "locked", proc.stderr.read()
     return proc, FakeNvml(state_file=tmp_path / "gpu.json"), LeaseStore(tmp_path / "leases")
 
@@ -146,6 +148,9 @@ def test_exit_paths_reset_clocks_in_process(tmp_path, mode, sig):
     assert gpu.locked == (1200, 1200) and leases.held("GPU-k")
     if sig is not None:
         proc.send_signal(sig)
+    else:
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
     proc.wait(timeout=30)
     assert gpu.locked is None, proc.stderr.read()
     assert leases.all() == []

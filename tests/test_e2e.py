@@ -146,7 +146,7 @@ def test_clock_follows_phases_of_one_long_request(server):
     _post(server.base_url + "/v1/completions", {"model": "model", "prompt": "x", "max_tokens": 4, "ignore_eos": True})
     time.sleep(0.8)
     before = _metrics(server.base_url)[key]
-    # idle (345) -> prefill: default at once -> decode lasting > 50 ms: 1200 MHz -> idle again: 345
+    # idle (345) -> prefill: default at once -> decode lasting > 50 ms: the decode preset -> idle again: 345
     _post(server.base_url + "/v1/completions", {"model": "model", "prompt": "def main():", "max_tokens": 200, "ignore_eos": True})
     time.sleep(0.8)
     m = _metrics(server.base_url)

@@ -78,6 +78,10 @@ def test_small_mixed_steps_take_the_decode_clock():
     assert clock_phase(big, 150) == "mixed"
     assert clock_phase(small, 0) == "mixed"
     assert clock_phase(classify([ReqSched(64, context_phase=True)]), 150) == "prefill"
+    # Decode batches beyond the ridge are compute-bound: no decode clock for them.
+    assert clock_phase(classify([ReqSched(1, computed=100)] * 100), 150) == "decode"
+    assert clock_phase(classify([ReqSched(1, computed=100)] * 256), 150) == "mixed"
+    assert clock_phase(classify([ReqSched(1, computed=100)] * 256), 0) == "decode"
 
 
 def test_regime_filter_keeps_decode_clock_through_occasional_prompts_but_not_bursts():

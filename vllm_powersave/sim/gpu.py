@@ -94,24 +94,72 @@ def _voltage(spec: GpuSpec, f: float) -> float:
     return spec.v_min + (1.0 - spec.v_min) * (f - f_min) / (spec.f_max_mhz - f_min)
 
 
-def _eval(spec: GpuSpec, work: StepWork, f: float) -> tuple[float, float]:
+def _eval_kernel(spec: GpuSpec, work: StepWork, f: float) -> tuple[float, float]:
+    """Kernel time (s) and power (W) of ``work`` at SM clock ``f`` (MHz), no fixed overhead, no cap."""
     rel = f / spec.f_max_mhz
     t_c = work.flops / (spec.peak_flops * rel)
     bw = spec.mem_bw * min(1.0, f / spec.mem_bound_min_mhz)
     t_m = work.bytes / bw
     t_kernel = max(t_c, t_m)
-    t = t_kernel + spec.t_fixed_s
     if t_kernel <= 0:
-        return t, spec.p_idle_w
+        return 0.0, spec.p_idle_w
     u_c = t_c / t_kernel
     u_m = t_m / t_kernel
     # Quadratic in the compute share: partly compute-bound kernels overlap with memory stalls.
     act = spec.mem_bound_sm_activity + (1.0 - spec.mem_bound_sm_activity) * u_c**2
     p_sm = spec.p_sm_max_w * rel * _voltage(spec, f) ** 2 * act
-    p_kernel = spec.p_busy_static_w + spec.p_mem_w * u_m + p_sm
+    return t_kernel, spec.p_busy_static_w + spec.p_mem_w * u_m + p_sm
+
+
+def _eval(spec: GpuSpec, work: StepWork, f: float) -> tuple[float, float]:
+    t_kernel, p_kernel = _eval_kernel(spec, work, f)
+    t = t_kernel + spec.t_fixed_s
+    if t_kernel <= 0:
+        return t, spec.p_idle_w
     # The fixed part of the step (launches, syncs) runs near idle power.
     p = (p_kernel * t_kernel + spec.p_idle_w * spec.t_fixed_s) / t
     return t, p
+
+
+def simulate_kernel(spec: GpuSpec, work: StepWork, sm_clock_mhz: float) -> StepResult:
+    """Like :func:`simulate_step` for one kernel group (no per-step launch overhead). Simulated."""
+    clocks = [c for c in spec.sm_clocks_mhz if c <= sm_clock_mhz] or [spec.sm_clocks_mhz[0]]
+    capped = False
+    for f in reversed(clocks):
+        t, p = _eval_kernel(spec, work, f)
+        if p <= spec.power_cap_w:
+            return StepResult(t, p * t, p, f, capped)
+        capped = True
+    t, p = _eval_kernel(spec, work, clocks[0])
+    return StepResult(t, p * t, p, clocks[0], True)
+
+
+def predict(profile: "StepWork | list[StepWork] | tuple[StepWork, ...]", sm_clock_mhz: float,
+            spec: "GpuSpec | None" = None) -> tuple[float, float, float]:
+    """``(time s, average power W, energy J)`` of one step at a locked SM clock (MHz). Simulated.
+
+    ``profile``: the step's work, whole (:class:`StepWork`) or as its kernel groups in order (a
+    list: each group is priced on its own, with the power cap applied per group, plus the step's
+    fixed launch overhead once). Use it to replay measured per-clock data through the model.
+    """
+    spec = spec or H200
+    if isinstance(profile, StepWork):
+        r = simulate_step(spec, profile, sm_clock_mhz)
+        return r.time_s, r.power_w, r.energy_j
+    t = spec.t_fixed_s
+    e = spec.p_idle_w * spec.t_fixed_s
+    for w in profile:
+        r = simulate_kernel(spec, w, sm_clock_mhz)
+        t += r.time_s
+        e += r.energy_j
+    return t, e / t, e
+
+
+def idle_power_w(spec: GpuSpec, locked_mhz: int | None) -> float:
+    """Power (W) of a loaded but idle GPU; a locked clock keeps it from dropping its clock. Simulated."""
+    if locked_mhz is None:
+        return spec.p_idle_w
+    return spec.p_busy_static_w * 0.6 + 0.06 * spec.p_sm_max_w * (locked_mhz / spec.f_max_mhz) * _voltage(spec, locked_mhz) ** 2
 
 
 def simulate_step(spec: GpuSpec, work: StepWork, sm_clock_mhz: float) -> StepResult:
@@ -165,6 +213,63 @@ class ModelCost:
         return StepWork(flops=flops, bytes=nbytes)
 
 
+@dataclass(frozen=True)
+class KernelGroupCost:
+    """Work of one engine step split into kernel groups, in execution order (bf16 weights, KV cache).
+
+    Groups: per layer ``attention`` (QKV/O projections, norms, rotary, attention core, KV-cache
+    reads and writes) then ``mlp`` (gate/up/down GEMMs and activation); after the last layer
+    ``lm_head`` (logits GEMM, fp32 logits written) and ``sampling`` (passes over the logits). A
+    group's contiguous run is one layer's attention or MLP, which is what a clock switch must
+    outlast. Roofline inputs only: the times and powers come from :func:`simulate_kernel`. Simulated.
+    """
+
+    layers: int
+    hidden: int
+    q_dim: int  # attention heads x head_dim
+    kv_dim: int  # KV heads x head_dim
+    intermediate: int
+    vocab: int
+
+    @classmethod
+    def for_shape(cls, shape: str) -> "KernelGroupCost":
+        """Group costs of a named model shape (``vllm_powersave.modelgen.SHAPES``)."""
+        from ..modelgen import SHAPES
+
+        c = SHAPES[shape]
+        head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+        return cls(c["num_hidden_layers"], c["hidden_size"], c["num_attention_heads"] * head_dim,
+                   c["num_key_value_heads"] * head_dim, c["intermediate_size"], c["vocab_size"])
+
+    def layer(self, tokens: int, decode_ctx: int, prefill_attend: int) -> tuple[StepWork, StepWork]:
+        """``(attention, mlp)`` work of one layer.
+
+        ``tokens``: scheduled tokens; ``decode_ctx``: KV tokens read by decoding requests;
+        ``prefill_attend``: sum over prefill tokens of the positions each attends to.
+        """
+        h, q, kv = self.hidden, self.q_dim, self.kv_dim
+        proj = h * (q + 2 * kv) + q * h
+        kv_tok = 2 * kv * 2  # K and V bytes per token and layer
+        attn_flops = 2.0 * tokens * proj + 4.0 * q * (decode_ctx + prefill_attend)
+        # Flash attention re-reads K/V once per 64-query tile of a prompt chunk.
+        attn_bytes = 2.0 * proj + kv_tok * (decode_ctx + prefill_attend / 64.0 + tokens) + tokens * (h * 8.0 + (q + 2 * kv) * 4.0)
+        mlp_params = 3 * h * self.intermediate
+        mlp = StepWork(2.0 * tokens * mlp_params, 2.0 * mlp_params + tokens * (h * 8.0 + self.intermediate * 6.0))
+        return StepWork(attn_flops, attn_bytes), mlp
+
+    def head(self, rows: int) -> tuple[StepWork, StepWork]:
+        """``(lm_head, sampling)`` work for ``rows`` rows reaching the LM head."""
+        params = self.vocab * self.hidden
+        lm = StepWork(2.0 * rows * params, 2.0 * params + rows * (self.vocab * 4.0 + self.hidden * 2.0))
+        return lm, StepWork(8.0 * rows * self.vocab, 12.0 * rows * self.vocab)
+
+    def groups(self, tokens: int, rows: int, decode_ctx: int, prefill_attend: int) -> list[tuple[str, StepWork]]:
+        """The step's groups in execution order (``2 * layers + 2`` entries)."""
+        attn, mlp = self.layer(tokens, decode_ctx, prefill_attend)
+        lm, smp = self.head(rows)
+        return [g for _ in range(self.layers) for g in (("attention", attn), ("mlp", mlp))] + [("lm_head", lm), ("sampling", smp)]
+
+
 @dataclass
 class SimulatedGpu:
     """Stateful simulated GPU: current SM clock and cumulative energy (J). Thread-safe. Simulated."""
@@ -201,11 +306,7 @@ class SimulatedGpu:
         if seconds <= 0:
             return 0.0
         with self._lock:
-            p = self.spec.p_idle_w
-            if self.locked:
-                # A locked clock keeps the idle GPU from dropping its clock: scale the SM share.
-                f = self.sm_clock_mhz
-                p = self.spec.p_busy_static_w * 0.6 + 0.06 * self.spec.p_sm_max_w * (f / self.spec.f_max_mhz) * _voltage(self.spec, f) ** 2
+            p = idle_power_w(self.spec, self.sm_clock_mhz if self.locked else None)
             self.energy_j += p * seconds
             self.last_power_w = p
             return p * seconds
