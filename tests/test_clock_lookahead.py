@@ -164,3 +164,44 @@ def test_scheduler_hooks_stamp_lookahead_that_survives_the_broadcast():
     r = json.loads(p.stdout.strip().splitlines()[-1])
     # 102 waiting; tokens summed over the first 64: 512 + 1024 + 62 * 10.
     assert r == {"arrivals": [512, 2048, 10], "n": 102, "tokens": 512 + 1024 + 620, "t": True}
+
+
+def test_lm_head_group_switches_around_the_lm_head_hook(monkeypatch):
+    """The runtime's LM-head hook applies an lm_head group preset that passed the gate, and back."""
+    import torch
+
+    from vllm_powersave import runtime
+
+    s = _settings(presets={"prefill": {"groups": {"lm_head": {"sm_clock_mhz": 900, "duration_ms": 70}}}})
+    backend = DryRunClockBackend()
+    ctl = ClockController(backend, s, asynchronous=False, watchdog=False)
+    monkeypatch.setattr(runtime, "_RUNTIME", type("RT", (), {"clocks": ctl})())
+    ctl.on_phase("decode", 0.0)
+    out = runtime.chunked_head(lambda h: h * 2, torch.ones(3, 4))
+    assert torch.equal(out, torch.full((3, 4), 2.0)) and list(backend.calls) == []  # no lm_head preset in decode
+    ctl.on_phase("prefill", 0.1)
+    runtime.chunked_head(lambda h: h * 2, torch.ones(3, 4))
+    assert [(d.phase, d.sm_clock_mhz) for d in ctl.decisions] == [("prefill/lm_head", 900), ("prefill", None)]
+    assert list(backend.calls) == [("set", 900, None), ("reset", None, None)]
+
+
+def test_group_switch_waits_for_the_gpu_to_reach_the_group():
+    import threading
+
+    s = _settings(presets={"prefill": {"groups": {"lm_head": {"sm_clock_mhz": 900, "duration_ms": 70}}}})
+    backend = DryRunClockBackend()
+    ctl = ClockController(backend, s, asynchronous=True, watchdog=False)
+    gpu_there = threading.Event()
+    ctl.on_phase("prefill", 0.0)
+    ctl.on_group("lm_head", 0.01, ready=gpu_there.wait)
+    assert ctl.target_sm_clock_mhz == 900  # decided at once on the host ...
+    assert not gpu_there.wait(0.05) and list(backend.calls) == []  # ... applied only once the GPU is there
+    gpu_there.set()
+    import time
+
+    for _ in range(500):
+        if list(backend.calls):
+            break
+        time.sleep(0.01)
+    assert list(backend.calls) == [("set", 900, None)]
+    ctl.close()

@@ -50,7 +50,26 @@ def chunked_head(head: Any, hidden_states: Any) -> Any:
     rows = int(hidden_states.shape[0]) if hidden_states.dim() >= 2 else 1
     n = policy.chunks(rows)
     policy.record(n, rows)
-    return apply_chunked(head, hidden_states, n)
+    rt = _RUNTIME
+    if rt is None or not rt.clocks.has_group("lm_head"):
+        return apply_chunked(head, hidden_states, n)
+    # A kernel-group preset for the LM head passed the switch-latency gate: switch when the GPU
+    # (not the host, which runs ahead) reaches the LM head, and back when it leaves it.
+    rt.clocks.on_group("lm_head", ready=_gpu_marker(hidden_states))
+    out = apply_chunked(head, hidden_states, n)
+    rt.clocks.end_group(ready=_gpu_marker(hidden_states))
+    return out
+
+
+def _gpu_marker(t: Any) -> Any:
+    """``Event.synchronize`` of a CUDA event recorded now on ``t``'s stream (``None`` off CUDA)."""
+    if getattr(getattr(t, "device", None), "type", None) != "cuda":
+        return None
+    import torch
+
+    ev = torch.cuda.Event()
+    ev.record()
+    return ev.synchronize
 
 
 def clock_phase(info: Any, memory_bound_max_tokens: int) -> str:

@@ -255,7 +255,7 @@ class ClockController:
         # Bounded: a server runs for weeks; the count is kept separately.
         self.decisions: deque[ClockChange] = deque(maxlen=4096)
         self.n_changes = 0
-        self._pending: tuple[str, ClockPreset] | None = None
+        self._pending: tuple[str, ClockPreset, Callable[[], Any] | None] | None = None
         self._apply_lock = threading.Lock()
         self._maybe_locked = False  # what the GPU may have, as opposed to what we last wanted
         # A real backend whose lock could not be undone when we fell back to dry-run: close()
@@ -340,35 +340,46 @@ class ClockController:
             self._down_since = None
             self._switch("arrival", target, now)
 
-    def on_group(self, group: str, now: float | None = None) -> None:
-        """Entering kernel group ``group`` of the current phase: its preset, if it passed the gate."""
+    def has_group(self, group: str) -> bool:
+        """Whether ``group`` has an active preset in the current phase (one dict lookup)."""
+        return group in self.groups.get(self.phase or "", ())
+
+    def on_group(self, group: str, now: float | None = None, ready: Callable[[], Any] | None = None) -> None:
+        """Entering kernel group ``group`` of the current phase: its preset, if it passed the gate.
+
+        ``ready``: blocks until the GPU reaches the group (e.g. ``torch.cuda.Event.synchronize`` of
+        an event recorded at the boundary). The host runs ahead of the GPU, so the background
+        thread waits on it before applying; the engine thread never waits.
+        """
         preset = self.groups.get(self.phase or "", {}).get(group)
         if preset is None or self.disabled_reason is not None or self._closed:
             return
         self.group = group
         if preset != self.current:
-            self._switch(f"{self.phase}/{group}", preset, now)
+            self._switch(f"{self.phase}/{group}", preset, now, ready)
 
-    def end_group(self, now: float | None = None) -> None:
+    def end_group(self, now: float | None = None, ready: Callable[[], Any] | None = None) -> None:
         """Leaving the kernel group: back to the phase's clock (no dwell: the gate already paid it)."""
         if self.group is None:
             return
         self.group = None
         target = self._all_targets.get(self.phase or "", ClockPreset())
         if target != self.current and self.disabled_reason is None and not self._closed:
-            self._switch(self.phase or "", target, now)
+            self._switch(self.phase or "", target, now, ready)
 
-    def _switch(self, phase: str, target: ClockPreset, now: float | None) -> None:
+    def _switch(self, phase: str, target: ClockPreset, now: float | None, ready: Callable[[], Any] | None = None) -> None:
         self.current = target
         self._same = {p: t == target for p, t in self._all_targets.items()}
         self.last_change_s = self.clock() if now is None else now
         self.decisions.append(ClockChange(self.last_change_s, phase, target.sm_clock_mhz, target.mem_clock_mhz))
         self.n_changes += 1
         if self._thread is None:
+            if ready is not None:
+                ready()
             self._apply(phase, target)
         else:
             with self._cv:
-                self._pending = (phase, target)  # coalesce: only the newest target matters
+                self._pending = (phase, target, ready)  # coalesce: only the newest target matters
                 self._cv.notify()
 
     # -- heartbeat ---------------------------------------------------------------------------
@@ -415,7 +426,13 @@ class ClockController:
                     return
                 item, self._pending = self._pending, None
             if item is not None:
-                self._apply(*item)
+                phase, target, ready = item
+                if ready is not None:
+                    try:
+                        ready()
+                    except Exception:
+                        pass  # a failed wait only misplaces the switch in time
+                self._apply(phase, target)
             self.heartbeat()
 
     def _apply(self, phase: str, target: ClockPreset) -> None:
