@@ -612,7 +612,7 @@ def markdown(o: dict) -> str:
     lines = [
         "# Clock presets on the simulated H200 (SIMULATED)",
         "",
-        f"- **Everything here is simulated** (vllm_powersave/sim/gpu.py), not measured; only the step shapes, host gaps and idle periods of the `h200_replay` trace are measured data.",
+        "- **Everything here is simulated** (vllm_powersave/sim/gpu.py), not measured; only the step shapes, host gaps and idle periods of the `h200_replay` trace are measured data.",
         f"- What ran: `{o['script']}` on {o['where']}, {o['date_utc']} (UTC), model shape {o['model_shape']}, switch latency {o['switch_latency_ms']:g} ms.",
         "- The project's controller (regime filter, dwell, waiting-queue look-ahead, arrival ramp, async-scheduling rule, kernel-group gate) drives a simulated clock whose requests take effect one switch latency later; each step is priced per kernel group (per layer attention and MLP, then LM head and sampling) at the clock in effect while the group runs.",
         "- Presets were tuned on a separate calibration trace (seed 1); the traces below were not used for tuning. Throughput ratio = stock GPU busy time / strategy busy time for the same steps.",
