@@ -182,3 +182,18 @@ def test_saving_within_noise_falls_back_to_default():
 def _restrict(c, clocks):
     idx = [c.clocks.index(f) for f in clocks] + [len(c.clocks) - 1]
     return Curve(tuple(clocks) + (DEFAULT,), tuple(c.t[i] for i in idx), tuple(c.e[i] for i in idx), c.source)
+
+
+def test_relaxed_budget_is_not_widened_by_noise():
+    m = ResponseModel(H200, clocks=range(345, 1981, 15))
+    # A prefill-like step: compute-bound GEMMs plus memory-bound elementwise work.
+    items = {"mlp": m.curve(2 * 2048 * 2.2e8 * 28, 2 * 2.2e8 * 28), "norms": m.curve(0.0, 4e9)}
+    truth = {k: Curve(c.clocks[:-1] + (DEFAULT,), c.t, c.e, "simulated") for k, c in items.items()}
+    clocks = [c for c in truth["mlp"].clocks if c != DEFAULT][::3]
+    tb = sum(c.base[0] for c in truth.values())
+    for seed in range(6):
+        res = sweep_and_solve(SimulatedMeasurer(truth, noise_t=0.01, noise_e=0.03, seed=seed), list(truth), clocks, 0.05,
+                              solver="global", repeats=3, recheck=6)
+        assert res.remeasured_slowdown <= 0.05, seed
+        true_t = sum(truth[k].at(f)[0] for k, f in res.choice.clocks.items())
+        assert true_t / tb - 1 <= 0.05 + res.tolerance_time, seed

@@ -96,9 +96,14 @@ def _markdown(res: Any) -> str:
                 for solver, s in d.items():
                     first = ", ".join(sorted({_mhz(v) for v in s.naive.clocks.values()})) if s.naive else ""
                     final = ", ".join(f"{k} {_mhz(v)}" for k, v in s.choice.clocks.items()) if solver == "global" else _mhz(next(iter(s.choice.clocks.values())))
-                    L.append(f"| {ph} | {solver} | {first} ({_pct(-s.naive.saving) if s.naive else ''}) | {final} | {_pct(-s.expected_saving)} | "
-                             f"{_pct(-s.remeasured_saving)} | {_pct(s.expected_slowdown)} | {_pct(s.remeasured_slowdown)} | ±{100 * s.tolerance:.1f} % | "
-                             f"{len(s.rounds)} | {'yes' if s.fell_back else 'no'} |")
+                    if s.fell_back:  # show what was rejected, not the default's zeros
+                        r = s.rounds[-1]
+                        ex = (f"({_pct(-r['expected_saving'])} rejected)", f"({_pct(-r['remeasured_saving'])})",
+                              f"({_pct(r['expected_slowdown'])})", f"({_pct(r['remeasured_slowdown'])})")
+                    else:
+                        ex = (_pct(-s.expected_saving), _pct(-s.remeasured_saving), _pct(s.expected_slowdown), _pct(s.remeasured_slowdown))
+                    L.append(f"| {ph} | {solver} | {first} ({_pct(-s.naive.saving) if s.naive else ''}) | {final} | {ex[0]} | {ex[1]} | {ex[2]} | {ex[3]} | "
+                             f"±{100 * s.tolerance:.1f} % (time ±{100 * s.tolerance_time:.1f} %) | {len(s.rounds)} | {'yes' if s.fell_back else 'no'} |")
             L.append("")
         L += ["### Presets written", "", "| phase | preset | kernel-group clocks (global solution; durations ms) |", "|---|---|---|"]
         for ph, p in res.presets.items():

@@ -335,9 +335,10 @@ def sweep_and_solve(
         :class:`SweepResult`. The re-measured saving and slowdown are medians over ``recheck``
         interleaved (choice, default) pairs. Tolerance: ``max(tol_floor, 2.5 * noise *
         sqrt(2 / recheck))`` where ``noise`` is the median relative standard deviation of the sweep's
-        energy repeats (two standard errors of the median of paired ratios, ~95 %). Time is judged
-        the same way with the time noise: the sweep solves with ``budget + 2 * noise_t *
-        sqrt(2 / repeats)`` and the re-measurement accepts a slowdown up to ``budget + tol_t``.
+        energy repeats (two standard errors of the median of paired ratios, ~95 %). A budget
+        smaller than the time noise is widened to it: the sweep solves with ``max(budget, 2 *
+        noise_t * sqrt(2 / repeats))`` and the re-measurement accepts a slowdown up to
+        ``max(budget, tol_t)``.
     """
     _check_budget(budget)
     if repeats < 1 or recheck < 2:
@@ -359,8 +360,9 @@ def sweep_and_solve(
     noise_t = st.median([_rel_sd([x[0] for x in table[k][f]]) for k in items for f in grid]) if repeats > 1 else 0.01
     # Two standard errors of the median of ``recheck`` paired ratios (1.25 x the mean's standard error).
     tol = max(tol_floor, 2 * 1.25 * noise * math.sqrt(2 / recheck))
-    # "Not slower" is judged within the time noise: with a strict budget, a clock whose time differs
-    # from the default's by less than the noise must not be ruled out (or in) by one noisy reading.
+    # A budget below the time noise (strict, 0 %) is judged within that noise: a clock whose time
+    # differs from the default's by less than the noise must not be ruled out (or in) by one noisy
+    # reading. A larger budget is applied as given.
     tol_t_sweep = 2 * noise_t * math.sqrt(2 / repeats)
     tol_t = max(tol_floor / 5, 2 * 1.25 * noise_t * math.sqrt(2 / recheck))
     solve = SOLVERS[solver]
@@ -373,7 +375,7 @@ def sweep_and_solve(
         if banned:
             curves = {k: Curve(c.clocks, tuple(math.inf if (k, f) in banned else t for f, t in zip(c.clocks, c.t)), c.e, c.source)
                       for k, c in curves.items()}
-        choice = solve(curves, min(10.0, budget + tol_t_sweep))
+        choice = solve(curves, min(10.0, max(budget, tol_t_sweep)))
         if naive is None:
             naive = choice
         if all(f == DEFAULT for f in choice.clocks.values()):
@@ -399,7 +401,7 @@ def sweep_and_solve(
         # Medians of the paired ratios: one stray reading in the re-measurement cannot carry it either.
         re_s, re_d = 1 - st.median(p[1] for p in pairs), st.median(p[0] for p in pairs) - 1
         exp_s, exp_d = choice.saving, choice.slowdown
-        time_ok = re_d <= budget + tol_t
+        time_ok = re_d <= max(budget, tol_t)
         ok = time_ok and re_s >= exp_s - tol
         rec = {"round": rnd + 1, "clocks": dict(choice.clocks), "expected_saving": exp_s, "remeasured_saving": re_s,
                "expected_slowdown": exp_d, "remeasured_slowdown": re_d, "accepted": ok}
@@ -410,7 +412,7 @@ def sweep_and_solve(
             verified.append((choice, rec))
         else:
             slow = {(k, choice.clocks[k]) for k in items if choice.clocks[k] != DEFAULT
-                    and per_item[k]["new"] > per_item[k]["def"] * (1 + budget + tol_t)}
+                    and per_item[k]["new"] > per_item[k]["def"] * (1 + max(budget, tol_t))}
             banned |= slow or {(k, choice.clocks[k]) for k in items if choice.clocks[k] != DEFAULT}
         if ok:
             break
