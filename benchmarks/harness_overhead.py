@@ -112,78 +112,135 @@ def _sharegpt_file(path: Path, n: int, words: int, seed: int = 0) -> None:
     path.write_text(json.dumps(data))
 
 
-def vllm_part(pairs: int, n: int, conc: int, out_len: int, workdir: Path) -> dict[str, Any]:
+def _tiny_model() -> Path:
     from vllm_powersave.modelgen import make_model
-    from vllm_powersave.serving import VllmServer, default_serve_args
 
     model = REPO / ".models" / "qwen2-tiny"
     if not (model / "config.json").exists():
         make_model(model, "qwen2-tiny")
-    data = workdir / "sharegpt.json"
-    _sharegpt_file(data, 400, 48)
-    server = VllmServer(default_serve_args(str(model)), log_path=workdir / "server.log")
-    server.start()
-    common = {"url": server.base_url, "n": n, "conc": conc}
-    ours_cmd = [PY, "-m", "loadtests", "--base-url", server.base_url, "--model", "model", "--dataset", f"sharegpt:{data}",
+    return model
+
+
+def interleaved(tag: str, base_url: str, model: Path, data: Path, pairs: int, n: int, conc: int, out_len: int,
+                workdir: Path) -> list[dict[str, Any]]:
+    """``pairs`` x (ours, then vllm bench serve) on one server with the same workload; per-pair ratios."""
+    ours_cmd = [PY, "-m", "loadtests", "--base-url", base_url, "--model", "model", "--dataset", f"sharegpt:{data}",
                 "--tokenizer", str(model), "--sharegpt-output-len", str(out_len), "--num-prompts", str(n),
                 "--max-concurrency", str(conc), "--num-warmups", "1", "--seed", "0", "--no-progress"]
-    vllm_cmd = [str(Path(PY).parent / "vllm"), "bench", "serve", "--backend", "openai", "--base-url", server.base_url,
+    vllm_cmd = [str(Path(PY).parent / "vllm"), "bench", "serve", "--backend", "openai", "--base-url", base_url,
                 "--endpoint", "/v1/completions", "--model", "model", "--tokenizer", str(model), "--dataset-name", "sharegpt",
                 "--dataset-path", str(data), "--sharegpt-output-len", str(out_len), "--num-prompts", str(n),
-                "--max-concurrency", str(conc), "--seed", "0", "--ignore-eos", "--temperature", "0", "--disable-tqdm", "--save-result",
-                "--result-dir", str(workdir)]
+                "--max-concurrency", str(conc), "--seed", "0", "--ignore-eos", "--temperature", "0", "--disable-tqdm",
+                "--save-result", "--result-dir", str(workdir)]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
     runs: list[dict[str, Any]] = []
-    try:
-        for i in range(pairs):
-            pair: dict[str, Any] = {}
-            for tool in ("ours", "vllm"):  # A B A B ...
-                out = workdir / f"{tool}-{i}.json"
-                cmd = ours_cmd + ["--result-json", str(out)] if tool == "ours" else vllm_cmd + ["--result-filename", out.name]
-                t = time.time()
-                p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
-                if p.returncode != 0:
-                    raise SystemExit(f"error: {tool} run {i} failed (rc {p.returncode}): {p.stderr.strip().splitlines()[-1:]}")
-                r = json.loads(out.read_text())
-                pair[tool] = {k: r.get(k) for k in ("completed", "failed", "duration", "total_input_tokens",
-                                                   "total_output_tokens", "request_throughput", "output_throughput",
-                                                   "median_ttft_ms", "mean_ttft_ms", "median_tpot_ms", "median_itl_ms")}
-                pair[tool]["wall_s"] = time.time() - t
-                print(f"[vllm] pair {i} {tool}: {r['output_throughput']:.1f} tok/s, TTFT p50 {r['median_ttft_ms']:.1f} ms, "
-                      f"in/out tokens {r['total_input_tokens']}/{r['total_output_tokens']}", flush=True)
-            pair["output_throughput_ratio"] = pair["ours"]["output_throughput"] / pair["vllm"]["output_throughput"]
-            pair["median_ttft_ratio"] = pair["ours"]["median_ttft_ms"] / pair["vllm"]["median_ttft_ms"]
-            pair["median_tpot_ratio"] = pair["ours"]["median_tpot_ms"] / pair["vllm"]["median_tpot_ms"]
-            runs.append(pair)
-    finally:
-        server.stop()
+    for i in range(pairs):
+        pair: dict[str, Any] = {"loadavg_1m": os.getloadavg()[0]}
+        for tool in ("ours", "vllm"):  # A B A B ...
+            out = workdir / f"{tag}-{tool}-{i}.json"
+            cmd = ours_cmd + ["--result-json", str(out)] if tool == "ours" else vllm_cmd + ["--result-filename", out.name]
+            t = time.time()
+            p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
+            if p.returncode != 0:
+                raise SystemExit(f"error: {tool} run {i} failed (rc {p.returncode}): {p.stderr.strip().splitlines()[-1:]}")
+            r = json.loads(out.read_text())
+            pair[tool] = {k: r.get(k) for k in ("completed", "failed", "duration", "total_input_tokens",
+                                               "total_output_tokens", "request_throughput", "output_throughput",
+                                               "median_ttft_ms", "mean_ttft_ms", "median_tpot_ms", "median_itl_ms")}
+            pair[tool]["wall_s"] = time.time() - t
+            print(f"[{tag}] pair {i} {tool}: {r['output_throughput']:.1f} tok/s, TTFT p50 {r['median_ttft_ms']:.1f} ms, "
+                  f"TPOT p50 {r['median_tpot_ms']:.2f} ms, in/out tokens {r['total_input_tokens']}/{r['total_output_tokens']}", flush=True)
+        pair["output_throughput_ratio"] = pair["ours"]["output_throughput"] / pair["vllm"]["output_throughput"]
+        pair["median_ttft_ratio"] = pair["ours"]["median_ttft_ms"] / pair["vllm"]["median_ttft_ms"]
+        pair["median_tpot_ratio"] = pair["ours"]["median_tpot_ms"] / pair["vllm"]["median_tpot_ms"]
+        runs.append(pair)
+    return runs
 
+
+def summarize_pairs(runs: list[dict[str, Any]], config: dict[str, Any]) -> dict[str, Any]:
     def summary(key: str) -> dict[str, Any]:
         xs = [p[key] for p in runs]
         m, lo, hi = ratio_ci(xs)
-        return {"mean": m, "per_pair": xs, "min": min(xs), "max": max(xs),
+        return {"mean": m, "median": st.median(xs), "per_pair": xs, "min": min(xs), "max": max(xs),
                 "ci95": [lo, hi] if len(xs) > 1 else [None, None], "within_2pct": abs(m - 1) <= 0.02}
 
-    import vllm
-
-    same_prompts = all(p["ours"]["total_input_tokens"] == p["vllm"]["total_input_tokens"] for p in runs)
     return {
         "output_throughput_ratio": st.mean(p["output_throughput_ratio"] for p in runs),
         "median_ttft_ratio": st.mean(p["median_ttft_ratio"] for p in runs),
         "output_throughput": summary("output_throughput_ratio"),
         "median_ttft": summary("median_ttft_ratio"),
         "median_tpot": summary("median_tpot_ratio"),
-        "same_input_tokens_every_pair": same_prompts,
-        "config": {**{k: v for k, v in common.items() if k != "url"}, "output_len": out_len, "vllm_version": vllm.__version__,
-                   "server": "vllm serve .models/qwen2-tiny (stock, no plugin) " + " ".join(default_serve_args("M")[1:]),
-                   "dataset": "synthetic ShareGPT file, 400 conversations, 48-word prompts, seed 0",
-                   "order": "A B A B ... (A = loadtests, B = vllm bench serve)", "warmups": "1 each"},
+        "same_input_tokens_every_pair": all(p["ours"]["total_input_tokens"] == p["vllm"]["total_input_tokens"] for p in runs),
+        "config": config,
         "pairs": runs,
     }
 
 
+def vllm_part(pairs: int, n: int, conc: int, out_len: int, workdir: Path) -> dict[str, Any]:
+    import vllm
+
+    from vllm_powersave.serving import VllmServer, default_serve_args
+
+    model = _tiny_model()
+    data = workdir / "sharegpt.json"
+    _sharegpt_file(data, 400, 48)
+    server = VllmServer(default_serve_args(str(model)), log_path=workdir / "server.log")
+    server.start()
+    try:
+        runs = interleaved("vllm", server.base_url, model, data, pairs, n, conc, out_len, workdir)
+    finally:
+        server.stop()
+    return summarize_pairs(runs, {
+        "n": n, "conc": conc, "output_len": out_len, "vllm_version": vllm.__version__,
+        "server": "vllm serve .models/qwen2-tiny (stock, no plugin) " + " ".join(default_serve_args("M")[1:]),
+        "dataset": "synthetic ShareGPT file, 400 conversations, 48-word prompts, seed 0",
+        "order": "A B A B ... (A = loadtests, B = vllm bench serve)", "warmups": "1 each"})
+
+
+def fake_timing_part(pairs: int, n: int, conc: int, out_len: int, ttft_ms: float, itl_ms: float, workdir: Path) -> dict[str, Any]:
+    """Both tools against the fake server with exact TTFT / ITL: what each one reports vs the truth."""
+    model = _tiny_model()
+    data = workdir / "sharegpt.json"
+    _sharegpt_file(data, 400, 48)
+    srv = subprocess.Popen([PY, "-m", "loadtests.fake_server", "--port", "0", "--ttft-ms", str(ttft_ms), "--itl-ms", str(itl_ms)],
+                           cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        assert srv.stdout is not None
+        url = srv.stdout.readline().strip()
+        runs = interleaved("fake", url, model, data, pairs, n, conc, out_len, workdir)
+    finally:
+        srv.terminate()
+        srv.wait(10)
+    res = summarize_pairs(runs, {"n": n, "conc": conc, "output_len": out_len, "fake_ttft_ms": ttft_ms, "fake_itl_ms": itl_ms,
+                                 "order": "A B A B ... (A = loadtests, B = vllm bench serve)", "warmups": "1 each"})
+    for tool in ("ours", "vllm"):
+        res[f"{tool}_median_ttft_ms_minus_true"] = st.median(p[tool]["median_ttft_ms"] - ttft_ms for p in runs)
+        res[f"{tool}_median_tpot_ms_minus_true"] = st.median(p[tool]["median_tpot_ms"] - itl_ms for p in runs)
+    return res
+
+
+def _fmt_ratio(s: dict[str, Any]) -> str:
+    ci = f"95 % CI {s['ci95'][0]:.3f}-{s['ci95'][1]:.3f}" if s["ci95"][0] is not None else "no CI (one pair)"
+    return (f"mean {s['mean']:.3f}, median {s['median']:.3f} (pairs {', '.join(f'{x:.3f}' for x in s['per_pair'])}; "
+            f"range {s['min']:.3f}-{s['max']:.3f}; {ci}; mean {'within' if s['within_2pct'] else 'NOT within'} 2 % of 1)")
+
+
+def _pair_table(v: dict[str, Any]) -> list[str]:
+    lines = ["| pair | load avg | ours tok/s | vllm bench tok/s | throughput ratio | ours TTFT p50 (ms) | vllm bench TTFT p50 (ms) "
+             "| TTFT ratio | ours TPOT p50 (ms) | vllm bench TPOT p50 (ms) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for i, p in enumerate(v["pairs"]):
+        lines.append(f"| {i + 1} | {p['loadavg_1m']:.1f} | {p['ours']['output_throughput']:.1f} | {p['vllm']['output_throughput']:.1f} | "
+                     f"{p['output_throughput_ratio']:.3f} | {p['ours']['median_ttft_ms']:.1f} | {p['vllm']['median_ttft_ms']:.1f} | "
+                     f"{p['median_ttft_ratio']:.3f} | {p['ours']['median_tpot_ms']:.2f} | {p['vllm']['median_tpot_ms']:.2f} |")
+    return lines + ["", f"- output_throughput_ratio (ours / vllm bench): {_fmt_ratio(v['output_throughput'])}",
+                    f"- median_ttft_ratio (ours / vllm bench): {_fmt_ratio(v['median_ttft'])}",
+                    f"- median TPOT ratio: {_fmt_ratio(v['median_tpot'])}",
+                    f"- Same prompts in both tools (equal input-token totals in every pair): {v['same_input_tokens_every_pair']}."]
+
+
 def write_md(doc: dict[str, Any], path: Path) -> None:
     f = doc["fake_server"]
+    busy = f["harness_cpu_utilization_median"]
     lines = [
         "# Load-test harness overhead (measured, CPU)",
         "",
@@ -197,7 +254,7 @@ def write_md(doc: dict[str, Any], path: Path) -> None:
         f"Harness pinned to CPU {f['config']['harness_cpu']}, fake server (TTFT 0, ITL 0) in its own process on CPU "
         f"{f['config']['server_cpu']}; closed loop at concurrency {f['config']['max_concurrency']}, {f['config']['num_prompts']} "
         "streamed requests of 16 output tokens (16 chunks + usage + [DONE]) after 50 warm-ups; default sampling of the "
-        "fake server's `/metrics` every 0.5 s.",
+        "fake server's `/metrics` every 0.5 s. CPU shares are over the whole `run()` call.",
         "",
         "| run | req/s | output tok/s | harness core busy | server core busy | harness CPU ms / request |",
         "|---|---|---|---|---|---|",
@@ -205,36 +262,33 @@ def write_md(doc: dict[str, Any], path: Path) -> None:
     for i, r in enumerate(f["runs"]):
         lines.append(f"| {i + 1} | {r['request_throughput']:.0f} | {r['output_throughput']:.0f} | {100 * r['harness_cpu_utilization']:.0f} % | "
                      f"{100 * r['server_cpu_utilization']:.0f} % | {r['harness_cpu_ms_per_request']:.3f} |")
-    lines += ["", f"**fake_server_req_per_s_one_core = {doc['fake_server_req_per_s_one_core']:.0f}** (median). "
-              f"Harness CPU per request {f['harness_cpu_ms_per_request_median']:.3f} ms, i.e. a ceiling of "
-              f"~{1000 / f['harness_cpu_ms_per_request_median']:.0f} req/s per fully busy core at this request size "
-              f"(harness core {100 * f['harness_cpu_utilization_median']:.0f} % busy, server core "
-              f"{100 * f['server_cpu_utilization_median']:.0f} % busy: "
-              + ("the harness core was the limit)." if f["harness_cpu_utilization_median"] >= 0.95 else
-                 "the harness core was not saturated, so the fake server or scheduling was the limit; the CPU-time ceiling is the harness's figure).")]
+    lines += ["", f"**fake_server_req_per_s_one_core = {doc['fake_server_req_per_s_one_core']:.0f}** (median of the runs). "
+              f"The harness used {f['harness_cpu_ms_per_request_median']:.3f} ms of CPU per request and kept its core "
+              f"{100 * busy:.0f} % busy (server core {100 * f['server_cpu_utilization_median']:.0f} %): "
+              + ("the harness's one core was the limit." if busy >= 0.9 else
+                 "the harness core was not saturated; other jobs on the machine or the server limited the rate.")]
+    c = doc.get("vs_vllm_bench_fake_server")
+    if c:
+        cc = c["config"]
+        lines += ["", "## (b1) loadtests vs `vllm bench serve` against the fake server (known truth)", "",
+                  f"The fake server (own process, unpinned) answers every request with TTFT {cc['fake_ttft_ms']:g} ms and one chunk "
+                  f"every {cc['fake_itl_ms']:g} ms; {cc['n']} requests, {cc['output_len']} output tokens, concurrency {cc['conc']}, "
+                  f"same ShareGPT file and tokenizer in both tools; order {cc['order']}. Whatever a tool reports above "
+                  f"{cc['fake_ttft_ms']:g} / {cc['fake_itl_ms']:g} ms is its own overhead (plus the machine's noise).", ""]
+        lines += _pair_table(c)
+        lines += [f"- Median over pairs of (median TTFT - true TTFT): ours {c['ours_median_ttft_ms_minus_true']:+.2f} ms, "
+                  f"vllm bench {c['vllm_median_ttft_ms_minus_true']:+.2f} ms; (median TPOT - true ITL): ours "
+                  f"{c['ours_median_tpot_ms_minus_true']:+.3f} ms, vllm bench {c['vllm_median_tpot_ms_minus_true']:+.3f} ms."]
     v = doc.get("vs_vllm_bench")
     if v:
-        c = v["config"]
-        lines += ["", "## (b) loadtests vs `vllm bench serve` on the same CPU vLLM server", "",
-                  f"vLLM {c['vllm_version']} CPU build; server: `{c['server']}`; workload: {c['dataset']}, "
-                  f"{c['n']} requests, output {c['output_len']} tokens (ignore_eos, greedy), concurrency {c['conc']}, both tools "
-                  f"with `--tokenizer` = the model directory (offline), {c['warmups']}; order {c['order']}.",
-                  f"Same prompts in both tools (equal input-token totals in every pair): {v['same_input_tokens_every_pair']}.", "",
-                  "| pair | ours tok/s | vllm bench tok/s | throughput ratio | ours TTFT p50 (ms) | vllm bench TTFT p50 (ms) | TTFT ratio |",
-                  "|---|---|---|---|---|---|---|"]
-        for i, p in enumerate(v["pairs"]):
-            lines.append(f"| {i + 1} | {p['ours']['output_throughput']:.1f} | {p['vllm']['output_throughput']:.1f} | "
-                         f"{p['output_throughput_ratio']:.3f} | {p['ours']['median_ttft_ms']:.1f} | {p['vllm']['median_ttft_ms']:.1f} | "
-                         f"{p['median_ttft_ratio']:.3f} |")
-
-        def fmt(s: dict[str, Any]) -> str:
-            ci = f"95 % CI {s['ci95'][0]:.3f}-{s['ci95'][1]:.3f}" if s["ci95"][0] is not None else "no CI (one pair)"
-            return (f"mean {s['mean']:.3f} (pairs {', '.join(f'{x:.3f}' for x in s['per_pair'])}; range {s['min']:.3f}-{s['max']:.3f}; {ci}; "
-                    f"{'within' if s['within_2pct'] else 'NOT within'} 2 %)")
-
-        lines += ["", f"- output_throughput_ratio (ours / vllm bench): {fmt(v['output_throughput'])}",
-                  f"- median_ttft_ratio (ours / vllm bench): {fmt(v['median_ttft'])}",
-                  f"- median TPOT ratio: {fmt(v['median_tpot'])}"]
+        cv = v["config"]
+        lines += ["", "## (b2) loadtests vs `vllm bench serve` on the same CPU vLLM server", "",
+                  f"vLLM {cv['vllm_version']} CPU build; server: `{cv['server']}`; workload: {cv['dataset']}, "
+                  f"{cv['n']} requests, output {cv['output_len']} tokens (ignore_eos, greedy), concurrency {cv['conc']}, both tools "
+                  f"with `--tokenizer` = the model directory (offline; `vllm bench serve` works offline this way), "
+                  f"{cv['warmups']}; order {cv['order']}. The client runs on the same 2 cores as the server, so its "
+                  "CPU use and the other jobs' load feed straight into the server's throughput and TTFT.", ""]
+        lines += _pair_table(v)
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -264,8 +318,10 @@ def main() -> int:
     doc["fake_server"] = fake
     if not ns.skip_vllm:
         with tempfile.TemporaryDirectory(prefix="harness-overhead-") as d:
-            v = vllm_part(ns.pairs, ns.vllm_requests, ns.vllm_concurrency, ns.vllm_output_len, Path(d))
-        doc["vs_vllm_bench"] = v
+            doc["vs_vllm_bench_fake_server"] = fake_timing_part(ns.pairs, ns.vllm_requests // 2, ns.vllm_concurrency,
+                                                                ns.vllm_output_len, 50.0, 10.0, Path(d))
+        with tempfile.TemporaryDirectory(prefix="harness-overhead-") as d:
+            doc["vs_vllm_bench"] = vllm_part(ns.pairs, ns.vllm_requests, ns.vllm_concurrency, ns.vllm_output_len, Path(d))
     doc["host"]["loadavg_1m_at_end"] = os.getloadavg()[0]
     out = Path(ns.out)
     out.parent.mkdir(parents=True, exist_ok=True)

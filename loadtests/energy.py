@@ -275,6 +275,11 @@ class EnergyMeter:
         self.samples: list[Sample] = []
 
     @property
+    def note(self) -> str:
+        """Why there is no energy source (empty when there is one)."""
+        return self._note
+
+    @property
     def provider(self) -> str | None:
         """``server-metrics``, ``nvml`` or None (no energy source)."""
         if self._before is not None:
@@ -317,6 +322,8 @@ class EnergyMeter:
             power, clock = _nvml_gauges(self._nvml)
             self.samples.append(Sample(t=self._t0, gpu_j=dict(self._nvml_before), power_w=power, sm_clock_mhz=clock,
                                        gauge_source="measured" if power is not None else None))
+        elif self._mode == "nvml":
+            self._note = f"no energy source ({reason})"
         else:
             self._note = f"no energy source (server has no {METRIC}_total; {reason})"
 

@@ -214,7 +214,7 @@ async def _open_meters(session: aiohttp.ClientSession, cfg: BenchConfig) -> tupl
         await m.start()
         if m.provider == "nvml":
             return [m], ["nvml"], "local NVML (whole fleet)"
-        notes.append(m._note.removeprefix("no energy source (").removesuffix(")"))
+        notes.append(m.note.removeprefix("no energy source (").removesuffix(")"))
     else:
         notes.append("disabled by energy='none'")
     return [], [], "no energy source (" + "; ".join(notes) + ")"
