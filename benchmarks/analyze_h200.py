@@ -212,6 +212,20 @@ def markdown(doc: dict) -> str:
             lines.append(f"| {c['load']} | {pm['steps_by_phase']} | {hm:.2f} | {si:.2f} | {share} | {fmt(sd['energy_saving_pct_mean'])} | {fmt(sd['time_change_pct_mean'])} | {fmt(sd['alt_policy_saving_pct_mean'])} |"
                          if hm is not None and si is not None else f"| {c['load']} | {pm['steps_by_phase']} | n/a | n/a | {share} | n/a | n/a | n/a |")
         lines.append("")
+    b = doc.get("bisect")
+    if b:
+        lines += ["## Overhead bisect: qwen2.5-0.5b at concurrency 8 (measured)", "",
+                  f"Three servers resident on one GPU (stock; plugin as above; plugin with every option off: meter off, no trace, no presets, empty chunking table), {b['window_s']:.0f} s closed-loop windows rotated S0 S1 S2 / S2 S1 S0 for {b['rounds']} rounds ({b['date_utc']}, `benchmarks/h200_overhead_bisect.py`). Output tokens/s per round:", "",
+                  "| server | " + " | ".join(f"round {r}" for r in range(b["rounds"])) + " | median | ratio to stock (median of per-round ratios) |",
+                  "|---|" + "---|" * b["rounds"] + "---|---|"]
+        for name, xs in b["by_server"].items():
+            lines.append(f"| {name} | " + " | ".join(f"{x:.0f}" for x in xs) + f" | {st.median(xs):.0f} | {b['ratio_to_stock'].get(name, 1.0):.3f} |")
+        lines += ["", "GIL profile (`py-spy record --gil`, one window per server on its EngineCore process, where the TP=1 worker runs): share of GIL-holding samples whose innermost frame is the plugin's own code (calls from the plugin's wrappers into vLLM excluded):", "",
+                  "| server | GIL samples | plugin's own | share | top plugin frames |", "|---|---|---|---|---|"]
+        for name, pr in b["profiles"].items():
+            top = "; ".join(f"{f.split(' (')[0]} ({n})" for f, n in (pr.get("top") or [])[:4])
+            lines.append(f"| {name} | {pr.get('gil_samples')} | {pr.get('powersave_own_samples')} | {100 * (pr.get('share') or 0):.1f} % | {top} |")
+        lines.append("")
     lines += ["## Plots", ""] + [f"![{f}]({f})" for f in doc.get("plots", [])] + [""]
     lines += ["## Findings", ""] + [f"- {x}" for x in doc.get("findings", [])] + [""]
     return "\n".join(lines)
@@ -223,6 +237,7 @@ def main() -> int:
     ap.add_argument("--out", default="docs/results")
     ap.add_argument("--about", action="append", default=[], help="TAG=text")
     ap.add_argument("--finding", action="append", default=[])
+    ap.add_argument("--bisect", help="raw h200_overhead_bisect.py output")
     ns = ap.parse_args()
     out = Path(ns.out)
     (out / "raw").mkdir(parents=True, exist_ok=True)
@@ -242,6 +257,18 @@ def main() -> int:
            "runs": runs, "findings": ns.finding}
     doc["cases"] = [c | {"run": r["run"]} for r in runs for c in r["cases"]]
     doc["plots"] = plots(runs, raws, out)
+    if ns.bisect:
+        braw = json.loads(Path(ns.bisect).read_text())
+        by: dict = {}
+        for w in braw["windows"]:
+            by.setdefault(w["server"], []).append(w["output_throughput"])
+        rounds = min(len(v) for v in by.values())
+        stock = by.get("S0-stock", [])
+        ratio = {k: st.median(v[i] / stock[i] for i in range(rounds)) for k, v in by.items() if stock}
+        doc["bisect"] = {"window_s": braw["window_s"], "rounds": rounds, "date_utc": braw["date_utc"], "by_server": by,
+                         "ratio_to_stock": ratio, "profiles": braw.get("profiles", {}), "configs": braw.get("configs")}
+        with gzip.open(out / "raw" / "h200-overhead-bisect.json.gz", "wt") as f:
+            json.dump(braw, f)
     (out / "h200-vllm.json").write_text(json.dumps(doc, indent=1, default=float))
     (out / "h200-vllm.md").write_text(markdown(doc))
     print(markdown(doc))

@@ -38,21 +38,26 @@ def log(*a: object) -> None:
 class Sampler(threading.Thread):
     """NVML power (W), SM clock (MHz) and energy counter (mJ) at ~10 Hz; read-only."""
 
-    def __init__(self, index: int = 0, period_s: float = 0.1) -> None:
+    def __init__(self, index: int | list[int] = 0, period_s: float = 0.1) -> None:
         super().__init__(daemon=True)
         import pynvml as N
 
         N.nvmlInit()
-        self.N, self.h, self.period = N, N.nvmlDeviceGetHandleByIndex(index), period_s
+        idx = index if isinstance(index, list) else [index]
+        # Several GPUs (TP): power and energy summed, SM clock of the first, per-GPU power kept.
+        self.N, self.hs, self.period = N, [N.nvmlDeviceGetHandleByIndex(i) for i in idx], period_s
         self.rows: list[tuple[float, float, int, int]] = []
+        self.per_gpu_w: list[tuple[float, ...]] = []
         self.stop_ev = threading.Event()
 
     def run(self) -> None:
-        N, h = self.N, self.h
+        N, hs = self.N, self.hs
         while not self.stop_ev.is_set():
             try:
-                self.rows.append((time.monotonic(), N.nvmlDeviceGetPowerUsage(h) / 1000.0,
-                                  N.nvmlDeviceGetClockInfo(h, N.NVML_CLOCK_SM), N.nvmlDeviceGetTotalEnergyConsumption(h)))
+                ws = [N.nvmlDeviceGetPowerUsage(h) / 1000.0 for h in hs]
+                self.rows.append((time.monotonic(), sum(ws), N.nvmlDeviceGetClockInfo(hs[0], N.NVML_CLOCK_SM),
+                                  sum(N.nvmlDeviceGetTotalEnergyConsumption(h) for h in hs)))
+                self.per_gpu_w.append(tuple(ws))
             except Exception:
                 pass
             time.sleep(self.period)
@@ -68,6 +73,7 @@ class Sampler(threading.Thread):
 
 class NullSampler:
     rows: list = []
+    per_gpu_w: list = []
     stop_ev = threading.Event()
 
     def start(self) -> None:
@@ -77,14 +83,14 @@ class NullSampler:
         return {}
 
 
-def device_facts() -> dict:
+def device_facts(index: int = 0) -> dict:
     import pynvml as N
 
     try:
         N.nvmlInit()
     except Exception as exc:
         return {"name": f"no NVML ({exc})"}
-    h = N.nvmlDeviceGetHandleByIndex(0)
+    h = N.nvmlDeviceGetHandleByIndex(index)
     name = N.nvmlDeviceGetName(h)
     return {"name": name.decode() if isinstance(name, bytes) else name,
             "driver": str(N.nvmlSystemGetDriverVersion()),
@@ -101,9 +107,13 @@ def make_model(shape: str, shapes_dir: Path, tok_dir: Path) -> Path:
     return d
 
 
-def start_server(label: str, model: Path, port: int, extra: list[str], pythonpath: str, out: Path, gpu_mem: float) -> subprocess.Popen:
+GPU_ENV: dict[str, str] = {}
+
+
+def start_server(label: str, model: Path, port: int, extra: list[str], pythonpath: str, out: Path, gpu_mem: float,
+                 env_extra: dict[str, str] | None = None) -> subprocess.Popen:
     extra = [*extra, *SERVE_EXTRA]
-    env = dict(os.environ, PYTHONPATH=pythonpath)
+    env = dict(os.environ, PYTHONPATH=pythonpath, **GPU_ENV, **(env_extra or {}))
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name", "model",
            "--load-format", "dummy", "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048",
            "--max-num-seqs", "256", "--gpu-memory-utilization", str(gpu_mem), *extra]
@@ -149,6 +159,22 @@ SUMMARY_KEYS = ("completed", "failed", "duration", "total_input_tokens", "total_
                 "total_tokens_per_joule", "energy_source", "energy_window_s")
 
 
+def compare_decision_streams(traces: dict[str, list[dict]]) -> dict:
+    """Per-step (phase, tokens, clock target) of every rank against rank 0's, step by step."""
+    keys = ("phase", "prefill", "decode", "reqs", "sm_target")
+    ranks = sorted(traces)
+    ref = [tuple(r.get(k) for k in keys) for r in traces[ranks[0]]]
+    out = {"ranks": ranks, "steps_per_rank": {r: len(traces[r]) for r in ranks}, "fields": keys, "by_rank": {}}
+    for r in ranks[1:]:
+        other = [tuple(x.get(k) for k in keys) for x in traces[r]]
+        n = min(len(ref), len(other))
+        diff = [i for i in range(n) if ref[i] != other[i]]
+        out["by_rank"][r] = {"compared_steps": n, "differing_steps": len(diff), "first_differences": [
+            {"step": i, "rank0": ref[i], f"rank{r}": other[i]} for i in diff[:10]]}
+    out["identical"] = all(v["differing_steps"] == 0 for v in out["by_rank"].values()) and len(set(out["steps_per_rank"].values())) == 1
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", required=True)
@@ -165,8 +191,11 @@ def main() -> int:
     ap.add_argument("--tok-dir", default="/tmp/model_cfg")
     ap.add_argument("--plugin-site", default="/tmp/psite")
     ap.add_argument("--stock-site", default="/tmp/site")
+    ap.add_argument("--gpus", default="0", help="NVML/CUDA indices (PCI bus order) the servers use, e.g. 1 or 0,1")
     ap.add_argument("--out", required=True)
     ns = ap.parse_args()
+    gpus = [int(x) for x in ns.gpus.split(",")]
+    GPU_ENV.update(CUDA_DEVICE_ORDER="PCI_BUS_ID", CUDA_VISIBLE_DEVICES=ns.gpus)
 
     if os.environ.get("POWERSAVE_FORCE_DRY_RUN") != "1":
         print("error: refusing to run: POWERSAVE_FORCE_DRY_RUN=1 must be set on a shared GPU", file=sys.stderr)
@@ -183,7 +212,7 @@ def main() -> int:
     model = make_model(ns.shape, Path(ns.shapes_dir), Path(ns.tok_dir))
     import vllm  # noqa: F401 - version only
 
-    result: dict = {"shape": ns.shape, "device": device_facts(), "vllm_version": vllm.__version__,
+    result: dict = {"shape": ns.shape, "device": device_facts(gpus[0]), "gpus": gpus, "serve_args": SERVE_EXTRA, "vllm_version": vllm.__version__,
                     "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                     "method": {"pairs": ns.pairs, "window_s": ns.window, "input_len": ns.input_len, "output_len": ns.output_len,
                                "order": "A B per pair (A = stock vLLM, B = vLLM + powersave), both servers resident",
@@ -204,7 +233,7 @@ def main() -> int:
                    "presets": {"decode": {"sm_clock_mhz": 1200}, "idle": {"sm_clock_mhz": 345}}},
         "energy": {"meter": "nvml"}}}
     try:
-        sampler = Sampler()
+        sampler = Sampler(gpus)
     except Exception as exc:  # no NVML (a CPU dry run of this script): keep going without a timeline
         log("no NVML sampler:", exc)
         sampler = NullSampler()
@@ -236,7 +265,7 @@ def main() -> int:
                     t0 = time.monotonic()
                     res = run(BenchConfig(base_url=f"http://127.0.0.1:{port}", model="model", num_prompts=20000,
                                           max_concurrency=load, input_len=ns.input_len, output_len=ns.output_len,
-                                          duration_s=ns.window, energy="nvml", gpus=[0], seed=pair, label=f"{label}-{load}-{pair}"))
+                                          duration_s=ns.window, energy="nvml", gpus=gpus, seed=pair, label=f"{label}-{load}-{pair}"))
                     t1 = time.monotonic()
                     w = {"server": label, "load": load, "pair": pair, "t0": t0, "t1": t1, **{k: res.get(k) for k in SUMMARY_KEYS},
                          "sampler": sampler.window(t0, t1)}
@@ -254,10 +283,18 @@ def main() -> int:
         for p, _ in procs.values():
             stop(p)
         result["timeline"] = [(round(t, 3), round(w, 1), c) for t, w, c, _ in sampler.rows[::2]]
+        result["timeline_per_gpu_w"] = [tuple(round(w, 1) for w in ws) for ws in sampler.per_gpu_w[::2]] if len(gpus) > 1 else []
+        traces = {}
         for f in sorted(stats_dir.glob("trace-rank*.jsonl")):
-            result["trace"] = [json.loads(x) for x in f.read_text().splitlines() if x.strip()]
+            traces[f.stem.removeprefix("trace-rank")] = [json.loads(x) for x in f.read_text().splitlines() if x.strip()]
+        result["trace"] = traces.get("0", next(iter(traces.values()), []))
+        if len(traces) > 1:
+            result["decision_streams"] = compare_decision_streams(traces)
+        snaps = {}
         for f in sorted(stats_dir.glob("rank*.json")):
-            result["plugin_snapshot"] = json.loads(f.read_text())
+            snaps[f.stem.removeprefix("rank")] = json.loads(f.read_text())
+        result["plugin_snapshot"] = snaps.get("0", next(iter(snaps.values()), {}))
+        result["plugin_snapshots_by_rank"] = snaps
         save()
         log(f"saved {out_file} ({out_file.stat().st_size} bytes)")
     return 0

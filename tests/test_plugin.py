@@ -44,11 +44,19 @@ def test_installed_but_not_enabled_is_inert():
     assert not r["cuda_initialized"] and not r["runtime_imported"]
 
 
-@pytest.mark.parametrize("env", [{"VLLM_PLUGINS": "powersave"}, {"POWERSAVE_ENABLED": "1"}])
+CHUNKING = {"POWERSAVE_SETTINGS_JSON": json.dumps({"chunking": {"table": [{"min_rows": 4096, "chunks": 4}]}})}
+
+
+@pytest.mark.parametrize("env", [{"VLLM_PLUGINS": "powersave", **CHUNKING}, {"POWERSAVE_ENABLED": "1", **CHUNKING}])
 def test_enabled_by_env_installs_worker_hooks_without_cuda(env):
     r = _probe(env)
     assert r["oot"] == ["LogitsProcessor"] and r["runner_patched"] and r["active"]
     assert not r["cuda_initialized"]
+
+
+def test_enabled_without_chunking_leaves_vllm_lm_head_alone():
+    r = _probe({"POWERSAVE_ENABLED": "1"})  # default settings: empty chunking table
+    assert r["oot"] == [] and r["runner_patched"] and r["active"]
 
 
 def test_version_guard():
@@ -72,3 +80,21 @@ def test_perf_boost_off_sets_cuda_variable_for_this_process_and_children(monkeyp
     assert os.environ["CUDA_DISABLE_PERF_BOOST"] == "1"
     child = subprocess.run([sys.executable, "-c", "import os; print(os.environ.get('CUDA_DISABLE_PERF_BOOST'))"], capture_output=True, text=True)
     assert child.stdout.strip() == "1"
+
+
+def test_lm_head_hook_only_where_settings_can_use_it():
+    import json
+
+    from vllm_powersave import lm_head_hook_needed
+    from vllm_powersave.settings import ENV_SETTINGS_JSON, load_settings
+
+    def env(cfg: dict) -> dict:
+        return {ENV_SETTINGS_JSON: load_settings(cfg, env={}).model_dump_json()}
+
+    assert lm_head_hook_needed(env({})) is False  # default: empty table, no groups
+    assert lm_head_hook_needed(env({"chunking": {"table": [{"min_rows": 1_000_000, "chunks": 1}]}})) is False
+    assert lm_head_hook_needed(env({"chunking": {"table": [{"min_rows": 4096, "chunks": 4}]}})) is True
+    assert lm_head_hook_needed(env({"chunking": {"enabled": False, "table": [{"min_rows": 8, "chunks": 4}]}})) is False
+    groups = {"clocks": {"presets": {"prefill": {"sm_clock_mhz": 1980, "groups": {"lm_head": {"sm_clock_mhz": 1200, "duration_ms": 500}}}}}}
+    assert lm_head_hook_needed(env(groups)) is True
+    assert lm_head_hook_needed({ENV_SETTINGS_JSON: json.dumps({"chunking": {"table": "bad"}})}) is True  # unreadable: keep

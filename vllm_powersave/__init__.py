@@ -80,8 +80,29 @@ def activate() -> None:
     _STATE["active"] = True
     from . import runtime, vllm_compat
 
-    vllm_compat.register_logits_processor(runtime.chunked_head)
+    if lm_head_hook_needed():
+        vllm_compat.register_logits_processor(runtime.chunked_head)
     vllm_compat.install_step_hooks(runtime.on_step_start, runtime.on_step_end)
+
+
+def lm_head_hook_needed(env: dict[str, str] | None = None) -> bool:
+    """Whether this server's settings can ever act in the LM head (a chunk count > 1 or an
+    ``lm_head`` kernel-group clock preset).
+
+    If not, vLLM's own ``LogitsProcessor`` stays in place: a wrapper that always picks one chunk
+    still costs a Python call and a policy lookup per step, which a host-bound small model pays in
+    throughput (H200 bisect, ``docs/results/h200-vllm.md``). Unknown or unreadable settings keep
+    the hook (the safe side for a table that may chunk).
+    """
+    from .settings import settings_from_env
+
+    try:
+        s = settings_from_env(env)
+    except Exception:
+        return True
+    if s.chunking.enabled and any(rule.chunks > 1 for rule in s.chunking.table):
+        return True
+    return any("lm_head" in (preset.groups or {}) for preset in s.clocks.presets.values())
     # EngineCore side: look-ahead facts stamped on each SchedulerOutput, arrival ramp.
     vllm_compat.install_scheduler_hooks(runtime.on_arrival)
 

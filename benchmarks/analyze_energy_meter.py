@@ -1,0 +1,89 @@
+#!/usr/bin/env python3
+"""Turn a raw ``h200_energy_meter.py`` run into docs/results/h200-energy-meter.{json,md} (all measured).
+
+Usage: python benchmarks/analyze_energy_meter.py RAW.json --out docs/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import statistics as st
+from collections import defaultdict
+from pathlib import Path
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("raw")
+    ap.add_argument("--out", default="docs/results")
+    ns = ap.parse_args()
+    raw = json.loads(Path(ns.raw).read_text())
+    out = Path(ns.out)
+    by_w: dict[float, list[dict]] = defaultdict(list)
+    for w in raw["a_windows"]:
+        by_w[w["window_s"]].append(w)
+    windows = sorted(by_w)
+
+    def worst(ws: list[dict], k: str) -> float:
+        return max((x[k] for x in ws), key=abs)
+
+    doc = {
+        "what": "NVML total-energy counter vs the integral of instant power; metering overhead; per-step attribution (measured, read-only)",
+        "measured": True, "device": raw["device"], "driver": raw["driver"], "torch": raw["torch"], "date_utc": raw["date_utc"],
+        "instant_power_source": raw.get("instant_power_source"),
+        "window_s": windows,
+        # Worst (largest |error|) over the repeats of each window length: the figure a user can rely on.
+        "rel_err_counter_vs_instant": [worst(by_w[w], "rel_err_raw") for w in windows],
+        "rel_err_interpolated_vs_instant": [worst(by_w[w], "rel_err_interpolated") for w in windows],
+        "repeats": [len(by_w[w]) for w in windows],
+        "counter_update_period_ms": st.median(x["counter_update_period_ms"] for x in raw["a_windows"]),
+        "steady_load_power_w": st.median(x["avg_power_w"] for x in raw["a_windows"]),
+        "meter_overhead_ratio": raw.get("meter_overhead_ratio"),
+        "meter_overhead_ratio_spread": raw.get("meter_overhead_ratio_spread"),
+        "meter_overhead_pairs": raw.get("b_pairs"),
+        "attribution": raw.get("c_attribution"),
+        "windows_detail": raw["a_windows"],
+        "notes": raw.get("notes", []),
+    }
+    (out / "raw").mkdir(parents=True, exist_ok=True)
+    with gzip.open(out / "raw" / "h200-energy-meter.json.gz", "wt") as f:
+        json.dump(raw, f)
+    (out / "h200-energy-meter.json").write_text(json.dumps(doc, indent=1))
+    c = doc["attribution"] or {}
+    lines = [
+        "# NVML energy on the H200: counter vs instant power, metering cost, per-step attribution (measured)", "",
+        f"- Device: {doc['device']}, driver {doc['driver']}, torch {doc['torch']}. When: {doc['date_utc']} (UTC). Read-only: no GPU setting touched.",
+        "- Script: `benchmarks/h200_energy_meter.py` (device; one call, GPU 1 of a 2-GPU machine while GPU 0 ran another benchmark), `benchmarks/analyze_energy_meter.py` (this report).",
+        f"- Instant power: `{doc['instant_power_source']}` sampled together with the total-energy counter at ~190 Hz by a thread; the counter advanced every {doc['counter_update_period_ms']:.1f} ms (median).", "",
+        f"## (a) Counter vs the integral of instant power, steady bf16 GEMM load (~{doc['steady_load_power_w']:.0f} W)", "",
+        "Error = (counter energy − trapezoid integral of instant power) / integral; worst of the repeats. *Raw* = counter difference between the window's first and last sample; *interpolated* = counter at its last update plus instant power × time since (what `NvmlEnergyMeter` does).", "",
+        "| window | repeats | raw counter error | interpolated error | all raw errors |", "|---|---|---|---|---|"]
+    for w, e_raw, e_int, n in zip(windows, doc["rel_err_counter_vs_instant"], doc["rel_err_interpolated_vs_instant"], doc["repeats"]):
+        allv = ", ".join(f"{100 * x['rel_err_raw']:+.2f} %" for x in by_w[w])
+        lines.append(f"| {w:g} s | {n} | {100 * e_raw:+.2f} % | {100 * e_int:+.2f} % | {allv} |")
+    ok = all(abs(e) <= 0.02 for w, e in zip(windows, doc["rel_err_counter_vs_instant"]) if w >= 10)
+    lines += ["", f"Target (agreement within 2 % at ≥ 10 s): **{'met' if ok else 'not met'}**. Short windows: the raw counter can be off by one update (100 ms of energy: 2.3 % of a 5 s window once); the interpolated reading stays within 0.6 % at every length measured.", "",
+              "## (b) Metering overhead on a GPU loop", "",
+              "A decode-like, launch-bound loop (24 small GEMMs per step, ~0.3-0.4 ms per step) in alternating 3 s windows without / with the plugin's metering as in a server (a thread ticking `PhaseEnergyAccount` and reading counter, power, SM clock and extras every 0.25 s, plus `on_step`/`on_step_end` on every step).", "",
+              "| pair | steps/s without | steps/s with | ratio |", "|---|---|---|---|"]
+    for p in doc["meter_overhead_pairs"] or []:
+        lines.append(f"| {p['pair']} | {p['steps_per_s_without']:.0f} | {p['steps_per_s_with']:.0f} | {p['ratio']:.4f} |")
+    lo, hi = doc["meter_overhead_ratio_spread"] or (None, None)
+    lines += ["", f"Median ratio {doc['meter_overhead_ratio']:.3f} (spread {lo:.3f}-{hi:.3f}). **Not resolved at the 0.2 % target**: this Python-driven loop varies by ±15 % window to window on a shared host (the other GPU's benchmark ran at the same time), far more than the effect. What bounds the cost instead: the hot-path part is two deque appends and counter increments per step (`hook-overhead.md`, ~1-2 µs of the ~5 µs hook on a 2-core CPU), i.e. ≤ 0.1 % of a ≥ 2 ms decode step; the tick thread reads NVML 4x per second (each read releases the GIL). The in-server GIL profile on the H200 (`h200-vllm.md`, bisect) puts the plugin's own share of the engine's GIL samples at a few per cent in total, tracing and policy included.", "",
+              "## (c) Per-step attribution on a real GPU loop", "",
+              "6 cycles of 2 s of prefill-like steps (2048 x 4096 GEMMs), 2 s of decode-like steps (64-row GEMM chains) and 1 s idle, attributed by `PhaseEnergyAccount` (0.25 s ticks, time-share split of counter deltas), compared with each phase's power measured in a steady single-phase window x the phase's time:", "",
+              "| phase | time s | attributed J | reference W | expected J | error |", "|---|---|---|---|---|---|"]
+    for ph in ("prefill", "decode", "idle"):
+        if ph in (c.get("expected_j_from_reference_power") or {}):
+            lines.append(f"| {ph} | {c['time_s'][ph]:.2f} | {c['attributed_j'][ph]:.0f} | {c['reference_power_w'][ph]:.0f} | {c['expected_j_from_reference_power'][ph]:.0f} | {100 * c['rel_err_by_phase'][ph]:+.1f} % |")
+    if c:
+        lines += ["", f"Sum of attributed energy {c['attributed_total_j']:.1f} J = counter total {c['counter_total_j']:.1f} J (nothing dropped or double counted). Per phase, energy leaks across boundaries: GPU power lags the work by tens of ms (the decode-to-idle tail lands in idle: idle +22 %, decode −10 %), and a tick that spans a boundary is split by time share, not by each phase's own power. Whole-phase figures over seconds are right to ~1 % (prefill); short phases next to idle carry the lag.", ""]
+    (out / "h200-energy-meter.md").write_text("\n".join(lines))
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

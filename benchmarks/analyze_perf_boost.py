@@ -1,0 +1,231 @@
+#!/usr/bin/env python3
+"""Turn raw ``h200_perf_boost.py`` runs into docs/results/h200-perf-boost.{json,md,png}.
+
+Pairs: servers are paired in the order they ran within each raw file (an "off" and the adjacent
+"on" server on the same GPU), so drift and GPU-to-GPU differences cancel within a pair. Ratios are
+mode on / mode off. Everything here is measured; nothing is simulated.
+
+Usage: python benchmarks/analyze_perf_boost.py RAW.json [RAW.json ...] --out docs/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import statistics as st
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from loadtests.ab import ratio_ci  # noqa: E402
+
+LOADS = ("low", "medium", "saturation")
+FIELDS = {"output_throughput": "out_tok_per_s", "request_throughput": "req_per_s", "median_ttft_ms": "p50_ttft_ms",
+          "p99_ttft_ms": "p99_ttft_ms", "median_tpot_ms": "p50_tpot_ms", "p99_tpot_ms": "p99_tpot_ms",
+          "request_goodput": "goodput_req_per_s", "output_tokens_per_joule": "out_tok_per_j", "gpu_avg_power_w": "avg_power_w"}
+
+
+def window_fields(w: dict) -> dict:
+    out = {v: w.get(k) for k, v in FIELDS.items()}
+    out["median_sm_clock_mhz"] = (w.get("sampler") or {}).get("median_sm_clock_mhz")
+    out["completed"] = w.get("completed")
+    return out
+
+
+def pairs_of(raw: dict) -> list[tuple[dict, dict]]:
+    """Adjacent (off, on) servers in run order, each server used once."""
+    done = [s for s in raw["servers"] if s.get("windows") or s.get("idle")]
+    out, i = [], 0
+    while i + 1 < len(done):
+        a, b = done[i], done[i + 1]
+        if {a["mode"], b["mode"]} == {"off", "on"}:
+            out.append((a, b) if a["mode"] == "off" else (b, a))
+            i += 2
+        else:
+            i += 1
+    return out
+
+
+def med(xs: list) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return st.median(xs) if xs else None
+
+
+def analyze(raws: list[dict]) -> dict:
+    pairs = [(p, raw) for raw in raws for p in pairs_of(raw)]
+    servers = [s for raw in raws for s in raw["servers"]]
+    doc: dict = {"what": "cuda_perf_boost energy mode on (CUDA_DISABLE_PERF_BOOST=1 in engine processes) vs off, vLLM OpenAI server",
+                 "measured": True, "simulated": False, "device": raws[0]["device"], "vllm_version": raws[0]["vllm_version"],
+                 "shape": raws[0]["shape"], "date_utc": raws[0]["date_utc"], "method": raws[0]["method"],
+                 "runs": [{"tag": r.get("tag"), "gpu": r.get("gpu"), "order": r["method"]["order"], "date_utc": r["date_utc"]} for r in raws],
+                 "pairs": len(pairs), "loads": {}}
+    # Idle (engine loaded, no requests).
+    idle = {m: [s["idle"] for s in servers if s["mode"] == m and s.get("idle")] for m in ("off", "on")}
+    doc["loads"]["idle"] = {
+        f"mode_{m}": {"avg_power_w": med([x.get("avg_power_w") for x in v]), "median_sm_clock_mhz": med([x.get("median_sm_clock_mhz") for x in v]),
+                      "n": len(v)} for m, v in idle.items()}
+    doc["loads"]["idle"]["power_ratio_per_pair"] = [b["idle"]["avg_power_w"] / a["idle"]["avg_power_w"]
+                                                   for (a, b), _ in pairs if a.get("idle") and b.get("idle")]
+    doc["loads"]["idle"]["pairs"] = len(doc["loads"]["idle"]["power_ratio_per_pair"])
+    for load in LOADS:
+        per_mode = {m: [window_fields(w) for s in servers if s["mode"] == m for w in s.get("windows", []) if w["load"] == load]
+                    for m in ("off", "on")}
+        entry: dict = {}
+        for m, ws in per_mode.items():
+            entry[f"mode_{m}"] = {k: med([w[k] for w in ws]) for k in (*FIELDS.values(), "median_sm_clock_mhz")} | {"n": len(ws)}
+        ratios: dict[str, list[float]] = {"out_tok_per_s": [], "out_tok_per_j": [], "p99_tpot_ms": [], "p99_ttft_ms": [], "avg_power_w": []}
+        for (a, b), _ in pairs:
+            wa = next((window_fields(w) for w in a.get("windows", []) if w["load"] == load), None)
+            wb = next((window_fields(w) for w in b.get("windows", []) if w["load"] == load), None)
+            if wa and wb:
+                for k in ratios:
+                    if wa.get(k) and wb.get(k) is not None:
+                        ratios[k].append(wb[k] / wa[k])
+        entry["pairs"] = len(ratios["out_tok_per_s"])
+        for k, xs in ratios.items():
+            if xs:
+                mean, lo, hi = ratio_ci(xs) if len(xs) > 1 else (xs[0], float("nan"), float("nan"))
+                entry[f"ratio_on_off_{k}"] = {"per_pair": xs, "median": st.median(xs), "mean": mean, "ci95": [lo, hi],
+                                              "inside_noise": bool(len(xs) > 1 and lo <= 1 <= hi)}
+        doc["loads"][load] = entry
+    # Wake-up TTFT after idle periods.
+    wake: dict = {}
+    for m in ("off", "on"):
+        for s in servers:
+            if s["mode"] != m:
+                continue
+            for w in s.get("wake", []):
+                wake.setdefault(m, {}).setdefault(str(w["idle_s"]), []).append(w.get("ttft_ms"))
+    doc["wake_ttft_ms"] = {f"mode_{m}": {k: {"median": med(v), "values": v} for k, v in sorted(d.items(), key=lambda kv: float(kv[0]))}
+                           for m, d in wake.items()}
+    long_idle = {m: [s["idle_60s"] for s in servers if s["mode"] == m and s.get("idle_60s")] for m in ("off", "on")}
+    doc["idle_60s"] = {f"mode_{m}": v for m, v in long_idle.items()}
+    doc["side_context_test"] = [{"gpu": raw.get("gpu"), "pos": s["pos"], **{k: v for k, v in s["booster"].items() if k != "medium"},
+                                 "medium": window_fields(s["booster"]["medium"]) if s["booster"].get("medium") else None,
+                                 "same_server_medium_without": next((window_fields(w) for w in s["windows"] if w["load"] == "medium"), None),
+                                 "same_server_idle_without": s.get("idle")}
+                                for raw in raws for s in raw["servers"] if s.get("booster")]
+    doc["engine_env_check"] = [{"mode": s["mode"], "pos": s["pos"], "gpu": raw.get("gpu"),
+                                "processes_with_var": sorted(k.split(":", 1)[1] for k, v in s.get("engine_env", {}).items()
+                                                             if v.get("CUDA_DISABLE_PERF_BOOST") == "1"),
+                                "metrics_info": s.get("metrics_info")} for raw in raws for s in raw["servers"] if s.get("engine_env")]
+    return doc
+
+
+def plot(doc: dict, raws: list[dict], out: Path) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for m, color in (("off", "tab:red"), ("on", "tab:green")):
+        xs, tpj, tpot = [], [], []
+        for load in LOADS:
+            e = doc["loads"][load].get(f"mode_{m}") or {}
+            if e.get("out_tok_per_s"):
+                xs.append(e["out_tok_per_s"])
+                tpj.append(e["out_tok_per_j"])
+                tpot.append(e["p99_tpot_ms"])
+        label = "mode on (CUDA_DISABLE_PERF_BOOST=1)" if m == "on" else "mode off (default boost)"
+        a1.plot(xs, tpj, "o-", color=color, label=label)
+        a2.plot(xs, tpot, "o-", color=color, label=label)
+        for load, x, y in zip(LOADS, xs, tpj):
+            a1.annotate(load, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    a1.set_xlabel("output tokens/s (median over servers)")
+    a1.set_ylabel("output tokens per joule (measured)")
+    a2.set_xlabel("output tokens/s (median over servers)")
+    a2.set_ylabel("p99 TPOT, ms")
+    a1.legend(fontsize=8)
+    a1.set_title(f"{doc['shape']} on {doc['device'].get('name')}: tokens/J vs load")
+    a2.set_title("p99 TPOT vs load")
+    fig.tight_layout()
+    p = out / "h200-perf-boost.png"
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    return p.name
+
+
+def fmt(x: object, nd: int = 1) -> str:
+    return "n/a" if x is None else (f"{x:.{nd}f}" if isinstance(x, float) else str(x))
+
+
+def markdown(doc: dict) -> str:
+    orders = ", ".join(" ".join(r["order"]) + " (GPU " + str(r["gpu"]) + ")" for r in doc["runs"])
+    L = ["# Unprivileged energy mode (`cuda_perf_boost: \"off\"`) on the H200 (measured)", "",
+         f"- Device: {doc['device'].get('name')}, driver {doc['device'].get('driver')}, power limit {doc['device'].get('power_limit_w')} W; vLLM {doc['vllm_version']}, model shape `{doc['shape']}` (`--load-format dummy`), one server at a time with the plugin.",
+         f"- When: {doc['date_utc']} (UTC). Scripts: `benchmarks/h200_perf_boost.py` (device), `benchmarks/analyze_perf_boost.py` (this report).",
+         f"- Method: OpenAI `/v1/completions` streaming through `loadtests`, {doc['method']['input_len']} prompt / {doc['method']['output_len']} output tokens, windows of {doc['method']['window_s']:.0f} s of request starts; low and medium = Poisson at {doc['method']['rates_req_s'][0]:g} and {doc['method']['rates_req_s'][1]:g} req/s, saturation = closed loop at {doc['method']['sat_concurrency']} concurrent. Goodput SLO: {', '.join(f'{k} ≤ {v:g} ms' for k, v in doc['method']['goodput_slo_ms'].items())}. Energy: the GPU's NVML total-energy counter per window; SM clock: NVML at 10 Hz (read-only). Servers ran in the orders {orders}; pairs are adjacent off/on servers on one GPU; ratios are on / off.",
+         f"- Pairs: **{doc['pairs']}**. Mode on = the plugin sets `CUDA_DISABLE_PERF_BOOST=1` in the EngineCore/worker processes before CUDA starts (checked in `/proc/<pid>/environ` for every server below); no GPU setting is changed by either mode.", "",
+         "## Idle (engine loaded, no requests)", ""]
+    i = doc["loads"]["idle"]
+    L += ["| | mode off | mode on | on/off per pair |", "|---|---|---|---|",
+          f"| power W | {fmt(i['mode_off']['avg_power_w'])} | {fmt(i['mode_on']['avg_power_w'])} | {', '.join(f'{x:.3f}' for x in i['power_ratio_per_pair'])} |",
+          f"| SM clock MHz (median) | {fmt(i['mode_off']['median_sm_clock_mhz'], 0)} | {fmt(i['mode_on']['median_sm_clock_mhz'], 0)} | |", ""]
+    L += ["## Under load", "", "| load | mode | out tok/s | tok/J | avg W | SM MHz | TTFT p50 / p99 ms | TPOT p50 / p99 ms | goodput req/s | n |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for load in LOADS:
+        for m in ("off", "on"):
+            e = doc["loads"][load].get(f"mode_{m}", {})
+            L.append(f"| {load} | {m} | {fmt(e.get('out_tok_per_s'), 0)} | {fmt(e.get('out_tok_per_j'), 2)} | {fmt(e.get('avg_power_w'), 0)} | {fmt(e.get('median_sm_clock_mhz'), 0)} | "
+                     f"{fmt(e.get('p50_ttft_ms'))} / {fmt(e.get('p99_ttft_ms'))} | {fmt(e.get('p50_tpot_ms'), 2)} / {fmt(e.get('p99_tpot_ms'), 2)} | {fmt(e.get('goodput_req_per_s'), 2)} | {e.get('n')} |")
+    L += ["", "Ratios on / off per pair (mean, 95 % t-interval over pairs):", "", "| load | pairs | throughput | tokens/J | avg power | p99 TPOT | p99 TTFT |", "|---|---|---|---|---|---|---|"]
+    for load in LOADS:
+        e = doc["loads"][load]
+
+        def r(k: str) -> str:
+            x = e.get(f"ratio_on_off_{k}")
+            if not x:
+                return "n/a"
+            lo, hi = x["ci95"]
+            ci = f" ({lo:.2f}–{hi:.2f})" if lo == lo else ""
+            return f"{x['mean']:.3f}{ci} [{', '.join(f'{v:.2f}' for v in x['per_pair'])}]"
+        L.append(f"| {load} | {e.get('pairs')} | {r('out_tok_per_s')} | {r('out_tok_per_j')} | {r('avg_power_w')} | {r('p99_tpot_ms')} | {r('p99_ttft_ms')} |")
+    L += ["", "## Wake-up: TTFT of one request after an idle period (ms, 64-token prompt)", "", "| idle before | mode off | mode on |", "|---|---|---|"]
+    keys = sorted({k for d in doc["wake_ttft_ms"].values() for k in d}, key=float)
+    for k in keys:
+        L.append(f"| {float(k):g} s | {fmt((doc['wake_ttft_ms'].get('mode_off', {}).get(k) or {}).get('median'))} | {fmt((doc['wake_ttft_ms'].get('mode_on', {}).get(k) or {}).get('median'))} |")
+    if doc["side_context_test"]:
+        L += ["", "## Run-time switch without privilege: a side CUDA context", "",
+              "A mode-on server (engine unboosted) with `vllm_powersave.clocks.boost.BoostHolder` holding a default-boost CUDA context in a helper process, then releasing it:", "",
+              "| GPU | hold ms | idle W / SM MHz without | idle W / SM MHz with side context | after release | medium: tok/s, tok/J, SM MHz without | with side context |", "|---|---|---|---|---|---|---|"]
+        for b in doc["side_context_test"]:
+            wo, w = b.get("same_server_medium_without") or {}, b.get("medium") or {}
+            iw, ib, ia = b.get("same_server_idle_without") or {}, b.get("idle") or {}, b.get("idle_after_release") or {}
+            L.append(f"| {b['gpu']} | {fmt(b.get('hold_ms'))} (release {fmt(b.get('release_ms'))}) | {fmt(iw.get('avg_power_w'))} / {iw.get('median_sm_clock_mhz')} | "
+                     f"{fmt(ib.get('avg_power_w'))} / {ib.get('median_sm_clock_mhz')} | {fmt(ia.get('avg_power_w'))} / {ia.get('median_sm_clock_mhz')} | "
+                     f"{fmt(wo.get('out_tok_per_s'), 0)}, {fmt(wo.get('out_tok_per_j'), 2)}, {wo.get('median_sm_clock_mhz')} | {fmt(w.get('out_tok_per_s'), 0)}, {fmt(w.get('out_tok_per_j'), 2)}, {w.get('median_sm_clock_mhz')} |")
+    L += ["", "## Process check", "", "| server | processes with CUDA_DISABLE_PERF_BOOST=1 | /metrics |", "|---|---|---|"]
+    for e in doc["engine_env_check"]:
+        L.append(f"| {e['mode']} #{e['pos']} (GPU {e['gpu']}) | {', '.join(e['processes_with_var']) or 'none'} | `{e['metrics_info']}` |")
+    if doc.get("plot"):
+        L += ["", f"![tokens/J and p99 TPOT vs load]({doc['plot']})"]
+    L += ["", "## Findings", ""] + [f"- {x}" for x in doc.get("findings", [])] + [""]
+    return "\n".join(L)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("raw", nargs="+")
+    ap.add_argument("--out", default="docs/results")
+    ap.add_argument("--finding", action="append", default=[])
+    ns = ap.parse_args()
+    out = Path(ns.out)
+    (out / "raw").mkdir(parents=True, exist_ok=True)
+    raws = [json.loads(Path(p).read_text()) for p in ns.raw]
+    doc = analyze(raws)
+    doc["findings"] = ns.finding
+    doc["plot"] = plot(doc, raws, out)
+    for i, raw in enumerate(raws):
+        with gzip.open(out / "raw" / f"h200-perf-boost-{raw.get('tag') or i}.json.gz", "wt") as f:
+            json.dump(raw, f)
+    (out / "h200-perf-boost.json").write_text(json.dumps(doc, indent=1, default=float))
+    (out / "h200-perf-boost.md").write_text(markdown(doc))
+    print(markdown(doc))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

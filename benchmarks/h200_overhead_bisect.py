@@ -1,0 +1,168 @@
+#!/usr/bin/env python3
+"""Where does the plugin's throughput cost on a small, host-bound model come from? (GPU, read-only)
+
+Three servers of the same model resident on one GPU: stock vLLM, the plugin as configured in
+``h200_ab.py`` (NVML meter, step trace, dry-run clock presets, chunking table), and the plugin with
+everything optional off (meter off, no trace, no presets, empty chunking table: only the hooks).
+Closed-loop windows at one concurrency rotate S0 S1 S2 for ``--rounds`` rounds; then, if
+``py-spy`` is importable from ``--plugin-site``, one window per plugin server is profiled with
+``py-spy record --gil`` on its EngineCore process (the worker runs there at TP=1), so the cost can be
+read off as the share of GIL samples inside ``vllm_powersave``. Refuses without
+``POWERSAVE_FORCE_DRY_RUN=1``; never changes a GPU setting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import h200_ab as ab  # noqa: E402
+
+
+def engine_core_pid(server_pid: int) -> int | None:
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if os.getsid(int(d.name)) == server_pid and "EngineCor" in (d / "comm").read_text():
+                    return int(d.name)
+            except OSError:
+                continue
+    return None
+
+
+def gil_profile(pyspy: str, pid: int, seconds: float, out: Path) -> dict:
+    subprocess.run([pyspy, "record", "--pid", str(pid), "--duration", str(int(seconds)), "--gil", "--nonblocking",
+                    "--format", "raw", "-o", str(out)], capture_output=True, timeout=seconds + 30)
+    total, own, top = 0, 0, Counter()
+    if not out.exists():
+        return {"error": "no profile"}
+    for line in out.read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        try:
+            k = int(n)
+        except ValueError:
+            continue
+        total += k
+        frames = stack.split(";")
+        ps = [f for f in frames if "vllm_powersave" in f]
+        if not ps:
+            continue
+        deepest = ps[-1]
+        # The wrappers' call into vLLM's own execute_model / sample_tokens / LM head is not ours.
+        if frames[-1] is not deepest and ("execute_model" in deepest or "sample_tokens" in deepest or "<lambda>" in deepest):
+            continue
+        own += k
+        top[deepest[:140]] += k
+    return {"gil_samples": total, "powersave_own_samples": own, "share": own / total if total else None,
+            "top": top.most_common(12)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="qwen2.5-0.5b")
+    ap.add_argument("--gpu", type=int, default=0)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--window", type=float, default=10.0)
+    ap.add_argument("--gpu-mem", type=float, default=0.28)
+    ap.add_argument("--shapes-dir", default=".gpu-bundle/shapes")
+    ap.add_argument("--tok-dir", default="/tmp/model_cfg")
+    ap.add_argument("--plugin-site", default="/tmp/psite")
+    ap.add_argument("--stock-site", default="/tmp/site")
+    ap.add_argument("--budget-s", type=float, default=540)
+    ap.add_argument("--out", required=True)
+    ns = ap.parse_args()
+    if os.environ.get("POWERSAVE_FORCE_DRY_RUN") != "1":
+        print("error: refusing to run: POWERSAVE_FORCE_DRY_RUN=1 must be set on a shared GPU", file=sys.stderr)
+        return 2
+    sys.path[:0] = [ns.plugin_site]
+    from loadtests import BenchConfig, run
+
+    ab.GPU_ENV.update(CUDA_DEVICE_ORDER="PCI_BUS_ID", CUDA_VISIBLE_DEVICES=str(ns.gpu))
+    out_file = Path(ns.out)
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    model = ab.make_model(ns.shape, Path(ns.shapes_dir), Path(ns.tok_dir))
+    full = {"powersave": {"stats_dir": "/tmp/bisect-stats", "trace_steps": True,
+                          "chunking": {"table": [{"min_rows": 1_000_000, "chunks": 2}]},
+                          "clocks": {"backend": "dry-run", "min_dwell_ms": 200,
+                                     "presets": {"decode": {"sm_clock_mhz": 1200}, "idle": {"sm_clock_mhz": 345}}},
+                          "energy": {"meter": "nvml"}}}
+    bare = {"powersave": {"chunking": {"table": []}, "clocks": {"backend": "dry-run"}, "energy": {"meter": "off"}}}
+    variants = {"S0-stock": [], "S1-plugin-full": ["--plugin", "powersave", "--additional-config", json.dumps(full)],
+                "S2-plugin-bare": ["--plugin", "powersave", "--additional-config", json.dumps(bare)]}
+    result: dict = {"what": "plugin overhead bisect, qwen2.5-0.5b, closed loop (measured)", "measured": True,
+                    "device": ab.device_facts(ns.gpu), "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    "concurrency": ns.concurrency, "window_s": ns.window, "configs": {"full": full, "bare": bare},
+                    "windows": [], "profiles": {}, "notes": []}
+
+    def save() -> None:
+        out_file.with_suffix(".tmp").write_text(json.dumps(result, indent=1))
+        out_file.with_suffix(".tmp").replace(out_file)
+
+    procs = {}
+    for i, (name, extra) in enumerate(variants.items()):
+        site = ns.stock_site if not extra else f"{ns.plugin_site}:{ns.stock_site}"
+        procs[name] = (ab.start_server(name, model, 8300 + i, extra, site, out_file.parent, ns.gpu_mem), 8300 + i)
+    try:
+        ab.wait_healthy(procs, timeout_s=300)
+        result["startup_s"] = time.monotonic() - ab.T0
+        for name, (_, port) in procs.items():
+            run(BenchConfig(base_url=f"http://127.0.0.1:{port}", model="model", num_prompts=64, max_concurrency=ns.concurrency,
+                            input_len=128, output_len=64, energy="none", label=f"warm-{name}"))
+        for r in range(ns.rounds):
+            names = list(procs) if r % 2 == 0 else list(reversed(procs))
+            for name in names:
+                if time.monotonic() - ab.T0 > ns.budget_s - 60:
+                    raise TimeoutError
+                port = procs[name][1]
+                res = run(BenchConfig(base_url=f"http://127.0.0.1:{port}", model="model", num_prompts=100000,
+                                      max_concurrency=ns.concurrency, input_len=128, output_len=256,
+                                      duration_s=ns.window, energy="none", seed=r, label=f"{name}-{r}"))
+                w = {"server": name, "round": r, **{k: res.get(k) for k in ("completed", "output_throughput", "median_tpot_ms",
+                                                                               "median_itl_ms", "median_ttft_ms")}}
+                result["windows"].append(w)
+                ab.log(f"{name} r{r}: {w['output_throughput']:.0f} tok/s, TPOT {w['median_tpot_ms']:.3f} ms")
+                save()
+        pyspy = next((str(p) for p in (Path(ns.plugin_site) / "bin" / "py-spy",) if p.exists()), None)
+        if pyspy:
+            import threading
+
+            for name in ("S0-stock", "S1-plugin-full", "S2-plugin-bare"):
+                if time.monotonic() - ab.T0 > ns.budget_s - 30:
+                    break
+                p, port = procs[name]
+                pid = engine_core_pid(p.pid)
+                if pid is None:
+                    continue
+                box: dict = {}
+                th = threading.Thread(target=lambda: box.update(gil_profile(pyspy, pid, ns.window - 2, out_file.parent / f"gil-{name}.txt")))
+                th.start()
+                run(BenchConfig(base_url=f"http://127.0.0.1:{port}", model="model", num_prompts=100000, max_concurrency=ns.concurrency,
+                                input_len=128, output_len=256, duration_s=ns.window, energy="none", label=f"prof-{name}"))
+                th.join()
+                result["profiles"][name] = box
+                ab.log(f"profile {name}:", json.dumps(box)[:500])
+                save()
+        else:
+            result["notes"].append("py-spy not available")
+    except TimeoutError:
+        result["notes"].append("budget reached")
+    except Exception as exc:
+        result["notes"].append(f"error: {type(exc).__name__}: {exc}")
+        ab.log("error:", exc)
+    finally:
+        for p, _ in procs.values():
+            ab.stop(p)
+        save()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
