@@ -25,6 +25,7 @@ print(json.dumps({
     "cuda_initialized": torch.cuda.is_initialized(),
     "runtime_imported": "vllm_powersave.runtime" in sys.modules,
     "active": vllm_powersave._STATE["active"],
+    "patched": sorted(vllm_compat._PATCHED),
 }))
 """
 
@@ -51,6 +52,7 @@ CHUNKING = {"POWERSAVE_SETTINGS_JSON": json.dumps({"chunking": {"table": [{"min_
 def test_enabled_by_env_installs_worker_hooks_without_cuda(env):
     r = _probe(env)
     assert r["oot"] == ["LogitsProcessor"] and r["runner_patched"] and r["active"]
+    assert "sched.schedule" in r["patched"], r["patched"]  # look-ahead stamps (EngineCore)
     assert not r["cuda_initialized"]
 
 

@@ -67,10 +67,11 @@ def apply_process_env(settings: object) -> None:
     """
     from .settings import ENV_PERF_BOOST
 
-    if getattr(settings, "cuda_perf_boost", "on") == "off":
+    mode = getattr(settings, "cuda_perf_boost", "on")
+    if mode in ("off", "auto"):
         if os.environ.get(ENV_PERF_BOOST) != "1":
             os.environ[ENV_PERF_BOOST] = "1"
-            log.info("powersave: %s=1 (cuda_perf_boost: off) for this process and its children", ENV_PERF_BOOST)
+            log.info("powersave: %s=1 (cuda_perf_boost: %s) for this process and its children", ENV_PERF_BOOST, mode)
 
 
 def activate() -> None:
@@ -83,6 +84,8 @@ def activate() -> None:
     if lm_head_hook_needed():
         vllm_compat.register_logits_processor(runtime.chunked_head)
     vllm_compat.install_step_hooks(runtime.on_step_start, runtime.on_step_end)
+    # EngineCore side: look-ahead facts stamped on each SchedulerOutput, arrival ramp.
+    vllm_compat.install_scheduler_hooks(runtime.on_arrival)
 
 
 def lm_head_hook_needed(env: dict[str, str] | None = None) -> bool:
@@ -103,8 +106,6 @@ def lm_head_hook_needed(env: dict[str, str] | None = None) -> bool:
     if s.chunking.enabled and any(rule.chunks > 1 for rule in s.chunking.table):
         return True
     return any("lm_head" in (preset.groups or {}) for preset in s.clocks.presets.values())
-    # EngineCore side: look-ahead facts stamped on each SchedulerOutput, arrival ramp.
-    vllm_compat.install_scheduler_hooks(runtime.on_arrival)
 
 
 def _server_facts(engine_args: object, settings: object) -> dict:

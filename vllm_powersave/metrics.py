@@ -90,6 +90,8 @@ class PowersaveCollector(Collector):
         steady_e = CounterMetricFamily("powersave_steady_energy_joules", "Energy of steps at the batch limit (steady state, J)", labels=["gpu", "source"])
         steady_s = CounterMetricFamily("powersave_steady_seconds", "Time of steps at the batch limit (s)", labels=["gpu"])
         steady_t = CounterMetricFamily("powersave_steady_tokens", "Tokens of steps at the batch limit", labels=["gpu", "kind"])
+        boost_held = GaugeMetricFamily("powersave_cuda_boost_held", "cuda_perf_boost auto: 1 while the side CUDA context boosts this GPU", labels=["gpu"])
+        boost_sw = CounterMetricFamily("powersave_cuda_boost_switches", "cuda_perf_boost auto: side-context holds and releases", labels=["gpu"])
         sources, backends, boost = set(), set(), set()
         all_available = bool(snaps)
         eng: dict[str, dict[str, float]] = {"window": {}, "steady": {}, "run": {}}
@@ -138,6 +140,10 @@ class PowersaveCollector(Collector):
                 if s.get(key) is not None:
                     fam.add_metric([gpu], float(s[key]))
             changes.add_metric([gpu, be], float(s.get("clock_changes", 0)))
+            cb = s.get("cuda_boost")
+            if cb:
+                boost_held.add_metric([gpu], 1.0 if cb.get("held") else 0.0)
+                boost_sw.add_metric([gpu], float(cb.get("switches", 0)))
             for c, n in (s.get("lm_head_calls") or {}).items():
                 chunks.add_metric([gpu, str(c)], float(n))
             simulated.add_metric([gpu], 1.0 if src == "simulated" else 0.0)
@@ -160,7 +166,7 @@ class PowersaveCollector(Collector):
         info.add_metric([self.version, ",".join(sorted(sources)) or "pending", ",".join(sorted(backends)) or "pending",
                          ",".join(sorted(boost)) or "pending"], 1.0)
         yield from (energy, engine, steps, tokens, power, clock, temp, mem_clock, reasons, target, changes, chunks, req_e, req_n, simulated, info,
-                    available, resets, wraps, faults, tpj, tpj_energy, steady_e, steady_s, steady_t)
+                    available, resets, wraps, faults, tpj, tpj_energy, steady_e, steady_s, steady_t, boost_held, boost_sw)
 
 
 def _engine_add(acc: dict[str, float], energy_j: float, prefill: float, decode: float) -> None:

@@ -23,6 +23,7 @@ from .clocks import ClockController, DryRunClockBackend, NvmlClockBackend, Simul
 from .clocks.backends import ClockBackend
 from .energy import PhaseEnergyAccount, SimulatedEnergyMeter
 from .energy.meters import EnergyMeter, UnavailableEnergyMeter, nvml_handle_for_torch_device, open_nvml_meter
+from .clocks.boost import BoostController, BoostHolder
 from .settings import ENV_PERF_BOOST, PowersaveSettings, settings_from_env
 from .sim.gpu import SPECS, ModelCost, SimulatedGpu
 
@@ -119,6 +120,14 @@ class RegimeFilter:
         return "decode" if self.share < self.share_max else own
 
 
+def _boost_for(on_gpu: bool, gpu_id: str, release_after_s: float) -> BoostController | None:
+    """The side-context booster of this worker's GPU, addressed by UUID (``cuda_perf_boost: auto``)."""
+    if not on_gpu or not gpu_id.startswith(("GPU-", "MIG-")):
+        log.warning("powersave: cuda_perf_boost auto needs an NVIDIA GPU identified by UUID (have %r); the engine stays unboosted", gpu_id)
+        return None
+    return BoostController(BoostHolder(gpu_id), release_after_s)
+
+
 def _init_nvml() -> Any | None:
     try:
         import pynvml
@@ -187,6 +196,9 @@ class WorkerRuntime:
         self.clocks = ClockController(self._backend(settings, nvml, handle), settings.clocks, gpu_id=gpu_id,
                                       asynchronous=settings.clocks.backend in ("nvml", "zeusd"),
                                       host_ahead_steps=1 if vllm_compat.async_scheduling(runner) else 0)
+        self.boost: BoostController | None = None
+        if settings.cuda_perf_boost == "auto":
+            self.boost = _boost_for(on_gpu, gpu_id, settings.boost_release_after_s)
         self._done_requests: deque[tuple[str, float | None]] = deque()
         self.account = (PhaseEnergyAccount(self.meter, settings.energy.idle_after_s, per_request=settings.per_request_energy,
                                            on_request_done=lambda rid, j: self._done_requests.append((rid, j)),
@@ -290,6 +302,8 @@ class WorkerRuntime:
         waiting = la[2] if la is not None and self.settings.clocks.lookahead else 0
         self.clocks.step_begun()
         self.clocks.on_phase(self.regime.phase(info, now, waiting), now)
+        if self.boost is not None:
+            self.boost.on_busy(self._last_step_s)
         if self._trace is not None:
             # A tuple per step (cheap); turned into JSON by the publisher thread.
             self._trace.append((self._last_step_s, info.phase, info.prefill_tokens, info.decode_tokens, info.lm_head_rows,
@@ -369,7 +383,8 @@ class WorkerRuntime:
             "sim_stock_clocks_energy_j": self.sim_stock.energy_j if self.sim_stock is not None else None,
             "sim_busy_s": self.sim.busy_time_s if self.sim is not None else None,
             "sim_stock_clocks_busy_s": self.sim_stock.busy_time_s if self.sim_stock is not None else None,
-            "cuda_perf_boost": "off" if os.environ.get(ENV_PERF_BOOST) == "1" else "on",
+            "cuda_perf_boost": "auto" if self.settings.cuda_perf_boost == "auto" else ("off" if os.environ.get(ENV_PERF_BOOST) == "1" else "on"),
+            "cuda_boost": self.boost.snapshot() if self.boost is not None else None,
         }
 
     _TRACE_KEYS = ("t", "phase", "prefill", "decode", "rows", "ctx", "reqs", "sm_target", "t_end")
@@ -436,6 +451,8 @@ class WorkerRuntime:
                     sync()  # learn when the NVML counter steps (<= 2.5 x 100 ms of 1 ms polls, every 30 s)
                 if self.account is not None:
                     self.account.tick()
+                if self.boost is not None:
+                    self.boost.tick()
                 if time.monotonic() - self._last_step_s >= self.settings.energy.idle_after_s:
                     self.clocks.on_phase("idle")
                 self.publish()
@@ -447,6 +464,8 @@ class WorkerRuntime:
         self._stop.set()
         self._wake.set()
         self.clocks.close()
+        if self.boost is not None:
+            self.boost.close()
         try:
             if self.account is not None:
                 self.account.tick()
@@ -476,6 +495,8 @@ def on_arrival(prompt_tokens: int) -> None:
     process (single-GPU engines) reacts: an idle-clocked GPU ramps up before the first step."""
     if _RUNTIME is not None:
         _RUNTIME.clocks.on_arrival()
+        if _RUNTIME.boost is not None:
+            _RUNTIME.boost.on_busy()
 
 
 def on_step_end(runner: Any) -> None:

@@ -210,9 +210,15 @@ class PowersaveSettings(_Strict):
     #: "off" sets CUDA_DISABLE_PERF_BOOST=1 in every engine process before it creates its CUDA
     #: context: the driver then stops holding the boost clock on a loaded-but-idle GPU and manages
     #: the SM clock itself under load. Needs no privilege and changes no device setting. Measured on
-    #: the H200 test GPU: idle engine 123 W -> 80 W; under load -15-20 % throughput for +2-12 %
-    #: tokens per joule (docs/h200-facts.md). Read once per process: not switchable per phase.
-    cuda_perf_boost: Literal["on", "off"] = "on"
+    #: the H200 test GPU: idle engine 120 W -> 82 W (docs/results/h200-perf-boost.md). CUDA reads it
+    #: once per process, so the engine's own context cannot switch; "auto" switches with a second one.
+    #: "auto" also sets the variable, and boosts the GPU back while the engine is busy through a
+    #: side CUDA context held by a helper process (no privilege; see clocks/boost.py), released
+    #: after ``boost_release_after_s`` without a step: idle power of "off", latency of "on" under
+    #: load. Needs ~0.5 GiB of GPU memory outside vLLM's ``--gpu-memory-utilization`` share.
+    cuda_perf_boost: Literal["on", "off", "auto"] = "on"
+    #: "auto" only: seconds without an engine step before the side context is released (s).
+    boost_release_after_s: float = Field(default=2.0, gt=0, le=3600)
     #: Write one JSON line per engine step (phase, tokens, LM-head rows, clock decision, host
     #: start/end times in s) to ``stats_dir/trace-rank<N>.jsonl``: the data the controller and the
     #: simulator are judged against. Costs a dict and a list append per step.

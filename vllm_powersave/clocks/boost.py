@@ -108,6 +108,84 @@ class BoostHolder:
         self.held = False
 
 
+class BoostController:
+    """``cuda_perf_boost: "auto"``: the engine runs unboosted; a side context boosts it while it works.
+
+    Hysteresis like the clock presets': hold at once when a step (or an arriving request) shows
+    work, release only after ``release_after_s`` without a step. Measured on the H200
+    (``docs/results/h200-perf-boost.md``): unboosted idle 82 W vs 120 W boosted; the unboosted
+    driver may lower the SM clock under load and costs TTFT/TPOT at low load, which holding the
+    boost while serving avoids. Holding takes ~170 ms (a CUDA context) and releasing ~70 ms, so
+    both run on this object's own thread: the step hook only stores a time stamp and, on the
+    first busy step after a release, sets an event.
+
+    Args:
+        holder: the :class:`BoostHolder` of this worker's GPU (or a fake with ``set``/``close``).
+        release_after_s: seconds without a step before the boost is released (s).
+        clock: monotonic seconds (tests inject one).
+    """
+
+    def __init__(self, holder: "BoostHolder", release_after_s: float = 2.0, clock=time.monotonic) -> None:
+        self.holder = holder
+        self.release_after_s = release_after_s
+        self.clock = clock
+        self.want = False
+        self.held = False
+        self.last_busy = -float("inf")
+        self.switches = 0
+        self.last_switch_ms: float | None = None
+        self.disabled_reason: str | None = None
+        self._ev = threading.Event()
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="powersave-boost", daemon=True)
+        self._thread.start()
+
+    # -- hot path ------------------------------------------------------------------------------
+    def on_busy(self, now: float | None = None) -> None:
+        """A step (or a request arrival) happened: keep or get the boost. No I/O, no blocking."""
+        self.last_busy = self.clock() if now is None else now
+        if not self.want and self.disabled_reason is None:
+            self.want = True
+            self._ev.set()
+
+    # -- background ----------------------------------------------------------------------------
+    def tick(self, now: float | None = None) -> None:
+        """Called periodically (the publisher thread): release after ``release_after_s`` idle."""
+        now = self.clock() if now is None else now
+        if self.want and now - self.last_busy >= self.release_after_s:
+            self.want = False
+            self._ev.set()
+
+    def _loop(self) -> None:
+        while True:
+            self._ev.wait()
+            self._ev.clear()
+            if self._stop:
+                return
+            want = self.want
+            if want == self.held or self.disabled_reason is not None:
+                continue
+            try:
+                self.last_switch_ms = self.holder.set(want)
+                self.held = want
+                self.switches += 1
+            except Exception as exc:  # no driver, no memory for a context, helper died: stay unboosted
+                self.disabled_reason = str(exc)
+                self.held = False
+                log.warning("powersave: cuda_perf_boost auto: the side context failed (%s); the engine stays unboosted", exc)
+
+    def close(self) -> None:
+        self._stop = True
+        self._ev.set()
+        self._thread.join(timeout=5)
+        self.holder.close()
+        self.held = False
+
+    def snapshot(self) -> dict:
+        return {"held": self.held, "switches": self.switches, "last_switch_ms": self.last_switch_ms,
+                "disabled": self.disabled_reason}
+
+
 def _readline(proc: subprocess.Popen, timeout_s: float) -> str:
     box: list[str] = []
     t = threading.Thread(target=lambda: box.append(proc.stdout.readline()), daemon=True)  # type: ignore[union-attr]
