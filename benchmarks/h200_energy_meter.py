@@ -195,6 +195,93 @@ def part_b(handle, result: dict, save, pairs: int, window: float) -> None:
     result["meter_overhead_ratio_spread"] = [min(ratios), max(ratios)]
 
 
+class GraphStep:
+    """A GPU-bound decode-like step: one CUDA-graph replay of 32 layers of [64, 4096] x [4096, 4096]
+    GEMMs, 4 times over (~1-2 ms of GPU work), then a sync, like vLLM's wait for sampled tokens.
+    Host work per step is a few µs, so window-to-window noise comes from the GPU, not the host."""
+
+    def __init__(self, rows: int = 64, hidden: int = 4096, layers: int = 32, repeat: int = 4) -> None:
+        self.x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
+        self.w = [torch.randn(hidden, hidden, device="cuda", dtype=torch.bfloat16) / hidden ** 0.5 for _ in range(layers)]
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(3):
+                self._body(repeat)
+        torch.cuda.current_stream().wait_stream(s)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out = self._body(repeat)
+        torch.cuda.synchronize()
+
+    def _body(self, repeat: int):
+        y = self.x
+        for _ in range(repeat):
+            for w in self.w:
+                y = torch.mm(y, w)
+        return y
+
+    def step(self) -> None:
+        self.graph.replay()
+        torch.cuda.synchronize()
+
+
+def part_b_graph(handle, result: dict, save, pairs: int, window: float) -> None:
+    """Like part b, on a GPU-bound CUDA-graph step, with more pairs (what a server's step looks like)."""
+    from vllm_powersave.energy.account import PhaseEnergyAccount
+    from vllm_powersave.energy.meters import NvmlEnergyMeter
+
+    log("part b (graph): metering overhead on a GPU-bound step, pairs", pairs)
+    loop = GraphStep()
+    end = time.monotonic() + 3.0
+    while time.monotonic() < end:
+        loop.step()
+
+    def run(with_meter: bool) -> float:
+        stop = threading.Event()
+        acct = th = None
+        if with_meter:
+            meter = NvmlEnergyMeter(N, handle, "bench")
+            acct = PhaseEnergyAccount(meter, idle_after_s=0.25)
+
+            def tick() -> None:
+                while not stop.wait(0.25):
+                    acct.tick()
+                    meter.power_w()
+                    meter.sm_clock_mhz()
+                    meter.extra()
+            th = threading.Thread(target=tick, daemon=True)
+            th.start()
+        it = 0
+        t0 = time.monotonic()
+        end = t0 + window
+        while time.monotonic() < end:
+            if acct is not None:
+                acct.on_step("decode", 0, 64)
+            loop.step()
+            if acct is not None:
+                acct.on_step_end()
+            it += 1
+        rate = it / (time.monotonic() - t0)
+        stop.set()
+        if th is not None:
+            th.join()
+        return rate
+
+    result["b_graph_pairs"] = []
+    for p in range(pairs):
+        order = (False, True) if p % 2 == 0 else (True, False)
+        rates = {m: run(m) for m in order}
+        ratio = rates[True] / rates[False]
+        result["b_graph_pairs"].append({"pair": p, "steps_per_s_without": rates[False], "steps_per_s_with": rates[True], "ratio": ratio})
+        log(f"  pair {p}: without {rates[False]:.2f}/s, with {rates[True]:.2f}/s, ratio {ratio:.5f}")
+        save()
+    ratios = [x["ratio"] for x in result["b_graph_pairs"]]
+    result["meter_overhead_ratio_graph"] = statistics.median(ratios)
+    result["meter_overhead_ratio_graph_spread"] = [min(ratios), max(ratios)]
+    result["graph_step_ms"] = 1000 / statistics.median(x["steps_per_s_without"] for x in result["b_graph_pairs"])
+
+
 def part_c(handle, sampler: FastSampler, result: dict, save) -> None:
     from vllm_powersave.energy.account import PhaseEnergyAccount
     from vllm_powersave.energy.meters import NvmlEnergyMeter
@@ -275,6 +362,7 @@ def main() -> int:
     ap.add_argument("--windows", default="2:4,5:3,10:3,30:1", help="seconds:repeats,...")
     ap.add_argument("--pairs", type=int, default=6)
     ap.add_argument("--pair-window", type=float, default=4.0)
+    ap.add_argument("--parts", default="a,b,c", help="subset of a,b,bg,c (bg: part b on a CUDA-graph step)")
     ns = ap.parse_args()
 
     N.nvmlInit()
@@ -306,9 +394,13 @@ def main() -> int:
             s.stop_ev.set()
             s.join()
 
+    parts = ns.parts.split(",")
     for name_, fn in (("a", lambda: sampled(lambda s: part_a(handle, s, windows, result, save))),
                       ("b", lambda: part_b(handle, result, save, ns.pairs, ns.pair_window)),
+                      ("bg", lambda: part_b_graph(handle, result, save, ns.pairs, ns.pair_window)),
                       ("c", lambda: sampled(lambda s: part_c(handle, s, result, save)))):
+        if name_ not in parts:
+            continue
         try:
             fn()
         except Exception as exc:  # keep what the other parts measured

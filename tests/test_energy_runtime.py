@@ -61,8 +61,9 @@ def make_runtime(monkeypatch, tmp_path, nvml, rank=0, visible="GPU-bbbb-1111"):
     monkeypatch.setattr(vllm_compat, "runner_identity", lambda r: {"rank": r.rank, "device_type": "cuda", "device_index": 0})
     runner = SimpleNamespace(rank=rank, scheduler_config=SimpleNamespace(max_num_seqs=2, async_scheduling=False))
     # idle_after_s 20: the background publisher (period 0.5 s) stays out of the way; the test ticks.
+    # gauge_period_s 0: gauges re-read at every publish, so a fault shows at once (default: 2 s).
     settings = PowersaveSettings.model_validate({"stats_dir": str(tmp_path), "per_request_energy": True,
-                                                 "energy": {"idle_after_s": 20.0}})
+                                                 "energy": {"idle_after_s": 20.0, "gauge_period_s": 0.0, "tick_s": 0.05}})
     return rt_mod.WorkerRuntime(runner, settings)
 
 
@@ -278,3 +279,23 @@ def test_requests_plus_idle_equal_measured_total_within_1_percent_with_interpola
     total = acc.total_j()
     assert sum(done.values()) + acc.energy_j["idle"] == pytest.approx(total, rel=1e-9)
     assert total == pytest.approx(true_j[0] - t_start_true, rel=0.01)
+
+
+def test_gauges_are_read_once_per_gauge_period(monkeypatch, tmp_path):
+    """Power/clock/extras cost NVML reads (milliseconds each on some hosts): at most one set per
+    gauge_period_s, however often the publisher runs."""
+    nvml = FakeNvmlDevices(uuids=("GPU-aaaa-0000", "GPU-bbbb-1111"))
+    runtime = make_runtime(monkeypatch, tmp_path, nvml)
+    try:
+        e = runtime.settings.energy.model_copy(update={"gauge_period_s": 60.0})
+        runtime.settings = runtime.settings.model_copy(update={"energy": e})
+        reads = []
+        orig = nvml.nvmlDeviceGetClockInfo
+        monkeypatch.setattr(nvml, "nvmlDeviceGetClockInfo", lambda h, k: reads.append(k) or orig(h, k))
+        runtime._gauge_cache = None
+        for _ in range(5):
+            runtime.publish()
+        assert len(reads) == 2  # SM + memory clock, once
+        assert json.loads((tmp_path / "rank0.json").read_text())["sm_clock_mhz"] is not None
+    finally:
+        runtime.close()

@@ -196,6 +196,9 @@ class WorkerRuntime:
         self.clocks = ClockController(self._backend(settings, nvml, handle), settings.clocks, gpu_id=gpu_id,
                                       asynchronous=settings.clocks.backend in ("nvml", "zeusd"),
                                       host_ahead_steps=1 if vllm_compat.async_scheduling(runner) else 0)
+        self._gauge_cache: dict[str, Any] | None = None
+        self._gauge_t = 0.0
+        self._last_tick = 0.0
         self.boost: BoostController | None = None
         if settings.cuda_perf_boost == "auto":
             self.boost = _boost_for(on_gpu, gpu_id, settings.boost_release_after_s)
@@ -356,6 +359,16 @@ class WorkerRuntime:
             })
         return out
 
+    def _gauges(self) -> dict[str, Any]:
+        """Power, SM clock and NVML extras, re-read at most every ``energy.gauge_period_s``."""
+        now = time.monotonic()
+        if self.meter is None:
+            return {"power_w": None, "sm_clock_mhz": None}
+        if self._gauge_cache is None or now - self._gauge_t >= self.settings.energy.gauge_period_s:
+            self._gauge_cache = {"power_w": self.meter.power_w(), "sm_clock_mhz": self.meter.sm_clock_mhz(), **self.meter.extra()}
+            self._gauge_t = now
+        return self._gauge_cache
+
     def snapshot(self) -> dict[str, Any]:
         policy = chunk_policy()
         energy = self.energy_snapshot()
@@ -371,9 +384,7 @@ class WorkerRuntime:
             "steps": {},
             "tokens": {},
             **energy,
-            "power_w": self.meter.power_w() if self.meter else None,
-            "sm_clock_mhz": self.meter.sm_clock_mhz() if self.meter else None,
-            **(self.meter.extra() if self.meter else {}),
+            **self._gauges(),
             "target_sm_clock_mhz": self.clocks.target_sm_clock_mhz,
             "clock_changes": self.clocks.n_changes,
             "clock_disabled": self.clocks.disabled_reason,
@@ -449,7 +460,8 @@ class WorkerRuntime:
                 sync = getattr(self.meter, "sync_counter_phase", None)
                 if sync is not None and now >= getattr(self.meter, "sync_due", float("inf")):
                     sync()  # learn when the NVML counter steps (<= 2.5 x 100 ms of 1 ms polls, every 30 s)
-                if self.account is not None:
+                if self.account is not None and now - self._last_tick >= self.settings.energy.tick_s:
+                    self._last_tick = now
                     self.account.tick()
                 if self.boost is not None:
                     self.boost.tick()

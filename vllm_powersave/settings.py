@@ -165,6 +165,13 @@ class EnergySettings(_Strict):
     simulated_model_shape: Literal["qwen2.5-0.5b", "qwen2.5-7b", "llama3-8b"] | None = None
     #: Seconds without an engine step after which time is booked as idle.
     idle_after_s: float = Field(default=0.25, gt=0.0, le=60.0, allow_inf_nan=False)
+    #: How often the background thread reads the energy counter and splits it over phases, s.
+    tick_s: float = Field(default=0.25, ge=0.05, le=10.0, allow_inf_nan=False)
+    #: How often the power, clock, temperature and clock-event gauges on /metrics are re-read, s.
+    #: NVML reads take milliseconds on some machines (~4 ms each measured on the H200 host) and a
+    #: GPU-bound step loop lost 0.26 % throughput with six reads every 0.25 s
+    #: (docs/results/h200-energy-meter.md), so gauges are read far less often than the counter.
+    gauge_period_s: float = Field(default=2.0, ge=0.0, le=300.0, allow_inf_nan=False)
     #: Sliding window of the tokens-per-joule gauge, s.
     window_s: float = Field(default=60.0, gt=0.0, le=86_400.0, allow_inf_nan=False)
     #: Power sampling period on GPUs without NVML's energy counter (method "power-sampling"), s.
