@@ -184,6 +184,9 @@ class BenchConfig(BaseModel):
             raise ValueError("ramp_up_duration_s needs ramp_up_strategy")
         if self.ramp_up_strategy is not None and math.isfinite(self.request_rate):
             raise ValueError(f"request_rate = {self.request_rate:g} conflicts with ramp_up_strategy: the ramp sets the rate")
+        if not self.stream and "tpot" in self.goodput:
+            raise ValueError("goodput SLO tpot cannot be judged without streaming (non-streaming TTFT = E2E, so TPOT is "
+                             "always 0): drop tpot or use streaming")
         if self.trace is not None:
             if self.ramp_up_strategy is not None or math.isfinite(self.request_rate):
                 raise ValueError("trace replay sets the arrival times itself: drop request_rate / ramp-up")

@@ -516,6 +516,8 @@ def test_progress_bar_only_on_a_terminal(fake, monkeypatch) -> None:
     (["--max-concurrency", "2,x"], "invalid --max-concurrency"),
     (["--base-url", "http://127.0.0.1:1", "http://127.0.0.1:1/v1"], "duplicate endpoint"),
     (["--sample-interval", "-1"], "sample_interval_s"),
+    (["--no-stream", "--goodput", "tpot:50"], "tpot cannot be judged without streaming"),
+    (["--dataset", "sharegpt:/nonexistent.json", "--tokenizer", "/nonexistent-tokenizer"], "cannot load tokenizer"),
 ])
 def test_bad_options_one_line_exit_2(capsys, argv: list[str], needle: str) -> None:
     rc = main(["--num-prompts", "1", *argv])
