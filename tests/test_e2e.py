@@ -85,6 +85,11 @@ def test_metrics_and_load_test(server):
     assert res["total_output_tokens"] == 24 * 16
     assert res["energy_source"] == "simulated"
     assert res["gpu_energy_j"] > 0 and res["output_tokens_per_joule"] == pytest.approx(res["total_output_tokens"] / res["gpu_energy_j"])
+    # Sampled during the run: a simulated-energy timeline ending at the run's total, and the ML.ENERGY
+    # steady-state window of the closed loop (B = 8, N = 24) with its tokens.
+    (series,) = res["timeline"]["series"]
+    assert series["energy_source"] == "simulated" and series["energy_j"][-1] == pytest.approx(res["gpu_energy_j"])
+    assert res["steady_state_batch"] == 8 and res["steady_state_output_tokens"] > 0
     key = 'powersave_gpu_energy_joules_total{gpu="sim0",method="model",phase="decode",source="simulated"}'
     assert after[key] > before.get(key, 0.0)
     dec = 'powersave_steps_total{gpu="sim0",phase="decode"}'
