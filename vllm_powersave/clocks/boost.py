@@ -12,7 +12,12 @@ takes it away again. Whether the driver really combines sessions this way is a m
 
 The helper is a separate process (not a second context in the engine) because CUDA reads the
 variable once per process. It is a child with a pipe on stdin: when the parent dies, the pipe
-closes, the child exits and its context is gone, so a boost can never outlive the server.
+closes, the child exits and its context is gone, so a boost can never outlive the server. The pipe
+alone is not enough: a process the engine forks (without exec) inherits its write end and keeps it
+open after the engine is gone, so the helper also exits as soon as its parent PID changes.
+A helper that dies while holding (OOM killer, a stray ``kill``) takes the boost with it; the
+controller notices within one tick, says so once, and starts a new one (at most ``MAX_RESTARTS``
+times, then the engine stays unboosted).
 
 Protocol on the child's stdin/stdout, one line each: ``1`` -> hold a context (answers
 ``ok <ms>`` with the time taken, or ``err <reason>``), ``0`` -> release it (``ok <ms>``).
@@ -57,55 +62,84 @@ class BoostHolder:
         self.switches = 0
         self._proc: subprocess.Popen | None = None
         self._lock = threading.Lock()
+        self._closed = False
         self.broken: str | None = None
 
     def _start(self) -> subprocess.Popen:
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=self.device)
         env.pop(ENV_PERF_BOOST, None)  # the whole point: this session asks for the boost
-        return subprocess.Popen([sys.executable, "-m", "vllm_powersave.clocks.boost"], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True, bufsize=1)
+        # Run as a script in isolated mode: the helper needs the standard library only, so it
+        # starts in tens of ms instead of importing the package (pydantic, settings) first.
+        return subprocess.Popen([sys.executable, "-I", os.path.abspath(__file__), "--parent", str(os.getpid())],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env,
+                                text=True, bufsize=1)
+
+    def alive(self) -> bool:
+        """Whether a helper process is running (a held boost lasts exactly as long as it does)."""
+        p = self._proc
+        return p is not None and p.poll() is None
 
     def set(self, hold: bool) -> float:
         """Hold (``True``) or release (``False``) the boost context; returns the time taken in ms."""
         with self._lock:
+            if self._closed:
+                raise BoostUnavailable("closed")
             if self.broken:
                 raise BoostUnavailable(self.broken)
+            if self.held and not self.alive():
+                self.held = False  # the helper died holding: its context, and the boost, went with it
             if hold == self.held:
                 return 0.0
             try:
-                if self._proc is None or self._proc.poll() is not None:
-                    self._proc = self._start()
-                assert self._proc.stdin is not None and self._proc.stdout is not None
-                self._proc.stdin.write("1\n" if hold else "0\n")
-                self._proc.stdin.flush()
-                line = _readline(self._proc, self.timeout_s)
-            except (OSError, TimeoutError, AssertionError) as exc:
+                proc = self._proc  # close() may clear the attribute from another thread meanwhile
+                if proc is None or proc.poll() is not None:
+                    proc = self._proc = self._start()
+                assert proc.stdin is not None and proc.stdout is not None
+                proc.stdin.write("1\n" if hold else "0\n")
+                proc.stdin.flush()
+                line = _readline(proc, self.timeout_s)
+            except (OSError, ValueError, TimeoutError, AssertionError) as exc:  # ValueError: stdin closed by close()
                 self._fail(f"boost helper: {type(exc).__name__}: {exc}")
                 raise BoostUnavailable(self.broken) from exc
-            if not line.startswith("ok "):
-                self._fail(f"boost helper: {line.strip() or 'exited'}")
-                raise BoostUnavailable(self.broken)
+            parts = line.split()
+            try:
+                if parts[0] != "ok":
+                    raise ValueError
+                ms = float(parts[1])
+            except (IndexError, ValueError):
+                self._fail(f"boost helper: {line.strip()[:200] or 'exited'}")
+                raise BoostUnavailable(self.broken) from None
             self.held = hold
             self.switches += 1
-            self.last_ms = float(line.split()[1])
-            return self.last_ms
+            self.last_ms = ms
+            return ms
 
     def _fail(self, why: str) -> None:
         self.broken = why
         self.held = False
-        self.close()
+        self.close(final=False)
 
-    def close(self) -> None:
+    def close(self, final: bool = True) -> None:
+        """End the helper (EOF on its stdin, SIGKILL after 5 s); with ``final`` no new one starts.
+
+        Safe to call from any thread while :meth:`set` waits for an answer: that call then fails.
+        """
+        if final:
+            self._closed = True
         p, self._proc = self._proc, None
+        self.held = False
         if p is None:
             return
         try:
             if p.stdin:
                 p.stdin.close()  # the child exits on EOF, dropping its context
+        except OSError:  # broken pipe: the child is gone already
+            pass
+        try:
             p.wait(timeout=5)
-        except Exception:
+        except subprocess.TimeoutExpired:
             p.kill()
-        self.held = False
+            p.wait(timeout=5)
 
 
 class BoostController:
@@ -125,6 +159,9 @@ class BoostController:
         clock: monotonic seconds (tests inject one).
     """
 
+    #: Helpers that may die while holding before the controller gives up (OOM-killed each time).
+    MAX_RESTARTS = 3
+
     def __init__(self, holder: "BoostHolder", release_after_s: float = 2.0, clock=time.monotonic) -> None:
         self.holder = holder
         self.release_after_s = release_after_s
@@ -133,6 +170,7 @@ class BoostController:
         self.held = False
         self.last_busy = -float("inf")
         self.switches = 0
+        self.restarts = 0
         self.last_switch_ms: float | None = None
         self.disabled_reason: str | None = None
         self._ev = threading.Event()
@@ -155,6 +193,12 @@ class BoostController:
         if self.want and now - self.last_busy >= self.release_after_s:
             self.want = False
             self._ev.set()
+        elif self.held and not self._holder_alive():
+            self._ev.set()  # the helper died holding: the loop notices and starts a new one
+
+    def _holder_alive(self) -> bool:
+        alive = getattr(self.holder, "alive", None)
+        return True if alive is None else bool(alive())
 
     def _loop(self) -> None:
         while True:
@@ -162,23 +206,41 @@ class BoostController:
             self._ev.clear()
             if self._stop:
                 return
+            if self.disabled_reason is not None:
+                continue
+            if self.held and not self._holder_alive():
+                self.held = False
+                self.restarts += 1
+                if self.restarts > self.MAX_RESTARTS:
+                    self.disabled_reason = f"boost helper died {self.restarts} times while holding"
+                    log.warning("powersave: cuda_perf_boost auto: %s; the engine stays unboosted", self.disabled_reason)
+                    continue
+                log.warning("powersave: cuda_perf_boost auto: the boost helper died while holding (the GPU is unboosted "
+                            "meanwhile); starting a new one (%d/%d)", self.restarts, self.MAX_RESTARTS)
             want = self.want
-            if want == self.held or self.disabled_reason is not None:
+            if not want and self.clock() - self.last_busy < self.release_after_s:
+                # A step landed between tick()'s test and its write of want: keep the boost.
+                self.want = want = True
+            if want == self.held:
                 continue
             try:
                 self.last_switch_ms = self.holder.set(want)
                 self.held = want
                 self.switches += 1
             except Exception as exc:  # no driver, no memory for a context, helper died: stay unboosted
-                self.disabled_reason = str(exc)
                 self.held = False
+                if self._stop:
+                    return  # close() ended the helper under a call in flight: not a failure
+                self.disabled_reason = str(exc)
                 log.warning("powersave: cuda_perf_boost auto: the side context failed (%s); the engine stays unboosted", exc)
 
     def close(self) -> None:
+        """Release the boost and end the helper; prompt even while a hold is in flight (the helper
+        is ended first, which makes that call fail instead of being waited for)."""
         self._stop = True
         self._ev.set()
-        self._thread.join(timeout=5)
         self.holder.close()
+        self._thread.join(timeout=5)
         self.held = False
 
     def snapshot(self) -> dict:
@@ -198,7 +260,29 @@ def _readline(proc: subprocess.Popen, timeout_s: float) -> str:
 
 
 # -- helper process ----------------------------------------------------------------------------
-def _helper() -> int:
+def _exit_when_orphaned(parent_pid: int, period_s: float = 0.2) -> None:
+    """End this process (and with it its CUDA context) once ``parent_pid`` is no longer its parent.
+
+    Stdin EOF is not enough: a child the engine forked without exec holds the pipe's write end.
+    """
+    if parent_pid <= 0:
+        return
+    if os.getppid() != parent_pid:
+        os._exit(3)  # the parent died before we got here
+
+    def watch() -> None:
+        while True:
+            time.sleep(period_s)
+            if os.getppid() != parent_pid:
+                os._exit(3)
+
+    threading.Thread(target=watch, name="orphan-watch", daemon=True).start()
+
+
+def _helper(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parent = int(argv[argv.index("--parent") + 1]) if "--parent" in argv else 0
+    _exit_when_orphaned(parent)
     try:
         cuda = ctypes.CDLL("libcuda.so.1")
     except OSError as exc:
