@@ -131,7 +131,7 @@ def test_collector_exposes_labelled_series(tmp_path):
             "power_w": 300.0, "sm_clock_mhz": 1200, "target_sm_clock_mhz": 1200, "clock_changes": 4,
             "lm_head_calls": {"1": 43}, "temperature_c": 51, "clock_event_reasons": 4}
     (tmp_path / "rank0.json").write_text(json.dumps(snap))
-    (tmp_path / "rank1.json").write_text("{half a file")  # skipped, not fatal
+    (tmp_path / "rank1.json").write_text("{half a file")  # not fatal; its GPU's energy is unknown
     from prometheus_client import CollectorRegistry, generate_latest
 
     reg = CollectorRegistry()
@@ -144,6 +144,12 @@ def test_collector_exposes_labelled_series(tmp_path):
     assert 'powersave_steps_total{gpu="GPU-a",phase="decode"} 40.0' in text
     assert 'powersave_gpu_temperature_celsius{gpu="GPU-a"} 51.0' in text
     assert 'powersave_clock_event_reasons{gpu="GPU-a"} 4.0' in text
+    # Workers replace snapshots atomically: an unreadable rank file is a broken rank, whose energy
+    # is unknown, so engine sums are left out rather than summed over the other ranks.
+    assert 'powersave_energy_available{gpu="rank1",method="unknown"} 0.0' in text
+    assert "powersave_engine_energy_joules_total{" not in text
+    (tmp_path / "rank1.json").unlink()
+    text = generate_latest(reg).decode()
     assert 'powersave_engine_energy_joules_total{phase="decode",source="simulated"} 2.0' in text
 
 

@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -41,18 +43,110 @@ from prometheus_client.registry import Collector
 log = logging.getLogger("vllm.powersave")
 
 
-def read_snapshots(stats_dir: str | Path) -> list[dict[str, Any]]:
-    """All rank snapshots in ``stats_dir`` (unreadable files are skipped)."""
-    out = []
+#: A rank snapshot not rewritten for this long whose writer PID is gone is a leftover (a reused
+#: ``stats_dir`` of an earlier server, a crashed worker) and is ignored. Live workers rewrite theirs
+#: at least every 0.5 s; snapshots a Ray relay writes for workers on other nodes carry PIDs of those
+#: nodes but stay fresh, so they are kept.
+STALE_AFTER_S = 10.0
+_COUNTER_DICTS = ("energy_j", "time_s", "steps", "tokens", "lm_head_calls")
+_NONNEG = ("counter_resets", "counter_wraps", "meter_faults", "power_w", "sm_clock_mhz", "target_sm_clock_mhz",
+           "clock_changes", "mem_clock_mhz", "clock_event_reasons", "requests_finished", "request_energy_j_finished")
+_warned: set[tuple[str, str]] = set()
+
+
+def _num_ok(v: Any, nonneg: bool = True) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and (v >= 0 or not nonneg)
+
+
+def snapshot_problem(s: Any) -> str | None:
+    """Why a rank snapshot cannot be exported (``None``: it can). Workers never write such files;
+    a hand-edited, corrupted or foreign file must not take ``/metrics`` down or export NaN or
+    negative counters."""
+    if not isinstance(s, dict):
+        return f"not a JSON object ({type(s).__name__})"
+    if not isinstance(s.get("gpu", s.get("rank", "?")), (str, int)):
+        return f"'gpu' = {s.get('gpu')!r}"
+    for key in _NONNEG:
+        if s.get(key) is not None and not _num_ok(s[key]):
+            return f"'{key}' = {s[key]!r}"
+    if s.get("temperature_c") is not None and not _num_ok(s["temperature_c"], nonneg=False):
+        return f"'temperature_c' = {s['temperature_c']!r}"
+    for key in _COUNTER_DICTS:
+        d = s.get(key)
+        if d is None:
+            continue
+        if not isinstance(d, dict) or not all(_num_ok(v) for v in d.values()):
+            return f"'{key}' = {_short(d)}"
+    for key, fields in (("window", ("window_s", "seconds", "energy_j", "prefill_tokens", "decode_tokens")),
+                        ("steady", ("seconds", "energy_j"))):
+        d = s.get(key)
+        if d is None:
+            continue
+        if not isinstance(d, dict) or not all(_num_ok(d[f]) for f in fields if d.get(f) is not None):
+            return f"'{key}' = {_short(d)}"
+    tok = (s.get("steady") or {}).get("tokens")
+    if tok is not None and (not isinstance(tok, dict) or not all(_num_ok(v) for v in tok.values())):
+        return f"'steady.tokens' = {_short(tok)}"
+    cb = s.get("cuda_boost")
+    if cb is not None and (not isinstance(cb, dict) or (cb.get("switches") is not None and not _num_ok(cb["switches"]))):
+        return f"'cuda_boost' = {_short(cb)}"
+    return None
+
+
+def _short(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 80 else text[:75] + "...'"
+
+
+def _warn_once(path: Path, why: str) -> None:
+    if (str(path), why) not in _warned:
+        _warned.add((str(path), why))
+        log.warning("powersave: ignoring metrics snapshot %s: %s", path, why)
+
+
+def snapshot_is_stale(path: Path, snap: Any, now: float | None = None, stale_after_s: float = STALE_AFTER_S) -> bool:
+    """A snapshot not rewritten for ``stale_after_s`` whose ``pid`` no longer exists (see ``STALE_AFTER_S``)."""
+    from .clocks.controller import _pid_alive
+
+    try:
+        age = (time.time() if now is None else now) - path.stat().st_mtime
+    except OSError:
+        return True
+    pid = snap.get("pid") if isinstance(snap, dict) else None
+    return age > stale_after_s and isinstance(pid, int) and not isinstance(pid, bool) and not _pid_alive(pid)
+
+
+def load_snapshots(stats_dir: str | Path) -> tuple[list[dict[str, Any]], list[tuple[Path, Any, str]]]:
+    """``(good, bad)``: the live rank snapshots in ``stats_dir`` that can be exported, and the
+    unusable ones as ``(path, parsed or None, why)``. Leftovers of dead writers are in neither."""
+    good: list[dict[str, Any]] = []
+    bad: list[tuple[Path, Any, str]] = []
     d = Path(stats_dir)
     if not d.is_dir():
-        return out
+        return good, bad
+    now = time.time()
     for p in sorted(d.glob("rank*.json")):
         try:
-            out.append(json.loads(p.read_text()))
-        except (OSError, ValueError):
+            s = json.loads(p.read_text())
+        except OSError:
+            continue  # removed between glob and read
+        except ValueError as exc:  # truncated or corrupted (workers replace it atomically)
+            if not snapshot_is_stale(p, None, now):
+                bad.append((p, None, f"not JSON ({str(exc)[:60]})"))
             continue
-    return out
+        if snapshot_is_stale(p, s, now):
+            continue
+        why = snapshot_problem(s)
+        if why is None:
+            good.append(s)
+        else:
+            bad.append((p, s, why))
+    return good, bad
+
+
+def read_snapshots(stats_dir: str | Path) -> list[dict[str, Any]]:
+    """The live, exportable rank snapshots in ``stats_dir`` (see :func:`load_snapshots`)."""
+    return load_snapshots(stats_dir)[0]
 
 
 class PowersaveCollector(Collector):
@@ -63,7 +157,15 @@ class PowersaveCollector(Collector):
         self.version = version
 
     def collect(self) -> Iterator[Any]:
-        snaps = read_snapshots(self.stats_dir)
+        try:
+            families = self._collect()
+        except Exception as exc:  # never take vLLM's own /metrics down with ours
+            _warn_once(self.stats_dir, f"collector failed: {type(exc).__name__}: {exc}")
+            families = []
+        yield from families
+
+    def _collect(self) -> list[Any]:
+        snaps, bad = load_snapshots(self.stats_dir)
         energy = CounterMetricFamily("powersave_gpu_energy_joules", "GPU energy by engine phase (J)", labels=["gpu", "phase", "source", "method"])
         engine = CounterMetricFamily("powersave_engine_energy_joules", "Energy of all GPUs of the engine (every TP/PP rank) by phase (J)", labels=["phase", "source"])
         engine_sum: dict[tuple[str, str], float] = {}
@@ -93,7 +195,13 @@ class PowersaveCollector(Collector):
         boost_held = GaugeMetricFamily("powersave_cuda_boost_held", "cuda_perf_boost auto: 1 while the side CUDA context boosts this GPU", labels=["gpu"])
         boost_sw = CounterMetricFamily("powersave_cuda_boost_switches", "cuda_perf_boost auto: side-context holds and releases", labels=["gpu"])
         sources, backends, boost = set(), set(), set()
-        all_available = bool(snaps)
+        # A rank whose snapshot is unusable has unknown energy: no engine sums over the others.
+        all_available = bool(snaps) and not bad
+        for path, s, why in bad:
+            _warn_once(path, why)
+            gpu = s.get("gpu") if isinstance(s, dict) else None
+            method = s.get("energy_method") if isinstance(s, dict) else None
+            available.add_metric([gpu if isinstance(gpu, str) else path.stem, method if isinstance(method, str) else "unknown"], 0.0)
         eng: dict[str, dict[str, float]] = {"window": {}, "steady": {}, "run": {}}
         window_label = ""
         for s in snaps:
@@ -165,8 +273,8 @@ class PowersaveCollector(Collector):
                         tpj_energy.add_metric([label, engine_src], e["energy_j"])
         info.add_metric([self.version, ",".join(sorted(sources)) or "pending", ",".join(sorted(backends)) or "pending",
                          ",".join(sorted(boost)) or "pending"], 1.0)
-        yield from (energy, engine, steps, tokens, power, clock, temp, mem_clock, reasons, target, changes, chunks, req_e, req_n, simulated, info,
-                    available, resets, wraps, faults, tpj, tpj_energy, steady_e, steady_s, steady_t, boost_held, boost_sw)
+        return [energy, engine, steps, tokens, power, clock, temp, mem_clock, reasons, target, changes, chunks, req_e, req_n, simulated, info,
+                available, resets, wraps, faults, tpj, tpj_energy, steady_e, steady_s, steady_t, boost_held, boost_sw]
 
 
 def _engine_add(acc: dict[str, float], energy_j: float, prefill: float, decode: float) -> None:

@@ -1,0 +1,146 @@
+"""The /metrics collector against broken rank snapshots: not JSON, not an object, wrong types,
+NaN, infinite or negative figures, leftovers of dead writers, a missing stats dir. /metrics (vLLM's
+own series included) must keep answering, never export NaN or negative counters, and never sum
+engine figures over a subset of ranks."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from vllm_powersave import metrics
+from vllm_powersave.metrics import PowersaveCollector
+
+GOOD = {"gpu": "GPU-a", "rank": 0, "pid": os.getpid(), "source": "simulated", "clock_backend": "simulated",
+        "energy_available": True, "energy_method": "model",
+        "energy_j": {"prefill": 1.5, "decode": 2.0, "idle": 10.0}, "steps": {"prefill": 3, "decode": 40},
+        "tokens": {"prefill": 300, "decode": 40}, "power_w": 300.0, "sm_clock_mhz": 1200, "clock_changes": 4}
+
+
+@pytest.fixture
+def warnings_seen():
+    """Warnings of the plugin's logger, caught on the logger itself: once vLLM is imported (by any
+    earlier test) its logging setup stops "vllm.*" records from reaching pytest's root handler."""
+    seen: list[str] = []
+
+    class H(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    lg = logging.getLogger("vllm.powersave")
+    h, old = H(logging.WARNING), lg.level
+    lg.addHandler(h)
+    lg.setLevel(logging.WARNING)
+    yield seen
+    lg.removeHandler(h)
+    lg.setLevel(old)
+
+
+def scrape(d) -> str:
+    reg = CollectorRegistry()
+    Counter("vllm_own_requests", "a series of vLLM's own", registry=reg).inc()
+    reg.register(PowersaveCollector(d, "t"))
+    return generate_latest(reg).decode()
+
+
+def samples(text: str) -> dict[tuple, float]:
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+BAD = [
+    ("[1, 2]", "not a JSON object"),
+    ("5", "not a JSON object"),
+    ('"text"', "not a JSON object"),
+    ('{"gpu": "GPU-b", "energy_available": true, "energy_j": {"decode": "abc"}}', "'energy_j'"),
+    ('{"gpu": "GPU-b", "energy_available": true, "energy_j": {"decode": NaN}}', "'energy_j'"),
+    ('{"gpu": "GPU-b", "energy_available": true, "energy_j": {"decode": Infinity}}', "'energy_j'"),
+    ('{"gpu": "GPU-b", "energy_available": true, "energy_j": {"decode": -5.0}}', "'energy_j'"),
+    ('{"gpu": "GPU-b", "energy_available": true, "energy_j": [1]}', "'energy_j'"),
+    ('{"gpu": "GPU-b", "power_w": "x"}', "'power_w'"),
+    ('{"gpu": "GPU-b", "power_w": NaN}', "'power_w'"),
+    ('{"gpu": "GPU-b", "clock_changes": -1}', "'clock_changes'"),
+    ('{"gpu": "GPU-b", "steps": [1]}', "'steps'"),
+    ('{"gpu": "GPU-b", "tokens": {"decode": true}}', "'tokens'"),
+    ('{"gpu": "GPU-b", "cuda_boost": "yes"}', "'cuda_boost'"),
+    ('{"gpu": "GPU-b", "cuda_boost": {"held": true, "switches": NaN}}', "'cuda_boost'"),
+    ('{"gpu": ["GPU-b"]}', "'gpu'"),
+    ('{"gpu": "GPU-b", "energy_available": true, "window": {"seconds": 5, "energy_j": NaN}}', "'window'"),
+    ('{"gpu": "GPU-b", "energy_available": true, "steady": {"seconds": 5, "tokens": {"decode": -3}}}', "'steady.tokens'"),
+    ('{"gpu": "GPU-b", "temperature_c": Infinity}', "'temperature_c'"),
+    ('{"half a fi', "not JSON"),
+]
+
+
+@pytest.mark.parametrize("content,why", BAD)
+def test_a_broken_rank_snapshot_never_breaks_metrics(tmp_path, warnings_seen, content, why):
+    (tmp_path / "rank0.json").write_text(json.dumps(GOOD))
+    (tmp_path / "rank1.json").write_text(content)
+    text = scrape(tmp_path)
+    scrape(tmp_path)
+    got = samples(text)
+    assert got[("vllm_own_requests_total", ())] == 1.0  # vLLM's own series still served
+    assert got[("powersave_gpu_energy_joules_total", (("gpu", "GPU-a"), ("method", "model"), ("phase", "decode"), ("source", "simulated")))] == 2.0
+    assert all(math.isfinite(v) for v in got.values())  # no NaN or infinity
+    assert not [k for k, v in got.items() if k[0].endswith("_total") and v < 0]
+    assert not [k for k in got if k[0] == "powersave_engine_energy_joules_total"]  # rank 1's energy is unknown: no partial sum
+    assert not [k for k in got if dict(k[1]).get("gpu") == "GPU-b" and k[0] != "powersave_energy_available"]
+    unavailable = [k for k, v in got.items() if k[0] == "powersave_energy_available" and v == 0.0]
+    assert len(unavailable) == 1 and dict(unavailable[0][1])["gpu"] in ("GPU-b", "rank1")
+    warnings = [m for m in warnings_seen if "rank1.json" in m]
+    assert len(warnings) == 1 and why in warnings[0]  # once per file and reason, naming what is wrong
+
+
+def test_leftovers_of_dead_writers_are_ignored_fresh_or_live_ones_kept(tmp_path):
+    (tmp_path / "rank0.json").write_text(json.dumps(GOOD))
+    left = tmp_path / "rank1.json"
+    left.write_text(json.dumps({**GOOD, "gpu": "GPU-old", "rank": 1, "pid": dead_pid()}))
+    past = time.time() - 3600
+    os.utime(left, (past, past))
+    got = samples(scrape(tmp_path))
+    assert not [k for k in got if dict(k[1]).get("gpu") == "GPU-old"]
+    assert got[("powersave_engine_energy_joules_total", (("phase", "decode"), ("source", "simulated")))] == 2.0
+    # The same file written just now (a Ray relay writes snapshots of workers on other nodes,
+    # whose PIDs mean nothing here): kept, and summed.
+    os.utime(left, None)
+    got = samples(scrape(tmp_path))
+    assert got[("powersave_engine_energy_joules_total", (("phase", "decode"), ("source", "simulated")))] == 4.0
+    # Old but its writer alive (a worker stuck in a long step): kept.
+    left.write_text(json.dumps({**GOOD, "gpu": "GPU-old", "rank": 1, "pid": os.getpid()}))
+    os.utime(left, (past, past))
+    assert ("powersave_gpu_power_watts", (("gpu", "GPU-old"), ("source", "simulated"))) in samples(scrape(tmp_path))
+
+
+def test_missing_or_vanished_stats_dir(tmp_path):
+    got = samples(scrape(tmp_path / "never"))
+    assert got[("vllm_own_requests_total", ())] == 1.0
+    assert [dict(k[1]) for k in got if k[0] == "powersave_info"] == [
+        {"version": "t", "source": "pending", "clock_backend": "pending", "cuda_perf_boost": "pending"}]
+
+
+def test_an_unexpected_collector_failure_leaves_vllms_metrics_served(tmp_path, monkeypatch, warnings_seen):
+    def boom(d):
+        raise RuntimeError("disk on fire")
+
+    monkeypatch.setattr(metrics, "load_snapshots", boom)
+    got = samples(scrape(tmp_path))
+    assert got == {("vllm_own_requests_total", ()): 1.0, ("vllm_own_requests_created", ()): got[("vllm_own_requests_created", ())]}
+    assert any("disk on fire" in m for m in warnings_seen)
