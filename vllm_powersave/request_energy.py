@@ -34,7 +34,15 @@ the 8 hex characters are vLLM's uniqueness suffix). A line is filed under every 
 its id, so the route and the header find all parts of a response. Two client-chosen
 ``X-Request-Id`` values that differ only by such a suffix (``a`` and ``a-1``) would share figures.
 Completeness counts the ranks that publish a snapshot in ``stats_dir`` (one engine; with data
-parallelism several engines publish there and figures stay ``partial``).
+parallelism several engines publish there and figures stay ``partial``); snapshots left by dead
+writers (a reused ``stats_dir``) are not counted (``metrics.snapshot_is_stale``).
+
+Robustness: the route only looks ids up in memory (an id is never a path; nothing outside
+``stats_dir`` is read, nothing is written); a ``requests-rank<N>.jsonl`` that is truncated or
+replaced is read again from its start; a line cut off by a dying writer does not swallow the next
+writer's first line; a figure that is not a finite, non-negative number counts as unavailable;
+text fields reach headers only as ``[A-Za-z0-9,._:-]``; waits poll with back-off (5 ms up to
+100 ms) and at most ``MAX_ROUTE_WAITERS`` route calls wait at once (others answer at once).
 """
 
 from __future__ import annotations
@@ -42,6 +50,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
+import os
 import re
 import time
 from collections import OrderedDict
@@ -57,6 +67,12 @@ _CHILD = re.compile(r"^\d+_(.+)$")
 COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
 ROUTE = "/powersave/requests/"
 MAX_ROUTE_WAIT_S = 10.0
+#: Route calls that may wait at once (the route is outside --api-key: bound what it can cost).
+MAX_ROUTE_WAITERS = 64
+#: How often the set of live ranks is re-read (s); lines are re-read at every poll.
+RANKS_EVERY_S = 0.5
+_RECORD_START = b'{"request_id"'
+_UNSAFE = re.compile(r"[^A-Za-z0-9,._:-]")
 
 
 def candidate_keys(internal_id: str) -> set[str]:
@@ -90,7 +106,10 @@ class RequestEnergyIndex:
         self.stats_dir = Path(stats_dir)
         self.max_requests = max_requests
         self._offsets: dict[Path, int] = {}
+        self._inodes: dict[Path, int] = {}
+        self._heads: dict[Path, bytes] = {}  # first bytes read of each file: a changed head = a new file
         self._partial: dict[Path, bytes] = {}
+        self._ranks_at = -1.0
         # internal id -> {rank: record}
         self._records: OrderedDict[str, dict[int, dict[str, Any]]] = OrderedDict()
         self._keys: dict[str, set[str]] = {}
@@ -105,12 +124,25 @@ class RequestEnergyIndex:
         self._last_refresh = now
         if not self.stats_dir.is_dir():
             return
-        self._ranks = sum(1 for _ in self.stats_dir.glob("rank*.json"))
+        if now - self._ranks_at >= RANKS_EVERY_S:
+            self._ranks_at = now
+            self._ranks = self._live_ranks()
         for path in sorted(self.stats_dir.glob("requests-rank*.jsonl")):
             try:
                 with open(path, "rb") as f:
+                    st = os.fstat(f.fileno())
+                    head = self._heads.get(path, b"")
+                    if (st.st_ino != self._inodes.get(path, st.st_ino) or st.st_size < self._offsets.get(path, 0)
+                            or os.pread(f.fileno(), len(head), 0) != head):
+                        # Replaced or truncated (a new server in the same stats_dir, log rotation;
+                        # a new file may get the old inode number back): read it from the start.
+                        self._offsets[path] = 0
+                        self._partial.pop(path, None)
+                    self._inodes[path] = st.st_ino
                     f.seek(self._offsets.get(path, 0))
                     data = f.read()
+                    if len(head) < 64 and data:
+                        self._heads[path] = os.pread(f.fileno(), 64, 0)
             except OSError:
                 continue
             if not data:
@@ -121,10 +153,42 @@ class RequestEnergyIndex:
             if lines[-1]:
                 self._partial[path] = lines[-1]  # a line still being written
             for raw in lines[:-1]:
-                try:
-                    self._add(json.loads(raw))
-                except (ValueError, TypeError, KeyError):
-                    continue
+                self._add_line(raw)
+
+    def _live_ranks(self) -> int:
+        """Rank snapshots in ``stats_dir`` not left behind by a dead writer."""
+        from .metrics import snapshot_is_stale
+
+        n = 0
+        now = time.time()
+        for p in self.stats_dir.glob("rank*.json"):
+            try:
+                fresh = now - p.stat().st_mtime <= 1.0
+                snap = None if fresh else json.loads(p.read_text())
+            except (OSError, ValueError):
+                n += 1  # unreadable: a rank all the same, its lines may be missing
+                continue
+            n += fresh or not snapshot_is_stale(p, snap, now)
+        return n
+
+    def _add_line(self, raw: bytes) -> None:
+        for attempt in (raw, raw[raw.rfind(_RECORD_START):] if raw.rfind(_RECORD_START) > 0 else None):
+            # The second attempt: a writer died mid-line and the next one appended after it; the
+            # cut-off head is lost, the complete record behind it is not.
+            if attempt is None:
+                return
+            try:
+                self._add(json.loads(attempt))
+                return
+            except (ValueError, TypeError, KeyError, AttributeError, OverflowError):
+                continue
+
+    @staticmethod
+    def _clean(rec: dict[str, Any]) -> dict[str, Any]:
+        j = rec.get("energy_j")
+        ok = isinstance(j, (int, float)) and not isinstance(j, bool) and math.isfinite(j) and j >= 0
+        return {**rec, "energy_j": float(j) if ok else None,
+                **{k: _UNSAFE.sub("?", str(rec.get(k, "?")))[:128] for k in ("source", "method", "gpu")}}
 
     def _add(self, rec: dict[str, Any]) -> None:
         rid = str(rec["request_id"])
@@ -141,7 +205,7 @@ class RequestEnergyIndex:
                         ids.discard(old)
                         if not ids:
                             del self._keys[k]
-        self._records[rid][rank] = rec
+        self._records[rid][rank] = self._clean(rec)
 
     def lookup(self, response_id: str) -> dict[str, Any] | None:
         """Energy of one OpenAI response id, or ``None`` if no line names it yet.
@@ -185,15 +249,26 @@ class RequestEnergyIndex:
             "ranks_reported": min(reported, default=0),
         }
 
-    async def wait(self, response_id: str, timeout_s: float, poll_s: float = 0.005) -> dict[str, Any] | None:
-        """:meth:`lookup` until the status is final (complete/unavailable) or ``timeout_s`` passed."""
+    async def wait(self, response_id: str, timeout_s: float, poll_s: float = 0.005, max_poll_s: float = 0.1) -> dict[str, Any] | None:
+        """:meth:`lookup` until the status is final (complete/unavailable) or ``timeout_s`` passed.
+
+        Polls every ``poll_s``, doubling up to ``max_poll_s``: figures normally arrive within a few
+        ms, and a thousand long waits must not keep the API server's event loop busy.
+        """
         deadline = time.monotonic() + max(0.0, timeout_s)
+        delay = poll_s
+        first = True
         while True:
-            self.refresh(min_interval_s=poll_s / 2)
+            # Every call reads what was appended before it (a line written just before this call
+            # must be found); repeated polls of concurrent waiters share reads.
+            self.refresh(min_interval_s=0.0 if first else poll_s / 2)
+            first = False
             res = self.lookup(response_id)
-            if (res is not None and res["status"] != "partial") or time.monotonic() >= deadline:
+            left = deadline - time.monotonic()
+            if (res is not None and res["status"] != "partial") or left <= 0:
                 return res
-            await asyncio.sleep(poll_s)
+            await asyncio.sleep(min(delay, left))
+            delay = min(max_poll_s, delay * 2)
 
 
 def energy_headers(res: dict[str, Any] | None) -> list[tuple[bytes, bytes]]:
@@ -218,6 +293,7 @@ class RequestEnergyMiddleware:
         self.app = app
         self.index = index
         self.wait_s = wait_s
+        self.route_waiters = 0
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope.get("type") != "http":
@@ -287,7 +363,13 @@ class RequestEnergyMiddleware:
         if not rid or "/" in rid:
             await _json(send, 404, {"error": "use GET /powersave/requests/{response id}"})
             return
-        res = await self.index.wait(rid, wait_s)
+        if self.route_waiters >= MAX_ROUTE_WAITERS:
+            wait_s = 0.0  # too many callers waiting: answer with what is known now
+        self.route_waiters += 1
+        try:
+            res = await self.index.wait(rid, wait_s)
+        finally:
+            self.route_waiters -= 1
         if res is None:
             await _json(send, 404, {"id": rid, "status": "unknown",
                                     "error": f"no energy recorded for request {rid!r} (yet: it is written once the request finished)"})
