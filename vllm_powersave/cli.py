@@ -158,14 +158,18 @@ def _cmd_compare(ns: argparse.Namespace) -> int:
 
 def _cmd_reset_clocks(ns: argparse.Namespace) -> int:
     from .clocks import LeaseStore
-    from .clocks.backends import reset_from_lease
+    from .clocks.backends import LeaseError, reset_from_lease
 
+    if Path(ns.lease_dir).exists() and not Path(ns.lease_dir).is_dir():
+        print(f"error: --lease-dir = {ns.lease_dir!r}: not a directory", file=sys.stderr)
+        return 2
     store = LeaseStore(ns.lease_dir)
     every = store.all()
     leases = store.stale() if not ns.all else every
     if not leases:
         live = len(every)
-        print("no clock leases to reset" + (f" ({live} held by running processes; --all resets them too)" if live else ""))
+        print("no clock leases to reset" + (f" ({live} held by running processes; --all resets them too)" if live else "")
+              + ("" if Path(ns.lease_dir).is_dir() else f" (no lease directory {ns.lease_dir})"))
         return 0
     rc = 0
     for lease in leases:
@@ -175,14 +179,25 @@ def _cmd_reset_clocks(ns: argparse.Namespace) -> int:
             reset_from_lease(lease)
             store.release(gpu)
             print(f"reset clocks of {gpu}")
+        except LeaseError as exc:  # the lease is garbage: say which file and field; it is kept
+            print(f"error: reset of {gpu} not attempted: {lease.get('path')}: {exc}", file=sys.stderr)
+            rc = 2
         except Exception as exc:
             print(f"error: reset of {gpu} failed: {exc}", file=sys.stderr)
-            rc = 1
+            rc = rc or 1
     return rc
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with bad arguments reported in one line (no usage block), exit status 2;
+    sub-commands inherit it."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="vllm-powersave", description=__doc__)
+    p = _Parser(prog="vllm-powersave", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
 
     m = sub.add_parser("make-model", help="write an offline Hugging Face model directory with random weights")

@@ -45,6 +45,10 @@ class ClockError(RuntimeError):
     """A clock call failed for a reason other than permission (NVML fault, daemon error)."""
 
 
+class LeaseError(ClockError, ValueError):
+    """A lease file names an unusable value (one line naming the field and value); nothing was reset."""
+
+
 class ClockPermissionError(ClockError):
     """This process cannot change clocks (no root/CAP_SYS_ADMIN, daemon unreachable or refusing)."""
 
@@ -393,10 +397,16 @@ def reset_from_lease(lease: dict[str, Any], nvml: Any | None = None) -> None:
     ``nvml``: the ``pynvml`` module (imported and initialised here if ``None``).
 
     Raises:
-        ClockError: the reset failed (the caller keeps the lease).
+        ClockError: the reset failed (the caller keeps the lease); :class:`LeaseError` where the
+            lease itself names an unusable socket or index.
     """
     if lease.get("backend") == "zeusd":
-        b = ZeusdClockBackend(str(lease["socket"]), int(lease["gpu_index"]), token=os.environ.get(ENV_ZEUSD_TOKEN) or None)
+        sock, index = lease.get("socket"), lease.get("gpu_index")
+        if not isinstance(sock, str) or not sock:
+            raise LeaseError(f"lease field 'socket' = {sock!r}: a zeusd lease needs the daemon's socket path")
+        if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index <= 1024:
+            raise LeaseError(f"lease field 'gpu_index' = {index!r}: must be zeusd's GPU index (0-1024)")
+        b = ZeusdClockBackend(sock, index, token=os.environ.get(ENV_ZEUSD_TOKEN) or None)
         b.mem_may_be_locked = bool(lease.get("mem_locked", False))
         b.reset()
         return

@@ -79,17 +79,23 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any], name: str = "model") -> "ModelShape":
+        if not isinstance(cfg, dict):
+            raise ValueError(f"config.json = {str(cfg)[:60]!r}: must be a JSON object")
         cfg = cfg.get("text_config", cfg)
+        if not isinstance(cfg, dict):
+            raise ValueError(f"config.json field 'text_config' = {str(cfg)[:60]!r}: must be a JSON object")
 
-        def need(key: str) -> int:
+        def need(key: str, default: int | None = None) -> int:
             v = cfg.get(key)
-            if not isinstance(v, int) or v < 1:
+            if v is None and default is not None:
+                return default
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"config.json field {key!r} = {v!r}: must be a positive integer")
             return v
 
         hidden, heads = need("hidden_size"), need("num_attention_heads")
-        kv = cfg.get("num_key_value_heads") or heads
-        head_dim = cfg.get("head_dim") or hidden // heads
+        kv = need("num_key_value_heads", heads)
+        head_dim = need("head_dim", max(1, hidden // heads))
         mt = str(cfg.get("model_type", ""))
         return cls(name=name, hidden=hidden, layers=need("num_hidden_layers"), heads=heads, kv_heads=int(kv),
                    head_dim=int(head_dim), intermediate=need("intermediate_size"), vocab=need("vocab_size"),

@@ -96,9 +96,17 @@ class TuneOptions:
         for name, w in (("--window", self.window_s), ("--sweep-window", self.sweep_window_s)):
             if w is not None and not 0 < w <= 60:
                 raise ValueError(f"{name} = {w}: must be in (0, 60] s")
+        for name, v in (("--thermal-warmup", self.thermal_warmup_s), ("--warmup", self.warmup_s)):
+            if v is not None and not 0 <= v <= 3600:
+                raise ValueError(f"{name} = {v}: must be in [0, 3600] s")
         if self.rows is not None:
-            lmhead.parse_grid(self.rows)
+            try:
+                lmhead.parse_grid(self.rows)
+            except ValueError as err:
+                raise ValueError(f"--rows = {self.rows!r}: {err}") from None
         lmhead.parse_ints(self.chunks, "--chunks")
+        if self.out is not None and Path(self.out).exists() and not Path(self.out).is_dir():
+            raise ValueError(f"--out = {self.out!r}: exists and is not a directory")
 
 
 def clock_permission(status_path: str = "/proc/self/status") -> tuple[bool, str]:
@@ -321,7 +329,12 @@ def run_tune(opts: TuneOptions, log: Callable[[str], None] = print) -> TuneResul
     if gpu and not torch.cuda.is_available():
         raise ValueError("--device = 'cuda': no CUDA device available")
     out_dir = Path(opts.out or Path("runs") / f"tune-{shape.name}-{time.strftime('%Y%m%d-%H%M%S')}")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:  # before any work: a run must not end in a traceback over its output directory
+        out_dir.mkdir(parents=True, exist_ok=True)
+        if not os.access(out_dir, os.W_OK):
+            raise PermissionError(13, "not writable")
+    except OSError as exc:
+        raise ValueError(f"--out = {str(out_dir)!r}: cannot create or write the directory: {exc.strerror or exc}") from None
     info, nv = _device_info(torch, gpu)
     res = TuneResult(opts, out_dir, info, model_name=shape.name)
     dev = torch.device("cuda" if gpu else "cpu")
