@@ -217,6 +217,10 @@ def _on_engine_args(engine_args: object) -> None:
     os.environ[ENV_ENABLE] = "1"
     os.environ[ENV_SETTINGS_JSON] = settings.model_dump_json()
     apply_process_env(settings)
+    # Ray executor: workers on other nodes get these only if vLLM copies them (ray_relay.py).
+    from .settings import ENV_PERF_BOOST
+
+    vllm_compat.ray_copy_env(("POWERSAVE_",), (ENV_PERF_BOOST,))
     activate()
     from .metrics import register_collector
 

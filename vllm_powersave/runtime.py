@@ -17,7 +17,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from . import vllm_compat
+from . import ray_relay, vllm_compat
 from .chunking.policy import ChunkPolicy, apply_chunked
 from .clocks import ClockController, DryRunClockBackend, NvmlClockBackend, SimulatedClockBackend
 from .clocks.backends import ClockBackend
@@ -220,6 +220,9 @@ class WorkerRuntime:
         self.regime = RegimeFilter(c.regime_window_s, c.compute_share_max, c.prefill_burst_tokens, c.memory_bound_max_tokens)
         self._trace: deque[tuple] | None = deque() if settings.trace_steps and self.stats_path else None
         self._trace_path = self.stats_path.with_name(f"trace-rank{self.rank}.jsonl") if self.stats_path else None
+        # Under vLLM's Ray executor stats_dir may live on another node: send through the relay
+        # actor the EngineCore started there (ray_relay.py); else write the files here.
+        self._relay = ray_relay.connect(settings.stats_dir) if self.stats_path else None
         try:
             self.publish()  # series exist from the first step on, not one period later
         except OSError as exc:
@@ -396,6 +399,8 @@ class WorkerRuntime:
             "sim_stock_clocks_busy_s": self.sim_stock.busy_time_s if self.sim_stock is not None else None,
             "cuda_perf_boost": "auto" if self.settings.cuda_perf_boost == "auto" else ("off" if os.environ.get(ENV_PERF_BOOST) == "1" else "on"),
             "cuda_boost": self.boost.snapshot() if self.boost is not None else None,
+            "transport": ray_relay.describe(self._relay),
+            "ray_node_id": self._relay.node_id if self._relay is not None else None,
         }
 
     _TRACE_KEYS = ("t", "phase", "prefill", "decode", "rows", "ctx", "reqs", "sm_target", "t_end")
@@ -408,8 +413,7 @@ class WorkerRuntime:
         n = len(self._trace) - (1 if keep_last else 0)
         done = [self._trace.popleft() for _ in range(max(0, n))]
         if done:
-            with open(self._trace_path, "a") as f:
-                f.writelines(json.dumps(dict(zip(self._TRACE_KEYS, r))) + "\n" for r in done)
+            self._write_lines(self._trace_path, [json.dumps(dict(zip(self._TRACE_KEYS, r))) + "\n" for r in done])
 
     def _flush_requests(self) -> None:
         if not self._done_requests or self.stats_path is None:
@@ -422,7 +426,13 @@ class WorkerRuntime:
             lines.append(json.dumps({"request_id": rid, "energy_j": None if j is None else round(j, 6), "source": src,
                                      "method": method, "gpu": self.gpu_id, "rank": self.rank}) + "\n")
             log.debug("powersave: request %s used %s J (%s)", rid, "unavailable" if j is None else f"{j:.3f}", src)
-        with open(self.stats_path.with_name(f"requests-rank{self.rank}.jsonl"), "a") as f:
+        self._write_lines(self.stats_path.with_name(f"requests-rank{self.rank}.jsonl"), lines)
+
+    def _write_lines(self, path: Path, lines: list[str]) -> None:
+        if self._relay is not None:
+            self._relay.append(path.name, lines)
+            return
+        with open(path, "a") as f:
             f.writelines(lines)
 
     def publish(self) -> None:
@@ -430,8 +440,12 @@ class WorkerRuntime:
             return
         self._flush_trace()
         self._flush_requests()
+        text = json.dumps(self.snapshot())
+        if self._relay is not None:
+            self._relay.snapshot(self.rank, text)  # after the lines above: the relay keeps their order
+            return
         tmp = self.stats_path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(self.snapshot()))
+        tmp.write_text(text)
         tmp.replace(self.stats_path)  # atomic: the API server never reads half a file
 
     def _publisher(self) -> None:
@@ -502,9 +516,23 @@ def on_step_start(runner: Any, scheduler_output: Any) -> None:
     _runtime_for(runner).on_step_start(scheduler_output)
 
 
+_ENGINE_RELAY = {"checked": False}
+
+
+def _ensure_engine_relay() -> None:
+    """EngineCore, first request: under vLLM's Ray executor (this process is the Ray driver) start
+    the stats relay on this node, before the first step reaches any worker (ray_relay.py)."""
+    _ENGINE_RELAY["checked"] = True
+    stats_dir = settings_from_env().stats_dir
+    if stats_dir:
+        ray_relay.ensure_relay(stats_dir)
+
+
 def on_arrival(prompt_tokens: int) -> None:
     """Scheduler ``add_request`` hook (EngineCore process). Only a worker living in the same
     process (single-GPU engines) reacts: an idle-clocked GPU ramps up before the first step."""
+    if not _ENGINE_RELAY["checked"]:
+        _ensure_engine_relay()
     if _RUNTIME is not None:
         _RUNTIME.clocks.on_arrival()
         if _RUNTIME.boost is not None:

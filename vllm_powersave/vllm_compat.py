@@ -29,6 +29,11 @@ Touch points (module: symbol):
   waiting queue's size to the ``SchedulerOutput`` before it is broadcast to the workers); reads
   ``waiting`` (``len``, iteration) and ``Request.num_prompt_tokens`` / ``num_computed_tokens``;
 * runner ``use_async_scheduling`` or ``scheduler_config.async_scheduling`` (host one step ahead);
+* Ray executor (``--distributed-executor-backend ray``): the environment variables
+  ``VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY`` / ``VLLM_RAY_EXTRA_ENV_VARS_TO_COPY`` (read by
+  ``vllm.ray.ray_env.get_env_vars_to_copy``, 0.25-0.32), so that the legacy
+  ``RayDistributedExecutor`` carries our settings to its workers (``RayExecutorV2``, the default,
+  copies the whole driver environment);
 * ``vllm.version.__version__`` for the guard.
 """
 
@@ -520,3 +525,30 @@ def async_scheduling(runner: Any) -> bool:
         vc = getattr(runner, "vllm_config", None)
         flag = getattr(getattr(vc, "scheduler_config", None), "async_scheduling", None)
     return bool(flag)
+
+
+# --------------------------------------------------------------------------------------------
+# Ray executor: our settings reach workers on every node
+# --------------------------------------------------------------------------------------------
+#: vLLM's additive lists of what its Ray executors copy from the driver to the workers.
+RAY_EXTRA_PREFIXES_ENV = "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"
+RAY_EXTRA_VARS_ENV = "VLLM_RAY_EXTRA_ENV_VARS_TO_COPY"
+
+
+def ray_copy_env(prefixes: tuple[str, ...], names: tuple[str, ...], env: Any = None) -> None:
+    """Have vLLM's Ray executors copy ``prefixes``/``names`` from the driver to every worker.
+
+    Ray workers are started by each node's raylet, with that node's environment, not the API
+    server's. ``RayExecutorV2`` (0.25-0.32 default) applies the whole driver environment to its
+    workers (without overwriting a node's own values); the legacy ``RayDistributedExecutor``
+    (``VLLM_USE_RAY_V2_EXECUTOR_BACKEND=0``) copies only ``VLLM_*``, ``HF_*``, ``NCCL_*`` and
+    similar prefixes plus the two comma-separated lists set here, so without this the plugin
+    stays silently off on its workers. Appends to what the user set; idempotent. Must run in the
+    API-server process before the engine starts (the EngineCore, the Ray driver, inherits it).
+    """
+    env = os.environ if env is None else env
+    for key, items in ((RAY_EXTRA_PREFIXES_ENV, prefixes), (RAY_EXTRA_VARS_ENV, names)):
+        current = [x.strip() for x in (env.get(key) or "").split(",") if x.strip()]
+        missing = [x for x in items if x not in current]
+        if missing:
+            env[key] = ",".join(current + missing)
