@@ -262,11 +262,16 @@ def write_md(doc: dict[str, Any], path: Path) -> None:
     for i, r in enumerate(f["runs"]):
         lines.append(f"| {i + 1} | {r['request_throughput']:.0f} | {r['output_throughput']:.0f} | {100 * r['harness_cpu_utilization']:.0f} % | "
                      f"{100 * r['server_cpu_utilization']:.0f} % | {r['harness_cpu_ms_per_request']:.3f} |")
-    lines += ["", f"**fake_server_req_per_s_one_core = {doc['fake_server_req_per_s_one_core']:.0f}** (median of the runs). "
-              f"The harness used {f['harness_cpu_ms_per_request_median']:.3f} ms of CPU per request and kept its core "
-              f"{100 * busy:.0f} % busy (server core {100 * f['server_cpu_utilization_median']:.0f} %): "
+    lines += ["", f"**fake_server_req_per_s_one_core = {doc['fake_server_req_per_s_one_core']:.0f}**: requests per second of the "
+              f"harness's own CPU time (median {f['harness_cpu_ms_per_request_median']:.3f} ms of CPU per request, warm-ups and "
+              f"set-up included), i.e. what one fully available core drives. Observed rate: median "
+              f"{doc['fake_server_observed_req_per_s_median']:.0f} req/s with the harness core {100 * busy:.0f} % busy (server core "
+              f"{100 * f['server_cpu_utilization_median']:.0f} %): "
               + ("the harness's one core was the limit." if busy >= 0.9 else
-                 "the harness core was not saturated; other jobs on the machine or the server limited the rate.")]
+                 "the pinned core was shared with other jobs' processes, so the observed rate is lower than what the core "
+                 "can drive.")]
+    for e in doc.get("earlier_runs", []):
+        lines.append(f"- Earlier run ({e['date_utc']}, same script): {e['summary']}")
     c = doc.get("vs_vllm_bench_fake_server")
     if c:
         cc = c["config"]
@@ -289,7 +294,20 @@ def write_md(doc: dict[str, Any], path: Path) -> None:
                   f"{cv['warmups']}; order {cv['order']}. The client runs on the same 2 cores as the server, so its "
                   "CPU use and the other jobs' load feed straight into the server's throughput and TTFT.", ""]
         lines += _pair_table(v)
+        lines += ["", "On this machine the vLLM server's own behaviour switches between a smooth mode (TTFT ~25-60 ms, TPOT ~2-4 ms) "
+                  "and a bursty one (TTFT 150-500 ms, tokens arriving in bursts, TPOT ~0) depending on how much CPU the API "
+                  "server gets, so per-pair ratios here measure the machine's noise more than either tool; (b1) is the "
+                  "controlled comparison of the two clients."]
     path.write_text("\n".join(lines) + "\n")
+
+
+def _derive(doc: dict[str, Any]) -> None:
+    """Headline figures. The requests/s of one core is counted per second of the harness's own CPU
+    time: on this shared 2-core machine other jobs take part of the pinned core, so the observed rate
+    understates what one core drives (the observed rates and core shares are kept beside it)."""
+    f = doc["fake_server"]
+    doc["fake_server_req_per_s_one_core"] = 1000.0 / f["harness_cpu_ms_per_request_median"]
+    doc["fake_server_observed_req_per_s_median"] = f["req_per_s_median"]
 
 
 def main() -> int:
@@ -303,7 +321,15 @@ def main() -> int:
     ap.add_argument("--vllm-output-len", type=int, default=64)
     ap.add_argument("--skip-vllm", action="store_true")
     ap.add_argument("--out", default=str(REPO / "docs" / "results" / "harness-overhead.json"))
+    ap.add_argument("--from-json", default=None, help="only re-render the Markdown (and derived fields) of a result file")
     ns = ap.parse_args()
+    if ns.from_json:
+        src = Path(ns.from_json)
+        doc = json.loads(src.read_text())
+        _derive(doc)
+        src.write_text(json.dumps(doc, indent=2) + "\n")
+        write_md(doc, src.with_suffix(".md"))
+        return 0
     import aiohttp
 
     doc: dict[str, Any] = {
@@ -314,8 +340,8 @@ def main() -> int:
     }
     doc["host"]["loadavg_1m_at_start"] = os.getloadavg()[0]
     fake = fake_server_part(ns.fake_requests, ns.fake_concurrency, ns.fake_reps)
-    doc["fake_server_req_per_s_one_core"] = fake["req_per_s_median"]
     doc["fake_server"] = fake
+    _derive(doc)
     if not ns.skip_vllm:
         with tempfile.TemporaryDirectory(prefix="harness-overhead-") as d:
             doc["vs_vllm_bench_fake_server"] = fake_timing_part(ns.pairs, ns.vllm_requests // 2, ns.vllm_concurrency,

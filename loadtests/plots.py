@@ -68,7 +68,7 @@ def plot_sweep(results: list[dict[str, Any]], parameter: str, levels: list[Any],
         ax.plot([r.get("steady_state_output_throughput") for r in results], ss, "s--", label="steady state")
     ax.set_xlabel("output throughput (tok/s)")
     ax.set_ylabel(f"output tokens / J ({_src(results)})")
-    ax.set_title(f"tokens per joule vs throughput ({parameter} sweep; {_src(results)})")
+    ax.set_title(f"tokens per joule vs throughput\n({parameter} sweep; energy {_src(results)})", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
