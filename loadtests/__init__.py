@@ -7,7 +7,8 @@ Public API::
     print(result["output_tokens_per_joule"], result["energy_source"])
 
 Energy comes from the server's ``powersave_gpu_energy_joules_total`` Prometheus counter,
-else local NVML, else it is reported as missing (fields None).
+else local NVML, else it is reported as missing (fields None). Fleets (``base_urls``), load shapes,
+sweeps (``run_sweep``), datasets, the steady-state window and timelines: see ``loadtests/README.md``.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from .config import BenchConfig
 from .errors import ConfigError, DatasetError, LoadTestError, ServerUnreachableError
 from .report import compare_table, format_markdown, format_table, write_result_json
 from .runner import run, run_benchmark
+from .sweep import format_sweep, run_sweep
 
 __all__ = [
     "BenchConfig",
@@ -25,8 +27,10 @@ __all__ = [
     "ServerUnreachableError",
     "compare_table",
     "format_markdown",
+    "format_sweep",
     "format_table",
     "run",
     "run_benchmark",
+    "run_sweep",
     "write_result_json",
 ]
