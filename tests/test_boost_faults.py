@@ -284,8 +284,8 @@ def test_step_racing_a_release_keeps_the_boost():
         ctl.want = False  # what tick() writes ...
         ctl.last_busy = t[0]  # ... while a step lands (on_busy sees want still True: no event)
         ctl._ev.set()
-        time.sleep(0.1)
-        assert ctl.held and h.held and ctl.want and h.switches == 1
+        _wait_for(lambda: ctl.want and not ctl._ev.is_set(), "the loop re-checked the dwell")
+        assert ctl.held and h.held and h.switches == 1
     finally:
         ctl.close()
 
