@@ -191,6 +191,7 @@ def test_relay_carries_a_remote_workers_figures_to_the_driver_node(ray_cluster, 
         assert lines == [{"i": i} for i in range(50)]  # every line, in the order sent
         assert json.loads((stats / "rank1.json").read_text()) == {"rank": 1, "steps": 49}  # the last snapshot wins
     finally:
+        ray_relay._OWNED.clear()  # handles of this session's relay: meaningless after shutdown
         ray.shutdown()
 
 
