@@ -367,7 +367,8 @@ class WorkerRuntime:
         now = time.monotonic()
         if self.meter is None:
             return {"power_w": None, "sm_clock_mhz": None}
-        if self._gauge_cache is None or now - self._gauge_t >= self.settings.energy.gauge_period_s:
+        # The simulated meter's readings cost nothing: always current. NVML's cost milliseconds.
+        if self._gauge_cache is None or self.meter.source == "simulated" or now - self._gauge_t >= self.settings.energy.gauge_period_s:
             self._gauge_cache = {"power_w": self.meter.power_w(), "sm_clock_mhz": self.meter.sm_clock_mhz(), **self.meter.extra()}
             self._gauge_t = now
         return self._gauge_cache
