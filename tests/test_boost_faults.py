@@ -299,3 +299,24 @@ def test_bad_release_after_values_are_one_line_errors(value, needle):
         load_settings({"cuda_perf_boost": "auto", "boost_release_after_s": value}, env={})
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith("powersave setting 'boost_release_after_s' = ") and needle in msg
+
+
+def test_close_while_a_helper_is_being_started_leaves_no_helper_behind():
+    """close() does not wait for set()'s lock: a helper started just after it must be ended, not
+    left holding the boost until the worker exits."""
+    started = []
+
+    class RacingHolder(ScriptHolder):
+        def _start(self):
+            p = super()._start()
+            started.append(p)
+            t = threading.Thread(target=self.close)  # shutdown lands while the helper starts
+            t.start()
+            t.join()
+            return p
+
+    h = RacingHolder(ECHO)
+    with pytest.raises(BoostUnavailable, match="closed"):
+        h.set(True)
+    started[0].wait(timeout=10)
+    assert started[0].returncode is not None and not h.held and h._proc is None

@@ -94,6 +94,9 @@ class BoostHolder:
                 proc = self._proc  # close() may clear the attribute from another thread meanwhile
                 if proc is None or proc.poll() is not None:
                     proc = self._proc = self._start()
+                    if self._closed:  # close() ran meanwhile (it does not wait for this lock)
+                        self.close()
+                        raise BoostUnavailable("closed")
                 assert proc.stdin is not None and proc.stdout is not None
                 proc.stdin.write("1\n" if hold else "0\n")
                 proc.stdin.flush()
