@@ -48,8 +48,10 @@ def test_legacy_ray_executor_copies_our_settings_to_workers(monkeypatch):
     from vllm.ray.ray_env import get_env_vars_to_copy
 
     for k in list(os.environ):
-        if k.startswith("POWERSAVE_") or k in (vllm_compat.RAY_EXTRA_PREFIXES_ENV, vllm_compat.RAY_EXTRA_VARS_ENV):
+        if k.startswith("POWERSAVE_"):
             monkeypatch.delenv(k)
+    monkeypatch.setenv(vllm_compat.RAY_EXTRA_PREFIXES_ENV, "")  # restored (or removed) afterwards
+    monkeypatch.setenv(vllm_compat.RAY_EXTRA_VARS_ENV, "")
     monkeypatch.setenv("POWERSAVE_SETTINGS_JSON", "{}")
     monkeypatch.setenv("POWERSAVE_ENABLED", "1")
     monkeypatch.setenv("CUDA_DISABLE_PERF_BOOST", "1")
@@ -113,8 +115,10 @@ def ray_cluster():
     common = ["--block", "--num-cpus", "1", "--num-gpus", "1", "--object-store-memory", str(100 * 1024 * 1024)]
     procs = []
     try:
-        for i, extra in enumerate((["--head", "--port", str(port), "--include-dashboard=false", "--disable-usage-stats", "--temp-dir", str(tmp)],
-                                   ["--address", f"127.0.0.1:{port}"])):
+        # Free ports where Ray would otherwise take fixed defaults (client server 10001, agent 52365).
+        for i, extra in enumerate((["--head", "--port", str(port), "--ray-client-server-port", str(free_port()), "--include-dashboard=false",
+                                    "--disable-usage-stats", "--temp-dir", str(tmp), "--dashboard-agent-listen-port", str(free_port())],
+                                   ["--address", f"127.0.0.1:{port}", "--dashboard-agent-listen-port", str(free_port())])):
             log = tmp / f"node{i}.log"
             with open(log, "wb") as f:
                 p = subprocess.Popen([str(RAY_BIN), "start", *extra, *common], stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
