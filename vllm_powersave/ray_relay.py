@@ -146,8 +146,8 @@ def ensure_relay(stats_dir: str | os.PathLike[str]) -> bool:
         # every handle to it (Ray's reference counting); this one must live as long as the engine.
         _OWNED[relay_name(stats_dir)] = actor.remote(str(stats_dir))
         # Ray registers actor names asynchronously: wait until the workers' look-up (on their
-        # first step, right after this request is scheduled) can find it. Milliseconds; the actor
-        # process itself may start later, calls queue until it does.
+        # first step, right after this request is scheduled) can find it: 0.7 s on the 2-core test
+        # machine, once per engine. The actor process may start later; calls queue until it does.
         deadline = time.monotonic() + REGISTER_TIMEOUT_S
         while True:
             try:
