@@ -205,3 +205,54 @@ def test_group_switch_waits_for_the_gpu_to_reach_the_group():
         time.sleep(0.01)
     assert list(backend.calls) == [("set", 900, None)]
     ctl.close()
+
+
+def test_ranks_agree_across_idle_gaps_seen_differently_by_their_own_timers(monkeypatch, tmp_path):
+    """Rank 0's own timer sees every gap as idle (its publisher moves it to the idle preset), rank
+    1's sees none: the next step reconciles both from the scheduler stamps, so every step's
+    decision is the same on both ranks, for short gaps (back to the pre-idle state) and long ones
+    (both continue from idle)."""
+    import random
+    from types import SimpleNamespace
+
+    from vllm_powersave import runtime as rt_mod
+    from vllm_powersave import vllm_compat
+    from vllm_powersave.settings import PowersaveSettings
+
+    monkeypatch.setattr(vllm_compat, "runner_identity", lambda r: {"rank": r.rank, "device_type": "cpu", "device_index": None})
+    settings = PowersaveSettings.model_validate({
+        "energy": {"meter": "off", "idle_after_s": 0.25},
+        "clocks": {"backend": "dry-run", "min_dwell_ms": 1500, "presets": {"decode": {"sm_clock_mhz": 1200}, "idle": {"sm_clock_mhz": 345}}}})
+    ranks = [rt_mod.WorkerRuntime(SimpleNamespace(rank=r, scheduler_config=SimpleNamespace(max_num_seqs=8, async_scheduling=False)), settings)
+             for r in (0, 1)]
+    rng = random.Random(7)
+    t, streams = 0.0, [[], []]
+    try:
+        for burst in range(40):
+            gap = rng.choice([0.01, 0.02, 0.4, 0.7, 3.0])  # no idle, short idle on one timer, long idle
+            t += gap
+            for r, rt in enumerate(ranks):
+                if r == 0 and gap >= 0.25:  # only rank 0's publisher noticed (twice: dwell passes)
+                    rt.clocks.idle_begin(t - gap + 0.26)
+                    rt.clocks.idle_begin(t - gap + 0.26 + 1.6)
+            resume = rng.random() < 0.5  # a slow step or client: decode continues after the gap
+            for i in range(rng.randint(3, 60)):
+                phase = "prefill" if i == 0 and not resume else "decode"
+                reqs = {"a": 300} if phase == "prefill" else {"a": 1, "b": 1}
+                out = SimpleNamespace(
+                    scheduled_new_reqs=[SimpleNamespace(req_id="a", num_computed_tokens=0)] if phase == "prefill" else [],
+                    scheduled_cached_reqs=SimpleNamespace(req_ids=[] if phase == "prefill" else ["a", "b"], num_computed_tokens=[10, 10],
+                                                          num_output_tokens=[1, 1]),
+                    num_scheduled_tokens=reqs, total_num_scheduled_tokens=sum(reqs.values()),
+                    scheduled_spec_decode_tokens={}, finished_req_ids=set())
+                setattr(out, vllm_compat.LOOKAHEAD_ATTR, (t, 0, 0))
+                for r, rt in enumerate(ranks):
+                    rt.on_step_start(out)
+                    streams[r].append(rt.clocks.target_sm_clock_mhz)
+                    rt.on_step_end()
+                t += 0.01
+    finally:
+        for rt in ranks:
+            rt.close()
+    assert len(streams[0]) > 200 and streams[0] == streams[1]
+    assert {345, 1200} <= set(streams[0]) or {None, 1200} <= set(streams[0])

@@ -196,6 +196,11 @@ class WorkerRuntime:
         self.clocks = ClockController(self._backend(settings, nvml, handle), settings.clocks, gpu_id=gpu_id,
                                       asynchronous=settings.clocks.backend in ("nvml", "zeusd"),
                                       host_ahead_steps=1 if vllm_compat.async_scheduling(runner) else 0)
+        self._last_stamp: float | None = None
+        # A gap between two scheduler stamps this long means the engine idled (a step itself is
+        # never this long in practice); between idle_after_s and this, ranks fall back to their
+        # pre-idle state. Either way every rank ends in the same decision state.
+        self._idle_stamp_gap_s = max(1.0, 4 * settings.energy.idle_after_s)
         self._gauge_cache: dict[str, Any] | None = None
         self._gauge_t = 0.0
         self._last_tick = 0.0
@@ -306,6 +311,15 @@ class WorkerRuntime:
         la = vllm_compat.step_lookahead(scheduler_output)
         now = la[0] if la is not None else self._last_step_s
         waiting = la[2] if la is not None and self.settings.clocks.lookahead else 0
+        # Engine-wide idle verdict from the scheduler's stamps (identical on every rank); a rank
+        # whose own timer went idle meanwhile is reconciled with it before the step decides.
+        if la is not None:
+            gap_idle = self._last_stamp is not None and now - self._last_stamp >= self._idle_stamp_gap_s
+            if gap_idle or self.clocks.idling:
+                self.clocks.idle_end(gap_idle, now)
+            self._last_stamp = now
+        elif self.clocks.idling:
+            self.clocks.idle_end(True, now)
         self.clocks.step_begun()
         self.clocks.on_phase(self.regime.phase(info, now, waiting), now)
         if self.boost is not None:
@@ -481,7 +495,7 @@ class WorkerRuntime:
                 if self.boost is not None:
                     self.boost.tick()
                 if time.monotonic() - self._last_step_s >= self.settings.energy.idle_after_s:
-                    self.clocks.on_phase("idle")
+                    self.clocks.idle_begin()
                 self.publish()
                 last_flush = time.monotonic()
             except Exception as exc:

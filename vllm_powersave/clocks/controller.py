@@ -252,6 +252,8 @@ class ClockController:
         self._down_since: float | None = None
         self._down_steps = 0
         self._down_target: ClockPreset | None = None
+        self._pre_idle: tuple | None = None  # decision state saved by idle_begin()
+        self._arrival_raised = False
         # Bounded: a server runs for weeks; the count is kept separately.
         self.decisions: deque[ClockChange] = deque(maxlen=4096)
         self.n_changes = 0
@@ -325,6 +327,49 @@ class ClockController:
         if target is not None:
             self._switch(phase, target, now)
 
+    # -- idle, rank-consistently -----------------------------------------------------------------
+    # Idle is seen by each rank's own timer (no step for idle_after_s), so two TP ranks can disagree
+    # on whether a short gap was idle. The decision state therefore leaves idle only through
+    # idle_end(), called by the next step with the engine-wide verdict (from the scheduler's
+    # stamps, identical on all ranks): either every rank is put in the same post-idle state, or a
+    # rank that idled on its own timer is put back where it was. Step decisions stay identical.
+    def idle_begin(self, now: float | None = None) -> None:
+        """No step for ``idle_after_s`` on this rank's timer: move towards the idle preset."""
+        if self._pre_idle is None:
+            self._pre_idle = (self.current, self._down_since, self._down_target, self._down_steps, self.phase)
+        self.on_phase("idle", now)
+
+    def idle_end(self, engine_idled: bool, now: float | None = None) -> None:
+        """Before the first step after a gap: make the decision state rank-independent.
+
+        ``engine_idled``: the engine-wide verdict (same on every rank). True: every rank continues
+        from the idle preset reached (applied now where this rank had not reached it). False: a rank
+        whose own timer started idling returns to its pre-idle state (and clock).
+        """
+        saved, self._pre_idle = self._pre_idle, None
+        arrival, self._arrival_raised = self._arrival_raised, False
+        if self.disabled_reason is not None or self._closed:
+            return
+        if arrival and not engine_idled:
+            return  # raised on arrival: keep it; the step decides from here
+        if engine_idled:
+            idle = self._all_targets.get("idle") or ClockPreset()
+            # A look-ahead raise on arrival stays (arrivals reach only single-process engines,
+            # where there is no other rank to agree with).
+            if self.current != idle and not self._arrival_raised:
+                self._switch("idle", idle, now)
+            self._down_since, self._down_target, self._down_steps, self.phase = None, None, 0, "idle"
+        elif saved is not None:
+            current, since, target, steps, phase = saved
+            if self.current != current:
+                self._switch(phase or "decode", current, now)
+            self._down_since, self._down_target, self._down_steps, self.phase = since, target, steps, phase
+
+    @property
+    def idling(self) -> bool:
+        """Whether idle_begin() ran since the last idle_end()."""
+        return self._pre_idle is not None
+
     def on_arrival(self, now: float | None = None) -> None:
         """A request arrived (look-ahead): an idle-clocked GPU ramps up before the first step.
 
@@ -338,6 +383,7 @@ class ClockController:
         target = self._all_targets["prefill"]
         if _rank(target) > _rank(self.current):
             self._down_since = None
+            self._arrival_raised = True
             self._switch("arrival", target, now)
 
     def has_group(self, group: str) -> bool:
