@@ -159,6 +159,20 @@ SUMMARY_KEYS = ("completed", "failed", "duration", "total_input_tokens", "total_
                 "total_tokens_per_joule", "energy_source", "energy_window_s")
 
 
+def session_processes(server_pid: int) -> list[tuple[int, str, Path]]:
+    """``(pid, comm, /proc/<pid>)`` of every process in the server's session (API server, EngineCore, workers)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            if os.getsid(int(d.name)) == server_pid:
+                out.append((int(d.name), (d / "comm").read_text().strip(), d))
+        except OSError:
+            continue
+    return out
+
+
 def compare_decision_streams(traces: dict[str, list[dict]]) -> dict:
     """Per-step (phase, tokens, clock target) of every rank against rank 0's, step by step."""
     keys = ("phase", "prefill", "decode", "reqs", "sm_target")

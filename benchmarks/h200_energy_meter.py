@@ -143,19 +143,16 @@ def part_a(handle, sampler: FastSampler, windows: list[tuple[float, int]], resul
             save()
 
 
-def part_b(handle, result: dict, save, pairs: int, window: float) -> None:
+def metering_ab(handle, step, pairs: int, window: float, key: str, result: dict, save) -> list[dict]:
+    """Alternating windows of ``step`` without / with the plugin's metering as it runs in a server
+    (a thread ticking ``PhaseEnergyAccount`` and reading counter, power, SM clock and the extras
+    every 0.25 s, plus ``on_step`` / ``on_step_end`` around every step); order alternates per pair."""
     from vllm_powersave.energy.account import PhaseEnergyAccount
     from vllm_powersave.energy.meters import NvmlEnergyMeter
 
-    log("part b: metering overhead, pairs", pairs)
-    loop = DecodeLike()
-    for _ in range(200):
-        loop.step()
-
     def run(with_meter: bool) -> float:
         stop = threading.Event()
-        acct = None
-        th = None
+        acct = th = None
         if with_meter:
             meter = NvmlEnergyMeter(N, handle, "bench")
             acct = PhaseEnergyAccount(meter, idle_after_s=0.25)
@@ -168,12 +165,13 @@ def part_b(handle, result: dict, save, pairs: int, window: float) -> None:
                     meter.extra()
             th = threading.Thread(target=tick, daemon=True)
             th.start()
-        end, it = time.monotonic() + window, 0
+        it = 0
         t0 = time.monotonic()
+        end = t0 + window
         while time.monotonic() < end:
             if acct is not None:
                 acct.on_step("decode", 0, 64)
-            loop.step()
+            step()
             if acct is not None:
                 acct.on_step_end()
             it += 1
@@ -183,14 +181,23 @@ def part_b(handle, result: dict, save, pairs: int, window: float) -> None:
             th.join()
         return rate
 
+    rows = result.setdefault(key, [])
     for p in range(pairs):
         order = (False, True) if p % 2 == 0 else (True, False)
         rates = {m: run(m) for m in order}
         ratio = rates[True] / rates[False]
-        result["b_pairs"].append({"pair": p, "steps_per_s_without": rates[False], "steps_per_s_with": rates[True], "ratio": ratio})
-        log(f"  pair {p}: without {rates[False]:.1f}/s, with {rates[True]:.1f}/s, ratio {ratio:.4f}")
+        rows.append({"pair": p, "steps_per_s_without": rates[False], "steps_per_s_with": rates[True], "ratio": ratio})
+        log(f"  pair {p}: without {rates[False]:.2f}/s, with {rates[True]:.2f}/s, ratio {ratio:.5f}")
         save()
-    ratios = [x["ratio"] for x in result["b_pairs"]]
+    return rows
+
+
+def part_b(handle, result: dict, save, pairs: int, window: float) -> None:
+    log("part b: metering overhead on a launch-bound loop, pairs", pairs)
+    loop = DecodeLike()
+    for _ in range(200):
+        loop.step()
+    ratios = [x["ratio"] for x in metering_ab(handle, loop.step, pairs, window, "b_pairs", result, save)]
     result["meter_overhead_ratio"] = statistics.median(ratios)
     result["meter_overhead_ratio_spread"] = [min(ratios), max(ratios)]
 
@@ -227,59 +234,17 @@ class GraphStep:
 
 
 def part_b_graph(handle, result: dict, save, pairs: int, window: float) -> None:
-    """Like part b, on a GPU-bound CUDA-graph step, with more pairs (what a server's step looks like)."""
-    from vllm_powersave.energy.account import PhaseEnergyAccount
-    from vllm_powersave.energy.meters import NvmlEnergyMeter
-
+    """Like part b, on a GPU-bound CUDA-graph step (what a server's step looks like)."""
     log("part b (graph): metering overhead on a GPU-bound step, pairs", pairs)
     loop = GraphStep()
     end = time.monotonic() + 3.0
     while time.monotonic() < end:
         loop.step()
-
-    def run(with_meter: bool) -> float:
-        stop = threading.Event()
-        acct = th = None
-        if with_meter:
-            meter = NvmlEnergyMeter(N, handle, "bench")
-            acct = PhaseEnergyAccount(meter, idle_after_s=0.25)
-
-            def tick() -> None:
-                while not stop.wait(0.25):
-                    acct.tick()
-                    meter.power_w()
-                    meter.sm_clock_mhz()
-                    meter.extra()
-            th = threading.Thread(target=tick, daemon=True)
-            th.start()
-        it = 0
-        t0 = time.monotonic()
-        end = t0 + window
-        while time.monotonic() < end:
-            if acct is not None:
-                acct.on_step("decode", 0, 64)
-            loop.step()
-            if acct is not None:
-                acct.on_step_end()
-            it += 1
-        rate = it / (time.monotonic() - t0)
-        stop.set()
-        if th is not None:
-            th.join()
-        return rate
-
-    result["b_graph_pairs"] = []
-    for p in range(pairs):
-        order = (False, True) if p % 2 == 0 else (True, False)
-        rates = {m: run(m) for m in order}
-        ratio = rates[True] / rates[False]
-        result["b_graph_pairs"].append({"pair": p, "steps_per_s_without": rates[False], "steps_per_s_with": rates[True], "ratio": ratio})
-        log(f"  pair {p}: without {rates[False]:.2f}/s, with {rates[True]:.2f}/s, ratio {ratio:.5f}")
-        save()
-    ratios = [x["ratio"] for x in result["b_graph_pairs"]]
+    rows = metering_ab(handle, loop.step, pairs, window, "b_graph_pairs", result, save)
+    ratios = [x["ratio"] for x in rows]
     result["meter_overhead_ratio_graph"] = statistics.median(ratios)
     result["meter_overhead_ratio_graph_spread"] = [min(ratios), max(ratios)]
-    result["graph_step_ms"] = 1000 / statistics.median(x["steps_per_s_without"] for x in result["b_graph_pairs"])
+    result["graph_step_ms"] = 1000 / statistics.median(x["steps_per_s_without"] for x in rows)
 
 
 def part_c(handle, sampler: FastSampler, result: dict, save) -> None:

@@ -27,14 +27,7 @@ import h200_ab as ab  # noqa: E402
 
 
 def engine_core_pid(server_pid: int) -> int | None:
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                if os.getsid(int(d.name)) == server_pid and "EngineCor" in (d / "comm").read_text():
-                    return int(d.name)
-            except OSError:
-                continue
-    return None
+    return next((pid for pid, comm, _ in ab.session_processes(server_pid) if "EngineCor" in comm), None)
 
 
 def gil_profile(pyspy: str, pid: int, seconds: float, out: Path) -> dict:

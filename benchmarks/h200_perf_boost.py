@@ -42,18 +42,13 @@ SUMMARY_KEYS = (*ab.SUMMARY_KEYS, "request_goodput", "p50_ttft_ms", "p50_tpot_ms
 def engine_env_flags(server_pid: int) -> dict:
     """CUDA_DISABLE_PERF_BOOST in every process of the server's session (api server, engine core)."""
     out = {}
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
+    for pid, comm, d in ab.session_processes(server_pid):
         try:
-            if os.getsid(int(d.name)) != server_pid:
-                continue
             env = (d / "environ").read_bytes().split(b"\0")
             cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:80]
-            comm = (d / "comm").read_text().strip()
-        except (OSError, ProcessLookupError):
+        except OSError:
             continue
-        out[f"{d.name}:{comm}"] = {"cmd": cmd, "CUDA_DISABLE_PERF_BOOST": next(
+        out[f"{pid}:{comm}"] = {"cmd": cmd, "CUDA_DISABLE_PERF_BOOST": next(
             (e.split(b"=", 1)[1].decode() for e in env if e.startswith(b"CUDA_DISABLE_PERF_BOOST=")), None)}
     return out
 
