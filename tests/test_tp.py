@@ -21,7 +21,7 @@ def test_tp2_ranks_agree_and_engine_energy_is_their_sum(tmp_path):
 
     model = make_model(tmp_path / "tiny", "qwen2-tiny")
     stats = tmp_path / "stats"
-    cfg = {"powersave": {"trace_steps": True, "stats_dir": str(stats),
+    cfg = {"powersave": {"trace_steps": True, "stats_dir": str(stats), "cuda_perf_boost": "off",
                          "clocks": {"backend": "simulated", "min_dwell_ms": 30,
                                     "presets": {"decode": {"sm_clock_mhz": 1200}, "idle": {"sm_clock_mhz": 345}}},
                          "energy": {"meter": "simulated"}}}
@@ -52,6 +52,8 @@ def test_tp2_ranks_agree_and_engine_energy_is_their_sum(tmp_path):
         if line.startswith("powersave_engine_energy_joules_total{"):
             engine[line.split(" ")[0]] = float(line.rsplit(" ", 1)[1])
     assert {k.split('gpu="')[1].split('"')[0] for k in per_gpu} == {"sim0", "sim1"}
+    # cuda_perf_boost "off" reached every TP worker (inherited from the API server before they started).
+    assert [json.loads((stats / f"rank{r}.json").read_text())["cuda_perf_boost"] for r in (0, 1)] == ["off", "off"]
     for phase in ("prefill", "decode"):
         ranks = sum(v for k, v in per_gpu.items() if f'phase="{phase}"' in k)
         assert engine[f'powersave_engine_energy_joules_total{{phase="{phase}",source="simulated"}}'] == pytest.approx(ranks)
