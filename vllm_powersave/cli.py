@@ -12,6 +12,17 @@ from typing import Any
 PRESET_DIR = Path(__file__).parent / "presets"
 
 
+
+def _suspect_runs(results: dict[str, dict]) -> dict[str, float]:
+    """Runs whose output throughput is below half the median of all runs (e.g. a busy 2-core CPU)."""
+    import statistics
+
+    tput = {k: r.get("output_throughput") for k, r in results.items() if r.get("output_throughput")}
+    if len(tput) < 3:
+        return {}
+    med = statistics.median(tput.values())
+    return {k: v / med for k, v in tput.items() if v < 0.5 * med}
+
 def _cmd_make_model(ns: argparse.Namespace) -> int:
     from .modelgen import make_model
 
@@ -147,6 +158,10 @@ def _cmd_compare(ns: argparse.Namespace) -> int:
         md += ("\n## Per run\n\nThroughput and latency measured on this machine. Energy is simulated and follows how the "
                "engine happened to batch in each run, which on a 2-core CPU varies a lot: use the section above for the presets' effect.\n")
     md += "\n" + table + "\n"
+    suspect = _suspect_runs(results)
+    if suspect:
+        md += "\n" + "".join(f"- **{k}**: output throughput {v:.2f}x the median of all runs: the machine was likely busy "
+                              "with something else; treat this run's figures as unreliable and repeat it.\n" for k, v in suspect.items())
     (out_dir / "comparison.md").write_text(md)
     (out_dir / "comparison.json").write_text(json.dumps({"model": str(model), "gpu": gpu, "results": results,
                                                          "simulated_same_steps": counterfactual}, indent=2))
