@@ -403,3 +403,36 @@ def test_steady_state_and_sliding_window():
     acc.tick()
     w = acc.window()
     assert w["seconds"] == pytest.approx(2.5) and w["energy_j"] == pytest.approx(400.0) and w["decode_tokens"] == 4
+
+
+def test_data_parallel_engines_are_labelled_and_their_tokens_summed(tmp_path):
+    """Two DP engines x TP=2: energy adds over all four GPUs; tokens are the max within an engine
+    (same steps on its ranks) and the sum across engines (different steps)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    for rank, engine, tokens, joules in ((0, 0, 100, 10.0), (1, 0, 100, 10.0), (2, 1, 50, 5.0), (3, 1, 50, 5.0)):
+        (tmp_path / f"rank{rank}.json").write_text(json.dumps({
+            "gpu": f"GPU-{rank}", "rank": rank, "engine": engine, "source": "simulated", "clock_backend": "dry-run",
+            "energy_j": {"prefill": 0.0, "decode": joules, "mixed": 0.0, "idle": 0.0},
+            "steps": {"decode": tokens}, "tokens": {"prefill": 0, "decode": tokens}}))
+    reg = CollectorRegistry()
+    reg.register(PowersaveCollector(tmp_path, "0.1.0"))
+    text = generate_latest(reg).decode()
+    assert 'powersave_gpu_info{engine="1",gpu="GPU-3",rank="3"} 1.0' in text
+    assert 'powersave_gpu_info{engine="0",gpu="GPU-1",rank="1"} 1.0' in text
+    assert 'powersave_engine_energy_joules_total{phase="decode",source="simulated"} 30.0' in text
+    assert 'powersave_tokens_per_joule{kind="decode",source="simulated",window="run"} 5.0' in text  # (100 + 50) / 30
+
+
+def test_data_parallel_workers_get_server_wide_ranks():
+    from types import SimpleNamespace
+
+    from vllm_powersave import vllm_compat
+
+    def runner(dp_rank):
+        return SimpleNamespace(device=None, vllm_config=SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_rank=dp_rank, world_size=2)))
+
+    # Outside a distributed run the world-group rank is 0: engine 1's first worker is rank 2.
+    assert {k: vllm_compat.runner_identity(runner(1))[k] for k in ("rank", "dp_rank", "global_rank")} == {"rank": 0, "dp_rank": 1, "global_rank": 2}
+    assert vllm_compat.runner_identity(runner(0))["global_rank"] == 0
+    assert vllm_compat.runner_identity(SimpleNamespace(device=None))["global_rank"] == 0  # no vllm_config: as before

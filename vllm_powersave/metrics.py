@@ -202,10 +202,15 @@ class PowersaveCollector(Collector):
             gpu = s.get("gpu") if isinstance(s, dict) else None
             method = s.get("energy_method") if isinstance(s, dict) else None
             available.add_metric([gpu if isinstance(gpu, str) else path.stem, method if isinstance(method, str) else "unknown"], 0.0)
-        eng: dict[str, dict[str, float]] = {"window": {}, "steady": {}, "run": {}}
+        # Per data-parallel engine: tokens are the same steps on every rank of one engine (max),
+        # different steps on different engines (sum).
+        eng: dict[str, dict[int, dict[str, float]]] = {"window": {}, "steady": {}, "run": {}}
+        gpu_info = GaugeMetricFamily("powersave_gpu_info", "Which data-parallel engine and worker rank each GPU belongs to", labels=["gpu", "engine", "rank"])
         window_label = ""
         for s in snaps:
             gpu, src, be = str(s.get("gpu", s.get("rank", "?"))), str(s.get("source", "none")), str(s.get("clock_backend", "?"))
+            e_id = s.get("engine", 0) if isinstance(s.get("engine", 0), int) else 0
+            gpu_info.add_metric([gpu, str(e_id), str(s.get("rank", "?"))], 1.0)
             method = str(s.get("energy_method", "energy-counter" if src == "measured" else "model"))
             sources.add(src)
             backends.add(be)
@@ -221,11 +226,11 @@ class PowersaveCollector(Collector):
                     energy.add_metric([gpu, phase, src, method], float(j))
                     engine_sum[(phase, src)] = engine_sum.get((phase, src), 0.0) + float(j)
                 tok = s.get("tokens") or {}
-                _engine_add(eng["run"], sum((s.get("energy_j") or {}).values()), tok.get("prefill", 0), tok.get("decode", 0))
+                _engine_add(eng["run"].setdefault(e_id, {}), sum((s.get("energy_j") or {}).values()), tok.get("prefill", 0), tok.get("decode", 0))
                 w = s.get("window") or {}
                 if w.get("seconds"):
                     window_label = f"{float(w.get('window_s', 0)):g}s"
-                    _engine_add(eng["window"], w.get("energy_j", 0.0), w.get("prefill_tokens", 0), w.get("decode_tokens", 0))
+                    _engine_add(eng["window"].setdefault(e_id, {}), w.get("energy_j", 0.0), w.get("prefill_tokens", 0), w.get("decode_tokens", 0))
                 st = s.get("steady") or {}
                 if st.get("seconds"):
                     st_tok = st.get("tokens") or {}
@@ -233,7 +238,7 @@ class PowersaveCollector(Collector):
                     steady_s.add_metric([gpu], float(st["seconds"]))
                     for kind, n in st_tok.items():
                         steady_t.add_metric([gpu, kind], float(n))
-                    _engine_add(eng["steady"], st.get("energy_j", 0.0), st_tok.get("prefill", 0), st_tok.get("decode", 0))
+                    _engine_add(eng["steady"].setdefault(e_id, {}), st.get("energy_j", 0.0), st_tok.get("prefill", 0), st_tok.get("decode", 0))
             for phase, n in (s.get("steps") or {}).items():
                 if phase != "idle":  # idle is time without steps, not a kind of step
                     steps.add_metric([gpu, phase], float(n))
@@ -262,7 +267,8 @@ class PowersaveCollector(Collector):
         if all_available:  # engine-level figures only when every GPU's energy is known
             for (phase, src), j in sorted(engine_sum.items()):
                 engine.add_metric([phase, src], j)
-            for name, e in eng.items():
+            for name, per_engine in eng.items():
+                e = {k: sum(x.get(k, 0.0) for x in per_engine.values()) for k in ("energy_j", "prefill", "decode")}
                 if name == "window" and not window_label:
                     continue
                 if e.get("energy_j", 0.0) > 0:
@@ -274,7 +280,7 @@ class PowersaveCollector(Collector):
         info.add_metric([self.version, ",".join(sorted(sources)) or "pending", ",".join(sorted(backends)) or "pending",
                          ",".join(sorted(boost)) or "pending"], 1.0)
         return [energy, engine, steps, tokens, power, clock, temp, mem_clock, reasons, target, changes, chunks, req_e, req_n, simulated, info,
-                available, resets, wraps, faults, tpj, tpj_energy, steady_e, steady_s, steady_t, boost_held, boost_sw]
+                available, resets, wraps, faults, tpj, tpj_energy, steady_e, steady_s, steady_t, boost_held, boost_sw, gpu_info]
 
 
 def _engine_add(acc: dict[str, float], energy_j: float, prefill: float, decode: float) -> None:

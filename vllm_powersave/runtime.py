@@ -145,7 +145,8 @@ class WorkerRuntime:
     def __init__(self, runner: Any, settings: PowersaveSettings) -> None:
         self.settings = settings
         ident = vllm_compat.runner_identity(runner)
-        self.rank = int(ident["rank"])
+        self.rank = int(ident.get("global_rank", ident["rank"]))  # unique across data-parallel engines
+        self.engine = int(ident.get("dp_rank", 0))
         self.device_index = int(ident["device_index"] or 0)
         on_gpu = ident["device_type"] == "cuda"
         self.sim: SimulatedGpu | None = None
@@ -393,6 +394,7 @@ class WorkerRuntime:
         return {
             "pid": os.getpid(),
             "rank": self.rank,
+            "engine": self.engine,
             "gpu": self.gpu_id,
             "t": time.time(),
             "source": self.meter.source if self.meter else "none",

@@ -426,6 +426,17 @@ def runner_identity(runner: Any) -> dict[str, Any]:
         info["rank"] = int(parallel_state.get_world_group().rank)
     except Exception:
         pass
+    # Data parallelism: each DP engine numbers its TP x PP workers from 0, so two engines of one
+    # server would publish the same rank<N>.json. Their workers get a server-wide index instead.
+    info["dp_rank"], info["global_rank"] = 0, info["rank"]
+    try:
+        pc = runner.vllm_config.parallel_config
+        dp_rank, world = int(getattr(pc, "data_parallel_rank", 0) or 0), int(getattr(pc, "world_size", 1) or 1)
+        info["dp_rank"] = dp_rank
+        if dp_rank > 0 and info["rank"] < world:  # the world group does not already span the DP ranks
+            info["global_rank"] = dp_rank * world + info["rank"]
+    except Exception:
+        pass
     return info
 
 
