@@ -250,3 +250,17 @@ def test_wait_is_cooperative(tmp_path):
         return ticks
 
     assert asyncio.run(main()) == 10
+
+
+def test_data_parallel_request_is_complete_when_its_engine_reported(tmp_path):
+    """With two DP engines (TP=2 each) a request runs on one engine: its two ranks complete it."""
+    for rank, engine in ((0, 0), (1, 0), (2, 1), (3, 1)):
+        (tmp_path / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "engine": engine}))
+    idx = RequestEnergyIndex(tmp_path)
+    write_lines(tmp_path, 2, [{"request_id": "cmpl-dp-0-1a2b3c4d", "energy_j": 1.0}])
+    idx.refresh()
+    assert idx.lookup("cmpl-dp")["status"] == "partial"  # rank 3 of engine 1 missing
+    write_lines(tmp_path, 3, [{"request_id": "cmpl-dp-0-1a2b3c4d", "energy_j": 0.5}])
+    idx.refresh()
+    res = idx.lookup("cmpl-dp")
+    assert res["status"] == "complete" and res["energy_j"] == pytest.approx(1.5)  # engine 0's ranks not awaited

@@ -33,8 +33,8 @@ Id matching: vLLM runs a response as one or more internal requests named
 the 8 hex characters are vLLM's uniqueness suffix). A line is filed under every prefix form of
 its id, so the route and the header find all parts of a response. Two client-chosen
 ``X-Request-Id`` values that differ only by such a suffix (``a`` and ``a-1``) would share figures.
-Completeness counts the ranks that publish a snapshot in ``stats_dir`` (one engine; with data
-parallelism several engines publish there and figures stay ``partial``); snapshots left by dead
+Completeness counts the ranks that publish a snapshot in ``stats_dir``; with data parallelism,
+only the ranks of the engine that served the request (snapshot ``engine``); snapshots left by dead
 writers (a reused ``stats_dir``) are not counted (``metrics.snapshot_is_stale``).
 
 Robustness: the route only looks ids up in memory (an id is never a path; nothing outside
@@ -114,6 +114,10 @@ class RequestEnergyIndex:
         self._records: OrderedDict[str, dict[int, dict[str, Any]]] = OrderedDict()
         self._keys: dict[str, set[str]] = {}
         self._ranks = 0
+        # Data parallelism: live ranks per DP engine, and each rank's engine (from the snapshots).
+        self._engine_ranks: dict[int, int] = {}
+        self._rank_engine: dict[int, int] = {}
+        self._unknown_ranks = 0
         self._last_refresh = -1.0
 
     def refresh(self, min_interval_s: float = 0.0) -> None:
@@ -156,19 +160,32 @@ class RequestEnergyIndex:
                 self._add_line(raw)
 
     def _live_ranks(self) -> int:
-        """Rank snapshots in ``stats_dir`` not left behind by a dead writer."""
+        """Rank snapshots in ``stats_dir`` not left behind by a dead writer (also per DP engine)."""
         from .metrics import snapshot_is_stale
 
-        n = 0
+        n, unknown = 0, 0
+        per_engine: dict[int, int] = {}
+        rank_engine: dict[int, int] = {}
         now = time.time()
         for p in self.stats_dir.glob("rank*.json"):
             try:
                 fresh = now - p.stat().st_mtime <= 1.0
-                snap = None if fresh else json.loads(p.read_text())
+                snap = json.loads(p.read_text())
+                live = fresh or not snapshot_is_stale(p, snap, now)
             except (OSError, ValueError):
                 n += 1  # unreadable: a rank all the same, its lines may be missing
+                unknown += 1
                 continue
-            n += fresh or not snapshot_is_stale(p, snap, now)
+            if not live:
+                continue
+            n += 1
+            engine, rank = snap.get("engine", 0) if isinstance(snap, dict) else 0, snap.get("rank") if isinstance(snap, dict) else None
+            if isinstance(engine, int) and isinstance(rank, int):
+                per_engine[engine] = per_engine.get(engine, 0) + 1
+                rank_engine[rank] = engine
+            else:
+                unknown += 1
+        self._engine_ranks, self._rank_engine, self._unknown_ranks = per_engine, rank_engine, unknown
         return n
 
     def _add_line(self, raw: bytes) -> None:
@@ -221,9 +238,14 @@ class RequestEnergyIndex:
         unavailable = False
         reported = []
         total = 0.0
+        expect_each = []
         for rid in sorted(ids):
             ranks = self._records.get(rid, {})
             reported.append(len(ranks))
+            # A request runs on one data-parallel engine: only that engine's ranks report it.
+            engines = {self._rank_engine[r] for r in ranks if r in self._rank_engine}
+            expect_each.append(sum(self._engine_ranks.get(e, 0) for e in engines) + self._unknown_ranks
+                               if engines and len(self._engine_ranks) > 1 else None)
             for rec in ranks.values():
                 sources.add(str(rec.get("source", "?")))
                 methods.add(str(rec.get("method", "?")))
@@ -235,7 +257,7 @@ class RequestEnergyIndex:
                 gpus[gpu] = gpus.get(gpu, 0.0) + float(j)
                 total += float(j)
         expected = max(self._ranks, max(reported, default=0), 1)
-        complete = all(n >= expected for n in reported)
+        complete = all(n >= (max(e, 1) if e is not None else expected) for n, e in zip(reported, expect_each))
         status = "unavailable" if unavailable else ("complete" if complete else "partial")
         return {
             "id": response_id,
