@@ -15,7 +15,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -25,25 +24,12 @@ from loadtests.__main__ import main
 from loadtests.client import RequestOutput
 from loadtests.datasets import RequestInput, random_requests
 from loadtests.energy import diff_counters, parse_energy_counters
-from loadtests.fake_server import DECODE_J, PREFILL_J, FakeServer
+from loadtests.fake_server import DECODE_J, PREFILL_J
 from loadtests.metrics import calculate_metrics, percentile, summarize_ms
 from loadtests.runner import arrival_offsets
 
 REPO = Path(__file__).resolve().parents[1]
 
-
-@pytest.fixture
-def server_factory():
-    started: list[FakeServer] = []
-
-    def make(**kw: Any) -> FakeServer:
-        s = FakeServer(**kw).start()
-        started.append(s)
-        return s
-
-    yield make
-    for s in started:
-        s.stop()
 
 
 @pytest.fixture

@@ -38,7 +38,7 @@ from loadtests.datasets import (
     prefix_repetition_requests,
     sample_requests,
 )
-from loadtests.fake_server import DECODE_J, PREFILL_J, FakeServer
+from loadtests.fake_server import DECODE_J, PREFILL_J
 from loadtests.shapes import arrival_offsets, ramp_offsets
 from loadtests.window import steady_state_bounds
 
@@ -46,17 +46,8 @@ MEASURED = {"prefill": "measured", "decode": "measured", "idle": "measured"}
 
 
 @pytest.fixture
-def fake():
-    started: list[FakeServer] = []
-
-    def make(**kw: Any) -> FakeServer:
-        s = FakeServer(**kw).start()
-        started.append(s)
-        return s
-
-    yield make
-    for s in started:
-        s.stop()
+def fake(server_factory):
+    return server_factory  # conftest.py: fake servers started by the test, stopped after it
 
 
 @pytest.fixture(autouse=True)
