@@ -11,9 +11,10 @@ from __future__ import annotations
 import json
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from .errors import DatasetError
 
@@ -93,26 +94,13 @@ def load_jsonl(path: str | Path, default_output_len: int) -> list[RequestInput]:
     """
     p = Path(path)
     where = f"bad dataset file {p}"
-    try:
-        text = p.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise DatasetError(f"{where}: {type(e).__name__}: {e}".replace("\n", " ")) from None
     items: list[RequestInput] = []
-    for lineno, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DatasetError(f"{where}: line {lineno}: invalid JSON ({e.msg})") from None
-        if not isinstance(obj, dict):
-            raise DatasetError(f"{where}: line {lineno}: expected a JSON object")
+    for lineno, obj in _jsonl_objects(p, where):
         prompt = obj.get("prompt")
         if not isinstance(prompt, str) or not prompt:
             raise DatasetError(f"{where}: line {lineno}: 'prompt' must be a non-empty string")
         out_len = obj.get("output_len", default_output_len)
-        # bool is an int subclass; reject it so `true` is not read as 1 token.
-        if not isinstance(out_len, int) or isinstance(out_len, bool) or out_len < 1:
+        if not _pos_int(out_len):
             raise DatasetError(f"{where}: line {lineno}: 'output_len' must be an integer >= 1")
         items.append(RequestInput(prompt=prompt, prompt_len=len(prompt.split()), output_len=out_len))
     if not items:
@@ -145,6 +133,20 @@ def _read_text(p: Path, where: str) -> str:
         return p.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise DatasetError(f"{where}: {type(e).__name__}: {e}".replace("\n", " ")) from None
+
+
+def _jsonl_objects(p: Path, where: str) -> Iterator[tuple[int, dict[str, Any]]]:
+    """``(line number, object)`` for each non-blank line; one-line :class:`DatasetError` otherwise."""
+    for lineno, line in enumerate(_read_text(p, where).splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DatasetError(f"{where}: line {lineno}: invalid JSON ({e.msg})") from None
+        if not isinstance(obj, dict):
+            raise DatasetError(f"{where}: line {lineno}: expected a JSON object")
+        yield lineno, obj
 
 
 def is_valid_sequence(prompt_len: int, output_len: int, *, min_len: int = 4, max_prompt_len: int = 1024,
@@ -230,6 +232,7 @@ def prefix_repetition_requests(n: int, prefix_len: int, suffix_len: int, num_pre
 
 
 def _pos_int(v: object) -> bool:
+    # bool is an int subclass; reject it so `true` is not read as 1 token.
     return isinstance(v, int) and not isinstance(v, bool) and v >= 1
 
 
@@ -246,15 +249,7 @@ def load_trace(path: str | Path, default_output_len: int, *, seed: int = 0,
     p = Path(path)
     where = f"bad trace file {p}"
     rows: list[tuple[float, int, RequestInput]] = []
-    for lineno, line in enumerate(_read_text(p, where).splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DatasetError(f"{where}: line {lineno}: invalid JSON ({e.msg})") from None
-        if not isinstance(obj, dict):
-            raise DatasetError(f"{where}: line {lineno}: expected a JSON object")
+    for lineno, obj in _jsonl_objects(p, where):
         ts = obj.get("timestamp")
         if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts) or ts < 0:
             raise DatasetError(f"{where}: line {lineno}: 'timestamp' must be a number of seconds >= 0, got {ts!r}")
