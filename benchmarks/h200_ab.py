@@ -173,6 +173,22 @@ def session_processes(server_pid: int) -> list[tuple[int, str, Path]]:
     return out
 
 
+def add_bundle_args(ap: argparse.ArgumentParser) -> None:
+    """Where the device scripts find the vLLM bundle, the model shapes and the plugin's wheel."""
+    ap.add_argument("--shapes-dir", default=".gpu-bundle/shapes")
+    ap.add_argument("--tok-dir", default="/tmp/model_cfg")
+    ap.add_argument("--plugin-site", default="/tmp/psite")
+    ap.add_argument("--stock-site", default="/tmp/site")
+
+
+def dry_run_forced() -> bool:
+    """The device scripts' guard: clocks may never be set on the shared GPU (one line if not forced)."""
+    if os.environ.get("POWERSAVE_FORCE_DRY_RUN") == "1":
+        return True
+    print("error: refusing to run: POWERSAVE_FORCE_DRY_RUN=1 must be set on a shared GPU", file=sys.stderr)
+    return False
+
+
 def compare_decision_streams(traces: dict[str, list[dict]]) -> dict:
     """Per-step (phase, tokens, clock target) of every rank against rank 0's, step by step."""
     keys = ("phase", "prefill", "decode", "reqs", "sm_target")
@@ -201,18 +217,14 @@ def main() -> int:
     ap.add_argument("--gpu-mem", type=float, default=0.42)
     ap.add_argument("--serve-arg", action="append", default=[], help="extra vllm serve argument for both servers")
     ap.add_argument("--budget-s", type=float, default=540.0, help="stop starting windows after this (s since start)")
-    ap.add_argument("--shapes-dir", default=".gpu-bundle/shapes")
-    ap.add_argument("--tok-dir", default="/tmp/model_cfg")
-    ap.add_argument("--plugin-site", default="/tmp/psite")
-    ap.add_argument("--stock-site", default="/tmp/site")
+    add_bundle_args(ap)
     ap.add_argument("--gpus", default="0", help="NVML/CUDA indices (PCI bus order) the servers use, e.g. 1 or 0,1")
     ap.add_argument("--out", required=True)
     ns = ap.parse_args()
     gpus = [int(x) for x in ns.gpus.split(",")]
     GPU_ENV.update(CUDA_DEVICE_ORDER="PCI_BUS_ID", CUDA_VISIBLE_DEVICES=ns.gpus)
 
-    if os.environ.get("POWERSAVE_FORCE_DRY_RUN") != "1":
-        print("error: refusing to run: POWERSAVE_FORCE_DRY_RUN=1 must be set on a shared GPU", file=sys.stderr)
+    if not dry_run_forced():
         return 2
     SERVE_EXTRA.extend(a for arg in ns.serve_arg for a in arg.split())
     sys.path[:0] = [ns.plugin_site]

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -65,15 +64,11 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--window", type=float, default=10.0)
     ap.add_argument("--gpu-mem", type=float, default=0.28)
-    ap.add_argument("--shapes-dir", default=".gpu-bundle/shapes")
-    ap.add_argument("--tok-dir", default="/tmp/model_cfg")
-    ap.add_argument("--plugin-site", default="/tmp/psite")
-    ap.add_argument("--stock-site", default="/tmp/site")
+    ab.add_bundle_args(ap)
     ap.add_argument("--budget-s", type=float, default=540)
     ap.add_argument("--out", required=True)
     ns = ap.parse_args()
-    if os.environ.get("POWERSAVE_FORCE_DRY_RUN") != "1":
-        print("error: refusing to run: POWERSAVE_FORCE_DRY_RUN=1 must be set on a shared GPU", file=sys.stderr)
+    if not ab.dry_run_forced():
         return 2
     sys.path[:0] = [ns.plugin_site]
     from loadtests import BenchConfig, run

@@ -94,15 +94,11 @@ def main() -> int:
     ap.add_argument("--slo", default="ttft:200,tpot:20", help="goodput SLO, ms")
     ap.add_argument("--gpu-mem", type=float, default=0.5)
     ap.add_argument("--budget-s", type=float, default=560.0)
-    ap.add_argument("--shapes-dir", default=".gpu-bundle/shapes")
-    ap.add_argument("--tok-dir", default="/tmp/model_cfg")
-    ap.add_argument("--plugin-site", default="/tmp/psite")
-    ap.add_argument("--stock-site", default="/tmp/site")
+    ab.add_bundle_args(ap)
     ap.add_argument("--tag", default="")
     ap.add_argument("--out", required=True)
     ns = ap.parse_args()
-    if os.environ.get("POWERSAVE_FORCE_DRY_RUN") != "1":
-        print("error: refusing to run: POWERSAVE_FORCE_DRY_RUN=1 must be set on a shared GPU", file=sys.stderr)
+    if not ab.dry_run_forced():
         return 2
     sys.path[:0] = [ns.plugin_site]
     from loadtests import BenchConfig, run
