@@ -336,3 +336,26 @@ class FakeNvmlDevices(FakeNvml):
     def nvmlDeviceGetCurrentClocksEventReasons(self, h):
         self._hit("nvmlDeviceGetCurrentClocksEventReasons")
         return 0x4
+
+
+def rank_decisions(stats_dir, ranks=(0, 1)) -> dict[int, list[tuple]]:
+    """Per rank, each traced step's (phase, prefill tokens, decode tokens, SM clock target)."""
+    import json
+
+    out = {}
+    for r in ranks:
+        rows = [json.loads(x) for x in (stats_dir / f"trace-rank{r}.jsonl").read_text().splitlines()]
+        out[r] = [(x["phase"], x["prefill"], x["decode"], x["sm_target"]) for x in rows]
+    return out
+
+
+def energy_series(metrics_text: str) -> tuple[dict[str, float], dict[str, float]]:
+    """``powersave_gpu_energy_joules_total`` and ``powersave_engine_energy_joules_total`` samples
+    of a /metrics page, keyed by the series name with its labels."""
+    per_gpu, engine = {}, {}
+    for line in metrics_text.splitlines():
+        if line.startswith("powersave_gpu_energy_joules_total{"):
+            per_gpu[line.split(" ")[0]] = float(line.rsplit(" ", 1)[1])
+        if line.startswith("powersave_engine_energy_joules_total{"):
+            engine[line.split(" ")[0]] = float(line.rsplit(" ", 1)[1])
+    return per_gpu, engine

@@ -22,6 +22,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from fakes import energy_series, rank_decisions
 
 pytest.importorskip("vllm")
 
@@ -235,21 +236,13 @@ def test_tp2_across_two_ray_nodes_ranks_agree_and_energy_reaches_the_api_server(
     assert {r: (s["transport"], s["gpu"]) for r, s in snaps.items()} == {0: ("ray-relay", "sim0"), 1: ("ray-relay", "sim1")}, log
     assert snaps[0]["ray_node_id"] and snaps[1]["ray_node_id"] and snaps[0]["ray_node_id"] != snaps[1]["ray_node_id"]
     # Same steps, same phases, same clock decisions, in the same order.
-    traces = {}
-    for r in (0, 1):
-        rows = [json.loads(x) for x in (stats / f"trace-rank{r}.jsonl").read_text().splitlines()]
-        traces[r] = [(x["phase"], x["prefill"], x["decode"], x["sm_target"]) for x in rows]
+    traces = rank_decisions(stats)
     assert len(traces[0]) > 6 * 40
     n = min(len(traces[0]), len(traces[1]))  # the newest step may still sit in one rank's buffer
     assert n >= len(traces[0]) - 1 and traces[0][:n] == traces[1][:n]
     assert any(t[3] == 1200 for t in traces[0])
     # /metrics: per-rank labels; the engine's energy is the sum of the ranks', phase by phase.
-    per_gpu, engine = {}, {}
-    for line in text.splitlines():
-        if line.startswith("powersave_gpu_energy_joules_total{"):
-            per_gpu[line.split(" ")[0]] = float(line.rsplit(" ", 1)[1])
-        if line.startswith("powersave_engine_energy_joules_total{"):
-            engine[line.split(" ")[0]] = float(line.rsplit(" ", 1)[1])
+    per_gpu, engine = energy_series(text)
     assert {k.split('gpu="')[1].split('"')[0] for k in per_gpu} == {"sim0", "sim1"}
     assert all('source="simulated"' in k for k in per_gpu)
     for phase in ("prefill", "decode", "idle"):

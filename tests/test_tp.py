@@ -8,6 +8,7 @@ import json
 import urllib.request
 
 import pytest
+from fakes import energy_series, rank_decisions
 
 pytest.importorskip("vllm")
 
@@ -38,19 +39,11 @@ def test_tp2_ranks_agree_and_engine_energy_is_their_sum(tmp_path):
 
         time.sleep(1.0)
         text = urllib.request.urlopen(srv.base_url + "/metrics", timeout=30).read().decode()
-    traces = {}
-    for r in (0, 1):
-        rows = [json.loads(x) for x in (stats / f"trace-rank{r}.jsonl").read_text().splitlines()]
-        traces[r] = [(x["phase"], x["prefill"], x["decode"], x["sm_target"]) for x in rows]
+    traces = rank_decisions(stats)
     assert len(traces[0]) > 6 * 40
     assert traces[0] == traces[1]  # same steps, same phases, same clock decisions, in the same order
     assert any(t[3] == 1200 for t in traces[0])
-    per_gpu, engine = {}, {}
-    for line in text.splitlines():
-        if line.startswith("powersave_gpu_energy_joules_total{"):
-            per_gpu[line.split(" ")[0]] = float(line.rsplit(" ", 1)[1])
-        if line.startswith("powersave_engine_energy_joules_total{"):
-            engine[line.split(" ")[0]] = float(line.rsplit(" ", 1)[1])
+    per_gpu, engine = energy_series(text)
     assert {k.split('gpu="')[1].split('"')[0] for k in per_gpu} == {"sim0", "sim1"}
     # cuda_perf_boost "off" reached every TP worker (inherited from the API server before they started).
     assert [json.loads((stats / f"rank{r}.json").read_text())["cuda_perf_boost"] for r in (0, 1)] == ["off", "off"]
