@@ -123,15 +123,7 @@ def _eval(spec: GpuSpec, work: StepWork, f: float) -> tuple[float, float]:
 
 def simulate_kernel(spec: GpuSpec, work: StepWork, sm_clock_mhz: float) -> StepResult:
     """Like :func:`simulate_step` for one kernel group (no per-step launch overhead). Simulated."""
-    clocks = [c for c in spec.sm_clocks_mhz if c <= sm_clock_mhz] or [spec.sm_clocks_mhz[0]]
-    capped = False
-    for f in reversed(clocks):
-        t, p = _eval_kernel(spec, work, f)
-        if p <= spec.power_cap_w:
-            return StepResult(t, p * t, p, f, capped)
-        capped = True
-    t, p = _eval_kernel(spec, work, clocks[0])
-    return StepResult(t, p * t, p, clocks[0], True)
+    return _under_power_cap(spec, work, sm_clock_mhz, _eval_kernel)
 
 
 def predict(profile: "StepWork | list[StepWork] | tuple[StepWork, ...]", sm_clock_mhz: float,
@@ -164,16 +156,21 @@ def idle_power_w(spec: GpuSpec, locked_mhz: int | None) -> float:
 
 def simulate_step(spec: GpuSpec, work: StepWork, sm_clock_mhz: float) -> StepResult:
     """Simulate one step at a requested SM clock (MHz), applying the power cap. Simulated."""
+    return _under_power_cap(spec, work, sm_clock_mhz, _eval)
+
+
+def _under_power_cap(spec: GpuSpec, work: StepWork, sm_clock_mhz: float, evaluate) -> StepResult:
+    """The highest supported clock <= the request whose power stays under the cap, as the
+    driver's power capping does; the lowest clock if none does (``capped``)."""
     clocks = [c for c in spec.sm_clocks_mhz if c <= sm_clock_mhz] or [spec.sm_clocks_mhz[0]]
     capped = False
     for f in reversed(clocks):
-        t, p = _eval(spec, work, f)
+        t, p = evaluate(spec, work, f)
         if p <= spec.power_cap_w:
             return StepResult(t, p * t, p, f, capped)
         capped = True
-    f = clocks[0]
-    t, p = _eval(spec, work, f)
-    return StepResult(t, p * t, p, f, True)
+    t, p = evaluate(spec, work, clocks[0])
+    return StepResult(t, p * t, p, clocks[0], True)
 
 
 @dataclass
