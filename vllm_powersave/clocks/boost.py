@@ -35,8 +35,6 @@ import time
 
 log = logging.getLogger("vllm_powersave")
 
-ENV_PERF_BOOST = "CUDA_DISABLE_PERF_BOOST"
-
 
 class BoostUnavailable(RuntimeError):
     """No CUDA driver, or the helper could not create a context."""
@@ -66,6 +64,8 @@ class BoostHolder:
         self.broken: str | None = None
 
     def _start(self) -> subprocess.Popen:
+        from ..settings import ENV_PERF_BOOST  # parent side only: the helper script stays stdlib-only
+
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=self.device)
         env.pop(ENV_PERF_BOOST, None)  # the whole point: this session asks for the boost
         # Run as a script in isolated mode: the helper needs the standard library only, so it
