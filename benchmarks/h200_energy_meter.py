@@ -247,6 +247,65 @@ def part_b_graph(handle, result: dict, save, pairs: int, window: float) -> None:
     result["graph_step_ms"] = 1000 / statistics.median(x["steps_per_s_without"] for x in rows)
 
 
+def _decode_sched(n: int):
+    """A scheduler output of ``n`` decoding requests, in the shape the plugin's step hook reads."""
+    import types
+    ids = [f"r{i}" for i in range(n)]
+    return types.SimpleNamespace(
+        scheduled_new_reqs=[], scheduled_spec_decode_tokens={}, total_num_scheduled_tokens=n, finished_req_ids=set(),
+        scheduled_cached_reqs=types.SimpleNamespace(req_ids=ids, num_computed_tokens=[100 + i for i in range(n)], num_output_tokens=[5] * n),
+        num_scheduled_tokens={r: 1 for r in ids})
+
+
+def part_b_runtime(gpu: int, result: dict, save, pairs: int, window: float) -> None:
+    """Metering overhead as the server pays it: the plugin's whole ``WorkerRuntime`` (step hook,
+    background publisher with its tick / gauge / counter-phase schedule, rank-file writes) around a
+    GPU-bound CUDA-graph step, with ``energy.meter`` "off" vs "nvml"; clocks dry-run, no presets.
+    Both arms run the same hook; only the meter differs. Order rotates per pair."""
+    import tempfile
+
+    import vllm_powersave.vllm_compat as vc
+    from vllm_powersave.runtime import WorkerRuntime
+    from vllm_powersave.settings import load_settings
+
+    log("part b (runtime): meter off vs nvml inside the plugin's WorkerRuntime, pairs", pairs)
+    vc.runner_identity = lambda r: {"rank": 0, "device_type": "cuda", "device_index": gpu}
+    loop = GraphStep()
+    end = time.monotonic() + 3.0
+    while time.monotonic() < end:
+        loop.step()
+    so = _decode_sched(64)
+
+    def run(meter: str, d: str) -> float:
+        s = load_settings({"energy": {"meter": meter}, "clocks": {"backend": "dry-run"}, "stats_dir": d}, env={})
+        rt = WorkerRuntime(object(), s)
+        try:
+            it, t0 = 0, time.monotonic()
+            end = t0 + window
+            while time.monotonic() < end:
+                rt.on_step_start(so)
+                loop.step()
+                rt.on_step_end()
+                it += 1
+            return it / (time.monotonic() - t0)
+        finally:
+            rt.close()
+
+    rows = result.setdefault("b_runtime_pairs", [])
+    with tempfile.TemporaryDirectory() as d:
+        for p in range(pairs):
+            order = ("off", "nvml") if p % 2 == 0 else ("nvml", "off")
+            rates = {m: run(m, d) for m in order}
+            ratio = rates["nvml"] / rates["off"]
+            rows.append({"pair": p, "steps_per_s_meter_off": rates["off"], "steps_per_s_meter_nvml": rates["nvml"], "ratio": ratio})
+            log(f"  pair {p}: meter off {rates['off']:.2f}/s, nvml {rates['nvml']:.2f}/s, ratio {ratio:.5f}")
+            save()
+    ratios = [x["ratio"] for x in rows]
+    result["meter_overhead_ratio_runtime"] = statistics.median(ratios)
+    result["meter_overhead_ratio_runtime_spread"] = [min(ratios), max(ratios)]
+    result["runtime_graph_step_ms"] = 1000 / statistics.median(x["steps_per_s_meter_off"] for x in rows)
+
+
 def part_c(handle, sampler: FastSampler, result: dict, save) -> None:
     from vllm_powersave.energy.account import PhaseEnergyAccount
     from vllm_powersave.energy.meters import NvmlEnergyMeter
@@ -327,7 +386,7 @@ def main() -> int:
     ap.add_argument("--windows", default="2:4,5:3,10:3,30:1", help="seconds:repeats,...")
     ap.add_argument("--pairs", type=int, default=6)
     ap.add_argument("--pair-window", type=float, default=4.0)
-    ap.add_argument("--parts", default="a,b,c", help="subset of a,b,bg,c (bg: part b on a CUDA-graph step)")
+    ap.add_argument("--parts", default="a,b,c", help="subset of a,b,bg,bgr,c (bg: part b on a CUDA-graph step; bgr: bg inside the plugin's WorkerRuntime)")
     ns = ap.parse_args()
 
     N.nvmlInit()
@@ -363,6 +422,7 @@ def main() -> int:
     for name_, fn in (("a", lambda: sampled(lambda s: part_a(handle, s, windows, result, save))),
                       ("b", lambda: part_b(handle, result, save, ns.pairs, ns.pair_window)),
                       ("bg", lambda: part_b_graph(handle, result, save, ns.pairs, ns.pair_window)),
+                      ("bgr", lambda: part_b_runtime(ns.gpu, result, save, ns.pairs, ns.pair_window)),
                       ("c", lambda: sampled(lambda s: part_c(handle, s, result, save)))):
         if name_ not in parts:
             continue

@@ -5,7 +5,8 @@ Runs ON the GPU machine after the bundle is up (see ``.gpu-bundle/README.md``). 
 server with the plugin at a time (the boost request belongs to each CUDA session, so the two modes
 cannot share the GPU: a resident default-mode engine would keep the GPU boosted), servers started
 in the order given by ``--order`` (e.g. ``off,on,on,off``: mode off = default boost, mode on =
-``CUDA_DISABLE_PERF_BOOST=1`` set by the plugin in the engine processes). Per server:
+``CUDA_DISABLE_PERF_BOOST=1`` set by the plugin in the engine processes, mode auto = unboosted engine
+boosted by the plugin's side context while it is busy, ``cuda_perf_boost: "auto"``). Per server:
 
 1. checks that the variable is (or is not) in the EngineCore process's environment and that
    ``/metrics`` reports the mode;
@@ -62,6 +63,20 @@ def metrics_mode(port: int) -> str | None:
     except Exception as exc:
         return f"error: {exc}"
     return None
+
+
+def boost_metrics(port: int) -> dict:
+    """powersave_cuda_boost_held / _switches_total from /metrics (auto mode's side context), {} if absent."""
+    out: dict = {}
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            for line in r.read().decode().splitlines():
+                if line.startswith(("powersave_cuda_boost_held", "powersave_cuda_boost_switches_total")):
+                    name, _, val = line.rpartition(" ")
+                    out[name] = float(val)
+    except Exception as exc:
+        out["error"] = str(exc)
+    return out
 
 
 def probe_ttft(port: int) -> dict:
@@ -144,7 +159,9 @@ def main() -> int:
         port += 1
         srv: dict = {"pos": pos, "mode": mode, "windows": [], "wake": [], "notes": []}
         result["servers"].append(srv)
-        cfg = {"powersave": {"cuda_perf_boost": "off" if mode == "on" else "on", "energy": {"meter": "nvml"},
+        # mode "on" = the energy mode (boost off in the engine); "auto" = engine unboosted, side context boosts it when busy.
+        boost_setting = {"on": "off", "off": "on", "auto": "auto"}[mode]
+        cfg = {"powersave": {"cuda_perf_boost": boost_setting, "energy": {"meter": "nvml"},
                              "clocks": {"backend": "dry-run"}, "chunking": {"table": []}}}
         t_start = time.monotonic()
         p = ab.start_server(f"{mode}{pos}", model, port, ["--plugin", "powersave", "--additional-config", json.dumps(cfg)],
@@ -166,6 +183,7 @@ def main() -> int:
             t0 = time.monotonic()
             time.sleep(ns.idle_window)
             srv["idle"] = sampler.window(t0 + 0.5, time.monotonic())
+            srv["idle"]["boost_metrics"] = boost_metrics(port)
             srv["wake"].append({"idle_s": ns.idle_window, **probe_ttft(port)})
             time.sleep(1.0)
             srv["wake"].append({"idle_s": 1.0, **probe_ttft(port)})
@@ -186,7 +204,8 @@ def main() -> int:
                                       output_len=ns.output_len, duration_s=ns.window, energy=ENERGY, gpus=[ns.gpu],
                                       goodput=slo, seed=pos, label=f"{mode}-{name}", **kw))
                 t1 = time.monotonic()
-                w = {"load": name, **kw, "t0": t0, "t1": t1, **{k: res.get(k) for k in SUMMARY_KEYS}, "sampler": sampler.window(t0, t1)}
+                w = {"load": name, **kw, "t0": t0, "t1": t1, **{k: res.get(k) for k in SUMMARY_KEYS}, "sampler": sampler.window(t0, t1),
+                     "boost_metrics": boost_metrics(port)}
                 srv["windows"].append(w)
                 log_w(w)
                 save()
