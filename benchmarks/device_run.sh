@@ -5,7 +5,8 @@
 #   JOB: boost1@GPU | boostA@GPU | boostB@GPU | boostC@GPU | boostD@GPU | auto@GPU | meterg@GPU | ab05b@GPU | bisect_meter@GPU | meter@GPU | lmhead@GPU | tp2@GPUS (e.g. tp2@0,1)
 set -u
 export POWERSAVE_FORCE_DRY_RUN=1 PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \
-  HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false CUDA_DEVICE_ORDER=PCI_BUS_ID
+  HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false CUDA_DEVICE_ORDER=PCI_BUS_ID \
+  NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 VLLM_ALLREDUCE_USE_SYMM_MEM=0
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 T0=$(date +%s); ts() { echo "[run +$(( $(date +%s)-T0 ))s] $*"; }
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/psite .whl/*.whl 2>&1 | tail -2

@@ -107,7 +107,11 @@ def make_model(shape: str, shapes_dir: Path, tok_dir: Path) -> Path:
     return d
 
 
-GPU_ENV: dict[str, str] = {}
+# NVLink multicast stays off (a program using it can take a shared host's GPUs out of service);
+# vLLM's symmetric-memory all-reduce would use it on Hopper, so that path is off too.
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
+                "VLLM_ALLREDUCE_USE_SYMM_MEM": "0"}
+GPU_ENV: dict[str, str] = dict(NO_MULTICAST)
 
 
 def start_server(label: str, model: Path, port: int, extra: list[str], pythonpath: str, out: Path, gpu_mem: float,
