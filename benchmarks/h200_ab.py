@@ -116,6 +116,7 @@ GPU_ENV: dict[str, str] = dict(NO_MULTICAST)
 
 def start_server(label: str, model: Path, port: int, extra: list[str], pythonpath: str, out: Path, gpu_mem: float,
                  env_extra: dict[str, str] | None = None) -> subprocess.Popen:
+    check_port_free(port)
     extra = [*extra, *SERVE_EXTRA]
     env = dict(os.environ, PYTHONPATH=pythonpath, **GPU_ENV, **(env_extra or {}))
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name", "model",
@@ -126,7 +127,33 @@ def start_server(label: str, model: Path, port: int, extra: list[str], pythonpat
     return subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
+def job_port(gpu: int, slot: int) -> int:
+    """A port per (first GPU, server slot): device_run.sh runs one job per GPU in parallel, and two
+    jobs on one port once sent both jobs' requests to one server (uvicorn's SO_REUSEPORT lets a second
+    server bind the same port silently)."""
+    return 8000 + 50 * gpu + slot
+
+
+def tcp_listeners(port: int) -> int:
+    """Sockets in LISTEN state on ``port`` (IPv4 and IPv6), from /proc/net/tcp*; -1 where unreadable."""
+    n = 0
+    for f in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(f).read_text().splitlines()[1:]
+        except OSError:
+            return -1
+        n += sum(1 for ln in lines if (c := ln.split()) and int(c[1].rsplit(":", 1)[1], 16) == port and c[3] == "0A")
+    return n
+
+
+def check_port_free(port: int) -> None:
+    """Refuse to start a server on a port something already listens on (RuntimeError)."""
+    if tcp_listeners(port) > 0:
+        raise RuntimeError(f"port {port} already has a listener: another benchmark job is using it")
+
+
 def wait_healthy(procs: dict[str, tuple[subprocess.Popen, int]], timeout_s: float) -> None:
+    """Wait for /health of every server; RuntimeError if one exits, times out, or shares its port."""
     pending = dict(procs)
     deadline = time.monotonic() + timeout_s
     while pending and time.monotonic() < deadline:
@@ -136,8 +163,13 @@ def wait_healthy(procs: dict[str, tuple[subprocess.Popen, int]], timeout_s: floa
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
                     if r.status == 200:
+                        if tcp_listeners(port) > 1:
+                            raise RuntimeError(f"server {label}: {tcp_listeners(port)} listeners on port {port}; "
+                                               "requests would reach another server")
                         log(f"server {label} healthy")
                         pending.pop(label)
+            except RuntimeError:
+                raise
             except Exception:
                 pass
         time.sleep(1)
@@ -268,10 +300,11 @@ def main() -> int:
         log("no NVML sampler:", exc)
         sampler = NullSampler()
     sampler.start()
+    port_a, port_b = job_port(gpus[0], 1), job_port(gpus[0], 2)
     procs = {
-        "A": (start_server("A", model, 8001, [], ns.stock_site, out_dir, ns.gpu_mem), 8001),
-        "B": (start_server("B", model, 8002, ["--plugin", "powersave", "--additional-config", json.dumps(plugin_cfg)],
-                           f"{ns.plugin_site}:{ns.stock_site}", out_dir, ns.gpu_mem), 8002),
+        "A": (start_server("A", model, port_a, [], ns.stock_site, out_dir, ns.gpu_mem), port_a),
+        "B": (start_server("B", model, port_b, ["--plugin", "powersave", "--additional-config", json.dumps(plugin_cfg)],
+                           f"{ns.plugin_site}:{ns.stock_site}", out_dir, ns.gpu_mem), port_b),
     }
     try:
         wait_healthy(procs, timeout_s=300)

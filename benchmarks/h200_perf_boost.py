@@ -151,7 +151,7 @@ def main() -> int:
         ab.log("no NVML sampler:", exc)
         sampler = ab.NullSampler()
     sampler.start()
-    port = 8100
+    port = ab.job_port(ns.gpu, 10)
     for pos, mode in enumerate(order):
         if time.monotonic() - ab.T0 > ns.budget_s - 90:
             result["notes"].append(f"budget: server {pos} ({mode}) not started")

@@ -1,0 +1,46 @@
+"""The device benchmarks' port guard: two jobs on one port once sent both jobs' load to one server."""
+
+from __future__ import annotations
+
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import h200_ab as ab  # noqa: E402
+
+
+def _listen(reuse_port: bool = False, port: int = 0) -> socket.socket:
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    s.bind(("127.0.0.1", port))
+    s.listen()
+    return s
+
+
+def test_job_ports_differ_between_parallel_jobs() -> None:
+    # device_run.sh runs one job per GPU at once; perf-boost uses slots 10.., the A/B slots 1 and 2.
+    ports = {ab.job_port(g, slot) for g in (0, 1, 2, 3) for slot in (1, 2, *range(10, 40))}
+    assert len(ports) == 4 * 32
+
+
+def test_busy_port_is_refused_and_a_second_listener_is_counted() -> None:
+    a = _listen(reuse_port=True)
+    port = a.getsockname()[1]
+    try:
+        assert ab.tcp_listeners(port) == 1
+        with pytest.raises(RuntimeError, match=f"port {port} already has a listener"):
+            ab.check_port_free(port)
+        b = _listen(reuse_port=True, port=port)  # what a second uvicorn did silently
+        try:
+            assert ab.tcp_listeners(port) == 2
+        finally:
+            b.close()
+    finally:
+        a.close()
+    assert ab.tcp_listeners(port) == 0
+    ab.check_port_free(port)
