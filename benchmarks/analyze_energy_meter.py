@@ -18,6 +18,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from loadtests.ab import ratio_ci  # noqa: E402
 
 
+def keep_raw(dest: Path, raw: dict) -> None:
+    """Copy a raw run into docs/results/raw once; an existing copy is the record and stays as is."""
+    if not dest.exists():
+        with gzip.open(dest, "wt") as f:
+            json.dump(raw, f)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("raw")
@@ -25,9 +32,12 @@ def main() -> int:
     ap.add_argument("--graph", help="raw of a later run with --parts bg (GPU-bound CUDA-graph step)")
     ap.add_argument("--runtime", help="raw of a run with --parts bgr,bg (the plugin's WorkerRuntime, after the gauge-period fix)")
     ns = ap.parse_args()
-    raw = json.loads(Path(ns.raw).read_text())
-    graph = json.loads(Path(ns.graph).read_text()) if ns.graph else None
-    rtm = json.loads(Path(ns.runtime).read_text()) if ns.runtime else None
+    def load(path: str) -> dict:
+        return json.loads((gzip.open if path.endswith(".gz") else open)(path, "rt").read())
+
+    raw = load(ns.raw)
+    graph = load(ns.graph) if ns.graph else None
+    rtm = load(ns.runtime) if ns.runtime else None
     out = Path(ns.out)
     by_w: dict[float, list[dict]] = defaultdict(list)
     for w in raw["a_windows"]:
@@ -80,14 +90,11 @@ def main() -> int:
                                       "spread": rtm.get("meter_overhead_ratio_graph_spread"), "pairs": rtm.get("b_graph_pairs")},
         })
     (out / "raw").mkdir(parents=True, exist_ok=True)
-    with gzip.open(out / "raw" / "h200-energy-meter.json.gz", "wt") as f:
-        json.dump(raw, f)
+    keep_raw(out / "raw" / "h200-energy-meter.json.gz", raw)
     if graph:
-        with gzip.open(out / "raw" / "h200-energy-meter-graph.json.gz", "wt") as f:
-            json.dump(graph, f)
+        keep_raw(out / "raw" / "h200-energy-meter-graph.json.gz", graph)
     if rtm:
-        with gzip.open(out / "raw" / "h200-energy-meter-runtime.json.gz", "wt") as f:
-            json.dump(rtm, f)
+        keep_raw(out / "raw" / "h200-energy-meter-runtime.json.gz", rtm)
     (out / "h200-energy-meter.json").write_text(json.dumps(doc, indent=1))
     c = doc["attribution"] or {}
     lines = [

@@ -5,7 +5,12 @@ Pairs: servers are paired in the order they ran within each raw file (an "off" a
 "on" server on the same GPU), so drift and GPU-to-GPU differences cancel within a pair. Ratios are
 mode on / mode off. Everything here is measured; nothing is simulated.
 
-Usage: python benchmarks/analyze_perf_boost.py RAW.json [RAW.json ...] --out docs/results
+Servers whose load windows must not count (``--invalid TAG:POS=reason``, e.g. two benchmark jobs
+that shared a port, so one server served both jobs' requests while the other idled) keep their
+idle windows (the sampler reads the right GPU and no request was in flight) but lose their load
+windows and wake-up probes, and the pairs they are part of count for idle only.
+
+Usage: python benchmarks/analyze_perf_boost.py RAW.json [RAW.json ...] [--invalid TAG:POS=reason] --out docs/results
 """
 
 from __future__ import annotations
@@ -50,6 +55,31 @@ def pairs_of(raw: dict) -> list[tuple[dict, dict]]:
 def med(xs: list) -> float | None:
     xs = [x for x in xs if x is not None]
     return st.median(xs) if xs else None
+
+
+def mark_invalid(raws: list[dict], invalid: dict[tuple[str, int], tuple[set[str] | None, str]]) -> list[dict]:
+    """Drop what ``invalid`` names: per (tag, server position) a set of items (load names such as
+    ``low``, wake probes as ``wake<idle s>``, e.g. ``wake60``, which also drops the 60 s idle window),
+    or None for all load windows, wake probes, the 60 s idle and the side-context test."""
+    out = []
+    for raw in raws:
+        raw = {**raw, "servers": [dict(s) for s in raw["servers"]]}
+        for s in raw["servers"]:
+            items, reason = invalid.get((raw.get("tag"), s["pos"]), (set(), ""))
+            if items == set():
+                continue
+            keep_w = [w for w in s.get("windows", []) if items is not None and w["load"] not in items]
+            keep_k = [w for w in s.get("wake", []) if items is not None and f"wake{w['idle_s']:g}" not in items]
+            s["invalid_load_windows"] = {"reason": reason, "items": "all" if items is None else sorted(items),
+                                         "dropped_windows": len(s.get("windows", [])) - len(keep_w),
+                                         "dropped_wake": len(s.get("wake", [])) - len(keep_k)}
+            s["windows"], s["wake"] = keep_w, keep_k
+            if items is None or "wake60" in items:
+                s.pop("idle_60s", None)
+            if items is None:
+                s.pop("booster", None)
+        out.append(raw)
+    return out
 
 
 def analyze(raws: list[dict]) -> dict:
@@ -106,10 +136,19 @@ def analyze(raws: list[dict]) -> dict:
                                  "same_server_medium_without": next((window_fields(w) for w in s["windows"] if w["load"] == "medium"), None),
                                  "same_server_idle_without": s.get("idle")}
                                 for raw in raws for s in raw["servers"] if s.get("booster")]
+    doc["excluded"] = [{"tag": raw.get("tag"), "gpu": raw.get("gpu"), "pos": s["pos"], "mode": s["mode"], **s["invalid_load_windows"]}
+                       for raw in raws for s in raw["servers"] if s.get("invalid_load_windows")]
+    doc["auto"] = [{"tag": raw.get("tag"), "gpu": raw.get("gpu"), "idle": s.get("idle"),
+                    "idle_boost_metrics": (s.get("idle") or {}).get("boost_metrics"),
+                    "loads": {w["load"]: {**window_fields(w), "boost_metrics": w.get("boost_metrics")} for w in s.get("windows", [])},
+                    "wake_ttft_ms": {str(w["idle_s"]): w.get("ttft_ms") for w in s.get("wake", [])},
+                    "idle_60s": s.get("idle_60s")}
+                   for raw in raws for s in raw["servers"] if s["mode"] == "auto"]
     doc["engine_env_check"] = [{"mode": s["mode"], "pos": s["pos"], "gpu": raw.get("gpu"),
                                 "processes_with_var": sorted(k.split(":", 1)[1] for k, v in s.get("engine_env", {}).items()
                                                              if v.get("CUDA_DISABLE_PERF_BOOST") == "1"),
-                                "metrics_info": s.get("metrics_info")} for raw in raws for s in raw["servers"] if s.get("engine_env")]
+                                "metrics_info": s.get("metrics_info") if (s.get("invalid_load_windows") or {}).get("items") != "all"
+                                else "not attributable: another server answered on the shared port"} for raw in raws for s in raw["servers"] if s.get("engine_env")]
     return doc
 
 
@@ -135,6 +174,11 @@ def plot(doc: dict, raws: list[dict], out: Path) -> str | None:
         a2.plot(xs, tpot, "o-", color=color, label=label)
         for load, x, y in zip(LOADS, xs, tpj):
             a1.annotate(load, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    for a in doc.get("auto", []):
+        pts = [(a["loads"][ld]["out_tok_per_s"], a["loads"][ld]["out_tok_per_j"], a["loads"][ld]["p99_tpot_ms"]) for ld in LOADS if ld in a["loads"]]
+        if pts:
+            a1.plot([x for x, _, _ in pts], [y for _, y, _ in pts], "s--", color="tab:blue", label="auto (side context while busy)")
+            a2.plot([x for x, _, _ in pts], [z for _, _, z in pts], "s--", color="tab:blue", label="auto (side context while busy)")
     a1.set_xlabel("output tokens/s (median over servers)")
     a1.set_ylabel("output tokens per joule (measured)")
     a2.set_xlabel("output tokens/s (median over servers)")
@@ -156,10 +200,10 @@ def fmt(x: object, nd: int = 1) -> str:
 def markdown(doc: dict) -> str:
     orders = ", ".join(" ".join(r["order"]) + " (GPU " + str(r["gpu"]) + ")" for r in doc["runs"])
     L = ["# Unprivileged energy mode (`cuda_perf_boost: \"off\"`) on the H200 (measured)", "",
-         f"- Device: {doc['device'].get('name')}, driver {doc['device'].get('driver')}, power limit {doc['device'].get('power_limit_w')} W; vLLM {doc['vllm_version']}, model shape `{doc['shape']}` (`--load-format dummy`), one server at a time with the plugin.",
-         f"- When: {doc['date_utc']} (UTC). Scripts: `benchmarks/h200_perf_boost.py` (device), `benchmarks/analyze_perf_boost.py` (this report).",
+         f"- Device: {doc['device'].get('name')}, driver {doc['device'].get('driver')}, power limit {doc['device'].get('power_limit_w')} W; vLLM {doc['vllm_version']}, model shape `{doc['shape']}` (`--load-format dummy`), one server at a time per GPU, all with the plugin.",
+         f"- When (UTC): {', '.join(r['tag'] + ' ' + r['date_utc'] for r in doc['runs'])}. Scripts: `benchmarks/h200_perf_boost.py` (device), `benchmarks/analyze_perf_boost.py` (this report).",
          f"- Method: OpenAI `/v1/completions` streaming through `loadtests`, {doc['method']['input_len']} prompt / {doc['method']['output_len']} output tokens, windows of {doc['method']['window_s']:.0f} s of request starts; low and medium = Poisson at {doc['method']['rates_req_s'][0]:g} and {doc['method']['rates_req_s'][1]:g} req/s, saturation = closed loop at {doc['method']['sat_concurrency']} concurrent. Goodput SLO: {', '.join(f'{k} ≤ {v:g} ms' for k, v in doc['method']['goodput_slo_ms'].items())}. Energy: the GPU's NVML total-energy counter per window; SM clock: NVML at 10 Hz (read-only). Servers ran in the orders {orders}; pairs are adjacent off/on servers on one GPU; ratios are on / off.",
-         f"- Pairs: **{doc['pairs']}**. Mode on = the plugin sets `CUDA_DISABLE_PERF_BOOST=1` in the EngineCore/worker processes before CUDA starts (checked in `/proc/<pid>/environ` for every server below); no GPU setting is changed by either mode.", "",
+         f"- Pairs (adjacent off/on servers on one GPU): **{doc['loads']['idle']['pairs']}** for idle; under load, **{min(doc['loads'][x].get('pairs', 0) for x in LOADS)}** (windows excluded below do not count). Mode on = the plugin sets `CUDA_DISABLE_PERF_BOOST=1` in the EngineCore/worker processes before CUDA starts (checked in `/proc/<pid>/environ` for every server below); no GPU setting is changed by either mode.", "",
          "## Idle (engine loaded, no requests)", ""]
     i = doc["loads"]["idle"]
     L += ["| | mode off | mode on | on/off per pair |", "|---|---|---|---|",
@@ -197,6 +241,36 @@ def markdown(doc: dict) -> str:
             L.append(f"| {b['gpu']} | {fmt(b.get('hold_ms'))} (release {fmt(b.get('release_ms'))}) | {fmt(iw.get('avg_power_w'))} / {iw.get('median_sm_clock_mhz')} | "
                      f"{fmt(ib.get('avg_power_w'))} / {ib.get('median_sm_clock_mhz')} | {fmt(ia.get('avg_power_w'))} / {ia.get('median_sm_clock_mhz')} | "
                      f"{fmt(wo.get('out_tok_per_s'), 0)}, {fmt(wo.get('out_tok_per_j'), 2)}, {wo.get('median_sm_clock_mhz')} | {fmt(w.get('out_tok_per_s'), 0)}, {fmt(w.get('out_tok_per_j'), 2)}, {w.get('median_sm_clock_mhz')} |")
+    if doc.get("auto"):
+        L += ["", "## `cuda_perf_boost: \"auto\"` (engine unboosted; the plugin's side context boosts it while the engine is busy)", "",
+              "One server, measured alone on its GPU; compared with the medians of the mode-off and mode-on servers above (other servers on the same GPU model, not adjacent pairs):", "",
+              "| load | auto: out tok/s | tok/J | avg W | SM MHz | TTFT p50 / p99 ms | TPOT p50 / p99 ms | boost held at window end | boost switches so far | off: tok/J | on: tok/J |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for a in doc["auto"]:
+            i = a.get("idle") or {}
+            bm = a.get("idle_boost_metrics") or {}
+            held = next((v for k, v in bm.items() if k.startswith("powersave_cuda_boost_held")), None)
+            L.append(f"| idle | | | {fmt(i.get('avg_power_w'))} | {fmt(i.get('median_sm_clock_mhz'), 0)} | | | {fmt(held, 0)} | | "
+                     f"{fmt(doc['loads']['idle']['mode_off']['avg_power_w'])} W | {fmt(doc['loads']['idle']['mode_on']['avg_power_w'])} W |")
+            for load in LOADS:
+                w = a["loads"].get(load)
+                if not w:
+                    continue
+                bm = w.get("boost_metrics") or {}
+                held = next((v for k, v in bm.items() if k.startswith("powersave_cuda_boost_held")), None)
+                sw = next((v for k, v in bm.items() if k.startswith("powersave_cuda_boost_switches_total")), None)
+                L.append(f"| {load} | {fmt(w.get('out_tok_per_s'), 0)} | {fmt(w.get('out_tok_per_j'), 2)} | {fmt(w.get('avg_power_w'), 0)} | "
+                         f"{fmt(w.get('median_sm_clock_mhz'), 0)} | {fmt(w.get('p50_ttft_ms'))} / {fmt(w.get('p99_ttft_ms'))} | "
+                         f"{fmt(w.get('p50_tpot_ms'), 2)} / {fmt(w.get('p99_tpot_ms'), 2)} | {fmt(held, 0)} | {fmt(sw, 0)} | "
+                         f"{fmt(doc['loads'][load]['mode_off'].get('out_tok_per_j'), 2)} | {fmt(doc['loads'][load]['mode_on'].get('out_tok_per_j'), 2)} |")
+            wk = a.get("wake_ttft_ms") or {}
+            L += ["", "Wake-up TTFT in auto mode (ms): " + ", ".join(f"after {float(k):g} s idle {fmt(v)}" for k, v in sorted(wk.items(), key=lambda kv: float(kv[0]))) + "."]
+    if doc.get("excluded"):
+        L += ["", "## Excluded load windows", "",
+              "| run | GPU | server | mode | dropped | windows dropped | wake probes dropped | reason |", "|---|---|---|---|---|---|---|---|"]
+        for e in doc["excluded"]:
+            what = e["items"] if isinstance(e["items"], str) else ", ".join(e["items"])
+            L.append(f"| {e['tag']} | {e['gpu']} | #{e['pos']} | {e['mode']} | {what} | {e['dropped_windows']} | {e['dropped_wake']} | {e['reason']} |")
     L += ["", "## Process check", "", "| server | processes with CUDA_DISABLE_PERF_BOOST=1 | /metrics |", "|---|---|---|"]
     for e in doc["engine_env_check"]:
         L.append(f"| {e['mode']} #{e['pos']} (GPU {e['gpu']}) | {', '.join(e['processes_with_var']) or 'none'} | `{e['metrics_info']}` |")
@@ -211,16 +285,26 @@ def main() -> int:
     ap.add_argument("raw", nargs="+")
     ap.add_argument("--out", default="docs/results")
     ap.add_argument("--finding", action="append", default=[])
+    ap.add_argument("--invalid", action="append", default=[], help="TAG:POS[:ITEM,...]=reason: drop that server's load windows and wake probes (all, or the items named: low, medium, saturation, wake1, wake10, wake60)")
     ns = ap.parse_args()
     out = Path(ns.out)
     (out / "raw").mkdir(parents=True, exist_ok=True)
-    raws = [json.loads(Path(p).read_text()) for p in ns.raw]
+    raws = [json.loads((gzip.open if p.endswith(".gz") else open)(p, "rt").read()) for p in ns.raw]
+    invalid: dict[tuple[str, int], tuple[set[str] | None, str]] = {}
+    for spec in ns.invalid:
+        key, _, reason = spec.partition("=")
+        tag, pos, *items = key.split(":")
+        invalid[(tag, int(pos))] = ({x for x in items[0].split(",") if x} if items else None, reason or "excluded")
+    raws_in = raws
+    raws = mark_invalid(raws, invalid)
     doc = analyze(raws)
     doc["findings"] = ns.finding
     doc["plot"] = plot(doc, raws, out)
-    for i, raw in enumerate(raws):
-        with gzip.open(out / "raw" / f"h200-perf-boost-{raw.get('tag') or i}.json.gz", "wt") as f:
-            json.dump(raw, f)
+    for i, raw in enumerate(raws_in):  # the raw files as measured (exclusions apply to the report only); kept once copied
+        dest = out / "raw" / f"h200-perf-boost-{raw.get('tag') or i}.json.gz"
+        if not dest.exists():
+            with gzip.open(dest, "wt") as f:
+                json.dump(raw, f)
     (out / "h200-perf-boost.json").write_text(json.dumps(doc, indent=1, default=float))
     (out / "h200-perf-boost.md").write_text(markdown(doc))
     print(markdown(doc))
