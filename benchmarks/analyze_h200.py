@@ -181,6 +181,20 @@ def plots(runs: list[dict], raws: dict[str, dict], out: Path) -> list[str]:
     return files
 
 
+def ratio_table(cases: list[dict]) -> list[str]:
+    """Markdown rows: plugin / stock ratios per load with their 95 % intervals and both arms' figures."""
+    lines = ["| load | pairs | throughput ratio (95% CI) | J/token ratio (95% CI) | stock tok/s | plugin tok/s | stock tok/J | plugin tok/J | stock W | plugin W | median SM MHz (A/B) | p99 TPOT ms (A/B) | verdict |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for c in cases:
+        lo, hi = c["throughput_ratio_ci95"]
+        jlo, jhi = c["j_per_token_ratio_ci95"]
+        lines.append(f"| {c['load']} | {c['pairs']} | {c['throughput_ratio']:.3f} ({lo:.3f}–{hi:.3f}) | {c['j_per_token_ratio']:.3f} ({jlo:.3f}–{jhi:.3f}) | "
+                     f"{c['stock_out_tok_per_s']:.0f} | {c['plugin_out_tok_per_s']:.0f} | {c['stock_out_tok_per_j']:.2f} | {c['plugin_out_tok_per_j']:.2f} | "
+                     f"{c['stock_avg_power_w']:.0f} | {c['plugin_avg_power_w']:.0f} | {c['stock_median_sm_clock_mhz']:.0f}/{c['plugin_median_sm_clock_mhz']:.0f} | "
+                     f"{c['stock_p99_tpot_ms']:.2f}/{c['plugin_p99_tpot_ms']:.2f} | {c['verdict']} |")
+    return lines
+
+
 def markdown(doc: dict) -> str:
     lines = ["# vLLM + powersave vs stock vLLM on the H200 (measured)", "",
              f"- Device: {doc['device']['name']}, driver {doc['device'].get('driver')}, power limit {doc['device'].get('power_limit_w')} W; vLLM {doc['vllm_version']} (V1 engine, V2 model runner, torch.compile + CUDA graphs), `--load-format dummy`.",
@@ -191,15 +205,7 @@ def markdown(doc: dict) -> str:
     for r in doc["runs"]:
         lines += [f"## {r['shape']} — {r['run']}", "", r.get("about", ""), "",
                   f"Idle, both engines loaded, no requests: **{r['idle'].get('avg_power_w', float('nan')):.1f} W** (measured, median SM clock {r['idle'].get('median_sm_clock_mhz')} MHz). The idle preset (345 MHz lock) is predicted at {r['idle']['idle_preset_prediction_w']:.0f} W per GPU (*simulated*).", "",
-                  "| load | pairs | throughput ratio (95% CI) | J/token ratio (95% CI) | stock tok/s | plugin tok/s | stock tok/J | plugin tok/J | stock W | plugin W | median SM MHz (A/B) | p99 TPOT ms (A/B) | verdict |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for c in r["cases"]:
-            lo, hi = c["throughput_ratio_ci95"]
-            jlo, jhi = c["j_per_token_ratio_ci95"]
-            lines.append(f"| {c['load']} | {c['pairs']} | {c['throughput_ratio']:.3f} ({lo:.3f}–{hi:.3f}) | {c['j_per_token_ratio']:.3f} ({jlo:.3f}–{jhi:.3f}) | "
-                         f"{c['stock_out_tok_per_s']:.0f} | {c['plugin_out_tok_per_s']:.0f} | {c['stock_out_tok_per_j']:.2f} | {c['plugin_out_tok_per_j']:.2f} | "
-                         f"{c['stock_avg_power_w']:.0f} | {c['plugin_avg_power_w']:.0f} | {c['stock_median_sm_clock_mhz']:.0f}/{c['plugin_median_sm_clock_mhz']:.0f} | "
-                         f"{c['stock_p99_tpot_ms']:.2f}/{c['plugin_p99_tpot_ms']:.2f} | {c['verdict']} |")
+                  *ratio_table(r["cases"])]
         lines += ["", "Phase mix of real serving (plugin server's step trace) and the dry-run controller:", "",
                   "| load | steps by phase | host ms per step (median) | step interval ms (median) | dry-run SM target share | predicted energy saving of those decisions (*simulated*) | predicted time change (*simulated*) | alt. policy: steps with ≤512 prefill tokens at 1200 MHz (*simulated*) |",
                   "|---|---|---|---|---|---|---|---|"]

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from analyze_h200 import analyze  # noqa: E402
+from analyze_h200 import analyze, ratio_table  # noqa: E402
 
 
 def load(path: Path) -> dict:
@@ -80,16 +80,8 @@ def markdown(doc: dict) -> str:
              f"- Start-up of both TP=2 servers side by side: {doc['startup_s']:.0f} s. The KV cache is sized by "
              "`--kv-cache-memory-bytes` (8 GiB per rank) because two servers profiling memory at once on the same GPUs "
              "count each other's allocations (the first attempt failed with `No available memory for the cache blocks`).", "",
-             "## Throughput and energy per token (plugin / stock, mean of pairs, 95 % t-interval)", "",
-             "| concurrency | pairs | throughput ratio | J/token ratio | stock tok/s | plugin tok/s | stock tok/J | plugin tok/J | stock W | plugin W | verdict |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for c in doc["cases"]:
-        lo, hi = c["throughput_ratio_ci95"]
-        jlo, jhi = c["j_per_token_ratio_ci95"]
-        lines.append(f"| {c['load']} | {c['pairs']} | {c['throughput_ratio']:.3f} ({lo:.3f}–{hi:.3f}) | {c['j_per_token_ratio']:.3f} "
-                     f"({jlo:.3f}–{jhi:.3f}) | {c['stock_out_tok_per_s']:.0f} | {c['plugin_out_tok_per_s']:.0f} | "
-                     f"{c['stock_out_tok_per_j']:.2f} | {c['plugin_out_tok_per_j']:.2f} | {c['stock_avg_power_w']:.0f} | "
-                     f"{c['plugin_avg_power_w']:.0f} | {c['verdict']} |")
+             "## Throughput and energy per token (plugin / stock, mean of pairs, 95 % t-interval; load = concurrency)", "",
+             *ratio_table(doc["cases"])]
     lines += ["", "Per pair (throughput ratio / J-per-token ratio):", ""]
     for c in doc["cases"]:
         pp = ", ".join(f"{a:.3f} / {b:.3f}" for a, b in zip(c["throughput_ratio_per_pair"], c["j_per_token_ratio_per_pair"]))
