@@ -253,6 +253,10 @@ def main() -> int:
     ap.add_argument("--gpu-mem", type=float, default=0.42)
     ap.add_argument("--serve-arg", action="append", default=[], help="extra vllm serve argument for both servers")
     ap.add_argument("--budget-s", type=float, default=540.0, help="stop starting windows after this (s since start)")
+    ap.add_argument("--prompt-logprobs", type=int, default=None, help="ask every request for this many prompt logprobs")
+    ap.add_argument("--b-chunking", default=None, help="B's LM-head chunk table (JSON list); default: a table that never chunks")
+    ap.add_argument("--a-chunking", default=None,
+                    help="run A as vLLM + powersave with this chunk table (JSON list) instead of stock vLLM: policy vs none")
     add_bundle_args(ap)
     ap.add_argument("--gpus", default="0", help="NVML/CUDA indices (PCI bus order) the servers use, e.g. 1 or 0,1")
     ap.add_argument("--out", required=True)
@@ -270,7 +274,11 @@ def main() -> int:
     out_dir = out_file.parent
     out_dir.mkdir(parents=True, exist_ok=True)
     stats_dir = Path("/tmp/powersave-stats") / ns.shape
-    shutil.rmtree(stats_dir, ignore_errors=True)
+    stats_dir_a = Path("/tmp/powersave-stats") / f"{ns.shape}-A"
+    for d in (stats_dir, stats_dir_a):
+        shutil.rmtree(d, ignore_errors=True)
+    never_chunk = [{"min_rows": 1_000_000, "chunks": 2}]
+    table_b = json.loads(ns.b_chunking) if ns.b_chunking else never_chunk
     model = make_model(ns.shape, Path(ns.shapes_dir), Path(ns.tok_dir))
     import vllm  # noqa: F401 - version only
 
@@ -290,7 +298,7 @@ def main() -> int:
     plugin_cfg = {"powersave": {
         "stats_dir": str(stats_dir), "trace_steps": True,
         # Policy active but choosing 1 chunk at every row count seen here (H200: no gain measured).
-        "chunking": {"table": [{"min_rows": 1_000_000, "chunks": 2}]},
+        "chunking": {"table": table_b},
         "clocks": {"backend": "dry-run", "min_dwell_ms": 200,
                    "presets": {"decode": {"sm_clock_mhz": 1200}, "idle": {"sm_clock_mhz": 345}}},
         "energy": {"meter": "nvml"}}}
@@ -301,8 +309,18 @@ def main() -> int:
         sampler = NullSampler()
     sampler.start()
     port_a, port_b = job_port(gpus[0], 1), job_port(gpus[0], 2)
+    if ns.a_chunking is None:
+        a_args, a_path = [], ns.stock_site
+    else:
+        # A is the plugin too, same settings but its own chunk table and stats directory.
+        cfg_a = {"powersave": {**plugin_cfg["powersave"], "stats_dir": str(stats_dir_a), "trace_steps": False,
+                               "chunking": {"table": json.loads(ns.a_chunking)}}}
+        a_args, a_path = ["--plugin", "powersave", "--additional-config", json.dumps(cfg_a)], f"{ns.plugin_site}:{ns.stock_site}"
+    result["method"]["arms"] = {"A": "stock vLLM" if ns.a_chunking is None else f"vLLM + powersave, chunk table {ns.a_chunking}",
+                                "B": f"vLLM + powersave, chunk table {json.dumps(table_b)}"}
+    result["method"]["prompt_logprobs"] = ns.prompt_logprobs
     procs = {
-        "A": (start_server("A", model, port_a, [], ns.stock_site, out_dir, ns.gpu_mem), port_a),
+        "A": (start_server("A", model, port_a, a_args, a_path, out_dir, ns.gpu_mem), port_a),
         "B": (start_server("B", model, port_b, ["--plugin", "powersave", "--additional-config", json.dumps(plugin_cfg)],
                            f"{ns.plugin_site}:{ns.stock_site}", out_dir, ns.gpu_mem), port_b),
     }
@@ -319,7 +337,8 @@ def main() -> int:
         for load in [int(x) for x in ns.loads.split(",")]:
             for label, (_, port) in procs.items():  # warm-up: compile/graph paths for this batch size
                 run(BenchConfig(base_url=f"http://127.0.0.1:{port}", model="model", num_prompts=load, max_concurrency=load,
-                                input_len=ns.input_len, output_len=32, energy="none", label=f"warm-{label}"))
+                                input_len=ns.input_len, output_len=32, energy="none", label=f"warm-{label}",
+                                prompt_logprobs=ns.prompt_logprobs))
             for pair in range(ns.pairs):
                 for label, (_, port) in procs.items():
                     if time.monotonic() - T0 > ns.budget_s:
@@ -328,7 +347,8 @@ def main() -> int:
                     t0 = time.monotonic()
                     res = run(BenchConfig(base_url=f"http://127.0.0.1:{port}", model="model", num_prompts=20000,
                                           max_concurrency=load, input_len=ns.input_len, output_len=ns.output_len,
-                                          duration_s=ns.window, energy="nvml", gpus=gpus, seed=pair, label=f"{label}-{load}-{pair}"))
+                                          duration_s=ns.window, energy="nvml", gpus=gpus, seed=pair, label=f"{label}-{load}-{pair}",
+                                          prompt_logprobs=ns.prompt_logprobs))
                     t1 = time.monotonic()
                     w = {"server": label, "load": load, "pair": pair, "t0": t0, "t1": t1, **{k: res.get(k) for k in SUMMARY_KEYS},
                          "sampler": sampler.window(t0, t1)}
@@ -358,6 +378,9 @@ def main() -> int:
             snaps[f.stem.removeprefix("rank")] = json.loads(f.read_text())
         result["plugin_snapshot"] = snaps.get("0", next(iter(snaps.values()), {}))
         result["plugin_snapshots_by_rank"] = snaps
+        if ns.a_chunking is not None:
+            result["plugin_a_snapshots_by_rank"] = {f.stem.removeprefix("rank"): json.loads(f.read_text())
+                                                    for f in sorted(stats_dir_a.glob("rank*.json"))}
         save()
         log(f"saved {out_file} ({out_file.stat().st_size} bytes)")
     return 0

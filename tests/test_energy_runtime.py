@@ -299,3 +299,26 @@ def test_gauges_are_read_once_per_gauge_period(monkeypatch, tmp_path):
         assert json.loads((tmp_path / "rank0.json").read_text())["sm_clock_mhz"] is not None
     finally:
         runtime.close()
+
+
+def test_snapshot_reports_the_workers_peak_cuda_allocation(monkeypatch, tmp_path):
+    # What LM-head chunking lowers for prompt-logprob batches; read from PyTorch's allocator stats.
+    import torch
+
+    asked = []
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda dev: asked.append(dev) or 7_340_032)
+    rt = make_runtime(monkeypatch, tmp_path, FakeNvmlDevices(uuids=("GPU-aaaa-0000", "GPU-bbbb-1111")))
+    try:
+        assert rt.snapshot()["cuda_peak_allocated_bytes"] == 7_340_032
+        assert asked and set(asked) == {0}  # the device index of this worker (the publisher may ask too)
+        monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda dev: (_ for _ in ()).throw(RuntimeError("no CUDA")))
+        assert rt.snapshot()["cuda_peak_allocated_bytes"] is None  # never breaks the snapshot
+    finally:
+        rt.close()
+    monkeypatch.setattr(vllm_compat, "runner_identity", lambda r: {"rank": 0, "device_type": "cpu", "device_index": None})
+    cpu = rt_mod.WorkerRuntime(SimpleNamespace(rank=0, scheduler_config=SimpleNamespace(max_num_seqs=2, async_scheduling=False)),
+                               PowersaveSettings.model_validate({"stats_dir": str(tmp_path / "cpu"), "energy": {"meter": "off"}}))
+    try:
+        assert cpu.snapshot()["cuda_peak_allocated_bytes"] is None
+    finally:
+        cpu.close()

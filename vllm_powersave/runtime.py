@@ -149,6 +149,7 @@ class WorkerRuntime:
         self.engine = int(ident.get("dp_rank", 0))
         self.device_index = int(ident["device_index"] or 0)
         on_gpu = ident["device_type"] == "cuda"
+        self._on_gpu = on_gpu
         self.sim: SimulatedGpu | None = None
         self.sim_stock: SimulatedGpu | None = None
         self.model_cost: ModelCost | None = None
@@ -388,6 +389,18 @@ class WorkerRuntime:
             self._gauge_t = now
         return self._gauge_cache
 
+    def _peak_allocated_bytes(self) -> int | None:
+        """PyTorch's peak allocated CUDA memory of this worker since start (bytes): what LM-head
+        chunking lowers for prompt-logprob batches. A host-side allocator statistic, no device sync."""
+        if not self._on_gpu:
+            return None
+        try:
+            import torch
+
+            return int(torch.cuda.max_memory_allocated(self.device_index))
+        except Exception:
+            return None
+
     def snapshot(self) -> dict[str, Any]:
         policy = chunk_policy()
         energy = self.energy_snapshot()
@@ -405,6 +418,7 @@ class WorkerRuntime:
             "tokens": {},
             **energy,
             **self._gauges(),
+            "cuda_peak_allocated_bytes": self._peak_allocated_bytes(),
             "target_sm_clock_mhz": self.clocks.target_sm_clock_mhz,
             "clock_changes": self.clocks.n_changes,
             "clock_disabled": self.clocks.disabled_reason,
