@@ -120,13 +120,22 @@ def _endpoint_table(result: dict[str, Any]) -> list[str]:
     if len(eps) < 2:
         return []
     lines = ["", "### Per endpoint", "",
-             "| Endpoint | Completed / failed | Output tok/s | TTFT p50 (ms) | TPOT p50 (ms) | GPU energy (J) | J / output token | Output tokens / J |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| Endpoint | Completed / failed | Output tok/s | TTFT p50 (ms) | TPOT p50 (ms) | GPU energy (J) | J / output token | Output tokens / J | Steady state: tokens / J |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for ep in eps + [dict(result, base_url="**fleet total**")]:
+        ss = _steady_tpj(ep)
         lines.append(f"| {ep['base_url']} | {ep.get('completed')} / {ep.get('failed')} | {_num(ep.get('output_throughput'))} | "
                      f"{_num(ep.get('median_ttft_ms'))} | {_num(ep.get('median_tpot_ms'))} | {_energy(ep, 'gpu_energy_j', 2)} | "
-                     f"{_energy(ep, 'gpu_energy_per_output_token_j')} | {_energy(ep, 'output_tokens_per_joule')} |")
+                     f"{_energy(ep, 'gpu_energy_per_output_token_j')} | {_energy(ep, 'output_tokens_per_joule')} | {ss} |")
     return lines
+
+
+def _steady_tpj(ep: dict[str, Any]) -> str:
+    """Steady-state output tokens per joule with provenance, or why there is none."""
+    v, src = ep.get("steady_state_output_tokens_per_joule"), ep.get("steady_state_energy_source")
+    if v is not None and src:
+        return f"{_num(v, 4)} ({src})"
+    return "n/a"
 
 
 def format_table(result: dict[str, Any]) -> str:

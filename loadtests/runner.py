@@ -318,6 +318,12 @@ async def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
         idx = [i for i, o in enumerate(outputs) if o.endpoint == k]
         r_k = readings[k] if per_endpoint_energy else None
         ep_rows.append(_endpoint_summary(url, models[k], [reqs[i] for i in idx], [outputs[i] for i in idx], duration, cfg, r_k))
+        if len(endpoints) > 1:
+            # Each server's own steady state: round-robin gives it 1/n of the target batch, and its
+            # energy is its own meter's (none where only the fleet total is known).
+            b_k = math.ceil(batch / len(endpoints)) if batch else None
+            ss_k = steady_state([outputs[i] for i in idx], b_k, [meters[k]] if per_endpoint_energy else [], t0)
+            ep_rows[-1] |= {k2: v for k2, v in ss_k.items() if k2 != "steady_state_rule"}
     return {
         "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
         "label": cfg.label,

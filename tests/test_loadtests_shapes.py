@@ -140,6 +140,40 @@ def test_fleet_round_robin_per_endpoint_and_total_energy(fake) -> None:
     assert "### Per endpoint" in md and "**fleet total**" in md
 
 
+def test_fleet_steady_state_per_endpoint_from_each_servers_meter(fake) -> None:
+    a = fake(first_delay=0.01, itl_delay=0.01, sources=MEASURED)
+    b = fake(first_delay=0.01, itl_delay=0.02, sources=MEASURED)
+    n, B, out_len = 32, 4, 8
+    res = run(BenchConfig(base_urls=[a.url, b.url], num_prompts=n, max_concurrency=B, output_len=out_len, input_len=3,
+                          sample_interval_s=0.05))
+    ea, eb = res["endpoints"]
+    for k, ep in enumerate((ea, eb)):
+        assert ep["steady_state_batch"] == B // 2  # round-robin: each server holds half the target batch
+        # The ML.ENERGY window of this server's own requests brackets its reported (tick-snapped) window.
+        mine = [i for i, e in enumerate(res["endpoint_ids"]) if e == k]
+        first = sorted(res["start_times"][i] + res["ttfts"][i] for i in mine)
+        done = sorted(res["start_times"][i] + res["latencies"][i] for i in mine)
+        lo, hi = ep["steady_state_start_s"], ep["steady_state_end_s"]
+        assert first[B // 2 - 1] <= lo < hi <= done[len(mine) - B // 2 - 2]
+        # Energy from this server's meter only: its tokens and prefills inside the window, edges aside.
+        tok = ep["steady_state_output_tokens"]
+        starts = sum(1 for i in mine if lo < res["start_times"][i] <= hi)
+        assert abs(ep["steady_state_gpu_energy_j"] - (tok * DECODE_J + starts * PREFILL_J)) <= 2 * B * (DECODE_J + PREFILL_J)
+        assert ep["steady_state_output_tokens_per_joule"] == tok / ep["steady_state_gpu_energy_j"]
+        assert ep["steady_state_energy_source"] == "measured"
+    # The slower server (longer ITL) makes fewer tokens per second in its window.
+    assert eb["steady_state_output_throughput"] < ea["steady_state_output_throughput"]
+    md = __import__("loadtests").format_markdown(res)
+    assert "Steady state: tokens / J" in md and f"{ea['steady_state_output_tokens_per_joule']:.4f} (measured)" in md
+
+
+def test_fleet_steady_state_per_endpoint_has_no_energy_without_per_endpoint_meters(fake) -> None:
+    a, b = fake(first_delay=0.0, itl_delay=0.005), fake(first_delay=0.0, itl_delay=0.005, metrics=False)
+    res = run(BenchConfig(base_urls=[a.url, b.url], num_prompts=16, max_concurrency=4, output_len=4, input_len=3,
+                          sample_interval_s=0.05))
+    assert all(ep["steady_state_gpu_energy_j"] is None and ep["steady_state_duration_s"] for ep in res["endpoints"])
+
+
 def test_fleet_without_metrics_on_one_endpoint_has_no_partial_energy(fake) -> None:
     a, b = fake(), fake(metrics=False)
     res = run(BenchConfig(base_urls=[a.url, b.url], num_prompts=4, output_len=2, input_len=3))

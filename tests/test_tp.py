@@ -1,4 +1,4 @@
-"""Tensor parallelism on the CPU build: TP=2 (gloo/shm) with the tiny model.
+"""Tensor and pipeline parallelism on the CPU build: TP=2 and PP=2 (gloo/shm) with the tiny model.
 
 Every rank must take the same clock decision in the same step (decisions are a function of the
 broadcast scheduler output only), and the engine's energy must be the sum of its ranks'.
@@ -17,7 +17,8 @@ from vllm_powersave.serving import VllmServer, default_serve_args  # noqa: E402
 pytestmark = pytest.mark.e2e
 
 
-def test_tp2_ranks_agree_and_engine_energy_is_their_sum(tmp_path):
+@pytest.mark.parametrize("parallel", [["--tensor-parallel-size", "2"], ["--pipeline-parallel-size", "2"]], ids=["tp2", "pp2"])
+def test_two_ranks_agree_and_engine_energy_is_their_sum(tmp_path, parallel):
     from vllm_powersave.modelgen import make_model
 
     model = make_model(tmp_path / "tiny", "qwen2-tiny")
@@ -26,7 +27,7 @@ def test_tp2_ranks_agree_and_engine_energy_is_their_sum(tmp_path):
                          "clocks": {"backend": "simulated", "min_dwell_ms": 30,
                                     "presets": {"decode": {"sm_clock_mhz": 1200}, "idle": {"sm_clock_mhz": 345}}},
                          "energy": {"meter": "simulated"}}}
-    args = default_serve_args(str(model)) + ["--tensor-parallel-size", "2", "--plugin", "powersave", "--additional-config", json.dumps(cfg)]
+    args = default_serve_args(str(model)) + [*parallel, "--plugin", "powersave", "--additional-config", json.dumps(cfg)]
     # One core per rank: the CPU build binds each worker's OpenMP threads; with one NUMA node it
     # cannot choose for two workers by itself.
     env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
@@ -45,7 +46,7 @@ def test_tp2_ranks_agree_and_engine_energy_is_their_sum(tmp_path):
     assert any(t[3] == 1200 for t in traces[0])
     per_gpu, engine = energy_series(text)
     assert {k.split('gpu="')[1].split('"')[0] for k in per_gpu} == {"sim0", "sim1"}
-    # cuda_perf_boost "off" reached every TP worker (inherited from the API server before they started).
+    # cuda_perf_boost "off" reached every worker (inherited from the API server before they started).
     assert [json.loads((stats / f"rank{r}.json").read_text())["cuda_perf_boost"] for r in (0, 1)] == ["off", "off"]
     for phase in ("prefill", "decode"):
         ranks = sum(v for k, v in per_gpu.items() if f'phase="{phase}"' in k)
