@@ -64,10 +64,14 @@ class VllmServer:
         log_path: file receiving the server's stdout and stderr.
         port: TCP port on 127.0.0.1 (a free one if ``None``).
         startup_timeout_s: seconds to wait for ``/health``.
+        cpus: CPU ids the server and every process it starts (EngineCore, workers) may run on
+            (inherited affinity); ``None`` = unrestricted.
     """
 
-    def __init__(self, args: list[str], env: dict[str, str] | None = None, log_path: str | Path = "vllm-server.log", port: int | None = None, startup_timeout_s: float = 600.0) -> None:
+    def __init__(self, args: list[str], env: dict[str, str] | None = None, log_path: str | Path = "vllm-server.log", port: int | None = None, startup_timeout_s: float = 600.0,
+                 cpus: set[int] | None = None) -> None:
         self.args = list(args)
+        self.cpus = set(cpus) if cpus else None
         self.env = dict(env or {})
         self.log_path = Path(log_path)
         self.port = port or free_port()
@@ -94,7 +98,9 @@ class VllmServer:
         self._log.write((" ".join(cmd) + "\n").encode())
         self._log.flush()
         # Own process group: stopping the server also stops its EngineCore and workers.
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        cpus = self.cpus
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                     preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
