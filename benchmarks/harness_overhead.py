@@ -133,7 +133,9 @@ def interleaved(tag: str, base_url: str, model: Path, data: Path, pairs: int, n:
     ours_cmd = [PY, "-m", "loadtests", "--base-url", base_url, "--model", "model", "--dataset", f"sharegpt:{data}",
                 "--tokenizer", str(model), "--sharegpt-output-len", str(out_len), "--num-prompts", str(n),
                 "--max-concurrency", str(conc), "--num-warmups", "1", "--seed", "0", "--no-progress"]
-    vllm_cmd = [str(Path(PY).parent / "vllm"), "bench", "serve", "--backend", "openai", "--base-url", base_url,
+    # vLLM's CLI through the launcher (the CPU build's `vllm` script is the same): works where the
+    # environment has no `vllm` script, e.g. the H200 bundle on PYTHONPATH.
+    vllm_cmd = [PY, "-m", "vllm_powersave.launcher", "bench", "serve", "--backend", "openai", "--base-url", base_url,
                 "--endpoint", "/v1/completions", "--model", "model", "--tokenizer", str(model), "--dataset-name", "sharegpt",
                 "--dataset-path", str(data), "--sharegpt-output-len", str(out_len), "--num-prompts", str(n),
                 "--max-concurrency", str(conc), "--seed", "0", "--ignore-eos", "--temperature", "0", "--num-warmups", "1",

