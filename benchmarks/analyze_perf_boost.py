@@ -327,9 +327,15 @@ def main() -> int:
         invalid = parse_invalid(ns.invalid, raws)
     except ValueError as e:
         ap.error(str(e))
+    def archived(dest: Path) -> dict | None:
+        if not dest.exists():
+            return None
+        with gzip.open(dest, "rt") as f:
+            return json.load(f)
+
     dests = [out / "raw" / f"h200-perf-boost-{raw.get('tag') or i}.json.gz" for i, raw in enumerate(raws)]
     for p, raw, dest in zip(ns.raw, raws, dests):  # an archived raw is never replaced by another run
-        if dests.count(dest) > 1 or (dest.exists() and json.loads(gzip.open(dest, "rt").read()) != raw):
+        if dests.count(dest) > 1 or archived(dest) not in (None, raw):
             ap.error(f"{p}: {dest} already holds another run with tag {raw.get('tag')!r}; give this run its own tag")
     raws_in = raws
     raws = mark_invalid(raws, invalid)

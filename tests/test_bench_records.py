@@ -12,13 +12,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-import analyze_perf_boost as apb  # noqa: E402
+import analyze_perf_boost as apb
 
 RAW = ROOT / "docs" / "results" / "raw" / "h200-perf-boost-part1.json.gz"
 
 
 def _raw() -> dict:
-    return json.loads(gzip.open(RAW, "rt").read())
+    with gzip.open(RAW, "rt") as f:
+        return json.load(f)
 
 
 def _main(monkeypatch, *args: str) -> None:
@@ -60,7 +61,8 @@ def test_raw_inputs_stay_as_measured_and_another_run_never_replaces_an_archived_
     _main(monkeypatch, str(src), "--out", str(out), "--invalid", "part1:1:low,wake10=test")
     assert src.read_bytes() == before
     archived = out / "raw" / "h200-perf-boost-part1.json.gz"
-    assert json.loads(gzip.open(archived, "rt").read()) == _raw()  # exclusions apply to the report only
+    with gzip.open(archived, "rt") as f:
+        assert json.load(f) == _raw()  # exclusions apply to the report only
     assert json.loads((out / "h200-perf-boost.json").read_text())["excluded"][0]["dropped_windows"] == 1
     # Same input again (what records.sh does with --out docs/results): fine, archive unchanged.
     _main(monkeypatch, str(archived), "--out", str(out))
