@@ -82,6 +82,39 @@ def mark_invalid(raws: list[dict], invalid: dict[tuple[str, int], tuple[set[str]
     return out
 
 
+def parse_invalid(specs: list[str], raws: list[dict]) -> dict[tuple[str, int], tuple[set[str] | None, str]]:
+    """``--invalid TAG:POS[:ITEM,...]=reason`` specs as :func:`mark_invalid` takes them. ValueError for
+    a spec that is malformed or names no server or item of ``raws`` (an exclusion that silently
+    matched nothing would leave the windows it meant to drop in the record), or a server named twice."""
+    servers = {(raw.get("tag"), s["pos"]): s for raw in raws for s in raw["servers"]}
+    out: dict[tuple[str, int], tuple[set[str] | None, str]] = {}
+    for spec in specs:
+        key, eq, reason = spec.partition("=")
+        parts = key.split(":")
+        if not eq or not reason.strip() or len(parts) not in (2, 3):
+            raise ValueError(f"--invalid {spec!r}: expected TAG:POS[:ITEM,...]=reason")
+        tag, pos_s, *items = parts
+        try:
+            pos = int(pos_s)
+        except ValueError:
+            raise ValueError(f"--invalid {spec!r}: server position {pos_s!r} is not an integer") from None
+        s = servers.get((tag, pos))
+        if s is None:
+            raise ValueError(f"--invalid {spec!r}: no server {pos} in a run tagged {tag!r} "
+                             f"(servers: {', '.join(f'{t}:{p}' for t, p in servers)})")
+        if (tag, pos) in out:
+            raise ValueError(f"--invalid {spec!r}: server {tag}:{pos} is named twice; give one spec with all its items")
+        sel: set[str] | None = None
+        if items:
+            sel = {x.strip() for x in items[0].split(",") if x.strip()}
+            known = set(LOADS) | {f"wake{w['idle_s']:g}" for w in s.get("wake", [])}
+            if not sel or sel - known:
+                raise ValueError(f"--invalid {spec!r}: unknown items {sorted(sel - known) or '(none given)'}; "
+                                 f"server {tag}:{pos} has {', '.join(sorted(known))}")
+        out[(tag, pos)] = (sel, reason)
+    return out
+
+
 def analyze(raws: list[dict]) -> dict:
     pairs = [(p, raw) for raw in raws for p in pairs_of(raw)]
     servers = [s for raw in raws for s in raw["servers"]]
@@ -290,18 +323,26 @@ def main() -> int:
     out = Path(ns.out)
     (out / "raw").mkdir(parents=True, exist_ok=True)
     raws = [json.loads((gzip.open if p.endswith(".gz") else open)(p, "rt").read()) for p in ns.raw]
-    invalid: dict[tuple[str, int], tuple[set[str] | None, str]] = {}
-    for spec in ns.invalid:
-        key, _, reason = spec.partition("=")
-        tag, pos, *items = key.split(":")
-        invalid[(tag, int(pos))] = ({x for x in items[0].split(",") if x} if items else None, reason or "excluded")
+    try:
+        invalid = parse_invalid(ns.invalid, raws)
+    except ValueError as e:
+        ap.error(str(e))
+    def archived(dest: Path) -> dict | None:
+        if not dest.exists():
+            return None
+        with gzip.open(dest, "rt") as f:
+            return json.load(f)
+
+    dests = [out / "raw" / f"h200-perf-boost-{raw.get('tag') or i}.json.gz" for i, raw in enumerate(raws)]
+    for p, raw, dest in zip(ns.raw, raws, dests):  # an archived raw is never replaced by another run
+        if dests.count(dest) > 1 or archived(dest) not in (None, raw):
+            ap.error(f"{p}: {dest} already holds another run with tag {raw.get('tag')!r}; give this run its own tag")
     raws_in = raws
     raws = mark_invalid(raws, invalid)
     doc = analyze(raws)
     doc["findings"] = ns.finding
     doc["plot"] = plot(doc, raws, out)
-    for i, raw in enumerate(raws_in):  # the raw files as measured (exclusions apply to the report only); kept once copied
-        dest = out / "raw" / f"h200-perf-boost-{raw.get('tag') or i}.json.gz"
+    for raw, dest in zip(raws_in, dests):  # the raw files as measured (exclusions apply to the report only); kept once copied
         if not dest.exists():
             with gzip.open(dest, "wt") as f:
                 json.dump(raw, f)

@@ -134,16 +134,21 @@ def job_port(gpu: int, slot: int) -> int:
     return 8000 + 50 * gpu + slot
 
 
+PROC_NET_TCP = ("/proc/net/tcp", "/proc/net/tcp6")
+
+
 def tcp_listeners(port: int) -> int:
-    """Sockets in LISTEN state on ``port`` (IPv4 and IPv6), from /proc/net/tcp*; -1 where unreadable."""
-    n = 0
-    for f in ("/proc/net/tcp", "/proc/net/tcp6"):
+    """Sockets in LISTEN state on ``port`` (IPv4 and IPv6), from /proc/net/tcp*; -1 where no table is
+    readable (a kernel without IPv6 has no tcp6: the IPv4 table still counts)."""
+    n, read = 0, 0
+    for f in PROC_NET_TCP:
         try:
             lines = Path(f).read_text().splitlines()[1:]
         except OSError:
-            return -1
+            continue
+        read += 1
         n += sum(1 for ln in lines if (c := ln.split()) and int(c[1].rsplit(":", 1)[1], 16) == port and c[3] == "0A")
-    return n
+    return n if read else -1
 
 
 def check_port_free(port: int) -> None:

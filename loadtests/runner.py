@@ -221,7 +221,8 @@ async def _open_meters(session: aiohttp.ClientSession, cfg: BenchConfig) -> tupl
 
 
 def _endpoint_summary(url: str, model: str, inputs: list[RequestInput], outputs: list[RequestOutput], duration: float,
-                      cfg: BenchConfig, reading: EnergyReading | None) -> dict[str, Any]:
+                      cfg: BenchConfig, reading: EnergyReading | None,
+                      no_reading_note: str = "energy measured for the whole fleet only") -> dict[str, Any]:
     m = calculate_metrics(inputs, outputs, duration, cfg.percentiles, cfg.goodput or None)
     keep = ("completed", "failed", "total_input_tokens", "total_output_tokens", "request_throughput",
             "request_goodput", "output_throughput", "total_token_throughput", "mean_ttft_ms", "median_ttft_ms",
@@ -230,7 +231,7 @@ def _endpoint_summary(url: str, model: str, inputs: list[RequestInput], outputs:
     out |= {k: m.get(k) for k in keep}
     for p in cfg.percentiles:
         out[f"{percentile_key(p)}_ttft_ms"] = m[f"{percentile_key(p)}_ttft_ms"]
-    e = energy_metrics(reading or EnergyReading(note="energy measured for the whole fleet only"),
+    e = energy_metrics(reading or EnergyReading(note=no_reading_note),
                        m["total_input_tokens"], m["total_output_tokens"])
     out |= {k: e[k] for k in ("gpu_energy_j", "gpu_avg_power_w", "gpu_energy_per_output_token_j",
                               "gpu_energy_per_total_token_j", "output_tokens_per_joule", "total_tokens_per_joule",
@@ -314,15 +315,21 @@ async def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
     batch = cfg.steady_state_batch or cfg.max_concurrency
     ss = steady_state(outputs, batch, meters, t0)
     ep_rows = []
+    # Why a server has no energy of its own: the fleet was measured as a whole, or not at all.
+    ep_note = "energy measured for the whole fleet only" if reading.energy_j is not None else (reading.note or scope)
     for k, url in enumerate(endpoints):
         idx = [i for i, o in enumerate(outputs) if o.endpoint == k]
         r_k = readings[k] if per_endpoint_energy else None
-        ep_rows.append(_endpoint_summary(url, models[k], [reqs[i] for i in idx], [outputs[i] for i in idx], duration, cfg, r_k))
+        ep_rows.append(_endpoint_summary(url, models[k], [reqs[i] for i in idx], [outputs[i] for i in idx], duration, cfg, r_k,
+                                         ep_note))
         if len(endpoints) > 1:
-            # Each server's own steady state: round-robin gives it 1/n of the target batch, and its
-            # energy is its own meter's (none where only the fleet total is known).
-            b_k = math.ceil(batch / len(endpoints)) if batch else None
+            # Each server's own steady state: round-robin gives it 1/n of the target batch (exact, so
+            # B = 4 over 3 servers is 4/3 each), and its energy is its own meter's (none where only the
+            # fleet total is known).
+            b_k = (batch // len(endpoints) if batch % len(endpoints) == 0 else batch / len(endpoints)) if batch else None
             ss_k = steady_state([outputs[i] for i in idx], b_k, [meters[k]] if per_endpoint_energy else [], t0)
+            if not per_endpoint_energy and ss_k["steady_state_duration_s"] is not None:
+                ss_k["steady_state_note"] = "; ".join(x for x in (ss_k["steady_state_note"], f"no energy: {ep_note}") if x)
             ep_rows[-1] |= {k2: v for k2, v in ss_k.items() if k2 != "steady_state_rule"}
     return {
         "date": datetime.now().strftime("%Y%m%d-%H%M%S"),

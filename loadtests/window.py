@@ -12,6 +12,7 @@ over the same snapped window from their arrival times.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -88,8 +89,11 @@ def sum_readings(readings: Sequence[EnergyReading | None]) -> EnergyReading | No
         by_gpu_j={(f"{i}/{g}" if len(rs) > 1 else g): v for i, r in enumerate(rs) for g, v in r.by_gpu_j.items()})
 
 
-def steady_state(outputs: Sequence[RequestOutput], batch: int | None, meters: Sequence[EnergyMeter], t0: float) -> dict[str, Any]:
+def steady_state(outputs: Sequence[RequestOutput], batch: float | None, meters: Sequence[EnergyMeter], t0: float) -> dict[str, Any]:
     """``steady_state_*`` result fields (throughput, energy, J/token over the steady-state window).
+
+    ``batch`` may be fractional (one server's share of a fleet's B): the window then counts
+    ``ceil(batch)`` first tokens and requests, and the batch utilization is measured against ``batch``.
 
     All values are None with a ``steady_state_note`` when there is no target batch or the window
     does not exist; energy values are None when no source was sampled inside the window.
@@ -103,7 +107,7 @@ def steady_state(outputs: Sequence[RequestOutput], batch: int | None, meters: Se
     if batch is None:
         out["steady_state_note"] = "no target batch: set max_concurrency or steady_state_batch (the server's max_num_seqs)"
         return out
-    bounds = steady_state_bounds(outputs, batch)
+    bounds = steady_state_bounds(outputs, math.ceil(batch))
     if isinstance(bounds, str):
         out["steady_state_note"] = f"no steady state: {bounds}"
         return out

@@ -44,3 +44,29 @@ def test_busy_port_is_refused_and_a_second_listener_is_counted() -> None:
         a.close()
     assert ab.tcp_listeners(port) == 0
     ab.check_port_free(port)
+
+
+def test_listeners_are_counted_without_ipv6(monkeypatch) -> None:
+    # A kernel booted with ipv6.disable=1 has no /proc/net/tcp6: the IPv4 listeners still count
+    # (the guard must not turn itself off), and -1 only where no table is readable at all.
+    a = _listen()
+    port = a.getsockname()[1]
+    try:
+        monkeypatch.setattr(ab, "PROC_NET_TCP", ("/proc/net/tcp", "/nonexistent/tcp6"))
+        assert ab.tcp_listeners(port) == 1
+        with pytest.raises(RuntimeError, match="already has a listener"):
+            ab.check_port_free(port)
+        monkeypatch.setattr(ab, "PROC_NET_TCP", ("/nonexistent/tcp", "/nonexistent/tcp6"))
+        assert ab.tcp_listeners(port) == -1
+    finally:
+        a.close()
+
+
+def test_ipv6_listener_is_counted() -> None:
+    s = socket.socket(socket.AF_INET6)
+    s.bind(("::1", 0))
+    s.listen()
+    try:
+        assert ab.tcp_listeners(s.getsockname()[1]) == 1
+    finally:
+        s.close()

@@ -174,6 +174,49 @@ def test_fleet_steady_state_per_endpoint_has_no_energy_without_per_endpoint_mete
     assert all(ep["steady_state_gpu_energy_j"] is None and ep["steady_state_duration_s"] for ep in res["endpoints"])
 
 
+def test_fleet_steady_state_per_endpoint_batch_is_the_exact_share(fake) -> None:
+    # B = 4 over 3 servers: each holds 4/3 on average. Rounding the share up to 2 (the window's count
+    # of first tokens) must not become the yardstick: a saturated fleet would read 0.67 of B on
+    # every server and be flagged "batch not full".
+    srv = [fake(first_delay=0.0, itl_delay=0.005) for _ in range(3)]
+    res = run(BenchConfig(base_urls=[s.url for s in srv], num_prompts=30, max_concurrency=4, output_len=4, input_len=3,
+                          sample_interval_s=0.05))
+    for ep in res["endpoints"]:
+        assert ep["steady_state_batch"] == pytest.approx(4 / 3)
+        assert ep["steady_state_duration_s"] is not None
+        assert ep["steady_state_batch_utilization"] == pytest.approx(ep["steady_state_avg_concurrency"] / (4 / 3))
+    assert "Per endpoint" in __import__("loadtests").format_markdown(res)
+
+
+def test_steady_state_with_a_fractional_batch_share() -> None:
+    from loadtests.window import steady_state
+
+    # One server of a fleet whose share is 4/3: the window opens at its 2nd first token (ceil), and
+    # 1.33 requests in flight on average is a full share, not a batch that never filled.
+    outs = [_out(2.25 * k, 0.1, 3.0) for k in range(7)]  # 3 s requests every 2.25 s: 4/3 in flight
+    ss = steady_state(outs, 4 / 3, [], 0.0)
+    assert ss["steady_state_batch"] == pytest.approx(4 / 3)
+    assert ss["steady_state_start_s"] == pytest.approx(2.35)  # 2nd first token
+    assert ss["steady_state_end_s"] == pytest.approx(9.75)  # N - ceil(B) - 1 = 4th finish
+    assert 1.3 < ss["steady_state_avg_concurrency"] < 1.45
+    assert ss["steady_state_batch_utilization"] == pytest.approx(ss["steady_state_avg_concurrency"] * 3 / 4)
+    assert "batch not full" not in ss["steady_state_note"]
+
+
+def test_fleet_endpoint_energy_notes_say_why_there_is_none(fake) -> None:
+    # Neither the fleet nor a server has energy (energy="none"): no endpoint may claim that the
+    # fleet was measured, and its steady-state energy, None, says why.
+    a, b = fake(first_delay=0.0, itl_delay=0.005), fake(first_delay=0.0, itl_delay=0.005)
+    res = run(BenchConfig(base_urls=[a.url, b.url], num_prompts=16, max_concurrency=4, output_len=4, input_len=3,
+                          sample_interval_s=0.05, energy="none"))
+    assert res["gpu_energy_j"] is None
+    for ep in res["endpoints"]:
+        assert ep["gpu_energy_j"] is None and "whole fleet" not in ep["energy_note"]
+        assert "disabled by energy='none'" in ep["energy_note"]
+        assert ep["steady_state_duration_s"] is not None and ep["steady_state_gpu_energy_j"] is None
+        assert "disabled by energy='none'" in ep["steady_state_note"]
+
+
 def test_fleet_without_metrics_on_one_endpoint_has_no_partial_energy(fake) -> None:
     a, b = fake(), fake(metrics=False)
     res = run(BenchConfig(base_urls=[a.url, b.url], num_prompts=4, output_len=2, input_len=3))
