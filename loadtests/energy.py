@@ -56,6 +56,7 @@ class EnergyReading:
     by_phase_j: dict[str, float] = field(default_factory=dict)
     by_gpu_j: dict[str, float] = field(default_factory=dict)
     note: str = ""
+    counter_resets: int = 0  # series seen going down between two readings (server or driver restart)
 
 
 def diff_counters(before: dict[LabelKey, float], after: dict[LabelKey, float]) -> EnergyReading:
@@ -71,8 +72,10 @@ def diff_counters(before: dict[LabelKey, float], after: dict[LabelKey, float]) -
     by_gpu: dict[str, float] = {}
     sources: set[str] = set()
     all_sources: set[str] = set()
+    resets = 0
     for key, v_after in after.items():
         v_before = before.get(key, 0.0)
+        resets += v_after < v_before
         delta = v_after - v_before if v_after >= v_before else v_after
         labels = dict(key)
         src = labels.get("source", "")
@@ -87,7 +90,7 @@ def diff_counters(before: dict[LabelKey, float], after: dict[LabelKey, float]) -
     considered = sources or all_sources
     source = "measured" if considered == {"measured"} else "simulated"
     return EnergyReading(
-        energy_j=total, source=source, provider="server-metrics", by_phase_j=by_phase, by_gpu_j=by_gpu
+        energy_j=total, source=source, provider="server-metrics", by_phase_j=by_phase, by_gpu_j=by_gpu, counter_resets=resets
     )
 
 
@@ -350,7 +353,8 @@ class EnergyMeter:
             after = self.samples[-1].counters
             if after is None:
                 return EnergyReading(window_s=window, note="no energy source (final /metrics scrape failed)")
-            r = diff_counters(self._before, after)
+            r = energy_over(self.samples)
+            assert r is not None  # the first and the last reading both have counters
             r.window_s = window
             return r
         if self._nvml is not None and self._nvml_before is not None:
@@ -361,16 +365,11 @@ class EnergyMeter:
             power, clock = _nvml_gauges(self._nvml)
             self.samples.append(Sample(t=t1, gpu_j=dict(after_gpu), power_w=power, sm_clock_mhz=clock,
                                        gauge_source="measured" if power is not None else None))
-            window = t1 - self._t0
-            by_gpu = {k: after_gpu[k] - self._nvml_before.get(k, 0.0) for k in after_gpu}
-            return EnergyReading(
-                energy_j=sum(by_gpu.values()),
-                window_s=window,
-                source="measured",
-                provider="nvml",
-                by_gpu_j=by_gpu,
-                note="local NVML counters (server assumed to run on this host)",
-            )
+            r = energy_over(self.samples)
+            assert r is not None  # the first and the last reading both have counters
+            r.window_s = t1 - self._t0
+            r.note = "local NVML counters (server assumed to run on this host)" + r.note
+            return r
         return EnergyReading(window_s=time.perf_counter() - self._t0, note=self._note or "no energy source")
 
 
@@ -381,7 +380,34 @@ def energy_between(a: Sample, b: Sample) -> EnergyReading | None:
         r.window_s = b.t - a.t
         return r
     if a.gpu_j is not None and b.gpu_j is not None:
-        by_gpu = {k: b.gpu_j[k] - a.gpu_j.get(k, 0.0) for k in b.gpu_j}
-        return EnergyReading(energy_j=sum(by_gpu.values()), window_s=b.t - a.t, source="measured",
-                             provider="nvml", by_gpu_j=by_gpu)
+        # NVML's counter restarts only with the driver; a lower value is then the energy since.
+        by_gpu = {k: (v - a.gpu_j.get(k, 0.0)) if v >= a.gpu_j.get(k, 0.0) else v for k, v in b.gpu_j.items()}
+        return EnergyReading(energy_j=sum(by_gpu.values()), window_s=b.t - a.t, source="measured", provider="nvml",
+                             by_gpu_j=by_gpu, counter_resets=sum(v < a.gpu_j.get(k, 0.0) for k, v in b.gpu_j.items()))
     return None
+
+
+def energy_over(samples: list[Sample]) -> EnergyReading | None:
+    """Energy (J) from the first to the last readable reading of one meter, summed over consecutive
+    readings (Prometheus ``increase()``): a counter reset between two readings loses only the
+    energy of that interval before the reset, and is counted in ``counter_resets`` and the note.
+    Failed reads are skipped. None with fewer than two readable readings."""
+    ok = [x for x in samples if x.counters is not None or x.gpu_j is not None]
+    parts = [r for r in (energy_between(a, b) for a, b in zip(ok, ok[1:])) if r is not None]
+    if not parts:
+        return None
+    by_phase: dict[str, float] = {}
+    by_gpu: dict[str, float] = {}
+    for r in parts:
+        for k, v in r.by_phase_j.items():
+            by_phase[k] = by_phase.get(k, 0.0) + v
+        for k, v in r.by_gpu_j.items():
+            by_gpu[k] = by_gpu.get(k, 0.0) + v
+    resets = sum(r.counter_resets for r in parts)
+    # A part that moved no counter says nothing about the source; the advancing ones decide.
+    moved = {r.source for r in parts if r.energy_j}
+    source = "measured" if (moved or {r.source for r in parts}) == {"measured"} else "simulated"
+    note = (f"; {resets} counter reset(s) during the window (server or driver restart): the energy between the last "
+            "reading before a reset and the reset is missing (sample more often to narrow it)") if resets else ""
+    return EnergyReading(energy_j=sum(r.energy_j or 0.0 for r in parts), window_s=ok[-1].t - ok[0].t, source=source,
+                         provider=parts[0].provider, by_phase_j=by_phase, by_gpu_j=by_gpu, note=note, counter_resets=resets)

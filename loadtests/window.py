@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .client import RequestOutput
-from .energy import EnergyMeter, EnergyReading, Sample, energy_between
+from .energy import EnergyMeter, EnergyReading, Sample, energy_between, energy_over
 
 RULE = ("ML.ENERGY steady state: opens when B requests have their first token, closes when N - B - 1 "
         "requests have finished; snapped inward to energy samples")
@@ -120,7 +120,7 @@ def steady_state(outputs: Sequence[RequestOutput], batch: float | None, meters: 
         inside = [k for k, tt in enumerate(ticks) if tt is not None and tt[0] >= t_open and tt[1] <= t_close]
         if len(inside) >= 2:
             i, j = inside[0], inside[-1]
-            reading = sum_readings([energy_between(m.samples[i], m.samples[j]) for m in meters])
+            reading = sum_readings([energy_over(m.samples[i:j + 1]) for m in meters])
             a = sum(m.samples[i].t for m in meters) / len(meters) - t0
             b = sum(m.samples[j].t for m in meters) / len(meters) - t0
         else:
@@ -170,16 +170,25 @@ def timeline(meters: Sequence[EnergyMeter], names: Sequence[str], t0: float, int
         ss = m.samples
         if not ss:
             continue
-        e0 = ss[0]
         energy: list[float | None] = []
         avg_power: list[float | None] = []
         phases: list[str | None] = []
         sources: set[str] = set()
+        # Cumulative energy summed over consecutive readable readings (a counter reset loses one
+        # interval, never the whole run before it); None where a read failed.
+        cum: float | None = 0.0 if ss[0].counters is not None or ss[0].gpu_j is not None else None
+        last = ss[0] if cum is not None else None
         for k, s in enumerate(ss):
-            r = energy_between(e0, s)
-            energy.append(r.energy_j if r is not None else None)
-            if r is not None and r.source and k > 0:
-                sources.add(r.source)
+            if k > 0 and last is not None:
+                r = energy_between(last, s)
+                if r is not None and r.energy_j is not None and cum is not None:
+                    cum += r.energy_j
+                    last = s
+                    if r.source:
+                        sources.add(r.source)
+                energy.append(cum if r is not None else None)
+            else:
+                energy.append(cum if k == 0 else None)
             if k == 0:
                 avg_power.append(None)
                 phases.append(None)

@@ -489,6 +489,36 @@ def test_steady_state_window_energy_and_throughput(fake) -> None:
     assert res["gpu_energy_j"] == n * (PREFILL_J + out_len * DECODE_J) >= res["steady_state_gpu_energy_j"]
 
 
+def test_counter_reset_mid_run_loses_one_interval_not_the_run(fake) -> None:
+    # A server restart mid-run resets its energy counters; the whole-run energy must keep what was
+    # booked before the reset (summed over readings) and say that a reset happened.
+    import threading
+
+    srv = fake(first_delay=0.01, itl_delay=0.01, sources=MEASURED)
+    n, out_len = 24, 10
+    per_request = PREFILL_J + out_len * DECODE_J
+
+    def restart() -> None:
+        while sum(srv.steps.values()) < n * out_len // 2:  # about half the work done
+            time.sleep(0.005)
+        srv.energy = dict.fromkeys(srv.energy, 0.0)
+
+    t = threading.Thread(target=restart, daemon=True)
+    t.start()
+    res = run(BenchConfig(base_url=srv.url, num_prompts=n, max_concurrency=3, output_len=out_len, input_len=3,
+                          sample_interval_s=0.02))
+    t.join(5)
+    booked = n * per_request
+    # Lost: only the work between the last reading before the reset and the reset (one sample
+    # interval of 3 streams; 6 requests' worth leaves room for a loaded CI host), never the first
+    # half of the run (12 requests' worth).
+    assert booked - 6 * per_request <= res["gpu_energy_j"] <= booked + 3.0 + 1e-9  # 3 J: the fake's idle counter
+    assert "counter reset" in res["energy_note"]
+    # The timeline's cumulative energy never goes down across the reset.
+    e = [x for x in res["timeline"]["series"][0]["energy_j"] if x is not None]
+    assert all(b >= a for a, b in zip(e, e[1:])) and e[-1] == pytest.approx(res["gpu_energy_j"])
+
+
 def test_steady_state_absent_without_target_or_enough_requests(fake) -> None:
     srv = fake(first_delay=0.0, itl_delay=0.0)
     open_loop = run(BenchConfig(base_url=srv.url, num_prompts=4, request_rate=200.0, output_len=1, input_len=2))
