@@ -97,7 +97,8 @@ def main() -> int:
     procs = {}
     for i, (name, extra) in enumerate(variants.items()):
         site = ns.stock_site if not extra else f"{ns.plugin_site}:{ns.stock_site}"
-        procs[name] = (ab.start_server(name, model, 8300 + i, extra, site, out_file.parent, ns.gpu_mem), 8300 + i)
+        procs[name] = (ab.start_server(name, model, ab.job_port(ns.gpu, 20 + i), extra, site, out_file.parent, ns.gpu_mem),
+                       ab.job_port(ns.gpu, 20 + i))
     try:
         ab.wait_healthy(procs, timeout_s=300)
         result["startup_s"] = time.monotonic() - ab.T0
