@@ -133,7 +133,8 @@ class FakeServer:
 
     # -- handlers --------------------------------------------------------------------
     async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model"}]})
+        # vLLM lists the model's path as "root"; the fake lists a made-up one the same way.
+        return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model", "root": f"/models/{self.model}-weights"}]})
 
     def metrics_text(self) -> str:
         """Prometheus text of the current counters and gauges."""

@@ -22,6 +22,14 @@ def _num(v: Any, digits: int = 2) -> str:
     return str(v)
 
 
+def _model(result: dict[str, Any]) -> str:
+    """The served model name, with the model's directory where the server lists a different one."""
+    name, root = str(result.get("model_id")), result.get("model_root")
+    if root and root != name:
+        return f"{name} ({Path(root).name or root})"
+    return name
+
+
 def _energy(result: dict[str, Any], key: str, digits: int = 4) -> str:
     """An energy number with its provenance, e.g. ``0.0123 (simulated)``."""
     v = result.get(key)
@@ -49,7 +57,7 @@ def _latency_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
 def _summary_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
     rows = [
         ("Label", str(result.get("label") or "-")),
-        ("Model", str(result.get("model_id"))),
+        ("Model", _model(result)),
         ("Endpoint", str(result.get("endpoint"))),
         ("Successful requests", _num(result.get("completed"))),
         ("Failed requests", _num(result.get("failed"))),
@@ -180,7 +188,7 @@ def compare_table(results: dict[str, dict[str, Any]]) -> str:
     def add(title: str, fn: Any) -> None:
         rows.append((title, [fn(results[lab]) for lab in labels]))
 
-    add("Model", lambda r: str(r.get("model_id")))
+    add("Model", _model)
     add("Completed / failed", lambda r: f"{r.get('completed')} / {r.get('failed')}")
     add("Request throughput (req/s)", lambda r: _num(r.get("request_throughput")))
     add("Output throughput (tok/s)", lambda r: _num(r.get("output_throughput")))

@@ -43,8 +43,9 @@ def _reason(e: BaseException) -> str:
     return " ".join(text.split())
 
 
-async def check_server(session: aiohttp.ClientSession, base_url: str, model: str | None, timeout_s: float) -> str:
-    """``GET /v1/models`` with a short timeout; returns the model id to use.
+async def check_server(session: aiohttp.ClientSession, base_url: str, model: str | None, timeout_s: float) -> tuple[str, str | None]:
+    """``GET /v1/models`` with a short timeout; returns the model id to use and the served model's
+    ``root`` (vLLM lists the model's path there; None where the server does not say).
 
     Raises :class:`ServerUnreachableError` (one line) if the server does not answer, or
     if ``model`` is None and no model id can be read from the listing.
@@ -60,10 +61,16 @@ async def check_server(session: aiohttp.ClientSession, base_url: str, model: str
         raise ServerUnreachableError(f"cannot reach server at {base_url}: {_reason(e)}") from None
     except ValueError:
         body = None  # non-JSON listing: fine if the user named the model
-    if model:
-        return model
     try:
-        return str(body["data"][0]["id"])
+        listed = [d for d in body["data"] if isinstance(d, dict)]
+    except (TypeError, KeyError):
+        listed = []
+    entry = next((d for d in listed if d.get("id") == model), None) if model else (listed[0] if listed else None)
+    root = entry.get("root") if entry is not None and isinstance(entry.get("root"), str) else None
+    if model:
+        return model, root
+    try:
+        return str(body["data"][0]["id"]), root
     except (TypeError, KeyError, IndexError):
         raise ServerUnreachableError(
             f"cannot determine model from {url} (HTTP {status}); pass --model"
@@ -273,7 +280,9 @@ async def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
     async with aiohttp.ClientSession(connector=connector, trust_env=False) as session, \
             aiohttp.ClientSession(trust_env=False) as metrics_session:
         tmo = min(cfg.connect_timeout_s, cfg.timeout_s)
-        models = list(await asyncio.gather(*(check_server(session, url, cfg.model, tmo) for url in endpoints)))
+        checked = await asyncio.gather(*(check_server(session, url, cfg.model, tmo) for url in endpoints))
+        models = [m for m, _ in checked]
+        roots = [r for _, r in checked]
         warm_failed = 0
         if warm:
             w_out, _, _, _ = await run_load(
@@ -341,6 +350,7 @@ async def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
         "endpoint": "/v1/chat/completions" if cfg.endpoint == "chat" else "/v1/completions",
         "stream": cfg.stream,
         "model_id": models[0],
+        "model_root": roots[0],
         "tokenizer_id": cfg.tokenizer,
         "dataset": f"trace:{cfg.trace}" if cfg.trace else cfg.dataset,
         "num_prompts": len(reqs),

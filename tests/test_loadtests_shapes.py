@@ -217,6 +217,17 @@ def test_fleet_endpoint_energy_notes_say_why_there_is_none(fake) -> None:
         assert "disabled by energy='none'" in ep["steady_state_note"]
 
 
+def test_model_row_names_the_served_model_and_its_directory(fake) -> None:
+    srv = fake(model="model")
+    res = run(BenchConfig(base_url=srv.url, num_prompts=2, output_len=1, input_len=2))
+    assert res["model_id"] == "model" and res["model_root"] == "/models/model-weights"
+    lib = __import__("loadtests")
+    assert "| Model | model (model-weights) |" in lib.format_markdown(res)
+    assert "| Model | model (model-weights) |" in lib.compare_table({"a": res})
+    named = run(BenchConfig(base_url=srv.url, model="other", num_prompts=1, output_len=1, input_len=2))
+    assert named["model_root"] is None  # the server lists no model of that name: nothing guessed
+
+
 def test_fleet_without_metrics_on_one_endpoint_has_no_partial_energy(fake) -> None:
     a, b = fake(), fake(metrics=False)
     res = run(BenchConfig(base_urls=[a.url, b.url], num_prompts=4, output_len=2, input_len=3))
