@@ -124,8 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ab-base-url", nargs="+", default=None, metavar="URL_B",
                    help="A/B mode: --base-url is A, this is B; runs --pairs interleaved pairs (ABBA) and reports ratios with 95%% CIs")
     p.add_argument("--pairs", type=int, default=3, help="A/B mode: number of pairs (default 3)")
-    p.add_argument("--energy", choices=["auto", "server", "nvml", "none"], default="auto",
-                   help="energy source: server powersave_* metrics, local NVML, or auto (server, else NVML)")
+    p.add_argument("--energy", choices=["auto", "server", "nvml", "zeusd", "none"], default="auto",
+                   help="energy source: server powersave_* metrics, local NVML, Zeus's daemon (--zeusd), or auto (server, else NVML)")
+    p.add_argument("--zeusd", default=None, metavar="URL_OR_SOCKET",
+                   help="zeusd address for --energy zeusd: http://host:4938 or its Unix socket path (JWT from $ZEUSD_TOKEN)")
     p.add_argument("--result-json", default=None, help="write the full result here")
     p.add_argument("--markdown", default=None, help="write a Markdown report here")
     p.add_argument("--plot-dir", default=None, help="write PNG plots here (timeline; sweep curves)")
@@ -162,7 +164,7 @@ def _config(args: argparse.Namespace, rate: float, conc: int | None) -> BenchCon
         burstiness=args.burstiness, arrival=args.arrival, input_len=args.input_len, output_len=args.output_len,
         range_ratio=args.range_ratio, num_warmups=args.num_warmups, seed=args.seed, timeout_s=args.timeout,
         goodput=_goodput(args.goodput), percentiles=_csv_floats(args.percentiles, "--percentiles"),
-        dataset=args.dataset, prompt_logprobs=args.prompt_logprobs, label=args.label, gpus=gpus, energy=args.energy,
+        dataset=args.dataset, prompt_logprobs=args.prompt_logprobs, label=args.label, gpus=gpus, energy=args.energy, zeusd=args.zeusd,
         duration_s=args.duration, ramp_up_strategy=args.ramp_up_strategy, ramp_up_start_rps=args.ramp_up_start_rps,
         ramp_up_end_rps=args.ramp_up_end_rps, ramp_up_duration_s=args.ramp_up_duration, trace=args.trace,
         trace_time_scale=args.trace_time_scale, prefix_len=args.prefix_len, num_prefixes=args.num_prefixes,

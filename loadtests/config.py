@@ -85,8 +85,11 @@ class BenchConfig(BaseModel):
     gpus: list[int] | None = None
     #: Energy source: "auto" (server powersave_* metrics, else local NVML), "server", "nvml"
     #: (local NVML even when the server publishes metrics: the fair choice for A/B against a stock
-    #: server on the same GPU) or "none".
-    energy: Literal["auto", "server", "nvml", "none"] = "auto"
+    #: server on the same GPU), "zeusd" (Zeus's daemon at ``zeusd``: the GPUs of its host, also
+    #: remote; JWT from ``$ZEUSD_TOKEN``) or "none".
+    energy: Literal["auto", "server", "nvml", "zeusd", "none"] = "auto"
+    #: zeusd address for ``energy="zeusd"``: ``http://host:4938`` (TCP mode) or its Unix socket path.
+    zeusd: str | None = Field(default=None, min_length=1)
     #: Stop starting requests after this many seconds (requests already running finish); with a
     #: large ``num_prompts`` this gives fixed-length measurement windows (e.g. >= 15 s for NVML).
     duration_s: float | None = Field(default=None, gt=0)
@@ -187,6 +190,9 @@ class BenchConfig(BaseModel):
         if not self.stream and "tpot" in self.goodput:
             raise ValueError("goodput SLO tpot cannot be judged without streaming (non-streaming TTFT = E2E, so TPOT is "
                              "always 0): drop tpot or use streaming")
+        if (self.energy == "zeusd") != (self.zeusd is not None):
+            raise ValueError(f"energy = {self.energy!r} with zeusd = {self.zeusd!r}: energy 'zeusd' needs the daemon's address "
+                             "(zeusd = http://host:4938 or a socket path), and only it uses one")
         if self.trace is not None:
             if self.ramp_up_strategy is not None or math.isfinite(self.request_rate):
                 raise ValueError("trace replay sets the arrival times itself: drop request_rate / ramp-up")

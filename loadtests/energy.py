@@ -11,6 +11,8 @@ Preference order:
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,6 +59,11 @@ class EnergyReading:
     by_gpu_j: dict[str, float] = field(default_factory=dict)
     note: str = ""
     counter_resets: int = 0  # series seen going down between two readings (server or driver restart)
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
 
 
 def diff_counters(before: dict[LabelKey, float], after: dict[LabelKey, float]) -> EnergyReading:
@@ -244,6 +251,7 @@ class Sample:
     sm_clock_mhz: float | None = None
     gauge_source: str | None = None
     running: float | None = None
+    provider: str | None = None  # of ``gpu_j``: "nvml" (local) or "zeusd" (the daemon's read API)
 
 
 def _nvml_gauges(nvml: NvmlEnergy) -> tuple[float | None, float | None]:
@@ -257,6 +265,60 @@ def _nvml_gauges(nvml: NvmlEnergy) -> tuple[float | None, float | None]:
         return None, None
 
 
+class ZeusdEnergy:
+    """GPU energy from Zeus's daemon ``zeusd`` (its ``gpu-read`` API group, no privilege needed).
+
+    ``GET /gpu/get_cumulative_energy?gpu_ids=0,1`` answers ``{"0": {"energy_mj": N}, ...}`` (NVML's
+    total-energy counter, mJ) and ``GET /gpu/get_power`` ``{"timestamp_ms": T, "power_mw": {"0": P}}``
+    (zeusd 0.4+, ``zeusd/src/routes/gpu.rs`` of ml-energy/zeus). Reached over TCP
+    (``http://node:4938``, e.g. a server on another host) or its Unix socket (a path); a JWT from
+    ``$ZEUSD_TOKEN`` goes in ``Authorization: Bearer``. GPU indices are zeusd's (NVML order).
+    """
+
+    def __init__(self, target: str, gpus: list[int] | None, timeout_s: float, token: str | None) -> None:
+        self._unix = None if target.startswith(("http://", "https://")) else target
+        self._base = "http://zeusd" if self._unix else target.rstrip("/")
+        self._query = {"gpu_ids": ",".join(str(g) for g in gpus)} if gpus else {}
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._session: aiohttp.ClientSession | None = None
+
+    async def _get(self, path: str) -> Any:
+        if self._session is None:
+            conn = aiohttp.UnixConnector(path=self._unix) if self._unix else None
+            # trust_env=False: no proxy from the environment; only the given address is contacted.
+            self._session = aiohttp.ClientSession(connector=conn, trust_env=False)
+        async with self._session.get(self._base + path, params=self._query, headers=self._headers, timeout=self._timeout,
+                                     allow_redirects=False) as resp:
+            text = await resp.text(errors="replace")
+            if resp.status != 200:
+                hint = {401: " (token missing)", 403: " (token without gpu-read scope)",
+                        404: " (gpu-read API group not enabled)"}.get(resp.status, "")
+                raise RuntimeError(f"zeusd {path}: HTTP {resp.status}{hint}: {text.strip()[:120]}")
+            return json.loads(text)
+
+    async def per_gpu_j(self) -> dict[str, float]:
+        """Per-GPU counter values in joules, keyed by zeusd's GPU index. Raises on any failure."""
+        body = await self._get("/gpu/get_cumulative_energy")
+        out = {str(k): float(v["energy_mj"]) / 1000.0 for k, v in body.items()}
+        if not out:
+            raise RuntimeError("zeusd /gpu/get_cumulative_energy: no GPU in the reply")
+        return out
+
+    async def power_w(self) -> float | None:
+        """Summed instant power (W) of the selected GPUs, or None."""
+        try:
+            body = await self._get("/gpu/get_power")
+            return sum(float(v) for v in body["power_mw"].values()) / 1000.0
+        except Exception:  # gauges are optional
+            return None
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
 class EnergyMeter:
     """Brackets the measured window: :meth:`start` before load, :meth:`sample` during, :meth:`stop` after.
 
@@ -264,8 +326,11 @@ class EnergyMeter:
     between two readings can be computed afterwards (steady-state window, timelines).
     """
 
-    def __init__(self, session: aiohttp.ClientSession, base_url: str, gpus: list[int] | None, timeout_s: float = 5.0, mode: str = "auto"):
+    def __init__(self, session: aiohttp.ClientSession, base_url: str, gpus: list[int] | None, timeout_s: float = 5.0, mode: str = "auto",
+                 zeusd: str | None = None):
         self._mode = mode
+        self._zeusd = ZeusdEnergy(zeusd, gpus, timeout_s, os.environ.get("ZEUSD_TOKEN") or None) if mode == "zeusd" and zeusd else None
+        self._zeusd_ok = False
         self._session = session
         self._base_url = base_url
         self._gpus = gpus
@@ -287,6 +352,8 @@ class EnergyMeter:
         """``server-metrics``, ``nvml`` or None (no energy source)."""
         if self._before is not None:
             return "server-metrics"
+        if self._zeusd_ok:
+            return "zeusd"
         return "nvml" if self._nvml is not None and self._nvml_before is not None else None
 
     async def _scrape(self) -> tuple[float, Scrape | None]:
@@ -306,6 +373,22 @@ class EnergyMeter:
         if self._mode == "none":
             self._note = "no energy source (disabled by energy='none')"
             return
+        if self._mode == "zeusd":
+            if self._zeusd is None:
+                self._note = "no energy source (energy='zeusd' needs the daemon's address: zeusd=URL or socket path)"
+                return
+            try:
+                gpu_j = await self._zeusd.per_gpu_j()
+            except Exception as e:  # unreachable, refused, wrong API group: say which, never crash
+                await self._zeusd.close()
+                self._note = f"no energy source (zeusd: {_one_line(e)})"
+                return
+            self._t0 = time.perf_counter()
+            self._zeusd_ok = True
+            power = await self._zeusd.power_w()
+            self.samples.append(Sample(t=self._t0, gpu_j=gpu_j, power_w=power, provider="zeusd",
+                                       gauge_source="measured" if power is not None else None))
+            return
         reason = "not tried"
         if self._mode in ("auto", "server"):
             self._t0, sc = await self._scrape()
@@ -324,7 +407,7 @@ class EnergyMeter:
             self._t0, self._nvml_before = await self._nvml.aligned_per_gpu_j()
             power, clock = _nvml_gauges(self._nvml)
             self.samples.append(Sample(t=self._t0, gpu_j=dict(self._nvml_before), power_w=power, sm_clock_mhz=clock,
-                                       gauge_source="measured" if power is not None else None))
+                                       gauge_source="measured" if power is not None else None, provider="nvml"))
         elif self._mode == "nvml":
             self._note = f"no energy source ({reason})"
         else:
@@ -332,7 +415,15 @@ class EnergyMeter:
 
     async def sample(self) -> None:
         """One periodic reading (a plain scrape or NVML read, not aligned); no-op without a source."""
-        if self._before is not None:
+        if self._zeusd_ok and self._zeusd is not None:
+            try:
+                gpu_j: dict[str, float] | None = await self._zeusd.per_gpu_j()
+            except Exception:  # a failed read leaves a gap; the window edges still come from start/stop
+                gpu_j = None
+            power = await self._zeusd.power_w()
+            self.samples.append(Sample(t=time.perf_counter(), gpu_j=gpu_j, power_w=power, provider="zeusd",
+                                       gauge_source="measured" if power is not None else None))
+        elif self._before is not None:
             t, sc = await self._scrape()
             self.samples.append(self._from_scrape(t, sc))
         elif self._nvml is not None and self._nvml_before is not None:
@@ -342,10 +433,27 @@ class EnergyMeter:
                 gpu_j = None
             power, clock = _nvml_gauges(self._nvml)
             self.samples.append(Sample(t=time.perf_counter(), gpu_j=gpu_j, power_w=power, sm_clock_mhz=clock,
-                                       gauge_source="measured" if power is not None else None))
+                                       gauge_source="measured" if power is not None else None, provider="nvml"))
 
     async def stop(self) -> EnergyReading:
         """Take the "after" reading and return the window's energy (J) and duration (s)."""
+        if self._zeusd_ok and self._zeusd is not None:
+            t1, failed = time.perf_counter(), ""
+            try:
+                after = await self._zeusd.per_gpu_j()
+            except Exception as e:
+                failed = _one_line(e)
+            power = None if failed else await self._zeusd.power_w()
+            await self._zeusd.close()
+            if failed:
+                return EnergyReading(window_s=t1 - self._t0, note=f"no energy source (final zeusd read failed: {failed})")
+            self.samples.append(Sample(t=t1, gpu_j=after, power_w=power, provider="zeusd",
+                                       gauge_source="measured" if power is not None else None))
+            r = energy_over(self.samples)
+            assert r is not None  # the first and the last reading both have counters
+            r.window_s = t1 - self._t0
+            r.note = "zeusd gpu-read counters (the GPUs of the daemon's host)" + r.note
+            return r
         if self._before is not None:
             t1, sc = await self._scrape()
             window = t1 - self._t0
@@ -364,7 +472,7 @@ class EnergyMeter:
                 return EnergyReading(window_s=time.perf_counter() - self._t0, note=f"no energy source (NVML read failed: {e})")
             power, clock = _nvml_gauges(self._nvml)
             self.samples.append(Sample(t=t1, gpu_j=dict(after_gpu), power_w=power, sm_clock_mhz=clock,
-                                       gauge_source="measured" if power is not None else None))
+                                       gauge_source="measured" if power is not None else None, provider="nvml"))
             r = energy_over(self.samples)
             assert r is not None  # the first and the last reading both have counters
             r.window_s = t1 - self._t0
@@ -382,7 +490,7 @@ def energy_between(a: Sample, b: Sample) -> EnergyReading | None:
     if a.gpu_j is not None and b.gpu_j is not None:
         # NVML's counter restarts only with the driver; a lower value is then the energy since.
         by_gpu = {k: (v - a.gpu_j.get(k, 0.0)) if v >= a.gpu_j.get(k, 0.0) else v for k, v in b.gpu_j.items()}
-        return EnergyReading(energy_j=sum(by_gpu.values()), window_s=b.t - a.t, source="measured", provider="nvml",
+        return EnergyReading(energy_j=sum(by_gpu.values()), window_s=b.t - a.t, source="measured", provider=b.provider or "nvml",
                              by_gpu_j=by_gpu, counter_resets=sum(v < a.gpu_j.get(k, 0.0) for k, v in b.gpu_j.items()))
     return None
 

@@ -216,6 +216,12 @@ async def _open_meters(session: aiohttp.ClientSession, cfg: BenchConfig) -> tupl
         notes.append(f"no {METRIC}_total at {', '.join(missing)}")
         if cfg.energy == "server":
             return [], [], "no energy source (" + "; ".join(notes) + ")"
+    if cfg.energy == "zeusd":
+        m = EnergyMeter(session, cfg.base_url, cfg.gpus, timeout_s=tmo, mode="zeusd", zeusd=cfg.zeusd)
+        await m.start()
+        if m.provider == "zeusd":
+            return [m], ["zeusd"], f"zeusd at {cfg.zeusd} (whole fleet)"
+        return [], [], m.note
     if cfg.energy in ("auto", "nvml"):
         m = EnergyMeter(session, cfg.base_url, cfg.gpus, timeout_s=tmo, mode="nvml")
         await m.start()

@@ -12,6 +12,7 @@ import json
 import os
 import socketserver
 import threading
+import time
 import urllib.parse
 from pathlib import Path
 
@@ -179,12 +180,15 @@ class FakeZeusd:
     NVML errors map like zeusd's: NoPermission -> 403, NotSupported -> 400, others -> 500. With
     ``token`` set, requests without ``Authorization: Bearer <token>`` get 401;
     ``control_enabled=False`` answers 404 (gpu-control group disabled). ``requests`` records
-    ``(method, path, params, authorization)``.
+    ``(method, path, params, authorization)``. The gpu-read group too: ``GET
+    /gpu/get_cumulative_energy`` and ``/gpu/get_power`` (``read_enabled=False``: 404). With
+    ``socket_path=None`` it listens on TCP at 127.0.0.1 (``url``), as ``zeusd serve --mode tcp``.
     """
 
-    def __init__(self, socket_path: str | Path, gpus: list[FakeNvml] | None = None, token: str | None = None,
-                 control_enabled: bool = True, pci: list[str] | None = None) -> None:
-        self.socket_path = str(socket_path)
+    def __init__(self, socket_path: str | Path | None, gpus: list[FakeNvml] | None = None, token: str | None = None,
+                 control_enabled: bool = True, pci: list[str] | None = None, read_enabled: bool = True) -> None:
+        self.socket_path = str(socket_path) if socket_path is not None else None
+        self.read_enabled = read_enabled
         self.gpus = gpus if gpus is not None else [FakeNvml()]
         self.pci = pci or [f"0000:{0x41 + i:02x}:00.0" for i in range(len(self.gpus))]
         self.token = token
@@ -217,6 +221,14 @@ class FakeZeusd:
                                              "auth_required": fake.token is not None})
                 if fake.token is not None and auth != f"Bearer {fake.token}":
                     return self._reply(401, {"error": "missing or invalid token"})
+                if method == "GET" and url.path in ("/gpu/get_cumulative_energy", "/gpu/get_power"):
+                    if not fake.read_enabled:
+                        return self._reply(404)
+                    ids = [int(x) for x in params["gpu_ids"].split(",")] if "gpu_ids" in params else range(len(fake.gpus))
+                    if url.path == "/gpu/get_power":
+                        return self._reply(200, {"timestamp_ms": int(time.time() * 1000),
+                                                 "power_mw": {str(i): fake.gpus[i].nvmlDeviceGetPowerUsage(f"h{i}") for i in ids}})
+                    return self._reply(200, {str(i): {"energy_mj": fake.gpus[i].nvmlDeviceGetTotalEnergyConsumption(f"h{i}")} for i in ids})
                 fns = {"/gpu/set_gpu_locked_clocks": "nvmlDeviceSetGpuLockedClocks", "/gpu/reset_gpu_locked_clocks": "nvmlDeviceResetGpuLockedClocks",
                        "/gpu/set_mem_locked_clocks": "nvmlDeviceSetMemoryLockedClocks", "/gpu/reset_mem_locked_clocks": "nvmlDeviceResetMemoryLockedClocks"}
                 if method != "POST" or url.path not in fns or not fake.control_enabled:
@@ -240,7 +252,12 @@ class FakeZeusd:
             def do_POST(self):
                 self._handle("POST")
 
-        self._server = _UnixHTTPServer(self.socket_path, Handler)
+        if self.socket_path is None:
+            self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+            self._server.daemon_threads = True
+            self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        else:
+            self._server = _UnixHTTPServer(self.socket_path, Handler)
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
 
     def __enter__(self) -> "FakeZeusd":
@@ -250,7 +267,8 @@ class FakeZeusd:
     def __exit__(self, *exc) -> None:
         self._server.shutdown()
         self._server.server_close()
-        Path(self.socket_path).unlink(missing_ok=True)
+        if self.socket_path is not None:
+            Path(self.socket_path).unlink(missing_ok=True)
 
 
 class _FieldValue:

@@ -1,0 +1,67 @@
+"""``loadtests --energy zeusd``: GPU energy from Zeus's daemon (gpu-read API), over TCP and its Unix socket."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from fakes import FakeNvml, FakeZeusd
+
+from loadtests import BenchConfig, ConfigError, run
+
+
+class _SteadyGpu(FakeNvml):
+    """A GPU drawing a constant ``watts``: its energy counter (mJ) grows with wall time."""
+
+    def __init__(self, watts: float) -> None:
+        super().__init__(energy_mj=5_000_000)
+        self.watts, self.t0 = watts, time.monotonic()
+        self.power_mw = int(watts * 1000)
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, h):
+        return int(5_000_000 + self.watts * 1000 * (time.monotonic() - self.t0))
+
+
+@pytest.mark.parametrize("transport", ["tcp", "unix"])
+def test_energy_from_zeusd_over_tcp_and_unix_socket(server_factory, tmp_path, transport) -> None:
+    srv = server_factory(first_delay=0.01, itl_delay=0.01)
+    gpus = [_SteadyGpu(200.0), _SteadyGpu(100.0), _SteadyGpu(999.0)]
+    with FakeZeusd(None if transport == "tcp" else tmp_path / "zeusd.sock", gpus=gpus) as z:
+        target = z.url if transport == "tcp" else z.socket_path
+        res = run(BenchConfig(base_url=srv.url, num_prompts=24, max_concurrency=4, output_len=8, input_len=3,
+                              energy="zeusd", zeusd=target, gpus=[0, 1], sample_interval_s=0.05))
+    assert res["energy_source"] == "measured" and res["energy_provider"] == "zeusd"
+    # GPUs 0 and 1 only (300 W together), never GPU 2; the window is the harness's own.
+    assert res["gpu_avg_power_w"] == pytest.approx(300.0, rel=0.05)
+    assert res["gpu_energy_j"] == pytest.approx(300.0 * res["energy_window_s"], rel=0.05)
+    reads = [r for r in z.requests if r[1] == "/gpu/get_cumulative_energy"]
+    assert len(reads) >= 3 and all(r[2] == {"gpu_ids": "0,1"} for r in reads)  # start, samples, stop
+    assert not [r for r in z.requests if r[0] != "GET"]  # read-only: nothing is ever posted
+    tl = res["timeline"]["series"][0]
+    assert tl["name"] == "zeusd" and tl["power_w"][0] == pytest.approx(300.0)
+
+
+def test_token_is_sent_and_refusals_are_one_line_notes(server_factory, tmp_path, monkeypatch) -> None:
+    srv = server_factory(first_delay=0.0, itl_delay=0.0)
+    cfg = dict(base_url=srv.url, num_prompts=4, output_len=2, input_len=2, energy="zeusd", gpus=[0])
+    with FakeZeusd(None, gpus=[_SteadyGpu(150.0)], token="sekret") as z:
+        monkeypatch.delenv("ZEUSD_TOKEN", raising=False)
+        res = run(BenchConfig(**cfg, zeusd=z.url))
+        assert res["gpu_energy_j"] is None and res["completed"] == 4  # the load test itself goes on
+        assert "zeusd" in res["energy_note"] and "HTTP 401 (token missing)" in res["energy_note"]
+        monkeypatch.setenv("ZEUSD_TOKEN", "sekret")
+        res = run(BenchConfig(**cfg, zeusd=z.url))
+        assert res["gpu_energy_j"] > 0 and z.requests[-1][3] == "Bearer sekret"
+    with FakeZeusd(None, gpus=[_SteadyGpu(150.0)], read_enabled=False) as z:
+        res = run(BenchConfig(**cfg, zeusd=z.url))
+        assert res["gpu_energy_j"] is None and "gpu-read API group not enabled" in res["energy_note"]
+    res = run(BenchConfig(**cfg, zeusd=str(tmp_path / "no-such.sock")))  # no daemon there
+    assert res["gpu_energy_j"] is None and res["energy_note"].startswith("no energy source (zeusd:")
+    assert "\n" not in res["energy_note"]
+
+
+def test_zeusd_address_and_source_go_together() -> None:
+    with pytest.raises(ConfigError, match="energy 'zeusd' needs the daemon's address"):
+        BenchConfig(base_url="http://127.0.0.1:1", energy="zeusd")
+    with pytest.raises(ConfigError, match="zeusd = 'http://x:4938'"):
+        BenchConfig(base_url="http://127.0.0.1:1", energy="nvml", zeusd="http://x:4938")
