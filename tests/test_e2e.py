@@ -146,6 +146,29 @@ def test_per_request_energy_returned_to_the_client(server):
     assert err.value.code == 404
 
 
+def test_prompt_logprobs_through_the_chunked_lm_head_match_a_reference(server, tiny_model):
+    """The LM-head chunking case through the real server: prompt logprobs of a long prompt (every
+    prompt row reaches the LM head, split in 2 chunks by this server's table) equal the unchunked
+    model's, computed by transformers in float32 (the server runs bfloat16: 0.05 tolerance)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    key = 'powersave_lm_head_calls_total{chunks="2",gpu="sim0"}'
+    before = _metrics(server.base_url).get(key, 0.0)
+    prompt = "def area(r):\n    return 3.14159 * r * r\n\nprint(area(2.0))\n"
+    resp = _post(server.base_url + "/v1/completions", {"model": "model", "prompt": prompt, "max_tokens": 1, "prompt_logprobs": 0})
+    got = resp["choices"][0]["prompt_logprobs"]
+    ids = AutoTokenizer.from_pretrained(tiny_model)(prompt)["input_ids"]
+    assert len(got) == len(ids) >= 8 and got[0] is None
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, torch_dtype=torch.float32)
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    for i in range(1, len(ids)):
+        assert got[i][str(ids[i])]["logprob"] == pytest.approx(ref[i - 1, ids[i]].item(), abs=0.05), i
+    time.sleep(0.8)  # the worker publishes its counters every 0.5 s
+    assert _metrics(server.base_url)[key] > before  # the prompt rows went through the 2-chunk path
+
+
 def test_clock_follows_phases_of_one_long_request(server):
     key = 'powersave_clock_changes_total{backend="simulated",gpu="sim0"}'
     _post(server.base_url + "/v1/completions", {"model": "model", "prompt": "x", "max_tokens": 4, "ignore_eos": True})
