@@ -99,7 +99,7 @@ def main() -> int:
     c = doc["attribution"] or {}
     lines = [
         "# NVML energy on the H200: counter vs instant power, metering cost, per-step attribution (measured)", "",
-        f"- Device: {doc['device']}, driver {doc['driver']}, torch {doc['torch']}. When: {doc['date_utc']} (UTC). Read-only: no GPU setting touched.",
+        f"- Device: {doc['device']}, driver {doc['driver']}, torch {doc['torch']}. When: {doc['date_utc']} (UTC)" + (f"; metering overhead re-measured {doc['runtime_run_date_utc']} (UTC)" if doc.get("runtime_run_date_utc") else "") + ". Read-only: no GPU setting touched.",
         "- Script: `benchmarks/h200_energy_meter.py` (device; one call, GPU 1 of a 2-GPU machine while GPU 0 ran another benchmark), `benchmarks/analyze_energy_meter.py` (this report).",
         f"- Instant power: `{doc['instant_power_source']}` sampled together with the total-energy counter at ~190 Hz by a thread; the counter advanced every {doc['counter_update_period_ms']:.1f} ms (median).", "",
         f"## (a) Counter vs the integral of instant power, steady bf16 GEMM load (~{doc['steady_load_power_w']:.0f} W)", "",
