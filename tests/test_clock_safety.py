@@ -110,7 +110,8 @@ def test_out_of_range_presets_snap_to_the_supported_list(tmp_path):
 
 # -- kill paths ------------------------------------------------------------------------------
 CHILD = textwrap.dedent("""
-    import os, sys, time
+    import faulthandler, os, signal, sys, time
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent asks for stacks if we hang
     sys.path[:0] = [{tests!r}, {repo!r}]
     from fakes import FakeNvml
     from vllm_powersave.clocks import ClockController, NvmlClockBackend
@@ -151,8 +152,16 @@ def test_exit_paths_reset_clocks_in_process(tmp_path, mode, sig):
     else:
         proc.stdin.write("go\n")
         proc.stdin.flush()
-    proc.wait(timeout=30)
-    assert gpu.locked is None, proc.stderr.read()
+    try:
+        _, err = proc.communicate(timeout=30)  # drains stderr: a full pipe must not stall the child
+    except subprocess.TimeoutExpired:
+        # Seen once on a loaded CI-class machine (SIGINT, not reproduced since): every thread's stack.
+        proc.send_signal(signal.SIGUSR1)
+        time.sleep(1.0)
+        proc.kill()
+        _, err = proc.communicate()
+        pytest.fail(f"child still running 30 s after {mode}/{sig}; its threads:\n{err[-6000:]}")
+    assert gpu.locked is None, err
     assert leases.all() == []
 
 
