@@ -112,6 +112,10 @@ def test_out_of_range_presets_snap_to_the_supported_list(tmp_path):
 CHILD = textwrap.dedent("""
     import faulthandler, os, signal, sys, time
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent asks for stacks if we hang
+    # A shell without job control starts background jobs with SIGINT ignored, and the ignore is
+    # inherited (a CI runner started with `&` is one): Python then installs no KeyboardInterrupt
+    # handler. A server handles SIGINT itself (uvicorn does), so the child does too.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     sys.path[:0] = [{tests!r}, {repo!r}]
     from fakes import FakeNvml
     from vllm_powersave.clocks import ClockController, NvmlClockBackend
@@ -155,7 +159,7 @@ def test_exit_paths_reset_clocks_in_process(tmp_path, mode, sig):
     try:
         _, err = proc.communicate(timeout=30)  # drains stderr: a full pipe must not stall the child
     except subprocess.TimeoutExpired:
-        # Seen once on a loaded CI-class machine (SIGINT, not reproduced since): every thread's stack.
+        # Every thread's stack, to see where it is stuck (this is how the inherited SIG_IGN above was found).
         proc.send_signal(signal.SIGUSR1)
         time.sleep(1.0)
         proc.kill()
