@@ -222,6 +222,18 @@ def add_bundle_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--stock-site", default="/tmp/site")
 
 
+def device_prologue(ns: argparse.Namespace, gpus: str) -> Path | None:
+    """The device scripts' common start: the dry-run guard, the plugin's wheel first on ``sys.path``,
+    the servers' GPUs (``CUDA_VISIBLE_DEVICES``, PCI bus order), the output folder of ``ns.out``
+    and the model directory of ``ns.shape``, which is returned. None: refused (one line printed)."""
+    if not dry_run_forced():
+        return None
+    sys.path[:0] = [ns.plugin_site]
+    GPU_ENV.update(CUDA_DEVICE_ORDER="PCI_BUS_ID", CUDA_VISIBLE_DEVICES=gpus)
+    Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
+    return make_model(ns.shape, Path(ns.shapes_dir), Path(ns.tok_dir))
+
+
 def dry_run_forced() -> bool:
     """The device scripts' guard: clocks may never be set on the shared GPU (one line if not forced)."""
     if os.environ.get("POWERSAVE_FORCE_DRY_RUN") == "1":
@@ -267,24 +279,20 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ns = ap.parse_args()
     gpus = [int(x) for x in ns.gpus.split(",")]
-    GPU_ENV.update(CUDA_DEVICE_ORDER="PCI_BUS_ID", CUDA_VISIBLE_DEVICES=ns.gpus)
-
-    if not dry_run_forced():
+    model = device_prologue(ns, ns.gpus)
+    if model is None:
         return 2
     SERVE_EXTRA.extend(a for arg in ns.serve_arg for a in arg.split())
-    sys.path[:0] = [ns.plugin_site]
     from loadtests import BenchConfig, run
 
     out_file = Path(ns.out)
     out_dir = out_file.parent
-    out_dir.mkdir(parents=True, exist_ok=True)
     stats_dir = Path("/tmp/powersave-stats") / ns.shape
     stats_dir_a = Path("/tmp/powersave-stats") / f"{ns.shape}-A"
     for d in (stats_dir, stats_dir_a):
         shutil.rmtree(d, ignore_errors=True)
     never_chunk = [{"min_rows": 1_000_000, "chunks": 2}]
     table_b = json.loads(ns.b_chunking) if ns.b_chunking else never_chunk
-    model = make_model(ns.shape, Path(ns.shapes_dir), Path(ns.tok_dir))
     import vllm  # noqa: F401 - version only
 
     result: dict = {"shape": ns.shape, "device": device_facts(gpus[0]), "gpus": gpus, "serve_args": SERVE_EXTRA, "vllm_version": vllm.__version__,

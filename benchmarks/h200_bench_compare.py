@@ -35,16 +35,13 @@ def main() -> int:
     ab.add_bundle_args(ap)
     ap.add_argument("--out", required=True)
     ns = ap.parse_args()
-    if not ab.dry_run_forced():
+    model = ab.device_prologue(ns, str(ns.gpu))
+    if model is None:
         return 2
-    sys.path[:0] = [ns.plugin_site]
     import harness_overhead as ho
-
-    ab.GPU_ENV.update(CUDA_DEVICE_ORDER="PCI_BUS_ID", CUDA_VISIBLE_DEVICES=str(ns.gpu))
-    out = Path(ns.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    model = ab.make_model(ns.shape, Path(ns.shapes_dir), Path(ns.tok_dir))
     import vllm
+
+    out = Path(ns.out)
 
     port = ab.job_port(ns.gpu, 40)
     p = ab.start_server("stock", model, port, [], ns.stock_site, out.parent, ns.gpu_mem)

@@ -68,15 +68,12 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=540)
     ap.add_argument("--out", required=True)
     ns = ap.parse_args()
-    if not ab.dry_run_forced():
+    model = ab.device_prologue(ns, str(ns.gpu))
+    if model is None:
         return 2
-    sys.path[:0] = [ns.plugin_site]
     from loadtests import BenchConfig, run
 
-    ab.GPU_ENV.update(CUDA_DEVICE_ORDER="PCI_BUS_ID", CUDA_VISIBLE_DEVICES=str(ns.gpu))
     out_file = Path(ns.out)
-    out_file.parent.mkdir(parents=True, exist_ok=True)
-    model = ab.make_model(ns.shape, Path(ns.shapes_dir), Path(ns.tok_dir))
     full = {"powersave": {"stats_dir": "/tmp/bisect-stats", "trace_steps": True,
                           "chunking": {"table": [{"min_rows": 1_000_000, "chunks": 2}]},
                           "clocks": {"backend": "dry-run", "min_dwell_ms": 200,

@@ -113,21 +113,18 @@ def main() -> int:
     ap.add_argument("--tag", default="")
     ap.add_argument("--out", required=True)
     ns = ap.parse_args()
-    if not ab.dry_run_forced():
+    model = ab.device_prologue(ns, str(ns.gpu))
+    if model is None:
         return 2
-    sys.path[:0] = [ns.plugin_site]
     from loadtests import BenchConfig, run
     from vllm_powersave.clocks.boost import BoostHolder, BoostUnavailable
 
-    ab.GPU_ENV.update(CUDA_DEVICE_ORDER="PCI_BUS_ID", CUDA_VISIBLE_DEVICES=str(ns.gpu))
     order = ns.order.split(",")
     long_idle = {int(x) for x in ns.long_idle.split(",") if x}
     booster_at = {int(x) for x in ns.booster.split(",") if x}
     rates = [float(x) for x in ns.rates.split(",")]
     slo = {k: float(v) for k, v in (x.split(":") for x in ns.slo.split(","))}
     out_file = Path(ns.out)
-    out_file.parent.mkdir(parents=True, exist_ok=True)
-    model = ab.make_model(ns.shape, Path(ns.shapes_dir), Path(ns.tok_dir))
     import vllm
 
     result: dict = {"what": "cuda_perf_boost mode off (default) vs on (CUDA_DISABLE_PERF_BOOST=1 in engine processes), measured",

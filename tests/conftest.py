@@ -1,3 +1,4 @@
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -22,3 +23,14 @@ def server_factory():
     yield make
     for s in started:
         s.stop()
+
+
+@pytest.fixture
+def tiny_config(tmp_path):
+    """A model directory with only the tiny model's config.json (what `tune` and the CLI checks read)."""
+    from vllm_powersave.modelgen import SHAPES
+
+    d = tmp_path / "qwen2-tiny"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({k: v for k, v in SHAPES["qwen2-tiny"].items() if not k.startswith("_")}))
+    return d

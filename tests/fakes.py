@@ -356,6 +356,17 @@ class FakeNvmlDevices(FakeNvml):
         return 0x4
 
 
+def metrics_text(stats_dir, version: str = "t") -> str:
+    """What /metrics would serve for ``stats_dir``: the plugin's collector alone, exposition text."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from vllm_powersave.metrics import PowersaveCollector
+
+    reg = CollectorRegistry()
+    reg.register(PowersaveCollector(stats_dir, version))
+    return generate_latest(reg).decode()
+
+
 def rank_decisions(stats_dir, ranks=(0, 1)) -> dict[int, list[tuple]]:
     """Per rank, each traced step's (phase, prefill tokens, decode tokens, SM clock target)."""
     import json

@@ -177,13 +177,11 @@ def test_worker_runtime_auto_mode_drives_the_booster(monkeypatch, tmp_path):
     """Inside a worker (fake NVML GPU): busy steps hold the boost off the hot path, idle releases
     it, /metrics shows it, close() drops the context."""
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
-    from fakes import FakeNvmlDevices
-    from prometheus_client import CollectorRegistry, generate_latest
+    from fakes import FakeNvmlDevices, metrics_text
     from test_energy_runtime import sched
 
     from vllm_powersave import runtime as rt_mod
     from vllm_powersave import vllm_compat
-    from vllm_powersave.metrics import PowersaveCollector
     from vllm_powersave.settings import PowersaveSettings
 
     holders: list[FakeHolder] = []
@@ -213,9 +211,7 @@ def test_worker_runtime_auto_mode_drives_the_booster(monkeypatch, tmp_path):
         _settle(rt.boost, holders[0], 2)
         assert holders[0].calls == [True, False]
         rt.publish()
-        reg = CollectorRegistry()
-        reg.register(PowersaveCollector(str(tmp_path), "t"))
-        text = generate_latest(reg).decode()
+        text = metrics_text(tmp_path)
         assert 'powersave_cuda_boost_switches_total{gpu="GPU-bbbb-1111"} 2.0' in text
         assert 'powersave_cuda_boost_held{gpu="GPU-bbbb-1111"} 0.0' in text
         assert 'cuda_perf_boost="auto"' in text

@@ -12,13 +12,6 @@ from vllm_powersave.cli import main
 from vllm_powersave.modelgen import SHAPES
 
 
-@pytest.fixture()
-def tiny(tmp_path):
-    d = tmp_path / "qwen2-tiny"
-    d.mkdir()
-    (d / "config.json").write_text(json.dumps({k: v for k, v in SHAPES["qwen2-tiny"].items() if not k.startswith("_")}))
-    return d
-
 
 def run(argv, capsys) -> tuple[int, str, str]:
     try:
@@ -66,9 +59,9 @@ def config(tmp_path, text: str):
     (["--sweep-points", "1"], ["--sweep-points", "1"]),
     (["--device", "tpu"], ["--device", "'tpu'"]),
 ])
-def test_tune_bad_options(tiny, tmp_path, capsys, args, needles):
+def test_tune_bad_options(tiny_config, tmp_path, capsys, args, needles):
     out_dir = tmp_path / "out"
-    rc, _, err = run(["tune", str(tiny), "--out", str(out_dir), "--no-progress", *args], capsys)
+    rc, _, err = run(["tune", str(tiny_config), "--out", str(out_dir), "--no-progress", *args], capsys)
     line = one_line(err)
     assert rc == 2 and all(n in line for n in needles), line
     assert not out_dir.exists()  # nothing written, nothing half-created
@@ -92,11 +85,11 @@ def test_tune_bad_model_dirs(tmp_path, capsys, make, needles):
     assert not out_dir.exists()
 
 
-def test_tune_out_that_is_a_file_or_under_one(tiny, tmp_path, capsys):
+def test_tune_out_that_is_a_file_or_under_one(tiny_config, tmp_path, capsys):
     f = tmp_path / "a-file"
     f.write_text("keep me")
     for out in (f, f / "sub"):
-        rc, _, err = run(["tune", str(tiny), "--out", str(out), "--no-progress"], capsys)
+        rc, _, err = run(["tune", str(tiny_config), "--out", str(out), "--no-progress"], capsys)
         line = one_line(err)
         assert rc == 2 and "--out" in line and str(out) in line, line
     assert f.read_text() == "keep me"

@@ -1,7 +1,7 @@
 import json
 
 import pytest
-from fakes import FakeNvml
+from fakes import FakeNvml, metrics_text
 
 from vllm_powersave.energy import NvmlEnergyMeter, PhaseEnergyAccount, SimulatedEnergyMeter
 from vllm_powersave.metrics import PowersaveCollector
@@ -135,7 +135,7 @@ def test_collector_exposes_labelled_series(tmp_path):
     from prometheus_client import CollectorRegistry, generate_latest
 
     reg = CollectorRegistry()
-    reg.register(PowersaveCollector(tmp_path, "0.1.0"))
+    reg.register(PowersaveCollector(tmp_path, "0.1.0"))  # one collector, scraped twice below
     text = generate_latest(reg).decode()
     assert 'powersave_gpu_energy_joules_total{gpu="GPU-a",method="model",phase="decode",source="simulated"} 2.0' in text
     assert 'powersave_sm_clock_mhz{gpu="GPU-a",source="simulated"} 1200.0' in text
@@ -408,16 +408,12 @@ def test_steady_state_and_sliding_window():
 def test_data_parallel_engines_are_labelled_and_their_tokens_summed(tmp_path):
     """Two DP engines x TP=2: energy adds over all four GPUs; tokens are the max within an engine
     (same steps on its ranks) and the sum across engines (different steps)."""
-    from prometheus_client import CollectorRegistry, generate_latest
-
     for rank, engine, tokens, joules in ((0, 0, 100, 10.0), (1, 0, 100, 10.0), (2, 1, 50, 5.0), (3, 1, 50, 5.0)):
         (tmp_path / f"rank{rank}.json").write_text(json.dumps({
             "gpu": f"GPU-{rank}", "rank": rank, "engine": engine, "source": "simulated", "clock_backend": "dry-run",
             "energy_j": {"prefill": 0.0, "decode": joules, "mixed": 0.0, "idle": 0.0},
             "steps": {"decode": tokens}, "tokens": {"prefill": 0, "decode": tokens}}))
-    reg = CollectorRegistry()
-    reg.register(PowersaveCollector(tmp_path, "0.1.0"))
-    text = generate_latest(reg).decode()
+    text = metrics_text(tmp_path, "0.1.0")
     assert 'powersave_gpu_info{engine="1",gpu="GPU-3",rank="3"} 1.0' in text
     assert 'powersave_gpu_info{engine="0",gpu="GPU-1",rank="1"} 1.0' in text
     assert 'powersave_engine_energy_joules_total{phase="decode",source="simulated"} 30.0' in text

@@ -8,14 +8,12 @@ import sys
 from types import SimpleNamespace
 
 import pytest
-from fakes import FakeNvmlDevices
-from prometheus_client import CollectorRegistry, generate_latest
+from fakes import FakeNvmlDevices, metrics_text
 
 from vllm_powersave import runtime as rt_mod
 from vllm_powersave import vllm_compat
 from vllm_powersave.energy import PhaseEnergyAccount
 from vllm_powersave.energy.meters import NvmlEnergyMeter
-from vllm_powersave.metrics import PowersaveCollector
 from vllm_powersave.request_energy import RequestEnergyIndex
 from vllm_powersave.settings import PowersaveSettings
 
@@ -68,10 +66,8 @@ def make_runtime(monkeypatch, tmp_path, nvml, rank=0, visible="GPU-bbbb-1111"):
 
 
 def scrape(stats_dir):
-    reg = CollectorRegistry()
-    reg.register(PowersaveCollector(stats_dir, "t"))
     out = {}
-    for line in generate_latest(reg).decode().splitlines():
+    for line in metrics_text(stats_dir).splitlines():
         if line.startswith("powersave_"):
             k, v = line.rsplit(" ", 1)
             out[k] = float(v)

@@ -12,7 +12,6 @@ from fakes import FakeNvml
 
 from vllm_powersave.cli import main
 from vllm_powersave.clocks.backends import NvmlClockBackend
-from vllm_powersave.modelgen import SHAPES
 from vllm_powersave.settings import load_settings
 from vllm_powersave.tune.energy import Window
 from vllm_powersave.tune.run import ENV_FORCE_DRY_RUN, GpuClockMeasurer, clock_mode, clock_permission
@@ -28,21 +27,14 @@ def _script(name):
     return mod
 
 
-@pytest.fixture()
-def tiny(tmp_path):
-    d = tmp_path / "qwen2-tiny"
-    d.mkdir()
-    (d / "config.json").write_text(json.dumps({k: v for k, v in SHAPES["qwen2-tiny"].items() if not k.startswith("_")}))
-    return d
-
 
 FAST = ["--profile-repeats", "1", "--window", "0.01", "--repeats", "2", "--rows", "8:decode,256:logprobs", "--no-progress"]
 
 
-def test_tune_predict_on_cpu_writes_valid_preset_and_labelled_report(tiny, tmp_path, monkeypatch):
+def test_tune_predict_on_cpu_writes_valid_preset_and_labelled_report(tiny_config, tmp_path, monkeypatch):
     monkeypatch.delenv(ENV_FORCE_DRY_RUN, raising=False)
     out = tmp_path / "out"
-    assert main(["tune", str(tiny), "--out", str(out), *FAST]) == 0
+    assert main(["tune", str(tiny_config), "--out", str(out), *FAST]) == 0
     preset = yaml.safe_load((out / "preset.yaml").read_text())["powersave"]
     s = load_settings({"config_file": str(out / "preset.yaml")}, env={})
     assert s.chunking.table == ()  # simulated H200: every extra chunk re-reads the weight
@@ -65,19 +57,19 @@ def test_tune_predict_on_cpu_writes_valid_preset_and_labelled_report(tiny, tmp_p
     assert abs(sum(r["share"] for r in prof["kinds"]) - 1) < 1e-9
 
 
-def test_force_dry_run_wins_over_simulate_sweep(tiny, tmp_path, monkeypatch):
+def test_force_dry_run_wins_over_simulate_sweep(tiny_config, tmp_path, monkeypatch):
     monkeypatch.setenv(ENV_FORCE_DRY_RUN, "1")
     out = tmp_path / "forced"
-    assert main(["tune", str(tiny), "--out", str(out), "--only", "clocks", "--simulate-sweep", "--phases", "decode", *FAST]) == 0
+    assert main(["tune", str(tiny_config), "--out", str(out), "--only", "clocks", "--simulate-sweep", "--phases", "decode", *FAST]) == 0
     summary = json.loads((out / "tune.json").read_text())
     assert summary["clocks"]["mode"] == "predict" and ENV_FORCE_DRY_RUN in summary["clocks"]["reason"]
     assert summary["chunking"] is None and "chunking" not in yaml.safe_load((out / "preset.yaml").read_text())["powersave"]
 
 
-def test_simulated_sweep_reports_expected_vs_remeasured(tiny, tmp_path, monkeypatch):
+def test_simulated_sweep_reports_expected_vs_remeasured(tiny_config, tmp_path, monkeypatch):
     monkeypatch.delenv(ENV_FORCE_DRY_RUN, raising=False)
     out = tmp_path / "sim"
-    assert main(["tune", str(tiny), "--out", str(out), "--only", "clocks", "--simulate-sweep", "--phases", "decode",
+    assert main(["tune", str(tiny_config), "--out", str(out), "--only", "clocks", "--simulate-sweep", "--phases", "decode",
                  "--sweep-points", "8", *FAST]) == 0
     sw = json.loads((out / "tune.json").read_text())["clocks"]["sweeps"]["decode"]
     for solver in ("single", "global"):
