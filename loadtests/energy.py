@@ -378,16 +378,14 @@ class EnergyMeter:
                 self._note = "no energy source (energy='zeusd' needs the daemon's address: zeusd=URL or socket path)"
                 return
             try:
-                gpu_j = await self._zeusd.per_gpu_j()
+                first = await self._zeusd_sample()
             except Exception as e:  # unreachable, refused, wrong API group: say which, never crash
                 await self._zeusd.close()
                 self._note = f"no energy source (zeusd: {_one_line(e)})"
                 return
-            self._t0 = time.perf_counter()
+            self._t0 = first.t
             self._zeusd_ok = True
-            power = await self._zeusd.power_w()
-            self.samples.append(Sample(t=self._t0, gpu_j=gpu_j, power_w=power, provider="zeusd",
-                                       gauge_source="measured" if power is not None else None))
+            self.samples.append(first)
             return
         reason = "not tried"
         if self._mode in ("auto", "server"):
@@ -415,14 +413,12 @@ class EnergyMeter:
 
     async def sample(self) -> None:
         """One periodic reading (a plain scrape or NVML read, not aligned); no-op without a source."""
-        if self._zeusd_ok and self._zeusd is not None:
+        if self._zeusd_ok:
             try:
-                gpu_j: dict[str, float] | None = await self._zeusd.per_gpu_j()
+                self.samples.append(await self._zeusd_sample())
             except Exception:  # a failed read leaves a gap; the window edges still come from start/stop
-                gpu_j = None
-            power = await self._zeusd.power_w()
-            self.samples.append(Sample(t=time.perf_counter(), gpu_j=gpu_j, power_w=power, provider="zeusd",
-                                       gauge_source="measured" if power is not None else None))
+                t, power = time.perf_counter(), await self._zeusd.power_w()
+                self.samples.append(Sample(t=t, power_w=power, provider="zeusd", gauge_source="measured" if power is not None else None))
         elif self._before is not None:
             t, sc = await self._scrape()
             self.samples.append(self._from_scrape(t, sc))
@@ -435,25 +431,35 @@ class EnergyMeter:
             self.samples.append(Sample(t=time.perf_counter(), gpu_j=gpu_j, power_w=power, sm_clock_mhz=clock,
                                        gauge_source="measured" if power is not None else None, provider="nvml"))
 
+    async def _zeusd_sample(self) -> Sample:
+        """One zeusd reading: energy counters (raises when they cannot be read) and power (optional)."""
+        assert self._zeusd is not None
+        gpu_j = await self._zeusd.per_gpu_j()
+        t = time.perf_counter()
+        power = await self._zeusd.power_w()
+        return Sample(t=t, gpu_j=gpu_j, power_w=power, provider="zeusd", gauge_source="measured" if power is not None else None)
+
+    def _window_reading(self, t1: float, note: str = "") -> EnergyReading:
+        """The window's energy over every reading so far, the last taken at ``t1`` (s)."""
+        r = energy_over(self.samples)
+        assert r is not None  # the first and the last reading both have counters
+        r.window_s = t1 - self._t0
+        r.note = "; ".join(x for x in (note, r.note) if x)
+        return r
+
     async def stop(self) -> EnergyReading:
         """Take the "after" reading and return the window's energy (J) and duration (s)."""
-        if self._zeusd_ok and self._zeusd is not None:
-            t1, failed = time.perf_counter(), ""
+        if self._zeusd_ok:
+            assert self._zeusd is not None
             try:
-                after = await self._zeusd.per_gpu_j()
+                last = await self._zeusd_sample()
             except Exception as e:
-                failed = _one_line(e)
-            power = None if failed else await self._zeusd.power_w()
-            await self._zeusd.close()
-            if failed:
-                return EnergyReading(window_s=t1 - self._t0, note=f"no energy source (final zeusd read failed: {failed})")
-            self.samples.append(Sample(t=t1, gpu_j=after, power_w=power, provider="zeusd",
-                                       gauge_source="measured" if power is not None else None))
-            r = energy_over(self.samples)
-            assert r is not None  # the first and the last reading both have counters
-            r.window_s = t1 - self._t0
-            r.note = "zeusd gpu-read counters (the GPUs of the daemon's host)" + r.note
-            return r
+                return EnergyReading(window_s=time.perf_counter() - self._t0,
+                                     note=f"no energy source (final zeusd read failed: {_one_line(e)})")
+            finally:
+                await self._zeusd.close()
+            self.samples.append(last)
+            return self._window_reading(last.t, "zeusd gpu-read counters (the GPUs of the daemon's host)")
         if self._before is not None:
             t1, sc = await self._scrape()
             window = t1 - self._t0
@@ -461,10 +467,7 @@ class EnergyMeter:
             after = self.samples[-1].counters
             if after is None:
                 return EnergyReading(window_s=window, note="no energy source (final /metrics scrape failed)")
-            r = energy_over(self.samples)
-            assert r is not None  # the first and the last reading both have counters
-            r.window_s = window
-            return r
+            return self._window_reading(t1)
         if self._nvml is not None and self._nvml_before is not None:
             try:
                 t1, after_gpu = await self._nvml.aligned_per_gpu_j()
@@ -473,11 +476,7 @@ class EnergyMeter:
             power, clock = _nvml_gauges(self._nvml)
             self.samples.append(Sample(t=t1, gpu_j=dict(after_gpu), power_w=power, sm_clock_mhz=clock,
                                        gauge_source="measured" if power is not None else None, provider="nvml"))
-            r = energy_over(self.samples)
-            assert r is not None  # the first and the last reading both have counters
-            r.window_s = t1 - self._t0
-            r.note = "local NVML counters (server assumed to run on this host)" + r.note
-            return r
+            return self._window_reading(t1, "local NVML counters (server assumed to run on this host)")
         return EnergyReading(window_s=time.perf_counter() - self._t0, note=self._note or "no energy source")
 
 
@@ -515,7 +514,7 @@ def energy_over(samples: list[Sample]) -> EnergyReading | None:
     # A part that moved no counter says nothing about the source; the advancing ones decide.
     moved = {r.source for r in parts if r.energy_j}
     source = "measured" if (moved or {r.source for r in parts}) == {"measured"} else "simulated"
-    note = (f"; {resets} counter reset(s) during the window (server or driver restart): the energy between the last "
+    note = (f"{resets} counter reset(s) during the window (server or driver restart): the energy between the last "
             "reading before a reset and the reset is missing (sample more often to narrow it)") if resets else ""
     return EnergyReading(energy_j=sum(r.energy_j or 0.0 for r in parts), window_s=ok[-1].t - ok[0].t, source=source,
                          provider=parts[0].provider, by_phase_j=by_phase, by_gpu_j=by_gpu, note=note, counter_resets=resets)
