@@ -168,8 +168,8 @@ def wait_healthy(procs: dict[str, tuple[subprocess.Popen, int]], timeout_s: floa
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
                     if r.status == 200:
-                        if tcp_listeners(port) > 1:
-                            raise RuntimeError(f"server {label}: {tcp_listeners(port)} listeners on port {port}; "
+                        if (n := tcp_listeners(port)) > 1:
+                            raise RuntimeError(f"server {label}: {n} listeners on port {port}; "
                                                "requests would reach another server")
                         log(f"server {label} healthy")
                         pending.pop(label)
