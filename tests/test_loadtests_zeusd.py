@@ -18,8 +18,11 @@ class _SteadyGpu(FakeNvml):
         self.watts, self.t0 = watts, time.monotonic()
         self.power_mw = int(watts * 1000)
 
+        self.served: list[int] = []  # every counter value the daemon answered with, in order
+
     def nvmlDeviceGetTotalEnergyConsumption(self, h):
-        return int(5_000_000 + self.watts * 1000 * (time.monotonic() - self.t0))
+        self.served.append(int(5_000_000 + self.watts * 1000 * (time.monotonic() - self.t0)))
+        return self.served[-1]
 
 
 @pytest.mark.parametrize("transport", ["tcp", "unix"])
@@ -28,10 +31,15 @@ def test_energy_from_zeusd_over_tcp_and_unix_socket(server_factory, tmp_path, tr
     gpus = [_SteadyGpu(200.0), _SteadyGpu(100.0), _SteadyGpu(999.0)]
     with FakeZeusd(None if transport == "tcp" else tmp_path / "zeusd.sock", gpus=gpus) as z:
         target = z.url if transport == "tcp" else z.socket_path
-        res = run(BenchConfig(base_url=srv.url, num_prompts=24, max_concurrency=4, output_len=8, input_len=3,
-                              energy="zeusd", zeusd=target, gpus=[0, 1], sample_interval_s=0.05))
+        # A 2 s window: the client's timestamps trail the daemon's reads by a round trip each, which
+        # must stay small against the window on a loaded CI machine.
+        res = run(BenchConfig(base_url=srv.url, num_prompts=100000, max_concurrency=4, output_len=8, input_len=3,
+                              duration_s=2.0, energy="zeusd", zeusd=target, gpus=[0, 1], sample_interval_s=0.05))
     assert res["energy_source"] == "measured" and res["energy_provider"] == "zeusd"
-    # GPUs 0 and 1 only (300 W together), never GPU 2; the window is the harness's own.
+    # Exactly the daemon's counters of GPUs 0 and 1 from the first read to the last; GPU 2 never read.
+    assert res["gpu_energy_j"] == pytest.approx(sum((g.served[-1] - g.served[0]) / 1000 for g in gpus[:2]), abs=1e-6)
+    assert gpus[2].served == []
+    # 300 W together over the harness's own window.
     assert res["gpu_avg_power_w"] == pytest.approx(300.0, rel=0.05)
     assert res["gpu_energy_j"] == pytest.approx(300.0 * res["energy_window_s"], rel=0.05)
     reads = [r for r in z.requests if r[1] == "/gpu/get_cumulative_energy"]
