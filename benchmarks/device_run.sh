@@ -25,9 +25,9 @@ for job in "$@"; do
     meterg) cmd="env PYTHONPATH=/tmp/psite:/tmp/site python3 benchmarks/h200_energy_meter.py --gpu $gpu --parts bgr,bg --pairs 12 --out $OUT/$name/raw.json" ;;
     boost1) cmd="python3 benchmarks/h200_perf_boost.py --gpu $gpu --order off,on,on --long-idle 0 --booster 1 --tag part1 --budget-s $((LIM-15)) --out $OUT/boost1/raw.json" ;;
     ab05b)  cmd="python3 benchmarks/h200_ab.py --gpus $gpu --shape qwen2.5-0.5b --loads 8,64,256 --pairs 3 --budget-s $((LIM-40)) --out $OUT/ab05b/raw.json" ;;
-    plp)    cmd="python3 benchmarks/h200_ab.py --gpus $gpu --shape qwen2.5-7b --loads 4,16 --pairs 3 --input-len 4000 --output-len 4 --prompt-logprobs 1 --serve-arg '--max-model-len 8192' --a-chunking '[]' --b-chunking '[{\"min_rows\": 4096, \"chunks\": 8}]' --budget-s $((LIM-40)) --out $OUT/$name/raw.json" ;;
+    plp)    cmd="python3 benchmarks/h200_ab.py --gpus $gpu --shape qwen2.5-7b --loads 4,16 --pairs 3 --input-len 4000 --output-len 4 --prompt-logprobs 1 --serve-arg '--max-model-len 8192 --kv-cache-memory-bytes 8589934592' --a-chunking '[]' --b-chunking '[{\"min_rows\": 4096, \"chunks\": 8}]' --budget-s $((LIM-40)) --out $OUT/$name/raw.json" ;;
     pp2)    cmd="python3 benchmarks/h200_ab.py --gpus $gpu --shape qwen2.5-7b --loads 8,64 --pairs 3 --gpu-mem 0.42 --serve-arg '--pipeline-parallel-size 2 --kv-cache-memory-bytes 8589934592' --budget-s $((LIM-40)) --out $OUT/pp2/raw.json" ;;
-    benchcmp) cmd="python3 benchmarks/h200_bench_compare.py --gpu $gpu ${BENCHCMP_ARGS:-} --out $OUT/$name/raw.json" ;;
+    benchcmp) cmd="python3 benchmarks/h200_bench_compare.py --gpu $gpu --budget-s $((LIM-90)) ${BENCHCMP_ARGS:-} --out $OUT/$name/raw.json" ;;
     tp2)    cmd="python3 benchmarks/h200_ab.py --gpus $gpu --shape qwen2.5-7b --loads 8,64,256 --pairs 3 --gpu-mem 0.42 --serve-arg '--tensor-parallel-size 2 --kv-cache-memory-bytes 8589934592' --budget-s $((LIM-40)) --out $OUT/tp2/raw.json" ;;
     bisect_meter) cmd="python3 benchmarks/h200_overhead_bisect.py --gpu $gpu --budget-s 330 --out $OUT/$name/bisect.json; env PYTHONPATH=/tmp/psite:/tmp/site python3 benchmarks/h200_energy_meter.py --gpu $gpu --windows 2:3,5:2,10:2,30:1 --pairs 4 --pair-window 3 --out $OUT/$name/meter.json" ;;
     meter)  cmd="env PYTHONPATH=/tmp/psite:/tmp/site python3 benchmarks/h200_energy_meter.py --gpu $gpu --out $OUT/meter/raw.json" ;;

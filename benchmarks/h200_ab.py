@@ -347,11 +347,12 @@ def main() -> int:
         result["idle"] = sampler.window(t0, time.monotonic())
         log("idle", result["idle"])
         save()
+        stream = not ns.prompt_logprobs  # vLLM returns prompt logprobs only on non-streamed requests
         for load in [int(x) for x in ns.loads.split(",")]:
             for label, (_, port) in procs.items():  # warm-up: compile/graph paths for this batch size
                 run(BenchConfig(base_url=f"http://127.0.0.1:{port}", model="model", num_prompts=load, max_concurrency=load,
                                 input_len=ns.input_len, output_len=32, energy="none", label=f"warm-{label}",
-                                prompt_logprobs=ns.prompt_logprobs))
+                                prompt_logprobs=ns.prompt_logprobs, stream=stream))
             for pair in range(ns.pairs):
                 for label, (_, port) in procs.items():
                     if time.monotonic() - T0 > ns.budget_s:
@@ -361,8 +362,12 @@ def main() -> int:
                     res = run(BenchConfig(base_url=f"http://127.0.0.1:{port}", model="model", num_prompts=20000,
                                           max_concurrency=load, input_len=ns.input_len, output_len=ns.output_len,
                                           duration_s=ns.window, energy="nvml", gpus=gpus, seed=pair, label=f"{label}-{load}-{pair}",
-                                          prompt_logprobs=ns.prompt_logprobs))
+                                          prompt_logprobs=ns.prompt_logprobs, stream=stream))
                     t1 = time.monotonic()
+                    if not res.get("completed"):  # a window of failures is no measurement: stop and say why
+                        errs = res.get("errors") or []
+                        raise RuntimeError(f"load {load} pair {pair} {label}: 0 of {res.get('failed')} requests "
+                                           f"completed; first error: {next((e for e in errs if e), None)}")
                     w = {"server": label, "load": load, "pair": pair, "t0": t0, "t1": t1, **{k: res.get(k) for k in SUMMARY_KEYS},
                          "sampler": sampler.window(t0, t1)}
                     result["windows"].append(w)

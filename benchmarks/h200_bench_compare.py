@@ -32,6 +32,7 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--warmup-runs", type=int, default=1)
     ap.add_argument("--gpu-mem", type=float, default=0.5)
+    ap.add_argument("--budget-s", type=float, default=520.0, help="no pair starts after this many seconds")
     ab.add_bundle_args(ap)
     ap.add_argument("--out", required=True)
     ns = ap.parse_args()
@@ -51,16 +52,25 @@ def main() -> int:
             data = Path(d) / "sharegpt.json"
             ho._sharegpt_file(data, max(400, 2 * ns.requests), 48)
             t0 = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+            config = {"n": ns.requests, "conc": ns.concurrency, "output_len": ns.output_len,
+                      "server": f"vllm OpenAI server, {ns.shape} (--load-format dummy), stock, GPU {ns.gpu}",
+                      "order": "A B A B ... (A = loadtests, B = vllm bench serve)",
+                      "warmups": f"{ns.warmup_runs} discarded run(s) of each tool, then 1 warm-up request per run in both tools"}
+
+            def save(runs: list[dict], final: bool) -> None:
+                doc = {"what": "loadtests vs vllm bench serve, same stock vLLM server on one GPU (measured)", "measured": True,
+                       "device": ab.device_facts(ns.gpu), "vllm_version": vllm.__version__, "date_utc": t0,
+                       "complete": final and len(runs) == ns.pairs, **ho.summarize_pairs(runs, config)}
+                out.write_text(json.dumps(doc, indent=1))
+                if final:
+                    ab.log("saved", out, f"{len(runs)} pairs, throughput ratio", doc["output_throughput_ratio"],
+                           "TTFT ratio", doc["median_ttft_ratio"])
+
             runs = ho.interleaved("gpu", f"http://127.0.0.1:{port}", model, data, ns.pairs, ns.requests, ns.concurrency,
-                                  ns.output_len, Path(d), warmup_runs=ns.warmup_runs)
-        doc = {"what": "loadtests vs vllm bench serve, same stock vLLM server on one GPU (measured)", "measured": True,
-               "device": ab.device_facts(ns.gpu), "vllm_version": vllm.__version__, "date_utc": t0,
-               **ho.summarize_pairs(runs, {"n": ns.requests, "conc": ns.concurrency, "output_len": ns.output_len,
-                                           "server": f"vllm OpenAI server, {ns.shape} (--load-format dummy), stock, GPU {ns.gpu}",
-                                           "order": "A B A B ... (A = loadtests, B = vllm bench serve)",
-                                           "warmups": f"{ns.warmup_runs} discarded run(s) of each tool, then 1 warm-up request per run in both tools"})}
-        out.write_text(json.dumps(doc, indent=1))
-        ab.log("saved", out, "throughput ratio", doc["output_throughput_ratio"], "TTFT ratio", doc["median_ttft_ratio"])
+                                  ns.output_len, Path(d), warmup_runs=ns.warmup_runs,
+                                  on_pair=lambda r: save(r, False), deadline=ab.T0 + ns.budget_s)
+            if runs:
+                save(runs, True)
     finally:
         ab.stop(p)
     return 0

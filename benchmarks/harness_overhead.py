@@ -27,15 +27,18 @@ Writes docs/results/harness-overhead.{json,md}. Usage::
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import platform
 import random
+import re
 import statistics as st
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -124,11 +127,14 @@ def _tiny_model() -> Path:
 
 
 def interleaved(tag: str, base_url: str, model: Path, data: Path, pairs: int, n: int, conc: int, out_len: int,
-                workdir: Path, client_cpus: set[int] | None = None, warmup_runs: int = 0) -> list[dict[str, Any]]:
+                workdir: Path, client_cpus: set[int] | None = None, warmup_runs: int = 0,
+                on_pair: Callable[[list[dict[str, Any]]], None] | None = None,
+                deadline: float | None = None) -> list[dict[str, Any]]:
     """``pairs`` x (ours, then vllm bench serve) on one server with the same workload; per-pair ratios.
 
     ``client_cpus``: both tools run with this affinity. ``warmup_runs``: that many discarded (ours, vllm)
-    runs first, so the first pair does not pay for the server's first-request costs.
+    runs first, so the first pair does not pay for the server's first-request costs. ``on_pair``: called
+    with the pairs so far after each one. ``deadline`` (``time.monotonic``): no pair starts after it.
     """
     ours_cmd = [PY, "-m", "loadtests", "--base-url", base_url, "--model", "model", "--dataset", f"sharegpt:{data}",
                 "--tokenizer", str(model), "--sharegpt-output-len", str(out_len), "--num-prompts", str(n),
@@ -145,6 +151,9 @@ def interleaved(tag: str, base_url: str, model: Path, data: Path, pairs: int, n:
     pin = (lambda: os.sched_setaffinity(0, client_cpus)) if client_cpus else None
     runs: list[dict[str, Any]] = []
     for i in range(-warmup_runs, pairs):
+        if deadline is not None and i >= 0 and time.monotonic() > deadline:
+            print(f"[{tag}] time budget reached after {len(runs)} pair(s)", flush=True)
+            break
         pair: dict[str, Any] = {"loadavg_1m": os.getloadavg()[0]}
         for tool in ("ours", "vllm"):  # A B A B ...
             out = workdir / f"{tag}-{tool}-{i}.json"
@@ -169,6 +178,37 @@ def interleaved(tag: str, base_url: str, model: Path, data: Path, pairs: int, n:
         pair["median_ttft_ratio"] = pair["ours"]["median_ttft_ms"] / pair["vllm"]["median_ttft_ms"]
         pair["median_tpot_ratio"] = pair["ours"]["median_tpot_ms"] / pair["vllm"]["median_tpot_ms"]
         runs.append(pair)
+        if on_pair is not None:  # results survive a run cut short by its caller's time limit
+            on_pair(runs)
+    return runs
+
+
+_PAIR_LINE = re.compile(r"^\[(?P<tag>[\w-]+)\] pair (?P<i>\d+) (?P<tool>ours|vllm): (?P<tput>[\d.]+) tok/s, TTFT p50 "
+                        r"(?P<ttft>[\d.]+) ms, TPOT p50 (?P<tpot>[\d.]+) ms, in/out tokens (?P<tin>\d+)/(?P<tout>\d+)$")
+
+
+def runs_from_log(text: str) -> list[dict[str, Any]]:
+    """The complete pairs printed by :func:`interleaved`, for a run whose JSON was lost (killed at its
+    caller's time limit before writing it). Only the printed figures come back (throughput, median TTFT
+    and TPOT, token counts); a pair missing either tool's line is dropped. ValueError if none is complete."""
+    by_pair: dict[int, dict[str, Any]] = {}
+    for line in text.splitlines():
+        m = _PAIR_LINE.match(line.strip())
+        if m:
+            by_pair.setdefault(int(m["i"]), {})[m["tool"]] = {
+                "output_throughput": float(m["tput"]), "median_ttft_ms": float(m["ttft"]), "median_tpot_ms": float(m["tpot"]),
+                "total_input_tokens": int(m["tin"]), "total_output_tokens": int(m["tout"])}
+    runs = []
+    for i in sorted(by_pair):
+        pair = by_pair[i]
+        if "ours" not in pair or "vllm" not in pair:
+            continue
+        pair["output_throughput_ratio"] = pair["ours"]["output_throughput"] / pair["vllm"]["output_throughput"]
+        pair["median_ttft_ratio"] = pair["ours"]["median_ttft_ms"] / pair["vllm"]["median_ttft_ms"]
+        pair["median_tpot_ratio"] = pair["ours"]["median_tpot_ms"] / pair["vllm"]["median_tpot_ms"]
+        runs.append(pair)
+    if not runs:
+        raise ValueError("no complete pair (ours and vllm lines) in the log")
     return runs
 
 
@@ -308,7 +348,8 @@ def _pair_table(v: dict[str, Any]) -> list[str]:
     lines = ["| pair | load avg | ours tok/s | vllm bench tok/s | throughput ratio | ours TTFT p50 (ms) | vllm bench TTFT p50 (ms) "
              "| TTFT ratio | ours TPOT p50 (ms) | vllm bench TPOT p50 (ms) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for i, p in enumerate(v["pairs"]):
-        lines.append(f"| {i + 1} | {p['loadavg_1m']:.1f} | {p['ours']['output_throughput']:.1f} | {p['vllm']['output_throughput']:.1f} | "
+        load = f"{p['loadavg_1m']:.1f}" if "loadavg_1m" in p else "n/a"
+        lines.append(f"| {i + 1} | {load} | {p['ours']['output_throughput']:.1f} | {p['vllm']['output_throughput']:.1f} | "
                      f"{p['output_throughput_ratio']:.3f} | {p['ours']['median_ttft_ms']:.1f} | {p['vllm']['median_ttft_ms']:.1f} | "
                      f"{p['median_ttft_ratio']:.3f} | {p['ours']['median_tpot_ms']:.2f} | {p['vllm']['median_tpot_ms']:.2f} |")
     return lines + ["", f"- output_throughput_ratio (ours / vllm bench): {_fmt_ratio(v['output_throughput'])}",
@@ -353,22 +394,35 @@ def write_md(doc: dict[str, Any], path: Path) -> None:
                  "can drive.")]
     for e in doc.get("earlier_runs", []):
         lines.append(f"- Earlier run ({e['date_utc']}, same script): {e['summary']}")
-    c = doc.get("vs_vllm_bench_fake_server")
-    if c:
-        cc = c["config"]
-        lines += ["", "## (b1) loadtests vs `vllm bench serve` against the fake server (known truth)", "",
-                  f"The fake server (own process, unpinned) answers every request with TTFT {cc['fake_ttft_ms']:g} ms and one chunk "
-                  f"every {cc['fake_itl_ms']:g} ms; {cc['n']} requests, {cc['output_len']} output tokens, concurrency {cc['conc']}, "
-                  f"same ShareGPT file and tokenizer in both tools; order {cc['order']}. Whatever a tool reports above "
-                  f"{cc['fake_ttft_ms']:g} / {cc['fake_itl_ms']:g} ms is its own overhead (plus the machine's noise).", ""]
-        lines += _pair_table(c)
-        lines += [f"- Median over pairs of (median TTFT - true TTFT): ours {c['ours_median_ttft_ms_minus_true']:+.2f} ms, "
-                  f"vllm bench {c['vllm_median_ttft_ms_minus_true']:+.2f} ms; (median TPOT - true ITL): ours "
-                  f"{c['ours_median_tpot_ms_minus_true']:+.3f} ms, vllm bench {c['vllm_median_tpot_ms_minus_true']:+.3f} ms."]
+    for key, title in (("vs_vllm_bench_fake_server", "(b1) loadtests vs `vllm bench serve` against the fake server (known truth)"),
+                       ("vs_vllm_bench_fake_server_high_rate", "(b1, high rate) the same at ~10 k output tokens/s, "
+                                                                 "the rate of the GPU comparison (b3)")):
+        if doc.get(key):
+            lines += _b1_lines(doc[key], title)
     v = doc.get("vs_vllm_bench")
     if v:
         lines += _b2_lines(v, doc)
+    g = doc.get("vs_vllm_bench_gpu")
+    if g:
+        lines += _b3_lines(g)
     path.write_text("\n".join(lines) + "\n")
+
+
+def _b1_lines(c: dict[str, Any], title: str) -> list[str]:
+    cc = c["config"]
+    lines = ["", f"## {title}", "",
+             f"The fake server (own process, unpinned) answers every request with TTFT {cc['fake_ttft_ms']:g} ms and one chunk "
+             f"every {cc['fake_itl_ms']:g} ms; {cc['n']} requests, {cc['output_len']} output tokens, concurrency {cc['conc']}, "
+             f"same ShareGPT file and tokenizer in both tools; order {cc['order']}. Whatever a tool reports above "
+             f"{cc['fake_ttft_ms']:g} / {cc['fake_itl_ms']:g} ms is its own overhead (plus the machine's noise)."]
+    if "date_utc" in c:
+        lines.append(f"Run {c['date_utc']} (UTC).")
+    lines.append("")
+    lines += _pair_table(c)
+    lines += [f"- Median over pairs of (median TTFT - true TTFT): ours {c['ours_median_ttft_ms_minus_true']:+.2f} ms, "
+              f"vllm bench {c['vllm_median_ttft_ms_minus_true']:+.2f} ms; (median TPOT - true ITL): ours "
+              f"{c['ours_median_tpot_ms_minus_true']:+.3f} ms, vllm bench {c['vllm_median_tpot_ms_minus_true']:+.3f} ms."]
+    return lines
 
 
 def _spread(xs: list[float]) -> str:
@@ -431,6 +485,46 @@ def _b2_lines(v: dict[str, Any], doc: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _b3_lines(g: dict[str, Any]) -> list[str]:
+    cg = g["config"]
+    lines = ["", "## (b3) loadtests vs `vllm bench serve` on the same GPU vLLM server (H200, measured)", "",
+             f"- Run {g['date_utc']} (UTC) on {g['device']}; vLLM {g['vllm_version']}; server: {cg['server']}; "
+             f"{cg['n']} requests per run, output {cg['output_len']} tokens (ignore_eos, greedy), closed loop at concurrency "
+             f"{cg['conc']}, same ShareGPT-format file and tokenizer in both tools; warm-up: {cg['warmups']}; order {cg['order']}. "
+             f"Script: `benchmarks/h200_bench_compare.py` (device job `benchcmp@GPU`).",
+             f"- Source of these figures: {g['source']}.", ""]
+    lines += _pair_table(g)
+    pairs = g["pairs"]
+    lines.append(f"- Server stability (each tool's own runs across pairs): output tok/s ours "
+                 f"{_spread([p['ours']['output_throughput'] for p in pairs])}, vllm bench "
+                 f"{_spread([p['vllm']['output_throughput'] for p in pairs])}.")
+    met = all(abs(p[k] - 1) <= 0.02 for p in pairs for k in ("output_throughput_ratio", "median_ttft_ratio"))
+    lines.append("- **Target (same within 2 %) on this GPU server: " + ("met in every pair.**" if met else
+                 "NOT met: single pairs differ by more than 2 %.**"))
+    lines += [f"- {n}" for n in g.get("notes", [])]
+    return lines
+
+
+def merge_gpu(doc: dict[str, Any], src: Path, config: dict[str, Any] | None, notes: list[str]) -> None:
+    """Put the H200 comparison (``h200_bench_compare.py``'s JSON, or its log when the JSON was lost) into
+    ``doc["vs_vllm_bench_gpu"]``."""
+    text = (gzip.open(src, "rt") if src.suffix == ".gz" else open(src)).read()
+    if text.lstrip().startswith("{"):
+        g = json.loads(text)
+        g["source"] = f"the run's JSON (`{src.name}`)"
+    else:
+        if config is None:
+            raise ValueError("a log carries no run configuration: give --gpu-config")
+        runs = runs_from_log(text)
+        meta = {k: config.pop(k) for k in ("date_utc", "device", "vllm_version") if k in config}
+        g = {"what": "loadtests vs vllm bench serve, same stock vLLM server on one GPU (measured)", "measured": True,
+             **meta, **summarize_pairs(runs, config),
+             "source": f"the pair lines of the run's log (`{src.name}`): the run was stopped at its time limit before it "
+                       "wrote its JSON, so only the printed figures (throughput, TTFT p50, TPOT p50, token counts) exist"}
+    g["notes"] = list(g.get("notes", [])) + notes
+    doc["vs_vllm_bench_gpu"] = g
+
+
 def _derive(doc: dict[str, Any]) -> None:
     """Headline figures. The requests/s of one core is counted per second of the harness's own CPU
     time: on this shared 2-core machine other jobs take part of the pinned core, so the observed rate
@@ -458,7 +552,30 @@ def main() -> int:
                     help="re-run (b2) only and merge it into --out, keeping (a) and (b1) and their host data")
     ap.add_argument("--out", default=str(REPO / "docs" / "results" / "harness-overhead.json"))
     ap.add_argument("--from-json", default=None, help="only re-render the Markdown (and derived fields) of a result file")
+    ap.add_argument("--merge-gpu", default=None, metavar="FILE",
+                    help="merge the H200 comparison (h200_bench_compare.py's JSON or log, .gz ok) into --out and re-render")
+    ap.add_argument("--gpu-config", default=None, help="JSON object: run configuration and date_utc/device/vllm_version, for a log")
+    ap.add_argument("--gpu-note", action="append", default=[], help="a finding for the H200 comparison (repeatable)")
+    ap.add_argument("--only-b1-high-rate", action="store_true",
+                    help="run (b1) at ~10 k tok/s (concurrency 64, TTFT 20 ms, ITL 5 ms) and merge it into --out")
     ns = ap.parse_args()
+    if ns.only_b1_high_rate:
+        out = Path(ns.out)
+        doc = json.loads(out.read_text())
+        with tempfile.TemporaryDirectory(prefix="harness-overhead-") as d:
+            t0 = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+            doc["vs_vllm_bench_fake_server_high_rate"] = {**fake_timing_part(ns.pairs, 1000, 64, 64, 20.0, 5.0, Path(d)),
+                                                          "date_utc": t0}
+        out.write_text(json.dumps(doc, indent=2) + "\n")
+        write_md(doc, out.with_suffix(".md"))
+        return 0
+    if ns.merge_gpu:
+        out = Path(ns.out)
+        doc = json.loads(out.read_text())
+        merge_gpu(doc, Path(ns.merge_gpu), json.loads(ns.gpu_config) if ns.gpu_config else None, ns.gpu_note)
+        out.write_text(json.dumps(doc, indent=2) + "\n")
+        write_md(doc, out.with_suffix(".md"))
+        return 0
     if ns.from_json:
         src = Path(ns.from_json)
         doc = json.loads(src.read_text())

@@ -190,6 +190,10 @@ class BenchConfig(BaseModel):
         if not self.stream and "tpot" in self.goodput:
             raise ValueError("goodput SLO tpot cannot be judged without streaming (non-streaming TTFT = E2E, so TPOT is "
                              "always 0): drop tpot or use streaming")
+        if self.stream and self.prompt_logprobs:
+            # vLLM answers 400 to every such request (CompletionRequest.check_logprobs), so refuse before the run.
+            raise ValueError(f"prompt_logprobs = {self.prompt_logprobs} needs stream = false: vLLM returns prompt "
+                             "logprobs only on non-streamed requests (--no-stream)")
         if (self.energy == "zeusd") != (self.zeusd is not None):
             raise ValueError(f"energy = {self.energy!r} with zeusd = {self.zeusd!r}: energy 'zeusd' needs the daemon's address "
                              "(zeusd = http://host:4938 or a socket path), and only it uses one")

@@ -98,16 +98,33 @@ def test_simulated_and_mixed_source_labels(server_factory) -> None:
     assert res2["energy_source"] == "simulated"  # mixed never claims "measured"
 
 
-def test_chat_endpoint_skips_role_chunk_and_passes_prompt_logprobs(server_factory) -> None:
+def test_chat_endpoint_skips_role_chunk(server_factory) -> None:
     srv = server_factory(first_delay=0.08)
     res = run(BenchConfig(base_url=srv.url, endpoint="chat", num_prompts=3, output_len=3, input_len=8,
-                          model="my-model", prompt_logprobs=2))
+                          model="my-model"))
     assert res["completed"] == 3
     assert all(t >= 0.08 for t in res["ttfts"])  # the immediate role-only chunk is not a token
     assert srv.payloads[0]["messages"][0]["role"] == "user"
     assert srv.payloads[0]["model"] == "my-model"
-    assert srv.payloads[0]["prompt_logprobs"] == 2
+    assert "prompt_logprobs" not in srv.payloads[0]
     assert res["endpoint_type"] == "openai-chat"
+
+
+def test_chat_endpoint_passes_prompt_logprobs_without_streaming(server_factory) -> None:
+    srv = server_factory(first_delay=0.05)
+    res = run(BenchConfig(base_url=srv.url, endpoint="chat", num_prompts=3, output_len=3, input_len=8,
+                          model="my-model", prompt_logprobs=2, stream=False))
+    assert res["completed"] == 3
+    assert srv.payloads[0]["prompt_logprobs"] == 2 and srv.payloads[0]["stream"] is False
+
+
+@pytest.mark.parametrize("n", [1, 5])
+def test_prompt_logprobs_with_streaming_is_refused_before_any_request(n) -> None:
+    # vLLM answers 400 to each such request; a whole run of failures would look like a measurement.
+    with pytest.raises(ConfigError, match=rf"^invalid config: prompt_logprobs = {n} needs stream = false: .*--no-stream"):
+        BenchConfig(prompt_logprobs=n)
+    assert BenchConfig(prompt_logprobs=0).prompt_logprobs == 0  # 0 streams fine in vLLM
+    assert BenchConfig(prompt_logprobs=n, stream=False).prompt_logprobs == n
 
 
 def test_output_tokens_from_usage_else_chunk_count(server_factory) -> None:

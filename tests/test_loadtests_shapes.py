@@ -435,7 +435,7 @@ def test_prefix_repetition_groups_share_exact_prefixes() -> None:
 def test_prompt_logprobs_reach_the_server_with_prefix_repetition(fake) -> None:
     srv = fake(first_delay=0.0, itl_delay=0.0)
     res = run(BenchConfig(base_url=srv.url, dataset="prefix-repetition", num_prompts=4, num_prefixes=2, prefix_len=8,
-                          input_len=2, output_len=1, prompt_logprobs=1, sample_interval_s=0))
+                          input_len=2, output_len=1, prompt_logprobs=1, stream=False, sample_interval_s=0))
     assert res["completed"] == 4 and all(p["prompt_logprobs"] == 1 for p in srv.payloads)
     assert srv.payloads[0]["prompt"].split()[:8] == srv.payloads[1]["prompt"].split()[:8]
 
