@@ -19,8 +19,8 @@ for job in "$@"; do
   case $name in
     boostA) cmd="python3 benchmarks/h200_perf_boost.py --gpu $gpu --order on,off --tag part2-gpu$gpu --budget-s $((LIM-15)) --out $OUT/$name/raw.json" ;;
     boostB) cmd="python3 benchmarks/h200_perf_boost.py --gpu $gpu --order off,on --booster 1 --tag part2-gpu$gpu --budget-s $((LIM-15)) --out $OUT/$name/raw.json" ;;
-    boostC) cmd="python3 benchmarks/h200_perf_boost.py --gpu $gpu --order off,on --long-idle 1 --tag part3-gpu$gpu --budget-s $((LIM-15)) --out $OUT/$name/raw.json" ;;
-    boostD) cmd="python3 benchmarks/h200_perf_boost.py --gpu $gpu --order on,off --tag part3-gpu$gpu --budget-s $((LIM-15)) --out $OUT/$name/raw.json" ;;
+    boostC) cmd="python3 benchmarks/h200_perf_boost.py --gpu $gpu --order off,on --long-idle 1 --tag ${name}-gpu$gpu-$(date +%m%d%H%M) --budget-s $((LIM-15)) --out $OUT/$name/raw.json" ;;
+    boostD) cmd="python3 benchmarks/h200_perf_boost.py --gpu $gpu --order on,off --tag ${name}-gpu$gpu-$(date +%m%d%H%M) --budget-s $((LIM-15)) --out $OUT/$name/raw.json" ;;
     auto)   cmd="python3 benchmarks/h200_perf_boost.py --gpu $gpu --order auto --long-idle 0 --tag auto-gpu$gpu --budget-s $((LIM-15)) --out $OUT/$name/raw.json" ;;
     meterg) cmd="env PYTHONPATH=/tmp/psite:/tmp/site python3 benchmarks/h200_energy_meter.py --gpu $gpu --parts bgr,bg --pairs 12 --out $OUT/$name/raw.json" ;;
     boost1) cmd="python3 benchmarks/h200_perf_boost.py --gpu $gpu --order off,on,on --long-idle 0 --booster 1 --tag part1 --budget-s $((LIM-15)) --out $OUT/boost1/raw.json" ;;
