@@ -237,6 +237,11 @@ def markdown(doc: dict) -> str:
     return "\n".join(lines)
 
 
+def _read_text(path: Path) -> str:
+    """A raw file as text, gzipped (the archived copies in docs/results/raw) or not."""
+    return gzip.open(path, "rt").read() if path.suffix == ".gz" else path.read_text()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("raw", nargs="+", help="TAG=PATH of raw h200_ab.py outputs")
@@ -251,20 +256,22 @@ def main() -> int:
     raws, runs = {}, []
     for spec in ns.raw:
         tag, path = spec.split("=", 1)
-        raw = json.loads(Path(path).read_text())
+        raw = json.loads(_read_text(Path(path)))
         raws[tag] = raw
         r = analyze(raw, tag)
         r["about"] = about.get(tag, "")
         runs.append(r)
-        with gzip.open(out / "raw" / f"h200-ab-{tag}.json.gz", "wt") as f:
-            json.dump(raw, f)
+        dest = out / "raw" / f"h200-ab-{tag}.json.gz"
+        if not (dest.exists() and dest.resolve() == Path(path).resolve()):  # an archived raw is kept as is
+            with gzip.open(dest, "wt") as f:
+                json.dump(raw, f)
     doc = {"what": "stock vLLM vs vLLM + powersave (clocks dry-run) on the H200 test GPU", "measured": True,
            "vllm_version": runs[0]["vllm_version"], "device": runs[0]["device"], "date_utc": runs[0]["date_utc"],
            "runs": runs, "findings": ns.finding}
     doc["cases"] = [c | {"run": r["run"]} for r in runs for c in r["cases"]]
     doc["plots"] = plots(runs, raws, out)
     if ns.bisect:
-        braw = json.loads(Path(ns.bisect).read_text())
+        braw = json.loads(_read_text(Path(ns.bisect)))
         by: dict = {}
         for w in braw["windows"]:
             by.setdefault(w["server"], []).append(w["output_throughput"])
@@ -273,8 +280,10 @@ def main() -> int:
         ratio = {k: st.median(v[i] / stock[i] for i in range(rounds)) for k, v in by.items() if stock}
         doc["bisect"] = {"window_s": braw["window_s"], "rounds": rounds, "date_utc": braw["date_utc"], "by_server": by,
                          "ratio_to_stock": ratio, "profiles": braw.get("profiles", {}), "configs": braw.get("configs")}
-        with gzip.open(out / "raw" / "h200-overhead-bisect.json.gz", "wt") as f:
-            json.dump(braw, f)
+        dest = out / "raw" / "h200-overhead-bisect.json.gz"
+        if not (dest.exists() and dest.resolve() == Path(ns.bisect).resolve()):
+            with gzip.open(dest, "wt") as f:
+                json.dump(braw, f)
     (out / "h200-vllm.json").write_text(json.dumps(doc, indent=1, default=float))
     (out / "h200-vllm.md").write_text(markdown(doc))
     print(markdown(doc))

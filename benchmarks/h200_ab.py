@@ -298,7 +298,7 @@ def main() -> int:
     result: dict = {"shape": ns.shape, "device": device_facts(gpus[0]), "gpus": gpus, "serve_args": SERVE_EXTRA, "vllm_version": vllm.__version__,
                     "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                     "method": {"pairs": ns.pairs, "window_s": ns.window, "input_len": ns.input_len, "output_len": ns.output_len,
-                               "order": "A B per pair (A = stock vLLM, B = vLLM + powersave), both servers resident",
+                               "order": "A B, B A, A B, ... per pair (A = stock vLLM, B = vLLM + powersave), both servers resident",
                                "energy": "NVML total-energy counter of the whole GPU over each harness window (measured)",
                                "clocks": "never changed: POWERSAVE_FORCE_DRY_RUN=1, controller dry-run"},
                     "idle": {}, "windows": [], "timeline": [], "trace": [], "notes": []}
@@ -354,7 +354,10 @@ def main() -> int:
                                 input_len=ns.input_len, output_len=32, energy="none", label=f"warm-{label}",
                                 prompt_logprobs=ns.prompt_logprobs, stream=stream))
             for pair in range(ns.pairs):
-                for label, (_, port) in procs.items():
+                # A B, B A, A B, ...: a cost of going first or second (a neighbour's leftovers, drift
+                # within a pair) falls on both servers equally over the pairs.
+                order = list(procs.items()) if pair % 2 == 0 else list(reversed(procs.items()))
+                for label, (_, port) in order:
                     if time.monotonic() - T0 > ns.budget_s:
                         result["notes"].append(f"budget reached before load {load} pair {pair} {label}")
                         raise TimeoutError

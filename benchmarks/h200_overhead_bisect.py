@@ -63,7 +63,8 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--window", type=float, default=10.0)
-    ap.add_argument("--gpu-mem", type=float, default=0.28)
+    ap.add_argument("--gpu-mem", type=float, default=0.28, help="per server; ~0.9 / number of variants")
+    ap.add_argument("--variants", default="S0,S1,S2", help="servers to compare, from S0 (stock) .. S6 (see configs)")
     ab.add_bundle_args(ap)
     ap.add_argument("--budget-s", type=float, default=540)
     ap.add_argument("--out", required=True)
@@ -80,11 +81,23 @@ def main() -> int:
                                      "presets": {"decode": {"sm_clock_mhz": 1200}, "idle": {"sm_clock_mhz": 345}}},
                           "energy": {"meter": "nvml"}}}
     bare = {"powersave": {"chunking": {"table": []}, "clocks": {"backend": "dry-run"}, "energy": {"meter": "off"}}}
-    variants = {"S0-stock": [], "S1-plugin-full": ["--plugin", "powersave", "--additional-config", json.dumps(full)],
-                "S2-plugin-bare": ["--plugin", "powersave", "--additional-config", json.dumps(bare)]}
+
+    def without(**changes: object) -> dict:
+        return {"powersave": {**full["powersave"], **changes}}
+
+    # One option off at a time from the A/B's configuration (h200_ab.py), so that a cost found in
+    # the A/B can be pinned to the option that brings it.
+    configs = {"S0-stock": None, "S1-plugin-full": full, "S2-plugin-bare": bare,
+               "S3-no-lmhead-hook": without(chunking={"table": []}, stats_dir="/tmp/bisect-stats-s3"),
+               "S4-no-trace": without(trace_steps=False, stats_dir="/tmp/bisect-stats-s4"),
+               "S5-no-meter": without(energy={"meter": "off"}, stats_dir="/tmp/bisect-stats-s5"),
+               "S6-no-presets": without(clocks={"backend": "dry-run"}, stats_dir="/tmp/bisect-stats-s6")}
+    names = [n for n in configs if n.split("-", 1)[0] in ns.variants.split(",")]
+    configs = {n: configs[n] for n in names}
+    variants = {n: ([] if c is None else ["--plugin", "powersave", "--additional-config", json.dumps(c)]) for n, c in configs.items()}
     result: dict = {"what": "plugin overhead bisect, qwen2.5-0.5b, closed loop (measured)", "measured": True,
                     "device": ab.device_facts(ns.gpu), "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                    "concurrency": ns.concurrency, "window_s": ns.window, "configs": {"full": full, "bare": bare},
+                    "concurrency": ns.concurrency, "window_s": ns.window, "configs": configs,
                     "windows": [], "profiles": {}, "notes": []}
 
     def save() -> None:
@@ -111,16 +124,16 @@ def main() -> int:
                 res = run(BenchConfig(base_url=f"http://127.0.0.1:{port}", model="model", num_prompts=100000,
                                       max_concurrency=ns.concurrency, input_len=128, output_len=256,
                                       duration_s=ns.window, energy="none", seed=r, label=f"{name}-{r}"))
-                w = {"server": name, "round": r, **{k: res.get(k) for k in ("completed", "output_throughput", "median_tpot_ms",
-                                                                               "median_itl_ms", "median_ttft_ms")}}
+                w = {"server": name, "round": r, "position": names.index(name), **{k: res.get(k) for k in (
+                    "completed", "output_throughput", "median_tpot_ms", "median_itl_ms", "median_ttft_ms")}}
                 result["windows"].append(w)
-                ab.log(f"{name} r{r}: {w['output_throughput']:.0f} tok/s, TPOT {w['median_tpot_ms']:.3f} ms")
+                ab.log(f"{name} r{r}: {w['output_throughput']:.0f} tok/s, TPOT {w['median_tpot_ms']:.3f} ms, ITL p50 {w['median_itl_ms']:.3f} ms")
                 save()
         pyspy = next((str(p) for p in (Path(ns.plugin_site) / "bin" / "py-spy",) if p.exists()), None)
         if pyspy:
             import threading
 
-            for name in ("S0-stock", "S1-plugin-full", "S2-plugin-bare"):
+            for name in procs:
                 if time.monotonic() - ab.T0 > ns.budget_s - 30:
                     break
                 p, port = procs[name]
