@@ -67,3 +67,27 @@ def test_merge_from_the_runs_json_keeps_its_own_fields(tmp_path) -> None:
     ho.merge_gpu(doc, src, None, [])
     assert doc["vs_vllm_bench_gpu"]["complete"] is False
     assert doc["vs_vllm_bench_gpu"]["source"] == "the run's JSON (`raw.json`)"
+
+
+def _pairs(tput: list[float], ttft: list[float]) -> dict:
+    runs = [{"ours": {"output_throughput": t, "median_ttft_ms": f, "median_tpot_ms": 1.0, "total_input_tokens": 1},
+             "vllm": {"output_throughput": 1.0, "median_ttft_ms": 1.0, "median_tpot_ms": 1.0, "total_input_tokens": 1},
+             "output_throughput_ratio": t, "median_ttft_ratio": f, "median_tpot_ratio": 1.0} for t, f in zip(tput, ttft)]
+    return ho.summarize_pairs(runs, {})
+
+
+def test_same_within_2pct_by_every_pair_or_by_equivalence_and_never_by_a_lucky_mean() -> None:
+    every = _pairs([1.01, 0.99, 1.005], [0.995, 1.01, 1.0])
+    assert "met: every pair" in ho._target_lines(every, True)[0]
+    # Pairs spread +-4 % (the server's noise) but 40 of them pin the mean to +-1 %: equivalence.
+    spread = [1.04, 0.96] * 20
+    eq = _pairs(spread, spread)
+    assert eq["output_throughput"]["equivalent_within_2pct"] is True
+    assert "met as equivalence over 40 pairs" in ho._target_lines(eq, False)[0]
+    # The same mean from 4 pairs: the interval is wider than 2 %, so not met although the mean is 1.00.
+    few = _pairs(spread[:4], spread[:4])
+    assert few["output_throughput"]["within_2pct"] is True and few["output_throughput"]["equivalent_within_2pct"] is False
+    assert "NOT met" in ho._target_lines(few, False)[0]
+    # Throughput equivalent but TTFT not: not met.
+    mixed = _pairs(spread, [1.2, 0.9] * 20)
+    assert "NOT met" in ho._target_lines(mixed, False)[0]
