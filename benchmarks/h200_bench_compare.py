@@ -54,7 +54,7 @@ def main() -> int:
             t0 = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
             config = {"n": ns.requests, "conc": ns.concurrency, "output_len": ns.output_len,
                       "server": f"vllm OpenAI server, {ns.shape} (--load-format dummy), stock, GPU {ns.gpu}",
-                      "order": "A B A B ... (A = loadtests, B = vllm bench serve)",
+                      "order": "A B, B A, A B, ... (A = loadtests, B = vllm bench serve)",
                       "warmups": f"{ns.warmup_runs} discarded run(s) of each tool, then 1 warm-up request per run in both tools"}
 
             def save(runs: list[dict], final: bool) -> None:

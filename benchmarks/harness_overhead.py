@@ -154,8 +154,11 @@ def interleaved(tag: str, base_url: str, model: Path, data: Path, pairs: int, n:
         if deadline is not None and i >= 0 and time.monotonic() > deadline:
             print(f"[{tag}] time budget reached after {len(runs)} pair(s)", flush=True)
             break
-        pair: dict[str, Any] = {"loadavg_1m": os.getloadavg()[0]}
-        for tool in ("ours", "vllm"):  # A B A B ...
+        # ours first in even pairs, vllm bench first in odd ones: whatever going first or second
+        # costs on this server (measured: a few % either way) falls on both tools equally.
+        order = ("ours", "vllm") if i % 2 == 0 else ("vllm", "ours")
+        pair: dict[str, Any] = {"loadavg_1m": os.getloadavg()[0], "first": order[0]}
+        for tool in order:
             out = workdir / f"{tag}-{tool}-{i}.json"
             cmd = ours_cmd + ["--result-json", str(out)] if tool == "ours" else vllm_cmd + ["--result-filename", out.name]
             t = time.time()
@@ -227,6 +230,11 @@ def summarize_pairs(runs: list[dict[str, Any]], config: dict[str, Any]) -> dict[
         "output_throughput": summary("output_throughput_ratio"),
         "median_ttft": summary("median_ttft_ratio"),
         "median_tpot": summary("median_tpot_ratio"),
+        # Mean ratios by which tool ran first: a gap between the two is the position effect that the
+        # alternating order cancels in the overall mean.
+        "by_first": {first: {"pairs": len(sel), "output_throughput_ratio": st.mean(p["output_throughput_ratio"] for p in sel),
+                             "median_ttft_ratio": st.mean(p["median_ttft_ratio"] for p in sel)}
+                     for first in ("ours", "vllm") if (sel := [p for p in runs if p.get("first", "ours") == first])},
         "same_input_tokens_every_pair": all(p["ours"]["total_input_tokens"] == p["vllm"]["total_input_tokens"] for p in runs),
         "config": config,
         "pairs": runs,
@@ -310,7 +318,7 @@ def vllm_part(pairs: int, n: int, conc: int, out_len: int, workdir: Path, pin: b
         "n": n, "conc": conc, "output_len": out_len, "vllm_version": vllm.__version__,
         "server": "vllm serve .models/qwen2-tiny (stock, no plugin) " + " ".join(default_serve_args("M")[1:]),
         "dataset": f"synthetic ShareGPT file, {convs} conversations, 48-word prompts, seed 0",
-        "order": "A B A B ... (A = loadtests, B = vllm bench serve)",
+        "order": "A B, B A, A B, ... (A = loadtests, B = vllm bench serve)",
         "warmups": f"{warmup_runs} discarded run(s) of each tool, then 1 warm-up request per run in both tools (--num-warmups 1)",
         "server_cpus": sorted(server_cpus) if server_cpus else None,
         "client_cpus": sorted(client_cpus) if client_cpus else None,
@@ -333,7 +341,7 @@ def fake_timing_part(pairs: int, n: int, conc: int, out_len: int, ttft_ms: float
         srv.terminate()
         srv.wait(10)
     res = summarize_pairs(runs, {"n": n, "conc": conc, "output_len": out_len, "fake_ttft_ms": ttft_ms, "fake_itl_ms": itl_ms,
-                                 "order": "A B A B ... (A = loadtests, B = vllm bench serve)", "warmups": "1 each"})
+                                 "order": "A B, B A, A B, ... (A = loadtests, B = vllm bench serve)", "warmups": "1 each"})
     for tool in ("ours", "vllm"):
         res[f"{tool}_median_ttft_ms_minus_true"] = st.median(p[tool]["median_ttft_ms"] - ttft_ms for p in runs)
         res[f"{tool}_median_tpot_ms_minus_true"] = st.median(p[tool]["median_tpot_ms"] - itl_ms for p in runs)
@@ -461,6 +469,12 @@ def _b2_lines(v: dict[str, Any], doc: dict[str, Any]) -> list[str]:
     lines.append("")
     lines += _pair_table(v)
     pairs = v["pairs"]
+    bf = v.get("by_first") or {}
+    if len(bf) == 2:
+        lines.append("- Position: " + "; ".join(f"with {'ours' if k == 'ours' else 'vllm bench'} first ({x['pairs']} pairs) the mean "
+                                                f"throughput ratio is {x['output_throughput_ratio']:.3f} and TTFT ratio "
+                                                f"{x['median_ttft_ratio']:.3f}" for k, x in bf.items())
+                     + " (the overall mean weighs both orders equally when the pair count is even).")
     lines += [f"- Server stability (each tool's own runs across pairs): output tok/s ours {_spread([p['ours']['output_throughput'] for p in pairs])}, "
               f"vllm bench {_spread([p['vllm']['output_throughput'] for p in pairs])}; TTFT p50 (ms) ours "
               f"{_spread([p['ours']['median_ttft_ms'] for p in pairs])}, vllm bench {_spread([p['vllm']['median_ttft_ms'] for p in pairs])}."]
