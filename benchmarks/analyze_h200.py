@@ -199,11 +199,12 @@ def markdown(doc: dict) -> str:
     lines = ["# vLLM + powersave vs stock vLLM on the H200 (measured)", "",
              f"- Device: {doc['device']['name']}, driver {doc['device'].get('driver')}, power limit {doc['device'].get('power_limit_w')} W; vLLM {doc['vllm_version']} (V1 engine, V2 model runner, torch.compile + CUDA graphs), `--load-format dummy`.",
              f"- When: {doc['date_utc']} (UTC). Script: `benchmarks/h200_ab.py` (device), `benchmarks/analyze_h200.py` (this report).",
-             "- Method: both servers resident on the one GPU (0.42 of memory each), OpenAI `/v1/completions` streaming through `loadtests`, closed loop at the given concurrency, 128 prompt / 256 output tokens (`ignore_eos`), windows of 15 s of request starts (in-flight requests finish), order A B per pair, 3 pairs. Energy: the GPU's NVML total-energy counter over each window (whole GPU: the resting engine's idle draw is in both A and B windows). Ratios are plugin / stock per pair; CI is a t-interval over pairs.",
+             "- Method: both servers resident on the one GPU (0.42 of memory each), OpenAI `/v1/completions` streaming through `loadtests`, closed loop at the given concurrency, 128 prompt / 256 output tokens (`ignore_eos`), windows of 15 s of request starts (in-flight requests finish), 3 pairs; the order within pairs is given per run. Energy: the GPU's NVML total-energy counter over each window (whole GPU: the resting engine's idle draw is in both A and B windows). Ratios are plugin / stock per pair; CI is a t-interval over pairs.",
              "- Clocks: **never changed**. `POWERSAVE_FORCE_DRY_RUN=1`; the controller ran in dry-run with presets decode 1200 MHz, idle 345 MHz, dwell 200 ms, recording decisions. Chunking policy active with a table that selects 1 chunk at every row count seen (the H200 measurement below shows no gain from chunking).",
              "- Simulated numbers (marked *simulated*) are the simulated GPU's prediction for the recorded dry-run decisions; everything else is measured.", ""]
     for r in doc["runs"]:
         lines += [f"## {r['shape']} — {r['run']}", "", r.get("about", ""), "",
+                  f"Order: {r.get('order') or 'A B per pair'}; requests {'streamed' if r.get('stream', True) else 'not streamed (TTFT = E2E, no TPOT)'}.", "",
                   f"Idle, both engines loaded, no requests: **{r['idle'].get('avg_power_w', float('nan')):.1f} W** (measured, median SM clock {r['idle'].get('median_sm_clock_mhz')} MHz). The idle preset (345 MHz lock) is predicted at {r['idle']['idle_preset_prediction_w']:.0f} W per GPU (*simulated*).", "",
                   *ratio_table(r["cases"])]
         lines += ["", "Phase mix of real serving (plugin server's step trace) and the dry-run controller:", "",
@@ -221,10 +222,11 @@ def markdown(doc: dict) -> str:
     b = doc.get("bisect")
     if b:
         lines += ["## Overhead bisect: qwen2.5-0.5b at concurrency 8 (measured)", "",
-                  f"Three servers resident on one GPU (stock; plugin as above; plugin with every option off: meter off, no trace, no presets, empty chunking table), {b['window_s']:.0f} s closed-loop windows rotated S0 S1 S2 / S2 S1 S0 for {b['rounds']} rounds ({b['date_utc']}, `benchmarks/h200_overhead_bisect.py`). Output tokens/s per round:", "",
+                  f"{len(b['by_server'])} servers resident on one GPU ({', '.join(b['by_server'])}: stock; the plugin as above; the plugin with every option off, or with one option off, as named), {b['window_s']:.0f} s closed-loop windows, the server order reversed every other round, {b['rounds']} rounds ({b['date_utc']}, `benchmarks/h200_overhead_bisect.py`). Output tokens/s per round:", "",
                   "| server | " + " | ".join(f"round {r}" for r in range(b["rounds"])) + " | median | ratio to stock (median of per-round ratios) |",
                   "|---|" + "---|" * b["rounds"] + "---|---|"]
         for name, xs in b["by_server"].items():
+            xs = xs[:b["rounds"]]  # a budget stop can leave some servers a round ahead
             lines.append(f"| {name} | " + " | ".join(f"{x:.0f}" for x in xs) + f" | {st.median(xs):.0f} | {b['ratio_to_stock'].get(name, 1.0):.3f} |")
         lines += ["", "GIL profile (`py-spy record --gil`, one window per server on its EngineCore process, where the TP=1 worker runs): share of GIL-holding samples whose innermost frame is the plugin's own code (calls from the plugin's wrappers into vLLM excluded):", "",
                   "| server | GIL samples | plugin's own | share | top plugin frames |", "|---|---|---|---|---|"]
@@ -260,6 +262,8 @@ def main() -> int:
         raws[tag] = raw
         r = analyze(raw, tag)
         r["about"] = about.get(tag, "")
+        r["order"] = raw.get("method", {}).get("order")
+        r["stream"] = raw.get("method", {}).get("stream", True)
         runs.append(r)
         dest = out / "raw" / f"h200-ab-{tag}.json.gz"
         if not (dest.exists() and dest.resolve() == Path(path).resolve()):  # an archived raw is kept as is

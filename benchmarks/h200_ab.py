@@ -348,6 +348,7 @@ def main() -> int:
         log("idle", result["idle"])
         save()
         stream = not ns.prompt_logprobs  # vLLM returns prompt logprobs only on non-streamed requests
+        result["method"]["stream"] = stream  # non-streamed: TTFT = E2E and TPOT = 0
         for load in [int(x) for x in ns.loads.split(",")]:
             for label, (_, port) in procs.items():  # warm-up: compile/graph paths for this batch size
                 run(BenchConfig(base_url=f"http://127.0.0.1:{port}", model="model", num_prompts=load, max_concurrency=load,

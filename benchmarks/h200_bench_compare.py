@@ -61,7 +61,9 @@ def main() -> int:
                 doc = {"what": "loadtests vs vllm bench serve, same stock vLLM server on one GPU (measured)", "measured": True,
                        "device": ab.device_facts(ns.gpu), "vllm_version": vllm.__version__, "date_utc": t0,
                        "complete": final and len(runs) == ns.pairs, **ho.summarize_pairs(runs, config)}
-                out.write_text(json.dumps(doc, indent=1))
+                tmp = out.with_suffix(".tmp")  # a kill mid-write leaves the previous pair's file whole
+                tmp.write_text(json.dumps(doc, indent=1))
+                tmp.replace(out)
                 if final:
                     ab.log("saved", out, f"{len(runs)} pairs, throughput ratio", doc["output_throughput_ratio"],
                            "TTFT ratio", doc["median_ttft_ratio"])

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -75,7 +76,8 @@ def main() -> int:
     from loadtests import BenchConfig, run
 
     out_file = Path(ns.out)
-    full = {"powersave": {"stats_dir": "/tmp/bisect-stats", "trace_steps": True,
+    stats = f"/tmp/bisect-stats-gpu{ns.gpu}"  # per GPU: two jobs in parallel must not share rank files
+    full = {"powersave": {"stats_dir": stats, "trace_steps": True,
                           "chunking": {"table": [{"min_rows": 1_000_000, "chunks": 2}]},
                           "clocks": {"backend": "dry-run", "min_dwell_ms": 200,
                                      "presets": {"decode": {"sm_clock_mhz": 1200}, "idle": {"sm_clock_mhz": 345}}},
@@ -88,11 +90,19 @@ def main() -> int:
     # One option off at a time from the A/B's configuration (h200_ab.py), so that a cost found in
     # the A/B can be pinned to the option that brings it.
     configs = {"S0-stock": None, "S1-plugin-full": full, "S2-plugin-bare": bare,
-               "S3-no-lmhead-hook": without(chunking={"table": []}, stats_dir="/tmp/bisect-stats-s3"),
-               "S4-no-trace": without(trace_steps=False, stats_dir="/tmp/bisect-stats-s4"),
-               "S5-no-meter": without(energy={"meter": "off"}, stats_dir="/tmp/bisect-stats-s5"),
-               "S6-no-presets": without(clocks={"backend": "dry-run"}, stats_dir="/tmp/bisect-stats-s6")}
-    names = [n for n in configs if n.split("-", 1)[0] in ns.variants.split(",")]
+               "S3-no-lmhead-hook": without(chunking={"table": []}, stats_dir=f"{stats}-s3"),
+               "S4-no-trace": without(trace_steps=False, stats_dir=f"{stats}-s4"),
+               "S5-no-meter": without(energy={"meter": "off"}, stats_dir=f"{stats}-s5"),
+               "S6-no-presets": without(clocks={**full["powersave"]["clocks"], "presets": {}}, stats_dir=f"{stats}-s6")}
+    for c in configs.values():
+        if c is not None and c["powersave"].get("stats_dir"):
+            shutil.rmtree(c["powersave"]["stats_dir"], ignore_errors=True)  # no trace left from an earlier run
+    short = {n.split("-", 1)[0]: n for n in configs}
+    asked = [v.strip() for v in ns.variants.split(",")]
+    if unknown := [v for v in asked if v not in short]:
+        print(f"error: --variants {ns.variants!r}: unknown {unknown}; choose from {sorted(short)}", file=sys.stderr)
+        return 2
+    names = [short[v] for v in dict.fromkeys(asked)]
     configs = {n: configs[n] for n in names}
     variants = {n: ([] if c is None else ["--plugin", "powersave", "--additional-config", json.dumps(c)]) for n, c in configs.items()}
     result: dict = {"what": "plugin overhead bisect, qwen2.5-0.5b, closed loop (measured)", "measured": True,

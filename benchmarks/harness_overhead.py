@@ -13,7 +13,7 @@
     selection in both tools: ``tests/test_loadtests_shapes.py::test_sharegpt_selection_equals_vllm_bench_serve``),
     the model's own tokenizer directory (offline), fixed output length with ``ignore_eos``, greedy
     sampling in both (``vllm bench serve --temperature 0``; ours always sends temperature 0), closed
-    loop. Runs are interleaved A B A B ... (A = ours, B = vllm bench) because the 2-core machine is
+    loop. Runs are interleaved A B, B A, ... (A = ours, B = vllm bench) because the 2-core machine is
     shared and noisy; per pair the ratios ours / vllm of output throughput and median TTFT are taken,
     and reported with their spread and 95 % t-interval. The vLLM server runs on one core and each client
     run on the other (:func:`server_pinning`), after discarded warm-up runs of both tools; ``--only-b2``
@@ -130,7 +130,8 @@ def interleaved(tag: str, base_url: str, model: Path, data: Path, pairs: int, n:
                 workdir: Path, client_cpus: set[int] | None = None, warmup_runs: int = 0,
                 on_pair: Callable[[list[dict[str, Any]]], None] | None = None,
                 deadline: float | None = None) -> list[dict[str, Any]]:
-    """``pairs`` x (ours, then vllm bench serve) on one server with the same workload; per-pair ratios.
+    """``pairs`` x (ours and vllm bench serve, alternating which goes first) on one server with the same
+    workload; per-pair ratios.
 
     ``client_cpus``: both tools run with this affinity. ``warmup_runs``: that many discarded (ours, vllm)
     runs first, so the first pair does not pay for the server's first-request costs. ``on_pair``: called
@@ -150,8 +151,10 @@ def interleaved(tag: str, base_url: str, model: Path, data: Path, pairs: int, n:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
     pin = (lambda: os.sched_setaffinity(0, client_cpus)) if client_cpus else None
     runs: list[dict[str, Any]] = []
+    last_pair_s = 0.0  # a pair that cannot finish before the deadline is not started
     for i in range(-warmup_runs, pairs):
-        if deadline is not None and i >= 0 and time.monotonic() > deadline:
+        t_pair = time.monotonic()
+        if deadline is not None and i >= 0 and time.monotonic() + last_pair_s > deadline:
             print(f"[{tag}] time budget reached after {len(runs)} pair(s)", flush=True)
             break
         # ours first in even pairs, vllm bench first in odd ones: whatever going first or second
@@ -181,6 +184,7 @@ def interleaved(tag: str, base_url: str, model: Path, data: Path, pairs: int, n:
         pair["median_ttft_ratio"] = pair["ours"]["median_ttft_ms"] / pair["vllm"]["median_ttft_ms"]
         pair["median_tpot_ratio"] = pair["ours"]["median_tpot_ms"] / pair["vllm"]["median_tpot_ms"]
         runs.append(pair)
+        last_pair_s = time.monotonic() - t_pair
         if on_pair is not None:  # results survive a run cut short by its caller's time limit
             on_pair(runs)
     return runs
@@ -198,7 +202,8 @@ def runs_from_log(text: str) -> list[dict[str, Any]]:
     for line in text.splitlines():
         m = _PAIR_LINE.match(line.strip())
         if m:
-            by_pair.setdefault(int(m["i"]), {})[m["tool"]] = {
+            by_pair.setdefault(int(m["i"]), {}).setdefault("first", m["tool"])  # lines print in run order
+            by_pair[int(m["i"])][m["tool"]] = {
                 "output_throughput": float(m["tput"]), "median_ttft_ms": float(m["ttft"]), "median_tpot_ms": float(m["tpot"]),
                 "total_input_tokens": int(m["tin"]), "total_output_tokens": int(m["tout"])}
     runs = []

@@ -17,6 +17,21 @@ from .runner import run
 # Two-sided 95 % Student t quantiles by degrees of freedom.
 _T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
 
+def t95(df: int) -> float:
+    """Two-sided 95 % quantile of Student's t with ``df`` degrees of freedom (``df`` >= 1).
+
+    Exact table up to 10; above, the Cornish-Fisher expansion around the normal quantile
+    (Abramowitz & Stegun 26.7.5), within 1e-3 of the exact value from df = 11 on.
+    """
+    if df < 1:
+        raise ValueError(f"df = {df}: need at least 1 degree of freedom")
+    if df in _T95:
+        return _T95[df]
+    z, v = 1.959963985, float(df)
+    return (z + (z**3 + z) / (4 * v) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * v**2)
+            + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * v**3))
+
+
 #: (result field, label, "higher is better")
 RATIOS = (
     ("output_throughput", "output throughput", True),
@@ -32,7 +47,7 @@ def ratio_ci(ratios: list[float]) -> tuple[float, float, float]:
     m = st.mean(ratios)
     if len(ratios) < 2:
         return m, math.nan, math.nan
-    h = _T95.get(len(ratios) - 1, 1.96) * st.stdev(ratios) / math.sqrt(len(ratios))
+    h = t95(len(ratios) - 1) * st.stdev(ratios) / math.sqrt(len(ratios))
     return m, m - h, m + h
 
 
