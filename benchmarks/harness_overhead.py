@@ -33,6 +33,7 @@ import os
 import platform
 import random
 import re
+import resource
 import statistics as st
 import subprocess
 import sys
@@ -165,7 +166,12 @@ def interleaved(tag: str, base_url: str, model: Path, data: Path, pairs: int, n:
             out = workdir / f"{tag}-{tool}-{i}.json"
             cmd = ours_cmd + ["--result-json", str(out)] if tool == "ours" else vllm_cmd + ["--result-filename", out.name]
             t = time.time()
+            ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
             p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900, env=env, preexec_fn=pin)
+            ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+            # The tool's whole CPU time (start-up, dataset, warm-up and the run): a client that needs
+            # more of its one core than the run lasts cannot keep up with the stream it measures.
+            cpu_s = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
             if p.returncode != 0:
                 raise SystemExit(f"error: {tool} run {i} failed (rc {p.returncode}): {p.stderr.strip().splitlines()[-1:]}")
             r = json.loads(out.read_text())
@@ -176,8 +182,10 @@ def interleaved(tag: str, base_url: str, model: Path, data: Path, pairs: int, n:
                                                "total_output_tokens", "request_throughput", "output_throughput",
                                                "median_ttft_ms", "mean_ttft_ms", "median_tpot_ms", "median_itl_ms")}
             pair[tool]["wall_s"] = time.time() - t
+            pair[tool]["client_cpu_s"] = cpu_s
             print(f"[{tag}] pair {i} {tool}: {r['output_throughput']:.1f} tok/s, TTFT p50 {r['median_ttft_ms']:.1f} ms, "
-                  f"TPOT p50 {r['median_tpot_ms']:.2f} ms, in/out tokens {r['total_input_tokens']}/{r['total_output_tokens']}", flush=True)
+                  f"TPOT p50 {r['median_tpot_ms']:.2f} ms, in/out tokens {r['total_input_tokens']}/{r['total_output_tokens']}, "
+                  f"client CPU {cpu_s:.1f} s of {pair[tool]['wall_s']:.1f} s wall", flush=True)
         if i < 0:
             continue
         pair["output_throughput_ratio"] = pair["ours"]["output_throughput"] / pair["vllm"]["output_throughput"]
@@ -191,7 +199,7 @@ def interleaved(tag: str, base_url: str, model: Path, data: Path, pairs: int, n:
 
 
 _PAIR_LINE = re.compile(r"^\[(?P<tag>[\w-]+)\] pair (?P<i>\d+) (?P<tool>ours|vllm): (?P<tput>[\d.]+) tok/s, TTFT p50 "
-                        r"(?P<ttft>[\d.]+) ms, TPOT p50 (?P<tpot>[\d.]+) ms, in/out tokens (?P<tin>\d+)/(?P<tout>\d+)$")
+                        r"(?P<ttft>[\d.]+) ms, TPOT p50 (?P<tpot>[\d.]+) ms, in/out tokens (?P<tin>\d+)/(?P<tout>\d+)(?:, .*)?$")
 
 
 def runs_from_log(text: str) -> list[dict[str, Any]]:
@@ -480,6 +488,14 @@ def _b2_lines(v: dict[str, Any], doc: dict[str, Any]) -> list[str]:
                                                 f"throughput ratio is {x['output_throughput_ratio']:.3f} and TTFT ratio "
                                                 f"{x['median_ttft_ratio']:.3f}" for k, x in bf.items())
                      + " (the overall mean weighs both orders equally when the pair count is even).")
+    if all("client_cpu_s" in p["ours"] and "client_cpu_s" in p["vllm"] for p in v["pairs"]):
+        # Start-up (imports, tokenizer, dataset) keeps the core busy, so CPU - (wall - run duration) estimates the
+        # CPU spent while requests ran.
+        run_cpu = {k: st.median((p[k]["client_cpu_s"] - (p[k]["wall_s"] - p[k]["duration"])) / p[k]["duration"] for p in v["pairs"])
+                   for k in ("ours", "vllm")}
+        lines.append(f"- Client CPU while the requests ran (estimate: the tool process's CPU time minus its start-up, taken as "
+                     f"wall - run duration, over the run duration; median over pairs): ours {100 * run_cpu['ours']:.0f} %, "
+                     f"vllm bench {100 * run_cpu['vllm']:.0f} % of the client's one core.")
     lines += [f"- Server stability (each tool's own runs across pairs): output tok/s ours {_spread([p['ours']['output_throughput'] for p in pairs])}, "
               f"vllm bench {_spread([p['vllm']['output_throughput'] for p in pairs])}; TTFT p50 (ms) ours "
               f"{_spread([p['ours']['median_ttft_ms'] for p in pairs])}, vllm bench {_spread([p['vllm']['median_ttft_ms'] for p in pairs])}."]
