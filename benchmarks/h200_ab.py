@@ -151,6 +151,14 @@ def tcp_listeners(port: int) -> int:
     return n if read else -1
 
 
+def write_json_atomic(path: Path, obj: object, indent: int | None = None) -> None:
+    """Write ``obj`` as JSON through a temporary file: a job killed mid-write (the call's time
+    limit) leaves the previous, complete file."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj, indent=indent))
+    tmp.replace(path)
+
+
 def check_port_free(port: int) -> None:
     """Refuse to start a server on a port something already listens on (RuntimeError)."""
     if tcp_listeners(port) > 0:
@@ -304,9 +312,7 @@ def main() -> int:
                     "idle": {}, "windows": [], "timeline": [], "trace": [], "notes": []}
 
     def save() -> None:
-        tmp = out_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(result))
-        tmp.replace(out_file)
+        write_json_atomic(out_file, result)
 
     plugin_cfg = {"powersave": {
         "stats_dir": str(stats_dir), "trace_steps": True,

@@ -12,7 +12,6 @@ to run unless ``POWERSAVE_FORCE_DRY_RUN=1`` (the server has no plugin at all).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -57,13 +56,13 @@ def main() -> int:
                       "order": "A B, B A, A B, ... (A = loadtests, B = vllm bench serve)",
                       "warmups": f"{ns.warmup_runs} discarded run(s) of each tool, then 1 warm-up request per run in both tools"}
 
+            device = ab.device_facts(ns.gpu)
+
             def save(runs: list[dict], final: bool) -> None:
                 doc = {"what": "loadtests vs vllm bench serve, same stock vLLM server on one GPU (measured)", "measured": True,
-                       "device": ab.device_facts(ns.gpu), "vllm_version": vllm.__version__, "date_utc": t0,
+                       "device": device, "vllm_version": vllm.__version__, "date_utc": t0,
                        "complete": final and len(runs) == ns.pairs, **ho.summarize_pairs(runs, config)}
-                tmp = out.with_suffix(".tmp")  # a kill mid-write leaves the previous pair's file whole
-                tmp.write_text(json.dumps(doc, indent=1))
-                tmp.replace(out)
+                ab.write_json_atomic(out, doc, indent=1)  # after every pair: a cut run keeps its pairs
                 if final:
                     ab.log("saved", out, f"{len(runs)} pairs, throughput ratio", doc["output_throughput_ratio"],
                            "TTFT ratio", doc["median_ttft_ratio"])

@@ -111,8 +111,7 @@ def main() -> int:
                     "windows": [], "profiles": {}, "notes": []}
 
     def save() -> None:
-        out_file.with_suffix(".tmp").write_text(json.dumps(result, indent=1))
-        out_file.with_suffix(".tmp").replace(out_file)
+        ab.write_json_atomic(out_file, result, indent=1)
 
     procs = {}
     for i, (name, extra) in enumerate(variants.items()):

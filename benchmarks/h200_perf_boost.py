@@ -138,9 +138,7 @@ def main() -> int:
                     "servers": [], "notes": []}
 
     def save() -> None:
-        tmp = out_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(result))
-        tmp.replace(out_file)
+        ab.write_json_atomic(out_file, result)
 
     try:
         sampler = ab.Sampler(ns.gpu)

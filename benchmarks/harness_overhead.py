@@ -574,6 +574,12 @@ def merge_gpu(doc: dict[str, Any], src: Path, config: dict[str, Any] | None, not
     doc["vs_vllm_bench_gpu"] = g
 
 
+def save(doc: dict[str, Any], out: Path) -> None:
+    """The record as JSON at ``out`` and its Markdown twin beside it."""
+    out.write_text(json.dumps(doc, indent=2) + "\n")
+    write_md(doc, out.with_suffix(".md"))
+
+
 def _derive(doc: dict[str, Any]) -> None:
     """Headline figures. The requests/s of one core is counted per second of the harness's own CPU
     time: on this shared 2-core machine other jobs take part of the pinned core, so the observed rate
@@ -615,22 +621,19 @@ def main() -> int:
             t0 = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
             doc["vs_vllm_bench_fake_server_high_rate"] = {**fake_timing_part(ns.pairs, 1000, 64, 64, 20.0, 5.0, Path(d)),
                                                           "date_utc": t0}
-        out.write_text(json.dumps(doc, indent=2) + "\n")
-        write_md(doc, out.with_suffix(".md"))
+        save(doc, out)
         return 0
     if ns.merge_gpu:
         out = Path(ns.out)
         doc = json.loads(out.read_text())
         merge_gpu(doc, Path(ns.merge_gpu), json.loads(ns.gpu_config) if ns.gpu_config else None, ns.gpu_note)
-        out.write_text(json.dumps(doc, indent=2) + "\n")
-        write_md(doc, out.with_suffix(".md"))
+        save(doc, out)
         return 0
     if ns.from_json:
         src = Path(ns.from_json)
         doc = json.loads(src.read_text())
         _derive(doc)
-        src.write_text(json.dumps(doc, indent=2) + "\n")
-        write_md(doc, src.with_suffix(".md"))
+        save(doc, src)
         return 0
     if ns.only_b2:
         out = Path(ns.out)
@@ -644,8 +647,7 @@ def main() -> int:
                 "date_utc": doc["date_utc"], "config": prev["config"],
                 "output_throughput_per_pair": prev["output_throughput"]["per_pair"],
                 "median_ttft_per_pair": prev["median_ttft"]["per_pair"]}
-        out.write_text(json.dumps(doc, indent=2) + "\n")
-        write_md(doc, out.with_suffix(".md"))
+        save(doc, out)
         print(out.with_suffix(".md").read_text())
         return 0
     import aiohttp
@@ -670,8 +672,7 @@ def main() -> int:
     doc["host"]["loadavg_1m_at_end"] = os.getloadavg()[0]
     out = Path(ns.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=2) + "\n")
-    write_md(doc, out.with_suffix(".md"))
+    save(doc, out)
     print(out.with_suffix(".md").read_text())
     return 0
 
