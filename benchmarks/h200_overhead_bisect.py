@@ -102,8 +102,8 @@ def main() -> int:
     if unknown := [v for v in asked if v not in short]:
         print(f"error: --variants {ns.variants!r}: unknown {unknown}; choose from {sorted(short)}", file=sys.stderr)
         return 2
-    names = [short[v] for v in dict.fromkeys(asked)]
-    configs = {n: configs[n] for n in names}
+    chosen = [short[v] for v in dict.fromkeys(asked)]
+    configs = {n: configs[n] for n in chosen}
     variants = {n: ([] if c is None else ["--plugin", "powersave", "--additional-config", json.dumps(c)]) for n, c in configs.items()}
     result: dict = {"what": "plugin overhead bisect, qwen2.5-0.5b, closed loop (measured)", "measured": True,
                     "device": ab.device_facts(ns.gpu), "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -125,15 +125,15 @@ def main() -> int:
             run(BenchConfig(base_url=f"http://127.0.0.1:{port}", model="model", num_prompts=64, max_concurrency=ns.concurrency,
                             input_len=128, output_len=64, energy="none", label=f"warm-{name}"))
         for r in range(ns.rounds):
-            names = list(procs) if r % 2 == 0 else list(reversed(procs))
-            for name in names:
+            order = list(procs) if r % 2 == 0 else list(reversed(procs))
+            for name in order:
                 if time.monotonic() - ab.T0 > ns.budget_s - 60:
                     raise TimeoutError
                 port = procs[name][1]
                 res = run(BenchConfig(base_url=f"http://127.0.0.1:{port}", model="model", num_prompts=100000,
                                       max_concurrency=ns.concurrency, input_len=128, output_len=256,
                                       duration_s=ns.window, energy="none", seed=r, label=f"{name}-{r}"))
-                w = {"server": name, "round": r, "position": names.index(name), **{k: res.get(k) for k in (
+                w = {"server": name, "round": r, "position": order.index(name), **{k: res.get(k) for k in (
                     "completed", "output_throughput", "median_tpot_ms", "median_itl_ms", "median_ttft_ms")}}
                 result["windows"].append(w)
                 ab.log(f"{name} r{r}: {w['output_throughput']:.0f} tok/s, TPOT {w['median_tpot_ms']:.3f} ms, ITL p50 {w['median_itl_ms']:.3f} ms")
