@@ -181,6 +181,79 @@ def plots(runs: list[dict], raws: dict[str, dict], out: Path) -> list[str]:
     return files
 
 
+def analyze_plp(raw: dict, tag: str) -> dict:
+    """A prompt-logprob run of ``h200_ab.py`` whose two arms are both vLLM + powersave: A with an
+    empty chunk table (no chunking), B with the table under test. Ratios are B / A per pair.
+
+    Besides time and energy it states whether the policy ever chose more than one chunk (the LM-head
+    calls by chunk count of each arm): a table whose smallest rule is never reached measures the
+    hook, not chunking.
+    """
+    by_load: dict[int, list[dict]] = {}
+    for w in raw["windows"]:
+        by_load.setdefault(w["load"], []).append(w)
+    snap_b = raw.get("plugin_snapshot", {})
+    snap_a = next(iter((raw.get("plugin_a_snapshots_by_rank") or {}).values()), {})
+    calls_b = {int(k): v for k, v in (snap_b.get("lm_head_calls") or {}).items()}
+    cases = []
+    for load, ws in sorted(by_load.items()):
+        a = {w["pair"]: w for w in ws if w["server"] == "A"}
+        b = {w["pair"]: w for w in ws if w["server"] == "B"}
+        full = sorted(p for p in a if p in b)
+        if not full:
+            continue
+        thr = [b[p]["output_throughput"] / a[p]["output_throughput"] for p in full]
+        jpt = [b[p]["gpu_energy_per_output_token_j"] / a[p]["gpu_energy_per_output_token_j"] for p in full]
+        cases.append({
+            "load": load, "pairs": len(full),
+            "throughput_ratio": st.mean(thr), "throughput_ratio_ci95": list(ci95(thr)), "throughput_ratio_per_pair": thr,
+            "j_per_token_ratio": st.mean(jpt), "j_per_token_ratio_ci95": list(ci95(jpt)), "j_per_token_ratio_per_pair": jpt,
+            "unchunked_req_per_s": st.mean(a[p]["request_throughput"] for p in full),
+            "chunked_req_per_s": st.mean(b[p]["request_throughput"] for p in full),
+            "unchunked_median_e2e_ms": st.mean(a[p]["median_e2el_ms"] for p in full),
+            "chunked_median_e2e_ms": st.mean(b[p]["median_e2el_ms"] for p in full),
+            "unchunked_avg_power_w": st.mean(a[p]["gpu_avg_power_w"] for p in full),
+            "chunked_avg_power_w": st.mean(b[p]["gpu_avg_power_w"] for p in full),
+            "unchunked_prompt_tok_per_j": st.mean(a[p]["total_tokens_per_joule"] for p in full),
+            "chunked_prompt_tok_per_j": st.mean(b[p]["total_tokens_per_joule"] for p in full),
+        })
+    rows_b, n_b = snap_b.get("lm_head_rows"), sum(calls_b.values())
+    return {"run": tag, "shape": raw["shape"], "date_utc": raw["date_utc"], "method": raw["method"],
+            "serve_args": raw.get("serve_args"), "notes": raw.get("notes", []), "cases": cases,
+            "lm_head_calls_by_chunks": {"A": snap_a.get("lm_head_calls"), "B": snap_b.get("lm_head_calls")},
+            "lm_head_rows_per_call_mean_b": rows_b / n_b if rows_b and n_b else None,
+            "policy_engaged": any(k > 1 for k in calls_b),
+            # torch's peak since the worker started: vLLM's start-up profile run is in it unless the
+            # plugin reset it at its first step (builds after session 5 do).
+            "cuda_peak_allocated_bytes": {"A": snap_a.get("cuda_peak_allocated_bytes"), "B": snap_b.get("cuda_peak_allocated_bytes")},
+            "cuda_peak_scope": snap_b.get("cuda_peak_scope", "since worker start (includes vLLM's start-up profile run)")}
+
+
+def plp_lines(r: dict) -> list[str]:
+    arms = r["method"].get("arms", {})
+    lines = [f"## Prompt logprobs: {r['shape']} — {r['run']} (measured)", "",
+             f"{r['method'].get('input_len')}-token prompts, {r['method'].get('output_len')} output tokens, `prompt_logprobs={r['method'].get('prompt_logprobs')}`, requests not streamed (vLLM refuses prompt logprobs on streams), closed loop; A = {arms.get('A')}, B = {arms.get('B')}; order {r['method'].get('order', '').split(' (')[0]}; server args `{' '.join(r.get('serve_args') or [])}` ({r['date_utc']}).", "",
+             "| load | pairs | throughput ratio B/A (95% CI) | J/token ratio B/A (95% CI) | req/s A / B | median E2E ms A / B | W A / B | prompt tok/J A / B |",
+             "|---|---|---|---|---|---|---|---|"]
+    for c in r["cases"]:
+        lo, hi = c["throughput_ratio_ci95"]
+        jlo, jhi = c["j_per_token_ratio_ci95"]
+        lines.append(f"| {c['load']} | {c['pairs']} | {c['throughput_ratio']:.3f} ({lo:.3f}–{hi:.3f}) | {c['j_per_token_ratio']:.3f} ({jlo:.3f}–{jhi:.3f}) | "
+                     f"{c['unchunked_req_per_s']:.2f} / {c['chunked_req_per_s']:.2f} | {c['unchunked_median_e2e_ms']:.0f} / {c['chunked_median_e2e_ms']:.0f} | "
+                     f"{c['unchunked_avg_power_w']:.0f} / {c['chunked_avg_power_w']:.0f} | {c['unchunked_prompt_tok_per_j']:.1f} / {c['chunked_prompt_tok_per_j']:.1f} |")
+    pk = r["cuda_peak_allocated_bytes"]
+    gib = (lambda x: f"{x / 2**30:.2f} GiB" if x else "n/a")
+    rpc = r["lm_head_rows_per_call_mean_b"]
+    lines += ["", f"LM-head calls by chunk count: A {r['lm_head_calls_by_chunks']['A'] or 'none (vLLM’s own LogitsProcessor: the hook is not installed where nothing can chunk)'}, "
+                  f"B {r['lm_head_calls_by_chunks']['B']}" + (f" (mean {rpc:.0f} rows per call)" if rpc else "") + ". "
+                  + ("**The policy chose more than one chunk in this run.**" if r["policy_engaged"] else
+                     "**The policy never chose more than one chunk in this run**: B measured the hook, not chunking."),
+              "", f"Peak CUDA memory allocated per worker: A {gib(pk['A'])}, B {gib(pk['B'])}; scope of the peak: {r['cuda_peak_scope']}.", ""]
+    if r.get("notes"):
+        lines += [f"Run notes: {'; '.join(r['notes'])}.", ""]
+    return lines
+
+
 def ratio_table(cases: list[dict]) -> list[str]:
     """Markdown rows: plugin / stock ratios per load with their 95 % intervals and both arms' figures."""
     lines = ["| load | pairs | throughput ratio (95% CI) | J/token ratio (95% CI) | stock tok/s | plugin tok/s | stock tok/J | plugin tok/J | stock W | plugin W | median SM MHz (A/B) | p99 TPOT ms (A/B) | verdict |",
@@ -219,20 +292,28 @@ def markdown(doc: dict) -> str:
             lines.append(f"| {c['load']} | {pm['steps_by_phase']} | {hm:.2f} | {si:.2f} | {share} | {fmt(sd['energy_saving_pct_mean'])} | {fmt(sd['time_change_pct_mean'])} | {fmt(sd['alt_policy_saving_pct_mean'])} |"
                          if hm is not None and si is not None else f"| {c['load']} | {pm['steps_by_phase']} | n/a | n/a | {share} | n/a | n/a | n/a |")
         lines.append("")
-    b = doc.get("bisect")
-    if b:
-        lines += ["## Overhead bisect: qwen2.5-0.5b at concurrency 8 (measured)", "",
+    for r in doc.get("prompt_logprobs", []):
+        lines += plp_lines(r)
+    for b in doc.get("bisects", []):
+        lines += [f"## Overhead bisect {b['tag']}: qwen2.5-0.5b at concurrency 8 (measured)", "",
                   f"{len(b['by_server'])} servers resident on one GPU ({', '.join(b['by_server'])}: stock; the plugin as above; the plugin with every option off, or with one option off, as named), {b['window_s']:.0f} s closed-loop windows, the server order reversed every other round, {b['rounds']} rounds ({b['date_utc']}, `benchmarks/h200_overhead_bisect.py`). Output tokens/s per round:", "",
                   "| server | " + " | ".join(f"round {r}" for r in range(b["rounds"])) + " | median | ratio to stock (median of per-round ratios) |",
                   "|---|" + "---|" * b["rounds"] + "---|---|"]
         for name, xs in b["by_server"].items():
             xs = xs[:b["rounds"]]  # a budget stop can leave some servers a round ahead
             lines.append(f"| {name} | " + " | ".join(f"{x:.0f}" for x in xs) + f" | {st.median(xs):.0f} | {b['ratio_to_stock'].get(name, 1.0):.3f} |")
+        if not b["profiles"]:
+            lines += ["", "No GIL profile in this run (py-spy was not in the bundle).", ""]
+            continue
         lines += ["", "GIL profile (`py-spy record --gil`, one window per server on its EngineCore process, where the TP=1 worker runs): share of GIL-holding samples whose innermost frame is the plugin's own code (calls from the plugin's wrappers into vLLM excluded):", "",
                   "| server | GIL samples | plugin's own | share | top plugin frames |", "|---|---|---|---|---|"]
-        for name, pr in b["profiles"].items():
-            top = "; ".join(f"{f.split(' (')[0]} ({n})" for f, n in (pr.get("top") or [])[:4])
-            lines.append(f"| {name} | {pr.get('gil_samples')} | {pr.get('powersave_own_samples')} | {100 * (pr.get('share') or 0):.1f} % | {top} |")
+        for name, prof in b["profiles"].items():
+            # Session-3 raws hold the EngineCore's profile alone; later ones one per process.
+            per_proc = {"EngineCore": prof} if "gil_samples" in prof else {{"engine": "EngineCore", "api": "API server"}.get(k, k): v for k, v in prof.items()}
+            for proc, pr in per_proc.items():
+                top = "; ".join(f"{f.split(' (')[0]} ({n})" for f, n in (pr.get("top") or [])[:4])
+                busy = f", GIL held {100 * pr['gil_busy_share']:.0f} % of the time" if pr.get("gil_busy_share") is not None else ""
+                lines.append(f"| {name} ({proc}{busy}) | {pr.get('gil_samples')} | {pr.get('powersave_own_samples')} | {100 * (pr.get('share') or 0):.1f} % | {top} |")
         lines.append("")
     lines += ["## Plots", ""] + [f"![{f}]({f})" for f in doc.get("plots", [])] + [""]
     lines += ["## Findings", ""] + [f"- {x}" for x in doc.get("findings", [])] + [""]
@@ -244,13 +325,21 @@ def _read_text(path: Path) -> str:
     return gzip.open(path, "rt").read() if path.suffix == ".gz" else path.read_text()
 
 
+def _archive(raw: dict, src: Path, dest: Path) -> None:
+    """Keep a gzipped copy of a raw file under docs/results/raw (an archived raw is kept as is)."""
+    if not (dest.exists() and dest.resolve() == src.resolve()):
+        with gzip.open(dest, "wt") as f:
+            json.dump(raw, f)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("raw", nargs="+", help="TAG=PATH of raw h200_ab.py outputs")
     ap.add_argument("--out", default="docs/results")
     ap.add_argument("--about", action="append", default=[], help="TAG=text")
     ap.add_argument("--finding", action="append", default=[])
-    ap.add_argument("--bisect", help="raw h200_overhead_bisect.py output")
+    ap.add_argument("--bisect", action="append", default=[], help="[TAG=]PATH of a raw h200_overhead_bisect.py output (repeatable)")
+    ap.add_argument("--plp", action="append", default=[], help="TAG=PATH of a raw prompt-logprob h200_ab.py output (both arms plugin)")
     ns = ap.parse_args()
     out = Path(ns.out)
     (out / "raw").mkdir(parents=True, exist_ok=True)
@@ -265,29 +354,32 @@ def main() -> int:
         r["order"] = raw.get("method", {}).get("order")
         r["stream"] = raw.get("method", {}).get("stream", True)
         runs.append(r)
-        dest = out / "raw" / f"h200-ab-{tag}.json.gz"
-        if not (dest.exists() and dest.resolve() == Path(path).resolve()):  # an archived raw is kept as is
-            with gzip.open(dest, "wt") as f:
-                json.dump(raw, f)
+        _archive(raw, Path(path), out / "raw" / f"h200-ab-{tag}.json.gz")
     doc = {"what": "stock vLLM vs vLLM + powersave (clocks dry-run) on the H200 test GPU", "measured": True,
            "vllm_version": runs[0]["vllm_version"], "device": runs[0]["device"], "date_utc": runs[0]["date_utc"],
            "runs": runs, "findings": ns.finding}
     doc["cases"] = [c | {"run": r["run"]} for r in runs for c in r["cases"]]
     doc["plots"] = plots(runs, raws, out)
-    if ns.bisect:
-        braw = json.loads(_read_text(Path(ns.bisect)))
+    doc["prompt_logprobs"] = []
+    for spec in ns.plp:
+        tag, path = spec.split("=", 1)
+        raw = json.loads(_read_text(Path(path)))
+        doc["prompt_logprobs"].append(analyze_plp(raw, tag))
+        _archive(raw, Path(path), out / "raw" / f"h200-plp-{tag}.json.gz")
+    doc["bisects"] = []
+    for spec in ns.bisect:
+        tag, path = spec.split("=", 1) if "=" in spec else ("", spec)
+        braw = json.loads(_read_text(Path(path)))
         by: dict = {}
         for w in braw["windows"]:
             by.setdefault(w["server"], []).append(w["output_throughput"])
         rounds = min(len(v) for v in by.values())
         stock = by.get("S0-stock", [])
         ratio = {k: st.median(v[i] / stock[i] for i in range(rounds)) for k, v in by.items() if stock}
-        doc["bisect"] = {"window_s": braw["window_s"], "rounds": rounds, "date_utc": braw["date_utc"], "by_server": by,
-                         "ratio_to_stock": ratio, "profiles": braw.get("profiles", {}), "configs": braw.get("configs")}
-        dest = out / "raw" / "h200-overhead-bisect.json.gz"
-        if not (dest.exists() and dest.resolve() == Path(ns.bisect).resolve()):
-            with gzip.open(dest, "wt") as f:
-                json.dump(braw, f)
+        doc["bisects"].append({"tag": tag or "1", "window_s": braw["window_s"], "rounds": rounds, "date_utc": braw["date_utc"],
+                               "by_server": by, "ratio_to_stock": ratio, "profiles": braw.get("profiles", {}),
+                               "configs": braw.get("configs"), "notes": braw.get("notes", [])})
+        _archive(braw, Path(path), out / "raw" / (f"h200-overhead-bisect-{tag}.json.gz" if tag else "h200-overhead-bisect.json.gz"))
     (out / "h200-vllm.json").write_text(json.dumps(doc, indent=1, default=float))
     (out / "h200-vllm.md").write_text(markdown(doc))
     print(markdown(doc))

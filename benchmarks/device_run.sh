@@ -9,8 +9,9 @@ export POWERSAVE_FORCE_DRY_RUN=1 PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=
   NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 VLLM_ALLREDUCE_USE_SYMM_MEM=0
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 T0=$(date +%s); ts() { echo "[run +$(( $(date +%s)-T0 ))s] $*"; }
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/psite .whl/*.whl 2>&1 | tail -2
-ts "wheel installed: $(ls /tmp/psite | grep -c powersave) entries"
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/psite .whl/*.whl 2>&1 | grep -v "already exists" | tail -2
+# py-spy (for the bisect's GIL profile) travels as a wheel in .whl beside ours; without it the bisect skips profiling.
+ts "wheel installed: $(ls /tmp/psite | grep -c powersave) entries; py-spy: $(ls /tmp/psite/bin/py-spy 2>/dev/null || echo absent)"
 nvidia-smi --query-gpu=index,name,uuid,driver_version,power.limit,clocks.sm,temperature.gpu,power.draw --format=csv > "$OUT/gpus.csv" 2>&1
 LIM=${LIM:-570}
 pids=()
@@ -24,8 +25,10 @@ for job in "$@"; do
     auto)   cmd="python3 benchmarks/h200_perf_boost.py --gpu $gpu --order auto --long-idle 0 --tag auto-gpu$gpu --budget-s $((LIM-15)) --out $OUT/$name/raw.json" ;;
     meterg) cmd="env PYTHONPATH=/tmp/psite:/tmp/site python3 benchmarks/h200_energy_meter.py --gpu $gpu --parts bgr,bg --pairs 12 --out $OUT/$name/raw.json" ;;
     boost1) cmd="python3 benchmarks/h200_perf_boost.py --gpu $gpu --order off,on,on --long-idle 0 --booster 1 --tag part1 --budget-s $((LIM-15)) --out $OUT/boost1/raw.json" ;;
-    ab05b)  cmd="python3 benchmarks/h200_ab.py --gpus $gpu --shape qwen2.5-0.5b --loads 8,64,256 --pairs 3 --budget-s $((LIM-40)) --out $OUT/ab05b/raw.json" ;;
-    plp)    cmd="python3 benchmarks/h200_ab.py --gpus $gpu --shape qwen2.5-7b --loads 4,16 --pairs 3 --input-len 4000 --output-len 4 --prompt-logprobs 1 --serve-arg '--max-model-len 8192 --kv-cache-memory-bytes 8589934592' --a-chunking '[]' --b-chunking '[{\"min_rows\": 4096, \"chunks\": 8}]' --budget-s $((LIM-40)) --out $OUT/$name/raw.json" ;;
+    # Two servers start on one GPU at once: each must be told its KV cache size, or the second to profile
+    # sees the first's memory and gets a negative budget (session 5: ab05b failed so; plp, tp2, pp2 set it too).
+    ab05b)  cmd="python3 benchmarks/h200_ab.py --gpus $gpu --shape qwen2.5-0.5b --loads 8,64,256 --pairs 3 --serve-arg '--kv-cache-memory-bytes 4294967296' --budget-s $((LIM-40)) --out $OUT/ab05b/raw.json" ;;
+    plp)    cmd="python3 benchmarks/h200_ab.py --gpus $gpu --shape qwen2.5-7b --loads 4,16 --pairs 3 --input-len 4000 --output-len 4 --prompt-logprobs 1 --serve-arg '--max-model-len 8192 --kv-cache-memory-bytes 8589934592' --a-chunking '[]' --b-chunking '[{\"min_rows\": 1024, \"chunks\": 8}]' --budget-s $((LIM-40)) --out $OUT/$name/raw.json" ;;
     pp2)    cmd="python3 benchmarks/h200_ab.py --gpus $gpu --shape qwen2.5-7b --loads 8,64 --pairs 3 --gpu-mem 0.42 --serve-arg '--pipeline-parallel-size 2 --kv-cache-memory-bytes 8589934592' --budget-s $((LIM-40)) --out $OUT/pp2/raw.json" ;;
     benchcmp) cmd="python3 benchmarks/h200_bench_compare.py --gpu $gpu --budget-s $((LIM-90)) ${BENCHCMP_ARGS:-} --out $OUT/$name/raw.json" ;;
     tp2)    cmd="python3 benchmarks/h200_ab.py --gpus $gpu --shape qwen2.5-7b --loads 8,64,256 --pairs 3 --gpu-mem 0.42 --serve-arg '--tensor-parallel-size 2 --kv-cache-memory-bytes 8589934592' --budget-s $((LIM-40)) --out $OUT/tp2/raw.json" ;;
@@ -43,6 +46,8 @@ done
 for p in "${pids[@]}"; do wait $p; done
 for d in "$OUT"/*/; do
   ts "== $(basename $d): $(tail -1 $d/log.txt)"; grep -E "^\[(ab|meter|run)" "$d/log.txt" | tail -14 | cut -c1-260
-  for f in "$d"/server-*.log; do [ -f "$f" ] && { grep -E "Traceback|Error|error" "$f" | tail -3 | cut -c1-200; gzip -f "$f"; }; done
+  for f in "$d"/server-*.log; do [ -f "$f" ] && grep -E "Traceback|Error|error" "$f" | tail -3 | cut -c1-200; done
+  # The device tool brings back at most 8 files: one tarball of server logs per job keeps a job to 3 (log, raw, servers).
+  ls "$d"/server-*.log >/dev/null 2>&1 && tar -czf "$d/servers.tar.gz" -C "$d" $(cd "$d" && ls server-*.log) && rm -f "$d"/server-*.log
 done
 ts "done"

@@ -65,6 +65,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--window", type=float, default=10.0)
     ap.add_argument("--gpu-mem", type=float, default=0.28, help="per server; ~0.9 / number of variants")
+    ap.add_argument("--kv-cache-bytes", type=int, default=2 << 30,
+                    help="KV cache per server (--kv-cache-memory-bytes): servers started together on one GPU must not "
+                         "size their cache by profiling it, each one sees the others' memory and the last gets a negative budget")
     ap.add_argument("--variants", default="S0,S1,S2", help="servers to compare, from S0 (stock) .. S6 (see configs)")
     ab.add_bundle_args(ap)
     ap.add_argument("--budget-s", type=float, default=540)
@@ -116,7 +119,8 @@ def main() -> int:
     procs = {}
     for i, (name, extra) in enumerate(variants.items()):
         site = ns.stock_site if not extra else f"{ns.plugin_site}:{ns.stock_site}"
-        procs[name] = (ab.start_server(name, model, ab.job_port(ns.gpu, 20 + i), extra, site, out_file.parent, ns.gpu_mem),
+        kv = ["--kv-cache-memory-bytes", str(ns.kv_cache_bytes)]
+        procs[name] = (ab.start_server(name, model, ab.job_port(ns.gpu, 20 + i), [*extra, *kv], site, out_file.parent, ns.gpu_mem),
                        ab.job_port(ns.gpu, 20 + i))
     try:
         ab.wait_healthy(procs, timeout_s=300)
@@ -146,17 +150,26 @@ def main() -> int:
                 if time.monotonic() - ab.T0 > ns.budget_s - 30:
                     break
                 p, port = procs[name]
-                pid = engine_core_pid(p.pid)
-                if pid is None:
-                    continue
-                box: dict = {}
-                th = threading.Thread(target=lambda: box.update(gil_profile(pyspy, pid, ns.window - 2, out_file.parent / f"gil-{name}.txt")))
-                th.start()
+                # Both processes of the server: the EngineCore (scheduler + TP=1 worker) and the API
+                # server (HTTP, detokenization, streaming), which a host-bound 0.5B may also wait on.
+                targets = {"engine": engine_core_pid(p.pid), "api": p.pid}
+                boxes: dict = {k: {} for k in targets if targets[k] is not None}
+                # Profiles stay in /tmp: the device tool brings back at most 8 files per call.
+                ths = [threading.Thread(target=lambda k=k: boxes[k].update(
+                           gil_profile(pyspy, targets[k], ns.window - 2, Path(f"/tmp/gil-{ns.gpu}-{name}-{k}.txt"))))
+                       for k in boxes]
+                for th in ths:
+                    th.start()
                 run(BenchConfig(base_url=f"http://127.0.0.1:{port}", model="model", num_prompts=100000, max_concurrency=ns.concurrency,
                                 input_len=128, output_len=256, duration_s=ns.window, energy="none", label=f"prof-{name}"))
-                th.join()
-                result["profiles"][name] = box
-                ab.log(f"profile {name}:", json.dumps(box)[:500])
+                for th in ths:
+                    th.join()
+                for box in boxes.values():
+                    if box.get("gil_samples") is not None:
+                        # py-spy samples 100 times a second; with --gil only while a thread holds the GIL.
+                        box["gil_busy_share"] = box["gil_samples"] / (100 * (ns.window - 2))
+                result["profiles"][name] = boxes
+                ab.log(f"profile {name}:", json.dumps(boxes)[:500])
                 save()
         else:
             result["notes"].append("py-spy not available")

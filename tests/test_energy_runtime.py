@@ -301,11 +301,18 @@ def test_snapshot_reports_the_workers_peak_cuda_allocation(monkeypatch, tmp_path
     # What LM-head chunking lowers for prompt-logprob batches; read from PyTorch's allocator stats.
     import torch
 
-    asked = []
+    asked, resets = [], []
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda dev: asked.append(dev) or 7_340_032)
+    # The peak of vLLM's start-up profile run must not be reported as serving's: reset once, at the
+    # runtime's creation (the first real step), on this worker's device.
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda dev: resets.append(dev))
     rt = make_runtime(monkeypatch, tmp_path, FakeNvmlDevices(uuids=("GPU-aaaa-0000", "GPU-bbbb-1111")))
     try:
-        assert rt.snapshot()["cuda_peak_allocated_bytes"] == 7_340_032
+        assert resets == [0]
+        snap = rt.snapshot()
+        assert snap["cuda_peak_allocated_bytes"] == 7_340_032
+        assert snap["cuda_peak_scope"] == "since the first served step"
+        assert resets == [0]  # publishing never resets again
         assert asked and set(asked) == {0}  # the device index of this worker (the publisher may ask too)
         monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda dev: (_ for _ in ()).throw(RuntimeError("no CUDA")))
         assert rt.snapshot()["cuda_peak_allocated_bytes"] is None  # never breaks the snapshot
@@ -316,5 +323,21 @@ def test_snapshot_reports_the_workers_peak_cuda_allocation(monkeypatch, tmp_path
                                PowersaveSettings.model_validate({"stats_dir": str(tmp_path / "cpu"), "energy": {"meter": "off"}}))
     try:
         assert cpu.snapshot()["cuda_peak_allocated_bytes"] is None
+        assert cpu.snapshot()["cuda_peak_scope"] is None
+        assert resets == [0]  # a CPU worker never touches CUDA statistics
     finally:
         cpu.close()
+
+
+def test_peak_reset_failure_keeps_the_runtime_and_says_what_the_peak_covers(monkeypatch, tmp_path):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda dev: 5 << 30)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda dev: (_ for _ in ()).throw(RuntimeError("no CUDA")))
+    rt = make_runtime(monkeypatch, tmp_path, FakeNvmlDevices(uuids=("GPU-aaaa-0000", "GPU-bbbb-1111")))
+    try:
+        snap = rt.snapshot()
+        assert snap["cuda_peak_allocated_bytes"] == 5 << 30
+        assert snap["cuda_peak_scope"].startswith("since worker start")
+    finally:
+        rt.close()

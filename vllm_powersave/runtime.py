@@ -150,6 +150,19 @@ class WorkerRuntime:
         self.device_index = int(ident["device_index"] or 0)
         on_gpu = ident["device_type"] == "cuda"
         self._on_gpu = on_gpu
+        self._peak_scope = "since worker start (includes vLLM's start-up profile run)"
+        if on_gpu:
+            # vLLM's start-up profile run (a dummy batch of max_num_batched_tokens) sets the peak
+            # that serving rarely reaches again, so a peak read later would mostly report start-up.
+            # Reset once here, at the first real step: the snapshot's peak is then serving's own.
+            # vLLM reads the peak only while it profiles memory at start-up, which is over by now.
+            try:
+                import torch
+
+                torch.cuda.reset_peak_memory_stats(self.device_index)
+                self._peak_scope = "since the first served step"
+            except Exception as exc:
+                log.debug("powersave: CUDA peak-memory statistics not reset: %s", exc)
         self.sim: SimulatedGpu | None = None
         self.sim_stock: SimulatedGpu | None = None
         self.model_cost: ModelCost | None = None
@@ -419,6 +432,7 @@ class WorkerRuntime:
             **energy,
             **self._gauges(),
             "cuda_peak_allocated_bytes": self._peak_allocated_bytes(),
+            "cuda_peak_scope": self._peak_scope if self._on_gpu else None,
             "target_sm_clock_mhz": self.clocks.target_sm_clock_mhz,
             "clock_changes": self.clocks.n_changes,
             "clock_disabled": self.clocks.disabled_reason,
