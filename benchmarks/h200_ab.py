@@ -114,8 +114,77 @@ NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"
 GPU_ENV: dict[str, str] = dict(NO_MULTICAST)
 
 
+def parse_cpulist(text: str) -> set[int]:
+    """CPUs of a kernel cpulist such as ``0-15,32-47`` (sysfs ``local_cpulist``); empty text: none."""
+    cpus: set[int] = set()
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def gpu_local_cpus(gpu: int, bus_ids: list[str], sysfs: Path = Path("/sys/bus/pci/devices"),
+                   allowed: set[int] | None = None) -> set[int] | None:
+    """This GPU's share of the CPUs on its NUMA node, disjoint from the other GPUs' on that node.
+
+    ``bus_ids``: every GPU's PCI bus id in index order (nvidia-smi's ``00000000:18:00.0`` form).
+    Where several GPUs share a node (two device jobs run side by side), the node's CPUs are split
+    between them in index order, so two jobs never pin servers to the same cores. None where sysfs
+    has no locality for the GPU.
+    """
+    def local(bus: str) -> set[int]:
+        f = sysfs / bus.lower()[-12:] / "local_cpulist"
+        return parse_cpulist(f.read_text()) if f.exists() else set()
+
+    mine = local(bus_ids[gpu])
+    if allowed is not None:
+        mine &= allowed
+    if not mine:
+        return None
+    sharing = [i for i, b in enumerate(bus_ids) if local(b) and local(b) == local(bus_ids[gpu])]
+    return split_cpus(mine, len(sharing))[sharing.index(gpu)]
+
+
+def split_cpus(cpus: set[int], n: int) -> list[set[int]]:
+    """``cpus`` in ``n`` contiguous, disjoint slices of equal size (the remainder left unused)."""
+    xs = sorted(cpus)
+    k = len(xs) // n
+    if k == 0:
+        raise ValueError(f"cannot split {len(xs)} CPUs between {n} servers")
+    return [set(xs[i * k:(i + 1) * k]) for i in range(n)]
+
+
+def gpu_bus_ids() -> list[str]:
+    """PCI bus ids of the GPUs in index order (nvidia-smi, a read-only query)."""
+    out = subprocess.run(["nvidia-smi", "--query-gpu=pci.bus_id", "--format=csv,noheader"], capture_output=True, text=True, timeout=30)
+    return [line.strip() for line in out.stdout.splitlines() if line.strip()]
+
+
+def server_cpu_sets(gpu: int, n: int) -> list[set[int]] | None:
+    """One disjoint CPU set per co-resident server, all on the GPU's NUMA node.
+
+    Why: a host-bound small model's step time depends on where its API server and EngineCore run;
+    left to the OS, servers of one A/B land on different cores (and nodes) for the whole run, which
+    session 5 suspected behind per-server differences of 10 % in both directions. Pinned, every
+    server gets the same number of GPU-local cores of its own. None: no locality known (unpinned).
+    """
+    try:
+        local = gpu_local_cpus(gpu, gpu_bus_ids(), allowed=os.sched_getaffinity(0))
+        if not local or len(local) < 2 * n:
+            # An API server and an EngineCore busy loop each want a core: fewer would measure the pinning.
+            log(f"CPU pinning skipped: {len(local or ())} GPU-local CPUs for {n} servers (2 each needed)")
+            return None
+        return split_cpus(local, n)
+    except Exception as exc:  # pinning is an improvement, never a reason not to measure
+        log("CPU pinning unavailable:", exc)
+        return None
+
+
 def start_server(label: str, model: Path, port: int, extra: list[str], pythonpath: str, out: Path, gpu_mem: float,
-                 env_extra: dict[str, str] | None = None) -> subprocess.Popen:
+                 env_extra: dict[str, str] | None = None, cpus: set[int] | None = None) -> subprocess.Popen:
+    """``cpus``: the server's CPU affinity, inherited by its EngineCore and worker processes."""
     check_port_free(port)
     extra = [*extra, *SERVE_EXTRA]
     env = dict(os.environ, PYTHONPATH=pythonpath, **GPU_ENV, **(env_extra or {}))
@@ -124,7 +193,8 @@ def start_server(label: str, model: Path, port: int, extra: list[str], pythonpat
            "--max-num-seqs", "256", "--gpu-memory-utilization", str(gpu_mem), *extra]
     logf = open(out / f"server-{label}.log", "wb")
     logf.write((" ".join(cmd) + "\n").encode())
-    return subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+    return subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True, preexec_fn=pin)
 
 
 def job_port(gpu: int, slot: int) -> int:
@@ -278,6 +348,8 @@ def main() -> int:
     ap.add_argument("--gpu-mem", type=float, default=0.42)
     ap.add_argument("--serve-arg", action="append", default=[], help="extra vllm serve argument for both servers")
     ap.add_argument("--budget-s", type=float, default=540.0, help="stop starting windows after this (s since start)")
+    ap.add_argument("--pin-cpus", action=argparse.BooleanOptionalAction, default=True,
+                    help="pin each server to its own equal share of the GPU's NUMA-local CPUs (server_cpu_sets)")
     ap.add_argument("--prompt-logprobs", type=int, default=None, help="ask every request for this many prompt logprobs")
     ap.add_argument("--b-chunking", default=None, help="B's LM-head chunk table (JSON list); default: a table that never chunks")
     ap.add_argument("--a-chunking", default=None,
@@ -338,10 +410,13 @@ def main() -> int:
     result["method"]["arms"] = {"A": "stock vLLM" if ns.a_chunking is None else f"vLLM + powersave, chunk table {ns.a_chunking}",
                                 "B": f"vLLM + powersave, chunk table {json.dumps(table_b)}"}
     result["method"]["prompt_logprobs"] = ns.prompt_logprobs
+    cpu_sets = server_cpu_sets(gpus[0], 2) if ns.pin_cpus else None
+    result["method"]["server_cpus"] = ({"A": sorted(cpu_sets[0]), "B": sorted(cpu_sets[1])} if cpu_sets
+                                       else "not pinned" + ("" if ns.pin_cpus else " (--no-pin-cpus)"))
     procs = {
-        "A": (start_server("A", model, port_a, a_args, a_path, out_dir, ns.gpu_mem), port_a),
+        "A": (start_server("A", model, port_a, a_args, a_path, out_dir, ns.gpu_mem, cpus=cpu_sets[0] if cpu_sets else None), port_a),
         "B": (start_server("B", model, port_b, ["--plugin", "powersave", "--additional-config", json.dumps(plugin_cfg)],
-                           f"{ns.plugin_site}:{ns.stock_site}", out_dir, ns.gpu_mem), port_b),
+                           f"{ns.plugin_site}:{ns.stock_site}", out_dir, ns.gpu_mem, cpus=cpu_sets[1] if cpu_sets else None), port_b),
     }
     try:
         wait_healthy(procs, timeout_s=300)

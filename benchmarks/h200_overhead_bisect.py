@@ -71,6 +71,8 @@ def main() -> int:
     ap.add_argument("--variants", default="S0,S1,S2", help="servers to compare, from S0 (stock) .. S6 (see configs)")
     ab.add_bundle_args(ap)
     ap.add_argument("--budget-s", type=float, default=540)
+    ap.add_argument("--pin-cpus", action=argparse.BooleanOptionalAction, default=True,
+                    help="pin each server to its own equal share of the GPU's NUMA-local CPUs (h200_ab.server_cpu_sets)")
     ap.add_argument("--out", required=True)
     ns = ap.parse_args()
     model = ab.device_prologue(ns, str(ns.gpu))
@@ -117,10 +119,14 @@ def main() -> int:
         ab.write_json_atomic(out_file, result, indent=1)
 
     procs = {}
+    cpu_sets = ab.server_cpu_sets(ns.gpu, len(variants)) if ns.pin_cpus else None
+    result["server_cpus"] = ({n: sorted(c) for n, c in zip(variants, cpu_sets)} if cpu_sets
+                             else "not pinned" + ("" if ns.pin_cpus else " (--no-pin-cpus)"))
     for i, (name, extra) in enumerate(variants.items()):
         site = ns.stock_site if not extra else f"{ns.plugin_site}:{ns.stock_site}"
         kv = ["--kv-cache-memory-bytes", str(ns.kv_cache_bytes)]
-        procs[name] = (ab.start_server(name, model, ab.job_port(ns.gpu, 20 + i), [*extra, *kv], site, out_file.parent, ns.gpu_mem),
+        procs[name] = (ab.start_server(name, model, ab.job_port(ns.gpu, 20 + i), [*extra, *kv], site, out_file.parent, ns.gpu_mem,
+                                       cpus=cpu_sets[i] if cpu_sets else None),
                        ab.job_port(ns.gpu, 20 + i))
     try:
         ab.wait_healthy(procs, timeout_s=300)
