@@ -341,3 +341,30 @@ def test_peak_reset_failure_keeps_the_runtime_and_says_what_the_peak_covers(monk
         assert snap["cuda_peak_scope"].startswith("since worker start")
     finally:
         rt.close()
+
+
+def test_trace_and_simulator_count_prompt_logprob_rows(monkeypatch, tmp_path):
+    # The LM-head chunking case: a 4000-token prompt with prompt_logprobs sends 3999 rows through
+    # the LM head, not one; the step trace (and the simulated GPU's pricing) must say so.
+    monkeypatch.setattr(vllm_compat, "runner_identity", lambda r: {"rank": 0, "device_type": "cpu", "device_index": None})
+    runner = SimpleNamespace(rank=0, scheduler_config=SimpleNamespace(max_num_seqs=8, async_scheduling=False))
+    rt = rt_mod.WorkerRuntime(runner, PowersaveSettings.model_validate(
+        {"stats_dir": str(tmp_path), "trace_steps": True, "energy": {"meter": "off", "idle_after_s": 20.0}}))
+    try:
+        new = SimpleNamespace(req_id="p", prompt_token_ids=list(range(4000)), num_computed_tokens=0,
+                              sampling_params=SimpleNamespace(prompt_logprobs=1))
+        first = SimpleNamespace(scheduled_new_reqs=[new], scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[], num_output_tokens=[]),
+                                num_scheduled_tokens={"p": 2048}, total_num_scheduled_tokens=2048, scheduled_spec_decode_tokens={},
+                                finished_req_ids=set())
+        second = SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(req_ids=["p"], num_computed_tokens=[2048], num_output_tokens=[0]),
+                                 num_scheduled_tokens={"p": 1952}, total_num_scheduled_tokens=1952, scheduled_spec_decode_tokens={},
+                                 finished_req_ids=set())
+        third = sched({"p": 1})
+        for so in (first, second, third):
+            rt.on_step_start(so)
+            rt.on_step_end()
+        rt.publish()
+        rows = [json.loads(x)["rows"] for x in (tmp_path / "trace-rank0.jsonl").read_text().splitlines()]
+        assert rows[:2] == [1 + 2048, 1 + 1951]  # the sampling row plus the prompt positions of the chunk
+    finally:
+        rt.close()

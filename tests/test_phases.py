@@ -101,3 +101,36 @@ def test_regime_filter_keeps_decode_clock_through_occasional_prompts_but_not_bur
     g = RegimeFilter(0.5, 0.3, 2048, 150)
     busy = [g.phase(new_prompt, 0.004 * i) for i in range(300)]
     assert busy[-1] == "mixed"  # prefill-heavy regime keeps the default clock
+
+
+def _new(rid, prompt_len, prompt_logprobs=None, computed=0):
+    return SimpleNamespace(req_id=rid, prompt_token_ids=list(range(prompt_len)), num_computed_tokens=computed,
+                           sampling_params=SimpleNamespace(prompt_logprobs=prompt_logprobs))
+
+
+def _so(new=(), nst=None, finished=()):
+    return SimpleNamespace(scheduled_new_reqs=list(new), num_scheduled_tokens=dict(nst or {}), finished_req_ids=set(finished))
+
+
+def test_prompt_logprob_rows_follow_chunked_prefill_and_stop_with_the_prompt():
+    from vllm_powersave.vllm_compat import PromptLogprobRows
+
+    plp = PromptLogprobRows()
+    # A 5000-token prompt with prompt logprobs, prefilled in chunks of 2048: 4999 positions get logits.
+    assert plp.rows(_so([_new("a", 5000, prompt_logprobs=1), _new("b", 300)], {"a": 2048, "b": 300})) == 2048
+    assert plp.rows(_so((), {"a": 2048, "b": 1})) == 2048
+    assert plp.rows(_so((), {"a": 904, "b": 1})) == 903  # the last chunk: 4999 - 4096 rows
+    assert plp.pending == 0
+    assert plp.rows(_so((), {"a": 1, "b": 1})) == 0  # decoding: no prompt rows any more
+
+
+def test_prompt_logprob_rows_of_a_prefix_cache_hit_and_of_an_aborted_request():
+    from vllm_powersave.vllm_compat import PromptLogprobRows
+
+    plp = PromptLogprobRows()
+    # 1000 of 1200 prompt tokens computed already (prefix cache): 199 positions left.
+    assert plp.rows(_so([_new("a", 1200, prompt_logprobs=0, computed=1000)], {"a": 200})) == 199
+    assert plp.rows(_so([_new("c", 4000, prompt_logprobs=5)], {"c": 100})) == 100
+    assert plp.pending == 1
+    assert plp.rows(_so((), {}, finished=("c",))) == 0
+    assert plp.pending == 0  # an aborted request is forgotten, not kept for ever

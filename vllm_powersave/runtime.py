@@ -212,6 +212,7 @@ class WorkerRuntime:
                                       asynchronous=settings.clocks.backend in ("nvml", "zeusd"),
                                       host_ahead_steps=1 if vllm_compat.async_scheduling(runner) else 0)
         self._last_stamp: float | None = None
+        self._plp_rows = vllm_compat.PromptLogprobRows()
         # A gap between two scheduler stamps this long means the engine idled (a step itself is
         # never this long in practice); between idle_after_s and this, ranks fall back to their
         # pre-idle state. Either way every rank ends in the same decision state.
@@ -315,6 +316,7 @@ class WorkerRuntime:
     def on_step_start(self, scheduler_output: Any) -> None:
         info = vllm_compat.step_info(scheduler_output)
         if info.phase == "idle":
+            self._plp_rows.rows(scheduler_output)  # forgets requests that finished (aborted) meanwhile
             if self.account is not None:
                 fin = vllm_compat.step_request_tokens(scheduler_output)[1]
                 self.account.on_finished(fin)
@@ -339,9 +341,12 @@ class WorkerRuntime:
         self.clocks.on_phase(self.regime.phase(info, now, waiting), now)
         if self.boost is not None:
             self.boost.on_busy(self._last_step_s)
+        # Prompt-logprob rows reach the LM head too: without them a long prompt with prompt_logprobs
+        # would be priced (simulator) and traced as one row per request.
+        rows = info.lm_head_rows + self._plp_rows.rows(scheduler_output)
         if self._trace is not None:
             # A tuple per step (cheap); turned into JSON by the publisher thread.
-            self._trace.append((self._last_step_s, info.phase, info.prefill_tokens, info.decode_tokens, info.lm_head_rows,
+            self._trace.append((self._last_step_s, info.phase, info.prefill_tokens, info.decode_tokens, rows,
                                 info.decode_ctx_tokens, info.num_reqs, self.clocks.target_sm_clock_mhz, None))
         if self.account is not None:
             # References only (no copies); the account drops them unless per_request is on.
@@ -351,7 +356,7 @@ class WorkerRuntime:
             if fin and self.account.per_request:
                 self._wake.set()
         if self.sim is not None and self.model_cost is not None:
-            work = self.model_cost.step_work(info.num_tokens, info.lm_head_rows, info.decode_ctx_tokens, self.model_cost.vocab_params)
+            work = self.model_cost.step_work(info.num_tokens, rows, info.decode_ctx_tokens, self.model_cost.vocab_params)
             self.sim.run(work)
             if self.sim_stock is not None:
                 self.sim_stock.run(work)

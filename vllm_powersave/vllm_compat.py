@@ -318,6 +318,52 @@ def step_info(scheduler_output: Any) -> StepInfo:
     )
 
 
+class PromptLogprobRows:
+    """LM-head rows that prompt logprobs add to each step (one instance per worker).
+
+    vLLM computes the logits of every prompt position of a request that asked for
+    ``prompt_logprobs`` (P - 1 rows for a P-token prompt), chunk by chunk as its prefill is
+    scheduled, on top of the one sampling row per request that :func:`step_info` counts. The
+    ``SchedulerOutput`` names such a request only in its first step (``scheduled_new_reqs``, with
+    ``sampling_params`` and ``prompt_token_ids``, 0.25-0.32), so its remaining positions are kept
+    here until its prefill is done or it finishes.
+    """
+
+    def __init__(self) -> None:
+        self._left: dict[str, int] = {}
+
+    def rows(self, scheduler_output: Any) -> int:
+        for r in getattr(scheduler_output, "scheduled_new_reqs", None) or ():
+            sp = getattr(r, "sampling_params", None)
+            if sp is None or getattr(sp, "prompt_logprobs", None) is None:
+                continue
+            left = len(getattr(r, "prompt_token_ids", None) or ()) - 1 - int(getattr(r, "num_computed_tokens", 0) or 0)
+            if left > 0:
+                self._left[r.req_id] = left
+        if not self._left:
+            return 0
+        for rid in getattr(scheduler_output, "finished_req_ids", None) or ():
+            self._left.pop(rid, None)
+        nst: dict[str, int] = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+        rows = 0
+        for rid, left in list(self._left.items()):
+            n = nst.get(rid, 0)
+            if n <= 0:
+                continue
+            take = min(n, left)
+            rows += take
+            if take >= left:
+                del self._left[rid]
+            else:
+                self._left[rid] = left - take
+        return rows
+
+    @property
+    def pending(self) -> int:
+        """Requests whose prompt-logprob rows are not all scheduled yet."""
+        return len(self._left)
+
+
 def step_request_tokens(scheduler_output: Any) -> tuple[dict[str, int] | None, Any]:
     """``(scheduled tokens per request id, ids finished since the previous step)``, by reference."""
     return getattr(scheduler_output, "num_scheduled_tokens", None), getattr(scheduler_output, "finished_req_ids", None)
