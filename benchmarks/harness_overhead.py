@@ -19,15 +19,21 @@
     run on the other (:func:`server_pinning`), after discarded warm-up runs of both tools; ``--only-b2``
     re-runs this part alone and merges it into the existing result file.
 
+(b2c) The same comparison with both tools at the same time (``--only-b2-concurrent``, merged into the
+    existing file): each at half the concurrency with the same requests, on a server without prefix
+    caching, so that the server's drift is common to both and cancels in each pair's ratio; the two
+    measured windows' overlap is recorded per pair (:func:`concurrent_pairs`).
+
 Writes docs/results/harness-overhead.{json,md}. Usage::
 
-    .venv/bin/python benchmarks/harness_overhead.py [--pairs 5] [--skip-vllm | --only-b2] [--no-pin]
+    .venv/bin/python benchmarks/harness_overhead.py [--pairs 5] [--skip-vllm | --only-b2 | --only-b2-concurrent] [--no-pin]
 """
 
 from __future__ import annotations
 
 import argparse
 import gzip
+import itertools
 import json
 import os
 import platform
@@ -127,17 +133,10 @@ def _tiny_model() -> Path:
     return model
 
 
-def interleaved(tag: str, base_url: str, model: Path, data: Path, pairs: int, n: int, conc: int, out_len: int,
-                workdir: Path, client_cpus: set[int] | None = None, warmup_runs: int = 0,
-                on_pair: Callable[[list[dict[str, Any]]], None] | None = None,
-                deadline: float | None = None) -> list[dict[str, Any]]:
-    """``pairs`` x (ours and vllm bench serve, alternating which goes first) on one server with the same
-    workload; per-pair ratios.
-
-    ``client_cpus``: both tools run with this affinity. ``warmup_runs``: that many discarded (ours, vllm)
-    runs first, so the first pair does not pay for the server's first-request costs. ``on_pair``: called
-    with the pairs so far after each one. ``deadline`` (``time.monotonic``): no pair starts after it.
-    """
+def _tool_cmds(base_url: str, model: Path, data: Path, n: int, conc: int, out_len: int,
+               workdir: Path) -> tuple[list[str], list[str], dict[str, str]]:
+    """(our command, vllm bench serve's command, their environment) for the same workload; each command
+    still needs its result file (ours: ``--result-json``, vllm bench: ``--result-filename``)."""
     ours_cmd = [PY, "-m", "loadtests", "--base-url", base_url, "--model", "model", "--dataset", f"sharegpt:{data}",
                 "--tokenizer", str(model), "--sharegpt-output-len", str(out_len), "--num-prompts", str(n),
                 "--max-concurrency", str(conc), "--num-warmups", "1", "--seed", "0", "--no-progress"]
@@ -149,7 +148,21 @@ def interleaved(tag: str, base_url: str, model: Path, data: Path, pairs: int, n:
                 "--max-concurrency", str(conc), "--seed", "0", "--ignore-eos", "--temperature", "0", "--num-warmups", "1",
                 "--disable-tqdm",
                 "--save-result", "--result-dir", str(workdir)]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+    return ours_cmd, vllm_cmd, {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+
+
+def interleaved(tag: str, base_url: str, model: Path, data: Path, pairs: int, n: int, conc: int, out_len: int,
+                workdir: Path, client_cpus: set[int] | None = None, warmup_runs: int = 0,
+                on_pair: Callable[[list[dict[str, Any]]], None] | None = None,
+                deadline: float | None = None) -> list[dict[str, Any]]:
+    """``pairs`` x (ours and vllm bench serve, alternating which goes first) on one server with the same
+    workload; per-pair ratios.
+
+    ``client_cpus``: both tools run with this affinity. ``warmup_runs``: that many discarded (ours, vllm)
+    runs first, so the first pair does not pay for the server's first-request costs. ``on_pair``: called
+    with the pairs so far after each one. ``deadline`` (``time.monotonic``): no pair starts after it.
+    """
+    ours_cmd, vllm_cmd, env = _tool_cmds(base_url, model, data, n, conc, out_len, workdir)
     pin = (lambda: os.sched_setaffinity(0, client_cpus)) if client_cpus else None
     runs: list[dict[str, Any]] = []
     last_pair_s = 0.0  # a pair that cannot finish before the deadline is not started
@@ -194,6 +207,178 @@ def interleaved(tag: str, base_url: str, model: Path, data: Path, pairs: int, n:
         runs.append(pair)
         last_pair_s = time.monotonic() - t_pair
         if on_pair is not None:  # results survive a run cut short by its caller's time limit
+            on_pair(runs)
+    return runs
+
+
+# `python -m loadtests` unchanged, plus one line on stderr: the t0 of the measured run_load call, i.e. the
+# time.perf_counter() its request start_times are relative to. perf_counter is CLOCK_MONOTONIC on Linux,
+# the clock vllm bench's start_times are absolute on, so both tools' windows land on one clock without
+# reading file times or log lines (our result's "date" has 1-s resolution and is taken after the metrics).
+_OURS_WITH_T0 = r"""
+import sys
+import loadtests.runner as r
+_run_load = r.run_load
+async def run_load(*a, **k):
+    if k.get("t0") is not None:
+        print(f"loadtests-t0 {k['t0']!r}", file=sys.stderr, flush=True)
+    return await _run_load(*a, **k)
+r.run_load = run_load
+from loadtests.__main__ import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+MIN_OVERLAP = 0.9
+CONCURRENT_REQUESTS = 768
+
+
+def run_window(result: dict[str, Any], t0: float = 0.0) -> tuple[float, float]:
+    """(first request sent, last request finished) of a measured run, from its per-request start_times
+    and latencies (``t0`` added: ours are relative to it, vllm bench's are absolute)."""
+    starts, lats = result.get("start_times"), result.get("latencies")
+    if not starts or not lats or len(starts) != len(lats):
+        raise ValueError("result has no per-request start_times/latencies (vllm bench needs --save-detailed)")
+    return t0 + min(starts), t0 + max(s + x for s, x in zip(starts, lats))
+
+
+def overlap(ours: tuple[float, float], vllm: tuple[float, float]) -> dict[str, float]:
+    """How far two measured windows coincide. ``overlap_fraction`` is the common time over the time
+    either ran (intersection over union): 1 only if both start and end together, so it counts the skew
+    at both ends. Skews are ours minus vllm bench (positive: ours later)."""
+    inter = max(0.0, min(ours[1], vllm[1]) - max(ours[0], vllm[0]))
+    union = max(ours[1], vllm[1]) - min(ours[0], vllm[0])
+    return {"overlap_fraction": inter / union if union > 0 else 0.0,
+            "ours_overlapped": inter / (ours[1] - ours[0]) if ours[1] > ours[0] else 0.0,
+            "vllm_overlapped": inter / (vllm[1] - vllm[0]) if vllm[1] > vllm[0] else 0.0,
+            "start_skew_s": ours[0] - vllm[0], "end_skew_s": ours[1] - vllm[1]}
+
+
+def _cpu_between(samples: list[tuple[float, float]], a: float, b: float) -> float | None:
+    """CPU seconds a process used between times ``a`` and ``b``, linearly interpolated between its
+    (time, cumulative CPU) samples; None when the samples do not cover the span."""
+    def at(t: float) -> float | None:
+        for (t1, c1), (t2, c2) in itertools.pairwise(samples):
+            if t1 <= t <= t2:
+                return c1 + (c2 - c1) * (t - t1) / (t2 - t1) if t2 > t1 else c1
+        return None
+
+    ca, cb = at(a), at(b)
+    return None if ca is None or cb is None else cb - ca
+
+
+def concurrent_pairs(tag: str, base_url: str, model: Path, data: Path, pairs: int, n: int, conc: int, out_len: int,
+                     workdir: Path, client_cpus: set[int] | None = None, warmup_pairs: int = 2, stagger_s: float = 0.0,
+                     on_pair: Callable[[list[dict[str, Any]]], None] | None = None,
+                     deadline: float | None = None) -> list[dict[str, Any]]:
+    """``pairs`` x (ours and vllm bench serve at the same time, ``conc`` each) on one server; per-pair ratios.
+
+    vllm bench takes seconds longer than ours from launch to its first measured request (imports), so
+    the faster-starting tool is launched that much later: by the median measured start-up difference of
+    the last (up to 5) earlier staggered pairs, warm-up pairs included, plus a planned start skew of
+    ``stagger_s`` / 2 that alternates in sign (ours ahead in even pairs, vllm bench in odd ones), so that
+    whatever starting first is worth falls on both tools equally. Each tool's measured window comes from its
+    per-request times on the shared monotonic clock; its CPU time from its rusage (whole process) and
+    from /proc samples (the part inside its window). ``on_pair`` and ``deadline`` as in :func:`interleaved`.
+    """
+    ours_cmd, vllm_cmd, env = _tool_cmds(base_url, model, data, n, conc, out_len, workdir)
+    ours_cmd = [PY, "-c", _OURS_WITH_T0, *ours_cmd[3:]]  # ours_cmd[:3] is PY -m loadtests
+    vllm_cmd = vllm_cmd + ["--save-detailed"]  # its per-request start_times, for the window
+    pin = (lambda: os.sched_setaffinity(0, client_cpus)) if client_cpus else None
+    startup_gaps: list[float] = []  # vllm bench's start-up minus ours, per pair
+    runs: list[dict[str, Any]] = []
+    last_pair_s = 0.0
+    for i in range(-warmup_pairs, pairs):
+        t_pair = time.monotonic()
+        if deadline is not None and i >= 0 and t_pair + last_pair_s > deadline:
+            print(f"[{tag}] time budget reached after {len(runs)} pair(s)", flush=True)
+            break
+        planned = (-stagger_s if i % 2 == 0 else stagger_s) / 2  # ours' start minus vllm bench's
+        # Ours' launch minus vllm bench's. The first pair launches both at once (no estimate yet), so both
+        # start-ups compete for the client core; once a staggered pair exists the first one's gap no longer
+        # describes the launches to come, and only the recent staggered ones do.
+        recent = (startup_gaps[1:] or startup_gaps)[-5:]
+        offset = (st.median(recent) if recent else 0.0) + planned
+        delays = {"vllm": max(0.0, -offset), "ours": max(0.0, offset)}
+        files = {k: workdir / f"{tag}-{k}-{i}.json" for k in ("ours", "vllm")}
+        cmds = {"ours": ours_cmd + ["--result-json", str(files["ours"])],
+                "vllm": vllm_cmd + ["--result-filename", files["vllm"].name]}
+        procs: dict[str, subprocess.Popen[bytes]] = {}
+        logs = {k: open(workdir / f"{tag}-{k}-{i}.log", "w+b") for k in cmds}
+        launched: dict[str, float] = {}
+        exited: dict[str, float] = {}
+        cpu_samples: dict[str, list[tuple[float, float]]] = {k: [] for k in cmds}
+        cpu_s: dict[str, float] = {}
+        load = os.getloadavg()[0]
+        base = time.monotonic()
+        ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+        try:
+            while len(cpu_s) < len(cmds):
+                now = time.monotonic()
+                for k in cmds:
+                    if k not in procs and now - base >= delays[k]:
+                        launched[k] = time.monotonic()
+                        procs[k] = subprocess.Popen(cmds[k], cwd=REPO, stdout=logs[k], stderr=subprocess.STDOUT, env=env,
+                                                    preexec_fn=pin)
+                for k, p in procs.items():
+                    if k in cpu_s:
+                        continue
+                    try:
+                        cpu_samples[k].append((time.monotonic(), _proc_cpu_s(p.pid)))
+                    except (OSError, IndexError):
+                        pass
+                    # One child reaped at a time, so the rusage step is that child's CPU alone.
+                    if p.poll() is not None:
+                        exited[k] = time.monotonic()
+                        ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+                        cpu_s[k] = (ru1.ru_utime - ru.ru_utime) + (ru1.ru_stime - ru.ru_stime)
+                        ru = ru1
+                    elif now - launched[k] > 900:
+                        raise SystemExit(f"error: {k} run {i} did not finish within 900 s (log: {logs[k].name})")
+                time.sleep(0.2)
+        finally:
+            for p in procs.values():
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+            for f in logs.values():
+                f.close()
+        for k, p in procs.items():
+            if p.returncode != 0:
+                tail = Path(logs[k].name).read_text(errors="replace").strip().splitlines()[-1:]
+                raise SystemExit(f"error: {k} run {i} failed (rc {p.returncode}): {tail}")
+        res = {k: json.loads(f.read_text()) for k, f in files.items()}
+        t0s = re.findall(r"^loadtests-t0 (\S+)$", Path(logs["ours"].name).read_text(errors="replace"), re.MULTILINE)
+        if len(t0s) != 1:
+            raise SystemExit(f"error: ours run {i} printed {len(t0s)} loadtests-t0 lines, expected 1")
+        win = {"ours": run_window(res["ours"], float(t0s[0])), "vllm": run_window(res["vllm"])}
+        startup_gaps.append((win["vllm"][0] - launched["vllm"]) - (win["ours"][0] - launched["ours"]))
+        ov = overlap(win["ours"], win["vllm"])
+        if i < 0:
+            print(f"[{tag}] warm-up pair: ours {res['ours']['output_throughput']:.1f} tok/s, vllm bench "
+                  f"{res['vllm']['output_throughput']:.1f} tok/s, overlap {ov['overlap_fraction']:.3f}, start skew "
+                  f"{ov['start_skew_s']:+.2f} s, start-up gap {startup_gaps[-1]:.2f} s", flush=True)
+            continue
+        pair: dict[str, Any] = {"loadavg_1m": load, "first": "ours" if win["ours"][0] <= win["vllm"][0] else "vllm",
+                                "planned_start_skew_s": planned, "launch_offset_s": offset, **ov}
+        for k, r in res.items():
+            pair[k] = {x: r.get(x) for x in ("completed", "failed", "duration", "total_input_tokens", "total_output_tokens",
+                                             "request_throughput", "output_throughput", "median_ttft_ms", "mean_ttft_ms",
+                                             "median_tpot_ms", "median_itl_ms")}
+            pair[k] |= {"wall_s": exited[k] - launched[k],
+                        "client_cpu_s": cpu_s[k], "window_s": [win[k][0] - base, win[k][1] - base],
+                        "startup_s": win[k][0] - launched[k], "window_cpu_s": _cpu_between(cpu_samples[k], *win[k])}
+        pair["output_throughput_ratio"] = pair["ours"]["output_throughput"] / pair["vllm"]["output_throughput"]
+        pair["median_ttft_ratio"] = pair["ours"]["median_ttft_ms"] / pair["vllm"]["median_ttft_ms"]
+        pair["median_tpot_ratio"] = pair["ours"]["median_tpot_ms"] / pair["vllm"]["median_tpot_ms"]
+        flag = "" if ov["overlap_fraction"] >= MIN_OVERLAP else f" (overlap below {MIN_OVERLAP})"
+        print(f"[{tag}] pair {i}: tok/s ours {pair['ours']['output_throughput']:.1f} vllm {pair['vllm']['output_throughput']:.1f} "
+              f"(ratio {pair['output_throughput_ratio']:.3f}), TTFT p50 ours {pair['ours']['median_ttft_ms']:.1f} vllm "
+              f"{pair['vllm']['median_ttft_ms']:.1f} ms (ratio {pair['median_ttft_ratio']:.3f}), overlap "
+              f"{ov['overlap_fraction']:.3f}{flag}, start skew {ov['start_skew_s']:+.2f} s, end skew {ov['end_skew_s']:+.2f} s, "
+              f"client CPU ours {cpu_s['ours']:.1f} s vllm {cpu_s['vllm']:.1f} s", flush=True)
+        runs.append(pair)
+        last_pair_s = time.monotonic() - t_pair
+        if on_pair is not None:
             on_pair(runs)
     return runs
 
@@ -252,6 +437,28 @@ def summarize_pairs(runs: list[dict[str, Any]], config: dict[str, Any]) -> dict[
         "config": config,
         "pairs": runs,
     }
+
+
+def summarize_concurrent(runs: list[dict[str, Any]], config: dict[str, Any], min_overlap: float = MIN_OVERLAP) -> dict[str, Any]:
+    """:func:`summarize_pairs` plus how well the two windows coincided: per-pair overlap fractions and
+    skews, the pairs below ``min_overlap`` (numbered from 1), and the mean ratios without them."""
+    s = summarize_pairs(runs, config)
+    ov = [p["overlap_fraction"] for p in runs]
+    flagged = [i + 1 for i, x in enumerate(ov) if x < min_overlap]
+    good = [p for p in runs if p["overlap_fraction"] >= min_overlap]
+    s["overlap"] = {
+        "min_overlap": min_overlap, "per_pair": ov, "min": min(ov), "median": st.median(ov), "flagged_pairs": flagged,
+        "start_skew_s_per_pair": [p["start_skew_s"] for p in runs], "end_skew_s_per_pair": [p["end_skew_s"] for p in runs],
+        "median_abs_start_skew_s": st.median(abs(p["start_skew_s"]) for p in runs),
+        "median_abs_end_skew_s": st.median(abs(p["end_skew_s"]) for p in runs),
+        "without_flagged": ({"pairs": len(good),
+                             "output_throughput_ratio": st.mean(p["output_throughput_ratio"] for p in good),
+                             "median_ttft_ratio": st.mean(p["median_ttft_ratio"] for p in good)}
+                            if flagged and good else None),
+    }
+    # The server's own total per pair: its run-to-run spread is the noise the split is meant to cancel.
+    s["server_output_throughput_per_pair"] = [p["ours"]["output_throughput"] + p["vllm"]["output_throughput"] for p in runs]
+    return s
 
 
 def server_pinning(pin: bool) -> tuple[set[int] | None, set[int] | None, dict[str, str]]:
@@ -337,6 +544,66 @@ def vllm_part(pairs: int, n: int, conc: int, out_len: int, workdir: Path, pin: b
         "client_cpus": sorted(client_cpus) if client_cpus else None,
         "server_env": server_env, "engine_core_nice": ENGINE_CORE_NICE if server_cpus else None}),
         "date_utc": t0, "loadavg_1m_at_start": load0, "loadavg_1m_at_end": os.getloadavg()[0]}
+
+
+def vllm_concurrent_part(pairs: int, n: int, conc: int, out_len: int, workdir: Path, pin: bool = True, warmup_pairs: int = 2,
+                         stagger_s: float = 0.0, on_summary: Callable[[dict[str, Any]], None] | None = None,
+                         deadline: float | None = None) -> dict[str, Any]:
+    """Part (b2c): :func:`concurrent_pairs` on one CPU vLLM server without prefix caching (both tools send
+    the same prompts at nearly the same time: with the cache the later one's prefills would be hits)."""
+    import vllm
+
+    from vllm_powersave.serving import VllmServer, default_serve_args
+
+    model = _tiny_model()
+    data = workdir / "sharegpt.json"
+    convs = max(400, 2 * n)  # as in vllm_part: both tools then draw the same prompts
+    _sharegpt_file(data, convs, 48)
+    server_cpus, client_cpus, server_env = server_pinning(pin)
+    serve_args = default_serve_args(str(model)) + ["--no-enable-prefix-caching"]
+    server = VllmServer(serve_args, env=server_env, log_path=workdir / "server.log", cpus=server_cpus)
+    server.start()
+    # The server logs its cache config; trust the log, not the flag, that the cache is off.
+    m = re.search(r"enable_prefix_caching=(\w+)", server.log_path.read_text(errors="replace"))
+    if not m or m[1] != "False":
+        server.stop()
+        raise SystemExit(f"error: server log does not show enable_prefix_caching=False (log: {server.log_path})")
+    if server_cpus and not _nice_engine_core(server.proc.pid):
+        server.stop()
+        raise SystemExit("error: no VLLM::EngineCore process under the server to renice")
+    t0 = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    load0 = os.getloadavg()[0]
+    config = {
+        "n_per_tool": n, "conc_per_tool": conc, "total_conc": 2 * conc, "output_len": out_len, "vllm_version": vllm.__version__,
+        "server": "vllm serve .models/qwen2-tiny (stock, no plugin) " + " ".join(serve_args[1:]), "prefix_caching": False,
+        "dataset": f"synthetic ShareGPT file, {convs} conversations, 48-word prompts, seed 0 (same prompts in both tools)",
+        "design": "per pair both tools run at the same time against the one server, each closed loop at half the total "
+                  "concurrency with the same requests; ratios ours / vllm bench per pair",
+        "launch": "the tool with the longer measured start-up (launch to first measured request; vllm bench) is launched "
+                  "first, the other after the median start-up difference of the last (up to 5) earlier staggered pairs plus "
+                  "the planned start skew",
+        "planned_start_skew_s": stagger_s / 2,  # magnitude; ours ahead in pairs 1, 3, ..., vllm bench in 2, 4, ...
+        "overlap": "intersection over union of the two measured windows (first request sent to last request finished, "
+                   f"from per-request times on the shared monotonic clock); pairs below {MIN_OVERLAP} are flagged",
+        "warmups": f"{warmup_pairs} discarded concurrent pair(s) (they also calibrate the launch delay), then 1 warm-up "
+                   "request per run in both tools (--num-warmups 1)",
+        "server_cpus": sorted(server_cpus) if server_cpus else None,
+        "client_cpus": sorted(client_cpus) if client_cpus else None, "clients_share_cpus": True,
+        "server_env": server_env, "engine_core_nice": ENGINE_CORE_NICE if server_cpus else None}
+
+    def section(runs: list[dict[str, Any]]) -> dict[str, Any]:
+        return {**summarize_concurrent(runs, config), "date_utc": t0, "loadavg_1m_at_start": load0,
+                "loadavg_1m_at_end": os.getloadavg()[0], "pairs_planned": pairs, "complete": len(runs) == pairs}
+
+    try:
+        runs = concurrent_pairs("b2c", server.base_url, model, data, pairs, n, conc, out_len, workdir, client_cpus,
+                                warmup_pairs, stagger_s,
+                                on_pair=(lambda rs: on_summary(section(rs))) if on_summary else None, deadline=deadline)
+    finally:
+        server.stop()
+    if not runs:
+        raise SystemExit("error: no concurrent pair completed")
+    return section(runs)
 
 
 def fake_timing_part(pairs: int, n: int, conc: int, out_len: int, ttft_ms: float, itl_ms: float, workdir: Path) -> dict[str, Any]:
@@ -425,6 +692,8 @@ def write_md(doc: dict[str, Any], path: Path) -> None:
     v = doc.get("vs_vllm_bench")
     if v:
         lines += _b2_lines(v, doc)
+    if doc.get("vs_vllm_bench_concurrent"):
+        lines += _b2c_lines(doc["vs_vllm_bench_concurrent"])
     g = doc.get("vs_vllm_bench_gpu")
     if g:
         lines += _b3_lines(g)
@@ -515,6 +784,112 @@ def _b2_lines(v: dict[str, Any], doc: dict[str, Any]) -> list[str]:
                      f"per-pair output throughput ratios {fx(e['output_throughput_per_pair'])}, median TTFT ratios "
                      f"{fx(e['median_ttft_per_pair'])}: the server switched between a smooth and a bursty mode (TTFT up to "
                      "0.7 s) depending on how much CPU its API server got.")
+    return lines
+
+
+def _planned_skew(pairs: list[dict[str, Any]]) -> str:
+    sk = {abs(p.get("planned_start_skew_s", 0.0)) for p in pairs}
+    if sk <= {0.0}:
+        return "none (aimed at both starting together)"
+    return f"+-{max(sk):g} s (ours ahead in pairs 1, 3, ..., vllm bench in 2, 4, ...)"
+
+
+def _b2c_lines(v: dict[str, Any]) -> list[str]:
+    cv = v["config"]
+    pairs = v["pairs"]
+    ov = v["overlap"]
+    lines = ["", "## (b2c) loadtests vs `vllm bench serve` at the same time on the same CPU vLLM server (concurrent split)", "",
+             "Why: in (b2) the two tools run one after the other, so every change of the one-core server between the two "
+             "runs (its throughput spreads by tens of % from run to run) lands in the ratio. Here both tools load the server "
+             "at the same time, each with half the concurrency and the same requests, so both see the same server at every "
+             "moment: its drift is common to both and cancels in the per-pair ratio, which keeps the tools' own measurement "
+             "differences and client overheads. Limits: each tool measures a server that the other loads as well (half the "
+             "batch is the other tool's), both clients share one core, and the windows do not coincide exactly (start-up "
+             "skew at the start, different finishing times at the end), during which one tool has the server to itself.", ""]
+    if "date_utc" in v:
+        lines.append(f"- Run {v['date_utc']} (UTC), {len(pairs)} of {v.get('pairs_planned', len(pairs))} planned pairs; 1-min load "
+                     f"average {v['loadavg_1m_at_start']:.1f} at its start, {v['loadavg_1m_at_end']:.1f} at its end (server and "
+                     "clients included).")
+    lines += [f"- vLLM {cv['vllm_version']} CPU build; server: `{cv['server']}` (prefix caching off: both tools send the same "
+              f"prompts at nearly the same time, and the later one's prefills would otherwise be cache hits); workload: "
+              f"{cv['dataset']}, {cv['n_per_tool']} requests per tool, output {cv['output_len']} tokens (ignore_eos, greedy), "
+              f"closed loop at concurrency {cv['conc_per_tool']} per tool ({cv['total_conc']} in all); warm-up: {cv['warmups']}.",
+              f"- Launch: {cv['launch']}; planned start skew {_planned_skew(pairs)}. Overlap: {cv['overlap']}."]
+    if cv.get("server_cpus") is not None:
+        env = " ".join(f"{k}={x}" for k, x in cv["server_env"].items())
+        lines.append(f"- Pinning as in (b2): the server on CPU {','.join(map(str, cv['server_cpus']))} with `{env}` and the "
+                     f"EngineCore's main thread at nice {cv['engine_core_nice']}; both clients together on CPU "
+                     f"{','.join(map(str, cv['client_cpus']))}.")
+    lines += ["", "| pair | first | start skew (s) | end skew (s) | overlap | ours tok/s | vllm bench tok/s | throughput ratio "
+              "| ours TTFT p50 (ms) | vllm bench TTFT p50 (ms) | TTFT ratio | client CPU s ours / vllm bench |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for i, p in enumerate(pairs):
+        flag = " (low)" if p["overlap_fraction"] < ov["min_overlap"] else ""
+        lines.append(f"| {i + 1} | {'ours' if p['first'] == 'ours' else 'vllm bench'} | {p['start_skew_s']:+.2f} | "
+                     f"{p['end_skew_s']:+.2f} | {p['overlap_fraction']:.3f}{flag} | {p['ours']['output_throughput']:.1f} | "
+                     f"{p['vllm']['output_throughput']:.1f} | {p['output_throughput_ratio']:.3f} | "
+                     f"{p['ours']['median_ttft_ms']:.1f} | {p['vllm']['median_ttft_ms']:.1f} | {p['median_ttft_ratio']:.3f} | "
+                     f"{p['ours']['client_cpu_s']:.1f} / {p['vllm']['client_cpu_s']:.1f} |")
+    lines += ["", f"- output_throughput_ratio (ours / vllm bench): {_fmt_ratio(v['output_throughput'])}",
+              f"- median_ttft_ratio (ours / vllm bench): {_fmt_ratio(v['median_ttft'])}",
+              f"- median TPOT ratio: {_fmt_ratio(v['median_tpot'])}",
+              f"- Same prompts in both tools (equal input-token totals in every pair): {v['same_input_tokens_every_pair']}."]
+    low = ov["flagged_pairs"]
+    lines.append(f"- Overlap (intersection over union of the two windows): median {ov['median']:.3f}, min {ov['min']:.3f}; "
+                 f"median |start skew| {ov['median_abs_start_skew_s']:.2f} s, median |end skew| {ov['median_abs_end_skew_s']:.2f} s; "
+                 + (f"pairs below {ov['min_overlap']}: none." if not low else
+                    f"pairs below {ov['min_overlap']}: {', '.join(map(str, low))}"
+                    + (f" (without them, {ov['without_flagged']['pairs']} pairs: mean throughput ratio "
+                       f"{ov['without_flagged']['output_throughput_ratio']:.3f}, TTFT ratio "
+                       f"{ov['without_flagged']['median_ttft_ratio']:.3f})." if ov.get("without_flagged") else ".")))
+    bf = v.get("by_first") or {}
+    if bf:
+        lines.append("- Position (which tool's window started first): " + "; ".join(
+            f"{'ours' if k == 'ours' else 'vllm bench'} first in {x['pairs']} pairs: mean throughput ratio "
+            f"{x['output_throughput_ratio']:.3f}, TTFT ratio {x['median_ttft_ratio']:.3f}" for k, x in bf.items()) + ".")
+    skews = [p["start_skew_s"] for p in pairs]
+    if len(pairs) > 2 and len(set(skews)) > 1:
+        # Whether starting earlier (having the server alone for a moment) buys a tool throughput or TTFT.
+        fit = {key: (st.correlation(skews, [p[key] for p in pairs]), st.linear_regression(skews, [p[key] for p in pairs]).slope)
+               for key in ("output_throughput_ratio", "median_ttft_ratio")}
+        lines.append("- Start skew vs ratio (skew = ours' start minus vllm bench's): throughput ratio r = "
+                     f"{fit['output_throughput_ratio'][0]:+.2f}, slope {fit['output_throughput_ratio'][1]:+.4f} per s; "
+                     f"TTFT ratio r = {fit['median_ttft_ratio'][0]:+.2f}, slope {fit['median_ttft_ratio'][1]:+.4f} per s.")
+    if all(p[k].get("mean_ttft_ms") for p in pairs for k in ("ours", "vllm")):
+        # A median can jump between the modes of a lumpy TTFT distribution; the mean shows whether the
+        # whole distribution moved.
+        xs = [p["ours"]["mean_ttft_ms"] / p["vllm"]["mean_ttft_ms"] for p in pairs]
+        m, lo, hi = ratio_ci(xs)
+        lines.append(f"- Mean TTFT ratio (whole distribution, not the verdict's median): mean {m:.3f}, range "
+                     f"{min(xs):.3f}-{max(xs):.3f}" + (f", 95 % CI {lo:.3f}-{hi:.3f}." if len(xs) > 1 else "."))
+    if all("window_s" in p[k] and p[k].get("duration") for p in pairs for k in ("ours", "vllm")):
+        # Both tools' durations match their request windows, so a throughput gap is the windows' lengths
+        # (how fast each closed loop got through the same requests), not how duration is defined.
+        gap = {k: st.median(p[k]["duration"] - (p[k]["window_s"][1] - p[k]["window_s"][0]) for p in pairs) for k in ("ours", "vllm")}
+        lines.append(f"- Reported duration minus own request window (first sent to last finished), median: ours {gap['ours']:+.3f} s, "
+                     f"vllm bench {gap['vllm']:+.3f} s; ours' duration minus vllm bench's for the same requests, median "
+                     f"{st.median(p['ours']['duration'] - p['vllm']['duration'] for p in pairs):+.3f} s.")
+    if all(p[k].get("window_cpu_s") is not None for p in pairs for k in ("ours", "vllm")):
+        share = {k: st.median(p[k]["window_cpu_s"] / (p[k]["window_s"][1] - p[k]["window_s"][0]) for p in pairs)
+                 for k in ("ours", "vllm")}
+        lines.append(f"- Client CPU while each tool's own requests ran (from /proc samples every 0.2 s, median over pairs): "
+                     f"ours {100 * share['ours']:.0f} %, vllm bench {100 * share['vllm']:.0f} % of the shared client core; "
+                     f"whole process (start-up included), median: ours "
+                     f"{st.median(p['ours']['client_cpu_s'] for p in pairs):.1f} s, vllm bench "
+                     f"{st.median(p['vllm']['client_cpu_s'] for p in pairs):.1f} s.")
+    lines.append(f"- Server stability: its total output tok/s (both tools) per pair {_spread(v['server_output_throughput_per_pair'])}; "
+                 f"each tool's own tok/s ours {_spread([p['ours']['output_throughput'] for p in pairs])}, vllm bench "
+                 f"{_spread([p['vllm']['output_throughput'] for p in pairs])}. The ratio's spread is what is left after "
+                 "the common-mode cancellation.")
+    met = []
+    for key, name in (("output_throughput_ratio", "output throughput"), ("median_ttft_ratio", "median TTFT")):
+        xs = [p[key] for p in pairs]
+        out = [f"{i + 1} ({x:.3f})" for i, x in enumerate(xs) if abs(x - 1) > 0.02]
+        lines.append(f"- {name}: " + ("every pair's ratio is within 2 % of 1." if not out else
+                                       f"{len(out)} of {len(xs)} pairs outside 2 % of 1: {', '.join(out)}."))
+        met.append(not out)
+    lines += _target_lines(v, all(met))
+    lines += [f"- {n}" for n in v.get("notes", [])]
     return lines
 
 
@@ -613,7 +988,31 @@ def main() -> int:
     ap.add_argument("--gpu-note", action="append", default=[], help="a finding for the H200 comparison (repeatable)")
     ap.add_argument("--only-b1-high-rate", action="store_true",
                     help="run (b1) at ~10 k tok/s (concurrency 64, TTFT 20 ms, ITL 5 ms) and merge it into --out")
+    ap.add_argument("--only-b2-concurrent", action="store_true",
+                    help="run (b2c), both tools at the same time on one server, and merge it into --out")
+    ap.add_argument("--concurrent-requests", type=int, default=CONCURRENT_REQUESTS, help="(b2c): requests per tool and run")
+    ap.add_argument("--concurrent-concurrency", type=int, default=4, help="(b2c): concurrency per tool")
+    ap.add_argument("--concurrent-stagger-s", type=float, default=0.0,
+                    help="(b2c): planned gap between the two tools' starts, alternating which leads")
+    # Two: the first launches both tools at once (no start-up estimate yet), the second staggered as the pairs are.
+    ap.add_argument("--concurrent-warmup-pairs", type=int, default=2, help="(b2c): discarded concurrent pairs first")
+    ap.add_argument("--max-minutes", type=float, default=None, help="(b2c): start no pair that would end after this")
     ns = ap.parse_args()
+    if ns.only_b2_concurrent:
+        out = Path(ns.out)
+        doc = json.loads(out.read_text())
+
+        def keep(section: dict[str, Any]) -> None:  # each pair on disk at once: a run cut short keeps its pairs
+            doc["vs_vllm_bench_concurrent"] = section
+            save(doc, out)
+
+        with tempfile.TemporaryDirectory(prefix="harness-overhead-") as d:
+            keep(vllm_concurrent_part(ns.pairs, ns.concurrent_requests, ns.concurrent_concurrency, ns.vllm_output_len, Path(d),
+                                      pin=not ns.no_pin, warmup_pairs=ns.concurrent_warmup_pairs,
+                                      stagger_s=ns.concurrent_stagger_s, on_summary=keep,
+                                      deadline=time.monotonic() + 60 * ns.max_minutes if ns.max_minutes else None))
+        print("\n".join(_b2c_lines(doc["vs_vllm_bench_concurrent"])))
+        return 0
     if ns.only_b1_high_rate:
         out = Path(ns.out)
         doc = json.loads(out.read_text())
