@@ -95,6 +95,9 @@ class BenchConfig(BaseModel):
     duration_s: float | None = Field(default=None, gt=0)
     #: Inter-arrival law of open-loop runs: gamma (shape ``burstiness``; 1 = Poisson) or constant.
     arrival: Literal["gamma", "constant"] = "gamma"
+    #: Scale a fixed-rate gamma schedule so its last request goes out at (n - 1) / rate, as
+    #: ``vllm bench serve`` does (its throughput then does not depend on the seed's draw).
+    normalize_arrivals: bool = True
     #: Ramp-up (names as ``vllm bench serve``): rate goes from start to end rps over
     #: ``ramp_up_duration_s`` (then held), or over the whole run when that is None.
     ramp_up_strategy: Literal["linear", "exponential"] | None = None

@@ -28,7 +28,7 @@ def schedule(cfg: BenchConfig, n: int) -> list[float]:
         assert cfg.ramp_up_start_rps is not None and cfg.ramp_up_end_rps is not None
         return ramp_offsets(n, cfg.ramp_up_start_rps, cfg.ramp_up_end_rps, duration_s=cfg.ramp_up_duration_s,
                             strategy=cfg.ramp_up_strategy, burstiness=cfg.burstiness, seed=cfg.seed, arrival=cfg.arrival)
-    return arrival_offsets(n, cfg.request_rate, cfg.burstiness, cfg.seed, cfg.arrival)
+    return arrival_offsets(n, cfg.request_rate, cfg.burstiness, cfg.seed, cfg.arrival, cfg.normalize_arrivals)
 
 
 def _reason(e: BaseException) -> str:
@@ -367,6 +367,8 @@ async def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
         "request_rate": cfg.request_rate if math.isfinite(cfg.request_rate) else "inf",
         "burstiness": cfg.burstiness,
         "arrival": "trace" if cfg.trace else cfg.arrival,
+        "arrivals_normalized": bool(cfg.normalize_arrivals and not cfg.trace and cfg.ramp_up_strategy is None
+                                    and cfg.arrival == "gamma" and math.isfinite(cfg.request_rate)),
         "max_concurrency": cfg.max_concurrency,
         **({"ramp_up_strategy": cfg.ramp_up_strategy, "ramp_up_start_rps": cfg.ramp_up_start_rps,
             "ramp_up_end_rps": cfg.ramp_up_end_rps, "ramp_up_duration_s": cfg.ramp_up_duration_s}

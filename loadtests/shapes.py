@@ -48,16 +48,27 @@ def arrival_offsets(
     burstiness: float = 1.0,
     seed: int = 0,
     arrival: Arrival = "gamma",
+    normalize: bool = True,
 ) -> list[float]:
     """Send times (s, relative to the first request) for ``n`` requests at ``request_rate`` req/s.
 
     ``inf`` sends all at once. ``gamma`` gaps have mean 1/rate and shape ``burstiness`` (1 =
     Poisson, < 1 burstier, > 1 more regular, as ``vllm bench serve``); ``constant`` gaps are exactly
     1/rate.
+
+    ``normalize`` (default, as ``vllm bench serve`` does at a fixed rate since 0.11): the drawn
+    gamma gaps are scaled together so that the last request goes out at exactly (n - 1) / rate.
+    Without it a run's length is a random sum whose spread is 1/sqrt(n - 1) for Poisson (3.6 % at
+    768 requests), and so is its throughput from one seed to the next; two tools at the same rate
+    would then differ by their draws. The shape of the gaps is kept; ``False`` gives the raw draw.
     """
     if math.isinf(request_rate):
         return [0.0] * n
-    return [u / request_rate for u in _operational_times(n, arrival, burstiness, seed)]
+    times = _operational_times(n, arrival, burstiness, seed)
+    if normalize and arrival == "gamma" and n > 1 and times[-1] > 0:
+        scale = (n - 1) / times[-1]
+        times = [t * scale for t in times]
+    return [u / request_rate for u in times]
 
 
 def _ramp_inverse(lam: float, r0: float, r1: float, dur: float, strategy: RampStrategy) -> float:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import socket
 import subprocess
 import sys
@@ -356,8 +357,22 @@ def test_arrival_offsets_seeded_poisson() -> None:
     assert a == arrival_offsets(2000, 10.0, 1.0, seed=5)
     assert a != arrival_offsets(2000, 10.0, 1.0, seed=6)
     gaps = [y - x for x, y in zip(a, a[1:])]
-    assert sum(gaps) / len(gaps) == pytest.approx(0.1, rel=0.1)
+    assert sum(gaps) / len(gaps) == pytest.approx(0.1, rel=1e-12)  # normalized: exactly 1/rate on average
+    # Still Poisson-shaped: exponential gaps have a coefficient of variation of 1.
+    assert statistics.stdev(gaps) / statistics.mean(gaps) == pytest.approx(1.0, abs=0.1)
     assert arrival_offsets(3, math.inf) == [0.0, 0.0, 0.0]
+
+
+def test_normalized_arrivals_fix_the_runs_length_as_vllm_bench_does() -> None:
+    # vllm bench serve scales its gamma draw so a fixed-rate run lasts n / rate whatever the seed;
+    # ours (first request at 0) ends its sends at (n - 1) / rate, so throughput no longer depends on the draw.
+    ends = [arrival_offsets(256, 12.0, 1.0, seed=s)[-1] for s in range(5)]
+    assert ends == pytest.approx([255 / 12.0] * 5, rel=1e-12)
+    raw = [arrival_offsets(256, 12.0, 1.0, seed=s, normalize=False)[-1] for s in range(5)]
+    assert max(raw) - min(raw) > 0.5  # the raw draws end seconds apart (sd ~ sqrt(255) / 12 = 1.3 s)
+    a, b = arrival_offsets(50, 5.0, 2.0, seed=1), arrival_offsets(50, 5.0, 2.0, seed=1, normalize=False)
+    assert [x / a[-1] for x in a] == pytest.approx([x / b[-1] for x in b])  # the same shape, only rescaled
+    assert arrival_offsets(5, 4.0, arrival="constant", normalize=True) == [0.0, 0.25, 0.5, 0.75, 1.0]
 
 
 def test_random_prompts_lengths_and_determinism() -> None:
