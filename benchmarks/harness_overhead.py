@@ -134,9 +134,10 @@ def _tiny_model() -> Path:
 
 
 def _tool_cmds(base_url: str, model: Path, data: Path, n: int, conc: int, out_len: int,
-               workdir: Path) -> tuple[list[str], list[str], dict[str, str]]:
+               workdir: Path, rate: float | None = None) -> tuple[list[str], list[str], dict[str, str]]:
     """(our command, vllm bench serve's command, their environment) for the same workload; each command
-    still needs its result file (ours: ``--result-json``, vllm bench: ``--result-filename``)."""
+    still needs its result file (ours: ``--result-json``, vllm bench: ``--result-filename``).
+    ``rate``: Poisson arrivals at this many requests/s in both tools (``conc`` then only caps them)."""
     ours_cmd = [PY, "-m", "loadtests", "--base-url", base_url, "--model", "model", "--dataset", f"sharegpt:{data}",
                 "--tokenizer", str(model), "--sharegpt-output-len", str(out_len), "--num-prompts", str(n),
                 "--max-concurrency", str(conc), "--num-warmups", "1", "--seed", "0", "--no-progress"]
@@ -148,6 +149,9 @@ def _tool_cmds(base_url: str, model: Path, data: Path, n: int, conc: int, out_le
                 "--max-concurrency", str(conc), "--seed", "0", "--ignore-eos", "--temperature", "0", "--num-warmups", "1",
                 "--disable-tqdm",
                 "--save-result", "--result-dir", str(workdir)]
+    if rate is not None:
+        arrivals = ["--request-rate", f"{rate:g}", "--burstiness", "1"]  # gamma shape 1: Poisson in both tools
+        ours_cmd, vllm_cmd = ours_cmd + arrivals, vllm_cmd + arrivals
     return ours_cmd, vllm_cmd, {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
 
 
@@ -266,11 +270,18 @@ def _cpu_between(samples: list[tuple[float, float]], a: float, b: float) -> floa
     return None if ca is None or cb is None else cb - ca
 
 
+def _with_seed(cmd: list[str], seed: int) -> list[str]:
+    """``cmd`` with the value after ``--seed`` replaced."""
+    i = cmd.index("--seed")
+    return [*cmd[:i + 1], str(seed), *cmd[i + 2:]]
+
+
 def concurrent_pairs(tag: str, base_url: str, model: Path, data: Path, pairs: int, n: int, conc: int, out_len: int,
                      workdir: Path, client_cpus: set[int] | None = None, warmup_pairs: int = 2, stagger_s: float = 0.0,
                      on_pair: Callable[[list[dict[str, Any]]], None] | None = None,
-                     deadline: float | None = None) -> list[dict[str, Any]]:
+                     deadline: float | None = None, rate: float | None = None) -> list[dict[str, Any]]:
     """``pairs`` x (ours and vllm bench serve at the same time, ``conc`` each) on one server; per-pair ratios.
+    ``rate``: each tool's Poisson arrival rate (requests/s); None: closed loop.
 
     vllm bench takes seconds longer than ours from launch to its first measured request (imports), so
     the faster-starting tool is launched that much later: by the median measured start-up difference of
@@ -280,7 +291,7 @@ def concurrent_pairs(tag: str, base_url: str, model: Path, data: Path, pairs: in
     per-request times on the shared monotonic clock; its CPU time from its rusage (whole process) and
     from /proc samples (the part inside its window). ``on_pair`` and ``deadline`` as in :func:`interleaved`.
     """
-    ours_cmd, vllm_cmd, env = _tool_cmds(base_url, model, data, n, conc, out_len, workdir)
+    ours_cmd, vllm_cmd, env = _tool_cmds(base_url, model, data, n, conc, out_len, workdir, rate)
     ours_cmd = [PY, "-c", _OURS_WITH_T0, *ours_cmd[3:]]  # ours_cmd[:3] is PY -m loadtests
     vllm_cmd = vllm_cmd + ["--save-detailed"]  # its per-request start_times, for the window
     pin = (lambda: os.sched_setaffinity(0, client_cpus)) if client_cpus else None
@@ -302,6 +313,11 @@ def concurrent_pairs(tag: str, base_url: str, model: Path, data: Path, pairs: in
         files = {k: workdir / f"{tag}-{k}-{i}.json" for k in ("ours", "vllm")}
         cmds = {"ours": ours_cmd + ["--result-json", str(files["ours"])],
                 "vllm": vllm_cmd + ["--result-filename", files["vllm"].name]}
+        if rate is not None:
+            # A seed per pair (the same in both tools): each tool's Poisson gaps come from its seed, and one fixed
+            # draw would make every pair's arrivals the same, a burstier draw in one tool biasing all its TTFTs
+            # (and its run's length: 256 gaps at 12/s summed to 18.5 s in ours and 21.5 s in vllm bench at seed 0).
+            cmds = {k: _with_seed(c, 1000 + i) for k, c in cmds.items()}
         procs: dict[str, subprocess.Popen[bytes]] = {}
         logs = {k: open(workdir / f"{tag}-{k}-{i}.log", "w+b") for k in cmds}
         launched: dict[str, float] = {}
@@ -548,7 +564,7 @@ def vllm_part(pairs: int, n: int, conc: int, out_len: int, workdir: Path, pin: b
 
 def vllm_concurrent_part(pairs: int, n: int, conc: int, out_len: int, workdir: Path, pin: bool = True, warmup_pairs: int = 2,
                          stagger_s: float = 0.0, on_summary: Callable[[dict[str, Any]], None] | None = None,
-                         deadline: float | None = None) -> dict[str, Any]:
+                         deadline: float | None = None, rate: float | None = None) -> dict[str, Any]:
     """Part (b2c): :func:`concurrent_pairs` on one CPU vLLM server without prefix caching (both tools send
     the same prompts at nearly the same time: with the cache the later one's prefills would be hits)."""
     import vllm
@@ -577,8 +593,12 @@ def vllm_concurrent_part(pairs: int, n: int, conc: int, out_len: int, workdir: P
         "n_per_tool": n, "conc_per_tool": conc, "total_conc": 2 * conc, "output_len": out_len, "vllm_version": vllm.__version__,
         "server": "vllm serve .models/qwen2-tiny (stock, no plugin) " + " ".join(serve_args[1:]), "prefix_caching": False,
         "dataset": f"synthetic ShareGPT file, {convs} conversations, 48-word prompts, seed 0 (same prompts in both tools)",
-        "design": "per pair both tools run at the same time against the one server, each closed loop at half the total "
-                  "concurrency with the same requests; ratios ours / vllm bench per pair",
+        "design": ("per pair both tools run at the same time against the one server, each closed loop at half the total "
+                   "concurrency with the same requests; ratios ours / vllm bench per pair") if rate is None else
+                  (f"per pair both tools run at the same time against the one server, each with Poisson arrivals at {rate:g} "
+                   f"requests/s (open loop, at most {conc} in flight) and the same requests; ratios ours / vllm bench per pair"),
+        "arrivals": "closed loop" if rate is None else f"Poisson, {rate:g} requests/s per tool",
+        "rate_per_tool_req_s": rate,
         "launch": "the tool with the longer measured start-up (launch to first measured request; vllm bench) is launched "
                   "first, the other after the median start-up difference of the last (up to 5) earlier staggered pairs plus "
                   "the planned start skew",
@@ -596,9 +616,10 @@ def vllm_concurrent_part(pairs: int, n: int, conc: int, out_len: int, workdir: P
                 "loadavg_1m_at_end": os.getloadavg()[0], "pairs_planned": pairs, "complete": len(runs) == pairs}
 
     try:
-        runs = concurrent_pairs("b2c", server.base_url, model, data, pairs, n, conc, out_len, workdir, client_cpus,
-                                warmup_pairs, stagger_s,
-                                on_pair=(lambda rs: on_summary(section(rs))) if on_summary else None, deadline=deadline)
+        runs = concurrent_pairs("b2c" if rate is None else "b2p", server.base_url, model, data, pairs, n, conc, out_len, workdir,
+                                client_cpus, warmup_pairs, stagger_s,
+                                on_pair=(lambda rs: on_summary(section(rs))) if on_summary else None, deadline=deadline,
+                                rate=rate)
     finally:
         server.stop()
     if not runs:
@@ -692,8 +713,9 @@ def write_md(doc: dict[str, Any], path: Path) -> None:
     v = doc.get("vs_vllm_bench")
     if v:
         lines += _b2_lines(v, doc)
-    if doc.get("vs_vllm_bench_concurrent"):
-        lines += _b2c_lines(doc["vs_vllm_bench_concurrent"])
+    for key in ("vs_vllm_bench_concurrent", "vs_vllm_bench_concurrent_poisson"):
+        if doc.get(key):
+            lines += _b2c_lines(doc[key])
     g = doc.get("vs_vllm_bench_gpu")
     if g:
         lines += _b3_lines(g)
@@ -798,6 +820,8 @@ def _b2c_lines(v: dict[str, Any]) -> list[str]:
     cv = v["config"]
     pairs = v["pairs"]
     ov = v["overlap"]
+    if cv.get("rate_per_tool_req_s") is not None:
+        return _b2p_intro(v) + _b2c_body(v, cv, pairs, ov)
     lines = ["", "## (b2c) loadtests vs `vllm bench serve` at the same time on the same CPU vLLM server (concurrent split)", "",
              "Why: in (b2) the two tools run one after the other, so every change of the one-core server between the two "
              "runs (its throughput spreads by tens of % from run to run) lands in the ratio. Here both tools load the server "
@@ -813,8 +837,31 @@ def _b2c_lines(v: dict[str, Any]) -> list[str]:
     lines += [f"- vLLM {cv['vllm_version']} CPU build; server: `{cv['server']}` (prefix caching off: both tools send the same "
               f"prompts at nearly the same time, and the later one's prefills would otherwise be cache hits); workload: "
               f"{cv['dataset']}, {cv['n_per_tool']} requests per tool, output {cv['output_len']} tokens (ignore_eos, greedy), "
-              f"closed loop at concurrency {cv['conc_per_tool']} per tool ({cv['total_conc']} in all); warm-up: {cv['warmups']}.",
-              f"- Launch: {cv['launch']}; planned start skew {_planned_skew(pairs)}. Overlap: {cv['overlap']}."]
+              f"closed loop at concurrency {cv['conc_per_tool']} per tool ({cv['total_conc']} in all); warm-up: {cv['warmups']}."]
+    return lines + _b2c_body(v, cv, pairs, ov)
+
+
+def _b2p_intro(v: dict[str, Any]) -> list[str]:
+    cv = v["config"]
+    lines = ["", "## (b2p) the same concurrent split with Poisson arrivals (open loop)", "",
+             "Why: in the closed-loop split (b2c) throughput agreed within 2 % in every pair but the two tools' median TTFTs "
+             "differed by up to 20 % per pair in either direction. A closed loop sends a tool's next request the moment one "
+             "of its own requests ends, which ties each tool's arrivals to the server's step boundaries in its own way for a "
+             "whole run, so the two tools' requests meet systematically different queues. With independent Poisson arrivals "
+             "in both tools every request of either tool meets the server in a random state, and the per-pair TTFT ratio "
+             "keeps only the tools' measurement differences and sampling noise. Throughput is set by the arrival rate here, "
+             "so its ratio mostly checks how each tool delimits its run.", ""]
+    if "date_utc" in v:
+        lines.append(f"- Run {v['date_utc']} (UTC), {len(v['pairs'])} of {v.get('pairs_planned', len(v['pairs']))} planned pairs; "
+                     f"1-min load average {v['loadavg_1m_at_start']:.1f} at its start, {v['loadavg_1m_at_end']:.1f} at its end.")
+    lines.append(f"- vLLM {cv['vllm_version']} CPU build; server: `{cv['server']}` (prefix caching off); workload: {cv['dataset']}, "
+                 f"{cv['n_per_tool']} requests per tool, output {cv['output_len']} tokens (ignore_eos, greedy), {cv['arrivals']} "
+                 f"(at most {cv['conc_per_tool']} in flight per tool); warm-up: {cv['warmups']}.")
+    return lines
+
+
+def _b2c_body(v: dict[str, Any], cv: dict[str, Any], pairs: list[dict[str, Any]], ov: dict[str, Any]) -> list[str]:
+    lines = [f"- Launch: {cv['launch']}; planned start skew {_planned_skew(pairs)}. Overlap: {cv['overlap']}."]
     if cv.get("server_cpus") is not None:
         env = " ".join(f"{k}={x}" for k, x in cv["server_env"].items())
         lines.append(f"- Pinning as in (b2): the server on CPU {','.join(map(str, cv['server_cpus']))} with `{env}` and the "
@@ -997,21 +1044,27 @@ def main() -> int:
     # Two: the first launches both tools at once (no start-up estimate yet), the second staggered as the pairs are.
     ap.add_argument("--concurrent-warmup-pairs", type=int, default=2, help="(b2c): discarded concurrent pairs first")
     ap.add_argument("--max-minutes", type=float, default=None, help="(b2c): start no pair that would end after this")
+    ap.add_argument("--concurrent-rate", type=float, default=None, metavar="R",
+                    help="(b2c) with Poisson arrivals at R requests/s per tool (open loop, --concurrent-concurrency caps "
+                         "in-flight requests): recorded as vs_vllm_bench_concurrent_poisson (b2p)")
     ns = ap.parse_args()
     if ns.only_b2_concurrent:
         out = Path(ns.out)
         doc = json.loads(out.read_text())
 
+        key = "vs_vllm_bench_concurrent" if ns.concurrent_rate is None else "vs_vllm_bench_concurrent_poisson"
+
         def keep(section: dict[str, Any]) -> None:  # each pair on disk at once: a run cut short keeps its pairs
-            doc["vs_vllm_bench_concurrent"] = section
+            doc[key] = section
             save(doc, out)
 
         with tempfile.TemporaryDirectory(prefix="harness-overhead-") as d:
             keep(vllm_concurrent_part(ns.pairs, ns.concurrent_requests, ns.concurrent_concurrency, ns.vllm_output_len, Path(d),
                                       pin=not ns.no_pin, warmup_pairs=ns.concurrent_warmup_pairs,
                                       stagger_s=ns.concurrent_stagger_s, on_summary=keep,
-                                      deadline=time.monotonic() + 60 * ns.max_minutes if ns.max_minutes else None))
-        print("\n".join(_b2c_lines(doc["vs_vllm_bench_concurrent"])))
+                                      deadline=time.monotonic() + 60 * ns.max_minutes if ns.max_minutes else None,
+                                      rate=ns.concurrent_rate))
+        print("\n".join(_b2c_lines(doc[key])))
         return 0
     if ns.only_b1_high_rate:
         out = Path(ns.out)

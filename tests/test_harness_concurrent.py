@@ -122,29 +122,48 @@ def test_markdown_renders_the_concurrent_section_with_flags_and_verdict(tmp_path
     assert "(b2c)" not in path.read_text()
 
 
-def test_only_b2_concurrent_replaces_its_section_and_keeps_the_rest(tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize("rate", [None, 12.0])
+def test_only_b2_concurrent_replaces_its_section_and_keeps_the_rest(tmp_path, monkeypatch, rate) -> None:
     out = tmp_path / "harness-overhead.json"
+    key = "vs_vllm_bench_concurrent" if rate is None else "vs_vllm_bench_concurrent_poisson"
     doc = _doc()
-    doc["vs_vllm_bench_concurrent"] = {"stale": True}
+    doc[key] = {"stale": True}
     doc["vs_vllm_bench_gpu_marker"] = 1
     out.write_text(json.dumps(doc))
     seen = {}
+    config = CONFIG if rate is None else {**CONFIG, "rate_per_tool_req_s": rate, "arrivals": f"Poisson, {rate:g} requests/s per tool"}
 
-    def fake_part(pairs, n, conc, out_len, workdir, pin, warmup_pairs, stagger_s, on_summary, deadline):
-        seen.update(pairs=pairs, n=n, conc=conc, warmup_pairs=warmup_pairs, deadline=deadline)
-        section = {**ho.summarize_concurrent(PAIRS[:1], CONFIG), "pairs_planned": pairs}
+    def fake_part(pairs, n, conc, out_len, workdir, pin, warmup_pairs, stagger_s, on_summary, deadline, rate):
+        seen.update(pairs=pairs, n=n, conc=conc, warmup_pairs=warmup_pairs, deadline=deadline, rate=rate)
+        section = {**ho.summarize_concurrent(PAIRS[:1], config), "pairs_planned": pairs}
         on_summary(section)  # a partial save lands in the file too
-        assert "stale" not in json.loads(out.read_text())["vs_vllm_bench_concurrent"]
-        return {**ho.summarize_concurrent(PAIRS, CONFIG), "pairs_planned": pairs}
+        assert "stale" not in json.loads(out.read_text())[key]
+        return {**ho.summarize_concurrent(PAIRS, config), "pairs_planned": pairs}
 
     monkeypatch.setattr(ho, "vllm_concurrent_part", fake_part)
-    monkeypatch.setattr(sys, "argv", ["harness_overhead.py", "--only-b2-concurrent", "--pairs", "4", "--out", str(out)])
+    argv = ["harness_overhead.py", "--only-b2-concurrent", "--pairs", "4", "--out", str(out)]
+    monkeypatch.setattr(sys, "argv", argv + ([] if rate is None else ["--concurrent-rate", str(rate)]))
     assert ho.main() == 0
-    assert seen == {"pairs": 4, "n": ho.CONCURRENT_REQUESTS, "conc": 4, "warmup_pairs": 2, "deadline": None}
+    assert seen == {"pairs": 4, "n": ho.CONCURRENT_REQUESTS, "conc": 4, "warmup_pairs": 2, "deadline": None, "rate": rate}
     rec = json.loads(out.read_text())
     assert rec["vs_vllm_bench_gpu_marker"] == 1
-    assert rec["vs_vllm_bench_concurrent"]["overlap"]["flagged_pairs"] == [2]
-    assert "## (b2c)" in out.with_suffix(".md").read_text()
+    assert rec[key]["overlap"]["flagged_pairs"] == [2]
+    md = out.with_suffix(".md").read_text()
+    if rate is None:
+        assert "## (b2c)" in md and "## (b2p)" not in md
+    else:
+        assert "## (b2p) the same concurrent split with Poisson arrivals" in md
+        assert "Poisson, 12 requests/s per tool" in md
+
+
+def test_tool_commands_carry_poisson_arrivals_and_a_per_pair_seed(tmp_path) -> None:
+    ours, vllm, _ = ho._tool_cmds("http://x", tmp_path, tmp_path / "d.json", 8, 64, 16, tmp_path, rate=12.0)
+    for cmd in (ours, vllm):
+        i = cmd.index("--request-rate")
+        assert cmd[i + 1:i + 4] == ["12", "--burstiness", "1"]
+        assert ho._with_seed(cmd, 1003)[cmd.index("--seed") + 1] == "1003"
+    closed, _, _ = ho._tool_cmds("http://x", tmp_path, tmp_path / "d.json", 8, 64, 16, tmp_path)
+    assert "--request-rate" not in closed
 
 
 def test_planned_skew_reads_the_pairs() -> None:
