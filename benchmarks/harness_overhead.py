@@ -681,6 +681,7 @@ def write_md(doc: dict[str, Any], path: Path) -> None:
         f"- The machine is shared with other jobs (1-min load average {doc['host']['loadavg_1m_at_start']:.1f} at the start "
         "of the (a)/(b1) run, "
         f"{doc['host']['loadavg_1m_at_end']:.1f} at the end, on 2 cores): repetitions and interleaving show the noise, they do not remove it.",
+        *_summary_lines(doc),
         "",
         "## (a) Requests/s from one core against the fake server",
         "",
@@ -716,9 +717,9 @@ def write_md(doc: dict[str, Any], path: Path) -> None:
     for key in ("vs_vllm_bench_concurrent", "vs_vllm_bench_concurrent_poisson"):
         if doc.get(key):
             lines += _b2c_lines(doc[key])
-    g = doc.get("vs_vllm_bench_gpu")
-    if g:
-        lines += _b3_lines(g)
+    for key, label in GPU_SECTIONS.items():
+        if doc.get(key):
+            lines += _b3_lines(doc[key], label)
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -957,16 +958,28 @@ def _target_lines(v: dict[str, Any], every_pair: bool) -> list[str]:
             f"is not inside 0.98-1.02 for both ({desc}).**"]
 
 
-def _b3_lines(g: dict[str, Any]) -> list[str]:
+#: Record keys of the H200 comparisons and their section titles' suffix (newest first).
+GPU_SECTIONS = {"vs_vllm_bench_gpu": "", "vs_vllm_bench_gpu_earlier": ", earlier run"}
+
+
+def _b3_lines(g: dict[str, Any], label: str = "") -> list[str]:
     cg = g["config"]
-    lines = ["", "## (b3) loadtests vs `vllm bench serve` on the same GPU vLLM server (H200, measured)", "",
-             f"- Run {g['date_utc']} (UTC) on {g['device']}; vLLM {g['vllm_version']}; server: {cg['server']}; "
+    dev = g["device"]
+    if isinstance(dev, dict):  # the script's own JSON: device facts as read on the machine
+        dev = f"{dev.get('name')} (driver {dev.get('driver')}, power limit {dev.get('power_limit_w'):g} W)"
+    lines = ["", f"## (b3) loadtests vs `vllm bench serve` on the same GPU vLLM server (H200, measured{label})", "",
+             f"- Run {g['date_utc']} (UTC) on {dev}; vLLM {g['vllm_version']}; server: {cg['server']}; "
              f"{cg['n']} requests per run, output {cg['output_len']} tokens (ignore_eos, greedy), closed loop at concurrency "
              f"{cg['conc']}, same ShareGPT-format file and tokenizer in both tools; warm-up: {cg['warmups']}; order {cg['order']}. "
              f"Script: `benchmarks/h200_bench_compare.py` (device job `benchcmp@GPU`).",
              f"- Source of these figures: {g['source']}.", ""]
     lines += _pair_table(g)
     pairs = g["pairs"]
+    bf = g.get("by_first") or {}
+    if len(bf) == 2:
+        lines.append("- Position: " + "; ".join(f"with {'ours' if k == 'ours' else 'vllm bench'} first ({x['pairs']} pairs) the mean "
+                                                f"throughput ratio is {x['output_throughput_ratio']:.3f} and TTFT ratio "
+                                                f"{x['median_ttft_ratio']:.3f}" for k, x in bf.items()) + ".")
     lines.append(f"- Server stability (each tool's own runs across pairs): output tok/s ours "
                  f"{_spread([p['ours']['output_throughput'] for p in pairs])}, vllm bench "
                  f"{_spread([p['vllm']['output_throughput'] for p in pairs])}.")
@@ -976,9 +989,12 @@ def _b3_lines(g: dict[str, Any]) -> list[str]:
     return lines
 
 
-def merge_gpu(doc: dict[str, Any], src: Path, config: dict[str, Any] | None, notes: list[str]) -> None:
+def merge_gpu(doc: dict[str, Any], src: Path, config: dict[str, Any] | None, notes: list[str],
+              key: str = "vs_vllm_bench_gpu") -> None:
     """Put the H200 comparison (``h200_bench_compare.py``'s JSON, or its log when the JSON was lost) into
-    ``doc["vs_vllm_bench_gpu"]``."""
+    ``doc[key]`` (one of :data:`GPU_SECTIONS`)."""
+    if key not in GPU_SECTIONS:
+        raise ValueError(f"--gpu-key {key!r}: choose from {', '.join(GPU_SECTIONS)}")
     text = (gzip.open(src, "rt") if src.suffix == ".gz" else open(src)).read()
     if text.lstrip().startswith("{"):
         g = json.loads(text)
@@ -993,13 +1009,61 @@ def merge_gpu(doc: dict[str, Any], src: Path, config: dict[str, Any] | None, not
              "source": f"the pair lines of the run's log (`{src.name}`): the run was stopped at its time limit before it "
                        "wrote its JSON, so only the printed figures (throughput, TTFT p50, TPOT p50, token counts) exist"}
     g["notes"] = list(g.get("notes", [])) + notes
-    doc["vs_vllm_bench_gpu"] = g
+    doc[key] = g
 
 
 def save(doc: dict[str, Any], out: Path) -> None:
-    """The record as JSON at ``out`` and its Markdown twin beside it."""
+    """The record as JSON at ``out`` and its Markdown twin beside it (the summary over the comparison
+    designs is recomputed first: any part may have been re-run or merged)."""
+    doc["vs_vllm_bench_summary"] = comparison_summary(doc)
     out.write_text(json.dumps(doc, indent=2) + "\n")
     write_md(doc, out.with_suffix(".md"))
+
+
+#: The comparisons with vllm bench serve, in the order the summary lists them: (record key, design).
+COMPARISONS = (
+    ("vs_vllm_bench", "(b2) CPU server, one tool after the other"),
+    ("vs_vllm_bench_concurrent", "(b2c) CPU server, both at once, closed loop"),
+    ("vs_vllm_bench_concurrent_poisson", "(b2p) CPU server, both at once, Poisson arrivals"),
+    ("vs_vllm_bench_gpu", "(b3) H200 server, one tool after the other"),
+)
+
+
+def comparison_summary(doc: dict[str, Any]) -> dict[str, Any]:
+    """Per design: pairs, mean ratios with their 95 % intervals, and whether each is shown equivalent
+    within 2 % (the whole interval inside 0.98-1.02). Every design is listed, agreeing or not."""
+    rows = []
+    for key, design in COMPARISONS:
+        v = doc.get(key)
+        if not v or "output_throughput" not in v:
+            continue
+        rows.append({"key": key, "design": design, "pairs": len(v["pairs"]),
+                     **{f"{m}_{x}": v[m][y] for m in ("output_throughput", "median_ttft")
+                        for x, y in (("ratio", "mean"), ("ci95", "ci95"), ("equivalent_within_2pct", "equivalent_within_2pct"))}})
+    return {"designs": rows,
+            "throughput_shown_within_2pct_by": [r["key"] for r in rows if r["output_throughput_equivalent_within_2pct"]],
+            "median_ttft_shown_within_2pct_by": [r["key"] for r in rows if r["median_ttft_equivalent_within_2pct"]]}
+
+
+def _summary_lines(doc: dict[str, Any]) -> list[str]:
+    sm = doc.get("vs_vllm_bench_summary") or comparison_summary(doc)
+    if not sm["designs"]:
+        return []
+    ci = lambda c: f"{c[0]:.3f}-{c[1]:.3f}" if c and c[0] is not None else "n/a"  # noqa: E731
+    lines = ["", "## Summary: agreement with `vllm bench serve` (ratios ours / vllm bench, measured)", "",
+             "| design | pairs | output throughput: mean (95 % CI) | within 2 % shown | median TTFT: mean (95 % CI) | within 2 % shown |",
+             "|---|---|---|---|---|---|"]
+    for r in sm["designs"]:
+        lines.append(f"| {r['design']} | {r['pairs']} | {r['output_throughput_ratio']:.3f} ({ci(r['output_throughput_ci95'])}) | "
+                     f"{'yes' if r['output_throughput_equivalent_within_2pct'] else 'no'} | {r['median_ttft_ratio']:.3f} "
+                     f"({ci(r['median_ttft_ci95'])}) | {'yes' if r['median_ttft_equivalent_within_2pct'] else 'no'} |")
+    names = dict(COMPARISONS)
+    says = lambda keys: ", ".join(names[k].split(")")[0] + ")" for k in keys) or "no design"  # noqa: E731
+    lines += ["", f"Within 2 % shown (95 % interval of the mean ratio inside 0.98-1.02): throughput by {says(sm['throughput_shown_within_2pct_by'])}; "
+              f"median TTFT by {says(sm['median_ttft_shown_within_2pct_by'])}. One tool after the other, the server's own "
+              "run-to-run change (tens of % on the one-core CPU server) lands in each ratio; run at the same time, it is common to both "
+              "tools and cancels. Details per design below."]
+    return lines
 
 
 def _derive(doc: dict[str, Any]) -> None:
@@ -1009,6 +1073,7 @@ def _derive(doc: dict[str, Any]) -> None:
     f = doc["fake_server"]
     doc["fake_server_req_per_s_one_core"] = 1000.0 / f["harness_cpu_ms_per_request_median"]
     doc["fake_server_observed_req_per_s_median"] = f["req_per_s_median"]
+    doc["vs_vllm_bench_summary"] = comparison_summary(doc)
 
 
 def main() -> int:
@@ -1033,6 +1098,8 @@ def main() -> int:
                     help="merge the H200 comparison (h200_bench_compare.py's JSON or log, .gz ok) into --out and re-render")
     ap.add_argument("--gpu-config", default=None, help="JSON object: run configuration and date_utc/device/vllm_version, for a log")
     ap.add_argument("--gpu-note", action="append", default=[], help="a finding for the H200 comparison (repeatable)")
+    ap.add_argument("--gpu-key", default="vs_vllm_bench_gpu", choices=list(GPU_SECTIONS),
+                    help="which H200 section --merge-gpu fills (the newest run: vs_vllm_bench_gpu)")
     ap.add_argument("--only-b1-high-rate", action="store_true",
                     help="run (b1) at ~10 k tok/s (concurrency 64, TTFT 20 ms, ITL 5 ms) and merge it into --out")
     ap.add_argument("--only-b2-concurrent", action="store_true",
@@ -1078,7 +1145,7 @@ def main() -> int:
     if ns.merge_gpu:
         out = Path(ns.out)
         doc = json.loads(out.read_text())
-        merge_gpu(doc, Path(ns.merge_gpu), json.loads(ns.gpu_config) if ns.gpu_config else None, ns.gpu_note)
+        merge_gpu(doc, Path(ns.merge_gpu), json.loads(ns.gpu_config) if ns.gpu_config else None, ns.gpu_note, ns.gpu_key)
         save(doc, out)
         return 0
     if ns.from_json:

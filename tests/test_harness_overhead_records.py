@@ -91,3 +91,38 @@ def test_same_within_2pct_by_every_pair_or_by_equivalence_and_never_by_a_lucky_m
     # Throughput equivalent but TTFT not: not met.
     mixed = _pairs(spread, [1.2, 0.9] * 20)
     assert "NOT met" in ho._target_lines(mixed, False)[0]
+
+
+def test_two_gpu_runs_keep_their_own_sections_and_an_unknown_key_is_refused(tmp_path) -> None:
+    src = tmp_path / "bench.log"
+    src.write_text(LOG)
+    runs = ho.runs_from_log(LOG)
+    raw = tmp_path / "raw.json"
+    raw.write_text(json.dumps({"date_utc": "d2", "device": {"name": "NVIDIA H200", "driver": "580.159.04", "power_limit_w": 700.0},
+                               "vllm_version": "0.25.0", "complete": True,
+                               **ho.summarize_pairs([{**r, "first": f} for r, f in zip(runs, ("ours", "vllm"))],
+                                                    {k: CONFIG[k] for k in ("n", "conc", "output_len", "server", "order", "warmups")})}))
+    doc: dict = {}
+    ho.merge_gpu(doc, src, dict(CONFIG), [], key="vs_vllm_bench_gpu_earlier")
+    ho.merge_gpu(doc, raw, None, ["alternating order"])
+    with pytest.raises(ValueError, match="--gpu-key 'vs_vllm_bench_gpu2'"):
+        ho.merge_gpu(doc, raw, None, [], key="vs_vllm_bench_gpu2")
+    assert doc["vs_vllm_bench_gpu_earlier"]["date_utc"] == "2026-11-30T11:05Z"
+    assert doc["vs_vllm_bench_gpu"]["date_utc"] == "d2"
+    new = "\n".join(ho._b3_lines(doc["vs_vllm_bench_gpu"]))
+    assert "on NVIDIA H200 (driver 580.159.04, power limit 700 W)" in new
+    assert "- Position: with ours first (1 pairs) the mean throughput ratio is 0.800" in new
+    assert "(H200, measured, earlier run)" in "\n".join(ho._b3_lines(doc["vs_vllm_bench_gpu_earlier"], ", earlier run"))
+
+
+def test_the_summary_lists_every_design_and_names_only_those_that_show_equivalence() -> None:
+    doc = {"vs_vllm_bench": _pairs([1.10, 0.95, 1.02], [1.0, 0.9, 1.1]),
+           "vs_vllm_bench_concurrent": _pairs([1.001, 1.002, 1.003, 1.002], [0.80, 1.2, 1.0, 0.97]),
+           "vs_vllm_bench_concurrent_poisson": _pairs([1.0, 1.0, 1.001], [1.004, 0.998, 1.001])}
+    sm = ho.comparison_summary(doc)
+    assert [r["key"] for r in sm["designs"]] == ["vs_vllm_bench", "vs_vllm_bench_concurrent", "vs_vllm_bench_concurrent_poisson"]
+    assert sm["throughput_shown_within_2pct_by"] == ["vs_vllm_bench_concurrent", "vs_vllm_bench_concurrent_poisson"]
+    assert sm["median_ttft_shown_within_2pct_by"] == ["vs_vllm_bench_concurrent_poisson"]
+    md = "\n".join(ho._summary_lines(doc))
+    assert "| (b2) CPU server, one tool after the other | 3 | 1.023 (" in md
+    assert "throughput by (b2c), (b2p); median TTFT by (b2p)." in md
