@@ -39,7 +39,7 @@ def server(tiny_model, tmp_path_factory):
     log = tmp_path_factory.mktemp("logs") / "server.log"
     STATS["dir"] = tmp_path_factory.mktemp("stats")
     cfg = {"powersave": {"config_file": str(PRESET), "clocks": {"min_dwell_ms": 50}, "cuda_perf_boost": "off",
-                         "per_request_energy": True, "stats_dir": str(STATS["dir"]),
+                         "per_request_energy": True, "stats_dir": str(STATS["dir"]), "trace_steps": True,
                          # a loaded 2-core CI machine may need more than the default 200 ms
                          "energy": {"response_wait_ms": 3000},
                          "chunking": {"table": [{"min_rows": 4, "chunks": 2}]}}}
@@ -167,6 +167,12 @@ def test_prompt_logprobs_through_the_chunked_lm_head_match_a_reference(server, t
         assert got[i][str(ids[i])]["logprob"] == pytest.approx(ref[i - 1, ids[i]].item(), abs=0.05), i
     time.sleep(0.8)  # the worker publishes its counters every 0.5 s
     assert _metrics(server.base_url)[key] > before  # the prompt rows went through the 2-chunk path
+    # The step trace counts those rows (1 sampling row + len(ids) - 1 prompt positions), read from the
+    # real SchedulerOutput; one more request pushes the step out of the trace's in-memory tail.
+    _post(server.base_url + "/v1/completions", {"model": "model", "prompt": "x", "max_tokens": 2, "ignore_eos": True})
+    time.sleep(0.8)
+    steps = [json.loads(x) for x in (STATS["dir"] / "trace-rank0.jsonl").read_text().splitlines()]
+    assert any(s["rows"] == len(ids) and s["prefill"] == len(ids) for s in steps), [s for s in steps if s["prefill"]][-3:]
 
 
 def test_clock_follows_phases_of_one_long_request(server):

@@ -126,3 +126,15 @@ def test_the_summary_lists_every_design_and_names_only_those_that_show_equivalen
     md = "\n".join(ho._summary_lines(doc))
     assert "| (b2) CPU server, one tool after the other | 3 | 1.023 (" in md
     assert "throughput by (b2c), (b2p); median TTFT by (b2p)." in md
+
+
+def test_the_summary_states_the_ttft_gap_in_ms_beside_the_fake_servers_truth() -> None:
+    p = _pairs([1.0, 1.0, 1.0], [0.95, 0.96, 1.01])
+    for x, (o, v) in zip(p["pairs"], ((9.5, 10.0), (9.6, 10.0), (10.1, 10.0))):
+        x["ours"]["median_ttft_ms"], x["vllm"]["median_ttft_ms"] = o, v
+    doc = {"vs_vllm_bench_concurrent_poisson": p,
+           "vs_vllm_bench_fake_server": {"ours_median_ttft_ms_minus_true": 2.57, "vllm_median_ttft_ms_minus_true": 4.65}}
+    md = "\n".join(ho._summary_lines(doc))
+    assert "ours' median TTFT is 0.27 ms lower than vllm bench's on average (per pair -0.10-0.50 ms) at a median TTFT of 10.0 ms, " \
+           "lower in 2 of 3 pairs" in md
+    assert "vllm bench reads +4.7 ms above the truth and ours +2.6 ms" in md
