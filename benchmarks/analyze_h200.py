@@ -214,8 +214,8 @@ def analyze_plp(raw: dict, tag: str) -> dict:
             "chunked_median_e2e_ms": st.mean(b[p]["median_e2el_ms"] for p in full),
             "unchunked_avg_power_w": st.mean(a[p]["gpu_avg_power_w"] for p in full),
             "chunked_avg_power_w": st.mean(b[p]["gpu_avg_power_w"] for p in full),
-            "unchunked_prompt_tok_per_j": st.mean(a[p]["total_tokens_per_joule"] for p in full),
-            "chunked_prompt_tok_per_j": st.mean(b[p]["total_tokens_per_joule"] for p in full),
+            "unchunked_total_tok_per_j": st.mean(a[p]["total_tokens_per_joule"] for p in full),
+            "chunked_total_tok_per_j": st.mean(b[p]["total_tokens_per_joule"] for p in full),
         })
     rows_b, n_b = snap_b.get("lm_head_rows"), sum(calls_b.values())
     return {"run": tag, "shape": raw["shape"], "date_utc": raw["date_utc"], "method": raw["method"],
@@ -233,14 +233,14 @@ def plp_lines(r: dict) -> list[str]:
     arms = r["method"].get("arms", {})
     lines = [f"## Prompt logprobs: {r['shape']} — {r['run']} (measured)", "",
              f"{r['method'].get('input_len')}-token prompts, {r['method'].get('output_len')} output tokens, `prompt_logprobs={r['method'].get('prompt_logprobs')}`, requests not streamed (vLLM refuses prompt logprobs on streams), closed loop; A = {arms.get('A')}, B = {arms.get('B')}; order {r['method'].get('order', '').split(' (')[0]}; server args `{' '.join(r.get('serve_args') or [])}` ({r['date_utc']}).", "",
-             "| load | pairs | throughput ratio B/A (95% CI) | J/token ratio B/A (95% CI) | req/s A / B | median E2E ms A / B | W A / B | prompt tok/J A / B |",
+             "| load | pairs | throughput ratio B/A (95% CI) | J/token ratio B/A (95% CI) | req/s A / B | median E2E ms A / B | W A / B | total (prompt + output) tok/J A / B |",
              "|---|---|---|---|---|---|---|---|"]
     for c in r["cases"]:
         lo, hi = c["throughput_ratio_ci95"]
         jlo, jhi = c["j_per_token_ratio_ci95"]
         lines.append(f"| {c['load']} | {c['pairs']} | {c['throughput_ratio']:.3f} ({lo:.3f}–{hi:.3f}) | {c['j_per_token_ratio']:.3f} ({jlo:.3f}–{jhi:.3f}) | "
                      f"{c['unchunked_req_per_s']:.2f} / {c['chunked_req_per_s']:.2f} | {c['unchunked_median_e2e_ms']:.0f} / {c['chunked_median_e2e_ms']:.0f} | "
-                     f"{c['unchunked_avg_power_w']:.0f} / {c['chunked_avg_power_w']:.0f} | {c['unchunked_prompt_tok_per_j']:.1f} / {c['chunked_prompt_tok_per_j']:.1f} |")
+                     f"{c['unchunked_avg_power_w']:.0f} / {c['chunked_avg_power_w']:.0f} | {c['unchunked_total_tok_per_j']:.1f} / {c['chunked_total_tok_per_j']:.1f} |")
     pk = r["cuda_peak_allocated_bytes"]
     gib = (lambda x: f"{x / 2**30:.2f} GiB" if x else "n/a")
     rpc = r["lm_head_rows_per_call_mean_b"]
@@ -367,15 +367,18 @@ def main() -> int:
         doc["prompt_logprobs"].append(analyze_plp(raw, tag))
         _archive(raw, Path(path), out / "raw" / f"h200-plp-{tag}.json.gz")
     doc["bisects"] = []
-    for spec in ns.bisect:
-        tag, path = spec.split("=", 1) if "=" in spec else ("", spec)
+    for n, spec in enumerate(ns.bisect):
+        # TAG=PATH, or a bare path: the first bare one keeps the session-3 archive name, later ones get their index.
+        tag, path = spec.split("=", 1) if "=" in spec and not Path(spec).exists() else ("" if n == 0 else str(n + 1), spec)
         braw = json.loads(_read_text(Path(path)))
         by: dict = {}
         for w in braw["windows"]:
             by.setdefault(w["server"], []).append(w["output_throughput"])
         rounds = min(len(v) for v in by.values())
         stock = by.get("S0-stock", [])
-        ratio = {k: st.median(v[i] / stock[i] for i in range(rounds)) for k, v in by.items() if stock}
+        if not stock:
+            raise SystemExit(f"error: --bisect {spec}: no S0-stock windows, so no ratio to stock")
+        ratio = {k: st.median(v[i] / stock[i] for i in range(rounds)) for k, v in by.items()}
         doc["bisects"].append({"tag": tag or "1", "window_s": braw["window_s"], "rounds": rounds, "date_utc": braw["date_utc"],
                                "by_server": by, "ratio_to_stock": ratio, "profiles": braw.get("profiles", {}),
                                "configs": braw.get("configs"), "notes": braw.get("notes", [])})

@@ -147,13 +147,30 @@ def gpu_local_cpus(gpu: int, bus_ids: list[str], sysfs: Path = Path("/sys/bus/pc
     return split_cpus(mine, len(sharing))[sharing.index(gpu)]
 
 
-def split_cpus(cpus: set[int], n: int) -> list[set[int]]:
-    """``cpus`` in ``n`` contiguous, disjoint slices of equal size (the remainder left unused)."""
-    xs = sorted(cpus)
-    k = len(xs) // n
+def core_groups(cpus: set[int], sysfs_cpu: Path = Path("/sys/devices/system/cpu")) -> list[set[int]]:
+    """``cpus`` grouped by physical core (hyperthread siblings together, from sysfs
+    ``topology/thread_siblings_list``), in order of their lowest CPU; a CPU without topology
+    information is a core of its own."""
+    seen: set[int] = set()
+    groups = []
+    for c in sorted(cpus):
+        if c in seen:
+            continue
+        f = sysfs_cpu / f"cpu{c}" / "topology" / "thread_siblings_list"
+        g = (parse_cpulist(f.read_text()) if f.exists() else {c}) & cpus or {c}
+        seen |= g
+        groups.append(g)
+    return groups
+
+
+def split_cpus(cpus: set[int], n: int, sysfs_cpu: Path = Path("/sys/devices/system/cpu")) -> list[set[int]]:
+    """``cpus`` in ``n`` disjoint slices of equal size, whole physical cores each (two servers on two
+    hyperthreads of one core would share it), contiguous in core order; the remainder is left unused."""
+    groups = core_groups(cpus, sysfs_cpu)
+    k = len(groups) // n
     if k == 0:
-        raise ValueError(f"cannot split {len(xs)} CPUs between {n} servers")
-    return [set(xs[i * k:(i + 1) * k]) for i in range(n)]
+        raise ValueError(f"cannot split {len(groups)} cores ({len(cpus)} CPUs) between {n} servers")
+    return [set().union(*groups[i * k:(i + 1) * k]) for i in range(n)]
 
 
 def gpu_bus_ids() -> list[str]:

@@ -31,6 +31,7 @@ def engine_core_pid(server_pid: int) -> int | None:
 
 
 def gil_profile(pyspy: str, pid: int, seconds: float, out: Path) -> dict:
+    out.unlink(missing_ok=True)  # a profile left by an earlier run must not pass for this one
     subprocess.run([pyspy, "record", "--pid", str(pid), "--duration", str(int(seconds)), "--gil", "--nonblocking",
                     "--format", "raw", "-o", str(out)], capture_output=True, timeout=seconds + 30)
     total, own, top = 0, 0, Counter()

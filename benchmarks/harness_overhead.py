@@ -714,6 +714,10 @@ def write_md(doc: dict[str, Any], path: Path) -> None:
     v = doc.get("vs_vllm_bench")
     if v:
         lines += _b2_lines(v, doc)
+    c = doc.get("vs_vllm_bench_concurrent")
+    if c and doc.get("vs_vllm_bench_concurrent_poisson"):
+        xs = [p["median_ttft_ratio"] for p in c["pairs"]]
+        doc["vs_vllm_bench_concurrent_poisson"]["b2c_ttft_ratio_range"] = [min(xs), max(xs)]
     for key in ("vs_vllm_bench_concurrent", "vs_vllm_bench_concurrent_poisson"):
         if doc.get(key):
             lines += _b2c_lines(doc[key])
@@ -842,11 +846,16 @@ def _b2c_lines(v: dict[str, Any]) -> list[str]:
     return lines + _b2c_body(v, cv, pairs, ov)
 
 
+def _b2c_ttft_range(v: dict[str, Any]) -> str:
+    c = v.get("b2c_ttft_ratio_range")
+    return f" (TTFT ratio {c[0]:.2f}-{c[1]:.2f})" if c else ""
+
+
 def _b2p_intro(v: dict[str, Any]) -> list[str]:
     cv = v["config"]
     lines = ["", "## (b2p) the same concurrent split with Poisson arrivals (open loop)", "",
-             "Why: in the closed-loop split (b2c) throughput agreed within 2 % in every pair but the two tools' median TTFTs "
-             "differed by up to 20 % per pair in either direction. A closed loop sends a tool's next request the moment one "
+             "Why: in the closed-loop split (b2c) throughput agreed closely but the two tools' median TTFTs differed per pair "
+             "in either direction" + _b2c_ttft_range(v) + ". A closed loop sends a tool's next request the moment one "
              "of its own requests ends, which ties each tool's arrivals to the server's step boundaries in its own way for a "
              "whole run, so the two tools' requests meet systematically different queues. With independent Poisson arrivals "
              "in both tools every request of either tool meets the server in a random state, and the per-pair TTFT ratio "
@@ -966,7 +975,8 @@ def _b3_lines(g: dict[str, Any], label: str = "") -> list[str]:
     cg = g["config"]
     dev = g["device"]
     if isinstance(dev, dict):  # the script's own JSON: device facts as read on the machine
-        dev = f"{dev.get('name')} (driver {dev.get('driver')}, power limit {dev.get('power_limit_w'):g} W)"
+        pl = dev.get("power_limit_w")
+        dev = f"{dev.get('name')} (driver {dev.get('driver')}" + (f", power limit {pl:g} W)" if pl is not None else ")")
     lines = ["", f"## (b3) loadtests vs `vllm bench serve` on the same GPU vLLM server (H200, measured{label})", "",
              f"- Run {g['date_utc']} (UTC) on {dev}; vLLM {g['vllm_version']}; server: {cg['server']}; "
              f"{cg['n']} requests per run, output {cg['output_len']} tokens (ignore_eos, greedy), closed loop at concurrency "
@@ -1045,6 +1055,15 @@ def comparison_summary(doc: dict[str, Any]) -> dict[str, Any]:
             "median_ttft_shown_within_2pct_by": [r["key"] for r in rows if r["median_ttft_equivalent_within_2pct"]]}
 
 
+def _b2_spread_note(doc: dict[str, Any]) -> str:
+    """The sequential design's server spread, from its own pairs (each tool's throughput across pairs)."""
+    v = doc.get("vs_vllm_bench")
+    if not v or not v.get("pairs"):
+        return ""
+    xs = [p[k]["output_throughput"] for p in v["pairs"] for k in ("ours", "vllm")]
+    return f" ((b2): each run's throughput spreads {100 * (max(xs) - min(xs)) / st.median(xs):.0f} % of the median across pairs)"
+
+
 def _summary_lines(doc: dict[str, Any]) -> list[str]:
     sm = doc.get("vs_vllm_bench_summary") or comparison_summary(doc)
     if not sm["designs"]:
@@ -1061,18 +1080,22 @@ def _summary_lines(doc: dict[str, Any]) -> list[str]:
     says = lambda keys: ", ".join(names[k].split(")")[0] + ")" for k in keys) or "no design"  # noqa: E731
     lines += ["", f"Within 2 % shown (95 % interval of the mean ratio inside 0.98-1.02): throughput by {says(sm['throughput_shown_within_2pct_by'])}; "
               f"median TTFT by {says(sm['median_ttft_shown_within_2pct_by'])}. One tool after the other, the server's own "
-              "run-to-run change (tens of % on the one-core CPU server) lands in each ratio; run at the same time, it is common to both "
+              "run-to-run change lands in each ratio" + _b2_spread_note(doc) + "; run at the same time, it is common to both "
               "tools and cancels. Details per design below."]
     p, f = doc.get("vs_vllm_bench_concurrent_poisson"), doc.get("vs_vllm_bench_fake_server")
     if p and f and "ours_median_ttft_ms_minus_true" in f:
         # TTFT in ms, not as a ratio: a fixed client-side difference is a large share of a ~10 ms TTFT.
         d = [x["ours"]["median_ttft_ms"] - x["vllm"]["median_ttft_ms"] for x in p["pairs"]]
         ttft = st.median(x["vllm"]["median_ttft_ms"] for x in p["pairs"])
-        lines.append(f"\nTTFT in milliseconds: in (b2p) ours' median TTFT is {-st.mean(d):.2f} ms lower than vllm bench's on "
-                     f"average (per pair {-max(d):.2f}-{-min(d):.2f} ms) at a median TTFT of {ttft:.1f} ms, lower in "
-                     f"{sum(x < 0 for x in d)} of {len(d)} pairs. Against the fake server, whose TTFT is known (b1), vllm bench reads "
-                     f"{f['vllm_median_ttft_ms_minus_true']:+.1f} ms above the truth and ours {f['ours_median_ttft_ms_minus_true']:+.1f} ms: "
-                     "the gap is client-side time that vllm bench adds, not time that ours misses.")
+        fo, fv = f["ours_median_ttft_ms_minus_true"], f["vllm_median_ttft_ms_minus_true"]
+        same_sign = all(x < 0 for x in d) and fo < fv or all(x > 0 for x in d) and fo > fv
+        lines.append(f"\nTTFT in milliseconds: in (b2p) ours' median TTFT minus vllm bench's is {st.mean(d):+.2f} ms on average "
+                     f"(per pair from {min(d):+.2f} to {max(d):+.2f} ms) at a median TTFT of {ttft:.1f} ms; ours lower in "
+                     f"{sum(x < 0 for x in d)} of {len(d)} pairs. Against the fake server, whose TTFT is known (b1, TTFT "
+                     f"{f['config']['fake_ttft_ms']:g} ms, concurrency {f['config']['conc']}), vllm bench reads {fv:+.1f} ms and ours "
+                     f"{fo:+.1f} ms from the truth"
+                     + (": the same direction in every pair, so the gap is client-side time one tool adds, not a server effect."
+                        if same_sign else "."))
     return lines
 
 

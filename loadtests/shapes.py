@@ -56,8 +56,10 @@ def arrival_offsets(
     Poisson, < 1 burstier, > 1 more regular, as ``vllm bench serve``); ``constant`` gaps are exactly
     1/rate.
 
-    ``normalize`` (default, as ``vllm bench serve`` does at a fixed rate since 0.11): the drawn
+    ``normalize`` (default; ``vllm bench serve`` normalizes its fixed-rate draws too): the drawn
     gamma gaps are scaled together so that the last request goes out at exactly (n - 1) / rate.
+    vllm bench's schedule also starts with one gap before its first request and ends at n / rate
+    from its start, which its reported duration includes (~1/rate longer than ours, measured).
     Without it a run's length is a random sum whose spread is 1/sqrt(n - 1) for Poisson (3.6 % at
     768 requests), and so is its throughput from one seed to the next; two tools at the same rate
     would then differ by their draws. The shape of the gaps is kept; ``False`` gives the raw draw.
@@ -67,7 +69,8 @@ def arrival_offsets(
     times = _operational_times(n, arrival, burstiness, seed)
     if normalize and arrival == "gamma" and n > 1 and times[-1] > 0:
         scale = (n - 1) / times[-1]
-        times = [t * scale for t in times]
+        if math.isfinite(scale):  # a sum of subnormal gaps (burstiness near 0) keeps its raw draw
+            times = [t * scale for t in times]
     return [u / request_rate for u in times]
 
 

@@ -18,11 +18,25 @@ def test_cpulists_parse_ranges_and_singletons() -> None:
     assert ab.parse_cpulist("") == set()
 
 
-def test_split_is_contiguous_disjoint_and_equal() -> None:
-    parts = ab.split_cpus(set(range(16, 32)) | {40}, 3)
+def test_split_is_contiguous_disjoint_and_equal(tmp_path) -> None:
+    no_topology = tmp_path  # no sysfs topology: every CPU is a core of its own
+    parts = ab.split_cpus(set(range(16, 32)) | {40}, 3, no_topology)
     assert parts == [{16, 17, 18, 19, 20}, {21, 22, 23, 24, 25}, {26, 27, 28, 29, 30}]
-    with pytest.raises(ValueError, match="cannot split 2 CPUs between 3 servers"):
-        ab.split_cpus({0, 1}, 3)
+    with pytest.raises(ValueError, match=r"cannot split 2 cores \(2 CPUs\) between 3 servers"):
+        ab.split_cpus({0, 1}, 3, no_topology)
+
+
+def test_hyperthread_siblings_stay_in_one_slice(tmp_path) -> None:
+    # A typical node: cores 0-3 with siblings 8-11 (cpulist 0-3,8-11). Cut by CPU number, server A
+    # would get 0-3 and server B 8-11, the same four physical cores.
+    for c in range(4):
+        for sib in (c, c + 8):
+            d = tmp_path / f"cpu{sib}" / "topology"
+            d.mkdir(parents=True)
+            (d / "thread_siblings_list").write_text(f"{c},{c + 8}\n")
+    assert ab.split_cpus({0, 1, 2, 3, 8, 9, 10, 11}, 2, tmp_path) == [{0, 1, 8, 9}, {2, 3, 10, 11}]
+    # Only allowed CPUs count: a sibling outside the set is not added.
+    assert ab.core_groups({0, 1, 9}, tmp_path) == [{0}, {1, 9}]
 
 
 def _sysfs(tmp_path: Path, lists: dict[str, str]) -> Path:
@@ -51,6 +65,7 @@ def test_no_locality_means_no_pinning(tmp_path) -> None:
 def test_too_few_local_cpus_for_the_servers_skips_pinning(monkeypatch) -> None:
     monkeypatch.setattr(ab, "gpu_bus_ids", lambda: ["00000000:18:00.0"])
     monkeypatch.setattr(ab, "gpu_local_cpus", lambda gpu, buses, allowed=None: set(range(8)))
+    monkeypatch.setattr(ab, "core_groups", lambda cpus, sysfs_cpu=None: [{c} for c in sorted(cpus)])
     assert ab.server_cpu_sets(0, 6) is None  # 8 CPUs cannot give 6 servers 2 each
     assert ab.server_cpu_sets(0, 2) == [set(range(4)), set(range(4, 8))]
 

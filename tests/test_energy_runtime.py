@@ -303,11 +303,18 @@ def test_snapshot_reports_the_workers_peak_cuda_allocation(monkeypatch, tmp_path
 
     asked, resets = [], []
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda dev: asked.append(dev) or 7_340_032)
-    # The peak of vLLM's start-up profile run must not be reported as serving's: reset once, at the
-    # runtime's creation (the first real step), on this worker's device.
+    # The peak of vLLM's start-up profile run, warm-up and graph capture must not be reported as
+    # serving's: reset once, at the first served step (not at a warm-up step), on this worker's device.
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda dev: resets.append(dev))
     rt = make_runtime(monkeypatch, tmp_path, FakeNvmlDevices(uuids=("GPU-aaaa-0000", "GPU-bbbb-1111")))
     try:
+        assert resets == []
+        assert rt.snapshot()["cuda_peak_scope"].startswith("since worker start")
+        rt.on_step_start(sched({"_warmup_0_": 16, "_warmup_1_": 1}))  # V2's kernel warm-up
+        rt.on_step_end()
+        assert resets == []
+        rt.on_step_start(sched({"cmpl-1": 1}))
+        rt.on_step_end()
         assert resets == [0]
         snap = rt.snapshot()
         assert snap["cuda_peak_allocated_bytes"] == 7_340_032
@@ -336,6 +343,8 @@ def test_peak_reset_failure_keeps_the_runtime_and_says_what_the_peak_covers(monk
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda dev: (_ for _ in ()).throw(RuntimeError("no CUDA")))
     rt = make_runtime(monkeypatch, tmp_path, FakeNvmlDevices(uuids=("GPU-aaaa-0000", "GPU-bbbb-1111")))
     try:
+        rt.on_step_start(sched({"cmpl-1": 1}))
+        rt.on_step_end()
         snap = rt.snapshot()
         assert snap["cuda_peak_allocated_bytes"] == 5 << 30
         assert snap["cuda_peak_scope"].startswith("since worker start")
@@ -366,5 +375,21 @@ def test_trace_and_simulator_count_prompt_logprob_rows(monkeypatch, tmp_path):
         rt.publish()
         rows = [json.loads(x)["rows"] for x in (tmp_path / "trace-rank0.jsonl").read_text().splitlines()]
         assert rows[:2] == [1 + 2048, 1 + 1951]  # the sampling row plus the prompt positions of the chunk
+    finally:
+        rt.close()
+
+
+def test_warmup_steps_are_neither_traced_nor_metered(monkeypatch, tmp_path):
+    # V2's kernel warm-up runs execute_model with its own requests before serving starts.
+    nvml = FakeNvmlDevices(uuids=("GPU-aaaa-0000", "GPU-bbbb-1111"))
+    rt = make_runtime(monkeypatch, tmp_path, nvml)
+    try:
+        for _ in range(3):
+            rt.on_step_start(sched({"_v2_mixed_warmup_0": 64, "_v2_mixed_warmup_1": 1}))
+            rt.on_step_end()
+        assert sum(rt.account.steps.values()) == 0
+        rt.on_step_start(sched({"cmpl-a": 1}))
+        rt.on_step_end()
+        assert rt.account.steps["decode"] == 1
     finally:
         rt.close()

@@ -132,9 +132,12 @@ def test_the_summary_states_the_ttft_gap_in_ms_beside_the_fake_servers_truth() -
     p = _pairs([1.0, 1.0, 1.0], [0.95, 0.96, 1.01])
     for x, (o, v) in zip(p["pairs"], ((9.5, 10.0), (9.6, 10.0), (10.1, 10.0))):
         x["ours"]["median_ttft_ms"], x["vllm"]["median_ttft_ms"] = o, v
-    doc = {"vs_vllm_bench_concurrent_poisson": p,
-           "vs_vllm_bench_fake_server": {"ours_median_ttft_ms_minus_true": 2.57, "vllm_median_ttft_ms_minus_true": 4.65}}
+    fake = {"ours_median_ttft_ms_minus_true": 2.57, "vllm_median_ttft_ms_minus_true": 4.65, "config": {"fake_ttft_ms": 50.0, "conc": 8}}
+    doc = {"vs_vllm_bench_concurrent_poisson": p, "vs_vllm_bench_fake_server": fake}
     md = "\n".join(ho._summary_lines(doc))
-    assert "ours' median TTFT is 0.27 ms lower than vllm bench's on average (per pair -0.10-0.50 ms) at a median TTFT of 10.0 ms, " \
-           "lower in 2 of 3 pairs" in md
-    assert "vllm bench reads +4.7 ms above the truth and ours +2.6 ms" in md
+    assert "ours' median TTFT minus vllm bench's is -0.27 ms on average (per pair from -0.50 to +0.10 ms) at a median TTFT " \
+           "of 10.0 ms; ours lower in 2 of 3 pairs" in md
+    assert "vllm bench reads +4.7 ms and ours +2.6 ms from the truth." in md
+    assert "client-side time" not in md  # one pair went the other way: no claim about the cause
+    p["pairs"][2]["ours"]["median_ttft_ms"] = 9.9
+    assert "so the gap is client-side time one tool adds" in "\n".join(ho._summary_lines(doc))

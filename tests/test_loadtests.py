@@ -373,6 +373,8 @@ def test_normalized_arrivals_fix_the_runs_length_as_vllm_bench_does() -> None:
     a, b = arrival_offsets(50, 5.0, 2.0, seed=1), arrival_offsets(50, 5.0, 2.0, seed=1, normalize=False)
     assert [x / a[-1] for x in a] == pytest.approx([x / b[-1] for x in b])  # the same shape, only rescaled
     assert arrival_offsets(5, 4.0, arrival="constant", normalize=True) == [0.0, 0.25, 0.5, 0.75, 1.0]
+    # Extreme burstiness: gaps so small their sum is subnormal; never NaN or infinite send times.
+    assert all(math.isfinite(x) for s in range(3000) for x in arrival_offsets(2, 1.0, 0.0005, seed=s))
 
 
 def test_random_prompts_lengths_and_determinism() -> None:

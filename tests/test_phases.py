@@ -134,3 +134,34 @@ def test_prompt_logprob_rows_of_a_prefix_cache_hit_and_of_an_aborted_request():
     assert plp.pending == 1
     assert plp.rows(_so((), {}, finished=("c",))) == 0
     assert plp.pending == 0  # an aborted request is forgotten, not kept for ever
+
+
+def test_an_id_finished_and_resubmitted_between_two_steps_counts_as_new():
+    from vllm_powersave.vllm_compat import PromptLogprobRows
+
+    plp = PromptLogprobRows()
+    assert plp.rows(_so([_new("r", 1000, prompt_logprobs=1)], {"r": 100})) == 100
+    assert plp.rows(_so([_new("r", 101, prompt_logprobs=1)], {"r": 50}, finished=("r",))) == 50
+    assert plp.pending == 1  # 100 - 50 positions of the new "r" still to come
+
+
+def test_v2_runner_prices_the_whole_batch_while_a_prompt_logprob_prefill_runs():
+    # V2's compute_prompt_logprobs runs the LM head over every scheduled token of such a step.
+    from vllm_powersave.vllm_compat import PromptLogprobRows, runner_is_v2
+
+    plp = PromptLogprobRows(whole_batch=True)
+    so = _so([_new("a", 3000, prompt_logprobs=1)], {"a": 2048, "b": 1, "c": 1})
+    so.total_num_scheduled_tokens = 2050
+    assert plp.rows(so) == 2050
+    assert plp.rows(_so((), {"b": 1, "c": 1})) == 0  # "a" not scheduled: no prompt-logprob pass
+    assert runner_is_v2(type("GPUModelRunner", (), {"__module__": "vllm.v1.worker.gpu.model_runner"})())
+    assert not runner_is_v2(type("GPUModelRunner", (), {"__module__": "vllm.v1.worker.gpu_model_runner"})())
+
+
+def test_warmup_steps_are_recognised_by_their_request_ids():
+    from vllm_powersave.vllm_compat import is_warmup_step
+
+    assert is_warmup_step(_so((), {"_warmup_0_": 16}))
+    assert is_warmup_step(_so((), {"_v2_mixed_warmup_3": 1}))
+    assert not is_warmup_step(_so((), {"cmpl-9f2": 1}))
+    assert not is_warmup_step(_so((), {}))

@@ -151,18 +151,8 @@ class WorkerRuntime:
         on_gpu = ident["device_type"] == "cuda"
         self._on_gpu = on_gpu
         self._peak_scope = "since worker start (includes vLLM's start-up profile run)"
-        if on_gpu:
-            # vLLM's start-up profile run (a dummy batch of max_num_batched_tokens) sets the peak
-            # that serving rarely reaches again, so a peak read later would mostly report start-up.
-            # Reset once here, at the first real step: the snapshot's peak is then serving's own.
-            # vLLM reads the peak only while it profiles memory at start-up, which is over by now.
-            try:
-                import torch
-
-                torch.cuda.reset_peak_memory_stats(self.device_index)
-                self._peak_scope = "since the first served step"
-            except Exception as exc:
-                log.debug("powersave: CUDA peak-memory statistics not reset: %s", exc)
+        self._peak_reset_pending = on_gpu
+        self._skip_step_end = False
         self.sim: SimulatedGpu | None = None
         self.sim_stock: SimulatedGpu | None = None
         self.model_cost: ModelCost | None = None
@@ -212,7 +202,7 @@ class WorkerRuntime:
                                       asynchronous=settings.clocks.backend in ("nvml", "zeusd"),
                                       host_ahead_steps=1 if vllm_compat.async_scheduling(runner) else 0)
         self._last_stamp: float | None = None
-        self._plp_rows = vllm_compat.PromptLogprobRows()
+        self._plp_rows = vllm_compat.PromptLogprobRows(whole_batch=vllm_compat.runner_is_v2(runner))
         # A gap between two scheduler stamps this long means the engine idled (a step itself is
         # never this long in practice); between idle_after_s and this, ranks fall back to their
         # pre-idle state. Either way every rank ends in the same decision state.
@@ -313,7 +303,27 @@ class WorkerRuntime:
         return ZeusdClockBackend(sock, int(index if index is not None else self.device_index), token, supported, mem)
 
     # -- per step ----------------------------------------------------------------------------
+    def _reset_cuda_peak(self) -> None:
+        """vLLM's start-up profile run (a dummy batch of max_num_batched_tokens), V2's warm-up steps
+        and CUDA-graph capture set a peak that serving rarely reaches again, so a peak read later
+        would mostly report start-up. Reset once, at the first served step: the snapshot's peak is
+        then serving's own. vLLM reads the peak only while it profiles memory at start-up."""
+        self._peak_reset_pending = False
+        try:
+            import torch
+
+            torch.cuda.reset_peak_memory_stats(self.device_index)
+            self._peak_scope = "since the first served step"
+        except Exception as exc:
+            log.debug("powersave: CUDA peak-memory statistics not reset: %s", exc)
+
     def on_step_start(self, scheduler_output: Any) -> None:
+        if vllm_compat.is_warmup_step(scheduler_output):
+            # vLLM's own warm-up before serving: not served work, neither traced nor metered.
+            self._skip_step_end = True
+            return
+        if self._peak_reset_pending:
+            self._reset_cuda_peak()
         info = vllm_compat.step_info(scheduler_output)
         if info.phase == "idle":
             self._plp_rows.rows(scheduler_output)  # forgets requests that finished (aborted) meanwhile
@@ -362,6 +372,9 @@ class WorkerRuntime:
                 self.sim_stock.run(work)
 
     def on_step_end(self) -> None:
+        if self._skip_step_end:
+            self._skip_step_end = False
+            return
         self.clocks.step_ended()
         if self._trace and self._trace[-1][-1] is None:
             self._trace[-1] = (*self._trace[-1][:-1], time.monotonic())

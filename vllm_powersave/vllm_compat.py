@@ -318,21 +318,43 @@ def step_info(scheduler_output: Any) -> StepInfo:
     )
 
 
+def runner_is_v2(runner: Any) -> bool:
+    """Whether ``runner`` is vLLM's V2 model runner (``vllm.v1.worker.gpu``; the CUDA default where
+    Triton is present, 0.25-0.32) rather than the V1 ``GPUModelRunner`` (or the CPU runner built on it)."""
+    return type(runner).__module__.startswith("vllm.v1.worker.gpu.")
+
+
+def is_warmup_step(scheduler_output: Any) -> bool:
+    """A step vLLM builds itself before serving (V2's kernel warm-up: request ids ``_warmup_{i}_``,
+    ``_v2_mixed_warmup...``), which goes through ``execute_model`` as a real step would. Warm-up
+    steps carry only warm-up requests, so the first id decides."""
+    rid = next(iter(getattr(scheduler_output, "num_scheduled_tokens", None) or ()), None)
+    return isinstance(rid, str) and rid.startswith("_") and "warmup" in rid
+
+
 class PromptLogprobRows:
     """LM-head rows that prompt logprobs add to each step (one instance per worker).
 
-    vLLM computes the logits of every prompt position of a request that asked for
-    ``prompt_logprobs`` (P - 1 rows for a P-token prompt), chunk by chunk as its prefill is
-    scheduled, on top of the one sampling row per request that :func:`step_info` counts. The
-    ``SchedulerOutput`` names such a request only in its first step (``scheduled_new_reqs``, with
-    ``sampling_params`` and ``prompt_token_ids``, 0.25-0.32), so its remaining positions are kept
-    here until its prefill is done or it finishes.
+    V1 runner (``_get_prompt_logprobs_dict``): the logits of every prompt position of a request
+    that asked for ``prompt_logprobs`` (P - 1 rows for a P-token prompt), chunk by chunk as its
+    prefill is scheduled. V2 runner (``whole_batch``, ``compute_prompt_logprobs``): in a step where
+    any such request is still in its prompt, the LM head runs over every scheduled token of the
+    batch, in 1024-row calls. Either is on top of the one sampling row per request that
+    :func:`step_info` counts. The ``SchedulerOutput`` names such a request only in its first step
+    (``scheduled_new_reqs``, with ``sampling_params`` and ``prompt_token_ids``, 0.25-0.32), so its
+    remaining positions are kept here until its prefill is done or it finishes. Not followed: a
+    request preempted during its prompt (vLLM recomputes those rows; this counts the rest only).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, whole_batch: bool = False) -> None:
         self._left: dict[str, int] = {}
+        self.whole_batch = whole_batch
 
     def rows(self, scheduler_output: Any) -> int:
+        # Finished ids first: an id aborted and re-submitted between two steps is a new request.
+        if self._left:
+            for rid in getattr(scheduler_output, "finished_req_ids", None) or ():
+                self._left.pop(rid, None)
         for r in getattr(scheduler_output, "scheduled_new_reqs", None) or ():
             sp = getattr(r, "sampling_params", None)
             if sp is None or getattr(sp, "prompt_logprobs", None) is None:
@@ -342,8 +364,6 @@ class PromptLogprobRows:
                 self._left[r.req_id] = left
         if not self._left:
             return 0
-        for rid in getattr(scheduler_output, "finished_req_ids", None) or ():
-            self._left.pop(rid, None)
         nst: dict[str, int] = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
         rows = 0
         for rid, left in list(self._left.items()):
@@ -356,6 +376,8 @@ class PromptLogprobRows:
                 del self._left[rid]
             else:
                 self._left[rid] = left - take
+        if rows and self.whole_batch:
+            return int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or sum(nst.values()))
         return rows
 
     @property
