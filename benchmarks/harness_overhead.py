@@ -134,7 +134,7 @@ def _tiny_model() -> Path:
 
 
 def _tool_cmds(base_url: str, model: Path, data: Path, n: int, conc: int, out_len: int,
-               workdir: Path, rate: float | None = None) -> tuple[list[str], list[str], dict[str, str]]:
+               workdir: Path, rate: float | None = None, ours_trust_env: bool = False) -> tuple[list[str], list[str], dict[str, str]]:
     """(our command, vllm bench serve's command, their environment) for the same workload; each command
     still needs its result file (ours: ``--result-json``, vllm bench: ``--result-filename``).
     ``rate``: Poisson arrivals at this many requests/s in both tools (``conc`` then only caps them)."""
@@ -149,6 +149,8 @@ def _tool_cmds(base_url: str, model: Path, data: Path, n: int, conc: int, out_le
                 "--max-concurrency", str(conc), "--seed", "0", "--ignore-eos", "--temperature", "0", "--num-warmups", "1",
                 "--disable-tqdm",
                 "--save-result", "--result-dir", str(workdir)]
+    if ours_trust_env:
+        ours_cmd = ours_cmd + ["--trust-env"]  # vllm bench's session reads proxies and netrc per request
     if rate is not None:
         arrivals = ["--request-rate", f"{rate:g}", "--burstiness", "1"]  # gamma shape 1: Poisson in both tools
         ours_cmd, vllm_cmd = ours_cmd + arrivals, vllm_cmd + arrivals
@@ -279,7 +281,7 @@ def _with_seed(cmd: list[str], seed: int) -> list[str]:
 def concurrent_pairs(tag: str, base_url: str, model: Path, data: Path, pairs: int, n: int, conc: int, out_len: int,
                      workdir: Path, client_cpus: set[int] | None = None, warmup_pairs: int = 2, stagger_s: float = 0.0,
                      on_pair: Callable[[list[dict[str, Any]]], None] | None = None,
-                     deadline: float | None = None, rate: float | None = None) -> list[dict[str, Any]]:
+                     deadline: float | None = None, rate: float | None = None, ours_trust_env: bool = False) -> list[dict[str, Any]]:
     """``pairs`` x (ours and vllm bench serve at the same time, ``conc`` each) on one server; per-pair ratios.
     ``rate``: each tool's Poisson arrival rate (requests/s); None: closed loop.
 
@@ -291,7 +293,7 @@ def concurrent_pairs(tag: str, base_url: str, model: Path, data: Path, pairs: in
     per-request times on the shared monotonic clock; its CPU time from its rusage (whole process) and
     from /proc samples (the part inside its window). ``on_pair`` and ``deadline`` as in :func:`interleaved`.
     """
-    ours_cmd, vllm_cmd, env = _tool_cmds(base_url, model, data, n, conc, out_len, workdir, rate)
+    ours_cmd, vllm_cmd, env = _tool_cmds(base_url, model, data, n, conc, out_len, workdir, rate, ours_trust_env)
     ours_cmd = [PY, "-c", _OURS_WITH_T0, *ours_cmd[3:]]  # ours_cmd[:3] is PY -m loadtests
     vllm_cmd = vllm_cmd + ["--save-detailed"]  # its per-request start_times, for the window
     pin = (lambda: os.sched_setaffinity(0, client_cpus)) if client_cpus else None
@@ -564,7 +566,7 @@ def vllm_part(pairs: int, n: int, conc: int, out_len: int, workdir: Path, pin: b
 
 def vllm_concurrent_part(pairs: int, n: int, conc: int, out_len: int, workdir: Path, pin: bool = True, warmup_pairs: int = 2,
                          stagger_s: float = 0.0, on_summary: Callable[[dict[str, Any]], None] | None = None,
-                         deadline: float | None = None, rate: float | None = None) -> dict[str, Any]:
+                         deadline: float | None = None, rate: float | None = None, ours_trust_env: bool = False) -> dict[str, Any]:
     """Part (b2c): :func:`concurrent_pairs` on one CPU vLLM server without prefix caching (both tools send
     the same prompts at nearly the same time: with the cache the later one's prefills would be hits)."""
     import vllm
@@ -599,6 +601,7 @@ def vllm_concurrent_part(pairs: int, n: int, conc: int, out_len: int, workdir: P
                    f"requests/s (open loop, at most {conc} in flight) and the same requests; ratios ours / vllm bench per pair"),
         "arrivals": "closed loop" if rate is None else f"Poisson, {rate:g} requests/s per tool",
         "rate_per_tool_req_s": rate,
+        "ours_trust_env": ours_trust_env,
         "launch": "the tool with the longer measured start-up (launch to first measured request; vllm bench) is launched "
                   "first, the other after the median start-up difference of the last (up to 5) earlier staggered pairs plus "
                   "the planned start skew",
@@ -619,7 +622,7 @@ def vllm_concurrent_part(pairs: int, n: int, conc: int, out_len: int, workdir: P
         runs = concurrent_pairs("b2c" if rate is None else "b2p", server.base_url, model, data, pairs, n, conc, out_len, workdir,
                                 client_cpus, warmup_pairs, stagger_s,
                                 on_pair=(lambda rs: on_summary(section(rs))) if on_summary else None, deadline=deadline,
-                                rate=rate)
+                                rate=rate, ours_trust_env=ours_trust_env)
     finally:
         server.stop()
     if not runs:
@@ -718,7 +721,7 @@ def write_md(doc: dict[str, Any], path: Path) -> None:
     if c and doc.get("vs_vllm_bench_concurrent_poisson"):
         xs = [p["median_ttft_ratio"] for p in c["pairs"]]
         doc["vs_vllm_bench_concurrent_poisson"]["b2c_ttft_ratio_range"] = [min(xs), max(xs)]
-    for key in ("vs_vllm_bench_concurrent", "vs_vllm_bench_concurrent_poisson"):
+    for key in ("vs_vllm_bench_concurrent", "vs_vllm_bench_concurrent_poisson", "vs_vllm_bench_concurrent_poisson_trust_env"):
         if doc.get(key):
             lines += _b2c_lines(doc[key])
     for key, label in GPU_SECTIONS.items():
@@ -853,6 +856,13 @@ def _b2c_ttft_range(v: dict[str, Any]) -> str:
 
 def _b2p_intro(v: dict[str, Any]) -> list[str]:
     cv = v["config"]
+    if cv.get("ours_trust_env"):
+        return ["", "## (b2e) (b2p) again, ours with `--trust-env` (vllm bench's session setting)", "",
+                "Why: in (b2p) ours read a lower TTFT than vllm bench in every pair. In one process, one event loop and one "
+                "connection pool against the fake server, vllm bench's request function measured the same TTFT as ours; "
+                "with vllm bench's session setting `trust_env=True` (aiohttp then looks up proxies and ~/.netrc for every "
+                "request, after the TTFT clock has started) it measured more (`ttft-session-probe.md`). Here ours runs "
+                "with that setting too.", "", *_b2p_run_lines(v)]
     lines = ["", "## (b2p) the same concurrent split with Poisson arrivals (open loop)", "",
              "Why: in the closed-loop split (b2c) throughput agreed closely but the two tools' median TTFTs differed per pair "
              "in either direction" + _b2c_ttft_range(v) + ". A closed loop sends a tool's next request the moment one "
@@ -861,6 +871,12 @@ def _b2p_intro(v: dict[str, Any]) -> list[str]:
              "in both tools every request of either tool meets the server in a random state, and the per-pair TTFT ratio "
              "keeps only the tools' measurement differences and sampling noise. Throughput is set by the arrival rate here, "
              "so its ratio mostly checks how each tool delimits its run.", ""]
+    return lines + _b2p_run_lines(v)
+
+
+def _b2p_run_lines(v: dict[str, Any]) -> list[str]:
+    cv = v["config"]
+    lines = []
     if "date_utc" in v:
         lines.append(f"- Run {v['date_utc']} (UTC), {len(v['pairs'])} of {v.get('pairs_planned', len(v['pairs']))} planned pairs; "
                      f"1-min load average {v['loadavg_1m_at_start']:.1f} at its start, {v['loadavg_1m_at_end']:.1f} at its end.")
@@ -1035,6 +1051,7 @@ COMPARISONS = (
     ("vs_vllm_bench", "(b2) CPU server, one tool after the other"),
     ("vs_vllm_bench_concurrent", "(b2c) CPU server, both at once, closed loop"),
     ("vs_vllm_bench_concurrent_poisson", "(b2p) CPU server, both at once, Poisson arrivals"),
+    ("vs_vllm_bench_concurrent_poisson_trust_env", "(b2e) as (b2p), ours with --trust-env like vllm bench's session"),
     ("vs_vllm_bench_gpu", "(b3) H200 server, one tool after the other"),
 )
 
@@ -1147,12 +1164,15 @@ def main() -> int:
     ap.add_argument("--concurrent-rate", type=float, default=None, metavar="R",
                     help="(b2c) with Poisson arrivals at R requests/s per tool (open loop, --concurrent-concurrency caps "
                          "in-flight requests): recorded as vs_vllm_bench_concurrent_poisson (b2p)")
+    ap.add_argument("--concurrent-ours-trust-env", action="store_true",
+                    help="(b2c/b2p): ours with --trust-env, vllm bench's session setting; recorded apart (b2e)")
     ns = ap.parse_args()
     if ns.only_b2_concurrent:
         out = Path(ns.out)
         doc = json.loads(out.read_text())
 
-        key = "vs_vllm_bench_concurrent" if ns.concurrent_rate is None else "vs_vllm_bench_concurrent_poisson"
+        key = ("vs_vllm_bench_concurrent" if ns.concurrent_rate is None else
+               "vs_vllm_bench_concurrent_poisson_trust_env" if ns.concurrent_ours_trust_env else "vs_vllm_bench_concurrent_poisson")
 
         def keep(section: dict[str, Any]) -> None:  # each pair on disk at once: a run cut short keeps its pairs
             doc[key] = section
@@ -1163,7 +1183,7 @@ def main() -> int:
                                       pin=not ns.no_pin, warmup_pairs=ns.concurrent_warmup_pairs,
                                       stagger_s=ns.concurrent_stagger_s, on_summary=keep,
                                       deadline=time.monotonic() + 60 * ns.max_minutes if ns.max_minutes else None,
-                                      rate=ns.concurrent_rate))
+                                      rate=ns.concurrent_rate, ours_trust_env=ns.concurrent_ours_trust_env))
         print("\n".join(_b2c_lines(doc[key])))
         return 0
     if ns.only_b1_high_rate:

@@ -92,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrivals (1 = Poisson)")
     p.add_argument("--arrival", choices=["gamma", "constant"], default="gamma",
                    help="inter-arrival law: gamma (shape --burstiness) or constant gaps of 1/rate")
+    p.add_argument("--trust-env", action="store_true",
+                   help="use HTTP(S)_PROXY/NO_PROXY and ~/.netrc from the environment for every request, as vllm bench "
+                        "serve does (its per-request lookup then counts in TTFT); default: only the given URLs are contacted")
     p.add_argument("--no-normalize-arrivals", action="store_true",
                    help="keep the raw gamma draw; by default a fixed-rate schedule is scaled so that its last request "
                         "goes out at (n-1)/rate, as vllm bench serve does")
@@ -164,7 +167,7 @@ def _config(args: argparse.Namespace, rate: float, conc: int | None) -> BenchCon
     kw: dict[str, Any] = dict(
         base_url=urls[0], model=args.model, endpoint=args.endpoint, stream=not args.no_stream,
         max_concurrency=conc, request_rate=rate,
-        burstiness=args.burstiness, arrival=args.arrival, normalize_arrivals=not args.no_normalize_arrivals, input_len=args.input_len, output_len=args.output_len,
+        burstiness=args.burstiness, arrival=args.arrival, normalize_arrivals=not args.no_normalize_arrivals, trust_env=args.trust_env, input_len=args.input_len, output_len=args.output_len,
         range_ratio=args.range_ratio, num_warmups=args.num_warmups, seed=args.seed, timeout_s=args.timeout,
         goodput=_goodput(args.goodput), percentiles=_csv_floats(args.percentiles, "--percentiles"),
         dataset=args.dataset, prompt_logprobs=args.prompt_logprobs, label=args.label, gpus=gpus, energy=args.energy, zeusd=args.zeusd,

@@ -280,10 +280,11 @@ async def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
     endpoints = cfg.endpoints
 
     connector = aiohttp.TCPConnector(limit=cfg.max_concurrency or 0)
-    # trust_env=False: never route through proxies from the environment; only the given URLs are contacted.
+    # trust_env=False (default): never route through proxies from the environment; only the given URLs
+    # are contacted. --trust-env reproduces vllm bench's session for like-for-like TTFT comparisons.
     # Metrics scrapes get their own session: in the request pool (limited to max_concurrency) they would
     # wait for a request to finish, so every sample would land between requests.
-    async with aiohttp.ClientSession(connector=connector, trust_env=False) as session, \
+    async with aiohttp.ClientSession(connector=connector, trust_env=cfg.trust_env) as session, \
             aiohttp.ClientSession(trust_env=False) as metrics_session:
         tmo = min(cfg.connect_timeout_s, cfg.timeout_s)
         checked = await asyncio.gather(*(check_server(session, url, cfg.model, tmo) for url in endpoints))
@@ -367,6 +368,7 @@ async def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
         "request_rate": cfg.request_rate if math.isfinite(cfg.request_rate) else "inf",
         "burstiness": cfg.burstiness,
         "arrival": "trace" if cfg.trace else cfg.arrival,
+        "trust_env": cfg.trust_env,
         "arrivals_normalized": bool(cfg.normalize_arrivals and not cfg.trace and cfg.ramp_up_strategy is None
                                     and cfg.arrival == "gamma" and math.isfinite(cfg.request_rate)),
         "max_concurrency": cfg.max_concurrency,

@@ -122,19 +122,22 @@ def test_markdown_renders_the_concurrent_section_with_flags_and_verdict(tmp_path
     assert "(b2c)" not in path.read_text()
 
 
-@pytest.mark.parametrize("rate", [None, 12.0])
-def test_only_b2_concurrent_replaces_its_section_and_keeps_the_rest(tmp_path, monkeypatch, rate) -> None:
+@pytest.mark.parametrize("rate, trust_env", [(None, False), (12.0, False), (12.0, True)])
+def test_only_b2_concurrent_replaces_its_section_and_keeps_the_rest(tmp_path, monkeypatch, rate, trust_env) -> None:
     out = tmp_path / "harness-overhead.json"
-    key = "vs_vllm_bench_concurrent" if rate is None else "vs_vllm_bench_concurrent_poisson"
+    key = ("vs_vllm_bench_concurrent" if rate is None else
+           "vs_vllm_bench_concurrent_poisson_trust_env" if trust_env else "vs_vllm_bench_concurrent_poisson")
     doc = _doc()
     doc[key] = {"stale": True}
     doc["vs_vllm_bench_gpu_marker"] = 1
     out.write_text(json.dumps(doc))
     seen = {}
-    config = CONFIG if rate is None else {**CONFIG, "rate_per_tool_req_s": rate, "arrivals": f"Poisson, {rate:g} requests/s per tool"}
+    config = CONFIG if rate is None else {**CONFIG, "rate_per_tool_req_s": rate, "arrivals": f"Poisson, {rate:g} requests/s per tool",
+                                           "ours_trust_env": trust_env}
 
-    def fake_part(pairs, n, conc, out_len, workdir, pin, warmup_pairs, stagger_s, on_summary, deadline, rate):
+    def fake_part(pairs, n, conc, out_len, workdir, pin, warmup_pairs, stagger_s, on_summary, deadline, rate, ours_trust_env=False):
         seen.update(pairs=pairs, n=n, conc=conc, warmup_pairs=warmup_pairs, deadline=deadline, rate=rate)
+        assert ours_trust_env is trust_env
         section = {**ho.summarize_concurrent(PAIRS[:1], config), "pairs_planned": pairs}
         on_summary(section)  # a partial save lands in the file too
         assert "stale" not in json.loads(out.read_text())[key]
@@ -142,7 +145,8 @@ def test_only_b2_concurrent_replaces_its_section_and_keeps_the_rest(tmp_path, mo
 
     monkeypatch.setattr(ho, "vllm_concurrent_part", fake_part)
     argv = ["harness_overhead.py", "--only-b2-concurrent", "--pairs", "4", "--out", str(out)]
-    monkeypatch.setattr(sys, "argv", argv + ([] if rate is None else ["--concurrent-rate", str(rate)]))
+    monkeypatch.setattr(sys, "argv", argv + ([] if rate is None else ["--concurrent-rate", str(rate)])
+                        + (["--concurrent-ours-trust-env"] if trust_env else []))
     assert ho.main() == 0
     assert seen == {"pairs": 4, "n": ho.CONCURRENT_REQUESTS, "conc": 4, "warmup_pairs": 2, "deadline": None, "rate": rate}
     rec = json.loads(out.read_text())
@@ -151,6 +155,9 @@ def test_only_b2_concurrent_replaces_its_section_and_keeps_the_rest(tmp_path, mo
     md = out.with_suffix(".md").read_text()
     if rate is None:
         assert "## (b2c)" in md and "## (b2p)" not in md
+    elif trust_env:
+        assert "## (b2e) (b2p) again, ours with `--trust-env`" in md and "## (b2p)" not in md
+        assert "Poisson, 12 requests/s per tool" in md
     else:
         assert "## (b2p) the same concurrent split with Poisson arrivals" in md
         assert "Poisson, 12 requests/s per tool" in md
@@ -170,3 +177,9 @@ def test_planned_skew_reads_the_pairs() -> None:
     assert ho._planned_skew([{"planned_start_skew_s": -0.0}, {"planned_start_skew_s": 0.0}]).startswith("none")
     assert ho._planned_skew([{"planned_start_skew_s": -0.5}, {"planned_start_skew_s": 0.5}]) == \
         "+-0.5 s (ours ahead in pairs 1, 3, ..., vllm bench in 2, 4, ...)"
+
+
+def test_ours_can_run_with_vllm_bench_session_setting(tmp_path) -> None:
+    ours, vllm, _ = ho._tool_cmds("http://x", tmp_path, tmp_path / "d.json", 8, 64, 16, tmp_path, rate=12.0, ours_trust_env=True)
+    assert "--trust-env" in ours and "--trust-env" not in vllm
+    assert "--trust-env" not in ho._tool_cmds("http://x", tmp_path, tmp_path / "d.json", 8, 64, 16, tmp_path)[0]

@@ -487,3 +487,28 @@ def test_t_quantile_matches_the_table_beyond_ten_pairs(df, exact) -> None:
     assert hi - m == pytest.approx(t95(len(xs) - 1) * 0.05 * math.sqrt(len(xs) / (len(xs) - 1)) / math.sqrt(len(xs)), rel=0.05)
     with pytest.raises(ValueError, match="df = 0"):
         t95(0)
+
+
+def test_trust_env_is_off_by_default_and_reaches_the_session_when_asked(server_factory, monkeypatch) -> None:
+    # Off: a proxy in the environment is never used (only the given URL is contacted). On (as vllm bench's
+    # session): aiohttp reads the environment; NO_PROXY for loopback keeps this test's requests local.
+    import aiohttp
+
+    seen = []
+    real = aiohttp.ClientSession.__init__
+
+    def spy(self, *a, **kw):
+        seen.append(kw.get("trust_env", False))
+        real(self, *a, **kw)
+
+    monkeypatch.setattr(aiohttp.ClientSession, "__init__", spy)
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+    srv = server_factory()
+    assert BenchConfig(base_url=srv.url).trust_env is False
+    off = run(BenchConfig(base_url=srv.url, num_prompts=2, output_len=2, input_len=4))
+    assert off["trust_env"] is False and seen[0] is False
+    seen.clear()
+    on = run(BenchConfig(base_url=srv.url, num_prompts=2, output_len=2, input_len=4, trust_env=True))
+    assert on["trust_env"] is True and on["completed"] == 2
+    assert seen[0] is True  # the request session; the metrics session stays off
+    assert seen[1:] == [False] * (len(seen) - 1)
