@@ -56,6 +56,21 @@ def sim_decisions(trace: list[dict], shape: str, t0: float, t1: float) -> dict:
             "alt_policy_low_prefill_steps_1200mhz_saving_pct": 100 * (1 - e_alt / e_stock), "source": "simulated"}
 
 
+def paired(ws: list[dict]) -> tuple[dict, dict, list]:
+    """One load's windows as (A by pair, B by pair, the pairs that have both, in order)."""
+    a = {w["pair"]: w for w in ws if w["server"] == "A"}
+    b = {w["pair"]: w for w in ws if w["server"] == "B"}
+    return a, b, sorted(p for p in a if p in b)
+
+
+def ratio_fields(a: dict, b: dict, full: list) -> dict:
+    """B / A per pair for throughput and J per output token, with their means and 95 % intervals."""
+    thr = [b[p]["output_throughput"] / a[p]["output_throughput"] for p in full]
+    jpt = [b[p]["gpu_energy_per_output_token_j"] / a[p]["gpu_energy_per_output_token_j"] for p in full]
+    return {"throughput_ratio": st.mean(thr), "throughput_ratio_ci95": list(ci95(thr)), "throughput_ratio_per_pair": thr,
+            "j_per_token_ratio": st.mean(jpt), "j_per_token_ratio_ci95": list(ci95(jpt)), "j_per_token_ratio_per_pair": jpt}
+
+
 def analyze(raw: dict, tag: str) -> dict:
     shape = raw["shape"]
     trace = raw.get("trace", [])
@@ -64,16 +79,11 @@ def analyze(raw: dict, tag: str) -> dict:
     for w in raw["windows"]:
         by_load.setdefault(w["load"], []).append(w)
     for load, ws in sorted(by_load.items()):
-        pairs = sorted({w["pair"] for w in ws})
-        a = {w["pair"]: w for w in ws if w["server"] == "A"}
-        b = {w["pair"]: w for w in ws if w["server"] == "B"}
-        full = [p for p in pairs if p in a and p in b]
+        a, b, full = paired(ws)
         if not full:
             continue
-        thr = [b[p]["output_throughput"] / a[p]["output_throughput"] for p in full]
-        jpt = [b[p]["gpu_energy_per_output_token_j"] / a[p]["gpu_energy_per_output_token_j"] for p in full]
-        lo, hi = ci95(thr)
-        jlo, jhi = ci95(jpt)
+        rat = ratio_fields(a, b, full)
+        (lo, hi), (jlo, jhi) = rat["throughput_ratio_ci95"], rat["j_per_token_ratio_ci95"]
         trace_steps = [s for p in full for s in trace if b[p]["t0"] <= s["t"] <= b[p]["t1"]]
         phases = Counter(s["phase"] for s in trace_steps)
         host_ms = [1000 * (s["t_end"] - s["t"]) for s in trace_steps if s.get("t_end") and s["t_end"] - s["t"] < 1.0]
@@ -83,9 +93,7 @@ def analyze(raw: dict, tag: str) -> dict:
         sims = [x for x in sims if x]
         case = {
             "shape": shape, "load": load, "load_kind": "closed-loop concurrency (OpenAI server, load-test harness)",
-            "pairs": len(full),
-            "throughput_ratio": st.mean(thr), "throughput_ratio_ci95": [lo, hi], "throughput_ratio_per_pair": thr,
-            "j_per_token_ratio": st.mean(jpt), "j_per_token_ratio_ci95": [jlo, jhi], "j_per_token_ratio_per_pair": jpt,
+            "pairs": len(full), **rat,
             "verdict": ("no difference beyond noise" if (lo <= 1 <= hi and jlo <= 1 <= jhi) else "difference beyond noise"),
             "stock_out_tok_per_s": st.mean(a[p]["output_throughput"] for p in full),
             "plugin_out_tok_per_s": st.mean(b[p]["output_throughput"] for p in full),
@@ -197,17 +205,11 @@ def analyze_plp(raw: dict, tag: str) -> dict:
     calls_b = {int(k): v for k, v in (snap_b.get("lm_head_calls") or {}).items()}
     cases = []
     for load, ws in sorted(by_load.items()):
-        a = {w["pair"]: w for w in ws if w["server"] == "A"}
-        b = {w["pair"]: w for w in ws if w["server"] == "B"}
-        full = sorted(p for p in a if p in b)
+        a, b, full = paired(ws)
         if not full:
             continue
-        thr = [b[p]["output_throughput"] / a[p]["output_throughput"] for p in full]
-        jpt = [b[p]["gpu_energy_per_output_token_j"] / a[p]["gpu_energy_per_output_token_j"] for p in full]
         cases.append({
-            "load": load, "pairs": len(full),
-            "throughput_ratio": st.mean(thr), "throughput_ratio_ci95": list(ci95(thr)), "throughput_ratio_per_pair": thr,
-            "j_per_token_ratio": st.mean(jpt), "j_per_token_ratio_ci95": list(ci95(jpt)), "j_per_token_ratio_per_pair": jpt,
+            "load": load, "pairs": len(full), **ratio_fields(a, b, full),
             "unchunked_req_per_s": st.mean(a[p]["request_throughput"] for p in full),
             "chunked_req_per_s": st.mean(b[p]["request_throughput"] for p in full),
             "unchunked_median_e2e_ms": st.mean(a[p]["median_e2el_ms"] for p in full),

@@ -798,15 +798,7 @@ def _b2_lines(v: dict[str, Any], doc: dict[str, Any]) -> list[str]:
     lines += [f"- Server stability (each tool's own runs across pairs): output tok/s ours {_spread([p['ours']['output_throughput'] for p in pairs])}, "
               f"vllm bench {_spread([p['vllm']['output_throughput'] for p in pairs])}; TTFT p50 (ms) ours "
               f"{_spread([p['ours']['median_ttft_ms'] for p in pairs])}, vllm bench {_spread([p['vllm']['median_ttft_ms'] for p in pairs])}."]
-    met = []
-    for key, name in (("output_throughput_ratio", "output throughput"), ("median_ttft_ratio", "median TTFT")):
-        xs = [p[key] for p in pairs]
-        out = [f"{i + 1} ({x:.3f})" for i, x in enumerate(xs) if abs(x - 1) > 0.02]
-        lines.append(f"- {name}: " + ("every pair's ratio is within 2 % of 1." if not out else
-                                       f"{len(out)} of {len(xs)} pairs outside 2 % of 1: {', '.join(out)}."))
-        met.append(not out)
-    lines += _target_lines(v, all(met))
-    lines += [f"- {n}" for n in v.get("notes", [])]
+    lines += _pair_verdict_lines(v)
     e = v.get("earlier_run")
     if e:
         fx = lambda xs: ", ".join(f"{x:.2f}" for x in xs)  # noqa: E731
@@ -954,16 +946,20 @@ def _b2c_body(v: dict[str, Any], cv: dict[str, Any], pairs: list[dict[str, Any]]
                  f"each tool's own tok/s ours {_spread([p['ours']['output_throughput'] for p in pairs])}, vllm bench "
                  f"{_spread([p['vllm']['output_throughput'] for p in pairs])}. The ratio's spread is what is left after "
                  "the common-mode cancellation.")
-    met = []
+    lines += _pair_verdict_lines(v)
+    return lines
+
+
+def _pair_verdict_lines(v: dict[str, Any]) -> list[str]:
+    """Per ratio, the pairs outside 2 % of 1; then the verdict (:func:`_target_lines`) and the notes."""
+    lines, met = [], []
     for key, name in (("output_throughput_ratio", "output throughput"), ("median_ttft_ratio", "median TTFT")):
-        xs = [p[key] for p in pairs]
+        xs = [p[key] for p in v["pairs"]]
         out = [f"{i + 1} ({x:.3f})" for i, x in enumerate(xs) if abs(x - 1) > 0.02]
         lines.append(f"- {name}: " + ("every pair's ratio is within 2 % of 1." if not out else
                                        f"{len(out)} of {len(xs)} pairs outside 2 % of 1: {', '.join(out)}."))
         met.append(not out)
-    lines += _target_lines(v, all(met))
-    lines += [f"- {n}" for n in v.get("notes", [])]
-    return lines
+    return lines + _target_lines(v, all(met)) + [f"- {n}" for n in v.get("notes", [])]
 
 
 def _target_lines(v: dict[str, Any], every_pair: bool) -> list[str]:
