@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import h200_ab as ab  # noqa: E402
@@ -58,6 +60,116 @@ def gil_profile(pyspy: str, pid: int, seconds: float, out: Path) -> dict:
             "top": top.most_common(12)}
 
 
+#: Prompts generated per closed-loop window: above what a 10 s window of the 0.5B serves even at
+#: concurrency 256 (~60 requests/s), without generating 100k prompts (~10 s of host time) per window.
+WINDOW_PROMPTS = 4000
+
+
+def set_tree_affinity(server_pid: int, cpus: set[int]) -> int:
+    """Move every thread of every process in the server's session to ``cpus``; returns threads moved.
+    (Threads started later inherit their creator's affinity.)"""
+    moved = 0
+    for pid, _, d in ab.session_processes(server_pid):
+        try:
+            tids = [int(t) for t in os.listdir(d / "task")]
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                os.sched_setaffinity(tid, cpus)
+                moved += 1
+            except OSError:
+                pass  # a thread that ended meanwhile
+    return moved
+
+
+def _client(cfg: dict, barrier: Any, box: Any) -> None:
+    from loadtests import BenchConfig, run
+
+    barrier.wait()  # every client starts its window at the same moment
+    t_go = time.perf_counter()
+    try:
+        box.put((cfg["label"], {**run(BenchConfig(**cfg)), "t_go": t_go}))
+    except Exception as exc:
+        box.put((cfg["label"], {"error": f"{type(exc).__name__}: {exc}"}))
+
+
+def concurrent_rounds(ns: argparse.Namespace, procs: dict, cpu_sets: list[set[int]] | None, result: dict, save: Any,
+                      pyspy: str | None = None) -> None:
+    """Rounds in which every server serves its own closed loop at the same time.
+
+    Why: a host-bound 0.5B server's tokens/s drifts by 10-25 % between 10 s windows taken one after
+    the other (bisect 1 and 2), far more than the cost sought. Windows taken at the same moment see
+    the same host and GPU state, so the drift cancels in the per-round ratio; rotating the CPU sets
+    every round cancels what a set itself adds. The servers share the GPU meanwhile (time-sliced
+    between processes), the same for all of them, so the ratio is a relative cost, not a
+    single-tenant throughput. With ``pyspy``, the last round also profiles both processes of every
+    server (EngineCore and API server, ``--gil``), all under the same load."""
+    import multiprocessing as mp
+    import threading
+
+    ctx = mp.get_context("fork")
+    names = list(procs)
+    round_s = ns.window + 15.0
+    for r in range(ns.rounds):
+        t_round = time.monotonic()
+        left = ns.budget_s - (t_round - ab.T0)
+        if left < round_s + 10:
+            result["notes"].append("budget reached")
+            return
+        last = r == ns.rounds - 1 or left < 2 * round_s + 10
+        placed = {}
+        if cpu_sets:
+            for i, name in enumerate(names):
+                cpus = cpu_sets[(i + r) % len(cpu_sets)]
+                set_tree_affinity(procs[name][0].pid, cpus)
+                placed[name] = sorted(cpus)
+        barrier, box = ctx.Barrier(len(names)), ctx.Queue()
+        kids = [ctx.Process(target=_client, args=(dict(
+            base_url=f"http://127.0.0.1:{procs[n][1]}", model="model", num_prompts=WINDOW_PROMPTS, max_concurrency=ns.concurrency,
+            input_len=128, output_len=ns.output_len, duration_s=ns.window, energy="none", seed=r, label=n), barrier, box))
+            for n in names]
+        t_start = time.perf_counter()  # CLOCK_MONOTONIC: comparable with the clients' request start times
+        profs: dict = {}
+        ths = []
+        if last and pyspy:
+            for n in names:
+                targets = {"engine": engine_core_pid(procs[n][0].pid), "api": procs[n][0].pid}
+                profs[n] = {k: {} for k in targets if targets[k] is not None}
+                ths += [threading.Thread(target=lambda n=n, k=k, pid=pid, profs=profs: profs[n][k].update(
+                            gil_profile(pyspy, pid, ns.window - 2, Path(f"/tmp/gil-{ns.gpu}-{n}-{k}.txt"))))
+                        for k, pid in targets.items() if pid is not None]
+        for k in kids:
+            k.start()
+        for th in ths:
+            th.start()
+        got = dict(box.get(timeout=ns.window + 120) for _ in kids)
+        for k in kids:
+            k.join(timeout=30)
+        for th in ths:
+            th.join()
+        for n, boxes in profs.items():
+            for b in boxes.values():
+                if b.get("gil_samples") is not None:
+                    b["gil_busy_share"] = b["gil_samples"] / (100 * (ns.window - 2))  # py-spy: 100 samples/s
+            result["profiles"][n] = {**boxes, "round": r, "concurrent": True}
+        for pos, name in enumerate(names):
+            res = got.get(name, {"error": "no result"})
+            starts = [t for t in res.get("start_times") or () if t is not None]
+            w = {"server": name, "round": r, "position": pos, "concurrent": True, "cpus": placed.get(name),
+                 # When the client sent its first request after the round began (its request start times
+                 # count from its own t_go): equal across servers means one shared window.
+                 "first_send_s": (res["t_go"] - t_start + min(starts)) if starts else None,
+                 **{k: res.get(k) for k in ("completed", "output_throughput", "median_tpot_ms", "median_itl_ms",
+                                             "median_ttft_ms", "duration_s", "error")}}
+            result["windows"].append(w)
+        ab.log(f"concurrent r{r}: " + ", ".join(f"{n} {got.get(n, {}).get('output_throughput') or 0:.0f}" for n in names) + " tok/s")
+        save()
+        round_s = max(round_s, time.monotonic() - t_round)
+        if last:
+            return
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="qwen2.5-0.5b")
@@ -65,15 +177,19 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--window", type=float, default=10.0)
+    ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--gpu-mem", type=float, default=0.28, help="per server; ~0.9 / number of variants")
     ap.add_argument("--kv-cache-bytes", type=int, default=2 << 30,
                     help="KV cache per server (--kv-cache-memory-bytes): servers started together on one GPU must not "
                          "size their cache by profiling it, each one sees the others' memory and the last gets a negative budget")
-    ap.add_argument("--variants", default="S0,S1,S2", help="servers to compare, from S0 (stock) .. S6 (see configs)")
+    ap.add_argument("--variants", default="S0,S1,S2", help="servers to compare, from S0 (stock) .. S7 (a second stock server; see configs)")
     ab.add_bundle_args(ap)
     ap.add_argument("--budget-s", type=float, default=540)
     ap.add_argument("--pin-cpus", action=argparse.BooleanOptionalAction, default=True,
                     help="pin each server to its own equal share of the GPU's NUMA-local CPUs (h200_ab.server_cpu_sets)")
+    ap.add_argument("--concurrent", action="store_true",
+                    help="drive every server at once (one client process each, started together) instead of one "
+                         "after the other; with --pin-cpus the CPU sets rotate among the servers every round")
     ap.add_argument("--out", required=True)
     ns = ap.parse_args()
     model = ab.device_prologue(ns, str(ns.gpu))
@@ -99,7 +215,9 @@ def main() -> int:
                "S3-no-lmhead-hook": without(chunking={"table": []}, stats_dir=f"{stats}-s3"),
                "S4-no-trace": without(trace_steps=False, stats_dir=f"{stats}-s4"),
                "S5-no-meter": without(energy={"meter": "off"}, stats_dir=f"{stats}-s5"),
-               "S6-no-presets": without(clocks={**full["powersave"]["clocks"], "presets": {}}, stats_dir=f"{stats}-s6")}
+               "S6-no-presets": without(clocks={**full["powersave"]["clocks"], "presets": {}}, stats_dir=f"{stats}-s6"),
+               # A second stock server: its ratio to S0 is the design's own spread (what "no difference" looks like).
+               "S7-stock-twin": None}
     for c in configs.values():
         if c is not None and c["powersave"].get("stats_dir"):
             shutil.rmtree(c["powersave"]["stats_dir"], ignore_errors=True)  # no trace left from an earlier run
@@ -135,14 +253,21 @@ def main() -> int:
         for name, (_, port) in procs.items():
             run(BenchConfig(base_url=f"http://127.0.0.1:{port}", model="model", num_prompts=64, max_concurrency=ns.concurrency,
                             input_len=128, output_len=64, energy="none", label=f"warm-{name}"))
-        for r in range(ns.rounds):
+        if ns.concurrent:
+            result["design"] = ("concurrent: every server driven at the same time by its own client process"
+                                + (", CPU sets rotated among the servers every round" if cpu_sets else ", servers not pinned"))
+            pyspy_bin = Path(ns.plugin_site) / "bin" / "py-spy"
+            concurrent_rounds(ns, procs, cpu_sets, result, save, str(pyspy_bin) if pyspy_bin.exists() else None)
+            if not pyspy_bin.exists():
+                result["notes"].append("py-spy not available")
+        for r in range(0 if ns.concurrent else ns.rounds):
             order = list(procs) if r % 2 == 0 else list(reversed(procs))
             for name in order:
                 if time.monotonic() - ab.T0 > ns.budget_s - 60:
                     raise TimeoutError
                 port = procs[name][1]
-                res = run(BenchConfig(base_url=f"http://127.0.0.1:{port}", model="model", num_prompts=100000,
-                                      max_concurrency=ns.concurrency, input_len=128, output_len=256,
+                res = run(BenchConfig(base_url=f"http://127.0.0.1:{port}", model="model", num_prompts=WINDOW_PROMPTS,
+                                      max_concurrency=ns.concurrency, input_len=128, output_len=ns.output_len,
                                       duration_s=ns.window, energy="none", seed=r, label=f"{name}-{r}"))
                 w = {"server": name, "round": r, "position": order.index(name), **{k: res.get(k) for k in (
                     "completed", "output_throughput", "median_tpot_ms", "median_itl_ms", "median_ttft_ms")}}
@@ -150,7 +275,9 @@ def main() -> int:
                 ab.log(f"{name} r{r}: {w['output_throughput']:.0f} tok/s, TPOT {w['median_tpot_ms']:.3f} ms, ITL p50 {w['median_itl_ms']:.3f} ms")
                 save()
         pyspy = next((str(p) for p in (Path(ns.plugin_site) / "bin" / "py-spy",) if p.exists()), None)
-        if pyspy:
+        if ns.concurrent:
+            pass  # profiled inside the last concurrent round
+        elif pyspy:
             import threading
 
             for name in procs:
@@ -167,7 +294,7 @@ def main() -> int:
                        for k in boxes]
                 for th in ths:
                     th.start()
-                run(BenchConfig(base_url=f"http://127.0.0.1:{port}", model="model", num_prompts=100000, max_concurrency=ns.concurrency,
+                run(BenchConfig(base_url=f"http://127.0.0.1:{port}", model="model", num_prompts=WINDOW_PROMPTS, max_concurrency=ns.concurrency,
                                 input_len=128, output_len=256, duration_s=ns.window, energy="none", label=f"prof-{name}"))
                 for th in ths:
                     th.join()

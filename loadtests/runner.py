@@ -126,13 +126,9 @@ async def run_load(
     running: set[int] = set()
     t0 = time.perf_counter() if t0 is None else t0
 
-    async def one(i: int) -> None:
-        arrived = time.perf_counter()
-
-        async def go() -> None:
+    async def one(i: int, arrived: float) -> None:
+        try:
             start = time.perf_counter()
-            if duration_s is not None and start - t0 > duration_s:
-                return  # window closed: not sent, not counted
             running.add(i)
             e = i % len(endpoints)
             o = await send_request(
@@ -145,22 +141,30 @@ async def run_load(
             outputs[i] = o
             if progress is not None:
                 progress.update()
-
-        if sem is None:
-            await go()
-        else:
-            async with sem:
-                await go()
+        finally:
+            if sem is not None:
+                sem.release()
 
     async def issue() -> None:
+        # The issuer takes the concurrency slot before it creates a request's task, so at most
+        # max_concurrency tasks exist. (A task per request waiting on the semaphore, as vllm bench
+        # does, made a closed-loop window over 100k prompts spend its first second creating tasks
+        # and serve a third of the tokens: the client, not the server, set the rate.)
         for i, off in enumerate(offsets):
             # Sleep to absolute targets so scheduling jitter does not accumulate.
             delay = t0 + off - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
+            # The request arrived at its scheduled time even when the issuer reaches it later (it
+            # waited for a slot for an earlier request): queue time counts from the arrival.
+            arrived = min(time.perf_counter(), t0 + off)
+            if sem is not None:
+                await sem.acquire()
             if duration_s is not None and time.perf_counter() - t0 > duration_s:
-                break  # later arrivals would not be sent either
-            tasks.append(asyncio.create_task(one(i)))
+                if sem is not None:
+                    sem.release()
+                break  # window closed: this and later arrivals are not sent, not counted
+            tasks.append(asyncio.create_task(one(i, arrived)))
         await asyncio.gather(*tasks)
 
     timed_out = False

@@ -428,6 +428,29 @@ def test_duration_bounded_window(server_factory) -> None:
     assert res["duration_limit_s"] == 0.3
 
 
+def test_closed_loop_holds_at_most_concurrency_request_tasks(server_factory, monkeypatch) -> None:
+    # A closed-loop window over many prompts must not create a task per prompt up front: with 100k
+    # prompts that took the client's loop a second per window before the first request went out.
+    import asyncio
+
+    from loadtests import runner as runner_mod
+
+    srv = server_factory(first_delay=0.005)
+    real, seen = runner_mod.send_request, []
+
+    async def counting(*a, **kw):
+        seen.append(sum(1 for t in asyncio.all_tasks() if getattr(t.get_coro(), "__qualname__", "").endswith("run_load.<locals>.one")))
+        return await real(*a, **kw)
+
+    monkeypatch.setattr(runner_mod, "send_request", counting)
+    res = run(BenchConfig(base_url=srv.url, num_prompts=3000, max_concurrency=3, output_len=2, input_len=4, duration_s=0.4))
+    assert res["completed"] == len(seen) >= 6
+    # Request tasks alive while a request is sent: the in-flight ones only, never the 3000 prompts.
+    assert max(seen) == 3
+    # Arrival order is kept: requests go out in prompt order.
+    assert res["start_times"] == sorted(res["start_times"])
+
+
 def test_energy_mode_nvml_ignores_server_metrics(server_factory, no_nvml) -> None:
     srv = server_factory()
     res = run(BenchConfig(base_url=srv.url, num_prompts=1, output_len=2, input_len=4, energy="nvml"))

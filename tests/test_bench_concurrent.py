@@ -1,0 +1,68 @@
+"""The overhead bisect's concurrent design: servers driven at the same moment, CPU sets moved per round."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import h200_ab as ab  # noqa: E402
+import h200_overhead_bisect as bisect  # noqa: E402
+
+
+def _allowed(pid: int | str) -> set[int]:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Cpus_allowed_list:"):
+            return ab.parse_cpulist(line.split(":", 1)[1].strip())
+    raise AssertionError("no Cpus_allowed_list")
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to move a process between sets")
+def test_every_thread_of_every_process_in_the_session_moves() -> None:
+    # A stand-in server: a session leader with two extra threads and a child process (the EngineCore).
+    prog = ("import subprocess,sys,threading,time\n"
+            "c=subprocess.Popen([sys.executable,'-c','import time;time.sleep(60)'])\n"
+            "[threading.Thread(target=time.sleep,args=(60,),daemon=True).start() for _ in range(2)]\n"
+            "print('ready',flush=True);time.sleep(60)\n")
+    p = subprocess.Popen([sys.executable, "-c", prog], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        target = {sorted(os.sched_getaffinity(0))[-1]}
+        procs = ab.session_processes(p.pid)
+        assert len(procs) == 2
+        moved = bisect.set_tree_affinity(p.pid, target)
+        tasks = [t for pid, _, d in procs for t in os.listdir(d / "task")]
+        assert moved == len(tasks) >= 4  # leader's main + 2 threads, the child's main
+        assert all(_allowed(f"{pid}/task/{t}") == target for pid, _, d in procs for t in os.listdir(d / "task"))
+    finally:
+        os.killpg(p.pid, 9)
+        p.wait()
+
+
+class _Proc:
+    pid = os.getpid()  # only read when CPU sets or py-spy are given
+
+
+def test_concurrent_rounds_drive_all_servers_in_one_window(server_factory) -> None:
+    slow, fast = server_factory(itl_delay=0.03), server_factory(itl_delay=0.003)
+    port = lambda s: int(s.url.rsplit(":", 1)[1])
+    procs = {"S0-stock": (_Proc(), port(slow)), "S1-plugin-full": (_Proc(), port(fast))}
+    ns = argparse.Namespace(window=1.5, rounds=2, budget_s=1e6, concurrency=2, output_len=16)
+    result: dict = {"windows": [], "profiles": {}, "notes": []}
+    saves = []
+    bisect.concurrent_rounds(ns, procs, None, result, lambda: saves.append(len(result["windows"])))
+    ws = result["windows"]
+    assert [(w["server"], w["round"]) for w in ws] == [("S0-stock", 0), ("S1-plugin-full", 0), ("S0-stock", 1), ("S1-plugin-full", 1)]
+    assert saves == [2, 4]
+    assert all(w["concurrent"] and w["error"] is None and w["completed"] > 0 for w in ws)
+    for r in (0, 1):
+        w0, w1 = (w for w in ws if w["round"] == r)
+        # Both clients sent their first request at the same moment (the barrier), after the round began.
+        assert 0 <= w0["first_send_s"] < 5 and abs(w0["first_send_s"] - w1["first_send_s"]) < 0.2
+        # Each server's own speed shows: the one with 10x the inter-token delay serves fewer tokens/s.
+        assert w1["output_throughput"] > 2 * w0["output_throughput"]
