@@ -26,6 +26,7 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 T0 = time.monotonic()
 SERVE_EXTRA: list[str] = []
@@ -90,11 +91,14 @@ def device_facts(index: int = 0) -> dict:
         N.nvmlInit()
     except Exception as exc:
         return {"name": f"no NVML ({exc})"}
-    h = N.nvmlDeviceGetHandleByIndex(index)
-    name = N.nvmlDeviceGetName(h)
-    return {"name": name.decode() if isinstance(name, bytes) else name,
-            "driver": str(N.nvmlSystemGetDriverVersion()),
-            "power_limit_w": N.nvmlDeviceGetEnforcedPowerLimit(h) / 1000.0}
+    try:
+        h = N.nvmlDeviceGetHandleByIndex(index)
+        name = N.nvmlDeviceGetName(h)
+        return {"name": name.decode() if isinstance(name, bytes) else name,
+                "driver": str(N.nvmlSystemGetDriverVersion()),
+                "power_limit_w": N.nvmlDeviceGetEnforcedPowerLimit(h) / 1000.0}
+    finally:
+        N.nvmlShutdown()  # no NVML state left open for run_together's forked clients
 
 
 def make_model(shape: str, shapes_dir: Path, tok_dir: Path) -> Path:
@@ -307,6 +311,45 @@ def session_processes(server_pid: int) -> list[tuple[int, str, Path]]:
         except OSError:
             continue
     return out
+
+
+def _together_client(cfg: dict, barrier: Any, box: Any) -> None:
+    from loadtests import BenchConfig, run
+
+    barrier.wait()  # every client starts its window at the same moment
+    t_go = time.perf_counter()
+    try:
+        box.put((cfg["label"], {**run(BenchConfig(**cfg)), "t_go": t_go}))
+    except Exception as exc:
+        box.put((cfg["label"], {"error": f"{type(exc).__name__}: {exc}"}))
+
+
+def run_together(cfgs: list[dict], timeout_s: float, after_start: Any = None) -> dict[str, dict]:
+    """Run one ``loadtests`` window per config at the same moment, each in its own forked process
+    (the clients must not share one event loop or GIL); returns each result by ``label``.
+
+    Every result gets ``first_send_s``: when its first request went out, in seconds after the
+    clients were started (CLOCK_MONOTONIC, comparable across processes); equal values mean one shared
+    window. Call with no NVML handle or thread open in this process (fork); ``after_start()`` runs
+    once the clients are forked (e.g. to start profilers' threads)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    barrier, box = ctx.Barrier(len(cfgs)), ctx.Queue()
+    kids = [ctx.Process(target=_together_client, args=(c, barrier, box)) for c in cfgs]
+    t_start = time.perf_counter()
+    for k in kids:
+        k.start()
+    if after_start is not None:
+        after_start()
+    got = dict(box.get(timeout=timeout_s) for _ in kids)
+    for k in kids:
+        k.join(timeout=30)
+    for res in got.values():
+        # Request start times count from the client's own t_go.
+        starts = [t for t in res.get("start_times") or () if t is not None]
+        res["first_send_s"] = (res["t_go"] - t_start + min(starts)) if starts else None
+    return got
 
 
 def add_bundle_args(ap: argparse.ArgumentParser) -> None:

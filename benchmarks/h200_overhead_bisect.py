@@ -32,14 +32,23 @@ def engine_core_pid(server_pid: int) -> int | None:
     return next((pid for pid, comm, _ in ab.session_processes(server_pid) if "EngineCor" in comm), None)
 
 
+#: Plugin frames that only wrap a vLLM call: samples below them are vLLM's time, not the plugin's.
+WRAPPER_FRAMES = ("execute_model", "sample_tokens", "<lambda>", "make_schedule", "make_add")
+
+
 def gil_profile(pyspy: str, pid: int, seconds: float, out: Path) -> dict:
     out.unlink(missing_ok=True)  # a profile left by an earlier run must not pass for this one
     subprocess.run([pyspy, "record", "--pid", str(pid), "--duration", str(int(seconds)), "--gil", "--nonblocking",
                     "--format", "raw", "-o", str(out)], capture_output=True, timeout=seconds + 30)
-    total, own, top = 0, 0, Counter()
     if not out.exists():
         return {"error": "no profile"}
-    for line in out.read_text().splitlines():
+    return parse_gil_profile(out.read_text())
+
+
+def parse_gil_profile(text: str) -> dict:
+    """Share of GIL samples in the plugin's own code, from py-spy's ``raw`` (collapsed stacks) output."""
+    total, own, top = 0, 0, Counter()
+    for line in text.splitlines():
         stack, _, n = line.rpartition(" ")
         try:
             k = int(n)
@@ -51,8 +60,8 @@ def gil_profile(pyspy: str, pid: int, seconds: float, out: Path) -> dict:
         if not ps:
             continue
         deepest = ps[-1]
-        # The wrappers' call into vLLM's own execute_model / sample_tokens / LM head is not ours.
-        if frames[-1] is not deepest and ("execute_model" in deepest or "sample_tokens" in deepest or "<lambda>" in deepest):
+        # The wrappers' call into vLLM's own execute_model / sample_tokens / LM head / scheduler is not ours.
+        if frames[-1] is not deepest and any(w in deepest for w in WRAPPER_FRAMES):
             continue
         own += k
         top[deepest[:140]] += k
@@ -83,17 +92,6 @@ def set_tree_affinity(server_pid: int, cpus: set[int]) -> int:
     return moved
 
 
-def _client(cfg: dict, barrier: Any, box: Any) -> None:
-    from loadtests import BenchConfig, run
-
-    barrier.wait()  # every client starts its window at the same moment
-    t_go = time.perf_counter()
-    try:
-        box.put((cfg["label"], {**run(BenchConfig(**cfg)), "t_go": t_go}))
-    except Exception as exc:
-        box.put((cfg["label"], {"error": f"{type(exc).__name__}: {exc}"}))
-
-
 def concurrent_rounds(ns: argparse.Namespace, procs: dict, cpu_sets: list[set[int]] | None, result: dict, save: Any,
                       pyspy: str | None = None) -> None:
     """Rounds in which every server serves its own closed loop at the same time.
@@ -105,10 +103,8 @@ def concurrent_rounds(ns: argparse.Namespace, procs: dict, cpu_sets: list[set[in
     between processes), the same for all of them, so the ratio is a relative cost, not a
     single-tenant throughput. With ``pyspy``, the last round also profiles both processes of every
     server (EngineCore and API server, ``--gil``), all under the same load."""
-    import multiprocessing as mp
     import threading
 
-    ctx = mp.get_context("fork")
     names = list(procs)
     round_s = ns.window + 15.0
     for r in range(ns.rounds):
@@ -124,12 +120,6 @@ def concurrent_rounds(ns: argparse.Namespace, procs: dict, cpu_sets: list[set[in
                 cpus = cpu_sets[(i + r) % len(cpu_sets)]
                 set_tree_affinity(procs[name][0].pid, cpus)
                 placed[name] = sorted(cpus)
-        barrier, box = ctx.Barrier(len(names)), ctx.Queue()
-        kids = [ctx.Process(target=_client, args=(dict(
-            base_url=f"http://127.0.0.1:{procs[n][1]}", model="model", num_prompts=WINDOW_PROMPTS, max_concurrency=ns.concurrency,
-            input_len=128, output_len=ns.output_len, duration_s=ns.window, energy="none", seed=r, label=n), barrier, box))
-            for n in names]
-        t_start = time.perf_counter()  # CLOCK_MONOTONIC: comparable with the clients' request start times
         profs: dict = {}
         ths = []
         if last and pyspy:
@@ -139,13 +129,10 @@ def concurrent_rounds(ns: argparse.Namespace, procs: dict, cpu_sets: list[set[in
                 ths += [threading.Thread(target=lambda n=n, k=k, pid=pid, profs=profs: profs[n][k].update(
                             gil_profile(pyspy, pid, ns.window - 2, Path(f"/tmp/gil-{ns.gpu}-{n}-{k}.txt"))))
                         for k, pid in targets.items() if pid is not None]
-        for k in kids:
-            k.start()
-        for th in ths:
-            th.start()
-        got = dict(box.get(timeout=ns.window + 120) for _ in kids)
-        for k in kids:
-            k.join(timeout=30)
+        cfgs = [dict(base_url=f"http://127.0.0.1:{procs[n][1]}", model="model", num_prompts=WINDOW_PROMPTS,
+                     max_concurrency=ns.concurrency, input_len=128, output_len=ns.output_len, duration_s=ns.window,
+                     energy="none", seed=r, label=n) for n in names]
+        got = ab.run_together(cfgs, ns.window + 120, after_start=lambda ths=ths: [th.start() for th in ths])
         for th in ths:
             th.join()
         for n, boxes in profs.items():
@@ -155,11 +142,8 @@ def concurrent_rounds(ns: argparse.Namespace, procs: dict, cpu_sets: list[set[in
             result["profiles"][n] = {**boxes, "round": r, "concurrent": True}
         for pos, name in enumerate(names):
             res = got.get(name, {"error": "no result"})
-            starts = [t for t in res.get("start_times") or () if t is not None]
             w = {"server": name, "round": r, "position": pos, "concurrent": True, "cpus": placed.get(name),
-                 # When the client sent its first request after the round began (its request start times
-                 # count from its own t_go): equal across servers means one shared window.
-                 "first_send_s": (res["t_go"] - t_start + min(starts)) if starts else None,
+                 "first_send_s": res.get("first_send_s"),
                  **{k: res.get(k) for k in ("completed", "output_throughput", "median_tpot_ms", "median_itl_ms",
                                              "median_ttft_ms", "duration_s", "error")}}
             result["windows"].append(w)

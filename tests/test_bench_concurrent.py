@@ -66,3 +66,17 @@ def test_concurrent_rounds_drive_all_servers_in_one_window(server_factory) -> No
         assert 0 <= w0["first_send_s"] < 5 and abs(w0["first_send_s"] - w1["first_send_s"]) < 0.2
         # Each server's own speed shows: the one with 10x the inter-token delay serves fewer tokens/s.
         assert w1["output_throughput"] > 2 * w0["output_throughput"]
+
+
+def test_gil_profile_counts_the_plugins_own_frames_not_its_wrappers_calls_into_vllm() -> None:
+    sched = "install_scheduler_hooks.<locals>.make_schedule.<locals>.schedule (vllm_powersave/vllm_compat.py:567)"
+    raw = "\n".join([
+        f"run_busy_loop (vllm/core.py:1);{sched};schedule (vllm/v1/core/sched/scheduler.py:300) 50",  # vLLM's
+        f"run_busy_loop (vllm/core.py:1);{sched} 3",  # the wrapper's own lines
+        "run_busy_loop (vllm/core.py:1);on_step_start (vllm_powersave/runtime.py:365) 7",
+        "run_busy_loop (vllm/core.py:1);step (vllm/core.py:9) 40",
+        "garbage line without a count",
+    ])
+    got = bisect.parse_gil_profile(raw)
+    assert got["gil_samples"] == 100 and got["powersave_own_samples"] == 10
+    assert got["share"] == 0.1 and dict(got["top"]) == {"on_step_start (vllm_powersave/runtime.py:365)": 7, sched: 3}
