@@ -33,7 +33,7 @@ for job in "$@"; do
     benchcmp) cmd="python3 benchmarks/h200_bench_compare.py --gpu $gpu --budget-s $((LIM-90)) ${BENCHCMP_ARGS:-} --out $OUT/$name/raw.json" ;;
     tp2)    cmd="python3 benchmarks/h200_ab.py --gpus $gpu --shape qwen2.5-7b --loads 8,64,256 --pairs 3 --gpu-mem 0.42 --serve-arg '--tensor-parallel-size 2 --kv-cache-memory-bytes 8589934592' --budget-s $((LIM-40)) --out $OUT/tp2/raw.json" ;;
     bisect2) cmd="python3 benchmarks/h200_overhead_bisect.py --gpu $gpu --variants S0,S1,S3,S4,S5,S6 --gpu-mem 0.14 --rounds 4 --budget-s $((LIM-20)) --out $OUT/$name/raw.json" ;;
-    cross)  cmd="python3 benchmarks/h200_ab_cross.py --gpus $gpu --shape ${CROSS_SHAPE:-qwen2.5-0.5b} --loads ${CROSS_LOADS:-8,64,256} --pairs ${CROSS_PAIRS:-3} --budget-s $((LIM-25)) --out $OUT/$name/raw.json" ;;
+    cross)  cmd="python3 benchmarks/h200_ab_cross.py --gpus $gpu --shape ${CROSS_SHAPE:-qwen2.5-0.5b} --loads ${CROSS_LOADS:-8,64,256} --pairs ${CROSS_PAIRS:-3} --arms ${CROSS_ARMS:-full} --gpu-mem ${CROSS_GPU_MEM:-0.42} --budget-s $((LIM-25)) --out $OUT/$name/raw.json" ;;
     bisectc) cmd="python3 benchmarks/h200_overhead_bisect.py --gpu $gpu --variants S0,S7,S1 --concurrent --concurrency ${BC_CONC:-8} --gpu-mem 0.2 --rounds 60 --window 10 --budget-s $((LIM-20)) --out $OUT/$name/raw.json" ;;
     prof)   cmd="python3 benchmarks/h200_overhead_bisect.py --gpu $gpu --variants S0,S1 --gpu-mem 0.3 --rounds 1 --budget-s $((LIM-10)) --out $OUT/$name/raw.json" ;;
     bisect_meter) cmd="python3 benchmarks/h200_overhead_bisect.py --gpu $gpu --budget-s 330 --out $OUT/$name/bisect.json; env PYTHONPATH=/tmp/psite:/tmp/site python3 benchmarks/h200_energy_meter.py --gpu $gpu --windows 2:3,5:2,10:2,30:1 --pairs 4 --pair-window 3 --out $OUT/$name/meter.json" ;;

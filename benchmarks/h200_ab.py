@@ -208,7 +208,7 @@ def start_server(label: str, model: Path, port: int, extra: list[str], pythonpat
     """``cpus``: the server's CPU affinity, inherited by its EngineCore and worker processes."""
     check_port_free(port)
     extra = [*extra, *SERVE_EXTRA]
-    env = dict(os.environ, PYTHONPATH=pythonpath, **GPU_ENV, **(env_extra or {}))
+    env = {**os.environ, "PYTHONPATH": pythonpath, **GPU_ENV, **(env_extra or {})}  # env_extra wins (a server's own GPU)
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name", "model",
            "--load-format", "dummy", "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048",
            "--max-num-seqs", "256", "--gpu-memory-utilization", str(gpu_mem), *extra]

@@ -27,6 +27,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import h200_ab as ab  # noqa: E402
@@ -43,6 +44,15 @@ def plugin_config(stats_dir: str, table: list[dict]) -> dict:
                           "energy": {"meter": "nvml"}}}
 
 
+#: Plugin arms: the A/B's settings, or everything optional off (only the hooks, the middleware and
+#: the plugin's loading remain), to tell a cost of the options from one of the plugin's presence.
+ARMS = {
+    "full": lambda stats, table: plugin_config(stats, table),
+    "bare": lambda stats, table: {"powersave": {"chunking": {"table": []}, "clocks": {"backend": "dry-run"},
+                                                "energy": {"meter": "off"}}},
+}
+
+
 def pair_ratio(x: tuple[float, float], y: tuple[float, float]) -> float | None:
     """Geometric mean of plugin/stock over the two placements: ``x`` = (stock on a, plugin on b),
     ``y`` = (stock on b, plugin on a); a GPU's own factor cancels. None if a figure is missing or 0."""
@@ -50,6 +60,44 @@ def pair_ratio(x: tuple[float, float], y: tuple[float, float]) -> float | None:
     if any(v is None or not math.isfinite(v) or v <= 0 for v in vals):
         return None
     return math.sqrt((x[1] / x[0]) * (y[1] / y[0]))
+
+
+def profile_rounds(ns: argparse.Namespace, procs: dict, placement: dict, arms: list[str], gpus: list[int], load: int,
+                   pyspy: str, result: dict, save: Any) -> None:
+    """One more round per arm (stock on GPU a, the arm on GPU b) with ``py-spy record --gil`` on the
+    EngineCore and the API server of both servers: where each process spends its GIL time, and the
+    share of it in the plugin's own frames (h200_overhead_bisect.parse_gil_profile)."""
+    import threading
+
+    import h200_overhead_bisect as bis
+
+    a, b = gpus
+    for arm in arms:
+        pair = (f"stock@{a}", f"{arm}@{b}")
+        boxes: dict[str, dict] = {}
+        ths = []
+        for n in pair:
+            pid = procs[n][0].pid
+            for proc, target in (("engine", bis.engine_core_pid(pid)), ("api", pid)):
+                if target is None:
+                    continue
+                key = f"{n}:{proc}"
+                boxes[key] = {}
+                ths.append(threading.Thread(target=lambda key=key, target=target, boxes=boxes: boxes[key].update(
+                    bis.gil_profile(pyspy, target, ns.window - 2, Path(f"/tmp/gil-cross-{key.replace('@', '-').replace(':', '-')}.txt")))))
+        cfgs = [{"base_url": f"http://127.0.0.1:{procs[n][1]}", "model": "model", "num_prompts": WINDOW_PROMPTS,
+                 "max_concurrency": load, "input_len": ns.input_len, "output_len": ns.output_len, "duration_s": ns.window,
+                 "energy": "none", "seed": 99, "label": n} for n in pair]
+        got = ab.run_together(cfgs, ns.window + 180, after_start=lambda ths=ths: [t.start() for t in ths])
+        for t in ths:
+            t.join()
+        for box in boxes.values():
+            if box.get("gil_samples") is not None:
+                box["gil_busy_share"] = box["gil_samples"] / (100 * (ns.window - 2))  # py-spy: 100 samples/s
+        result["profiles"].append({"arm": arm, "load": load, "placement": "X", "profiles": boxes,
+                                   "output_throughput": {n: got.get(n, {}).get("output_throughput") for n in pair}})
+        ab.log(f"profile {arm}: " + json.dumps({k: (v.get("gil_busy_share"), v.get("share")) for k, v in boxes.items()}))
+        save()
 
 
 def main() -> int:
@@ -65,12 +113,20 @@ def main() -> int:
     ap.add_argument("--kv-cache-bytes", type=int, default=4 << 30,
                     help="--kv-cache-memory-bytes per server: two servers starting on one GPU must not size the cache by profiling it")
     ap.add_argument("--budget-s", type=float, default=540.0, help="stop starting rounds after this (s since start)")
+    ap.add_argument("--arms", default="full", help=f"plugin arms compared with stock, comma-separated, from {sorted(ARMS)}")
+    ap.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
+                    help="after the pairs, one more round per arm (last load, placement X) with py-spy --gil on both "
+                         "processes of both servers, if py-spy is in the plugin site")
     ab.add_bundle_args(ap)
     ap.add_argument("--out", required=True)
     ns = ap.parse_args()
     gpus = [int(g) for g in ns.gpus.split(",")]
     if len(gpus) != 2 or gpus[0] == gpus[1]:
         print(f"error: --gpus {ns.gpus!r}: needs two different GPU indices", file=sys.stderr)
+        return 2
+    arms = [a.strip() for a in ns.arms.split(",") if a.strip()]
+    if not arms or (bad := [a for a in arms if a not in ARMS]):
+        print(f"error: --arms {ns.arms!r}: unknown {bad or 'empty'}; choose from {sorted(ARMS)}", file=sys.stderr)
         return 2
     model = ab.device_prologue(ns, ns.gpus)
     if model is None:
@@ -100,34 +156,41 @@ def main() -> int:
     procs: dict[str, tuple] = {}
     placement: dict[str, dict] = {}
     for g in gpus:
-        stats = f"/tmp/powersave-stats/cross-{ns.shape}-g{g}"
-        shutil.rmtree(stats, ignore_errors=True)
-        cpus = ab.server_cpu_sets(g, 2)
+        cpus = ab.server_cpu_sets(g, 1 + len(arms))
         kv = ["--kv-cache-memory-bytes", str(ns.kv_cache_bytes)]
-        for slot, (arm, extra, site) in enumerate((
-                ("stock", [], ns.stock_site),
-                ("plugin", ["--plugin", "powersave", "--additional-config", json.dumps(plugin_config(stats, never_chunk))],
-                 f"{ns.plugin_site}:{ns.stock_site}"))):
+        for slot, arm in enumerate(["stock", *arms]):
+            if arm == "stock":
+                extra, site = [], ns.stock_site
+            else:
+                stats = f"/tmp/powersave-stats/cross-{ns.shape}-{arm}-g{g}"
+                shutil.rmtree(stats, ignore_errors=True)
+                cfg = ARMS[arm](stats, never_chunk)
+                extra, site = ["--plugin", "powersave", "--additional-config", json.dumps(cfg)], f"{ns.plugin_site}:{ns.stock_site}"
             name = f"{arm}@{g}"
             port = ab.job_port(g, 30 + slot)
             procs[name] = (ab.start_server(f"{arm}-g{g}", model, port, [*extra, *kv], site, out_file.parent, ns.gpu_mem,
                                            env_extra={"CUDA_VISIBLE_DEVICES": str(g)}, cpus=cpus[slot] if cpus else None), port)
-            placement[name] = {"gpu": g, "cpus": sorted(cpus[slot]) if cpus else "not pinned"}
+            placement[name] = {"gpu": g, "cpus": sorted(cpus[slot]) if cpus else "not pinned",
+                               "config": None if arm == "stock" else ARMS[arm]("<stats_dir>", never_chunk)}
     result["method"]["servers"] = placement
+    result["method"]["arms"] = arms
     a, b = gpus
-    rounds = {"X": (f"stock@{a}", f"plugin@{b}"), "Y": (f"stock@{b}", f"plugin@{a}")}
+    pyspy = Path(ns.plugin_site) / "bin" / "py-spy"
+    result["profiles"] = []
     try:
         ab.wait_healthy(procs, timeout_s=300)
         result["startup_s"] = time.monotonic() - ab.T0
         round_s = ns.window + 25.0
+        reserve = (ns.window + 30.0) * len(arms) if ns.profile and pyspy.exists() else 0.0  # the profiled rounds
         for load in [int(x) for x in ns.loads.split(",")]:
             for name, (_, port) in procs.items():  # warm-up: compile/graph paths for this batch size
                 run(BenchConfig(base_url=f"http://127.0.0.1:{port}", model="model", num_prompts=load, max_concurrency=load,
                                 input_len=ns.input_len, output_len=32, energy="none", label=f"warm-{name}"))
-            for pair in range(ns.pairs):
+            for pair, arm in ((pr, am) for pr in range(ns.pairs) for am in arms):
+                rounds = {"X": (f"stock@{a}", f"{arm}@{b}"), "Y": (f"stock@{b}", f"{arm}@{a}")}
                 got_pair: dict[str, dict] = {}
                 for kind in (("X", "Y") if pair % 2 == 0 else ("Y", "X")):
-                    if time.monotonic() - ab.T0 > ns.budget_s - round_s:
+                    if time.monotonic() - ab.T0 > ns.budget_s - round_s - reserve:
                         result["notes"].append(f"budget reached before load {load} pair {pair} round {kind}")
                         raise TimeoutError
                     t_round = time.monotonic()
@@ -146,8 +209,8 @@ def main() -> int:
                              "round": kind, "first_send_s": res.get("first_send_s"),
                              **{k: res.get(k) for k in ab.SUMMARY_KEYS}}
                         result["windows"].append(w)
-                        got_pair[f"{kind}:{w['arm']}"] = w
-                    ab.log(f"load {load} pair {pair} {kind}: " + ", ".join(
+                        got_pair[f"{kind}:{'stock' if w['arm'] == 'stock' else 'plugin'}"] = w
+                    ab.log(f"load {load} pair {pair} {arm} {kind}: " + ", ".join(
                         f"{n} {got[n]['output_throughput']:.0f} tok/s {got[n].get('output_tokens_per_joule')} tok/J" for n in (stock, plugin)))
                     round_s = max(round_s, time.monotonic() - t_round)
                     save()
@@ -159,15 +222,19 @@ def main() -> int:
                     return pair_ratio((f(got_pair["X:stock"]), f(got_pair["X:plugin"])),
                                       (f(got_pair["Y:stock"]), f(got_pair["Y:plugin"])))
 
-                p = {"load": load, "pair": pair, "throughput_ratio": ratio("output_throughput"),
+                p = {"arm": arm, "load": load, "pair": pair, "throughput_ratio": ratio("output_throughput"),
                      # J per output token = 1 / (output tokens per J)
                      "j_per_token_ratio": ratio("output_tokens_per_joule", invert=True),
                      "itl_p50_ratio": ratio("median_itl_ms")}
                 result["pairs"].append(p)
-                ab.log(f"load {load} pair {pair}: ratios plugin/stock " + ", ".join(
+                ab.log(f"load {load} pair {pair} {arm}: ratios plugin/stock " + ", ".join(
                     f"{k.removesuffix('_ratio')} {v:.4f}" if v is not None else f"{k.removesuffix('_ratio')} n/a"
                     for k, v in p.items() if k.endswith("_ratio")))
                 save()
+        if ns.profile and pyspy.exists():
+            profile_rounds(ns, procs, placement, arms, gpus, int(ns.loads.split(",")[-1]), str(pyspy), result, save)
+        elif ns.profile:
+            result["notes"].append("py-spy not available: no profile")
     except TimeoutError:
         ab.log("budget reached; saving partial results")
     except Exception as exc:
@@ -178,10 +245,11 @@ def main() -> int:
             ab.stop(p_)
         snaps = {}
         for g in gpus:
-            f = Path(f"/tmp/powersave-stats/cross-{ns.shape}-g{g}/rank0.json")
-            if f.exists():
-                snaps[str(g)] = json.loads(f.read_text())
-        result["plugin_snapshots_by_gpu"] = snaps
+            for arm in arms:
+                f = Path(f"/tmp/powersave-stats/cross-{ns.shape}-{arm}-g{g}/rank0.json")
+                if f.exists():
+                    snaps[f"{arm}@{g}"] = json.loads(f.read_text())
+        result["plugin_snapshots"] = snaps
         save()
         ab.log(f"saved {out_file}")
     return 0

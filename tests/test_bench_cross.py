@@ -36,10 +36,10 @@ def test_the_script_runs_both_placements_at_once_and_pairs_them(monkeypatch, tmp
     procs: list[subprocess.Popen] = []
 
     def start(label, model, port, extra, pythonpath, out, gpu_mem, env_extra=None, cpus=None):
-        # Stand-ins: the plugin arm streams at twice the inter-token delay; GPU 1 is the same as GPU 0.
-        itl = 6 if label.startswith("plugin") else 3
+        # Stand-ins: the plugin arms stream at twice the inter-token delay; GPU 1 is the same as GPU 0.
+        itl = 3 if label.startswith("stock") else 6
         assert env_extra == {"CUDA_VISIBLE_DEVICES": label.rsplit("-g", 1)[1]}
-        assert ("--plugin" in extra) == label.startswith("plugin") and "--kv-cache-memory-bytes" in extra
+        assert ("--plugin" in extra) != label.startswith("stock") and "--kv-cache-memory-bytes" in extra
         p = subprocess.Popen([sys.executable, "-m", "loadtests.fake_server", "--port", str(port), "--itl-ms", str(itl),
                               "--ttft-ms", "5"], stdout=subprocess.DEVNULL, start_new_session=True)
         procs.append(p)
@@ -59,10 +59,10 @@ def test_the_script_runs_both_placements_at_once_and_pairs_them(monkeypatch, tmp
     monkeypatch.setattr(ab, "server_cpu_sets", lambda g, n: None)
     monkeypatch.setattr(ab, "start_server", start)
     monkeypatch.setattr(ab, "wait_healthy", healthy)
-    monkeypatch.setattr(ab, "job_port", lambda g, slot: 18000 + os.getpid() % 1000 * 10 + 4 * g + slot - 30)
+    monkeypatch.setattr(ab, "job_port", lambda g, slot: 18000 + os.getpid() % 1000 * 10 + 5 * g + slot - 30)
     out = tmp_path / "raw.json"
-    monkeypatch.setattr(sys, "argv", ["h200_ab_cross.py", "--loads", "2", "--pairs", "2", "--window", "1",
-                                      "--output-len", "8", "--out", str(out)])
+    monkeypatch.setattr(sys, "argv", ["h200_ab_cross.py", "--loads", "2", "--pairs", "2", "--window", "1", "--arms", "full,bare",
+                                      "--output-len", "8", "--no-profile", "--out", str(out)])
     try:
         assert cross.main() == 0
     finally:
@@ -73,14 +73,25 @@ def test_the_script_runs_both_placements_at_once_and_pairs_them(monkeypatch, tmp
     doc = json.loads(out.read_text())
     assert doc["notes"] == []
     ws = doc["windows"]
-    # Each pair: rounds X and Y (order alternating), each with stock and plugin on different GPUs.
-    assert [(w["pair"], w["round"], w["server"]) for w in ws] == [
-        (0, "X", "stock@0"), (0, "X", "plugin@1"), (0, "Y", "stock@1"), (0, "Y", "plugin@0"),
-        (1, "Y", "stock@1"), (1, "Y", "plugin@0"), (1, "X", "stock@0"), (1, "X", "plugin@1")]
+    # Each pair and arm: rounds X and Y (order alternating by pair), stock and the arm on different GPUs.
+    got = [(w["pair"], w["round"], w["server"]) for w in ws]
+    assert got == [
+        (0, "X", "stock@0"), (0, "X", "full@1"), (0, "Y", "stock@1"), (0, "Y", "full@0"),
+        (0, "X", "stock@0"), (0, "X", "bare@1"), (0, "Y", "stock@1"), (0, "Y", "bare@0"),
+        (1, "Y", "stock@1"), (1, "Y", "full@0"), (1, "X", "stock@0"), (1, "X", "full@1"),
+        (1, "Y", "stock@1"), (1, "Y", "bare@0"), (1, "X", "stock@0"), (1, "X", "bare@1")]
     for i in range(0, len(ws), 2):
         assert abs(ws[i]["first_send_s"] - ws[i + 1]["first_send_s"]) < 0.3  # one shared window
-    assert [p["pair"] for p in doc["pairs"]] == [0, 1]
+    assert [(p["pair"], p["arm"]) for p in doc["pairs"]] == [(0, "full"), (0, "bare"), (1, "full"), (1, "bare")]
     for p in doc["pairs"]:
         # Twice the inter-token delay: the plugin stand-in serves clearly fewer tokens/s.
         assert 0.4 < p["throughput_ratio"] < 0.85 and p["itl_p50_ratio"] > 1.5
         assert p["j_per_token_ratio"] is None  # no NVML on this machine: no energy, no made-up ratio
+    assert doc["method"]["servers"]["bare@0"]["config"]["powersave"]["energy"] == {"meter": "off"}
+
+
+def test_unknown_arm_is_one_line_and_starts_nothing(monkeypatch, capsys, tmp_path) -> None:
+    monkeypatch.setattr(ab, "start_server", lambda *a, **k: pytest.fail("a server was started"))
+    monkeypatch.setattr(sys, "argv", ["h200_ab_cross.py", "--arms", "full,fast", "--out", str(tmp_path / "x.json")])
+    assert cross.main() == 2
+    assert capsys.readouterr().err.strip() == "error: --arms 'full,fast': unknown ['fast']; choose from ['bare', 'full']"
