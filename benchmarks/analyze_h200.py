@@ -231,6 +231,92 @@ def analyze_plp(raw: dict, tag: str) -> dict:
             "cuda_peak_scope": snap_b.get("cuda_peak_scope", "since worker start (includes vLLM's start-up profile run)")}
 
 
+def analyze_cross(raw: dict, tag: str) -> dict:
+    """A cross-GPU A/B (``h200_ab_cross.py``): per arm and load, the per-pair ratios (each the
+    geometric mean over the two placements, so a GPU's own speed and power cancel), their median,
+    mean and 95 % interval, and both arms' mean figures over their windows."""
+    # The first cross run (session 6) had one arm, called "plugin" in its windows and unnamed in its pairs.
+    raw = {**raw, "pairs": [{"arm": "full", **p} for p in raw["pairs"]],
+           "windows": [{**w, "arm": "full" if w["arm"] == "plugin" else w["arm"]} for w in raw["windows"]]}
+    cases = []
+    for key in sorted({(p["arm"], p["load"]) for p in raw["pairs"]}, key=lambda k: (k[1], k[0])):
+        arm, load = key
+        ps = [p for p in raw["pairs"] if (p.get("arm", "full"), p["load"]) == key and p["throughput_ratio"] is not None]
+        if not ps:
+            continue
+        pairs = {p["pair"] for p in ps}
+        # A round's two windows are stored one after the other, stock first: that is what ties a
+        # stock window to the arm it ran against.
+        rounds = [(s_, a_) for s_, a_ in zip(raw["windows"][::2], raw["windows"][1::2])
+                  if a_["arm"] == arm and a_["load"] == load and a_["pair"] in pairs]
+        stock, plug = [s_ for s_, _ in rounds], [a_ for _, a_ in rounds]
+        thr = [p["throughput_ratio"] for p in ps]
+        jpt = [p["j_per_token_ratio"] for p in ps if p["j_per_token_ratio"] is not None]
+        (lo, hi), (jlo, jhi) = ci95(thr), (ci95(jpt) if len(jpt) > 1 else (math.nan, math.nan))
+        cases.append({
+            "shape": raw["shape"], "load": load, "arm": arm, "pairs": len(ps),
+            "load_kind": "closed-loop concurrency (OpenAI server, load-test harness)",
+            "design": "cross-GPU: stock and plugin at the same moment, one per GPU, placements swapped per pair",
+            "throughput_ratio": st.median(thr), "throughput_ratio_mean": st.mean(thr), "throughput_ratio_ci95": [lo, hi],
+            "throughput_ratio_per_pair": thr,
+            "j_per_token_ratio": st.median(jpt) if jpt else None, "j_per_token_ratio_mean": st.mean(jpt) if jpt else None,
+            "j_per_token_ratio_ci95": [jlo, jhi], "j_per_token_ratio_per_pair": jpt,
+            "itl_p50_ratio": st.median(p["itl_p50_ratio"] for p in ps if p.get("itl_p50_ratio") is not None),
+            "verdict": ("no difference beyond noise" if (lo <= 1 <= hi and jlo <= 1 <= jhi) else "difference beyond noise"),
+            "stock_out_tok_per_s": st.mean(w["output_throughput"] for w in stock),
+            "plugin_out_tok_per_s": st.mean(w["output_throughput"] for w in plug),
+            "stock_out_tok_per_j": st.mean(w["output_tokens_per_joule"] for w in stock) if all(w.get("output_tokens_per_joule") for w in stock) else None,
+            "plugin_out_tok_per_j": st.mean(w["output_tokens_per_joule"] for w in plug) if all(w.get("output_tokens_per_joule") for w in plug) else None,
+            "stock_avg_power_w": st.mean(w["gpu_avg_power_w"] for w in stock) if all(w.get("gpu_avg_power_w") for w in stock) else None,
+            "plugin_avg_power_w": st.mean(w["gpu_avg_power_w"] for w in plug) if all(w.get("gpu_avg_power_w") for w in plug) else None,
+            "stock_median_itl_ms": st.median(w["median_itl_ms"] for w in stock),
+            "plugin_median_itl_ms": st.median(w["median_itl_ms"] for w in plug),
+            "energy_source": "measured",
+        })
+    return {"run": tag, "shape": raw["shape"], "date_utc": raw["date_utc"], "method": raw["method"],
+            "startup_s": raw.get("startup_s"), "notes": raw.get("notes", []), "cases": cases,
+            "profiles": raw.get("profiles", []),
+            "first_send_spread_s": max((abs(a["first_send_s"] - b["first_send_s"]) for a, b in zip(raw["windows"][::2], raw["windows"][1::2])
+                                        if a.get("first_send_s") is not None and b.get("first_send_s") is not None), default=None)}
+
+
+def cross_lines(r: dict) -> list[str]:
+    m = r["method"]
+    servers = m.get("servers", {})
+    cpus = ", ".join(f"{n} CPUs {v['cpus'][0]}-{v['cpus'][-1]}" if isinstance(v.get("cpus"), list) else f"{n} not pinned"
+                     for n, v in servers.items())
+    lines = [f"## Cross-GPU A/B: {r['shape']} — {r['run']} (measured)", "",
+             f"Two GPUs of one host; each holds a stock server and one server per plugin arm ({', '.join(m.get('arms', ['full']))}; "
+             "`full` = the A/B's settings above, `bare` = every option off: meter off, no trace, no presets, empty chunk table). "
+             "A round drives one server per GPU at the same moment, stock on one GPU and the arm on the other, each alone on its GPU "
+             f"(one forked client each, started behind a barrier; first requests at most {1000 * (r['first_send_spread_s'] or 0):.0f} ms apart); "
+             "the next round swaps the GPUs. Per pair the ratio is the geometric mean of the two rounds' arm/stock ratios, so a GPU's own "
+             f"speed and power cancel, and host drift cancels within each round. {m.get('window_s'):.0f} s windows, {m.get('input_len')} prompt / "
+             f"{m.get('output_len')} output tokens, energy from each GPU's NVML counter over its own window. Placement: {cpus} "
+             f"(start-up {r.get('startup_s') or 0:.0f} s; {r['date_utc']}; `benchmarks/h200_ab_cross.py`).", "",
+             "| arm | load | pairs | throughput ratio median (mean, 95% CI) | J/token ratio median (mean, 95% CI) | ITL p50 ratio | stock tok/s | plugin tok/s | stock tok/J | plugin tok/J | verdict |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    f = (lambda x, d=2: f"{x:.{d}f}" if x is not None else "n/a")
+    for c in r["cases"]:
+        lo, hi = c["throughput_ratio_ci95"]
+        jlo, jhi = c["j_per_token_ratio_ci95"]
+        lines.append(f"| {c['arm']} | {c['load']} | {c['pairs']} | {c['throughput_ratio']:.3f} ({c['throughput_ratio_mean']:.3f}, {lo:.3f}–{hi:.3f}) | "
+                     f"{f(c['j_per_token_ratio'], 3)} ({f(c['j_per_token_ratio_mean'], 3)}, {jlo:.3f}–{jhi:.3f}) | {c['itl_p50_ratio']:.3f} | "
+                     f"{c['stock_out_tok_per_s']:.0f} | {c['plugin_out_tok_per_s']:.0f} | {f(c['stock_out_tok_per_j'])} | {f(c['plugin_out_tok_per_j'])} | {c['verdict']} |")
+    if r.get("profiles"):
+        lines += ["", "GIL profiles in one extra round per arm (`py-spy record --gil` on both processes of both servers, same moment): "
+                      "share of the time a thread of the process held the GIL, and the share of those samples in the plugin's own frames "
+                      "(its wrappers' calls into vLLM excluded):", "",
+                  "| arm | process | GIL held | plugin's own share | top plugin frames |", "|---|---|---|---|---|"]
+        for pr in r["profiles"]:
+            for k, v in pr["profiles"].items():
+                top = "; ".join(f"{fr.split(' (')[0]} ({n})" for fr, n in (v.get("top") or [])[:4]) or "-"
+                lines.append(f"| {pr['arm']} | {k} | {100 * (v.get('gil_busy_share') or 0):.1f} % | {100 * (v.get('share') or 0):.1f} % | {top} |")
+    if r.get("notes"):
+        lines += ["", f"Run notes: {'; '.join(r['notes'])}."]
+    return [*lines, ""]
+
+
 def plp_lines(r: dict) -> list[str]:
     arms = r["method"].get("arms", {})
     lines = [f"## Prompt logprobs: {r['shape']} — {r['run']} (measured)", "",
@@ -270,6 +356,35 @@ def ratio_table(cases: list[dict]) -> list[str]:
     return lines
 
 
+def concurrent_bisect_lines(b: dict) -> list[str]:
+    """A concurrent bisect: every server driven at the same moment on one GPU, CPU sets rotated."""
+    lines = [f"## Overhead bisect {b['tag']}: qwen2.5-0.5b at concurrency 8, servers driven at once on one GPU (measured)", "",
+             f"{len(b['by_server'])} servers resident on one GPU ({', '.join(b['by_server'])}), all driven at the same moment in every "
+             f"round (one forked client each, behind a barrier), their CPU sets rotated among them every round; {b['window_s']:.0f} s windows, "
+             f"{b['rounds']} rounds ({b['date_utc']}, `benchmarks/h200_overhead_bisect.py --concurrent`). The GPU is time-sliced "
+             "between the active servers, so each runs partly GPU-bound: this compares the servers in one shared state, not single-tenant "
+             "throughput. S7 is a second stock server: its spread is what no difference looks like.", "",
+             "| server | rounds | median tok/s | ratio to stock: median | mean (95% CI) | sd | min–max |", "|---|---|---|---|---|---|---|"]
+    for name, r in b["per_round_ratio"].items():
+        lo, hi = ci95(r) if len(r) > 1 else (math.nan, math.nan)
+        lines.append(f"| {name} | {len(r)} | {st.median(b['by_server'][name]):.0f} | {st.median(r):.4f} | {st.mean(r):.4f} ({lo:.4f}–{hi:.4f}) | "
+                     f"{st.stdev(r) if len(r) > 1 else 0:.4f} | {min(r):.3f}–{max(r):.3f} |")
+    for name, prof in b["profiles"].items():
+        for proc, pr in prof.items():
+            if isinstance(pr, dict) and pr.get("gil_samples") is not None:
+                top = pr.get("top") or []
+                # Profiles taken before the scheduler wrapper joined the excluded wrappers counted its call
+                # into vLLM's scheduler as the plugin's: take those samples out (the wrapper's own lines are few).
+                wrapped = sum(n for f, n in top if "make_schedule" in f or "make_add" in f)
+                own = (pr.get("powersave_own_samples") or 0) - wrapped
+                share = own / pr["gil_samples"] if pr["gil_samples"] else 0.0
+                note = f" ({100 * (pr.get('share') or 0):.1f} % before taking out {wrapped} samples in the scheduler wrapper's call into vLLM)" if wrapped else ""
+                names = "; ".join(f"{f.split(' (')[0]} ({n})" for f, n in top[:4] if not ("make_schedule" in f or "make_add" in f)) or "-"
+                lines.append(f"| GIL profile {name} ({proc}): held {100 * (pr.get('gil_busy_share') or 0):.0f} % of the time, "
+                             f"plugin's own {100 * share:.1f} %{note} | | | | | | {names} |")
+    return [*lines, ""]
+
+
 def markdown(doc: dict) -> str:
     lines = ["# vLLM + powersave vs stock vLLM on the H200 (measured)", "",
              f"- Device: {doc['device']['name']}, driver {doc['device'].get('driver')}, power limit {doc['device'].get('power_limit_w')} W; vLLM {doc['vllm_version']} (V1 engine, V2 model runner, torch.compile + CUDA graphs), `--load-format dummy`.",
@@ -294,9 +409,14 @@ def markdown(doc: dict) -> str:
             lines.append(f"| {c['load']} | {pm['steps_by_phase']} | {hm:.2f} | {si:.2f} | {share} | {fmt(sd['energy_saving_pct_mean'])} | {fmt(sd['time_change_pct_mean'])} | {fmt(sd['alt_policy_saving_pct_mean'])} |"
                          if hm is not None and si is not None else f"| {c['load']} | {pm['steps_by_phase']} | n/a | n/a | {share} | n/a | n/a | n/a |")
         lines.append("")
+    for r in doc.get("cross", []):
+        lines += cross_lines(r)
     for r in doc.get("prompt_logprobs", []):
         lines += plp_lines(r)
     for b in doc.get("bisects", []):
+        if b.get("concurrent"):
+            lines += concurrent_bisect_lines(b)
+            continue
         lines += [f"## Overhead bisect {b['tag']}: qwen2.5-0.5b at concurrency 8 (measured)", "",
                   f"{len(b['by_server'])} servers resident on one GPU ({', '.join(b['by_server'])}: stock; the plugin as above; the plugin with every option off, or with one option off, as named), {b['window_s']:.0f} s closed-loop windows, the server order reversed every other round, {b['rounds']} rounds ({b['date_utc']}, `benchmarks/h200_overhead_bisect.py`). Output tokens/s per round:", "",
                   "| server | " + " | ".join(f"round {r}" for r in range(b["rounds"])) + " | median | ratio to stock (median of per-round ratios) |",
@@ -342,6 +462,7 @@ def main() -> int:
     ap.add_argument("--finding", action="append", default=[])
     ap.add_argument("--bisect", action="append", default=[], help="[TAG=]PATH of a raw h200_overhead_bisect.py output (repeatable)")
     ap.add_argument("--plp", action="append", default=[], help="TAG=PATH of a raw prompt-logprob h200_ab.py output (both arms plugin)")
+    ap.add_argument("--cross", action="append", default=[], help="TAG=PATH of a raw h200_ab_cross.py output (repeatable)")
     ns = ap.parse_args()
     out = Path(ns.out)
     (out / "raw").mkdir(parents=True, exist_ok=True)
@@ -381,10 +502,22 @@ def main() -> int:
         if not stock:
             raise SystemExit(f"error: --bisect {spec}: no S0-stock windows, so no ratio to stock")
         ratio = {k: st.median(v[i] / stock[i] for i in range(rounds)) for k, v in by.items()}
+        per_round = {k: [v[i] / stock[i] for i in range(rounds)] for k, v in by.items()}
         doc["bisects"].append({"tag": tag or "1", "window_s": braw["window_s"], "rounds": rounds, "date_utc": braw["date_utc"],
+                               "concurrent": bool(braw.get("design", "").startswith("concurrent")), "per_round_ratio": per_round,
+                               "design": braw.get("design"), "server_cpus": braw.get("server_cpus"),
                                "by_server": by, "ratio_to_stock": ratio, "profiles": braw.get("profiles", {}),
                                "configs": braw.get("configs"), "notes": braw.get("notes", [])})
         _archive(braw, Path(path), out / "raw" / (f"h200-overhead-bisect-{tag}.json.gz" if tag else "h200-overhead-bisect.json.gz"))
+    doc["cross"] = []
+    for spec in ns.cross:
+        tag, path = spec.split("=", 1)
+        raw = json.loads(_read_text(Path(path)))
+        r = analyze_cross(raw, tag)
+        doc["cross"].append(r)
+        # The most direct overhead measurement: its cases join the per-case list (design says how they were taken).
+        doc["cases"] += [c | {"run": tag} for c in r["cases"]]
+        _archive(raw, Path(path), out / "raw" / f"h200-cross-{tag}.json.gz")
     (out / "h200-vllm.json").write_text(json.dumps(doc, indent=1, default=float))
     (out / "h200-vllm.md").write_text(markdown(doc))
     print(markdown(doc))
