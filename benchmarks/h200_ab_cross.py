@@ -50,6 +50,8 @@ ARMS = {
     "full": lambda stats, table: plugin_config(stats, table),
     "bare": lambda stats, table: {"powersave": {"chunking": {"table": []}, "clocks": {"backend": "dry-run"},
                                                 "energy": {"meter": "off"}}},
+    # A second stock server (A/A): what the design reads when there is no difference at all.
+    "twin": None,
 }
 
 
@@ -100,6 +102,22 @@ def profile_rounds(ns: argparse.Namespace, procs: dict, placement: dict, arms: l
         save()
 
 
+def rotate_cpus(procs: dict, placement: dict, cpu_sets: dict, order: list[str], k: int) -> None:
+    """Give each GPU's servers the pinned CPU sets shifted by ``k`` (server i gets set (i + k) mod n),
+    so that over the pairs every arm runs on every set: a set's own speed (interrupts, a busy
+    sibling) cancels like a GPU's does."""
+    import h200_overhead_bisect as bis
+
+    for g, sets in cpu_sets.items():
+        if not sets:
+            continue
+        for i, arm in enumerate(order):
+            name = f"{arm}@{g}"
+            cpus = sets[(i + k) % len(sets)]
+            bis.set_tree_affinity(procs[name][0].pid, cpus)
+            placement[name]["cpus_now"] = sorted(cpus)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="qwen2.5-0.5b")
@@ -113,7 +131,10 @@ def main() -> int:
     ap.add_argument("--kv-cache-bytes", type=int, default=4 << 30,
                     help="--kv-cache-memory-bytes per server: two servers starting on one GPU must not size the cache by profiling it")
     ap.add_argument("--budget-s", type=float, default=540.0, help="stop starting rounds after this (s since start)")
-    ap.add_argument("--arms", default="full", help=f"plugin arms compared with stock, comma-separated, from {sorted(ARMS)}")
+    ap.add_argument("--arms", default="full", help=f"arms compared with stock, comma-separated, from {sorted(ARMS)} "
+                                                    "(twin: a second stock server, the A/A control)")
+    ap.add_argument("--rotate-cpus", action=argparse.BooleanOptionalAction, default=True,
+                    help="rotate the pinned CPU sets among each GPU's servers every pair, so that no arm keeps the same CPUs")
     ap.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
                     help="after the pairs, one more round per arm (last load, placement X) with py-spy --gil on both "
                          "processes of both servers, if py-spy is in the plugin site")
@@ -155,11 +176,12 @@ def main() -> int:
     never_chunk = [{"min_rows": 1_000_000, "chunks": 2}]
     procs: dict[str, tuple] = {}
     placement: dict[str, dict] = {}
+    cpu_sets: dict[int, list[set[int]] | None] = {}
     for g in gpus:
         cpus = ab.server_cpu_sets(g, 1 + len(arms))
         kv = ["--kv-cache-memory-bytes", str(ns.kv_cache_bytes)]
         for slot, arm in enumerate(["stock", *arms]):
-            if arm == "stock":
+            if ARMS.get(arm) is None:  # stock, or the stock twin
                 extra, site = [], ns.stock_site
             else:
                 stats = f"/tmp/powersave-stats/cross-{ns.shape}-{arm}-g{g}"
@@ -171,8 +193,10 @@ def main() -> int:
             procs[name] = (ab.start_server(f"{arm}-g{g}", model, port, [*extra, *kv], site, out_file.parent, ns.gpu_mem,
                                            env_extra={"CUDA_VISIBLE_DEVICES": str(g)}, cpus=cpus[slot] if cpus else None), port)
             placement[name] = {"gpu": g, "cpus": sorted(cpus[slot]) if cpus else "not pinned",
-                               "config": None if arm == "stock" else ARMS[arm]("<stats_dir>", never_chunk)}
+                               "config": None if ARMS.get(arm) is None else ARMS[arm]("<stats_dir>", never_chunk)}
+        cpu_sets[g] = cpus
     result["method"]["servers"] = placement
+    result["method"]["rotate_cpus"] = bool(ns.rotate_cpus and any(cpu_sets.values()))
     result["method"]["arms"] = arms
     a, b = gpus
     pyspy = Path(ns.plugin_site) / "bin" / "py-spy"
@@ -187,6 +211,8 @@ def main() -> int:
                 run(BenchConfig(base_url=f"http://127.0.0.1:{port}", model="model", num_prompts=load, max_concurrency=load,
                                 input_len=ns.input_len, output_len=32, energy="none", label=f"warm-{name}"))
             for pair, arm in ((pr, am) for pr in range(ns.pairs) for am in arms):
+                if ns.rotate_cpus and arm == arms[0]:
+                    rotate_cpus(procs, placement, cpu_sets, ["stock", *arms], pair)
                 rounds = {"X": (f"stock@{a}", f"{arm}@{b}"), "Y": (f"stock@{b}", f"{arm}@{a}")}
                 got_pair: dict[str, dict] = {}
                 for kind in (("X", "Y") if pair % 2 == 0 else ("Y", "X")):
@@ -206,7 +232,7 @@ def main() -> int:
                             raise RuntimeError(f"load {load} pair {pair} round {kind} {n}: nothing completed "
                                                f"({res.get('error') or next((e for e in res.get('errors') or [] if e), None)})")
                         w = {"server": n, "arm": n.split("@")[0], "gpu": placement[n]["gpu"], "load": load, "pair": pair,
-                             "round": kind, "first_send_s": res.get("first_send_s"),
+                             "round": kind, "first_send_s": res.get("first_send_s"), "cpus": placement[n].get("cpus_now"),
                              **{k: res.get(k) for k in ab.SUMMARY_KEYS}}
                         result["windows"].append(w)
                         got_pair[f"{kind}:{'stock' if w['arm'] == 'stock' else 'plugin'}"] = w

@@ -56,7 +56,10 @@ def test_the_script_runs_both_placements_at_once_and_pairs_them(monkeypatch, tmp
 
     monkeypatch.setattr(ab, "device_prologue", lambda ns, gpus: tmp_path)
     monkeypatch.setattr(ab, "device_facts", lambda i=0: {"name": "test"})
-    monkeypatch.setattr(ab, "server_cpu_sets", lambda g, n: None)
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    two = len(cpus) == 2
+    # Three CPU sets per GPU (stock, full, bare): rotated every pair, so the arms change sets.
+    monkeypatch.setattr(ab, "server_cpu_sets", lambda g, n: [{cpus[0]}, {cpus[-1]}, {cpus[0]}] if two else None)
     monkeypatch.setattr(ab, "start_server", start)
     monkeypatch.setattr(ab, "wait_healthy", healthy)
     monkeypatch.setattr(ab, "job_port", lambda g, slot: 18000 + os.getpid() % 1000 * 10 + 5 * g + slot - 30)
@@ -88,10 +91,15 @@ def test_the_script_runs_both_placements_at_once_and_pairs_them(monkeypatch, tmp
         assert 0.4 < p["throughput_ratio"] < 0.85 and p["itl_p50_ratio"] > 1.5
         assert p["j_per_token_ratio"] is None  # no NVML on this machine: no energy, no made-up ratio
     assert doc["method"]["servers"]["bare@0"]["config"]["powersave"]["energy"] == {"meter": "off"}
+    if two:
+        assert doc["method"]["rotate_cpus"] is True
+        stock0 = [w["cpus"] for w in ws if w["server"] == "stock@0"]
+        full1 = [w["cpus"] for w in ws if w["server"] == "full@1"]
+        assert stock0 == [[cpus[0]], [cpus[0]], [cpus[1]], [cpus[1]]] and full1 == [[cpus[1]], [cpus[0]]]
 
 
 def test_unknown_arm_is_one_line_and_starts_nothing(monkeypatch, capsys, tmp_path) -> None:
     monkeypatch.setattr(ab, "start_server", lambda *a, **k: pytest.fail("a server was started"))
     monkeypatch.setattr(sys, "argv", ["h200_ab_cross.py", "--arms", "full,fast", "--out", str(tmp_path / "x.json")])
     assert cross.main() == 2
-    assert capsys.readouterr().err.strip() == "error: --arms 'full,fast': unknown ['fast']; choose from ['bare', 'full']"
+    assert capsys.readouterr().err.strip() == "error: --arms 'full,fast': unknown ['fast']; choose from ['bare', 'full', 'twin']"
