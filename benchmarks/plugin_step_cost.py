@@ -44,6 +44,17 @@ llm = LLM(model, max_model_len=512, enforce_eager=True, dtype="bfloat16", max_nu
 sp = SamplingParams(max_tokens=steps, ignore_eos=True, temperature=0)
 prompts = [{"prompt_token_ids": list(range(10 + i, 74 + i))} for i in range(batch)]
 llm.generate(prompts, sp, use_tqdm=False)  # warm-up
+import gc
+# Garbage-collector work during the timed steps: collections run inside whichever frame allocates,
+# so a profiler charges them to vLLM even when the plugin's per-step objects triggered them.
+gc_t, gc_s = [0.0], [0.0]
+def _gc_cb(phase, info):
+    if phase == "start":
+        gc_s[0] = time.perf_counter()
+    else:
+        gc_t[0] += time.perf_counter() - gc_s[0]
+gc.callbacks.append(_gc_cb)
+before = [g["collections"] for g in gc.get_stats()]
 pr = cProfile.Profile() if profile else None
 t = time.perf_counter()
 if pr: pr.enable()
@@ -51,8 +62,12 @@ for _ in range(3):
     llm.generate(prompts, sp, use_tqdm=False)
 if pr: pr.disable()
 wall = time.perf_counter() - t
+gc.callbacks.remove(_gc_cb)
 n = 3 * steps
-out = {"mode": mode, "profiled": profile, "steps": n, "wall_ms_per_step": 1000 * wall / n}
+colls = [g["collections"] - b for g, b in zip(gc.get_stats(), before)]
+out = {"mode": mode, "profiled": profile, "steps": n, "wall_ms_per_step": 1000 * wall / n,
+       "gc_collections_per_100_steps": [100 * c / n for c in colls], "gc_us_per_step": 1e6 * gc_t[0] / n,
+       "gc_enabled": gc.isenabled(), "gc_frozen_objects": gc.get_freeze_count(), "gc_threshold": list(gc.get_threshold())}
 if pr:
     rows, own = [], 0.0
     for (fn, line, name), (cc, nc, tt, ct, callers) in pstats.Stats(pr).stats.items():
@@ -78,6 +93,24 @@ def child(mode: str, profile: bool, model: Path, steps: int, batch: int) -> dict
     return json.loads(line[7:])
 
 
+def gc_lines(doc: dict) -> list[str]:
+    """The garbage collector's work in the timed steps, per run (runs before this table existed have none)."""
+    g = doc.get("gc")
+    if not g or not g.get("stock"):
+        return []
+    first = g["stock"][0]
+    lines = ["## Garbage collector during the timed steps (same runs)", "",
+             f"Collections per 100 engine steps by generation (0 / 1 / 2) and time inside collections per step (`gc.callbacks`); "
+             f"collector {'enabled' if first['gc_enabled'] else 'disabled'}, thresholds {first['gc_threshold']}, "
+             f"{first['gc_frozen_objects']} objects frozen by vLLM (`gc.freeze`) in the stock run.", "",
+             "| pair | stock collections / 100 steps | stock GC µs/step | plugin collections / 100 steps | plugin GC µs/step |", "|---|---|---|---|---|"]
+    fmt = (lambda c: " / ".join(f"{x:.1f}" for x in c))
+    for i, (a, b) in enumerate(zip(g["stock"], g["plugin"])):
+        lines.append(f"| {i + 1} | {fmt(a['gc_collections_per_100_steps'])} | {a['gc_us_per_step']:.1f} | "
+                     f"{fmt(b['gc_collections_per_100_steps'])} | {b['gc_us_per_step']:.1f} |")
+    return [*lines, ""]
+
+
 def write_md(doc: dict, path: Path) -> None:
     p, w = doc["profile"], doc["wall"]
     lines = ["# The plugin's host time per engine step in real vLLM (measured, CPU)", "",
@@ -94,6 +127,7 @@ def write_md(doc: dict, path: Path) -> None:
         lines.append(f"| {i + 1} | {a:.3f} | {b:.3f} | {b - a:+.3f} |")
     lines += ["", f"Median difference {doc['median_diff_ms']:+.3f} ms per step (pairs {', '.join(f'{x:+.3f}' for x in doc['diffs_ms'])}); "
               "on this shared 2-core machine a step varies by more than that from process to process.", "",
+              *gc_lines(doc),
               "## The plugin's own Python time per step (cProfile, upper bound)", "",
               f"Total own time of `vllm_powersave` functions: **{p['plugin_own_us_per_step']:.1f} µs per step** "
               f"(wall {p['wall_ms_per_step']:.3f} ms per step under the profiler). Top entries:", "",
@@ -127,10 +161,12 @@ def main() -> int:
     model = Path(ns.model)
     SETTINGS["powersave"]["energy"] = {"meter": ns.meter}
     wall: dict[str, list[float]] = {"stock": [], "plugin": []}
+    gcs: dict[str, list[dict]] = {"stock": [], "plugin": []}
     for i in range(ns.pairs):
         for mode in (("stock", "plugin") if i % 2 == 0 else ("plugin", "stock")):
             r = child(mode, False, model, ns.steps, ns.batch)
             wall[mode].append(r["wall_ms_per_step"])
+            gcs[mode].append({k: r.get(k) for k in ("gc_collections_per_100_steps", "gc_us_per_step", "gc_enabled", "gc_frozen_objects", "gc_threshold")})
             print(f"[step-cost] pair {i} {mode}: {r['wall_ms_per_step']:.3f} ms/step", flush=True)
     prof = child("plugin", True, model, ns.steps, ns.batch)
     print(f"[step-cost] plugin own time under cProfile: {prof['plugin_own_us_per_step']:.1f} us/step", flush=True)
@@ -138,7 +174,7 @@ def main() -> int:
     doc = {"what": "plugin host time per engine step in real vLLM (CPU build)", "measured": True, "simulated_parts": "energy meter only",
            "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "host": f"{platform.machine()}, {os.cpu_count()} CPUs",
            "vllm_version": vllm.__version__, "batch": ns.batch, "steps": ns.steps, "settings": SETTINGS,
-           "wall": wall, "diffs_ms": diffs, "median_diff_ms": st.median(diffs), "profile": prof, "findings": ns.finding}
+           "wall": wall, "gc": gcs, "diffs_ms": diffs, "median_diff_ms": st.median(diffs), "profile": prof, "findings": ns.finding}
     out = Path(ns.out)
     out.write_text(json.dumps(doc, indent=1) + "\n")
     write_md(doc, out.with_suffix(".md"))
