@@ -8,6 +8,7 @@ TP/PP rank: all ranks receive the same scheduler output.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 
 @dataclass(frozen=True)
@@ -25,15 +26,7 @@ class ReqSched:
     computed: int = 0
 
 
-@dataclass(frozen=True)
-class StepInfo:
-    """Composition of one engine step.
-
-    ``prefill_tokens``: prompt (or recomputed) tokens; ``decode_tokens``: generated-token positions
-    (1 + spec per decoding request); ``lm_head_rows``: rows that reach the LM head (one per request
-    plus its spec tokens); ``decode_ctx_tokens``: KV-cache tokens read by decoding requests.
-    """
-
+class _StepFields(NamedTuple):
     phase: str
     num_reqs: int
     prefill_reqs: int
@@ -44,10 +37,39 @@ class StepInfo:
     lm_head_rows: int
     decode_ctx_tokens: int
 
+
+class StepInfo(_StepFields):
+    """Composition of one engine step (immutable).
+
+    ``prefill_tokens``: prompt (or recomputed) tokens; ``decode_tokens``: generated-token positions
+    (1 + spec per decoding request); ``lm_head_rows``: rows that reach the LM head (one per request
+    plus its spec tokens); ``decode_ctx_tokens``: KV-cache tokens read by decoding requests.
+
+    Built once per engine step, so it is a tuple (one allocation, no per-field ``__setattr__`` as a
+    frozen dataclass pays); equality and hashing are still by type and fields, as a dataclass's.
+    """
+
+    __slots__ = ()
+
     @property
     def num_tokens(self) -> int:
         return self.prefill_tokens + self.decode_tokens
 
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is self.__class__:
+            return tuple.__eq__(self, other)
+        return False if isinstance(other, tuple) else NotImplemented
+
+    def __ne__(self, other: object) -> bool:
+        if other.__class__ is self.__class__:
+            return tuple.__ne__(self, other)
+        return True if isinstance(other, tuple) else NotImplemented
+
+    __hash__ = tuple.__hash__
+
+
+#: ``_new(StepInfo, (fields...))``: a StepInfo without the Python-level ``__new__`` frame.
+_new = tuple.__new__
 
 IDLE = StepInfo("idle", 0, 0, 0, 0, 0, 0, 0, 0)
 
@@ -108,7 +130,9 @@ def classify_counts(
     num_reqs = prefill_reqs + cached_decode_reqs
     if num_reqs == 0 or total_tokens <= 0:
         return IDLE
-    decode_tokens = min(cached_decode_reqs + spec_tokens, total_tokens)
+    decode_tokens = cached_decode_reqs + spec_tokens
+    if decode_tokens > total_tokens:  # noqa: PLR1730 - min() without the call (per step)
+        decode_tokens = total_tokens
     prefill_tokens = total_tokens - decode_tokens
     if cached_decode_reqs == 0:
         phase = "prefill"
@@ -116,4 +140,5 @@ def classify_counts(
         phase = "decode"
     else:
         phase = "mixed"
-    return StepInfo(phase, num_reqs, prefill_reqs, cached_decode_reqs, prefill_tokens, decode_tokens, spec_tokens, num_reqs + spec_tokens, decode_ctx_tokens)
+    return _new(StepInfo, (phase, num_reqs, prefill_reqs, cached_decode_reqs, prefill_tokens, decode_tokens, spec_tokens,
+                           num_reqs + spec_tokens, decode_ctx_tokens))

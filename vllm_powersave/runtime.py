@@ -28,6 +28,7 @@ from .settings import ENV_PERF_BOOST, PowersaveSettings, settings_from_env
 from .sim.gpu import SPECS, ModelCost, SimulatedGpu
 
 log = logging.getLogger("vllm.powersave")
+_LOOKAHEAD_ATTR = vllm_compat.LOOKAHEAD_ATTR
 
 #: Set on machines whose GPU settings must never change (the shared H200): any clock backend
 #: becomes dry-run, whatever the settings say.
@@ -47,13 +48,13 @@ def chunk_policy() -> ChunkPolicy:
 
 def chunked_head(head: Any, hidden_states: Any) -> Any:
     """LM-head hook: chunk count from the policy, keyed on rows reaching the head."""
-    policy = chunk_policy()
+    policy = _POLICY if _POLICY is not None else chunk_policy()
     rows = int(hidden_states.shape[0]) if hidden_states.dim() >= 2 else 1
-    n = policy.chunks(rows)
-    policy.record(n, rows)
+    n = policy.take(rows)
     rt = _RUNTIME
-    if rt is None or not rt.clocks.has_group("lm_head"):
-        return apply_chunked(head, hidden_states, n)
+    if rt is None or not rt.clocks.groups or not rt.clocks.has_group("lm_head"):
+        # One chunk (every step but those the table chunks): apply_chunked(head, h, 1) is head(h).
+        return head(hidden_states) if n <= 1 else apply_chunked(head, hidden_states, n)
     # A kernel-group preset for the LM head passed the switch-latency gate: switch when the GPU
     # (not the host, which runs ahead) reaches the LM head, and back when it leaves it.
     rt.clocks.on_group("lm_head", ready=_gpu_marker(hidden_states))
@@ -107,17 +108,46 @@ class RegimeFilter:
         scheduler was hooked (identical on all ranks); ``waiting_tokens``: prompt tokens waiting in
         the scheduler's queue (look-ahead: at least ``burst_tokens`` of them raise the clock before
         the burst's first step)."""
-        own = clock_phase(info, self.mb_tokens)
+        # clock_phase(info, self.mb_tokens), inlined: this runs every engine step.
+        phase = own = info.phase
+        if self.mb_tokens and (phase == "decode" or phase == "mixed"):
+            if info.num_tokens <= self.mb_tokens:
+                own = "decode"
+            elif phase == "decode":
+                own = "mixed"
         x = 0.0 if own == "decode" else 1.0
-        if self._t is None:
+        t = self._t
+        if t is None:
             self.share = x
         else:
-            a = math.exp(-max(0.0, now - self._t) / self.window_s)
+            dt = now - t
+            a = math.exp(-(dt if dt > 0.0 else 0.0) / self.window_s)  # noqa: FURB136 - max(0.0, dt) without the call
             self.share = a * self.share + (1 - a) * x
         self._t = now
-        if waiting_tokens >= self.burst_tokens or info.phase == "prefill" and info.num_tokens >= self.burst_tokens:
+        if waiting_tokens >= self.burst_tokens or phase == "prefill" and info.num_tokens >= self.burst_tokens:
             return "prefill"
         return "decode" if self.share < self.share_max else own
+
+
+_TRACE_KEYS = ("t", "phase", "prefill", "decode", "rows", "ctx", "reqs", "sm_target", "t_end")
+_TRACE_TYPES = (float, str, int, int, int, int, int)
+_TRACE_PHASES = frozenset(("prefill", "decode", "mixed", "idle"))
+_INF = float("inf")
+
+
+def _trace_line(r: Any) -> str:
+    """``json.dumps(dict(zip(_TRACE_KEYS, r))) + "\\n"`` for one trace record, formatted directly
+    where the fields have the types the step hook stores (finite floats, ints, a known phase),
+    for which json.dumps writes float repr, int repr and null; anything else goes through
+    json.dumps. One line per engine step, on the publisher thread (which holds the GIL)."""
+    t, phase, pre, dec, rows, ctx, reqs, sm, t_end = r
+    if ((type(t), type(phase), type(pre), type(dec), type(rows), type(ctx), type(reqs)) == _TRACE_TYPES
+            and -_INF < t < _INF and phase in _TRACE_PHASES and (sm is None or type(sm) is int)
+            and (t_end is None or type(t_end) is float and -_INF < t_end < _INF)):
+        return (f'{{"t": {t!r}, "phase": "{phase}", "prefill": {pre!r}, "decode": {dec!r}, "rows": {rows!r}, '
+                f'"ctx": {ctx!r}, "reqs": {reqs!r}, "sm_target": {"null" if sm is None else repr(sm)}, '
+                f'"t_end": {"null" if t_end is None else repr(t_end)}}}\n')
+    return json.dumps(dict(zip(_TRACE_KEYS, r))) + "\n"
 
 
 def _boost_for(on_gpu: bool, gpu_id: str, release_after_s: float) -> BoostController | None:
@@ -229,7 +259,8 @@ class WorkerRuntime:
         self._last_step_s = time.monotonic()
         c = settings.clocks
         self.regime = RegimeFilter(c.regime_window_s, c.compute_share_max, c.prefill_burst_tokens, c.memory_bound_max_tokens)
-        self._trace: deque[tuple] | None = deque() if settings.trace_steps and self.stats_path else None
+        self._trace: deque[list] | None = deque() if settings.trace_steps and self.stats_path else None
+        self._open_rec: list | None = None  # the newest trace record, until on_step_end stamps its end
         self._trace_path = self.stats_path.with_name(f"trace-rank{self.rank}.jsonl") if self.stats_path else None
         # Under vLLM's Ray executor stats_dir may live on another node: send through the relay
         # actor the EngineCore started there (ray_relay.py); else write the files here.
@@ -333,31 +364,40 @@ class WorkerRuntime:
                 if fin and self.account.per_request:
                     self._wake.set()
             return
-        self._last_step_s = time.monotonic()
-        # The scheduler's stamp (same on every rank) drives the regime window and the dwell.
-        la = vllm_compat.step_lookahead(scheduler_output)
-        now = la[0] if la is not None else self._last_step_s
-        waiting = la[2] if la is not None and self.settings.clocks.lookahead else 0
-        # Engine-wide idle verdict from the scheduler's stamps (identical on every rank); a rank
-        # whose own timer went idle meanwhile is reconciled with it before the step decides.
+        self._last_step_s = t_step = time.monotonic()
+        clocks = self.clocks
+        # The scheduler's stamp (same on every rank) drives the regime window and the dwell
+        # (vllm_compat.step_lookahead, inlined: this runs every engine step).
+        la = getattr(scheduler_output, _LOOKAHEAD_ATTR, None)
         if la is not None:
+            now = la[0]
+            waiting = la[2]
+            if waiting and not self.settings.clocks.lookahead:
+                waiting = 0
+            # Engine-wide idle verdict from the scheduler's stamps (identical on every rank); a rank
+            # whose own timer went idle meanwhile is reconciled with it before the step decides.
             gap_idle = self._last_stamp is not None and now - self._last_stamp >= self._idle_stamp_gap_s
-            if gap_idle or self.clocks.idling:
-                self.clocks.idle_end(gap_idle, now)
+            if gap_idle or clocks.idling:
+                clocks.idle_end(gap_idle, now)
             self._last_stamp = now
-        elif self.clocks.idling:
-            self.clocks.idle_end(True, now)
-        self.clocks.step_begun()
-        self.clocks.on_phase(self.regime.phase(info, now, waiting), now)
+        else:
+            now, waiting = t_step, 0
+            if clocks.idling:
+                clocks.idle_end(True, now)
+        clocks.step_begun(t_step)
+        clocks.on_phase(self.regime.phase(info, now, waiting), now)
         if self.boost is not None:
-            self.boost.on_busy(self._last_step_s)
+            self.boost.on_busy(t_step)
         # Prompt-logprob rows reach the LM head too: without them a long prompt with prompt_logprobs
         # would be priced (simulator) and traced as one row per request.
         rows = info.lm_head_rows + self._plp_rows.rows(scheduler_output)
         if self._trace is not None:
-            # A tuple per step (cheap); turned into JSON by the publisher thread.
-            self._trace.append((self._last_step_s, info.phase, info.prefill_tokens, info.decode_tokens, rows,
-                                info.decode_ctx_tokens, info.num_reqs, self.clocks.target_sm_clock_mhz, None))
+            # A list per step (cheap; on_step_end fills in its end time); turned into JSON by the
+            # publisher thread.
+            rec = [t_step, info.phase, info.prefill_tokens, info.decode_tokens, rows,
+                   info.decode_ctx_tokens, info.num_reqs, clocks.current.sm_clock_mhz, None]
+            self._trace.append(rec)
+            self._open_rec = rec
         if self.account is not None:
             # References only (no copies); the account drops them unless per_request is on.
             req, fin = vllm_compat.step_request_tokens(scheduler_output)
@@ -376,8 +416,12 @@ class WorkerRuntime:
             self._skip_step_end = False
             return
         self.clocks.step_ended()
-        if self._trace and self._trace[-1][-1] is None:
-            self._trace[-1] = (*self._trace[-1][:-1], time.monotonic())
+        rec = self._open_rec
+        if rec is not None:
+            # The newest record (only this thread appends; the publisher keeps the newest in memory).
+            self._open_rec = None
+            if rec[8] is None:
+                rec[8] = time.monotonic()
         if self.account is not None:
             self.account.on_step_end()
 
@@ -466,7 +510,7 @@ class WorkerRuntime:
             "ray_node_id": self._relay.node_id if self._relay is not None else None,
         }
 
-    _TRACE_KEYS = ("t", "phase", "prefill", "decode", "rows", "ctx", "reqs", "sm_target", "t_end")
+    _TRACE_KEYS = _TRACE_KEYS
 
     def _flush_trace(self, keep_last: bool = True) -> None:
         if not self._trace or self._trace_path is None:
@@ -474,9 +518,10 @@ class WorkerRuntime:
         # Keep the newest record in memory (its t_end may still be filled in). popleft from a
         # deque is atomic under the GIL, so the step thread never needs a lock.
         n = len(self._trace) - (1 if keep_last else 0)
-        done = [self._trace.popleft() for _ in range(max(0, n))]
+        pop = self._trace.popleft
+        done = [pop() for _ in range(max(0, n))]
         if done:
-            self._write_lines(self._trace_path, [json.dumps(dict(zip(self._TRACE_KEYS, r))) + "\n" for r in done])
+            self._write_lines(self._trace_path, [_trace_line(r) for r in done])
 
     def _flush_requests(self) -> None:
         if not self._done_requests or self.stats_path is None:
@@ -576,7 +621,8 @@ def _runtime_for(runner: Any) -> WorkerRuntime:
 
 
 def on_step_start(runner: Any, scheduler_output: Any) -> None:
-    _runtime_for(runner).on_step_start(scheduler_output)
+    rt = _RUNTIME
+    (rt if rt is not None else _runtime_for(runner)).on_step_start(scheduler_output)
 
 
 _ENGINE_RELAY = {"checked": False}

@@ -42,7 +42,9 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib
+import itertools
 import logging
+import operator
 import os
 import re
 from collections.abc import Callable
@@ -232,13 +234,20 @@ def install_step_hooks(on_start: Callable[[Any, Any], None], on_end: Callable[[A
             continue
 
         def make_exec(orig: Callable[..., Any]) -> Callable[..., Any]:
+            # Per step: the hooks are called in place (no _safe frame), same catch-and-log-once.
             def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-                dummy = kwargs.get("dummy_run") or kwargs.get("is_profile")
+                dummy = (kwargs.get("dummy_run") or kwargs.get("is_profile")) if kwargs else None
                 if not dummy:
-                    _safe(on_start, self, scheduler_output)
+                    try:
+                        on_start(self, scheduler_output)
+                    except Exception as exc:  # a metering/clock bug must never break a step
+                        _hook_failed(on_start, exc)
                 out = orig(self, scheduler_output, *args, **kwargs)
                 if not dummy and out is not None:
-                    _safe(on_end, self)
+                    try:
+                        on_end(self)
+                    except Exception as exc:
+                        _hook_failed(on_end, exc)
                 return out
 
             return execute_model
@@ -246,7 +255,10 @@ def install_step_hooks(on_start: Callable[[Any, Any], None], on_end: Callable[[A
         def make_sample(orig: Callable[..., Any]) -> Callable[..., Any]:
             def sample_tokens(self: Any, *args: Any, **kwargs: Any) -> Any:
                 out = orig(self, *args, **kwargs)
-                _safe(on_end, self)
+                try:
+                    on_end(self)
+                except Exception as exc:
+                    _hook_failed(on_end, exc)
                 return out
 
             return sample_tokens
@@ -265,10 +277,15 @@ def _safe(fn: Callable[..., None], *args: Any) -> None:
     try:
         fn(*args)
     except Exception as exc:  # a metering/clock bug must never break a step
-        key = f"{getattr(fn, '__name__', fn)}:{type(exc).__name__}"
-        if key not in _HOOK_ERRORS:
-            _HOOK_ERRORS.add(key)
-            log.exception("powersave: step hook %s failed (%s); continuing without it for this step", key, exc)
+        _hook_failed(fn, exc)
+
+
+def _hook_failed(fn: Callable[..., Any], exc: Exception) -> None:
+    """Log a hook's exception once per (hook, exception type); call inside the ``except`` block."""
+    key = f"{getattr(fn, '__name__', fn)}:{type(exc).__name__}"
+    if key not in _HOOK_ERRORS:
+        _HOOK_ERRORS.add(key)
+        log.exception("powersave: step hook %s failed (%s); continuing without it for this step", key, exc)
 
 
 def step_requests(scheduler_output: Any) -> list[ReqSched]:
@@ -300,20 +317,20 @@ def step_info(scheduler_output: Any) -> StepInfo:
     (0.25-0.32 all have ``num_output_tokens``); otherwise falls back to :func:`step_requests`.
     """
     cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
-    n_out = getattr(cached, "num_output_tokens", None) if cached is not None else None
+    n_out = getattr(cached, "num_output_tokens", None)  # getattr(None, ...) is None too
     total = getattr(scheduler_output, "total_num_scheduled_tokens", None)
     if n_out is None or total is None:
         return classify(step_requests(scheduler_output))
     ctx = n_out.count(0)
     spec_map = getattr(scheduler_output, "scheduled_spec_decode_tokens", None)
-    spec = sum(map(len, spec_map.values())) if spec_map else 0
     computed = getattr(cached, "num_computed_tokens", None)
+    new = getattr(scheduler_output, "scheduled_new_reqs", None)
     return classify_counts(
-        len(getattr(scheduler_output, "scheduled_new_reqs", ()) or ()),
+        len(new) if new else 0,
         ctx,
         len(n_out) - ctx,
         int(total),
-        spec,
+        sum(map(len, spec_map.values())) if spec_map else 0,
         sum(computed) if computed else 0,
     )
 
@@ -351,11 +368,14 @@ class PromptLogprobRows:
         self.whole_batch = whole_batch
 
     def rows(self, scheduler_output: Any) -> int:
+        new = getattr(scheduler_output, "scheduled_new_reqs", None)
+        if not self._left and not new:
+            return 0  # the common step: nothing pending, nothing new
         # Finished ids first: an id aborted and re-submitted between two steps is a new request.
         if self._left:
             for rid in getattr(scheduler_output, "finished_req_ids", None) or ():
                 self._left.pop(rid, None)
-        for r in getattr(scheduler_output, "scheduled_new_reqs", None) or ():
+        for r in new or ():
             sp = getattr(r, "sampling_params", None)
             if sp is None or getattr(sp, "prompt_logprobs", None) is None:
                 continue
@@ -538,13 +558,17 @@ LOOKAHEAD_ATTR = "powersave_lookahead"
 LOOKAHEAD_MAX_REQS = 64
 
 
-def install_scheduler_hooks(on_arrival: Callable[[int], None]) -> bool:
+def install_scheduler_hooks(on_arrival: Callable[[int], None], count_tokens: bool | None = None) -> bool:
     """Wrap the V1 scheduler's ``add_request`` and ``schedule`` (runs in the EngineCore process).
 
     ``on_arrival(prompt_tokens)`` runs after a request joined the waiting queue. Each
     ``SchedulerOutput`` gets :data:`LOOKAHEAD_ATTR` = ``(time.monotonic(), waiting requests,
     prompt tokens still to prefill among the first 64 waiting)``, stamped once here so that all
     ranks use the same time and queue facts. Returns ``False`` if the scheduler is missing.
+
+    ``count_tokens``: whether to sum the waiting prompt tokens (the only reader is the workers'
+    look-ahead, ``clocks.lookahead``); ``None`` decides from this process's settings at the first
+    step with a waiting queue. Off, the stamp carries 0 tokens and the queue is never scanned.
     """
     import time
 
@@ -563,17 +587,20 @@ def install_scheduler_hooks(on_arrival: Callable[[int], None]) -> bool:
         return add_request
 
     def make_schedule(orig: Callable[..., Any]) -> Callable[..., Any]:
+        count = count_tokens
+
         def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
+            nonlocal count
             out = orig(self, *args, **kwargs)
             try:
                 waiting = getattr(self, "waiting", None)
                 n = len(waiting) if waiting is not None else 0
                 tokens = 0
                 if n:
-                    for i, r in enumerate(waiting):
-                        if i >= LOOKAHEAD_MAX_REQS:
-                            break
-                        tokens += max(0, int(r.num_prompt_tokens) - int(getattr(r, "num_computed_tokens", 0) or 0))
+                    if count is None:
+                        count = _lookahead_enabled()
+                    if count:
+                        tokens = waiting_prompt_tokens(waiting)
                 setattr(out, LOOKAHEAD_ATTR, (time.monotonic(), n, tokens))
             except Exception as exc:  # never break scheduling for a hint
                 _safe(_raise, exc)
@@ -588,6 +615,45 @@ def install_scheduler_hooks(on_arrival: Callable[[int], None]) -> bool:
 
 def _raise(exc: Exception) -> None:
     raise exc
+
+
+_PROMPT_TOKENS = operator.attrgetter("num_prompt_tokens")
+_COMPUTED_TOKENS = operator.attrgetter("num_computed_tokens")
+
+
+def waiting_prompt_tokens(waiting: Any) -> int:
+    """Prompt tokens still to prefill among the first :data:`LOOKAHEAD_MAX_REQS` requests of
+    ``waiting`` (``num_prompt_tokens - num_computed_tokens``, at least 0 each).
+
+    Runs every step while requests wait, so the common case (int fields) is summed with C-level
+    iteration; anything else (a missing or ``None`` field, a non-int) takes the per-request loop,
+    whose result the fast path equals wherever it applies.
+    """
+    reqs = list(itertools.islice(waiting, LOOKAHEAD_MAX_REQS))
+    try:
+        left = list(map(_PROMPT_TOKENS, reqs))
+        computed = list(map(_COMPUTED_TOKENS, reqs))
+        if any(computed):  # usually none: a waiting request has computed nothing yet
+            left = list(map(operator.sub, left, computed))
+        tokens = sum(left) if min(left, default=0) >= 0 else sum(map(max, left, itertools.repeat(0)))
+        if type(tokens) is int:  # a float, numpy or other non-int field anywhere makes it non-int
+            return tokens
+    except Exception:
+        pass  # the loop below says what the fields are worth (or raises as it always did)
+    tokens = 0
+    for r in reqs:
+        tokens += max(0, int(r.num_prompt_tokens) - int(getattr(r, "num_computed_tokens", 0) or 0))
+    return tokens
+
+
+def _lookahead_enabled() -> bool:
+    """``clocks.lookahead`` of this process's settings (True where they cannot be read)."""
+    try:
+        from .settings import settings_from_env
+
+        return bool(settings_from_env().clocks.lookahead)
+    except Exception:
+        return True
 
 
 def step_lookahead(scheduler_output: Any) -> tuple[float, int, int] | None:

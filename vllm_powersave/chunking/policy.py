@@ -31,16 +31,29 @@ class ChunkPolicy:
         self.rows_total = 0
 
     def chunks(self, rows: int) -> int:
+        rules = self.rules
+        if not self.enabled or not rules or rows < rules[0][0]:
+            return 1  # no rule applies: the loop below would give max(1, min(1, rows)) = 1
         n = 1
-        if self.enabled:
-            for min_rows, c in self.rules:
-                if rows >= min_rows:
-                    n = c
-                else:
-                    break
+        for min_rows, c in rules:
+            if rows >= min_rows:
+                n = c
+            else:
+                break
         return max(1, min(n, rows))
 
     def record(self, chunks: int, rows: int) -> None:
         # No lock: the LM head runs on one thread per worker; the publisher only reads.
         self.calls[chunks] += 1
         self.rows_total += rows
+
+    def take(self, rows: int) -> int:
+        """``chunks(rows)``, recorded: one call per LM-head call (the per-step path)."""
+        rules = self.rules
+        if not self.enabled or not rules or rows < rules[0][0]:
+            n = 1
+        else:
+            n = self.chunks(rows)
+        self.calls[n] += 1
+        self.rows_total += rows
+        return n

@@ -248,6 +248,7 @@ class ClockController:
         self.group: str | None = None
         self._all_targets = {p: self.presets.get(p, ClockPreset()) for p in ("prefill", "decode", "mixed", "idle")}
         self._same = {p: t == self.current for p, t in self._all_targets.items()}
+        self._same_for = self.current  # the preset object _same was computed against (presets are frozen)
         self.last_change_s = -1e18
         self._down_since: float | None = None
         self._down_steps = 0
@@ -300,14 +301,23 @@ class ClockController:
         ``now``: the scheduler's timestamp (s), identical on all ranks; default ``clock()``.
         """
         target = self._all_targets.get(phase) or ClockPreset()
-        if target == self.current:
+        current = self.current
+        # Presets are frozen models, so equality computed once (_same, against _same_for) holds for
+        # as long as those objects are the ones compared; a model comparison costs microseconds.
+        if target is current:
+            same = True
+        elif current is self._same_for and phase in self._same:
+            same = self._same[phase]
+        else:
+            same = target == current
+        if same:
             self._down_since = None
             return None
-        if _rank(target) > _rank(self.current):
+        if _rank(target) > _rank(current):
             self._down_since = None
             return target
         t = self.clock() if now is None else now
-        if self._down_since is None or self._down_target != target:
+        if self._down_since is None or (self._down_target is not target and self._down_target != target):
             self._down_since, self._down_target, self._down_steps = t, target, 0
         self._down_steps += 1
         if t - self._down_since >= self.min_dwell_s and self._down_steps > self.host_ahead_steps:
@@ -415,7 +425,8 @@ class ClockController:
 
     def _switch(self, phase: str, target: ClockPreset, now: float | None, ready: Callable[[], Any] | None = None) -> None:
         self.current = target
-        self._same = {p: t == target for p, t in self._all_targets.items()}
+        self._same = {p: t is target or t == target for p, t in self._all_targets.items()}
+        self._same_for = target
         self.last_change_s = self.clock() if now is None else now
         self.decisions.append(ClockChange(self.last_change_s, phase, target.sm_clock_mhz, target.mem_clock_mhz))
         self.n_changes += 1

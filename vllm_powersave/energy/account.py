@@ -100,13 +100,18 @@ class PhaseEnergyAccount:
         ``finished``: ids of requests that finished before this step (their energy is final);
         ``steady``: the running batch is at its limit (steady state, see the module docstring).
         """
-        self._events.append((self.clock(), phase, req_tokens if self.per_request else None, finished if self.per_request else None, steady))
+        if self.per_request:
+            self._events.append((self.clock(), phase, req_tokens, finished, steady))
+        else:
+            self._events.append((self.clock(), phase, None, None, steady))
         self.steps[phase] += 1
-        self.tokens["prefill"] += prefill_tokens
-        self.tokens["decode"] += decode_tokens
+        tokens = self.tokens
+        tokens["prefill"] += prefill_tokens
+        tokens["decode"] += decode_tokens
         if steady:
-            self.steady_tokens["prefill"] += prefill_tokens
-            self.steady_tokens["decode"] += decode_tokens
+            tokens = self.steady_tokens
+            tokens["prefill"] += prefill_tokens
+            tokens["decode"] += decode_tokens
 
     def on_finished(self, finished: object) -> None:
         """Requests reported finished by a step that schedules no work (vLLM sends one as a batch drains)."""
@@ -137,16 +142,29 @@ class PhaseEnergyAccount:
                         steady_s[0] += t1 - t0
 
             t, phase, end_t, req, steady = self._t, self._phase, self._end_t, self._req, self._steady
-            while self._events:
-                te, ev, ev_req, ev_fin, ev_steady = self._events.popleft()
-                te = max(te, t)
+            events, idle_after_s = self._events, self.idle_after_s
+            pop = events.popleft
+            while events:
+                te, ev, ev_req, ev_fin, ev_steady = pop()
+                if te < t:  # noqa: PLR1730 - te = max(te, t) without the call
+                    te = t
                 if ev is None:
                     end_t = te
                     continue
                 if ev == "":  # finished ids only: no new step
                     finished.extend(ev_fin)
                     continue
-                self._close(own, phase, t, te, end_t, req, steady)
+                if phase != "idle" and end_t is not None and te - end_t >= idle_after_s:
+                    self._close(own, phase, t, te, end_t, req, steady)
+                elif te > t:
+                    # own(phase, t, te, req, steady), inlined: one step per event, every tick.
+                    d = te - t
+                    shares[phase] = shares.get(phase, 0.0) + d
+                    if phase != "idle":
+                        if req:
+                            segments.append((d, req))
+                        if steady:
+                            steady_s[0] += d
                 t, phase, end_t, req, steady = te, ev, None, ev_req, ev_steady
                 if ev_fin:
                     finished.extend(ev_fin)

@@ -1,0 +1,397 @@
+"""The per-step (hot) path trimmed for host time gives what the straightforward code gave.
+
+Each rewritten piece is checked against a reference: the plain per-request loop, ``json.dumps``,
+or a copy of the earlier implementation (regime filter, clock dwell, energy-account tick) driven by
+the same random step sequences, with results required to be equal to the bit.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import sys
+import types
+from collections import deque
+from types import SimpleNamespace
+
+import pytest
+
+from vllm_powersave import runtime, vllm_compat
+from vllm_powersave.chunking.policy import ChunkPolicy
+from vllm_powersave.clocks import ClockController, DryRunClockBackend
+from vllm_powersave.energy import PhaseEnergyAccount
+from vllm_powersave.energy.meters import EnergyMeter
+from vllm_powersave.phases import IDLE, ReqSched, StepInfo, classify, classify_counts
+from vllm_powersave.runtime import RegimeFilter, clock_phase
+from vllm_powersave.settings import PowersaveSettings, load_settings
+
+
+# --- StepInfo -------------------------------------------------------------------------------------
+def test_step_info_keeps_its_fields_property_equality_and_immutability():
+    a = classify_counts(0, 0, 8, 8, 0, 100)
+    assert a == StepInfo("decode", 8, 0, 8, 0, 8, 0, 8, 100) == classify([ReqSched(1, computed=100)] + [ReqSched(1)] * 7)
+    assert (a.phase, a.num_reqs, a.decode_tokens, a.lm_head_rows, a.decode_ctx_tokens, a.num_tokens) == ("decode", 8, 8, 8, 100, 8)
+    assert hash(a) == hash(StepInfo("decode", 8, 0, 8, 0, 8, 0, 8, 100))
+    # Equality by type and fields, as the frozen dataclass had it: never equal to a plain tuple.
+    assert a != tuple(a) and tuple(a) != a and (a == tuple(a)) is False and (tuple(a) == a) is False
+    assert a != StepInfo("decode", 8, 0, 8, 0, 8, 0, 8, 101) and a != "decode"
+    assert repr(IDLE) == ("StepInfo(phase='idle', num_reqs=0, prefill_reqs=0, decode_reqs=0, prefill_tokens=0, "
+                          "decode_tokens=0, spec_tokens=0, lm_head_rows=0, decode_ctx_tokens=0)")
+    with pytest.raises(AttributeError):
+        a.phase = "prefill"  # type: ignore[misc]
+    assert classify_counts(2, 0, 0, 0) is IDLE and classify_counts(0, 0, 3, 2, 4).decode_tokens == 2
+
+
+# --- Scheduler look-ahead -------------------------------------------------------------------------
+def _reference_tokens(waiting) -> int:
+    tokens = 0
+    for i, r in enumerate(waiting):
+        if i >= vllm_compat.LOOKAHEAD_MAX_REQS:
+            break
+        tokens += max(0, int(r.num_prompt_tokens) - int(getattr(r, "num_computed_tokens", 0) or 0))
+    return tokens
+
+
+def test_waiting_prompt_tokens_equals_the_per_request_loop():
+    rng = random.Random(7)
+    odd = [0, 5, -3, None, 2.5, 7.0, True, 4000, 0.0]
+    for _ in range(3000):
+        reqs = []
+        for _ in range(rng.randint(1, 90)):
+            r = SimpleNamespace(num_prompt_tokens=rng.randint(0, 5000) if rng.random() < 0.95 else rng.choice([3.9, True, 0, -2, 2048]))
+            u = rng.random()
+            if u < 0.03:
+                pass  # no num_computed_tokens at all
+            elif u < 0.08:
+                r.num_computed_tokens = rng.choice(odd)
+            elif u < 0.3:
+                r.num_computed_tokens = rng.randint(0, 6000)
+            else:
+                r.num_computed_tokens = 0
+            reqs.append(r)
+        waiting = deque(reqs) if rng.random() < 0.5 else reqs
+        want = _reference_tokens(waiting)
+        got = vllm_compat.waiting_prompt_tokens(waiting)
+        assert got == want and type(got) is type(want)
+    with pytest.raises(TypeError):  # a None prompt fails as it always did (the hook then logs it)
+        vllm_compat.waiting_prompt_tokens([SimpleNamespace(num_prompt_tokens=None, num_computed_tokens=0)])
+
+
+@pytest.mark.parametrize("count_tokens", [None, True, False])
+def test_scheduler_stamp_scans_the_queue_only_for_the_lookahead(monkeypatch, count_tokens):
+    class Scheduler:
+        def schedule(self, *a, **k):
+            return SimpleNamespace()
+
+        def add_request(self, request):
+            self.waiting.append(request)
+
+    mod = types.ModuleType("vllm.v1.core.sched.scheduler")
+    mod.Scheduler = Scheduler
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    monkeypatch.setattr(vllm_compat, "_PATCHED", set())
+    # count_tokens None: from this process's settings (look-ahead off here).
+    monkeypatch.setenv("POWERSAVE_SETTINGS_JSON", PowersaveSettings.model_validate({"clocks": {"lookahead": False}}).model_dump_json())
+    arrivals = []
+    assert vllm_compat.install_scheduler_hooks(arrivals.append, count_tokens=count_tokens)
+    s = Scheduler()
+    s.waiting = deque()
+    t, n, tokens = vllm_compat.step_lookahead(Scheduler.schedule(s))
+    assert (n, tokens) == (0, 0) and t > 0
+    for p in [512, 300] + [10] * 100:
+        Scheduler.add_request(s, SimpleNamespace(num_prompt_tokens=p, num_computed_tokens=0))
+    assert arrivals[:3] == [512, 300, 10]
+    t2, n, tokens = vllm_compat.step_lookahead(Scheduler.schedule(s))
+    assert t2 >= t and n == 102
+    assert tokens == (512 + 300 + 62 * 10 if count_tokens else 0)
+
+
+# --- Step trace -----------------------------------------------------------------------------------
+def test_trace_line_equals_json_dumps():
+    np = pytest.importorskip("numpy")
+
+    class Int(int):
+        pass
+
+    rng = random.Random(3)
+    floats = [1234.5678901234, 0.0, 1e-300, 1e300, 50523.123456789, -0.0]
+    odd_floats = [math.nan, math.inf, -math.inf, None, 5, np.float64(3.25)]
+    ints = [0, 8, 10**20, -3]
+    odd_ints = [True, Int(4), np.int64(7), 2.5, None]
+    phases = ["prefill", "decode", "mixed"]
+    odd_phases = ["idle", "wéird", 'q"uote', 3]
+    n = 0
+    for _ in range(20000):
+        r = [rng.choice(floats) if rng.random() < 0.8 else rng.choice(odd_floats),
+             rng.choice(phases) if rng.random() < 0.85 else rng.choice(odd_phases)]
+        r += [rng.choice(ints) if rng.random() < 0.85 else rng.choice(odd_ints) for _ in range(5)]
+        r += [rng.choice([None, 1200, 345, True, np.int64(5)]),
+              rng.choice(floats + [None]) if rng.random() < 0.85 else rng.choice(odd_floats)]
+        try:
+            want = json.dumps(dict(zip(runtime.WorkerRuntime._TRACE_KEYS, r))) + "\n"
+        except TypeError:
+            with pytest.raises(TypeError):
+                runtime._trace_line(r)
+            continue
+        assert runtime._trace_line(r) == want
+        assert runtime._trace_line(tuple(r)) == want
+        n += 1
+    assert n > 10000
+
+
+def _decode_so(n, t=None):
+    ids = [f"r{i}" for i in range(n)]
+    so = SimpleNamespace(scheduled_new_reqs=[], scheduled_spec_decode_tokens={}, total_num_scheduled_tokens=n, finished_req_ids=set(),
+                         scheduled_cached_reqs=SimpleNamespace(req_ids=ids, num_computed_tokens=[100] * n, num_output_tokens=[5] * n),
+                         num_scheduled_tokens={r: 1 for r in ids})
+    if t is not None:
+        setattr(so, vllm_compat.LOOKAHEAD_ATTR, (t, 0, 0))
+    return so
+
+
+def test_trace_records_get_their_end_time_and_the_newest_stays_in_memory(monkeypatch, tmp_path):
+    monkeypatch.setattr(vllm_compat, "runner_identity", lambda r: {"rank": 0, "device_type": "cpu", "device_index": None})
+    rt = runtime.WorkerRuntime(object(), PowersaveSettings.model_validate(
+        {"stats_dir": str(tmp_path), "trace_steps": True, "energy": {"meter": "off", "idle_after_s": 20.0},
+         "clocks": {"presets": {"decode": {"sm_clock_mhz": 1200}}}}))
+    try:
+        for i in range(5):
+            rt.on_step_start(_decode_so(4, t=10.0 + i))
+            rt.on_step_end()
+            rt.on_step_end()  # a second end (execute_model output and sample_tokens) changes nothing
+        rt.on_step_start(_decode_so(2, t=20.0))  # still running: its end time is not known yet
+        rt.publish()
+        lines = (tmp_path / "trace-rank0.jsonl").read_text().splitlines()
+        steps = [json.loads(x) for x in lines]
+        assert len(steps) == 5 and all(list(s) == list(runtime.WorkerRuntime._TRACE_KEYS) for s in steps)
+        assert all(s["t_end"] >= s["t"] and (s["phase"], s["reqs"], s["rows"], s["ctx"]) == ("decode", 4, 4, 400) for s in steps)
+        assert lines[0] == json.dumps(steps[0])
+        rt.on_step_end()
+    finally:
+        rt.close()
+    steps = [json.loads(x) for x in (tmp_path / "trace-rank0.jsonl").read_text().splitlines()]
+    assert len(steps) == 6 and steps[-1]["reqs"] == 2 and steps[-1]["t_end"] is not None
+
+
+# --- Regime filter and clock dwell against the earlier code --------------------------------------------
+class ReferenceRegime(RegimeFilter):
+    def phase(self, info, now, waiting_tokens=0):
+        own = clock_phase(info, self.mb_tokens)
+        x = 0.0 if own == "decode" else 1.0
+        if self._t is None:
+            self.share = x
+        else:
+            a = math.exp(-max(0.0, now - self._t) / self.window_s)
+            self.share = a * self.share + (1 - a) * x
+        self._t = now
+        if waiting_tokens >= self.burst_tokens or info.phase == "prefill" and info.num_tokens >= self.burst_tokens:
+            return "prefill"
+        return "decode" if self.share < self.share_max else own
+
+
+class ReferenceController(ClockController):
+    def decide(self, phase, now=None):
+        from vllm_powersave.clocks.controller import ClockPreset, _rank
+
+        target = self._all_targets.get(phase) or ClockPreset()
+        if target == self.current:
+            self._down_since = None
+            return None
+        if _rank(target) > _rank(self.current):
+            self._down_since = None
+            return target
+        t = self.clock() if now is None else now
+        if self._down_since is None or self._down_target != target:
+            self._down_since, self._down_target, self._down_steps = t, target, 0
+        self._down_steps += 1
+        if t - self._down_since >= self.min_dwell_s and self._down_steps > self.host_ahead_steps:
+            self._down_since = None
+            return target
+        return None
+
+
+def _random_steps(rng, n):
+    t = 0.0
+    for _ in range(n):
+        t += rng.choice([0.0, 0.0005, 0.002, 0.002, 0.03, 0.4, 3.0])
+        dec = rng.choice([0, 1, 8, 64, 256])
+        new = rng.choice([0, 0, 0, 1, 3])
+        tokens = dec + new * rng.choice([16, 300, 4000])
+        yield t, classify_counts(new, 0, dec, tokens, 0, 1000 * dec), rng.choice([0, 0, 0, 100, 5000])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_regime_filter_and_clock_decisions_equal_the_earlier_code(seed):
+    rng = random.Random(seed)
+    c = load_settings({"clocks": {"min_dwell_ms": rng.choice([0, 50, 200]),
+                                  "presets": {"decode": {"sm_clock_mhz": 1200}, "idle": {"sm_clock_mhz": 345},
+                                              "mixed": {"sm_clock_mhz": 1500} if seed % 2 else {}}}}, env={}).clocks
+    args = (c.regime_window_s, c.compute_share_max, c.prefill_burst_tokens, c.memory_bound_max_tokens)
+    new, ref = RegimeFilter(*args), ReferenceRegime(*args)
+    ctl = ClockController(DryRunClockBackend(), c, asynchronous=False, watchdog=False, host_ahead_steps=seed % 2)
+    ctl_ref = ReferenceController(DryRunClockBackend(), c, asynchronous=False, watchdog=False, host_ahead_steps=seed % 2)
+    for t, info, waiting in _random_steps(rng, 3000):
+        if info.phase == "idle" or rng.random() < 0.01:
+            engine_idled = rng.random() < 0.5
+            for x in (ctl, ctl_ref):
+                x.idle_begin(t)
+                x.idle_end(engine_idled, t)
+            continue
+        p = new.phase(info, t, waiting)
+        assert p == ref.phase(info, t, waiting) and new.share == ref.share
+        ctl.on_phase(p, t)
+        ctl_ref.on_phase(p, t)
+        assert ctl.current == ctl_ref.current
+    assert list(ctl.decisions) == list(ctl_ref.decisions) and ctl.n_changes > 3
+    ctl.close()
+    ctl_ref.close()
+
+
+# --- Energy account tick against the earlier code --------------------------------------------------
+class ReferenceAccount(PhaseEnergyAccount):
+    def tick(self):
+        with self._lock:
+            t_now = self.clock()
+            shares, segments, finished, steady_s = {}, [], [], [0.0]
+
+            def own(phase, t0, t1, req=None, steady=False):
+                if t1 > t0:
+                    shares[phase] = shares.get(phase, 0.0) + (t1 - t0)
+                    if req and phase != "idle":
+                        segments.append((t1 - t0, req))
+                    if steady and phase != "idle":
+                        steady_s[0] += t1 - t0
+
+            t, phase, end_t, req, steady = self._t, self._phase, self._end_t, self._req, self._steady
+            while self._events:
+                te, ev, ev_req, ev_fin, ev_steady = self._events.popleft()
+                te = max(te, t)
+                if ev is None:
+                    end_t = te
+                    continue
+                if ev == "":
+                    finished.extend(ev_fin)
+                    continue
+                self._close(own, phase, t, te, end_t, req, steady)
+                t, phase, end_t, req, steady = te, ev, None, ev_req, ev_steady
+                if ev_fin:
+                    finished.extend(ev_fin)
+            self._close(own, phase, t, t_now, end_t, req, steady)
+            if shares.get("idle", 0.0) > 0:
+                self.meter.on_idle(shares["idle"])
+            if end_t is not None and t_now - end_t >= self.idle_after_s:
+                phase, end_t, req, steady = "idle", None, None, False
+            e_now = self.meter.energy_j()
+            d_e = e_now - self._e
+            total = sum(shares.values())
+            if total > 0:
+                for p, s in shares.items():
+                    self.energy_j[p] += d_e * s / total
+                    self.time_s[p] += s
+                self.steady_j += d_e * steady_s[0] / total
+                self.steady_s += steady_s[0]
+            else:
+                self.energy_j[phase] += d_e
+            if total > 0 and segments:
+                self._attribute_requests(d_e / total, segments)
+            for rid in finished:
+                j = self.request_j.pop(rid, None)
+                if j is not None:
+                    self.finished_request_j += j
+                    self.finished_requests += 1
+                    if self.on_request_done is not None:
+                        self.on_request_done(rid, j)
+            self._t, self._e, self._phase, self._end_t, self._req, self._steady = t_now, e_now, phase, end_t, req, steady
+            self._window.append((t_now, self.total_j(), self.tokens["prefill"], self.tokens["decode"]))
+            while len(self._window) > 2 and t_now - self._window[1][0] >= self.window_s:
+                self._window.popleft()
+
+
+class Meter(EnergyMeter):
+    def __init__(self, clock):
+        self.clock = clock
+
+    def energy_j(self):
+        return 300.0 * self.clock() + 0.1 * math.sin(self.clock())
+
+    def power_w(self):
+        return None
+
+    def sm_clock_mhz(self):
+        return None
+
+
+@pytest.mark.parametrize("per_request", [False, True])
+def test_account_tick_equals_the_earlier_code(per_request):
+    rng = random.Random(11 + per_request)
+    now = [0.0]
+    clock = lambda: now[0]
+    done_new, done_ref = [], []
+    new = PhaseEnergyAccount(Meter(clock), 0.25, clock=clock, per_request=per_request, on_request_done=lambda r, j: done_new.append((r, j)))
+    ref = ReferenceAccount(Meter(clock), 0.25, clock=clock, per_request=per_request, on_request_done=lambda r, j: done_ref.append((r, j)))
+    live: list[str] = []
+    for i in range(4000):
+        now[0] += rng.choice([0.0, 0.0001, 0.002, 0.002, 0.01, 0.3, 1.0])
+        u = rng.random()
+        if u < 0.02:
+            fin = set(rng.sample(live, min(len(live), 2)))
+            live = [r for r in live if r not in fin]
+            for a in (new, ref):
+                a.on_finished(fin)
+        elif u < 0.6:
+            if rng.random() < 0.2:
+                live.append(f"q{i}")
+            reqs = {r: rng.choice([1, 1, 4, 300]) for r in live} or None
+            fin = set(rng.sample(live, 1)) if live and rng.random() < 0.05 else set()
+            live = [r for r in live if r not in fin]
+            phase = rng.choice(["decode", "decode", "prefill", "mixed"])
+            steady = rng.random() < 0.3
+            pre, dec = rng.randint(0, 500), rng.randint(0, 64)
+            for a in (new, ref):
+                a.on_step(phase, pre, dec, reqs, fin, steady)
+        elif u < 0.95:
+            for a in (new, ref):
+                a.on_step_end()
+        if rng.random() < 0.05:
+            new.tick()
+            ref.tick()
+            assert new.energy_j == ref.energy_j and new.time_s == ref.time_s
+            assert (new.steady_j, new.steady_s, new.request_j) == (ref.steady_j, ref.steady_s, ref.request_j)
+    new.tick()
+    ref.tick()
+    assert new.energy_j == ref.energy_j and new.time_s == ref.time_s and new.steps == ref.steps and new.tokens == ref.tokens
+    assert done_new == done_ref and new.window() == ref.window() and sum(new.time_s.values()) > 0
+    if per_request:
+        assert new.finished_requests > 10
+
+
+# --- LM-head hook ------------------------------------------------------------------------------------
+def test_chunk_policy_take_is_chunks_then_record():
+    table = [{"min_rows": 4, "chunks": 2}, {"min_rows": 100, "chunks": 8}]
+    for enabled, tab in ((True, table), (False, table), (True, []), (True, [{"min_rows": 1_000_000, "chunks": 2}])):
+        s = load_settings({"chunking": {"enabled": enabled, "table": tab}}, env={}).chunking
+        a, b = ChunkPolicy(s), ChunkPolicy(s)
+        for rows in [0, 1, 3, 4, 5, 99, 100, 7, 1000, 2, 1]:
+            n = a.chunks(rows)
+            a.record(n, rows)
+            assert b.take(rows) == n
+        assert a.calls == b.calls and a.rows_total == b.rows_total
+
+
+def test_chunked_head_calls_the_head_once_for_one_chunk(monkeypatch):
+    torch = pytest.importorskip("torch")
+    s = load_settings({"chunking": {"table": [{"min_rows": 4, "chunks": 2}]}}, env={}).chunking
+    monkeypatch.setattr(runtime, "_POLICY", ChunkPolicy(s))
+    monkeypatch.setattr(runtime, "_RUNTIME", None)
+    seen = []
+
+    def head(h):
+        seen.append(h.shape[0])
+        return h * 2
+
+    x = torch.arange(6.0).reshape(3, 2)
+    assert torch.equal(runtime.chunked_head(head, x), x * 2) and seen == [3]
+    y = torch.arange(8.0).reshape(4, 2)
+    assert torch.equal(runtime.chunked_head(head, y), y * 2) and seen == [3, 2, 2]
+    assert dict(runtime._POLICY.calls) == {1: 1, 2: 1} and runtime._POLICY.rows_total == 7
