@@ -39,7 +39,7 @@ CHILD = r'''
 import cProfile, json, os, pstats, sys, time
 mode, profile, model, steps, batch, settings = sys.argv[1], sys.argv[2] == "1", sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), json.loads(sys.argv[6])
 from vllm import LLM, SamplingParams
-llm = LLM(model, max_model_len=512, enforce_eager=True, dtype="bfloat16", max_num_seqs=batch,
+llm = LLM(model, max_model_len=512, enforce_eager=True, dtype="bfloat16", max_num_seqs=batch, gpu_memory_utilization=0.3,
           additional_config=settings if mode == "plugin" else {})
 sp = SamplingParams(max_tokens=steps, ignore_eos=True, temperature=0)
 prompts = [{"prompt_token_ids": list(range(10 + i, 74 + i))} for i in range(batch)]
@@ -167,7 +167,7 @@ def main() -> int:
             r = child(mode, False, model, ns.steps, ns.batch)
             wall[mode].append(r["wall_ms_per_step"])
             gcs[mode].append({k: r.get(k) for k in ("gc_collections_per_100_steps", "gc_us_per_step", "gc_enabled", "gc_frozen_objects", "gc_threshold")})
-            print(f"[step-cost] pair {i} {mode}: {r['wall_ms_per_step']:.3f} ms/step", flush=True)
+            print(f"[step-cost] pair {i} {mode}: {r['wall_ms_per_step']:.3f} ms/step, GC {r['gc_collections_per_100_steps']} per 100 steps, {r['gc_us_per_step']:.1f} us/step", flush=True)
     prof = child("plugin", True, model, ns.steps, ns.batch)
     print(f"[step-cost] plugin own time under cProfile: {prof['plugin_own_us_per_step']:.1f} us/step", flush=True)
     diffs = [b - a for a, b in zip(wall["stock"], wall["plugin"])]
