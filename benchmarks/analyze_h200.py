@@ -252,7 +252,8 @@ def analyze_cross(raw: dict, tag: str) -> dict:
         stock, plug = [s_ for s_, _ in rounds], [a_ for _, a_ in rounds]
         thr = [p["throughput_ratio"] for p in ps]
         jpt = [p["j_per_token_ratio"] for p in ps if p["j_per_token_ratio"] is not None]
-        (lo, hi), (jlo, jhi) = ci95(thr), (ci95(jpt) if len(jpt) > 1 else (math.nan, math.nan))
+        (lo, hi) = ci95(thr) if len(thr) > 1 else (math.nan, math.nan)
+        (jlo, jhi) = ci95(jpt) if len(jpt) > 1 else (math.nan, math.nan)
         cases.append({
             "shape": raw["shape"], "load": load, "arm": arm, "pairs": len(ps),
             "load_kind": "closed-loop concurrency (OpenAI server, load-test harness)",
@@ -261,8 +262,9 @@ def analyze_cross(raw: dict, tag: str) -> dict:
             "throughput_ratio_per_pair": thr,
             "j_per_token_ratio": st.median(jpt) if jpt else None, "j_per_token_ratio_mean": st.mean(jpt) if jpt else None,
             "j_per_token_ratio_ci95": [jlo, jhi], "j_per_token_ratio_per_pair": jpt,
-            "itl_p50_ratio": st.median(p["itl_p50_ratio"] for p in ps if p.get("itl_p50_ratio") is not None),
-            "verdict": ("no difference beyond noise" if (lo <= 1 <= hi and jlo <= 1 <= jhi) else "difference beyond noise"),
+            "itl_p50_ratio": st.median(itl) if (itl := [p["itl_p50_ratio"] for p in ps if p.get("itl_p50_ratio") is not None]) else None,
+            "verdict": ("one pair or no energy figures: no interval" if math.isnan(lo) or math.isnan(jlo) else
+                        "no difference beyond noise" if (lo <= 1 <= hi and jlo <= 1 <= jhi) else "difference beyond noise"),
             "stock_out_tok_per_s": st.mean(w["output_throughput"] for w in stock),
             "plugin_out_tok_per_s": st.mean(w["output_throughput"] for w in plug),
             "stock_out_tok_per_j": st.mean(w["output_tokens_per_joule"] for w in stock) if all(w.get("output_tokens_per_joule") for w in stock) else None,
@@ -301,7 +303,7 @@ def cross_lines(r: dict) -> list[str]:
         lo, hi = c["throughput_ratio_ci95"]
         jlo, jhi = c["j_per_token_ratio_ci95"]
         lines.append(f"| {c['arm']} | {c['load']} | {c['pairs']} | {c['throughput_ratio']:.3f} ({c['throughput_ratio_mean']:.3f}, {lo:.3f}–{hi:.3f}) | "
-                     f"{f(c['j_per_token_ratio'], 3)} ({f(c['j_per_token_ratio_mean'], 3)}, {jlo:.3f}–{jhi:.3f}) | {c['itl_p50_ratio']:.3f} | "
+                     f"{f(c['j_per_token_ratio'], 3)} ({f(c['j_per_token_ratio_mean'], 3)}, {jlo:.3f}–{jhi:.3f}) | {f(c['itl_p50_ratio'], 3)} | "
                      f"{c['stock_out_tok_per_s']:.0f} | {c['plugin_out_tok_per_s']:.0f} | {f(c['stock_out_tok_per_j'])} | {f(c['plugin_out_tok_per_j'])} | {c['verdict']} |")
     if r.get("profiles"):
         lines += ["", "GIL profiles in one extra round per arm (`py-spy record --gil` on both processes of both servers, same moment): "
@@ -375,7 +377,8 @@ def concurrent_bisect_lines(b: dict) -> list[str]:
                 top = pr.get("top") or []
                 # Profiles taken before the scheduler wrapper joined the excluded wrappers counted its call
                 # into vLLM's scheduler as the plugin's: take those samples out (the wrapper's own lines are few).
-                wrapped = sum(n for f, n in top if "make_schedule" in f or "make_add" in f)
+                wrapped = 0 if "make_schedule" in (pr.get("wrappers_excluded") or ()) else sum(
+                    n for f, n in top if "make_schedule" in f or "make_add" in f)
                 own = (pr.get("powersave_own_samples") or 0) - wrapped
                 share = own / pr["gil_samples"] if pr["gil_samples"] else 0.0
                 note = f" ({100 * (pr.get('share') or 0):.1f} % before taking out {wrapped} samples in the scheduler wrapper's call into vLLM)" if wrapped else ""
@@ -501,8 +504,12 @@ def main() -> int:
         stock = by.get("S0-stock", [])
         if not stock:
             raise SystemExit(f"error: --bisect {spec}: no S0-stock windows, so no ratio to stock")
-        ratio = {k: st.median(v[i] / stock[i] for i in range(rounds)) for k, v in by.items()}
-        per_round = {k: [v[i] / stock[i] for i in range(rounds)] for k, v in by.items()}
+        # A round counts only if every server in it served (a failed client stores no throughput).
+        ok = [i for i in range(rounds) if stock[i] and all(v[i] for v in by.values())]
+        if not ok:
+            raise SystemExit(f"error: --bisect {spec}: no round in which every server served")
+        ratio = {k: st.median(v[i] / stock[i] for i in ok) for k, v in by.items()}
+        per_round = {k: [v[i] / stock[i] for i in ok] for k, v in by.items()}
         doc["bisects"].append({"tag": tag or "1", "window_s": braw["window_s"], "rounds": rounds, "date_utc": braw["date_utc"],
                                "concurrent": bool(braw.get("design", "").startswith("concurrent")), "per_round_ratio": per_round,
                                "design": braw.get("design"), "server_cpus": braw.get("server_cpus"),
@@ -516,7 +523,7 @@ def main() -> int:
         r = analyze_cross(raw, tag)
         doc["cross"].append(r)
         # The most direct overhead measurement: its cases join the per-case list (design says how they were taken).
-        doc["cases"] += [c | {"run": tag} for c in r["cases"]]
+        doc["cases"] += [c | {"run": tag} for c in r["cases"] if c["arm"] != "twin"]  # the A/A control is no overhead case
         _archive(raw, Path(path), out / "raw" / f"h200-cross-{tag}.json.gz")
     (out / "h200-vllm.json").write_text(json.dumps(doc, indent=1, default=float))
     (out / "h200-vllm.md").write_text(markdown(doc))

@@ -313,14 +313,13 @@ def session_processes(server_pid: int) -> list[tuple[int, str, Path]]:
     return out
 
 
-def _together_client(cfg: dict, barrier: Any, box: Any) -> None:
-    from loadtests import BenchConfig, run
-
-    barrier.wait()  # every client starts its window at the same moment
-    t_go = time.perf_counter()
+def _together_client(cfg: dict, barrier: Any, box: Any, barrier_s: float) -> None:
     try:
-        box.put((cfg["label"], {**run(BenchConfig(**cfg)), "t_go": t_go}))
-    except Exception as exc:
+        from loadtests import BenchConfig, run
+
+        barrier.wait(timeout=barrier_s)  # every client starts its window at the same moment
+        box.put((cfg["label"], run(BenchConfig(**cfg))))
+    except BaseException as exc:  # the parent must hear from every client, whatever happened
         box.put((cfg["label"], {"error": f"{type(exc).__name__}: {exc}"}))
 
 
@@ -333,22 +332,39 @@ def run_together(cfgs: list[dict], timeout_s: float, after_start: Any = None) ->
     window. Call with no NVML handle or thread open in this process (fork); ``after_start()`` runs
     once the clients are forked (e.g. to start profilers' threads)."""
     import multiprocessing as mp
+    import queue
 
     ctx = mp.get_context("fork")
     barrier, box = ctx.Barrier(len(cfgs)), ctx.Queue()
-    kids = [ctx.Process(target=_together_client, args=(c, barrier, box)) for c in cfgs]
+    # Daemons: a client left behind (the parent gave up waiting) must not keep the job alive.
+    kids = [ctx.Process(target=_together_client, args=(c, barrier, box, 120.0), daemon=True) for c in cfgs]
     t_start = time.perf_counter()
-    for k in kids:
-        k.start()
-    if after_start is not None:
-        after_start()
-    got = dict(box.get(timeout=timeout_s) for _ in kids)
-    for k in kids:
-        k.join(timeout=30)
+    got: dict[str, dict] = {}
+    try:
+        for k in kids:
+            k.start()
+        if after_start is not None:
+            after_start()
+        deadline = time.monotonic() + timeout_s
+        while len(got) < len(kids):
+            try:
+                label, res = box.get(timeout=max(0.1, min(5.0, deadline - time.monotonic())))
+                got[label] = res
+            except queue.Empty:
+                if time.monotonic() > deadline or not any(k.is_alive() for k in kids):
+                    break  # a client died without a word, or the window overran: report what came
+    finally:
+        for k in kids:
+            k.join(timeout=5 if len(got) == len(kids) else 0.1)
+            if k.is_alive():
+                k.kill()
+    for c in cfgs:
+        got.setdefault(c["label"], {"error": "the client process gave no result"})
     for res in got.values():
-        # Request start times count from the client's own t_go.
+        # Request start times count from the client's own t0 (perf_counter, comparable across processes).
         starts = [t for t in res.get("start_times") or () if t is not None]
-        res["first_send_s"] = (res["t_go"] - t_start + min(starts)) if starts else None
+        t0 = res.get("t0_perf_counter")
+        res["first_send_s"] = (t0 - t_start + min(starts)) if starts and t0 is not None else None
     return got
 
 

@@ -89,7 +89,7 @@ def profile_rounds(ns: argparse.Namespace, procs: dict, placement: dict, arms: l
                     bis.gil_profile(pyspy, target, ns.window - 2, Path(f"/tmp/gil-cross-{key.replace('@', '-').replace(':', '-')}.txt")))))
         cfgs = [{"base_url": f"http://127.0.0.1:{procs[n][1]}", "model": "model", "num_prompts": WINDOW_PROMPTS,
                  "max_concurrency": load, "input_len": ns.input_len, "output_len": ns.output_len, "duration_s": ns.window,
-                 "energy": "none", "seed": 99, "label": n} for n in pair]
+                 "energy": "none", "seed": 999_000 + arms.index(arm), "label": n} for n in pair]
         got = ab.run_together(cfgs, ns.window + 180, after_start=lambda ths=ths: [t.start() for t in ths])
         for t in ths:
             t.join()
@@ -206,7 +206,7 @@ def main() -> int:
         result["startup_s"] = time.monotonic() - ab.T0
         round_s = ns.window + 25.0
         reserve = (ns.window + 30.0) * len(arms) if ns.profile and pyspy.exists() else 0.0  # the profiled rounds
-        for load in [int(x) for x in ns.loads.split(",")]:
+        for load_i, load in enumerate(int(x) for x in ns.loads.split(",")):
             for name, (_, port) in procs.items():  # warm-up: compile/graph paths for this batch size
                 run(BenchConfig(base_url=f"http://127.0.0.1:{port}", model="model", num_prompts=load, max_concurrency=load,
                                 input_len=ns.input_len, output_len=32, energy="none", label=f"warm-{name}"))
@@ -214,6 +214,7 @@ def main() -> int:
                 if ns.rotate_cpus and arm == arms[0]:
                     rotate_cpus(procs, placement, cpu_sets, ["stock", *arms], pair)
                 rounds = {"X": (f"stock@{a}", f"{arm}@{b}"), "Y": (f"stock@{b}", f"{arm}@{a}")}
+                seed = 1 + load_i * 10_000 + pair * 100 + arms.index(arm)
                 got_pair: dict[str, dict] = {}
                 for kind in (("X", "Y") if pair % 2 == 0 else ("Y", "X")):
                     if time.monotonic() - ab.T0 > ns.budget_s - round_s - reserve:
@@ -223,7 +224,9 @@ def main() -> int:
                     stock, plugin = rounds[kind]
                     cfgs = [{"base_url": f"http://127.0.0.1:{procs[n][1]}", "model": "model", "num_prompts": WINDOW_PROMPTS,
                              "max_concurrency": load, "input_len": ns.input_len, "output_len": ns.output_len,
-                             "duration_s": ns.window, "energy": "nvml", "gpus": [placement[n]["gpu"]], "seed": pair,
+                             # A seed per (load, pair, arm): the stock server serves every arm's rounds, and
+                             # vLLM's prefix cache would give it the prompts an earlier arm's round already sent.
+                             "duration_s": ns.window, "energy": "nvml", "gpus": [placement[n]["gpu"]], "seed": seed,
                              "label": n} for n in (stock, plugin)]
                     got = ab.run_together(cfgs, ns.window + 180)
                     for n in (stock, plugin):

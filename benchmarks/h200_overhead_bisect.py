@@ -66,6 +66,7 @@ def parse_gil_profile(text: str) -> dict:
         own += k
         top[deepest[:140]] += k
     return {"gil_samples": total, "powersave_own_samples": own, "share": own / total if total else None,
+            "wrappers_excluded": list(WRAPPER_FRAMES),
             "top": top.most_common(12)}
 
 

@@ -353,6 +353,9 @@ async def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
             ep_rows[-1] |= {k2: v for k2, v in ss_k.items() if k2 != "steady_state_rule"}
     return {
         "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
+        # time.perf_counter() when the timed load began (start_times count from it); CLOCK_MONOTONIC
+        # on Linux, so runs in different processes of one host can be lined up.
+        "t0_perf_counter": t0,
         "label": cfg.label,
         "base_url": cfg.base_url,
         "base_urls": list(endpoints),

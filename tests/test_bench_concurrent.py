@@ -80,3 +80,12 @@ def test_gil_profile_counts_the_plugins_own_frames_not_its_wrappers_calls_into_v
     got = bisect.parse_gil_profile(raw)
     assert got["gil_samples"] == 100 and got["powersave_own_samples"] == 10
     assert got["share"] == 0.1 and dict(got["top"]) == {"on_step_start (vllm_powersave/runtime.py:365)": 7, sched: 3}
+
+
+def test_run_together_reports_a_failed_client_and_still_returns_the_others(server_factory) -> None:
+    srv = server_factory(itl_delay=0.001)
+    good = {"base_url": srv.url, "model": "fake-model", "num_prompts": 4, "max_concurrency": 2, "input_len": 4,
+            "output_len": 4, "energy": "none", "label": "good"}
+    got = ab.run_together([good, {"label": "bad", "no_such_field": 1}], timeout_s=60)
+    assert "no_such_field" in got["bad"]["error"] and got["bad"]["first_send_s"] is None
+    assert got["good"]["completed"] == 4 and 0 <= got["good"]["first_send_s"] < 10
