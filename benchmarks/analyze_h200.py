@@ -291,7 +291,10 @@ def cross_lines(r: dict) -> list[str]:
              f"Two GPUs of one host; each holds a stock server and one server per plugin arm ({', '.join(m.get('arms', ['full']))}; "
              "`full` = the A/B's settings above, `bare` = every option off: meter off, no trace, no presets, empty chunk table). "
              "A round drives one server per GPU at the same moment, stock on one GPU and the arm on the other, each alone on its GPU "
-             f"(one forked client each, started behind a barrier; first requests at most {1000 * (r['first_send_spread_s'] or 0):.0f} ms apart); "
+             "(one forked client each, started behind a barrier; "
+             + (f"first requests at most {1000 * (r['first_send_spread_s'] or 0):.0f} ms apart); " if "first_send_s" in m
+                else "this run recorded only the barrier's release, not the first requests' times); ")
+             + 
              "the next round swaps the GPUs. Per pair the ratio is the geometric mean of the two rounds' arm/stock ratios, so a GPU's own "
              f"speed and power cancel, and host drift cancels within each round. {m.get('window_s'):.0f} s windows, {m.get('input_len')} prompt / "
              f"{m.get('output_len')} output tokens, energy from each GPU's NVML counter over its own window. Placement: {cpus} "

@@ -167,7 +167,8 @@ def main() -> int:
                              "sqrt(ratio_X * ratio_Y); X/Y order alternates per pair",
                    "energy": "each GPU's NVML total-energy counter over its client's window (measured)",
                    "clocks": "never changed: POWERSAVE_FORCE_DRY_RUN=1, controller dry-run",
-                   "chunking": "table selects 1 chunk at every row count seen (hook installed)"},
+                   "chunking": "table selects 1 chunk at every row count seen (hook installed)",
+                   "first_send_s": "each window's first request, s after the clients were started (the clients' own t0)"},
         "windows": [], "pairs": [], "notes": []}
 
     def save() -> None:
