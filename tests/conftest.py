@@ -34,3 +34,26 @@ def tiny_config(tmp_path):
     d.mkdir()
     (d / "config.json").write_text(json.dumps({k: v for k, v in SHAPES["qwen2-tiny"].items() if not k.startswith("_")}))
     return d
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _no_stale_vllm_cpu_shm():
+    """vLLM's CPU backend names its TP shared memory ``/dev/shm/<pid>-tp:...-cpushm_<rank>`` and leaves
+    it behind when the engine dies; a later engine that gets the same PID fails to start (EEXIST).
+    Remove only segments whose owner PID is gone, once per test session."""
+    import os
+    import re
+
+    shm = Path("/dev/shm")
+    if shm.is_dir():
+        for f in shm.iterdir():
+            m = re.match(r"^(\d+)-tp:.*-cpushm_\d+$", f.name)
+            if not m:
+                continue
+            try:
+                os.kill(int(m.group(1)), 0)
+            except ProcessLookupError:
+                f.unlink(missing_ok=True)
+            except OSError:
+                pass  # alive (or not ours to judge): keep it
+    yield
