@@ -151,6 +151,8 @@ async def run_load(
         # does, made a closed-loop window over 100k prompts spend its first second creating tasks
         # and serve a third of the tokens: the client, not the server, set the rate.)
         for i, off in enumerate(offsets):
+            if duration_s is not None and off > duration_s:
+                break  # arrives after the window: not sent (and not waited for, which would lengthen the run)
             # Sleep to absolute targets so scheduling jitter does not accumulate.
             delay = t0 + off - time.perf_counter()
             if delay > 0:

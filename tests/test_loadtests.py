@@ -451,6 +451,15 @@ def test_closed_loop_holds_at_most_concurrency_request_tasks(server_factory, mon
     assert res["start_times"] == sorted(res["start_times"])
 
 
+def test_open_loop_window_does_not_wait_for_an_arrival_after_it(server_factory) -> None:
+    # Constant gaps of 2 s: the second request would arrive at 2 s, after a 0.3 s window. It is
+    # neither sent nor waited for, so the run ends with the first request, not at 2 s.
+    srv = server_factory(first_delay=0.01)
+    res = run(BenchConfig(base_url=srv.url, num_prompts=5, request_rate=0.5, arrival="constant", output_len=2,
+                          input_len=4, duration_s=0.3))
+    assert res["completed"] == 1 and res["duration"] < 1.5
+
+
 def test_energy_mode_nvml_ignores_server_metrics(server_factory, no_nvml) -> None:
     srv = server_factory()
     res = run(BenchConfig(base_url=srv.url, num_prompts=1, output_len=2, input_len=4, energy="nvml"))
