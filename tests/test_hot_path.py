@@ -395,3 +395,25 @@ def test_chunked_head_calls_the_head_once_for_one_chunk(monkeypatch):
     y = torch.arange(8.0).reshape(4, 2)
     assert torch.equal(runtime.chunked_head(head, y), y * 2) and seen == [3, 2, 2]
     assert dict(runtime._POLICY.calls) == {1: 1, 2: 1} and runtime._POLICY.rows_total == 7
+
+
+def test_chunked_head_fails_open_on_its_own_faults_but_not_on_the_heads(monkeypatch, caplog):
+    import torch
+
+    class Broken:
+        def take(self, rows):
+            raise KeyError("table")
+
+    monkeypatch.setattr(runtime, "_POLICY", Broken())
+    monkeypatch.setattr(runtime, "_HEAD_ERRORS", set())
+    x = torch.ones(3, 4)
+    with caplog.at_level("ERROR", logger="vllm.powersave"):
+        assert torch.equal(runtime.chunked_head(lambda h: h * 2, x), x * 2)
+        assert torch.equal(runtime.chunked_head(lambda h: h * 3, x), x * 3)
+    assert sum("LM-head hook policy failed" in r.getMessage() for r in caplog.records) == 1  # logged once
+
+    def oom(h):
+        raise RuntimeError("CUDA out of memory")
+
+    with pytest.raises(RuntimeError, match="out of memory"):
+        runtime.chunked_head(oom, x)  # the head's own error is vLLM's to handle, as without the plugin

@@ -46,20 +46,45 @@ def chunk_policy() -> ChunkPolicy:
     return _POLICY
 
 
+_HEAD_ERRORS: set[str] = set()
+
+
+def _head_fault(where: str, exc: Exception) -> None:
+    """The LM-head hook fails open: its own fault is logged once per kind and the step goes on."""
+    key = f"{where}:{type(exc).__name__}"
+    if key not in _HEAD_ERRORS:
+        _HEAD_ERRORS.add(key)
+        log.exception("powersave: LM-head hook %s failed (%s); this call runs the head unchunked", where, exc)
+
+
 def chunked_head(head: Any, hidden_states: Any) -> Any:
-    """LM-head hook: chunk count from the policy, keyed on rows reaching the head."""
-    policy = _POLICY if _POLICY is not None else chunk_policy()
-    rows = int(hidden_states.shape[0]) if hidden_states.dim() >= 2 else 1
-    n = policy.take(rows)
-    rt = _RUNTIME
-    if rt is None or not rt.clocks.groups or not rt.clocks.has_group("lm_head"):
+    """LM-head hook: chunk count from the policy, keyed on rows reaching the head.
+
+    Fails open: a fault of the plugin's own (policy, clock group) runs the head as vLLM would;
+    the head's own errors (e.g. CUDA out of memory) propagate unchanged."""
+    try:
+        policy = _POLICY if _POLICY is not None else chunk_policy()
+        rows = int(hidden_states.shape[0]) if hidden_states.dim() >= 2 else 1
+        n = policy.take(rows)
+        rt = _RUNTIME
+        grouped = rt is not None and bool(rt.clocks.groups) and rt.clocks.has_group("lm_head")
+    except Exception as exc:
+        _head_fault("policy", exc)
+        return head(hidden_states)
+    if not grouped:
         # One chunk (every step but those the table chunks): apply_chunked(head, h, 1) is head(h).
         return head(hidden_states) if n <= 1 else apply_chunked(head, hidden_states, n)
     # A kernel-group preset for the LM head passed the switch-latency gate: switch when the GPU
     # (not the host, which runs ahead) reaches the LM head, and back when it leaves it.
-    rt.clocks.on_group("lm_head", ready=_gpu_marker(hidden_states))
+    try:
+        rt.clocks.on_group("lm_head", ready=_gpu_marker(hidden_states))
+    except Exception as exc:
+        _head_fault("clock group", exc)
     out = apply_chunked(head, hidden_states, n)
-    rt.clocks.end_group(ready=_gpu_marker(hidden_states))
+    try:
+        rt.clocks.end_group(ready=_gpu_marker(hidden_states))
+    except Exception as exc:
+        _head_fault("clock group", exc)
     return out
 
 
