@@ -154,7 +154,9 @@ def _cmd_compare(ns: argparse.Namespace) -> int:
                "Each \"on\" server's exact step sequence, priced by the simulated H200 at stock clocks and with the presets:\n\n")
         for label, cf in counterfactual.items():
             md += (f"- {label}: {cf['stock_clocks_j']:.1f} J (simulated) at stock clocks vs {cf['with_presets_j']:.1f} J (simulated) "
-                   f"with the presets: **{-cf['saving_pct']:+.1f} % energy (simulated)**, {cf['gpu_time_change_pct']:+.1f} % GPU busy time (simulated)\n")
+                   f"with the presets: **{-cf['saving_pct']:+.1f} % energy (simulated)**, "
+                   + (f"{cf['gpu_time_change_pct']:+.1f} % GPU busy time (simulated)\n" if cf.get("gpu_time_change_pct") is not None
+                      else "GPU busy time n/a\n"))
         md += ("\n## Per run\n\nThroughput and latency measured on this machine. Energy is simulated and follows how the "
                "engine happened to batch in each run, which on a 2-core CPU varies a lot: use the section above for the presets' effect.\n")
     md += "\n" + table + "\n"
