@@ -64,38 +64,31 @@ def pair_ratio(x: tuple[float, float], y: tuple[float, float]) -> float | None:
     return math.sqrt((x[1] / x[0]) * (y[1] / y[0]))
 
 
+def windows_ratio(rounds: dict[str, dict], key: str) -> float | None:
+    """:func:`pair_ratio` of ``key`` over one pair's windows, keyed ``X:stock``, ``X:plugin``,
+    ``Y:stock``, ``Y:plugin``."""
+    return pair_ratio((rounds["X:stock"].get(key), rounds["X:plugin"].get(key)),
+                      (rounds["Y:stock"].get(key), rounds["Y:plugin"].get(key)))
+
+
 def profile_rounds(ns: argparse.Namespace, procs: dict, placement: dict, arms: list[str], gpus: list[int], load: int,
                    pyspy: str, result: dict, save: Any) -> None:
     """One more round per arm (stock on GPU a, the arm on GPU b) with ``py-spy record --gil`` on the
     EngineCore and the API server of both servers: where each process spends its GIL time, and the
     share of it in the plugin's own frames (h200_overhead_bisect.parse_gil_profile)."""
-    import threading
-
     import h200_overhead_bisect as bis
 
     a, b = gpus
     for arm in arms:
         pair = (f"stock@{a}", f"{arm}@{b}")
-        boxes: dict[str, dict] = {}
-        ths = []
-        for n in pair:
-            pid = procs[n][0].pid
-            for proc, target in (("engine", bis.engine_core_pid(pid)), ("api", pid)):
-                if target is None:
-                    continue
-                key = f"{n}:{proc}"
-                boxes[key] = {}
-                ths.append(threading.Thread(target=lambda key=key, target=target, boxes=boxes: boxes[key].update(
-                    bis.gil_profile(pyspy, target, ns.window - 2, Path(f"/tmp/gil-cross-{key.replace('@', '-').replace(':', '-')}.txt")))))
+        by_name, ths = bis.profile_servers(pyspy, {n: procs[n][0].pid for n in pair}, ns.window - 2, "/tmp/gil-cross")
+        boxes = {f"{n}:{proc}": box for n, d in by_name.items() for proc, box in d.items()}
         cfgs = [{"base_url": f"http://127.0.0.1:{procs[n][1]}", "model": "model", "num_prompts": WINDOW_PROMPTS,
                  "max_concurrency": load, "input_len": ns.input_len, "output_len": ns.output_len, "duration_s": ns.window,
                  "energy": "none", "seed": 999_000 + arms.index(arm), "label": n} for n in pair]
         got = ab.run_together(cfgs, ns.window + 180, after_start=lambda ths=ths: [t.start() for t in ths])
         for t in ths:
             t.join()
-        for box in boxes.values():
-            if box.get("gil_samples") is not None:
-                box["gil_busy_share"] = box["gil_samples"] / (100 * (ns.window - 2))  # py-spy: 100 samples/s
         result["profiles"].append({"arm": arm, "load": load, "placement": "X", "profiles": boxes,
                                    "output_throughput": {n: got.get(n, {}).get("output_throughput") for n in pair}})
         ab.log(f"profile {arm}: " + json.dumps({k: (v.get("gil_busy_share"), v.get("share")) for k, v in boxes.items()}))
@@ -245,17 +238,11 @@ def main() -> int:
                     round_s = max(round_s, time.monotonic() - t_round)
                     save()
 
-                def ratio(key: str, invert: bool = False) -> float | None:
-                    def f(w: dict) -> float | None:
-                        v = w.get(key)
-                        return (1.0 / v if v else None) if invert else v
-                    return pair_ratio((f(got_pair["X:stock"]), f(got_pair["X:plugin"])),
-                                      (f(got_pair["Y:stock"]), f(got_pair["Y:plugin"])))
-
-                p = {"arm": arm, "load": load, "pair": pair, "throughput_ratio": ratio("output_throughput"),
+                tok_j = windows_ratio(got_pair, "output_tokens_per_joule")
+                p = {"arm": arm, "load": load, "pair": pair, "throughput_ratio": windows_ratio(got_pair, "output_throughput"),
                      # J per output token = 1 / (output tokens per J)
-                     "j_per_token_ratio": ratio("output_tokens_per_joule", invert=True),
-                     "itl_p50_ratio": ratio("median_itl_ms")}
+                     "j_per_token_ratio": 1.0 / tok_j if tok_j else None,
+                     "itl_p50_ratio": windows_ratio(got_pair, "median_itl_ms")}
                 result["pairs"].append(p)
                 ab.log(f"load {load} pair {pair} {arm}: ratios plugin/stock " + ", ".join(
                     f"{k.removesuffix('_ratio')} {v:.4f}" if v is not None else f"{k.removesuffix('_ratio')} n/a"

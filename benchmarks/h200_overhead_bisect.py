@@ -42,7 +42,31 @@ def gil_profile(pyspy: str, pid: int, seconds: float, out: Path) -> dict:
                     "--format", "raw", "-o", str(out)], capture_output=True, timeout=seconds + 30)
     if not out.exists():
         return {"error": "no profile"}
-    return parse_gil_profile(out.read_text())
+    res = parse_gil_profile(out.read_text())
+    # py-spy samples 100 times a second; with --gil only while a thread holds the GIL.
+    res["gil_busy_share"] = res["gil_samples"] / (100 * seconds)
+    return res
+
+
+def profile_servers(pyspy: str, servers: dict[str, int], seconds: float, prefix: str) -> tuple[dict[str, dict[str, dict]], list]:
+    """GIL profiles of both processes of each server (name -> API-server pid): the EngineCore
+    (scheduler + TP=1 worker) and the API server (HTTP, detokenization, streaming), which a
+    host-bound 0.5B may also wait on. Returns ``(boxes[name][engine|api], threads)``: start the
+    threads with the load, join them, and the boxes hold :func:`gil_profile`'s results. Profiles
+    stay in /tmp (``prefix-<name>-<process>.txt``): the device tool brings back at most 8 files."""
+    import threading
+
+    boxes: dict[str, dict[str, dict]] = {}
+    ths = []
+    for name, pid in servers.items():
+        boxes[name] = {}
+        for proc, target in (("engine", engine_core_pid(pid)), ("api", pid)):
+            if target is None:
+                continue
+            box = boxes[name][proc] = {}
+            out = Path(f"{prefix}-{name}-{proc}.txt")
+            ths.append(threading.Thread(target=lambda box=box, target=target, out=out: box.update(gil_profile(pyspy, target, seconds, out))))
+    return boxes, ths
 
 
 def parse_gil_profile(text: str) -> dict:
@@ -104,8 +128,6 @@ def concurrent_rounds(ns: argparse.Namespace, procs: dict, cpu_sets: list[set[in
     between processes), the same for all of them, so the ratio is a relative cost, not a
     single-tenant throughput. With ``pyspy``, the last round also profiles both processes of every
     server (EngineCore and API server, ``--gil``), all under the same load."""
-    import threading
-
     names = list(procs)
     round_s = ns.window + 15.0
     for r in range(ns.rounds):
@@ -121,15 +143,8 @@ def concurrent_rounds(ns: argparse.Namespace, procs: dict, cpu_sets: list[set[in
                 cpus = cpu_sets[(i + r) % len(cpu_sets)]
                 set_tree_affinity(procs[name][0].pid, cpus)
                 placed[name] = sorted(cpus)
-        profs: dict = {}
-        ths = []
-        if last and pyspy:
-            for n in names:
-                targets = {"engine": engine_core_pid(procs[n][0].pid), "api": procs[n][0].pid}
-                profs[n] = {k: {} for k in targets if targets[k] is not None}
-                ths += [threading.Thread(target=lambda n=n, k=k, pid=pid, profs=profs: profs[n][k].update(
-                            gil_profile(pyspy, pid, ns.window - 2, Path(f"/tmp/gil-{ns.gpu}-{n}-{k}.txt"))))
-                        for k, pid in targets.items() if pid is not None]
+        profs, ths = (profile_servers(pyspy, {n: procs[n][0].pid for n in names}, ns.window - 2, f"/tmp/gil-{ns.gpu}")
+                      if last and pyspy else ({}, []))
         cfgs = [dict(base_url=f"http://127.0.0.1:{procs[n][1]}", model="model", num_prompts=WINDOW_PROMPTS,
                      max_concurrency=ns.concurrency, input_len=128, output_len=ns.output_len, duration_s=ns.window,
                      energy="none", seed=r, label=n) for n in names]
@@ -137,9 +152,6 @@ def concurrent_rounds(ns: argparse.Namespace, procs: dict, cpu_sets: list[set[in
         for th in ths:
             th.join()
         for n, boxes in profs.items():
-            for b in boxes.values():
-                if b.get("gil_samples") is not None:
-                    b["gil_busy_share"] = b["gil_samples"] / (100 * (ns.window - 2))  # py-spy: 100 samples/s
             result["profiles"][n] = {**boxes, "round": r, "concurrent": True}
         for pos, name in enumerate(names):
             res = got.get(name, {"error": "no result"})
@@ -263,30 +275,18 @@ def main() -> int:
         if ns.concurrent:
             pass  # profiled inside the last concurrent round
         elif pyspy:
-            import threading
-
             for name in procs:
                 if time.monotonic() - ab.T0 > ns.budget_s - 30:
                     break
                 p, port = procs[name]
-                # Both processes of the server: the EngineCore (scheduler + TP=1 worker) and the API
-                # server (HTTP, detokenization, streaming), which a host-bound 0.5B may also wait on.
-                targets = {"engine": engine_core_pid(p.pid), "api": p.pid}
-                boxes: dict = {k: {} for k in targets if targets[k] is not None}
-                # Profiles stay in /tmp: the device tool brings back at most 8 files per call.
-                ths = [threading.Thread(target=lambda k=k: boxes[k].update(
-                           gil_profile(pyspy, targets[k], ns.window - 2, Path(f"/tmp/gil-{ns.gpu}-{name}-{k}.txt"))))
-                       for k in boxes]
+                by_name, ths = profile_servers(pyspy, {name: p.pid}, ns.window - 2, f"/tmp/gil-{ns.gpu}")
+                boxes = by_name[name]
                 for th in ths:
                     th.start()
                 run(BenchConfig(base_url=f"http://127.0.0.1:{port}", model="model", num_prompts=WINDOW_PROMPTS, max_concurrency=ns.concurrency,
                                 input_len=128, output_len=256, duration_s=ns.window, energy="none", label=f"prof-{name}"))
                 for th in ths:
                     th.join()
-                for box in boxes.values():
-                    if box.get("gil_samples") is not None:
-                        # py-spy samples 100 times a second; with --gil only while a thread holds the GIL.
-                        box["gil_busy_share"] = box["gil_samples"] / (100 * (ns.window - 2))
                 result["profiles"][name] = boxes
                 ab.log(f"profile {name}:", json.dumps(boxes)[:500])
                 save()

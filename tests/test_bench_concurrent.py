@@ -89,3 +89,26 @@ def test_run_together_reports_a_failed_client_and_still_returns_the_others(serve
     got = ab.run_together([good, {"label": "bad", "no_such_field": 1}], timeout_s=60)
     assert "no_such_field" in got["bad"]["error"] and got["bad"]["first_send_s"] is None
     assert got["good"]["completed"] == 4 and 0 <= got["good"]["first_send_s"] < 10
+
+
+def test_profile_servers_profiles_each_process_and_reports_its_gil_busy_share(tmp_path) -> None:
+    # A stand-in py-spy: writes 40 collapsed-stack samples (4 in the plugin's own code) to its -o path.
+    fake = tmp_path / "py-spy"
+    fake.write_text("#!/bin/sh\nwhile [ $# -gt 0 ]; do [ \"$1\" = -o ] && out=$2; shift; done\n"
+                    "printf 'main (vllm/x.py:1);step (vllm/x.py:2) 36\\nmain (vllm/x.py:1);on_step_start (vllm_powersave/runtime.py:9) 4\\n' > \"$out\"\n")
+    fake.chmod(0o755)
+    server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], start_new_session=True)
+    try:
+        boxes, ths = bisect.profile_servers(str(fake), {"S1": server.pid}, 2.0, str(tmp_path / "gil"))
+        assert list(boxes) == ["S1"] and list(boxes["S1"]) == ["api"]  # no EngineCore process in this stand-in
+        for th in ths:
+            th.start()
+        for th in ths:
+            th.join()
+    finally:
+        os.killpg(server.pid, 9)
+        server.wait()
+    got = boxes["S1"]["api"]
+    assert got["gil_samples"] == 40 and got["powersave_own_samples"] == 4 and got["share"] == 0.1
+    assert got["gil_busy_share"] == 40 / (100 * 2.0)
+    assert (tmp_path / "gil-S1-api.txt").exists()
