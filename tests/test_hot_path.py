@@ -405,7 +405,7 @@ def test_chunked_head_fails_open_on_its_own_faults_but_not_on_the_heads(monkeypa
             raise KeyError("table")
 
     monkeypatch.setattr(runtime, "_POLICY", Broken())
-    monkeypatch.setattr(runtime, "_HEAD_ERRORS", set())
+    monkeypatch.setattr(vllm_compat, "_HOOK_ERRORS", set())
     x = torch.ones(3, 4)
     with caplog.at_level("ERROR", logger="vllm.powersave"):
         assert torch.equal(runtime.chunked_head(lambda h: h * 2, x), x * 2)

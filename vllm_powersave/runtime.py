@@ -46,15 +46,9 @@ def chunk_policy() -> ChunkPolicy:
     return _POLICY
 
 
-_HEAD_ERRORS: set[str] = set()
-
-
 def _head_fault(where: str, exc: Exception) -> None:
     """The LM-head hook fails open: its own fault is logged once per kind and the step goes on."""
-    key = f"{where}:{type(exc).__name__}"
-    if key not in _HEAD_ERRORS:
-        _HEAD_ERRORS.add(key)
-        log.exception("powersave: LM-head hook %s failed (%s); this call runs the head unchunked", where, exc)
+    vllm_compat.fault_once(f"lm_head.{where}", exc, f"LM-head hook {where}", "this call runs the head unchunked")
 
 
 def chunked_head(head: Any, hidden_states: Any) -> Any:

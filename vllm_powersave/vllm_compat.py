@@ -281,11 +281,19 @@ def _safe(fn: Callable[..., None], *args: Any) -> None:
 
 
 def _hook_failed(fn: Callable[..., Any], exc: Exception) -> None:
-    """Log a hook's exception once per (hook, exception type); call inside the ``except`` block."""
-    key = f"{getattr(fn, '__name__', fn)}:{type(exc).__name__}"
-    if key not in _HOOK_ERRORS:
-        _HOOK_ERRORS.add(key)
-        log.exception("powersave: step hook %s failed (%s); continuing without it for this step", key, exc)
+    """Log a step hook's exception once per (hook, exception type); call inside the ``except`` block."""
+    name = f"{getattr(fn, '__name__', fn)}:{type(exc).__name__}"
+    fault_once(name, exc, f"step hook {name}", "continuing without it for this step")
+
+
+def fault_once(key: str, exc: Exception, what: str, consequence: str) -> None:
+    """Log a fault of the plugin's own code once per (``key``, exception type), with its traceback
+    (call inside the ``except`` block): the plugin fails open, and a fault repeated every step must
+    not flood vLLM's log."""
+    k = f"{key}:{type(exc).__name__}"
+    if k not in _HOOK_ERRORS:
+        _HOOK_ERRORS.add(k)
+        log.exception("powersave: %s failed (%s); %s", what, exc, consequence)
 
 
 def step_requests(scheduler_output: Any) -> list[ReqSched]:
