@@ -56,6 +56,14 @@ def sim_decisions(trace: list[dict], shape: str, t0: float, t1: float) -> dict:
             "alt_policy_low_prefill_steps_1200mhz_saving_pct": 100 * (1 - e_alt / e_stock), "source": "simulated"}
 
 
+def verdict(lo: float, hi: float, jlo: float, jhi: float) -> str:
+    """Whether the 95 % intervals of the throughput and J/token ratios both contain 1 (a NaN
+    interval, from one pair or no energy figures, decides nothing)."""
+    if math.isnan(lo) or math.isnan(jlo):
+        return "one pair or no energy figures: no interval"
+    return "no difference beyond noise" if (lo <= 1 <= hi and jlo <= 1 <= jhi) else "difference beyond noise"
+
+
 def paired(ws: list[dict]) -> tuple[dict, dict, list]:
     """One load's windows as (A by pair, B by pair, the pairs that have both, in order)."""
     a = {w["pair"]: w for w in ws if w["server"] == "A"}
@@ -94,7 +102,7 @@ def analyze(raw: dict, tag: str) -> dict:
         case = {
             "shape": shape, "load": load, "load_kind": "closed-loop concurrency (OpenAI server, load-test harness)",
             "pairs": len(full), **rat,
-            "verdict": ("no difference beyond noise" if (lo <= 1 <= hi and jlo <= 1 <= jhi) else "difference beyond noise"),
+            "verdict": verdict(lo, hi, jlo, jhi),
             "stock_out_tok_per_s": st.mean(a[p]["output_throughput"] for p in full),
             "plugin_out_tok_per_s": st.mean(b[p]["output_throughput"] for p in full),
             "stock_out_tok_per_j": st.mean(a[p]["output_tokens_per_joule"] for p in full),
@@ -263,8 +271,7 @@ def analyze_cross(raw: dict, tag: str) -> dict:
             "j_per_token_ratio": st.median(jpt) if jpt else None, "j_per_token_ratio_mean": st.mean(jpt) if jpt else None,
             "j_per_token_ratio_ci95": [jlo, jhi], "j_per_token_ratio_per_pair": jpt,
             "itl_p50_ratio": st.median(itl) if (itl := [p["itl_p50_ratio"] for p in ps if p.get("itl_p50_ratio") is not None]) else None,
-            "verdict": ("one pair or no energy figures: no interval" if math.isnan(lo) or math.isnan(jlo) else
-                        "no difference beyond noise" if (lo <= 1 <= hi and jlo <= 1 <= jhi) else "difference beyond noise"),
+            "verdict": verdict(lo, hi, jlo, jhi),
             "stock_out_tok_per_s": st.mean(w["output_throughput"] for w in stock),
             "plugin_out_tok_per_s": st.mean(w["output_throughput"] for w in plug),
             "stock_out_tok_per_j": st.mean(w["output_tokens_per_joule"] for w in stock) if all(w.get("output_tokens_per_joule") for w in stock) else None,
