@@ -2,7 +2,7 @@
 # Runs ON the lent H200 machine(s), from the repository root, after `.gpu-bundle/device.sh unpack`.
 # Never changes a GPU setting: POWERSAVE_FORCE_DRY_RUN=1 is forced, and every script refuses without it.
 # Usage: bash benchmarks/device_run.sh JOB...   (jobs run in parallel, each on its own GPU)
-#   JOB: boost1@GPU | boostA@GPU | boostB@GPU | boostC@GPU | boostD@GPU | auto@GPU | meterg@GPU | ab05b@GPU | plp@GPU (prompt logprobs: chunk policy vs none) | bisect2@GPU (0.5B overhead: one plugin option off per server) | cross@0,1 (stock and plugin at once on two GPUs, placements swapped, CPU sets rotated; CROSS_SHAPE, CROSS_LOADS, CROSS_PAIRS, CROSS_ARMS=twin,full,bare) | bisectc@GPU (stock, stock twin, plugin driven at once; CPU sets rotated; BC_CONC=8) | prof@GPU (stock and full plugin, 1 round, then py-spy on both processes of each) | bisect_meter@GPU | meter@GPU | lmhead@GPU | tp2@GPUS (e.g. tp2@0,1) | pp2@GPUS | benchcmp@GPU (loadtests vs vllm bench serve, stock server)
+#   JOB: boost1@GPU | boostA@GPU | boostB@GPU | boostC@GPU | boostD@GPU | auto@GPU | meterg@GPU | ab05b@GPU | plp@GPU (prompt logprobs: chunk policy vs none) | bisect2@GPU (0.5B overhead: one plugin option off per server) | cross@0,1 (stock and plugin at once on two GPUs, placements swapped, CPU sets rotated; CROSS_SHAPE, CROSS_LOADS, CROSS_PAIRS, CROSS_ARMS=twin,full,bare) | bisectc@GPU (stock, stock twin, plugin driven at once; CPU sets rotated; BC_CONC=8) | prof@GPU (stock and full plugin, 1 round, then py-spy on both processes of each) | bisect_meter@GPU | meter@GPU | nvmlx@GPU[,OTHER] (NVML reads vs a decode-like loop on the same GPU) | lmhead@GPU | tp2@GPUS (e.g. tp2@0,1) | pp2@GPUS | benchcmp@GPU (loadtests vs vllm bench serve, stock server)
 set -u
 export POWERSAVE_FORCE_DRY_RUN=1 PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \
   HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false CUDA_DEVICE_ORDER=PCI_BUS_ID \
@@ -38,6 +38,7 @@ for job in "$@"; do
     prof)   cmd="python3 benchmarks/h200_overhead_bisect.py --gpu $gpu --variants S0,S1 --gpu-mem 0.3 --rounds 1 --budget-s $((LIM-10)) --out $OUT/$name/raw.json" ;;
     bisect_meter) cmd="python3 benchmarks/h200_overhead_bisect.py --gpu $gpu --budget-s 330 --out $OUT/$name/bisect.json; env PYTHONPATH=/tmp/psite:/tmp/site python3 benchmarks/h200_energy_meter.py --gpu $gpu --windows 2:3,5:2,10:2,30:1 --pairs 4 --pair-window 3 --out $OUT/$name/meter.json" ;;
     meter)  cmd="env PYTHONPATH=/tmp/psite:/tmp/site python3 benchmarks/h200_energy_meter.py --gpu $gpu --out $OUT/meter/raw.json" ;;
+    nvmlx)  cmd="python3 benchmarks/h200_nvml_interference.py --gpu ${gpu%%,*} $([[ $gpu == *,* ]] && echo --other-gpu ${gpu#*,}) --rounds ${NX_ROUNDS:-3} --window ${NX_WINDOW:-6} --out $OUT/$name/raw.json" ;;
     lmhead) cmd="env PYTHONPATH=/tmp/psite:/tmp/site ${LMHEAD_CMD:-python3 benchmarks/lm_head_chunking.py} --out $OUT/lmhead/raw.json" ;;
     *) ts "unknown job $job"; continue ;;
   esac
