@@ -1,0 +1,348 @@
+"""Plugin overhead by fast alternation: one GPU, one arm busy at a time, arms taking turns every ~1-3 s.
+
+Why this design (issue 7): on the lent H200 host a host-bound 0.5B server's speed drifts by 10-25 %
+between windows taken one after another, and with servers driven at once (the cross A/B) each pair
+still reads +-3-5 % (A/A control, session 7), because the forked clients and the servers compete
+for vCPUs. Here every arm lives on the same GPU and the same CPU set; only one is busy at a time;
+the arms take turns in short calls (offline: one ``LLM.generate`` of a fixed batch; serve: one
+closed-loop burst through the OpenAI server), so slow drift cancels between neighbouring calls and
+no arm ever has other CPUs than another. Each cycle runs every arm once, in an order rotated per cycle;
+the ratio of a cycle is arm / stock of the same cycle.
+
+Two modes, which tell the engine's cost from the API server's:
+
+* ``offline``: each arm is a process holding a ``vllm.LLM`` (no HTTP, no API server); a call is
+  ``generate`` of ``--batch`` token-id prompts (new ones every cycle, the same for every arm, so
+  the prefix cache helps none) with ``max_tokens = --output-len`` and ``ignore_eos``.
+* ``serve``: each arm is a ``vllm serve`` process; a call is a closed-loop burst of ``--burst``
+  requests at concurrency ``--batch`` from this process's load-test client (``loadtests``).
+
+Energy per call from the GPU's NVML total-energy counter, read by this process between calls only
+(never while an arm runs): it waits for the counter to step before a call and after it, so a
+call's energy is whole counter periods and includes < 100 ms of idle after the call (the same in
+expectation for every arm). Time and tokens per call are exact. Read-only: no GPU setting is
+changed; the script refuses without ``POWERSAVE_FORCE_DRY_RUN=1``.
+
+Arms: ``stock`` and ``twin`` (vLLM alone, the A/A control), ``inert`` (the plugin installed, not
+enabled), ``bare`` (enabled, every option off), ``full`` (the A/B's settings: trace, NVML meter,
+dry-run presets, an LM-head hook that never chunks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from multiprocessing.connection import Client, Listener
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import h200_ab as ab  # noqa: E402
+from h200_ab_cross import plugin_config  # noqa: E402
+
+NEVER_CHUNK = [{"min_rows": 1_000_000, "chunks": 2}]
+
+
+def arm_config(arm: str, stats_dir: str) -> dict | None:
+    """The plugin settings of ``arm`` (None: the plugin is not enabled)."""
+    if arm == "full":
+        return plugin_config(stats_dir, NEVER_CHUNK)
+    if arm == "bare":
+        return {"powersave": {"chunking": {"table": []}, "clocks": {"backend": "dry-run"}, "energy": {"meter": "off"}}}
+    return None
+
+
+ARMS = ("stock", "twin", "inert", "bare", "full")
+
+
+def arm_site(arm: str, ns: argparse.Namespace) -> str:
+    return ns.stock_site if arm in ("stock", "twin") else f"{ns.plugin_site}:{ns.stock_site}"
+
+
+def prompts_for(cycle: int, batch: int, input_len: int, vocab: int = 150_000) -> list[list[int]]:
+    """``batch`` token-id prompts of ``input_len`` ids, the same for every arm in a cycle."""
+    rng = random.Random(1_000_003 * cycle + batch)
+    return [[rng.randrange(100, vocab) for _ in range(input_len)] for _ in range(batch)]
+
+
+# --------------------------------------------------------------------------------------------
+# offline worker (a process per arm)
+# --------------------------------------------------------------------------------------------
+def worker_main(ns: argparse.Namespace) -> int:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    cfg = json.loads(ns.worker_config) if ns.worker_config else None
+    kw: dict[str, Any] = {"model": ns.model, "load_format": "dummy", "max_model_len": 2048, "max_num_seqs": 256,
+                          "gpu_memory_utilization": ns.gpu_mem, "kv_cache_memory_bytes": ns.kv_cache_bytes, "seed": 0}
+    if cfg:
+        kw["additional_config"] = cfg
+    llm = LLM(**kw)
+    # Prompt ids below the tokenizer's size (the device's tokenizer has 151,936; a test model's fewer).
+    vocab = min(len(llm.get_tokenizer()), 150_000)
+    conn = Client(ns.worker_addr, authkey=b"alt")
+    conn.send({"ready": ns.worker_name, "pid": os.getpid()})
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            break
+        batch, cycle, out_len, in_len = msg
+        sp = SamplingParams(max_tokens=out_len, ignore_eos=True, temperature=0.0)
+        ps = [TokensPrompt(prompt_token_ids=p) for p in prompts_for(cycle, batch, in_len, vocab)]
+        try:
+            t = time.perf_counter()
+            outs = llm.generate(ps, sp, use_tqdm=False)
+            dt = time.perf_counter() - t
+            conn.send({"s": dt, "tokens": sum(len(o.outputs[0].token_ids) for o in outs)})
+        except Exception as exc:  # reported to the controller, which stops the run with it
+            conn.send({"error": f"{type(exc).__name__}: {exc}"})
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
+# controller
+# --------------------------------------------------------------------------------------------
+class Counter:
+    """The GPU's NVML total-energy counter, read at its steps (between calls only)."""
+
+    def __init__(self, index: int) -> None:
+        import pynvml
+
+        pynvml.nvmlInit()
+        self.nvml, self.h = pynvml, pynvml.nvmlDeviceGetHandleByIndex(index)
+
+    def read(self) -> int:
+        return int(self.nvml.nvmlDeviceGetTotalEnergyConsumption(self.h))
+
+    def at_step(self, limit_s: float = 0.3) -> tuple[int, float]:
+        """(mJ, time) right after the counter's next step (or after ``limit_s`` without one)."""
+        c0 = self.read()
+        t_end = time.perf_counter() + limit_s
+        while time.perf_counter() < t_end:
+            c = self.read()
+            if c != c0:
+                return c, time.perf_counter()
+            time.sleep(0.001)
+        return c0, time.perf_counter()
+
+
+def summarize(calls: list[dict], arms: list[str], loads: list[int]) -> dict[str, Any]:
+    """Per (load, arm): median and 95 % CI (t) of the per-cycle ratio to stock, for tokens/s and J/token."""
+    out: dict[str, Any] = {}
+    by = {(c["load"], c["cycle"], c["arm"]): c for c in calls if c.get("tokens")}
+    for load in loads:
+        for arm in arms:
+            if arm == "stock":
+                continue
+            thr, jpt = [], []
+            for (ld, cyc, a), c in by.items():
+                if ld != load or a != arm or (ld, cyc, "stock") not in by:
+                    continue
+                s = by[(ld, cyc, "stock")]
+                thr.append((c["tokens"] / c["s"]) / (s["tokens"] / s["s"]))
+                if c.get("energy_j") and s.get("energy_j"):
+                    jpt.append((c["energy_j"] / c["tokens"]) / (s["energy_j"] / s["tokens"]))
+            out[f"{load}:{arm}"] = {"load": load, "arm": arm, "cycles": len(thr),
+                                    "throughput_ratio": stats(thr), "j_per_token_ratio": stats(jpt)}
+    return out
+
+
+def stats(xs: list[float]) -> dict[str, Any]:
+    if not xs:
+        return {"n": 0}
+    n = len(xs)
+    mean = statistics.fmean(xs)
+    sd = statistics.stdev(xs) if n > 1 else float("nan")
+    # Student t, two-sided 95 %: a small table is enough for the cycle counts used here.
+    t = {2: 12.71, 3: 4.30, 4: 3.18, 5: 2.78, 6: 2.57, 8: 2.36, 10: 2.26, 15: 2.14, 20: 2.09, 30: 2.05}
+    tq = next((v for k, v in sorted(t.items()) if n <= k), 1.96)
+    half = tq * sd / math.sqrt(n) if n > 1 else float("nan")
+    return {"n": n, "median": statistics.median(xs), "mean": mean, "sd": sd, "ci95": [mean - half, mean + half],
+            "geomean": math.exp(statistics.fmean(math.log(x) for x in xs))}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--mode", choices=("offline", "serve"), default="offline")
+    ap.add_argument("--gpu", type=int, default=0)
+    ap.add_argument("--shape", default="qwen2.5-0.5b")
+    ap.add_argument("--arms", default="stock,twin,bare,full", help=f"from {ARMS}; stock first")
+    ap.add_argument("--loads", default="8", help="offline: prompts per generate call; serve: concurrency")
+    ap.add_argument("--burst", type=int, default=32, help="serve: requests per call")
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=512)
+    ap.add_argument("--gpu-mem", type=float, default=0.15)
+    ap.add_argument("--kv-cache-bytes", type=int, default=2 << 30)
+    ap.add_argument("--budget-s", type=float, default=500.0)
+    ap.add_argument("--client-cpus", type=int, default=4, help="CPUs of the GPU's node kept for this process (the client)")
+    ab.add_bundle_args(ap)
+    ap.add_argument("--out", default=None)
+    # worker side (internal)
+    ap.add_argument("--worker-addr", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--worker-name", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--worker-config", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--model", default=None, help=argparse.SUPPRESS)
+    ns = ap.parse_args()
+    if ns.worker_addr:
+        return worker_main(ns)
+    arms = [a for a in ns.arms.split(",") if a]
+    if not arms or arms[0] != "stock" or (bad := [a for a in arms if a not in ARMS]) or len(set(arms)) != len(arms):
+        print(f"error: --arms {ns.arms!r}: arms from {ARMS}, each once, stock first", file=sys.stderr)
+        return 2
+    if ns.out is None:
+        print("error: --out is required", file=sys.stderr)
+        return 2
+    loads = [int(x) for x in ns.loads.split(",")]
+    model = ab.device_prologue(ns, str(ns.gpu))
+    if model is None:
+        return 2
+    out_file = Path(ns.out)
+    out_dir = out_file.parent
+    local = None
+    try:
+        local = sorted(ab.gpu_local_cpus(ns.gpu, ab.gpu_bus_ids(), allowed=os.sched_getaffinity(0)))
+    except Exception as exc:
+        ab.log("CPU locality unknown:", exc)
+    arm_cpus = client_cpus = None
+    if local and len(local) > ns.client_cpus + 4:
+        client_cpus, arm_cpus = set(local[-ns.client_cpus:]), set(local[:-ns.client_cpus])
+        os.sched_setaffinity(0, client_cpus)
+    import vllm
+
+    result: dict[str, Any] = {
+        "what": f"plugin overhead by fast alternation on one GPU ({ns.mode}; measured)", "measured": True,
+        "mode": ns.mode, "shape": ns.shape, "device": ab.device_facts(ns.gpu), "gpu": ns.gpu, "vllm_version": vllm.__version__,
+        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "arms": arms, "loads": loads,
+        "method": {"input_len": ns.input_len, "output_len": ns.output_len, "burst": ns.burst if ns.mode == "serve" else None,
+                   "arm_cpus": sorted(arm_cpus) if arm_cpus else "not pinned", "client_cpus": sorted(client_cpus) if client_cpus else "not pinned",
+                   "configs": {a: arm_config(a, "<stats_dir>") for a in arms},
+                   "energy": "GPU NVML total-energy counter, read between calls at its steps (measured)",
+                   "clocks": "never changed: POWERSAVE_FORCE_DRY_RUN=1, controller dry-run"},
+        "calls": [], "notes": []}
+
+    def save() -> None:
+        ab.write_json_atomic(out_file, result, indent=None)
+
+    env_gpu = {"CUDA_VISIBLE_DEVICES": str(ns.gpu), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    pin = (lambda: os.sched_setaffinity(0, arm_cpus)) if arm_cpus else None
+    procs: dict[str, subprocess.Popen] = {}
+    conns: dict[str, Any] = {}
+    ports: dict[str, int] = {}
+    listener = None
+    try:
+        if ns.mode == "offline":
+            addr = f"/tmp/alt-{os.getpid()}.sock"
+            listener = Listener(addr, authkey=b"alt")
+            for arm in arms:
+                stats = f"/tmp/powersave-stats/alt-{ns.mode}-{arm}"
+                shutil.rmtree(stats, ignore_errors=True)
+                cfg = arm_config(arm, stats)
+                cmd = [sys.executable, __file__, "--worker-addr", addr, "--worker-name", arm, "--model", str(model),
+                       "--gpu-mem", str(ns.gpu_mem), "--kv-cache-bytes", str(ns.kv_cache_bytes)]
+                if cfg:
+                    cmd += ["--worker-config", json.dumps(cfg)]
+                env = {**os.environ, **ab.GPU_ENV, **env_gpu, "PYTHONPATH": arm_site(arm, ns)}
+                logf = open(out_dir / f"server-{arm}.log", "wb")
+                procs[arm] = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True, preexec_fn=pin)
+            listener._listener._socket.settimeout(420)  # type: ignore[attr-defined]
+            while len(conns) < len(arms):
+                c = listener.accept()
+                hello = c.recv()
+                conns[hello["ready"]] = c
+                ab.log(f"worker {hello['ready']} ready")
+        else:
+            for i, arm in enumerate(arms):
+                stats = f"/tmp/powersave-stats/alt-{ns.mode}-{arm}"
+                shutil.rmtree(stats, ignore_errors=True)
+                cfg = arm_config(arm, stats)
+                extra = ["--plugin", "powersave", "--additional-config", json.dumps(cfg)] if cfg else []
+                port = ab.job_port(ns.gpu, 40 + i)
+                procs[arm] = ab.start_server(arm, model, port, [*extra, "--kv-cache-memory-bytes", str(ns.kv_cache_bytes)],
+                                             arm_site(arm, ns), out_dir, ns.gpu_mem, env_extra=env_gpu, cpus=arm_cpus)
+                ports[arm] = port
+            ab.wait_healthy({a: (procs[a], ports[a]) for a in arms}, timeout_s=420)
+        result["startup_s"] = time.monotonic() - ab.T0
+        ab.log(f"all {len(arms)} arms up after {result['startup_s']:.0f} s")
+        counter = Counter(ns.gpu)
+
+        def call(arm: str, load: int, cycle: int) -> dict[str, Any]:
+            if ns.mode == "offline":
+                conns[arm].send((load, cycle, ns.output_len, ns.input_len))
+                r = conns[arm].recv()
+                if "error" in r:
+                    raise RuntimeError(f"{arm}: {r['error']}")
+                return r
+            from loadtests import BenchConfig, run
+
+            t = time.perf_counter()
+            r = run(BenchConfig(base_url=f"http://127.0.0.1:{ports[arm]}", model="model", num_prompts=ns.burst,
+                                max_concurrency=load, input_len=ns.input_len, output_len=ns.output_len, energy="none",
+                                seed=10_000 + cycle, label=arm))
+            return {"s": r.get("duration") or (time.perf_counter() - t), "tokens": r.get("total_output_tokens"),
+                    "failed": r.get("failed"), "median_itl_ms": r.get("median_itl_ms"), "median_ttft_ms": r.get("median_ttft_ms")}
+
+        for load in loads:  # warm-up: graphs and compile paths of this batch size, prefix cache of nothing reused
+            for arm in arms:
+                call(arm, load, -1 - load)
+        cycle = 0
+        round_s = 0.0
+        while True:
+            for load in loads:
+                order = arms[cycle % len(arms):] + arms[:cycle % len(arms)]
+                for arm in order:
+                    if time.monotonic() - ab.T0 > ns.budget_s - round_s:
+                        raise TimeoutError
+                    t_round = time.monotonic()
+                    c0, t0 = counter.at_step()
+                    r = call(arm, load, cycle)
+                    c1, t1 = counter.at_step()
+                    rec = {"cycle": cycle, "load": load, "arm": arm, **r, "energy_j": (c1 - c0) / 1000.0, "energy_window_s": t1 - t0}
+                    result["calls"].append(rec)
+                    round_s = max(round_s, time.monotonic() - t_round)
+            if cycle % 5 == 4:
+                result["summary"] = summarize(result["calls"], arms, loads)
+                save()
+                ab.log(f"cycle {cycle}: " + "; ".join(
+                    f"{k} thr {v['throughput_ratio'].get('median', float('nan')):.4f} J/tok {v['j_per_token_ratio'].get('median', float('nan')):.4f}"
+                    for k, v in result["summary"].items()))
+            cycle += 1
+    except TimeoutError:
+        ab.log("budget reached")
+    except Exception as exc:
+        result["notes"].append(f"error: {type(exc).__name__}: {exc}")
+        ab.log("error:", repr(exc))
+    finally:
+        result["summary"] = summarize(result["calls"], arms, loads)
+        for arm, c in conns.items():
+            try:
+                c.send(None)
+            except Exception:
+                pass
+        for p in procs.values():
+            ab.stop(p)
+        if listener is not None:
+            listener.close()
+        snaps = {}
+        for arm in arms:
+            f = Path(f"/tmp/powersave-stats/alt-{ns.mode}-{arm}/rank0.json")
+            if f.exists():
+                snaps[arm] = json.loads(f.read_text())
+        result["plugin_snapshots"] = snaps
+        save()
+        for k, v in result["summary"].items():
+            ab.log(f"{k}: cycles {v['cycles']} throughput {json.dumps(v['throughput_ratio'])} J/token {json.dumps(v['j_per_token_ratio'])}")
+        ab.log(f"saved {out_file}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
