@@ -82,6 +82,7 @@ def worker_main(ns: argparse.Namespace) -> int:
     from vllm.inputs import TokensPrompt
 
     cfg = json.loads(ns.worker_config) if ns.worker_config else None
+    acc = time_hooks() if ns.time_hooks and cfg else None
     kw: dict[str, Any] = {"model": ns.model, "load_format": "dummy", "max_model_len": 2048, "max_num_seqs": 256,
                           "gpu_memory_utilization": ns.gpu_mem, "kv_cache_memory_bytes": ns.kv_cache_bytes, "seed": 0}
     if cfg:
@@ -102,10 +103,67 @@ def worker_main(ns: argparse.Namespace) -> int:
             t = time.perf_counter()
             outs = llm.generate(ps, sp, use_tqdm=False)
             dt = time.perf_counter() - t
-            conn.send({"s": dt, "tokens": sum(len(o.outputs[0].token_ids) for o in outs)})
+            r = {"s": dt, "tokens": sum(len(o.outputs[0].token_ids) for o in outs)}
+            if acc is not None:
+                r["hooks"] = {k: list(v) for k, v in acc.items()}
+                acc.clear()
+            conn.send(r)
         except Exception as exc:  # reported to the controller, which stops the run with it
             conn.send({"error": f"{type(exc).__name__}: {exc}"})
     return 0
+
+
+def time_hooks() -> dict[str, list[int]]:
+    """Wrap the plugin's per-step entry points (engine thread) and its publisher-thread work with
+    ``perf_counter_ns`` accumulators; returns {name: [calls, ns]} (the LM-head hook's time excludes
+    vLLM's own head GEMM). Must run before the ``LLM`` is built: ``activate()`` installs the module
+    functions current at that moment. Needs the EngineCore in this process
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
+    import vllm_powersave.runtime as rt
+
+    acc: dict[str, list[int]] = {}
+    ns_ = time.perf_counter_ns
+
+    def add(name: str, d: int) -> None:
+        a = acc.get(name)
+        if a is None:
+            acc[name] = [1, d]
+        else:
+            a[0] += 1
+            a[1] += d
+
+    def timed(name: str, fn: Any) -> Any:
+        def w(*a: Any, **k: Any) -> Any:
+            t = ns_()
+            try:
+                return fn(*a, **k)
+            finally:
+                add(name, ns_() - t)
+        return w
+
+    for name in ("on_step_start", "on_step_end", "on_arrival"):
+        setattr(rt, name, timed(name, getattr(rt, name)))
+    for name in ("publish", "_flush_trace", "_flush_requests"):
+        setattr(rt.WorkerRuntime, name, timed(f"publisher.{name}", getattr(rt.WorkerRuntime, name)))
+    orig_head = rt.chunked_head
+
+    def chunked_head(head: Any, hidden: Any) -> Any:
+        inner = [0]
+
+        def head2(x: Any) -> Any:
+            t = ns_()
+            try:
+                return head(x)
+            finally:
+                inner[0] += ns_() - t
+        t = ns_()
+        try:
+            return orig_head(head2, hidden)
+        finally:
+            add("chunked_head", ns_() - t - inner[0])
+
+    rt.chunked_head = chunked_head
+    return acc
 
 
 # --------------------------------------------------------------------------------------------
@@ -156,6 +214,32 @@ def summarize(calls: list[dict], arms: list[str], loads: list[int]) -> dict[str,
     return out
 
 
+def hook_summary(calls: list[dict]) -> dict[str, Any]:
+    """Per (load, arm): the plugin's time per engine step, by hook (us; steps = on_step_start calls),
+    and the call's wall time per step (ms)."""
+    out: dict[str, Any] = {}
+    for c in calls:
+        h = c.get("hooks")
+        if not h:
+            continue
+        o = out.setdefault(f"{c['load']}:{c['arm']}", {"calls": 0, "wall_s": 0.0, "hooks": {}})
+        o["calls"] += 1
+        o["wall_s"] += c["s"]
+        for name, (n, ns_) in h.items():
+            a = o["hooks"].setdefault(name, [0, 0])
+            a[0] += n
+            a[1] += ns_
+    for o in out.values():
+        steps = o["hooks"].get("on_step_start", [0, 0])[0]
+        o["steps"] = steps
+        o["wall_ms_per_step"] = 1e3 * o["wall_s"] / steps if steps else None
+        o["us_per_step"] = {name: (ns_ / 1e3 / steps if steps else None) for name, (n, ns_) in o["hooks"].items()}
+        engine = sum(v for k, v in o["us_per_step"].items() if v is not None and not k.startswith("publisher."))
+        o["engine_thread_us_per_step"] = engine
+        o["engine_thread_share"] = engine / 1e3 / o["wall_ms_per_step"] if o["wall_ms_per_step"] else None
+    return out
+
+
 def stats(xs: list[float]) -> dict[str, Any]:
     if not xs:
         return {"n": 0}
@@ -191,12 +275,18 @@ def main() -> int:
     ap.add_argument("--worker-name", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--worker-config", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--model", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--time-hooks", action="store_true",
+                    help="offline only: EngineCore in each worker's process, the plugin's hooks timed (perf_counter_ns); "
+                         "results per call under 'hooks'")
     ns = ap.parse_args()
     if ns.worker_addr:
         return worker_main(ns)
     arms = [a for a in ns.arms.split(",") if a]
     if not arms or arms[0] != "stock" or (bad := [a for a in arms if a not in ARMS]) or len(set(arms)) != len(arms):
         print(f"error: --arms {ns.arms!r}: arms from {ARMS}, each once, stock first", file=sys.stderr)
+        return 2
+    if ns.time_hooks and ns.mode != "offline":
+        print("error: --time-hooks needs --mode offline", file=sys.stderr)
         return 2
     if ns.out is None:
         print("error: --out is required", file=sys.stderr)
@@ -224,7 +314,7 @@ def main() -> int:
         "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "arms": arms, "loads": loads,
         "method": {"input_len": ns.input_len, "output_len": ns.output_len, "burst": ns.burst if ns.mode == "serve" else None,
                    "arm_cpus": sorted(arm_cpus) if arm_cpus else "not pinned", "client_cpus": sorted(client_cpus) if client_cpus else "not pinned",
-                   "configs": {a: arm_config(a, "<stats_dir>") for a in arms},
+                   "configs": {a: arm_config(a, "<stats_dir>") for a in arms}, "time_hooks": ns.time_hooks,
                    "energy": "GPU NVML total-energy counter, read between calls at its steps (measured)",
                    "clocks": "never changed: POWERSAVE_FORCE_DRY_RUN=1, controller dry-run"},
         "calls": [], "notes": []}
@@ -251,6 +341,9 @@ def main() -> int:
                 if cfg:
                     cmd += ["--worker-config", json.dumps(cfg)]
                 env = {**os.environ, **ab.GPU_ENV, **env_gpu, "PYTHONPATH": arm_site(arm, ns)}
+                if ns.time_hooks:
+                    cmd.append("--time-hooks")
+                    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the EngineCore (and the hooks) in the worker
                 logf = open(out_dir / f"server-{arm}.log", "wb")
                 procs[arm] = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True, preexec_fn=pin)
             listener._listener._socket.settimeout(420)  # type: ignore[attr-defined]
@@ -322,6 +415,10 @@ def main() -> int:
         ab.log("error:", repr(exc))
     finally:
         result["summary"] = summarize(result["calls"], arms, loads)
+        if ns.time_hooks:
+            result["hooks"] = hook_summary(result["calls"])
+            for k, v in result["hooks"].items():
+                ab.log(f"hooks {k}: {json.dumps(v)}")
         for arm, c in conns.items():
             try:
                 c.send(None)
