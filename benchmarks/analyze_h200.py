@@ -19,6 +19,7 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling benchmark modules (h200_alternate)
 
 from loadtests.ab import ratio_ci  # noqa: E402
 from vllm_powersave.sim.gpu import H200, ModelCost, simulate_step  # noqa: E402
@@ -329,6 +330,67 @@ def cross_lines(r: dict) -> list[str]:
     return [*lines, ""]
 
 
+def analyze_alt(raw: dict, tag: str) -> dict:
+    """A fast-alternation run (``h200_alternate.py``): per load and arm the per-cycle ratios to
+    stock (``twin`` = a second stock process, the A/A control), the arms' median tokens/s, and,
+    for ``--time-hooks`` runs, the plugin's time per engine step by hook."""
+    import h200_alternate as alt
+
+    summary = alt.summarize(raw["calls"], raw["arms"], raw["loads"])
+    med = {}
+    for load in raw["loads"]:
+        for arm in raw["arms"]:
+            xs = [c["tokens"] / c["s"] for c in raw["calls"] if c["load"] == load and c["arm"] == arm and c.get("tokens")]
+            med[f"{load}:{arm}"] = st.median(xs) if xs else None
+    return {"run": tag, "mode": raw["mode"], "shape": raw["shape"], "date_utc": raw["date_utc"], "method": raw["method"],
+            "arms": raw["arms"], "loads": raw["loads"], "startup_s": raw.get("startup_s"), "notes": raw.get("notes", []),
+            "summary": summary, "median_tok_per_s": med,
+            "hooks": alt.hook_summary(raw["calls"]) if raw["method"].get("time_hooks") else None}
+
+
+def alt_lines(r: dict) -> list[str]:
+    m = r["method"]
+    what = ("one `vllm.LLM` process per arm (no API server); a call is one `generate` of <load> token-id prompts, "
+            f"{m['input_len']} in / {m['output_len']} out (`ignore_eos`)") if r["mode"] == "offline" else (
+            f"one `vllm serve` per arm; a call is a closed-loop burst of {m.get('burst')} streamed requests at concurrency <load> "
+            f"from the load-test client, {m['input_len']} in / {m['output_len']} out")
+    hooks = " The EngineCore ran inside each arm's process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) with the plugin's hooks timed." if m.get("time_hooks") else ""
+    lines = [f"## Fast alternation ({r['mode']}): {r['shape']} — {r['run']} (measured)", "",
+             f"All arms on one GPU and one CPU set ({len(m['arm_cpus']) if isinstance(m.get('arm_cpus'), list) else 'unpinned'} CPUs; "
+             f"the controller/client on {len(m['client_cpus']) if isinstance(m.get('client_cpus'), list) else 'unpinned'} others); "
+             f"{what}. One arm busy at a time; every cycle runs each arm once, order rotated per cycle; ratio = arm / stock of the same cycle. "
+             "Energy from the GPU's NVML counter read between calls at its steps (each call's window includes < 100 ms of idle after it, "
+             f"alike for every arm). `twin` is a second stock process: what the design reads with no difference.{hooks} "
+             f"(start-up {r.get('startup_s') or 0:.0f} s; {r['date_utc']}; `benchmarks/h200_alternate.py`).", "",
+             "| load | arm | cycles | throughput ratio median (mean, 95% CI) | J/token ratio median (mean, 95% CI) | per-call sd | stock tok/s (median) | arm tok/s (median) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for key, v in r["summary"].items():
+        t, j = v["throughput_ratio"], v["j_per_token_ratio"]
+        if not t.get("n"):
+            continue
+        load = key.split(":")[0]
+        lines.append(f"| {load} | {v['arm']} | {v['cycles']} | {t['median']:.3f} ({t['mean']:.3f}, {t['ci95'][0]:.3f}–{t['ci95'][1]:.3f}) | "
+                     + (f"{j['median']:.3f} ({j['mean']:.3f}, {j['ci95'][0]:.3f}–{j['ci95'][1]:.3f})" if j.get("n") else "n/a")
+                     + f" | {t['sd']:.3f} | {r['median_tok_per_s'].get(f'{load}:stock') or 0:.0f} | {r['median_tok_per_s'].get(key) or 0:.0f} |")
+    if r.get("hooks"):
+        lines += ["", "The plugin's time per engine step on this host (`perf_counter_ns` around each entry point; the LM-head hook without "
+                      "vLLM's own GEMM; the publisher thread's work, which competes for the GIL but is not on the step's path, per publish; it publishes every 0.5 s, whether the arm is busy or not):", "",
+                  "| load | arm | steps | wall ms/step | on_step_start µs | on_step_end µs | LM-head hook µs | on_arrival µs | engine thread µs/step (share of step) | publisher ms per publish (share of 0.5 s) |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        f = (lambda x: f"{x:.1f}" if x is not None else "-")
+        for key, h in r["hooks"].items():
+            u = h["us_per_step"]
+            n_pub = h["hooks"].get("publisher.publish", [0, 0])[0]
+            pub = sum(v[1] for k, v in h["hooks"].items() if k.startswith("publisher.")) / 1e6 / n_pub if n_pub else None
+            lines.append(f"| {key.split(':')[0]} | {key.split(':')[1]} | {h['steps']} | {h['wall_ms_per_step']:.3f} | {f(u.get('on_step_start'))} | "
+                         f"{f(u.get('on_step_end'))} | {f(u.get('chunked_head'))} | {f(u.get('on_arrival'))} | "
+                         f"{h['engine_thread_us_per_step']:.1f} ({100 * h['engine_thread_share']:.2f} %) | "
+                         + (f"{pub:.2f} ({pub / 5:.2f} %) |" if pub is not None else "- |"))
+    if r.get("notes"):
+        lines += ["", f"Run notes: {'; '.join(r['notes'])}."]
+    return [*lines, ""]
+
+
 def plp_lines(r: dict) -> list[str]:
     arms = r["method"].get("arms", {})
     lines = [f"## Prompt logprobs: {r['shape']} — {r['run']} (measured)", "",
@@ -424,6 +486,8 @@ def markdown(doc: dict) -> str:
         lines.append("")
     for r in doc.get("cross", []):
         lines += cross_lines(r)
+    for r in doc.get("alternation", []):
+        lines += alt_lines(r)
     for r in doc.get("prompt_logprobs", []):
         lines += plp_lines(r)
     for b in doc.get("bisects", []):
@@ -476,6 +540,7 @@ def main() -> int:
     ap.add_argument("--bisect", action="append", default=[], help="[TAG=]PATH of a raw h200_overhead_bisect.py output (repeatable)")
     ap.add_argument("--plp", action="append", default=[], help="TAG=PATH of a raw prompt-logprob h200_ab.py output (both arms plugin)")
     ap.add_argument("--cross", action="append", default=[], help="TAG=PATH of a raw h200_ab_cross.py output (repeatable)")
+    ap.add_argument("--alt", action="append", default=[], help="TAG=PATH of a raw h200_alternate.py output (repeatable)")
     ns = ap.parse_args()
     out = Path(ns.out)
     (out / "raw").mkdir(parents=True, exist_ok=True)
@@ -535,6 +600,12 @@ def main() -> int:
         # The most direct overhead measurement: its cases join the per-case list (design says how they were taken).
         doc["cases"] += [c | {"run": tag} for c in r["cases"] if c["arm"] != "twin"]  # the A/A control is no overhead case
         _archive(raw, Path(path), out / "raw" / f"h200-cross-{tag}.json.gz")
+    doc["alternation"] = []
+    for spec in ns.alt:
+        tag, path = spec.split("=", 1)
+        raw = json.loads(_read_text(Path(path)))
+        doc["alternation"].append(analyze_alt(raw, tag))
+        _archive(raw, Path(path), out / "raw" / f"h200-alt-{tag}.json.gz")
     (out / "h200-vllm.json").write_text(json.dumps(doc, indent=1, default=float))
     (out / "h200-vllm.md").write_text(markdown(doc))
     print(markdown(doc))

@@ -58,6 +58,9 @@ h200-vllm)
     --bisect c=$R/h200-overhead-bisect-c.json.gz \
     --plp 7b-s5=$R/h200-plp-7b-s5.json.gz --plp 7b-s6=$R/h200-plp-7b-s6.json.gz \
     --cross 0.5b-cross=$R/h200-cross-0.5b-cross.json.gz --cross 0.5b-cross-arms=$R/h200-cross-0.5b-cross-arms.json.gz \
+    --cross 0.5b-cross-s7=$R/h200-cross-0.5b-cross-s7.json.gz \
+    --alt offline-s7a=$R/h200-alt-offline-s7a.json.gz --alt offline-s7b=$R/h200-alt-offline-s7b.json.gz \
+    --alt serve-s7=$R/h200-alt-serve-s7.json.gz --alt hooks-s7=$R/h200-alt-hooks-s7.json.gz \
     --out docs/results \
     --about '7b=Plugin build with the NVML-free hot path (commit '"'"'energy: no NVML on the hot path'"'"'); per-step hook cost then ~65 us (CPU-measured, see hook-overhead.md).' \
     --about '0.5b-v4=Session 4 build (vLLM'"'"'s LogitsProcessor kept where the settings cannot chunk; but this A/B'"'"'s table has a rule with 2 chunks at >= 1,000,000 rows, so the hook was still installed). Run on GPU 1 of a 2-GPU machine while GPU 0 ran the prompt-logprob job, whose harness sent ~640 requests/s that its server refused (a bug of that job, since fixed): the host was busy. Order A B in every pair.' \
