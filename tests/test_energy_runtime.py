@@ -393,3 +393,23 @@ def test_warmup_steps_are_neither_traced_nor_metered(monkeypatch, tmp_path):
         assert rt.account.steps["decode"] == 1
     finally:
         rt.close()
+
+
+def test_real_gpu_without_nvml_use_is_labelled_cuda_not_simulated(monkeypatch, tmp_path):
+    """Meter off and dry-run clocks on a CUDA device: no NVML is opened, and the GPU label must not
+    read like the simulated GPU's ("sim0"); on a machine without CUDA it stays "sim0"."""
+    monkeypatch.setattr(vllm_compat, "runner_identity", lambda r: {"rank": r.rank, "device_type": "cuda", "device_index": 1})
+    runner = SimpleNamespace(rank=0, scheduler_config=SimpleNamespace(max_num_seqs=2, async_scheduling=False))
+    settings = PowersaveSettings.model_validate({"stats_dir": str(tmp_path), "energy": {"meter": "off"}, "clocks": {"backend": "dry-run"}})
+    rt = rt_mod.WorkerRuntime(runner, settings)
+    try:
+        assert rt.gpu_id == "cuda1-rank0"
+        assert rt.meter is None and rt.sim is None
+    finally:
+        rt.close()
+    monkeypatch.setattr(vllm_compat, "runner_identity", lambda r: {"rank": r.rank, "device_type": "cpu", "device_index": None})
+    rt = rt_mod.WorkerRuntime(runner, settings)
+    try:
+        assert rt.gpu_id == "sim0"
+    finally:
+        rt.close()
