@@ -54,7 +54,13 @@ def test_session6_records_read_back() -> None:
     doc = json.loads((ROOT / "docs" / "results" / "h200-vllm.json").read_text())
     cross = [c for c in doc["cases"] if c.get("design", "").startswith("cross-GPU")]
     need = {"shape", "load", "throughput_ratio", "j_per_token_ratio", "stock_out_tok_per_j", "plugin_out_tok_per_j", "pairs"}
-    assert len(cross) == 5 and all(need <= set(c) for c in cross)
+    # Sessions 6 (3 + 2 cases) and 7 (full and bare; its A/A twin arm is no overhead case).
+    assert len(cross) == 7 and all(need <= set(c) for c in cross)
+    assert {c["arm"] for c in cross} == {"full", "bare"}
+    alt_runs = {r["run"]: r for r in doc["alternation"]}
+    assert set(alt_runs) == {"offline-s7a", "offline-s7b", "serve-s7", "hooks-s7"}
+    assert alt_runs["serve-s7"]["summary"]["8:twin"]["cycles"] == 43
+    assert alt_runs["hooks-s7"]["hooks"]["8:full"]["steps"] == 2827
     b = next(b for b in doc["bisects"] if b["tag"] == "c")
     assert b["concurrent"] and b["rounds"] == 34
     assert sorted(b["per_round_ratio"]) == ["S0-stock", "S1-plugin-full", "S7-stock-twin"]
