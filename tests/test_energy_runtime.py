@@ -391,6 +391,32 @@ def test_warmup_steps_are_neither_traced_nor_metered(monkeypatch, tmp_path):
         rt.on_step_start(sched({"cmpl-a": 1}))
         rt.on_step_end()
         assert rt.account.steps["decode"] == 1
+        # The check stops at the first served step (warm-up all comes before it): a later step is
+        # served work whatever its ids (vLLM never warms up again in a serving engine).
+        rt.on_step_start(sched({"_warmup_0_": 1}))
+        rt.on_step_end()
+        assert rt.account.steps["decode"] == 2
+    finally:
+        rt.close()
+
+
+def test_prompt_logprob_rows_are_read_only_where_they_can_be_nonzero(monkeypatch, tmp_path):
+    """The step hook asks PromptLogprobRows only when a request is pending or the step has
+    context-phase (new) requests; the rows traced are the same as asking every step."""
+    nvml = FakeNvmlDevices(uuids=("GPU-aaaa-0000", "GPU-bbbb-1111"))
+    rt = make_runtime(monkeypatch, tmp_path, nvml)
+    calls = []
+    orig = rt._plp_rows.rows
+    monkeypatch.setattr(rt._plp_rows, "rows", lambda so: calls.append(1) or orig(so))
+    try:
+        for _ in range(4):  # decode-only steps, nothing pending: never asked
+            rt.on_step_start(sched({"a": 1, "b": 1}))
+            rt.on_step_end()
+        assert calls == [] and rt.account.steps["decode"] == 4
+        rt._plp_rows.left["a"] = 3  # a request with prompt-logprob rows still to come: asked
+        rt.on_step_start(sched({"a": 1, "b": 1}))
+        rt.on_step_end()
+        assert calls == [1] and rt._plp_rows.left == {"a": 2}
     finally:
         rt.close()
 

@@ -202,6 +202,7 @@ class WorkerRuntime:
         self._peak_scope = "since worker start (includes vLLM's start-up profile run)"
         self._peak_reset_pending = on_gpu
         self._skip_step_end = False
+        self._serving = False  # set at the first step that is not vLLM's own warm-up
         self.sim: SimulatedGpu | None = None
         self.sim_stock: SimulatedGpu | None = None
         self.model_cost: ModelCost | None = None
@@ -370,10 +371,14 @@ class WorkerRuntime:
             log.debug("powersave: CUDA peak-memory statistics not reset: %s", exc)
 
     def on_step_start(self, scheduler_output: Any) -> None:
-        if vllm_compat.is_warmup_step(scheduler_output):
-            # vLLM's own warm-up before serving: not served work, neither traced nor metered.
-            self._skip_step_end = True
-            return
+        # vLLM's own warm-up (V2 kernel warm-up, before the engine serves) goes through execute_model
+        # like a real step: not served work, neither traced nor metered. It all comes before the first
+        # served step, so the check stops there (it costs ~2 us per step with cold caches).
+        if not self._serving:
+            if vllm_compat.is_warmup_step(scheduler_output):
+                self._skip_step_end = True
+                return
+            self._serving = True
         if self._peak_reset_pending:
             self._reset_cuda_peak()
         info = vllm_compat.step_info(scheduler_output)
@@ -405,13 +410,15 @@ class WorkerRuntime:
             now, waiting = t_step, 0
             if clocks.idling:
                 clocks.idle_end(True, now)
-        clocks.step_begun(t_step)
+        clocks.step_since = t_step  # clocks.step_begun(t_step), in place: the watchdog's heartbeat
         clocks.on_phase(self.regime.phase(info, now, waiting), now)
         if self.boost is not None:
             self.boost.on_busy(t_step)
         # Prompt-logprob rows reach the LM head too: without them a long prompt with prompt_logprobs
         # would be priced (simulator) and traced as one row per request.
-        rows = info.lm_head_rows + self._plp_rows.rows(scheduler_output)
+        # (rows() is 0 unless a request is pending or this step has new or context-phase requests.)
+        plp = self._plp_rows
+        rows = info.lm_head_rows + plp.rows(scheduler_output) if plp.left or info.prefill_reqs else info.lm_head_rows
         if self._trace is not None:
             # A list per step (cheap; on_step_end fills in its end time); turned into JSON by the
             # publisher thread.
@@ -436,7 +443,7 @@ class WorkerRuntime:
         if self._skip_step_end:
             self._skip_step_end = False
             return
-        self.clocks.step_ended()
+        self.clocks.step_since = None  # clocks.step_ended(), in place
         rec = self._open_rec
         if rec is not None:
             # The newest record (only this thread appends; the publisher keeps the newest in memory).

@@ -372,38 +372,40 @@ class PromptLogprobRows:
     """
 
     def __init__(self, whole_batch: bool = False) -> None:
-        self._left: dict[str, int] = {}
+        # Prompt-logprob rows still to come per request id; empty in the common step (the step hook
+        # skips :meth:`rows` when this is empty and the step has no new or context-phase request).
+        self.left: dict[str, int] = {}
         self.whole_batch = whole_batch
 
     def rows(self, scheduler_output: Any) -> int:
         new = getattr(scheduler_output, "scheduled_new_reqs", None)
-        if not self._left and not new:
+        if not self.left and not new:
             return 0  # the common step: nothing pending, nothing new
         # Finished ids first: an id aborted and re-submitted between two steps is a new request.
-        if self._left:
+        if self.left:
             for rid in getattr(scheduler_output, "finished_req_ids", None) or ():
-                self._left.pop(rid, None)
+                self.left.pop(rid, None)
         for r in new or ():
             sp = getattr(r, "sampling_params", None)
             if sp is None or getattr(sp, "prompt_logprobs", None) is None:
                 continue
             left = len(getattr(r, "prompt_token_ids", None) or ()) - 1 - int(getattr(r, "num_computed_tokens", 0) or 0)
             if left > 0:
-                self._left[r.req_id] = left
-        if not self._left:
+                self.left[r.req_id] = left
+        if not self.left:
             return 0
         nst: dict[str, int] = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
         rows = 0
-        for rid, left in list(self._left.items()):
+        for rid, left in list(self.left.items()):
             n = nst.get(rid, 0)
             if n <= 0:
                 continue
             take = min(n, left)
             rows += take
             if take >= left:
-                del self._left[rid]
+                del self.left[rid]
             else:
-                self._left[rid] = left - take
+                self.left[rid] = left - take
         if rows and self.whole_batch:
             return int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or sum(nst.values()))
         return rows
@@ -411,7 +413,7 @@ class PromptLogprobRows:
     @property
     def pending(self) -> int:
         """Requests whose prompt-logprob rows are not all scheduled yet."""
-        return len(self._left)
+        return len(self.left)
 
 
 def step_request_tokens(scheduler_output: Any) -> tuple[dict[str, int] | None, Any]:

@@ -264,7 +264,9 @@ class ClockController:
         # A real backend whose lock could not be undone when we fell back to dry-run: close()
         # retries once; its lease stays for the watchdog, the next start or reset-clocks.
         self._leftover: ClockBackend | None = None
-        self._step_since: float | None = None  # heartbeat: start of the step in flight (monotonic)
+        # Heartbeat: start of the step in flight (monotonic s), None between steps. Public so that the
+        # step hook can write it in place (a method call costs microseconds with cold caches, per step).
+        self.step_since: float | None = None
         self._cv = threading.Condition()
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -442,10 +444,10 @@ class ClockController:
     # -- heartbeat ---------------------------------------------------------------------------
     def step_begun(self, now: float | None = None) -> None:
         """A step started (hot path: one attribute write)."""
-        self._step_since = time.monotonic() if now is None else now
+        self.step_since = time.monotonic() if now is None else now
 
     def step_ended(self) -> None:
-        self._step_since = None
+        self.step_since = None
 
     def heartbeat(self) -> bool:
         """Tell the watchdog we are alive, unless a step has hung for ``heartbeat_timeout_s``.
@@ -463,7 +465,7 @@ class ClockController:
                 if self.disabled_reason is None:
                     self._fault(ClockError("the watchdog reset the clocks: this engine missed its heartbeats"))
             return False
-        since = self._step_since
+        since = self.step_since
         if since is not None and time.monotonic() - since > self.settings.heartbeat_timeout_s:
             return False
         try:
