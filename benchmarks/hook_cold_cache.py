@@ -12,7 +12,9 @@ back to back; ``cold`` = before each step a stand-in for vLLM's own step work to
 Per configuration (``bare``: every option off; ``full``: the H200 A/B's settings with meter off:
 step trace, dry-run presets, an LM-head table that never chunks) and 8 / 64 / 256 decoding
 requests: median us of ``on_step_start`` + ``on_step_end`` (and of the LM-head hook, ``full``),
-hot and cold. Writes docs/results/hook-cold-cache.{json,md}.
+hot and cold, for the plugin code of ``--baseline-rev`` (extracted with ``git archive``; the build
+the H200 timings came from) and for this working tree, in alternating child processes in one run
+(``--repeats`` each; medians). Writes docs/results/hook-cold-cache.{json,md}.
 """
 
 from __future__ import annotations
@@ -23,15 +25,19 @@ import json
 import os
 import platform
 import statistics as st
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
+# A child measures the vllm_powersave of POWERSAVE_BENCH_TREE (the baseline's extracted copy, or this tree).
+sys.path[:0] = [os.environ.get("POWERSAVE_BENCH_TREE", str(REPO)), str(REPO / "benchmarks")]
 
 NS = (8, 64, 256)
+#: The plugin build whose hooks were timed on the H200 in session 7 (before the step-hook cuts).
+BASELINE_REV = "2d5bb431693bb28206bc805e34d506dd6c8d0e64"
 H200_HOOKS = REPO / "docs/results/raw/h200-alt-hooks-s7.json.gz"
 
 
@@ -122,22 +128,69 @@ def h200_reference() -> dict | None:
     return out
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=3000)
-    ap.add_argument("--out", default=str(REPO / "docs/results/hook-cold-cache.json"))
-    ns = ap.parse_args()
+def child(steps: int) -> list[dict]:
     thrash = Thrash()
     rows = []
     for arm in ("bare", "full"):
         for n in NS:
-            hot = measure(arm, n, False, ns.steps, thrash)
-            cold = measure(arm, n, True, ns.steps, thrash)
-            rows.append({"arm": arm, "requests": n, "hot": hot, "cold": cold})
-            print(f"{arm:4s} {n:3d}: hooks hot {hot['hook_us']:.2f} us, cold {cold['hook_us']:.2f} us"
-                  + (f"; LM-head hook hot {hot['lm_head_us']:.2f}, cold {cold['lm_head_us']:.2f} us" if hot["lm_head_us"] is not None else ""))
+            rows.append({"arm": arm, "requests": n, "hot": measure(arm, n, False, steps, thrash),
+                         "cold": measure(arm, n, True, steps, thrash)})
+    return rows
+
+
+def run_child(tree: Path, steps: int) -> list[dict]:
+    """This script's ``--child`` with ``tree``'s vllm_powersave first on sys.path."""
+    env = {**os.environ, "POWERSAVE_BENCH_TREE": str(tree)}
+    for k in ("POWERSAVE_SETTINGS_JSON", "POWERSAVE_CONFIG", "POWERSAVE_FORCE_DRY_RUN"):
+        env.pop(k, None)
+    p = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", "--steps", str(steps)], env=env,
+                       capture_output=True, text=True, timeout=1800, check=False)
+    line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if p.returncode != 0 or line is None:
+        raise SystemExit(f"error: child for {tree} failed (rc {p.returncode}): {p.stderr.strip()[-2000:]}")
+    return json.loads(line[7:])
+
+
+def medians(runs: list[list[dict]]) -> list[dict]:
+    out = []
+    for i, r0 in enumerate(runs[0]):
+        row = {"arm": r0["arm"], "requests": r0["requests"]}
+        for k in ("hot", "cold"):
+            row[k] = {m: (st.median(r[i][k][m] for r in runs) if r0[k][m] is not None else None) for m in r0[k]}
+        out.append(row)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=3000)
+    ap.add_argument("--repeats", type=int, default=2, help="child processes per side (before / after), alternating")
+    ap.add_argument("--baseline-rev", default=BASELINE_REV)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=str(REPO / "docs/results/hook-cold-cache.json"))
+    ns = ap.parse_args()
+    if ns.child:
+        print("RESULT " + json.dumps(child(ns.steps)), flush=True)
+        return 0
+    import tempfile as _tf
+
+    with _tf.TemporaryDirectory() as tmp:
+        base = Path(tmp) / "baseline"
+        base.mkdir()
+        arch = subprocess.run(["git", "-C", str(REPO), "archive", ns.baseline_rev, "vllm_powersave"], capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(base)], input=arch, check=True)
+        before: list[list[dict]] = []
+        after: list[list[dict]] = []
+        for i in range(ns.repeats):
+            for side, tree in (("before", base), ("after", REPO)) if i % 2 == 0 else (("after", REPO), ("before", base)):
+                (before if side == "before" else after).append(run_child(tree, ns.steps))
+                print(f"child {i} {side} done", flush=True)
+    rows = [{"arm": b["arm"], "requests": b["requests"], "before": b, "after": a} for b, a in zip(medians(before), medians(after))]
+    for r in rows:
+        r["hot"], r["cold"] = r["after"]["hot"], r["after"]["cold"]
     ref = h200_reference()
-    doc = {"what": "the plugin's per-step hooks, warm vs cold CPU caches (CPU micro-benchmark, measured)", "measured": True,
+    doc = {"what": "the plugin's per-step hooks, warm vs cold CPU caches, before and after the step-hook cuts (CPU micro-benchmark, measured)",
+           "measured": True, "baseline_rev": ns.baseline_rev, "repeats": ns.repeats,
            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
            "steps": ns.steps, "rows": rows, "h200_host_session7": ref}
     out = Path(ns.out)
@@ -159,20 +212,26 @@ def markdown(doc: dict) -> str:
              "(step trace, dry-run presets with a 200 ms dwell, an LM-head chunk table that never chunks).",
              "- H200 host = the same hooks timed inside real vLLM 0.25 serving the 0.5B shape offline (session 7, `h200_alternate.py "
              "--time-hooks`, h200-vllm.md), with their timing wrapper's own cost included.", "",
-             "| config | decoding requests | on_step_start + on_step_end µs: hot | cold | H200 host | LM-head hook µs: hot | cold | H200 host |",
+             f"- Before = the plugin code of `{doc['baseline_rev'][:10]}` (the build timed on the H200), after = this tree; both measured in this run, "
+             f"{doc['repeats']} child processes each, alternating; medians.", "",
+             "| config | decoding requests | on_step_start + on_step_end µs, hot: before / after | cold: before / after | H200 host (before) | LM-head hook µs: hot | cold | H200 host |",
              "|---|---|---|---|---|---|---|---|"]
     for r in doc["rows"]:
         h = ref.get(f"{r['requests']}:{r['arm']}", {})
-        lines.append(f"| {r['arm']} | {r['requests']} | {f(r['hot']['hook_us'])} | {f(r['cold']['hook_us'])} | {f(h.get('hook_us'))} | "
-                     f"{f(r['hot']['lm_head_us'])} | {f(r['cold']['lm_head_us'])} | {f(h.get('lm_head_us'))} |")
-    ch = [r["cold"]["hook_us"] / r["hot"]["hook_us"] for r in doc["rows"]]
-    hc = [ref[k]["hook_us"] / r["cold"]["hook_us"] for r in doc["rows"] if (k := f"{r['requests']}:{r['arm']}") in ref]
+        b, a = r["before"], r["after"]
+        lines.append(f"| {r['arm']} | {r['requests']} | {f(b['hot']['hook_us'])} / {f(a['hot']['hook_us'])} | {f(b['cold']['hook_us'])} / {f(a['cold']['hook_us'])} | "
+                     f"{f(h.get('hook_us'))} | {f(a['hot']['lm_head_us'])} | {f(a['cold']['lm_head_us'])} | {f(h.get('lm_head_us'))} |")
+    ch = [r["before"]["cold"]["hook_us"] / r["before"]["hot"]["hook_us"] for r in doc["rows"]]
+    hc = [ref[k]["hook_us"] / r["before"]["cold"]["hook_us"] for r in doc["rows"] if (k := f"{r['requests']}:{r['arm']}") in ref]
+    cut = [1 - r["after"]["cold"]["hook_us"] / r["before"]["cold"]["hook_us"] for r in doc["rows"]]
     lines += ["", "## Reading", "",
               f"- Cold caches multiply the hooks' cost on this machine by {min(ch):.1f}-{max(ch):.1f}x; the H200 host's figures are "
               + (f"{min(hc):.1f}-{max(hc):.1f}x the cold ones here " if hc else "higher again ")
               + "(a slower per-thread host, and the wrapper that timed them there). A hot-loop micro-benchmark therefore understates "
               "what the hooks cost inside vLLM; the cost to cut is the number of objects and code paths a step touches, not only the "
-              "instructions it runs.", ""]
+              "instructions it runs.",
+              f"- The step-hook cuts after `{doc['baseline_rev'][:10]}` (three per-step calls dropped, same results) take "
+              f"{100 * min(cut):.0f}-{100 * max(cut):.0f} % off the cold figure here; on the H200 host they are not measured yet.", ""]
     return "\n".join(lines)
 
 
