@@ -531,6 +531,17 @@ def _archive(raw: dict, src: Path, dest: Path) -> None:
             json.dump(raw, f)
 
 
+def tagged_raws(specs: list[str], raw_dir: Path, prefix: str) -> list[tuple[str, dict]]:
+    """``TAG=PATH`` arguments read (gzipped or not) and archived as ``raw_dir/PREFIX-TAG.json.gz``."""
+    out = []
+    for spec in specs:
+        tag, path = spec.split("=", 1)
+        raw = json.loads(_read_text(Path(path)))
+        _archive(raw, Path(path), raw_dir / f"{prefix}-{tag}.json.gz")
+        out.append((tag, raw))
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("raw", nargs="+", help="TAG=PATH of raw h200_ab.py outputs")
@@ -562,11 +573,8 @@ def main() -> int:
     doc["cases"] = [c | {"run": r["run"]} for r in runs for c in r["cases"]]
     doc["plots"] = plots(runs, raws, out)
     doc["prompt_logprobs"] = []
-    for spec in ns.plp:
-        tag, path = spec.split("=", 1)
-        raw = json.loads(_read_text(Path(path)))
+    for tag, raw in tagged_raws(ns.plp, out / "raw", "h200-plp"):
         doc["prompt_logprobs"].append(analyze_plp(raw, tag))
-        _archive(raw, Path(path), out / "raw" / f"h200-plp-{tag}.json.gz")
     doc["bisects"] = []
     for n, spec in enumerate(ns.bisect):
         # TAG=PATH, or a bare path: the first bare one keeps the session-3 archive name, later ones get their index.
@@ -592,20 +600,14 @@ def main() -> int:
                                "configs": braw.get("configs"), "notes": braw.get("notes", [])})
         _archive(braw, Path(path), out / "raw" / (f"h200-overhead-bisect-{tag}.json.gz" if tag else "h200-overhead-bisect.json.gz"))
     doc["cross"] = []
-    for spec in ns.cross:
-        tag, path = spec.split("=", 1)
-        raw = json.loads(_read_text(Path(path)))
+    for tag, raw in tagged_raws(ns.cross, out / "raw", "h200-cross"):
         r = analyze_cross(raw, tag)
         doc["cross"].append(r)
         # The most direct overhead measurement: its cases join the per-case list (design says how they were taken).
         doc["cases"] += [c | {"run": tag} for c in r["cases"] if c["arm"] != "twin"]  # the A/A control is no overhead case
-        _archive(raw, Path(path), out / "raw" / f"h200-cross-{tag}.json.gz")
     doc["alternation"] = []
-    for spec in ns.alt:
-        tag, path = spec.split("=", 1)
-        raw = json.loads(_read_text(Path(path)))
+    for tag, raw in tagged_raws(ns.alt, out / "raw", "h200-alt"):
         doc["alternation"].append(analyze_alt(raw, tag))
-        _archive(raw, Path(path), out / "raw" / f"h200-alt-{tag}.json.gz")
     (out / "h200-vllm.json").write_text(json.dumps(doc, indent=1, default=float))
     (out / "h200-vllm.md").write_text(markdown(doc))
     print(markdown(doc))

@@ -172,19 +172,14 @@ def main() -> int:
     if ns.child:
         print("RESULT " + json.dumps(child(ns.steps)), flush=True)
         return 0
-    import tempfile as _tf
+    import hook_overhead as ho
 
-    with _tf.TemporaryDirectory() as tmp:
-        base = Path(tmp) / "baseline"
-        base.mkdir()
-        arch = subprocess.run(["git", "-C", str(REPO), "archive", ns.baseline_rev, "vllm_powersave"], capture_output=True, check=True).stdout
-        subprocess.run(["tar", "-x", "-C", str(base)], input=arch, check=True)
-        before: list[list[dict]] = []
-        after: list[list[dict]] = []
-        for i in range(ns.repeats):
-            for side, tree in (("before", base), ("after", REPO)) if i % 2 == 0 else (("after", REPO), ("before", base)):
-                (before if side == "before" else after).append(run_child(tree, ns.steps))
-                print(f"child {i} {side} done", flush=True)
+    def child_run(i: int, side: str, tree: Path) -> list[dict]:
+        r = run_child(tree, ns.steps)
+        print(f"child {i} {side} done", flush=True)
+        return r
+
+    before, after = ho.before_after(ns.baseline_rev, ns.repeats, child_run)
     rows = [{"arm": b["arm"], "requests": b["requests"], "before": b, "after": a} for b, a in zip(medians(before), medians(after))]
     for r in rows:
         r["hot"], r["cold"] = r["after"]["hot"], r["after"]["cold"]

@@ -38,6 +38,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 #: The plugin code before the hot-path trim (the commit this benchmark's "before" column runs).
@@ -269,6 +270,23 @@ def run_child(tree: Path) -> dict:
     return json.loads(line[7:])
 
 
+def before_after(rev: str, repeats: int, run: Any) -> tuple[list, list]:
+    """``run(i, side, tree)`` for the plugin code of git revision ``rev`` (extracted with ``git
+    archive`` into a temporary directory; side "before") and this working tree ("after"),
+    ``repeats`` times each, alternating which goes first; returns (before results, after results)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        base = Path(tmp) / "baseline"
+        base.mkdir()
+        arch = subprocess.run(["git", "-C", str(REPO), "archive", rev, "vllm_powersave"], capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(base)], input=arch, check=True)
+        before: list = []
+        after: list = []
+        for i in range(repeats):
+            for side, tree in (("before", base), ("after", REPO)) if i % 2 == 0 else (("after", REPO), ("before", base)):
+                (before if side == "before" else after).append(run(i, side, tree))
+    return before, after
+
+
 def median_of(results: list[dict]) -> dict:
     rows = []
     for i, r0 in enumerate(results[0]["rows"]):
@@ -337,19 +355,13 @@ def main() -> int:
     if ns.child:
         print("RESULT " + json.dumps(child()), flush=True)
         return 0
-    with tempfile.TemporaryDirectory() as tmp:
-        base = Path(tmp) / "baseline"
-        base.mkdir()
-        arch = subprocess.run(["git", "-C", str(REPO), "archive", ns.baseline_rev, "vllm_powersave"], capture_output=True, check=True).stdout
-        subprocess.run(["tar", "-x", "-C", str(base)], input=arch, check=True)
-        before: list[dict] = []
-        after: list[dict] = []
-        for i in range(ns.repeats):
-            for side, tree in (("before", base), ("after", REPO)) if i % 2 == 0 else (("after", REPO), ("before", base)):
-                r = run_child(tree)
-                (before if side == "before" else after).append(r)
-                print(f"round {i + 1} {side}: " + ", ".join(f"n={x['decode_requests']} step {x['ab_step_us']:.2f} us" for x in r["rows"])
-                      + f"; scheduler {r['scheduler']}", flush=True)
+    def child_run(i: int, side: str, tree: Path) -> dict:
+        r = run_child(tree)
+        print(f"round {i + 1} {side}: " + ", ".join(f"n={x['decode_requests']} step {x['ab_step_us']:.2f} us" for x in r["rows"])
+              + f"; scheduler {r['scheduler']}", flush=True)
+        return r
+
+    before, after = before_after(ns.baseline_rev, ns.repeats, child_run)
     b, a = median_of(before), median_of(after)
     for rb, ra in zip(b["rows"], a["rows"]):
         print(f"n={rb['decode_requests']}: " + ", ".join(f"{k} {rb[k]:.2f} -> {ra[k]:.2f}" for k, _ in ROW_LABELS))
