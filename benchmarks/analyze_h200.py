@@ -342,9 +342,22 @@ def analyze_alt(raw: dict, tag: str) -> dict:
         for arm in raw["arms"]:
             xs = [c["tokens"] / c["s"] for c in raw["calls"] if c["load"] == load and c["arm"] == arm and c.get("tokens")]
             med[f"{load}:{arm}"] = st.median(xs) if xs else None
+    # Against both stock processes of the cycle (geometric mean of stock and twin): one noisy
+    # reference call less per ratio than arm / stock.
+    vs_controls = {}
+    if "twin" in raw["arms"]:
+        by = {(c["load"], c["cycle"], c["arm"]): c["tokens"] / c["s"] for c in raw["calls"] if c.get("tokens")}
+        for load in raw["loads"]:
+            for arm in raw["arms"]:
+                if arm in ("stock", "twin"):
+                    continue
+                xs = [v / math.sqrt(by[(ld, cyc, "stock")] * by[(ld, cyc, "twin")]) for (ld, cyc, a), v in by.items()
+                      if ld == load and a == arm and (ld, cyc, "stock") in by and (ld, cyc, "twin") in by]
+                if xs:
+                    vs_controls[f"{load}:{arm}"] = {"cycles": len(xs), "median": st.median(xs), "mean": st.mean(xs)}
     return {"run": tag, "mode": raw["mode"], "shape": raw["shape"], "date_utc": raw["date_utc"], "method": raw["method"],
             "arms": raw["arms"], "loads": raw["loads"], "startup_s": raw.get("startup_s"), "notes": raw.get("notes", []),
-            "summary": summary, "median_tok_per_s": med,
+            "summary": summary, "median_tok_per_s": med, "throughput_vs_both_controls": vs_controls,
             "hooks": alt.hook_summary(raw["calls"]) if raw["method"].get("time_hooks") else None}
 
 
@@ -362,8 +375,8 @@ def alt_lines(r: dict) -> list[str]:
              "Energy from the GPU's NVML counter read between calls at its steps (each call's window includes < 100 ms of idle after it, "
              f"alike for every arm). `twin` is a second stock process: what the design reads with no difference.{hooks} "
              f"(start-up {r.get('startup_s') or 0:.0f} s; {r['date_utc']}; `benchmarks/h200_alternate.py`).", "",
-             "| load | arm | cycles | throughput ratio median (mean, 95% CI) | J/token ratio median (mean, 95% CI) | per-call sd | stock tok/s (median) | arm tok/s (median) |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| load | arm | cycles | throughput ratio to stock: median (mean, 95% CI) | J/token ratio to stock: median (mean, 95% CI) | sd of the per-cycle throughput ratios | throughput ratio to both stock processes (geometric mean of stock and twin): median | stock tok/s (median) | arm tok/s (median) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for key, v in r["summary"].items():
         t, j = v["throughput_ratio"], v["j_per_token_ratio"]
         if not t.get("n"):
@@ -371,17 +384,24 @@ def alt_lines(r: dict) -> list[str]:
         load = key.split(":")[0]
         lines.append(f"| {load} | {v['arm']} | {v['cycles']} | {t['median']:.3f} ({t['mean']:.3f}, {t['ci95'][0]:.3f}–{t['ci95'][1]:.3f}) | "
                      + (f"{j['median']:.3f} ({j['mean']:.3f}, {j['ci95'][0]:.3f}–{j['ci95'][1]:.3f})" if j.get("n") else "n/a")
-                     + f" | {t['sd']:.3f} | {r['median_tok_per_s'].get(f'{load}:stock') or 0:.0f} | {r['median_tok_per_s'].get(key) or 0:.0f} |")
+                     + f" | {t['sd']:.3f} | "
+                     + (f"{vc['median']:.3f}" if (vc := r.get("throughput_vs_both_controls", {}).get(key)) else "-")
+                     + f" | {r['median_tok_per_s'].get(f'{load}:stock') or 0:.0f} | {r['median_tok_per_s'].get(key) or 0:.0f} |")
     if r.get("hooks"):
-        lines += ["", "The plugin's time per engine step on this host (`perf_counter_ns` around each entry point; the LM-head hook without "
-                      "vLLM's own GEMM; the publisher thread's work, which competes for the GIL but is not on the step's path, per publish; it publishes every 0.5 s, whether the arm is busy or not):", "",
+        lines += ["", "The plugin's time per engine step on this host (`perf_counter_ns` around on_step_start, on_step_end, on_arrival and "
+                      "the LM-head hook without vLLM's own GEMM; not timed: the wrapper frames around execute_model / sample_tokens, the "
+                      "scheduler's wrappers and the LM-head subclass's own frame, so these are lower bounds; EngineCore in the arm's process, "
+                      "`VLLM_ENABLE_V1_MULTIPROCESSING=0`, where serving runs it in a process of its own. The publisher thread's "
+                      "`publish` (which includes the trace and request flushes), which competes for the GIL but is not on the step's path, per "
+                      "publish; it publishes every 0.5 s, whether the arm is busy or not):", "",
                   "| load | arm | steps | wall ms/step | on_step_start µs | on_step_end µs | LM-head hook µs | on_arrival µs | engine thread µs/step (share of step) | publisher ms per publish (share of 0.5 s) |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
         f = (lambda x: f"{x:.1f}" if x is not None else "-")
         for key, h in r["hooks"].items():
             u = h["us_per_step"]
-            n_pub = h["hooks"].get("publisher.publish", [0, 0])[0]
-            pub = sum(v[1] for k, v in h["hooks"].items() if k.startswith("publisher.")) / 1e6 / n_pub if n_pub else None
+            # publish() includes the trace and request flushes (timed inside it as well): publish alone.
+            n_pub, ns_pub = h["hooks"].get("publisher.publish", [0, 0])
+            pub = ns_pub / 1e6 / n_pub if n_pub else None
             lines.append(f"| {key.split(':')[0]} | {key.split(':')[1]} | {h['steps']} | {h['wall_ms_per_step']:.3f} | {f(u.get('on_step_start'))} | "
                          f"{f(u.get('on_step_end'))} | {f(u.get('chunked_head'))} | {f(u.get('on_arrival'))} | "
                          f"{h['engine_thread_us_per_step']:.1f} ({100 * h['engine_thread_share']:.2f} %) | "

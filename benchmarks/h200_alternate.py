@@ -39,6 +39,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from multiprocessing.connection import Client, Listener
 from pathlib import Path
@@ -114,9 +115,13 @@ def worker_main(ns: argparse.Namespace) -> int:
 
 
 def time_hooks() -> dict[str, list[int]]:
-    """Wrap the plugin's per-step entry points (engine thread) and its publisher-thread work with
-    ``perf_counter_ns`` accumulators; returns {name: [calls, ns]} (the LM-head hook's time excludes
-    vLLM's own head GEMM). Must run before the ``LLM`` is built: ``activate()`` installs the module
+    """Wrap the plugin's per-step hooks (engine thread: ``on_step_start``, ``on_step_end``,
+    ``on_arrival``, the LM-head hook without vLLM's own head GEMM) and its publisher-thread work
+    (``publish``, which includes the trace and request flushes, timed separately too) with
+    ``perf_counter_ns`` accumulators; returns {name: [calls, ns]}. Not timed, so the figures are a
+    lower bound of the plugin's engine-thread time: the wrapper frames around ``execute_model`` /
+    ``sample_tokens``, the scheduler's ``schedule`` / ``add_request`` wrappers and the LM-head
+    subclass's own frame. Must run before the ``LLM`` is built: ``activate()`` installs the module
     functions current at that moment. Needs the EngineCore in this process
     (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
     import vllm_powersave.runtime as rt
@@ -246,9 +251,10 @@ def stats(xs: list[float]) -> dict[str, Any]:
     n = len(xs)
     mean = statistics.fmean(xs)
     sd = statistics.stdev(xs) if n > 1 else float("nan")
-    # Student t, two-sided 95 %: a small table is enough for the cycle counts used here.
-    t = {2: 12.71, 3: 4.30, 4: 3.18, 5: 2.78, 6: 2.57, 8: 2.36, 10: 2.26, 15: 2.14, 20: 2.09, 30: 2.05}
-    tq = next((v for k, v in sorted(t.items()) if n <= k), 1.96)
+    # Student t (n - 1 degrees of freedom), two-sided 95 %, for sample sizes n; between table
+    # entries the smaller n's value is used (wider, never narrower than the exact interval).
+    t = {2: 12.71, 3: 4.30, 4: 3.18, 5: 2.78, 6: 2.57, 8: 2.36, 10: 2.26, 15: 2.14, 20: 2.09, 30: 2.05, 60: 2.00}
+    tq = max((k, v) for k, v in t.items() if k <= n)[1] if n >= 2 else float("nan")
     half = tq * sd / math.sqrt(n) if n > 1 else float("nan")
     return {"n": n, "median": statistics.median(xs), "mean": mean, "sd": sd, "ci95": [mean - half, mean + half],
             "geomean": math.exp(statistics.fmean(math.log(x) for x in xs))}
@@ -346,9 +352,20 @@ def main() -> int:
                     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the EngineCore (and the hooks) in the worker
                 logf = open(out_dir / f"server-{arm}.log", "wb")
                 procs[arm] = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True, preexec_fn=pin)
-            listener._listener._socket.settimeout(420)  # type: ignore[attr-defined]
+            # Accept with a short timeout and check the workers in between: one that dies at start-up
+            # is reported as such at once (not after the whole start-up allowance).
+            listener._listener._socket.settimeout(5)  # type: ignore[attr-defined]
+            deadline = time.monotonic() + 420
             while len(conns) < len(arms):
-                c = listener.accept()
+                dead = [a for a, p in procs.items() if p.poll() is not None and a not in conns]
+                if dead:
+                    raise RuntimeError(f"worker(s) {dead} exited during start-up (see server-<arm>.log)")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"workers {sorted(set(arms) - set(conns))} not ready after 420 s")
+                try:
+                    c = listener.accept()
+                except OSError:  # the accept timeout (socket.timeout)
+                    continue
                 hello = c.recv()
                 conns[hello["ready"]] = c
                 ab.log(f"worker {hello['ready']} ready")
@@ -379,7 +396,7 @@ def main() -> int:
             t = time.perf_counter()
             r = run(BenchConfig(base_url=f"http://127.0.0.1:{ports[arm]}", model="model", num_prompts=ns.burst,
                                 max_concurrency=load, input_len=ns.input_len, output_len=ns.output_len, energy="none",
-                                seed=10_000 + cycle, label=arm))
+                                seed=10_000 + 1000 * load + cycle, label=arm))  # new prompts per (load, cycle)
             return {"s": r.get("duration") or (time.perf_counter() - t), "tokens": r.get("total_output_tokens"),
                     "failed": r.get("failed"), "median_itl_ms": r.get("median_itl_ms"), "median_ttft_ms": r.get("median_ttft_ms")}
 
@@ -424,8 +441,12 @@ def main() -> int:
                 c.send(None)
             except Exception:
                 pass
-        for p in procs.values():
-            ab.stop(p)
+        # Stopped at once, not one after another: each may take up to 25 s, and the job's margin is 30 s.
+        stoppers = [threading.Thread(target=ab.stop, args=(p,)) for p in procs.values()]
+        for t in stoppers:
+            t.start()
+        for t in stoppers:
+            t.join()
         if listener is not None:
             listener.close()
         snaps = {}

@@ -307,7 +307,7 @@ def report(raw_path: Path, out_dir: Path) -> int:
              f"raw: `{raw_path.name}`. Read-only (NVML get calls only).",
              f"- Loop: {raw['host_ms']} ms of Python per step, a CUDA graph of ~100 small kernels and an LM-head-sized GEMM, then `.tolist()`; "
              f"{raw['window_s']:.0f} s per condition, {len(raw['rounds'])} rounds, order rotated per round.", "",
-             "| condition | steps/s ratio to none: median | per round | NVML call ms p50 / p99 |", "|---|---|---|---|"]
+             "| condition | steps/s ratio to none: median | per round | NVML call ms p50 / p99 (last round) |", "|---|---|---|---|"]
     last = raw["rounds"][-1]["results"]
     for c, v in rat.items():
         lat = "; ".join(f"{k} {x['p50']:.3f} / {x['p99']:.3f}" for k, x in last.get(c, {}).get("nvml_ms", {}).items()) or "-"

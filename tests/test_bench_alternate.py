@@ -61,6 +61,9 @@ def test_stats_interval_and_geomean() -> None:
     assert r["ci95"] == pytest.approx([1 - half, 1 + half])
     assert r["geomean"] == pytest.approx((0.9 * 1.0 * 1.1) ** (1 / 3))
     assert alt.stats([]) == {"n": 0}
+    # Between table entries the smaller sample size's t is used: never narrower than exact (n = 11: 2.228).
+    r11 = alt.stats([1.0 + 0.01 * (i % 3) for i in range(11)])
+    assert (r11["ci95"][1] - r11["mean"]) == pytest.approx(2.26 * r11["sd"] / 11 ** 0.5)
 
 
 def test_prompts_are_the_same_for_every_arm_and_new_every_cycle() -> None:
@@ -119,6 +122,20 @@ def test_analyze_alt_record_and_lines(tmp_path) -> None:
     assert r["median_tok_per_s"]["8:twin"] == pytest.approx(1010.0)
     text = "\n".join(analyze_h200.alt_lines(r))
     assert "| 8 | full | 4 | 0.980 (0.980, 0.980–0.980) | 1.020" in text and "| 8 | twin | 4 | 1.010" in text
+    # Against both stock processes: 980 / sqrt(1000 x 1010).
+    assert r["throughput_vs_both_controls"]["8:full"]["median"] == pytest.approx(980 / (1000 * 1010) ** 0.5)
+
+
+def test_alt_hook_table_counts_publish_once() -> None:
+    """publish() contains the trace and request flushes, which are timed inside it as well."""
+    calls = [{"cycle": 0, "load": 8, "arm": "full", "s": 0.2, "tokens": 800,
+              "hooks": {"on_step_start": [100, 2_000_000], "on_step_end": [100, 500_000], "chunked_head": [100, 900_000],
+                        "publisher.publish": [2, 2_000_000], "publisher._flush_trace": [2, 600_000], "publisher._flush_requests": [2, 100_000]}}]
+    raw = {"mode": "offline", "shape": "s", "date_utc": "d", "arms": ["stock", "full"], "loads": [8],
+           "method": {"input_len": 1, "output_len": 1, "time_hooks": True}, "calls": calls}
+    text = "\n".join(analyze_h200.alt_lines(analyze_h200.analyze_alt(raw, "t")))
+    # 20 + 5 + 9 us per step on the engine thread; publish 1.00 ms per call (not 1.35 with the flushes again).
+    assert "| 8 | full | 100 | 2.000 | 20.0 | 5.0 | 9.0 | - | 34.0 (1.70 %) | 1.00 (0.20 %) |" in text
 
 
 def test_nvml_reader_loop_rate_and_latencies() -> None:
@@ -136,7 +153,8 @@ def test_nvml_reader_loop_rate_and_latencies() -> None:
     time.sleep(0.5)
     stop.set()
     t.join()
-    assert 35 <= len(lat["energy"]) <= 55 and len(lat["power"]) == len(lat["energy"])  # ~100 Hz for 0.5 s
+    # ~100 Hz for 0.5 s less the 2 ms reads; wide bounds: a loaded CI machine delays the sleeps.
+    assert 15 <= len(lat["energy"]) <= 55 and len(lat["power"]) == len(lat["energy"])
     assert nx.summary(lat["energy"])["p50"] >= 2.0 and nx.summary(lat["power"])["p50"] < 1.0
 
 
@@ -154,5 +172,5 @@ def test_nvml_record_ratios_per_round(tmp_path) -> None:
         json.dump(raw, f)
     assert nx.report(p, tmp_path) == 0
     md = (tmp_path / "h200-nvml-interference.md").read_text()
-    assert "| tick20 | 0.925 | 0.950, 0.900 | energy 3.000 / 9.000 |" in md
+    assert "| tick20 | 0.925 | 0.950, 0.900 | energy 3.000 / 9.000 |" in md and "(last round)" in md
     assert json.loads((tmp_path / "h200-nvml-interference.json").read_text())["ratios"]["tick20"]["median"] == pytest.approx(0.925)

@@ -433,6 +433,13 @@ def test_real_gpu_without_nvml_use_is_labelled_cuda_not_simulated(monkeypatch, t
         assert rt.meter is None and rt.sim is None
     finally:
         rt.close()
+    # Simulated figures keep the simulated GPU's label, on a CUDA device too.
+    sim = PowersaveSettings.model_validate({"stats_dir": str(tmp_path), "energy": {"meter": "simulated"}, "clocks": {"backend": "dry-run"}})
+    rt = rt_mod.WorkerRuntime(runner, sim)
+    try:
+        assert rt.gpu_id == "sim0" and rt.sim is not None
+    finally:
+        rt.close()
     monkeypatch.setattr(vllm_compat, "runner_identity", lambda r: {"rank": r.rank, "device_type": "cpu", "device_index": None})
     rt = rt_mod.WorkerRuntime(runner, settings)
     try:

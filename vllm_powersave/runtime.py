@@ -206,9 +206,11 @@ class WorkerRuntime:
         self.sim: SimulatedGpu | None = None
         self.sim_stock: SimulatedGpu | None = None
         self.model_cost: ModelCost | None = None
-        # "simN" only where the GPU is simulated (no CUDA device): a real GPU whose NVML is not used
-        # (meter off, dry-run clocks) is still labelled as a CUDA device in metrics and logs.
-        nvml, handle, gpu_id = None, None, f"cuda{ident['device_index'] or 0}-rank{self.rank}" if on_gpu else f"sim{self.rank}"
+        # "simN" where the figures are the simulated GPU's (no CUDA device, or a simulated meter or
+        # clock backend asked for); a real GPU whose NVML is simply not used (meter off, dry-run
+        # clocks) is labelled as the CUDA device it is.
+        simulated = not on_gpu or settings.energy.meter == "simulated" or settings.clocks.backend == "simulated"
+        nvml, handle, gpu_id = None, None, f"sim{self.rank}" if simulated else f"cuda{ident['device_index'] or 0}-rank{self.rank}"
         nvml_failed = None
         if on_gpu and settings.energy.meter in ("auto", "nvml") or settings.clocks.backend == "nvml":
             nvml = _init_nvml() if on_gpu else None
