@@ -209,7 +209,7 @@ def markdown(doc: dict) -> str:
              "--time-hooks`, h200-vllm.md), with their timing wrapper's own cost included.", "",
              f"- Before = the plugin code of `{doc['baseline_rev'][:10]}` (the build timed on the H200), after = this tree; both measured in this run, "
              f"{doc['repeats']} child processes each, alternating; medians.", "",
-             "| config | decoding requests | on_step_start + on_step_end µs, hot: before / after | cold: before / after | H200 host (before) | LM-head hook µs: hot | cold | H200 host |",
+             "| config | decoding requests | on_step_start + on_step_end µs, hot: before / after | cold (synthetic stand-in): before / after | H200 host (before) | LM-head hook µs: hot | cold | H200 host |",
              "|---|---|---|---|---|---|---|---|"]
     for r in doc["rows"]:
         h = ref.get(f"{r['requests']}:{r['arm']}", {})
@@ -217,14 +217,17 @@ def markdown(doc: dict) -> str:
         lines.append(f"| {r['arm']} | {r['requests']} | {f(b['hot']['hook_us'])} / {f(a['hot']['hook_us'])} | {f(b['cold']['hook_us'])} / {f(a['cold']['hook_us'])} | "
                      f"{f(h.get('hook_us'))} | {f(a['hot']['lm_head_us'])} | {f(a['cold']['lm_head_us'])} | {f(h.get('lm_head_us'))} |")
     ch = [r["before"]["cold"]["hook_us"] / r["before"]["hot"]["hook_us"] for r in doc["rows"]]
-    hc = [ref[k]["hook_us"] / r["before"]["cold"]["hook_us"] for r in doc["rows"] if (k := f"{r['requests']}:{r['arm']}") in ref]
+    hh = [ref[k]["hook_us"] / r["before"]["hot"]["hook_us"] for r in doc["rows"] if (k := f"{r['requests']}:{r['arm']}") in ref]
     cut = [1 - r["after"]["cold"]["hook_us"] / r["before"]["cold"]["hook_us"] for r in doc["rows"]]
     lines += ["", "## Reading", "",
-              f"- Cold caches multiply the hooks' cost on this machine by {min(ch):.1f}-{max(ch):.1f}x; the H200 host's figures are "
-              + (f"{min(hc):.1f}-{max(hc):.1f}x the cold ones here " if hc else "higher again ")
-              + "(a slower per-thread host, and the wrapper that timed them there). A hot-loop micro-benchmark therefore understates "
-              "what the hooks cost inside vLLM; the cost to cut is the number of objects and code paths a step touches, not only the "
-              "instructions it runs.",
+              (f"- Inside vLLM on the H200 host the hooks measured {min(hh):.1f}-{max(hh):.1f}x their hot-loop figure here (same code). "
+               if hh else "- ")
+              + f"The synthetic cold-cache stand-in multiplies them by {min(ch):.1f}-{max(ch):.1f}x on this machine. That cold caches "
+              "explain part of the gap, and the H200 host's per-thread speed and the wrapper that timed them there the rest, is an "
+              "inference, not a measurement. Either way a hot-loop micro-benchmark understates what the hooks cost inside vLLM, and what "
+              "a step touches (objects, code paths) counts, not only the instructions it runs.",
+              "- Not like for like in one respect: the H200 `full` arm had the NVML meter on (the energy account's per-step "
+              "bookkeeping), these `full` rows have it off (no NVML here).",
               f"- The step-hook cuts after `{doc['baseline_rev'][:10]}` (three per-step calls dropped, same results) take "
               f"{100 * min(cut):.0f}-{100 * max(cut):.0f} % off the cold figure here; on the H200 host they are not measured yet.", ""]
     return "\n".join(lines)
