@@ -99,7 +99,8 @@ def _cmd_compare(ns: argparse.Namespace) -> int:
     if sorted(set(order)) != sorted(configs) :
         print(f"error: --order must name off and on, e.g. 'off,on' or 'on,off,off,on' (got {ns.order!r})", file=sys.stderr)
         return 2
-    for run_i, label in enumerate(order):
+    # Runs are numbered from 1, as in the report's columns ("off (run 1)"), and so are their files.
+    for run_i, label in enumerate(order, start=1):
         _, desc, extra = configs[label]
         descriptions[label] = desc
         print(f"[compare] {label}: starting vllm serve ({desc})", flush=True)
@@ -134,7 +135,7 @@ def _cmd_compare(ns: argparse.Namespace) -> int:
         (out_dir / f"result-{label}-{run_i}.json").write_text(json.dumps(res, indent=2))
         snap = _read_snapshot(stats_dir)
         if snap.get("sim_stock_clocks_energy_j"):
-            counterfactual[f"{label} (run {run_i + 1})"] = {
+            counterfactual[f"{label} (run {run_i})"] = {
                 "with_presets_j": snap["sim_energy_j"], "stock_clocks_j": snap["sim_stock_clocks_energy_j"],
                 "saving_pct": 100.0 * (1 - snap["sim_energy_j"] / snap["sim_stock_clocks_energy_j"]),
                 "gpu_time_change_pct": 100.0 * (snap["sim_busy_s"] / snap["sim_stock_clocks_busy_s"] - 1) if snap.get("sim_stock_clocks_busy_s") else None}
