@@ -54,7 +54,9 @@ NEVER_CHUNK = [{"min_rows": 1_000_000, "chunks": 2}]
 
 
 def arm_config(arm: str, stats_dir: str) -> dict | None:
-    """The plugin settings of ``arm`` (None: the plugin is not enabled)."""
+    """The plugin settings of ``arm`` (None: the plugin is not enabled); ``X-base`` = arm ``X`` run
+    with the plugin build of ``--base-site`` (a before/after of the plugin code in one run)."""
+    arm = arm.removesuffix("-base")
     if arm == "full":
         return plugin_config(stats_dir, NEVER_CHUNK)
     if arm == "bare":
@@ -62,11 +64,13 @@ def arm_config(arm: str, stats_dir: str) -> dict | None:
     return None
 
 
-ARMS = ("stock", "twin", "inert", "bare", "full")
+ARMS = ("stock", "twin", "inert", "bare", "full", "bare-base", "full-base")
 
 
 def arm_site(arm: str, ns: argparse.Namespace) -> str:
-    return ns.stock_site if arm in ("stock", "twin") else f"{ns.plugin_site}:{ns.stock_site}"
+    if arm in ("stock", "twin"):
+        return ns.stock_site
+    return f"{ns.base_site if arm.endswith('-base') else ns.plugin_site}:{ns.stock_site}"
 
 
 def prompts_for(cycle: int, batch: int, input_len: int, vocab: int = 150_000) -> list[list[int]]:
@@ -275,6 +279,7 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=500.0)
     ap.add_argument("--client-cpus", type=int, default=4, help="CPUs of the GPU's node kept for this process (the client)")
     ab.add_bundle_args(ap)
+    ap.add_argument("--base-site", default="/tmp/psite-base", help="the plugin build of the X-base arms (an earlier wheel installed there)")
     ap.add_argument("--out", default=None)
     # worker side (internal)
     ap.add_argument("--worker-addr", default=None, help=argparse.SUPPRESS)
@@ -290,6 +295,9 @@ def main() -> int:
     arms = [a for a in ns.arms.split(",") if a]
     if not arms or arms[0] != "stock" or (bad := [a for a in arms if a not in ARMS]) or len(set(arms)) != len(arms):
         print(f"error: --arms {ns.arms!r}: arms from {ARMS}, each once, stock first", file=sys.stderr)
+        return 2
+    if any(a.endswith("-base") for a in arms) and not Path(ns.base_site, "vllm_powersave").is_dir():
+        print(f"error: --base-site {ns.base_site!r}: no vllm_powersave there for the -base arms", file=sys.stderr)
         return 2
     if ns.time_hooks and ns.mode != "offline":
         print("error: --time-hooks needs --mode offline", file=sys.stderr)

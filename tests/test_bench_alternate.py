@@ -174,3 +174,13 @@ def test_nvml_record_ratios_per_round(tmp_path) -> None:
     md = (tmp_path / "h200-nvml-interference.md").read_text()
     assert "| tick20 | 0.925 | 0.950, 0.900 | energy 3.000 / 9.000 |" in md and "(last round)" in md
     assert json.loads((tmp_path / "h200-nvml-interference.json").read_text())["ratios"]["tick20"]["median"] == pytest.approx(0.925)
+
+
+def test_base_arms_run_the_earlier_build_with_the_same_settings() -> None:
+    import argparse
+
+    ns = argparse.Namespace(stock_site="/s", plugin_site="/p", base_site="/b")
+    assert alt.arm_site("stock", ns) == "/s" and alt.arm_site("twin", ns) == "/s"
+    assert alt.arm_site("full", ns) == "/p:/s" and alt.arm_site("full-base", ns) == "/b:/s"
+    assert alt.arm_config("full-base", "/x") == alt.arm_config("full", "/x")
+    assert alt.arm_config("bare-base", "/x") == alt.arm_config("bare", "/x")
