@@ -82,23 +82,19 @@ def sched(n: int):
         num_scheduled_tokens={r: 1 for r in ids})
 
 
-def child() -> dict:
+def stub_nvml_installer():
+    """``use(on)``: with ``on``, the runtime sees a CUDA device whose NVML meter is a stub (read only
+    by the background tick, as the real one), so the energy account's per-step bookkeeping runs as
+    with ``meter: nvml`` on a GPU; off, a CPU device. Starts off."""
     import types
-    from collections import deque
-
-    import torch
 
     import vllm_powersave.vllm_compat as vc
     from vllm_powersave import runtime
     from vllm_powersave.energy.meters import EnergyMeter
-    from vllm_powersave.phases import classify
-    from vllm_powersave.runtime import WorkerRuntime
-    from vllm_powersave.settings import ENV_SETTINGS_JSON, load_settings
 
     cpu_ident = lambda r: {"rank": 0, "device_type": "cpu", "device_index": None}
     gpu_ident = lambda r: {"rank": 0, "device_type": "cuda", "device_index": 0}
     vc.runner_identity = cpu_ident
-    vc.runner_model_cost = lambda r: {"n_params": 4.9e8, "vocab_params": 1.36e8, "kv_bytes_per_token": 12288.0, "weight_bytes": 9.9e8}
 
     class StubNvmlMeter(EnergyMeter):
         """Stands in for the NVML meter: only the background tick reads it."""
@@ -115,13 +111,32 @@ def child() -> dict:
         def sm_clock_mhz(self) -> int:
             return 1980
 
-    def use_stub_nvml(on: bool) -> None:
+    init_nvml = runtime._init_nvml
+
+    def use(on: bool) -> None:
         vc.runner_identity = gpu_ident if on else cpu_ident
-        runtime._init_nvml = (lambda: types.SimpleNamespace()) if on else _init_nvml
+        runtime._init_nvml = (lambda: types.SimpleNamespace()) if on else init_nvml
         runtime.nvml_handle_for_torch_device = lambda nvml, index: ("handle", "GPU-bench")
         runtime.open_nvml_meter = lambda nvml, handle, gpu_id, sample_period_s=None: StubNvmlMeter(gpu_id)
 
-    _init_nvml = runtime._init_nvml
+    return use
+
+
+def child() -> dict:
+    import types
+    from collections import deque
+
+    import torch
+
+    import vllm_powersave.vllm_compat as vc
+    from vllm_powersave import runtime
+    from vllm_powersave.energy.meters import EnergyMeter
+    from vllm_powersave.phases import classify
+    from vllm_powersave.runtime import WorkerRuntime
+    from vllm_powersave.settings import ENV_SETTINGS_JSON, load_settings
+
+    use_stub_nvml = stub_nvml_installer()
+    vc.runner_model_cost = lambda r: {"n_params": 4.9e8, "vocab_params": 1.36e8, "kv_bytes_per_token": 12288.0, "weight_bytes": 9.9e8}
 
     # Stand-ins for vLLM's runner and scheduler classes, wrapped by the plugin's own installers.
     class BareRunner:
