@@ -31,6 +31,7 @@ dry-run presets, an LM-head hook that never chunks).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import math
 import os
@@ -178,30 +179,6 @@ def time_hooks() -> dict[str, list[int]]:
 # --------------------------------------------------------------------------------------------
 # controller
 # --------------------------------------------------------------------------------------------
-class Counter:
-    """The GPU's NVML total-energy counter, read at its steps (between calls only)."""
-
-    def __init__(self, index: int) -> None:
-        import pynvml
-
-        pynvml.nvmlInit()
-        self.nvml, self.h = pynvml, pynvml.nvmlDeviceGetHandleByIndex(index)
-
-    def read(self) -> int:
-        return int(self.nvml.nvmlDeviceGetTotalEnergyConsumption(self.h))
-
-    def at_step(self, limit_s: float = 0.3) -> tuple[int, float]:
-        """(mJ, time) right after the counter's next step (or after ``limit_s`` without one)."""
-        c0 = self.read()
-        t_end = time.perf_counter() + limit_s
-        while time.perf_counter() < t_end:
-            c = self.read()
-            if c != c0:
-                return c, time.perf_counter()
-            time.sleep(0.001)
-        return c0, time.perf_counter()
-
-
 def summarize(calls: list[dict], arms: list[str], loads: list[int]) -> dict[str, Any]:
     """Per (load, arm): median and 95 % CI (t) of the per-cycle ratio to stock, for tokens/s and J/token."""
     out: dict[str, Any] = {}
@@ -252,15 +229,11 @@ def hook_summary(calls: list[dict]) -> dict[str, Any]:
 def stats(xs: list[float]) -> dict[str, Any]:
     if not xs:
         return {"n": 0}
+    from loadtests.ab import ratio_ci  # the t-interval of every other A/B record
+
     n = len(xs)
-    mean = statistics.fmean(xs)
-    sd = statistics.stdev(xs) if n > 1 else float("nan")
-    # Student t (n - 1 degrees of freedom), two-sided 95 %, for sample sizes n; between table
-    # entries the smaller n's value is used (wider, never narrower than the exact interval).
-    t = {2: 12.71, 3: 4.30, 4: 3.18, 5: 2.78, 6: 2.57, 8: 2.36, 10: 2.26, 15: 2.14, 20: 2.09, 30: 2.05, 60: 2.00}
-    tq = max((k, v) for k, v in t.items() if k <= n)[1] if n >= 2 else float("nan")
-    half = tq * sd / math.sqrt(n) if n > 1 else float("nan")
-    return {"n": n, "median": statistics.median(xs), "mean": mean, "sd": sd, "ci95": [mean - half, mean + half],
+    mean, lo, hi = ratio_ci(xs)
+    return {"n": n, "median": statistics.median(xs), "mean": mean, "sd": statistics.stdev(xs) if n > 1 else float("nan"), "ci95": [lo, hi],
             "geomean": math.exp(statistics.fmean(math.log(x) for x in xs))}
 
 
@@ -390,7 +363,16 @@ def main() -> int:
             ab.wait_healthy({a: (procs[a], ports[a]) for a in arms}, timeout_s=420)
         result["startup_s"] = time.monotonic() - ab.T0
         ab.log(f"all {len(arms)} arms up after {result['startup_s']:.0f} s")
-        counter = Counter(ns.gpu)
+        # The harness's own NVML reader; each read waits for the counter's next step (aligned edges).
+        from loadtests.energy import NvmlEnergy
+
+        counter, why = NvmlEnergy.open([ns.gpu])
+        if counter is None:
+            raise RuntimeError(f"GPU {ns.gpu}: {why}")
+
+        def counter_j() -> tuple[float, float]:
+            t, per_gpu = asyncio.run(counter.aligned_per_gpu_j(max_wait_s=0.3, poll_s=0.001))
+            return per_gpu[str(ns.gpu)], t
 
         def call(arm: str, load: int, cycle: int) -> dict[str, Any]:
             if ns.mode == "offline":
@@ -420,10 +402,10 @@ def main() -> int:
                     if time.monotonic() - ab.T0 > ns.budget_s - round_s:
                         raise TimeoutError
                     t_round = time.monotonic()
-                    c0, t0 = counter.at_step()
+                    e0, t0 = counter_j()
                     r = call(arm, load, cycle)
-                    c1, t1 = counter.at_step()
-                    rec = {"cycle": cycle, "load": load, "arm": arm, **r, "energy_j": (c1 - c0) / 1000.0, "energy_window_s": t1 - t0}
+                    e1, t1 = counter_j()
+                    rec = {"cycle": cycle, "load": load, "arm": arm, **r, "energy_j": e1 - e0, "energy_window_s": t1 - t0}
                     result["calls"].append(rec)
                     round_s = max(round_s, time.monotonic() - t_round)
             if cycle % 5 == 4:

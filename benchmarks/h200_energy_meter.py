@@ -247,16 +247,6 @@ def part_b_graph(handle, result: dict, save, pairs: int, window: float) -> None:
     result["graph_step_ms"] = 1000 / statistics.median(x["steps_per_s_without"] for x in rows)
 
 
-def _decode_sched(n: int):
-    """A scheduler output of ``n`` decoding requests, in the shape the plugin's step hook reads."""
-    import types
-    ids = [f"r{i}" for i in range(n)]
-    return types.SimpleNamespace(
-        scheduled_new_reqs=[], scheduled_spec_decode_tokens={}, total_num_scheduled_tokens=n, finished_req_ids=set(),
-        scheduled_cached_reqs=types.SimpleNamespace(req_ids=ids, num_computed_tokens=[100 + i for i in range(n)], num_output_tokens=[5] * n),
-        num_scheduled_tokens={r: 1 for r in ids})
-
-
 def part_b_runtime(gpu: int, result: dict, save, pairs: int, window: float) -> None:
     """Metering overhead as the server pays it: the plugin's whole ``WorkerRuntime`` (step hook,
     background publisher with its tick / gauge / counter-phase schedule, rank-file writes) around a
@@ -265,6 +255,7 @@ def part_b_runtime(gpu: int, result: dict, save, pairs: int, window: float) -> N
     import tempfile
 
     import vllm_powersave.vllm_compat as vc
+    from hook_overhead import sched  # the same stand-in scheduler output as the CPU micro-benchmark
     from vllm_powersave.runtime import WorkerRuntime
     from vllm_powersave.settings import load_settings
 
@@ -274,7 +265,7 @@ def part_b_runtime(gpu: int, result: dict, save, pairs: int, window: float) -> N
     end = time.monotonic() + 3.0
     while time.monotonic() < end:
         loop.step()
-    so = _decode_sched(64)
+    so = sched(64)
 
     def run(meter: str, d: str) -> float:
         s = load_settings({"energy": {"meter": meter}, "clocks": {"backend": "dry-run"}, "stats_dir": d}, env={})

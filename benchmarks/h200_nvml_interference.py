@@ -46,7 +46,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # h200_ab; loadtests
 
 def nvml_readers(nvml: Any, h: Any) -> dict[str, Callable[[], Any]]:
     """The NVML get calls the plugin makes, by name (read-only)."""
@@ -110,15 +110,10 @@ def pybusy_loop(hz: float, busy_s: float, stop: threading.Event) -> None:
             x += sum(range(50))
 
 
-def pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(q * len(s)))]
-
-
 def summary(xs: list[float]) -> dict[str, Any]:
-    return {"n": len(xs), "p50": pct(xs, 0.5), "p99": pct(xs, 0.99), "max": max(xs) if xs else None,
+    from loadtests.metrics import percentile
+
+    return {"n": len(xs), "p50": percentile(xs, 50) if xs else None, "p99": percentile(xs, 99) if xs else None, "max": max(xs) if xs else None,
             "mean": statistics.fmean(xs) if xs else None}
 
 

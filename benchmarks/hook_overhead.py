@@ -73,6 +73,7 @@ def per_call_us(fn, reps: int = 2000, rounds: int = 7, after=None) -> float:
 
 
 def sched(n: int):
+    """A scheduler output of ``n`` decoding requests, in the shape the plugin's step hook reads."""
     import types
 
     ids = [f"r{i}" for i in range(n)]

@@ -129,7 +129,7 @@ def test_trace_line_equals_json_dumps():
         r += [rng.choice([None, 1200, 345, True, np.int64(5)]),
               rng.choice(floats + [None]) if rng.random() < 0.85 else rng.choice(odd_floats)]
         try:
-            want = json.dumps(dict(zip(runtime.WorkerRuntime._TRACE_KEYS, r))) + "\n"
+            want = json.dumps(dict(zip(runtime._TRACE_KEYS, r))) + "\n"
         except TypeError:
             with pytest.raises(TypeError):
                 runtime._trace_line(r)
@@ -164,7 +164,7 @@ def test_trace_records_get_their_end_time_and_the_newest_stays_in_memory(monkeyp
         rt.publish()
         lines = (tmp_path / "trace-rank0.jsonl").read_text().splitlines()
         steps = [json.loads(x) for x in lines]
-        assert len(steps) == 5 and all(list(s) == list(runtime.WorkerRuntime._TRACE_KEYS) for s in steps)
+        assert len(steps) == 5 and all(list(s) == list(runtime._TRACE_KEYS) for s in steps)
         assert all(s["t_end"] >= s["t"] and (s["phase"], s["reqs"], s["rows"], s["ctx"]) == ("decode", 4, 4, 400) for s in steps)
         assert lines[0] == json.dumps(steps[0])
         rt.on_step_end()

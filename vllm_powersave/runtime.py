@@ -540,8 +540,6 @@ class WorkerRuntime:
             "ray_node_id": self._relay.node_id if self._relay is not None else None,
         }
 
-    _TRACE_KEYS = _TRACE_KEYS
-
     def _flush_trace(self, keep_last: bool = True) -> None:
         if not self._trace or self._trace_path is None:
             return

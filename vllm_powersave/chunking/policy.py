@@ -31,15 +31,13 @@ class ChunkPolicy:
         self.rows_total = 0
 
     def chunks(self, rows: int) -> int:
-        rules = self.rules
-        if not self.enabled or not rules or rows < rules[0][0]:
-            return 1  # no rule applies: the loop below would give max(1, min(1, rows)) = 1
         n = 1
-        for min_rows, c in rules:
-            if rows >= min_rows:
-                n = c
-            else:
-                break
+        if self.enabled:
+            for min_rows, c in self.rules:
+                if rows >= min_rows:
+                    n = c
+                else:
+                    break
         return max(1, min(n, rows))
 
     def record(self, chunks: int, rows: int) -> None:
@@ -48,7 +46,8 @@ class ChunkPolicy:
         self.rows_total += rows
 
     def take(self, rows: int) -> int:
-        """``chunks(rows)``, recorded: one call per LM-head call (the per-step path)."""
+        """``chunks(rows)``, recorded: one call per LM-head call (the per-step path, so the common
+        case, no rule reached, is answered here without the call)."""
         rules = self.rules
         if not self.enabled or not rules or rows < rules[0][0]:
             n = 1
