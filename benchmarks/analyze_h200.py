@@ -394,8 +394,8 @@ def alt_lines(r: dict) -> list[str]:
                       "`VLLM_ENABLE_V1_MULTIPROCESSING=0`, where serving runs it in a process of its own. The publisher thread's "
                       "`publish` (which includes the trace and request flushes), which competes for the GIL but is not on the step's path, per "
                       "publish; it publishes every 0.5 s, whether the arm is busy or not):", "",
-                  "| load | arm | steps | wall ms/step | on_step_start µs | on_step_end µs | LM-head hook µs | on_arrival µs | engine thread µs/step (share of step) | publisher ms per publish (share of 0.5 s) |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "| load | arm | steps | wall ms/step | on_step_start µs | on_step_end µs | LM-head hook µs | on_arrival µs | engine thread µs/step (share of step) | publisher ms per publish (share of 0.5 s) | step records drained, µs per step (publisher) |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         f = (lambda x: f"{x:.1f}" if x is not None else "-")
         for key, h in r["hooks"].items():
             u = h["us_per_step"]
@@ -403,12 +403,20 @@ def alt_lines(r: dict) -> list[str]:
             n_pub, ns_pub = h["hooks"].get("publisher.publish", [0, 0])
             pub = ns_pub / 1e6 / n_pub if n_pub else None
             lines.append(f"| {key.split(':')[0]} | {key.split(':')[1]} | {h['steps']} | {h['wall_ms_per_step']:.3f} | {f(u.get('on_step_start'))} | "
-                         f"{f(u.get('on_step_end'))} | {f(u.get('chunked_head'))} | {f(u.get('on_arrival'))} | "
+                         f"{f(u.get('on_step_end'))} | {f(lm_head_us(u))} | {f(u.get('on_arrival'))} | "
                          f"{h['engine_thread_us_per_step']:.1f} ({100 * h['engine_thread_share']:.2f} %) | "
-                         + (f"{pub:.2f} ({pub / 5:.2f} %) |" if pub is not None else "- |"))
+                         + (f"{pub:.2f} ({pub / 5:.2f} %) |" if pub is not None else "- |")
+                         + f" {f(u.get('publisher.drain_steps'))} |")
     if r.get("notes"):
         lines += ["", f"Run notes: {'; '.join(r['notes'])}."]
     return [*lines, ""]
+
+
+def lm_head_us(u: dict) -> float | None:
+    """The LM-head hook's µs per step: ``chunked_head`` (every call before session 8; since, only
+    calls that are split) plus ``head_chunks`` (since session 8, asked on every call)."""
+    parts = [u[k] for k in ("chunked_head", "head_chunks") if u.get(k) is not None]
+    return sum(parts) if parts else None
 
 
 def plp_lines(r: dict) -> list[str]:

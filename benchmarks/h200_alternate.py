@@ -153,11 +153,16 @@ def time_hooks() -> dict[str, list[int]]:
 
     for name in ("on_step_start", "on_step_end", "on_arrival"):
         setattr(rt, name, timed(name, getattr(rt, name)))
-    for name in ("publish", "_flush_trace", "_flush_requests"):
-        setattr(rt.WorkerRuntime, name, timed(f"publisher.{name}", getattr(rt.WorkerRuntime, name)))
+    for name in ("publish", "_flush_trace", "_flush_requests", "drain_steps"):
+        if hasattr(rt.WorkerRuntime, name):  # drain_steps: builds since session 8 (X-base arms run an earlier one)
+            setattr(rt.WorkerRuntime, name, timed(f"publisher.{name}", getattr(rt.WorkerRuntime, name)))
+    if hasattr(rt, "head_chunks"):
+        # Since session 8 the LM-head subclass asks head_chunks first and calls vLLM's head directly
+        # for 0; chunked_head (below) runs only for calls that are split.
+        rt.head_chunks = timed("head_chunks", rt.head_chunks)
     orig_head = rt.chunked_head
 
-    def chunked_head(head: Any, hidden: Any) -> Any:
+    def chunked_head(head: Any, hidden: Any, *n: Any) -> Any:
         inner = [0]
 
         def head2(x: Any) -> Any:
@@ -168,7 +173,7 @@ def time_hooks() -> dict[str, list[int]]:
                 inner[0] += ns_() - t
         t = ns_()
         try:
-            return orig_head(head2, hidden)
+            return orig_head(head2, hidden, *n)
         finally:
             add("chunked_head", ns_() - t - inner[0])
 

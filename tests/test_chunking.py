@@ -50,14 +50,19 @@ def test_vllm_logits_processor_replacement_matches_unchunked():
 
     from vllm_powersave import vllm_compat
 
-    n = {"chunks": 1, "calls": 0}
+    n = {"chunks": 1, "calls": 0, "asked": 0}
 
-    def chunk(head, h):
+    def chunks(h):
+        n["asked"] += 1
+        return 0 if n["chunks"] == 1 else n["chunks"]  # 0: vLLM's own call, directly
+
+    def chunked(head, h, c):
         n["calls"] += 1
-        return apply_chunked(head, h, n["chunks"])
+        assert c == n["chunks"]
+        return apply_chunked(head, h, c)
 
-    vllm_compat.register_logits_processor(chunk)
-    assert vllm_compat.register_logits_processor(chunk) is False  # idempotent
+    vllm_compat.register_logits_processor(chunks, chunked)
+    assert vllm_compat.register_logits_processor(chunks, chunked) is False  # idempotent
     with set_current_vllm_config(VllmConfig()):
         lp = LogitsProcessor(vocab_size=1000)
     assert type(lp).__name__ == "PowersaveLogitsProcessor"
@@ -76,4 +81,5 @@ def test_vllm_logits_processor_replacement_matches_unchunked():
                 out = lp(lm, x)
                 assert torch.equal(out, ref), (dtype, rows, c)  # bitwise through vLLM's CPU GEMM
                 assert torch.equal(out.argmax(-1), ref.argmax(-1))
-    assert n["calls"] == 16
+    # 2 dtypes x 2 row counts x (1 + 3 chunk counts) calls asked; only the split ones reach chunked()
+    assert n["asked"] == 16 and n["calls"] == 12

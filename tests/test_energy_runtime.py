@@ -53,7 +53,7 @@ def sched(reqs, finished=()):
         scheduled_spec_decode_tokens={}, finished_req_ids=set(finished))
 
 
-def make_runtime(monkeypatch, tmp_path, nvml, rank=0, visible="GPU-bbbb-1111"):
+def make_runtime(monkeypatch, tmp_path, nvml, rank=0, visible="GPU-bbbb-1111", **extra):
     monkeypatch.setitem(sys.modules, "pynvml", nvml)  # _init_nvml imports it
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
     monkeypatch.setattr(vllm_compat, "runner_identity", lambda r: {"rank": r.rank, "device_type": "cuda", "device_index": 0})
@@ -61,7 +61,8 @@ def make_runtime(monkeypatch, tmp_path, nvml, rank=0, visible="GPU-bbbb-1111"):
     # idle_after_s 20: the background publisher (period 0.5 s) stays out of the way; the test ticks.
     # gauge_period_s 0: gauges re-read at every publish, so a fault shows at once (default: 2 s).
     settings = PowersaveSettings.model_validate({"stats_dir": str(tmp_path), "per_request_energy": True,
-                                                 "energy": {"idle_after_s": 20.0, "gauge_period_s": 0.0, "tick_s": 0.05}})
+                                                 "energy": {"idle_after_s": 20.0, "gauge_period_s": 0.0, "tick_s": 0.05},
+                                                 **extra})
     return rt_mod.WorkerRuntime(runner, settings)
 
 
@@ -390,21 +391,23 @@ def test_warmup_steps_are_neither_traced_nor_metered(monkeypatch, tmp_path):
         assert sum(rt.account.steps.values()) == 0
         rt.on_step_start(sched({"cmpl-a": 1}))
         rt.on_step_end()
+        rt.drain_steps()  # the step hook only records; the account is fed in batches
         assert rt.account.steps["decode"] == 1
         # The check stops at the first served step (warm-up all comes before it): a later step is
         # served work whatever its ids (vLLM never warms up again in a serving engine).
         rt.on_step_start(sched({"_warmup_0_": 1}))
         rt.on_step_end()
+        rt.drain_steps()
         assert rt.account.steps["decode"] == 2
     finally:
         rt.close()
 
 
 def test_prompt_logprob_rows_are_read_only_where_they_can_be_nonzero(monkeypatch, tmp_path):
-    """The step hook asks PromptLogprobRows only when a request is pending or the step has
-    context-phase (new) requests; the rows traced are the same as asking every step."""
+    """PromptLogprobRows is asked only when a request is pending or the step has context-phase
+    (new) requests, and only where the rows are read (the step trace, the simulator)."""
     nvml = FakeNvmlDevices(uuids=("GPU-aaaa-0000", "GPU-bbbb-1111"))
-    rt = make_runtime(monkeypatch, tmp_path, nvml)
+    rt = make_runtime(monkeypatch, tmp_path, nvml, trace_steps=True)
     calls = []
     orig = rt._plp_rows.rows
     monkeypatch.setattr(rt._plp_rows, "rows", lambda so: calls.append(1) or orig(so))
@@ -412,10 +415,12 @@ def test_prompt_logprob_rows_are_read_only_where_they_can_be_nonzero(monkeypatch
         for _ in range(4):  # decode-only steps, nothing pending: never asked
             rt.on_step_start(sched({"a": 1, "b": 1}))
             rt.on_step_end()
+        rt.drain_steps()
         assert calls == [] and rt.account.steps["decode"] == 4
         rt._plp_rows.left["a"] = 3  # a request with prompt-logprob rows still to come: asked
         rt.on_step_start(sched({"a": 1, "b": 1}))
         rt.on_step_end()
+        rt.drain_steps()
         assert calls == [1] and rt._plp_rows.left == {"a": 2}
     finally:
         rt.close()
@@ -446,3 +451,103 @@ def test_real_gpu_without_nvml_use_is_labelled_cuda_not_simulated(monkeypatch, t
         assert rt.gpu_id == "sim0"
     finally:
         rt.close()
+
+
+def _random_steps(rng, n_steps):
+    """SchedulerOutputs of a random serving run: new requests (some with prompt_logprobs), chunked
+    prefills, decodes, finished ids, steps that schedule nothing."""
+    out, live, next_id = [], {}, 0
+    for _ in range(n_steps):
+        new, nst = [], {}
+        if rng.random() < 0.3:
+            for _ in range(rng.randint(1, 3)):
+                rid = f"r{next_id}"
+                next_id += 1
+                plen = rng.randint(2, 40)
+                sp = SimpleNamespace(prompt_logprobs=1 if rng.random() < 0.5 else None)
+                new.append(SimpleNamespace(req_id=rid, sampling_params=sp, prompt_token_ids=list(range(plen)), num_computed_tokens=0))
+                nst[rid] = rng.randint(1, plen)
+                live[rid] = plen - nst[rid]
+        cached = [r for r in live if r not in nst]
+        ctx = []
+        for r in cached:
+            if live[r] > 0:  # prompt still to prefill: a chunk of it
+                take = rng.randint(1, live[r])
+                live[r] -= take
+                nst[r] = take
+                ctx.append(0)
+            else:
+                nst[r] = 1
+                ctx.append(rng.randint(1, 5))
+        finished = set()
+        for r in list(cached):
+            if rng.random() < 0.1:
+                finished.add(r)
+                del live[r]
+                del nst[r]
+                ctx.pop(cached.index(r))
+                cached.remove(r)
+        if rng.random() < 0.08:
+            new, cached, ctx, nst = [], [], [], {}
+        out.append(SimpleNamespace(
+            scheduled_new_reqs=new,
+            scheduled_cached_reqs=SimpleNamespace(req_ids=cached, num_computed_tokens=[rng.randint(5, 500) for _ in cached],
+                                                  num_output_tokens=ctx),
+            num_scheduled_tokens=nst, total_num_scheduled_tokens=sum(nst.values()),
+            scheduled_spec_decode_tokens={}, finished_req_ids=finished))
+    return out
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_step_records_drained_in_batches_equal_feeding_every_step(monkeypatch, tmp_path, seed):
+    """The step hook appends a record and drain_steps feeds the account, the trace and the
+    prompt-logprob rows later, in batches (at random points, also while a step runs, and with
+    steps whose end never comes): the account's events and counts and the trace lines equal
+    those of feeding every step at once, to the bit, on the same clock."""
+    rng = random.Random(seed)
+    steps = _random_steps(rng, 300)
+    plan = [(rng.random() < 0.05, rng.random() < 0.1, rng.random() < 0.1) for _ in steps]  # (no end, drain mid-step, drain after)
+    results = []
+    for inline in (True, False):
+        tick = [1000.0]
+
+        def mono():
+            tick[0] += 0.001
+            return tick[0]
+
+        monkeypatch.setattr(rt_mod, "time", SimpleNamespace(monotonic=mono, time=lambda: 0.0))
+        d = tmp_path / ("inline" if inline else "batched")
+        d.mkdir()
+        nvml = FakeNvmlDevices(uuids=("GPU-aaaa-0000", "GPU-bbbb-1111"))
+        rt = make_runtime(monkeypatch, d, nvml, trace_steps=True, clocks={"presets": {"decode": {"sm_clock_mhz": 1200}}})
+        rt._stop.set()  # this test drains; the publisher thread stays out
+        rt._wake.set()
+        rt._thread.join()
+        rt._drain_inline = inline
+        events = []
+        try:
+            for so, (no_end, mid, after) in zip(steps, plan):
+                rt.on_step_start(so)
+                if mid and not inline:
+                    rt.drain_steps()
+                if not no_end:
+                    rt.on_step_end()
+                if after and not inline:
+                    rt.drain_steps()
+                    events.extend(rt.account._events)
+                    rt.account._events.clear()
+            rt.drain_steps(final=True)
+            events.extend(rt.account._events)
+            rt.account._events.clear()
+            rt._flush_trace(final=True)
+            acc = rt.account
+            results.append((events, dict(acc.steps), dict(acc.tokens), dict(acc.steady_tokens), dict(rt._plp_rows.left),
+                            (d / "trace-rank0.jsonl").read_text()))
+        finally:
+            rt._drain_inline = True
+            rt.close()
+    inline_r, batched_r = results
+    assert len(inline_r[0]) > 300 and inline_r[5].count("\n") > 200
+    assert inline_r[1]["prefill"] >= 3 and inline_r[1]["mixed"] > 10 and inline_r[1]["decode"] > 10 and inline_r[1]["idle"] == 0
+    for a, b in zip(inline_r, batched_r):
+        assert a == b

@@ -174,6 +174,48 @@ def test_trace_records_get_their_end_time_and_the_newest_stays_in_memory(monkeyp
     assert len(steps) == 6 and steps[-1]["reqs"] == 2 and steps[-1]["t_end"] is not None
 
 
+def test_step_hook_does_per_step_work_only_for_options_that_read_steps(monkeypatch, tmp_path):
+    """Every option off: after the first served step the hook classifies nothing and keeps no
+    record. Presets alone: the clock decision runs, no records are kept. A trace: records are
+    kept and drained (with the running step's record held until its end is known)."""
+    monkeypatch.setattr(vllm_compat, "runner_identity", lambda r: {"rank": 0, "device_type": "cpu", "device_index": None})
+    classified = []
+    real = vllm_compat.step_info
+    monkeypatch.setattr(vllm_compat, "step_info", lambda so, ctx=True: classified.append(ctx) or real(so, ctx))
+
+    def make(**extra):
+        return runtime.WorkerRuntime(object(), PowersaveSettings.model_validate(
+            {"stats_dir": str(tmp_path), "energy": {"meter": "off", "idle_after_s": 20.0}, **extra}))
+
+    bare = make()
+    try:
+        for i in range(3):
+            bare.on_step_start(_decode_so(4, t=1.0 + i))
+            bare.on_step_end()
+        assert (bare._per_step, bare._steps, classified) == (False, None, [])
+    finally:
+        bare.close()
+    presets = make(clocks={"presets": {"decode": {"sm_clock_mhz": 1200}}})
+    try:
+        for i in range(3):
+            presets.on_step_start(_decode_so(4, t=1.0 + i))
+            presets.on_step_end()
+        assert presets._steps is None and classified == [False] * 3  # the decision's classification, without the ctx sum
+        assert presets.clocks.phase == "decode"
+    finally:
+        presets.close()
+    traced = make(trace_steps=True)
+    try:
+        traced.on_step_start(_decode_so(4, t=1.0))
+        traced.on_step_end()
+        traced.on_step_start(_decode_so(2, t=2.0))
+        traced.drain_steps()
+        assert len(traced._steps) == 1 and len(traced._trace) == 1 and traced._trace[0][6] == 4  # reqs of the ended step
+        assert classified[3:] == [True, True]  # no presets: the drain classifies (ctx included), the running step too
+    finally:
+        traced.close()
+
+
 # --- Regime filter and clock dwell against the earlier code --------------------------------------------
 class ReferenceRegime(RegimeFilter):
     def phase(self, info, now, waiting_tokens=0):
@@ -395,6 +437,22 @@ def test_chunked_head_calls_the_head_once_for_one_chunk(monkeypatch):
     y = torch.arange(8.0).reshape(4, 2)
     assert torch.equal(runtime.chunked_head(head, y), y * 2) and seen == [3, 2, 2]
     assert dict(runtime._POLICY.calls) == {1: 1, 2: 1} and runtime._POLICY.rows_total == 7
+
+
+def test_head_chunks_is_zero_where_vllms_own_call_applies(monkeypatch):
+    """0 (the subclass calls vLLM's head directly) for one chunk and no lm_head group preset; the
+    chunk count otherwise, and 1 where only the group preset applies. Every call is recorded."""
+    torch = pytest.importorskip("torch")
+    s = load_settings({"chunking": {"table": [{"min_rows": 4, "chunks": 2}]}}, env={}).chunking
+    monkeypatch.setattr(runtime, "_POLICY", ChunkPolicy(s))
+    monkeypatch.setattr(runtime, "_RUNTIME", None)
+    assert runtime.head_chunks(torch.ones(3, 2)) == 0
+    assert runtime.head_chunks(torch.ones(4, 2)) == 2
+    assert runtime.head_chunks(torch.ones(2)) == 0  # one row
+    grouped = type("C", (), {"groups": {"prefill": {}}, "has_group": lambda self, g: g == "lm_head"})()
+    monkeypatch.setattr(runtime, "_RUNTIME", type("RT", (), {"clocks": grouped})())
+    assert runtime.head_chunks(torch.ones(3, 2)) == 1 and runtime.head_chunks(torch.ones(5, 2)) == 2
+    assert dict(runtime._POLICY.calls) == {1: 3, 2: 2} and runtime._POLICY.rows_total == 3 + 4 + 1 + 3 + 5
 
 
 def test_chunked_head_fails_open_on_its_own_faults_but_not_on_the_heads(monkeypatch, caplog):

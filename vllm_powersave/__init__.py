@@ -82,7 +82,7 @@ def activate() -> None:
     from . import runtime, vllm_compat
 
     if lm_head_hook_needed():
-        vllm_compat.register_logits_processor(runtime.chunked_head)
+        vllm_compat.register_logits_processor(runtime.head_chunks, runtime.chunked_head)
     vllm_compat.install_step_hooks(runtime.on_step_start, runtime.on_step_end)
     # EngineCore side: look-ahead facts stamped on each SchedulerOutput, arrival ramp.
     vllm_compat.install_scheduler_hooks(runtime.on_arrival)

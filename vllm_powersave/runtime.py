@@ -51,23 +51,44 @@ def _head_fault(where: str, exc: Exception) -> None:
     vllm_compat.fault_once(f"lm_head.{where}", exc, f"LM-head hook {where}", "this call runs the head unchunked")
 
 
-def chunked_head(head: Any, hidden_states: Any) -> Any:
-    """LM-head hook: chunk count from the policy, keyed on rows reaching the head.
+def head_chunks(hidden_states: Any) -> int:
+    """LM-head hook, asked first on every LM-head call: the chunk count for ``hidden_states``
+    (``[rows, hidden]``) from the policy, keyed on the rows reaching the head, and recorded.
 
-    Fails open: a fault of the plugin's own (policy, clock group) runs the head as vLLM would;
-    the head's own errors (e.g. CUDA out of memory) propagate unchanged."""
+    Returns 0 where vLLM's own call applies unchanged (one chunk and no ``lm_head`` kernel-group
+    clock preset: every step but those the table chunks), so that the subclass calls vLLM's head
+    GEMM directly. Fails open: a fault of the plugin's own is logged once and gives 0.
+    """
     try:
         policy = _POLICY if _POLICY is not None else chunk_policy()
-        rows = int(hidden_states.shape[0]) if hidden_states.dim() >= 2 else 1
-        n = policy.take(rows)
+        n = policy.take(int(hidden_states.shape[0]) if hidden_states.dim() >= 2 else 1)
+        rt = _RUNTIME
+        if n <= 1 and (rt is None or not rt.clocks.groups or not rt.clocks.has_group("lm_head")):
+            return 0
+        return n
+    except Exception as exc:
+        _head_fault("policy", exc)
+        return 0
+
+
+def chunked_head(head: Any, hidden_states: Any, n: int | None = None) -> Any:
+    """``head(hidden_states)`` over ``n`` row chunks (``None``: asks :func:`head_chunks`), inside
+    the ``lm_head`` kernel-group clock preset where one passed the switch-latency gate.
+
+    Fails open: a fault of the plugin's own (clock group) runs the head as vLLM would; the
+    head's own errors (e.g. CUDA out of memory) propagate unchanged."""
+    if n is None:
+        n = head_chunks(hidden_states)
+        if not n:
+            return head(hidden_states)
+    try:
         rt = _RUNTIME
         grouped = rt is not None and bool(rt.clocks.groups) and rt.clocks.has_group("lm_head")
     except Exception as exc:
-        _head_fault("policy", exc)
-        return head(hidden_states)
+        _head_fault("clock group", exc)
+        grouped = False
     if not grouped:
-        # One chunk (every step but those the table chunks): apply_chunked(head, h, 1) is head(h).
-        return head(hidden_states) if n <= 1 else apply_chunked(head, hidden_states, n)
+        return apply_chunked(head, hidden_states, n)
     # A kernel-group preset for the LM head passed the switch-latency gate: switch when the GPU
     # (not the host, which runs ahead) reaches the LM head, and back when it leaves it.
     try:
@@ -147,6 +168,12 @@ class RegimeFilter:
             return "prefill"
         return "decode" if self.share < self.share_max else own
 
+
+#: A step record (on_step_start -> drain_steps): [start s, StepInfo | None (classified by the
+#: drain), SchedulerOutput (dropped once fed), target SM clock MHz, end s, LM-head rows].
+_R_T, _R_INFO, _R_SO, _R_SM, _R_END, _R_ROWS = range(6)
+#: Records the step hook lets pile up before it drains them itself (a stalled publisher thread).
+_MAX_PENDING_STEPS = 4096
 
 _TRACE_KEYS = ("t", "phase", "prefill", "decode", "rows", "ctx", "reqs", "sm_target", "t_end")
 _TRACE_TYPES = (float, str, int, int, int, int, int)
@@ -270,7 +297,7 @@ class WorkerRuntime:
         self._done_requests: deque[tuple[str, float | None]] = deque()
         self.account = (PhaseEnergyAccount(self.meter, settings.energy.idle_after_s, per_request=settings.per_request_energy,
                                            on_request_done=lambda rid, j: self._done_requests.append((rid, j)),
-                                           window_s=settings.energy.window_s)
+                                           window_s=settings.energy.window_s, feed=lambda: self.drain_steps())
                         if self.meter else None)
         # Steady state = the running batch at the scheduler's limit (ML.ENERGY's window, account.py).
         self.steady_batch = settings.energy.steady_batch or vllm_compat.runner_max_num_seqs(runner)
@@ -283,8 +310,20 @@ class WorkerRuntime:
         self._last_step_s = time.monotonic()
         c = settings.clocks
         self.regime = RegimeFilter(c.regime_window_s, c.compute_share_max, c.prefill_burst_tokens, c.memory_bound_max_tokens)
+        # Completed trace records (lists in _TRACE_KEYS order), written as JSON lines by the publisher.
         self._trace: deque[list] | None = deque() if settings.trace_steps and self.stats_path else None
-        self._open_rec: list | None = None  # the newest trace record, until on_step_end stamps its end
+        # Step records for the account, the trace and the simulator (on_step_start -> drain_steps).
+        self._steps: deque[list] | None = deque() if (self.account is not None or self._trace is not None or self.sim is not None) else None
+        self._open_rec: list | None = None  # the newest step record, until on_step_end stamps its end
+        self._drained_start: list | None = None  # the record whose start drain_steps fed last
+        self._drain_lock = threading.Lock()
+        # The simulator prices each step at the clock it runs at: drain at once.
+        self._drain_inline = self.sim is not None
+        self._per_request = self.account is not None and self.account.per_request
+        self._lookahead = c.lookahead
+        # The clock decision runs per step only where it can change something.
+        self._decides = bool(self.clocks.presets or self.clocks.groups) or self.boost is not None
+        self._per_step = self._decides or self._steps is not None
         self._trace_path = self.stats_path.with_name(f"trace-rank{self.rank}.jsonl") if self.stats_path else None
         # Under vLLM's Ray executor stats_dir may live on another node: send through the relay
         # actor the EngineCore started there (ray_relay.py); else write the files here.
@@ -373,6 +412,16 @@ class WorkerRuntime:
             log.debug("powersave: CUDA peak-memory statistics not reset: %s", exc)
 
     def on_step_start(self, scheduler_output: Any) -> None:
+        """Engine step hook (vLLM's engine thread, every step): the clock decision only.
+
+        Measured on the H200 host, per-step work here costs 5-9x its hot-loop figure (each step
+        starts with cold caches after milliseconds of vLLM's own code), and a host-bound small model
+        pays it in throughput. So this hook classifies the step, decides the clock and appends one
+        record; the energy account, the step trace and the prompt-logprob rows are computed from
+        the records by :meth:`drain_steps` in a batch (publisher thread, every tick), where the same
+        code runs warm. The simulated GPU prices each step at the clock it ran at, so with a
+        simulator the records are drained here at once.
+        """
         # vLLM's own warm-up (V2 kernel warm-up, before the engine serves) goes through execute_model
         # like a real step: not served work, neither traced nor metered. It all comes before the first
         # served step, so the check stops there (it costs ~2 us per step with cold caches).
@@ -381,65 +430,53 @@ class WorkerRuntime:
                 self._skip_step_end = True
                 return
             self._serving = True
-        if self._peak_reset_pending:
-            self._reset_cuda_peak()
-        info = vllm_compat.step_info(scheduler_output)
-        if info.phase == "idle":
-            self._plp_rows.rows(scheduler_output)  # forgets requests that finished (aborted) meanwhile
-            if self.account is not None:
-                fin = vllm_compat.step_request_tokens(scheduler_output)[1]
-                self.account.on_finished(fin)
-                if fin and self.account.per_request:
-                    self._wake.set()
-            return
-        self._last_step_s = t_step = time.monotonic()
-        clocks = self.clocks
-        # The scheduler's stamp (same on every rank) drives the regime window and the dwell
-        # (vllm_compat.step_lookahead, inlined: this runs every engine step).
-        la = getattr(scheduler_output, _LOOKAHEAD_ATTR, None)
-        if la is not None:
-            now = la[0]
-            waiting = la[2]
-            if waiting and not self.settings.clocks.lookahead:
-                waiting = 0
-            # Engine-wide idle verdict from the scheduler's stamps (identical on every rank); a rank
-            # whose own timer went idle meanwhile is reconciled with it before the step decides.
-            gap_idle = self._last_stamp is not None and now - self._last_stamp >= self._idle_stamp_gap_s
-            if gap_idle or clocks.idling:
-                clocks.idle_end(gap_idle, now)
-            self._last_stamp = now
+            if self._peak_reset_pending:
+                self._reset_cuda_peak()
+        if not self._per_step:
+            return  # nothing configured reads steps (no presets, meter, trace or booster)
+        steps = self._steps
+        if not self._decides:
+            rec = [time.monotonic(), None, scheduler_output, None, None, 0]  # classified by drain_steps
         else:
-            now, waiting = t_step, 0
-            if clocks.idling:
-                clocks.idle_end(True, now)
-        clocks.step_since = t_step  # clocks.step_begun(t_step), in place: the watchdog's heartbeat
-        clocks.on_phase(self.regime.phase(info, now, waiting), now)
-        if self.boost is not None:
-            self.boost.on_busy(t_step)
-        # Prompt-logprob rows reach the LM head too: without them a long prompt with prompt_logprobs
-        # would be priced (simulator) and traced as one row per request.
-        # (rows() is 0 unless a request is pending or this step has new or context-phase requests.)
-        plp = self._plp_rows
-        rows = info.lm_head_rows + plp.rows(scheduler_output) if plp.left or info.prefill_reqs else info.lm_head_rows
-        if self._trace is not None:
-            # A list per step (cheap; on_step_end fills in its end time); turned into JSON by the
-            # publisher thread.
-            rec = [t_step, info.phase, info.prefill_tokens, info.decode_tokens, rows,
-                   info.decode_ctx_tokens, info.num_reqs, clocks.current.sm_clock_mhz, None]
-            self._trace.append(rec)
-            self._open_rec = rec
-        if self.account is not None:
-            # References only (no copies); the account drops them unless per_request is on.
-            req, fin = vllm_compat.step_request_tokens(scheduler_output)
-            steady = self.steady_batch is not None and info.num_reqs >= self.steady_batch
-            self.account.on_step(info.phase, info.prefill_tokens, info.decode_tokens, req, fin, steady)
-            if fin and self.account.per_request:
-                self._wake.set()
-        if self.sim is not None and self.model_cost is not None:
-            work = self.model_cost.step_work(info.num_tokens, rows, info.decode_ctx_tokens, self.model_cost.vocab_params)
-            self.sim.run(work)
-            if self.sim_stock is not None:
-                self.sim_stock.run(work)
+            # ctx (KV tokens read, a sum over the batch) is only for the trace and the simulator:
+            # drain_steps adds it.
+            info = vllm_compat.step_info(scheduler_output, ctx=False)
+            if info.phase == "idle":
+                rec = [time.monotonic(), info, scheduler_output, None, None, 0]
+            else:
+                self._last_step_s = t_step = time.monotonic()
+                clocks = self.clocks
+                # The scheduler's stamp (same on every rank) drives the regime window and the dwell
+                # (vllm_compat.step_lookahead, inlined: this runs every engine step).
+                la = getattr(scheduler_output, _LOOKAHEAD_ATTR, None)
+                if la is not None:
+                    now = la[0]
+                    waiting = la[2]
+                    if waiting and not self._lookahead:
+                        waiting = 0
+                    # Engine-wide idle verdict from the scheduler's stamps (identical on every rank); a
+                    # rank whose own timer went idle meanwhile is reconciled with it before the step decides.
+                    gap_idle = self._last_stamp is not None and now - self._last_stamp >= self._idle_stamp_gap_s
+                    if gap_idle or clocks.idling:
+                        clocks.idle_end(gap_idle, now)
+                    self._last_stamp = now
+                else:
+                    now, waiting = t_step, 0
+                    if clocks.idling:
+                        clocks.idle_end(True, now)
+                clocks.step_since = t_step  # clocks.step_begun(t_step), in place: the watchdog's heartbeat
+                clocks.on_phase(self.regime.phase(info, now, waiting), now)
+                if self.boost is not None:
+                    self.boost.on_busy(t_step)
+                rec = [t_step, info, scheduler_output, clocks.current.sm_clock_mhz, None, 0]
+        if steps is None:
+            return
+        steps.append(rec)
+        self._open_rec = rec
+        if self._per_request and getattr(scheduler_output, "finished_req_ids", None):
+            self._wake.set()  # the publisher attributes them now: the API server may hold their responses
+        if self._drain_inline or len(steps) > _MAX_PENDING_STEPS:
+            self.drain_steps()
 
     def on_step_end(self) -> None:
         if self._skip_step_end:
@@ -448,12 +485,72 @@ class WorkerRuntime:
         self.clocks.step_since = None  # clocks.step_ended(), in place
         rec = self._open_rec
         if rec is not None:
-            # The newest record (only this thread appends; the publisher keeps the newest in memory).
             self._open_rec = None
-            if rec[8] is None:
-                rec[8] = time.monotonic()
-        if self.account is not None:
-            self.account.on_step_end()
+            if rec[_R_END] is None:
+                rec[_R_END] = time.monotonic()
+
+    def drain_steps(self, final: bool = False) -> None:
+        """Feed the step records appended by :meth:`on_step_start` to the energy account, the
+        step trace and the simulator, oldest first (any thread; serialised by a lock the step hook
+        never takes). A step still running keeps its record until its end is known, unless
+        ``final``. Idempotent: each record is consumed once."""
+        steps = self._steps
+        if not steps:
+            return
+        with self._drain_lock:
+            acc, trace, plp, sim = self.account, self._trace, self._plp_rows, self.sim
+            want_rows = trace is not None or sim is not None
+            while steps:
+                # Read the length before the end stamp: a newer record is appended only after the
+                # step thread stamped (or skipped) this one's end, so n > 1 means the end is final.
+                n = len(steps)
+                rec = steps[0]
+                if rec is not self._drained_start:
+                    self._drained_start = rec
+                    self._step_fed(rec, acc, plp, sim, want_rows)
+                if n == 1 and rec[_R_END] is None and not final:
+                    break
+                steps.popleft()
+                t_end = rec[_R_END]
+                if acc is not None and t_end is not None:
+                    acc.on_step_end(t_end)
+                info = rec[_R_INFO]
+                if trace is not None and info is not None and info.phase != "idle":
+                    trace.append([rec[_R_T], info.phase, info.prefill_tokens, info.decode_tokens, rec[_R_ROWS],
+                                  info.decode_ctx_tokens, info.num_reqs, rec[_R_SM], t_end])
+
+    def _step_fed(self, rec: list, acc: PhaseEnergyAccount | None, plp: Any, sim: SimulatedGpu | None, want_rows: bool) -> None:
+        """One record's start: prompt-logprob rows, the account's step, the simulator's work."""
+        so = rec[_R_SO]
+        rec[_R_SO] = None  # the SchedulerOutput is not kept past this point
+        info = rec[_R_INFO]
+        if info is None:
+            info = rec[_R_INFO] = vllm_compat.step_info(so)
+        elif want_rows and info.phase != "idle":
+            info = rec[_R_INFO] = info._replace(decode_ctx_tokens=vllm_compat.step_decode_ctx_tokens(so, info))
+        if info.phase == "idle":
+            if want_rows:
+                plp.rows(so)  # forgets requests that finished (aborted) meanwhile
+            if acc is not None:
+                fin = vllm_compat.step_request_tokens(so)[1]
+                acc.on_finished(fin, rec[_R_T])
+            return
+        t = rec[_R_T]
+        if want_rows:
+            # Prompt-logprob rows reach the LM head too: without them a long prompt with
+            # prompt_logprobs would be priced (simulator) and traced as one row per request.
+            # (rows() is 0 unless a request is pending or this step has new or context-phase requests.)
+            rec[_R_ROWS] = rows = info.lm_head_rows + plp.rows(so) if plp.left or info.prefill_reqs else info.lm_head_rows
+        if acc is not None:
+            # References only (no copies); the account drops them unless per_request is on.
+            req, fin = vllm_compat.step_request_tokens(so)
+            steady = self.steady_batch is not None and info.num_reqs >= self.steady_batch
+            acc.on_step(info.phase, info.prefill_tokens, info.decode_tokens, req, fin, steady, t=t)
+        if sim is not None and self.model_cost is not None:
+            work = self.model_cost.step_work(info.num_tokens, rows, info.decode_ctx_tokens, self.model_cost.vocab_params)
+            sim.run(work)
+            if self.sim_stock is not None:
+                self.sim_stock.run(work)
 
     # -- publishing --------------------------------------------------------------------------
     def energy_snapshot(self) -> dict[str, Any]:
@@ -507,6 +604,7 @@ class WorkerRuntime:
             return None
 
     def snapshot(self) -> dict[str, Any]:
+        self.drain_steps()  # step and token counts up to the last step
         policy = chunk_policy()
         energy = self.energy_snapshot()
         return {
@@ -540,14 +638,13 @@ class WorkerRuntime:
             "ray_node_id": self._relay.node_id if self._relay is not None else None,
         }
 
-    def _flush_trace(self, keep_last: bool = True) -> None:
-        if not self._trace or self._trace_path is None:
+    def _flush_trace(self, final: bool = False) -> None:
+        """Write the trace records of the steps drained so far (``final``: the running one too)."""
+        if self._trace is None or self._trace_path is None:
             return
-        # Keep the newest record in memory (its t_end may still be filled in). popleft from a
-        # deque is atomic under the GIL, so the step thread never needs a lock.
-        n = len(self._trace) - (1 if keep_last else 0)
+        self.drain_steps(final)
         pop = self._trace.popleft
-        done = [pop() for _ in range(max(0, n))]
+        done = [pop() for _ in range(len(self._trace))]
         if done:
             self._write_lines(self._trace_path, [_trace_line(r) for r in done])
 
@@ -632,7 +729,7 @@ class WorkerRuntime:
             if self.account is not None:
                 self.account.tick()
             self.publish()
-            self._flush_trace(keep_last=False)
+            self._flush_trace(final=True)
         except Exception:
             pass
         if self.meter is not None:

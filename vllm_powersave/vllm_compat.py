@@ -180,11 +180,13 @@ def additional_config(engine_args: Any) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------
 # LM head
 # --------------------------------------------------------------------------------------------
-def register_logits_processor(chunk: Callable[[Callable[[Any], Any], Any], Any]) -> bool:
-    """Register an out-of-tree ``LogitsProcessor`` whose LM-head GEMM goes through ``chunk``.
+def register_logits_processor(chunks: Callable[[Any], int], chunked: Callable[[Callable[[Any], Any], Any, int], Any]) -> bool:
+    """Register an out-of-tree ``LogitsProcessor`` whose LM-head GEMM the plugin may split.
 
-    ``chunk(head_fn, hidden_states)`` must return ``head_fn(hidden_states)`` (possibly computed in
-    row blocks). Returns ``False`` if already registered in this process.
+    Per LM-head call, ``chunks(hidden_states)`` is asked first: 0 runs vLLM's own head GEMM
+    directly (no closure, no further frame: the per-step case), n >= 1 calls
+    ``chunked(head_fn, hidden_states, n)``, which must return ``head_fn(hidden_states)`` (possibly
+    computed in row blocks). Returns ``False`` if already registered in this process.
     """
     if "logits_processor" in _PATCHED:
         return False
@@ -192,16 +194,24 @@ def register_logits_processor(chunk: Callable[[Callable[[Any], Any], Any], Any])
 
     if hasattr(LogitsProcessor, "_apply_head"):
         # _apply_head is the GEMM alone; LoRA's LogitsProcessorWithLoRA calls it too.
+        base_apply = LogitsProcessor._apply_head
+
         class PowersaveLogitsProcessor(LogitsProcessor):  # type: ignore[misc, valid-type]
             def _apply_head(self, lm_head: Any, hidden_states: Any, embedding_bias: Any = None, *args: Any, **kwargs: Any) -> Any:
-                base = super()._apply_head
-                return chunk(lambda h: base(lm_head, h, embedding_bias, *args, **kwargs), hidden_states)
+                n = chunks(hidden_states)
+                if not n:
+                    return base_apply(self, lm_head, hidden_states, embedding_bias, *args, **kwargs)
+                return chunked(lambda h: base_apply(self, lm_head, h, embedding_bias, *args, **kwargs), hidden_states, n)
 
     else:
+        base_get = LogitsProcessor._get_logits
+
         class PowersaveLogitsProcessor(LogitsProcessor):  # type: ignore[misc, valid-type, no-redef]
             def _get_logits(self, hidden_states: Any, lm_head: Any, embedding_bias: Any = None, *args: Any, **kwargs: Any) -> Any:
-                base = super()._get_logits
-                return chunk(lambda h: base(h, lm_head, embedding_bias, *args, **kwargs), hidden_states)
+                n = chunks(hidden_states)
+                if not n:
+                    return base_get(self, hidden_states, lm_head, embedding_bias, *args, **kwargs)
+                return chunked(lambda h: base_get(self, h, lm_head, embedding_bias, *args, **kwargs), hidden_states, n)
 
     LogitsProcessor.register_oot(PowersaveLogitsProcessor)
     _PATCHED.add("logits_processor")
@@ -318,11 +328,13 @@ def step_requests(scheduler_output: Any) -> list[ReqSched]:
     return out
 
 
-def step_info(scheduler_output: Any) -> StepInfo:
+def step_info(scheduler_output: Any, ctx: bool = True) -> StepInfo:
     """Step composition from a ``SchedulerOutput`` with aggregate (C-speed) list operations.
 
     Runs on every engine step, so it avoids per-request Python loops where the fields allow it
     (0.25-0.32 all have ``num_output_tokens``); otherwise falls back to :func:`step_requests`.
+    ``ctx=False`` leaves ``decode_ctx_tokens`` at 0 on the fast path (a sum over the batch that
+    only the trace and the simulator read; :func:`step_decode_ctx_tokens` gives it later).
     """
     cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
     n_out = getattr(cached, "num_output_tokens", None)  # getattr(None, ...) is None too
@@ -339,8 +351,18 @@ def step_info(scheduler_output: Any) -> StepInfo:
         len(n_out) - ctx,
         int(total),
         sum(map(len, spec_map.values())) if spec_map else 0,
-        sum(computed) if computed else 0,
+        sum(computed) if computed and ctx else 0,
     )
+
+
+def step_decode_ctx_tokens(scheduler_output: Any, info: StepInfo) -> int:
+    """``step_info(scheduler_output).decode_ctx_tokens`` for an ``info`` from ``step_info(..., ctx=False)``."""
+    cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
+    if (info.phase == "idle" or getattr(cached, "num_output_tokens", None) is None
+            or getattr(scheduler_output, "total_num_scheduled_tokens", None) is None):
+        return info.decode_ctx_tokens  # idle, or the per-request path, which computed it already
+    computed = getattr(cached, "num_computed_tokens", None)
+    return sum(computed) if computed else 0
 
 
 def runner_is_v2(runner: Any) -> bool:

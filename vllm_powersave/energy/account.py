@@ -52,12 +52,15 @@ class PhaseEnergyAccount:
         meter: the GPU's meter (read only from :meth:`tick`).
         idle_after_s: seconds without a step after which time counts as idle.
         clock: monotonic seconds (tests inject one).
+        feed: called at the start of each :meth:`tick`, before the lock, to deliver pending step
+            events (the worker runtime batches the step hook's records, ``WorkerRuntime.drain_steps``).
     """
 
     def __init__(self, meter: EnergyMeter, idle_after_s: float = 0.25, clock: Callable[[], float] = time.monotonic,
                  per_request: bool = False, on_request_done: Callable[[str, float | None], None] | None = None,
-                 window_s: float = 60.0) -> None:
+                 window_s: float = 60.0, feed: Callable[[], None] | None = None) -> None:
         self.meter = meter
+        self.feed = feed
         self.idle_after_s = idle_after_s
         self.clock = clock
         self.energy_j: dict[str, float] = {p: 0.0 for p in PHASES}
@@ -93,17 +96,22 @@ class PhaseEnergyAccount:
 
     # -- hot path (no meter access, no lock) ---------------------------------------------------
     def on_step(self, phase: str, prefill_tokens: int = 0, decode_tokens: int = 0,
-                req_tokens: dict[str, int] | None = None, finished: object = None, steady: bool = False) -> None:
-        """A step of ``phase`` starts now.
+                req_tokens: dict[str, int] | None = None, finished: object = None, steady: bool = False,
+                t: float | None = None) -> None:
+        """A step of ``phase`` starts at ``t`` (the ``clock``'s seconds; now if ``None``).
 
         ``req_tokens``: scheduled tokens per request id (kept by reference, not copied);
         ``finished``: ids of requests that finished before this step (their energy is final);
         ``steady``: the running batch is at its limit (steady state, see the module docstring).
+        Events must arrive in time order, and before the :meth:`tick` that passes their time
+        (a later one is clamped to that tick's start).
         """
+        if t is None:
+            t = self.clock()
         if self.per_request:
-            self._events.append((self.clock(), phase, req_tokens, finished, steady))
+            self._events.append((t, phase, req_tokens, finished, steady))
         else:
-            self._events.append((self.clock(), phase, None, None, steady))
+            self._events.append((t, phase, None, None, steady))
         self.steps[phase] += 1
         tokens = self.tokens
         tokens["prefill"] += prefill_tokens
@@ -113,18 +121,21 @@ class PhaseEnergyAccount:
             tokens["prefill"] += prefill_tokens
             tokens["decode"] += decode_tokens
 
-    def on_finished(self, finished: object) -> None:
-        """Requests reported finished by a step that schedules no work (vLLM sends one as a batch drains)."""
+    def on_finished(self, finished: object, t: float | None = None) -> None:
+        """Requests reported finished by a step that schedules no work (vLLM sends one as a batch
+        drains), at ``t`` (now if ``None``)."""
         if self.per_request and finished:
-            self._events.append((self.clock(), "", None, finished, False))
+            self._events.append((self.clock() if t is None else t, "", None, finished, False))
 
-    def on_step_end(self) -> None:
-        """The current step's host work ended now (its GPU work may still run)."""
-        self._events.append((self.clock(), None, None, None, False))
+    def on_step_end(self, t: float | None = None) -> None:
+        """The current step's host work ended at ``t`` (now if ``None``; its GPU work may still run)."""
+        self._events.append((self.clock() if t is None else t, None, None, None, False))
 
     # -- background ----------------------------------------------------------------------------
     def tick(self) -> None:
         """Read the meter once and attribute the energy since the previous tick to phases."""
+        if self.feed is not None:
+            self.feed()
         with self._lock:
             t_now = self.clock()
             shares: dict[str, float] = {}
