@@ -88,7 +88,7 @@ def worker_main(ns: argparse.Namespace) -> int:
     from vllm.inputs import TokensPrompt
 
     cfg = json.loads(ns.worker_config) if ns.worker_config else None
-    acc = time_hooks() if ns.time_hooks and cfg else None
+    acc = time_hooks(ns.time_parts) if ns.time_hooks and cfg else None
     kw: dict[str, Any] = {"model": ns.model, "load_format": "dummy", "max_model_len": 2048, "max_num_seqs": 256,
                           "gpu_memory_utilization": ns.gpu_mem, "kv_cache_memory_bytes": ns.kv_cache_bytes, "seed": 0}
     if cfg:
@@ -119,7 +119,7 @@ def worker_main(ns: argparse.Namespace) -> int:
     return 0
 
 
-def time_hooks() -> dict[str, list[int]]:
+def time_hooks(parts: bool = False) -> dict[str, list[int]]:
     """Wrap the plugin's per-step hooks (engine thread: ``on_step_start``, ``on_step_end``,
     ``on_arrival``, the LM-head hook without vLLM's own head GEMM) and its publisher-thread work
     (``publish``, which includes the trace and request flushes, timed separately too) with
@@ -160,6 +160,8 @@ def time_hooks() -> dict[str, list[int]]:
         # Since session 8 the LM-head subclass asks head_chunks first and calls vLLM's head directly
         # for 0; chunked_head (below) runs only for calls that are split.
         rt.head_chunks = timed("head_chunks", rt.head_chunks)
+    if parts:
+        time_parts(rt, timed, add)
     orig_head = rt.chunked_head
 
     def chunked_head(head: Any, hidden: Any, *n: Any) -> Any:
@@ -179,6 +181,46 @@ def time_hooks() -> dict[str, list[int]]:
 
     rt.chunked_head = chunked_head
     return acc
+
+
+def time_parts(rt: Any, timed: Any, add: Any) -> None:
+    """``--time-parts``: inside the hooks, the pieces (nested in the hook figures, named ``part.*``):
+    the step classification (``decode_step_tokens``, and ``step_info`` for other steps), the
+    regime filter, the clock controller's step call, the chunk policy (the last three only where
+    the hooks call them); and, before each LM-head hook call, what reading the hidden states' ``dim()`` and
+    ``shape[0]`` costs on vLLM's real tensors, with whether a torch-function mode or override is
+    active there (``fact.*``: calls where it was)."""
+    import torch
+    from vllm_powersave import vllm_compat
+    from vllm_powersave.chunking.policy import ChunkPolicy
+    from vllm_powersave.clocks.controller import ClockController
+
+    ns_ = time.perf_counter_ns
+    vllm_compat.step_info = timed("part.step_info", vllm_compat.step_info)
+    if hasattr(vllm_compat, "decode_step_tokens"):  # the decode-step fast path (session 8)
+        vllm_compat.decode_step_tokens = timed("part.decode_step_tokens", vllm_compat.decode_step_tokens)
+    rt.RegimeFilter.phase = timed("part.regime", rt.RegimeFilter.phase)
+    ClockController.on_phase = timed("part.on_phase", ClockController.on_phase)
+    ChunkPolicy.take = timed("part.policy_take", ChunkPolicy.take)
+    name = "head_chunks" if hasattr(rt, "head_chunks") else "chunked_head"
+    inner = getattr(rt, name)
+
+    def probe(*a: Any, **k: Any) -> Any:
+        h = a[-1] if name == "head_chunks" else a[1]
+        t = ns_()
+        h.dim()
+        t1 = ns_()
+        h.shape[0]  # noqa: B018 - timed on purpose
+        t2 = ns_()
+        add("part.torch_dim", t1 - t)
+        add("part.torch_shape", t2 - t1)
+        if torch._C._is_torch_function_mode_enabled():
+            add("fact.torch_function_mode", 0)
+        if torch.overrides.has_torch_function((h,)):
+            add("fact.torch_function_override", 0)
+        return inner(*a, **k)
+
+    setattr(rt, name, probe)
 
 
 # --------------------------------------------------------------------------------------------
@@ -225,7 +267,8 @@ def hook_summary(calls: list[dict]) -> dict[str, Any]:
         o["steps"] = steps
         o["wall_ms_per_step"] = 1e3 * o["wall_s"] / steps if steps else None
         o["us_per_step"] = {name: (ns_ / 1e3 / steps if steps else None) for name, (n, ns_) in o["hooks"].items()}
-        engine = sum(v for k, v in o["us_per_step"].items() if v is not None and not k.startswith("publisher."))
+        # part.* and fact.* are nested in the hooks (--time-parts): not added again.
+        engine = sum(v for k, v in o["us_per_step"].items() if v is not None and not k.startswith(("publisher.", "part.", "fact.")))
         o["engine_thread_us_per_step"] = engine
         o["engine_thread_share"] = engine / 1e3 / o["wall_ms_per_step"] if o["wall_ms_per_step"] else None
     return out
@@ -267,6 +310,8 @@ def main() -> int:
     ap.add_argument("--time-hooks", action="store_true",
                     help="offline only: EngineCore in each worker's process, the plugin's hooks timed (perf_counter_ns); "
                          "results per call under 'hooks'")
+    ap.add_argument("--time-parts", action="store_true",
+                    help="with --time-hooks: also time the pieces inside the hooks (step classification, regime, clock call, chunk policy, torch accessors)")
     ns = ap.parse_args()
     if ns.worker_addr:
         return worker_main(ns)
@@ -306,7 +351,7 @@ def main() -> int:
         "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "arms": arms, "loads": loads,
         "method": {"input_len": ns.input_len, "output_len": ns.output_len, "burst": ns.burst if ns.mode == "serve" else None,
                    "arm_cpus": sorted(arm_cpus) if arm_cpus else "not pinned", "client_cpus": sorted(client_cpus) if client_cpus else "not pinned",
-                   "configs": {a: arm_config(a, "<stats_dir>") for a in arms}, "time_hooks": ns.time_hooks,
+                   "configs": {a: arm_config(a, "<stats_dir>") for a in arms}, "time_hooks": ns.time_hooks, "time_parts": ns.time_parts,
                    "energy": "GPU NVML total-energy counter, read between calls at its steps (measured)",
                    "clocks": "never changed: POWERSAVE_FORCE_DRY_RUN=1, controller dry-run"},
         "calls": [], "notes": []}
@@ -335,6 +380,8 @@ def main() -> int:
                 env = {**os.environ, **ab.GPU_ENV, **env_gpu, "PYTHONPATH": arm_site(arm, ns)}
                 if ns.time_hooks:
                     cmd.append("--time-hooks")
+                if ns.time_parts:
+                    cmd.append("--time-parts")
                     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the EngineCore (and the hooks) in the worker
                 logf = open(out_dir / f"server-{arm}.log", "wb")
                 procs[arm] = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True, preexec_fn=pin)

@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -93,13 +94,62 @@ def test_hook_summary_per_step_and_share() -> None:
     assert h["engine_thread_share"] == pytest.approx(25.0 / 2000.0)
 
 
+def _restore_hooks(monkeypatch) -> None:
+    """time_hooks / time_parts replace module and class attributes: restored after the test."""
+    import vllm_powersave.runtime as rt
+    from vllm_powersave import vllm_compat
+    from vllm_powersave.chunking.policy import ChunkPolicy
+    from vllm_powersave.clocks.controller import ClockController
+
+    for name in ("on_step_start", "on_step_end", "on_arrival", "chunked_head", "head_chunks"):
+        monkeypatch.setattr(rt, name, getattr(rt, name))
+    for name in ("publish", "_flush_trace", "_flush_requests", "drain_steps"):
+        monkeypatch.setattr(rt.WorkerRuntime, name, getattr(rt.WorkerRuntime, name))
+    for owner, name in ((vllm_compat, "step_info"), (vllm_compat, "decode_step_tokens"), (rt.RegimeFilter, "phase"), (ClockController, "on_phase"), (ChunkPolicy, "take")):
+        monkeypatch.setattr(owner, name, getattr(owner, name))
+
+
+def test_time_parts_times_the_pieces_inside_the_hooks_without_counting_them_twice(monkeypatch, tmp_path) -> None:
+    torch = pytest.importorskip("torch")
+    import vllm_powersave.runtime as rt
+    from vllm_powersave import vllm_compat
+    from vllm_powersave.chunking.policy import ChunkPolicy
+    from vllm_powersave.settings import PowersaveSettings
+
+    _restore_hooks(monkeypatch)
+    acc = alt.time_hooks(parts=True)
+    monkeypatch.setattr(vllm_compat, "runner_identity", lambda r: {"rank": 0, "device_type": "cpu", "device_index": None})
+    s = PowersaveSettings.model_validate({"stats_dir": str(tmp_path), "energy": {"meter": "off"},
+                                          "chunking": {"table": [{"min_rows": 1000, "chunks": 2}]},
+                                          "clocks": {"min_dwell_ms": 0, "presets": {"decode": {"sm_clock_mhz": 1200}}}})
+    monkeypatch.setattr(rt, "_POLICY", ChunkPolicy(s.chunking))
+    runtime = rt.WorkerRuntime(object(), s)
+    monkeypatch.setattr(rt, "_RUNTIME", runtime)
+    try:
+        so = SimpleNamespace(scheduled_new_reqs=[], scheduled_spec_decode_tokens={}, total_num_scheduled_tokens=2, finished_req_ids=set(),
+                             scheduled_cached_reqs=SimpleNamespace(req_ids=["a", "b"], num_computed_tokens=[5, 5], num_output_tokens=[1, 1]),
+                             num_scheduled_tokens={"a": 1, "b": 1})
+        for _ in range(3):
+            rt.on_step_start(None, so)
+            assert rt.head_chunks(torch.ones(2, 4)) == 0
+            rt.on_step_end(None)
+    finally:
+        runtime.close()
+    for name in ("part.decode_step_tokens", "part.torch_dim", "part.torch_shape"):
+        assert acc[name][0] == 3, name
+    # Decode-only steps and one-chunk LM-head calls: the fast paths call none of these, and the
+    # controller only for the first step's switch to the decode preset.
+    assert not {"part.step_info", "part.regime", "part.policy_take"} & set(acc) and acc["part.on_phase"][0] == 1
+    calls = [{"cycle": 0, "load": 2, "arm": "full", "s": 0.01, "tokens": 6, "hooks": {k: list(v) for k, v in acc.items()}}]
+    h = alt.hook_summary(calls)["2:full"]
+    direct = sum(acc[k][1] for k in ("on_step_start", "on_step_end", "head_chunks")) / 1e3 / 3
+    assert h["engine_thread_us_per_step"] == pytest.approx(direct)  # the parts are inside these, not added again
+
+
 def test_time_hooks_wraps_the_entry_points_and_excludes_the_heads_own_time(monkeypatch) -> None:
     import vllm_powersave.runtime as rt
 
-    for name in ("on_step_start", "on_step_end", "on_arrival", "chunked_head"):
-        monkeypatch.setattr(rt, name, getattr(rt, name))  # restored after the test
-    for name in ("publish", "_flush_trace", "_flush_requests"):
-        monkeypatch.setattr(rt.WorkerRuntime, name, getattr(rt.WorkerRuntime, name))
+    _restore_hooks(monkeypatch)
 
     def slow_head(h):
         time.sleep(0.02)

@@ -140,11 +140,13 @@ def test_trace_line_equals_json_dumps():
     assert n > 10000
 
 
-def _decode_so(n, t=None):
+def _decode_so(n, t=None, new=0):
+    """n decoding requests (100 KV tokens, 5 outputs each), plus ``new`` new 10-token prompts."""
     ids = [f"r{i}" for i in range(n)]
-    so = SimpleNamespace(scheduled_new_reqs=[], scheduled_spec_decode_tokens={}, total_num_scheduled_tokens=n, finished_req_ids=set(),
+    news = [SimpleNamespace(req_id=f"n{i}", sampling_params=None, prompt_token_ids=list(range(10)), num_computed_tokens=0) for i in range(new)]
+    so = SimpleNamespace(scheduled_new_reqs=news, scheduled_spec_decode_tokens={}, total_num_scheduled_tokens=n + 10 * new, finished_req_ids=set(),
                          scheduled_cached_reqs=SimpleNamespace(req_ids=ids, num_computed_tokens=[100] * n, num_output_tokens=[5] * n),
-                         num_scheduled_tokens={r: 1 for r in ids})
+                         num_scheduled_tokens={**{r: 1 for r in ids}, **{r.req_id: 10 for r in news}})
     if t is not None:
         setattr(so, vllm_compat.LOOKAHEAD_ATTR, (t, 0, 0))
     return so
@@ -200,8 +202,10 @@ def test_step_hook_does_per_step_work_only_for_options_that_read_steps(monkeypat
         for i in range(3):
             presets.on_step_start(_decode_so(4, t=1.0 + i))
             presets.on_step_end()
-        assert presets._steps is None and classified == [False] * 3  # the decision's classification, without the ctx sum
+        assert presets._steps is None and classified == []  # decode-only steps: decode_step_tokens, no StepInfo
         assert presets.clocks.phase == "decode"
+        presets.on_step_start(_decode_so(4, t=5.0, new=1))  # any other step: step_info, without the ctx sum
+        assert classified == [False]
     finally:
         presets.close()
     traced = make(trace_steps=True)
@@ -211,7 +215,7 @@ def test_step_hook_does_per_step_work_only_for_options_that_read_steps(monkeypat
         traced.on_step_start(_decode_so(2, t=2.0))
         traced.drain_steps()
         assert len(traced._steps) == 1 and len(traced._trace) == 1 and traced._trace[0][6] == 4  # reqs of the ended step
-        assert classified[3:] == [True, True]  # no presets: the drain classifies (ctx included), the running step too
+        assert classified[1:] == [True, True]  # no presets: the drain classifies (ctx included), the running step too
     finally:
         traced.close()
 
@@ -450,7 +454,7 @@ def test_head_chunks_is_zero_where_vllms_own_call_applies(monkeypatch):
     assert runtime.head_chunks(torch.ones(4, 2)) == 2
     assert runtime.head_chunks(torch.ones(2)) == 0  # one row
     grouped = type("C", (), {"groups": {"prefill": {}}, "has_group": lambda self, g: g == "lm_head"})()
-    monkeypatch.setattr(runtime, "_RUNTIME", type("RT", (), {"clocks": grouped})())
+    monkeypatch.setattr(runtime, "_RUNTIME", type("RT", (), {"clocks": grouped, "head_groups": True})())
     assert runtime.head_chunks(torch.ones(3, 2)) == 1 and runtime.head_chunks(torch.ones(5, 2)) == 2
     assert dict(runtime._POLICY.calls) == {1: 3, 2: 2} and runtime._POLICY.rows_total == 3 + 4 + 1 + 3 + 5
 
@@ -475,3 +479,62 @@ def test_chunked_head_fails_open_on_its_own_faults_but_not_on_the_heads(monkeypa
 
     with pytest.raises(RuntimeError, match="out of memory"):
         runtime.chunked_head(oom, x)  # the head's own error is vLLM's to handle, as without the plugin
+
+
+@pytest.mark.parametrize("seed", [3, 4])
+def test_decode_fast_path_decides_as_the_regime_filter_and_controller(monkeypatch, tmp_path, seed):
+    """The step hook's decode-only fast path (decode_step_tokens, the regime update and the
+    controller's no-change return inlined) against the general path (step_info, RegimeFilter.phase,
+    ClockController.on_phase) on random step sequences: the same regime share to the bit, the same
+    phase per step and the same decision stream."""
+    monkeypatch.setattr(vllm_compat, "runner_identity", lambda r: {"rank": 0, "device_type": "cpu", "device_index": None})
+    rng = random.Random(seed)
+    seq = []
+    t = 100.0
+    for _ in range(600):
+        t += rng.choice((0.002, 0.004, 0.03, 0.3))
+        n = rng.choice((1, 4, 64, 200, 256))
+        so = _decode_so(n, t=t, new=1 if rng.random() < 0.1 else 0)
+        setattr(so, vllm_compat.LOOKAHEAD_ATTR, (t, 1, rng.choice((0, 0, 0, 100, 5000))))
+        seq.append(so)
+    runs = []
+    for fast in (True, False):
+        if not fast:
+            monkeypatch.setattr(vllm_compat, "decode_step_tokens", lambda so: -1)
+        rt = runtime.WorkerRuntime(object(), PowersaveSettings.model_validate(
+            {"stats_dir": str(tmp_path), "energy": {"meter": "off", "idle_after_s": 20.0},
+             "clocks": {"min_dwell_ms": 50, "memory_bound_max_tokens": 128,
+                        "presets": {"decode": {"sm_clock_mhz": 1200}, "mixed": {"sm_clock_mhz": 1600}, "prefill": {"sm_clock_mhz": 1980}}}}))
+        try:
+            got = []
+            for so in seq:
+                rt.on_step_start(so)
+                rt.on_step_end()
+                got.append((rt.regime.share.hex(), rt.clocks.phase, rt.clocks.current.sm_clock_mhz))
+            runs.append((got, [(d.phase, d.sm_clock_mhz) for d in rt.clocks.decisions]))
+        finally:
+            rt.close()
+    assert runs[0] == runs[1]
+    phases = {p for _, p, _ in runs[0][0]}
+    assert {"decode", "mixed", "prefill"} <= phases and len(runs[0][1]) > 10
+
+
+def test_decode_step_tokens_and_step_info_ctx():
+    """decode_step_tokens: the token count where step_info says decode with one token per request,
+    -1 for every other step; step_info's ctx sum is there by default and left out with ctx=False."""
+    so = _decode_so(4)
+    assert vllm_compat.decode_step_tokens(so) == 4 and vllm_compat.step_info(so).num_tokens == 4
+    assert vllm_compat.step_info(so).decode_ctx_tokens == 400 and vllm_compat.step_info(so, ctx=False).decode_ctx_tokens == 0
+    assert vllm_compat.decode_step_tokens(_decode_so(4, new=1)) == -1 and vllm_compat.step_info(_decode_so(4, new=1)).phase == "mixed"
+    spec = _decode_so(2)
+    spec.scheduled_spec_decode_tokens = {"r0": [1, 2]}
+    spec.total_num_scheduled_tokens = 4
+    assert vllm_compat.decode_step_tokens(spec) == -1 and vllm_compat.step_info(spec).phase == "decode"
+    ctx = _decode_so(3)
+    ctx.scheduled_cached_reqs.num_output_tokens = [5, 0, 5]  # a chunked prefill continuing
+    ctx.total_num_scheduled_tokens = 40
+    assert vllm_compat.decode_step_tokens(ctx) == -1 and vllm_compat.step_info(ctx).phase == "mixed"
+    resumed = _decode_so(2)
+    resumed.total_num_scheduled_tokens = 30  # a preempted request recomputing
+    assert vllm_compat.decode_step_tokens(resumed) == -1
+    assert vllm_compat.decode_step_tokens(_decode_so(0)) == -1 and vllm_compat.step_info(_decode_so(0)).phase == "idle"

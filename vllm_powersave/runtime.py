@@ -61,8 +61,16 @@ def head_chunks(hidden_states: Any) -> int:
     """
     try:
         policy = _POLICY if _POLICY is not None else chunk_policy()
-        n = policy.take(int(hidden_states.shape[0]) if hidden_states.dim() >= 2 else 1)
+        shape = hidden_states.shape
+        rows = shape[0] if len(shape) >= 2 else 1
         rt = _RUNTIME
+        if rows < policy.min_rows and (rt is None or not rt.head_groups):
+            # policy.take(rows) == 1, inlined: on the H200 host each Python call here costs
+            # microseconds (time_parts, h200-vllm.md), and this runs on every LM-head call.
+            policy.plain += 1
+            policy.rows_total += rows
+            return 0
+        n = policy.take(rows)
         if n <= 1 and (rt is None or not rt.clocks.groups or not rt.clocks.has_group("lm_head")):
             return 0
         return n
@@ -324,6 +332,8 @@ class WorkerRuntime:
         # The clock decision runs per step only where it can change something.
         self._decides = bool(self.clocks.presets or self.clocks.groups) or self.boost is not None
         self._per_step = self._decides or self._steps is not None
+        #: Whether any phase has an lm_head kernel-group preset (the LM-head hook's fast path is off then).
+        self.head_groups = any("lm_head" in g for g in self.clocks.groups.values())
         self._trace_path = self.stats_path.with_name(f"trace-rank{self.rank}.jsonl") if self.stats_path else None
         # Under vLLM's Ray executor stats_dir may live on another node: send through the relay
         # actor the EngineCore started there (ray_relay.py); else write the files here.
@@ -438,10 +448,14 @@ class WorkerRuntime:
         if not self._decides:
             rec = [time.monotonic(), None, scheduler_output, None, None, 0]  # classified by drain_steps
         else:
-            # ctx (KV tokens read, a sum over the batch) is only for the trace and the simulator:
-            # drain_steps adds it.
-            info = vllm_compat.step_info(scheduler_output, ctx=False)
-            if info.phase == "idle":
+            # Measured on the H200 host (h200_alternate --time-parts), every Python call here costs
+            # 2-5 us: the common step (decode only) is classified by one compat call and decided
+            # below without calling the regime filter or the controller; drain_steps classifies it
+            # fully later. Other steps take step_info (ctx, a sum over the batch that only the trace
+            # and the simulator read, is added by drain_steps).
+            tokens = vllm_compat.decode_step_tokens(scheduler_output)
+            info = None if tokens >= 0 else vllm_compat.step_info(scheduler_output, ctx=False)
+            if info is not None and info.phase == "idle":
                 rec = [time.monotonic(), info, scheduler_output, None, None, 0]
             else:
                 self._last_step_s = t_step = time.monotonic()
@@ -457,15 +471,35 @@ class WorkerRuntime:
                     # Engine-wide idle verdict from the scheduler's stamps (identical on every rank); a
                     # rank whose own timer went idle meanwhile is reconciled with it before the step decides.
                     gap_idle = self._last_stamp is not None and now - self._last_stamp >= self._idle_stamp_gap_s
-                    if gap_idle or clocks.idling:
+                    if gap_idle or clocks._pre_idle is not None:  # clocks.idling, without the property call
                         clocks.idle_end(gap_idle, now)
                     self._last_stamp = now
                 else:
                     now, waiting = t_step, 0
-                    if clocks.idling:
+                    if clocks._pre_idle is not None:
                         clocks.idle_end(True, now)
                 clocks.step_since = t_step  # clocks.step_begun(t_step), in place: the watchdog's heartbeat
-                clocks.on_phase(self.regime.phase(info, now, waiting), now)
+                reg = self.regime
+                if info is None and (not reg.mb_tokens or tokens <= reg.mb_tokens):
+                    # RegimeFilter.phase for a memory-bound decode step (x = 0), inlined; equal to the
+                    # bit: a * share + (1 - a) * 0.0 == a * share for share >= 0 (tested).
+                    t = reg._t
+                    if t is None:
+                        reg.share = 0.0
+                    else:
+                        dt = now - t
+                        reg.share = math.exp(-(dt if dt > 0.0 else 0.0) / reg.window_s) * reg.share
+                    reg._t = now
+                    phase = "prefill" if waiting >= reg.burst_tokens else "decode"
+                else:
+                    if info is None:
+                        info = vllm_compat.step_info(scheduler_output, ctx=False)
+                    phase = reg.phase(info, now, waiting)
+                # ClockController.on_phase's no-change return, inlined (the common case).
+                if clocks._same.get(phase, False) and clocks._down_since is None and clocks.group is None:
+                    clocks.phase = phase
+                else:
+                    clocks.on_phase(phase, now)
                 if self.boost is not None:
                     self.boost.on_busy(t_step)
                 rec = [t_step, info, scheduler_output, clocks.current.sm_clock_mhz, None, 0]

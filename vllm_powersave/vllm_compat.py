@@ -341,18 +341,35 @@ def step_info(scheduler_output: Any, ctx: bool = True) -> StepInfo:
     total = getattr(scheduler_output, "total_num_scheduled_tokens", None)
     if n_out is None or total is None:
         return classify(step_requests(scheduler_output))
-    ctx = n_out.count(0)
+    ctx_reqs = n_out.count(0)
     spec_map = getattr(scheduler_output, "scheduled_spec_decode_tokens", None)
     computed = getattr(cached, "num_computed_tokens", None)
     new = getattr(scheduler_output, "scheduled_new_reqs", None)
     return classify_counts(
         len(new) if new else 0,
-        ctx,
-        len(n_out) - ctx,
+        ctx_reqs,
+        len(n_out) - ctx_reqs,
         int(total),
         sum(map(len, spec_map.values())) if spec_map else 0,
         sum(computed) if computed and ctx else 0,
     )
+
+
+def decode_step_tokens(scheduler_output: Any) -> int:
+    """Tokens of a step that only decodes, else -1 (then classify it with :func:`step_info`).
+
+    Decode only: no new request, no speculative tokens, every scheduled request past its prompt
+    (``num_output_tokens`` > 0) with one token. For such a step ``step_info`` gives phase
+    ``decode`` and ``num_tokens`` equal to this count. The engine step hook's fast path: one call,
+    no ``StepInfo`` built.
+    """
+    if getattr(scheduler_output, "scheduled_new_reqs", None) or getattr(scheduler_output, "scheduled_spec_decode_tokens", None):
+        return -1
+    n_out = getattr(getattr(scheduler_output, "scheduled_cached_reqs", None), "num_output_tokens", None)
+    total = getattr(scheduler_output, "total_num_scheduled_tokens", None)
+    if not n_out or type(total) is not int or total != len(n_out) or 0 in n_out:
+        return -1
+    return total
 
 
 def step_decode_ctx_tokens(scheduler_output: Any, info: StepInfo) -> int:

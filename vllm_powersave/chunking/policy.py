@@ -9,6 +9,7 @@ GPU and the default is "no chunking".
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 
 from ..settings import ChunkingSettings
@@ -27,8 +28,20 @@ class ChunkPolicy:
     def __init__(self, settings: ChunkingSettings) -> None:
         self.enabled = settings.enabled
         self.rules = [(r.min_rows, r.chunks) for r in settings.table]
-        self.calls: Counter[int] = Counter()
+        self._calls: Counter[int] = Counter()
+        #: Fewer rows than this never chunk (the LM-head hook answers those calls itself and counts
+        #: them in ``plain``: one attribute compare per call instead of a method call).
+        self.min_rows = self.rules[0][0] if self.enabled and self.rules else sys.maxsize
+        self.plain = 0
         self.rows_total = 0
+
+    @property
+    def calls(self) -> Counter[int]:
+        """LM-head calls per chunk count (a copy)."""
+        c = Counter(self._calls)
+        if self.plain:
+            c[1] += self.plain
+        return c
 
     def chunks(self, rows: int) -> int:
         n = 1
@@ -42,7 +55,7 @@ class ChunkPolicy:
 
     def record(self, chunks: int, rows: int) -> None:
         # No lock: the LM head runs on one thread per worker; the publisher only reads.
-        self.calls[chunks] += 1
+        self._calls[chunks] += 1
         self.rows_total += rows
 
     def take(self, rows: int) -> int:
@@ -53,6 +66,6 @@ class ChunkPolicy:
             n = 1
         else:
             n = self.chunks(rows)
-        self.calls[n] += 1
+        self._calls[n] += 1
         self.rows_total += rows
         return n
