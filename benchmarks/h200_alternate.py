@@ -380,9 +380,9 @@ def main() -> int:
                 env = {**os.environ, **ab.GPU_ENV, **env_gpu, "PYTHONPATH": arm_site(arm, ns)}
                 if ns.time_hooks:
                     cmd.append("--time-hooks")
+                    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the EngineCore (and the hooks) in the worker
                 if ns.time_parts:
                     cmd.append("--time-parts")
-                    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the EngineCore (and the hooks) in the worker
                 logf = open(out_dir / f"server-{arm}.log", "wb")
                 procs[arm] = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True, preexec_fn=pin)
             # Accept with a short timeout and check the workers in between: one that dies at start-up
