@@ -480,20 +480,26 @@ class WorkerRuntime:
                         clocks.idle_end(True, now)
                 clocks.step_since = t_step  # clocks.step_begun(t_step), in place: the watchdog's heartbeat
                 reg = self.regime
-                if info is None and (not reg.mb_tokens or tokens <= reg.mb_tokens):
-                    # RegimeFilter.phase for a memory-bound decode step (x = 0), inlined; equal to the
-                    # bit: a * share + (1 - a) * 0.0 == a * share for share >= 0 (tested).
+                if info is None:
+                    # RegimeFilter.phase for a decode-only step, inlined (same expressions, so the
+                    # same share to the bit; tested): memory-bound up to mb_tokens, else compute-bound.
+                    if not reg.mb_tokens or tokens <= reg.mb_tokens:
+                        own, x = "decode", 0.0
+                    else:
+                        own, x = "mixed", 1.0
                     t = reg._t
                     if t is None:
-                        reg.share = 0.0
+                        reg.share = x
                     else:
                         dt = now - t
-                        reg.share = math.exp(-(dt if dt > 0.0 else 0.0) / reg.window_s) * reg.share
+                        a = math.exp(-(dt if dt > 0.0 else 0.0) / reg.window_s)  # noqa: FURB136
+                        reg.share = a * reg.share + (1 - a) * x
                     reg._t = now
-                    phase = "prefill" if waiting >= reg.burst_tokens else "decode"
+                    if waiting >= reg.burst_tokens:
+                        phase = "prefill"
+                    else:
+                        phase = "decode" if reg.share < reg.share_max else own
                 else:
-                    if info is None:
-                        info = vllm_compat.step_info(scheduler_output, ctx=False)
                     phase = reg.phase(info, now, waiting)
                 # ClockController.on_phase's no-change return, inlined (the common case).
                 if clocks._same.get(phase, False) and clocks._down_since is None and clocks.group is None:
