@@ -538,3 +538,102 @@ def test_decode_step_tokens_and_step_info_ctx():
     resumed.total_num_scheduled_tokens = 30  # a preempted request recomputing
     assert vllm_compat.decode_step_tokens(resumed) == -1
     assert vllm_compat.decode_step_tokens(_decode_so(0)) == -1 and vllm_compat.step_info(_decode_so(0)).phase == "idle"
+
+
+# --- Faults and warm-ups on the record path ------------------------------------------------------------
+def _warmup_so(n=4, prompt=512, decode=False):
+    """vLLM V2's kernel warm-up step: ``_warmup_{i}_`` requests, a prefill of new ones or their decode."""
+    ids = [f"_warmup_{i}_" for i in range(n)]
+    if decode:
+        return SimpleNamespace(scheduled_new_reqs=[], scheduled_spec_decode_tokens={}, total_num_scheduled_tokens=n, finished_req_ids=set(),
+                               scheduled_cached_reqs=SimpleNamespace(req_ids=ids, num_computed_tokens=[prompt] * n, num_output_tokens=[1] * n),
+                               num_scheduled_tokens=dict.fromkeys(ids, 1))
+    news = [SimpleNamespace(req_id=r, sampling_params=None, prompt_token_ids=list(range(prompt)), num_computed_tokens=0) for r in ids]
+    return SimpleNamespace(scheduled_new_reqs=news, scheduled_spec_decode_tokens={}, total_num_scheduled_tokens=n * prompt, finished_req_ids=set(),
+                           scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[], num_output_tokens=[]),
+                           num_scheduled_tokens=dict.fromkeys(ids, prompt))
+
+
+@pytest.mark.parametrize("decides", [False, True])
+def test_kernel_warmup_on_a_serving_worker_is_neither_traced_nor_decided(monkeypatch, tmp_path, decides):
+    """vLLM 0.32 re-runs the V2 kernel warm-up on a worker already serving (elastic-EP scale-up):
+    its prefill and decode steps are left out of the trace, the account and the clock decisions,
+    whether the hook decides (presets) or the drain classifies (trace and meter only)."""
+    monkeypatch.setattr(vllm_compat, "runner_identity", lambda r: {"rank": 0, "device_type": "cpu", "device_index": None})
+    extra = {"clocks": {"presets": {"decode": {"sm_clock_mhz": 1200}}}} if decides else {}
+    rt = runtime.WorkerRuntime(object(), PowersaveSettings.model_validate(
+        {"stats_dir": str(tmp_path), "trace_steps": True, "energy": {"meter": "simulated", "idle_after_s": 20.0}, **extra}))
+    rt._drain_inline = False  # as with NVML: the publisher drains (here: by hand)
+    try:
+        seq = [_warmup_so(), _warmup_so(decode=True),                                  # start-up warm-up
+               _decode_so(2, t=1.0), _decode_so(2, t=1.01),                            # serving
+               _warmup_so(), _warmup_so(decode=True), _warmup_so(decode=True),        # warm-up again
+               _decode_so(3, t=1.05)]
+        phases = []
+        for so in seq:
+            rt.on_step_start(so)
+            phases.append(rt.clocks.phase)
+            rt.on_step_end()
+        rt.drain_steps(final=True)
+        assert [(r[1], r[3], r[6]) for r in rt._trace] == [("decode", 2, 2), ("decode", 2, 2), ("decode", 3, 3)]
+        assert rt.account.steps["decode"] == 3 and rt.account.steps["prefill"] == 0
+        assert rt.account.tokens == {"prefill": 0, "decode": 7}
+        if decides:
+            assert "prefill" not in phases and phases[-1] == "decode"
+    finally:
+        rt.close()
+
+
+def test_a_record_that_cannot_be_fed_loses_only_its_step(monkeypatch, tmp_path, caplog):
+    """A fault while draining one record (here: a SchedulerOutput that step_info cannot read) is
+    logged once; the records behind it, the account's tick, the publish and close() carry on."""
+    monkeypatch.setattr(vllm_compat, "runner_identity", lambda r: {"rank": 0, "device_type": "cpu", "device_index": None})
+    vllm_compat._HOOK_ERRORS.clear()
+    rt = runtime.WorkerRuntime(object(), PowersaveSettings.model_validate(
+        {"stats_dir": str(tmp_path), "trace_steps": True, "energy": {"meter": "simulated", "idle_after_s": 20.0}}))
+    rt._stop.set()
+    rt._wake.set()
+    rt._thread.join()  # the publisher's work is driven by hand below
+    rt._drain_inline = False
+
+    def bad_so():
+        so = _decode_so(4)
+        so.scheduled_spec_decode_tokens = {"r0": None}  # len(None) inside step_info
+        return so
+
+    caplog.set_level("ERROR", logger="vllm.powersave")
+    for i in range(40):
+        rt.on_step_start(bad_so() if i in (10, 20) else _decode_so(4))
+        rt.on_step_end()
+    rt.account.tick()  # drains through its feed: raised before the fix
+    assert rt.account.steps["decode"] == 38 and rt.account.tokens["decode"] == 38 * 4
+    assert len(rt._steps) == 0  # every record ended, the two bad ones included
+    assert sum("feeding a step record" in r.getMessage() for r in caplog.records) == 1  # once, not per step
+    rt.on_step_start(bad_so())  # still pending at close(): the final publish and trace flush happen anyway
+    rt.on_step_end()
+    rt.on_step_start(_decode_so(4))  # running at close(): drained as final
+    rt.close()
+    snap = json.loads((tmp_path / "rank0.json").read_text())
+    assert snap["steps"]["decode"] == 39
+    assert len((tmp_path / "trace-rank0.jsonl").read_text().splitlines()) == 39
+
+
+def test_close_writes_its_final_files_when_one_final_step_fails(monkeypatch, tmp_path, caplog):
+    monkeypatch.setattr(vllm_compat, "runner_identity", lambda r: {"rank": 0, "device_type": "cpu", "device_index": None})
+    vllm_compat._HOOK_ERRORS.clear()
+    rt = runtime.WorkerRuntime(object(), PowersaveSettings.model_validate(
+        {"stats_dir": str(tmp_path), "trace_steps": True, "energy": {"meter": "simulated", "idle_after_s": 20.0}}))
+    for i in range(5):
+        rt.on_step_start(_decode_so(2, t=1.0 + i))
+        rt.on_step_end()
+
+    def broken_tick():
+        raise RuntimeError("meter gone")
+
+    monkeypatch.setattr(rt.account, "tick", broken_tick)
+    caplog.set_level("WARNING", logger="vllm.powersave")
+    rt.close()
+    assert not rt._thread.is_alive()  # joined before the final writes
+    assert json.loads((tmp_path / "rank0.json").read_text())["steps"]["decode"] == 5
+    assert len((tmp_path / "trace-rank0.jsonl").read_text().splitlines()) == 5
+    assert any("final energy tick" in r.getMessage() for r in caplog.records)

@@ -182,6 +182,12 @@ class RegimeFilter:
 _R_T, _R_INFO, _R_SO, _R_SM, _R_END, _R_ROWS = range(6)
 #: Records the step hook lets pile up before it drains them itself (a stalled publisher thread).
 _MAX_PENDING_STEPS = 4096
+#: How long close() waits for the publisher thread's current round (s).
+_CLOSE_JOIN_S = 5.0
+#: Record markers (in the StepInfo slot) for steps the drain leaves out: a step that could not be
+#: fed (its fault logged once), a kernel warm-up step of vLLM's.
+_FAILED = object()
+_WARMUP = object()
 
 _TRACE_KEYS = ("t", "phase", "prefill", "decode", "rows", "ctx", "reqs", "sm_target", "t_end")
 _TRACE_TYPES = (float, str, int, int, int, int, int)
@@ -344,6 +350,7 @@ class WorkerRuntime:
             log.warning("powersave: cannot write stats to %s: %s", self.stats_path, exc)
         self._thread = threading.Thread(target=self._publisher, name="powersave-stats", daemon=True)
         self._thread.start()
+        self._closed = False
         atexit.register(self.close)
         log.info(
             "powersave: active on rank %d (gpu %s): energy %s, clocks %s%s, chunk table %s",
@@ -433,8 +440,9 @@ class WorkerRuntime:
         simulator the records are drained here at once.
         """
         # vLLM's own warm-up (V2 kernel warm-up, before the engine serves) goes through execute_model
-        # like a real step: not served work, neither traced nor metered. It all comes before the first
-        # served step, so the check stops there (it costs ~2 us per step with cold caches).
+        # like a real step: not served work, neither traced nor metered. At start-up it all comes
+        # before the first served step, so the check stops there (it costs ~2 us per step with cold
+        # caches); a warm-up on a serving worker is caught at its first step below, or by drain_steps.
         if not self._serving:
             if vllm_compat.is_warmup_step(scheduler_output):
                 self._skip_step_end = True
@@ -454,7 +462,17 @@ class WorkerRuntime:
             # fully later. Other steps take step_info (ctx, a sum over the batch that only the trace
             # and the simulator read, is added by drain_steps).
             tokens = vllm_compat.decode_step_tokens(scheduler_output)
-            info = None if tokens >= 0 else vllm_compat.step_info(scheduler_output, ctx=False)
+            if tokens >= 0:
+                info = None
+            elif vllm_compat.is_warmup_step(scheduler_output):
+                # vLLM warms kernels up again on a worker already serving (0.32: elastic-EP scale-up).
+                # That sequence opens with a prefill of new warm-up requests (never a decode-only
+                # step), so it is caught here, and its decode steps by the check above until it ends.
+                self._serving = False
+                self._skip_step_end = True
+                return
+            else:
+                info = vllm_compat.step_info(scheduler_output, ctx=False)
             if info is not None and info.phase == "idle":
                 rec = [time.monotonic(), info, scheduler_output, None, None, 0]
             else:
@@ -547,14 +565,24 @@ class WorkerRuntime:
                 rec = steps[0]
                 if rec is not self._drained_start:
                     self._drained_start = rec
-                    self._step_fed(rec, acc, plp, sim, want_rows)
+                    try:
+                        self._step_fed(rec, acc, plp, sim, want_rows)
+                    except Exception as exc:
+                        # One record that cannot be classified or fed loses that step only: it must
+                        # not stop the records behind it, the tick, the publish or close().
+                        rec[_R_INFO] = _FAILED
+                        vllm_compat.fault_once("drain_steps", exc, "feeding a step record", "that step is not metered or traced")
                 if n == 1 and rec[_R_END] is None and not final:
                     break
                 steps.popleft()
+                info = rec[_R_INFO]
+                if info is _WARMUP:
+                    continue  # vLLM's kernel warm-up on a serving worker: no served work
                 t_end = rec[_R_END]
                 if acc is not None and t_end is not None:
                     acc.on_step_end(t_end)
-                info = rec[_R_INFO]
+                if info is _FAILED:
+                    continue
                 if trace is not None and info is not None and info.phase != "idle":
                     trace.append([rec[_R_T], info.phase, info.prefill_tokens, info.decode_tokens, rec[_R_ROWS],
                                   info.decode_ctx_tokens, info.num_reqs, rec[_R_SM], t_end])
@@ -565,6 +593,11 @@ class WorkerRuntime:
         rec[_R_SO] = None  # the SchedulerOutput is not kept past this point
         info = rec[_R_INFO]
         if info is None:
+            if not self._decides and vllm_compat.is_warmup_step(so):
+                # Records that no clock decision classified: a kernel warm-up vLLM runs on a worker
+                # already serving (0.32's elastic-EP scale-up) is recognised here, off the step path.
+                rec[_R_INFO] = _WARMUP
+                return
             info = rec[_R_INFO] = vllm_compat.step_info(so)
         elif want_rows and info.phase != "idle":
             info = rec[_R_INFO] = info._replace(decode_ctx_tokens=vllm_compat.step_decode_ctx_tokens(so, info))
@@ -760,18 +793,29 @@ class WorkerRuntime:
                 log.debug("powersave: publish failed: %s", exc)
 
     def close(self) -> None:
+        """Stop the publisher, restore clocks, write the final stats and trace. Idempotent (called
+        by the server's shutdown and again at interpreter exit)."""
+        if self._closed:
+            return
+        self._closed = True
         self._stop.set()
         self._wake.set()
         self.clocks.close()
         if self.boost is not None:
             self.boost.close()
-        try:
-            if self.account is not None:
-                self.account.tick()
-            self.publish()
-            self._flush_trace(final=True)
-        except Exception:
-            pass
+        # The publisher thread writes the same files: let it finish its round before the final one
+        # (bounded: a stuck NVML read must not hold the shutdown).
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=_CLOSE_JOIN_S)
+        # Each final write on its own: one that fails must not cost the others.
+        for what, fn in (("final energy tick", self.account.tick if self.account is not None else None),
+                         ("final publish", self.publish), ("final trace flush", lambda: self._flush_trace(final=True))):
+            if fn is None:
+                continue
+            try:
+                fn()
+            except Exception as exc:
+                log.warning("powersave: %s failed (%s: %s); continuing the shutdown", what, type(exc).__name__, exc)
         if self.meter is not None:
             self.meter.close()
 
