@@ -61,11 +61,7 @@ class ChunkPolicy:
     def take(self, rows: int) -> int:
         """``chunks(rows)``, recorded: one call per LM-head call (the per-step path, so the common
         case, no rule reached, is answered here without the call)."""
-        rules = self.rules
-        if not self.enabled or not rules or rows < rules[0][0]:
-            n = 1
-        else:
-            n = self.chunks(rows)
+        n = 1 if rows < self.min_rows else self.chunks(rows)
         self._calls[n] += 1
         self.rows_total += rows
         return n
