@@ -207,7 +207,8 @@ class FakeZeusd:
                 self.send_response(status)
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
-                self.wfile.write(data)
+                if data:  # an empty write after the headers can meet a client that already read them and closed (EPIPE)
+                    self.wfile.write(data)
 
             def _handle(self, method: str) -> None:
                 url = urllib.parse.urlsplit(self.path)
