@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import h200_ab as ab  # noqa: E402
+from benchmarks.lib import serve as ab
 
 
 def test_cpulists_parse_ranges_and_singletons() -> None:
@@ -78,7 +77,6 @@ def test_a_started_server_and_its_children_run_on_the_given_cpus(monkeypatch, tm
             "print(subprocess.run([sys.executable,'-c','import os;print(sorted(os.sched_getaffinity(0)))'],"
             "capture_output=True,text=True).stdout.strip())")
     monkeypatch.setattr(ab, "check_port_free", lambda port: None)
-    monkeypatch.setattr(ab, "SERVE_EXTRA", [])
     real_popen = subprocess.Popen
     monkeypatch.setattr(ab.subprocess, "Popen", lambda cmd, **kw: real_popen([sys.executable, "-c", prog], **kw))
     p = ab.start_server("pin", tmp_path, 1, [], "", tmp_path, 0.1, cpus=cpus)

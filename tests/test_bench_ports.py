@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import h200_ab as ab  # noqa: E402
+from benchmarks.lib import serve as ab
 
 
 def _listen(reuse_port: bool = False, port: int = 0) -> socket.socket:
@@ -70,15 +69,3 @@ def test_ipv6_listener_is_counted() -> None:
         assert ab.tcp_listeners(s.getsockname()[1]) == 1
     finally:
         s.close()
-
-
-def test_device_prologue_refuses_without_forced_dry_run_and_changes_nothing(monkeypatch, capsys, tmp_path) -> None:
-    import argparse
-
-    monkeypatch.delenv("POWERSAVE_FORCE_DRY_RUN", raising=False)
-    before_path, before_env = list(sys.path), dict(ab.GPU_ENV)
-    ns = argparse.Namespace(plugin_site="/nowhere", out=str(tmp_path / "o" / "r.json"), shape="qwen2.5-0.5b",
-                            shapes_dir="/nowhere", tok_dir="/nowhere")
-    assert ab.device_prologue(ns, "0") is None
-    assert "POWERSAVE_FORCE_DRY_RUN=1 must be set" in capsys.readouterr().err
-    assert sys.path == before_path and ab.GPU_ENV == before_env and not (tmp_path / "o").exists()

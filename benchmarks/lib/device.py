@@ -1,0 +1,67 @@
+"""Device-job plumbing: the dry-run guard, logging, JSON written atomically, the model bundle.
+
+Every script that runs on a lent GPU calls :func:`require_dry_run` first: clocks and power limits
+are never changed on a shared GPU, and the plugin runs its clock controller in dry-run there.
+``benchmarks/device_run.sh`` exports ``POWERSAVE_FORCE_DRY_RUN=1`` for every job it starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+ENV_FORCE_DRY_RUN = "POWERSAVE_FORCE_DRY_RUN"
+T0 = time.monotonic()
+
+
+class DryRunNotForced(SystemExit):
+    """Raised by :func:`require_dry_run`: the script must not start (exit status 2)."""
+
+
+def require_dry_run(env: dict[str, str] | None = None) -> None:
+    """Refuse to start (one line on stderr, :class:`DryRunNotForced`, exit status 2) unless
+    ``POWERSAVE_FORCE_DRY_RUN=1``; call before anything touches a GPU."""
+    if (os.environ if env is None else env).get(ENV_FORCE_DRY_RUN) == "1":
+        return
+    print(f"error: refusing to run: {ENV_FORCE_DRY_RUN}=1 must be set on a shared GPU", file=sys.stderr)
+    raise DryRunNotForced(2)
+
+
+def log(*a: object, tag: str = "run") -> None:
+    print(f"[{tag} +{time.monotonic() - T0:6.1f}s]", *a, flush=True)
+
+
+def write_json_atomic(path: Path, obj: object, indent: int | None = None) -> None:
+    """Write ``obj`` as JSON through a temporary file: a job killed mid-write (the call's time
+    limit) leaves the previous, complete file."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj, indent=indent))
+    tmp.replace(path)
+
+
+def utc_now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def add_bundle_args(ap: argparse.ArgumentParser) -> None:
+    """Where the device scripts find the model shapes, the tokenizer and the two Python sites."""
+    ap.add_argument("--shapes-dir", default=".gpu-bundle/shapes")
+    ap.add_argument("--tok-dir", default="/tmp/model_cfg")
+    ap.add_argument("--plugin-site", default="/tmp/psite", help="site of the plugin's wheel (B's servers)")
+    ap.add_argument("--stock-site", default="/tmp/site", help="site of stock vLLM")
+
+
+def make_model(shape: str, shapes_dir: Path, tok_dir: Path, root: Path = Path("/tmp/models")) -> Path:
+    """A model directory for ``--load-format dummy``: the shape's config.json and the tokenizer files."""
+    d = root / shape
+    d.mkdir(parents=True, exist_ok=True)
+    shutil.copy(shapes_dir / f"{shape}.json", d / "config.json")
+    for f in tok_dir.iterdir():
+        if f.is_file() and f.name != "config.json":
+            shutil.copy(f, d / f.name)
+    return d

@@ -1,0 +1,210 @@
+"""vLLM OpenAI servers for the device A/B runs: ports, CPU pinning, start, health, stop.
+
+A port per GPU job and server slot, and a refusal of a port that already has a listener: two jobs
+on one port once sent both jobs' load to one server (uvicorn's SO_REUSEPORT binds silently).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from .device import log
+
+# NVLink multicast stays off (a program using it can take a shared host's GPUs out of service);
+# vLLM's symmetric-memory all-reduce would use it on Hopper, so that path is off too.
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
+                "VLLM_ALLREDUCE_USE_SYMM_MEM": "0"}
+
+
+def parse_cpulist(text: str) -> set[int]:
+    """CPUs of a kernel cpulist such as ``0-15,32-47`` (sysfs ``local_cpulist``); empty text: none."""
+    cpus: set[int] = set()
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def gpu_local_cpus(gpu: int, bus_ids: list[str], sysfs: Path = Path("/sys/bus/pci/devices"),
+                   allowed: set[int] | None = None) -> set[int] | None:
+    """This GPU's share of the CPUs on its NUMA node, disjoint from the other GPUs' on that node.
+
+    ``bus_ids``: every GPU's PCI bus id in index order (nvidia-smi's ``00000000:18:00.0`` form).
+    Where several GPUs share a node (two device jobs run side by side), the node's CPUs are split
+    between them in index order, so two jobs never pin servers to the same cores. None where sysfs
+    has no locality for the GPU.
+    """
+    def local(bus: str) -> set[int]:
+        f = sysfs / bus.lower()[-12:] / "local_cpulist"
+        return parse_cpulist(f.read_text()) if f.exists() else set()
+
+    mine = local(bus_ids[gpu])
+    if allowed is not None:
+        mine &= allowed
+    if not mine:
+        return None
+    sharing = [i for i, b in enumerate(bus_ids) if local(b) and local(b) == local(bus_ids[gpu])]
+    return split_cpus(mine, len(sharing))[sharing.index(gpu)]
+
+
+def core_groups(cpus: set[int], sysfs_cpu: Path = Path("/sys/devices/system/cpu")) -> list[set[int]]:
+    """``cpus`` grouped by physical core (hyperthread siblings together, from sysfs
+    ``topology/thread_siblings_list``), in order of their lowest CPU; a CPU without topology
+    information is a core of its own."""
+    seen: set[int] = set()
+    groups = []
+    for c in sorted(cpus):
+        if c in seen:
+            continue
+        f = sysfs_cpu / f"cpu{c}" / "topology" / "thread_siblings_list"
+        g = (parse_cpulist(f.read_text()) if f.exists() else {c}) & cpus or {c}
+        seen |= g
+        groups.append(g)
+    return groups
+
+
+def split_cpus(cpus: set[int], n: int, sysfs_cpu: Path = Path("/sys/devices/system/cpu")) -> list[set[int]]:
+    """``cpus`` in ``n`` disjoint slices of equal size, whole physical cores each (two servers on two
+    hyperthreads of one core would share it), contiguous in core order; the remainder is left unused."""
+    groups = core_groups(cpus, sysfs_cpu)
+    k = len(groups) // n
+    if k == 0:
+        raise ValueError(f"cannot split {len(groups)} cores ({len(cpus)} CPUs) between {n} servers")
+    return [set().union(*groups[i * k:(i + 1) * k]) for i in range(n)]
+
+
+def gpu_bus_ids() -> list[str]:
+    """PCI bus ids of the GPUs in index order (nvidia-smi, a read-only query)."""
+    out = subprocess.run(["nvidia-smi", "--query-gpu=pci.bus_id", "--format=csv,noheader"], capture_output=True, text=True, timeout=30)
+    return [line.strip() for line in out.stdout.splitlines() if line.strip()]
+
+
+def server_cpu_sets(gpu: int, n: int) -> list[set[int]] | None:
+    """One disjoint CPU set per co-resident server, all on the GPU's NUMA node.
+
+    Why: a host-bound small model's step time depends on where its API server and EngineCore run;
+    left to the OS, servers of one A/B land on different cores (and nodes) for the whole run.
+    Pinned, every server gets the same number of GPU-local cores of its own. None: no locality
+    known (unpinned).
+    """
+    try:
+        local = gpu_local_cpus(gpu, gpu_bus_ids(), allowed=os.sched_getaffinity(0))
+        if not local or len(local) < 2 * n:
+            # An API server and an EngineCore busy loop each want a core: fewer would measure the pinning.
+            log(f"CPU pinning skipped: {len(local or ())} GPU-local CPUs for {n} servers (2 each needed)")
+            return None
+        return split_cpus(local, n)
+    except Exception as exc:  # pinning is an improvement, never a reason not to measure
+        log("CPU pinning unavailable:", exc)
+        return None
+
+
+def start_server(label: str, model: Path, port: int, extra: list[str], pythonpath: str, out: Path, gpu_mem: float,
+                 env_extra: dict[str, str] | None = None, cpus: set[int] | None = None) -> subprocess.Popen:
+    """A server on ``port`` (refused if taken) with a dummy-weight ``model``, logging to
+    ``out/server-<label>.log``; ``env_extra``: e.g. ``CUDA_VISIBLE_DEVICES``; ``cpus``: its CPU
+    affinity, inherited by its EngineCore and worker processes."""
+    check_port_free(port)
+    env = {**os.environ, "PYTHONPATH": pythonpath, **NO_MULTICAST, **(env_extra or {})}  # env_extra wins
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name", "model",
+           "--load-format", "dummy", "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048",
+           "--max-num-seqs", "256", "--gpu-memory-utilization", str(gpu_mem), *extra]
+    logf = open(out / f"server-{label}.log", "wb")
+    logf.write((" ".join(cmd) + "\n").encode())
+    pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+    return subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True, preexec_fn=pin)
+
+
+def job_port(gpu: int, slot: int) -> int:
+    """A port per (first GPU, server slot): device_run.sh runs one job per GPU in parallel, and two
+    jobs on one port once sent both jobs' requests to one server (uvicorn's SO_REUSEPORT lets a second
+    server bind the same port silently)."""
+    return 8000 + 50 * gpu + slot
+
+
+PROC_NET_TCP = ("/proc/net/tcp", "/proc/net/tcp6")
+
+
+def tcp_listeners(port: int) -> int:
+    """Sockets in LISTEN state on ``port`` (IPv4 and IPv6), from /proc/net/tcp*; -1 where no table is
+    readable (a kernel without IPv6 has no tcp6: the IPv4 table still counts)."""
+    n, read = 0, 0
+    for f in PROC_NET_TCP:
+        try:
+            lines = Path(f).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        read += 1
+        n += sum(1 for ln in lines if (c := ln.split()) and int(c[1].rsplit(":", 1)[1], 16) == port and c[3] == "0A")
+    return n if read else -1
+
+
+def check_port_free(port: int) -> None:
+    """Refuse to start a server on a port something already listens on (RuntimeError)."""
+    if tcp_listeners(port) > 0:
+        raise RuntimeError(f"port {port} already has a listener: another benchmark job is using it")
+
+
+def wait_healthy(procs: dict[str, tuple[subprocess.Popen, int]], timeout_s: float) -> None:
+    """Wait for /health of every server; RuntimeError if one exits, times out, or shares its port."""
+    pending = dict(procs)
+    deadline = time.monotonic() + timeout_s
+    while pending and time.monotonic() < deadline:
+        for label, (p, port) in list(pending.items()):
+            if p.poll() is not None:
+                raise RuntimeError(f"server {label} exited with {p.returncode} during start-up")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        if (n := tcp_listeners(port)) > 1:
+                            raise RuntimeError(f"server {label}: {n} listeners on port {port}; "
+                                               "requests would reach another server")
+                        log(f"server {label} healthy")
+                        pending.pop(label)
+            except RuntimeError:
+                raise
+            except Exception:
+                pass
+        time.sleep(1)
+    if pending:
+        raise RuntimeError(f"servers {sorted(pending)} not healthy after {timeout_s:.0f} s")
+
+
+def stop(p: subprocess.Popen) -> None:
+    for sig, wait in ((signal.SIGINT, 20), (signal.SIGKILL, 5)):
+        if p.poll() is not None:
+            return
+        try:
+            os.killpg(p.pid, sig)
+            p.wait(wait)
+        except Exception:
+            pass
+
+
+SUMMARY_KEYS = ("completed", "failed", "duration", "total_input_tokens", "total_output_tokens", "request_throughput",
+                "output_throughput", "total_token_throughput", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms",
+                "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms", "median_itl_ms", "p99_itl_ms", "median_e2el_ms",
+                "gpu_energy_j", "gpu_avg_power_w", "gpu_energy_per_output_token_j", "output_tokens_per_joule",
+                "total_tokens_per_joule", "energy_source", "energy_window_s")
+
+
+def session_processes(server_pid: int) -> list[tuple[int, str, Path]]:
+    """``(pid, comm, /proc/<pid>)`` of every process in the server's session (API server, EngineCore, workers)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            if os.getsid(int(d.name)) == server_pid:
+                out.append((int(d.name), (d / "comm").read_text().strip(), d))
+        except OSError:
+            continue
+    return out
