@@ -15,25 +15,25 @@ What runs:
   variable prompt/output lengths, decode runs and idle gaps, scheduled like vLLM V1 (chunked
   prefill, 8192-token budget, 256 sequences) at stock clocks; (2) ``h200_replay``: the real
   step sequence of stock-shaped vLLM 0.25 serving qwen2.5-7b on the H200 test GPU (22k steps,
-  docs/results/raw/h200-ab-7b.json.gz), with its measured host gaps and idle periods;
+  docs/results/h200-vllm-7b-steps.json.gz), with its measured host gaps and idle periods;
 * presets are tuned on a separate calibration trace (another seed), never on the traces reported.
 
 Each strategy replays the *same* steps; throughput ratio = stock GPU busy time / strategy busy
 time (same tokens), so it is free of batching noise. Output: docs/results/sim-clock-presets.json
 and .md (``--out``).
 
-Usage: ``.venv/bin/python benchmarks/sim_clock_presets.py [--duration-s 300] [--out docs/results]``
+Usage: ``python -m benchmarks.sim_clock_presets [--duration-s 300] [--out docs/results]``
 """
 
 from __future__ import annotations
 
 import argparse
 import gzip
+import itertools
 import json
 import math
 import random
 import statistics
-import sys
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -41,15 +41,14 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from vllm_powersave.clocks import ClockController
+from vllm_powersave.clocks.backends import ClockBackend
+from vllm_powersave.phases import StepInfo
+from vllm_powersave.runtime import RegimeFilter
+from vllm_powersave.settings import load_settings
+from vllm_powersave.sim.gpu import H200, KernelGroupCost, StepWork, idle_power_w, simulate_kernel
 
-from vllm_powersave.clocks import ClockController  # noqa: E402
-from vllm_powersave.clocks.backends import ClockBackend  # noqa: E402
-from vllm_powersave.phases import StepInfo  # noqa: E402
-from vllm_powersave.runtime import RegimeFilter  # noqa: E402
-from vllm_powersave.settings import load_settings  # noqa: E402
-from vllm_powersave.sim.gpu import H200, KernelGroupCost, StepWork, idle_power_w, simulate_kernel  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 SPEC = H200
 SHAPE = "qwen2.5-7b"
@@ -58,7 +57,8 @@ SWITCH_LATENCY_S = 0.006  # Velicka et al. via Spaan et al. 2026 (arXiv:2601.085
 FAST_SWITCH_LATENCY_S = 0.00005  # Blackwell "10-100 us" (PowerWeave citing Velicka et al.): what-if only
 ARRIVAL_LEAD_S = 0.002  # add_request -> first GPU work of the step (host prepares inputs ~2 ms, H200 trace)
 IDLE_AFTER_S, IDLE_TICK_S = 0.25, 0.125  # runtime: idle after 0.25 s without a step, publisher tick
-RAW_TRACE = REPO / "docs/results/raw/h200-ab-7b.json.gz"
+STEP_TRACE = REPO / "docs/results/h200-vllm-7b-steps.json.gz"
+STEP_FIELDS = ("phase", "prefill", "decode", "rows", "reqs", "ctx")
 PHASES = ("prefill", "decode", "mixed", "idle")
 
 
@@ -212,9 +212,11 @@ def _lengths(rng: random.Random) -> tuple[int, int]:
 
 
 def h200_trace() -> tuple[Trace, dict[str, Any]]:
-    """The real step sequence of the H200 test GPU (plugin server, qwen2.5-7b, 0.25.0)."""
-    raw = json.load(gzip.open(RAW_TRACE))
-    tr = [r for r in raw["trace"] if r.get("t_end") is not None]
+    """The real step sequence of the H200 test GPU (plugin server, qwen2.5-7b, vLLM 0.25.0)."""
+    raw = json.load(gzip.open(STEP_TRACE))
+    c = raw["columns"]
+    t = list(itertools.accumulate(c["t_delta_us"]))
+    tr = [{"t": t[i] / 1e6, "t_end": (t[i] + c["dur_us"][i]) / 1e6, **{k: c[k][i] for k in STEP_FIELDS}} for i in range(len(t))]
     events: list = []
     skipped = 0
     gaps = []
@@ -235,9 +237,8 @@ def h200_trace() -> tuple[Trace, dict[str, Any]]:
         gap = max(0.0, interval - step_time_at(s, SPEC.f_max_mhz))
         gaps.append(gap)
         events.append(("step", Step(**{**s.__dict__, "host_gap_s": gap})))
-    snap = raw["plugin_snapshot"]
     meta = {"device": raw["device"], "vllm_version": raw["vllm_version"], "date_utc": raw["date_utc"], "warmup_steps_skipped": skipped,
-            "measured_energy_by_phase_j": snap["energy_j"], "measured_time_by_phase_s": snap["time_s"],
+            "measured_energy_by_phase_j": raw["energy_j_by_phase"], "measured_time_by_phase_s": raw["time_s_by_phase"],
             "median_host_gap_ms": statistics.median(gaps) * 1e3}
     return Trace("h200_replay", events, [f"{len(tr) - skipped} steps of the measured trace; idle periods and host gaps as measured"]), meta
 
@@ -569,7 +570,7 @@ def main(argv: list[str] | None = None) -> int:
         "calibration_sources": [
             "docs/h200-facts.md (../shared/notes/h200-facts.md): H200 measured: idle 122 W loaded engine, bf16 GEMM 661 TFLOP/s at ~1450 MHz and 689 W (SW power cap), device copy 4.28 TB/s at 674 W, 110 SM clocks 345-1980 MHz (simulator constants, vllm_powersave/sim/gpu.py)",
             "../shared/data/dvfs/switch_latency.csv: H200 clock switch ~6 ms (Velicka et al. as cited by Spaan, Chen, Varbanescu 2026, arXiv:2601.08539 Sec. 9; secondary, verbal); Hopper 10-100 ms and Blackwell 10-100 us (PowerWeave citing Velicka et al.)",
-            "docs/results/raw/h200-ab-7b.json.gz: measured vLLM 0.25 step trace on the H200 test GPU (qwen2.5-7b): step shapes, host gaps, idle periods; its NVML decode-phase energy is the calibration check below",
+            "docs/results/h200-vllm-7b-steps.json.gz: measured vLLM 0.25 step trace on the H200 test GPU (qwen2.5-7b): step shapes, host gaps, idle periods; its NVML decode-phase energy is the calibration check below",
             "vllm_powersave/modelgen.py SHAPES['qwen2.5-7b']: layer sizes for the kernel-group roofline",
         ],
         "target": {"decode_energy_ratio_max": 0.75, "throughput_ratio_min": 0.99},
@@ -674,4 +675,4 @@ def markdown(o: dict) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -1,24 +1,15 @@
 """Simulated kernel groups, predict(), and the clock-preset benchmark's replay mechanics (all simulated)."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
 from vllm_powersave.modelgen import SHAPES, param_count
 from vllm_powersave.sim.gpu import H200, KernelGroupCost, ModelCost, StepWork, predict, simulate_kernel
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "sim_clock_presets.py"
-
 
 def _bench():
-    if "sim_clock_presets" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("sim_clock_presets", BENCH)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["sim_clock_presets"] = mod  # dataclasses look their module up
-        spec.loader.exec_module(mod)
-    return sys.modules["sim_clock_presets"]
+    from benchmarks import sim_clock_presets
+
+    return sim_clock_presets
 
 
 def test_kernel_group_weights_add_up_to_the_model():
@@ -71,3 +62,16 @@ def test_replay_per_phase_presets_save_decode_energy_without_losing_throughput()
     assert slow["throughput_ratio"] < r["throughput_ratio"]  # a slower switch lands on more compute-bound work
     # Same steps, same tokens: only time and energy differ.
     assert base["out_tokens"] == b.replay(trace, b.Strategy("per_phase", clocks))["out_tokens"]
+
+
+def test_h200_replay_reads_every_step_of_the_recorded_trace():
+    b = _bench()
+    trace, meta = b.h200_trace()
+    steps = [e for kind, e in trace.events if kind == "step"]
+    import gzip
+    import json
+
+    recorded = json.load(gzip.open(b.STEP_TRACE))["columns"]
+    assert len(steps) + meta["warmup_steps_skipped"] == len(recorded["dur_us"])
+    assert {s.phase for s in steps} <= set(b.PHASES) and all(s.host_gap_s >= 0 for s in steps)
+    assert meta["measured_energy_by_phase_j"]["decode"] > 0 and meta["vllm_version"] == "0.25.0"
