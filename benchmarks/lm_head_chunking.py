@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """LM-head chunking on a GPU: time and energy per chunk count and row count, for the chunking tuner.
 
 Runs ``vllm_powersave.tune.lmhead.measure`` (which calls ``apply_chunked``, the plugin's own code) on
@@ -11,8 +10,8 @@ GPU settings: no clock, power limit or other setting is touched. Without a GPU i
 on the CPU, energy simulated for an H200, labelled ``simulated`` in every point).
 
 Defaults measure qwen2.5-0.5b (hidden 896, vocab 151936) and llama3-8b (4096, 128256): 80 points,
-116 s wall on an H200 with a 2 s warm-up (measured 2026-11-30), ~114 s with the default 1 s. Needs only torch, nvidia-ml-py and this repository (run from its root or give its
-path in PYTHONPATH). Turn the output into the record with ``benchmarks/lmhead_chunking_record.py``.
+116 s wall on an H200 with a 2 s warm-up (measured 2026-11-30), ~114 s with the default 1 s. Needs only torch, nvidia-ml-py and this repository: ``python -m benchmarks.lm_head_chunking --out
+RAW.json`` from its root. Turn the output into the record with ``python -m benchmarks.lmhead_chunking_record``.
 """
 
 from __future__ import annotations
@@ -23,8 +22,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from vllm_powersave.tune import lmhead  # noqa: E402
+from vllm_powersave.tune import lmhead
+
+from .lib.device import require_dry_run
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     ap.add_argument("--out", required=True, help="raw JSON output path")
     ns = ap.parse_args(argv)
+    if ns.device != "cpu":
+        require_dry_run()  # a GPU job: only on a machine where nothing may change a GPU setting
     try:
         shapes, grid = lmhead.parse_shapes(ns.shapes), lmhead.parse_grid(ns.rows)
         chunks = lmhead.parse_ints(ns.chunks, "--chunks")
@@ -68,4 +70,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -1,13 +1,12 @@
-#!/usr/bin/env python3
 """Record of an LM-head chunking measurement: ``NAME.json`` + ``NAME.md`` from a raw benchmark file.
 
-Input: the JSON written by ``benchmarks/lm_head_chunking.py`` (any version: the first H200 run in
-``docs/results/raw/h200-lm-head-chunking-raw.json`` has no method/date fields; later runs do).
+Input: the JSON written by ``python -m benchmarks.lm_head_chunking`` (any version: the first H200
+run's raw file has no method/date fields; later runs do).
 Output, per model shape (hidden x vocab), mode and row count: the chunk counts tried, ms and J per
 call (mean, min, max, repeats), the energy windows, and the chunk count chosen by
 ``vllm_powersave.chunking.tune.choose_chunks``; per shape the resulting chunk table.
 
-    python benchmarks/lmhead_chunking_record.py RAW.json [--out docs/results/h200-lmhead-chunking] [--date YYYY-MM-DD] [--note TEXT]
+    python -m benchmarks.lmhead_chunking_record RAW.json [--out docs/results/h200-lmhead-chunking] [--date YYYY-MM-DD] [--note TEXT]
 """
 
 from __future__ import annotations
@@ -19,10 +18,9 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from vllm_powersave.chunking.tune import choose_chunks, combine_modes, to_table  # noqa: E402
+from vllm_powersave.chunking.tune import choose_chunks, combine_modes, to_table
 
-#: Shapes the issue asks for: a 0.5B-class and an 8B-class model.
+#: Shapes a record should cover: a 0.5B-class and an 8B-class model.
 CLASSES = {(896, 151936): "qwen2.5-0.5b (0.5B class)", (3584, 152064): "qwen2.5-7b (7B class)", (4096, 128256): "llama3-8b (8B class)"}
 REQUESTED = [(896, 151936), (4096, 128256)]
 
@@ -120,7 +118,7 @@ def build(raw: dict, raw_path: str, date: str | None = None, note: str | None = 
                f"- Device: {raw.get('device')}, torch {raw.get('torch')}" + (f", driver {raw['driver']}" if raw.get("driver") else "") + f". Energy: {src}.",
                f"- Windows: {wdesc}; {doc['repeats']} repeats per point in alternating chunk order. {edge}",
                f"- Shapes in this raw file: {', '.join(f'{h}x{v}' + (f' ({CLASSES[(h, v)]})' if (h, v) in CLASSES else '') for h, v in present)}."
-               + (f" **Not in it** (requested by issue 6): {', '.join(f'{h}x{v} ({CLASSES[(h, v)]})' for h, v in missing)}." if missing else ""),
+               + (f" **Not in it** (a requested shape): {', '.join(f'{h}x{v} ({CLASSES[(h, v)]})' for h, v in missing)}." if missing else ""),
                "- `mm`: logits only (decode batches, speculative rows). `mm+lsm`: logits, fp32 log-softmax and a gather per chunk "
                "(prompt logprobs).",
                f"- Choice rule: {doc['choice_rule']}. Spread = min–max over repeats.",
@@ -152,4 +150,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """The clock solver against public per-clock measurements (``../shared/data/dvfs/points.csv``).
 
 For every public workload with time *and* energy at three or more SM clocks, the predict-mode
@@ -10,7 +9,7 @@ measured saving and slowdown at the chosen clock, and the measured best clock un
 Workloads with time only are checked for the time model alone; the rest of the dataset (verbal
 figures, single clocks, kernel tables without curves) is listed with the reason it cannot be checked.
 
-    python benchmarks/solver_vs_public.py [--points ../shared/data/dvfs/points.csv] [--out docs/results/solver-vs-public]
+    python -m benchmarks.solver_vs_public [--points ../shared/data/dvfs/points.csv] [--out docs/results/solver-vs-public]
 """
 
 from __future__ import annotations
@@ -23,8 +22,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from vllm_powersave.tune.solver import DEFAULT, Curve, TwoPointModel, solve_single  # noqa: E402
+from vllm_powersave.tune.solver import DEFAULT, Curve, TwoPointModel, solve_single
 
 BUDGETS = (0.0, 0.05, 0.10, 0.25)
 #: A "default" (no lock) row of the acvram project stands at the card's top lock: its throughput
@@ -237,4 +235,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

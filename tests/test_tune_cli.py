@@ -2,9 +2,8 @@
 and the two record scripts (LM-head record converter, solver vs public data)."""
 
 import csv
-import importlib.util
+import importlib
 import json
-from pathlib import Path
 
 import pytest
 import yaml
@@ -17,15 +16,9 @@ from vllm_powersave.tune.energy import Window
 from vllm_powersave.tune.run import ENV_FORCE_DRY_RUN, GpuClockMeasurer, clock_mode, clock_permission
 from vllm_powersave.tune.solver import DEFAULT
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 def _script(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
+    return importlib.import_module(f"benchmarks.{name}")
 
 
 FAST = ["--profile-repeats", "1", "--window", "0.01", "--repeats", "2", "--rows", "8:decode,256:logprobs", "--no-progress"]
