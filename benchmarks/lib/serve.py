@@ -194,17 +194,3 @@ SUMMARY_KEYS = ("completed", "failed", "duration", "total_input_tokens", "total_
                 "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms", "median_itl_ms", "p99_itl_ms", "median_e2el_ms",
                 "gpu_energy_j", "gpu_avg_power_w", "gpu_energy_per_output_token_j", "output_tokens_per_joule",
                 "total_tokens_per_joule", "energy_source", "energy_window_s")
-
-
-def session_processes(server_pid: int) -> list[tuple[int, str, Path]]:
-    """``(pid, comm, /proc/<pid>)`` of every process in the server's session (API server, EngineCore, workers)."""
-    out = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            if os.getsid(int(d.name)) == server_pid:
-                out.append((int(d.name), (d / "comm").read_text().strip(), d))
-        except OSError:
-            continue
-    return out

@@ -8,7 +8,7 @@ so it lasts as long as the context and is not a device setting: no privilege is 
 nothing outlives the process. An engine started with the variable set runs unboosted; a tiny
 helper process that holds a *default* context brings the boost back, and dropping that context
 takes it away again. Whether the driver really combines sessions this way is a measured claim:
-``benchmarks/h200_perf_boost.py`` records idle power and SM clock with and without the holder.
+``docs/results/h200-perf-boost.md`` records idle power and SM clock with and without the holder.
 
 The helper is a separate process (not a second context in the engine) because CUDA reads the
 variable once per process. It is a child with a pipe on stdin: when the parent dies, the pipe
