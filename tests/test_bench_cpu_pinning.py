@@ -11,6 +11,8 @@ import pytest
 
 from benchmarks.lib import serve as ab
 
+pytestmark = pytest.mark.bench
+
 
 def test_cpulists_parse_ranges_and_singletons() -> None:
     assert ab.parse_cpulist("0-3,8,10-11\n") == {0, 1, 2, 3, 8, 10, 11}

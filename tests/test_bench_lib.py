@@ -14,6 +14,8 @@ from benchmarks.lib.ab import abba, paired, ratio_summary, run_abba
 from benchmarks.lib.device import require_dry_run
 from benchmarks.lib.stats import mean_ci95, ratio_ci95, t975
 
+pytestmark = pytest.mark.bench
+
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
 

@@ -8,6 +8,8 @@ import pytest
 
 from benchmarks.lib import serve as ab
 
+pytestmark = pytest.mark.bench
+
 
 def _listen(reuse_port: bool = False, port: int = 0) -> socket.socket:
     s = socket.socket()

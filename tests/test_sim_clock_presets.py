@@ -42,6 +42,7 @@ def test_predict_prices_groups_each_at_the_clock_with_the_cap():
     assert whole[0] < t_hi  # one roofline for the whole step overlaps what per-group pricing cannot
 
 
+@pytest.mark.bench
 def test_simulated_switch_latency_delays_each_request():
     b = _bench()
     c = b.SimClock(0.006)
@@ -51,6 +52,7 @@ def test_simulated_switch_latency_delays_each_request():
     assert c.at(1.006) == 900 and c.at(1.0079) == 900 and c.at(1.008) is None
 
 
+@pytest.mark.bench
 def test_replay_per_phase_presets_save_decode_energy_without_losing_throughput():
     b = _bench()
     trace = b.synthetic_trace(20.0, seed=5, host_gap_s=0.001)
@@ -64,6 +66,7 @@ def test_replay_per_phase_presets_save_decode_energy_without_losing_throughput()
     assert base["out_tokens"] == b.replay(trace, b.Strategy("per_phase", clocks))["out_tokens"]
 
 
+@pytest.mark.bench
 def test_h200_replay_reads_every_step_of_the_recorded_trace():
     b = _bench()
     trace, meta = b.h200_trace()

@@ -123,6 +123,7 @@ def test_gpu_sweep_driver_locks_each_clock_once_and_resets():
     assert nv.locked is None
 
 
+@pytest.mark.bench
 def test_lmhead_record_converter(tmp_path):
     rec = _script("lmhead_chunking_record")
     pts = []
@@ -149,6 +150,7 @@ def test_lmhead_record_converter(tmp_path):
     assert rec.main([str(tmp_path / "empty.json"), "--out", str(out)]) == 2
 
 
+@pytest.mark.bench
 def test_solver_vs_public_on_a_known_curve(tmp_path):
     svp = _script("solver_vs_public")
     rows = []
