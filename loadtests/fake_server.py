@@ -1,7 +1,7 @@
 """A small OpenAI-compatible fake server (aiohttp) with exact timing and error injection.
 
-Used by the tests (in a thread: :meth:`FakeServer.start`) and by ``benchmarks/harness_overhead.py``
-(in its own process: ``python -m loadtests.fake_server --port 0``). It binds to 127.0.0.1 only.
+Used by the tests (in a thread: :meth:`FakeServer.start`) and by harness benchmarks (in their own
+process: ``python -m loadtests.fake_server --port 0``; ``docs/results/harness-overhead.md``). It binds to 127.0.0.1 only.
 
 Timing: the first text chunk is written ``first_delay`` s after the request arrives, each further
 chunk ``itl_delay`` s after the previous one (0 = no sleep at all).
