@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Per-step host cost of the plugin's hooks (CPU, in-process): the overhead guard.
 
 vLLM's engine loop is host-bound for small models (a 0.5B decode step is ~2.2 ms on the H200,
@@ -122,7 +121,6 @@ def child() -> dict:
 
     import vllm_powersave.vllm_compat as vc
     from vllm_powersave import runtime
-    from vllm_powersave.energy.meters import EnergyMeter
     from vllm_powersave.phases import classify
     from vllm_powersave.runtime import WorkerRuntime
     from vllm_powersave.settings import ENV_SETTINGS_JSON, load_settings
