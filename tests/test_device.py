@@ -271,3 +271,14 @@ def test_no_module_outside_the_device_layer_imports_pynvml():
     assert offenders == {}
     # the check itself sees an import where there is one
     assert _imports_pynvml(device / "nvml.py")
+
+
+def test_metrics_label_clock_event_reasons_by_name(monkeypatch, tmp_path, warnings_seen):  # noqa: F811
+    nvml = FakeNvmlDevices(uuids=("GPU-aaaa-0000", "GPU-bbbb-1111"))  # reasons mask 0x4: SW power cap
+    runtime = make_runtime(monkeypatch, tmp_path, nvml)
+    try:
+        run_steps(runtime, nvml, 2)
+        m = scrape(tmp_path)
+    finally:
+        runtime.close()
+    assert m['powersave_clock_event_reasons{gpu="GPU-bbbb-1111",reasons="sw_power_cap"}'] == 4.0

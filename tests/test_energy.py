@@ -144,7 +144,7 @@ def test_collector_exposes_labelled_series(tmp_path):
     assert 'powersave_energy_simulated{gpu="GPU-a"} 1.0' in text
     assert 'powersave_steps_total{gpu="GPU-a",phase="decode"} 40.0' in text
     assert 'powersave_gpu_temperature_celsius{gpu="GPU-a"} 51.0' in text
-    assert 'powersave_clock_event_reasons{gpu="GPU-a"} 4.0' in text
+    assert 'powersave_clock_event_reasons{gpu="GPU-a",reasons="sw_power_cap"} 4.0' in text
     # Workers replace snapshots atomically: an unreadable rank file is a broken rank, whose energy
     # is unknown, so engine sums are left out rather than summed over the other ranks.
     assert 'powersave_energy_available{gpu="rank1",method="unknown"} 0.0' in text
