@@ -88,16 +88,22 @@ class ZeusdClient:
         self.target = target
         self.token = token
         self.timeout_s = timeout_s
+        self._prefix = ""
         if target.startswith(("http://", "https://")):
             u = urllib.parse.urlsplit(target)
-            self._tcp: tuple[str, int] | None = (u.hostname or "localhost", u.port or 80)
+            self._prefix = u.path.rstrip("/")  # a daemon behind a reverse proxy's path
+            https = u.scheme == "https"
+            self._tcp: tuple[str, int, bool] | None = (u.hostname or "localhost", u.port or (443 if https else 80), https)
         else:
             self._tcp = None
 
     def _connection(self) -> http.client.HTTPConnection:
         if self._tcp is None:
             return _UnixHTTPConnection(self.target, self.timeout_s)
-        return http.client.HTTPConnection(self._tcp[0], self._tcp[1], timeout=self.timeout_s)
+        host, port, https = self._tcp
+        if https:  # zeusd itself speaks plain HTTP; a TLS proxy may front it
+            return http.client.HTTPSConnection(host, port, timeout=self.timeout_s)
+        return http.client.HTTPConnection(host, port, timeout=self.timeout_s)
 
     def request(self, method: str, path: str, params: dict[str, Any] | None = None, group: str = "gpu-control") -> Any:
         """One request; returns the decoded JSON body (``None`` for an empty one).
@@ -112,7 +118,7 @@ class ZeusdClient:
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
         conn = self._connection()
         try:
-            conn.request(method, path + query, headers=headers)
+            conn.request(method, self._prefix + path + query, headers=headers)
             resp = conn.getresponse()
             body = resp.read()
         except (FileNotFoundError, ConnectionRefusedError, PermissionError) as exc:
