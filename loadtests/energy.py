@@ -6,18 +6,21 @@ Preference order:
    the vllm-powersave plugin, labels ``gpu``, ``phase``, ``source``) at ``{base}/metrics``.
 2. Local NVML total-energy counters (only meaningful when the server runs on this host).
 3. None: energy fields are ``None`` and the report says "no energy source".
+
+(Or Zeus's daemon ``zeusd``, when asked for.) NVML and zeusd are reached only through the
+package's device layer (:mod:`vllm_powersave.device`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import aiohttp
+
+from vllm_powersave.device import GpuError, NvmlGpu, ZeusdClient, device_count, init_nvml
 
 METRIC = "powersave_gpu_energy_joules"
 _SAMPLE_NAMES = {METRIC, METRIC + "_total"}
@@ -102,46 +105,37 @@ def diff_counters(before: dict[LabelKey, float], after: dict[LabelKey, float]) -
 
 
 class NvmlEnergy:
-    """Local GPU energy via ``nvmlDeviceGetTotalEnergyConsumption`` (mJ since driver load)."""
+    """Local GPU energy via NVML's total-energy counter (mJ since driver load), by NVML index."""
 
-    def __init__(self, handles: list[Any], indices: list[int], nvml: Any) -> None:
-        self._handles = handles
+    def __init__(self, gpus: list[NvmlGpu], indices: list[int]) -> None:
+        self._gpus = gpus
         self._indices = indices
-        self._nvml = nvml
 
     @classmethod
     def open(cls, gpus: list[int] | None) -> tuple[NvmlEnergy | None, str]:
         """Return ``(reader, "")`` or ``(None, reason)`` when NVML or the counter is unavailable."""
         try:
-            import pynvml  # nvidia-ml-py; optional at runtime
-        except ImportError:
-            return None, "pynvml not installed"
-        try:
-            pynvml.nvmlInit()
-            count = pynvml.nvmlDeviceGetCount()
+            nvml = init_nvml()
+            count = device_count(nvml)
             indices = list(range(count)) if gpus is None else list(gpus)
             if not indices:
                 return None, "no GPUs visible to NVML"
             bad = [i for i in indices if i >= count]
             if bad:
                 return None, f"GPU indices {bad} not present (NVML sees {count})"
-            handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in indices]
-            reader = cls(handles, indices, pynvml)
-            reader.read_j()  # fails early on GPUs without the energy counter (pre-Volta)
+            reader = cls([NvmlGpu.from_index(i, nvml) for i in indices], indices)
+            reader.read_j()  # fails early on GPUs without the energy counter (pre-Volta) and on MIG devices
             return reader, ""
-        except Exception as e:  # NVMLError has many subclasses; any of them means "unavailable"
+        except GpuError as e:  # any of them means "unavailable"
             return None, f"NVML unavailable: {e}"
 
     def read_j(self) -> float:
         """Sum of the selected GPUs' energy counters in joules."""
-        return sum(self._nvml.nvmlDeviceGetTotalEnergyConsumption(h) for h in self._handles) / 1000.0
+        return sum(g.total_energy_mj() for g in self._gpus) / 1000.0
 
     def per_gpu_j(self) -> dict[str, float]:
         """Per-GPU counter values in joules, keyed by index."""
-        return {
-            str(i): self._nvml.nvmlDeviceGetTotalEnergyConsumption(h) / 1000.0
-            for i, h in zip(self._indices, self._handles)
-        }
+        return {str(i): g.total_energy_mj() / 1000.0 for i, g in zip(self._indices, self._gpus)}
 
     async def aligned_per_gpu_j(self, max_wait_s: float = 0.25, poll_s: float = 0.002) -> tuple[float, dict[str, float]]:
         """``(t, per-GPU joules)`` taken right when the first GPU's counter updates.
@@ -151,11 +145,11 @@ class NvmlEnergy:
         update removes that quantisation; the window then grows by < 100 ms per edge (the energy
         of that time is real and stays in). Falls back to a plain read after ``max_wait_s``.
         """
-        h0 = self._handles[0]
-        first = self._nvml.nvmlDeviceGetTotalEnergyConsumption(h0)
+        g0 = self._gpus[0]
+        first = g0.total_energy_mj()
         deadline = time.perf_counter() + max_wait_s
         while time.perf_counter() < deadline:
-            if self._nvml.nvmlDeviceGetTotalEnergyConsumption(h0) != first:
+            if g0.total_energy_mj() != first:
                 break
             await asyncio.sleep(poll_s)
         return time.perf_counter(), self.per_gpu_j()
@@ -255,13 +249,12 @@ class Sample:
 
 
 def _nvml_gauges(nvml: NvmlEnergy) -> tuple[float | None, float | None]:
-    """Summed power (W) and mean SM clock (MHz) of the selected GPUs; read-only NVML queries."""
+    """Summed power (W, NVML's 1 s average) and mean SM clock (MHz) of the selected GPUs; read-only."""
     try:
-        lib = nvml._nvml
-        power = sum(lib.nvmlDeviceGetPowerUsage(h) for h in nvml._handles) / 1000.0
-        clocks = [lib.nvmlDeviceGetClockInfo(h, getattr(lib, "NVML_CLOCK_SM", 1)) for h in nvml._handles]
+        power = sum(g.average_power_w() for g in nvml._gpus)
+        clocks = [g.sm_clock_mhz() for g in nvml._gpus]
         return power, sum(clocks) / len(clocks)
-    except Exception:  # older drivers / fakes without these queries: timeline just lacks them
+    except GpuError:  # older drivers / fakes without these queries: timeline just lacks them
         return None, None
 
 
@@ -273,50 +266,32 @@ class ZeusdEnergy:
     (zeusd 0.4+, ``zeusd/src/routes/gpu.rs`` of ml-energy/zeus). Reached over TCP
     (``http://node:4938``, e.g. a server on another host) or its Unix socket (a path); a JWT from
     ``$ZEUSD_TOKEN`` goes in ``Authorization: Bearer``. GPU indices are zeusd's (NVML order).
+    The device layer's :class:`~vllm_powersave.device.ZeusdClient` makes each (blocking) request on a
+    worker thread, so the event loop driving the load never waits on the daemon. Only the given
+    address is contacted (no proxy from the environment).
     """
 
     def __init__(self, target: str, gpus: list[int] | None, timeout_s: float, token: str | None) -> None:
-        self._unix = None if target.startswith(("http://", "https://")) else target
-        self._base = "http://zeusd" if self._unix else target.rstrip("/")
-        self._query = {"gpu_ids": ",".join(str(g) for g in gpus)} if gpus else {}
-        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
-        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._session: aiohttp.ClientSession | None = None
-
-    async def _get(self, path: str) -> Any:
-        if self._session is None:
-            conn = aiohttp.UnixConnector(path=self._unix) if self._unix else None
-            # trust_env=False: no proxy from the environment; only the given address is contacted.
-            self._session = aiohttp.ClientSession(connector=conn, trust_env=False)
-        async with self._session.get(self._base + path, params=self._query, headers=self._headers, timeout=self._timeout,
-                                     allow_redirects=False) as resp:
-            text = await resp.text(errors="replace")
-            if resp.status != 200:
-                hint = {401: " (token missing)", 403: " (token without gpu-read scope)",
-                        404: " (gpu-read API group not enabled)"}.get(resp.status, "")
-                raise RuntimeError(f"zeusd {path}: HTTP {resp.status}{hint}: {text.strip()[:120]}")
-            return json.loads(text)
+        self._client = ZeusdClient(target, token, timeout_s)
+        self._gpus = list(gpus) if gpus else None
 
     async def per_gpu_j(self) -> dict[str, float]:
         """Per-GPU counter values in joules, keyed by zeusd's GPU index. Raises on any failure."""
-        body = await self._get("/gpu/get_cumulative_energy")
-        out = {str(k): float(v["energy_mj"]) / 1000.0 for k, v in body.items()}
-        if not out:
+        mj = await asyncio.to_thread(self._client.total_energy_mj, self._gpus)
+        if not mj:
             raise RuntimeError("zeusd /gpu/get_cumulative_energy: no GPU in the reply")
-        return out
+        return {str(k): v / 1000.0 for k, v in mj.items()}
 
     async def power_w(self) -> float | None:
         """Summed instant power (W) of the selected GPUs, or None."""
         try:
-            body = await self._get("/gpu/get_power")
-            return sum(float(v) for v in body["power_mw"].values()) / 1000.0
-        except Exception:  # gauges are optional
+            mw = await asyncio.to_thread(self._client.power_mw, self._gpus)
+            return sum(mw.values()) / 1000.0
+        except GpuError:  # gauges are optional
             return None
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        """Nothing to release: the client keeps no connection between requests."""
 
 
 class EnergyMeter:

@@ -21,6 +21,7 @@ from fakes import FakeNvml
 from vllm_powersave.clocks import ClockController, LeaseStore, NvmlClockBackend
 from vllm_powersave.clocks.backends import reset_from_lease
 from vllm_powersave.clocks.watchdog import check_heartbeats, watch
+from vllm_powersave.device import NvmlGpu
 from vllm_powersave.settings import load_settings
 
 TESTS = Path(__file__).parent
@@ -56,7 +57,7 @@ def test_nvml_error_at_every_call_leaves_gpu_unlocked(tmp_path, caplog, err, cal
     nvml = FakeNvml(mem_locks=True)
     nvml.inject(call, ERRORS[err], times=None if mode == "always" else 1, after=mode == "after")
     with caplog.at_level(logging.WARNING, logger="vllm.powersave.clocks"):
-        ctl = ClockController(NvmlClockBackend(nvml, "h0"), _settings(tmp_path), gpu_id="GPU-f", asynchronous=False, watchdog=False)
+        ctl = ClockController(NvmlClockBackend(NvmlGpu(nvml, "h0")), _settings(tmp_path), gpu_id="GPU-f", asynchronous=False, watchdog=False)
         for phase in ["decode", "prefill", "decode", "idle", "prefill", "decode"]:
             ctl.on_phase(phase)  # never raises
         ctl.close()
@@ -79,7 +80,7 @@ def test_nvml_error_at_every_call_leaves_gpu_unlocked(tmp_path, caplog, err, cal
 
 def test_memory_clock_locked_where_supported_and_ignored_with_one_warning_where_not(tmp_path, caplog):
     nvml = FakeNvml(mem_locks=True)
-    ctl = ClockController(NvmlClockBackend(nvml, "h0"), _settings(tmp_path, presets={"decode": {"sm_clock_mhz": 1210, "mem_clock_mhz": 2500}}),
+    ctl = ClockController(NvmlClockBackend(NvmlGpu(nvml, "h0")), _settings(tmp_path, presets={"decode": {"sm_clock_mhz": 1210, "mem_clock_mhz": 2500}}),
                           gpu_id="GPU-m", asynchronous=False, watchdog=False)
     assert ctl.presets["decode"].mem_clock_mhz == 2201  # snapped to the supported list (3201, 2201)
     ctl.on_phase("decode")
@@ -90,7 +91,7 @@ def test_memory_clock_locked_where_supported_and_ignored_with_one_warning_where_
 
     h200 = FakeNvml(mem_locks=False)  # the H200: no memory locks
     with caplog.at_level(logging.WARNING, logger="vllm.powersave.clocks"):
-        ctl = ClockController(NvmlClockBackend(h200, "h0"), _settings(tmp_path), gpu_id="GPU-h", asynchronous=False, watchdog=False)
+        ctl = ClockController(NvmlClockBackend(NvmlGpu(h200, "h0")), _settings(tmp_path), gpu_id="GPU-h", asynchronous=False, watchdog=False)
         for phase in ["decode", "prefill", "decode"]:
             ctl.on_phase(phase)
     assert ctl.disabled_reason is None and h200.locked == (1200, 1200)
@@ -103,7 +104,7 @@ def test_memory_clock_locked_where_supported_and_ignored_with_one_warning_where_
 def test_out_of_range_presets_snap_to_the_supported_list(tmp_path):
     nvml = FakeNvml()
     s = _settings(tmp_path, presets={"decode": {"sm_clock_mhz": 4000}, "idle": {"sm_clock_mhz": 100}, "mixed": {"sm_clock_mhz": 1000}})
-    ctl = ClockController(NvmlClockBackend(nvml, "h0"), s, gpu_id="GPU-s", asynchronous=False, watchdog=False)
+    ctl = ClockController(NvmlClockBackend(NvmlGpu(nvml, "h0")), s, gpu_id="GPU-s", asynchronous=False, watchdog=False)
     assert {p: c.sm_clock_mhz for p, c in ctl.presets.items()} == {"decode": 1980, "idle": 345, "mixed": 990}
     ctl.close()
 
@@ -119,12 +120,13 @@ CHILD = textwrap.dedent("""
     sys.path[:0] = [{tests!r}, {repo!r}]
     from fakes import FakeNvml
     from vllm_powersave.clocks import ClockController, NvmlClockBackend
+    from vllm_powersave.device import NvmlGpu
     from vllm_powersave.settings import load_settings
     mode = sys.argv[1]
     nvml = FakeNvml(state_file={state!r})
     s = load_settings({{"clocks": {{"backend": "nvml", "min_dwell_ms": 0, "lease_dir": {leases!r}, "heartbeat_timeout_s": 1,
                         "presets": {{"decode": {{"sm_clock_mhz": 1200}}}}}}}}, env={{}}).clocks
-    ctl = ClockController(NvmlClockBackend(nvml, "h0"), s, gpu_id="GPU-k", asynchronous=True, watchdog=False)
+    ctl = ClockController(NvmlClockBackend(NvmlGpu(nvml, "h0")), s, gpu_id="GPU-k", asynchronous=True, watchdog=False)
     ctl.on_phase("decode")
     while nvml.locked is None:
         time.sleep(0.005)
@@ -174,7 +176,7 @@ def test_sigkill_lock_recovered_at_next_start(tmp_path):
     proc.kill()
     proc.wait()
     assert gpu.locked == (1200, 1200) and [lease["pid"] for lease in leases.stale()] == [proc.pid]
-    nxt = ClockController(NvmlClockBackend(gpu, "h0"), _settings(tmp_path), gpu_id="GPU-k", asynchronous=False, watchdog=False)
+    nxt = ClockController(NvmlClockBackend(NvmlGpu(gpu, "h0")), _settings(tmp_path), gpu_id="GPU-k", asynchronous=False, watchdog=False)
     assert gpu.locked is None and leases.all() == []
     nxt.close()
 
@@ -230,7 +232,7 @@ def test_frozen_engine_reset_by_watchdog_heartbeat_and_stops_clock_control(tmp_p
 
 def test_hung_step_withholds_heartbeat_and_revocation_stops_control(tmp_path):
     nvml = FakeNvml()
-    ctl = ClockController(NvmlClockBackend(nvml, "h0"), _settings(tmp_path, heartbeat_timeout_s=5), gpu_id="GPU-hb", asynchronous=False, watchdog=False)
+    ctl = ClockController(NvmlClockBackend(NvmlGpu(nvml, "h0")), _settings(tmp_path, heartbeat_timeout_s=5), gpu_id="GPU-hb", asynchronous=False, watchdog=False)
     leases = LeaseStore(tmp_path / "leases")
     assert ctl.heartbeat() is False  # nothing locked: nothing to guard
     ctl.on_phase("decode")
@@ -259,7 +261,7 @@ def test_hung_step_withholds_heartbeat_and_revocation_stops_control(tmp_path):
 def test_permission_error_after_an_earlier_lock_resets_it(tmp_path, caplog):
     """A token that expires (or a daemon that goes away) mid-run: the earlier lock is undone."""
     nvml = FakeNvml()
-    ctl = ClockController(NvmlClockBackend(nvml, "h0"), _settings(tmp_path), gpu_id="GPU-p", asynchronous=False, watchdog=False)
+    ctl = ClockController(NvmlClockBackend(NvmlGpu(nvml, "h0")), _settings(tmp_path), gpu_id="GPU-p", asynchronous=False, watchdog=False)
     ctl.on_phase("decode")
     assert nvml.locked == (1200, 1200)
     nvml.inject("nvmlDeviceSetGpuLockedClocks", 4, times=None)

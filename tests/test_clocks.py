@@ -8,6 +8,7 @@ import pytest
 from fakes import FakeNvml
 
 from vllm_powersave.clocks import ClockController, DryRunClockBackend, LeaseStore, NvmlClockBackend, SimulatedClockBackend
+from vllm_powersave.device import NvmlGpu
 from vllm_powersave.settings import load_settings
 from vllm_powersave.sim.gpu import SimulatedGpu
 
@@ -28,7 +29,7 @@ def _settings(tmp_path, **clocks):
 
 
 def _ctl(tmp_path, nvml, clock, **kw):
-    return ClockController(NvmlClockBackend(nvml, "h0"), _settings(tmp_path, **kw), gpu_id="GPU-test", asynchronous=False, clock=clock, watchdog=False)
+    return ClockController(NvmlClockBackend(NvmlGpu(nvml, "h0")), _settings(tmp_path, **kw), gpu_id="GPU-test", asynchronous=False, clock=clock, watchdog=False)
 
 
 def test_presets_snap_to_supported_clocks(tmp_path):
@@ -147,7 +148,7 @@ def test_async_apply_coalesces_to_latest_target(tmp_path):
             super().nvmlDeviceResetGpuLockedClocks(h)
 
     nvml, clock = SlowNvml(), Clock()
-    ctl = ClockController(NvmlClockBackend(nvml, "h0"), _settings(tmp_path, min_dwell_ms=0), gpu_id="GPU-a", asynchronous=True, clock=clock, watchdog=False)
+    ctl = ClockController(NvmlClockBackend(NvmlGpu(nvml, "h0")), _settings(tmp_path, min_dwell_ms=0), gpu_id="GPU-a", asynchronous=True, clock=clock, watchdog=False)
     for phase in ["decode", "prefill"] * 7 + ["decode"]:
         ctl.on_phase(phase)
     assert len(ctl.decisions) == 15
@@ -221,7 +222,7 @@ def test_close_racing_a_pending_reset_leaves_no_lock(tmp_path):
 
     for _ in range(20):
         nvml, clock = FakeNvml(), Clock()
-        ctl = ClockController(NvmlClockBackend(nvml, "h0"), _settings(tmp_path, min_dwell_ms=0), gpu_id="GPU-r",
+        ctl = ClockController(NvmlClockBackend(NvmlGpu(nvml, "h0")), _settings(tmp_path, min_dwell_ms=0), gpu_id="GPU-r",
                               asynchronous=True, clock=clock, watchdog=False)
         ctl.on_phase("decode")
         _time.sleep(0.01)
@@ -240,7 +241,7 @@ def test_slow_set_finishing_after_close_started_is_undone(tmp_path):
             super().nvmlDeviceSetGpuLockedClocks(h, lo, hi)
 
     nvml = SlowSet()
-    ctl = ClockController(NvmlClockBackend(nvml, "h0"), _settings(tmp_path, min_dwell_ms=0), gpu_id="GPU-s",
+    ctl = ClockController(NvmlClockBackend(NvmlGpu(nvml, "h0")), _settings(tmp_path, min_dwell_ms=0), gpu_id="GPU-s",
                           asynchronous=True, clock=Clock(), watchdog=False)
     ctl.on_phase("decode")
     _time.sleep(0.05)  # the set is in flight

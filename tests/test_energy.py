@@ -3,6 +3,7 @@ import json
 import pytest
 from fakes import FakeNvml, metrics_text
 
+from vllm_powersave.device import NvmlGpu
 from vllm_powersave.energy import NvmlEnergyMeter, PhaseEnergyAccount, SimulatedEnergyMeter
 from vllm_powersave.metrics import PowersaveCollector
 from vllm_powersave.sim.gpu import H200, ModelCost, SimulatedGpu, StepWork, simulate_step
@@ -18,7 +19,7 @@ class Clock:
 
 def test_nvml_meter_deltas_reset_and_fault():
     nvml, clock = FakeNvml(energy_mj=5_000_000), Clock()
-    m = NvmlEnergyMeter(nvml, "h", "GPU-0", clock=clock, interpolate=False)
+    m = NvmlEnergyMeter(NvmlGpu(nvml, "h", "GPU-0"), clock=clock, interpolate=False)
     assert m.energy_j() == 0.0 and m.method == "energy-counter"
     clock.t += 0.1
     nvml.energy_mj += 1500
@@ -39,7 +40,7 @@ def test_nvml_meter_deltas_reset_and_fault():
 
 def test_account_splits_tick_energy_by_phase_time_and_sums_to_total():
     nvml, clock = FakeNvml(energy_mj=0), Clock()
-    meter = NvmlEnergyMeter(nvml, "h", clock=clock, interpolate=False)
+    meter = NvmlEnergyMeter(NvmlGpu(nvml, "h"), clock=clock, interpolate=False)
     acc = PhaseEnergyAccount(meter, idle_after_s=0.25, clock=clock)
     reads = []
     orig = meter.energy_j
@@ -78,7 +79,7 @@ def test_account_splits_tick_energy_by_phase_time_and_sums_to_total():
 
 def test_account_step_spanning_ticks_keeps_its_phase():
     nvml, clock = FakeNvml(energy_mj=0), Clock()
-    acc = PhaseEnergyAccount(NvmlEnergyMeter(nvml, "h", clock=clock, interpolate=False), idle_after_s=0.25, clock=clock)
+    acc = PhaseEnergyAccount(NvmlEnergyMeter(NvmlGpu(nvml, "h"), clock=clock, interpolate=False), idle_after_s=0.25, clock=clock)
     acc.on_step("decode")
     clock.t += 0.1
     nvml.energy_mj += 40_000
@@ -143,7 +144,7 @@ def test_collector_exposes_labelled_series(tmp_path):
     assert 'powersave_energy_simulated{gpu="GPU-a"} 1.0' in text
     assert 'powersave_steps_total{gpu="GPU-a",phase="decode"} 40.0' in text
     assert 'powersave_gpu_temperature_celsius{gpu="GPU-a"} 51.0' in text
-    assert 'powersave_clock_event_reasons{gpu="GPU-a"} 4.0' in text
+    assert 'powersave_clock_event_reasons{gpu="GPU-a",reasons="sw_power_cap"} 4.0' in text
     # Workers replace snapshots atomically: an unreadable rank file is a broken rank, whose energy
     # is unknown, so engine sums are left out rather than summed over the other ranks.
     assert 'powersave_energy_available{gpu="rank1",method="unknown"} 0.0' in text
@@ -155,7 +156,7 @@ def test_collector_exposes_labelled_series(tmp_path):
 
 def test_per_request_energy_token_share_and_sum_invariant():
     nvml, clock = FakeNvml(energy_mj=0), Clock()
-    meter = NvmlEnergyMeter(nvml, "h", clock=clock, interpolate=False)
+    meter = NvmlEnergyMeter(NvmlGpu(nvml, "h"), clock=clock, interpolate=False)
     done = {}
     acc = PhaseEnergyAccount(meter, idle_after_s=0.25, clock=clock, per_request=True, on_request_done=lambda r, j: done.__setitem__(r, j))
 
@@ -201,7 +202,7 @@ def test_shadow_gpu_prices_identical_steps_at_stock_clocks():
 def test_finished_ids_from_an_empty_step_still_close_requests():
     nvml, clock = FakeNvml(energy_mj=0), Clock()
     done = {}
-    acc = PhaseEnergyAccount(NvmlEnergyMeter(nvml, "h", clock=clock, interpolate=False), clock=clock, per_request=True, on_request_done=lambda r, j: done.__setitem__(r, j))
+    acc = PhaseEnergyAccount(NvmlEnergyMeter(NvmlGpu(nvml, "h"), clock=clock, interpolate=False), clock=clock, per_request=True, on_request_done=lambda r, j: done.__setitem__(r, j))
     acc.on_step("decode", req_tokens={"a": 1})
     clock.t += 0.1
     nvml.energy_mj += 30_000
@@ -220,11 +221,11 @@ import random  # noqa: E402
 
 from fakes import FakeNvmlDevices  # noqa: E402
 
+from vllm_powersave.device import resolve_nvml_device  # noqa: E402
 from vllm_powersave.energy.meters import (  # noqa: E402
     PowerSamplingEnergyMeter,
     UnavailableEnergyMeter,
     open_nvml_meter,
-    resolve_nvml_device,
 )
 
 UUIDS = ("GPU-aaaa-0000", "GPU-bbbb-1111", "GPU-cccc-2222", "GPU-dddd-3333")
@@ -288,7 +289,7 @@ def test_counter_edges_interpolated_with_instant_power():
         segs.append((t, rng.choice([150.0, 300.0, 450.0, 650.0])))
     gpu = CounterGpu(clock, segs)
     clock.t = 0.5
-    meter = NvmlEnergyMeter(gpu, 0, "GPU-x", clock=clock, counter_period_s=0.1)
+    meter = NvmlEnergyMeter(NvmlGpu(gpu, 0, "GPU-x"), clock=clock, counter_period_s=0.1)
     gpu.period = 0.1004  # the real period differs a little from the nominal one: learnt
     meter.sync_every_s = 5.0
 
@@ -327,7 +328,7 @@ def test_counter_edges_interpolated_with_instant_power():
 def test_counter_wrap_reset_and_absurd_jump_are_reported_never_negative(caplog):
     nvml, clock = FakeNvmlDevices(power_w=200.0), Clock()
     nvml.energy_mj = [(1 << 32) - 5_000]
-    m = NvmlEnergyMeter(nvml, 0, "GPU-w", clock=clock, interpolate=False)
+    m = NvmlEnergyMeter(NvmlGpu(nvml, 0, "GPU-w"), clock=clock, interpolate=False)
     clock.t += 0.1
     nvml.energy_mj[0] = 15_000  # 32-bit wrap: 20 J in 0.1 s is plausible
     assert m.energy_j() == pytest.approx(20.0) and m.counter_wraps == 1 and m.counter_resets == 0
@@ -346,7 +347,7 @@ def test_counter_wrap_reset_and_absurd_jump_are_reported_never_negative(caplog):
 def test_gpu_without_counter_falls_back_to_power_sampling(caplog):
     nvml, clock = FakeNvmlDevices(power_w=100.0), Clock()
     nvml.faults["nvmlDeviceGetTotalEnergyConsumption"] = nvml.NVML_ERROR_NOT_SUPPORTED  # pre-Volta / vGPU
-    m = open_nvml_meter(nvml, 0, "GPU-p", clock=clock, start_thread=False)
+    m = open_nvml_meter(NvmlGpu(nvml, 0, "GPU-p"), clock=clock, start_thread=False)
     assert isinstance(m, PowerSamplingEnergyMeter) and (m.source, m.method) == ("measured", "power-sampling")
     assert [r.levelno for r in caplog.records] == [logging.WARNING]
     for _ in range(10):  # 1 s at 100 W
@@ -367,7 +368,7 @@ def test_gpu_without_counter_falls_back_to_power_sampling(caplog):
 def test_no_counter_and_no_power_is_unavailable_with_one_warning(caplog):
     nvml = FakeNvmlDevices()
     nvml.faults.update(nvmlDeviceGetTotalEnergyConsumption=3, nvmlDeviceGetFieldValues=3, nvmlDeviceGetPowerUsage=3)
-    m = open_nvml_meter(nvml, 0, "GPU-n", start_thread=False)
+    m = open_nvml_meter(NvmlGpu(nvml, 0, "GPU-n"), start_thread=False)
     assert isinstance(m, UnavailableEnergyMeter) and m.energy_j() is None and not m.available
     assert len(caplog.records) == 1
 
@@ -376,7 +377,7 @@ def test_steady_state_and_sliding_window():
     """Steps flagged steady (batch at its limit) get their time share of each tick's energy; the
     sliding window covers the last window_s of ticks, idle included."""
     nvml, clock = FakeNvml(energy_mj=0), Clock()
-    acc = PhaseEnergyAccount(NvmlEnergyMeter(nvml, "h", clock=clock, interpolate=False), idle_after_s=0.25, clock=clock, window_s=1.0)
+    acc = PhaseEnergyAccount(NvmlEnergyMeter(NvmlGpu(nvml, "h"), clock=clock, interpolate=False), idle_after_s=0.25, clock=clock, window_s=1.0)
 
     def step(steady, dt, watts, decode=4):
         acc.on_step("decode", decode_tokens=decode, steady=steady)

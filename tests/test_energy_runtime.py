@@ -12,6 +12,7 @@ from fakes import FakeNvmlDevices, metrics_text
 
 from vllm_powersave import runtime as rt_mod
 from vllm_powersave import vllm_compat
+from vllm_powersave.device import NvmlGpu
 from vllm_powersave.energy import PhaseEnergyAccount
 from vllm_powersave.energy.meters import NvmlEnergyMeter
 from vllm_powersave.request_energy import RequestEnergyIndex
@@ -245,7 +246,7 @@ def test_requests_plus_idle_equal_measured_total_within_1_percent_with_interpola
         true_j[0] += watts * (end - clock.t)
         clock.t = end
 
-    meter = NvmlEnergyMeter(nvml, 0, "g", clock=clock)
+    meter = NvmlEnergyMeter(NvmlGpu(nvml, 0, "g"), clock=clock)
     done = {}
     acc = PhaseEnergyAccount(meter, idle_after_s=0.25, clock=clock, per_request=True, on_request_done=lambda r, j: done.__setitem__(r, j))
     running, finished, n, next_tick = {}, [], 0, 0.125

@@ -11,6 +11,7 @@ from fakes import FakeNvml
 
 from vllm_powersave.cli import main
 from vllm_powersave.clocks.backends import NvmlClockBackend
+from vllm_powersave.device import NvmlGpu
 from vllm_powersave.settings import load_settings
 from vllm_powersave.tune.energy import Window
 from vllm_powersave.tune.run import ENV_FORCE_DRY_RUN, GpuClockMeasurer, clock_mode, clock_permission
@@ -102,16 +103,16 @@ def test_clock_permission_reads_cap_sys_admin(tmp_path, monkeypatch):
 
 def test_gpu_sweep_driver_locks_each_clock_once_and_resets():
     nv = FakeNvml()
-    backend = NvmlClockBackend(nv, handle=0)
+    backend = NvmlClockBackend(NvmlGpu(nv, 0))
     seen = []
 
-    def window(call, window_s, nvml, handle):  # stands in for the NVML energy window
+    def window(call, window_s, gpu):  # stands in for the NVML energy window
         call()
         f = nv.locked[0] if nv.locked else 1980
         seen.append(f)
         return Window(ms_per_call=1000.0 / f, j_per_call=f / 1000.0, window_s=window_s, calls=1, power_w=1.0, sm_clock_mhz=f, source="measured")
 
-    m = GpuClockMeasurer(backend, {"mlp": lambda: None}, {"mlp": 28.0}, 1.0, nv, 0, window_fn=window, settle_s=0.0)
+    m = GpuClockMeasurer(backend, {"mlp": lambda: None}, {"mlp": 28.0}, 1.0, NvmlGpu(nv, 0), window_fn=window, settle_s=0.0)
     try:
         assert m("mlp", 1200) == pytest.approx((28 * 1 / 1200, 28 * 1.2))
         m("mlp", 1200)

@@ -115,10 +115,10 @@ def test_counter_poller_records_each_update_with_its_time():
 
     t0 = time.perf_counter()
 
-    def read(_h):  # NVML-like: advances every 20 ms by 2000 mJ (100 W)
+    def read():  # NVML-like: advances every 20 ms by 2000 mJ (100 W)
         return int((time.perf_counter() - t0) / 0.02) * 2000
 
-    p = _CounterPoller(read, None, 0.001)
+    p = _CounterPoller(read, 0.001)
     p.start()
     time.sleep(0.25)
     p.stop_evt.set()

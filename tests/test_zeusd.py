@@ -11,6 +11,7 @@ from fakes import FakeNvml, FakeZeusd
 
 from vllm_powersave.clocks import ClockController, LeaseStore
 from vllm_powersave.clocks.backends import ClockPermissionError, ZeusdClockBackend, reset_from_lease
+from vllm_powersave.device import NvmlGpu
 from vllm_powersave.settings import load_settings
 
 
@@ -151,14 +152,14 @@ def test_runtime_builds_the_zeusd_backend_or_falls_back_with_one_warning(tmp_pat
     nvml = FakeNvml()
     sock = str(tmp_path / "zeusd.sock")
     with caplog.at_level(logging.WARNING, logger="vllm.powersave"):
-        b = WorkerRuntime._zeusd_backend(me, load({"clocks": {"backend": "zeusd"}}, env={}), nvml, "h0")
+        b = WorkerRuntime._zeusd_backend(me, load({"clocks": {"backend": "zeusd"}}, env={}), NvmlGpu(nvml, "h0"))
     assert isinstance(b, DryRunClockBackend) and "ZEUSD_SOCK_PATH" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="vllm.powersave"):
-        b = WorkerRuntime._zeusd_backend(me, load({"clocks": {"backend": "zeusd", "zeusd_socket": sock}}, env={}), nvml, "h0")
+        b = WorkerRuntime._zeusd_backend(me, load({"clocks": {"backend": "zeusd", "zeusd_socket": sock}}, env={}), NvmlGpu(nvml, "h0"))
     assert isinstance(b, DryRunClockBackend) and len([r for r in caplog.records if "dry-run" in r.getMessage()]) == 1
     monkeypatch.setenv("ZEUSD_SOCK_PATH", sock)
     with FakeZeusd(sock, [FakeNvml(), FakeNvml()], pci=["0000:01:00.0", "0000:41:00.0"]):
-        b = WorkerRuntime._zeusd_backend(me, load({"clocks": {"backend": "zeusd"}}, env={}), nvml, "h0")
+        b = WorkerRuntime._zeusd_backend(me, load({"clocks": {"backend": "zeusd"}}, env={}), NvmlGpu(nvml, "h0"))
     assert isinstance(b, ZeusdClockBackend) and b.gpu_index == 1  # matched by PCI address, not by CUDA index
     assert b.supported_sm_clocks() == (345, 990, 1200, 1500, 1980)  # read locally with NVML

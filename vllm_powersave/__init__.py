@@ -115,15 +115,11 @@ def _server_facts(engine_args: object, settings: object) -> dict:
     facts = {"gpu_name": None, "driver": None, "vllm_version": vllm_compat.vllm_version(),
              "model": str(getattr(engine_args, "model", "") or "")}
     try:
-        import pynvml
+        from .device import NvmlGpu, driver_version
 
-        pynvml.nvmlInit()
-        first = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0].strip()
-        h = pynvml.nvmlDeviceGetHandleByUUID(first) if first.startswith(("GPU-", "MIG-")) else pynvml.nvmlDeviceGetHandleByIndex(int(first))
-        name = pynvml.nvmlDeviceGetName(h)
-        drv = pynvml.nvmlSystemGetDriverVersion()
-        facts["gpu_name"] = name.decode() if isinstance(name, bytes) else str(name)
-        facts["driver"] = drv.decode() if isinstance(drv, bytes) else str(drv)
+        gpu = NvmlGpu.for_cuda_device(0, visible=os.environ.get("CUDA_VISIBLE_DEVICES"))  # CUDA device 0, no CUDA init
+        facts["gpu_name"] = gpu.name()
+        facts["driver"] = driver_version(gpu.nvml)
     except Exception:
         clocks = getattr(settings, "clocks", None)
         if getattr(clocks, "backend", None) == "simulated":

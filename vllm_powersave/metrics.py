@@ -40,6 +40,8 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from .device import decode_clock_event_reasons
+
 log = logging.getLogger("vllm.powersave")
 
 
@@ -176,7 +178,8 @@ class PowersaveCollector(Collector):
         target = GaugeMetricFamily("powersave_clock_target_mhz", "SM clock the controller wants (MHz; 0 = driver default)", labels=["gpu", "backend"])
         temp = GaugeMetricFamily("powersave_gpu_temperature_celsius", "GPU temperature (°C, measured)", labels=["gpu"])
         mem_clock = GaugeMetricFamily("powersave_mem_clock_mhz", "Memory clock (MHz, measured)", labels=["gpu"])
-        reasons = GaugeMetricFamily("powersave_clock_event_reasons", "NVML clock-event (throttle) reasons bitmask (0x4 SW power cap, 0x20 SW thermal)", labels=["gpu"])
+        reasons = GaugeMetricFamily("powersave_clock_event_reasons", "NVML clock-event (throttle) reasons bitmask (0x4 SW power cap, "
+                                    "0x20 SW thermal); label reasons: its bits by name, e.g. sw_power_cap,hw_slowdown", labels=["gpu", "reasons"])
         changes = CounterMetricFamily("powersave_clock_changes", "Clock changes decided", labels=["gpu", "backend"])
         chunks = CounterMetricFamily("powersave_lm_head_calls", "LM-head calls by chunk count", labels=["gpu", "chunks"])
         req_e = CounterMetricFamily("powersave_request_energy_joules", "Energy attributed to finished requests (J; token share per step)", labels=["gpu", "source"])
@@ -249,9 +252,12 @@ class PowersaveCollector(Collector):
             if s.get("sm_clock_mhz") is not None:
                 clock.add_metric([gpu, src], float(s["sm_clock_mhz"]))
             target.add_metric([gpu, be], float(s.get("target_sm_clock_mhz") or 0))
-            for fam, key in ((temp, "temperature_c"), (mem_clock, "mem_clock_mhz"), (reasons, "clock_event_reasons")):
+            for fam, key in ((temp, "temperature_c"), (mem_clock, "mem_clock_mhz")):
                 if s.get(key) is not None:
                     fam.add_metric([gpu], float(s[key]))
+            if s.get("clock_event_reasons") is not None:
+                mask = int(s["clock_event_reasons"])
+                reasons.add_metric([gpu, ",".join(decode_clock_event_reasons(mask)) or "none"], float(mask))
             changes.add_metric([gpu, be], float(s.get("clock_changes", 0)))
             cb = s.get("cuda_boost")
             if cb:

@@ -22,7 +22,8 @@ from .chunking.policy import ChunkPolicy, apply_chunked
 from .clocks import ClockController, DryRunClockBackend, NvmlClockBackend, SimulatedClockBackend
 from .clocks.backends import ClockBackend
 from .energy import PhaseEnergyAccount, SimulatedEnergyMeter
-from .energy.meters import EnergyMeter, UnavailableEnergyMeter, nvml_handle_for_torch_device, open_nvml_meter
+from .device import GpuError, NvmlGpu, init_nvml
+from .energy.meters import EnergyMeter, UnavailableEnergyMeter, open_nvml_meter
 from .clocks.boost import BoostController, BoostHolder
 from .settings import ENV_PERF_BOOST, PowersaveSettings, settings_from_env
 from .sim.gpu import SPECS, ModelCost, SimulatedGpu
@@ -220,11 +221,8 @@ def _boost_for(on_gpu: bool, gpu_id: str, release_after_s: float) -> BoostContro
 
 def _init_nvml() -> Any | None:
     try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        return pynvml
-    except Exception as exc:
+        return init_nvml()
+    except GpuError as exc:
         log.warning("powersave: NVML unavailable (%s)", exc)
         return None
 
@@ -251,7 +249,7 @@ class WorkerRuntime:
         # clock backend asked for); a real GPU whose NVML is simply not used (meter off, dry-run
         # clocks) is labelled as the CUDA device it is.
         simulated = not on_gpu or settings.energy.meter == "simulated" or settings.clocks.backend == "simulated"
-        nvml, handle, gpu_id = None, None, f"sim{self.rank}" if simulated else f"cuda{ident['device_index'] or 0}-rank{self.rank}"
+        nvml, gpu, gpu_id = None, None, f"sim{self.rank}" if simulated else f"cuda{ident['device_index'] or 0}-rank{self.rank}"
         nvml_failed = None
         if on_gpu and settings.energy.meter in ("auto", "nvml") or settings.clocks.backend == "nvml":
             nvml = _init_nvml() if on_gpu else None
@@ -259,7 +257,8 @@ class WorkerRuntime:
                 nvml_failed = "NVML unavailable"
             if nvml is not None:
                 try:
-                    handle, gpu_id = nvml_handle_for_torch_device(nvml, ident["device_index"] or 0)
+                    gpu = NvmlGpu.for_torch_device(ident["device_index"] or 0, nvml)
+                    gpu_id = gpu.uuid
                 except Exception as exc:
                     log.warning("powersave: cannot map CUDA device to NVML (%s); energy figures of this GPU unavailable", exc)
                     nvml, nvml_failed = None, f"cannot map CUDA device to NVML: {exc}"
@@ -268,8 +267,8 @@ class WorkerRuntime:
         self.gpu_id = gpu_id
         meter_kind = settings.energy.meter
         if meter_kind == "auto":
-            meter_kind = "nvml" if handle is not None or nvml_failed is not None else "simulated"
-        if meter_kind == "nvml" and handle is None and nvml_failed is None:
+            meter_kind = "nvml" if gpu is not None or nvml_failed is not None else "simulated"
+        if meter_kind == "nvml" and gpu is None and nvml_failed is None:
             log.warning("powersave: energy.meter 'nvml' requested but no NVML device; using the simulated meter")
             meter_kind = "simulated"
         needs_sim = meter_kind == "simulated" or settings.clocks.backend == "simulated"
@@ -281,11 +280,11 @@ class WorkerRuntime:
                 cost = vllm_compat.runner_model_cost(runner)
                 self.model_cost = ModelCost(cost["n_params"], cost["kv_bytes_per_token"], cost["weight_bytes"], cost["vocab_params"])
         self.meter: EnergyMeter | None
-        if meter_kind == "nvml" and handle is None:
+        if meter_kind == "nvml" and gpu is None:
             # A GPU whose NVML fails: its energy is unknown (never replaced by the simulated H200).
             self.meter = UnavailableEnergyMeter(gpu_id, nvml_failed or "no NVML device")
         elif meter_kind == "nvml":
-            self.meter = open_nvml_meter(nvml, handle, gpu_id, sample_period_s=settings.energy.sample_period_s)
+            self.meter = open_nvml_meter(gpu, sample_period_s=settings.energy.sample_period_s)
         elif meter_kind == "simulated":
             assert self.sim is not None
             if settings.clocks.backend == "simulated" and settings.clocks.presets:
@@ -293,7 +292,7 @@ class WorkerRuntime:
             self.meter = SimulatedEnergyMeter(self.sim, gpu_id, shadow=self.sim_stock)
         else:
             self.meter = None
-        self.clocks = ClockController(self._backend(settings, nvml, handle), settings.clocks, gpu_id=gpu_id,
+        self.clocks = ClockController(self._backend(settings, gpu), settings.clocks, gpu_id=gpu_id,
                                       asynchronous=settings.clocks.backend in ("nvml", "zeusd"),
                                       host_ahead_steps=1 if vllm_compat.async_scheduling(runner) else 0)
         self._last_stamp: float | None = None
@@ -360,41 +359,40 @@ class WorkerRuntime:
             [(r.min_rows, r.chunks) for r in settings.chunking.table] or "none",
         )
 
-    def _backend(self, settings: PowersaveSettings, nvml: Any, handle: Any) -> ClockBackend:
+    def _backend(self, settings: PowersaveSettings, gpu: NvmlGpu | None) -> ClockBackend:
         kind = settings.clocks.backend
         if os.environ.get(ENV_FORCE_DRY_RUN, "") not in ("", "0") and kind != "dry-run":
             log.warning("powersave: %s=1: clock backend %r forced to dry-run", ENV_FORCE_DRY_RUN, kind)
             kind = "dry-run"
         if kind == "nvml":
-            if handle is None:
+            if gpu is None:
                 log.warning("powersave: clocks.backend 'nvml' but no NVML device; using dry-run")
                 return DryRunClockBackend()
-            return NvmlClockBackend(nvml, handle)
+            return NvmlClockBackend(gpu)
         if kind == "zeusd":
-            return self._zeusd_backend(settings, nvml, handle)
+            return self._zeusd_backend(settings, gpu)
         if kind == "simulated":
             assert self.sim is not None
             return SimulatedClockBackend(self.sim)
         supported = None
-        if handle is not None:
+        if gpu is not None:
             try:
-                supported = NvmlClockBackend(nvml, handle).supported_sm_clocks()  # read-only query
+                supported = gpu.supported_sm_clocks_mhz()  # read-only query
             except Exception:
                 supported = None
         elif self.sim is not None:
             supported = self.sim.spec.sm_clocks_mhz
         return DryRunClockBackend(supported)
 
-    def _zeusd_backend(self, settings: PowersaveSettings, nvml: Any, handle: Any) -> ClockBackend:
+    def _zeusd_backend(self, settings: PowersaveSettings, gpu: NvmlGpu | None) -> ClockBackend:
         """Zeus's daemon for unprivileged servers; unreachable or unset -> dry-run, one warning."""
         from .clocks.backends import ENV_ZEUSD_SOCK, ENV_ZEUSD_TOKEN, ClockError, ZeusdClockBackend
 
         sock = settings.clocks.zeusd_socket or os.environ.get(ENV_ZEUSD_SOCK)
         supported = mem = None
-        if handle is not None:
+        if gpu is not None:
             try:  # read-only queries: no privilege needed
-                local = NvmlClockBackend(nvml, handle)
-                supported, mem = local.supported_sm_clocks(), local.supported_mem_clocks()
+                supported, mem = gpu.supported_sm_clocks_mhz(), gpu.supported_mem_clocks_mhz()
             except Exception:
                 supported = mem = None
         if not sock:
@@ -403,9 +401,8 @@ class WorkerRuntime:
         token = os.environ.get(ENV_ZEUSD_TOKEN) or None
         index = settings.clocks.zeusd_gpu_index
         try:
-            if index is None and handle is not None:
-                bus = nvml.nvmlDeviceGetPciInfo(handle).busId
-                index = ZeusdClockBackend.index_for_pci(sock, bus.decode() if isinstance(bus, bytes) else str(bus), token)
+            if index is None and gpu is not None:
+                index = ZeusdClockBackend.index_for_pci(sock, gpu.pci_bus_id(), token)
         except ClockError as exc:
             log.warning("powersave: zeusd: %s; clock control falls back to dry-run", exc)
             return DryRunClockBackend(supported)

@@ -1,39 +1,33 @@
 """Clock backends: one small interface, four implementations (NVML, zeusd, dry-run, simulated).
 
 The controller only ever talks to :class:`ClockBackend`; which backend runs is a setting. The NVML
-backend is the only code in the project that calls an NVML setter; the zeusd backend asks Zeus's
-privileged daemon (https://ml.energy/zeus, ``zeusd``) to call the same NVML setters for us.
+backend drives :class:`~vllm_powersave.device.NvmlGpu` (the only code in the project that calls an
+NVML setter); the zeusd backend asks Zeus's privileged daemon (https://ml.energy/zeus, ``zeusd``)
+through :class:`~vllm_powersave.device.ZeusdClient` to call the same NVML setters for us. Both
+translate the device layer's typed errors into the three below.
 
 Errors: every backend raises :class:`ClockPermissionError` when clocks cannot be controlled at all
 from this process (no privilege, GPU without locked clocks, daemon unreachable or refusing): the
-controller then falls back to dry-run with one warning. Any other failure is a
+controller then falls back to dry-run with one warning (so does a MIG device: its parent GPU is
+shared, and its clocks are never locked from here). Any other failure is a
 :class:`ClockError` (an NVML fault such as GpuIsLost or Unknown): the controller stops clock
 control after one reset attempt and the server keeps serving.
 """
 
 from __future__ import annotations
 
-import http.client
-import json
 import logging
 import os
-import socket
 import time
-import urllib.parse
 from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+from ..device import GpuError, GpuNoPermissionError, GpuNotSupportedError, NvmlGpu, ZeusdClient, ZeusdError
 from ..sim.gpu import SimulatedGpu
 
 log = logging.getLogger("vllm.powersave.clocks")
-
-#: NVML return codes (nvml.h); pynvml exposes them under the same names.
-NVML_ERROR_NOT_SUPPORTED = 3
-NVML_ERROR_NO_PERMISSION = 4
-NVML_ERROR_GPU_IS_LOST = 15
-NVML_ERROR_UNKNOWN = 999
 
 #: zeusd's socket when ``clocks.zeusd_socket`` is not set (Zeus's own convention).
 ENV_ZEUSD_SOCK = "ZEUSD_SOCK_PATH"
@@ -160,61 +154,52 @@ class SimulatedClockBackend(ClockBackend):
         self.gpu.set_sm_clock(None)
 
 
+def _clock_error(what: str, exc: GpuError) -> ClockError:
+    """The device layer's typed error as this module's: refusals -> permission, capability -> unsupported."""
+    if isinstance(exc, GpuNoPermissionError):
+        return ClockPermissionError(f"{what}: no permission (needs root or CAP_SYS_ADMIN): {exc}")
+    if isinstance(exc, GpuNotSupportedError):
+        return ClockUnsupportedError(f"{what}: not supported: {exc}")
+    return ClockError(f"{what}: {exc}")
+
+
 class NvmlClockBackend(ClockBackend):
     """Locks clocks with ``nvmlDeviceSetGpuLockedClocks`` / ``SetMemoryLockedClocks`` (min = max).
 
-    ``nvml`` is the ``pynvml`` module (nvidia-ml-py) or a fake with the same functions (tests).
-    ``mem_may_be_locked``: a recovering process does not know whether the crashed one locked the
-    memory clock, so it resets that too (NotSupported is ignored).
+    ``gpu``: the device (:class:`~vllm_powersave.device.NvmlGpu`); a MIG device refuses every setter
+    (``GpuMigError``, a NotSupported: dry-run fallback). ``mem_may_be_locked``: a recovering process
+    does not know whether the crashed one locked the memory clock, so it resets that too
+    (NotSupported is ignored).
     """
 
     kind = "real"
 
-    def __init__(self, nvml: Any, handle: Any, mem_may_be_locked: bool = False) -> None:
-        self.nvml = nvml
-        self.handle = handle
-        self._supported: tuple[int, ...] | None = None
-        self._supported_mem: tuple[int, ...] | None = None
+    def __init__(self, gpu: NvmlGpu, mem_may_be_locked: bool = False) -> None:
+        self.gpu = gpu
         self.locked = False
         self.mem_lock_supported: bool | None = None  # None: not tried yet
         self.mem_may_be_locked = mem_may_be_locked
 
-    def _code(self, name: str, default: int) -> int:
-        return int(getattr(self.nvml, name, default))
-
-    def _call(self, fn_name: str, *args: Any) -> Any:
-        fn = getattr(self.nvml, fn_name)
+    def _call(self, what: str, fn: Any, *args: Any) -> Any:
         try:
-            return fn(self.handle, *args)
-        except Exception as exc:  # pynvml raises NVMLError subclasses; map them to ours
-            code = getattr(exc, "value", None)
-            if code == self._code("NVML_ERROR_NO_PERMISSION", NVML_ERROR_NO_PERMISSION):
-                raise ClockPermissionError(f"{fn_name}: no permission (needs root or CAP_SYS_ADMIN)") from exc
-            if code == self._code("NVML_ERROR_NOT_SUPPORTED", NVML_ERROR_NOT_SUPPORTED):
-                raise ClockUnsupportedError(f"{fn_name}: not supported on this GPU") from exc
-            raise ClockError(f"{fn_name}: {exc}") from exc
+            return fn(*args)
+        except GpuError as exc:
+            raise _clock_error(what, exc) from exc
 
     def supported_mem_clocks(self) -> tuple[int, ...]:
-        if self._supported_mem is None:
-            self._supported_mem = tuple(sorted(int(m) for m in self._call("nvmlDeviceGetSupportedMemoryClocks")))
-        return self._supported_mem
+        return self._call("supported memory clocks", self.gpu.supported_mem_clocks_mhz)
 
     def supported_sm_clocks(self) -> tuple[int, ...]:
-        if self._supported is None:
-            sm: set[int] = set()
-            for m in self.supported_mem_clocks():
-                sm.update(int(c) for c in self._call("nvmlDeviceGetSupportedGraphicsClocks", m))
-            self._supported = tuple(sorted(sm))
-        return self._supported
+        return self._call("supported SM clocks", self.gpu.supported_sm_clocks_mhz)
 
     def set_clocks(self, sm_clock_mhz: int, mem_clock_mhz: int | None = None) -> None:
-        self._call("nvmlDeviceSetGpuLockedClocks", int(sm_clock_mhz), int(sm_clock_mhz))
+        self._call("nvmlDeviceSetGpuLockedClocks", self.gpu.lock_sm_clocks_mhz, int(sm_clock_mhz), int(sm_clock_mhz))
         self.locked = True
         if mem_clock_mhz is None or self.mem_lock_supported is False:
             return
         self.mem_may_be_locked = True  # pessimistic: a failing call may still have taken effect
         try:
-            self._call("nvmlDeviceSetMemoryLockedClocks", int(mem_clock_mhz), int(mem_clock_mhz))
+            self._call("nvmlDeviceSetMemoryLockedClocks", self.gpu.lock_mem_clocks_mhz, int(mem_clock_mhz), int(mem_clock_mhz))
             self.mem_lock_supported = True
         except ClockUnsupportedError:
             self.mem_lock_supported = False
@@ -222,12 +207,12 @@ class NvmlClockBackend(ClockBackend):
             log.warning("powersave: this GPU does not support memory-clock locks; memory clock presets are ignored (SM clocks only)")
 
     def reset(self) -> None:
-        self._call("nvmlDeviceResetGpuLockedClocks")
+        self._call("nvmlDeviceResetGpuLockedClocks", self.gpu.reset_sm_clocks)
         self.locked = False
         if not self.mem_may_be_locked:
             return
         try:
-            self._call("nvmlDeviceResetMemoryLockedClocks")
+            self._call("nvmlDeviceResetMemoryLockedClocks", self.gpu.reset_mem_clocks)
         except ClockUnsupportedError:
             if self.mem_lock_supported:
                 raise  # we did lock the memory clock: "not supported" now cannot mean "not locked"
@@ -241,36 +226,14 @@ class NvmlClockBackend(ClockBackend):
         return self.locked or self.mem_may_be_locked
 
 
-class _UnixHTTPConnection(http.client.HTTPConnection):
-    """HTTP/1.1 over a Unix domain socket (zeusd's default transport)."""
-
-    def __init__(self, socket_path: str, timeout: float) -> None:
-        super().__init__("localhost", timeout=timeout)
-        self.socket_path = socket_path
-
-    def connect(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(self.timeout)
-        try:
-            sock.connect(self.socket_path)
-        except BaseException:
-            sock.close()
-            raise
-        self.sock = sock
-
-
 class ZeusdClockBackend(ClockBackend):
-    """Locks clocks through Zeus's privileged daemon ``zeusd`` (HTTP over a Unix socket).
+    """Locks clocks through Zeus's privileged daemon ``zeusd`` (:class:`~vllm_powersave.device.ZeusdClient`).
 
     For servers that run without root or CAP_SYS_ADMIN: an administrator runs ``zeusd serve``
-    (``--enable gpu-control``); this process only needs write access to its socket. API (zeusd
-    0.4+, ``docs/zeusd/api.md`` of ml-energy/zeus): ``POST /gpu/set_gpu_locked_clocks`` with
-    query parameters ``gpu_ids``, ``min_clock_mhz``, ``max_clock_mhz``, ``block``;
-    ``POST /gpu/reset_gpu_locked_clocks`` (``gpu_ids``, ``block``); the same for
-    ``*_mem_locked_clocks``; ``GET /discover`` lists GPUs with their PCI addresses. Status 200 is
-    success; 401/403 (no or insufficient token, or NVML NoPermission) and 404 (gpu-control group
-    disabled) mean "may not" (dry-run fallback); 400/500 are faults. ``block=true`` makes the
-    daemon report the NVML result; the call runs on the controller's background thread.
+    (``--enable gpu-control``); this process only needs write access to its socket. The client's
+    refusals (socket missing, 401/403, 404: gpu-control group disabled) mean "may not" (dry-run
+    fallback); 400/500 are faults. ``block=true`` makes the daemon report the NVML result; the call
+    runs on the controller's background thread.
 
     Args:
         socket_path: the daemon's socket.
@@ -287,61 +250,34 @@ class ZeusdClockBackend(ClockBackend):
                  timeout_s: float = 5.0) -> None:
         self.socket_path = socket_path
         self.gpu_index = int(gpu_index)
-        self.token = token
-        self.timeout_s = timeout_s
+        self.client = ZeusdClient(socket_path, token, timeout_s)
         self._supported = tuple(sorted(supported)) if supported else tuple(range(345, 1981, 15))
         self._supported_mem = tuple(sorted(supported_mem)) if supported_mem else ()
         self.mem_lock_supported: bool | None = None
         self.mem_may_be_locked = False
         self.locked = False
 
-    def request(self, method: str, path: str, params: dict[str, Any] | None = None) -> Any:
-        """One HTTP request to the daemon; returns the decoded JSON body (or ``None``).
-
-        Raises:
-            ClockPermissionError: socket missing or refused, 401, 403 or 404.
-            ClockError: timeout, 4xx/5xx otherwise, malformed reply.
-        """
-        query = "?" + urllib.parse.urlencode(params) if params else ""
-        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
-        conn = _UnixHTTPConnection(self.socket_path, self.timeout_s)
+    def _do(self, fn: Any, *args: Any) -> None:
         try:
-            conn.request(method, path + query, headers=headers)
-            resp = conn.getresponse()
-            body = resp.read()
-        except (FileNotFoundError, ConnectionRefusedError, PermissionError) as exc:
-            raise ClockPermissionError(f"zeusd unreachable at {self.socket_path} ({type(exc).__name__})") from exc
-        except (OSError, http.client.HTTPException) as exc:
-            raise ClockError(f"zeusd {path}: {type(exc).__name__}: {exc}") from exc
-        finally:
-            conn.close()
-        text = body.decode("utf-8", "replace").strip()
-        if resp.status in (401, 403):
-            raise ClockPermissionError(f"zeusd {path}: HTTP {resp.status} (token missing or without gpu-control scope, or NVML NoPermission): {text[:200]}")
-        if resp.status == 404:
-            raise ClockPermissionError(f"zeusd {path}: HTTP 404 (gpu-control API group not enabled on the daemon)")
-        if resp.status != 200:
-            raise ClockError(f"zeusd {path}: HTTP {resp.status}: {text[:200]}")
-        if not text:
-            return None
-        try:
-            return json.loads(text)
-        except ValueError as exc:
-            raise ClockError(f"zeusd {path}: reply is not JSON: {text[:80]!r}") from exc
-
-    def _post(self, path: str, **params: Any) -> None:
-        self.request("POST", path, {"gpu_ids": str(self.gpu_index), **params, "block": "true"})
+            fn(self.gpu_index, *args)
+        except GpuNoPermissionError as exc:
+            raise ClockPermissionError(str(exc)) from exc
+        except GpuError as exc:
+            raise ClockError(str(exc)) from exc
 
     @classmethod
     def index_for_pci(cls, socket_path: str, pci_bus_id: str, token: str | None = None, timeout_s: float = 5.0) -> int | None:
-        """zeusd's index of the GPU at ``pci_bus_id`` (``/discover``), or ``None`` if not listed."""
-        probe = cls(socket_path, 0, token, timeout_s=timeout_s)
-        found = probe.request("GET", "/discover") or {}
-        want = pci_bus_id.lower().lstrip("0")
-        for g in found.get("gpus", []):
-            if str(g.get("pci_address", "")).lower().lstrip("0") == want:
-                return int(g["id"])
-        return None
+        """zeusd's index of the GPU at ``pci_bus_id`` (``/discover``), or ``None`` if not listed.
+
+        Raises:
+            ClockPermissionError: the daemon is unreachable or refuses; ClockError: any other failure.
+        """
+        try:
+            return ZeusdClient(socket_path, token, timeout_s).index_for_pci(pci_bus_id)
+        except GpuNoPermissionError as exc:
+            raise ClockPermissionError(str(exc)) from exc
+        except GpuError as exc:
+            raise ClockError(str(exc)) from exc
 
     def supported_sm_clocks(self) -> tuple[int, ...]:
         return self._supported
@@ -350,13 +286,13 @@ class ZeusdClockBackend(ClockBackend):
         return self._supported_mem
 
     def set_clocks(self, sm_clock_mhz: int, mem_clock_mhz: int | None = None) -> None:
-        self._post("/gpu/set_gpu_locked_clocks", min_clock_mhz=int(sm_clock_mhz), max_clock_mhz=int(sm_clock_mhz))
+        self._do(self.client.lock_sm_clocks_mhz, int(sm_clock_mhz), int(sm_clock_mhz))
         self.locked = True
         if mem_clock_mhz is None or self.mem_lock_supported is False:
             return
         self.mem_may_be_locked = True
         try:
-            self._post("/gpu/set_mem_locked_clocks", min_clock_mhz=int(mem_clock_mhz), max_clock_mhz=int(mem_clock_mhz))
+            self._do(self.client.lock_mem_clocks_mhz, int(mem_clock_mhz), int(mem_clock_mhz))
             self.mem_lock_supported = True
         except ClockError as exc:
             if not _zeusd_unsupported(exc):
@@ -366,11 +302,11 @@ class ZeusdClockBackend(ClockBackend):
             log.warning("powersave: zeusd: memory-clock locks not supported on GPU %d; memory clock presets are ignored", self.gpu_index)
 
     def reset(self) -> None:
-        self._post("/gpu/reset_gpu_locked_clocks")
+        self._do(self.client.reset_sm_clocks)
         self.locked = False
         if self.mem_may_be_locked:
             try:
-                self._post("/gpu/reset_mem_locked_clocks")
+                self._do(self.client.reset_mem_clocks)
             except ClockError as exc:
                 if not _zeusd_unsupported(exc) or self.mem_lock_supported:
                     raise
@@ -386,7 +322,8 @@ class ZeusdClockBackend(ClockBackend):
 
 def _zeusd_unsupported(exc: ClockError) -> bool:
     """zeusd answers an NVML NotSupported with HTTP 400 (bad input or unsupported operation)."""
-    return not isinstance(exc, ClockPermissionError) and ("HTTP 400" in str(exc) or "NotSupported" in str(exc))
+    cause = exc.__cause__
+    return not isinstance(exc, ClockPermissionError) and isinstance(cause, ZeusdError) and cause.not_supported()
 
 
 def reset_from_lease(lease: dict[str, Any], nvml: Any | None = None) -> None:
@@ -394,7 +331,7 @@ def reset_from_lease(lease: dict[str, Any], nvml: Any | None = None) -> None:
 
     ``lease``: as written by :class:`~vllm_powersave.clocks.controller.LeaseStore` (``gpu`` is the
     GPU UUID; ``backend`` ``nvml`` (default) or ``zeusd`` with ``socket`` and ``gpu_index``).
-    ``nvml``: the ``pynvml`` module (imported and initialised here if ``None``).
+    ``nvml``: an NVML binding to use instead of ``pynvml`` (tests hand in a fake).
 
     Raises:
         ClockError: the reset failed (the caller keeps the lease); :class:`LeaseError` where the
@@ -410,20 +347,12 @@ def reset_from_lease(lease: dict[str, Any], nvml: Any | None = None) -> None:
         b.mem_may_be_locked = bool(lease.get("mem_locked", False))
         b.reset()
         return
-    if nvml is None:
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-        except Exception as exc:
-            raise ClockError(f"NVML unavailable: {exc}") from exc
-        nvml = pynvml
     try:
-        handle = nvml.nvmlDeviceGetHandleByUUID(str(lease["gpu"]))
-    except Exception as exc:
+        gpu = NvmlGpu.from_uuid(str(lease["gpu"]), nvml)
+    except GpuError as exc:
         raise ClockError(f"no NVML device {lease['gpu']!r}: {exc}") from exc
     # Unknown (corrupt) leases: reset the memory lock too, in case it was taken.
-    NvmlClockBackend(nvml, handle, mem_may_be_locked=bool(lease.get("mem_locked", True))).reset()
+    NvmlClockBackend(gpu, mem_may_be_locked=bool(lease.get("mem_locked", True))).reset()
 
 
 def now() -> float:

@@ -14,23 +14,28 @@ which one runs. Every figure travels with two labels:
     that reading's own averaging window (1 s on Ampere and newer, NVML docs);
   - ``model``: the simulated GPU (``source`` is then ``simulated``).
 
-Faults (any NVML error at any call: NotSupported, NoPermission, GpuIsLost, Unknown, ...) never
-propagate: the figure concerned reads ``None``, a failed energy read makes the meter
+Every NVML reading goes through :class:`~vllm_powersave.device.NvmlGpu` (the device layer), which
+raises only typed :class:`~vllm_powersave.device.GpuError` subclasses. Faults (any NVML error at
+any call: NotSupported, NoPermission, GpuIsLost, Unknown, ...) never propagate: the figure
+concerned reads ``None``, a failed energy read makes the meter
 *unavailable* for the rest of the run (``energy_j()`` returns ``None``; no frozen or partial total
 is ever presented as current), and each meter logs exactly one warning, for its first fault.
+
+MIG: NVML counts energy and power only for the whole GPU, which the other MIG instances share, so
+a MIG device's energy is not metered (one warning naming MIG); its clocks and temperature, read
+from the parent, still show.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import os
 import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Any
 
+from ..device import GpuError, GpuMigError, GpuNotSupportedError, NvmlGpu
 from ..sim.gpu import SimulatedGpu
 
 log = logging.getLogger("vllm.powersave.energy")
@@ -40,24 +45,9 @@ METHOD_SAMPLING = "power-sampling"
 METHOD_MODEL = "model"
 METHOD_NONE = "none"
 
-#: NVML return codes used here (values from nvml.h; identical in nvidia-ml-py).
-NVML_SUCCESS = 0
-NVML_ERROR_NOT_SUPPORTED = 3
-NVML_FI_DEV_POWER_INSTANT = 186
-
 #: A counter step implying more than this per GPU is not energy but a glitch (the largest modules,
 #: GB200 superchips, draw ~2.7 kW including the CPU).
 MAX_PLAUSIBLE_W = 5000.0
-
-
-def nvml_error_code(exc: BaseException) -> int | None:
-    """NVML return code of an ``NVMLError`` (or of the test fake), else ``None``."""
-    v = getattr(exc, "value", None)
-    return v if isinstance(v, int) else None
-
-
-def is_not_supported(exc: BaseException) -> bool:
-    return nvml_error_code(exc) == NVML_ERROR_NOT_SUPPORTED
 
 
 class EnergyMeter(ABC):
@@ -101,17 +91,17 @@ class EnergyMeter(ABC):
 
 
 class _NvmlReader:
-    """NVML calls of one device with the fault policy: first fault warns once, later ones are quiet.
+    """NVML readings of one device with the fault policy: first fault warns once, later ones are quiet.
 
     ``NotSupported`` on an optional reading (temperature, clock-event reasons, ...) is a capability
     of the device, not a fault: it is remembered and never asked again, without a warning.
     """
 
-    def __init__(self, nvml: Any, handle: Any, gpu_id: str, owner: EnergyMeter) -> None:
-        self.nvml, self.handle, self.gpu_id, self.owner = nvml, handle, gpu_id, owner
+    def __init__(self, gpu: NvmlGpu, owner: EnergyMeter) -> None:
+        self.gpu, self.gpu_id, self.owner = gpu, gpu.uuid, owner
         self.unsupported: set[str] = set()
         self.warned = False
-        self.instant_ok = hasattr(nvml, "nvmlDeviceGetFieldValues")
+        self.instant_ok = True
 
     def fault(self, what: str, exc: BaseException) -> None:
         self.owner.faults += 1
@@ -122,39 +112,32 @@ class _NvmlReader:
         else:
             log.debug("powersave: NVML %s failed on GPU %s (%s)", what, self.gpu_id, exc)
 
-    def optional(self, key: str, fn: Callable[[], Any]) -> int | None:
+    def optional(self, key: str, fn: Callable[[], int]) -> int | None:
         if key in self.unsupported:
             return None
         try:
             return int(fn())
+        except GpuNotSupportedError:
+            self.unsupported.add(key)
         except Exception as exc:
-            if is_not_supported(exc):
-                self.unsupported.add(key)
-            else:
-                self.fault(key, exc)
-            return None
+            self.fault(key, exc)
+        return None
 
     def instant_power_w(self) -> float:
         """``NVML_FI_DEV_POWER_INSTANT`` (W), falling back to ``nvmlDeviceGetPowerUsage``.
 
         ``nvmlDeviceGetPowerUsage`` is a 1 s average on Ampere and newer (NVML docs), so the field
-        value is preferred where the driver has it (as Zeus does). Raises the NVML error if neither
-        answers.
+        value is preferred where the driver has it (as Zeus does). Raises the
+        :class:`~vllm_powersave.device.GpuError` of the average if neither answers.
         """
-        n = self.nvml
         if self.instant_ok:
             try:
-                fid = getattr(n, "NVML_FI_DEV_POWER_INSTANT", NVML_FI_DEV_POWER_INSTANT)
-                v = n.nvmlDeviceGetFieldValues(self.handle, [fid])[0]
-                if int(v.nvmlReturn) == NVML_SUCCESS:
-                    return float(v.value.uiVal) / 1000.0
+                return self.gpu.instant_power_w()
+            except GpuNotSupportedError:
                 self.instant_ok = False  # this driver/GPU has no instant field: use the average
-            except Exception as exc:
-                if is_not_supported(exc):
-                    self.instant_ok = False
-                else:
-                    self.fault("instant power read", exc)  # then try the average for this reading
-        return float(n.nvmlDeviceGetPowerUsage(self.handle)) / 1000.0
+            except GpuError as exc:
+                self.fault("instant power read", exc)  # then try the average for this reading
+        return self.gpu.average_power_w()
 
 
 class NvmlEnergyMeter(EnergyMeter):
@@ -189,36 +172,34 @@ class NvmlEnergyMeter(EnergyMeter):
     ``None``) with exactly one warning per meter (shared with the other reads).
 
     Args:
-        nvml: the ``pynvml`` module (nvidia-ml-py), or a fake with the same functions (tests).
-        handle: NVML device handle.
-        gpu_id: label for metrics (UUID).
+        gpu: the device (its UUID labels the metrics).
         clock: monotonic seconds (tests inject one).
         counter_period_s: the counter's update period, s.
         interpolate: False reads the raw counter (quantised; for comparisons).
 
     Raises:
-        the NVML error of the first counter read (e.g. ``NotSupported`` on pre-Volta GPUs), so that
-        :func:`open_nvml_meter` can fall back to power sampling.
+        the :class:`~vllm_powersave.device.GpuError` of the first counter read (e.g.
+        ``GpuNotSupportedError`` on pre-Volta GPUs), so that :func:`open_nvml_meter` can fall back
+        to power sampling.
     """
 
     source = "measured"
     method = METHOD_COUNTER
 
-    def __init__(self, nvml: Any, handle: Any, gpu_id: str = "0", clock: Callable[[], float] = time.monotonic,
+    def __init__(self, gpu: NvmlGpu, clock: Callable[[], float] = time.monotonic,
                  counter_period_s: float = 0.1, interpolate: bool = True) -> None:
-        self.nvml = nvml
-        self.handle = handle
-        self.gpu_id = gpu_id
+        self.gpu = gpu
+        self.gpu_id = gpu.uuid
         self.clock = clock
         self.period = counter_period_s
         self.interpolate = interpolate
         self._lock = threading.Lock()
-        self._r = _NvmlReader(nvml, handle, gpu_id, self)
+        self._r = _NvmlReader(gpu, self)
         self.counter_resets = 0
         self.counter_wraps = 0
         self.faults = 0
         self.unavailable_reason = None
-        self._last_mj = int(nvml.nvmlDeviceGetTotalEnergyConsumption(handle))  # raises: caller falls back
+        self._last_mj = gpu.total_energy_mj()  # raises: caller falls back
         self._t_read = clock()
         self._acc_mj = 0.0  # counter energy since start (anomalies bridged)
         # When the counter steps: a time it stepped at (learnt by sync_counter_phase), else the
@@ -294,12 +275,12 @@ class NvmlEnergyMeter(EnergyMeter):
         T = self.period
         steps: list[float] = []
         try:
-            c_prev, t_prev = int(self.nvml.nvmlDeviceGetTotalEnergyConsumption(self.handle)), self.clock()
+            c_prev, t_prev = self.gpu.total_energy_mj(), self.clock()
             deadline = t_prev + 2.5 * T
             want = 2 if self._phase_t is None else 1
             while len(steps) < want and self.clock() < deadline:
                 sleep(poll_s)
-                c, t = int(self.nvml.nvmlDeviceGetTotalEnergyConsumption(self.handle)), self.clock()
+                c, t = self.gpu.total_energy_mj(), self.clock()
                 if c != c_prev:
                     steps.append((t_prev + t) / 2)
                 c_prev, t_prev = c, t
@@ -352,7 +333,7 @@ class NvmlEnergyMeter(EnergyMeter):
             if self.unavailable_reason is not None:
                 return None
             try:
-                now = int(self.nvml.nvmlDeviceGetTotalEnergyConsumption(self.handle))
+                now = self.gpu.total_energy_mj()
             except Exception as exc:
                 self.unavailable_reason = f"energy counter read failed: {exc}"
                 self._r.fault("energy counter read", exc)
@@ -370,26 +351,19 @@ class NvmlEnergyMeter(EnergyMeter):
         return self._read_power()
 
     def sm_clock_mhz(self) -> int | None:
-        n = self.nvml
-        return self._r.optional("sm clock", lambda: n.nvmlDeviceGetClockInfo(self.handle, n.NVML_CLOCK_SM))
+        return self._r.optional("sm clock", self.gpu.sm_clock_mhz)
 
     def extra(self) -> dict[str, float | int | None]:
         return _extra(self._r)
 
 
 def _extra(r: _NvmlReader) -> dict[str, float | int | None]:
-    n, h = r.nvml, r.handle
-
-    def reasons() -> int:
-        # Named "throttle reasons" before NVML 12; same bitmask (0x4 = SW power cap).
-        if hasattr(n, "nvmlDeviceGetCurrentClocksEventReasons"):
-            return n.nvmlDeviceGetCurrentClocksEventReasons(h)
-        return n.nvmlDeviceGetCurrentClocksThrottleReasons(h)
-
+    g = r.gpu
     return {
-        "temperature_c": r.optional("temperature", lambda: n.nvmlDeviceGetTemperature(h, n.NVML_TEMPERATURE_GPU)),
-        "mem_clock_mhz": r.optional("memory clock", lambda: n.nvmlDeviceGetClockInfo(h, n.NVML_CLOCK_MEM)),
-        "clock_event_reasons": r.optional("clock-event reasons", reasons),
+        "temperature_c": r.optional("temperature", g.temperature_c),
+        "mem_clock_mhz": r.optional("memory clock", g.mem_clock_mhz),
+        # The bitmask (0x4 = SW power cap); decode_clock_event_reasons() names its bits.
+        "clock_event_reasons": r.optional("clock-event reasons", g.clock_event_reasons_mask),
     }
 
 
@@ -402,24 +376,24 @@ class PowerSamplingEnergyMeter(EnergyMeter):
     (``PowerMonitor`` + AUC). ``source`` is ``measured``, ``method`` ``power-sampling``.
 
     Args:
-        nvml, handle, gpu_id: as :class:`NvmlEnergyMeter`.
+        gpu: as :class:`NvmlEnergyMeter`.
         period_s: sampling period, s (the error of a window grows with it).
         start_thread: False for tests, which call :meth:`sample` themselves.
 
     Raises:
-        the NVML error of the first power read, when the GPU reports no power at all.
+        the :class:`~vllm_powersave.device.GpuError` of the first power read, when the GPU reports no power at all.
     """
 
     source = "measured"
     method = METHOD_SAMPLING
 
-    def __init__(self, nvml: Any, handle: Any, gpu_id: str = "0", period_s: float = 0.05,
+    def __init__(self, gpu: NvmlGpu, period_s: float = 0.05,
                  clock: Callable[[], float] = time.monotonic, start_thread: bool = True) -> None:
-        self.nvml, self.handle, self.gpu_id, self.clock = nvml, handle, gpu_id, clock
+        self.gpu, self.gpu_id, self.clock = gpu, gpu.uuid, clock
         self.period_s = period_s
         self.faults = 0
         self.unavailable_reason = None
-        self._r = _NvmlReader(nvml, handle, gpu_id, self)
+        self._r = _NvmlReader(gpu, self)
         self._lock = threading.Lock()
         p0 = self._r.instant_power_w()  # raises: no power reading at all
         self._t, self._p, self._j = clock(), p0, 0.0
@@ -427,7 +401,7 @@ class PowerSamplingEnergyMeter(EnergyMeter):
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if start_thread:
-            self._thread = threading.Thread(target=self._run, name=f"powersave-power-{gpu_id}", daemon=True)
+            self._thread = threading.Thread(target=self._run, name=f"powersave-power-{self.gpu_id}", daemon=True)
             self._thread.start()
 
     def sample(self) -> None:
@@ -461,8 +435,7 @@ class PowerSamplingEnergyMeter(EnergyMeter):
         return None if self.unavailable_reason is not None else self._p
 
     def sm_clock_mhz(self) -> int | None:
-        n = self.nvml
-        return self._r.optional("sm clock", lambda: n.nvmlDeviceGetClockInfo(self.handle, n.NVML_CLOCK_SM))
+        return self._r.optional("sm clock", self.gpu.sm_clock_mhz)
 
     def extra(self) -> dict[str, float | int | None]:
         return _extra(self._r)
@@ -474,19 +447,19 @@ class PowerSamplingEnergyMeter(EnergyMeter):
 class UnavailableEnergyMeter(EnergyMeter):
     """A GPU whose energy cannot be read (NVML fault at start, or no counter and no power).
 
-    With an NVML handle, the other read-only gauges (power, clocks, temperature) are still read
-    where they answer; their faults are quiet (the one warning was logged by whoever found the
-    meter unavailable).
+    With a device, the other read-only gauges (power, clocks, temperature) are still read where
+    they answer; their faults are quiet (the one warning was logged by whoever found the meter
+    unavailable).
     """
 
     source = "measured"
     method = METHOD_NONE
 
-    def __init__(self, gpu_id: str, reason: str, nvml: Any = None, handle: Any = None) -> None:
+    def __init__(self, gpu_id: str, reason: str, gpu: NvmlGpu | None = None) -> None:
         self.gpu_id = gpu_id
         self.unavailable_reason = reason
         self.faults = 0
-        self._r = _NvmlReader(nvml, handle, gpu_id, self) if nvml is not None else None
+        self._r = _NvmlReader(gpu, self) if gpu is not None else None
         if self._r is not None:
             self._r.warned = True
 
@@ -505,8 +478,7 @@ class UnavailableEnergyMeter(EnergyMeter):
     def sm_clock_mhz(self) -> int | None:
         if self._r is None:
             return None
-        n = self._r.nvml
-        return self._r.optional("sm clock", lambda: n.nvmlDeviceGetClockInfo(self._r.handle, n.NVML_CLOCK_SM))
+        return self._r.optional("sm clock", self._r.gpu.sm_clock_mhz)
 
     def extra(self) -> dict[str, float | int | None]:
         return _extra(self._r) if self._r is not None else {}
@@ -541,93 +513,38 @@ class SimulatedEnergyMeter(EnergyMeter):
         return self.gpu.sm_clock_mhz
 
 
-def open_nvml_meter(nvml: Any, handle: Any, gpu_id: str, sample_period_s: float = 0.05,
+def open_nvml_meter(gpu: NvmlGpu, sample_period_s: float = 0.05,
                     clock: Callable[[], float] = time.monotonic, start_thread: bool = True) -> EnergyMeter:
     """The best meter this GPU allows: counter, else power sampling, else unavailable.
 
     Only ``NotSupported`` on the counter (a capability: pre-Volta, some vGPUs) leads to power
-    sampling; any other error is a fault and the meter is unavailable. Never raises. Exactly one
+    sampling; any other error is a fault and the meter is unavailable. A MIG device is not metered
+    (NVML's energy is the whole GPU's, shared with other instances). Never raises. Exactly one
     warning when the meter is not the counter.
     """
+    gpu_id = gpu.uuid
+    if gpu.is_mig():
+        try:
+            parent = gpu.parent().uuid
+        except GpuError as exc:
+            parent = f"unknown ({exc})"
+        log.warning("powersave: GPU %s is a MIG device: NVML reports energy only for the whole GPU %s, which other MIG "
+                    "instances share; energy figures of this device are marked unavailable, serving continues", gpu_id, parent)
+        return UnavailableEnergyMeter(gpu_id, f"MIG device (energy is only known for the whole GPU {parent})", gpu)
     try:
-        return NvmlEnergyMeter(nvml, handle, gpu_id, clock=clock)
+        return NvmlEnergyMeter(gpu, clock=clock)
     except Exception as exc:
         counter_exc = exc
-    if not is_not_supported(counter_exc):
+    if not isinstance(counter_exc, GpuNotSupportedError) or isinstance(counter_exc, GpuMigError):
         log.warning("powersave: NVML energy counter read failed on GPU %s (%s); energy figures of this GPU are marked unavailable, "
                     "serving continues", gpu_id, counter_exc)
-        return UnavailableEnergyMeter(gpu_id, f"energy counter read failed: {counter_exc}", nvml, handle)
+        return UnavailableEnergyMeter(gpu_id, f"energy counter read failed: {counter_exc}", gpu)
     try:
-        m = PowerSamplingEnergyMeter(nvml, handle, gpu_id, period_s=sample_period_s, clock=clock, start_thread=start_thread)
+        m = PowerSamplingEnergyMeter(gpu, period_s=sample_period_s, clock=clock, start_thread=start_thread)
     except Exception as exc:
         log.warning("powersave: GPU %s: no NVML energy counter (%s) and no power reading (%s); energy figures unavailable",
                     gpu_id, counter_exc, exc)
-        return UnavailableEnergyMeter(gpu_id, f"no energy counter ({counter_exc}) and no power reading ({exc})", nvml, handle)
+        return UnavailableEnergyMeter(gpu_id, f"no energy counter ({counter_exc}) and no power reading ({exc})", gpu)
     log.warning("powersave: GPU %s has no NVML energy counter (%s); energy from power sampled every %.0f ms "
                 "(method 'power-sampling', coarser than the counter)", gpu_id, counter_exc, 1000 * sample_period_s)
     return m
-
-
-def resolve_nvml_device(nvml: Any, device_index: int, torch_uuid: str | None = None,
-                        visible: str | None = None) -> tuple[Any, str]:
-    """NVML handle and UUID of the CUDA device ``device_index`` of this process.
-
-    NVML enumerates all GPUs and ignores ``CUDA_VISIBLE_DEVICES``; CUDA's (and torch's) index is
-    relative to it. Order of evidence:
-
-    1. ``torch_uuid`` (``torch.cuda.get_device_properties(i).uuid``): exact under any mask and MIG;
-    2. entry ``device_index`` of ``visible`` (``CUDA_VISIBLE_DEVICES``): a UUID (``GPU-...``,
-       ``MIG-...``, or a unique prefix of one, as CUDA accepts) or an NVML index (valid with
-       ``CUDA_DEVICE_ORDER=PCI_BUS_ID``, which NVML's order is);
-    3. no mask: ``device_index`` itself as the NVML index.
-
-    Raises:
-        ValueError: the mask has no entry ``device_index``, or a UUID prefix matches no or several GPUs.
-        The NVML error of a failed lookup.
-    """
-    def by_uuid(uuid: str) -> tuple[Any, str]:
-        try:
-            return nvml.nvmlDeviceGetHandleByUUID(uuid), uuid
-        except Exception:
-            # CUDA accepts unique UUID prefixes in CUDA_VISIBLE_DEVICES; NVML wants the full UUID.
-            matches = []
-            for i in range(int(nvml.nvmlDeviceGetCount())):
-                h = nvml.nvmlDeviceGetHandleByIndex(i)
-                full = _text(nvml.nvmlDeviceGetUUID(h))
-                if full.startswith(uuid):
-                    matches.append((h, full))
-            if len(matches) != 1:
-                raise ValueError(f"CUDA_VISIBLE_DEVICES entry {uuid!r} matches {len(matches)} NVML devices") from None
-            return matches[0]
-
-    if torch_uuid:
-        u = str(torch_uuid)
-        return by_uuid(u if u.startswith(("GPU-", "MIG-")) else f"GPU-{u}")
-    if visible is not None and visible.strip() != "":
-        entries = [e.strip() for e in visible.split(",") if e.strip()]
-        if device_index >= len(entries):
-            raise ValueError(f"CUDA_VISIBLE_DEVICES={visible!r} has no entry {device_index}")
-        e = entries[device_index]
-        if not e.lstrip("-").isdigit():
-            return by_uuid(e)
-        idx = int(e)
-    else:
-        idx = device_index
-    h = nvml.nvmlDeviceGetHandleByIndex(idx)
-    return h, _text(nvml.nvmlDeviceGetUUID(h))
-
-
-def _text(v: Any) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
-
-
-def nvml_handle_for_torch_device(nvml: Any, device_index: int) -> tuple[Any, str]:
-    """NVML handle and UUID of torch's CUDA device ``device_index`` (see :func:`resolve_nvml_device`)."""
-    uuid = None
-    try:
-        import torch
-
-        uuid = str(torch.cuda.get_device_properties(device_index).uuid)
-    except Exception as exc:  # older torch without .uuid: fall back to CUDA_VISIBLE_DEVICES
-        log.debug("powersave: torch device UUID unavailable (%s)", exc)
-    return resolve_nvml_device(nvml, device_index, uuid, os.environ.get("CUDA_VISIBLE_DEVICES"))

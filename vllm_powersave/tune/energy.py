@@ -8,7 +8,8 @@ that the power between the two updates is the power of the call alone; energy pe
 power times the call's duration from CUDA events. Seed 000 (Spaan et al., arXiv 2601.08539) used
 5 s windows for the same reason; the edge alignment is what lets 1 s windows suffice here.
 
-Only torch and (on a GPU) nvidia-ml-py are imported: this module runs on a bare GPU machine.
+Only torch and (on a GPU) the device layer's :class:`~vllm_powersave.device.NvmlGpu` are used: this
+module runs on a bare GPU machine.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..device import GpuError, NvmlGpu
 from ..sim.gpu import H200, GpuSpec, StepWork, simulate_step
 
 #: Per-kernel launch/tail cost charged by the simulated costing, in s (a CUDA kernel launch on
@@ -47,14 +49,11 @@ class Window:
     source: str
 
 
-def open_nvml(index: int = 0) -> tuple[Any, Any] | None:
-    """``(pynvml, handle)`` for GPU ``index``, or None where NVML is unavailable. Read-only use."""
+def open_nvml(index: int = 0) -> NvmlGpu | None:
+    """torch's CUDA device ``index`` through NVML, or None where NVML is unavailable. Read-only use."""
     try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        return pynvml, pynvml.nvmlDeviceGetHandleByIndex(index)
-    except Exception:
+        return NvmlGpu.for_torch_device(index)
+    except (GpuError, ValueError):
         return None
 
 
@@ -66,18 +65,18 @@ class _CounterPoller(threading.Thread):
     keeps the launch loop free; an edge's time is taken right after the read that saw the change.
     """
 
-    def __init__(self, read: Callable[[Any], int], handle: Any, poll_s: float) -> None:
+    def __init__(self, read: Callable[[], int], poll_s: float) -> None:
         super().__init__(name="powersave-energy-poller", daemon=True)
-        self.read, self.handle, self.poll_s = read, handle, poll_s
+        self.read, self.poll_s = read, poll_s
         self.changes: list[tuple[float, int]] = []
         self.stop_evt = threading.Event()
         self.error: BaseException | None = None
 
     def run(self) -> None:
         try:
-            prev = self.read(self.handle)
+            prev = self.read()
             while not self.stop_evt.is_set():
-                cur = self.read(self.handle)
+                cur = self.read()
                 now = time.perf_counter()
                 if cur != prev:
                     self.changes.append((now, int(cur)))
@@ -90,8 +89,7 @@ class _CounterPoller(threading.Thread):
 def busy_window(
     call: Callable[[], Any],
     window_s: float,
-    nvml: Any,
-    handle: Any,
+    gpu: NvmlGpu,
     *,
     poll_s: float = 0.001,
     lead_in_s: float = 0.05,
@@ -103,7 +101,7 @@ def busy_window(
     Args:
         call: enqueues one call (asynchronous CUDA work; its result is discarded).
         window_s: minimum energy window in s, between two counter updates (>= 1 s recommended).
-        nvml, handle: the ``pynvml`` module and device handle (read-only calls only).
+        gpu: the device (read-only calls only).
         poll_s: pause between counter reads in the poller thread (s).
         lead_in_s: busy time before the first edge may be taken (power ramp), s.
         queue_s: GPU work kept queued ahead of the host (s), so that host time tracks GPU time.
@@ -133,7 +131,7 @@ def busy_window(
     depth = max(2, int(queue_s / (stride * per_call_s)) + 1)
     max_s = window_s + 1.0 if max_s is None else max_s
 
-    poller = _CounterPoller(nvml.nvmlDeviceGetTotalEnergyConsumption, handle, poll_s)
+    poller = _CounterPoller(gpu.total_energy_mj, poll_s)
     ring: deque[Any] = deque()
     start_evt, end_evt = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start_evt.record()
@@ -176,8 +174,8 @@ def busy_window(
     dt = edge1[0] - edge0[0]
     power = (edge1[1] - edge0[1]) / 1000.0 / dt
     try:
-        clock = int(nvml.nvmlDeviceGetClockInfo(handle, getattr(nvml, "NVML_CLOCK_SM", 1)))
-    except Exception:
+        clock = gpu.sm_clock_mhz()
+    except GpuError:
         clock = None
     return Window(ms_per_call=ms, j_per_call=power * ms / 1000.0, window_s=dt, calls=n, power_w=power,
                   sm_clock_mhz=clock, source="measured")

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..chunking.apply import apply_chunked
+from ..device import GpuError, driver_version
 from .energy import busy_window, open_nvml, simulated_kernels, timed_window
 
 KIND_MODE = {"decode": "mm", "spec": "mm", "logprobs": "mm+lsm"}
@@ -212,7 +213,7 @@ def measure(
                         call()
                         sync()
                         peak = (torch.cuda.max_memory_allocated(dev) - base) / 2**20
-                        win = busy_window(call, window_s, nv[0], nv[1])
+                        win = busy_window(call, window_s, nv)
                         ms, j, ws, n, pw, clk, src = (win.ms_per_call, win.j_per_call, win.window_s, win.calls,
                                                       win.power_w, win.sm_clock_mhz, win.source)
                     else:
@@ -252,8 +253,8 @@ def run_benchmark(shapes: str = DEFAULT_SHAPES, grid: str = DEFAULT_GRID, chunks
     nv = open_nvml() if gpu else None
     if nv is not None:
         try:
-            driver = str(nv[0].nvmlSystemGetDriverVersion())
-        except Exception:
+            driver = driver_version(nv.nvml)
+        except GpuError:
             driver = None
     return {
         "what": "LM-head time and energy per chunk count and row count",

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..device import GpuError, driver_version
 from ..sim.gpu import H200, GpuSpec
 from . import lmhead
 from .energy import SIM_KERNEL_OVERHEAD_S, busy_window, open_nvml
@@ -140,7 +141,7 @@ def clock_mode(predict: bool, simulate_sweep: bool, gpu: bool, permission: bool,
 
 class GpuClockMeasurer:
     """``measure(item, clock) -> (s, J)`` on a real GPU: locks the SM clock, runs the item's workload
-    back to back for a counter-aligned window (:func:`.energy.busy_window`). Measured.
+    back to back for a counter-aligned window (:func:`.energy.busy_window`) on ``gpu``. Measured.
 
     ``backend``: a :class:`~vllm_powersave.clocks.backends.ClockBackend` (nvml); ``scale``: per item,
     the factor from one workload call to one step (the layer count for per-layer regions).
@@ -148,9 +149,9 @@ class GpuClockMeasurer:
     """
 
     def __init__(self, backend: Any, workloads: dict[str, Callable[[], Any]], scale: dict[str, float], window_s: float,
-                 nvml: Any, handle: Any, window_fn: Callable[..., Any] = busy_window, settle_s: float = 0.05) -> None:
+                 gpu: Any, window_fn: Callable[..., Any] = busy_window, settle_s: float = 0.05) -> None:
         self.backend, self.workloads, self.scale = backend, workloads, scale
-        self.window_s, self.nvml, self.handle, self.window_fn, self.settle_s = window_s, nvml, handle, window_fn, settle_s
+        self.window_s, self.gpu, self.window_fn, self.settle_s = window_s, gpu, window_fn, settle_s
         self.current: int | None = None
 
     def __call__(self, item: str, f: int) -> tuple[float, float]:
@@ -161,7 +162,7 @@ class GpuClockMeasurer:
                 self.backend.set_clocks(int(f))
             self.current = f
             time.sleep(self.settle_s)
-        w = self.window_fn(self.workloads[item], self.window_s, self.nvml, self.handle)
+        w = self.window_fn(self.workloads[item], self.window_s, self.gpu)
         k = self.scale.get(item, 1.0)
         return k * w.ms_per_call / 1000.0, k * w.j_per_call
 
@@ -290,8 +291,8 @@ def _device_info(torch: Any, gpu: bool) -> tuple[dict, Any]:
     info = {"kind": "cuda", "name": torch.cuda.get_device_name(), "energy": "measured" if nv else "unavailable (no NVML)"}
     if nv:
         try:
-            info["driver"] = str(nv[0].nvmlSystemGetDriverVersion())
-        except Exception:
+            info["driver"] = driver_version(nv.nvml)
+        except GpuError:
             pass
     return info, nv
 
@@ -303,10 +304,8 @@ def _gpu_spec(info: dict, nv: Any, ceilings: Ceilings) -> tuple[GpuSpec, str]:
     clocks = H200.sm_clocks_mhz
     if nv:
         try:
-            from ..clocks.backends import NvmlClockBackend
-
-            clocks = NvmlClockBackend(nv[0], nv[1]).supported_sm_clocks()  # read-only queries
-        except Exception:
+            clocks = nv.supported_sm_clocks_mhz()  # read-only queries
+        except GpuError:
             pass
     spec = dataclasses.replace(H200, name=f"{info['name']} (H200-calibrated power model)", sm_clocks_mhz=tuple(clocks),
                                f_max_mhz=max(clocks), peak_flops=ceilings.peak_flops, mem_bw=ceilings.mem_bw)
@@ -467,9 +466,9 @@ def _real_sweep(res: TuneResult, torch: Any, shape: ModelShape, sp: StepProfile,
         if mine:
             workloads[region] = (lambda fs: (lambda: [f() for f in fs]))(mine)
             scale[region] = float(shape.layers) if region in ("attention", "mlp") else 1.0
-    backend = NvmlClockBackend(nv[0], nv[1])
+    backend = NvmlClockBackend(nv)
     clocks = _sweep_clocks(backend.supported_sm_clocks(), res.opts.sweep_points, max(backend.supported_sm_clocks()))
-    meas = GpuClockMeasurer(backend, workloads, scale, res.opts.sweep_window_s, nv[0], nv[1])
+    meas = GpuClockMeasurer(backend, workloads, scale, res.opts.sweep_window_s, nv)
     out = {}
     try:
         with torch.no_grad():
