@@ -43,7 +43,7 @@ class FastSampler(threading.Thread):
     def __init__(self, meter: NvmlEnergyMeter) -> None:
         super().__init__(daemon=True)
         self.interp = meter
-        self.raw = NvmlEnergyMeter(meter.nvml, meter.handle, meter.gpu_id, interpolate=False)
+        self.raw = NvmlEnergyMeter(meter.gpu, interpolate=False)
         self.interp.sync_counter_phase()
         self.rows: list[tuple[float, float, float, float]] = []
         self.stop_ev = threading.Event()

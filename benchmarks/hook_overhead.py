@@ -107,8 +107,9 @@ def stub_nvml_installer():
     def use(on: bool) -> None:
         vc.runner_identity = gpu_ident if on else cpu_ident
         runtime._init_nvml = (lambda: types.SimpleNamespace()) if on else init_nvml
-        runtime.nvml_handle_for_torch_device = lambda nvml, index: ("handle", "GPU-bench")
-        runtime.open_nvml_meter = lambda nvml, handle, gpu_id, sample_period_s=None: StubNvmlMeter(gpu_id)
+        runtime.NvmlGpu = types.SimpleNamespace(
+            for_torch_device=lambda index, nvml=None: types.SimpleNamespace(uuid="GPU-bench", is_mig=lambda: False))
+        runtime.open_nvml_meter = lambda gpu, sample_period_s=None: StubNvmlMeter(gpu.uuid)
 
     return use
 

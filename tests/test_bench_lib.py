@@ -81,11 +81,10 @@ def test_device_scripts_refuse_to_start_without_forced_dry_run(script, monkeypat
     assert e.value.code == 2 and not (tmp_path / "o").exists()
 
 
-def test_energy_windows_come_from_the_plugins_meter(monkeypatch):
+def test_energy_windows_come_from_the_plugins_meter():
     # 1 W instant power: the meter's interpolation past the last counter step adds < 0.1 J here.
     nvml = FakeNvmlDevices(uuids=("GPU-aaaa-0000", "GPU-bbbb-1111"), power_w=1.0)
-    monkeypatch.setattr(energy, "open_nvml", lambda index: (nvml, index))
-    meters = energy.nvml_meters([0, 1])
+    meters = energy.nvml_meters([0, 1], nvml=nvml)
     assert [m.gpu_id for m in meters] == ["GPU-aaaa-0000", "GPU-bbbb-1111"]
     s = energy.EnergySampler(meters)
     s.sample()

@@ -12,36 +12,28 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from vllm_powersave.energy.meters import EnergyMeter, NvmlEnergyMeter, resolve_nvml_device
-from vllm_powersave.tune.energy import open_nvml
+from vllm_powersave.device import GpuError, NvmlGpu, driver_version
+from vllm_powersave.energy.meters import EnergyMeter, NvmlEnergyMeter
 
 
-def nvml_meters(indices: Sequence[int]) -> list[EnergyMeter]:
-    """One counter meter per NVML index (PCI bus order); RuntimeError where NVML is unavailable."""
-    opened = open_nvml(indices[0]) if indices else None
-    if opened is None:
-        raise RuntimeError("NVML unavailable")
-    nvml = opened[0]
-    meters: list[EnergyMeter] = []
-    for i in indices:
-        handle, uuid = resolve_nvml_device(nvml, i)
-        meters.append(NvmlEnergyMeter(nvml, handle, uuid))
-    return meters
+def nvml_meters(indices: Sequence[int], nvml: Any = None) -> list[EnergyMeter]:
+    """One counter meter per NVML index (PCI bus order); RuntimeError where NVML is unavailable.
+
+    ``nvml``: an NVML module to use instead of nvidia-ml-py (tests pass a fake)."""
+    try:
+        return [NvmlEnergyMeter(NvmlGpu.from_index(i, nvml)) for i in indices]
+    except GpuError as exc:
+        raise RuntimeError(f"NVML unavailable ({exc})") from exc
 
 
 def device_facts(index: int = 0) -> dict[str, Any]:
     """Name, UUID, driver and power limit of GPU ``index``; ``{"name": "no NVML (...)"}`` without NVML."""
-    opened = open_nvml(index)
-    if opened is None:
-        return {"name": "no NVML"}
-    nvml, handle = opened
-
-    def text(x: Any) -> str:
-        return x.decode() if isinstance(x, bytes) else str(x)
-
-    return {"name": text(nvml.nvmlDeviceGetName(handle)), "uuid": text(nvml.nvmlDeviceGetUUID(handle)),
-            "driver": text(nvml.nvmlSystemGetDriverVersion()),
-            "power_limit_w": nvml.nvmlDeviceGetEnforcedPowerLimit(handle) / 1000.0}
+    try:
+        gpu = NvmlGpu.from_index(index)
+        return {"name": gpu.name(), "uuid": gpu.uuid, "driver": driver_version(gpu.nvml),
+                "power_limit_w": gpu.power_limit_w()}
+    except GpuError as exc:
+        return {"name": f"no NVML ({exc})"}
 
 
 class EnergySampler(threading.Thread):
