@@ -42,7 +42,10 @@ class _Strict(BaseModel):
 class ChunkRule(_Strict):
     """Use ``chunks`` LM-head chunks when at least ``min_rows`` rows reach the LM head."""
 
+    #: The rule applies to LM-head calls with at least this many rows (the rule with the largest
+    #: ``min_rows`` not above the call's rows wins).
     min_rows: int = Field(ge=1)
+    #: Token-dimension chunks for such calls (capped at the rows, so that no chunk is empty).
     chunks: int = Field(ge=1, le=1024)
 
 
@@ -53,7 +56,9 @@ class ChunkingSettings(_Strict):
     chunking gives no time or energy gain (``docs/results``); a tuned preset file fills it in.
     """
 
+    #: False: never chunk, whatever ``table`` says.
     enabled: bool = True
+    #: Rules keyed on the rows reaching the LM head; empty: one chunk (vLLM's own call) everywhere.
     table: tuple[ChunkRule, ...] = ()
 
     @field_validator("table")
@@ -80,7 +85,9 @@ class GroupPreset(_Strict):
     ``switch_latency_ms`` to take effect and would otherwise land on the neighbouring kernels.
     """
 
+    #: SM clock while the group runs (snapped to a supported clock); ``None``: the phase's clock.
     sm_clock_mhz: int | None = Field(default=None, ge=100, le=5000)
+    #: Memory clock while the group runs, where the GPU supports memory locks.
     mem_clock_mhz: int | None = Field(default=None, ge=100, le=20000)
     duration_ms: float | None = Field(default=None, gt=0.0, le=3_600_000.0, allow_inf_nan=False)
 
@@ -92,8 +99,11 @@ class ClockPreset(_Strict):
     warning, then SM clocks only). ``groups``: optional kernel-group presets inside this phase.
     """
 
+    #: SM clock for the phase (snapped to the GPU's supported clocks); ``None``: driver default.
     sm_clock_mhz: int | None = Field(default=None, ge=100, le=5000)
+    #: Memory clock for the phase, where the GPU supports memory locks; ``None``: driver default.
     mem_clock_mhz: int | None = Field(default=None, ge=100, le=20000)
+    #: Kernel-group presets inside this phase (used only where a group outlasts the switch latency).
     groups: dict[KernelGroup, GroupPreset] = Field(default_factory=dict)
 
 
@@ -155,6 +165,9 @@ class ClockSettings(_Strict):
 class EnergySettings(_Strict):
     """Energy meter: ``auto`` = NVML where a GPU is present, else the simulated GPU."""
 
+    #: ``auto``: NVML where a GPU is present, else the simulated GPU; ``nvml``: NVML (no NVML
+    #: device: the simulated meter, one warning); ``simulated``: the simulated GPU, labelled
+    #: simulated; ``off``: no energy figures.
     meter: Literal["auto", "nvml", "simulated", "off"] = "auto"
     #: GPU model the simulated meter and clock backend stand for.
     simulated_gpu: Literal["h200"] = "h200"
@@ -196,6 +209,7 @@ class TunedFor(_Strict):
     driver: str | None = Field(default=None, min_length=1)  # prefix, e.g. "580."
     vllm_version: str | None = Field(default=None, min_length=1)  # prefix, e.g. "0.25"
     model: str | None = Field(default=None, min_length=1)  # substring of the served model path/name
+    #: True: a mismatch logs one warning instead of stopping the server.
     allow_mismatch: bool = False
 
 
