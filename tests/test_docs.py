@@ -1,0 +1,58 @@
+"""The reference docs follow the code: docs/settings.md is generated from the pydantic model."""
+
+from pathlib import Path
+
+from pydantic import BaseModel, Field
+
+from vllm_powersave.settings_doc import COMMAND, field_paths, render
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_settings_doc_is_regenerated_from_the_settings_model():
+    committed = (ROOT / "docs" / "settings.md").read_text(encoding="utf-8")
+    assert committed == render(), f"docs/settings.md is out of date with vllm_powersave/settings.py: run `{COMMAND}`"
+
+
+def test_settings_doc_names_every_field_with_its_dotted_path():
+    text = render()
+    missing = [p for p in field_paths() if f"- **`{p}`**" not in text]
+    assert not missing
+    assert "clocks.presets.<phase>.groups.<group>.duration_ms" in field_paths()
+    assert "chunking.table[].min_rows" in field_paths()
+
+
+def test_settings_doc_states_type_default_bounds_unit_and_description():
+    line = next(ln for ln in render().splitlines() if ln.startswith("- **`clocks.min_dwell_ms`**"))
+    assert line == "- **`clocks.min_dwell_ms`**: float; default `500`; bounds ≥ 0, ≤ 600000, finite; unit ms.  "
+    text = render()
+    assert "Minimum time a clock stays applied before another change (hysteresis), in ms." in text
+    assert '- **`clocks.backend`**: `"dry-run"` \\| `"nvml"` \\| `"zeusd"` \\| `"simulated"`' in text
+
+
+class _Inner(BaseModel):
+    """Inner object."""
+
+    #: Rows of the thing.
+    size_rows: int = Field(default=3, ge=1)
+
+
+class _NewSettings(BaseModel):
+    """Settings with a field added later."""
+
+    #: How long to wait before giving up,
+    #: in milliseconds.
+    patience_ms: float = Field(default=250.0, gt=0.0, le=1000.0, allow_inf_nan=False)
+    inner: _Inner = Field(default_factory=_Inner)
+    flag: bool = False  # a trailing comment describes it
+    items: tuple[_Inner, ...] = ()
+
+
+def test_settings_doc_picks_up_a_new_field_its_comment_bounds_and_nested_model():
+    text = render(_NewSettings)
+    assert "- **`patience_ms`**: float; default `250`; bounds > 0, ≤ 1000, finite; unit ms.  \n" \
+           "  How long to wait before giving up, in milliseconds." in text
+    assert "- **`flag`**: bool; default `false`.  \n  a trailing comment describes it" in text
+    assert "## `inner`" in text and "- **`inner.size_rows`**: int; default `3`; bounds ≥ 1; unit rows." in text
+    assert "## `items[]`" in text and "- **`items[].size_rows`**" in text
+    assert field_paths(_NewSettings) == ["patience_ms", "inner", "inner.size_rows", "flag", "items", "items[].size_rows"]
