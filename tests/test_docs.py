@@ -1,5 +1,7 @@
-"""The reference docs follow the code: docs/settings.md is generated from the pydantic model."""
+"""The reference docs follow the code: docs/settings.md is generated from the pydantic model and
+docs/metrics.md names every series the collector exports."""
 
+import re
 from pathlib import Path
 
 from pydantic import BaseModel, Field
@@ -56,3 +58,17 @@ def test_settings_doc_picks_up_a_new_field_its_comment_bounds_and_nested_model()
     assert "## `inner`" in text and "- **`inner.size_rows`**: int; default `3`; bounds ≥ 1; unit rows." in text
     assert "## `items[]`" in text and "- **`items[].size_rows`**" in text
     assert field_paths(_NewSettings) == ["patience_ms", "inner", "inner.size_rows", "flag", "items", "items[].size_rows"]
+
+
+def _exported_series() -> set[str]:
+    """Every metric family name the collector builds (counters are exposed with ``_total``)."""
+    src = (ROOT / "vllm_powersave" / "metrics.py").read_text(encoding="utf-8")
+    return set(re.findall(r'(?:Counter|Gauge)MetricFamily\(\s*"(powersave_[a-z_]+)"', src))
+
+
+def test_metrics_doc_describes_every_exported_series():
+    doc = (ROOT / "docs" / "metrics.md").read_text(encoding="utf-8")
+    series = _exported_series()
+    assert len(series) >= 25  # the regex still finds the collector's families
+    missing = sorted(s for s in series if f"`{s}" not in doc)
+    assert not missing, f"series exported by vllm_powersave/metrics.py but not described in docs/metrics.md: {missing}"
