@@ -1,5 +1,5 @@
-"""The reference docs follow the code: docs/settings.md is generated from the pydantic model and
-docs/metrics.md names every series the collector exports."""
+"""The reference docs follow the code: settings.md is generated from the pydantic model, metrics.md
+names every series the collector exports, and the README stays a short page whose links resolve."""
 
 import re
 from pathlib import Path
@@ -72,3 +72,20 @@ def test_metrics_doc_describes_every_exported_series():
     assert len(series) >= 25  # the regex still finds the collector's families
     missing = sorted(s for s in series if f"`{s}" not in doc)
     assert not missing, f"series exported by vllm_powersave/metrics.py but not described in docs/metrics.md: {missing}"
+
+
+def test_readme_is_at_most_150_lines():
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= 150, f"README.md has {len(lines)} lines; reference material belongs in docs/"
+
+
+def test_relative_links_in_readme_and_docs_point_at_files():
+    broken = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text(encoding="utf-8")):
+            if target.startswith(("http://", "https://", "#", "mailto:")):
+                continue
+            path = (page.parent / target.split("#", 1)[0]).resolve()
+            if not path.exists():
+                broken.append(f"{page.relative_to(ROOT)} -> {target}")
+    assert not broken
