@@ -2,20 +2,24 @@
 
     python -m vllm_powersave.settings_doc > docs/settings.md
 
-The model is the single source: every field's type, default and bounds come from pydantic, its
-description from ``Field(description=...)`` or, as written in ``settings.py`` today, from the
-``#:`` comment block above the field (else a trailing ``#`` comment on its line, else the
-docstring of the model it holds). ``tests/test_docs.py`` fails when the committed file differs
-from :func:`render`, so a new setting cannot go undocumented.
+The model is the single source: every field's type, default and bounds come from pydantic; its
+description from ``Field(description=...)``, else (as ``settings.py`` is written) the ``#:``
+comment block above the field, else a trailing ``#`` comment on its line, else the paragraph of
+its model's docstring that opens with ````name````, else a sibling's comment that names it, else
+the docstring of the model it holds. Units come from the field name's suffix. ``tests/test_docs.py``
+fails when the committed file differs from :func:`render`, so a new setting cannot go
+undocumented.
 """
 
 from __future__ import annotations
 
 import ast
 import inspect
+import io
 import re
 import sys
 import textwrap
+import tokenize
 import types
 import typing
 from typing import Any, Literal, get_args, get_origin
@@ -47,7 +51,7 @@ Give them as YAML or JSON, bare or under a `powersave:` key. Sources, later ones
 
 An unknown key or an invalid value stops the server before any engine process starts, with one
 line that names the field and the value, e.g.
-`error: powersave setting 'clocks.backend' = 'turbo': Input should be 'dry-run', 'nvml', 'zeusd' or 'simulated'`.
+`error: powersave setting 'energy.idle_after_s' = -1: Input should be greater than 0`.
 Units follow the field name (`_ms`, `_s`, `_mhz`, ...). `null` means "not set" (the description
 says what happens then).
 """
@@ -66,6 +70,9 @@ def _field_comments(cls: type) -> dict[str, str]:
     except (OSError, TypeError):
         return {}
     lines = src.splitlines()
+    # Comments after code on the same line, by line number (a "#" inside a string is no comment).
+    trailing = {tok.start[0]: tok.string[1:].strip() for tok in tokenize.generate_tokens(io.StringIO(src).readline)
+                if tok.type == tokenize.COMMENT and lines[tok.start[0] - 1][: tok.start[1]].strip()}
     out: dict[str, str] = {}
     for node in ast.parse(src).body[0].body:  # type: ignore[attr-defined]
         if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
@@ -77,12 +84,8 @@ def _field_comments(cls: type) -> dict[str, str]:
             i -= 1
         if block:
             out[node.target.id] = " ".join(block)
-            continue
-        last = lines[node.end_lineno - 1]  # type: ignore[operator]
-        tail = ast.get_source_segment(src, node) or ""
-        rest = last.split(tail.splitlines()[-1], 1)[-1] if tail else ""
-        if "#" in rest:
-            out[node.target.id] = rest.split("#", 1)[1].strip()
+        elif node.end_lineno in trailing:
+            out[node.target.id] = trailing[node.end_lineno]
     return out
 
 
@@ -122,12 +125,12 @@ def _type_name(annotation: Any) -> str:
 def _type_name_plain(a: Any) -> str:
     origin, args = get_origin(a), get_args(a)
     if origin is Literal:
-        return " \\| ".join(f'`"{v}"`' if isinstance(v, str) else f"`{v}`" for v in args)
+        return " | ".join(f'`"{v}"`' if isinstance(v, str) else f"`{v}`" for v in args)
     if origin in (tuple, list):
         return f"list of {_type_name_plain(args[0])}"
     if origin is dict:
         key = get_args(args[0])
-        keys = " \\| ".join(f"`{k}`" for k in key) if key else _type_name_plain(args[0])
+        keys = " | ".join(f"`{k}`" for k in key) if key else _type_name_plain(args[0])
         return f"map {keys} → {_type_name_plain(args[1])}"
     if isinstance(a, type) and issubclass(a, BaseModel):
         return "object"
@@ -142,7 +145,7 @@ def _default(field: FieldInfo) -> str:
     else:
         value = field.default
     if isinstance(value, BaseModel):
-        return "its fields' defaults"
+        return ""  # an object's defaults are its fields' own
     if value is None:
         return "`null`"
     if isinstance(value, bool):
@@ -176,8 +179,7 @@ def _num(v: Any) -> str:
 
 
 def _unit(name: str, annotation: Any) -> str:
-    numeric = {int, float}
-    if not numeric & {_is_optional(annotation)[1]}:
+    if _is_optional(annotation)[1] not in (int, float):
         return ""
     if "share" in name:
         return "fraction"
@@ -234,7 +236,8 @@ def _section(path: str, model: type[BaseModel], out: list[str], nested: list[tup
     entries = []
     for name, field in model.model_fields.items():
         dotted = prefix + name
-        facts = [_type_name(field.annotation), f"default {_default(field)}"]
+        default = _default(field)
+        facts = [_type_name(field.annotation), f"default {default}" if default else "defaults in its section"]
         if _bounds(field):
             facts.append(f"bounds {_bounds(field)}")
         if _unit(name, field.annotation):
