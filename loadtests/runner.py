@@ -134,6 +134,7 @@ async def run_load(
             o = await send_request(
                 session, endpoints[e], cfg.endpoint, models[e], reqs[i],
                 stream=cfg.stream, prompt_logprobs=cfg.prompt_logprobs, timeout_s=cfg.request_timeout_s,
+                continuous_usage_stats=cfg.continuous_usage_stats,
             )
             o.start_time = start - t0
             o.queue_time = start - arrived

@@ -1,0 +1,103 @@
+"""Harness edge cases: what starts TTFT and per-token ITL.
+
+Streams are scripted with ``loadtests.fake_server`` (prompt markers ``EMPTYDELTA``, ``EMPTYFIRST``;
+``tokens_per_chunk``; per-chunk usage on ``stream_options.continuous_usage_stats``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from loadtests import BenchConfig, run
+
+
+@pytest.fixture(autouse=True)
+def no_nvml(monkeypatch: pytest.MonkeyPatch) -> None:
+    from loadtests import energy
+
+    monkeypatch.setattr(energy.NvmlEnergy, "open", classmethod(lambda cls, gpus: (None, "disabled in test")))
+
+
+def _dataset(tmp_path: Path, prompt: str, output_len: int) -> str:
+    p = tmp_path / "d.jsonl"
+    p.write_text(json.dumps({"prompt": prompt, "output_len": output_len}) + "\n")
+    return f"jsonl:{p}"
+
+
+# ---------------------------------------------------------------------------------
+# 1. TTFT: the first chunk that carries a token
+# ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_ttft_is_not_started_by_an_empty_delta_before_the_first_token(server_factory, tmp_path, endpoint) -> None:
+    # The server sends an empty delta at once, then the first token after 0.1 s.
+    srv = server_factory(first_delay=0.1, itl_delay=0.01)
+    res = run(BenchConfig(base_url=srv.url, endpoint=endpoint, num_prompts=2, dataset=_dataset(tmp_path, "EMPTYDELTA x", 3),
+                          sample_interval_s=0))
+    assert res["completed"] == 2
+    assert all(t >= 0.0999 for t in res["ttfts"])
+    assert [len(i) for i in res["itls"]] == [2, 2]  # the empty delta is no ITL either
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_ttft_without_per_chunk_usage_waits_for_the_first_non_empty_text(server_factory, tmp_path, endpoint) -> None:
+    # The first two token chunks carry "" (tokens that do not decode alone); nothing says they are tokens.
+    srv = server_factory(first_delay=0.05, itl_delay=0.1)
+    res = run(BenchConfig(base_url=srv.url, endpoint=endpoint, num_prompts=1, dataset=_dataset(tmp_path, "EMPTYFIRST x", 4),
+                          sample_interval_s=0))
+    assert res["ttfts"][0] >= 0.05 + 2 * 0.1 - 1e-3
+    assert res["output_lens"] == [4]  # the final usage still counts all four
+    assert len(res["itls"][0]) == 1
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_ttft_starts_at_an_empty_text_chunk_that_per_chunk_usage_counts_as_a_token(server_factory, tmp_path, endpoint) -> None:
+    # vLLM sends a chunk only once a token exists, even when its text is "": per-chunk usage shows it,
+    # and TTFT then agrees with vllm bench serve's first-choice-chunk rule.
+    srv = server_factory(first_delay=0.05, itl_delay=0.1)
+    res = run(BenchConfig(base_url=srv.url, endpoint=endpoint, num_prompts=1, dataset=_dataset(tmp_path, "EMPTYFIRST x", 4),
+                          continuous_usage_stats=True, sample_interval_s=0))
+    assert srv.payloads[0]["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
+    assert 0.0499 <= res["ttfts"][0] < 0.05 + 0.09
+    assert len(res["itls"][0]) == 3 and res["output_lens"] == [4]
+
+
+def test_continuous_usage_stats_without_streaming_is_refused() -> None:
+    from loadtests import ConfigError
+
+    with pytest.raises(ConfigError, match="continuous_usage_stats = true needs stream = true"):
+        BenchConfig(continuous_usage_stats=True, stream=False)
+
+
+# ---------------------------------------------------------------------------------
+# 2. ITL: per token with per-chunk usage, per chunk (and said so) without
+# ---------------------------------------------------------------------------------
+
+
+def test_itl_is_per_token_intervals_when_per_chunk_usage_reports_several_tokens_per_chunk(server_factory) -> None:
+    # 7 tokens in chunks of 3, 3, 1, 0.09 s apart: 6 intervals; the two tokens that came with the first
+    # arrived with it (0), the next chunk's gap is spread over its 3 tokens, the last chunk's is whole.
+    gap = 0.09
+    srv = server_factory(first_delay=0.05, itl_delay=gap, tokens_per_chunk=3)
+    res = run(BenchConfig(base_url=srv.url, num_prompts=2, output_len=7, input_len=4, continuous_usage_stats=True,
+                          sample_interval_s=0))
+    for itl, ttft, lat in zip(res["itls"], res["ttfts"], res["latencies"]):
+        assert len(itl) == 7 - 1
+        assert itl[:2] == [0.0, 0.0]
+        assert itl[2] == itl[3] == itl[4] >= gap / 3 - 1e-4
+        assert itl[5] >= gap - 1e-4 and itl[5] > itl[2]
+        # The intervals add up to the two chunk gaps: the span from the first token to the last.
+        assert 2 * gap - 2e-4 <= sum(itl) and ttft + sum(itl) <= lat
+
+
+def test_itl_without_per_chunk_usage_is_inter_chunk_gaps_and_the_result_says_so(server_factory) -> None:
+    srv = server_factory(first_delay=0.02, itl_delay=0.03, tokens_per_chunk=3)
+    res = run(BenchConfig(base_url=srv.url, num_prompts=2, output_len=7, input_len=4, sample_interval_s=0))
+    assert [len(i) for i in res["itls"]] == [2, 2]  # one gap per token chunk
+    assert res["output_lens"] == [7, 7]  # the final usage chunk
+
+
