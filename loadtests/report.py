@@ -73,6 +73,7 @@ def _summary_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
         ("Total token throughput (tok/s)", _num(result.get("total_token_throughput"))),
     ]
     rows += _latency_rows(result)
+    rows += _method_rows(result)
     if result.get("energy_source") is None:
         rows.append(("GPU energy", result.get("energy_note") or _NO_ENERGY))
     else:
@@ -89,6 +90,16 @@ def _summary_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
     rows += _steady_rows(result)
     if result.get("timed_out"):
         rows.append(("Note", f"global --timeout of {_num(result.get('timeout_s'), 0)} s reached"))
+    return rows
+
+
+def _method_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
+    """How TTFT, ITL and token counts were taken."""
+    how = result.get("methods")
+    if not isinstance(how, dict):
+        return []  # a result written before these fields existed
+    rows = [("TTFT method", str(how.get("ttft"))), ("ITL method", str(how.get("itl"))),
+            ("Output tokens from", str(how.get("output_tokens")))]
     return rows
 
 
@@ -197,6 +208,8 @@ def compare_table(results: dict[str, dict[str, Any]]) -> str:
         # The median is p50 under any --percentiles choice, so p50 is always available.
         add(f"{title} p50 (ms)", lambda r, k=f"median_{name}_ms": _num(r.get(k)))
         add(f"{title} p99 (ms)", lambda r, k=f"p99_{name}_ms": _num(r.get(k)))
+    add("ITL method", lambda r: str(r.get("itl_method") or "n/a"))
+    add("Output tokens from", lambda r: str(r.get("output_tokens_source") or "n/a"))
     add("GPU avg power (W)", lambda r: _energy(r, "gpu_avg_power_w", 1))
     add("J / output token", lambda r: _energy(r, "gpu_energy_per_output_token_j"))
     add("of which idle (J total)", lambda r: _energy(r, "gpu_idle_energy_j", 1))

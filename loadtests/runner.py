@@ -17,7 +17,7 @@ from .config import BenchConfig
 from .datasets import RequestInput, load_trace, random_requests, sample_requests
 from .energy import METRIC, EnergyMeter, EnergyReading
 from .errors import LoadTestError, ServerUnreachableError
-from .metrics import calculate_metrics, energy_metrics, peak_metrics, percentile_key
+from .metrics import calculate_metrics, energy_metrics, method_metrics, peak_metrics, percentile_key
 from .shapes import arrival_offsets, ramp_offsets
 from .window import steady_state, sum_readings, timeline
 
@@ -335,6 +335,7 @@ async def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
 
     m = calculate_metrics(reqs, outputs, duration, cfg.percentiles, cfg.goodput or None)
     e = energy_metrics(reading, m["total_input_tokens"], m["total_output_tokens"])
+    how = method_metrics(outputs, cfg.stream)
     batch = cfg.steady_state_batch or cfg.max_concurrency
     ss = steady_state(outputs, batch, meters, t0)
     ep_rows = []
@@ -395,6 +396,7 @@ async def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
         "request_timeout_s": cfg.request_timeout_s,
         "timed_out": timed_out,
         **m,
+        **how,
         **peak_metrics(outputs),
         **e,
         "gpu_energy_duration_s": e["energy_window_s"] if e["gpu_energy_j"] is not None else None,
@@ -411,6 +413,8 @@ async def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
         "e2els": [o.latency for o in outputs],
         "input_lens": [o.prompt_tokens if o.prompt_tokens is not None else r.prompt_len for r, o in zip(reqs, outputs)],
         "output_lens": [o.output_tokens for o in outputs],
+        "output_tokens_sources": [o.output_tokens_source for o in outputs],
+        "itl_methods": [("per_token" if o.itl_per_token else "per_chunk") if cfg.stream else None for o in outputs],
         "endpoint_ids": [o.endpoint for o in outputs],
         "errors": [o.error for o in outputs],
     }

@@ -1,4 +1,4 @@
-"""Harness edge cases: what starts TTFT and per-token ITL.
+"""Harness edge cases: what starts TTFT, per-token ITL, estimated token counts.
 
 Streams are scripted with ``loadtests.fake_server`` (prompt markers ``EMPTYDELTA``, ``EMPTYFIRST``;
 ``tokens_per_chunk``; per-chunk usage on ``stream_options.continuous_usage_stats``).
@@ -41,6 +41,7 @@ def test_ttft_is_not_started_by_an_empty_delta_before_the_first_token(server_fac
     assert res["completed"] == 2
     assert all(t >= 0.0999 for t in res["ttfts"])
     assert [len(i) for i in res["itls"]] == [2, 2]  # the empty delta is no ITL either
+    assert res["ttft_rule"] == "first_chunk_with_text"
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
@@ -64,6 +65,7 @@ def test_ttft_starts_at_an_empty_text_chunk_that_per_chunk_usage_counts_as_a_tok
     assert srv.payloads[0]["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
     assert 0.0499 <= res["ttfts"][0] < 0.05 + 0.09
     assert len(res["itls"][0]) == 3 and res["output_lens"] == [4]
+    assert res["ttft_rule"] == "first_chunk_with_token_per_usage"
 
 
 def test_continuous_usage_stats_without_streaming_is_refused() -> None:
@@ -85,6 +87,7 @@ def test_itl_is_per_token_intervals_when_per_chunk_usage_reports_several_tokens_
     srv = server_factory(first_delay=0.05, itl_delay=gap, tokens_per_chunk=3)
     res = run(BenchConfig(base_url=srv.url, num_prompts=2, output_len=7, input_len=4, continuous_usage_stats=True,
                           sample_interval_s=0))
+    assert res["itl_method"] == "per_token" and res["itl_methods"] == ["per_token"] * 2
     for itl, ttft, lat in zip(res["itls"], res["ttfts"], res["latencies"]):
         assert len(itl) == 7 - 1
         assert itl[:2] == [0.0, 0.0]
@@ -99,5 +102,32 @@ def test_itl_without_per_chunk_usage_is_inter_chunk_gaps_and_the_result_says_so(
     res = run(BenchConfig(base_url=srv.url, num_prompts=2, output_len=7, input_len=4, sample_interval_s=0))
     assert [len(i) for i in res["itls"]] == [2, 2]  # one gap per token chunk
     assert res["output_lens"] == [7, 7]  # the final usage chunk
+    assert res["itl_method"] == "per_chunk" and res["itl_methods"] == ["per_chunk"] * 2
+    assert "gaps between token chunks" in res["methods"]["itl"]
+
+
+# ---------------------------------------------------------------------------------
+# 3. Token counts without usage are labelled estimates
+# ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream, method", [(True, "token_chunks"), (False, "words")])
+def test_output_tokens_without_a_usage_report_are_labelled_estimated(server_factory, stream, method) -> None:
+    srv = server_factory(usage=False, tokens_per_chunk=2)
+    res = run(BenchConfig(base_url=srv.url, num_prompts=3, output_len=6, input_len=4, stream=stream, sample_interval_s=0))
+    assert res["completed"] == 3
+    assert res["output_tokens_sources"] == ["estimated"] * 3
+    assert res["output_tokens_source"] == "estimated"
+    assert res["output_tokens_estimated_requests"] == 3
+    assert res["output_tokens_estimate_method"] == method
+    assert "estimated" in res["methods"]["output_tokens"]
+
+
+def test_output_tokens_from_usage_are_labelled_usage(server_factory) -> None:
+    srv = server_factory(usage=True)
+    res = run(BenchConfig(base_url=srv.url, num_prompts=2, output_len=3, input_len=4, sample_interval_s=0))
+    assert res["output_tokens_sources"] == ["usage", "usage"]
+    assert res["output_tokens_source"] == "usage"
+    assert res["output_tokens_estimated_requests"] == 0 and res["output_tokens_estimate_method"] is None
 
 
