@@ -94,12 +94,20 @@ def _summary_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
 
 
 def _method_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
-    """How TTFT, ITL and token counts were taken."""
+    """How TTFT, ITL and token counts were taken, and the client's own event-loop lag."""
     how = result.get("methods")
     if not isinstance(how, dict):
         return []  # a result written before these fields existed
     rows = [("TTFT method", str(how.get("ttft"))), ("ITL method", str(how.get("itl"))),
             ("Output tokens from", str(how.get("output_tokens")))]
+    if result.get("client_loop_lag_samples"):
+        rows.append(("Client event-loop lag (ms)",
+                     f"p50 {_num(result.get('client_loop_lag_p50_ms'))} / p99 {_num(result.get('client_loop_lag_p99_ms'))}"
+                     f" / max {_num(result.get('client_loop_lag_max_ms'))} (bottleneck above p99 "
+                     f"{_num(result.get('client_bottleneck_threshold_ms'))})"))
+    if result.get("client_bottleneck_note"):
+        rows.append(("Warning" if result.get("client_bottleneck") else "Client event-loop lag",
+                     str(result["client_bottleneck_note"])))
     return rows
 
 
@@ -210,6 +218,8 @@ def compare_table(results: dict[str, dict[str, Any]]) -> str:
         add(f"{title} p99 (ms)", lambda r, k=f"p99_{name}_ms": _num(r.get(k)))
     add("ITL method", lambda r: str(r.get("itl_method") or "n/a"))
     add("Output tokens from", lambda r: str(r.get("output_tokens_source") or "n/a"))
+    add("Client loop lag p99 (ms)", lambda r: _num(r.get("client_loop_lag_p99_ms"))
+        + (" (client is the bottleneck)" if r.get("client_bottleneck") else ""))
     add("GPU avg power (W)", lambda r: _energy(r, "gpu_avg_power_w", 1))
     add("J / output token", lambda r: _energy(r, "gpu_energy_per_output_token_j"))
     add("of which idle (J total)", lambda r: _energy(r, "gpu_idle_energy_j", 1))

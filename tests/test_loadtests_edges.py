@@ -1,4 +1,4 @@
-"""Harness edge cases: what starts TTFT, per-token ITL, estimated token counts.
+"""Harness edge cases: what starts TTFT, per-token ITL, estimated token counts, the client's own lag.
 
 Streams are scripted with ``loadtests.fake_server`` (prompt markers ``EMPTYDELTA``, ``EMPTYFIRST``;
 ``tokens_per_chunk``; per-chunk usage on ``stream_options.continuous_usage_stats``).
@@ -6,12 +6,18 @@ Streams are scripted with ``loadtests.fake_server`` (prompt markers ``EMPTYDELTA
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from loadtests import BenchConfig, run
+from loadtests import BenchConfig, format_markdown, run
+from loadtests.__main__ import main
+from loadtests.looplag import LoopLagProbe, bottleneck_threshold_ms, loop_lag_metrics
+from loadtests.runner import run_benchmark
 
 
 @pytest.fixture(autouse=True)
@@ -131,3 +137,105 @@ def test_output_tokens_from_usage_are_labelled_usage(server_factory) -> None:
     assert res["output_tokens_estimated_requests"] == 0 and res["output_tokens_estimate_method"] is None
 
 
+# ---------------------------------------------------------------------------------
+# 4. The client's own event-loop lag
+# ---------------------------------------------------------------------------------
+
+
+def test_loop_lag_probe_sees_a_blocked_loop() -> None:
+    async def go() -> list[float]:
+        probe = LoopLagProbe(period_s=0.005)
+        probe.start()
+        await asyncio.sleep(0.03)
+        for _ in range(3):
+            time.sleep(0.05)  # the loop is blocked: every callback posted meanwhile waits
+            await asyncio.sleep(0.01)
+        return probe.stop()
+
+    lags = asyncio.run(go())
+    assert len(lags) >= 5
+    assert max(lags) >= 0.03
+
+
+@pytest.mark.parametrize("itl_ms, ttft_ms, expected", [
+    (20.0, 100.0, 2.0),  # 10 % of the median ITL
+    (2.0, 100.0, 0.5),  # floor: the probe's own noise
+    (200.0, 100.0, 5.0),  # cap: 5 ms is too much at any latency
+    (None, 30.0, 3.0),  # no ITL (not streamed): the median TTFT
+    (0.0, 0.0, 5.0),
+])
+def test_bottleneck_threshold_is_a_tenth_of_median_itl_within_floor_and_cap(itl_ms, ttft_ms, expected) -> None:
+    assert bottleneck_threshold_ms(itl_ms, ttft_ms) == pytest.approx(expected)
+
+
+def test_loop_lag_over_the_threshold_marks_the_client_as_bottleneck() -> None:
+    ok = loop_lag_metrics([0.001] * 100, 0.01, median_itl_ms=20.0, median_ttft_ms=100.0)
+    assert ok["client_bottleneck"] is False and ok["client_bottleneck_note"] is None
+    assert ok["client_loop_lag_p99_ms"] == pytest.approx(1.0) and ok["client_loop_lag_samples"] == 100
+    bad = loop_lag_metrics([0.001] * 98 + [0.004] * 2, 0.01, median_itl_ms=20.0, median_ttft_ms=100.0)
+    assert bad["client_bottleneck"] is True
+    assert bad["client_loop_lag_max_ms"] == pytest.approx(4.0)
+    assert "client is the bottleneck" in bad["client_bottleneck_note"]
+    none = loop_lag_metrics([], 0.01, median_itl_ms=20.0, median_ttft_ms=100.0)
+    assert none["client_bottleneck"] is False and none["client_loop_lag_p99_ms"] is None
+
+
+def test_a_busy_client_loop_is_reported_once_as_the_bottleneck(server_factory, capsys) -> None:
+    srv = server_factory(first_delay=0.05, itl_delay=0.05)
+    cfg = BenchConfig(base_url=srv.url, num_prompts=4, max_concurrency=4, output_len=6, input_len=4, sample_interval_s=0)
+
+    async def busy_client() -> dict[str, Any]:
+        async def hog() -> None:  # other work on the harness's loop: 20 ms of CPU at a time
+            while True:
+                time.sleep(0.02)
+                await asyncio.sleep(0.002)
+
+        h = asyncio.create_task(hog())
+        try:
+            return await run_benchmark(cfg)
+        finally:
+            h.cancel()
+
+    res = asyncio.run(busy_client())
+    assert res["client_bottleneck"] is True
+    assert res["client_loop_lag_p99_ms"] > res["client_bottleneck_threshold_ms"]
+    assert res["client_loop_lag_max_ms"] >= 10.0
+    warnings = [x for x in capsys.readouterr().err.splitlines() if "client is the bottleneck" in x]
+    assert len(warnings) == 1 and warnings[0].startswith("warning: ")
+
+
+def test_bottleneck_verdict_and_its_single_warning_follow_the_measured_lag(server_factory, capsys) -> None:
+    # 60 ms between tokens: the threshold is the 5 ms cap. Whether an oversubscribed test host delays
+    # this loop that much is not up to the test, so it checks that verdict and warning follow the lag.
+    srv = server_factory(first_delay=0.06, itl_delay=0.06)
+    res = run(BenchConfig(base_url=srv.url, num_prompts=2, max_concurrency=2, output_len=5, input_len=4, sample_interval_s=0))
+    assert res["client_loop_lag_samples"] >= 10
+    assert res["client_loop_lag_p50_ms"] <= res["client_loop_lag_p99_ms"] <= res["client_loop_lag_max_ms"]
+    assert res["client_bottleneck_threshold_ms"] == pytest.approx(5.0)
+    flagged = res["client_loop_lag_p99_ms"] > 5.0
+    assert res["client_bottleneck"] is flagged
+    assert capsys.readouterr().err.count("client is the bottleneck") == int(flagged)
+
+
+# ---------------------------------------------------------------------------------
+# 5. The report says which method each figure used
+# ---------------------------------------------------------------------------------
+
+
+def test_report_states_each_figures_method_in_json_and_printed_summary(server_factory, tmp_path, capsys) -> None:
+    srv = server_factory(first_delay=0.02, itl_delay=0.01, usage=False)
+    out = tmp_path / "r.json"
+    rc = main(["--base-url", srv.url, "--num-prompts", "2", "--input-len", "4", "--output-len", "3", "--sample-interval", "0",
+               "--no-progress", "--result-json", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert set(res["methods"]) == {"ttft", "itl", "tpot", "output_tokens", "client_loop_lag"}
+    for key in ("ttft_rule", "itl_method", "output_tokens_source", "client_loop_lag_p50_ms", "client_loop_lag_p99_ms",
+                "client_loop_lag_max_ms", "client_bottleneck"):
+        assert key in res
+    printed = capsys.readouterr().out
+    for title, text in (("TTFT method", res["methods"]["ttft"]), ("ITL method", res["methods"]["itl"]),
+                        ("Output tokens from", res["methods"]["output_tokens"])):
+        assert f"{title}:" in printed and text in printed
+    assert "Client event-loop lag (ms):" in printed
+    assert "| ITL method | gaps between token chunks" in format_markdown(res)
