@@ -69,7 +69,7 @@ def test_ttft_starts_at_an_empty_text_chunk_that_per_chunk_usage_counts_as_a_tok
     res = run(BenchConfig(base_url=srv.url, endpoint=endpoint, num_prompts=1, dataset=_dataset(tmp_path, "EMPTYFIRST x", 4),
                           continuous_usage_stats=True, sample_interval_s=0))
     assert srv.payloads[0]["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
-    assert 0.0499 <= res["ttfts"][0] < 0.05 + 0.09
+    assert 0.0499 <= res["ttfts"][0] < 0.05 + 0.1  # the second chunk comes at 0.15 s
     assert len(res["itls"][0]) == 3 and res["output_lens"] == [4]
     assert res["ttft_rule"] == "first_chunk_with_token_per_usage"
 
@@ -97,10 +97,10 @@ def test_itl_is_per_token_intervals_when_per_chunk_usage_reports_several_tokens_
     for itl, ttft, lat in zip(res["itls"], res["ttfts"], res["latencies"]):
         assert len(itl) == 7 - 1
         assert itl[:2] == [0.0, 0.0]
-        assert itl[2] == itl[3] == itl[4] >= gap / 3 - 1e-4
-        assert itl[5] >= gap - 1e-4 and itl[5] > itl[2]
-        # The intervals add up to the two chunk gaps: the span from the first token to the last.
-        assert 2 * gap - 2e-4 <= sum(itl) and ttft + sum(itl) <= lat
+        assert itl[2] == itl[3] == itl[4] > 0.0 and itl[5] > 0.0
+        # They add up to the span from the first token to the last, which the server's sleeps bound
+        # from below (a client delay can shift single gaps, not the last token's arrival).
+        assert 0.05 + 2 * gap - 1e-4 <= ttft + sum(itl) <= lat
 
 
 def test_itl_without_per_chunk_usage_is_inter_chunk_gaps_and_the_result_says_so(server_factory) -> None:
