@@ -194,7 +194,8 @@ async def _read_stream(resp: aiohttp.ClientResponse, endpoint: str, out: Request
     last = st
     token_chunks = 0  # chunks carrying at least one token
     reported = 0  # completion_tokens seen so far in per-chunk usage
-    per_token = True  # every token chunk had per-chunk usage so far
+    usage_chunks = 0  # choice chunks that carried per-chunk usage
+    text_only_tokens = False  # a token chunk without per-chunk usage (counted from its text)
     first_choice: float | None = None  # first non-announcement choice chunk, any text
     texts: list[str] = []
     ignored: list[str] = []
@@ -235,10 +236,11 @@ async def _read_stream(resp: aiohttp.ClientResponse, endpoint: str, out: Request
             if isinstance(ct, int) and not isinstance(ct, bool):
                 k = max(0, ct - reported)  # per-chunk usage: the tokens this chunk carries
                 reported = max(reported, ct)
+                usage_chunks += 1
             else:
                 k = 1 if text else 0
                 reported += k
-                per_token = per_token and k == 0
+                text_only_tokens = text_only_tokens or k > 0
             if k:
                 if token_chunks == 0:
                     out.ttft = now - st
@@ -261,7 +263,7 @@ async def _read_stream(resp: aiohttp.ClientResponse, endpoint: str, out: Request
         # the first choice chunk is the best TTFT there is (vllm bench's rule).
         out.ttft = first_choice - st
         token_chunks = 1
-    out.itl_per_token = per_token and token_chunks > 0
+    out.itl_per_token = usage_chunks > 0 and not text_only_tokens and token_chunks > 0
     if not out.usage_reported:
         out.output_tokens = token_chunks
     if token_chunks == 0:

@@ -74,6 +74,16 @@ def test_ttft_starts_at_an_empty_text_chunk_that_per_chunk_usage_counts_as_a_tok
     assert res["ttft_rule"] == "first_chunk_with_token_per_usage"
 
 
+def test_a_stream_of_only_empty_text_that_usage_counts_as_tokens_still_gets_a_ttft(server_factory, tmp_path) -> None:
+    # Both tokens decode to "" and only the final usage says they exist: the first choice chunk is the
+    # best TTFT there is (vllm bench's rule) rather than a failed request.
+    srv = server_factory(first_delay=0.05, itl_delay=0.1)
+    res = run(BenchConfig(base_url=srv.url, num_prompts=1, dataset=_dataset(tmp_path, "EMPTYFIRST x", 2), sample_interval_s=0))
+    assert res["completed"] == 1 and res["output_lens"] == [2]
+    assert 0.0499 <= res["ttfts"][0] < 0.05 + 0.1
+    assert res["itl_methods"] == ["per_chunk"]
+
+
 def test_continuous_usage_stats_without_streaming_is_refused() -> None:
     from loadtests import ConfigError
 
