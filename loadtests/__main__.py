@@ -84,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="model id (default: first id from GET /v1/models)")
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     p.add_argument("--no-stream", action="store_true", help="use non-streaming requests (TTFT = E2E)")
+    p.add_argument("--continuous-usage-stats", action="store_true",
+                   help="ask for per-chunk usage (vLLM): per-token ITL, exact token counts per chunk")
     p.add_argument("--num-prompts", type=int, default=None, help="requests to send (default 100; a trace: all)")
     p.add_argument("--max-concurrency", default=None, metavar="C[,C...]",
                    help="cap on in-flight requests (closed loop); a list sweeps concurrency")
@@ -166,7 +168,7 @@ def _config(args: argparse.Namespace, rate: float, conc: int | None) -> BenchCon
     urls = args.base_url
     kw: dict[str, Any] = dict(
         base_url=urls[0], model=args.model, endpoint=args.endpoint, stream=not args.no_stream,
-        max_concurrency=conc, request_rate=rate,
+        continuous_usage_stats=args.continuous_usage_stats, max_concurrency=conc, request_rate=rate,
         burstiness=args.burstiness, arrival=args.arrival, normalize_arrivals=not args.no_normalize_arrivals, trust_env=args.trust_env, input_len=args.input_len, output_len=args.output_len,
         range_ratio=args.range_ratio, num_warmups=args.num_warmups, seed=args.seed, timeout_s=args.timeout,
         goodput=_goodput(args.goodput), percentiles=_csv_floats(args.percentiles, "--percentiles"),

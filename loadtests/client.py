@@ -35,12 +35,20 @@ class RequestOutput:
     output_tokens: int = 0
     prompt_tokens: int | None = None
     usage_reported: bool = False
+    #: True when every token chunk carried per-chunk usage (``continuous_usage_stats``): ``itl`` then
+    #: holds per-token intervals; False: ``itl`` holds gaps between token chunks.
+    itl_per_token: bool = False
     generated_text: str = ""
     error: str = ""
     #: Index of the fleet endpoint that served it (0 for a single server).
     endpoint: int = 0
     #: Seconds between the request's scheduled arrival and its start (waiting for a concurrency slot).
     queue_time: float = 0.0
+
+    @property
+    def output_tokens_source(self) -> str:
+        """``usage`` (the server's count) or ``estimated`` (token chunks, or words when not streamed)."""
+        return "usage" if self.usage_reported else "estimated"
 
 
 def _short(s: str) -> str:
@@ -55,6 +63,7 @@ def build_payload(
     *,
     stream: bool,
     prompt_logprobs: int | None = None,
+    continuous_usage_stats: bool = False,
 ) -> dict[str, Any]:
     """Request body; ``ignore_eos`` and ``prompt_logprobs`` are vLLM extensions others ignore."""
     body: dict[str, Any] = {
@@ -70,6 +79,10 @@ def build_payload(
         body["prompt"] = req.prompt
     if stream:
         body["stream_options"] = {"include_usage": True}
+        if continuous_usage_stats:
+            # vLLM's per-chunk usage: completion_tokens so far on every chunk, so a chunk's token count
+            # is known (several tokens per chunk with --stream-interval or speculative decoding).
+            body["stream_options"]["continuous_usage_stats"] = True
     if prompt_logprobs is not None:
         body["prompt_logprobs"] = prompt_logprobs
     return body
@@ -121,17 +134,22 @@ async def send_request(
     stream: bool = True,
     prompt_logprobs: int | None = None,
     timeout_s: float | None = None,
+    continuous_usage_stats: bool = False,
 ) -> RequestOutput:
     """Send one request and measure TTFT, ITL and E2E latency (seconds).
 
-    TTFT is the time to the first chunk carrying a choice, as in ``vllm bench serve`` (its text may
-    be empty: a token that does not decode to text alone); a chat stream's role-only announcement
-    does not count. Output tokens come from ``usage`` when
-    the server reports it, else the number of text chunks (streaming) or the word
-    count (non-streaming, a rough fallback).
+    A streamed chunk is a token chunk when it carries a generated token: with per-chunk usage
+    (``continuous_usage_stats``), when its ``completion_tokens`` advanced; without, when its text is
+    non-empty. TTFT is the time to the first token chunk; an empty delta (a chat role announcement,
+    an empty first chunk some servers send before any work) does not start it. ITL: with per-chunk
+    usage, per-token intervals (a chunk's gap divided over the tokens it carries); without, gaps
+    between token chunks. Output tokens come from ``usage`` when the server reports it, else they are
+    estimated (``output_tokens_source = "estimated"``): the number of token chunks (streaming) or
+    the word count (non-streaming).
     """
     path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
-    payload = build_payload(endpoint, model, req, stream=stream, prompt_logprobs=prompt_logprobs)
+    payload = build_payload(endpoint, model, req, stream=stream, prompt_logprobs=prompt_logprobs,
+                            continuous_usage_stats=continuous_usage_stats)
     out = RequestOutput()
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     st = time.perf_counter()
@@ -163,9 +181,22 @@ async def send_request(
 
 
 async def _read_stream(resp: aiohttp.ClientResponse, endpoint: str, out: RequestOutput, st: float) -> None:
-    """Parse SSE ``data:`` lines until ``[DONE]``; fills ``out`` (sets ``error`` on failure)."""
+    """Parse SSE ``data:`` lines until ``[DONE]``; fills ``out`` (sets ``error`` on failure).
+
+    vllm bench serve 0.32 (``vllm/benchmarks/lib/endpoint_request_func.py``,
+    ``async_request_openai_completions``) starts TTFT at the first chunk with any ``choices``, "text
+    could be empty here e.g. for special tokens", and takes one ITL per such chunk. That is right for
+    vLLM, which sends a choice chunk only once a token exists (``serving.py``: "don't return empty
+    chunks"), but not for servers that send an empty delta before any work. So an empty chunk counts
+    here only when per-chunk usage says it carries a token; with it, TTFT agrees with vllm bench on
+    vLLM whatever the text.
+    """
     last = st
-    chunks = 0
+    token_chunks = 0  # chunks carrying at least one token
+    reported = 0  # completion_tokens seen so far in per-chunk usage
+    usage_chunks = 0  # choice chunks that carried per-chunk usage
+    text_only_tokens = False  # a token chunk without per-chunk usage (counted from its text)
+    first_choice: float | None = None  # first non-announcement choice chunk, any text
     texts: list[str] = []
     ignored: list[str] = []
     done = False
@@ -193,28 +224,49 @@ async def _read_stream(resp: aiohttp.ClientResponse, endpoint: str, out: Request
         if "error" in chunk:
             out.error = _short(f"server error in stream: {json.dumps(chunk['error'])}")
             return
-        _apply_usage(out, chunk.get("usage"))
+        usage = chunk.get("usage")
         choices = chunk.get("choices") or []
         if isinstance(choices, list) and choices and isinstance(choices[0], dict) and not _role_only(choices[0], endpoint):
-            # Every chunk carrying a choice is a token event, even with empty text (a token that does
-            # not decode to text on its own, e.g. part of a UTF-8 character): as `vllm bench serve`.
-            text = _choice_text(choices[0], endpoint)
             now = time.perf_counter()
-            if chunks == 0:
-                out.ttft = now - st
-            else:
-                out.itl.append(now - last)
-            last = now
-            chunks += 1
+            text = _choice_text(choices[0], endpoint)
             texts.append(text)
+            if first_choice is None:
+                first_choice = now
+            ct = usage.get("completion_tokens") if isinstance(usage, dict) else None
+            if isinstance(ct, int) and not isinstance(ct, bool):
+                k = max(0, ct - reported)  # per-chunk usage: the tokens this chunk carries
+                reported = max(reported, ct)
+                usage_chunks += 1
+            else:
+                k = 1 if text else 0
+                reported += k
+                text_only_tokens = text_only_tokens or k > 0
+            if k:
+                if token_chunks == 0:
+                    out.ttft = now - st
+                    # Tokens that came with the first one arrived with it: the prefill is TTFT's.
+                    out.itl.extend([0.0] * (k - 1))
+                else:
+                    # Per-token intervals: the chunk's gap spread over the tokens it carries (k = 1
+                    # without per-chunk usage, so the gap between token chunks).
+                    out.itl.extend([(now - last) / k] * k)
+                last = now
+                token_chunks += 1
+        _apply_usage(out, usage)
     out.latency = time.perf_counter() - st
     out.generated_text = "".join(texts)
     if not done:
         out.error = _short("stream ended before [DONE]" + (f" (ignored lines: {ignored})" if ignored else ""))
         return
+    if token_chunks == 0 and first_choice is not None and out.usage_reported and out.output_tokens > 0:
+        # Only empty-text chunks, yet usage reports tokens (e.g. special tokens that decode to ""):
+        # the first choice chunk is the best TTFT there is (vllm bench's rule).
+        out.ttft = first_choice - st
+        token_chunks = 1
+    out.itl_per_token = usage_chunks > 0 and not text_only_tokens and token_chunks > 0
     if not out.usage_reported:
-        out.output_tokens = chunks
-    if chunks == 0:
+        out.output_tokens = token_chunks
+    if token_chunks == 0:
         out.error = "no text generated"
         return
     out.success = True

@@ -66,6 +66,10 @@ class BenchConfig(BaseModel):
     model: str | None = None
     endpoint: Literal["completions", "chat"] = "completions"
     stream: bool = True
+    #: Ask for per-chunk usage (``stream_options.continuous_usage_stats``, vLLM): each chunk's token
+    #: count is then known, so ITL is per token and an empty-text chunk that carries a token starts TTFT.
+    #: Off by default, as vllm bench serve (servers that lack it may refuse the field).
+    continuous_usage_stats: bool = False
     num_prompts: int = Field(default=100, ge=1)
     max_concurrency: int | None = Field(default=None, ge=1)
     request_rate: float = Field(default=math.inf, gt=0)
@@ -197,6 +201,8 @@ class BenchConfig(BaseModel):
         if not self.stream and "tpot" in self.goodput:
             raise ValueError("goodput SLO tpot cannot be judged without streaming (non-streaming TTFT = E2E, so TPOT is "
                              "always 0): drop tpot or use streaming")
+        if self.continuous_usage_stats and not self.stream:
+            raise ValueError("continuous_usage_stats = true needs stream = true: per-chunk usage exists only in streams")
         if self.stream and self.prompt_logprobs:
             # vLLM answers 400 to every such request (CompletionRequest.check_logprobs), so refuse before the run.
             raise ValueError(f"prompt_logprobs = {self.prompt_logprobs} needs stream = false: vLLM returns prompt "

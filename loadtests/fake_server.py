@@ -17,7 +17,10 @@ Prompt markers inject faults: ``MALFORMED`` (bad JSON chunk mid-stream), ``HTTP5
 status), ``SLOW`` (first token after ``slow_delay``), ``HANG`` (no answer for 30 s), ``STALL``
 (one token, then silence for 30 s), ``NODONE`` (stream closes without ``[DONE]``), ``BADUTF8``
 (a chunk with invalid UTF-8), ``ERRCHUNK`` (an ``{"error": ...}`` chunk mid-stream), ``EMPTYFIRST``
-(the first two token chunks carry empty text, like tokens that do not decode to text alone).
+(the first two token chunks carry empty text, like tokens that do not decode to text alone),
+``EMPTYDELTA`` (an empty delta carrying no token right away, before the first token, as some servers
+send). With ``stream_options.continuous_usage_stats`` every choice chunk carries ``usage`` with the
+completion tokens so far (vLLM's per-chunk usage).
 """
 
 from __future__ import annotations
@@ -203,8 +206,18 @@ class FakeServer:
             data = obj if isinstance(obj, str) else json.dumps(obj)
             await resp.write(f"data: {data}\n\n".encode())
 
+        per_chunk_usage = bool(self.usage and (body.get("stream_options") or {}).get("continuous_usage_stats"))
+
+        def chunk(choice: dict[str, Any], tokens: int) -> dict[str, Any]:
+            out: dict[str, Any] = {"choices": [choice]}
+            if per_chunk_usage:
+                out["usage"] = usage | {"completion_tokens": tokens}
+            return out
+
         if chat:  # role-only chunk with empty content must not count as the first token
-            await send({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+            await send(chunk({"index": 0, "delta": {"role": "assistant", "content": ""}}, 0))
+        if "EMPTYDELTA" in prompt:  # an empty delta before any work: not a token
+            await send(chunk({"index": 0, "delta": {"content": ""}} if chat else {"index": 0, "text": ""}, 0))
         sent = 0
         while sent < n:
             delay = first if sent == 0 else self.itl_delay
@@ -216,7 +229,7 @@ class FakeServer:
             self.last_event = "decode"
             text = "" if "EMPTYFIRST" in prompt and sent < 2 else "".join(f" tok{sent + j}" for j in range(k))
             choice = {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
-            await send({"choices": [choice]})
+            await send(chunk(choice, sent + k))
             sent += k
             if "MALFORMED" in prompt:
                 await send("{this is not json")

@@ -99,6 +99,58 @@ def calculate_metrics(
     return m
 
 
+def method_metrics(outputs: Sequence[RequestOutput], stream: bool) -> dict[str, Any]:
+    """Which method each latency and token figure used, over completed requests.
+
+    ``ttft_rule``, ``itl_method`` (``per_token``: per-chunk usage gave each chunk's token count, so a
+    chunk's gap is spread over its tokens; ``per_chunk``: gaps between token chunks, as vllm bench
+    serve; ``mixed``; None without streaming), ``output_tokens_source`` (``usage`` | ``estimated`` |
+    ``mixed``), the number of estimated requests and the estimate's method, and ``methods``: one
+    sentence per figure for the report.
+    """
+    ok = [o for o in outputs if o.success]
+    est = sum(1 for o in ok if not o.usage_reported)
+    per_tok = sum(1 for o in ok if o.itl_per_token)
+
+    def share(n: int, all_: str, none: str) -> str | None:
+        return None if not ok else all_ if n == len(ok) else none if n == 0 else "mixed"
+
+    itl_method = share(per_tok, "per_token", "per_chunk") if stream else None
+    tokens_source = share(est, "estimated", "usage")
+    est_method = ("token_chunks" if stream else "words") if est else None
+    if not stream:
+        ttft_rule, itl = "non_streaming_full_response", "none (not streamed)"
+    elif itl_method == "per_token":
+        ttft_rule = "first_chunk_with_token_per_usage"
+        itl = "per-token intervals: each chunk's gap divided over the tokens its per-chunk usage reports"
+    elif itl_method == "mixed":
+        ttft_rule = "first_chunk_with_token_per_usage_else_text"
+        itl = (f"per-token intervals for the {per_tok} requests with per-chunk usage, gaps between token chunks "
+               f"for the other {len(ok) - per_tok}")
+    else:
+        ttft_rule = "first_chunk_with_text"
+        itl = "gaps between token chunks (no per-chunk usage: a chunk may carry several tokens)"
+    ttft = {
+        "non_streaming_full_response": "time to the whole response (not streamed: TTFT = E2E)",
+        "first_chunk_with_token_per_usage": "time to the first chunk whose per-chunk usage reports a token",
+        "first_chunk_with_token_per_usage_else_text": "time to the first chunk carrying a token (per-chunk usage "
+                                                      "where reported, else non-empty text)",
+        "first_chunk_with_text": "time to the first chunk with non-empty text (empty deltas do not count)",
+    }[ttft_rule]
+    tokens = {None: "no completed requests", "usage": "server usage (completion_tokens)",
+              "estimated": f"estimated from {'token chunks' if stream else 'words'} (no usage reported)",
+              "mixed": f"server usage, estimated from {'token chunks' if stream else 'words'} for {est} of "
+                       f"{len(ok)} requests without usage"}[tokens_source]
+    return {
+        "ttft_rule": ttft_rule,
+        "itl_method": itl_method,
+        "output_tokens_source": tokens_source,
+        "output_tokens_estimated_requests": est,
+        "output_tokens_estimate_method": est_method,
+        "methods": {"ttft": ttft, "itl": itl, "tpot": "(E2E - TTFT) / (output tokens - 1)", "output_tokens": tokens},
+    }
+
+
 def energy_metrics(reading: EnergyReading, total_input_tokens: int, total_output_tokens: int) -> dict[str, Any]:
     """Energy-efficiency fields (J, W, tokens/J); all None when there is no energy source.
 

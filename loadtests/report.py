@@ -73,6 +73,7 @@ def _summary_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
         ("Total token throughput (tok/s)", _num(result.get("total_token_throughput"))),
     ]
     rows += _latency_rows(result)
+    rows += _method_rows(result)
     if result.get("energy_source") is None:
         rows.append(("GPU energy", result.get("energy_note") or _NO_ENERGY))
     else:
@@ -89,6 +90,24 @@ def _summary_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
     rows += _steady_rows(result)
     if result.get("timed_out"):
         rows.append(("Note", f"global --timeout of {_num(result.get('timeout_s'), 0)} s reached"))
+    return rows
+
+
+def _method_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
+    """How TTFT, ITL and token counts were taken, and the client's own event-loop lag."""
+    how = result.get("methods")
+    if not isinstance(how, dict):
+        return []  # a result written before these fields existed
+    rows = [("TTFT method", str(how.get("ttft"))), ("ITL method", str(how.get("itl"))),
+            ("Output tokens from", str(how.get("output_tokens")))]
+    if result.get("client_loop_lag_samples"):
+        rows.append(("Client event-loop lag (ms)",
+                     f"p50 {_num(result.get('client_loop_lag_p50_ms'))} / p99 {_num(result.get('client_loop_lag_p99_ms'))}"
+                     f" / max {_num(result.get('client_loop_lag_max_ms'))} (bottleneck above p99 "
+                     f"{_num(result.get('client_bottleneck_threshold_ms'))})"))
+    if result.get("client_bottleneck_note"):
+        rows.append(("Warning" if result.get("client_bottleneck") else "Client event-loop lag",
+                     str(result["client_bottleneck_note"])))
     return rows
 
 
@@ -197,6 +216,10 @@ def compare_table(results: dict[str, dict[str, Any]]) -> str:
         # The median is p50 under any --percentiles choice, so p50 is always available.
         add(f"{title} p50 (ms)", lambda r, k=f"median_{name}_ms": _num(r.get(k)))
         add(f"{title} p99 (ms)", lambda r, k=f"p99_{name}_ms": _num(r.get(k)))
+    add("ITL method", lambda r: str(r.get("itl_method") or "n/a"))
+    add("Output tokens from", lambda r: str(r.get("output_tokens_source") or "n/a"))
+    add("Client loop lag p99 (ms)", lambda r: _num(r.get("client_loop_lag_p99_ms"))
+        + (" (client is the bottleneck)" if r.get("client_bottleneck") else ""))
     add("GPU avg power (W)", lambda r: _energy(r, "gpu_avg_power_w", 1))
     add("J / output token", lambda r: _energy(r, "gpu_energy_per_output_token_j"))
     add("of which idle (J total)", lambda r: _energy(r, "gpu_idle_energy_j", 1))

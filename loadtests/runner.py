@@ -17,7 +17,8 @@ from .config import BenchConfig
 from .datasets import RequestInput, load_trace, random_requests, sample_requests
 from .energy import METRIC, EnergyMeter, EnergyReading
 from .errors import LoadTestError, ServerUnreachableError
-from .metrics import calculate_metrics, energy_metrics, peak_metrics, percentile_key
+from .looplag import LoopLagProbe, loop_lag_metrics
+from .metrics import calculate_metrics, energy_metrics, method_metrics, peak_metrics, percentile_key
 from .shapes import arrival_offsets, ramp_offsets
 from .window import steady_state, sum_readings, timeline
 
@@ -134,6 +135,7 @@ async def run_load(
             o = await send_request(
                 session, endpoints[e], cfg.endpoint, models[e], reqs[i],
                 stream=cfg.stream, prompt_logprobs=cfg.prompt_logprobs, timeout_s=cfg.request_timeout_s,
+                continuous_usage_stats=cfg.continuous_usage_stats,
             )
             o.start_time = start - t0
             o.queue_time = start - arrived
@@ -308,6 +310,8 @@ async def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
         sampler = (asyncio.create_task(_sampler(meters, cfg.sample_interval_s, stop))
                    if meters and cfg.sample_interval_s > 0 else None)
         progress = _Progress(len(reqs), cfg.progress, cfg.label or "requests")
+        probe = LoopLagProbe()
+        probe.start()
         t0 = time.perf_counter()
         try:
             outputs, duration, timed_out, sent = await run_load(
@@ -315,6 +319,7 @@ async def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
                 deadline=deadline, duration_s=cfg.duration_s, t0=t0, progress=progress,
             )
         finally:
+            lags = probe.stop()
             progress.close()
             stop.set()
             if sampler is not None:
@@ -334,6 +339,14 @@ async def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
 
     m = calculate_metrics(reqs, outputs, duration, cfg.percentiles, cfg.goodput or None)
     e = energy_metrics(reading, m["total_input_tokens"], m["total_output_tokens"])
+    how = method_metrics(outputs, cfg.stream)
+    lag = loop_lag_metrics(lags, probe.period_s, m["median_itl_ms"] if cfg.stream else None, m["median_ttft_ms"])
+    how["methods"]["client_loop_lag"] = (
+        f"a probe thread posts a callback into the client's event loop every {probe.period_s * 1000:g} ms; lag = its "
+        f"wait; client is the bottleneck when p99 lag > {lag['client_bottleneck_threshold_ms']:.2f} ms "
+        "(10 % of the median ITL, or TTFT without one; within 0.5-5 ms)")
+    if lag["client_bottleneck"]:
+        print(f"warning: {lag['client_bottleneck_note']}", file=sys.stderr)
     batch = cfg.steady_state_batch or cfg.max_concurrency
     ss = steady_state(outputs, batch, meters, t0)
     ep_rows = []
@@ -394,6 +407,8 @@ async def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
         "request_timeout_s": cfg.request_timeout_s,
         "timed_out": timed_out,
         **m,
+        **how,
+        **lag,
         **peak_metrics(outputs),
         **e,
         "gpu_energy_duration_s": e["energy_window_s"] if e["gpu_energy_j"] is not None else None,
@@ -410,6 +425,8 @@ async def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
         "e2els": [o.latency for o in outputs],
         "input_lens": [o.prompt_tokens if o.prompt_tokens is not None else r.prompt_len for r, o in zip(reqs, outputs)],
         "output_lens": [o.output_tokens for o in outputs],
+        "output_tokens_sources": [o.output_tokens_source for o in outputs],
+        "itl_methods": [("per_token" if o.itl_per_token else "per_chunk") if cfg.stream else None for o in outputs],
         "endpoint_ids": [o.endpoint for o in outputs],
         "errors": [o.error for o in outputs],
     }

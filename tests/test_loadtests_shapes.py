@@ -92,16 +92,6 @@ def test_ttft_tpot_itl_match_the_servers_delays(fake) -> None:
     assert res["max_concurrent_requests"] >= 1
 
 
-def test_ttft_counts_a_token_chunk_with_empty_text(fake, tmp_path) -> None:
-    # As vllm bench serve: a chunk carrying a choice is a token even if its text is empty (a token
-    # that does not decode alone); waiting for text would add two ITLs (0.2 s) to TTFT here.
-    srv = fake(first_delay=0.05, itl_delay=0.1)
-    ds = _jsonl(tmp_path / "d.jsonl", [{"prompt": "EMPTYFIRST x", "output_len": 4}])
-    res = run(BenchConfig(base_url=srv.url, num_prompts=1, dataset=f"jsonl:{ds}", sample_interval_s=0))
-    assert 0.0499 <= res["ttfts"][0] < 0.05 + 0.08
-    assert len(res["itls"][0]) == 3 and res["output_lens"] == [4]
-
-
 def test_queue_time_under_a_concurrency_cap(fake) -> None:
     # 4 requests at once, cap 2, each ~0.1 s: the second pair waits one request's length.
     srv = fake(first_delay=0.1, itl_delay=0.0)
@@ -357,6 +347,7 @@ def test_rate_sweep_levels_and_invalid_level_runs_nothing(fake, capsys) -> None:
     cfg = BenchConfig(base_url=srv.url, num_prompts=3, output_len=1, input_len=2, sample_interval_s=0)
     sw = run_sweep(cfg, "request_rate", [50.0, math.inf])
     assert [r["request_rate"] for r in sw["results"]] == [50.0, "inf"]
+    capsys.readouterr()  # the runs' own output (a zero-delay server can flag the client as the bottleneck)
     n = len(srv.payloads)
     rc = main(["--base-url", srv.url, "--request-rate", "5,-1", "--num-prompts", "2"])
     err = capsys.readouterr().err.strip().splitlines()
