@@ -130,9 +130,13 @@ class ClosedLoopSettings(_Strict):
     #: the default clock (recorded), since its target could not be told from noise.
     probe_steps: int = Field(default=16, ge=3, le=10_000)
     probe_steps_max: int = Field(default=256, ge=3, le=100_000)
-    #: Candidate clocks probed per bucket per search (bisection over the supported clocks: 7 probes
-    #: resolve one 15 MHz step of the H200's 345-1980 MHz list).
-    max_probes_per_bucket: int = Field(default=7, ge=1, le=64)
+    #: Candidate clocks probed per bucket per search, at most. The search starts at the clock a
+    #: neighbouring bucket holds (else half-way down), bisects, never probes below
+    #: ``max_step_down`` x the lowest clock known to pass (a failed probe costs at most one such
+    #: step of slowdown), and stops once the interval is narrower than ``resolution_mhz``.
+    max_probes_per_bucket: int = Field(default=6, ge=1, le=64)
+    max_step_down: float = Field(default=0.7, gt=0.0, lt=1.0, allow_inf_nan=False)
+    resolution_mhz: int = Field(default=60, ge=1, le=5000)
     #: A held clock whose last ``backoff_steps`` measured steps have a median over the target (plus
     #: the noise margin) is given up at once for the default clock; the bucket then searches again
     #: above it. Bounds the steps a violation lasts, plus one switch latency. Violations smaller than
@@ -141,17 +145,18 @@ class ClosedLoopSettings(_Strict):
     #: Lowest SM clock the loop may probe, MHz (``None``: the GPU's lowest supported clock).
     min_sm_clock_mhz: int | None = Field(default=None, ge=100, le=5000)
     #: Decode batch-size buckets (lower edges, requests). A step belongs to the highest edge <= its batch.
-    batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+    batch_buckets: tuple[int, ...] = (1, 8, 32, 64, 128, 256, 512)
     #: Steps a new bucket must persist before its clock is used (batch sizes fluctuate at an edge).
     bucket_dwell_steps: int = Field(default=8, ge=1, le=10_000)
     #: Re-measure the default-clock baseline of a held bucket this often, s (0: never), and whenever
     #: the decode context leaves the measured range by more than ``rebaseline_ctx_pct``: catches
     #: drift (context growth, thermals) that the per-step check cannot tell from a clock effect.
     rebaseline_s: float = Field(default=30.0, ge=0.0, le=86_400.0, allow_inf_nan=False)
-    rebaseline_ctx_pct: float = Field(default=10.0, ge=0.0, le=1000.0, allow_inf_nan=False)
-    #: Re-probe a bucket when its decode context (KV tokens) leaves the baseline's range by more
-    #: than this factor (the batch mix changed).
-    reprobe_ctx_factor: float = Field(default=1.5, ge=1.0, le=100.0, allow_inf_nan=False)
+    rebaseline_ctx_pct: float = Field(default=25.0, ge=0.0, le=1000.0, allow_inf_nan=False)
+    #: Re-probe a bucket when its decode context (KV tokens) leaves the measured range by more than
+    #: this factor (the batch mix changed; smaller moves only refresh the baseline: step times are
+    #: compared through a fit in the context, so the clock found stays valid).
+    reprobe_ctx_factor: float = Field(default=4.0, ge=1.0, le=100.0, allow_inf_nan=False)
     #: Re-probe a bucket whose last search ended this long ago, s (0: never): the GPU or the load may
     #: have changed (temperature, co-located work).
     reprobe_after_s: float = Field(default=600.0, ge=0.0, le=86_400.0, allow_inf_nan=False)

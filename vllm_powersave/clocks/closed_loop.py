@@ -185,17 +185,22 @@ class DecodeClockTuner:
         self._emit(now_s, "reset", None, 0, None, None, None, None, None, reason=reason)
 
     def observe(self, now_s: float, batch: int, step_ms: float, ran_at_mhz: int | None,
-                ctx_tokens: float = 0.0, memory_bound: bool = True) -> int | None:
+                ctx_tokens: float = 0.0, memory_bound: bool = True, tokens: int | None = None) -> int | None:
         """Feed one finished engine step; returns the SM clock for the next decode steps.
 
         ``now_s``: the step's end (s, monotonic); ``batch``: decode requests in the step;
         ``step_ms``: its engine-thread wall time; ``ran_at_mhz``: the clock it ran at entirely
         (``None``: default, ``UNKNOWN``: a change landed in it); ``ctx_tokens``: decode context
         (KV tokens read); ``memory_bound``: False for compute-bound steps (they keep the default
-        clock and are not measured). Returns ``None`` for the default clock.
+        clock and are not measured); ``tokens``: tokens scheduled in the step (``None``: ``batch``,
+        a pure decode step). A small mixed step (prompt tokens riding along) gets the bucket's clock
+        but is not a measurement: its time depends on the prompt tokens, which the fit does not
+        model. Returns ``None`` for the default clock.
         """
         if not memory_bound or batch <= 0 or not (step_ms > 0.0) or math.isinf(step_ms):
             return None
+        if tokens is not None and tokens != batch:
+            ran_at_mhz = UNKNOWN
         ctx = float(ctx_tokens)
         edge = self.bucket_of(batch)
         self._choose_bucket(now_s, edge, batch)
@@ -290,7 +295,7 @@ class DecodeClockTuner:
                   + (f"; SLO {self.s.tpot_slo_ms:g} ms" if self.s.tpot_slo_ms is not None else f"; budget {100 * self._budget:g} %"))
         self._emit(now_s, "baseline_done", b.edge, batch, None, step_ms, None, None, self._predict(b, ctx), b=b, reason=reason)
         b.n_win = self._window(b)
-        b.ref_prev, b.ref_cur = b.ref_cur[-b.n_win:], []
+        b.ref_prev, b.ref_cur = b.ref_cur[-self._ref_n(b):], []
         if b.after_baseline == "hold":
             b.state = "hold"
             b.window.clear()
@@ -306,7 +311,11 @@ class DecodeClockTuner:
                        reason=f"default clock kept: {why}")
             return
         b.lo, b.hi, b.probes = b.floor, len(self.cands), 0
-        self._next_probe(now_s, b, batch)
+        self._next_probe(now_s, b, batch, prior=self._prior(b))
+
+    def _ref_n(self, b: _Bucket) -> int:
+        """Default-clock steps after each probe: half a window (with the one before, a full one)."""
+        return max(self.s.ref_steps, b.n_win // 2)
 
     def _window(self, b: _Bucket) -> int:
         """Window length (steps) at which the noise margin takes at most half the room to the
@@ -322,7 +331,7 @@ class DecodeClockTuner:
 
     def _restart(self, now_s: float, b: _Bucket, batch: int, event: str, reason: str, search: bool) -> None:
         b.state = "baseline"
-        b.need = self.s.baseline_steps if search else max(self.s.ref_steps, b.n_win // 2)
+        b.need = self.s.baseline_steps
         if search and event == "reprobe":
             b.base.clear()
         b.after_baseline = "search" if search else "hold"
@@ -331,8 +340,17 @@ class DecodeClockTuner:
             b.held = len(self.cands)
         self._emit(now_s, event, b.edge, batch, None, None, None, None, None, b=b, reason=reason)
 
-    def _next_probe(self, now_s: float, b: _Bucket, batch: int) -> None:
-        if b.lo >= b.hi or b.probes >= self.s.max_probes_per_bucket:
+    def _prior(self, b: _Bucket) -> int | None:
+        """Candidate index a neighbouring bucket holds (searched), nearest batch first."""
+        near = sorted((abs(math.log(e / b.edge)), o.held) for e, o in self.buckets.items()
+                      if o is not b and o.t_searched > -math.inf and o.held < len(self.cands))
+        return near[0][1] if near else None
+
+    def _next_probe(self, now_s: float, b: _Bucket, batch: int, prior: int | None = None) -> None:
+        c = self.cands
+        hi_mhz = self.default_mhz if b.hi >= len(c) else c[b.hi]
+        narrow = b.lo < b.hi and hi_mhz - c[b.lo] < self.s.resolution_mhz
+        if b.lo >= b.hi or narrow or b.probes >= self.s.max_probes_per_bucket:
             b.state, b.held, b.probe = "hold", b.hi, None
             b.t_searched = now_s
             b.window.clear()
@@ -341,7 +359,15 @@ class DecodeClockTuner:
                        reason=f"lowest clock meeting the target after {b.probes} probes")
             return
         b.state = "probe"
-        b.probe = (b.lo + b.hi - 1) // 2  # lower middle: hi is known good
+        if prior is not None and b.lo <= prior < b.hi:
+            idx = prior  # a neighbouring bucket passed there on this GPU
+        else:
+            idx = (b.lo + b.hi - 1) // 2  # lower middle: hi is known good
+            # Bounded cost of a failed probe: never below max_step_down x the lowest clock known to pass.
+            floor_mhz = self.s.max_step_down * hi_mhz
+            while idx < b.hi - 1 and c[idx] < floor_mhz:
+                idx += 1
+        b.probe = idx
         b.samples, b.waited, b.decided = [], 0, False
         b.probes += 1
         self.n_probes += 1
@@ -357,7 +383,9 @@ class DecodeClockTuner:
         margin = self._margin(b, n, len(ref))
         want = self.cands[b.probe]
         if early:
-            if not (med - margin > b.target):
+            # Only a clear excess stops a probe early: the reference before it alone cannot
+            # correct for context growth during the probe (the closing window does).
+            if not (med - margin > b.target + max(self._budget, 0.01)):
                 return
             verdict = "reject"
         else:
@@ -396,9 +424,14 @@ class DecodeClockTuner:
     def _ref_sample(self, now_s: float, b: _Bucket, batch: int, step_ms: float, ctx: float) -> None:
         b.ref_cur.append((ctx, step_ms))
         b.base.append((ctx, step_ms))
-        if len(b.ref_cur) < b.n_win:
+        if len(b.ref_cur) < self._ref_n(b):
             return
         self._refit(b)
+        n_win = self._window(b)
+        if n_win <= 0:  # the noise grew past what the windows can resolve: keep what passed so far
+            b.lo = b.hi
+        else:
+            b.n_win = n_win
         if b.probe is not None and not b.decided:
             if b.samples:
                 self._verdict(now_s, b, batch, b.ref_prev + b.ref_cur, early=False)

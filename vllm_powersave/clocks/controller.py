@@ -317,14 +317,15 @@ class ClockController:
         return clock
 
     def observe_decode_step(self, now_s: float, batch: int, step_ms: float, memory_bound: bool = True,
-                            ctx_tokens: float = 0.0) -> int | None:
+                            ctx_tokens: float = 0.0, tokens: int | None = None) -> int | None:
         """Feed one finished step to the closed-loop decode clock; returns its SM clock (MHz) for
         the next decode steps (``None``: default), which the next :meth:`on_phase` applies through
         the usual dwell (lowering) or at once (raising), with every lease and reset guarantee.
 
         ``now_s``: the step's end on the same clock as ``on_phase``'s ``now``; ``batch``: decode
         requests in it; ``step_ms``: its engine-thread wall time; ``memory_bound``: the step's
-        regime (False: not measured, default clock); ``ctx_tokens``: decode context (KV tokens).
+        regime (False: not measured, default clock); ``ctx_tokens``: decode context (KV tokens);
+        ``tokens``: tokens scheduled in the step (``None``: ``batch``; a mixed step is not measured).
         A no-op returning ``None`` when the loop is off, overridden by a static decode preset,
         disabled after a fault, or closed.
         """
@@ -332,7 +333,7 @@ class ClockController:
         if tuner is None or self.disabled_reason is not None or self._closed:
             return None
         ran = self.ran_at(now_s - step_ms / 1000.0, now_s)
-        mhz = tuner.observe(now_s, batch, step_ms, ran, ctx_tokens, memory_bound)
+        mhz = tuner.observe(now_s, batch, step_ms, ran, ctx_tokens, memory_bound, tokens)
         if memory_bound:
             target = self._all_targets["decode"]
             if target.sm_clock_mhz != mhz:
