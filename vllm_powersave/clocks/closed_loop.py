@@ -152,6 +152,10 @@ class DecodeClockTuner:
         self.n_probes = 0
         self.n_backoffs = 0
         self.n_records = 0
+        #: Set by the controller: nothing is ever applied (dry-run), so a probe that got no step at
+        #: its clock is over after its wait; elsewhere it waits on (the clock was kept up by
+        #: compute-bound steps and the dwell, not refused).
+        self.dry_run = False
         self._budget = settings.slowdown_budget_pct / 100.0
         self._margin0 = settings.margin_pct / 100.0
 
@@ -199,11 +203,11 @@ class DecodeClockTuner:
         """
         if not memory_bound or batch <= 0 or not (step_ms > 0.0) or math.isinf(step_ms):
             return None
-        if tokens is not None and tokens != batch:
-            ran_at_mhz = UNKNOWN
         ctx = float(ctx_tokens)
         edge = self.bucket_of(batch)
         self._choose_bucket(now_s, edge, batch)
+        if tokens is not None and tokens != batch:
+            return self.clock_for(self.active)  # not a measurement, and no sign that a probe clock did not take
         if ran_at_mhz == self.default_mhz:
             ran_at_mhz = None
         b = self._bucket(edge)
@@ -270,10 +274,11 @@ class DecodeClockTuner:
         assert b.fit is not None
         return b.fit[0] + b.fit[1] * ctx
 
-    def _margin(self, b: _Bucket, n: int, n_ref: int | None = None) -> float:
+    def _margin(self, b: _Bucket, n: int, n_ref: int | None = None, extra_z: float = 0.0) -> float:
         sigma = b.fit[2] if b.fit else 0.0
         n_base = n_ref if n_ref is not None else (b.fit[5] if b.fit else 1)
-        return self._margin0 + self.s.noise_z * _MEDIAN_SE * sigma * math.sqrt(1.0 / max(1, n) + 1.0 / max(1, n_base))
+        z = self.s.noise_z + extra_z
+        return self._margin0 + z * _MEDIAN_SE * sigma * math.sqrt(1.0 / max(1, n) + 1.0 / max(1, n_base))
 
     def _refit(self, b: _Bucket) -> None:
         a, slope, sigma = _fit_line(b.base)
@@ -324,7 +329,8 @@ class DecodeClockTuner:
         if room <= 0:
             return 0
         sigma = b.fit[2] if b.fit else 0.0
-        need = math.ceil(2.0 * (self.s.noise_z * _MEDIAN_SE * sigma / (room / 2.0)) ** 2)
+        # Margin <= room / 2.5: a clock with no slowdown is then rejected only beyond 3 standard errors.
+        need = math.ceil(2.0 * (self.s.noise_z * _MEDIAN_SE * sigma / (room / 2.5)) ** 2)
         if need > self.s.probe_steps_max:
             return 0
         return max(self.s.probe_steps, self.s.ref_steps, need)
@@ -383,9 +389,10 @@ class DecodeClockTuner:
         margin = self._margin(b, n, len(ref))
         want = self.cands[b.probe]
         if early:
-            # Only a clear excess stops a probe early: the reference before it alone cannot
-            # correct for context growth during the probe (the closing window does).
-            if not (med - margin > b.target + max(self._budget, 0.01)):
+            # Looked at every 4 steps: one more standard error against repeated looks; the
+            # reference before the probe alone extrapolates the context trend (the closing window
+            # then corrects it for the final verdict).
+            if not (med - self._margin(b, n, len(ref), extra_z=1.0) > b.target):
                 return
             verdict = "reject"
         else:
@@ -406,8 +413,11 @@ class DecodeClockTuner:
         if ran_at != want:
             b.waited += 1
             if b.waited > 3 * self.s.probe_steps + 10:
+                if not self.dry_run:
+                    b.waited = 0  # the clock was held up (dwell, compute-bound steps): keep asking
+                    return
                 self._emit(now_s, "unmeasured", b.edge, batch, ran_at, step_ms, None, None, None, b=b,
-                           reason=f"no step ran at {want} MHz (dry-run, or the clock did not take): counted as a reject")
+                           reason=f"dry-run: no step ran at {want} MHz, counted as a reject")
                 b.lo = b.probe + 1
                 b.samples, b.decided = [], True
                 b.state, b.ref_cur = "ref", []
@@ -458,11 +468,13 @@ class DecodeClockTuner:
                           f"by more than x{f:g} (batch mix changed)", search=True)
             return
         if held is not None:
-            g = 1.0 + s.rebaseline_ctx_pct / 100.0
+            # Extrapolate the default-clock fit no further than the range it was measured over
+            # (at least 5 %, at most rebaseline_ctx_pct): a slope from a narrow range is uncertain.
+            reach = min(hi * s.rebaseline_ctx_pct / 100.0, max(0.05 * hi, hi - lo)) + 1
             if s.rebaseline_s and now_s - b.t_baselined > s.rebaseline_s:
                 self._restart(now_s, b, batch, "rebaseline", f"baseline {now_s - b.t_baselined:.0f} s old", search=False)
                 return
-            if ctx > hi * g + 1 or ctx < lo / g - 1:
+            if ctx > hi + reach or ctx < lo - reach:
                 self._restart(now_s, b, batch, "rebaseline", f"decode context {ctx:.0f} outside the measured {lo:.0f}..{hi:.0f}", search=False)
                 return
         if ran_at != held:
@@ -481,7 +493,9 @@ class DecodeClockTuner:
             b.window_ms.popleft()
         k = s.backoff_steps
         n = len(b.window)
-        margin = self._margin(b, k)
+        # The short window is tested at every step, so a false alarm must be far rarer: 2 more
+        # standard errors (it is there for large violations; the long window catches small ones).
+        margin = self._margin(b, k, extra_z=2.0)
         if n >= k:
             # Short window every step (large violations, bounded by backoff_steps); the long one
             # (small violations) every 4 steps once full.

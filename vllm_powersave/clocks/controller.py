@@ -333,6 +333,7 @@ class ClockController:
         if tuner is None or self.disabled_reason is not None or self._closed:
             return None
         ran = self.ran_at(now_s - step_ms / 1000.0, now_s)
+        tuner.dry_run = self.backend.kind == "dry-run"  # also after a permission fallback
         mhz = tuner.observe(now_s, batch, step_ms, ran, ctx_tokens, memory_bound, tokens)
         if memory_bound:
             target = self._all_targets["decode"]
