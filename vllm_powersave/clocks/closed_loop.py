@@ -97,9 +97,11 @@ class _Bucket:
         self.ref_cur: list[tuple[float, float]] = []
         self.waited = 0  # steps since the probe was requested without a sample at its clock
         self.probes = 0
-        self.window: deque[float] = deque()
-        self.window_ms: deque[float] = deque()
+        self.window: deque[float] = deque()  # ratios at the held clock (long window)
+        self.short: deque[float] = deque()  # the last backoff_steps of them
+        self.short_ms: deque[float] = deque()  # their step times (TPOT SLO check)
         self.n_win = 0  # probe and reference window length for this bucket's noise
+        self.n_held = 0  # measured steps at the held clock (paces the long-window check)
         self.after_baseline = "search"  # or "hold" (a refresh)
         self.t_baselined = -math.inf
         self.t_searched = -math.inf
@@ -148,7 +150,9 @@ class DecodeClockTuner:
         self._pending: int | None = None
         self._pending_n = 0
         self.records: deque[ClosedLoopRecord] = deque(maxlen=4096)
-        self.last: ClosedLoopRecord | None = None
+        self.last: ClosedLoopRecord | None = None  # the last event
+        #: The last measured step: (t_s, bucket, ran_at_mhz, step_ms, ratio to the default-clock fit).
+        self.last_step: tuple[float, int, int | None, float, float | None] | None = None
         self.n_probes = 0
         self.n_backoffs = 0
         self.n_records = 0
@@ -303,8 +307,7 @@ class DecodeClockTuner:
         b.ref_prev, b.ref_cur = b.ref_cur[-self._ref_n(b):], []
         if b.after_baseline == "hold":
             b.state = "hold"
-            b.window.clear()
-            b.window_ms.clear()
+            self._clear_windows(b)
             return
         if b.n_win <= 0 or b.floor >= len(self.cands):
             b.state, b.held, b.probe = "hold", len(self.cands), None
@@ -317,6 +320,12 @@ class DecodeClockTuner:
             return
         b.lo, b.hi, b.probes = b.floor, len(self.cands), 0
         self._next_probe(now_s, b, batch, prior=self._prior(b))
+
+    def _clear_windows(self, b: _Bucket) -> None:
+        k = self.s.backoff_steps
+        b.window = deque(maxlen=max(b.n_win, k))
+        b.short = deque(maxlen=k)
+        b.short_ms = deque(maxlen=k)
 
     def _ref_n(self, b: _Bucket) -> int:
         """Default-clock steps after each probe: half a window (with the one before, a full one)."""
@@ -359,8 +368,7 @@ class DecodeClockTuner:
         if b.lo >= b.hi or narrow or b.probes >= self.s.max_probes_per_bucket:
             b.state, b.held, b.probe = "hold", b.hi, None
             b.t_searched = now_s
-            b.window.clear()
-            b.window_ms.clear()
+            self._clear_windows(b)
             self._emit(now_s, "hold", b.edge, batch, None, None, None, None, None, b=b,
                        reason=f"lowest clock meeting the target after {b.probes} probes")
             return
@@ -486,27 +494,26 @@ class DecodeClockTuner:
             self._step(now_s, b, batch, ran_at, step_ms, r, None, base)
             return
         b.window.append(r)
-        b.window_ms.append(step_ms)
-        long_n = max(b.n_win, s.backoff_steps)
-        while len(b.window) > long_n:
-            b.window.popleft()
-            b.window_ms.popleft()
+        b.short.append(r)
+        if s.tpot_slo_ms is not None:
+            b.short_ms.append(step_ms)
         k = s.backoff_steps
-        n = len(b.window)
-        # The short window is tested at every step, so a false alarm must be far rarer: 2 more
-        # standard errors (it is there for large violations; the long window catches small ones).
-        margin = self._margin(b, k, extra_z=2.0)
-        if n >= k:
-            # Short window every step (large violations, bounded by backoff_steps); the long one
+        margin = None
+        b.n_held += 1
+        if len(b.short) >= k:
+            # Short window every step (large violations, bounded by backoff_steps), tested at every
+            # step, so a false alarm must be far rarer: 2 more standard errors. The long window
             # (small violations) every 4 steps once full.
-            short = list(b.window)[-k:] if n > k else b.window
-            med = statistics.median(short)
+            margin = self._margin(b, k, extra_z=2.0)
+            med = statistics.median(b.short)
             over = med > b.target + margin
-            if not over and n >= long_n and n % 4 == 0 and long_n > k:
+            n = len(b.window)
+            if not over and n == b.window.maxlen and n > k and b.n_held % 4 == 0:
                 m_long = self._margin(b, n)
-                if statistics.median(b.window) > b.target + m_long:
-                    med, margin, over = statistics.median(b.window), m_long, True
-            over_slo = s.tpot_slo_ms is not None and statistics.median(list(b.window_ms)[-k:]) > s.tpot_slo_ms
+                med_long = statistics.median(b.window)
+                if med_long > b.target + m_long:
+                    med, margin, over = med_long, m_long, True
+            over_slo = s.tpot_slo_ms is not None and statistics.median(b.short_ms) > s.tpot_slo_ms
             if over or over_slo:
                 self.n_backoffs += 1
                 b.floor = min(len(self.cands), b.held + 1)
@@ -519,9 +526,8 @@ class DecodeClockTuner:
 
     def _step(self, now_s: float, b: _Bucket, batch: int, ran_at: int | None, step_ms: float, ratio: float | None,
               margin: float | None, base: float | None) -> None:
-        fit = b.fit
-        self.last = ClosedLoopRecord(now_s, "step", b.edge, batch, self.clock_for(self.active), ran_at, step_ms, ratio, b.target, margin,
-                                     base, None if fit is None else 100 * fit[2], b.probes)
+        # Per step only a tuple (hot path); events get a full record.
+        self.last_step = (now_s, b.edge, ran_at, step_ms, ratio)
 
     def _emit(self, now_s: float, event: str, bucket: int | None, batch: int, ran_at: int | None, step_ms: float | None,
               ratio: float | None, margin: float | None, base: float | None, b: _Bucket | None = None, reason: str = "") -> None:

@@ -309,7 +309,7 @@ class ClockController:
             return None
         lat = self.settings.switch_latency_ms / 1000.0 + _APPLY_SLACK_S
         clock: int | None = None
-        for t, f in self._switch_log:
+        for t, f in tuple(self._switch_log):  # a copy: on_phase may append from the engine thread
             if t + lat <= start_s:
                 clock = f
             elif t + lat - _APPLY_SLACK_S < end_s:
@@ -328,6 +328,10 @@ class ClockController:
         ``tokens``: tokens scheduled in the step (``None``: ``batch``; a mixed step is not measured).
         A no-op returning ``None`` when the loop is off, overridden by a static decode preset,
         disabled after a fault, or closed.
+
+        Threads: call it from one thread, the engine thread or the thread that drains the step
+        records (it costs tens of microseconds per step, too much for the step hook on a busy
+        host); it only replaces the decode target, which ``on_phase`` reads (atomic under the GIL).
         """
         tuner = self.closed_loop
         if tuner is None or self.disabled_reason is not None or self._closed:
