@@ -250,3 +250,21 @@ def test_replay_closed_loop_keeps_the_budget_where_the_static_preset_breaks_it()
     assert r_static["slo_attainment"] < 0.9  # the model-predicted preset is too low for this GPU
     assert r_loop["slo_attainment"] >= 0.99
     assert r_loop["decode_energy_ratio"] < 0.95 and r_loop["throughput_ratio"] > 0.99
+
+
+def test_tpot_slo_target_keeps_decode_steps_under_the_slo(tmp_path):
+    nvml = H200Nvml()
+    # Default-clock steps take 9.2 ms growing to 10 ms with the context; a 10.5 ms TPOT SLO leaves
+    # room for a clock below the memory-bound knee, less and less as the context grows.
+    ctl = ClockController(NvmlClockBackend(nvml, "h0"), _settings(tmp_path, tpot_slo_ms=10.5), gpu_id="GPU-slo",
+                          asynchronous=False, watchdog=False)
+    gpu = Gpu(nvml, 780, noise=0.005, seed=5)
+    t, ctx, late = 0.0, 30_000, []
+    for _ in range(2500):
+        f = gpu.clock()
+        late.append((8.0 + 4e-5 * ctx) * (1 + gpu.slowdown(f)) > 10.5)
+        t, ctx = _drive(ctl, gpu, 1, t, ctx)
+    b = ctl.closed_loop.snapshot()["buckets"][64]
+    assert b["state"] == "hold" and b["held_mhz"] is not None and b["held_mhz"] < _lowest_ok(gpu)  # the SLO allows more than 1 %
+    assert sum(late) / len(late) <= 0.01
+    ctl.close()
