@@ -13,6 +13,7 @@ from vllm_powersave.cli import main
 from vllm_powersave.clocks.backends import NvmlClockBackend
 from vllm_powersave.device import NvmlGpu
 from vllm_powersave.settings import load_settings
+from vllm_powersave.sim.gpu import H200
 from vllm_powersave.tune.energy import Window
 from vllm_powersave.tune.run import ENV_FORCE_DRY_RUN, GpuClockMeasurer, clock_mode, clock_permission
 from vllm_powersave.tune.solver import DEFAULT
@@ -158,7 +159,7 @@ def test_solver_vs_public_on_a_known_curve(tmp_path):
     # A synthetic workload following the model exactly: the solver must pick the measured best.
     from vllm_powersave.tune.solver import TwoPointModel
 
-    m = TwoPointModel(3000, 1 / 40.0, 0.3, 100.0, 250.0, 3000, 3000 * 345 / 1980, 0.7)  # the fit's default f_lo and v_min
+    m = TwoPointModel(3000, 1 / 40.0, 0.3, 100.0, 250.0, 3000, 3000 * 345 / 1980, H200.v_min)  # the fit's default f_lo and v_min
     for f in (1500, 1800, 2100, 2400, 3000):
         for metric, v in (("throughput", 1 / m.t(f)), ("tokens_per_kJ", 1000 / m.e(f))):
             rows.append({"source": "Synthetic (test)", "gpu": "GPU X", "power_limit_w": "", "workload": "w", "phase": "decode",

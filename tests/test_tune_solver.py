@@ -1,10 +1,11 @@
 """Clock solver on synthetic and simulated-GPU response curves; the re-measurement guard under noise."""
 
+import dataclasses
 import itertools
 
 import pytest
 
-from vllm_powersave.sim.gpu import H200
+from vllm_powersave.sim.gpu import H200, StepWork, simulate_step
 from vllm_powersave.tune.solver import (
     DEFAULT,
     Curve,
@@ -97,8 +98,11 @@ def test_response_model_on_the_simulated_h200():
     m = ResponseModel(H200)
     gemm = m.curve(2 * 4096**3, 3 * 2 * 4096**2)  # compute-bound
     copy = m.curve(0.0, 4e9)  # memory-bound
-    i1000, i1500 = gemm.index(min(H200.sm_clocks_mhz, key=lambda c: abs(c - 1000))), gemm.index(min(H200.sm_clocks_mhz, key=lambda c: abs(c - 1500)))
+    # The clock the power cap lets this GEMM run at, from the model (1980 MHz requested).
+    capped = simulate_step(dataclasses.replace(H200, t_fixed_s=0.0), StepWork(2 * 4096**3, 3 * 2 * 4096**2), 1980).sm_clock_mhz
+    i1000, i1500 = gemm.index(min(H200.sm_clocks_mhz, key=lambda c: abs(c - 1000))), gemm.index(min(H200.sm_clocks_mhz, key=lambda c: abs(c - min(1500, capped))))
     f1000, f1500 = gemm.clocks[i1000], gemm.clocks[i1500]
+    assert f1500 > 1.3 * f1000
     # Compute-bound below the power-capped clock: time ∝ 1/f.
     assert gemm.t[i1000] / gemm.t[i1500] == pytest.approx(f1500 / f1000, rel=1e-6)
     # Memory-bound: flat above mem_bound_min_mhz, energy falls with the clock.

@@ -107,6 +107,78 @@ class ClockPreset(_Strict):
     groups: dict[KernelGroup, GroupPreset] = Field(default_factory=dict)
 
 
+class ClosedLoopSettings(_Strict):
+    """Closed-loop decode clock (``clocks/closed_loop.py``): per decode-batch bucket, the lowest SM
+    clock whose *measured* step time keeps the target, found while serving.
+
+    Target: ``tpot_slo_ms`` if set (each decode step, i.e. one token per running request, within
+    that many ms), else a slowdown of at most ``slowdown_budget_pct`` against the same bucket's step
+    time measured at the driver's default clock. Compute-bound steps always keep the default clock.
+    A static ``presets.decode`` clock, if set, overrides the loop (used as is, nothing probed).
+    """
+
+    enabled: bool = False
+    #: Absolute TPOT / ITL target for a decode step, ms. ``None``: use ``slowdown_budget_pct``.
+    tpot_slo_ms: float | None = Field(default=None, gt=0.0, le=60_000.0, allow_inf_nan=False)
+    #: Allowed slowdown of a decode step against the default clock, percent (1 %: VoltanaLLM and
+    #: GreenLLM report near-perfect SLO attainment at savings of 30-36 %, docs: ../shared/data/dvfs).
+    slowdown_budget_pct: float = Field(default=1.0, ge=0.0, le=100.0, allow_inf_nan=False)
+    #: Fixed part of the noise margin, percent of the default-clock step time, added to the measured
+    #: part (``noise_z`` standard errors of the measured step-time spread).
+    margin_pct: float = Field(default=0.2, ge=0.0, le=50.0, allow_inf_nan=False)
+    #: How many standard errors of the measured spread a candidate must keep below the target.
+    noise_z: float = Field(default=2.0, ge=0.0, le=10.0, allow_inf_nan=False)
+    #: Default-clock steps measured per bucket before probing (and at each re-baseline).
+    baseline_steps: int = Field(default=12, ge=3, le=10_000)
+    #: Default-clock steps measured after each probe: every probe is compared with the default
+    #: clock measured just before and just after it, so that context growth during the probe is
+    #: not mistaken for a clock effect.
+    ref_steps: int = Field(default=6, ge=2, le=10_000)
+    #: Steps measured at a candidate clock, at least (a probe stops early once it is significantly
+    #: over the target). Windows grow with the measured step noise so that the noise margin takes
+    #: at most half the budget, up to ``probe_steps_max``; a bucket whose noise needs more keeps
+    #: the default clock (recorded), since its target could not be told from noise.
+    probe_steps: int = Field(default=16, ge=3, le=10_000)
+    probe_steps_max: int = Field(default=256, ge=3, le=100_000)
+    #: Candidate clocks probed per bucket per search, at most. The search starts at the clock a
+    #: neighbouring bucket holds (else half-way down), bisects, never probes below
+    #: ``max_step_down`` x the lowest clock known to pass (a failed probe costs at most one such
+    #: step of slowdown), and stops once the interval is narrower than ``resolution_mhz``.
+    max_probes_per_bucket: int = Field(default=6, ge=1, le=64)
+    max_step_down: float = Field(default=0.7, gt=0.0, lt=1.0, allow_inf_nan=False)
+    resolution_mhz: int = Field(default=60, ge=1, le=5000)
+    #: A held clock whose last ``backoff_steps`` measured steps have a median over the target (plus
+    #: the noise margin) is given up at once for the default clock; the bucket then searches again
+    #: above it. Bounds the steps a violation lasts, plus one switch latency. Violations smaller than
+    #: that window's noise margin are caught by a second window of the probe's length.
+    backoff_steps: int = Field(default=6, ge=1, le=1000)
+    #: Lowest SM clock the loop may probe, MHz (``None``: the GPU's lowest supported clock).
+    min_sm_clock_mhz: int | None = Field(default=None, ge=100, le=5000)
+    #: Decode batch-size buckets (lower edges, requests). A step belongs to the highest edge <= its batch.
+    batch_buckets: tuple[int, ...] = (1, 8, 32, 64, 128, 256, 512)
+    #: Steps a new bucket must persist before its clock is used (batch sizes fluctuate at an edge).
+    bucket_dwell_steps: int = Field(default=8, ge=1, le=10_000)
+    #: Re-measure the default-clock baseline of a held bucket this often, s (0: never), and whenever
+    #: the decode context leaves the measured range by more than ``rebaseline_ctx_pct``: catches
+    #: drift (context growth, thermals) that the per-step check cannot tell from a clock effect.
+    rebaseline_s: float = Field(default=30.0, ge=0.0, le=86_400.0, allow_inf_nan=False)
+    rebaseline_ctx_pct: float = Field(default=25.0, ge=0.0, le=1000.0, allow_inf_nan=False)
+    #: Re-probe a bucket when its decode context (KV tokens) leaves the measured range by more than
+    #: this factor (the batch mix changed; smaller moves only refresh the baseline: step times are
+    #: compared through a fit in the context, so the clock found stays valid).
+    reprobe_ctx_factor: float = Field(default=4.0, ge=1.0, le=100.0, allow_inf_nan=False)
+    #: Re-probe a bucket whose last search ended this long ago, s (0: never): the GPU or the load may
+    #: have changed (temperature, co-located work).
+    reprobe_after_s: float = Field(default=600.0, ge=0.0, le=86_400.0, allow_inf_nan=False)
+
+    @field_validator("batch_buckets")
+    @classmethod
+    def _buckets(cls, b: tuple[int, ...]) -> tuple[int, ...]:
+        if not b or any(x < 1 for x in b) or len(set(b)) != len(b):
+            raise ValueError(f"must be distinct positive batch sizes, got {list(b)}")
+        return tuple(sorted(b))
+
+
 class ClockSettings(_Strict):
     """Per-phase SM clock presets and how they are applied.
 
@@ -160,6 +232,8 @@ class ClockSettings(_Strict):
     #: zeusd's index of this worker's GPU; default: matched by PCI address from ``/discover``,
     #: else the CUDA device index.
     zeusd_gpu_index: int | None = Field(default=None, ge=0, le=1024)
+    #: Closed-loop decode clock: measured, per batch bucket, with probes and back-off.
+    closed_loop: ClosedLoopSettings = Field(default_factory=ClosedLoopSettings)
 
 
 class EnergySettings(_Strict):

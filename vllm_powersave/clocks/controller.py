@@ -53,8 +53,13 @@ from typing import Any
 
 from ..settings import KERNEL_GROUPS, ClockPreset, ClockSettings
 from .backends import ClockBackend, ClockChange, ClockError, ClockPermissionError, DryRunClockBackend, reset_from_lease
+from .closed_loop import UNKNOWN, DecodeClockTuner
 
 log = logging.getLogger("vllm.powersave.clocks")
+
+#: Time from a switch decision to the backend call on the apply thread (s), added to the switch
+#: latency when deciding which clock a measured step ran at.
+_APPLY_SLACK_S = 0.002
 
 
 class LeaseStore:
@@ -250,6 +255,10 @@ class ClockController:
         self._same = {p: t == self.current for p, t in self._all_targets.items()}
         self._same_for = self.current  # the preset object _same was computed against (presets are frozen)
         self.last_change_s = -1e18
+        # Recent switches (decision time s, SM MHz or None): which clock a measured step ran at.
+        self._switch_log: deque[tuple[float, int | None]] = deque(maxlen=64)
+        self.closed_loop: DecodeClockTuner | None = None
+        self._init_closed_loop(settings)
         self._down_since: float | None = None
         self._down_steps = 0
         self._down_target: ClockPreset | None = None
@@ -277,6 +286,71 @@ class ClockController:
             self._thread = threading.Thread(target=self._loop, name="powersave-clocks", daemon=True)
             self._thread.start()
         atexit.register(self.close)
+
+    def _init_closed_loop(self, settings: ClockSettings) -> None:
+        cl = settings.closed_loop
+        if not cl.enabled or self.disabled_reason is not None:
+            return
+        static = self.presets.get("decode")
+        if static is not None and static.sm_clock_mhz is not None:
+            log.info("powersave: clocks.presets.decode = %s MHz overrides clocks.closed_loop (static clock, nothing probed)",
+                     static.sm_clock_mhz)
+            return
+        try:
+            self.closed_loop = DecodeClockTuner(cl, self.backend.supported_sm_clocks())
+        except Exception as exc:  # a backend that cannot list clocks: the loop stays off, serving goes on
+            log.error("powersave: closed-loop decode clock off for GPU %s: %s", self.gpu_id, exc)
+
+    def ran_at(self, start_s: float, end_s: float) -> int | None:
+        """The SM clock (MHz, ``None``: default) a step spanning ``[start_s, end_s]`` ran at
+        throughout, or ``UNKNOWN`` if a switch may have landed inside it (decided at ``t``, in
+        effect from ``t + switch latency``). Dry-run never changes the GPU: always the default."""
+        if self.backend.kind == "dry-run":
+            return None
+        lat = self.settings.switch_latency_ms / 1000.0 + _APPLY_SLACK_S
+        clock: int | None = None
+        for t, f in tuple(self._switch_log):  # a copy: on_phase may append from the engine thread
+            if t + lat <= start_s:
+                clock = f
+            elif t + lat - _APPLY_SLACK_S < end_s:
+                return UNKNOWN
+        return clock
+
+    def observe_decode_step(self, now_s: float, batch: int, step_ms: float, memory_bound: bool = True,
+                            ctx_tokens: float = 0.0, tokens: int | None = None) -> int | None:
+        """Feed one finished step to the closed-loop decode clock; returns its SM clock (MHz) for
+        the next decode steps (``None``: default), which the next :meth:`on_phase` applies through
+        the usual dwell (lowering) or at once (raising), with every lease and reset guarantee.
+
+        ``now_s``: the step's end on the same clock as ``on_phase``'s ``now``; ``batch``: decode
+        requests in it; ``step_ms``: its engine-thread wall time; ``memory_bound``: the step's
+        regime (False: not measured, default clock); ``ctx_tokens``: decode context (KV tokens);
+        ``tokens``: tokens scheduled in the step (``None``: ``batch``; a mixed step is not measured).
+        A no-op returning ``None`` when the loop is off, overridden by a static decode preset,
+        disabled after a fault, or closed.
+
+        Threads: call it from one thread, the engine thread or the thread that drains the step
+        records (it costs tens of microseconds per step, too much for the step hook on a busy
+        host); it only replaces the decode target, which ``on_phase`` reads (atomic under the GIL).
+        """
+        tuner = self.closed_loop
+        if tuner is None or self.disabled_reason is not None or self._closed:
+            return None
+        ran = self.ran_at(now_s - step_ms / 1000.0, now_s)
+        tuner.dry_run = self.backend.kind == "dry-run"  # also after a permission fallback
+        mhz = tuner.observe(now_s, batch, step_ms, ran, ctx_tokens, memory_bound, tokens)
+        if memory_bound:
+            target = self._all_targets["decode"]
+            if target.sm_clock_mhz != mhz:
+                self._retarget("decode", ClockPreset() if mhz is None else ClockPreset(sm_clock_mhz=mhz))
+        return mhz
+
+    def _retarget(self, phase: str, target: ClockPreset) -> None:
+        """Replace one phase's target (the closed loop's decode clock); decide() applies it."""
+        self._all_targets[phase] = target
+        cur = self.current
+        self._same = {p: t is cur or t == cur for p, t in self._all_targets.items()}
+        self._same_for = cur
 
     def _snap_all(self, settings: ClockSettings, groups: dict[str, dict[str, ClockPreset]]) -> None:
         self.presets: dict[str, ClockPreset] = {phase: self._snapped(p, f"presets.{phase}") for phase, p in settings.presets.items()}
@@ -430,6 +504,7 @@ class ClockController:
         self._same = {p: t is target or t == target for p, t in self._all_targets.items()}
         self._same_for = target
         self.last_change_s = self.clock() if now is None else now
+        self._switch_log.append((self.last_change_s, target.sm_clock_mhz))
         self.decisions.append(ClockChange(self.last_change_s, phase, target.sm_clock_mhz, target.mem_clock_mhz))
         self.n_changes += 1
         if self._thread is None:

@@ -15,13 +15,21 @@ Model (roofline plus a DVFS power model), per engine step:
 
 Calibration (H200, ``docs/h200-facts.md``, measured on the test GPU): engine-loaded idle
 122 W at 1980 MHz; bf16 GEMM 661 TFLOP/s at a capped ~1450 MHz and 689 W; device copy 4.28 TB/s
-at 674 W and ~1940 MHz. The constants below reproduce those three points within ~5 %.
+at 674 W and ~1940 MHz. The power constants, the voltage floor and the memory-bound knee are
+fitted (``python -m vllm_powersave.sim.calibrate``, docs/results/sim-calibration.md) to those points
+and to public H200 decode figures with locked clocks (Ma, Afzal, Eitzinger, Wellein 2026,
+arXiv:2605.11999: +7-13 % power 1590 -> 1980 MHz, 24-34 % less power and < 1 % throughput loss at
+780 MHz). Fit error: GEMM throughput -4 %, GEMM and copy power < 2 %, the decode ranges met.
+
+``clock_response`` scales every clock-induced change of step time (1: the model); with
+:func:`misfit` it makes a GPU whose true clock response differs from the model's (tests and
+benchmarks of the closed-loop controller).
 """
 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(frozen=True)
@@ -42,6 +50,7 @@ class GpuSpec:
     mem_bound_sm_activity: float
     mem_bound_min_mhz: int  # below this even memory-bound kernels slow down
     t_fixed_s: float  # per-step launch/sync overhead on the GPU side
+    clock_response: float = 1.0  # scales t(f) - t(f_max): a GPU responding more or less than modelled
 
 
 def _h200_clocks() -> tuple[int, ...]:
@@ -58,16 +67,27 @@ H200 = GpuSpec(
     mem_bw=4.28e12,
     power_cap_w=700.0,
     p_idle_w=122.0,
-    p_busy_static_w=120.0,
-    p_mem_w=200.0,
-    p_sm_max_w=875.0,
-    v_min=0.70,
-    mem_bound_sm_activity=0.43,
-    mem_bound_min_mhz=900,
+    # Fitted by sim/calibrate.py (docs/results/sim-calibration.md); the knee is bounded from above
+    # only (< 1 % decode slowdown at 780 MHz), and the fit takes that bound.
+    p_busy_static_w=133.8,
+    p_mem_w=250.8,
+    p_sm_max_w=884.5,
+    v_min=0.788,
+    mem_bound_sm_activity=0.328,
+    mem_bound_min_mhz=780,
     t_fixed_s=150e-6,
 )
 
 SPECS: dict[str, GpuSpec] = {"h200": H200}
+
+
+def misfit(spec: GpuSpec, error: float) -> GpuSpec:
+    """A GPU whose true clock response differs from ``spec``'s by ``error`` (e.g. +0.3: +30 %):
+    every clock-induced slowdown scaled by ``1 + error`` and the memory-bound knee moved by the
+    same factor (a knee 30 % higher makes the model's decode clock 30 % too low). Simulated."""
+    knee = int(round(spec.mem_bound_min_mhz * (1 + error)))
+    return replace(spec, name=f"{spec.name} misfit {error:+.0%}", clock_response=spec.clock_response * (1 + error),
+                   mem_bound_min_mhz=max(spec.sm_clocks_mhz[0], min(spec.f_max_mhz, knee)))
 
 
 @dataclass(frozen=True)
@@ -96,6 +116,16 @@ def _voltage(spec: GpuSpec, f: float) -> float:
 
 def _eval_kernel(spec: GpuSpec, work: StepWork, f: float) -> tuple[float, float]:
     """Kernel time (s) and power (W) of ``work`` at SM clock ``f`` (MHz), no fixed overhead, no cap."""
+    if spec.clock_response != 1.0 and f != spec.f_max_mhz:
+        # Same work, same average power; the clock-induced change of time scaled (misfit GPUs).
+        t_ref, _ = _eval_kernel_model(spec, work, spec.f_max_mhz)
+        t, p = _eval_kernel_model(spec, work, f)
+        t2 = max(1e-12, t_ref + spec.clock_response * (t - t_ref)) if t > 0 else t
+        return t2, p
+    return _eval_kernel_model(spec, work, f)
+
+
+def _eval_kernel_model(spec: GpuSpec, work: StepWork, f: float) -> tuple[float, float]:
     rel = f / spec.f_max_mhz
     t_c = work.flops / (spec.peak_flops * rel)
     bw = spec.mem_bw * min(1.0, f / spec.mem_bound_min_mhz)

@@ -418,11 +418,14 @@ def sweep_and_solve(
             break
     # The final choice: the verified (re-measured, within the time budget) choice with the largest
     # re-measured saving, if that saving exceeds the tolerance; else the default clock.
+    # Rounds whose re-measurement confirmed the sweep come first; from any other round the sweep's
+    # expectation was disproved, so its re-measured figure is what is reported as expected.
     good = [(c, r) for c, r in verified if r["remeasured_saving"] > tol]
     base = naive if naive is not None else Choice({k: DEFAULT for k in items}, 0.0, 0.0, 0.0, 0.0)
     if good:
-        choice, rec = max(good, key=lambda cr: cr[1]["remeasured_saving"])
-        return SweepResult(choice, rec["expected_saving"], rec["expected_slowdown"], rec["remeasured_saving"], rec["remeasured_slowdown"],
+        choice, rec = max([cr for cr in good if cr[1]["accepted"]] or good, key=lambda cr: cr[1]["remeasured_saving"])
+        exp_s, exp_d = (rec["expected_saving"], rec["expected_slowdown"]) if rec["accepted"] else (rec["remeasured_saving"], rec["remeasured_slowdown"])
+        return SweepResult(choice, exp_s, exp_d, rec["remeasured_saving"], rec["remeasured_slowdown"],
                            noise, tol, False, rounds, table, naive, noise_t, tol_t)
     fell_back = any(any(f != DEFAULT for f in r["clocks"].values()) for r in rounds)
     default = Choice({k: DEFAULT for k in items}, base.t_base, base.e_base, base.t_base, base.e_base, base.policy)

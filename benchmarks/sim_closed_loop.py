@@ -1,0 +1,199 @@
+"""Closed-loop decode clock vs static preset vs stock on the SIMULATED H200 (nominal and mis-modelled).
+
+Everything reported is **simulated** (vllm_powersave/sim/gpu.py, fitted to public per-clock data:
+docs/results/sim-calibration.md); nothing is measured here.
+
+What runs: a bursty serving trace (``vllm_powersave.sim.replay.serving_trace``: on/off arrivals,
+prefill bursts, long generations, idle gaps; chunked prefill like vLLM V1) is replayed through the
+project's ``ClockController`` under three strategies: ``stock`` (no presets), ``static_preset``
+(decode 900 MHz, idle 345 MHz: vllm_powersave/presets/h200-simulated.yaml) and ``closed_loop``
+(no decode preset; ``clocks.closed_loop`` enabled, 1 % slowdown budget; same idle preset), on three
+GPUs: the model's H200 (``nominal``) and two whose true clock response differs from the model by
++30 % and -30 % (``sim.gpu.misfit``: slowdowns scaled and the memory-bound knee moved by that
+factor). Clock requests land 6 ms later (the only public H200 switch latency,
+../shared/data/dvfs/switch_latency.csv). The step time the controller measures carries 1 %
+multiplicative noise (same draws for every strategy).
+
+Figures per strategy and GPU: decode energy ratio (decode steps' energy / stock's), SLO attainment
+(share of decode steps whose noise-free time is within 1 % of the same step at the stock clock),
+throughput ratio (stock busy time / strategy busy time, same steps), clock switches per second.
+
+Usage: ``python -m benchmarks.sim_closed_loop [--duration-s 600] [--seed 7] [--out docs/results]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from vllm_powersave.settings import load_settings  # noqa: E402
+from vllm_powersave.sim.gpu import H200, StepWork, misfit, simulate_step  # noqa: E402
+from vllm_powersave.sim.replay import compare, replay, serving_trace  # noqa: E402
+
+BUDGET_PCT = 1.0
+NOISE_SIGMA = 0.01
+COMMON = {"backend": "simulated", "min_dwell_ms": 20, "compute_share_max": 0.0, "memory_bound_max_tokens": 150, "switch_latency_ms": 6.0}
+STRATEGIES = {
+    "stock": {"backend": "simulated", "switch_latency_ms": 6.0},
+    "static_preset": {**COMMON, "presets": {"decode": {"sm_clock_mhz": 900}, "idle": {"sm_clock_mhz": 345}}},
+    "closed_loop": {**COMMON, "presets": {"idle": {"sm_clock_mhz": 345}},
+                    "closed_loop": {"enabled": True, "slowdown_budget_pct": BUDGET_PCT}},
+}
+VARIANTS = {"nominal": 0.0, "misfit_plus30": 0.3, "misfit_minus30": -0.3}
+TARGET = {"decode_energy_ratio_max": 0.70, "slo_attainment_min": 0.99}
+
+
+def run(duration_s: float, seed: int) -> dict[str, Any]:
+    t0 = time.time()
+    trace = serving_trace(duration_s, seed, H200)
+    results: dict[str, Any] = {}
+    loop_state: dict[str, Any] = {}
+    for vname, err in VARIANTS.items():
+        spec = H200 if err == 0 else misfit(H200, err)
+        # Diagnostic: a static decode clock at this GPU's true memory-bound knee (known only to the
+        # simulation): what the best static preset could do with a perfect model.
+        mem = StepWork(0.0, 1e10)  # a purely HBM-bound kernel: its slowdown is the GPU's clock response
+        t_max = simulate_step(spec, mem, spec.f_max_mhz).time_s
+        knee = min(c for c in spec.sm_clocks_mhz if simulate_step(spec, mem, c).time_s <= t_max * (1 + BUDGET_PCT / 100))
+        oracle = {**COMMON, "presets": {"decode": {"sm_clock_mhz": knee}, "idle": {"sm_clock_mhz": 345}}}
+        settings = {k: load_settings({"clocks": v}, env={}).clocks for k, v in {**STRATEGIES, "oracle_static": oracle}.items()}
+        base = replay(trace, spec, settings["stock"], noise_sigma=NOISE_SIGMA, noise_seed=seed, budget_pct=BUDGET_PCT)
+        results[vname] = {}
+        for sname in (*STRATEGIES, "oracle_static"):
+            r = base if sname == "stock" else replay(trace, spec, settings[sname], noise_sigma=NOISE_SIGMA, noise_seed=seed,
+                                                     budget_pct=BUDGET_PCT)
+            results[vname][sname] = compare(base, r)
+            if sname == "oracle_static":
+                results[vname][sname]["decode_clock_mhz"] = knee
+            if sname == "closed_loop":
+                cl = r["closed_loop"]
+                events: dict[str, int] = {}
+                for rec in r["records"]:
+                    events[rec.event] = events.get(rec.event, 0) + 1
+                loop_state[vname] = {"buckets": {str(k): {kk: vv for kk, vv in b.items() if kk in ("state", "held_mhz", "probes", "spread_pct")}
+                                                 for k, b in cl["buckets"].items()},
+                                     "probes_total": cl["probes_total"], "backoffs_total": cl["backoffs_total"], "events": events,
+                                     "decode_steps_by_clock_mhz": {str(k): v for k, v in sorted(r["clock_mhz_steps"].items())}}
+    steps = [e for k, e in trace.events if k == "step"]
+    out = {
+        "what": "closed-loop decode SM clock vs static preset vs stock clocks on a simulated serving trace, nominal and mis-modelled GPU",
+        "simulated": True,
+        "label": "SIMULATED: every time, energy and attainment figure is a model prediction (vllm_powersave/sim/gpu.py), not a measurement",
+        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "where": "CPU machine (no GPU); simulated NVIDIA H200",
+        "script": "python -m benchmarks.sim_closed_loop",
+        "args": {"duration_s": duration_s, "seed": seed},
+        "model_shape": "qwen2.5-7b",
+        "calibration_sources": [
+            "docs/results/sim-calibration.md (python -m vllm_powersave.sim.calibrate): H200 constants fitted to docs/h200-facts.md "
+            "(test GPU, read-only: bf16 GEMM 661 TFLOP/s at 689 W, device copy 674 W, idle 122 W) and to Ma, Afzal, Eitzinger, Wellein "
+            "2026, arXiv:2605.11999 (H200 decode with locked clocks, verbal/secondary via ../shared/data/dvfs/points.csv: +7-13 % power "
+            "1590->1980 MHz, 24-34 % less power and < 1 % slower at 780 MHz); model form checked on the RTX 5090 sweeps of the acvram project",
+            "../shared/data/dvfs/switch_latency.csv: H200 clock switch ~6 ms (Velicka et al. as cited by Spaan, Chen, Varbanescu 2026, "
+            "arXiv:2601.08539; secondary)",
+            "vllm_powersave/modelgen.py SHAPES['qwen2.5-7b']: FLOPs and bytes per step",
+        ],
+        "setup": {"budget_pct": BUDGET_PCT, "measured_step_noise_sigma": NOISE_SIGMA, "switch_latency_ms": 6.0,
+                  "strategies": STRATEGIES, "variants": {k: f"true clock response {v:+.0%} vs the model" for k, v in VARIANTS.items()},
+                  "trace_notes": trace.notes, "trace_steps": len(steps),
+                  "trace_idle_s": round(sum(e for k, e in trace.events if k == "idle"), 1)},
+        "target": TARGET,
+        "results": results,
+        "closed_loop_state": loop_state,
+        "target_met": {v: {s: r["decode_energy_ratio"] <= TARGET["decode_energy_ratio_max"] and r["slo_attainment"] >= TARGET["slo_attainment_min"]
+                           for s, r in res.items() if s not in ("stock", "oracle_static")} for v, res in results.items()},
+        "diagnostics": {"oracle_static": "static decode clock at the GPU's true memory-bound knee (known only to the simulation), "
+                                         "same idle preset: the best a static preset could do with a perfect model"},
+        "runtime_s": round(time.time() - t0, 1),
+    }
+    return out
+
+
+def markdown(o: dict[str, Any]) -> str:
+    L = ["# Closed-loop decode clock on the simulated H200 (SIMULATED)", "",
+         "- **Everything here is simulated** (vllm_powersave/sim/gpu.py), not measured.",
+         f"- What ran: `{o['script']} --duration-s {o['args']['duration_s']:g} --seed {o['args']['seed']}` on {o['where']}, {o['date_utc']} "
+         f"(UTC), model shape {o['model_shape']}, {o['setup']['trace_steps']} steps, {o['setup']['trace_idle_s']} s idle, runtime {o['runtime_s']} s.",
+         f"- Trace: {' '.join(o['setup']['trace_notes'])}.",
+         f"- Strategies: stock (no presets); static preset (decode 900 MHz, idle 345 MHz, as vllm_powersave/presets/h200-simulated.yaml); "
+         f"closed loop (no decode preset, {o['setup']['budget_pct']:g} % slowdown budget, same idle preset). Clock switches land "
+         f"{o['setup']['switch_latency_ms']:g} ms late; measured step times carry {100 * o['setup']['measured_step_noise_sigma']:g} % noise.",
+         "- GPUs: the fitted model (nominal) and two whose true clock response differs from it by +30 % / -30 % (slowdowns and memory-bound knee scaled).",
+         "- SLO attainment: share of decode steps whose (noise-free) time is within the budget of the same step at the stock clock.",
+         "", "| GPU | strategy | decode energy ratio | SLO attainment | throughput ratio | switches/s | worst decode slowdown | e2e energy ratio |",
+         "|---|---|---|---|---|---|---|---|"]
+    for v, res in o["results"].items():
+        for s, r in res.items():
+            L.append(f"| {v} | {s} | {r['decode_energy_ratio']:.3f} | {100 * r['slo_attainment']:.2f} % | {r['throughput_ratio']:.4f} | "
+                     f"{r['switches_per_s']:.2f} | {r['worst_decode_slowdown_pct']:.1f} % | {r['e2e_energy_ratio']:.3f} |")
+    L += ["", "## Closed-loop state at the end (simulated)", ""]
+    for v, st in o["closed_loop_state"].items():
+        b = ", ".join(f"batch >= {k}: " + (f"holds {x['held_mhz'] or 'the default'} MHz" if x["state"] == "hold" else f"still searching ({x['state']})")
+                      + f", {x['probes']} probes" for k, x in st["buckets"].items())
+        L.append(f"- {v}: {b}; {st['probes_total']} probes, {st['backoffs_total']} back-offs; decisions {st['events']}.")
+    L += ["", "## Target (decode energy <= 0.70 x stock with >= 99 % of decode steps in budget)", ""]
+    for v, met in o["target_met"].items():
+        L.append(f"- {v}: " + ", ".join(f"{s} {'met' if m else 'NOT met'}" for s, m in met.items()) + " (simulated).")
+    L += ["", f"*oracle_static* (diagnostic): {o['diagnostics']['oracle_static']}."]
+    L += ["", "## Reading", "", *reading(o), ""]
+    return "\n".join(L) + "\n"
+
+
+def reading(o: dict[str, Any]) -> list[str]:
+    R = o["results"]
+    n, p, m = R["nominal"], R["misfit_plus30"], R["misfit_minus30"]
+    st = o["closed_loop_state"]
+    backoffs = sum(x["backoffs_total"] for x in st.values())
+    return [
+        f"- The static preset is only as good as the model: on a GPU that slows down 30 % more than modelled it keeps "
+        f"{100 * p['static_preset']['slo_attainment']:.1f} % of decode steps in budget (throughput x{p['static_preset']['throughput_ratio']:.3f}); "
+        f"the closed loop keeps {100 * p['closed_loop']['slo_attainment']:.2f} % there, {100 * n['closed_loop']['slo_attainment']:.2f} % on the nominal "
+        f"GPU and {100 * m['closed_loop']['slo_attainment']:.2f} % on the -30 % one ({backoffs} back-offs in all three runs).",
+        "- The worst single decode steps (last column) are rare: small mixed steps (prompt tokens riding along, <= 150 tokens in all) "
+        "that are memory-bound at the default clock but compute-bound at a low one (the ridge point moves down with the clock; the "
+        "loop does not measure mixed steps), steps after an idle gap that start at the idle clock before the raise lands (6 ms), and "
+        "for the closed loop the first steps of a probe that is then stopped early.",
+        f"- Decode energy: closed loop x{n['closed_loop']['decode_energy_ratio']:.3f} / x{p['closed_loop']['decode_energy_ratio']:.3f} / "
+        f"x{m['closed_loop']['decode_energy_ratio']:.3f} (nominal / +30 % / -30 %) vs static x{n['static_preset']['decode_energy_ratio']:.3f} / "
+        f"x{p['static_preset']['decode_energy_ratio']:.3f} / x{m['static_preset']['decode_energy_ratio']:.3f}. The loop pays for its "
+        "default-clock reference windows and probes; it gains where the knee is lower than the preset assumes.",
+        f"- The 0.70 target is not reached. A static clock at each GPU's true knee (oracle, known only to the simulation) gives "
+        f"x{n['oracle_static']['decode_energy_ratio']:.3f} / x{p['oracle_static']['decode_energy_ratio']:.3f} / x{m['oracle_static']['decode_energy_ratio']:.3f} "
+        f"at {n['oracle_static']['decode_clock_mhz']} / {p['oracle_static']['decode_clock_mhz']} / {m['oracle_static']['decode_clock_mhz']} MHz: "
+        "that is about the floor for a clock strategy within a 1 % budget on these GPUs, and the closed loop comes within "
+        f"{max(R[v]['closed_loop']['decode_energy_ratio'] - R[v]['oracle_static']['decode_energy_ratio'] for v in R):.3f} of it without "
+        "knowing the knee (its default-clock reference windows and probes cost the difference). The floor is set by the fit to the public H200 decode "
+        "figures (24-34 % less power at 780 MHz with < 1 % slowdown, Ma et al. 2026, verbal): memory-bound decode on the H200 as published "
+        "does not save 30 % of its energy at an unchanged step time. The previous hand calibration predicted decode energy -36 % for the "
+        "900 MHz preset; it drew 40 % less power at 780 MHz, outside the published range.",
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.sim_closed_loop", description=__doc__.splitlines()[0])
+    ap.add_argument("--duration-s", type=float, default=600.0, help="simulated serving time of the trace")
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--out", default=str(REPO / "docs/results"))
+    ns = ap.parse_args(argv)
+    if ns.duration_s <= 0:
+        print(f"error: --duration-s = {ns.duration_s!r}: must be > 0", file=sys.stderr)
+        return 2
+    o = run(ns.duration_s, ns.seed)
+    out = Path(ns.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sim-closed-loop.json").write_text(json.dumps(o, indent=1) + "\n")
+    (out / "sim-closed-loop.md").write_text(markdown(o))
+    print(markdown(o))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,543 @@
+"""Closed-loop decode SM clock: the lowest clock that keeps a *measured* target, per batch bucket.
+
+A static decode clock is a prediction; a wrong model then costs latency with nothing to catch it.
+This tuner measures instead, while serving, the way VoltanaLLM (arXiv:2509.04827) and GreenLLM
+(arXiv:2508.16449) close the loop on latency:
+
+1. **Baseline.** Per decode batch-size bucket, ``baseline_steps`` steps at the driver's default
+   clock. Step time is fitted linearly in the decode context (KV tokens read), so that the
+   comparison survives context growth; the residual spread (robust, relative) is the step noise.
+2. **Probe.** Bisection over the supported clocks between ``min_sm_clock_mhz`` and the default:
+   at each candidate, ``probe_steps`` steps; a candidate passes if the median of
+   ``step_ms / baseline(ctx)`` plus a noise margin (``margin_pct`` + ``noise_z`` standard errors
+   of the median, from the measured spread) stays within the target. At most
+   ``max_probes_per_bucket`` probes; a probe that is clearly over the target stops after 3 steps.
+3. **Hold** the lowest passing clock. If the median of the last ``backoff_steps`` steps exceeds
+   the target plus its margin, the default clock is requested at once (the violation lasts at
+   most ``backoff_steps`` measured steps plus one switch), and the bucket searches again above the
+   clock that failed.
+4. **Re-probe** when the decode context leaves the baseline's range (batch mix changed), after
+   ``reprobe_after_s``, or on :meth:`DecodeClockTuner.reset` (model changed); the baseline alone is
+   refreshed every ``rebaseline_s``.
+
+Only memory-bound decode steps are tuned: compute-bound steps keep the default clock. Only steps
+known to have run entirely at one clock count as measurements (the caller says which clock that
+was, or ``UNKNOWN``; see :meth:`ClockController.observe_decode_step`), so dry-run (nothing set:
+every step ran at the default) never reports a probe as measured: an unmeasured probe times out as
+a reject, and the decision stream is still computed and recorded.
+
+Every decision comes with the measurement behind it as a :class:`ClosedLoopRecord`.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ..settings import ClosedLoopSettings
+
+#: ``ran_at`` value for a step during which a clock change may have landed (not a measurement).
+UNKNOWN = -1
+#: Standard error of a sample median relative to sigma/sqrt(n) for normal noise: sqrt(pi/2).
+_MEDIAN_SE = math.sqrt(math.pi / 2)
+#: A probe is cut short after this many steps if it is clearly over the target.
+_EARLY_STEPS = 3
+
+
+@dataclass(frozen=True, slots=True)
+class ClosedLoopRecord:
+    """One decision of the closed loop and the measurement behind it.
+
+    ``event``: ``baseline_done``, ``probe``, ``accept``, ``reject``, ``unmeasured`` (a probe that got
+    no step at its clock: dry-run, or the clock never took), ``hold``, ``violation`` (back-off),
+    ``rebaseline``, ``reprobe``, ``reset``, ``slo_unattainable``, ``bucket`` (active bucket
+    changed), ``step`` (an ordinary measured step). Times in s (the caller's monotonic clock),
+    step times in ms, clocks in MHz (``None``: driver default).
+    """
+
+    t_s: float
+    event: str
+    bucket: int | None
+    batch: int
+    sm_clock_mhz: int | None  # requested for the next decode steps
+    ran_at_mhz: int | None  # clock the measured step ran at (UNKNOWN: a change landed in it)
+    step_ms: float | None
+    ratio: float | None  # step_ms / default-clock baseline at the step's context
+    target_ratio: float | None
+    margin: float | None  # noise margin, in ratio units
+    baseline_ms: float | None  # default-clock step time predicted at the step's context
+    spread_pct: float | None  # measured relative step noise (robust sigma), percent
+    probes: int
+    reason: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class _Bucket:
+    """State of one batch-size bucket (owned by the tuner)."""
+
+    def __init__(self, edge: int, n_cands: int, baseline_n: int) -> None:
+        self.edge = edge
+        self.state = "baseline"  # baseline | probe | ref | hold
+        self.need = baseline_n
+        self.base: deque[tuple[float, float]] = deque(maxlen=256)  # default-clock (ctx, ms)
+        self.fit: tuple[float, float, float, float, float, int] | None = None  # a, b, sigma, ctx_lo, ctx_hi, n
+        self.target = 1.0
+        self.floor = 0  # lowest candidate index allowed in the next search
+        self.lo, self.hi = 0, n_cands  # search interval; hi == n_cands is the default clock
+        self.held = n_cands
+        self.probe: int | None = None  # candidate index being probed (or awaiting its closing ref window)
+        self.decided = True  # the probe's verdict is in (early reject), only its ref window remains
+        self.samples: list[tuple[float, float]] = []  # (ctx, ms) at the probe clock
+        self.ref_prev: list[tuple[float, float]] = []
+        self.ref_cur: list[tuple[float, float]] = []
+        self.waited = 0  # steps since the probe was requested without a sample at its clock
+        self.probes = 0
+        self.window: deque[float] = deque()  # ratios at the held clock (long window)
+        self.short: deque[float] = deque()  # the last backoff_steps of them
+        self.short_ms: deque[float] = deque()  # their step times (TPOT SLO check)
+        self.n_win = 0  # probe and reference window length for this bucket's noise
+        self.n_held = 0  # measured steps at the held clock (paces the long-window check)
+        self.after_baseline = "search"  # or "hold" (a refresh)
+        self.t_baselined = -math.inf
+        self.t_searched = -math.inf
+
+
+def _fit_line(pts: list[tuple[float, float]] | deque[tuple[float, float]], slope_hint: float = 0.0) -> tuple[float, float, float]:
+    """``(a, b, sigma)``: step ms = a + b * ctx (robust), and the relative residual spread."""
+    xs = [c for c, _ in pts]
+    ys = [m for _, m in pts]
+    n = len(xs)
+    mx = statistics.fmean(xs)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = slope_hint
+    # A slope is only estimated where the context moved enough to tell it from noise.
+    if n >= 4 and mx > 0 and sxx > (0.01 * mx) ** 2 * n:
+        my = statistics.fmean(ys)
+        slope = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx)  # more context never makes a step faster
+    a = statistics.median(y - slope * x for x, y in zip(xs, ys))
+    if a + slope * mx <= 0:
+        a, slope = statistics.median(ys), 0.0
+    rel = [y / (a + slope * x) - 1.0 for x, y in zip(xs, ys)]
+    med = statistics.median(rel)
+    sigma = 1.4826 * statistics.median(abs(r - med) for r in rel)
+    return a, slope, sigma
+
+
+class DecodeClockTuner:
+    """Chooses the decode SM clock per batch bucket from measured step times. Not thread-safe:
+    call it from the thread that runs the steps.
+
+    Args:
+        settings: the ``clocks.closed_loop`` section.
+        supported_mhz: the GPU's supported SM clocks (MHz); the highest is taken as the default.
+    """
+
+    def __init__(self, settings: ClosedLoopSettings, supported_mhz: tuple[int, ...] | list[int]) -> None:
+        self.s = settings
+        clocks = sorted(set(int(c) for c in supported_mhz))
+        if not clocks:
+            raise ValueError("supported_mhz is empty")
+        self.default_mhz = clocks[-1]
+        lo = settings.min_sm_clock_mhz or clocks[0]
+        self.cands: tuple[int, ...] = tuple(c for c in clocks if lo <= c < self.default_mhz)
+        self.buckets: dict[int, _Bucket] = {}
+        self.active: int | None = None
+        self._pending: int | None = None
+        self._pending_n = 0
+        self.records: deque[ClosedLoopRecord] = deque(maxlen=4096)
+        self.last: ClosedLoopRecord | None = None  # the last event
+        #: The last measured step: (t_s, bucket, ran_at_mhz, step_ms, ratio to the default-clock fit).
+        self.last_step: tuple[float, int, int | None, float, float | None] | None = None
+        self.n_probes = 0
+        self.n_backoffs = 0
+        self.n_records = 0
+        #: Set by the controller: nothing is ever applied (dry-run), so a probe that got no step at
+        #: its clock is over after its wait; elsewhere it waits on (the clock was kept up by
+        #: compute-bound steps and the dwell, not refused).
+        self.dry_run = False
+        self._budget = settings.slowdown_budget_pct / 100.0
+        self._margin0 = settings.margin_pct / 100.0
+
+    # -- public ------------------------------------------------------------------------------
+    def bucket_of(self, batch: int) -> int:
+        """Lower edge of the bucket holding ``batch`` (the smallest edge for batches below it)."""
+        edges = self.s.batch_buckets
+        b = edges[0]
+        for e in edges:
+            if e <= batch:
+                b = e
+            else:
+                break
+        return b
+
+    def clock_for(self, bucket: int | None) -> int | None:
+        """The clock the tuner wants for decode steps of ``bucket`` now (``None``: default)."""
+        if bucket is None:
+            return None
+        b = self.buckets.get(bucket)
+        if b is None or b.state in ("baseline", "ref"):
+            return None
+        if b.state == "probe" and b.probe is not None:
+            return self.cands[b.probe]
+        return None if b.held >= len(self.cands) else self.cands[b.held]
+
+    def reset(self, now_s: float, reason: str = "reset") -> None:
+        """Forget every bucket (the model or the GPU changed): baselines and searches start over."""
+        self.buckets.clear()
+        self.active, self._pending, self._pending_n = None, None, 0
+        self._emit(now_s, "reset", None, 0, None, None, None, None, None, reason=reason)
+
+    def observe(self, now_s: float, batch: int, step_ms: float, ran_at_mhz: int | None,
+                ctx_tokens: float = 0.0, memory_bound: bool = True, tokens: int | None = None) -> int | None:
+        """Feed one finished engine step; returns the SM clock for the next decode steps.
+
+        ``now_s``: the step's end (s, monotonic); ``batch``: decode requests in the step;
+        ``step_ms``: its engine-thread wall time; ``ran_at_mhz``: the clock it ran at entirely
+        (``None``: default, ``UNKNOWN``: a change landed in it); ``ctx_tokens``: decode context
+        (KV tokens read); ``memory_bound``: False for compute-bound steps (they keep the default
+        clock and are not measured); ``tokens``: tokens scheduled in the step (``None``: ``batch``,
+        a pure decode step). A small mixed step (prompt tokens riding along) gets the bucket's clock
+        but is not a measurement: its time depends on the prompt tokens, which the fit does not
+        model. Returns ``None`` for the default clock.
+        """
+        if not memory_bound or batch <= 0 or not (step_ms > 0.0) or math.isinf(step_ms):
+            return None
+        ctx = float(ctx_tokens)
+        edge = self.bucket_of(batch)
+        self._choose_bucket(now_s, edge, batch)
+        if tokens is not None and tokens != batch:
+            return self.clock_for(self.active)  # not a measurement, and no sign that a probe clock did not take
+        if ran_at_mhz == self.default_mhz:
+            ran_at_mhz = None
+        b = self._bucket(edge)
+        if edge != self.active:
+            # Free baseline data for a bucket that is not driving the clock.
+            if ran_at_mhz is None and b.state == "baseline":
+                self._baseline_sample(now_s, b, batch, step_ms, ctx)
+            return self.clock_for(self.active)
+        if b.state == "baseline":
+            if ran_at_mhz is None:
+                self._baseline_sample(now_s, b, batch, step_ms, ctx)
+        elif b.state == "ref":
+            if ran_at_mhz is None:
+                self._ref_sample(now_s, b, batch, step_ms, ctx)
+        elif b.state == "probe":
+            self._probe_sample(now_s, b, batch, step_ms, ran_at_mhz, ctx)
+        else:
+            self._hold_sample(now_s, b, batch, step_ms, ran_at_mhz, ctx)
+        return self.clock_for(self.active)
+
+    def snapshot(self) -> dict[str, Any]:
+        """Figures for ``/metrics`` and reports: per bucket its state and clock; counters."""
+        out: dict[str, Any] = {"active_bucket": self.active, "probes_total": self.n_probes, "backoffs_total": self.n_backoffs,
+                               "decisions_total": self.n_records, "buckets": {}}
+        for e, b in sorted(self.buckets.items()):
+            fit = b.fit
+            out["buckets"][e] = {"state": b.state, "sm_clock_mhz": self.clock_for(e),
+                                 "held_mhz": None if b.held >= len(self.cands) else self.cands[b.held],
+                                 "baseline_ms": None if fit is None else round(fit[0] + fit[1] * (fit[3] + fit[4]) / 2, 4),
+                                 "spread_pct": None if fit is None else round(100 * fit[2], 3),
+                                 "target_ratio": round(b.target, 5), "probes": b.probes}
+        return out
+
+    # -- internals ---------------------------------------------------------------------------
+    def _bucket(self, edge: int) -> _Bucket:
+        b = self.buckets.get(edge)
+        if b is None:
+            b = self.buckets[edge] = _Bucket(edge, len(self.cands), self.s.baseline_steps)
+        return b
+
+    def _choose_bucket(self, now_s: float, edge: int, batch: int) -> None:
+        if self.active is None:
+            self.active = edge
+            self._emit(now_s, "bucket", edge, batch, None, None, None, None, None, reason="first decode step")
+            return
+        if edge == self.active:
+            self._pending, self._pending_n = None, 0
+            return
+        if edge != self._pending:
+            self._pending, self._pending_n = edge, 0
+        self._pending_n += 1
+        if self._pending_n >= self.s.bucket_dwell_steps:
+            old, self.active = self.active, edge
+            self._pending, self._pending_n = None, 0
+            b = self._bucket(edge)
+            if b.state == "probe":
+                # Its reference window is stale: measure the default clock again, then this probe.
+                b.state, b.samples, b.ref_cur, b.decided = "ref", [], [], False
+                b.ref_prev = []
+            self._emit(now_s, "bucket", edge, batch, None, None, None, None, None, b=b,
+                       reason=f"batch stayed in bucket {edge} for {self.s.bucket_dwell_steps} steps (was {old})")
+
+    def _predict(self, b: _Bucket, ctx: float) -> float:
+        assert b.fit is not None
+        return b.fit[0] + b.fit[1] * ctx
+
+    def _margin(self, b: _Bucket, n: int, n_ref: int | None = None, extra_z: float = 0.0) -> float:
+        sigma = b.fit[2] if b.fit else 0.0
+        n_base = n_ref if n_ref is not None else (b.fit[5] if b.fit else 1)
+        z = self.s.noise_z + extra_z
+        return self._margin0 + z * _MEDIAN_SE * sigma * math.sqrt(1.0 / max(1, n) + 1.0 / max(1, n_base))
+
+    def _refit(self, b: _Bucket) -> None:
+        a, slope, sigma = _fit_line(b.base)
+        xs = [c for c, _ in b.base]
+        b.fit = (a, slope, sigma, min(xs), max(xs), len(xs))
+
+    def _baseline_sample(self, now_s: float, b: _Bucket, batch: int, step_ms: float, ctx: float) -> None:
+        b.base.append((ctx, step_ms))
+        b.ref_cur.append((ctx, step_ms))
+        b.need -= 1
+        if b.need > 0:
+            return
+        self._refit(b)
+        b.t_baselined = now_s
+        a, slope, sigma, c_lo, c_hi, n = b.fit  # type: ignore[misc]
+        base_hi = a + slope * c_hi
+        b.target = self.s.tpot_slo_ms / base_hi if self.s.tpot_slo_ms is not None else 1.0 + self._budget
+        reason = (f"{n} default-clock steps: {base_hi:.3f} ms at ctx {c_hi:.0f}, spread {100 * sigma:.2f} %"
+                  + (f"; SLO {self.s.tpot_slo_ms:g} ms" if self.s.tpot_slo_ms is not None else f"; budget {100 * self._budget:g} %"))
+        self._emit(now_s, "baseline_done", b.edge, batch, None, step_ms, None, None, self._predict(b, ctx), b=b, reason=reason)
+        b.n_win = self._window(b)
+        b.ref_prev, b.ref_cur = b.ref_cur[-self._ref_n(b):], []
+        if b.after_baseline == "hold":
+            b.state = "hold"
+            self._clear_windows(b)
+            return
+        if b.n_win <= 0 or b.floor >= len(self.cands):
+            b.state, b.held, b.probe = "hold", len(self.cands), None
+            b.t_searched = now_s
+            unattainable = self.s.tpot_slo_ms is not None and b.target < 1.0
+            why = ("no clock left above the one that failed" if b.floor >= len(self.cands) else
+                   f"step noise {100 * sigma:.2f} % needs more than {self.s.probe_steps_max} steps per window to resolve the target")
+            self._emit(now_s, "slo_unattainable" if unattainable else "hold", b.edge, batch, None, None, None, None, None, b=b,
+                       reason=f"default clock kept: {why}")
+            return
+        b.lo, b.hi, b.probes = b.floor, len(self.cands), 0
+        self._next_probe(now_s, b, batch, prior=self._prior(b))
+
+    def _clear_windows(self, b: _Bucket) -> None:
+        k = self.s.backoff_steps
+        b.window = deque(maxlen=max(b.n_win, k))
+        b.short = deque(maxlen=k)
+        b.short_ms = deque(maxlen=k)
+
+    def _ref_n(self, b: _Bucket) -> int:
+        """Default-clock steps after each probe: half a window (with the one before, a full one)."""
+        return max(self.s.ref_steps, b.n_win // 2)
+
+    def _window(self, b: _Bucket) -> int:
+        """Window length (steps) at which the noise margin takes at most half the room to the
+        target, at least ``probe_steps``; 0 if that needs more than ``probe_steps_max``."""
+        room = b.target - 1.0 - self._margin0
+        if room <= 0:
+            return 0
+        sigma = b.fit[2] if b.fit else 0.0
+        # Margin <= room / 2.5: a clock with no slowdown is then rejected only beyond 3 standard errors.
+        need = math.ceil(2.0 * (self.s.noise_z * _MEDIAN_SE * sigma / (room / 2.5)) ** 2)
+        if need > self.s.probe_steps_max:
+            return 0
+        return max(self.s.probe_steps, self.s.ref_steps, need)
+
+    def _restart(self, now_s: float, b: _Bucket, batch: int, event: str, reason: str, search: bool) -> None:
+        b.state = "baseline"
+        b.need = self.s.baseline_steps
+        if search and event == "reprobe":
+            b.base.clear()
+        b.after_baseline = "search" if search else "hold"
+        b.probe, b.samples, b.waited, b.ref_cur = None, [], 0, []
+        if search:
+            b.held = len(self.cands)
+        self._emit(now_s, event, b.edge, batch, None, None, None, None, None, b=b, reason=reason)
+
+    def _prior(self, b: _Bucket) -> int | None:
+        """Candidate index a neighbouring bucket holds (searched), nearest batch first."""
+        near = sorted((abs(math.log(e / b.edge)), o.held) for e, o in self.buckets.items()
+                      if o is not b and o.t_searched > -math.inf and o.held < len(self.cands))
+        return near[0][1] if near else None
+
+    def _next_probe(self, now_s: float, b: _Bucket, batch: int, prior: int | None = None) -> None:
+        c = self.cands
+        hi_mhz = self.default_mhz if b.hi >= len(c) else c[b.hi]
+        narrow = b.lo < b.hi and hi_mhz - c[b.lo] < self.s.resolution_mhz
+        if b.lo >= b.hi or narrow or b.probes >= self.s.max_probes_per_bucket:
+            b.state, b.held, b.probe = "hold", b.hi, None
+            b.t_searched = now_s
+            self._clear_windows(b)
+            self._emit(now_s, "hold", b.edge, batch, None, None, None, None, None, b=b,
+                       reason=f"lowest clock meeting the target after {b.probes} probes")
+            return
+        b.state = "probe"
+        if prior is not None and b.lo <= prior < b.hi:
+            idx = prior  # a neighbouring bucket passed there on this GPU
+        else:
+            idx = (b.lo + b.hi - 1) // 2  # lower middle: hi is known good
+            # Bounded cost of a failed probe: never below max_step_down x the lowest clock known to pass.
+            floor_mhz = self.s.max_step_down * hi_mhz
+            while idx < b.hi - 1 and c[idx] < floor_mhz:
+                idx += 1
+        b.probe = idx
+        b.samples, b.waited, b.decided = [], 0, False
+        b.probes += 1
+        self.n_probes += 1
+        self._emit(now_s, "probe", b.edge, batch, None, None, None, None, None, b=b,
+                   reason=f"bisection over {self.cands[b.lo]}..{'default' if b.hi >= len(self.cands) else self.cands[b.hi]} MHz")
+
+    def _verdict(self, now_s: float, b: _Bucket, batch: int, ref: list[tuple[float, float]], early: bool) -> None:
+        assert b.probe is not None and b.fit is not None
+        a, slope, _ = _fit_line(ref, b.fit[1]) if len(ref) >= 2 else (b.fit[0], b.fit[1], 0.0)
+        ratios = [ms / (a + slope * c) for c, ms in b.samples]
+        n = len(ratios)
+        med = statistics.median(ratios)
+        margin = self._margin(b, n, len(ref))
+        want = self.cands[b.probe]
+        if early:
+            # Looked at every 4 steps: one more standard error against repeated looks; the
+            # reference before the probe alone extrapolates the context trend (the closing window
+            # then corrects it for the final verdict).
+            if not (med - self._margin(b, n, len(ref), extra_z=1.0) > b.target):
+                return
+            verdict = "reject"
+        else:
+            verdict = "accept" if med + margin <= b.target else "reject"
+        b.decided = True
+        base = a + slope * b.samples[-1][0]
+        self._emit(now_s, verdict, b.edge, batch, want, b.samples[-1][1], med, margin, base, b=b,
+                   reason=f"median of {n} steps at {want} MHz against {len(ref)} default-clock steps around them"
+                          + (" (stopped early)" if early else ""))
+        if verdict == "accept":
+            b.hi = b.probe
+        else:
+            b.lo = b.probe + 1
+
+    def _probe_sample(self, now_s: float, b: _Bucket, batch: int, step_ms: float, ran_at: int | None, ctx: float) -> None:
+        assert b.probe is not None
+        want = self.cands[b.probe]
+        if ran_at != want:
+            b.waited += 1
+            if b.waited > 3 * self.s.probe_steps + 10:
+                if not self.dry_run:
+                    b.waited = 0  # the clock was held up (dwell, compute-bound steps): keep asking
+                    return
+                self._emit(now_s, "unmeasured", b.edge, batch, ran_at, step_ms, None, None, None, b=b,
+                           reason=f"dry-run: no step ran at {want} MHz, counted as a reject")
+                b.lo = b.probe + 1
+                b.samples, b.decided = [], True
+                b.state, b.ref_cur = "ref", []
+            return
+        b.samples.append((ctx, step_ms))
+        n = len(b.samples)
+        if n >= _EARLY_STEPS and b.ref_prev and (n - _EARLY_STEPS) % 4 == 0:
+            self._verdict(now_s, b, batch, b.ref_prev, early=True)
+        if b.decided or n >= b.n_win:
+            b.state, b.ref_cur = "ref", []  # back to the default clock for the closing reference window
+            return
+        self._step(now_s, b, batch, ran_at, step_ms, None, None, None)
+
+    def _ref_sample(self, now_s: float, b: _Bucket, batch: int, step_ms: float, ctx: float) -> None:
+        b.ref_cur.append((ctx, step_ms))
+        b.base.append((ctx, step_ms))
+        if len(b.ref_cur) < self._ref_n(b):
+            return
+        self._refit(b)
+        n_win = self._window(b)
+        if n_win <= 0:  # the noise grew past what the windows can resolve: keep what passed so far
+            b.lo = b.hi
+        else:
+            b.n_win = n_win
+        if b.probe is not None and not b.decided:
+            if b.samples:
+                self._verdict(now_s, b, batch, b.ref_prev + b.ref_cur, early=False)
+            else:  # resumed after a bucket change: probe again with this fresh reference
+                b.ref_prev, b.ref_cur = b.ref_cur, []
+                b.state, b.waited = "probe", 0
+                return
+        b.ref_prev, b.ref_cur = b.ref_cur, []
+        self._next_probe(now_s, b, batch)
+
+    def _hold_sample(self, now_s: float, b: _Bucket, batch: int, step_ms: float, ran_at: int | None, ctx: float) -> None:
+        held = None if b.held >= len(self.cands) else self.cands[b.held]
+        s = self.s
+        assert b.fit is not None
+        if s.reprobe_after_s and now_s - b.t_searched > s.reprobe_after_s:
+            b.floor = 0
+            self._restart(now_s, b, batch, "reprobe", f"last search {now_s - b.t_searched:.0f} s ago", search=True)
+            return
+        lo, hi = b.fit[3], b.fit[4]
+        f = s.reprobe_ctx_factor
+        if ctx > hi * f + 1 or ctx < lo / f - 1:
+            b.floor = 0
+            self._restart(now_s, b, batch, "reprobe", f"decode context {ctx:.0f} left the measured range {lo:.0f}..{hi:.0f} "
+                          f"by more than x{f:g} (batch mix changed)", search=True)
+            return
+        if held is not None:
+            # Extrapolate the default-clock fit no further than the range it was measured over
+            # (at least 5 %, at most rebaseline_ctx_pct): a slope from a narrow range is uncertain.
+            reach = min(hi * s.rebaseline_ctx_pct / 100.0, max(0.05 * hi, hi - lo)) + 1
+            if s.rebaseline_s and now_s - b.t_baselined > s.rebaseline_s:
+                self._restart(now_s, b, batch, "rebaseline", f"baseline {now_s - b.t_baselined:.0f} s old", search=False)
+                return
+            if ctx > hi + reach or ctx < lo - reach:
+                self._restart(now_s, b, batch, "rebaseline", f"decode context {ctx:.0f} outside the measured {lo:.0f}..{hi:.0f}", search=False)
+                return
+        if ran_at != held:
+            return
+        base = self._predict(b, ctx)
+        r = step_ms / base
+        if held is None:
+            b.base.append((ctx, step_ms))  # holding the default: every step is a baseline sample
+            self._step(now_s, b, batch, ran_at, step_ms, r, None, base)
+            return
+        b.window.append(r)
+        b.short.append(r)
+        if s.tpot_slo_ms is not None:
+            b.short_ms.append(step_ms)
+        k = s.backoff_steps
+        margin = None
+        b.n_held += 1
+        if len(b.short) >= k:
+            # Short window every step (large violations, bounded by backoff_steps), tested at every
+            # step, so a false alarm must be far rarer: 2 more standard errors. The long window
+            # (small violations) every 4 steps once full.
+            margin = self._margin(b, k, extra_z=2.0)
+            med = statistics.median(b.short)
+            over = med > b.target + margin
+            n = len(b.window)
+            if not over and n == b.window.maxlen and n > k and b.n_held % 4 == 0:
+                m_long = self._margin(b, n)
+                med_long = statistics.median(b.window)
+                if med_long > b.target + m_long:
+                    med, margin, over = med_long, m_long, True
+            over_slo = s.tpot_slo_ms is not None and statistics.median(b.short_ms) > s.tpot_slo_ms
+            if over or over_slo:
+                self.n_backoffs += 1
+                b.floor = min(len(self.cands), b.held + 1)
+                self._emit(now_s, "violation", b.edge, batch, ran_at, step_ms, med, margin, base, b=b,
+                           reason=f"median of the last {len(b.window)} steps at {held} MHz over the target: default clock now, "
+                                  "then a search above it")
+                self._restart(now_s, b, batch, "rebaseline", "after a violation", search=True)
+                return
+        self._step(now_s, b, batch, ran_at, step_ms, r, margin, base)
+
+    def _step(self, now_s: float, b: _Bucket, batch: int, ran_at: int | None, step_ms: float, ratio: float | None,
+              margin: float | None, base: float | None) -> None:
+        # Per step only a tuple (hot path); events get a full record.
+        self.last_step = (now_s, b.edge, ran_at, step_ms, ratio)
+
+    def _emit(self, now_s: float, event: str, bucket: int | None, batch: int, ran_at: int | None, step_ms: float | None,
+              ratio: float | None, margin: float | None, base: float | None, b: _Bucket | None = None, reason: str = "") -> None:
+        fit = b.fit if b is not None else None
+        rec = ClosedLoopRecord(now_s, event, bucket, batch, self.clock_for(self.active), ran_at, step_ms, ratio,
+                               b.target if b is not None else None, margin, base, None if fit is None else 100 * fit[2],
+                               b.probes if b is not None else 0, reason)
+        self.records.append(rec)
+        self.last = rec
+        self.n_records += 1
+
+
+__all__ = ["UNKNOWN", "ClosedLoopRecord", "DecodeClockTuner"]
