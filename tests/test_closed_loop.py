@@ -10,6 +10,7 @@ import pytest
 from fakes import FakeNvml
 
 from vllm_powersave.clocks import ClockController, DryRunClockBackend, LeaseStore, NvmlClockBackend
+from vllm_powersave.device import NvmlGpu
 from vllm_powersave.settings import SettingsError, load_settings
 from vllm_powersave.sim.gpu import H200, misfit
 from vllm_powersave.sim.replay import compare, replay, serving_trace
@@ -71,7 +72,7 @@ def _lowest_ok(gpu, budget=0.01):
 @pytest.mark.parametrize("error", [0.0, 0.3, -0.3])
 def test_converges_to_lowest_clock_within_budget_under_noise_and_misfit(tmp_path, error):
     nvml = H200Nvml()
-    ctl = ClockController(NvmlClockBackend(nvml, "h0"), _settings(tmp_path), gpu_id="GPU-c", asynchronous=False, watchdog=False)
+    ctl = ClockController(NvmlClockBackend(NvmlGpu(nvml, "h0")), _settings(tmp_path), gpu_id="GPU-c", asynchronous=False, watchdog=False)
     gpu = Gpu(nvml, 780 * (1 + error), noise=0.01, seed=3)
     log = []
     _drive(ctl, gpu, 12_000, 0.0, 30_000, log=log)
@@ -91,7 +92,7 @@ def test_converges_to_lowest_clock_within_budget_under_noise_and_misfit(tmp_path
 def test_measured_violation_backs_off_within_the_bound(tmp_path):
     nvml = H200Nvml()
     s = _settings(tmp_path, backoff_steps=6, rebaseline_s=0, reprobe_after_s=0)
-    ctl = ClockController(NvmlClockBackend(nvml, "h0"), s, gpu_id="GPU-v", asynchronous=False, watchdog=False)
+    ctl = ClockController(NvmlClockBackend(NvmlGpu(nvml, "h0")), s, gpu_id="GPU-v", asynchronous=False, watchdog=False)
     gpu = Gpu(nvml, 780)
     t, ctx = _drive(ctl, gpu, 6000, 0.0, 30_000)
     held = ctl.closed_loop.snapshot()["buckets"][64]["held_mhz"]
@@ -113,7 +114,7 @@ def test_measured_violation_backs_off_within_the_bound(tmp_path):
 
 def test_compute_bound_steps_keep_the_default_clock(tmp_path):
     nvml = H200Nvml()
-    ctl = ClockController(NvmlClockBackend(nvml, "h0"), _settings(tmp_path), gpu_id="GPU-p", asynchronous=False, watchdog=False)
+    ctl = ClockController(NvmlClockBackend(NvmlGpu(nvml, "h0")), _settings(tmp_path), gpu_id="GPU-p", asynchronous=False, watchdog=False)
     gpu = Gpu(nvml, 780)
     t, ctx = _drive(ctl, gpu, 6000, 0.0, 30_000)
     assert nvml.locked is not None  # decode runs at a lower clock
@@ -127,7 +128,7 @@ def test_compute_bound_steps_keep_the_default_clock(tmp_path):
 
 def test_dry_run_records_decisions_and_sets_nothing(tmp_path):
     nvml = FakeNvml(no_permission=True)  # no privilege: the controller falls back to dry-run
-    ctl = ClockController(NvmlClockBackend(nvml, "h0"), _settings(tmp_path), gpu_id="GPU-d", asynchronous=False, watchdog=False)
+    ctl = ClockController(NvmlClockBackend(NvmlGpu(nvml, "h0")), _settings(tmp_path), gpu_id="GPU-d", asynchronous=False, watchdog=False)
     gpu = Gpu(nvml, 780)
     t, ctx = 0.0, 30_000
     for _ in range(60):
@@ -158,7 +159,7 @@ def test_static_decode_preset_overrides_the_loop(tmp_path):
     nvml = H200Nvml()
     s = load_settings({"clocks": {"backend": "nvml", "min_dwell_ms": 0, "lease_dir": str(tmp_path / "l"),
                                   "presets": {"decode": {"sm_clock_mhz": 900}}, "closed_loop": {"enabled": True}}}, env={}).clocks
-    ctl = ClockController(NvmlClockBackend(nvml, "h0"), s, gpu_id="GPU-o", asynchronous=False, watchdog=False)
+    ctl = ClockController(NvmlClockBackend(NvmlGpu(nvml, "h0")), s, gpu_id="GPU-o", asynchronous=False, watchdog=False)
     assert ctl.closed_loop is None
     ctl.on_phase("decode", 0.0)
     assert ctl.observe_decode_step(0.01, 64, 10.0) is None and nvml.locked == (900, 900)
@@ -168,7 +169,7 @@ def test_static_decode_preset_overrides_the_loop(tmp_path):
 
 def test_close_resets_a_closed_loop_lock_and_releases_the_lease(tmp_path):
     nvml = FakeNvml()
-    ctl = ClockController(NvmlClockBackend(nvml, "h0"), _settings(tmp_path), gpu_id="GPU-x", asynchronous=False, watchdog=False)
+    ctl = ClockController(NvmlClockBackend(NvmlGpu(nvml, "h0")), _settings(tmp_path), gpu_id="GPU-x", asynchronous=False, watchdog=False)
     _drive(ctl, Gpu(nvml, 780), 3000, 0.0, 30_000)
     assert nvml.locked is not None and LeaseStore(tmp_path / "leases").held("GPU-x")
     ctl.close()
@@ -182,11 +183,12 @@ CHILD = textwrap.dedent("""
     sys.path[:0] = [{tests!r}, {repo!r}]
     from fakes import FakeNvml
     from vllm_powersave.clocks import ClockController, NvmlClockBackend
+    from vllm_powersave.device import NvmlGpu
     from vllm_powersave.settings import load_settings
     nvml = FakeNvml(state_file={state!r})
     s = load_settings({{"clocks": {{"backend": "nvml", "min_dwell_ms": 0, "switch_latency_ms": 1, "lease_dir": {leases!r},
                         "closed_loop": {{"enabled": True}}}}}}, env={{}}).clocks
-    ctl = ClockController(NvmlClockBackend(nvml, "h0"), s, gpu_id="GPU-k", asynchronous=False, watchdog=False)
+    ctl = ClockController(NvmlClockBackend(NvmlGpu(nvml, "h0")), s, gpu_id="GPU-k", asynchronous=False, watchdog=False)
     t, ctx = 0.0, 30000
     while nvml.locked is None:
         ctl.on_phase("decode", t)
@@ -208,14 +210,14 @@ def test_sigkill_during_a_probe_lock_is_recovered_at_next_start(tmp_path):
     proc.wait()
     gpu, leases = FakeNvml(state_file=tmp_path / "gpu.json"), LeaseStore(tmp_path / "leases")
     assert gpu.locked == (int(line[1]), int(line[1])) and [lease["pid"] for lease in leases.stale()] == [proc.pid]
-    nxt = ClockController(NvmlClockBackend(gpu, "h0"), _settings(tmp_path), gpu_id="GPU-k", asynchronous=False, watchdog=False)
+    nxt = ClockController(NvmlClockBackend(NvmlGpu(gpu, "h0")), _settings(tmp_path), gpu_id="GPU-k", asynchronous=False, watchdog=False)
     assert gpu.locked is None and leases.all() == []
     nxt.close()
 
 
 def test_nvml_fault_stops_the_loop_and_resets(tmp_path):
     nvml = FakeNvml()
-    ctl = ClockController(NvmlClockBackend(nvml, "h0"), _settings(tmp_path), gpu_id="GPU-f", asynchronous=False, watchdog=False)
+    ctl = ClockController(NvmlClockBackend(NvmlGpu(nvml, "h0")), _settings(tmp_path), gpu_id="GPU-f", asynchronous=False, watchdog=False)
     gpu = Gpu(nvml, 780)
     t, ctx = _drive(ctl, gpu, 3000, 0.0, 30_000)
     nvml.inject("nvmlDeviceSetGpuLockedClocks", 15, times=None)  # GpuIsLost from now on
@@ -256,7 +258,7 @@ def test_tpot_slo_target_keeps_decode_steps_under_the_slo(tmp_path):
     nvml = H200Nvml()
     # Default-clock steps take 9.2 ms growing to 10 ms with the context; a 10.5 ms TPOT SLO leaves
     # room for a clock below the memory-bound knee, less and less as the context grows.
-    ctl = ClockController(NvmlClockBackend(nvml, "h0"), _settings(tmp_path, tpot_slo_ms=10.5), gpu_id="GPU-slo",
+    ctl = ClockController(NvmlClockBackend(NvmlGpu(nvml, "h0")), _settings(tmp_path, tpot_slo_ms=10.5), gpu_id="GPU-slo",
                           asynchronous=False, watchdog=False)
     gpu = Gpu(nvml, 780, noise=0.005, seed=5)
     t, ctx, late = 0.0, 30_000, []
