@@ -225,8 +225,13 @@ def _on_engine_args(engine_args: object) -> None:
     from .metrics import register_collector
 
     register_collector(settings.stats_dir, __version__)
+    from . import starvation
+
+    # Front-end starvation: every API-server process counts its requests in flight (starvation.py).
+    middleware = [starvation.configure(settings.stats_dir)]
     if settings.per_request_energy:
         from . import request_energy
 
-        vllm_compat.install_app_hook(request_energy.configure(settings.stats_dir, settings.energy.response_wait_ms / 1000.0))
+        middleware.append(request_energy.configure(settings.stats_dir, settings.energy.response_wait_ms / 1000.0))
+    vllm_compat.install_app_hook(middleware)
     log.info("powersave: enabled; settings %s", json.dumps(settings.model_dump(mode="json"), sort_keys=True))
