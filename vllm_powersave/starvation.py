@@ -57,8 +57,8 @@ class BusyTracker:
     """
 
     def __init__(self, stats_dir: str | Path | None, clock: Callable[[], float] = time.monotonic,
-                 keep_s: float = KEEP_S) -> None:
-        self.path = Path(stats_dir) / f"frontend-{os.getpid()}.json" if stats_dir else None
+                 keep_s: float = KEEP_S, name: str | None = None) -> None:
+        self.path = Path(stats_dir) / f"frontend-{name or os.getpid()}.json" if stats_dir else None
         self.clock = clock
         self.keep_s = keep_s
         self.in_flight = 0
