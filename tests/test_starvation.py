@@ -142,3 +142,29 @@ def test_metrics_export_idle_while_busy_counters_per_gpu_and_engine(tmp_path):
     del snap["idle_while_busy_j"]
     (tmp_path / "rank0.json").write_text(json.dumps(snap))
     assert "powersave_idle_while_busy_energy_joules_total{" not in metrics_text(tmp_path)  # absent, not zero
+
+
+def test_loadtests_report_reads_idle_while_busy_from_the_server_metrics():
+    from loadtests.energy import EnergyReading, Sample, parse_scrape, starvation_over
+    from loadtests.metrics import energy_metrics
+    from loadtests.report import compare_table, format_table
+
+    text = ("# TYPE powersave_idle_while_busy_energy_joules counter\n"
+            'powersave_idle_while_busy_energy_joules_total{engine="0",gpu="g0",source="measured"} 30.0\n'
+            'powersave_idle_while_busy_energy_joules_total{engine="0",gpu="g1",source="measured"} 10.0\n'
+            "# TYPE powersave_idle_while_busy_seconds counter\n"
+            'powersave_idle_while_busy_seconds_total{engine="0",gpu="g0"} 1.0\n'
+            "# TYPE powersave_frontend_busy_seconds counter\n"
+            'powersave_frontend_busy_seconds_total{engine="0",gpu="g0"} 20.0\n')
+    sc = parse_scrape(text)
+    assert (sc.idle_while_busy_j, sc.idle_while_busy_s, sc.frontend_busy_s) == (40.0, 1.0, 20.0)
+    r = EnergyReading(energy_j=500.0, source="measured", by_phase_j={"idle": 60.0})
+    starvation_over([Sample(t=0, idle_while_busy_j=10.0, idle_while_busy_s=0.5, frontend_busy_s=5.0),
+                     Sample(t=1, idle_while_busy_j=40.0, idle_while_busy_s=1.0, frontend_busy_s=20.0)], r)
+    m = energy_metrics(r, 100, 1000)
+    assert m["gpu_idle_while_busy_energy_j"] == 30.0 and abs(m["idle_while_busy_share"] - 0.5 / 15.0) < 1e-12
+    res = {"label": "x", **m}
+    assert "idle while requests in flight (J)" in format_table(res)
+    table = compare_table({"off": res, "on": {**res, "gpu_idle_while_busy_energy_j": None, "idle_while_busy_share": None}})
+    assert "| of which idle while requests in flight (J total) | 30.0 (measured) |" in table
+    assert "| GPU idle share of busy time (%) | 3.3 | n/a |" in table
