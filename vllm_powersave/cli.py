@@ -1,4 +1,4 @@
-"""``vllm-powersave`` command line: make-model, compare (the main job), reset-clocks."""
+"""``vllm-powersave`` command line: make-model, compare (the main job), advise, reset-clocks."""
 
 from __future__ import annotations
 
@@ -174,6 +174,17 @@ def _cmd_compare(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_advise(ns: argparse.Namespace) -> int:
+    from .advise import AdviseError, run
+
+    try:
+        print(run(ns.result or [], ns.metrics or [], ns.api_servers, ns.json))
+    except AdviseError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def _cmd_reset_clocks(ns: argparse.Namespace) -> int:
     from .clocks import LeaseStore
     from .clocks.backends import LeaseError, reset_from_lease
@@ -246,6 +257,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--startup-timeout", type=float, default=600.0)
     c.add_argument("--out", default="runs")
     c.set_defaults(fn=_cmd_compare)
+
+    a = sub.add_parser("advise", help="ranked recommendations from a run's figures (loadtests result, /metrics)")
+    a.add_argument("--result", action="append", help="loadtests result JSON (repeatable)")
+    a.add_argument("--metrics", action="append", help="the server's /metrics: http(s) URL or a saved scrape (repeatable)")
+    a.add_argument("--api-servers", type=int, default=1, help="API servers the run used (default 1)")
+    a.add_argument("--json", action="store_true", help="print JSON instead of text")
+    a.set_defaults(fn=_cmd_advise)
 
     r = sub.add_parser("reset-clocks", help="reset GPU clocks left locked by a crashed server")
     r.add_argument("--lease-dir", default="/tmp/vllm-powersave/leases")
