@@ -154,7 +154,7 @@ def test_start_line_names_each_saving_and_why(monkeypatch, tmp_path, caplog):
         rt.close()
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("powersave: savings:")]
     assert len(lines) == 1
-    assert lines[0] == ("powersave: savings: perf-boost auto (idle power, measured -32 % on H200); clocks dry-run "
+    assert lines[0] == ("powersave: savings: perf-boost auto (idle power, measured -35 % on H200); clocks dry-run "
                         "(no presets, no closed-loop controller in this build; no clock permission: predicted only); "
                         "chunking off (no table)")
 

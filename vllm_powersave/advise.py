@@ -13,8 +13,8 @@ Rules (the figures they rest on):
   (front-end starvation, ``starvation.py``). Fixing it saves at most that energy (predicted); on
   the H200, 1 -> 4 API servers at concurrency 64 gave -8.6 % J/token and +54 % throughput.
 * **Perf boost**: idle energy of a server that keeps CUDA's boost (``cuda_perf_boost: on``):
-  ``auto`` cuts idle power by 32 % (measured on the H200, docs/results/h200-perf-boost.md), so it
-  would save 32 % of that idle energy here (predicted).
+  ``auto`` cuts idle power by 35 % (119.6 -> 77.4 W, medians) (measured on the H200, docs/results/h200-perf-boost.md), so it
+  would save 35 % of that idle energy here (predicted).
 * **Batch limit**: most of the run at the batch limit (steady state) with requests waiting:
   raise ``--max-num-seqs`` (no estimate: depends on memory and model).
 * **Clocks**: clock decisions recorded but not applied (dry-run): give the server clock permission
@@ -165,7 +165,7 @@ def advise(facts: dict[str, Any]) -> list[Recommendation]:
         if quiet / e >= MIN_IDLE_SHARE:
             out.append(Recommendation(
                 "perf_boost", 'Set cuda_perf_boost: "auto" (or drop a "savings: off"/"cuda_perf_boost: on" setting)',
-                f"idle energy {quiet:.0f} J, {100 * quiet / e:.1f} % of the run's energy; idle power -32 % with auto "
+                f"idle energy {quiet:.0f} J, {100 * quiet / e:.1f} % of the run's energy; idle power -35 % with auto "
                 f"(measured on the H200, docs/results/h200-perf-boost.md)" + ("" if boost else "; perf-boost mode unknown (no /metrics given)"),
                 src, "predicted", PERF_BOOST_IDLE_SAVING * quiet / e))
     steady, dur = _num(facts.get("steady_s")), _num(facts.get("duration_s"))

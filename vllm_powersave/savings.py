@@ -2,7 +2,7 @@
 
 One worker per engine logs one line at start, e.g.::
 
-    powersave: savings: perf-boost auto (idle power, measured -32 % on H200); clocks dry-run
+    powersave: savings: perf-boost auto (idle power, measured -35 % on H200); clocks dry-run
     (no clock permission: predicted only); chunking off (no table)
 
 and every worker publishes the same facts in its snapshot (``savings``), exported as
@@ -19,7 +19,7 @@ from typing import Any
 #: The idle-power saving of cuda_perf_boost off/auto, measured on the H200 test GPU: 119.6 W ->
 #: 77.4 W over 5 adjacent pairs (docs/results/h200-perf-boost.md).
 PERF_BOOST_IDLE_SAVING = 1 - 77.4 / 119.6
-PERF_BOOST_BASIS = "idle power, measured -32 % on H200"
+PERF_BOOST_BASIS = "idle power, measured -35 % on H200"
 
 
 def savings_state(settings: Any, clock_choice: Any, boost: dict[str, Any] | None, on_gpu: bool,

@@ -241,7 +241,7 @@ class PowersaveSettings(_Strict):
     #: "off" sets CUDA_DISABLE_PERF_BOOST=1 in every engine process before it creates its CUDA
     #: context: the driver then stops holding the boost clock on a loaded-but-idle GPU and manages
     #: the SM clock itself under load. Needs no privilege and changes no device setting. Measured on
-    #: the H200 test GPU: idle engine 119.6 W -> 77.4 W, -32 % (docs/results/h200-perf-boost.md). CUDA
+    #: the H200 test GPU: idle engine 119.6 W -> 77.4 W, -35 % (docs/results/h200-perf-boost.md). CUDA
     #: reads it once per process, so the engine's own context cannot switch; "auto" switches with a second one.
     #: "auto" (the default) also sets the variable, and boosts the GPU back while the engine is busy
     #: through a side CUDA context held by a helper process (no privilege; see clocks/boost.py),
