@@ -12,7 +12,7 @@ from vllm_powersave import runtime as rt_mod
 from vllm_powersave import vllm_compat
 from vllm_powersave.clocks import mode as mode_mod
 from vllm_powersave.clocks.mode import clock_permission, select_clock_mode, zeusd_reachable
-from vllm_powersave.savings import savings_state, start_line
+from vllm_powersave.savings import savings_state, start_line, startup_line
 from vllm_powersave.settings import PowersaveSettings, SettingsError, load_settings
 
 NO = (False, "no clock permission (needs root or CAP_SYS_ADMIN)")
@@ -148,15 +148,27 @@ def test_bad_new_settings_stop_with_one_line_naming_field_and_value(cfg, line):
     assert msg.startswith(line) and "\n" not in msg
 
 
-def test_start_line_names_each_saving_and_why(monkeypatch, tmp_path, caplog):
+def test_start_line_names_each_saving_and_why(monkeypatch):
+    monkeypatch.setattr(mode_mod, "clock_permission", lambda: NO)
+    env = {}
+    line = startup_line(load_settings({}, env={}), on_gpu=True, env=env)
+    assert line == ("powersave: savings: perf-boost auto (idle power, measured -35 % on H200); clocks dry-run "
+                    "(no presets, no closed-loop controller in this build; no clock permission: predicted only); "
+                    "chunking off (no table)")
+    monkeypatch.setattr(mode_mod, "clock_permission", lambda: YES)
+    assert "clocks presets (no presets, no closed-loop controller in this build; running as root)" in startup_line(
+        load_settings({}, env={}), on_gpu=True, env=env)
+    assert "clocks dry-run (no presets, no closed-loop controller in this build; POWERSAVE_FORCE_DRY_RUN=1: predicted only)" in startup_line(
+        load_settings({}, env={}), on_gpu=True, env={"POWERSAVE_FORCE_DRY_RUN": "1"})
+    assert startup_line(load_settings({"savings": "off"}, env={}), on_gpu=True, env=env).startswith("powersave: metering only")
+    assert "perf-boost n/a (no GPU)" in startup_line(load_settings({}, env={}), on_gpu=False, env=env)
+
+
+def test_workers_add_no_second_start_line(monkeypatch, tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="vllm.powersave"):
         rt = _runtime(monkeypatch, tmp_path, NO)
         rt.close()
-    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("powersave: savings:")]
-    assert len(lines) == 1
-    assert lines[0] == ("powersave: savings: perf-boost auto (idle power, measured -35 % on H200); clocks dry-run "
-                        "(no presets, no closed-loop controller in this build; no clock permission: predicted only); "
-                        "chunking off (no table)")
+    assert not [r for r in caplog.records if r.levelno >= logging.INFO and "powersave: savings:" in r.getMessage()]
 
 
 def test_boost_helper_failure_and_clock_fault_show_as_failed():
@@ -166,3 +178,32 @@ def test_boost_helper_failure_and_clock_fault_show_as_failed():
     assert st["perf_boost"]["state"] == "failed" and "no CUDA driver" in st["perf_boost"]["why"]
     assert st["clocks"]["state"] == "failed"
     assert start_line(st, metering_only=True).startswith("powersave: metering only")
+
+
+START = r"""
+import logging, sys, types
+logging.getLogger("vllm.powersave").addHandler(logging.StreamHandler(sys.stdout))
+logging.getLogger("vllm.powersave").setLevel(logging.INFO)
+import vllm_powersave
+vllm_powersave._on_engine_args(types.SimpleNamespace(additional_config={"powersave": {}}, model="x"))
+"""
+
+
+@pytest.mark.parametrize("second_api_server", [False, True])
+def test_server_start_logs_exactly_one_savings_line(tmp_path, second_api_server):
+    import json
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("POWERSAVE_", "VLLM_PLUGINS", "ZEUSD_"))}
+    env["TMPDIR"] = str(tmp_path)
+    if second_api_server:  # --api-server-count N: the first API server's directory is inherited
+        inherited = tmp_path / "1-1-x"
+        inherited.mkdir()
+        env["POWERSAVE_SETTINGS_JSON"] = json.dumps({"stats_dir": str(inherited)})
+    p = subprocess.run([sys.executable, "-c", START], capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = [x for x in (p.stdout + p.stderr).splitlines() if "powersave: savings:" in x]
+    assert len(lines) == (0 if second_api_server else 1), p.stdout[-2000:]
+    if lines:
+        assert "perf-boost" in lines[0] and "clocks" in lines[0] and "chunking off (no table)" in lines[0]

@@ -213,16 +213,11 @@ def _trace_line(r: Any) -> str:
     return json.dumps(dict(zip(_TRACE_KEYS, r))) + "\n"
 
 
-def _boost_for(on_gpu: bool, gpu_id: str, release_after_s: float, nvml_failed: bool = False) -> BoostController | None:
-    """The side-context booster of this worker's GPU, addressed by UUID (``cuda_perf_boost: auto``).
-
-    Where NVML failed the UUID is unknown: the NVML warning already said so, this adds none (the
-    savings line and ``powersave_saving_state`` show perf boost as failed)."""
+def _boost_for(on_gpu: bool, gpu_id: str, release_after_s: float) -> BoostController | None:
+    """The side-context booster of this worker's GPU, addressed by UUID (``cuda_perf_boost: auto``)."""
     if not on_gpu:
         return None  # nothing to boost (the savings line and /metrics say "n/a: no GPU")
     if not gpu_id.startswith(("GPU-", "MIG-")):
-        if nvml_failed:
-            return None
         log.warning("powersave: cuda_perf_boost auto needs an NVIDIA GPU identified by UUID (have %r); the engine stays unboosted", gpu_id)
         return None
     return BoostController(BoostHolder(gpu_id), release_after_s)
@@ -321,7 +316,9 @@ class WorkerRuntime:
         self._last_tick = 0.0
         self.boost: BoostController | None = None
         if settings.cuda_perf_boost == "auto":
-            self.boost = _boost_for(on_gpu, gpu_id, settings.boost_release_after_s, nvml_failed is not None)
+            # Where NVML failed the UUID is unknown: its warning said so already; no second one
+            # (/metrics shows perf boost as failed).
+            self.boost = None if nvml_failed is not None else _boost_for(on_gpu, gpu_id, settings.boost_release_after_s)
         self._done_requests: deque[tuple[str, float | None]] = deque()
         # Front-end starvation: the API servers' busy intervals (starvation.py); first rank of each engine warns.
         self.frontend = FrontendBusyReader(settings.stats_dir) if settings.stats_dir else None
@@ -379,8 +376,9 @@ class WorkerRuntime:
             " (simulated)" if self.clocks.backend.kind == "simulated" else "",
             [(r.min_rows, r.chunks) for r in settings.chunking.table] or "none",
         )
-        if self.rank == 0:  # one line per server: which savings run, and why
-            log.info("%s", start_line(self.savings(), metering_only=settings.savings == "off"))
+        # The API server announced the savings at start (savings.startup_line); what this worker
+        # really got is in its snapshot, and a saving that fails here warns on its own.
+        log.debug("%s (rank %d)", start_line(self.savings(), metering_only=settings.savings == "off"), self.rank)
 
     def savings(self) -> dict[str, dict[str, str]]:
         """Which savings are on, off or failed here, and why (savings.py)."""

@@ -1,11 +1,12 @@
 """Which savings run on this server, and why: the start line and the figures on ``/metrics``.
 
-One worker per engine logs one line at start, e.g.::
+The API server logs one line at start (the first API-server process only), e.g.::
 
     powersave: savings: perf-boost auto (idle power, measured -35 % on H200); clocks dry-run
     (no clock permission: predicted only); chunking off (no table)
 
-and every worker publishes the same facts in its snapshot (``savings``), exported as
+from the settings and the same permission probe the workers run (nothing is set); every worker
+then publishes what it actually got in its snapshot (``savings``), exported as
 ``powersave_saving_state{gpu, saving, state, basis}`` = 1, so that a saving that turned itself off
 at run time (a boost helper that failed, a clock backend that faulted) shows as ``failed``.
 ``basis``: ``measured`` where the saving's effect has a measurement in docs/results, ``predicted``
@@ -72,3 +73,13 @@ def start_line(state: dict[str, dict[str, str]], metering_only: bool = False) ->
     names = {"perf_boost": "perf-boost", "clocks": "clocks", "chunking": "chunking"}
     parts = [f"{names.get(k, k)} {v['state']} ({v['why']})" for k, v in state.items()]
     return "powersave: savings: " + "; ".join(parts)
+
+
+def startup_line(settings: Any, on_gpu: bool, env: dict[str, str] | None = None) -> str:
+    """The start line for ``settings`` on this machine (API-server process, before engines start):
+    the clock choice from the workers' probe (no setter called), perf boost as configured."""
+    from .clocks.mode import probe_and_select
+
+    choice = probe_and_select(settings, on_gpu, env)
+    state = savings_state(settings, choice, {"disabled": None}, on_gpu)
+    return start_line(state, metering_only=getattr(settings, "savings", "auto") == "off")
