@@ -168,3 +168,42 @@ def test_loadtests_report_reads_idle_while_busy_from_the_server_metrics():
     table = compare_table({"off": res, "on": {**res, "gpu_idle_while_busy_energy_j": None, "idle_while_busy_share": None}})
     assert "| of which idle while requests in flight (J total) | 30.0 (measured) |" in table
     assert "| GPU idle share of busy time (%) | 3.3 | n/a |" in table
+
+
+def test_worker_books_idle_while_the_api_server_holds_requests_and_not_after(monkeypatch, tmp_path):
+    import time
+    from types import SimpleNamespace
+
+    from tests.test_energy_runtime import sched
+    from vllm_powersave import runtime as rt_mod
+    from vllm_powersave import vllm_compat
+    from vllm_powersave.settings import PowersaveSettings
+
+    monkeypatch.setattr(vllm_compat, "runner_identity", lambda r: {"rank": 0, "device_type": "cpu", "device_index": None})
+    runner = SimpleNamespace(rank=0, scheduler_config=SimpleNamespace(max_num_seqs=8, async_scheduling=False))
+    api = BusyTracker(tmp_path, name="api")
+    api.enter()  # a request the engine never got
+    api.flush()
+    rt = rt_mod.WorkerRuntime(runner, PowersaveSettings.model_validate(
+        {"stats_dir": str(tmp_path), "energy": {"meter": "simulated", "simulated_model_shape": "qwen2.5-0.5b",
+                                                "idle_after_s": 0.05, "tick_s": 0.05}}))
+    try:
+        rt.on_step_start(sched({"a": 1}))
+        rt.on_step_end()
+        time.sleep(0.4)  # the engine idles while the API server holds the request
+        rt.account.tick()
+        busy = rt.snapshot()
+        assert busy["idle_while_busy_s"] > 0.2 and busy["idle_while_busy_j"] > 0 and busy["frontends"] == 1
+        api.leave()
+        api.flush()
+        time.sleep(0.1)  # let the reader's refresh period pass
+        rt.account.tick()
+        before = rt.snapshot()
+        time.sleep(0.3)  # idle with nothing in flight
+        rt.account.tick()
+        after = rt.snapshot()
+        assert after["idle_while_busy_s"] == before["idle_while_busy_s"]
+        assert after["energy_j"]["idle"] > before["energy_j"]["idle"]
+        assert "powersave_idle_while_busy_energy_joules_total{" in metrics_text(tmp_path)
+    finally:
+        rt.close()
