@@ -62,6 +62,11 @@ class EnergyReading:
     by_gpu_j: dict[str, float] = field(default_factory=dict)
     note: str = ""
     counter_resets: int = 0  # series seen going down between two readings (server or driver restart)
+    # Front-end starvation over the window (the plugin's powersave_idle_while_busy_* counters):
+    # idle GPU energy (J) and time (s) while the server had requests in flight, and that busy time (s).
+    idle_while_busy_j: float | None = None
+    idle_while_busy_s: float | None = None
+    frontend_busy_s: float | None = None
 
 
 def _one_line(e: BaseException) -> str:
@@ -169,7 +174,11 @@ async def scrape_metrics(session: aiohttp.ClientSession, base_url: str, timeout_
 
 
 _KEEP_PREFIXES = ("powersave_gpu_energy_joules", "powersave_gpu_power_watts", "powersave_sm_clock_mhz",
-                  "powersave_info", "vllm:num_requests_running")
+                  "powersave_info", "vllm:num_requests_running", "powersave_idle_while_busy_", "powersave_frontend_busy_seconds")
+#: Starvation counters (summed over GPUs) -> Scrape/Sample field.
+_STARVATION = {"powersave_idle_while_busy_energy_joules_total": "idle_while_busy_j",
+               "powersave_idle_while_busy_seconds_total": "idle_while_busy_s",
+               "powersave_frontend_busy_seconds_total": "frontend_busy_s"}
 
 
 def filter_metrics_text(text: str) -> str:
@@ -193,6 +202,9 @@ class Scrape:
     gauge_source: str | None = None  # "measured" | "simulated" (from the gauges' source label)
     running: float | None = None  # vllm:num_requests_running summed over engines
     plugin: bool = False  # powersave_info present
+    idle_while_busy_j: float | None = None  # summed over GPUs; None = not published
+    idle_while_busy_s: float | None = None
+    frontend_busy_s: float | None = None
 
 
 def parse_scrape(text: str) -> Scrape:
@@ -205,6 +217,7 @@ def parse_scrape(text: str) -> Scrape:
     clock: list[float] = []
     sources: set[str] = set()
     running: list[float] = []
+    starv: dict[str, float] = {}
     try:
         for fam in text_string_to_metric_families(filter_metrics_text(text)):
             for smp in fam.samples:
@@ -220,6 +233,9 @@ def parse_scrape(text: str) -> Scrape:
                     running.append(float(smp.value))
                 elif smp.name == "powersave_info":
                     out.plugin = True
+                elif smp.name in _STARVATION:
+                    key = _STARVATION[smp.name]
+                    starv[key] = starv.get(key, 0.0) + float(smp.value)
     except Exception:  # the parser raises bare ValueError/TypeError variants on bad input
         return Scrape()
     out.counters = counters or None
@@ -227,6 +243,8 @@ def parse_scrape(text: str) -> Scrape:
     out.sm_clock_mhz = sum(clock) / len(clock) if clock else None
     out.gauge_source = ("measured" if sources == {"measured"} else "simulated") if sources else None
     out.running = sum(running) if running else None
+    for key, v in starv.items():
+        setattr(out, key, v)
     return out
 
 
@@ -246,6 +264,9 @@ class Sample:
     gauge_source: str | None = None
     running: float | None = None
     provider: str | None = None  # of ``gpu_j``: "nvml" (local) or "zeusd" (the daemon's read API)
+    idle_while_busy_j: float | None = None  # cumulative starvation counters (server metrics), J / s
+    idle_while_busy_s: float | None = None
+    frontend_busy_s: float | None = None
 
 
 def _nvml_gauges(nvml: NvmlEnergy) -> tuple[float | None, float | None]:
@@ -340,7 +361,9 @@ class EnergyMeter:
         if sc is None:
             return Sample(t=t)
         return Sample(t=t, counters=sc.counters or ({} if sc.plugin else None), power_w=sc.power_w,
-                      sm_clock_mhz=sc.sm_clock_mhz, gauge_source=sc.gauge_source, running=sc.running)
+                      sm_clock_mhz=sc.sm_clock_mhz, gauge_source=sc.gauge_source, running=sc.running,
+                      idle_while_busy_j=sc.idle_while_busy_j, idle_while_busy_s=sc.idle_while_busy_s,
+                      frontend_busy_s=sc.frontend_busy_s)
 
     async def start(self) -> None:
         """Take the "before" reading, choosing the first available source."""
@@ -420,6 +443,7 @@ class EnergyMeter:
         assert r is not None  # the first and the last reading both have counters
         r.window_s = t1 - self._t0
         r.note = "; ".join(x for x in (note, r.note) if x)
+        starvation_over(self.samples, r)
         return r
 
     async def stop(self) -> EnergyReading:
@@ -453,6 +477,18 @@ class EnergyMeter:
                                        gauge_source="measured" if power is not None else None, provider="nvml"))
             return self._window_reading(t1, "local NVML counters (server assumed to run on this host)")
         return EnergyReading(window_s=time.perf_counter() - self._t0, note=self._note or "no energy source")
+
+
+def starvation_over(samples: list[Sample], r: EnergyReading) -> None:
+    """Fill ``r``'s idle-while-busy figures from the first to the last reading that has them
+    (the series appear once the server's API process has written its busy file)."""
+    have = [s for s in samples if s.idle_while_busy_j is not None]
+    if len(have) < 2:
+        return
+    a, b = have[0], have[-1]
+    r.idle_while_busy_j = max(0.0, b.idle_while_busy_j - a.idle_while_busy_j)  # type: ignore[operator]
+    r.idle_while_busy_s = max(0.0, (b.idle_while_busy_s or 0.0) - (a.idle_while_busy_s or 0.0))
+    r.frontend_busy_s = max(0.0, (b.frontend_busy_s or 0.0) - (a.frontend_busy_s or 0.0))
 
 
 def energy_between(a: Sample, b: Sample) -> EnergyReading | None:

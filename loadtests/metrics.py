@@ -174,6 +174,13 @@ def energy_metrics(reading: EnergyReading, total_input_tokens: int, total_output
         "gpu_active_energy_per_output_token_j": (
             (e - reading.by_phase_j.get("idle", 0.0)) / total_output_tokens
             if e is not None and reading.by_phase_j and total_output_tokens else None),
+        # Front-end starvation (the plugin's counters): idle GPU energy and time while requests were
+        # in flight at the server, and their share of the server's busy time.
+        "gpu_idle_while_busy_energy_j": reading.idle_while_busy_j,
+        "gpu_idle_while_busy_s": reading.idle_while_busy_s,
+        "frontend_busy_s": reading.frontend_busy_s,
+        "idle_while_busy_share": (reading.idle_while_busy_s / reading.frontend_busy_s
+                                  if reading.idle_while_busy_s is not None and reading.frontend_busy_s else None),
         "energy_source": reading.source,
         "energy_provider": reading.provider,
         "energy_by_phase_j": dict(reading.by_phase_j),

@@ -87,6 +87,10 @@ def _summary_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
         ]
         for phase, j in sorted((result.get("energy_by_phase_j") or {}).items()):
             rows.append((f"  energy in {phase} (J)", f"{_num(j)} ({result['energy_source']})"))
+        if result.get("gpu_idle_while_busy_energy_j") is not None:
+            share = result.get("idle_while_busy_share")
+            rows.append(("  idle while requests in flight (J)", f"{_num(result['gpu_idle_while_busy_energy_j'])} ({result['energy_source']})"
+                         + (f", {_num(100.0 * share, 1)} % of busy time" if share is not None else "")))
     rows += _steady_rows(result)
     if result.get("timed_out"):
         rows.append(("Note", f"global --timeout of {_num(result.get('timeout_s'), 0)} s reached"))
@@ -223,6 +227,10 @@ def compare_table(results: dict[str, dict[str, Any]]) -> str:
     add("GPU avg power (W)", lambda r: _energy(r, "gpu_avg_power_w", 1))
     add("J / output token", lambda r: _energy(r, "gpu_energy_per_output_token_j"))
     add("of which idle (J total)", lambda r: _energy(r, "gpu_idle_energy_j", 1))
+    if any(r.get("gpu_idle_while_busy_energy_j") is not None for r in results.values()):
+        add("of which idle while requests in flight (J total)", lambda r: _energy(r, "gpu_idle_while_busy_energy_j", 1))
+        add("GPU idle share of busy time (%)", lambda r: _num(100.0 * r["idle_while_busy_share"], 1)
+            if r.get("idle_while_busy_share") is not None else "n/a")
     add("J / output token, active phases only", lambda r: _energy(r, "gpu_active_energy_per_output_token_j"))
     add("Output tokens / J", lambda r: _energy(r, "output_tokens_per_joule"))
     add("Total tokens / J", lambda r: _energy(r, "total_tokens_per_joule"))

@@ -1,6 +1,11 @@
 #!/usr/bin/env bash
-# The main job: vLLM on the tiny model with the plugin off, then on; one load test each; one table.
+# The main job: stock vLLM vs the plugin's defaults on the tiny model, ABBA order, under a load that
+# looks like serving: Poisson arrivals at a moderate rate (idle gaps between requests) and a
+# saturation point; one report that says which savings were measured and which predicted.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/vllm-powersave compare "$@"
+case " $* " in
+  *" --rates"*) exec .venv/bin/vllm-powersave compare "$@" ;;
+  *) exec .venv/bin/vllm-powersave compare --rates 1,inf --rate-window-s 30 "$@" ;;
+esac

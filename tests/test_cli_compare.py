@@ -10,3 +10,45 @@ def test_runs_below_half_the_median_throughput_are_flagged():
     assert list(flagged) == ["off (run 4)"] and abs(flagged["off (run 4)"] - 13.7 / 49.5) < 1e-9
     assert _suspect_runs({k: v for k, v in runs.items() if k != "off (run 4)"}) == {}
     assert _suspect_runs({"a": {"output_throughput": 1.0}, "b": {"output_throughput": 100.0}}) == {}  # two runs: no median to trust
+
+
+def test_gpu_main_job_compares_stock_with_the_plugin_defaults():
+    import json
+
+    from vllm_powersave.cli import _configs
+
+    (off, _, off_args), (on, desc, on_args) = _configs(gpu=True, clock_backend=None)
+    assert off_args == [] and on_args[:2] == ["--plugin", "powersave"]
+    assert json.loads(on_args[3]) == {"powersave": {}}  # no setting: the defaults (stats_dir is added per run)
+    assert "defaults" in desc
+
+
+def test_rates_parse_and_bad_rates_are_one_line():
+    import math
+
+    import pytest
+
+    from vllm_powersave.compare_report import parse_rates
+
+    assert parse_rates("0.2, 1,inf") == [0.2, 1.0, math.inf]
+    for bad, why in (("0", "'0' must be > 0"), ("fast", "'fast' is not a request rate"), ("-1", "'-1' must be > 0")):
+        with pytest.raises(ValueError) as err:
+            parse_rates(bad)
+        assert str(err.value).startswith(f"--rates = {bad!r}: {why}")
+
+
+def test_savings_section_says_what_was_measured_and_what_predicted():
+    from vllm_powersave.compare_report import savings_section
+
+    off = {"gpu_energy_per_output_token_j": 0.10, "gpu_idle_energy_j": 400.0, "gpu_energy_j": 2000.0}
+    on = {"gpu_energy_per_output_token_j": 0.09, "gpu_idle_while_busy_energy_j": 50.0, "idle_while_busy_share": 0.02}
+    runs = [("off", 0.5, off), ("on", 0.5, on), ("on", 0.5, on), ("off", 0.5, off), ("off", float("inf"), off), ("on", float("inf"), on)]
+    cpu = savings_section(runs, gpu=False)
+    assert "### 0.5 req/s" in cpu and "### saturation" in cpu
+    assert "- J / output token, defaults vs stock: -10.0 % (simulated, mean of 2 and 2 runs)" in cpu
+    assert "stock idled 400 J (20.0 % of its energy, simulated)" in cpu and "7.1 % of stock's energy (predicted)" in cpu
+    assert "50 J idle while requests were in flight, 2.0 % of busy time (simulated)" in cpu
+    gpu = savings_section(runs, gpu=True)
+    assert "(measured, mean of 2 and 2 runs)" in gpu and "simulated" not in gpu
+    stock_gpu = savings_section([("off", 1.0, {"gpu_energy_per_output_token_j": 0.1}), ("on", 1.0, on)], gpu=True)
+    assert "stock's idle energy unknown here" in stock_gpu

@@ -29,7 +29,7 @@ def test_settings_doc_states_type_default_bounds_unit_and_description():
     assert line == "- **`clocks.min_dwell_ms`**: float; default `500`; bounds ≥ 0, ≤ 600000, finite; unit ms.  "
     text = render()
     assert "Minimum time a clock stays applied before another change (hysteresis), in ms." in text
-    assert '- **`clocks.backend`**: `"dry-run"` | `"nvml"` | `"zeusd"` | `"simulated"`' in text
+    assert '- **`clocks.backend`**: `"auto"` | `"dry-run"` | `"nvml"` | `"zeusd"` | `"simulated"`' in text
 
 
 class _Inner(BaseModel):

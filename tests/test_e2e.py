@@ -195,7 +195,7 @@ def test_invalid_setting_stops_startup_with_one_line(tiny_model, tmp_path):
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert p.returncode == 2
     errors = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
-    assert errors == ["error: powersave setting 'clocks.backend' = 'turbo': Input should be 'dry-run', 'nvml', 'zeusd' or 'simulated'"]
+    assert errors == ["error: powersave setting 'clocks.backend' = 'turbo': Input should be 'auto', 'dry-run', 'nvml', 'zeusd' or 'simulated'"]
     assert "EngineCore" not in p.stderr + p.stdout  # nothing was started
 
 

@@ -76,7 +76,9 @@ def test_perf_boost_off_sets_cuda_variable_for_this_process_and_children(monkeyp
     from vllm_powersave.settings import load_settings
 
     monkeypatch.delenv("CUDA_DISABLE_PERF_BOOST", raising=False)
-    vllm_powersave.apply_process_env(load_settings({}, env={}))
+    vllm_powersave.apply_process_env(load_settings({"cuda_perf_boost": "on"}, env={}))
+    assert "CUDA_DISABLE_PERF_BOOST" not in os.environ
+    vllm_powersave.apply_process_env(load_settings({"savings": "off"}, env={}))  # metering only: CUDA's default
     assert "CUDA_DISABLE_PERF_BOOST" not in os.environ
     vllm_powersave.apply_process_env(load_settings({"cuda_perf_boost": "off"}, env={}))
     assert os.environ["CUDA_DISABLE_PERF_BOOST"] == "1"

@@ -5,10 +5,11 @@ import pytest
 from vllm_powersave.settings import ENV_SETTINGS_JSON, PowersaveSettings, SettingsError, load_settings, settings_from_env
 
 
-def test_defaults_are_inert():
+def test_defaults_turn_on_the_measured_savings_and_choose_clocks_by_permission():
     s = load_settings({}, env={})
     assert s.chunking.table == ()
-    assert s.clocks.backend == "dry-run"
+    assert s.cuda_perf_boost == "auto" and s.savings == "auto"
+    assert s.clocks.mode == "auto" and s.clocks.backend == "auto"
     assert s.clocks.presets == {}
     assert s.energy.meter == "auto"
 

@@ -200,12 +200,14 @@ def _on_engine_args(engine_args: object) -> None:
         _stop_startup(err)
     from .settings import check_tuned_for
 
-    mismatches = check_tuned_for(settings.tuned_for, _server_facts(engine_args, settings))
+    facts = _server_facts(engine_args, settings)
+    mismatches = check_tuned_for(settings.tuned_for, facts)
     if mismatches and settings.tuned_for is not None and settings.tuned_for.allow_mismatch:
         for m in mismatches:
             log.warning("%s (allowed by tuned_for.allow_mismatch)", m)
     elif mismatches:
         _stop_startup(SettingsError(mismatches[0] + (f" (+{len(mismatches) - 1} more)" if len(mismatches) > 1 else "")))
+    first_api_server = _inherited_stats_dir() is None  # --api-server-count N: the others inherit its directory
     try:
         settings = _prepare_stats_dir(settings)
     except OSError as exc:
@@ -221,8 +223,19 @@ def _on_engine_args(engine_args: object) -> None:
     from .metrics import register_collector
 
     register_collector(settings.stats_dir, __version__)
+    from . import starvation
+
+    # Front-end starvation: every API-server process counts its requests in flight (starvation.py).
+    middleware = [starvation.configure(settings.stats_dir)]
     if settings.per_request_energy:
         from . import request_energy
 
-        vllm_compat.install_app_hook(request_energy.configure(settings.stats_dir, settings.energy.response_wait_ms / 1000.0))
+        middleware.append(request_energy.configure(settings.stats_dir, settings.energy.response_wait_ms / 1000.0))
+    vllm_compat.install_app_hook(middleware)
     log.info("powersave: enabled; settings %s", json.dumps(settings.model_dump(mode="json"), sort_keys=True))
+    if first_api_server:  # one line per server: which savings run, and why
+        from .savings import startup_line
+
+        gpu = facts.get("gpu_name")
+        on_gpu = bool(gpu) and "simulated" not in str(gpu) and settings.clocks.backend != "simulated"
+        log.info("%s", startup_line(settings, on_gpu))

@@ -1,9 +1,10 @@
-"""``vllm-powersave`` command line: make-model, compare (the main job), reset-clocks."""
+"""``vllm-powersave`` command line: make-model, compare (the main job), advise, reset-clocks."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -35,10 +36,13 @@ def _cmd_make_model(ns: argparse.Namespace) -> int:
 def _configs(gpu: bool, clock_backend: str | None, sim_shape: str | None = None) -> list[tuple[str, str, list[str]]]:
     """(label, description, extra serve args) for the off and on servers."""
     if gpu:
-        on: dict[str, Any] = {"clocks": {"backend": clock_backend or "dry-run"}}
+        # The plugin's defaults: perf boost auto, clocks by permission (dry-run where the machine
+        # forces it: POWERSAVE_FORCE_DRY_RUN=1), no chunk table. --clock-backend overrides clocks.
+        on: dict[str, Any] = {"clocks": {"backend": clock_backend}} if clock_backend else {}
         return [
             ("off", "stock vLLM (energy: NVML on this machine, measured)", []),
-            ("on", f"vLLM + powersave (clocks {clock_backend or 'dry-run'})", ["--plugin", "powersave", "--additional-config", json.dumps({"powersave": on})]),
+            ("on", "vLLM + powersave defaults (perf boost auto; clocks " + (clock_backend or "by permission, dry-run without it") + ")",
+             ["--plugin", "powersave", "--additional-config", json.dumps({"powersave": on})]),
         ]
     # No GPU: a stock server has no energy at all, so the baseline runs the plugin's simulated meter
     # with stock clocks and no chunking; only the "on" server applies the (simulated) presets.
@@ -73,7 +77,13 @@ def _read_snapshot(stats_dir: Path) -> dict[str, Any]:
 def _cmd_compare(ns: argparse.Namespace) -> int:
     from loadtests import BenchConfig, compare_table, run
 
+    from .compare_report import parse_rates, rate_label, savings_section
     from .serving import ServerError, VllmServer, cpu_only, default_serve_args
+
+    rates = parse_rates(ns.rates)
+    if not 0 < ns.rate_window_s <= 3600:
+        print(f"error: --rate-window-s = {ns.rate_window_s:g}: must be in (0, 3600] s", file=sys.stderr)
+        return 2
 
     if ns.model is not None and not ns.model.strip():
         print("error: --model is empty (give a Hugging Face model directory, or omit it to generate --shape)", file=sys.stderr)
@@ -91,6 +101,7 @@ def _cmd_compare(ns: argparse.Namespace) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     gpu = not cpu_only()
     runs: list[tuple[str, dict]] = []
+    rated: list[tuple[str, float, dict]] = []
     counterfactual: dict[str, dict] = {}
     descriptions: dict[str, str] = {}
     sim_shape = None if ns.sim_shape == "served" else ns.sim_shape
@@ -100,7 +111,9 @@ def _cmd_compare(ns: argparse.Namespace) -> int:
         print(f"error: --order must name off and on, e.g. 'off,on' or 'on,off,off,on' (got {ns.order!r})", file=sys.stderr)
         return 2
     # Runs are numbered from 1, as in the report's columns ("off (run 1)"), and so are their files.
-    for run_i, label in enumerate(order, start=1):
+    # Several rates: the ABBA order runs at each rate in turn (rate-major), numbering continues.
+    plan = [(rate, label) for rate in rates for label in order]
+    for run_i, (rate, label) in enumerate(plan, start=1):
         _, desc, extra = configs[label]
         descriptions[label] = desc
         print(f"[compare] {label}: starting vllm serve ({desc})", flush=True)
@@ -117,19 +130,23 @@ def _cmd_compare(ns: argparse.Namespace) -> int:
                 base_url=server.base_url,
                 model=None,
                 endpoint=ns.endpoint,
-                num_prompts=ns.num_prompts,
+                num_prompts=ns.num_prompts if math.isinf(rate) else max(8, int(rate * ns.rate_window_s * 2)),
                 max_concurrency=ns.concurrency,
+                request_rate=rate,
+                duration_s=None if math.isinf(rate) else ns.rate_window_s,
                 input_len=ns.input_len,
                 output_len=ns.output_len,
                 num_warmups=ns.warmups,
                 seed=ns.seed,
                 label=label,
             )
-            print(f"[compare] {label}: {ns.num_prompts} requests at concurrency {ns.concurrency}", flush=True)
+            print(f"[compare] {label}: " + (f"{ns.num_prompts} requests at concurrency {ns.concurrency}" if math.isinf(rate)
+                  else f"Poisson arrivals at {rate:g} req/s for {ns.rate_window_s:g} s (concurrency cap {ns.concurrency})"), flush=True)
             res = run(cfg)
             res["config_description"] = desc
             res["run_index"] = run_i
             runs.append((label, res))
+            rated.append((label, rate, res))
         finally:
             server.stop()
         (out_dir / f"result-{label}-{run_i}.json").write_text(json.dumps(res, indent=2))
@@ -139,10 +156,18 @@ def _cmd_compare(ns: argparse.Namespace) -> int:
                 "with_presets_j": snap["sim_energy_j"], "stock_clocks_j": snap["sim_stock_clocks_energy_j"],
                 "saving_pct": 100.0 * (1 - snap["sim_energy_j"] / snap["sim_stock_clocks_energy_j"]),
                 "gpu_time_change_pct": 100.0 * (snap["sim_busy_s"] / snap["sim_stock_clocks_busy_s"] - 1) if snap.get("sim_stock_clocks_busy_s") else None}
-    many = len(order) > len(configs)
-    results = {(f"{lab} (run {i + 1})" if many else lab): r for i, (lab, r) in enumerate(runs)}
-    table = compare_table(results)
-    header = f"# vllm-powersave: plugin off vs on\n\nModel: `{model}`; {ns.num_prompts} requests, concurrency {ns.concurrency}, {ns.input_len} in / {ns.output_len} out; machine: {'GPU (energy measured by NVML)' if gpu else 'no GPU (energy SIMULATED for an H200 by the plugin meter)'}\n\n"
+    many = len(plan) > len(configs)
+    at = (lambda i: f" @ {rate_label(plan[i][0])}") if len(rates) > 1 else (lambda i: "")
+    results = {(f"{lab} (run {i + 1}){at(i)}" if many else lab): r for i, (lab, r) in enumerate(runs)}
+    if len(rates) > 1:  # one table per rate: columns of one load side by side
+        table = "\n".join(f"### {rate_label(rate)}\n\n" + compare_table({k: r for i, (k, r) in enumerate(results.items()) if plan[i][0] == rate})
+                          for rate in rates)
+    else:
+        table = compare_table(results)
+    load = (f"{ns.num_prompts} requests, concurrency {ns.concurrency}" if rates == [math.inf] else
+            "request rates " + ", ".join(rate_label(r) for r in rates) + f" (Poisson for {ns.rate_window_s:g} s each; saturation: "
+            f"{ns.num_prompts} requests at concurrency {ns.concurrency})")
+    header = f"# vllm-powersave: plugin off vs on\n\nModel: `{model}`; {load}, {ns.input_len} in / {ns.output_len} out; machine: {'GPU (energy measured by NVML)' if gpu else 'no GPU (energy SIMULATED for an H200 by the plugin meter)'}\n\n"
     legend = "".join(f"- **{k}**: {v}\n" for k, v in descriptions.items())
     if not gpu:
         legend += ("- *simulated*: joules an H200 would spend on exactly the engine steps this CPU run executed "
@@ -165,12 +190,25 @@ def _cmd_compare(ns: argparse.Namespace) -> int:
     if suspect:
         md += "\n" + "".join(f"- **{k}**: output throughput {v:.2f}x the median of all runs: the machine was likely busy "
                               "with something else; treat this run's figures as unreliable and repeat it.\n" for k, v in suspect.items())
+    md += savings_section(rated, gpu)
     (out_dir / "comparison.md").write_text(md)
     (out_dir / "comparison.json").write_text(json.dumps({"model": str(model), "gpu": gpu, "results": results,
+                                                         "rates": ["inf" if math.isinf(r) else r for r in rates],
                                                          "simulated_same_steps": counterfactual}, indent=2))
     print()
     print(md)
     print(f"[compare] results in {out_dir}")
+    return 0
+
+
+def _cmd_advise(ns: argparse.Namespace) -> int:
+    from .advise import AdviseError, run
+
+    try:
+        print(run(ns.result or [], ns.metrics or [], ns.api_servers, ns.json))
+    except AdviseError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -242,10 +280,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="server runs in this order; repeating them in ABBA order cancels drift (default off,on,on,off)")
     c.add_argument("--sim-shape", default="qwen2.5-7b", choices=["served", "qwen2.5-0.5b", "qwen2.5-7b", "llama3-8b"],
                    help="no-GPU machines: simulate energy as if each step ran a model of this shape ('served': the served model itself)")
+    c.add_argument("--rates", default="inf",
+                   help="request rates (req/s, comma-separated; inf = saturation at --concurrency), each run in --order: "
+                        "e.g. 0.2,1,4,inf (default inf)")
+    c.add_argument("--rate-window-s", type=float, default=60.0, help="seconds of Poisson arrivals per finite rate (default 60)")
     c.add_argument("--serve-arg", action="append", help="extra argument passed to vllm serve (repeatable)")
     c.add_argument("--startup-timeout", type=float, default=600.0)
     c.add_argument("--out", default="runs")
     c.set_defaults(fn=_cmd_compare)
+
+    a = sub.add_parser("advise", help="ranked recommendations from a run's figures (loadtests result, /metrics)")
+    a.add_argument("--result", action="append", help="loadtests result JSON (repeatable)")
+    a.add_argument("--metrics", action="append", help="the server's /metrics: http(s) URL or a saved scrape (repeatable)")
+    a.add_argument("--api-servers", type=int, default=1, help="API servers the run used (default 1)")
+    a.add_argument("--json", action="store_true", help="print JSON instead of text")
+    a.set_defaults(fn=_cmd_advise)
 
     r = sub.add_parser("reset-clocks", help="reset GPU clocks left locked by a crashed server")
     r.add_argument("--lease-dir", default="/tmp/vllm-powersave/leases")

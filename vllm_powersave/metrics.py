@@ -25,6 +25,12 @@ window (``energy.window_s``, computed in the workers, idle energy included), ``s
 the batch limit, ML.ENERGY's steady state), ``run`` (since start). ``kind``: ``decode`` (one per
 decoding request per step, plus speculative tokens: close to output tokens, without the first
 token of each request, which its prefill step makes) or ``total`` (prompt + decode tokens).
+
+Front-end starvation (``starvation.py``): ``powersave_idle_while_busy_energy_joules`` and
+``_seconds`` (per GPU, with its ``engine``) count the idle energy and time while the API server had
+requests in flight; ``powersave_frontend_busy_seconds`` the busy time they are a share of. Absent,
+not zero, where a worker cannot read the API servers' busy files. ``powersave_saving_state``: which
+savings run and why they may not (``savings.py``).
 """
 
 from __future__ import annotations
@@ -52,7 +58,8 @@ log = logging.getLogger("vllm.powersave")
 STALE_AFTER_S = 10.0
 _COUNTER_DICTS = ("energy_j", "time_s", "steps", "tokens", "lm_head_calls")
 _NONNEG = ("counter_resets", "counter_wraps", "meter_faults", "power_w", "sm_clock_mhz", "target_sm_clock_mhz",
-           "clock_changes", "mem_clock_mhz", "clock_event_reasons", "requests_finished", "request_energy_j_finished")
+           "clock_changes", "mem_clock_mhz", "clock_event_reasons", "requests_finished", "request_energy_j_finished",
+           "idle_while_busy_j", "idle_while_busy_s", "frontend_busy_s")
 _warned: set[tuple[str, str]] = set()
 
 
@@ -197,6 +204,11 @@ class PowersaveCollector(Collector):
         steady_t = CounterMetricFamily("powersave_steady_tokens", "Tokens of steps at the batch limit", labels=["gpu", "kind"])
         boost_held = GaugeMetricFamily("powersave_cuda_boost_held", "cuda_perf_boost auto: 1 while the side CUDA context boosts this GPU", labels=["gpu"])
         boost_sw = CounterMetricFamily("powersave_cuda_boost_switches", "cuda_perf_boost auto: side-context holds and releases", labels=["gpu"])
+        # Front-end starvation (starvation.py) and which savings run (savings.py).
+        iwb_j = CounterMetricFamily("powersave_idle_while_busy_energy_joules", "GPU energy while the engine was idle but the API server had requests in flight (front-end starvation, J)", labels=["gpu", "engine", "source"])
+        iwb_s = CounterMetricFamily("powersave_idle_while_busy_seconds", "Time the engine was idle while the API server had requests in flight (s)", labels=["gpu", "engine"])
+        fe_busy = CounterMetricFamily("powersave_frontend_busy_seconds", "Time the API server(s) had requests in flight, as seen by this GPU's worker (s)", labels=["gpu", "engine"])
+        saving_state = GaugeMetricFamily("powersave_saving_state", "1 per saving with its state (auto/on/off/dry-run/failed/n/a) and basis (measured/predicted)", labels=["gpu", "saving", "state", "basis"])
         sources, backends, boost = set(), set(), set()
         # A rank whose snapshot is unusable has unknown energy: no engine sums over the others.
         all_available = bool(snaps) and not bad
@@ -263,6 +275,14 @@ class PowersaveCollector(Collector):
             if cb:
                 boost_held.add_metric([gpu], 1.0 if cb.get("held") else 0.0)
                 boost_sw.add_metric([gpu], float(cb.get("switches", 0)))
+            if ok and s.get("idle_while_busy_j") is not None:
+                iwb_j.add_metric([gpu, str(e_id), src], float(s["idle_while_busy_j"]))
+                iwb_s.add_metric([gpu, str(e_id)], float(s.get("idle_while_busy_s") or 0.0))
+                fe_busy.add_metric([gpu, str(e_id)], float(s.get("frontend_busy_s") or 0.0))
+            sv = s.get("savings")
+            for name, st in (sv.items() if isinstance(sv, dict) else ()):
+                if isinstance(st, dict):
+                    saving_state.add_metric([gpu, str(name), str(st.get("state", "?")), str(st.get("basis", ""))], 1.0)
             for c, n in (s.get("lm_head_calls") or {}).items():
                 chunks.add_metric([gpu, str(c)], float(n))
             simulated.add_metric([gpu], 1.0 if src == "simulated" else 0.0)
@@ -286,7 +306,7 @@ class PowersaveCollector(Collector):
         info.add_metric([self.version, ",".join(sorted(sources)) or "pending", ",".join(sorted(backends)) or "pending",
                          ",".join(sorted(boost)) or "pending"], 1.0)
         return [energy, engine, steps, tokens, power, clock, temp, mem_clock, reasons, target, changes, chunks, req_e, req_n, simulated, info,
-                available, resets, wraps, faults, tpj, tpj_energy, steady_e, steady_s, steady_t, boost_held, boost_sw, gpu_info]
+                available, resets, wraps, faults, tpj, tpj_energy, steady_e, steady_s, steady_t, boost_held, boost_sw, gpu_info, iwb_j, iwb_s, fe_busy, saving_state]
 
 
 def _engine_add(acc: dict[str, float], energy_j: float, prefill: float, decode: float) -> None:

@@ -25,6 +25,9 @@ from .energy import PhaseEnergyAccount, SimulatedEnergyMeter
 from .device import GpuError, NvmlGpu, init_nvml
 from .energy.meters import EnergyMeter, UnavailableEnergyMeter, open_nvml_meter
 from .clocks.boost import BoostController, BoostHolder
+from .clocks.mode import probe_and_select
+from .savings import savings_state, start_line
+from .starvation import FrontendBusyReader, StarvationWatch
 from .settings import ENV_PERF_BOOST, PowersaveSettings, settings_from_env
 from .sim.gpu import SPECS, ModelCost, SimulatedGpu
 
@@ -213,7 +216,9 @@ def _trace_line(r: Any) -> str:
 
 def _boost_for(on_gpu: bool, gpu_id: str, release_after_s: float) -> BoostController | None:
     """The side-context booster of this worker's GPU, addressed by UUID (``cuda_perf_boost: auto``)."""
-    if not on_gpu or not gpu_id.startswith(("GPU-", "MIG-")):
+    if not on_gpu:
+        return None  # nothing to boost (the savings line and /metrics say "n/a: no GPU")
+    if not gpu_id.startswith(("GPU-", "MIG-")):
         log.warning("powersave: cuda_perf_boost auto needs an NVIDIA GPU identified by UUID (have %r); the engine stays unboosted", gpu_id)
         return None
     return BoostController(BoostHolder(gpu_id), release_after_s)
@@ -251,7 +256,8 @@ class WorkerRuntime:
         simulated = not on_gpu or settings.energy.meter == "simulated" or settings.clocks.backend == "simulated"
         nvml, gpu, gpu_id = None, None, f"sim{self.rank}" if simulated else f"cuda{ident['device_index'] or 0}-rank{self.rank}"
         nvml_failed = None
-        if on_gpu and settings.energy.meter in ("auto", "nvml") or settings.clocks.backend == "nvml":
+        if (on_gpu and settings.energy.meter in ("auto", "nvml") or settings.clocks.backend == "nvml"
+                or on_gpu and settings.clocks.backend == "auto" and settings.clocks.mode not in ("off", "dry_run")):
             nvml = _init_nvml() if on_gpu else None
             if nvml is None and on_gpu:
                 nvml_failed = "NVML unavailable"
@@ -292,8 +298,11 @@ class WorkerRuntime:
             self.meter = SimulatedEnergyMeter(self.sim, gpu_id, shadow=self.sim_stock)
         else:
             self.meter = None
-        self.clocks = ClockController(self._backend(settings, gpu), settings.clocks, gpu_id=gpu_id,
-                                      asynchronous=settings.clocks.backend in ("nvml", "zeusd"),
+        # clocks.mode / backend auto: chosen from this process's permissions, nothing set (clocks/mode.py).
+        self.clock_choice = probe_and_select(settings, on_gpu=gpu is not None)
+        clock_settings = settings.clocks if self.clock_choice.controller != "off" else settings.clocks.model_copy(update={"presets": {}})
+        self.clocks = ClockController(self._backend(settings, gpu), clock_settings, gpu_id=gpu_id,
+                                      asynchronous=self.clock_choice.backend in ("nvml", "zeusd"),
                                       host_ahead_steps=1 if vllm_compat.async_scheduling(runner) else 0)
         self._last_stamp: float | None = None
         self._plp_rows = vllm_compat.PromptLogprobRows(whole_batch=vllm_compat.runner_is_v2(runner))
@@ -306,11 +315,19 @@ class WorkerRuntime:
         self._last_tick = 0.0
         self.boost: BoostController | None = None
         if settings.cuda_perf_boost == "auto":
-            self.boost = _boost_for(on_gpu, gpu_id, settings.boost_release_after_s)
+            # Where NVML failed the UUID is unknown: its warning said so already; no second one
+            # (/metrics shows perf boost as failed).
+            self.boost = None if nvml_failed is not None else _boost_for(on_gpu, gpu_id, settings.boost_release_after_s)
         self._done_requests: deque[tuple[str, float | None]] = deque()
+        # Front-end starvation: the API servers' busy intervals (starvation.py); first rank of each engine warns.
+        self.frontend = FrontendBusyReader(settings.stats_dir) if settings.stats_dir else None
+        e = settings.energy
+        self.starvation = (StarvationWatch(e.starvation_warn_share, e.starvation_min_busy_s, e.starvation_warn_every_s, self.engine)
+                           if int(ident.get("rank", 0) or 0) == 0 else None)
         self.account = (PhaseEnergyAccount(self.meter, settings.energy.idle_after_s, per_request=settings.per_request_energy,
                                            on_request_done=lambda rid, j: self._done_requests.append((rid, j)),
-                                           window_s=settings.energy.window_s, feed=lambda: self.drain_steps())
+                                           window_s=settings.energy.window_s, feed=lambda: self.drain_steps(),
+                                           busy=self.frontend.overlap if self.frontend is not None else None)
                         if self.meter else None)
         # Steady state = the running batch at the scheduler's limit (ML.ENERGY's window, account.py).
         self.steady_batch = settings.energy.steady_batch or vllm_compat.runner_max_num_seqs(runner)
@@ -358,9 +375,25 @@ class WorkerRuntime:
             " (simulated)" if self.clocks.backend.kind == "simulated" else "",
             [(r.min_rows, r.chunks) for r in settings.chunking.table] or "none",
         )
+        # The API server announced the savings at start (savings.startup_line); what this worker
+        # really got is in its snapshot, and a saving that fails here warns on its own.
+        log.debug("%s (rank %d)", start_line(self.savings(), metering_only=settings.savings == "off"), self.rank)
+
+    def savings(self) -> dict[str, dict[str, str]]:
+        """Which savings are on, off or failed here, and why (savings.py)."""
+        return savings_state(self.settings, self.clock_choice, self.boost.snapshot() if self.boost is not None else None,
+                             self._on_gpu, self.clocks.disabled_reason, self.clocks.backend.kind)
+
+    def starvation_snapshot(self) -> dict[str, Any]:
+        """Idle-while-busy figures (starvation.py); absent where no API server's busy file is readable."""
+        acc, fe = self.account, self.frontend
+        if acc is None or fe is None or not fe.available or not acc.available:
+            return {}
+        return {"idle_while_busy_j": acc.idle_busy_j, "idle_while_busy_s": acc.idle_busy_s, "frontend_busy_s": acc.busy_s,
+                "frontends": fe.frontends}
 
     def _backend(self, settings: PowersaveSettings, gpu: NvmlGpu | None) -> ClockBackend:
-        kind = settings.clocks.backend
+        kind = self.clock_choice.backend
         if os.environ.get(ENV_FORCE_DRY_RUN, "") not in ("", "0") and kind != "dry-run":
             log.warning("powersave: %s=1: clock backend %r forced to dry-run", ENV_FORCE_DRY_RUN, kind)
             kind = "dry-run"
@@ -590,7 +623,7 @@ class WorkerRuntime:
         rec[_R_SO] = None  # the SchedulerOutput is not kept past this point
         info = rec[_R_INFO]
         if info is None:
-            if not self._decides and vllm_compat.is_warmup_step(so):
+            if vllm_compat.is_warmup_step(so):
                 # Records that no clock decision classified: a kernel warm-up vLLM runs on a worker
                 # already serving (0.32's elastic-EP scale-up) is recognised here, off the step path.
                 rec[_R_INFO] = _WARMUP
@@ -705,6 +738,9 @@ class WorkerRuntime:
             "cuda_perf_boost": "auto" if self.settings.cuda_perf_boost == "auto" else ("off" if os.environ.get(ENV_PERF_BOOST) == "1" else "on"),
             "cuda_boost": self.boost.snapshot() if self.boost is not None else None,
             "transport": ray_relay.describe(self._relay),
+            "clock_mode": self.clock_choice.controller,
+            "savings": self.savings(),
+            **self.starvation_snapshot(),
             "ray_node_id": self._relay.node_id if self._relay is not None else None,
         }
 
@@ -782,6 +818,8 @@ class WorkerRuntime:
                     self.account.tick()
                 if self.boost is not None:
                     self.boost.tick()
+                if self.starvation is not None and self.account is not None and self.frontend is not None and self.frontend.available:
+                    self.starvation.check(self.account.idle_busy_s, self.account.busy_s, self.account.idle_busy_j, self.frontend.frontends)
                 if time.monotonic() - self._last_step_s >= self.settings.energy.idle_after_s:
                     self.clocks.idle_begin()
                 self.publish()

@@ -182,14 +182,30 @@ class ClosedLoopSettings(_Strict):
 class ClockSettings(_Strict):
     """Per-phase SM clock presets and how they are applied.
 
-    ``backend``: ``dry-run`` (default) records decisions and never calls a setter; ``nvml`` locks
+    ``mode`` (default ``auto``) picks what decides the clocks and whether they are set:
+
+    * ``auto``: where this process may set clocks (root or CAP_SYS_ADMIN with NVML, checked without
+      setting anything, or a zeusd that answers), the closed-loop controller sets them (the
+      configured presets, where the build has no closed-loop controller or presets are given);
+      elsewhere the same decisions run dry (recorded, and any saving shown as predicted only);
+    * ``closed_loop``: the closed-loop controller, on the backend ``auto`` would pick;
+    * ``presets``: the per-phase ``presets`` on ``backend`` (the behaviour before ``mode`` existed);
+    * ``dry_run``: decide as ``auto`` would, never set a clock;
+    * ``off``: no clock decisions at all (metering only).
+
+    ``POWERSAVE_FORCE_DRY_RUN=1`` makes every mode dry-run (shared GPUs). See
+    ``clocks/mode.py`` (:func:`~vllm_powersave.clocks.mode.select_clock_mode`).
+
+    ``backend``: ``auto`` (default) = chosen by ``mode`` from this process's permissions;
+    ``dry-run`` records decisions and never calls a setter; ``nvml`` locks
     clocks with ``nvmlDeviceSetGpuLockedClocks`` (needs root or CAP_SYS_ADMIN, falls back to
     dry-run with one warning); ``zeusd`` asks Zeus's privileged daemon over its Unix socket (for
     unprivileged servers; unreachable or refused -> dry-run with one warning); ``simulated`` drives
     the simulated GPU (machines without a GPU).
     """
 
-    backend: Literal["dry-run", "nvml", "zeusd", "simulated"] = "dry-run"
+    mode: Literal["auto", "closed_loop", "presets", "dry_run", "off"] = "auto"
+    backend: Literal["auto", "dry-run", "nvml", "zeusd", "simulated"] = "auto"
     presets: dict[Phase, ClockPreset] = Field(default_factory=dict)
     #: Minimum time a clock stays applied before another change (hysteresis), in ms.
     min_dwell_ms: float = Field(default=500.0, ge=0.0, le=600_000.0, allow_inf_nan=False)
@@ -270,6 +286,14 @@ class EnergySettings(_Strict):
     #: is sent without the x-powersave-energy-j header (ms; 0 = never wait). GET
     #: /powersave/requests/{id} serves the figure afterwards either way.
     response_wait_ms: float = Field(default=200.0, ge=0.0, le=10_000.0, allow_inf_nan=False)
+    #: Front-end starvation (``starvation.py``): warn when the GPU sat idle for more than this share
+    #: of the time the API server had requests in flight (1 = never warn). The issue's H200 run:
+    #: 9 % of the run's energy idle at concurrency 64 with one API server, gone with four.
+    starvation_warn_share: float = Field(default=0.05, ge=0.0, le=1.0, allow_inf_nan=False)
+    #: The share is judged over consecutive spans of at least this much busy time (s).
+    starvation_min_busy_s: float = Field(default=30.0, ge=1.0, le=86_400.0, allow_inf_nan=False)
+    #: After a starvation warning, the next one comes at the earliest this much later (s).
+    starvation_warn_every_s: float = Field(default=600.0, ge=10.0, le=604_800.0, allow_inf_nan=False)
 
 
 class TunedFor(_Strict):
@@ -305,13 +329,18 @@ class PowersaveSettings(_Strict):
     #: "off" sets CUDA_DISABLE_PERF_BOOST=1 in every engine process before it creates its CUDA
     #: context: the driver then stops holding the boost clock on a loaded-but-idle GPU and manages
     #: the SM clock itself under load. Needs no privilege and changes no device setting. Measured on
-    #: the H200 test GPU: idle engine 120 W -> 82 W (docs/results/h200-perf-boost.md). CUDA reads it
-    #: once per process, so the engine's own context cannot switch; "auto" switches with a second one.
-    #: "auto" also sets the variable, and boosts the GPU back while the engine is busy through a
-    #: side CUDA context held by a helper process (no privilege; see clocks/boost.py), released
-    #: after ``boost_release_after_s`` without a step: idle power of "off", latency of "on" under
-    #: load. Needs ~0.5 GiB of GPU memory outside vLLM's ``--gpu-memory-utilization`` share.
-    cuda_perf_boost: Literal["on", "off", "auto"] = "on"
+    #: the H200 test GPU: idle engine 119.6 W -> 77.4 W, -35 % (docs/results/h200-perf-boost.md). CUDA
+    #: reads it once per process, so the engine's own context cannot switch; "auto" switches with a second one.
+    #: "auto" (the default) also sets the variable, and boosts the GPU back while the engine is busy
+    #: through a side CUDA context held by a helper process (no privilege; see clocks/boost.py),
+    #: released after ``boost_release_after_s`` without a step: idle power of "off", latency of "on"
+    #: under load (same record). GPU memory: the helper holds one primary CUDA context plus a 1 MiB
+    #: buffer, outside vLLM's ``--gpu-memory-utilization`` share. Not measured on the H200 yet (the
+    #: record above has no memory figure); a CUDA context on Hopper is commonly 0.3-0.6 GiB, so
+    #: budget ~0.5 GiB (estimate). Where the helper cannot start (no memory left for a context, no
+    #: driver) the engine serves unboosted, with one warning, and ``/metrics`` says so
+    #: (``powersave_saving_state{saving="perf_boost",state="failed"}``).
+    cuda_perf_boost: Literal["on", "off", "auto"] = "auto"
     #: "auto" only: seconds without an engine step before the side context is released (s).
     #: At least 0.25 s: one hold plus one release takes ~0.24 s on the H200 (171 + 71 ms), so a
     #: shorter dwell only makes the side context flap between steps.
@@ -320,6 +349,38 @@ class PowersaveSettings(_Strict):
     #: start/end times in s) to ``stats_dir/trace-rank<N>.jsonl``: the data the controller and the
     #: simulator are judged against. Costs a dict and a list append per step.
     trace_steps: bool = False
+    #: "auto": every saving that is on by default (``cuda_perf_boost``, ``clocks.mode``, the chunk
+    #: table) runs as configured. "off": metering only: the engine keeps CUDA's boost (``"on"``),
+    #: no clock decisions (``clocks.mode: off``) and no chunking; energy, phases and starvation are
+    #: still measured. A saving set explicitly together with "off" is a contradiction and stops
+    #: the server with one line.
+    savings: Literal["auto", "off"] = "auto"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _metering_only(cls, data: Any) -> Any:
+        """``savings: off`` fills in the stock value of every saving (and rejects a saving set)."""
+        if not isinstance(data, dict) or data.get("savings") != "off":
+            return data
+        data = dict(data)
+        boost = data.get("cuda_perf_boost", "on")
+        if boost != "on":
+            raise ValueError(f"cuda_perf_boost {boost!r} conflicts with savings 'off' (metering only): drop one of them")
+        clocks = data.get("clocks") or {}
+        if isinstance(clocks, dict):
+            mode = clocks.get("mode", "off")
+            if mode != "off":
+                raise ValueError(f"clocks.mode {mode!r} conflicts with savings 'off' (metering only): drop one of them")
+            if clocks.get("presets"):
+                raise ValueError("clocks.presets conflicts with savings 'off' (metering only): drop one of them")
+            clocks = {**clocks, "mode": "off"}
+        chunking = data.get("chunking") or {}
+        if isinstance(chunking, dict):
+            if chunking.get("table") and chunking.get("enabled", True):
+                raise ValueError("chunking.table conflicts with savings 'off' (metering only): drop one of them")
+            chunking = {**chunking, "enabled": False}
+        data.update(cuda_perf_boost="on", clocks=clocks, chunking=chunking)
+        return data
 
     @model_validator(mode="after")
     def _simulated_needs_sim_meter(self) -> "PowersaveSettings":

@@ -477,8 +477,8 @@ def runner_max_num_seqs(runner: Any) -> int | None:
 APP_BUILDERS = ("vllm.entrypoints.launchers.api_server.entry", "vllm.entrypoints.openai.api_server")
 
 
-def install_app_hook(middleware: str) -> str | None:
-    """Have ``vllm serve`` add the ASGI middleware class at import path ``middleware`` to its app.
+def install_app_hook(middleware: str | list[str]) -> str | None:
+    """Have ``vllm serve`` add the ASGI middleware class(es) at import path(s) ``middleware`` to its app.
 
     Uses vLLM's own ``--middleware`` mechanism (``args.middleware``, a list of import paths whose
     classes ``build_app`` adds with ``app.add_middleware(cls)``): ``build_app`` is wrapped to
@@ -504,8 +504,8 @@ def install_app_hook(middleware: str) -> str | None:
             def build_app(args: Any, *a: Any, **kw: Any) -> Any:
                 try:
                     current = list(getattr(args, "middleware", None) or [])
-                    if middleware not in current:
-                        args.middleware = [*current, middleware]
+                    wanted = [middleware] if isinstance(middleware, str) else list(middleware)
+                    args.middleware = [*current, *(m for m in wanted if m not in current)]
                 except Exception as exc:  # a frozen or unusual args object: serve without it
                     _safe(_raise, exc)
                 return orig(args, *a, **kw)

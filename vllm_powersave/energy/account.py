@@ -32,6 +32,12 @@ that opens once ``max_num_seqs`` requests have their first token and closes when
 to drain (Chung et al., "The ML.ENERGY Benchmark", arXiv:2505.06371). Server-side this is "the
 running batch is at its limit": the step hook flags steps with ``num_reqs >= max_num_seqs``, and
 their time share of each tick's energy, their time and their tokens are summed in ``steady_*``.
+
+Idle while busy (``busy``, optional): a function ``(t0, t1) -> seconds of [t0, t1] during which
+the server had requests in flight`` (``starvation.FrontendBusyReader.overlap``). Every stretch
+booked as idle is asked, and that part of the idle share of the tick's energy is also summed in
+``idle_busy_j`` / ``idle_busy_s`` (a subset of idle, not a phase of its own: phases still sum to
+the total); ``busy_s`` sums the busy time of every tick (the denominator of the share).
 """
 
 from __future__ import annotations
@@ -58,8 +64,13 @@ class PhaseEnergyAccount:
 
     def __init__(self, meter: EnergyMeter, idle_after_s: float = 0.25, clock: Callable[[], float] = time.monotonic,
                  per_request: bool = False, on_request_done: Callable[[str, float | None], None] | None = None,
-                 window_s: float = 60.0, feed: Callable[[], None] | None = None) -> None:
+                 window_s: float = 60.0, feed: Callable[[], None] | None = None,
+                 busy: Callable[[float, float], float] | None = None) -> None:
         self.meter = meter
+        self.busy = busy
+        self.idle_busy_j = 0.0
+        self.idle_busy_s = 0.0
+        self.busy_s = 0.0
         self.feed = feed
         self.idle_after_s = idle_after_s
         self.clock = clock
@@ -143,10 +154,14 @@ class PhaseEnergyAccount:
             segments: list[tuple[float, dict]] = []
             finished: list = []
             steady_s = [0.0]
+            busy = self.busy
+            idle_busy = [0.0]
 
             def own(phase: str, t0: float, t1: float, req: dict | None = None, steady: bool = False) -> None:
                 if t1 > t0:
                     shares[phase] = shares.get(phase, 0.0) + (t1 - t0)
+                    if busy is not None and phase == "idle":
+                        idle_busy[0] += busy(t0, t1)
                     if req and phase != "idle":
                         segments.append((t1 - t0, req))
                     if steady and phase != "idle":
@@ -171,6 +186,8 @@ class PhaseEnergyAccount:
                     # own(phase, t, te, req, steady), inlined: one step per event, every tick.
                     d = te - t
                     shares[phase] = shares.get(phase, 0.0) + d
+                    if phase == "idle" and busy is not None:
+                        idle_busy[0] += busy(t, te)
                     if phase != "idle":
                         if req:
                             segments.append((d, req))
@@ -203,6 +220,11 @@ class PhaseEnergyAccount:
                 return
             d_e = e_now - self._e
             total = sum(shares.values())
+            if busy is not None:
+                self.busy_s += busy(self._t, t_now)
+                if total > 0 and idle_busy[0] > 0:
+                    self.idle_busy_j += d_e * idle_busy[0] / total
+                    self.idle_busy_s += idle_busy[0]
             if total > 0:
                 for p, s in shares.items():
                     self.energy_j[p] += d_e * s / total

@@ -1,0 +1,65 @@
+"""`vllm-powersave advise`: ranked recommendations, each with its measurement and labels."""
+
+import json
+
+import pytest
+
+from vllm_powersave.advise import advise, facts_from_result, run
+from vllm_powersave.cli import main
+
+RESULT = "tests/data/advise-result.json"
+METRICS = "tests/data/advise-metrics.txt"
+
+
+def test_advise_ranks_api_servers_over_perf_boost_over_unestimated_fixes_from_a_fixture_run():
+    recs = json.loads(run([RESULT], [METRICS], as_json=True))["recommendations"]
+    assert [r["key"] for r in recs] == ["api_servers", "perf_boost", "batch_limit", "clocks"]
+    api, boost = recs[0], recs[1]
+    assert "--api-server-count 4" in api["action"] and abs(api["saving_share"] - 1900 / 22159) < 1e-9
+    assert "1900 J, 8.6 % of the run's energy; 9.3 % of busy time" in api["measurement"]
+    assert api["evidence"] == "measured" and api["effect"] == "predicted"
+    assert abs(boost["saving_share"] - (1 - 77.4 / 119.6) * 4100 / 22159) < 1e-9  # idle not spent waiting x -35 %
+    assert recs[2]["saving_share"] is None and "3 request(s) waiting" in recs[2]["measurement"]
+    assert "12 clock decisions recorded in dry-run" in recs[3]["measurement"]
+
+
+def test_advise_text_names_measured_and_predicted():
+    text = run([RESULT], [METRICS])
+    lines = text.splitlines()
+    assert lines[1].startswith("1. Run more API servers: --api-server-count 4  [expected up to 8.6 % less energy (predicted)]")
+    assert lines[2].startswith("   measured: GPU idle 4.3 s while requests were in flight")
+
+
+def test_advise_does_not_recommend_perf_boost_where_it_already_runs():
+    facts = {**facts_from_result(json.load(open(RESULT))), "cuda_perf_boost": "auto"}
+    assert "perf_boost" not in [r.key for r in advise(facts)]
+
+
+def test_advise_labels_simulated_evidence():
+    facts = {**facts_from_result(json.load(open(RESULT))), "energy_source": "simulated"}
+    assert advise(facts)[0].evidence == "simulated"
+
+
+def test_no_starvation_no_api_server_advice():
+    facts = {**facts_from_result(json.load(open(RESULT))), "idle_while_busy_j": 10.0}
+    assert "api_servers" not in [r.key for r in advise(facts)]
+
+
+@pytest.mark.parametrize("argv,line", [
+    (["advise"], "error: give --result FILE and/or --metrics URL|FILE"),
+    (["advise", "--result", "nope.json"], "error: --result = 'nope.json': file not found"),
+    (["advise", "--metrics", "nope.txt"], "error: --metrics = 'nope.txt': neither a http(s) URL nor a file"),
+    (["advise", "--result", RESULT, "--api-servers", "0"], "error: --api-servers = 0: must be >= 1"),
+])
+def test_advise_bad_input_is_one_line(capsys, argv, line):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == line
+
+
+def test_advise_result_that_is_not_json_is_one_line(tmp_path, capsys):
+    bad = tmp_path / "r.json"
+    bad.write_text("{not json")
+    assert main(["advise", "--result", str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: --result = {str(bad)!r}: not JSON") and "\n" not in err

@@ -1,0 +1,206 @@
+"""``vllm-powersave advise``: a run's figures turned into ranked, concrete recommendations.
+
+Input: a loadtests result JSON (``python -m loadtests ... --out``, or ``vllm-powersave compare``'s
+``result-*.json``) and/or the server's ``/metrics`` (a URL or a saved scrape). Each recommendation
+carries the figure behind it and two labels: ``evidence`` (``measured`` or ``simulated``: where the
+figure comes from) and ``effect`` (``measured``: the change itself was measured, on the GPU named;
+``predicted``: an estimate from the figure). Ranked by expected energy saving, largest first;
+recommendations without an estimate come last.
+
+Rules (the figures they rest on):
+
+* **API servers**: GPU energy while the engine idled with requests in flight at the server
+  (front-end starvation, ``starvation.py``). Fixing it saves at most that energy (predicted); on
+  the H200, 1 -> 4 API servers at concurrency 64 gave -8.6 % J/token and +54 % throughput.
+* **Perf boost**: idle energy of a server that keeps CUDA's boost (``cuda_perf_boost: on``):
+  ``auto`` cuts idle power by 35 % (119.6 -> 77.4 W, medians) (measured on the H200, docs/results/h200-perf-boost.md), so it
+  would save 35 % of that idle energy here (predicted).
+* **Batch limit**: most of the run at the batch limit (steady state) with requests waiting:
+  raise ``--max-num-seqs`` (no estimate: depends on memory and model).
+* **Clocks**: clock decisions recorded but not applied (dry-run): give the server clock permission
+  or a zeusd; the saving is the controller's prediction where one is published.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import urllib.request
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from .savings import PERF_BOOST_IDLE_SAVING
+from .starvation import suggested_api_servers
+
+#: Below these shares of the run's energy a finding is not worth a recommendation.
+MIN_STARVATION_SHARE = 0.02
+MIN_IDLE_SHARE = 0.03
+MIN_STEADY_SHARE = 0.5
+
+
+class AdviseError(ValueError):
+    """Unusable input; ``str(err)`` is one line naming the input and why."""
+
+
+@dataclass
+class Recommendation:
+    key: str
+    action: str
+    measurement: str
+    evidence: str  # "measured" | "simulated"
+    effect: str  # "measured" | "predicted"
+    saving_share: float | None  # expected energy saving, share of the run's energy (None: no estimate)
+
+    def line(self, rank: int) -> str:
+        est = (f"expected up to {100 * self.saving_share:.1f} % less energy ({self.effect})" if self.saving_share is not None
+               else f"no energy estimate ({self.effect})")
+        return f"{rank}. {self.action}  [{est}]\n   {self.evidence}: {self.measurement}"
+
+
+def load_result(path: str) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise AdviseError(f"--result = {path!r}: file not found")
+    try:
+        data = json.loads(p.read_text())
+    except (OSError, ValueError) as exc:
+        raise AdviseError(f"--result = {path!r}: not JSON ({str(exc).splitlines()[0][:80]})") from None
+    if not isinstance(data, dict):
+        raise AdviseError(f"--result = {path!r}: not a loadtests result (top level is {type(data).__name__})")
+    return data
+
+
+def load_metrics(source: str, timeout_s: float = 10.0) -> str:
+    """The exposition text of a ``/metrics`` URL or a saved scrape file."""
+    if source.startswith(("http://", "https://")):
+        url = source if source.rstrip("/").endswith("/metrics") else source.rstrip("/") + "/metrics"
+        try:
+            with urllib.request.urlopen(url, timeout=timeout_s) as resp:  # noqa: S310 - the operator's own server
+                return resp.read().decode("utf-8", "replace")
+        except Exception as exc:
+            raise AdviseError(f"--metrics = {source!r}: cannot scrape ({type(exc).__name__}: {exc})") from None
+    p = Path(source)
+    if not p.is_file():
+        raise AdviseError(f"--metrics = {source!r}: neither a http(s) URL nor a file")
+    return p.read_text(errors="replace")
+
+
+def facts_from_metrics(text: str) -> dict[str, Any]:
+    """The figures advise uses from a /metrics text (sums over GPUs)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    f: dict[str, Any] = {"energy_by_phase_j": {}}
+    sources: set[str] = set()
+    try:
+        fams = list(text_string_to_metric_families(text))
+    except Exception as exc:
+        raise AdviseError(f"--metrics: not Prometheus text ({type(exc).__name__})") from None
+    for fam in fams:
+        for s in fam.samples:
+            n, lab, v = s.name, s.labels, float(s.value)
+            if n == "powersave_gpu_energy_joules_total":
+                ph = lab.get("phase", "?")
+                f["energy_by_phase_j"][ph] = f["energy_by_phase_j"].get(ph, 0.0) + v
+                sources.add(lab.get("source", ""))
+            elif n == "powersave_idle_while_busy_energy_joules_total":
+                f["idle_while_busy_j"] = f.get("idle_while_busy_j", 0.0) + v
+            elif n == "powersave_idle_while_busy_seconds_total":
+                f["idle_while_busy_s"] = f.get("idle_while_busy_s", 0.0) + v
+            elif n == "powersave_frontend_busy_seconds_total":
+                f["frontend_busy_s"] = max(f.get("frontend_busy_s", 0.0), v)  # the same busy time seen per GPU
+            elif n == "powersave_steady_seconds_total":
+                f["steady_s"] = max(f.get("steady_s", 0.0), v)
+            elif n == "powersave_clock_changes_total":
+                f["clock_changes"] = f.get("clock_changes", 0.0) + v
+            elif n == "powersave_info":
+                f["cuda_perf_boost"] = lab.get("cuda_perf_boost")
+                f["clock_backend"] = lab.get("clock_backend")
+            elif n == "powersave_saving_state":
+                f.setdefault("savings", {})[lab.get("saving", "?")] = lab.get("state")
+            elif n == "vllm:num_requests_waiting":
+                f["waiting"] = f.get("waiting", 0.0) + v
+    if f["energy_by_phase_j"]:
+        f["energy_j"] = sum(f["energy_by_phase_j"].values())
+        f["time_s"] = None
+        f["energy_source"] = "measured" if sources == {"measured"} else "simulated"
+    return f
+
+
+def facts_from_result(r: dict[str, Any]) -> dict[str, Any]:
+    f: dict[str, Any] = {"energy_j": r.get("gpu_energy_j"), "energy_source": r.get("energy_source"),
+                         "energy_by_phase_j": dict(r.get("energy_by_phase_j") or {}),
+                         "idle_while_busy_j": r.get("gpu_idle_while_busy_energy_j"),
+                         "idle_while_busy_s": r.get("gpu_idle_while_busy_s"), "frontend_busy_s": r.get("frontend_busy_s"),
+                         "duration_s": r.get("duration"), "steady_s": r.get("steady_state_duration_s"),
+                         "concurrency": r.get("max_concurrency"), "output_throughput": r.get("output_throughput")}
+    if f["energy_by_phase_j"].get("idle") is None and r.get("gpu_idle_energy_j") is not None:
+        f["energy_by_phase_j"]["idle"] = r["gpu_idle_energy_j"]
+    return {k: v for k, v in f.items() if v is not None}
+
+
+def _num(v: Any) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
+
+
+def advise(facts: dict[str, Any]) -> list[Recommendation]:
+    """Ranked recommendations from merged facts (result first, metrics filling gaps)."""
+    out: list[Recommendation] = []
+    e = _num(facts.get("energy_j"))
+    src = facts.get("energy_source") or "measured"
+    src = "measured" if src == "measured" else "simulated"
+    iwb_j, iwb_s, busy_s = _num(facts.get("idle_while_busy_j")), _num(facts.get("idle_while_busy_s")), _num(facts.get("frontend_busy_s"))
+    if e and iwb_j is not None and iwb_j / e >= MIN_STARVATION_SHARE:
+        n = int(facts.get("api_servers") or 1)
+        busy = f"; {100 * iwb_s / busy_s:.1f} % of busy time" if iwb_s is not None and busy_s else ""
+        out.append(Recommendation(
+            "api_servers", f"Run more API servers: --api-server-count {suggested_api_servers(n)}",
+            f"GPU idle {iwb_s or 0:.1f} s while requests were in flight: {iwb_j:.0f} J, {100 * iwb_j / e:.1f} % of the run's "
+            f"energy{busy} (the engine waited on the front end; H200, 1 -> 4 API servers: -8.6 % J/token, +54 % throughput, measured)",
+            src, "predicted", iwb_j / e))
+    idle_j = _num((facts.get("energy_by_phase_j") or {}).get("idle"))
+    boost = facts.get("cuda_perf_boost")
+    if e and idle_j is not None and boost in (None, "on"):
+        quiet = idle_j - (iwb_j or 0.0)
+        if quiet / e >= MIN_IDLE_SHARE:
+            out.append(Recommendation(
+                "perf_boost", 'Set cuda_perf_boost: "auto" (or drop a "savings: off"/"cuda_perf_boost: on" setting)',
+                f"idle energy {quiet:.0f} J, {100 * quiet / e:.1f} % of the run's energy; idle power -35 % with auto "
+                f"(measured on the H200, docs/results/h200-perf-boost.md)" + ("" if boost else "; perf-boost mode unknown (no /metrics given)"),
+                src, "predicted", PERF_BOOST_IDLE_SAVING * quiet / e))
+    steady, dur = _num(facts.get("steady_s")), _num(facts.get("duration_s"))
+    if steady is not None and dur and steady / dur >= MIN_STEADY_SHARE and (facts.get("waiting") or 0) > 0:
+        out.append(Recommendation(
+            "batch_limit", "Raise the batch limit: --max-num-seqs (e.g. 2x), memory permitting",
+            f"{100 * steady / dur:.0f} % of the run at the batch limit with {facts['waiting']:.0f} request(s) waiting",
+            "measured", "predicted", None))
+    clocks = (facts.get("savings") or {}).get("clocks") or ("dry-run" if facts.get("clock_backend") == "dry-run" else None)
+    if clocks == "dry-run":
+        changes = _num(facts.get("clock_changes")) or 0.0
+        out.append(Recommendation(
+            "clocks", "Let the clock controller act: run the server with CAP_SYS_ADMIN (or root), or give it a zeusd "
+            "(clocks.zeusd_socket); then clocks.mode auto applies what it now only records",
+            f"{changes:.0f} clock decisions recorded in dry-run" + ("" if changes else " (none yet: no presets; `vllm-powersave tune` makes them)"),
+            "measured", "predicted", None))
+    return sorted(out, key=lambda r: (r.saving_share is None, -(r.saving_share or 0.0)))
+
+
+def run(results: list[str], metrics: list[str], api_servers: int = 1, as_json: bool = False) -> str:
+    """The report text (or JSON) for the given inputs; raises :class:`AdviseError` on bad input."""
+    if not results and not metrics:
+        raise AdviseError("give --result FILE and/or --metrics URL|FILE")
+    if api_servers < 1:
+        raise AdviseError(f"--api-servers = {api_servers}: must be >= 1")
+    facts: dict[str, Any] = {"api_servers": api_servers}
+    for m in metrics:
+        for k, v in facts_from_metrics(load_metrics(m)).items():
+            facts.setdefault(k, v)
+    for r in results:  # the run's own window wins over the server's totals since start
+        facts.update(facts_from_result(load_result(r)))
+    recs = advise(facts)
+    if as_json:
+        return json.dumps({"inputs": {"results": results, "metrics": metrics}, "recommendations": [asdict(r) for r in recs]}, indent=2)
+    if not recs:
+        return "vllm-powersave advise: nothing to recommend from these figures"
+    head = f"vllm-powersave advise: {len(recs)} recommendation(s), largest expected saving first"
+    return "\n".join([head, *(r.line(i) for i, r in enumerate(recs, start=1))])

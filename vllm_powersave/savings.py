@@ -1,0 +1,85 @@
+"""Which savings run on this server, and why: the start line and the figures on ``/metrics``.
+
+The API server logs one line at start (the first API-server process only), e.g.::
+
+    powersave: savings: perf-boost auto (idle power, measured -35 % on H200); clocks dry-run
+    (no clock permission: predicted only); chunking off (no table)
+
+from the settings and the same permission probe the workers run (nothing is set); every worker
+then publishes what it actually got in its snapshot (``savings``), exported as
+``powersave_saving_state{gpu, saving, state, basis}`` = 1, so that a saving that turned itself off
+at run time (a boost helper that failed, a clock backend that faulted) shows as ``failed``.
+``basis``: ``measured`` where the saving's effect has a measurement in docs/results, ``predicted``
+where it is a model's figure or decisions are only recorded (dry-run).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: The idle-power saving of cuda_perf_boost off/auto, measured on the H200 test GPU: 119.6 W ->
+#: 77.4 W over 5 adjacent pairs (docs/results/h200-perf-boost.md).
+PERF_BOOST_IDLE_SAVING = 1 - 77.4 / 119.6
+PERF_BOOST_BASIS = "idle power, measured -35 % on H200"
+
+
+def savings_state(settings: Any, clock_choice: Any, boost: dict[str, Any] | None, on_gpu: bool,
+                  clock_disabled: str | None = None, clock_kind: str | None = None) -> dict[str, dict[str, str]]:
+    """``{saving: {"state", "basis", "why"}}`` for ``perf_boost``, ``clocks`` and ``chunking``.
+
+    ``boost``: the booster's snapshot (``disabled`` set when its helper failed) or ``None``;
+    ``clock_disabled``: the clock controller's ``disabled_reason`` (a backend that faulted);
+    ``clock_kind``: the controller's backend now (``dry-run`` after a refused set: nvml
+    NoPermission, zeusd 401/403/404).
+    """
+    out: dict[str, dict[str, str]] = {}
+    mode = settings.cuda_perf_boost
+    if getattr(settings, "savings", "auto") == "off":
+        out["perf_boost"] = {"state": "off", "basis": "", "why": "metering only"}
+    elif mode == "on":
+        out["perf_boost"] = {"state": "off", "basis": "", "why": "cuda_perf_boost on (CUDA's default)"}
+    elif not on_gpu:
+        out["perf_boost"] = {"state": "n/a", "basis": "", "why": "no GPU"}
+    elif mode == "auto" and boost is None:
+        out["perf_boost"] = {"state": "failed", "basis": "", "why": "no NVIDIA GPU by UUID: engine unboosted"}
+    elif mode == "auto" and boost.get("disabled"):
+        out["perf_boost"] = {"state": "failed", "basis": "", "why": f"boost helper: {boost['disabled']}: engine unboosted"}
+    else:
+        out["perf_boost"] = {"state": mode, "basis": "measured", "why": PERF_BOOST_BASIS}
+    if clock_choice.controller == "off":
+        out["clocks"] = {"state": "off", "basis": "", "why": clock_choice.reason}
+    elif clock_disabled:
+        out["clocks"] = {"state": "failed", "basis": "", "why": clock_disabled}
+    elif clock_kind == "dry-run" and clock_choice.backend in ("nvml", "zeusd"):
+        out["clocks"] = {"state": "dry-run", "basis": "predicted", "why": f"{clock_choice.backend} refused the set: predicted only"}
+    else:
+        state = {"dry-run": "dry-run", "simulated": "simulated"}.get(clock_choice.backend, clock_choice.controller)
+        basis = "predicted" if clock_choice.backend in ("dry-run", "simulated") else "measured"
+        out["clocks"] = {"state": state, "basis": basis, "why": clock_choice.reason}
+    c = settings.chunking
+    if not c.enabled:
+        out["chunking"] = {"state": "off", "basis": "", "why": "chunking.enabled false"}
+    elif not any(r.chunks > 1 for r in c.table):
+        out["chunking"] = {"state": "off", "basis": "", "why": "no table"}
+    else:
+        out["chunking"] = {"state": "on", "basis": "measured", "why": f"{len(c.table)} rules"}
+    return out
+
+
+def start_line(state: dict[str, dict[str, str]], metering_only: bool = False) -> str:
+    """The one start line naming each saving, its state and why."""
+    if metering_only:
+        return "powersave: metering only (savings: off): CUDA boost, clocks and LM head left as stock; energy still measured"
+    names = {"perf_boost": "perf-boost", "clocks": "clocks", "chunking": "chunking"}
+    parts = [f"{names.get(k, k)} {v['state']} ({v['why']})" for k, v in state.items()]
+    return "powersave: savings: " + "; ".join(parts)
+
+
+def startup_line(settings: Any, on_gpu: bool, env: dict[str, str] | None = None) -> str:
+    """The start line for ``settings`` on this machine (API-server process, before engines start):
+    the clock choice from the workers' probe (no setter called), perf boost as configured."""
+    from .clocks.mode import probe_and_select
+
+    choice = probe_and_select(settings, on_gpu, env)
+    state = savings_state(settings, choice, {"disabled": None}, on_gpu)
+    return start_line(state, metering_only=getattr(settings, "savings", "auto") == "off")
