@@ -21,7 +21,7 @@ from . import ray_relay, vllm_compat
 from .chunking.policy import ChunkPolicy, apply_chunked
 from .clocks import ClockController, DryRunClockBackend, NvmlClockBackend, SimulatedClockBackend
 from .clocks.backends import ClockBackend
-from .energy import PhaseEnergyAccount, SimulatedEnergyMeter
+from .energy import PhaseEnergyAccount, SimulatedEnergyMeter, request_cost
 from .energy.meters import EnergyMeter, UnavailableEnergyMeter, nvml_handle_for_torch_device, open_nvml_meter
 from .clocks.boost import BoostController, BoostHolder
 from .settings import ENV_PERF_BOOST, PowersaveSettings, settings_from_env
@@ -311,7 +311,11 @@ class WorkerRuntime:
         self._done_requests: deque[tuple[str, float | None]] = deque()
         self.account = (PhaseEnergyAccount(self.meter, settings.energy.idle_after_s, per_request=settings.per_request_energy,
                                            on_request_done=lambda rid, j: self._done_requests.append((rid, j)),
-                                           window_s=settings.energy.window_s, feed=lambda: self.drain_steps())
+                                           window_s=settings.energy.window_s, feed=lambda: self.drain_steps(),
+                                           cost=request_cost.for_worker(settings.energy.simulated_model_shape,
+                                                                        lambda: vllm_compat.runner_model_cost(runner),
+                                                                        settings.energy.simulated_gpu)
+                                           if settings.per_request_energy else None)
                         if self.meter else None)
         # Steady state = the running batch at the scheduler's limit (ML.ENERGY's window, account.py).
         self.steady_batch = settings.energy.steady_batch or vllm_compat.runner_max_num_seqs(runner)
@@ -618,7 +622,8 @@ class WorkerRuntime:
             # References only (no copies); the account drops them unless per_request is on.
             req, fin = vllm_compat.step_request_tokens(so)
             steady = self.steady_batch is not None and info.num_reqs >= self.steady_batch
-            acc.on_step(info.phase, info.prefill_tokens, info.decode_tokens, req, fin, steady, t=t)
+            ctx = vllm_compat.step_request_context(so) if self._per_request and acc.cost is not None else None
+            acc.on_step(info.phase, info.prefill_tokens, info.decode_tokens, req, fin, steady, t=t, req_ctx=ctx)
         if sim is not None and self.model_cost is not None:
             work = self.model_cost.step_work(info.num_tokens, rows, info.decode_ctx_tokens, self.model_cost.vocab_params)
             sim.run(work)
