@@ -368,3 +368,44 @@ def test_five_identical_requests_on_the_cpu_build_read_the_same_energy():
         for j in js:
             assert j == pytest.approx(steps_j + gaps_j, rel=1e-6)
         assert acc.tail_j > 0 and balance(acc) == pytest.approx(acc.total_j(), rel=1e-9)
+
+
+def test_runtime_splits_by_the_models_cost_and_publishes_the_tail(monkeypatch, tmp_path):
+    """The worker runtime builds the cost model of its model shape and feeds each step's request
+    contexts: a prompt sharing a step with decodes gets its cost share, not its token share; the
+    snapshot and /metrics carry the tail."""
+    from types import SimpleNamespace
+
+    from fakes import metrics_text
+
+    from vllm_powersave import runtime as rt_mod
+    from vllm_powersave import vllm_compat
+    from vllm_powersave.settings import PowersaveSettings
+
+    monkeypatch.setattr(vllm_compat, "runner_identity", lambda r: {"rank": 0, "device_type": "cpu", "device_index": None})
+    runner = SimpleNamespace(rank=0, scheduler_config=SimpleNamespace(max_num_seqs=8, async_scheduling=False))
+    rt = rt_mod.WorkerRuntime(runner, PowersaveSettings.model_validate(
+        {"stats_dir": str(tmp_path), "per_request_energy": True,
+         "energy": {"meter": "simulated", "simulated_model_shape": SHAPE, "idle_after_s": 20.0}}))
+    try:
+        assert rt.account.cost == RequestCostModel.for_shape(SHAPE)
+        new = SimpleNamespace(req_id="p", prompt_token_ids=list(range(128)), num_computed_tokens=0, sampling_params=None)
+        so = SimpleNamespace(scheduled_new_reqs=[new],
+                             scheduled_cached_reqs=SimpleNamespace(req_ids=["d1", "d2"], num_computed_tokens=[400, 900], num_output_tokens=[5, 5]),
+                             num_scheduled_tokens={"p": 128, "d1": 1, "d2": 1}, total_num_scheduled_tokens=130,
+                             scheduled_spec_decode_tokens={}, finished_req_ids=set())
+        assert vllm_compat.step_request_context(so) == {"p": 0, "d1": 400, "d2": 900}
+        rt.on_step_start(so)
+        rt.on_step_end()
+        rt.drain_steps(final=True)
+        rt.account.tick()
+        j = dict(rt.account.request_j)
+        w = rt.account.cost.weights({"p": 128, "d1": 1, "d2": 1}, {"p": 0, "d1": 400, "d2": 900})
+        assert j["p"] / j["d1"] == pytest.approx(w["p"] / w["d1"], rel=1e-9)
+        assert j["p"] / sum(j.values()) < 0.9 * 128 / 130  # well below its token share
+        rt.publish()
+        snap = rt.energy_snapshot()
+        assert snap["request_energy_j_tail"] == rt.account.tail_j and "request_energy_j_pending" in snap
+        assert 'powersave_request_tail_energy_joules_total{gpu="sim0",source="simulated"}' in metrics_text(tmp_path)
+    finally:
+        rt.close()

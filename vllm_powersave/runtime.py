@@ -653,6 +653,8 @@ class WorkerRuntime:
                 "time_s": dict(acc.time_s),
                 "request_energy_j_finished": acc.finished_request_j,
                 "request_energy_j_in_flight": sum(list(acc.request_j.values())),
+                # no request's, and the open gap not yet settled (docs/request-energy.md)
+                "request_energy_j_tail": acc.tail_j, "request_energy_j_pending": acc.pending_j,
                 "window": {"window_s": acc.window_s, **acc.window()},
                 "steady": {"batch": self.steady_batch, "energy_j": acc.steady_j, "seconds": acc.steady_s, "tokens": dict(acc.steady_tokens)},
             })
