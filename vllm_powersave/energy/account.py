@@ -49,6 +49,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import Any
 
 from ..settings import PHASES
 from .meters import EnergyMeter
@@ -293,7 +294,15 @@ class PhaseEnergyAccount:
             energy["idle"] += quiet_rate * idle_s
             time_s["idle"] += idle_s
         per_request = self.per_request
-        weights = self._weights
+        cache: dict[int, Any] = {}  # a step's busy piece and its gap share one weighting
+
+        def weights(req: dict | None, ctx: dict | None) -> Any:
+            if not req:
+                return None
+            w = cache.get(id(req))
+            if w is None:
+                w = cache[id(req)] = step_weights(self.cost, req, ctx)
+            return w
         for seconds, ph, req, ctx, steady in busy:
             j = busy_rate * seconds
             energy[ph] += j
@@ -326,11 +335,8 @@ class PhaseEnergyAccount:
                 self.tail_j += self._pending_j
                 self._pending_j = 0.0
 
-    def _weights(self, req: dict | None, ctx: dict | None):
-        return step_weights(self.cost, req, ctx) if req else None
-
     @staticmethod
-    def _share(acc: dict[str, float], joules: float, weights) -> bool:
+    def _share(acc: dict[str, float], joules: float, weights: Any) -> bool:
         """Add ``joules`` to the requests in proportion to ``weights``; False if there is none."""
         if not weights:
             return False

@@ -94,13 +94,23 @@ class RequestCostModel:
         return flops / self.peak_flops + nbytes / self.mem_bw
 
     def weights(self, req_tokens: Mapping[str, int], req_ctx: Mapping[str, int]) -> dict[str, float]:
-        """Each request's weight (seconds) in a step: the shared part split equally plus its own."""
+        """Each request's weight (seconds) in a step: the shared part split equally plus its own
+        (:meth:`own_s`, expanded here: this runs for every request of every step, in the publisher)."""
         n = sum(1 for tok in req_tokens.values() if tok > 0)
         if n == 0:
             return {}
-        shared = self.shared_s() / n
+        peak, bw = self.peak_flops, self.mem_bw
+        fixed = self.shared_s() / n + self.head_flops_per_row / peak
+        per_tok = self.body_flops_per_token / peak
+        per_pair = self.attn_flops_per_pair / peak
+        per_kv = self.kv_bytes_per_token / bw
         get = req_ctx.get
-        return {rid: shared + self.own_s(tok, get(rid, 0) or 0) for rid, tok in req_tokens.items() if tok > 0}
+        out = {}
+        for rid, tok in req_tokens.items():
+            if tok > 0:
+                ctx = get(rid, 0) or 0
+                out[rid] = fixed + per_tok * tok + per_pair * (tok * ctx + tok * (tok + 1) * 0.5) + per_kv * (ctx + tok)
+        return out
 
 
 def step_weights(cost: RequestCostModel | None, req_tokens: Mapping[str, int],
