@@ -276,7 +276,7 @@ class PhaseEnergyAccount:
         idle power, steps the rest by time) and book phases, steady state, requests and the tail."""
         if busy_s + quiet_s <= 0:
             self.energy_j[phase] += d_e
-            if phase != "idle":
+            if phase != "idle" and self.per_request:
                 self.tail_j += d_e  # no time passed: nothing to split by
             return
         idle_w = self.idle_power_w
