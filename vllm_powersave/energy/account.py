@@ -10,7 +10,9 @@ Method (per tick interval ``[t_prev, t_now]``): each step owns the time from its
 a gap longer than ``idle_after_s`` is idle; intervals with no step at all are idle. The interval's
 energy is split over these pieces: quiet time (idle and gaps) is priced at the idle power the
 counter showed over recent intervals of idle only (a moving average; never more than the interval's
-energy), and the steps share the rest in proportion to their time. Before any idle-only interval,
+energy), and the steps share the rest in proportion to their time. (Gaps only where the meter's GPU
+draws power between steps, ``EnergyMeter.powered_between_steps``: the simulated GPU prices steps by
+their modelled work, and the host's gaps cost it nothing.) Before any idle-only interval,
 everything is split by time. This costs the edges of a busy period (the first step after idle, the
 time after the last step) from the counter instead of smearing idle power over the steps beside
 them. Phase totals always sum to the meter's total; idle energy is kept as its own phase, never
@@ -235,8 +237,8 @@ class PhaseEnergyAccount:
                     gaps.append((t_now - g0, phase, req, ctx, steady, "tail" if drained else "pending"))
             quiet_s = idle_s + sum(g[0] for g in gaps)
             busy_s = sum(b[0] for b in busy)
-            if quiet_s > 0:
-                self.meter.on_idle(quiet_s)  # a simulated meter adds idle power for it
+            if idle_s > 0:
+                self.meter.on_idle(idle_s)  # a simulated meter adds idle power for it
             e_now = self.meter.energy_j() if self.available else None
             if e_now is None:
                 # Meter unavailable (fault): nothing more is attributed; requests that finish from
@@ -280,15 +282,22 @@ class PhaseEnergyAccount:
                 self.tail_j += d_e  # no time passed: nothing to split by
             return
         idle_w = self.idle_power_w
-        if busy_s > 0 and quiet_s > 0 and idle_w is not None:
-            quiet_rate = min(idle_w, d_e / quiet_s) if d_e > 0 else d_e / (busy_s + quiet_s)
-            busy_rate = (d_e - quiet_rate * quiet_s) / busy_s
-        else:
-            quiet_rate = busy_rate = d_e / (busy_s + quiet_s)
-            if busy_s == 0 and not gaps and idle_s >= _IDLE_POWER_MIN_S and span_s > 0:
+        gap_s = quiet_s - idle_s
+        # Quiet time priced at the idle power: idle, and the gaps after steps where the meter's GPU
+        # draws power there (a simulated GPU does not: its steps cost their modelled work only).
+        priced_s = quiet_s if getattr(self.meter, "powered_between_steps", True) else idle_s
+        if busy_s > 0 and priced_s > 0 and idle_w is not None:
+            quiet_rate = min(idle_w, d_e / priced_s) if d_e > 0 else d_e / (busy_s + priced_s)
+            busy_rate = (d_e - quiet_rate * priced_s) / busy_s
+        elif busy_s + priced_s > 0:
+            quiet_rate = busy_rate = d_e / (busy_s + priced_s)
+            if busy_s == 0 and gap_s <= 0 and idle_s >= _IDLE_POWER_MIN_S and span_s > 0:
                 # An interval of idle only: the counter's idle power, for the edges of later intervals.
                 w = d_e / idle_s
                 self.idle_power_w = w if idle_w is None else idle_w + _IDLE_POWER_EMA * (w - idle_w)
+        else:  # only gaps, on a meter that does not price them: whatever it reports is theirs
+            quiet_rate = busy_rate = 0.0
+        gap_rate = quiet_rate if priced_s == quiet_s else (d_e / gap_s if busy_s + priced_s <= 0 else 0.0)
         energy, time_s, acc = self.energy_j, self.time_s, self.request_j
         if idle_s > 0:
             energy["idle"] += quiet_rate * idle_s
@@ -313,7 +322,7 @@ class PhaseEnergyAccount:
             if per_request and not self._share(acc, j, weights(req, ctx)):
                 self.tail_j += j
         for seconds, ph, req, ctx, steady, to in gaps:
-            j = quiet_rate * seconds
+            j = gap_rate * seconds
             energy[ph] += j
             time_s[ph] += seconds
             if steady:

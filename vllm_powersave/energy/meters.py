@@ -71,6 +71,9 @@ class EnergyMeter(ABC):
     counter_wraps: int = 0
     faults: int = 0
     unavailable_reason: str | None = None
+    #: Whether the GPU draws power in the gaps between engine steps (a real GPU idles there; the
+    #: account prices those gaps at the idle power it measured, see energy/account.py).
+    powered_between_steps: bool = True
 
     @abstractmethod
     def energy_j(self) -> float | None:
@@ -517,6 +520,9 @@ class SimulatedEnergyMeter(EnergyMeter):
 
     source = "simulated"
     method = METHOD_MODEL
+    #: The simulated GPU prices each step's modelled work, not the host's wall time around it, so
+    #: the host gaps between steps cost nothing; idle time (no step for idle_after_s) is priced.
+    powered_between_steps = False
 
     def __init__(self, gpu: SimulatedGpu, gpu_id: str = "sim0", shadow: SimulatedGpu | None = None) -> None:
         self.gpu = gpu
