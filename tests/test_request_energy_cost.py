@@ -310,7 +310,7 @@ def test_requests_idle_and_tail_equal_the_counter_through_resets_and_a_lost_coun
     assert all(done[r] is None for r in running)
 
 
-def serve_cpu_sequential(account_kwargs, *, n=5, seed=0):
+def serve_cpu_sequential(account_kwargs, *, n=5, seed=0, idle_before_s=1.0):
     """The CPU build's stream with the simulated meter: ``n`` identical requests, one after the
     other (a 5-token prompt, 16 tokens out); a CPU step takes 20-30 ms of wall time but the
     simulated H200 prices only its own (sub-ms) work; host gaps of 0.5-2 ms between steps; vLLM's
@@ -335,7 +335,7 @@ def serve_cpu_sequential(account_kwargs, *, n=5, seed=0):
             next_tick += 0.1
         clock.t = end
 
-    wait(1.0)
+    wait(idle_before_s)
     for i in range(n):
         rid = f"r{i}"
         for k in range(16):
@@ -361,8 +361,9 @@ def test_five_identical_requests_on_the_cpu_build_read_the_same_energy():
     mc = ModelCost.for_shape("qwen2-tiny")
     steps_j = sum(simulate_step(H200, mc.step_work(5 if k == 0 else 1, 1, 0 if k == 0 else 4 + k, mc.vocab_params),
                                 H200.f_max_mhz).energy_j for k in range(16))
-    for seed in range(3):
-        js, acc = serve_cpu_sequential({"cost": cost}, seed=seed)
+    for seed in range(4):
+        # seed 3: the first request arrives 5 ms after the worker started, before any idle-only tick
+        js, acc = serve_cpu_sequential({"cost": cost}, seed=seed, idle_before_s=0.005 if seed == 3 else 1.0)
         assert max(js) / min(js) < 1.001, js
         for j in js:  # the simulated GPU prices steps by their work; host gaps cost it nothing
             assert j == pytest.approx(steps_j, rel=1e-6)

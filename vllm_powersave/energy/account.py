@@ -109,8 +109,9 @@ class PhaseEnergyAccount:
         #: Energy of the gap after the last step while it is open: to its step's requests if the
         #: next step follows within idle_after_s, else to the tail.
         self._pending_j = 0.0
-        #: The counter's power (W) over intervals of idle only (moving average); None until one.
-        self.idle_power_w: float | None = None
+        #: The counter's power (W) over intervals of idle only (moving average); until the first,
+        #: what the meter knows (the simulated GPU's), else None (intervals then split by time).
+        self.idle_power_w: float | None = meter.idle_power_w() if hasattr(meter, "idle_power_w") else None
         self._t = clock()
         # (start of the time not yet attributed, phase owning it, end of the last step if it ended,
         # its request tokens, its request contexts, steady, whether the batch drained after it)

@@ -99,6 +99,11 @@ class EnergyMeter(ABC):
     def on_idle(self, seconds: float) -> None:  # noqa: B027 - optional hook
         """Told that the engine was idle for ``seconds``; only a simulated meter needs this."""
 
+    def idle_power_w(self) -> float | None:
+        """The GPU's idle power (W) where the meter knows it without measuring; ``None`` for a
+        real GPU (the account then learns it from the counter over idle-only intervals)."""
+        return None
+
     def close(self) -> None:  # noqa: B027 - optional hook
         pass
 
@@ -542,6 +547,9 @@ class SimulatedEnergyMeter(EnergyMeter):
         self.gpu.idle(seconds)
         if self.shadow is not None:
             self.shadow.idle(seconds)
+
+    def idle_power_w(self) -> float | None:
+        return self.gpu.idle_power_w()
 
     def sm_clock_mhz(self) -> int | None:
         return self.gpu.sm_clock_mhz
