@@ -68,9 +68,13 @@ def test_account_splits_tick_energy_by_phase_time_and_sums_to_total():
     assert acc.time_s["prefill"] == pytest.approx(0.06)
     assert acc.time_s["decode"] == pytest.approx(0.04)
     assert acc.time_s["idle"] == pytest.approx(1.0 + 0.5)
-    assert acc.energy_j["prefill"] == pytest.approx(d_e * 0.06 / 0.6)
-    assert acc.energy_j["decode"] == pytest.approx(d_e * 0.04 / 0.6)
-    assert acc.energy_j["idle"] == pytest.approx(100.0 + d_e * 0.5 / 0.6)
+    # Time without a step (the idle gap and the host gap after the prefill) is priced at the idle
+    # power the counter showed over the idle-only tick (100 W); the steps share the rest by time.
+    busy_w = (d_e - 100.0 * 0.51) / 0.09
+    assert acc.idle_power_w == pytest.approx(100.0)
+    assert acc.energy_j["prefill"] == pytest.approx(busy_w * 0.05 + 100.0 * 0.01)
+    assert acc.energy_j["decode"] == pytest.approx(busy_w * 0.04)
+    assert acc.energy_j["idle"] == pytest.approx(100.0 + 100.0 * 0.5)
     assert acc.total_j() == pytest.approx(meter.energy_j(), rel=1e-9)
     assert acc.steps == {"prefill": 1, "decode": 1, "mixed": 0, "idle": 0}
     assert acc.tokens == {"prefill": 512, "decode": 8}

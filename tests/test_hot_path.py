@@ -296,51 +296,62 @@ def test_regime_filter_and_clock_decisions_equal_the_earlier_code(seed):
 
 # --- Energy account tick against the earlier code --------------------------------------------------
 class ReferenceAccount(PhaseEnergyAccount):
+    """The account's event walk written plainly: one function cuts the time from the current
+    state to the next event (or the tick) into pieces; the pricing (``_price``) is shared."""
+
+    def _cut(self, st, te, at_tick):
+        """Pieces of ``[st.t, te]`` and what becomes of a gap left pending earlier."""
+        t, phase, end_t, req, ctx, steady, drained = st
+        if phase == "idle":
+            return [("idle", te - t)] if te > t else [], None
+        if end_t is None:
+            return ([("busy", (te - t, phase, req, ctx, steady))] if te > t else []), None
+        g0 = max(t, end_t)
+        out = [("busy", (g0 - t, phase, req, ctx, steady))] if g0 > t else []
+        if te - end_t >= self.idle_after_s:
+            return out + ([("idle", te - g0)] if te > g0 else []), "tail"
+        dest = "tail" if drained else ("pending" if at_tick else "req")
+        if te > g0:
+            out.append(("gap", (te - g0, phase, req, ctx, steady, dest)))
+        return out, (None if at_tick and not drained else ("tail" if drained else "req"))
+
     def tick(self):
         with self._lock:
             t_now = self.clock()
-            shares, segments, finished, steady_s = {}, [], [], [0.0]
-
-            def own(phase, t0, t1, req=None, steady=False):
-                if t1 > t0:
-                    shares[phase] = shares.get(phase, 0.0) + (t1 - t0)
-                    if req and phase != "idle":
-                        segments.append((t1 - t0, req))
-                    if steady and phase != "idle":
-                        steady_s[0] += t1 - t0
-
-            t, phase, end_t, req, steady = self._t, self._phase, self._end_t, self._req, self._steady
+            st = list(self._state)
+            pieces, finished, settle = [], [], None
             while self._events:
-                te, ev, ev_req, ev_fin, ev_steady = self._events.popleft()
-                te = max(te, t)
+                te, ev, ev_req, ev_fin, ev_steady, ev_ctx = self._events.popleft()
+                te = max(te, st[0])
                 if ev is None:
-                    end_t = te
-                    continue
-                if ev == "":
+                    st[2] = te
+                elif ev == "":
                     finished.extend(ev_fin)
-                    continue
-                self._close(own, phase, t, te, end_t, req, steady)
-                t, phase, end_t, req, steady = te, ev, None, ev_req, ev_steady
-                if ev_fin:
-                    finished.extend(ev_fin)
-            self._close(own, phase, t, t_now, end_t, req, steady)
-            if shares.get("idle", 0.0) > 0:
-                self.meter.on_idle(shares["idle"])
-            if end_t is not None and t_now - end_t >= self.idle_after_s:
-                phase, end_t, req, steady = "idle", None, None, False
+                    if st[1] != "idle" and st[2] is not None:
+                        st[6] = True
+                        settle = settle or ("tail" if self._pending_j > 0 else None)
+                else:
+                    cut, what = self._cut(st, te, False)
+                    pieces += cut
+                    if self._pending_j > 0 and settle is None and what is not None:
+                        settle = what if what == "tail" else ("req", st[3], st[4])
+                    st = [te, ev, None, ev_req, ev_ctx, ev_steady, False]
+                    finished.extend(ev_fin or ())
+            cut, what = self._cut(st, t_now, True)
+            pieces += cut
+            if what == "tail" and self._pending_j > 0 and settle is None:
+                settle = "tail"
+            if st[1] != "idle" and st[2] is not None and t_now - st[2] >= self.idle_after_s:
+                st = [t_now, "idle", None, None, None, False, False]
+            busy = [p for k, p in pieces if k == "busy"]
+            gaps = [p for k, p in pieces if k == "gap"]
+            idle_s = sum(p for k, p in pieces if k == "idle")
+            if idle_s > 0:
+                self.meter.on_idle(idle_s)
             e_now = self.meter.energy_j()
-            d_e = e_now - self._e
-            total = sum(shares.values())
-            if total > 0:
-                for p, s in shares.items():
-                    self.energy_j[p] += d_e * s / total
-                    self.time_s[p] += s
-                self.steady_j += d_e * steady_s[0] / total
-                self.steady_s += steady_s[0]
-            else:
-                self.energy_j[phase] += d_e
-            if total > 0 and segments:
-                self._attribute_requests(d_e / total, segments)
+            resolved = [settle[1:]] if isinstance(settle, tuple) else []
+            self._price(e_now - self._e, t_now - self._t, busy, gaps, idle_s, sum(b[0] for b in busy),
+                        idle_s + sum(g[0] for g in gaps), resolved, settle == "tail", st[1])
             for rid in finished:
                 j = self.request_j.pop(rid, None)
                 if j is not None:
@@ -348,7 +359,9 @@ class ReferenceAccount(PhaseEnergyAccount):
                     self.finished_requests += 1
                     if self.on_request_done is not None:
                         self.on_request_done(rid, j)
-            self._t, self._e, self._phase, self._end_t, self._req, self._steady = t_now, e_now, phase, end_t, req, steady
+            self._t, self._e = t_now, e_now
+            st[0] = t_now
+            self._state = tuple(st)
             self._window.append((t_now, self.total_j(), self.tokens["prefill"], self.tokens["decode"]))
             while len(self._window) > 2 and t_now - self._window[1][0] >= self.window_s:
                 self._window.popleft()
@@ -404,6 +417,7 @@ def test_account_tick_equals_the_earlier_code(per_request):
             ref.tick()
             assert new.energy_j == ref.energy_j and new.time_s == ref.time_s
             assert (new.steady_j, new.steady_s, new.request_j) == (ref.steady_j, ref.steady_s, ref.request_j)
+            assert (new.tail_j, new.pending_j, new.idle_power_w) == (ref.tail_j, ref.pending_j, ref.idle_power_w)
     new.tick()
     ref.tick()
     assert new.energy_j == ref.energy_j and new.time_s == ref.time_s and new.steps == ref.steps and new.tokens == ref.tokens

@@ -59,7 +59,7 @@ STALE_AFTER_S = 10.0
 _COUNTER_DICTS = ("energy_j", "time_s", "steps", "tokens", "lm_head_calls")
 _NONNEG = ("counter_resets", "counter_wraps", "meter_faults", "power_w", "sm_clock_mhz", "target_sm_clock_mhz",
            "clock_changes", "mem_clock_mhz", "clock_event_reasons", "requests_finished", "request_energy_j_finished",
-           "idle_while_busy_j", "idle_while_busy_s", "frontend_busy_s")
+           "idle_while_busy_j", "idle_while_busy_s", "frontend_busy_s", "request_energy_j_tail")
 _warned: set[tuple[str, str]] = set()
 
 
@@ -189,7 +189,10 @@ class PowersaveCollector(Collector):
                                     "0x20 SW thermal); label reasons: its bits by name, e.g. sw_power_cap,hw_slowdown", labels=["gpu", "reasons"])
         changes = CounterMetricFamily("powersave_clock_changes", "Clock changes decided", labels=["gpu", "backend"])
         chunks = CounterMetricFamily("powersave_lm_head_calls", "LM-head calls by chunk count", labels=["gpu", "chunks"])
-        req_e = CounterMetricFamily("powersave_request_energy_joules", "Energy attributed to finished requests (J; token share per step)", labels=["gpu", "source"])
+        req_e = CounterMetricFamily("powersave_request_energy_joules", "Energy attributed to finished requests (J; each step split by request cost, "
+                                    "docs/request-energy.md)", labels=["gpu", "source"])
+        req_tail = CounterMetricFamily("powersave_request_tail_energy_joules", "Energy of non-idle time charged to no request: after a batch's "
+                                       "last step until idle is detected (J)", labels=["gpu", "source"])
         req_n = CounterMetricFamily("powersave_requests_finished", "Requests whose energy was attributed", labels=["gpu"])
         simulated = GaugeMetricFamily("powersave_energy_simulated", "1 if this GPU's energy figures are simulated, 0 if measured", labels=["gpu"])
         info = GaugeMetricFamily("powersave_info", "vllm-powersave is active", labels=["version", "source", "clock_backend", "cuda_perf_boost"])
@@ -289,6 +292,8 @@ class PowersaveCollector(Collector):
             if ok and s.get("requests_finished") and s.get("request_energy_j_finished") is not None:
                 req_e.add_metric([gpu, src], float(s.get("request_energy_j_finished", 0.0)))
                 req_n.add_metric([gpu], float(s["requests_finished"]))
+            if ok and s.get("request_energy_j_tail") is not None:
+                req_tail.add_metric([gpu, src], float(s["request_energy_j_tail"]))
         engine_src = "measured" if sources == {"measured"} else "simulated"
         if all_available:  # engine-level figures only when every GPU's energy is known
             for (phase, src), j in sorted(engine_sum.items()):
@@ -305,7 +310,7 @@ class PowersaveCollector(Collector):
                         tpj_energy.add_metric([label, engine_src], e["energy_j"])
         info.add_metric([self.version, ",".join(sorted(sources)) or "pending", ",".join(sorted(backends)) or "pending",
                          ",".join(sorted(boost)) or "pending"], 1.0)
-        return [energy, engine, steps, tokens, power, clock, temp, mem_clock, reasons, target, changes, chunks, req_e, req_n, simulated, info,
+        return [energy, engine, steps, tokens, power, clock, temp, mem_clock, reasons, target, changes, chunks, req_e, req_n, req_tail, simulated, info,
                 available, resets, wraps, faults, tpj, tpj_energy, steady_e, steady_s, steady_t, boost_held, boost_sw, gpu_info, iwb_j, iwb_s, fe_busy, saving_state]
 
 

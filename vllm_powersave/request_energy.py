@@ -1,7 +1,7 @@
 """Per-request energy for HTTP clients (API-server process).
 
 Workers write one JSON line per finished request to ``<stats_dir>/requests-rank<N>.jsonl``
-(``energy/account.py`` explains the token-share attribution). This module reads those files in the
+(``docs/request-energy.md`` says what a figure means). This module reads those files in the
 API server and returns the figures two ways that OpenAI clients ignore safely:
 
 * **Response headers** on non-streaming ``/v1/completions`` and ``/v1/chat/completions``

@@ -21,7 +21,7 @@ from . import ray_relay, vllm_compat
 from .chunking.policy import ChunkPolicy, apply_chunked
 from .clocks import ClockController, DryRunClockBackend, NvmlClockBackend, SimulatedClockBackend
 from .clocks.backends import ClockBackend
-from .energy import PhaseEnergyAccount, SimulatedEnergyMeter
+from .energy import PhaseEnergyAccount, SimulatedEnergyMeter, request_cost
 from .device import GpuError, NvmlGpu, init_nvml
 from .energy.meters import EnergyMeter, UnavailableEnergyMeter, open_nvml_meter
 from .clocks.boost import BoostController, BoostHolder
@@ -327,7 +327,11 @@ class WorkerRuntime:
         self.account = (PhaseEnergyAccount(self.meter, settings.energy.idle_after_s, per_request=settings.per_request_energy,
                                            on_request_done=lambda rid, j: self._done_requests.append((rid, j)),
                                            window_s=settings.energy.window_s, feed=lambda: self.drain_steps(),
-                                           busy=self.frontend.overlap if self.frontend is not None else None)
+                                           busy=self.frontend.overlap if self.frontend is not None else None,
+                                           cost=request_cost.for_worker(settings.energy.simulated_model_shape,
+                                                                        lambda: vllm_compat.runner_model_cost(runner),
+                                                                        settings.energy.simulated_gpu)
+                                           if settings.per_request_energy else None)
                         if self.meter else None)
         # Steady state = the running batch at the scheduler's limit (ML.ENERGY's window, account.py).
         self.steady_batch = settings.energy.steady_batch or vllm_compat.runner_max_num_seqs(runner)
@@ -648,7 +652,8 @@ class WorkerRuntime:
             # References only (no copies); the account drops them unless per_request is on.
             req, fin = vllm_compat.step_request_tokens(so)
             steady = self.steady_batch is not None and info.num_reqs >= self.steady_batch
-            acc.on_step(info.phase, info.prefill_tokens, info.decode_tokens, req, fin, steady, t=t)
+            ctx = vllm_compat.step_request_context(so) if self._per_request and acc.cost is not None else None
+            acc.on_step(info.phase, info.prefill_tokens, info.decode_tokens, req, fin, steady, t=t, req_ctx=ctx)
         if sim is not None and self.model_cost is not None:
             work = self.model_cost.step_work(info.num_tokens, rows, info.decode_ctx_tokens, self.model_cost.vocab_params)
             sim.run(work)
@@ -678,6 +683,8 @@ class WorkerRuntime:
                 "time_s": dict(acc.time_s),
                 "request_energy_j_finished": acc.finished_request_j,
                 "request_energy_j_in_flight": sum(list(acc.request_j.values())),
+                # no request's, and the open gap not yet settled (docs/request-energy.md)
+                "request_energy_j_tail": acc.tail_j, "request_energy_j_pending": acc.pending_j,
                 "window": {"window_s": acc.window_s, **acc.window()},
                 "steady": {"batch": self.steady_batch, "energy_j": acc.steady_j, "seconds": acc.steady_s, "tokens": dict(acc.steady_tokens)},
             })

@@ -460,6 +460,19 @@ def step_request_tokens(scheduler_output: Any) -> tuple[dict[str, int] | None, A
     return getattr(scheduler_output, "num_scheduled_tokens", None), getattr(scheduler_output, "finished_req_ids", None)
 
 
+def step_request_context(scheduler_output: Any) -> dict[str, int]:
+    """Tokens each scheduled request had computed before the step (its KV context), by request id
+    (``scheduled_new_reqs`` and ``scheduled_cached_reqs.num_computed_tokens``, 0.25-0.32)."""
+    out: dict[str, int] = {}
+    for r in getattr(scheduler_output, "scheduled_new_reqs", None) or ():
+        out[r.req_id] = int(getattr(r, "num_computed_tokens", 0) or 0)
+    cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
+    ids, computed = getattr(cached, "req_ids", None), getattr(cached, "num_computed_tokens", None)
+    if ids and computed:
+        out.update(zip(ids, computed))
+    return out
+
+
 def runner_max_num_seqs(runner: Any) -> int | None:
     """The scheduler's batch limit (``max_num_seqs``) as seen by a runner, or ``None``."""
     for owner in (getattr(runner, "scheduler_config", None), getattr(getattr(runner, "vllm_config", None), "scheduler_config", None)):
@@ -578,8 +591,9 @@ def runner_identity(runner: Any) -> dict[str, Any]:
 
 
 def runner_model_cost(runner: Any) -> dict[str, float]:
-    """Parameter count, LM-head parameters and KV bytes per token of the runner's model."""
-    out = {"n_params": 0.0, "vocab_params": 0.0, "kv_bytes_per_token": 0.0, "weight_bytes": 0.0}
+    """Parameter count, LM-head parameters, KV bytes per token and attention FLOPs per (query, key)
+    pair of the runner's model."""
+    out = {"n_params": 0.0, "vocab_params": 0.0, "kv_bytes_per_token": 0.0, "weight_bytes": 0.0, "attn_flops_per_pair": 0.0}
     try:
         model = runner.get_model() if hasattr(runner, "get_model") else runner.model
         for p in model.parameters():
@@ -591,6 +605,8 @@ def runner_model_cost(runner: Any) -> dict[str, float]:
         heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         out["kv_bytes_per_token"] = float(2 * hf.num_hidden_layers * heads * head_dim * 2)
+        # QK^T and PV: 2 FLOPs each per (query, key) pair, head and head dimension (request_cost.py)
+        out["attn_flops_per_pair"] = float(4 * hf.num_hidden_layers * hf.num_attention_heads * head_dim)
     except Exception as exc:
         log.debug("powersave: model cost unavailable: %s", exc)
     return out

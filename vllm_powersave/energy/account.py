@@ -5,19 +5,30 @@ milliseconds (measured on the H200 test machine: two queries per step made vLLM 
 small batches). So the hook only timestamps steps; a background ``tick()`` (every ~0.1-0.25 s)
 reads the meter once and splits the energy of the interval since the previous tick over phases.
 
-Method (per tick interval ``[t_prev, t_now]``): each step owns the time from its start to the next
-step's start, except that a gap longer than ``idle_after_s`` after a step's end is idle; intervals
-with no step at all are idle. The interval's energy is split in proportion to these times. Phase
-totals therefore always sum to the meter's total; idle energy is kept as its own phase, never
+Method (per tick interval ``[t_prev, t_now]``): each step owns the time from its start to its end
+(busy); the gap from its end to the next step's start is quiet time in the step's phase, except that
+a gap longer than ``idle_after_s`` is idle; intervals with no step at all are idle. The interval's
+energy is split over these pieces: quiet time (idle and gaps) is priced at the idle power the
+counter showed over recent intervals of idle only (a moving average; never more than the interval's
+energy), and the steps share the rest in proportion to their time. (Gaps only where the meter's GPU
+draws power between steps, ``EnergyMeter.powered_between_steps``: the simulated GPU prices steps by
+their modelled work, and the host's gaps cost it nothing.) Before any idle-only interval,
+everything is split by time. This costs the edges of a busy period (the first step after idle, the
+time after the last step) from the counter instead of smearing idle power over the steps beside
+them. Phase totals always sum to the meter's total; idle energy is kept as its own phase, never
 dropped or subtracted. Resolution is the tick period, which is finer than NVML's 100 ms counter
 update anyway, so the split is meaningful over many ticks, not for a single step.
 
-Per-request energy (opt-in, ``per_request=True``): each step's share of the interval energy is split
-over the requests scheduled in it in proportion to their scheduled tokens in that step (prefill
-chunks weigh by their prompt tokens, decodes by 1 + speculative tokens). A request's energy is the
-sum over every step it took part in; idle energy belongs to no request. At any moment
-``sum(requests, finished and in flight) + idle == total`` up to rounding. This is the token-share
-rule; it does not model that a prefill token costs more or less than a decode token on a given GPU.
+Per-request energy (opt-in, ``per_request=True``; docs/request-energy.md): each step's energy is
+split over the requests scheduled in it by what each costs in it (:mod:`.request_cost`: the
+weights' bytes shared equally, its own FLOPs and KV bytes at the GPU's roofline ceilings), or by
+scheduled tokens where no cost model or request contexts are given. The gap after a step goes to
+that step's requests if the next step follows within ``idle_after_s`` (a host gap while serving);
+while the gap is open its energy is *pending*; if the batch drains (vLLM's empty step) or idle is
+detected, it goes to the *tail*, which belongs to no request (so does a step without request
+ids). A request's energy is the sum over every step it took part in; idle energy belongs to no
+request. At any moment ``sum(requests, finished and in flight) + idle + tail + pending == total``
+up to rounding.
 
 A meter that becomes unavailable (an NVML fault, see :mod:`.meters`) stops the attribution for good:
 ``available`` turns False, the cumulative figures freeze and must not be published as current, and
@@ -46,9 +57,16 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import Any
 
 from ..settings import PHASES
 from .meters import EnergyMeter
+from .request_cost import RequestCostModel, step_weights
+
+#: An interval of idle only this long or longer updates the idle power estimate (s).
+_IDLE_POWER_MIN_S = 0.02
+#: Weight of the newest idle interval in the idle power's moving average.
+_IDLE_POWER_EMA = 0.3
 
 
 class PhaseEnergyAccount:
@@ -60,12 +78,15 @@ class PhaseEnergyAccount:
         clock: monotonic seconds (tests inject one).
         feed: called at the start of each :meth:`tick`, before the lock, to deliver pending step
             events (the worker runtime batches the step hook's records, ``WorkerRuntime.drain_steps``).
+        cost: the model whose request costs split a step's energy (per-request energy; without it,
+            or for a step without request contexts, the split is by scheduled tokens).
     """
 
     def __init__(self, meter: EnergyMeter, idle_after_s: float = 0.25, clock: Callable[[], float] = time.monotonic,
                  per_request: bool = False, on_request_done: Callable[[str, float | None], None] | None = None,
                  window_s: float = 60.0, feed: Callable[[], None] | None = None,
-                 busy: Callable[[float, float], float] | None = None) -> None:
+                 busy: Callable[[float, float], float] | None = None,
+                 cost: RequestCostModel | None = None) -> None:
         self.meter = meter
         self.busy = busy
         self.idle_busy_j = 0.0
@@ -78,9 +99,9 @@ class PhaseEnergyAccount:
         self.time_s: dict[str, float] = {p: 0.0 for p in PHASES}
         self.steps: dict[str, int] = {p: 0 for p in PHASES}
         self.tokens: dict[str, int] = {"prefill": 0, "decode": 0}
-        # (t, phase, {req: tokens} | None, finished ids | None, steady) for a step start,
-        # (t, None, None, None, False) for a step end; appended by the hot path only.
-        self._events: deque[tuple[float, str | None, dict | None, object, bool]] = deque()
+        # (t, phase, {req: tokens} | None, finished ids | None, steady, {req: computed tokens} | None)
+        # for a step start, (t, None, None, None, False, None) for a step end; appended by the hot path only.
+        self._events: deque[tuple[float, str | None, dict | None, object, bool, dict | None]] = deque()
         self.steady_j = 0.0
         self.steady_s = 0.0
         self.steady_tokens: dict[str, int] = {"prefill": 0, "decode": 0}
@@ -93,11 +114,19 @@ class PhaseEnergyAccount:
         self.request_j: dict[str, float] = {}  # in flight
         self.finished_request_j = 0.0
         self.finished_requests = 0
-        self._req: dict | None = None
-        self._steady = False
-        self._phase = "idle"  # phase owning the time at _t
-        self._end_t: float | None = None  # end of the last step, if it ended
+        self.cost = cost
+        #: Energy of non-idle time charged to no request (module docstring: the tail).
+        self.tail_j = 0.0
+        #: Energy of the gap after the last step while it is open: to its step's requests if the
+        #: next step follows within idle_after_s, else to the tail.
+        self._pending_j = 0.0
+        #: The counter's power (W) over intervals of idle only (moving average); until the first,
+        #: what the meter knows (the simulated GPU's), else None (intervals then split by time).
+        self.idle_power_w: float | None = meter.idle_power_w() if hasattr(meter, "idle_power_w") else None
         self._t = clock()
+        # (start of the time not yet attributed, phase owning it, end of the last step if it ended,
+        # its request tokens, its request contexts, steady, whether the batch drained after it)
+        self._state: tuple = (self._t, "idle", None, None, None, False, False)
         e0 = meter.energy_j()
         self._e = e0 if e0 is not None else 0.0
         if e0 is None:
@@ -108,21 +137,23 @@ class PhaseEnergyAccount:
     # -- hot path (no meter access, no lock) ---------------------------------------------------
     def on_step(self, phase: str, prefill_tokens: int = 0, decode_tokens: int = 0,
                 req_tokens: dict[str, int] | None = None, finished: object = None, steady: bool = False,
-                t: float | None = None) -> None:
+                t: float | None = None, req_ctx: dict[str, int] | None = None) -> None:
         """A step of ``phase`` starts at ``t`` (the ``clock``'s seconds; now if ``None``).
 
         ``req_tokens``: scheduled tokens per request id (kept by reference, not copied);
         ``finished``: ids of requests that finished before this step (their energy is final);
-        ``steady``: the running batch is at its limit (steady state, see the module docstring).
+        ``steady``: the running batch is at its limit (steady state, see the module docstring);
+        ``req_ctx``: tokens each request had computed before this step (its KV context), for the
+        cost model (:mod:`.request_cost`); kept by reference.
         Events must arrive in time order, and before the :meth:`tick` that passes their time
         (a later one is clamped to that tick's start).
         """
         if t is None:
             t = self.clock()
         if self.per_request:
-            self._events.append((t, phase, req_tokens, finished, steady))
+            self._events.append((t, phase, req_tokens, finished, steady, req_ctx))
         else:
-            self._events.append((t, phase, None, None, steady))
+            self._events.append((t, phase, None, None, steady, None))
         self.steps[phase] += 1
         tokens = self.tokens
         tokens["prefill"] += prefill_tokens
@@ -136,72 +167,102 @@ class PhaseEnergyAccount:
         """Requests reported finished by a step that schedules no work (vLLM sends one as a batch
         drains), at ``t`` (now if ``None``)."""
         if self.per_request and finished:
-            self._events.append((self.clock() if t is None else t, "", None, finished, False))
+            self._events.append((self.clock() if t is None else t, "", None, finished, False, None))
 
     def on_step_end(self, t: float | None = None) -> None:
         """The current step's host work ended at ``t`` (now if ``None``; its GPU work may still run)."""
-        self._events.append((self.clock() if t is None else t, None, None, None, False))
+        self._events.append((self.clock() if t is None else t, None, None, None, False, None))
 
     # -- background ----------------------------------------------------------------------------
     def tick(self) -> None:
-        """Read the meter once and attribute the energy since the previous tick to phases."""
+        """Read the meter once and attribute the energy since the previous tick to phases and requests."""
         if self.feed is not None:
             self.feed()
         with self._lock:
             t_now = self.clock()
-            shares: dict[str, float] = {}
-
-            segments: list[tuple[float, dict]] = []
+            # Pieces of the interval: a step's own time (busy), the gap after a step's end (quiet, in
+            # the step's phase; it goes to the step's requests, the tail or stays pending) and idle.
+            busy: list[tuple[float, str, dict | None, dict | None, bool]] = []
+            gaps: list[tuple[float, str, dict | None, dict | None, bool, str]] = []
+            idle_s = 0.0
+            resolved: list[tuple[dict | None, dict | None]] = []  # pending gaps that went to their step
+            tail_pending = False  # the pending gap turned out to be a tail
             finished: list = []
-            steady_s = [0.0]
-            busy = self.busy
-            idle_busy = [0.0]
+            fe_busy = self.busy  # the API servers' in-flight time inside [a, b] (starvation.py)
+            idle_busy_s = 0.0
 
-            def own(phase: str, t0: float, t1: float, req: dict | None = None, steady: bool = False) -> None:
-                if t1 > t0:
-                    shares[phase] = shares.get(phase, 0.0) + (t1 - t0)
-                    if busy is not None and phase == "idle":
-                        idle_busy[0] += busy(t0, t1)
-                    if req and phase != "idle":
-                        segments.append((t1 - t0, req))
-                    if steady and phase != "idle":
-                        steady_s[0] += t1 - t0
-
-            t, phase, end_t, req, steady = self._t, self._phase, self._end_t, self._req, self._steady
+            t, phase, end_t, req, ctx, steady, drained = self._state
             events, idle_after_s = self._events, self.idle_after_s
             pop = events.popleft
             while events:
-                te, ev, ev_req, ev_fin, ev_steady = pop()
+                te, ev, ev_req, ev_fin, ev_steady, ev_ctx = pop()
                 if te < t:  # noqa: PLR1730 - te = max(te, t) without the call
                     te = t
                 if ev is None:
                     end_t = te
                     continue
-                if ev == "":  # finished ids only: no new step
+                if ev == "":  # finished ids only: no new step; the batch drained
                     finished.extend(ev_fin)
+                    if phase != "idle" and end_t is not None:
+                        drained = True
+                        tail_pending = tail_pending or self._pending_j > 0
                     continue
-                if phase != "idle" and end_t is not None and te - end_t >= idle_after_s:
-                    self._close(own, phase, t, te, end_t, req, steady)
-                elif te > t:
-                    # own(phase, t, te, req, steady), inlined: one step per event, every tick.
-                    d = te - t
-                    shares[phase] = shares.get(phase, 0.0) + d
-                    if phase == "idle" and busy is not None:
-                        idle_busy[0] += busy(t, te)
-                    if phase != "idle":
-                        if req:
-                            segments.append((d, req))
-                        if steady:
-                            steady_s[0] += d
-                t, phase, end_t, req, steady = te, ev, None, ev_req, ev_steady
+                if phase == "idle":
+                    if te > t:
+                        idle_s += te - t
+                        if fe_busy is not None:
+                            idle_busy_s += fe_busy(t, te)
+                elif end_t is None:
+                    if te > t:
+                        busy.append((te - t, phase, req, ctx, steady))
+                else:
+                    g0 = end_t if end_t > t else t
+                    if g0 > t:
+                        busy.append((g0 - t, phase, req, ctx, steady))
+                    if te - end_t >= idle_after_s:
+                        idle_s += te - g0
+                        if fe_busy is not None and te > g0:
+                            idle_busy_s += fe_busy(g0, te)
+                        tail_pending = tail_pending or self._pending_j > 0
+                    else:
+                        to = "tail" if drained else "req"
+                        if te > g0:
+                            gaps.append((te - g0, phase, req, ctx, steady, to))
+                        if self._pending_j > 0 and not resolved and not tail_pending:
+                            if drained:
+                                tail_pending = True
+                            else:
+                                resolved.append((req, ctx))
+                t, phase, end_t, req, ctx, steady, drained = te, ev, None, ev_req, ev_ctx, ev_steady, False
                 if ev_fin:
                     finished.extend(ev_fin)
-            self._close(own, phase, t, t_now, end_t, req, steady)
-            if shares.get("idle", 0.0) > 0:
-                self.meter.on_idle(shares["idle"])  # a simulated meter adds idle power for it
-            # Time after a long-finished step is idle from here on.
-            if end_t is not None and t_now - end_t >= self.idle_after_s:
-                phase, end_t, req, steady = "idle", None, None, False
+            # Close the interval at t_now.
+            if phase == "idle":
+                if t_now > t:
+                    idle_s += t_now - t
+                    if fe_busy is not None:
+                        idle_busy_s += fe_busy(t, t_now)
+            elif end_t is None:
+                if t_now > t:
+                    busy.append((t_now - t, phase, req, ctx, steady))
+            else:
+                g0 = end_t if end_t > t else t
+                if g0 > t:
+                    busy.append((g0 - t, phase, req, ctx, steady))
+                if t_now - end_t >= idle_after_s:
+                    # Time after a long-finished step is idle from here on.
+                    if t_now > g0:
+                        idle_s += t_now - g0
+                        if fe_busy is not None:
+                            idle_busy_s += fe_busy(g0, t_now)
+                    tail_pending = tail_pending or self._pending_j > 0
+                    phase, end_t, req, ctx, steady, drained = "idle", None, None, None, False, False
+                elif t_now > g0:
+                    gaps.append((t_now - g0, phase, req, ctx, steady, "tail" if drained else "pending"))
+            quiet_s = idle_s + sum(g[0] for g in gaps)
+            busy_s = sum(b[0] for b in busy)
+            if idle_s > 0:
+                self.meter.on_idle(idle_s)  # a simulated meter adds idle power for it
             e_now = self.meter.energy_j() if self.available else None
             if e_now is None:
                 # Meter unavailable (fault): nothing more is attributed; requests that finish from
@@ -209,32 +270,24 @@ class PhaseEnergyAccount:
                 self.available = False
                 self._unknown.update(self.request_j)
                 self.request_j.clear()
-                for _, req_tok in segments:
-                    self._unknown.update(req_tok)
+                for piece in (*busy, *gaps):
+                    if piece[2]:
+                        self._unknown.update(piece[2])
                 for rid in finished:
                     if rid in self._unknown:
                         self._unknown.discard(rid)
                         if self.on_request_done is not None:
                             self.on_request_done(rid, None)
-                self._t, self._phase, self._end_t, self._req, self._steady = t_now, phase, end_t, req, steady
+                self._t = t_now
+                self._state = (t_now, phase, end_t, req, ctx, steady, drained)
                 return
             d_e = e_now - self._e
-            total = sum(shares.values())
-            if busy is not None:
-                self.busy_s += busy(self._t, t_now)
-                if total > 0 and idle_busy[0] > 0:
-                    self.idle_busy_j += d_e * idle_busy[0] / total
-                    self.idle_busy_s += idle_busy[0]
-            if total > 0:
-                for p, s in shares.items():
-                    self.energy_j[p] += d_e * s / total
-                    self.time_s[p] += s
-                self.steady_j += d_e * steady_s[0] / total
-                self.steady_s += steady_s[0]
-            else:
-                self.energy_j[phase] += d_e
-            if total > 0 and segments:
-                self._attribute_requests(d_e / total, segments)
+            idle_j = self._price(d_e, t_now - self._t, busy, gaps, idle_s, busy_s, quiet_s, resolved, tail_pending, phase)
+            if fe_busy is not None:
+                self.busy_s += fe_busy(self._t, t_now)
+                if idle_busy_s > 0 and idle_s > 0:
+                    self.idle_busy_j += idle_j * idle_busy_s / idle_s
+                    self.idle_busy_s += idle_busy_s
             for rid in finished:
                 j = self.request_j.pop(rid, None)
                 if j is not None:
@@ -242,33 +295,107 @@ class PhaseEnergyAccount:
                     self.finished_requests += 1
                     if self.on_request_done is not None:
                         self.on_request_done(rid, j)
-            self._t, self._e, self._phase, self._end_t, self._req, self._steady = t_now, e_now, phase, end_t, req, steady
+            self._t, self._e = t_now, e_now
+            self._state = (t_now, phase, end_t, req, ctx, steady, drained)
             self._window.append((t_now, self.total_j(), self.tokens["prefill"], self.tokens["decode"]))
             while len(self._window) > 2 and t_now - self._window[1][0] >= self.window_s:
                 self._window.popleft()
 
-    def _attribute_requests(self, j_per_s: float, segments: list[tuple[float, dict]]) -> None:
-        acc = self.request_j
-        for seconds, req in segments:
-            n = sum(req.values())
-            if n <= 0:
-                continue
-            k = j_per_s * seconds / n
-            for rid, tok in req.items():
-                acc[rid] = acc.get(rid, 0.0) + k * tok
+    def _price(self, d_e: float, span_s: float, busy: list, gaps: list, idle_s: float, busy_s: float, quiet_s: float,
+               resolved: list, tail_pending: bool, phase: str) -> float:
+        """Split ``d_e`` joules over the interval's pieces (module docstring: quiet time at the
+        idle power, steps the rest by time) and book phases, steady state, requests and the tail.
+        Returns the joules booked as idle."""
+        if busy_s + quiet_s <= 0:
+            self.energy_j[phase] += d_e
+            if phase != "idle" and self.per_request:
+                self.tail_j += d_e  # no time passed: nothing to split by
+            return d_e if phase == "idle" else 0.0
+        idle_w = self.idle_power_w
+        gap_s = quiet_s - idle_s
+        # Quiet time priced at the idle power: idle, and the gaps after steps where the meter's GPU
+        # draws power there (a simulated GPU does not: its steps cost their modelled work only).
+        priced_s = quiet_s if getattr(self.meter, "powered_between_steps", True) else idle_s
+        if busy_s > 0 and priced_s > 0 and idle_w is not None:
+            quiet_rate = min(idle_w, d_e / priced_s) if d_e > 0 else d_e / (busy_s + priced_s)
+            busy_rate = (d_e - quiet_rate * priced_s) / busy_s
+        elif busy_s + priced_s > 0:
+            quiet_rate = busy_rate = d_e / (busy_s + priced_s)
+            if busy_s == 0 and gap_s <= 0 and idle_s >= _IDLE_POWER_MIN_S and span_s > 0:
+                # An interval of idle only: the counter's idle power, for the edges of later intervals.
+                w = d_e / idle_s
+                self.idle_power_w = w if idle_w is None else idle_w + _IDLE_POWER_EMA * (w - idle_w)
+        else:  # only gaps, on a meter that does not price them: whatever it reports is theirs
+            quiet_rate = busy_rate = 0.0
+        gap_rate = quiet_rate if priced_s == quiet_s else (d_e / gap_s if busy_s + priced_s <= 0 else 0.0)
+        energy, time_s, acc = self.energy_j, self.time_s, self.request_j
+        if idle_s > 0:
+            energy["idle"] += quiet_rate * idle_s
+            time_s["idle"] += idle_s
+        per_request = self.per_request
+        cache: dict[int, Any] = {}  # a step's busy piece and its gap share one weighting
 
-    def _close(self, own: Callable[..., None], phase: str, t0: float, t1: float, end_t: float | None, req: dict | None,
-               steady: bool = False) -> None:
-        """Assign [t0, t1] to ``phase``, except a gap after the step's end longer than idle_after_s."""
-        if phase != "idle" and end_t is not None and t1 - end_t >= self.idle_after_s:
-            own(phase, t0, max(t0, end_t), req, steady)
-            own("idle", max(t0, end_t), t1)
-        else:
-            own(phase, t0, t1, req, steady)
+        def weights(req: dict | None, ctx: dict | None) -> Any:
+            if not req:
+                return None
+            w = cache.get(id(req))
+            if w is None:
+                w = cache[id(req)] = step_weights(self.cost, req, ctx)
+            return w
+        for seconds, ph, req, ctx, steady in busy:
+            j = busy_rate * seconds
+            energy[ph] += j
+            time_s[ph] += seconds
+            if steady:
+                self.steady_j += j
+                self.steady_s += seconds
+            if per_request and not self._share(acc, j, weights(req, ctx)):
+                self.tail_j += j
+        for seconds, ph, req, ctx, steady, to in gaps:
+            j = gap_rate * seconds
+            energy[ph] += j
+            time_s[ph] += seconds
+            if steady:
+                self.steady_j += j
+                self.steady_s += seconds
+            if not per_request:
+                continue
+            if to == "pending":
+                self._pending_j += j
+            elif to == "tail" or not self._share(acc, j, weights(req, ctx)):
+                self.tail_j += j
+        if per_request:
+            # A gap left pending by an earlier interval is settled by what followed it in this one.
+            for req, ctx in resolved:
+                j, self._pending_j = self._pending_j, 0.0
+                if not self._share(acc, j, weights(req, ctx)):
+                    self.tail_j += j
+            if tail_pending:
+                self.tail_j += self._pending_j
+                self._pending_j = 0.0
+        return quiet_rate * idle_s if idle_s > 0 else 0.0
+
+    @staticmethod
+    def _share(acc: dict[str, float], joules: float, weights: Any) -> bool:
+        """Add ``joules`` to the requests in proportion to ``weights``; False if there is none."""
+        if not weights:
+            return False
+        n = sum(weights.values())
+        if n <= 0:
+            return False
+        k = joules / n
+        for rid, w in weights.items():
+            acc[rid] = acc.get(rid, 0.0) + k * w
+        return True
 
     @property
     def current_phase(self) -> str:
-        return self._phase
+        return self._state[1]
+
+    @property
+    def pending_j(self) -> float:
+        """Energy of the open gap after the last step, not yet settled (requests or tail)."""
+        return self._pending_j
 
     def total_j(self) -> float:
         return sum(self.energy_j.values())

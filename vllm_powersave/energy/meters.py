@@ -61,6 +61,9 @@ class EnergyMeter(ABC):
     counter_wraps: int = 0
     faults: int = 0
     unavailable_reason: str | None = None
+    #: Whether the GPU draws power in the gaps between engine steps (a real GPU idles there; the
+    #: account prices those gaps at the idle power it measured, see energy/account.py).
+    powered_between_steps: bool = True
 
     @abstractmethod
     def energy_j(self) -> float | None:
@@ -85,6 +88,11 @@ class EnergyMeter(ABC):
 
     def on_idle(self, seconds: float) -> None:  # noqa: B027 - optional hook
         """Told that the engine was idle for ``seconds``; only a simulated meter needs this."""
+
+    def idle_power_w(self) -> float | None:
+        """The GPU's idle power (W) where the meter knows it without measuring; ``None`` for a
+        real GPU (the account then learns it from the counter over idle-only intervals)."""
+        return None
 
     def close(self) -> None:  # noqa: B027 - optional hook
         pass
@@ -489,6 +497,9 @@ class SimulatedEnergyMeter(EnergyMeter):
 
     source = "simulated"
     method = METHOD_MODEL
+    #: The simulated GPU prices each step's modelled work, not the host's wall time around it, so
+    #: the host gaps between steps cost nothing; idle time (no step for idle_after_s) is priced.
+    powered_between_steps = False
 
     def __init__(self, gpu: SimulatedGpu, gpu_id: str = "sim0", shadow: SimulatedGpu | None = None) -> None:
         self.gpu = gpu
@@ -508,6 +519,9 @@ class SimulatedEnergyMeter(EnergyMeter):
         self.gpu.idle(seconds)
         if self.shadow is not None:
             self.shadow.idle(seconds)
+
+    def idle_power_w(self) -> float | None:
+        return self.gpu.idle_power_w()
 
     def sm_clock_mhz(self) -> int | None:
         return self.gpu.sm_clock_mhz

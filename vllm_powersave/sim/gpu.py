@@ -328,6 +328,11 @@ class SimulatedGpu:
             self.last_power_w = res.power_w
             return res
 
+    def idle_power_w(self) -> float:
+        """Power (W) :meth:`idle` books now (a locked clock keeps the idle GPU from dropping it)."""
+        with self._lock:
+            return idle_power_w(self.spec, self.sm_clock_mhz if self.locked else None)
+
     def idle(self, seconds: float) -> float:
         """Book ``seconds`` of idle time; returns the joules added. An unlocked idle GPU draws p_idle."""
         if seconds <= 0:
