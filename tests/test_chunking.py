@@ -99,3 +99,117 @@ def test_vllm_logits_processor_replacement_matches_unchunked():
                 assert torch.equal(out.argmax(-1), ref.argmax(-1))
     # 2 dtypes x 2 row counts x (1 + 3 chunk counts) calls asked; only the split ones reach chunked()
     assert n["asked"] == 16 and n["calls"] == 12
+
+
+class LiveTensorBytes:
+    """Peak bytes of tensor storage allocated by torch ops inside the ``with`` block (CPU).
+
+    torch has no allocator statistics for CPU memory, so every op is observed through a
+    ``TorchDispatchMode``: an op output whose storage is not one of the op's inputs' is a new
+    allocation, freed when the last tensor seen on it is collected. Workspace that a kernel
+    allocates and frees inside one op (oneDNN scratch) is not seen, in either arm alike.
+    """
+
+    def __init__(self):
+        self.now = self.peak = 0
+        self._refs = {}  # storage data_ptr -> [tensor references, bytes]
+
+    def __enter__(self):
+        import weakref
+
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_flatten
+
+        tracker = self
+
+        def release(key):
+            ref = tracker._refs[key]
+            ref[0] -= 1
+            if ref[0] == 0:
+                tracker.now -= ref[1]
+                del tracker._refs[key]
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+                out = func(*args, **(kwargs or {}))
+                for t in tree_flatten(out)[0]:
+                    if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+                        continue
+                    st = t.untyped_storage()
+                    key = st.data_ptr()
+                    if key in tracker._refs:
+                        tracker._refs[key][0] += 1
+                    elif key in inputs or st.nbytes() == 0:
+                        continue  # a view or an out= argument of something allocated before
+                    else:
+                        tracker._refs[key] = [1, st.nbytes()]
+                        tracker.now += st.nbytes()
+                        tracker.peak = max(tracker.peak, tracker.now)
+                    weakref.finalize(t, release, key)
+                return out
+
+        self._mode = Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._mode.__exit__(*exc)
+
+
+def test_live_tensor_bytes_sees_a_block_result_held_beside_the_output():
+    """The measurement itself: preallocate-and-copy (the former chunked head) peaks above one GEMM."""
+    w, x = torch.randn(1000, 32), torch.randn(256, 32)
+    with LiveTensorBytes() as plain:
+        out = x @ w.t()
+        del out
+    with LiveTensorBytes() as copied:
+        out = x.new_empty((256, 1000))
+        for i, h in enumerate(torch.tensor_split(x, 4)):
+            out[i * 64 : (i + 1) * 64].copy_(h @ w.t())
+        del out
+    assert plain.peak == 256 * 1000 * 4
+    assert copied.peak == plain.peak + 64 * 1000 * 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_lm_head_never_raises_peak_memory(dtype, monkeypatch):
+    """Differential, through vLLM's own LogitsProcessor (CPU build): the chunked head's peak of
+    live tensor bytes is at most the unchunked head's, and its logits equal the unchunked ones
+    within the dtype's rounding (argmax identical)."""
+    pytest.importorskip("vllm")
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    from vllm_powersave import vllm_compat
+
+    from vllm.model_executor import custom_op
+
+    # A registration of this test's own (another test may have registered one in this process).
+    monkeypatch.setattr(vllm_compat, "_PATCHED", set())
+    monkeypatch.setattr(custom_op, "op_registry_oot", {})
+    want = {"chunks": 0}
+    assert vllm_compat.register_logits_processor(lambda h: want["chunks"], lambda head, h, c, gemm: apply_chunked(head, h, c, gemm))
+    with set_current_vllm_config(VllmConfig()):
+        lp = LogitsProcessor(vocab_size=4096)
+    assert type(lp).__name__ == "PowersaveLogitsProcessor"
+    g = torch.Generator().manual_seed(7)
+    lm = torch.nn.Module()
+    lm.weight = torch.nn.Parameter(torch.randn(4096, 64, generator=g).to(dtype), requires_grad=False)
+    lm.quant_method = UnquantizedEmbeddingMethod()
+    lm.tp_size = 1
+    dispatch_cpu_unquantized_gemm(lm, remove_weight=False)
+    x = torch.randn(1024, 64, generator=g).to(dtype)
+    with LiveTensorBytes() as unchunked:
+        ref = lp(lm, x)
+    assert unchunked.peak >= ref.numel() * ref.element_size()
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for chunks in (2, 3, 8):
+        want["chunks"] = chunks
+        with LiveTensorBytes() as chunked:
+            out = lp(lm, x)
+        assert chunked.peak <= unchunked.peak, (chunks, chunked.peak, unchunked.peak)
+        torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+        assert torch.equal(out.argmax(-1), ref.argmax(-1))
