@@ -132,7 +132,8 @@ def _make_call(torch: Any, w: Any, x: Any, idx: Any, mode: str, chunks: int) -> 
 
     def lsm() -> Any:
         # Per chunk: logits, fp32 log-softmax, gather of the prompt token's logprob; only [rows]
-        # values survive, so the [rows, vocab] fp32 peak shrinks by the chunk count.
+        # values survive, so the [rows, vocab] fp32 peak shrinks by the chunk count. (A model of a
+        # per-chunk log-softmax: vLLM's own prompt-logprob path takes it over the full logits.)
         n = 0
         for xs, ids in zip(torch.tensor_split(x, chunks), torch.tensor_split(idx, chunks)):
             r = xs.shape[0]
