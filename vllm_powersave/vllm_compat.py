@@ -12,7 +12,8 @@ Every hooked attribute is listed once in :data:`HOOKS` and checked when its hook
 Touch points (module: symbol):
 
 * ``vllm.engine.arg_utils``: ``EngineArgs.add_cli_args`` (adds ``--plugin``),
-  ``EngineArgs.create_engine_config`` (validates settings before any engine process starts);
+  ``EngineArgs.create_engine_config`` (validates settings before any engine process starts); the
+  ``type`` of the parser's ``--additional-config`` action (one-line error for a malformed value);
 * ``vllm.model_executor.layers.logits_processor``: ``LogitsProcessor`` via ``register_oot``
   (``_apply_head`` where it exists, which LoRA's wrapper also calls; else ``_get_logits``); the
   head's ``quant_method`` class name, ``weight``, the processor's ``head_dtype`` and
