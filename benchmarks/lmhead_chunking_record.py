@@ -121,6 +121,9 @@ def build(raw: dict, raw_path: str, date: str | None = None, note: str | None = 
                + (f" **Not in it** (a requested shape): {', '.join(f'{h}x{v} ({CLASSES[(h, v)]})' for h, v in missing)}." if missing else ""),
                "- `mm`: logits only (decode batches, speculative rows). `mm+lsm`: logits, fp32 log-softmax and a gather per chunk "
                "(prompt logprobs).",
+               "- Memory: `mm+lsm`'s peak is this benchmark's own per-chunk log-softmax. vLLM (0.25-0.32) takes the prompt-logprob "
+               "fp32 log-softmax over the full logits in its own code, outside the LM head, so serving does not get that saving "
+               "(`cpu-prompt-logprob-memory.md`); the plugin's chunked head only guarantees a peak no higher than unchunked.",
                f"- Choice rule: {doc['choice_rule']}. Spread = min–max over repeats.",
                *([f"- Note: {note}"] if note else []), ""]
     chosen = {f"{s['hidden']}x{s['vocab']}": s["table"] for s in shapes_out}

@@ -223,3 +223,60 @@ def test_compare_cli_missing_model(tmp_path):
     p = subprocess.run([sys.executable, "-m", "vllm_powersave.cli", "compare", "--model", str(tmp_path / "none")], capture_output=True, text=True, timeout=120)
     assert p.returncode == 2
     assert p.stderr.strip().splitlines()[-1].startswith("error: model directory not found")
+
+
+DRIFT_SITE = '''
+# Simulated vLLM drift for one test: PluggableLayer.register_oot (the LM-head hook's registration)
+# is gone from vllm.model_executor.custom_op in every process of the server (fork or spawn).
+import importlib.abc, importlib.util, sys
+
+class _Drift(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "vllm.model_executor.custom_op":
+            return None
+        sys.meta_path.remove(self)
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            sys.meta_path.insert(0, self)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            del module.PluggableLayer.register_oot
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+sys.meta_path.insert(0, _Drift())
+'''
+
+
+def test_drift_server_serves_without_the_hook_it_lost(tiny_model, tmp_path):
+    """`vllm serve --plugin powersave` under a vLLM whose LM-head registration hook is gone: the
+    server starts and answers (prompt logprobs included), one warning names the attribute and the
+    feature, the step hook still meters, and no LM-head call goes through the plugin."""
+    import os
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(DRIFT_SITE)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(site), *filter(None, [env.get("PYTHONPATH")])])
+    cfg = {"powersave": {"config_file": str(PRESET), "cuda_perf_boost": "off", "chunking": {"table": [{"min_rows": 4, "chunks": 2}]}}}
+    log = tmp_path / "server.log"
+    with VllmServer(default_serve_args(str(tiny_model)) + ["--plugin", "powersave", "--additional-config", json.dumps(cfg)], env=env, log_path=log) as srv:
+        c = _post(srv.base_url + "/v1/completions", {"model": "model", "prompt": "def main():", "max_tokens": 8, "ignore_eos": True,
+                                                       "prompt_logprobs": 0})
+        assert c["usage"]["completion_tokens"] == 8 and len(c["choices"][0]["prompt_logprobs"]) >= 2
+        time.sleep(1.0)  # one publish period of the worker's counters
+        m = _metrics(srv.base_url)
+    text = log.read_text()
+    drift = [ln for ln in text.splitlines() if "drifted" in ln]
+    assert drift and all("register_oot" in ln and "LM-head chunking" in ln for ln in drift), drift
+    # One warning per process that installs the worker hooks (API server, engine core), never two in one.
+    pids = [ln.split("pid=")[1].split(")")[0] for ln in drift if "pid=" in ln]
+    assert len(pids) == len(set(pids)), drift
+    assert "Traceback" not in text
+    assert sum(v for k, v in m.items() if k.startswith("powersave_steps_total{")) > 0  # the step hook meters
+    assert sum(v for k, v in m.items() if k.startswith("powersave_lm_head_calls_total{")) == 0  # chunking is off

@@ -453,8 +453,12 @@ def test_chunked_head_calls_the_head_once_for_one_chunk(monkeypatch):
     x = torch.arange(6.0).reshape(3, 2)
     assert torch.equal(runtime.chunked_head(head, x), x * 2) and seen == [3]
     y = torch.arange(8.0).reshape(4, 2)
-    assert torch.equal(runtime.chunked_head(head, y), y * 2) and seen == [3, 2, 2]
-    assert dict(runtime._POLICY.calls) == {1: 1, 2: 1} and runtime._POLICY.rows_total == 7
+    # A plain-GEMM head (weight given) is split into 2 blocks written by the plugin's own GEMM ...
+    w = 2 * torch.eye(2)
+    assert torch.equal(runtime.chunked_head(head, y, None, (w, None)), y * 2) and seen == [3]
+    # ... any other head runs once, unchunked: splitting it would hold block results beside the output.
+    assert torch.equal(runtime.chunked_head(head, y), y * 2) and seen == [3, 4]
+    assert dict(runtime._POLICY.calls) == {1: 1, 2: 2} and runtime._POLICY.rows_total == 11
 
 
 def test_head_chunks_is_zero_where_vllms_own_call_applies(monkeypatch):

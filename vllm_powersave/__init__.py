@@ -6,7 +6,8 @@ Enable it for one server with any of:
 * ``VLLM_PLUGINS=powersave vllm serve MODEL`` (or ``POWERSAVE_ENABLED=1``)
 * ``vllm serve MODEL --additional-config '{"powersave": {...}}'``
 
-Installed but not enabled, it changes nothing but accepting the ``--plugin`` flag.
+Installed but not enabled, it changes nothing but accepting the ``--plugin`` flag (and a malformed
+``--additional-config`` value, which vLLM rejects anyway, ends in one error line, not a traceback).
 """
 
 from __future__ import annotations

@@ -83,9 +83,11 @@ def head_chunks(hidden_states: Any) -> int:
         return 0
 
 
-def chunked_head(head: Any, hidden_states: Any, n: int | None = None) -> Any:
+def chunked_head(head: Any, hidden_states: Any, n: int | None = None, gemm: Any = None) -> Any:
     """``head(hidden_states)`` over ``n`` row chunks (``None``: asks :func:`head_chunks`), inside
-    the ``lm_head`` kernel-group clock preset where one passed the switch-latency gate.
+    the ``lm_head`` kernel-group clock preset where one passed the switch-latency gate. ``gemm``:
+    ``vllm_compat.head_gemm``'s ``(weight, bias)``; without it the head runs unchunked
+    (:func:`~vllm_powersave.chunking.apply.apply_chunked`: chunking never raises peak memory).
 
     Fails open: a fault of the plugin's own (clock group) runs the head as vLLM would; the
     head's own errors (e.g. CUDA out of memory) propagate unchanged."""
@@ -100,14 +102,14 @@ def chunked_head(head: Any, hidden_states: Any, n: int | None = None) -> Any:
         _head_fault("clock group", exc)
         grouped = False
     if not grouped:
-        return apply_chunked(head, hidden_states, n)
+        return apply_chunked(head, hidden_states, n, gemm)
     # A kernel-group preset for the LM head passed the switch-latency gate: switch when the GPU
     # (not the host, which runs ahead) reaches the LM head, and back when it leaves it.
     try:
         rt.clocks.on_group("lm_head", ready=_gpu_marker(hidden_states))
     except Exception as exc:
         _head_fault("clock group", exc)
-    out = apply_chunked(head, hidden_states, n)
+    out = apply_chunked(head, hidden_states, n, gemm)
     try:
         rt.clocks.end_group(ready=_gpu_marker(hidden_states))
     except Exception as exc:

@@ -5,12 +5,20 @@ function here imports vLLM lazily, wraps with ``*args, **kwargs`` pass-through, 
 original, and is idempotent. Outside the tested range :func:`check_version` says so and the plugin
 stays inert with one warning.
 
+Every hooked attribute is listed once in :data:`HOOKS` and checked when its hook installs
+(:func:`require`): a missing, renamed or re-signed one turns off the one feature that needs it
+(:data:`FEATURES`) with one warning, and vLLM runs unchanged.
+
 Touch points (module: symbol):
 
 * ``vllm.engine.arg_utils``: ``EngineArgs.add_cli_args`` (adds ``--plugin``),
-  ``EngineArgs.create_engine_config`` (validates settings before any engine process starts);
+  ``EngineArgs.create_engine_config`` (validates settings before any engine process starts); the
+  ``type`` of the parser's ``--additional-config`` action (one-line error for a malformed value);
 * ``vllm.model_executor.layers.logits_processor``: ``LogitsProcessor`` via ``register_oot``
-  (``_apply_head`` where it exists, which LoRA's wrapper also calls; else ``_get_logits``);
+  (``_apply_head`` where it exists, which LoRA's wrapper also calls; else ``_get_logits``); the
+  head's ``quant_method`` class name, ``weight``, the processor's ``head_dtype`` and
+  ``org_vocab_size``, ``VLLM_BATCH_INVARIANT`` (:func:`head_gemm`), and
+  ``vllm.distributed.get_tensor_model_parallel_world_size``;
 * API server: ``build_app`` where the serving code looks it up
   (``vllm.entrypoints.launchers.api_server.entry`` in 0.32, ``vllm.entrypoints.openai.api_server``
   before; one import path is appended to ``args.middleware``, vLLM's ``--middleware`` list);
@@ -42,13 +50,16 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib
+import inspect
 import itertools
 import logging
 import operator
+import json
 import os
 import re
+import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from .phases import ReqSched, StepInfo, classify, classify_counts
 
@@ -89,6 +100,175 @@ def check_version(v: str | None = None) -> tuple[bool, str]:
     return True, f"vLLM {v}"
 
 
+# --------------------------------------------------------------------------------------------
+# Hook inventory: what each hook needs, checked when it installs
+# --------------------------------------------------------------------------------------------
+class Hook(NamedTuple):
+    """One vLLM (or library) attribute a plugin hook wraps or calls.
+
+    ``params``: the leading parameters the plugin's wrapper passes on (or is called with) by
+    position, ``self``/``cls`` included; a name must match where vLLM may pass it by keyword
+    (``""``: any name, as for ``self``). Hooks of one ``feature`` and one ``group`` are alternatives: the group is
+    usable if any of them is. ``optional``: a module that does not import is expected (V2 runner
+    without Triton), not drift.
+    """
+
+    feature: str
+    module: str
+    owner: str  # class name in ``module``; "" for a module-level function
+    attr: str
+    params: tuple[str, ...] = ()
+    group: str = ""
+    optional: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"{self.module}.{self.owner + '.' if self.owner else ''}{self.attr}"
+
+
+_LP = "vllm.model_executor.layers.logits_processor"
+_V1, _V2 = "vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu.model_runner"
+_SCHED = "vllm.v1.core.sched.scheduler"
+
+#: What each feature is, as the drift warning names it.
+FEATURES: dict[str, str] = {
+    "cli_flag": "the --plugin flag (VLLM_PLUGINS=powersave still enables the plugin)",
+    "settings": "the start-up settings check (--additional-config 'powersave', the /metrics collector, per-request energy)",
+    "lm_head": "LM-head chunking and the lm_head clock group",
+    "step_v1": "the V1 runner's step hook (energy metering, clock control, per-request energy, step trace)",
+    "step_v2": "the V2 runner's step hook (energy metering, clock control, per-request energy, step trace)",
+    "arrival": "the arrival ramp (clocks up when a request arrives)",
+    "lookahead": "the scheduler look-ahead (waiting-queue facts for clock decisions)",
+    "app": "per-request energy in API responses",
+    "metrics_mp": "/metrics with several API servers (--api-server-count > 1)",
+}
+
+#: Every attribute the plugin's hooks need (one inventory: the drift tests are built from it).
+HOOKS: tuple[Hook, ...] = (
+    Hook("cli_flag", "vllm.engine.arg_utils", "EngineArgs", "add_cli_args", ("parser",)),
+    Hook("settings", "vllm.engine.arg_utils", "EngineArgs", "create_engine_config", ("",)),
+    Hook("lm_head", _LP, "LogitsProcessor", "register_oot", ("", "")),
+    Hook("lm_head", _LP, "LogitsProcessor", "_apply_head", ("", "lm_head", "hidden_states", "embedding_bias"), group="head"),
+    Hook("lm_head", _LP, "LogitsProcessor", "_get_logits", ("", "hidden_states", "lm_head", "embedding_bias"), group="head"),
+    Hook("step_v1", _V1, "GPUModelRunner", "execute_model", ("", "scheduler_output")),
+    Hook("step_v1", _V1, "GPUModelRunner", "sample_tokens", ("",)),
+    Hook("step_v2", _V2, "GPUModelRunner", "execute_model", ("", "scheduler_output"), optional=True),
+    Hook("step_v2", _V2, "GPUModelRunner", "sample_tokens", ("",), optional=True),
+    Hook("arrival", _SCHED, "Scheduler", "add_request", ("", "request")),
+    Hook("lookahead", _SCHED, "Scheduler", "schedule", ("",)),
+    Hook("app", "vllm.entrypoints.launchers.api_server.entry", "", "build_app", ("args",), group="app"),
+    Hook("app", "vllm.entrypoints.openai.api_server", "", "build_app", ("args",), group="app"),
+    Hook("metrics_mp", "prometheus_client.multiprocess", "MultiProcessCollector", "__init__", ("", "registry")),
+)
+
+_DISABLED: dict[str, str] = {}  # feature -> the warning's reason (one warning per feature and process)
+_INSTALLED: set[str] = set()  # features whose hooks are in place in this process
+
+
+class _Unusable(Exception):
+    """A hooked attribute that is missing or has a signature the wrapper cannot serve."""
+
+
+def _owner(h: Hook) -> Any:
+    mod = importlib.import_module(h.module)
+    if not h.owner:
+        return mod
+    owner = getattr(mod, h.owner, None)
+    if owner is None:
+        raise _Unusable(f"{h.module}.{h.owner} is missing")
+    return owner
+
+
+def hook_problem(h: Hook) -> str | None:
+    """Why ``h`` cannot be hooked in this vLLM (missing, not callable, parameters that the
+    wrapper does not match), or ``None`` if it can. A module that does not import counts as
+    missing; callers treat that as expected for ``optional`` hooks."""
+    try:
+        owner = _owner(h)
+    except _Unusable as exc:
+        return str(exc)
+    except Exception as exc:
+        return f"{h.module} does not import ({type(exc).__name__}: {exc})"
+    try:
+        raw = inspect.getattr_static(owner, h.attr)
+    except AttributeError:
+        return f"{h.name} is missing"
+    if h.owner and raw is vars(object).get(h.attr):  # e.g. ``__init__`` left to object's
+        return f"{h.name} is missing"
+    fn = raw.__func__ if isinstance(raw, (staticmethod, classmethod)) else raw
+    if not callable(fn):
+        return f"{h.name} is not callable"
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None  # a builtin without a signature: nothing to check
+    pos = [p for p in sig.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    var = any(p.kind == p.VAR_POSITIONAL for p in sig.parameters.values())
+    for i, want in enumerate(h.params):
+        if i >= len(pos):
+            if not var:
+                return f"{h.name}{sig} takes fewer than {len(h.params)} positional arguments"
+            break
+        if want and pos[i].name != want and pos[i].kind != pos[i].POSITIONAL_ONLY:
+            return f"{h.name}{sig}: parameter {i} is {pos[i].name!r}, not {want!r}"
+    return None
+
+
+def _optional_absent(h: Hook) -> bool:
+    if not h.optional:
+        return False
+    try:
+        importlib.import_module(h.module)
+    except Exception:
+        return True
+    return False
+
+
+def require(feature: str, only: Callable[[Hook], bool] | None = None) -> dict[str, Hook] | None:
+    """The usable hooks of ``feature`` by group (a group's first usable alternative), or ``None``
+    with exactly one warning per feature and process naming what is missing: the feature stays off
+    and vLLM runs unchanged. ``only`` restricts the candidates (e.g. modules already imported); a
+    feature whose hooks are all optional and absent is off silently (debug log)."""
+    hooks = [h for h in HOOKS if h.feature == feature and (only is None or only(h))]
+    if hooks and all(_optional_absent(h) for h in hooks):
+        log.debug("powersave: %s not available in this vLLM build (%s)", FEATURES[feature], hooks[0].module)
+        return None
+    chosen: dict[str, Hook] = {}
+    problems: dict[str, list[str]] = {}
+    for h in hooks:
+        key = h.group or h.attr
+        if key in chosen:
+            continue
+        why = hook_problem(h)
+        if why is None:
+            chosen[key] = h
+            problems.pop(key, None)
+        else:
+            problems.setdefault(key, []).append(why)
+    if problems:
+        _drift_off(feature, "; ".join(w for ws in problems.values() for w in ws))
+        return None
+    return chosen
+
+
+def _drift_off(feature: str, reason: str) -> None:
+    if feature in _DISABLED:
+        return
+    _DISABLED[feature] = reason
+    log.warning("powersave: %s is off: vLLM %s drifted: %s; vLLM serves unchanged without it",
+                FEATURES[feature], vllm_version() or "?", reason)
+
+
+def disabled_features() -> dict[str, str]:
+    """Features turned off by vLLM drift in this process, with the reason (a copy)."""
+    return dict(_DISABLED)
+
+
+def installed_features() -> set[str]:
+    """Features whose hooks are installed in this process (a copy)."""
+    return set(_INSTALLED)
+
+
 def _patch(owner: Any, name: str, key: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> bool:
     """Replace ``owner.name`` with ``make(original)`` once per process (keyed by ``key``)."""
     if key in _PATCHED:
@@ -124,13 +304,17 @@ class _PluginAction(argparse.Action):
 CLI_STATE = {"parser_built": False}
 
 
-def install_cli_flag() -> None:
-    """Add ``--plugin`` to vLLM's engine argument parser (used by ``vllm serve``).
+def install_cli_flag() -> bool:
+    """Add ``--plugin`` to vLLM's engine argument parser (used by ``vllm serve``), and make a
+    malformed ``--additional-config`` one line (:func:`guard_additional_config`).
 
     vLLM loads general plugins inside ``AsyncEngineArgs.add_cli_args`` right before it calls
     ``EngineArgs.add_cli_args``, so patching the latter here reaches the parser being built.
     ``EngineArgs.from_cli_args`` copies only dataclass fields, so the extra attribute is ignored.
+    Returns whether it was installed now.
     """
+    if "cli_flag" in _PATCHED or require("cli_flag") is None:
+        return False
     from vllm.engine.arg_utils import EngineArgs
 
     def make(orig: Callable[..., Any]) -> Callable[..., Any]:
@@ -147,11 +331,56 @@ def install_cli_flag() -> None:
                 )
             except argparse.ArgumentError:
                 pass  # another plugin (or a future vLLM) already defines --plugin
+            guard_additional_config(parser)
             return parser
 
         return add_cli_args
 
-    _patch(EngineArgs, "add_cli_args", "cli_flag", make)
+    _INSTALLED.add("cli_flag")
+    return _patch(EngineArgs, "add_cli_args", "cli_flag", make)
+
+
+def guard_additional_config(parser: Any) -> bool:
+    """Make a malformed ``--additional-config`` value stop ``vllm serve`` with one line.
+
+    vLLM parses the value with ``json.loads`` only when it looks like ``{...}`` and keeps any other
+    string, which ``VllmConfig`` then rejects with a long pydantic traceback once the server is
+    half set up (0.32). Wrapping the option's ``type`` (argparse calls it while parsing, before
+    anything starts) turns both a JSON error and a value that is not a JSON object into
+    ``error: --additional-config '<value>': ...`` on stderr and exit status 2. Values vLLM accepts
+    pass through unchanged. Returns whether the option was found and wrapped.
+    """
+    for action in getattr(parser, "_actions", ()):
+        if "--additional-config" not in getattr(action, "option_strings", ()):
+            continue
+        orig = action.type
+        if not callable(orig) or getattr(orig, "__powersave_guard__", False):
+            return False
+
+        def checked(value: str, _orig: Callable[[str], Any] = orig) -> Any:
+            try:
+                out = _orig(value)
+            except (argparse.ArgumentTypeError, ValueError, TypeError):
+                out = value
+            if out is None or isinstance(out, dict):
+                return out
+            print(f"error: {additional_config_problem(value)}", file=sys.stderr, flush=True)
+            raise SystemExit(2)
+
+        checked.__powersave_guard__ = True  # type: ignore[attr-defined]
+        action.type = checked
+        return True
+    return False
+
+
+def additional_config_problem(value: str) -> str:
+    """One line naming ``--additional-config``, the value and what is wrong with it."""
+    shown = value if len(value) <= 120 else value[:117] + "..."
+    try:
+        parsed = json.loads(value)
+    except ValueError as exc:
+        return f"--additional-config {shown!r}: not valid JSON ({exc}); expected a JSON object such as '{{\"powersave\": {{...}}}}'"
+    return f"--additional-config {shown!r}: must be a JSON object ({{...}}), got {type(parsed).__name__}"
 
 
 def install_config_hook(on_config: Callable[[Any], None]) -> None:
@@ -159,7 +388,10 @@ def install_config_hook(on_config: Callable[[Any], None]) -> None:
 
     This is the last point before EngineCore and workers are started, so a bad setting stops the
     server with nothing half-started, and environment variables set here reach every engine process.
+    Returns whether it was installed now.
     """
+    if "config_hook" in _PATCHED or require("settings") is None:
+        return False
     from vllm.engine.arg_utils import EngineArgs
 
     def make(orig: Callable[..., Any]) -> Callable[..., Any]:
@@ -169,7 +401,8 @@ def install_config_hook(on_config: Callable[[Any], None]) -> None:
 
         return create_engine_config
 
-    _patch(EngineArgs, "create_engine_config", "config_hook", make)
+    _INSTALLED.add("settings")
+    return _patch(EngineArgs, "create_engine_config", "config_hook", make)
 
 
 def additional_config(engine_args: Any) -> dict[str, Any]:
@@ -180,20 +413,27 @@ def additional_config(engine_args: Any) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------
 # LM head
 # --------------------------------------------------------------------------------------------
-def register_logits_processor(chunks: Callable[[Any], int], chunked: Callable[[Callable[[Any], Any], Any, int], Any]) -> bool:
+def register_logits_processor(chunks: Callable[[Any], int], chunked: Callable[..., Any]) -> bool:
     """Register an out-of-tree ``LogitsProcessor`` whose LM-head GEMM the plugin may split.
 
     Per LM-head call, ``chunks(hidden_states)`` is asked first: 0 runs vLLM's own head GEMM
     directly (no closure, no further frame: the per-step case), n >= 1 calls
-    ``chunked(head_fn, hidden_states, n)``, which must return ``head_fn(hidden_states)`` (possibly
-    computed in row blocks). Returns ``False`` if already registered in this process.
+    ``chunked(head_fn, hidden_states, n, gemm)``, which must return ``head_fn(hidden_states)``
+    (possibly computed in row blocks written into one output). ``gemm`` is :func:`head_gemm`'s
+    ``(weight, bias)`` where vLLM's head is that plain GEMM, else ``None`` (then splitting would
+    cost memory: run ``head_fn`` once). Returns ``False`` if already registered in this process, or
+    if this vLLM lacks what the subclass needs (one warning; vLLM's own head stays in place).
     """
     if "logits_processor" in _PATCHED:
         return False
+    chosen = require("lm_head")
+    if chosen is None:
+        return False
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
 
-    if hasattr(LogitsProcessor, "_apply_head"):
-        # _apply_head is the GEMM alone; LoRA's LogitsProcessorWithLoRA calls it too.
+    if chosen["head"].attr == "_apply_head":
+        # _apply_head is the GEMM alone (TP gather and vocab trim follow in vLLM's _get_logits);
+        # LoRA's LogitsProcessorWithLoRA calls it too.
         base_apply = LogitsProcessor._apply_head
 
         class PowersaveLogitsProcessor(LogitsProcessor):  # type: ignore[misc, valid-type]
@@ -201,7 +441,8 @@ def register_logits_processor(chunks: Callable[[Any], int], chunked: Callable[[C
                 n = chunks(hidden_states)
                 if not n:
                     return base_apply(self, lm_head, hidden_states, embedding_bias, *args, **kwargs)
-                return chunked(lambda h: base_apply(self, lm_head, h, embedding_bias, *args, **kwargs), hidden_states, n)
+                gemm = None if args or kwargs else head_gemm(self, lm_head, hidden_states, embedding_bias)
+                return chunked(lambda h: base_apply(self, lm_head, h, embedding_bias, *args, **kwargs), hidden_states, n, gemm)
 
     else:
         base_get = LogitsProcessor._get_logits
@@ -211,11 +452,62 @@ def register_logits_processor(chunks: Callable[[Any], int], chunked: Callable[[C
                 n = chunks(hidden_states)
                 if not n:
                     return base_get(self, hidden_states, lm_head, embedding_bias, *args, **kwargs)
-                return chunked(lambda h: base_get(self, h, lm_head, embedding_bias, *args, **kwargs), hidden_states, n)
+                # Here the GEMM is followed by the TP gather: split it only without one.
+                gemm = None if args or kwargs or _tp_world_size() != 1 else head_gemm(self, lm_head, hidden_states, embedding_bias)
+                out = chunked(lambda h: base_get(self, h, lm_head, embedding_bias, *args, **kwargs), hidden_states, n, gemm)
+                vocab = getattr(self, "org_vocab_size", None)
+                return out[..., :vocab] if gemm is not None and vocab else out
 
     LogitsProcessor.register_oot(PowersaveLogitsProcessor)
     _PATCHED.add("logits_processor")
+    _INSTALLED.add("lm_head")
     return True
+
+
+#: Quantisation methods whose ``apply`` is ``hidden @ weight.T (+ bias)`` (vLLM 0.25-0.32).
+_PLAIN_HEADS = ("UnquantizedEmbeddingMethod", "UnquantizedLinearMethod")
+
+
+def head_gemm(lp: Any, lm_head: Any, hidden_states: Any, embedding_bias: Any) -> tuple[Any, Any] | None:
+    """``(weight, bias)`` if vLLM's LM head for this call is the plain GEMM
+    ``hidden_states @ weight.T (+ bias)`` in the hidden states' dtype, else ``None``.
+
+    Not plain: a quantised head, a ``head_dtype`` other than the activations' (vLLM casts the
+    weight), vLLM's batch-invariant mode (its own kernels), a weight vLLM repacked (shape or dtype
+    differ). With ``(weight, bias)`` the plugin can write each row chunk straight into the output
+    (``torch.mm(..., out=)``), so a chunked head never holds more than an unchunked one.
+    """
+    try:
+        import torch
+
+        if type(getattr(lm_head, "quant_method", None)).__name__ not in _PLAIN_HEADS:
+            return None
+        w = getattr(lm_head, "weight", None)
+        if not isinstance(w, torch.Tensor) or w.dim() != 2 or w.is_meta or hidden_states.dim() != 2:
+            return None
+        if w.dtype != hidden_states.dtype or w.device != hidden_states.device or w.shape[1] != hidden_states.shape[1]:
+            return None
+        head_dtype = getattr(lp, "head_dtype", None)
+        if head_dtype is not None and head_dtype != hidden_states.dtype:
+            return None
+        if os.environ.get("VLLM_BATCH_INVARIANT", "0") not in ("", "0"):
+            return None
+        if embedding_bias is not None and (embedding_bias.dtype != w.dtype or embedding_bias.shape[-1] != w.shape[0]):
+            return None
+        return w, embedding_bias
+    except Exception as exc:
+        fault_once("lm_head.gemm", exc, "LM-head GEMM check", "this call runs the head unchunked")
+        return None
+
+
+def _tp_world_size() -> int:
+    """Tensor-parallel world size (0 where it cannot be read)."""
+    try:
+        from vllm.distributed import get_tensor_model_parallel_world_size
+
+        return int(get_tensor_model_parallel_world_size())
+    except Exception:
+        return 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -233,15 +525,15 @@ def install_step_hooks(on_start: Callable[[Any, Any], None], on_end: Callable[[A
     ``on_start(runner, scheduler_output)`` runs before a real step (V2 dummy/profile runs are
     skipped); ``on_end(runner)`` runs after ``sample_tokens`` or after an ``execute_model`` that
     returned its output directly. Hook exceptions are logged once and swallowed: the plugin fails
-    open. Returns the runner names patched (a runner module that does not import is skipped).
+    open. Returns the runner names patched (a runner module that does not import is skipped; a
+    runner whose ``execute_model`` or ``sample_tokens`` is missing or changed is left alone with one
+    warning: without both, a step can be neither metered nor closed).
     """
     patched = []
     for tag, mod_name, cls_name in RUNNER_CLASSES:
-        try:
-            cls = getattr(importlib.import_module(mod_name), cls_name)
-        except Exception as exc:  # V2 needs Triton; the CPU build lacks it
-            log.debug("powersave: runner %s not available: %s", tag, exc)
+        if require(f"step_{tag}") is None:  # V2 needs Triton; the CPU build lacks it (debug only)
             continue
+        cls = getattr(importlib.import_module(mod_name), cls_name)
 
         def make_exec(orig: Callable[..., Any]) -> Callable[..., Any]:
             # Per step: the hooks are called in place (no _safe frame), same catch-and-log-once.
@@ -275,8 +567,8 @@ def install_step_hooks(on_start: Callable[[Any, Any], None], on_end: Callable[[A
 
         if _patch(cls, "execute_model", f"{tag}.execute_model", make_exec):
             patched.append(tag)
-        if hasattr(cls, "sample_tokens"):
-            _patch(cls, "sample_tokens", f"{tag}.sample_tokens", make_sample)
+        _patch(cls, "sample_tokens", f"{tag}.sample_tokens", make_sample)
+        _INSTALLED.add(f"step_{tag}")
     return patched
 
 
@@ -499,36 +791,33 @@ def install_app_hook(middleware: str | list[str]) -> str | None:
     already assembled in 0.32, so adding afterwards fails). Runs in each API-server process
     (``--api-server-count`` N: in each of the N), where the serving module is already imported (it
     is the caller of ``create_engine_config``). Returns the module patched, or ``None`` in
-    processes that serve nothing, and where no known builder exists (one warning).
+    processes that serve nothing, and where no usable builder exists (one warning).
     """
-    import sys
-
     if "app_hook" in _PATCHED:
         return None
     serving = [m for m in APP_BUILDERS if m in sys.modules]
     if not serving:
         return None  # not an API server (offline LLM, bench client): nothing to hook
-    for mod_name in serving:
-        mod = sys.modules[mod_name]
-        if not callable(getattr(mod, "build_app", None)):
-            continue
+    chosen = require("app", only=lambda h: h.module in serving)
+    if chosen is None:
+        return None
+    mod_name = chosen["app"].module
 
-        def make(orig: Callable[..., Any]) -> Callable[..., Any]:
-            def build_app(args: Any, *a: Any, **kw: Any) -> Any:
-                try:
-                    current = list(getattr(args, "middleware", None) or [])
-                    wanted = [middleware] if isinstance(middleware, str) else list(middleware)
-                    args.middleware = [*current, *(m for m in wanted if m not in current)]
-                except Exception as exc:  # a frozen or unusual args object: serve without it
-                    _safe(_raise, exc)
-                return orig(args, *a, **kw)
+    def make(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def build_app(args: Any, *a: Any, **kw: Any) -> Any:
+            try:
+                current = list(getattr(args, "middleware", None) or [])
+                wanted = [middleware] if isinstance(middleware, str) else list(middleware)
+                args.middleware = [*current, *(m for m in wanted if m not in current)]
+            except Exception as exc:  # a frozen or unusual args object: serve without it
+                _safe(_raise, exc)
+            return orig(args, *a, **kw)
 
-            return build_app
+        return build_app
 
-        _patch(mod, "build_app", "app_hook", make)
-        return mod_name
-    log.warning("powersave: no known vLLM API-server builder (%s); per-request energy is not added to responses", ", ".join(APP_BUILDERS))
-    return None
+    _patch(sys.modules[mod_name], "build_app", "app_hook", make)
+    _INSTALLED.add("app")
+    return mod_name
 
 
 def install_metrics_registry_hook(add: Callable[[Any], None]) -> bool:
@@ -543,13 +832,9 @@ def install_metrics_registry_hook(add: Callable[[Any], None]) -> bool:
     ``add`` must register each collector once per registry. In an API-server process nothing else
     builds such registries.
     """
-    if "metrics_registry" in _PATCHED:
+    if "metrics_registry" in _PATCHED or require("metrics_mp") is None:
         return False
-    try:
-        from prometheus_client import multiprocess
-    except Exception as exc:
-        log.debug("powersave: metrics registry hook not installed: %s", exc)
-        return False
+    from prometheus_client import multiprocess
 
     def make(orig: Callable[..., Any]) -> Callable[..., Any]:
         def __init__(self: Any, registry: Any, *args: Any, **kwargs: Any) -> None:
@@ -560,6 +845,7 @@ def install_metrics_registry_hook(add: Callable[[Any], None]) -> bool:
         return __init__
 
     _patch(multiprocess.MultiProcessCollector, "__init__", "metrics_registry", make)
+    _INSTALLED.add("metrics_mp")
     return True
 
 
@@ -629,7 +915,8 @@ def install_scheduler_hooks(on_arrival: Callable[[int], None], count_tokens: boo
     ``on_arrival(prompt_tokens)`` runs after a request joined the waiting queue. Each
     ``SchedulerOutput`` gets :data:`LOOKAHEAD_ATTR` = ``(time.monotonic(), waiting requests,
     prompt tokens still to prefill among the first 64 waiting)``, stamped once here so that all
-    ranks use the same time and queue facts. Returns ``False`` if the scheduler is missing.
+    ranks use the same time and queue facts. Returns ``False`` if neither hook could be installed
+    (a missing or changed ``add_request`` or ``schedule``: that one feature off, one warning).
 
     ``count_tokens``: whether to sum the waiting prompt tokens (the only reader is the workers'
     look-ahead, ``clocks.lookahead``); ``None`` decides from this process's settings at the first
@@ -637,11 +924,10 @@ def install_scheduler_hooks(on_arrival: Callable[[int], None], count_tokens: boo
     """
     import time
 
-    try:
-        from vllm.v1.core.sched.scheduler import Scheduler
-    except Exception as exc:
-        log.debug("powersave: scheduler hooks not installed: %s", exc)
+    arrival, lookahead = require("arrival"), require("lookahead")
+    if arrival is None and lookahead is None:
         return False
+    from vllm.v1.core.sched.scheduler import Scheduler
 
     def make_add(orig: Callable[..., Any]) -> Callable[..., Any]:
         def add_request(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
@@ -673,8 +959,12 @@ def install_scheduler_hooks(on_arrival: Callable[[int], None], count_tokens: boo
 
         return schedule
 
-    _patch(Scheduler, "add_request", "sched.add_request", make_add)
-    _patch(Scheduler, "schedule", "sched.schedule", make_schedule)
+    if arrival is not None:
+        _patch(Scheduler, "add_request", "sched.add_request", make_add)
+        _INSTALLED.add("arrival")
+    if lookahead is not None:
+        _patch(Scheduler, "schedule", "sched.schedule", make_schedule)
+        _INSTALLED.add("lookahead")
     return True
 
 

@@ -105,8 +105,8 @@ def call_kernels(rows: int, hidden: int, vocab: int, chunks: int, mode: str, dty
     """``(FLOPs, HBM bytes)`` of each kernel one chunked LM-head call launches (for the simulator).
 
     Every chunk re-reads the whole ``[vocab, hidden]`` weight: the reason chunking costs energy at
-    decode-sized row counts. ``mm`` with more than one chunk also copies each chunk's logits into the
-    preallocated result (``apply_chunked``). ``mm+lsm`` per chunk: fp32 cast (read 2 B, write 4 B
+    decode-sized row counts. ``mm``: each chunk's GEMM writes straight into its rows of the result
+    (``apply_chunked``), no copy. ``mm+lsm`` per chunk: fp32 cast (read 2 B, write 4 B
     per logit), log-softmax (two reads and a write of 4 B), gather (negligible).
     """
     c = max(1, min(chunks, rows))
@@ -116,9 +116,7 @@ def call_kernels(rows: int, hidden: int, vocab: int, chunks: int, mode: str, dty
         r = base + (1 if i < extra else 0)
         gemm = (2.0 * r * hidden * vocab, float(dtype_bytes * (vocab * hidden + r * hidden + r * vocab)))
         out.append(gemm)
-        if mode == "mm" and c > 1:
-            out.append((0.0, 2.0 * dtype_bytes * r * vocab))
-        elif mode == "mm+lsm":
+        if mode == "mm+lsm":
             out.append((float(r * vocab), float(r * vocab * (dtype_bytes + 4))))
             out.append((5.0 * r * vocab, 12.0 * r * vocab))
     return out
@@ -129,13 +127,14 @@ def _make_call(torch: Any, w: Any, x: Any, idx: Any, mode: str, chunks: int) -> 
         return hs @ w.t()
 
     if mode == "mm":
-        return lambda: apply_chunked(head, x, chunks)
+        return lambda: apply_chunked(head, x, chunks, (w, None))
 
     out = torch.empty((x.shape[0], 1), device=x.device, dtype=torch.float32)
 
     def lsm() -> Any:
         # Per chunk: logits, fp32 log-softmax, gather of the prompt token's logprob; only [rows]
-        # values survive, so the [rows, vocab] fp32 peak shrinks by the chunk count.
+        # values survive, so the [rows, vocab] fp32 peak shrinks by the chunk count. (A model of a
+        # per-chunk log-softmax: vLLM's own prompt-logprob path takes it over the full logits.)
         n = 0
         for xs, ids in zip(torch.tensor_split(x, chunks), torch.tensor_split(idx, chunks)):
             r = xs.shape[0]
