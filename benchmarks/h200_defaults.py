@@ -37,6 +37,16 @@ idle power, energy, SM clock and GPU utilisation from a 10 Hz sampler on the plu
 during the driver's last sample period, 1/6 s to 1 s by product); ``gpu_low_power_share`` = share
 with power below the server's idle power + ``LOW_POWER_MARGIN_W``, kept as a cross-check.
 
+Default schedule, sized for one device call of 9 minutes (``--budget-s 520`` for the script):
+server start-up on the H200 is 79-86 s with a warm torch.compile cache and 97-139 s cold (0.5B,
+one server; the 7B started in 85-142 s two at a time: ``startup_s`` in
+``docs/results/raw/h200-*.json.gz``), and the defaults arm leaves ``--additional-config`` empty, so
+its compile cache key is stock's: one cold start per call. Per stock server ~105 s after start-up
+(warm-up 5, settle + idle 23, four rate windows of 12 s + drain ~18 s each), per defaults server
+~150 s (+ request energy ~15 s, starvation + advise ~30 s): ``--order stock,defaults`` ~500 s,
+one pair per GPU and call. Three pairs in two calls need two GPUs (``--gpu 0`` and ``--gpu 1`` as
+two processes); the ``fix`` arm (~125 s) fits as ``--order defaults,fix --segments starvation``.
+
 Never changes a GPU setting: refuses to start unless ``POWERSAVE_FORCE_DRY_RUN=1``. Writes under
 ``--out`` (default ``$OUT``): ``defaults-<tag>.json`` (rewritten after every window) and
 ``servers-<tag>.tar.gz`` (server logs, step traces, request-energy lines, advise output; rebuilt
@@ -86,6 +96,10 @@ ADVISE_CMDS = ("{py} -m vllm_powersave.cli advise --url {url}",
                "{py} -m vllm_powersave.cli advise {report}",
                "{py} -m vllm_powersave.cli advise --metrics {metrics}")
 LOW_POWER_MARGIN_W = 15.0
+#: As benchmarks/device_run.sh: no FlashInfer in the bundle, offline, NVLink multicast off.
+SERVER_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
+              "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1", "NCCL_NVLS_ENABLE": "0",
+              "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1", "VLLM_ALLREDUCE_USE_SYMM_MEM": "0"}
 
 SUMMARY_KEYS = ("completed", "failed", "duration", "total_input_tokens", "total_output_tokens", "request_throughput",
                 "output_throughput", "total_token_throughput", "mean_ttft_ms", "median_ttft_ms", "p90_ttft_ms",
@@ -652,6 +666,8 @@ def main() -> int:
     ap.add_argument("--tag", default=None)
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
     ns = ap.parse_args()
+    for k, v in SERVER_ENV.items():  # the bundle's vLLM needs the first; the rest keep it offline and NVLS off
+        os.environ.setdefault(k, v)
     ns.tag = ns.tag or f"gpu{ns.gpu}-{time.strftime('%m%d%H%M%S', time.gmtime())}"
     if ns.plugin_site:
         sys.path[:0] = [ns.plugin_site]

@@ -370,20 +370,21 @@ def main() -> int:
     (out / f"{ns.name}.md").write_text("\n".join(md) + "\n")
 
     reqe = request_energy(raws, ns.steady_drop)
-    reqe.update({"what": "identical-length requests at a steady batch: the plugin's per-request energy", "measured": measured,
-                 "simulated": False, "devices": devices, "scripts": rec["scripts"], "recorded_utc": rec["recorded_utc"]})
+    sim = any(seg["source"] == "simulated" for seg in reqe["segments"])
+    reqe.update({"what": "identical-length requests at a steady batch: the plugin's per-request energy", "measured": measured and not sim,
+                 "simulated": sim, "devices": devices, "scripts": rec["scripts"], "recorded_utc": rec["recorded_utc"]})
     (out / f"{ns.reqe_name}.json").write_text(json.dumps(reqe, indent=1))
-    md = [f"# Per-request energy of identical requests at a steady batch ({label})", "",
+    md = [f"# Per-request energy of identical requests at a steady batch ({'simulated per-request figures; ' if sim else ''}{label})", "",
           "- Requests of equal length (distinct random prompts, no prefix-cache hits, `ignore_eos`) at a fixed concurrency through "
           "the defaults server; the plugin's per-request lines (`requests-rank<N>.jsonl`) against the NVML counter over the "
           "same span (plugin snapshot to snapshot). Steady batch: lines in finish order, first and last "
           f"{ns.steady_drop:.0%} dropped.", "",
-          "| run | n (steady) | median J | p5 / p50 / p95 / max over median | requests + idle over counter | requests J | idle J | counter J | other parts J |",
-          "|---|---|---|---|---|---|---|---|---|"]
+          "| run | source / method | n (steady) | median J | p5 / p50 / p95 / max over median | requests + idle over counter | requests J | idle J | counter J | other parts J |",
+          "|---|---|---|---|---|---|---|---|---|---|"]
     for s in reqe["segments"]:
         st = s["steady"] or {}
         other = {k: v for k, v in s["tail_idle_split"].items() if k not in ("idle_j", "note")}
-        md.append(f"| {s['file']} {s['server']} | {st.get('n')} | {fmt(st.get('median_j'))} | {fmt(st.get('p5_over_median'))} / 1 / "
+        md.append(f"| {s['file']} {s['server']} | {s['source']} / {s['method']} | {st.get('n')} | {fmt(st.get('median_j'))} | {fmt(st.get('p5_over_median'))} / 1 / "
                   f"{fmt(st.get('p95_over_median'))} / {fmt(st.get('max_over_median'))} | {fmt(s['requests_plus_idle_over_counter'], 4)} | "
                   f"{fmt(s['requests_sum_j'], 1)} | {fmt(s['idle_j'], 1)} | {fmt(s['counter_j'], 1)} | {json.dumps(other) if other else '–'} |")
     (out / f"{ns.reqe_name}.md").write_text("\n".join(md) + "\n")
