@@ -47,6 +47,15 @@ its compile cache key is stock's: one cold start per call. Per stock server ~105
 one pair per GPU and call. Three pairs in two calls need two GPUs (``--gpu 0`` and ``--gpu 1`` as
 two processes); the ``fix`` arm (~125 s) fits as ``--order defaults,fix --segments starvation``.
 
+Usage on the device (after ``device.sh unpack`` and the wheel into /tmp/psite; PYTHONPATH=/tmp/site)::
+
+    POWERSAVE_FORCE_DRY_RUN=1 python3 benchmarks/h200_defaults.py --gpu 0 --order stock,defaults
+    POWERSAVE_FORCE_DRY_RUN=1 python3 benchmarks/h200_defaults.py --gpu 1 --order defaults,stock   # beside it
+    python3 benchmarks/h200_defaults_record.py OUT1/defaults-*.json OUT2/defaults-*.json
+
+CPU smoke test: ``--model-dir /tmp/tiny --plugin-site '' --stock-site '' --energy none`` and tiny
+windows (``--serve-args "--max-num-seqs 16 --gpu-memory-utilization 0.15 --enforce-eager"``).
+
 Never changes a GPU setting: refuses to start unless ``POWERSAVE_FORCE_DRY_RUN=1``. Writes under
 ``--out`` (default ``$OUT``): ``defaults-<tag>.json`` (rewritten after every window) and
 ``servers-<tag>.tar.gz`` (server logs, step traces, request-energy lines, advise output; rebuilt
@@ -162,6 +171,10 @@ class Sampler(threading.Thread):
                "median_sm_clock_mhz": clocks[len(clocks) // 2] if clocks else None,
                "gpu_idle_share": sum(1 for u in utils if u == 0) / len(utils) if utils else None,
                "mean_util_pct": sum(utils) / len(utils) if utils else None}
+        # Energy of the samples with utilisation 0 % (power x sample spacing): inside a window where
+        # requests are running, a plugin-independent estimate of energy spent with the GPU waiting.
+        idle_j = [(b[0] - a[0]) * a[2] for a, b in zip(rows, rows[1:]) if a[4] == 0 and a[2] is not None]
+        out["util0_energy_j"] = sum(idle_j) if utils else None
         if idle_w is not None and ws:
             out["gpu_low_power_share"] = sum(1 for w in ws if w < idle_w + LOW_POWER_MARGIN_W) / len(ws)
         if out["energy_j"] is not None and out["seconds"] > 0:

@@ -149,8 +149,8 @@ def rates_block(pairs: list[dict]) -> list[dict]:
 
 def starvation_block(raws: list[dict]) -> dict:
     runs, fixes = [], []
+    last = None  # a fix run in a later file is compared with the latest starvation window before it
     for raw in raws:
-        last = None
         for s in raw["servers"]:
             if s.get("starvation"):
                 st = s["starvation"]
@@ -163,7 +163,8 @@ def starvation_block(raws: list[dict]) -> dict:
                         "advise_cmds": [a["cmd"] for a in st["advise"]["attempts"]], "fix_args": st["advise"]["fix_args"],
                         "concurrency": w.get("concurrency"), "out_tok_s": w.get("output_throughput"),
                         "out_tok_per_j": w.get("output_tokens_per_joule"), "avg_w": w.get("gpu_avg_power_w"),
-                        "gpu_idle_share": (w.get("sampler") or {}).get("gpu_idle_share")}
+                        "gpu_idle_share": (w.get("sampler") or {}).get("gpu_idle_share"),
+                        "util0_energy_j_nvml": (w.get("sampler") or {}).get("util0_energy_j")}
                 runs.append(last)
             if s.get("fix_window") and ok(s["fix_window"]):
                 fw = s["fix_window"]
@@ -172,7 +173,7 @@ def starvation_block(raws: list[dict]) -> dict:
                          "p50_ttft_ms": fw.get("median_ttft_ms"), "p99_tpot_ms": fw.get("p99_tpot_ms")}
                 before = {k: last.get(k) for k in ("out_tok_s", "out_tok_per_j", "avg_w", "gpu_idle_share")} if last else None
                 fx = {"file": raw["_file"], "server": s["label"], "fix_args": s.get("fix_args"), "fix_source": s.get("fix_source"),
-                      "before": before, "after": after}
+                      "before_from": f"{last['file']} {last['server']}" if last else None, "before": before, "after": after}
                 if before and before.get("out_tok_s") and after["out_tok_s"]:
                     fx["throughput_ratio"] = r(after["out_tok_s"] / before["out_tok_s"])
                 if before and before.get("out_tok_per_j") and after["out_tok_per_j"]:
@@ -180,7 +181,9 @@ def starvation_block(raws: list[dict]) -> dict:
                 fixes.append(fx)
     js = [x["idle_while_busy_j"] for x in runs if x["idle_while_busy_j"] is not None]
     advice = next((x["advise_output"] for x in runs if x["advise_ok"]), None)
+    nv = [x["util0_energy_j_nvml"] for x in runs if x.get("util0_energy_j_nvml") is not None]
     return {"idle_while_busy_j": r(statistics.fmean(js), 1) if js else None,
+            "util0_energy_j_nvml": r(statistics.fmean(nv), 1) if nv else None,
             "idle_while_busy_share": r(mean_ci([x["share_of_window_energy"] for x in runs])[0]),
             "warning": next((x["warnings"][0] for x in runs if x["warnings"]), None),
             "advice": advice.strip().splitlines()[:20] if advice else None,
@@ -360,7 +363,8 @@ def main() -> int:
     fx = starv["after_fix"] if isinstance(starv["after_fix"], dict) else None
     md += ["", "## Starvation: one API server at high concurrency", "",
            f"- GPU energy spent idle while requests were running or waiting: {fmt(starv['idle_while_busy_j'], 1)} J "
-           f"({fmt(starv['idle_while_busy_share'])} of the window's energy; {starv['runs'][0]['how'] if starv['runs'] else 'not run'}).",
+           f"({fmt(starv['idle_while_busy_share'])} of the window's energy; {starv['runs'][0]['how'] if starv['runs'] else 'not run'}); "
+           f"NVML cross-check, energy of samples at 0 % utilisation: {fmt(starv['util0_energy_j_nvml'], 1)} J.",
            f"- Warning in the server log: {('`' + starv['warning'][:300] + '`') if starv['warning'] else 'none found'}.",
            "- `vllm-powersave advise`:" + ("" if starv["advice"] else " no output"), *(["```", *starv["advice"], "```"] if starv["advice"] else []),
            (f"- Fix applied ({fx['fix_args']}, from {fx['fix_source']}): throughput {fmt((fx['before'] or {}).get('out_tok_s'), 0)} -> "
