@@ -11,8 +11,9 @@ identical arrivals and prompts.
 
 Arms:
 
-* ``stock``: vLLM alone: ``VLLM_PLUGINS=`` (empty: vLLM loads no general plugin) and, on the GPU
-  machine, a ``PYTHONPATH`` without the plugin's wheel (``--stock-site``);
+* ``stock``: vLLM alone: on the GPU machine a ``PYTHONPATH`` without the plugin's wheel
+  (``--stock-site``, as every earlier device run); where the plugin is importable (``--stock-site
+  ''``, the CPU smoke test) ``VLLM_PLUGINS=`` (empty: vLLM loads no general plugin);
 * ``defaults``: ``--plugin powersave`` and no saving setting. Observation-only settings come
   through ``$POWERSAVE_CONFIG`` (``--defaults-observe``; default: ``stats_dir``, ``trace_steps``,
   ``per_request_energy``): they change no saving, and leave ``--additional-config`` empty, so the
@@ -508,8 +509,9 @@ def run_server(ns: argparse.Namespace, model: Path, arm: str, pos: int, port: in
     env = {"CUDA_VISIBLE_DEVICES": str(ns.gpu), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"} if ns.set_visible else {}
     extra: list[str] = []
     if arm == "stock":
-        env["VLLM_PLUGINS"] = ""  # vLLM loads no general plugin
         pythonpath = ns.stock_site or None
+        if pythonpath is None:  # the plugin is importable here (CPU smoke test): vLLM loads no general plugin
+            env["VLLM_PLUGINS"] = ""
     else:
         settings = observe_settings(ns, stats_dir)
         if settings:
@@ -712,7 +714,7 @@ def main() -> int:
         "method": {"order": order, "rates": ns.rates.split(","), "sat_concurrency": ns.sat_concurrency, "window_s": ns.window_s,
                    "idle_s": ns.idle_s, "settle_s": ns.settle_s, "gap_s": ns.gap_s, "input_len": ns.input_len,
                    "output_len": ns.output_len, "segments": ns.segments, "serve_args": ns.serve_args,
-                   "defaults_observe": ns.defaults_observe, "stock": "VLLM_PLUGINS= (empty), PYTHONPATH without the plugin",
+                   "defaults_observe": ns.defaults_observe, "stock": "PYTHONPATH without the plugin (--stock-site), else VLLM_PLUGINS= (empty)",
                    "defaults": "--plugin powersave; observation settings only via $POWERSAVE_CONFIG",
                    "energy": "loadtests NVML counter per load window; sampler: " + sampler.note,
                    "gpu_idle_share": "share of 10 Hz samples with NVML utilisation 0 % inside the load window",

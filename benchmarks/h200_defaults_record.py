@@ -342,7 +342,7 @@ def main() -> int:
     md = [f"# Stock vLLM vs `--plugin powersave` defaults ({label})", "",
           f"- Device(s): {', '.join(devices)}; vLLM {', '.join(rec['vllm_versions'])}; model {', '.join(rec['shapes'])} (`--load-format dummy`).",
           "- Runs (UTC): " + "; ".join(f"{x['tag']} GPU {x['gpu']} {x['date_utc']} order {','.join(x['order'])}" for x in rec["runs"]) + ".",
-          f"- Method: one server at a time; stock = vLLM alone (`VLLM_PLUGINS=` empty, no plugin on the path); defaults = "
+          f"- Method: one server at a time; stock = vLLM alone (no plugin on the path, or `VLLM_PLUGINS=` empty); defaults = "
           f"`--plugin powersave` with no saving setting (observation only: {m.get('defaults_observe')}). Per server: "
           f"{m.get('idle_s')} s idle, then Poisson windows of {m.get('window_s')} s of request starts at "
           f"{', '.join(m.get('rates') or [])} req/s ({m.get('input_len')} in / {m.get('output_len')} out, streamed, "
