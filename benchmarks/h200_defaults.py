@@ -269,11 +269,18 @@ def start_server(label: str, model: Path, port: int, ns: argparse.Namespace, wor
     return p, logp
 
 
-def wait_healthy(p: subprocess.Popen, port: int, timeout_s: float) -> None:
+#: Start-up failures after which the API server may stay up without an engine (it never turns healthy).
+DEAD_ENGINE = ("EngineDeadError", "Engine core initialization failed")
+
+
+def wait_healthy(p: subprocess.Popen, port: int, timeout_s: float, logp: Path) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if p.poll() is not None:
             raise RuntimeError(f"server exited with {p.returncode} during start-up")
+        text = logp.read_text(errors="replace")
+        if any(m in text for m in DEAD_ENGINE):
+            raise RuntimeError("engine died during start-up (server log: " + next(m for m in DEAD_ENGINE if m in text) + ")")
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
                 if r.status == 200:
@@ -532,7 +539,7 @@ def run_server(ns: argparse.Namespace, model: Path, arm: str, pos: int, port: in
     p, logp = start_server(label, model, port, ns, workdir, env, pythonpath, extra)
     srv["log"] = logp.name
     try:
-        wait_healthy(p, port, ns.start_timeout_s)
+        wait_healthy(p, port, ns.start_timeout_s, logp)
         srv["startup_s"] = round(time.monotonic() - t_start, 1)
         log(f"[{label}] healthy after {srv['startup_s']} s")
         harness(ns, port, f"{label}-warm", num_prompts=ns.warm_n, max_concurrency=ns.warm_n, output_len=16, energy="none")
