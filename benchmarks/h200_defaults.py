@@ -723,7 +723,7 @@ def main() -> int:
                    "output_len": ns.output_len, "segments": ns.segments, "serve_args": ns.serve_args,
                    "defaults_observe": ns.defaults_observe, "stock": "PYTHONPATH without the plugin (--stock-site), else VLLM_PLUGINS= (empty)",
                    "defaults": "--plugin powersave; observation settings only via $POWERSAVE_CONFIG",
-                   "energy": "loadtests NVML counter per load window; sampler: " + sampler.note,
+                   "energy": f"loadtests energy={ns.energy} per load window (counter); sampler: " + sampler.note,
                    "gpu_idle_share": "share of 10 Hz samples with NVML utilisation 0 % inside the load window",
                    "clocks": "never changed (POWERSAVE_FORCE_DRY_RUN=1)",
                    "reqenergy": {"n": ns.reqe_n, "concurrency": ns.reqe_conc, "input_len": ns.reqe_in, "output_len": ns.reqe_out},
