@@ -1,0 +1,758 @@
+#!/usr/bin/env python3
+"""Stock vLLM against ``--plugin powersave`` with its defaults, one server at a time, read-only.
+
+Runs ON the GPU machine after the bundle is up (``.gpu-bundle/README.md``), or on a CPU build
+against a tiny model for a smoke test (no NVML there: energy, power and idle-share figures are
+null and labelled ``unavailable``). One server per arm occurrence, in the order of ``--order``
+(e.g. ``stock,defaults`` then, in a second call, ``defaults,stock``: ABBA over calls and GPUs;
+``benchmarks/h200_defaults_record.py`` pairs adjacent stock/defaults servers of one GPU). Both arms
+share the same model, serve flags and request schedules (same seeds), so a pair's windows see
+identical arrivals and prompts.
+
+Arms:
+
+* ``stock``: vLLM alone: on the GPU machine a ``PYTHONPATH`` without the plugin's wheel
+  (``--stock-site``, as every earlier device run); where the plugin is importable (``--stock-site
+  ''``, the CPU smoke test) ``VLLM_PLUGINS=`` (empty: vLLM loads no general plugin);
+* ``defaults``: ``--plugin powersave`` and no saving setting. Observation-only settings come
+  through ``$POWERSAVE_CONFIG`` (``--defaults-observe``; default: ``stats_dir``, ``trace_steps``,
+  ``per_request_energy``): they change no saving, and leave ``--additional-config`` empty, so the
+  engine's compile cache key is the stock server's (one torch.compile per call, not one per arm);
+* ``fix``: the defaults arm with the fix that ``vllm-powersave advise`` gave for the starvation
+  window (``--api-server-count N`` found in its output; else ``--fix-args``), measured at the same
+  load as the starvation window.
+
+Per stock/defaults server: warm-up; ``--idle-s`` of idle with the engine loaded (after
+``--settle-s``: the ``auto`` boost's side context is released 2 s after the last step); one
+Poisson window per ``--rates`` (``sat`` = closed loop at ``--sat-concurrency``), ``--window-s`` of
+request starts each, in-flight requests finish inside the window. Defaults servers add, per
+``--segments``: ``reqenergy`` (``--reqe-n`` identical-length requests at concurrency
+``--reqe-conc``: the plugin's per-request lines against the NVML counter) and ``starvation``
+(closed loop at ``--starv-conc`` through one API server; the plugin's starved-GPU counters, its
+warning from the server log, and ``vllm-powersave advise``).
+
+Measurements: energy of a load window = the loadtests harness's NVML counter window (measured);
+idle power, energy, SM clock and GPU utilisation from a 10 Hz sampler on the plugin's own
+``NvmlEnergyMeter`` (interpolated counter) plus ``nvmlDeviceGetUtilizationRates`` (a read).
+``gpu_idle_share`` of a window = share of those samples with utilisation 0 % (NVML: no kernel ran
+during the driver's last sample period, 1/6 s to 1 s by product); ``gpu_low_power_share`` = share
+with power below the server's idle power + ``LOW_POWER_MARGIN_W``, kept as a cross-check.
+
+Default schedule, sized for one device call of 9 minutes (``--budget-s 520`` for the script):
+server start-up on the H200 is 79-86 s with a warm torch.compile cache and 97-139 s cold (0.5B,
+one server; the 7B started in 85-142 s two at a time: ``startup_s`` in
+``docs/results/raw/h200-*.json.gz``), and the defaults arm leaves ``--additional-config`` empty, so
+its compile cache key is stock's: one cold start per call. Per stock server ~105 s after start-up
+(warm-up 5, settle + idle 23, four rate windows of 12 s + drain ~18 s each), per defaults server
+~150 s (+ request energy ~15 s, starvation + advise ~30 s): ``--order stock,defaults`` ~500 s,
+one pair per GPU and call. Three pairs in two calls need two GPUs (``--gpu 0`` and ``--gpu 1`` as
+two processes); the ``fix`` arm (~125 s) fits as ``--order defaults,fix --segments starvation``.
+
+Usage on the device (after ``device.sh unpack`` and the wheel into /tmp/psite; PYTHONPATH=/tmp/site)::
+
+    POWERSAVE_FORCE_DRY_RUN=1 python3 benchmarks/h200_defaults.py --gpu 0 --order stock,defaults
+    POWERSAVE_FORCE_DRY_RUN=1 python3 benchmarks/h200_defaults.py --gpu 1 --order defaults,stock   # beside it
+    python3 benchmarks/h200_defaults_record.py OUT1/defaults-*.json OUT2/defaults-*.json
+
+CPU smoke test: ``--model-dir /tmp/tiny --plugin-site '' --stock-site '' --energy none`` and tiny
+windows (``--serve-args "--max-num-seqs 16 --gpu-memory-utilization 0.15 --enforce-eager"``).
+
+Never changes a GPU setting: refuses to start unless ``POWERSAVE_FORCE_DRY_RUN=1``. Writes under
+``--out`` (default ``$OUT``): ``defaults-<tag>.json`` (rewritten after every window) and
+``servers-<tag>.tar.gz`` (server logs, step traces, request-energy lines, advise output; rebuilt
+after every server), then prints a summary table.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if os.environ.get("POWERSAVE_FORCE_DRY_RUN") != "1":  # first: nothing may touch a GPU before this
+    print("error: refusing to run: POWERSAVE_FORCE_DRY_RUN=1 must be set on a shared GPU", file=sys.stderr)
+    sys.exit(2)
+
+import argparse  # noqa: E402
+import gzip  # noqa: E402
+import json  # noqa: E402
+import re  # noqa: E402
+import shlex  # noqa: E402
+import shutil  # noqa: E402
+import signal  # noqa: E402
+import subprocess  # noqa: E402
+import tarfile  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+import urllib.request  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+T0 = time.monotonic()
+
+# --- names the plugin side provides (kept here so that a rename is one edit) ------------------------
+#: Counters of GPU time / energy spent idle while requests were running or waiting (per engine).
+STARVATION_METRICS = ("powersave_gpu_starved_energy_joules_total", "powersave_gpu_starved_seconds_total")
+#: Fallback when none of the above is on /metrics: any powersave_ series whose name matches both.
+STARVATION_FALLBACK = (re.compile(r"idle|starv"), re.compile(r"busy|starv|waiting|running"))
+#: The plugin's one-line warning about a starved GPU in the server log.
+STARVATION_WARNING = re.compile(r"starv|idle while (requests|busy)|api-server-count|front[- ]end", re.I)
+#: Per-request energy lines and the per-rank snapshot the plugin writes into its stats_dir.
+REQUEST_LINES = "requests-rank*.jsonl"
+TRACE_LINES = "trace-rank*.jsonl"
+SNAPSHOT = "rank0.json"
+#: Default advise invocations, tried in turn until one exits 0 ({py}: this Python; {url}: the
+#: server; {metrics}: a /metrics dump; {report}: the harness result of the starvation window).
+ADVISE_CMDS = ("{py} -m vllm_powersave.cli advise --url {url}",
+               "{py} -m vllm_powersave.cli advise {report}",
+               "{py} -m vllm_powersave.cli advise --metrics {metrics}")
+LOW_POWER_MARGIN_W = 15.0
+#: As benchmarks/device_run.sh: no FlashInfer in the bundle, offline, NVLink multicast off.
+SERVER_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
+              "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1", "NCCL_NVLS_ENABLE": "0",
+              "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1", "VLLM_ALLREDUCE_USE_SYMM_MEM": "0"}
+
+SUMMARY_KEYS = ("completed", "failed", "duration", "total_input_tokens", "total_output_tokens", "request_throughput",
+                "output_throughput", "total_token_throughput", "mean_ttft_ms", "median_ttft_ms", "p90_ttft_ms",
+                "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p90_tpot_ms", "p99_tpot_ms", "median_itl_ms",
+                "p99_itl_ms", "median_e2el_ms", "gpu_energy_j", "gpu_avg_power_w", "gpu_energy_per_output_token_j",
+                "output_tokens_per_joule", "total_tokens_per_joule", "energy_source", "energy_window_s",
+                "energy_note", "steady_state_duration_s", "steady_state_output_tokens_per_joule")
+
+
+def log(*a: object) -> None:
+    print(f"[defaults +{time.monotonic() - T0:6.1f}s]", *a, flush=True)
+
+
+# --- GPU sampling (read-only) ------------------------------------------------------------------------
+class Sampler(threading.Thread):
+    """10 Hz: energy (J, the plugin's interpolated counter meter), power (W), SM clock, utilisation."""
+
+    def __init__(self, gpu: int, period_s: float = 0.1) -> None:
+        super().__init__(daemon=True)
+        import pynvml
+
+        from vllm_powersave.energy.meters import open_nvml_meter
+
+        pynvml.nvmlInit()
+        self.nvml, self.h = pynvml, pynvml.nvmlDeviceGetHandleByIndex(gpu)
+        self.meter = open_nvml_meter(pynvml, self.h, str(gpu), start_thread=True)
+        self.period = period_s
+        self.rows: list[tuple[float, float | None, float | None, int | None, int | None]] = []  # t, J, W, MHz, util %
+        self.stop_ev = threading.Event()
+        self.note = f"NVML {self.meter.method} ({type(self.meter).__name__}), 10 Hz; utilisation by nvmlDeviceGetUtilizationRates"
+
+    def run(self) -> None:
+        next_sync = 0.0
+        while not self.stop_ev.is_set():
+            t = time.perf_counter()
+            if t >= next_sync and hasattr(self.meter, "sync_counter_phase"):
+                try:
+                    self.meter.sync_counter_phase()
+                except Exception:
+                    pass
+                next_sync = t + 30.0
+            try:
+                util = int(self.nvml.nvmlDeviceGetUtilizationRates(self.h).gpu)
+            except Exception:
+                util = None
+            self.rows.append((time.perf_counter(), self.meter.energy_j(), self.meter.power_w(), self.meter.sm_clock_mhz(), util))
+            time.sleep(self.period)
+
+    def window(self, t0: float, t1: float, idle_w: float | None = None) -> dict:
+        rows = [r for r in self.rows if t0 <= r[0] <= t1]
+        if len(rows) < 2:
+            return {"note": "fewer than 2 samples in the window"}
+        ws = [r[2] for r in rows if r[2] is not None]
+        clocks = sorted(r[3] for r in rows if r[3] is not None)
+        utils = [r[4] for r in rows if r[4] is not None]
+        e0, e1 = rows[0][1], rows[-1][1]
+        out = {"seconds": rows[-1][0] - rows[0][0], "samples": len(rows),
+               "energy_j": (e1 - e0) if e0 is not None and e1 is not None else None,
+               "avg_power_w": sum(ws) / len(ws) if ws else None,
+               "median_sm_clock_mhz": clocks[len(clocks) // 2] if clocks else None,
+               "gpu_idle_share": sum(1 for u in utils if u == 0) / len(utils) if utils else None,
+               "mean_util_pct": sum(utils) / len(utils) if utils else None}
+        # Energy of the samples with utilisation 0 % (power x sample spacing): inside a window where
+        # requests are running, a plugin-independent estimate of energy spent with the GPU waiting.
+        idle_j = [(b[0] - a[0]) * a[2] for a, b in zip(rows, rows[1:]) if a[4] == 0 and a[2] is not None]
+        out["util0_energy_j"] = sum(idle_j) if utils else None
+        if idle_w is not None and ws:
+            out["gpu_low_power_share"] = sum(1 for w in ws if w < idle_w + LOW_POWER_MARGIN_W) / len(ws)
+        if out["energy_j"] is not None and out["seconds"] > 0:
+            out["avg_power_from_energy_w"] = out["energy_j"] / out["seconds"]
+        return out
+
+    def energy_at(self, t: float) -> float | None:
+        """Energy (J) interpolated between the two samples around ``t``."""
+        rows = [r for r in self.rows if r[1] is not None]
+        for a, b in zip(rows, rows[1:]):
+            if a[0] <= t <= b[0]:
+                return a[1] + (b[1] - a[1]) * (t - a[0]) / (b[0] - a[0]) if b[0] > a[0] else a[1]
+        return None
+
+    def timeline(self, t0: float) -> list:
+        return [(round(r[0] - t0, 2), None if r[2] is None else round(r[2], 1), r[3], r[4]) for r in self.rows[::5] if r[0] >= t0]
+
+
+class NullSampler:
+    def __init__(self, reason: str) -> None:
+        self.note = f"unavailable: {reason}"
+        self.stop_ev = threading.Event()
+
+    def start(self) -> None:
+        pass
+
+    def window(self, t0: float, t1: float, idle_w: float | None = None) -> dict:
+        return {"note": self.note, "energy_j": None, "avg_power_w": None, "gpu_idle_share": None}
+
+    def energy_at(self, t: float) -> None:
+        return None
+
+    def timeline(self, t0: float) -> list:
+        return []
+
+
+def device_facts(gpu: int) -> dict:
+    try:
+        import pynvml as N
+
+        N.nvmlInit()
+        h = N.nvmlDeviceGetHandleByIndex(gpu)
+        name = N.nvmlDeviceGetName(h)
+        return {"name": name.decode() if isinstance(name, bytes) else name, "driver": str(N.nvmlSystemGetDriverVersion()),
+                "power_limit_w": N.nvmlDeviceGetEnforcedPowerLimit(h) / 1000.0}
+    except Exception as exc:
+        return {"name": f"no NVML ({type(exc).__name__}: {exc})"}
+
+
+# --- servers -----------------------------------------------------------------------------------------
+def make_model(ns: argparse.Namespace) -> Path:
+    if ns.model_dir:
+        return Path(ns.model_dir)
+    d = Path("/tmp/models") / ns.shape
+    d.mkdir(parents=True, exist_ok=True)
+    shutil.copy(Path(ns.shapes_dir) / f"{ns.shape}.json", d / "config.json")
+    for f in Path(ns.tok_dir).iterdir():
+        if f.is_file() and f.name != "config.json":
+            shutil.copy(f, d / f.name)
+    return d
+
+
+def port_in_use(port: int) -> bool:
+    for f in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            for ln in Path(f).read_text().splitlines()[1:]:
+                c = ln.split()
+                if int(c[1].rsplit(":", 1)[1], 16) == port and c[3] == "0A":
+                    return True
+        except OSError:
+            continue
+    return False
+
+
+def start_server(label: str, model: Path, port: int, ns: argparse.Namespace, workdir: Path, env_extra: dict[str, str],
+                 pythonpath: str | None, extra: list[str]) -> tuple[subprocess.Popen, Path]:
+    if port_in_use(port):
+        raise RuntimeError(f"port {port} already has a listener: another job is using it")
+    env = {**os.environ, **env_extra}
+    if pythonpath is not None:
+        env["PYTHONPATH"] = pythonpath
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name", "model",
+           "--load-format", "dummy", "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(ns.max_model_len),
+           *shlex.split(ns.serve_args), *extra]
+    logp = workdir / f"server-{label}.log"
+    with open(logp, "wb") as f:
+        f.write((" ".join(cmd) + "\n" + json.dumps({k: v for k, v in env_extra.items()}) + "\n").encode())
+    logf = open(logp, "ab")
+    p = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    logf.close()
+    return p, logp
+
+
+#: Start-up failures after which the API server may stay up without an engine (it never turns healthy).
+DEAD_ENGINE = ("EngineDeadError", "Engine core initialization failed")
+
+
+def wait_healthy(p: subprocess.Popen, port: int, timeout_s: float, logp: Path) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if p.poll() is not None:
+            raise RuntimeError(f"server exited with {p.returncode} during start-up")
+        text = logp.read_text(errors="replace")
+        if any(m in text for m in DEAD_ENGINE):
+            raise RuntimeError("engine died during start-up (server log: " + next(m for m in DEAD_ENGINE if m in text) + ")")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except Exception:
+            pass
+        time.sleep(1.0)
+    raise RuntimeError(f"server not healthy after {timeout_s:.0f} s")
+
+
+def stop(p: subprocess.Popen) -> None:
+    for sig, wait in ((signal.SIGINT, 20), (signal.SIGKILL, 5)):
+        if p.poll() is not None:
+            return
+        try:
+            os.killpg(p.pid, sig)
+            p.wait(wait)
+        except Exception:
+            pass
+
+
+def scrape(port: int) -> tuple[dict[str, float], str]:
+    """``powersave_*`` series of /metrics as {name{labels}: value}, and the text of those lines."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            text = r.read().decode()
+    except Exception as exc:
+        return {}, f"# scrape failed: {exc}"
+    out, keep = {}, []
+    for line in text.splitlines():
+        if line.startswith("powersave_"):
+            keep.append(line)
+            key, _, val = line.rpartition(" ")
+            try:
+                out[key] = float(val)
+            except ValueError:
+                pass
+    return out, "\n".join(keep)
+
+
+def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: round(v - before.get(k, 0.0), 6) for k, v in after.items() if k.split("{")[0].endswith(("_total", "_joules", "_seconds"))
+            and v != before.get(k)}
+
+
+def starvation_figures(d: dict[str, float]) -> dict:
+    named = {k: v for k, v in d.items() if k.split("{")[0] in STARVATION_METRICS}
+    if named:
+        return {"series": named, "how": "named metrics " + ", ".join(STARVATION_METRICS)}
+    a, b = STARVATION_FALLBACK
+    found = {k: v for k, v in d.items() if a.search(k.split("{")[0]) and b.search(k.split("{")[0])}
+    return {"series": found, "how": ("fallback: powersave_ series matching " + f"/{a.pattern}/ and /{b.pattern}/") if found
+            else "none found on /metrics (named or fallback)"}
+
+
+def starved_j(fig: dict) -> float | None:
+    js = [v for k, v in fig["series"].items() if "joule" in k.split("{")[0]]
+    return sum(js) if js else None
+
+
+# --- load windows ------------------------------------------------------------------------------------
+def harness(ns: argparse.Namespace, port: int | list[int], label: str, **kw: Any) -> dict:
+    from loadtests import BenchConfig, run
+
+    ports = port if isinstance(port, list) else [port]
+    cfg = dict(base_url=f"http://127.0.0.1:{ports[0]}", model="model", input_len=ns.input_len, output_len=ns.output_len,
+               energy=ns.energy, gpus=[ns.gpu], label=label, progress=False, request_timeout_s=120.0, timeout_s=600.0)
+    cfg.update(kw)
+    res = run(BenchConfig(**cfg))
+    t0 = res.get("t0_perf_counter")
+    return {"res": res, "t0": t0, "t1": (t0 + res["duration"]) if t0 is not None and res.get("duration") is not None else None}
+
+
+def summary(res: dict) -> dict:
+    out = {k: res.get(k) for k in SUMMARY_KEYS if k in res}
+    out["energy_note"] = res.get("energy_note") or res.get("energy_scope")
+    return out
+
+
+def load_window(ns: argparse.Namespace, sampler: Any, port: int, label: str, rate: str, seed: int, idle_w: float | None) -> dict:
+    if rate == "sat":
+        kw = dict(request_rate=float("inf"), max_concurrency=ns.sat_concurrency)
+    else:
+        kw = dict(request_rate=float(rate), max_concurrency=None)
+    h = harness(ns, port, f"{label}-r{rate}", num_prompts=100000, duration_s=ns.window_s, seed=seed, **kw)
+    w = {"request_rate": rate, **summary(h["res"]), "t0": h["t0"], "t1": h["t1"]}
+    w["sampler"] = sampler.window(h["t0"], h["t1"], idle_w) if h["t0"] is not None else {}
+    if not h["res"].get("completed"):
+        errs = [e for e in h["res"].get("errors") or [] if e]
+        w["error"] = f"0 requests completed; first error: {errs[0] if errs else None}"
+    return w
+
+
+# --- segments ----------------------------------------------------------------------------------------
+def stats_lines(stats_dir: Path, pattern: str) -> dict[str, int]:
+    return {f.name: f.stat().st_size for f in stats_dir.glob(pattern)}
+
+
+def new_lines(stats_dir: Path, pattern: str, offsets: dict[str, int]) -> list[dict]:
+    out = []
+    for f in sorted(stats_dir.glob(pattern)):
+        with open(f, "rb") as fh:
+            fh.seek(offsets.get(f.name, 0))
+            for raw in fh.read().splitlines():
+                try:
+                    out.append(json.loads(raw))
+                except ValueError:
+                    pass
+    return out
+
+
+def read_snapshot(stats_dir: Path) -> dict | None:
+    try:
+        return json.loads((stats_dir / SNAPSHOT).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def wait_snapshot_after(stats_dir: Path, wall_t: float, timeout_s: float = 5.0) -> dict | None:
+    """The rank-0 snapshot written after wall time ``wall_t`` (its ``t``), or the latest one."""
+    deadline = time.monotonic() + timeout_s
+    snap = read_snapshot(stats_dir)
+    while time.monotonic() < deadline and not (snap and snap.get("t", 0) > wall_t):
+        time.sleep(0.05)
+        snap = read_snapshot(stats_dir)
+    return snap
+
+
+def snap_energy(snap: dict | None) -> dict | None:
+    if not snap or not isinstance(snap.get("energy_j"), dict):
+        return None
+    return {k: v for k, v in snap["energy_j"].items() if isinstance(v, (int, float))}
+
+
+def request_energy_segment(ns: argparse.Namespace, sampler: Any, port: int, stats_dir: Path, label: str) -> dict:
+    """``--reqe-n`` requests of identical length at a steady batch: the plugin's per-request figures
+    (its lines in stats_dir) against the NVML counter over the same span (snapshot to snapshot)."""
+    time.sleep(ns.settle_s)
+    offs = stats_lines(stats_dir, REQUEST_LINES)
+    wall0, perf0 = time.time(), time.perf_counter()
+    snap0 = wait_snapshot_after(stats_dir, wall0)
+    h = harness(ns, port, f"{label}-reqe", num_prompts=ns.reqe_n, max_concurrency=ns.reqe_conc, input_len=ns.reqe_in,
+                output_len=ns.reqe_out, seed=7)
+    time.sleep(ns.settle_s)  # every request's line written, the engine idle again
+    wall1, perf1 = time.time(), time.perf_counter()
+    snap1 = wait_snapshot_after(stats_dir, wall1)
+    lines = new_lines(stats_dir, REQUEST_LINES, offs)
+    seg: dict = {"n": ns.reqe_n, "concurrency": ns.reqe_conc, "input_len": ns.reqe_in, "output_len": ns.reqe_out,
+                 "prompts": "random tokens of equal length, distinct per request (no prefix-cache hits), ignore_eos",
+                 "harness": summary(h["res"]), "lines": lines, "snapshot_fields": sorted(snap1) if snap1 else None}
+    e0, e1 = snap_energy(snap0), snap_energy(snap1)
+    if e0 is not None and e1 is not None:
+        seg["plugin_energy_j_by_phase"] = {k: e1[k] - e0.get(k, 0.0) for k in e1}
+        # The counter over the snapshots' own span: their 't' is wall time, mapped onto perf_counter.
+        t_a = perf0 + (snap0.get("t", wall0) - wall0)
+        t_b = perf1 + (snap1.get("t", wall1) - wall1)
+        ca, cb = sampler.energy_at(t_a), sampler.energy_at(t_b)
+        seg["counter_j"] = (cb - ca) if ca is not None and cb is not None else None
+        seg["span_s"] = t_b - t_a
+    else:
+        seg["plugin_energy_j_by_phase"], seg["counter_j"] = None, None
+        seg["note"] = "no plugin snapshot with energy_j in stats_dir"
+    seg["counter_harness_window_j"] = h["res"].get("gpu_energy_j")
+    return seg
+
+
+def run_advise(ns: argparse.Namespace, port: int, workdir: Path, label: str, report: dict, metrics_text: str) -> dict:
+    metrics_f = workdir / f"metrics-{label}.txt"
+    metrics_f.write_text(metrics_text)
+    report_f = workdir / f"starv-report-{label}.json"
+    report_f.write_text(json.dumps(report))
+    env = {**os.environ}
+    if ns.plugin_site:
+        env["PYTHONPATH"] = f"{ns.plugin_site}:{ns.stock_site}"
+    attempts = []
+    for tmpl in ([ns.advise_cmd] if ns.advise_cmd else ADVISE_CMDS):
+        cmd = tmpl.format(py=sys.executable, url=f"http://127.0.0.1:{port}", metrics=metrics_f, report=report_f)
+        try:
+            r = subprocess.run(shlex.split(cmd), capture_output=True, text=True, timeout=60, env=env)
+            a = {"cmd": cmd, "rc": r.returncode, "stdout": r.stdout[-6000:], "stderr": r.stderr[-2000:]}
+        except Exception as exc:
+            a = {"cmd": cmd, "rc": None, "stdout": "", "stderr": f"{type(exc).__name__}: {exc}"}
+        attempts.append(a)
+        if a["rc"] == 0:
+            break
+    (workdir / f"advise-{label}.txt").write_text("\n\n".join(f"$ {a['cmd']}\nrc={a['rc']}\n{a['stdout']}\n{a['stderr']}" for a in attempts))
+    ok = next((a for a in attempts if a["rc"] == 0), None)
+    m = re.search(r"--api-server-count[ =](\d+)", ok["stdout"]) if ok else None
+    return {"attempts": attempts, "ok": ok is not None, "output": ok["stdout"] if ok else None,
+            "fix_args": f"--api-server-count {m.group(1)}" if m else None}
+
+
+def starvation_segment(ns: argparse.Namespace, sampler: Any, port: int, logp: Path, workdir: Path, label: str) -> dict:
+    time.sleep(ns.settle_s)
+    log_off = logp.stat().st_size
+    before, _ = scrape(port)
+    h = harness(ns, port, f"{label}-starv", num_prompts=100000, max_concurrency=ns.starv_conc, duration_s=ns.starv_window_s, seed=11)
+    time.sleep(1.0)  # the engine's last publish after the window
+    after, text = scrape(port)
+    d = delta(before, after)
+    fig = starvation_figures(d)
+    with open(logp, "rb") as f:
+        f.seek(log_off)
+        tail = f.read().decode(errors="replace").splitlines()
+    warnings = [ln[-400:] for ln in tail if STARVATION_WARNING.search(ln) and ("WARN" in ln or "warn" in ln.lower())]
+    w = {"concurrency": ns.starv_conc, **summary(h["res"]), "t0": h["t0"], "t1": h["t1"],
+         "sampler": sampler.window(h["t0"], h["t1"]) if h["t0"] is not None else {}}
+    adv = run_advise(ns, port, workdir, label, {k: v for k, v in h["res"].items() if not isinstance(v, list)}, text)
+    return {"window": w, "metrics_delta": d, "starvation": fig, "idle_while_busy_j": starved_j(fig),
+            "warnings": warnings[:10], "advise": adv}
+
+
+# --- one server --------------------------------------------------------------------------------------
+def observe_settings(ns: argparse.Namespace, stats_dir: Path) -> dict:
+    if ns.defaults_observe == "none":
+        return {}
+    s: dict = {"stats_dir": str(stats_dir)}
+    for item in ns.defaults_observe.split(","):
+        if item == "trace":
+            s["trace_steps"] = True
+        elif item == "reqenergy":
+            s["per_request_energy"] = True
+    return s
+
+
+def run_server(ns: argparse.Namespace, model: Path, arm: str, pos: int, port: int, sampler: Any, workdir: Path, result: dict,
+               save: Any) -> dict:
+    label = f"{arm}{pos}"
+    srv: dict = {"pos": pos, "arm": arm, "gpu": ns.gpu, "label": label, "windows": [], "notes": []}
+    result["servers"].append(srv)
+    stats_dir = Path(ns.stats_root) / f"{ns.tag}-{label}"
+    shutil.rmtree(stats_dir, ignore_errors=True)
+    env = {"CUDA_VISIBLE_DEVICES": str(ns.gpu), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"} if ns.set_visible else {}
+    extra: list[str] = []
+    if arm == "stock":
+        pythonpath = ns.stock_site or None
+        if pythonpath is None:  # the plugin is importable here (CPU smoke test): vLLM loads no general plugin
+            env["VLLM_PLUGINS"] = ""
+    else:
+        settings = observe_settings(ns, stats_dir)
+        if settings:
+            stats_dir.mkdir(parents=True, exist_ok=True)
+            cfg_f = workdir / f"powersave-{label}.json"
+            cfg_f.write_text(json.dumps({"powersave": settings}))
+            env["POWERSAVE_CONFIG"] = str(cfg_f)
+        srv["observe_settings"] = settings
+        pythonpath = f"{ns.plugin_site}:{ns.stock_site}" if ns.plugin_site else None
+        extra = ["--plugin", "powersave"]
+        if arm == "fix":
+            fix = result.get("advised_fix") or ns.fix_args
+            srv["fix_args"] = fix
+            srv["fix_source"] = "vllm-powersave advise" if result.get("advised_fix") else "--fix-args (no advice parsed)"
+            extra += shlex.split(fix)
+    srv["serve_extra"] = extra
+    t_start, t_start_perf = time.monotonic(), time.perf_counter()
+    p, logp = start_server(label, model, port, ns, workdir, env, pythonpath, extra)
+    srv["log"] = logp.name
+    try:
+        wait_healthy(p, port, ns.start_timeout_s, logp)
+        srv["startup_s"] = round(time.monotonic() - t_start, 1)
+        log(f"[{label}] healthy after {srv['startup_s']} s")
+        harness(ns, port, f"{label}-warm", num_prompts=ns.warm_n, max_concurrency=ns.warm_n, output_len=16, energy="none")
+        harness(ns, port, f"{label}-warm1", num_prompts=4, max_concurrency=1, output_len=16, energy="none")
+        srv["metrics_info"] = [ln for ln in scrape(port)[1].splitlines() if ln.startswith("powersave_info")]
+        segs = set(ns.segments.split(","))
+        if arm == "fix":
+            time.sleep(ns.settle_s)
+            h = harness(ns, port, f"{label}-starv", num_prompts=100000, max_concurrency=ns.starv_conc, duration_s=ns.starv_window_s, seed=11)
+            srv["fix_window"] = {"concurrency": ns.starv_conc, **summary(h["res"]), "t0": h["t0"], "t1": h["t1"],
+                                 "sampler": sampler.window(h["t0"], h["t1"]) if h["t0"] is not None else {}}
+            log(f"[{label}] c={ns.starv_conc}: {h['res'].get('output_throughput') or 0:.0f} tok/s, "
+                f"{h['res'].get('output_tokens_per_joule')} tok/J")
+            save()
+            return srv
+        idle_w = None
+        if "idle" in segs:
+            time.sleep(ns.settle_s)
+            t0 = time.perf_counter()
+            time.sleep(ns.idle_s)
+            srv["idle"] = sampler.window(t0, time.perf_counter())
+            srv["idle"]["metrics_boost"] = [ln for ln in scrape(port)[1].splitlines() if "boost" in ln]
+            idle_w = srv["idle"].get("avg_power_w")
+            log(f"[{label}] idle {srv['idle'].get('avg_power_w')} W, SM {srv['idle'].get('median_sm_clock_mhz')} MHz")
+            save()
+        if "sweep" in segs:
+            for k, rate in enumerate(ns.rates.split(",")):
+                left = ns.budget_s - (time.monotonic() - T0)
+                if left < ns.window_s + 20:
+                    srv["notes"].append(f"budget: rate {rate} and later not run ({left:.0f} s left)")
+                    break
+                time.sleep(ns.gap_s)
+                w = load_window(ns, sampler, port, label, rate, seed=100 + k, idle_w=idle_w)
+                srv["windows"].append(w)
+                log(f"[{label}] rate {rate}: {w.get('output_throughput') or 0:.0f} tok/s, {w.get('output_tokens_per_joule')} tok/J, "
+                    f"idle share {w['sampler'].get('gpu_idle_share')}, TTFT p50 {w.get('median_ttft_ms')}, TPOT p99 {w.get('p99_tpot_ms')}")
+                save()
+        if arm == "defaults" and "reqenergy" in segs and ns.budget_s - (time.monotonic() - T0) > 30:
+            srv["reqenergy"] = request_energy_segment(ns, sampler, port, stats_dir, label)
+            n = len(srv["reqenergy"]["lines"])
+            log(f"[{label}] request energy: {n} lines, counter {srv['reqenergy'].get('counter_j')} J, "
+                f"plugin {srv['reqenergy'].get('plugin_energy_j_by_phase')}")
+            save()
+        if arm == "defaults" and "starvation" in segs and ns.budget_s - (time.monotonic() - T0) > ns.starv_window_s + 25:
+            srv["starvation"] = starvation_segment(ns, sampler, port, logp, workdir, label)
+            st = srv["starvation"]
+            if st["advise"]["fix_args"]:
+                result["advised_fix"] = st["advise"]["fix_args"]
+            log(f"[{label}] starvation c={ns.starv_conc}: {st['window'].get('output_throughput') or 0:.0f} tok/s, "
+                f"idle-while-busy {st['idle_while_busy_j']} J ({st['starvation']['how']}), {len(st['warnings'])} warning line(s), "
+                f"advise ok={st['advise']['ok']} fix={st['advise']['fix_args']}")
+            save()
+    except Exception as exc:
+        srv["notes"].append(f"error: {type(exc).__name__}: {exc}")
+        log(f"[{label}] error:", exc)
+    finally:
+        stop(p)
+        srv["snapshot"] = read_snapshot(stats_dir)
+        for f in sorted(stats_dir.glob(TRACE_LINES)) + sorted(stats_dir.glob(REQUEST_LINES)):
+            with open(f, "rb") as src, gzip.open(workdir / f"{label}-{f.name}.gz", "wb") as dst:
+                shutil.copyfileobj(src, dst)
+        srv["timeline"] = sampler.timeline(t_start_perf)
+        save()
+        time.sleep(3.0)  # the GPU drops the context before the next server
+    return srv
+
+
+# --- main --------------------------------------------------------------------------------------------
+def pack(workdir: Path, tar_path: Path) -> None:
+    tmp = tar_path.with_suffix(".tmp")
+    with tarfile.open(tmp, "w:gz") as t:
+        for f in sorted(workdir.iterdir()):
+            t.add(f, arcname=f.name)
+    tmp.replace(tar_path)
+
+
+def print_summary(result: dict) -> None:
+    print("\n== summary (" + result["device"].get("name", "?") + "; energy " + result["method"]["energy"] + ")")
+    print(f"{'server':<12}{'start s':>8}{'idle W':>8}  rate: out tok/s | tok/J | GPU idle share | TTFT p50 ms | TPOT p99 ms")
+    for s in result["servers"]:
+        idle = (s.get("idle") or {}).get("avg_power_w")
+        cells = [f"{w['request_rate']}: {w.get('output_throughput') or 0:.0f} | {w.get('output_tokens_per_joule')} | "
+                 f"{(w.get('sampler') or {}).get('gpu_idle_share')} | {w.get('median_ttft_ms') and round(w['median_ttft_ms'], 1)} | "
+                 f"{w.get('p99_tpot_ms') and round(w['p99_tpot_ms'], 2)}" for w in s["windows"]]
+        print(f"{s['label']:<12}{s.get('startup_s', '-')!s:>8}{idle if idle is None else round(idle, 1)!s:>8}  " + " ; ".join(cells))
+        if s.get("starvation"):
+            st = s["starvation"]
+            print(f"{'':<12}starvation c={st['window']['concurrency']}: {st['window'].get('output_throughput') or 0:.0f} tok/s, "
+                  f"{st['window'].get('output_tokens_per_joule')} tok/J, idle-while-busy {st['idle_while_busy_j']} J, "
+                  f"warnings {len(st['warnings'])}, advise {'ok' if st['advise']['ok'] else 'failed'} -> {st['advise']['fix_args']}")
+        if s.get("fix_window"):
+            fw = s["fix_window"]
+            print(f"{'':<12}fix {s['fix_args']}: {fw.get('output_throughput') or 0:.0f} tok/s, {fw.get('output_tokens_per_joule')} tok/J")
+        if s.get("reqenergy"):
+            js = sorted(x["energy_j"] for x in s["reqenergy"]["lines"] if isinstance(x.get("energy_j"), (int, float)))
+            if js:
+                med = js[len(js) // 2]
+                print(f"{'':<12}request energy: {len(js)} lines, median {med:.3f} J, max/median {js[-1] / med if med else None}, "
+                      f"sum {sum(js):.1f} J, counter {s['reqenergy'].get('counter_j')}")
+        for n in s["notes"]:
+            print(f"{'':<12}note: {n}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--order", default="stock,defaults", help="arms in server order: stock, defaults, fix")
+    ap.add_argument("--gpu", type=int, default=0, help="NVML / CUDA index (PCI bus order)")
+    ap.add_argument("--shape", default="qwen2.5-7b")
+    ap.add_argument("--model-dir", default=None, help="use this model directory instead of building one from --shape")
+    ap.add_argument("--rates", default="0.2,1,4,16", help="Poisson request rates (req/s); 'sat' = closed loop at --sat-concurrency")
+    ap.add_argument("--sat-concurrency", type=int, default=64)
+    ap.add_argument("--window-s", type=float, default=12.0, help="request starts per rate window (s)")
+    ap.add_argument("--idle-s", type=float, default=20.0, help="idle window per server (s)")
+    ap.add_argument("--settle-s", type=float, default=3.0, help="quiet time before idle/segment windows (auto boost: 2 s dwell)")
+    ap.add_argument("--gap-s", type=float, default=2.0, help="quiet time before each rate window")
+    ap.add_argument("--input-len", type=int, default=512)
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--segments", default="idle,sweep,reqenergy,starvation",
+                    help="per stock/defaults server: idle, sweep; defaults only: reqenergy, starvation")
+    ap.add_argument("--reqe-n", type=int, default=480)
+    ap.add_argument("--reqe-conc", type=int, default=48)
+    ap.add_argument("--reqe-in", type=int, default=128)
+    ap.add_argument("--reqe-out", type=int, default=96)
+    ap.add_argument("--starv-conc", type=int, default=64)
+    ap.add_argument("--starv-window-s", type=float, default=15.0)
+    ap.add_argument("--fix-args", default="--api-server-count 4", help="fix arm's serve flags when advise names none")
+    ap.add_argument("--advise-cmd", default=None, help="one advise command template ({py} {url} {metrics} {report})")
+    ap.add_argument("--defaults-observe", default="trace,reqenergy",
+                    help="observation-only settings of the defaults arm via $POWERSAVE_CONFIG: trace, reqenergy, or none")
+    ap.add_argument("--warm-n", type=int, default=32)
+    ap.add_argument("--serve-args", default="--max-num-seqs 256 --gpu-memory-utilization 0.85",
+                    help="vllm serve flags of every server")
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--energy", default="nvml", help="loadtests energy source (nvml; none on a CPU smoke test)")
+    ap.add_argument("--budget-s", type=float, default=520.0, help="start nothing that cannot end by this (s since start)")
+    ap.add_argument("--start-est-s", type=float, default=130.0, help="a server's start-up, for the budget check (s)")
+    ap.add_argument("--start-timeout-s", type=float, default=300.0)
+    ap.add_argument("--set-visible", action=argparse.BooleanOptionalAction, default=True,
+                    help="give servers CUDA_VISIBLE_DEVICES=--gpu")
+    ap.add_argument("--shapes-dir", default=".gpu-bundle/shapes")
+    ap.add_argument("--tok-dir", default="/tmp/model_cfg")
+    ap.add_argument("--plugin-site", default="/tmp/psite", help="'' = inherit PYTHONPATH (CPU smoke test)")
+    ap.add_argument("--stock-site", default="/tmp/site", help="'' = inherit PYTHONPATH (CPU smoke test)")
+    ap.add_argument("--stats-root", default="/tmp/powersave-defaults")
+    ap.add_argument("--port", type=int, default=None, help="default 8100 + 50 * gpu")
+    ap.add_argument("--tag", default=None)
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
+    ns = ap.parse_args()
+    for k, v in SERVER_ENV.items():  # the bundle's vLLM needs the first; the rest keep it offline and NVLS off
+        os.environ.setdefault(k, v)
+    ns.tag = ns.tag or f"gpu{ns.gpu}-{time.strftime('%m%d%H%M%S', time.gmtime())}"
+    if ns.plugin_site:
+        sys.path[:0] = [ns.plugin_site]
+    order = [a.strip() for a in ns.order.split(",") if a.strip()]
+    bad = [a for a in order if a not in ("stock", "defaults", "fix")]
+    if bad:
+        print(f"error: --order: unknown arm {bad[0]!r} (stock, defaults, fix)", file=sys.stderr)
+        return 2
+    out = Path(ns.out)
+    out.mkdir(parents=True, exist_ok=True)
+    workdir = Path("/tmp") / f"defaults-work-{ns.tag}"
+    shutil.rmtree(workdir, ignore_errors=True)
+    workdir.mkdir(parents=True)
+    raw_f, tar_f = out / f"defaults-{ns.tag}.json", out / f"servers-{ns.tag}.tar.gz"
+    model = make_model(ns)
+    import vllm
+
+    try:
+        sampler: Any = Sampler(ns.gpu)
+    except Exception as exc:  # no NVML (CPU smoke test): energy and idle share are null, labelled
+        sampler = NullSampler(f"no NVML sampler ({type(exc).__name__}: {exc})")
+        log(sampler.note)
+    sampler.start()
+    result: dict = {
+        "what": "stock vLLM vs --plugin powersave defaults, one server at a time; read-only (POWERSAVE_FORCE_DRY_RUN=1)",
+        "measured": not isinstance(sampler, NullSampler), "tag": ns.tag, "gpu": ns.gpu, "device": device_facts(ns.gpu),
+        "vllm_version": vllm.__version__, "model": str(model), "shape": None if ns.model_dir else ns.shape,
+        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "method": {"order": order, "rates": ns.rates.split(","), "sat_concurrency": ns.sat_concurrency, "window_s": ns.window_s,
+                   "idle_s": ns.idle_s, "settle_s": ns.settle_s, "gap_s": ns.gap_s, "input_len": ns.input_len,
+                   "output_len": ns.output_len, "segments": ns.segments, "serve_args": ns.serve_args,
+                   "defaults_observe": ns.defaults_observe, "stock": "PYTHONPATH without the plugin (--stock-site), else VLLM_PLUGINS= (empty)",
+                   "defaults": "--plugin powersave; observation settings only via $POWERSAVE_CONFIG",
+                   "energy": f"loadtests energy={ns.energy} per load window (counter); sampler: " + sampler.note,
+                   "gpu_idle_share": "share of 10 Hz samples with NVML utilisation 0 % inside the load window",
+                   "clocks": "never changed (POWERSAVE_FORCE_DRY_RUN=1)",
+                   "reqenergy": {"n": ns.reqe_n, "concurrency": ns.reqe_conc, "input_len": ns.reqe_in, "output_len": ns.reqe_out},
+                   "starvation": {"concurrency": ns.starv_conc, "window_s": ns.starv_window_s, "fix_args_default": ns.fix_args,
+                                  "metrics": STARVATION_METRICS}},
+        "servers": [], "notes": []}
+
+    def save() -> None:
+        tmp = raw_f.with_suffix(".tmp")
+        tmp.write_text(json.dumps(result))
+        tmp.replace(raw_f)
+
+    save()
+    port = ns.port or 8100 + 50 * ns.gpu
+    for pos, arm in enumerate(order):
+        need = ns.start_est_s + (40 + ns.starv_window_s if arm == "fix" else ns.idle_s + 30)
+        if time.monotonic() - T0 + need > ns.budget_s:
+            result["notes"].append(f"budget: server {pos} ({arm}) not started")
+            log(result["notes"][-1])
+            break
+        run_server(ns, model, arm, pos, port + pos, sampler, workdir, result, save)
+        pack(workdir, tar_f)
+    sampler.stop_ev.set()
+    save()
+    pack(workdir, tar_f)
+    log(f"saved {raw_f} ({raw_f.stat().st_size} bytes), {tar_f} ({tar_f.stat().st_size} bytes)")
+    print_summary(result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

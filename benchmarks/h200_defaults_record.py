@@ -1,0 +1,401 @@
+#!/usr/bin/env python3
+"""Records from ``benchmarks/h200_defaults.py`` raw files: stock vs the plugin's defaults.
+
+``python3 benchmarks/h200_defaults_record.py RAW.json[.gz]... [--out-dir docs/results]`` writes
+
+* ``h200-defaults.json`` + ``.md`` + ``.png``: ``pairs``; ``idle`` (``stock_w``, ``defaults_w``,
+  ``power_ratio``); ``rates`` (per request rate: ``stock_gpu_idle_share``, ``idle_bound_saving``,
+  ``out_tok_per_j_ratio`` and its ``_ci95``, ``throughput_ratio``, ``p50_ttft_ms_delta``,
+  ``p99_tpot_ratio``, and the figures behind them); ``starvation`` (``idle_while_busy_j``,
+  ``advice``, ``after_fix``); ``checks`` against the targets;
+* ``h200-request-energy.json`` + ``.md``: identical requests at a steady batch (the plugin's
+  per-request figures: p5 / p50 / p95 / max over the median; requests + idle against the counter;
+  the tail / idle split).
+
+Pairs: within one raw file (one GPU), adjacent stock and defaults servers, in run order (ABBA over
+files and GPUs). Ratios are defaults / stock per pair; intervals are Student-t 95 % over pairs.
+``idle_bound_saving`` of a rate = stock's idle seconds in the window (GPU idle share x energy
+window) x (stock idle W - defaults idle W of the pair) / stock's window energy: what the idle-power
+difference alone can save there. ``energy_saving`` = 1 - (defaults J per output token / stock's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+#: Student-t 0.975 quantiles by degrees of freedom (1..30); larger df use 1.96.
+T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
+ARMS = ("stock", "defaults")
+
+
+def mean_ci(xs: list[float]) -> tuple[float | None, list[float] | None]:
+    xs = [x for x in xs if x is not None and math.isfinite(x)]
+    if not xs:
+        return None, None
+    m = statistics.fmean(xs)
+    if len(xs) < 2:
+        return m, None
+    h = (T975[len(xs) - 2] if len(xs) - 1 <= len(T975) else 1.96) * statistics.stdev(xs) / math.sqrt(len(xs))
+    return m, [m - h, m + h]
+
+
+def r(x: Any, nd: int = 4) -> Any:
+    return round(x, nd) if isinstance(x, float) and math.isfinite(x) else x
+
+
+def load(path: str) -> dict:
+    p = Path(path)
+    data = gzip.decompress(p.read_bytes()) if p.suffix == ".gz" else p.read_bytes()
+    d = json.loads(data)
+    d["_file"] = p.name
+    return d
+
+
+def pair_servers(raws: list[dict]) -> list[dict]:
+    """Adjacent stock/defaults servers of one raw file (one GPU), greedily in run order."""
+    pairs = []
+    for raw in raws:
+        srvs = [s for s in raw["servers"] if s["arm"] in ARMS and (s.get("idle") or s.get("windows"))]
+        i = 0
+        while i + 1 < len(srvs):
+            a, b = srvs[i], srvs[i + 1]
+            if a["arm"] != b["arm"]:
+                stock, dflt = (a, b) if a["arm"] == "stock" else (b, a)
+                pairs.append({"file": raw["_file"], "gpu": raw.get("gpu"), "order": f"{a['arm']},{b['arm']}",
+                              "stock": stock, "defaults": dflt})
+                i += 2
+            else:
+                i += 1
+    return pairs
+
+
+def ok(w: dict | None) -> bool:
+    return bool(w) and not w.get("error") and bool(w.get("completed"))
+
+
+def rate_key(rate: str) -> float:
+    return math.inf if rate == "sat" else float(rate)
+
+
+def idle_w(s: dict) -> float | None:
+    return (s.get("idle") or {}).get("avg_power_w")
+
+
+def rates_block(pairs: list[dict]) -> list[dict]:
+    rates = sorted({w["request_rate"] for p in pairs for s in (p["stock"], p["defaults"]) for w in s["windows"]}, key=rate_key)
+    out = []
+    for rate in rates:
+        per: dict[str, list] = {k: [] for k in ("tokj", "thr", "ttft_d", "tpot", "share", "low_share", "bound", "saving",
+                                                "stock_tps", "def_tps", "stock_tokj", "def_tokj", "stock_w", "def_w")}
+        n = 0
+        for p in pairs:
+            ws = next((w for w in p["stock"]["windows"] if w["request_rate"] == rate), None)
+            wd = next((w for w in p["defaults"]["windows"] if w["request_rate"] == rate), None)
+            if not (ok(ws) and ok(wd)):
+                continue
+            n += 1
+            per["thr"].append(wd["output_throughput"] / ws["output_throughput"] if ws.get("output_throughput") else None)
+            per["stock_tps"].append(ws.get("output_throughput"))
+            per["def_tps"].append(wd.get("output_throughput"))
+            if ws.get("median_ttft_ms") is not None and wd.get("median_ttft_ms") is not None:
+                per["ttft_d"].append(wd["median_ttft_ms"] - ws["median_ttft_ms"])
+            if ws.get("p99_tpot_ms") and wd.get("p99_tpot_ms") is not None:
+                per["tpot"].append(wd["p99_tpot_ms"] / ws["p99_tpot_ms"])
+            share = (ws.get("sampler") or {}).get("gpu_idle_share")
+            per["share"].append(share)
+            per["low_share"].append((ws.get("sampler") or {}).get("gpu_low_power_share"))
+            ts, td = ws.get("output_tokens_per_joule"), wd.get("output_tokens_per_joule")
+            per["stock_tokj"].append(ts)
+            per["def_tokj"].append(td)
+            per["stock_w"].append(ws.get("gpu_avg_power_w"))
+            per["def_w"].append(wd.get("gpu_avg_power_w"))
+            if ts and td:
+                per["tokj"].append(td / ts)
+                per["saving"].append(1.0 - ts / td)
+            iw_s, iw_d = idle_w(p["stock"]), idle_w(p["defaults"])
+            e_s, win_s = ws.get("gpu_energy_j"), ws.get("energy_window_s") or ws.get("duration")
+            if None not in (share, iw_s, iw_d, e_s, win_s) and e_s > 0:
+                per["bound"].append(share * win_s * (iw_s - iw_d) / e_s)
+        row: dict = {"request_rate": rate if rate == "sat" else float(rate), "pairs": n}
+        m, ci = mean_ci(per["tokj"])
+        row["out_tok_per_j_ratio"], row["out_tok_per_j_ratio_ci95"] = r(m), [r(x) for x in ci] if ci else None
+        row["stock_gpu_idle_share"] = r(mean_ci(per["share"])[0], 3)
+        row["stock_gpu_low_power_share"] = r(mean_ci(per["low_share"])[0], 3)
+        row["idle_bound_saving"] = r(mean_ci(per["bound"])[0])
+        row["energy_saving"] = r(mean_ci(per["saving"])[0])
+        row["bound_attained"] = r(row["energy_saving"] / row["idle_bound_saving"]) if row["energy_saving"] is not None and row["idle_bound_saving"] else None
+        m, ci = mean_ci(per["thr"])
+        row["throughput_ratio"], row["throughput_ratio_ci95"] = r(m), [r(x) for x in ci] if ci else None
+        m, ci = mean_ci(per["ttft_d"])
+        row["p50_ttft_ms_delta"], row["p50_ttft_ms_delta_ci95"] = r(m, 2), [r(x, 2) for x in ci] if ci else None
+        m, ci = mean_ci(per["tpot"])
+        row["p99_tpot_ratio"], row["p99_tpot_ratio_ci95"] = r(m), [r(x) for x in ci] if ci else None
+        row["per_pair"] = {k: [r(x) for x in v] for k, v in per.items()}
+        for k, name in (("stock_tps", "stock_out_tok_s"), ("def_tps", "defaults_out_tok_s"), ("stock_tokj", "stock_out_tok_per_j"),
+                        ("def_tokj", "defaults_out_tok_per_j"), ("stock_w", "stock_avg_w"), ("def_w", "defaults_avg_w")):
+            row[name] = r(mean_ci(per[k])[0], 2)
+        out.append(row)
+    return out
+
+
+def starvation_block(raws: list[dict]) -> dict:
+    runs, fixes = [], []
+    last = None  # a fix run in a later file is compared with the latest starvation window before it
+    for raw in raws:
+        for s in raw["servers"]:
+            if s.get("starvation"):
+                st = s["starvation"]
+                w = st["window"]
+                e = w.get("gpu_energy_j")
+                last = {"file": raw["_file"], "server": s["label"], "idle_while_busy_j": st.get("idle_while_busy_j"),
+                        "share_of_window_energy": (st["idle_while_busy_j"] / e) if st.get("idle_while_busy_j") is not None and e else None,
+                        "how": st["starvation"]["how"], "series": st["starvation"]["series"], "warnings": st["warnings"],
+                        "advise_ok": st["advise"]["ok"], "advise_output": st["advise"]["output"],
+                        "advise_cmds": [a["cmd"] for a in st["advise"]["attempts"]], "fix_args": st["advise"]["fix_args"],
+                        "concurrency": w.get("concurrency"), "out_tok_s": w.get("output_throughput"),
+                        "out_tok_per_j": w.get("output_tokens_per_joule"), "avg_w": w.get("gpu_avg_power_w"),
+                        "gpu_idle_share": (w.get("sampler") or {}).get("gpu_idle_share"),
+                        "util0_energy_j_nvml": (w.get("sampler") or {}).get("util0_energy_j")}
+                runs.append(last)
+            if s.get("fix_window") and ok(s["fix_window"]):
+                fw = s["fix_window"]
+                after = {"out_tok_s": fw.get("output_throughput"), "out_tok_per_j": fw.get("output_tokens_per_joule"),
+                         "avg_w": fw.get("gpu_avg_power_w"), "gpu_idle_share": (fw.get("sampler") or {}).get("gpu_idle_share"),
+                         "p50_ttft_ms": fw.get("median_ttft_ms"), "p99_tpot_ms": fw.get("p99_tpot_ms")}
+                before = {k: last.get(k) for k in ("out_tok_s", "out_tok_per_j", "avg_w", "gpu_idle_share")} if last else None
+                fx = {"file": raw["_file"], "server": s["label"], "fix_args": s.get("fix_args"), "fix_source": s.get("fix_source"),
+                      "before_from": f"{last['file']} {last['server']}" if last else None, "before": before, "after": after}
+                if before and before.get("out_tok_s") and after["out_tok_s"]:
+                    fx["throughput_ratio"] = r(after["out_tok_s"] / before["out_tok_s"])
+                if before and before.get("out_tok_per_j") and after["out_tok_per_j"]:
+                    fx["out_tok_per_j_ratio"] = r(after["out_tok_per_j"] / before["out_tok_per_j"])
+                fixes.append(fx)
+    js = [x["idle_while_busy_j"] for x in runs if x["idle_while_busy_j"] is not None]
+    advice = next((x["advise_output"] for x in runs if x["advise_ok"]), None)
+    nv = [x["util0_energy_j_nvml"] for x in runs if x.get("util0_energy_j_nvml") is not None]
+    return {"idle_while_busy_j": r(statistics.fmean(js), 1) if js else None,
+            "util0_energy_j_nvml": r(statistics.fmean(nv), 1) if nv else None,
+            "idle_while_busy_share": r(mean_ci([x["share_of_window_energy"] for x in runs])[0]),
+            "warning": next((x["warnings"][0] for x in runs if x["warnings"]), None),
+            "advice": advice.strip().splitlines()[:20] if advice else None,
+            "after_fix": fixes[0] if len(fixes) == 1 else (fixes or None), "runs": runs}
+
+
+def checks(idle: dict, rates: list[dict], starv: dict) -> dict:
+    c: dict = {"idle_power_30pct_lower": None if idle["power_ratio"] is None else idle["power_ratio"] <= 0.70}
+    for row in rates:
+        k = f"rate_{row['request_rate']}"
+        b = row["idle_bound_saving"]
+        c[k] = {"saving_ge_80pct_of_bound": None if row["bound_attained"] is None else row["bound_attained"] >= 0.8,
+                "tokj_ci_above_1_where_bound_ge_10pct": (None if b is None or b < 0.10 or not row["out_tok_per_j_ratio_ci95"]
+                                                         else row["out_tok_per_j_ratio_ci95"][0] > 1.0),
+                "p50_ttft_le_plus_5ms": None if row["p50_ttft_ms_delta"] is None else row["p50_ttft_ms_delta"] <= 5.0,
+                "throughput_ratio_ge_0_99": None if row["throughput_ratio"] is None else row["throughput_ratio"] >= 0.99,
+                "p99_tpot_le_plus_5pct": None if row["p99_tpot_ratio"] is None else row["p99_tpot_ratio"] <= 1.05}
+    fx = starv["after_fix"] if isinstance(starv["after_fix"], dict) else None
+    c["starvation_figure_and_warning"] = starv["idle_while_busy_j"] is not None and starv["warning"] is not None
+    c["fix_measured"] = bool(fx and fx.get("out_tok_per_j_ratio") is not None)
+    return c
+
+
+def request_energy(raws: list[dict], drop: float) -> dict:
+    segs = []
+    for raw in raws:
+        for s in raw["servers"]:
+            seg = s.get("reqenergy")
+            if not seg:
+                continue
+            lines = seg["lines"]
+            js = [x["energy_j"] for x in lines if isinstance(x.get("energy_j"), (int, float))]
+            k = int(len(js) * drop)
+            steady = js[k:len(js) - k] if len(js) > 2 * k else js
+
+            def spread(v: list[float]) -> dict | None:
+                if len(v) < 2:
+                    return None
+                q = statistics.quantiles(v, n=100, method="inclusive")
+                med = statistics.median(v)
+                return {"n": len(v), "median_j": r(med), "p5_over_median": r(q[4] / med), "p50_over_median": 1.0,
+                        "p95_over_median": r(q[94] / med), "max_over_median": r(max(v) / med), "min_over_median": r(min(v) / med)}
+
+            phases = seg.get("plugin_energy_j_by_phase") or {}
+            extra = {}
+            for x in lines:  # per-request parts the plugin may add (e.g. a tail share): summed by name
+                for key, v in x.items():
+                    if key != "energy_j" and key.endswith("_j") and isinstance(v, (int, float)):
+                        extra[key] = extra.get(key, 0.0) + v
+            req_sum = sum(js)
+            idle_j = phases.get("idle")
+            counter = seg.get("counter_j")
+            segs.append({
+                "file": raw["_file"], "server": s["label"], "device": raw["device"].get("name"), "date_utc": raw.get("date_utc"),
+                "n_requests": seg["n"], "lines": len(lines), "with_energy": len(js), "concurrency": seg["concurrency"],
+                "input_len": seg["input_len"], "output_len": seg["output_len"], "prompts": seg.get("prompts"),
+                "source": next((x.get("source") for x in lines), None), "method": next((x.get("method") for x in lines), None),
+                "steady_rule": f"lines in finish order, first and last {drop:.0%} dropped",
+                "steady": spread(steady), "all": spread(js),
+                "requests_sum_j": r(req_sum, 3), "idle_j": r(idle_j, 3) if idle_j is not None else None,
+                "plugin_total_j": r(sum(phases.values()), 3) if phases else None, "plugin_phases_j": {k2: r(v, 3) for k2, v in phases.items()},
+                "counter_j": r(counter, 3) if counter is not None else None,
+                "requests_plus_idle_over_counter": r((req_sum + idle_j) / counter, 5) if counter and idle_j is not None else None,
+                "tail_idle_split": {"idle_j": r(idle_j, 3) if idle_j is not None else None, **{k2: r(v, 3) for k2, v in extra.items()},
+                                    "note": "idle_j: the plugin's idle phase over the span; *_j: per-request parts summed"},
+                "harness_out_tok_s": seg["harness"].get("output_throughput"), "span_s": r(seg.get("span_s"), 3)})
+    return {"segments": segs}
+
+
+def plot(rates: list[dict], path: Path, title: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception:
+        return False
+    rows = [x for x in rates if x["out_tok_per_j_ratio"] is not None]
+    if not rows:
+        return False
+    finite = [x["request_rate"] for x in rows if x["request_rate"] != "sat"]
+    top = max(finite) * 3 if finite else 1.0
+    xs = [top if x["request_rate"] == "sat" else x["request_rate"] for x in rows]
+    ys = [x["out_tok_per_j_ratio"] for x in rows]
+    lo = [y - (x["out_tok_per_j_ratio_ci95"] or [y, y])[0] for x, y in zip(rows, ys)]
+    hi = [(x["out_tok_per_j_ratio_ci95"] or [y, y])[1] - y for x, y in zip(rows, ys)]
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    ax.errorbar(xs, ys, yerr=[lo, hi], fmt="o-", capsize=4, label="defaults / stock (mean, 95 % CI over pairs)")
+    bx = [x for x, row in zip(xs, rows) if row["idle_bound_saving"] is not None and row["idle_bound_saving"] < 1]
+    by = [1 / (1 - row["idle_bound_saving"]) for row in rows if row["idle_bound_saving"] is not None and row["idle_bound_saving"] < 1]
+    if bx:
+        ax.plot(bx, by, "s--", color="gray", label="idle-power bound (stock idle s x idle W difference)")
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.set_xscale("log")
+    ax.set_xticks(xs)
+    ax.set_xticklabels(["sat" if row["request_rate"] == "sat" else f"{row['request_rate']:g}" for row in rows])
+    ax.set_xlabel("Poisson request rate (req/s)")
+    ax.set_ylabel("output tokens per joule ratio")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def fmt(x: Any, nd: int = 3) -> str:
+    if x is None:
+        return "–"
+    if isinstance(x, list):
+        return "–".join(fmt(v, nd) for v in x)
+    return f"{x:.{nd}f}" if isinstance(x, float) else str(x)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("raw", nargs="+")
+    ap.add_argument("--out-dir", default="docs/results")
+    ap.add_argument("--name", default="h200-defaults")
+    ap.add_argument("--reqe-name", default="h200-request-energy")
+    ap.add_argument("--steady-drop", type=float, default=0.2, help="share of request lines dropped at each end (480 -> middle 288)")
+    ns = ap.parse_args()
+    raws = [load(p) for p in ns.raw]
+    out = Path(ns.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    measured = all(x.get("measured") for x in raws)
+    pairs = pair_servers(raws)
+    ir = [idle_w(p["defaults"]) / idle_w(p["stock"]) for p in pairs if idle_w(p["stock"]) and idle_w(p["defaults"]) is not None]
+    pr, pr_ci = mean_ci(ir)
+    idle = {"stock_w": r(mean_ci([idle_w(p["stock"]) for p in pairs])[0], 1),
+            "defaults_w": r(mean_ci([idle_w(p["defaults"]) for p in pairs])[0], 1),
+            "power_ratio": r(pr), "power_ratio_ci95": [r(x) for x in pr_ci] if pr_ci else None, "pairs": len(ir),
+            "stock_sm_mhz": [(p["stock"].get("idle") or {}).get("median_sm_clock_mhz") for p in pairs],
+            "defaults_sm_mhz": [(p["defaults"].get("idle") or {}).get("median_sm_clock_mhz") for p in pairs]}
+    rates = rates_block(pairs)
+    starv = starvation_block(raws)
+    devices = sorted({x["device"].get("name", "?") for x in raws})
+    rec = {"what": "stock vLLM vs --plugin powersave with its defaults (no setting), one server at a time, ABBA",
+           "measured": measured, "simulated": False,
+           "energy": "NVML total-energy counter per load window" if measured else "unavailable (no NVML): energy figures are null",
+           "devices": devices, "vllm_versions": sorted({str(x.get("vllm_version")) for x in raws}),
+           "shapes": sorted({str(x.get("shape") or x.get("model")) for x in raws}),
+           "runs": [{"file": x["_file"], "tag": x.get("tag"), "gpu": x.get("gpu"), "date_utc": x.get("date_utc"),
+                     "order": x["method"]["order"], "notes": x.get("notes")} for x in raws],
+           "method": raws[0]["method"],
+           "pairs": len(pairs), "pair_list": [{"file": p["file"], "gpu": p["gpu"], "order": p["order"]} for p in pairs],
+           "idle": idle, "rates": rates, "starvation": starv, "checks": checks(idle, rates, starv),
+           "startup_s": {a: [s.get("startup_s") for x in raws for s in x["servers"] if s["arm"] == a] for a in ("stock", "defaults", "fix")},
+           "scripts": ["benchmarks/h200_defaults.py", "benchmarks/h200_defaults_record.py"],
+           "recorded_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    (out / f"{ns.name}.json").write_text(json.dumps(rec, indent=1))
+    png = out / f"{ns.name}.png"
+    has_png = plot(rates, png, f"{', '.join(devices)}: --plugin powersave defaults vs stock ({len(pairs)} pairs)")
+    label = "measured" if measured else "NOT measured: no NVML (CPU smoke test), energy null"
+    m = raws[0]["method"]
+    md = [f"# Stock vLLM vs `--plugin powersave` defaults ({label})", "",
+          f"- Device(s): {', '.join(devices)}; vLLM {', '.join(rec['vllm_versions'])}; model {', '.join(rec['shapes'])} (`--load-format dummy`).",
+          "- Runs (UTC): " + "; ".join(f"{x['tag']} GPU {x['gpu']} {x['date_utc']} order {','.join(x['order'])}" for x in rec["runs"]) + ".",
+          f"- Method: one server at a time; stock = vLLM alone (no plugin on the path, or `VLLM_PLUGINS=` empty); defaults = "
+          f"`--plugin powersave` with no saving setting (observation only: {m.get('defaults_observe')}). Per server: "
+          f"{m.get('idle_s')} s idle, then Poisson windows of {m.get('window_s')} s of request starts at "
+          f"{', '.join(m.get('rates') or [])} req/s ({m.get('input_len')} in / {m.get('output_len')} out, streamed, "
+          f"same seeds in both arms). Energy: {rec['energy']}. GPU idle share: {m.get('gpu_idle_share')}. Clocks never changed.",
+          f"- Pairs: **{len(pairs)}** (adjacent stock/defaults servers on one GPU: " + ", ".join(f"{p['file']} GPU {p['gpu']} {p['order']}" for p in rec["pair_list"]) + ").",
+          "", "## Idle, engine loaded", "", "| stock W | defaults W | ratio (95 % CI) | pairs |", "|---|---|---|---|",
+          f"| {fmt(idle['stock_w'], 1)} | {fmt(idle['defaults_w'], 1)} | {fmt(idle['power_ratio'])} ({fmt(idle['power_ratio_ci95'])}) | {idle['pairs']} |",
+          "", "## Request-rate sweep (defaults / stock per pair)", "",
+          "| req/s | pairs | stock GPU idle share | idle bound | energy saving | tok/J ratio (95 % CI) | throughput ratio | p50 TTFT Δ ms | p99 TPOT ratio | stock / defaults tok/s | stock / defaults tok/J |",
+          "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for x in rates:
+        md.append(f"| {x['request_rate']} | {x['pairs']} | {fmt(x['stock_gpu_idle_share'], 2)} | {fmt(x['idle_bound_saving'])} | "
+                  f"{fmt(x['energy_saving'])} | {fmt(x['out_tok_per_j_ratio'])} ({fmt(x['out_tok_per_j_ratio_ci95'])}) | "
+                  f"{fmt(x['throughput_ratio'])} | {fmt(x['p50_ttft_ms_delta'], 2)} | {fmt(x['p99_tpot_ratio'])} | "
+                  f"{fmt(x['stock_out_tok_s'], 0)} / {fmt(x['defaults_out_tok_s'], 0)} | {fmt(x['stock_out_tok_per_j'])} / {fmt(x['defaults_out_tok_per_j'])} |")
+    if has_png:
+        md += ["", f"![tokens per joule ratio vs request rate]({png.name})"]
+    fx = starv["after_fix"] if isinstance(starv["after_fix"], dict) else None
+    md += ["", "## Starvation: one API server at high concurrency", "",
+           f"- GPU energy spent idle while requests were running or waiting: {fmt(starv['idle_while_busy_j'], 1)} J "
+           f"({fmt(starv['idle_while_busy_share'])} of the window's energy; {starv['runs'][0]['how'] if starv['runs'] else 'not run'}); "
+           f"NVML cross-check, energy of samples at 0 % utilisation: {fmt(starv['util0_energy_j_nvml'], 1)} J.",
+           f"- Warning in the server log: {('`' + starv['warning'][:300] + '`') if starv['warning'] else 'none found'}.",
+           "- `vllm-powersave advise`:" + ("" if starv["advice"] else " no output"), *(["```", *starv["advice"], "```"] if starv["advice"] else []),
+           (f"- Fix applied ({fx['fix_args']}, from {fx['fix_source']}): throughput {fmt((fx['before'] or {}).get('out_tok_s'), 0)} -> "
+            f"{fmt(fx['after']['out_tok_s'], 0)} tok/s (x{fmt(fx.get('throughput_ratio'))}), tokens/J {fmt((fx['before'] or {}).get('out_tok_per_j'))} -> "
+            f"{fmt(fx['after']['out_tok_per_j'])} (x{fmt(fx.get('out_tok_per_j_ratio'))})." if fx else "- Fix: not measured.")]
+    md += ["", "## Checks against the targets", "", "```", json.dumps(rec["checks"], indent=1), "```"]
+    (out / f"{ns.name}.md").write_text("\n".join(md) + "\n")
+
+    reqe = request_energy(raws, ns.steady_drop)
+    sim = any(seg["source"] == "simulated" for seg in reqe["segments"])
+    reqe.update({"what": "identical-length requests at a steady batch: the plugin's per-request energy", "measured": measured and not sim,
+                 "simulated": sim, "devices": devices, "scripts": rec["scripts"], "recorded_utc": rec["recorded_utc"]})
+    (out / f"{ns.reqe_name}.json").write_text(json.dumps(reqe, indent=1))
+    md = [f"# Per-request energy of identical requests at a steady batch ({'simulated per-request figures; ' if sim else ''}{label})", "",
+          "- Requests of equal length (distinct random prompts, no prefix-cache hits, `ignore_eos`) at a fixed concurrency through "
+          "the defaults server; the plugin's per-request lines (`requests-rank<N>.jsonl`) against the NVML counter over the "
+          "same span (plugin snapshot to snapshot). Steady batch: lines in finish order, first and last "
+          f"{ns.steady_drop:.0%} dropped.", "",
+          "| run | source / method | n (steady) | median J | p5 / p50 / p95 / max over median | requests + idle over counter | requests J | idle J | counter J | other parts J |",
+          "|---|---|---|---|---|---|---|---|---|---|"]
+    for s in reqe["segments"]:
+        st = s["steady"] or {}
+        other = {k: v for k, v in s["tail_idle_split"].items() if k not in ("idle_j", "note")}
+        md.append(f"| {s['file']} {s['server']} | {s['source']} / {s['method']} | {st.get('n')} | {fmt(st.get('median_j'))} | {fmt(st.get('p5_over_median'))} / 1 / "
+                  f"{fmt(st.get('p95_over_median'))} / {fmt(st.get('max_over_median'))} | {fmt(s['requests_plus_idle_over_counter'], 4)} | "
+                  f"{fmt(s['requests_sum_j'], 1)} | {fmt(s['idle_j'], 1)} | {fmt(s['counter_j'], 1)} | {json.dumps(other) if other else '–'} |")
+    (out / f"{ns.reqe_name}.md").write_text("\n".join(md) + "\n")
+    print(f"wrote {out}/{ns.name}.json/.md{'/.png' if has_png else ''} ({len(pairs)} pairs) and {out}/{ns.reqe_name}.json/.md "
+          f"({len(reqe['segments'])} segment(s))")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""benchmarks/h200_defaults_record.py: pairing, the idle-power bound and the request-energy spread."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import h200_defaults_record as rec  # noqa: E402
+
+
+def window(rate, tps, tokj, energy_j, window_s, idle_share, ttft=20.0, tpot=8.0):
+    return {"request_rate": rate, "completed": 10, "output_throughput": tps, "output_tokens_per_joule": tokj,
+            "gpu_energy_j": energy_j, "energy_window_s": window_s, "median_ttft_ms": ttft, "p99_tpot_ms": tpot,
+            "gpu_avg_power_w": None if energy_j is None else energy_j / window_s, "sampler": {"gpu_idle_share": idle_share}}
+
+
+def server(arm, idle_w, windows, **extra):
+    return {"arm": arm, "label": arm, "idle": {"avg_power_w": idle_w}, "windows": windows, **extra}
+
+
+def raw(servers, name="r.json"):
+    return {"_file": name, "gpu": 0, "device": {"name": "GPU"}, "measured": True, "servers": servers,
+            "method": {"order": [s["arm"] for s in servers]}}
+
+
+def test_pairs_are_adjacent_stock_defaults_servers_of_one_file_in_either_order():
+    r = raw([server("stock", 120, []), server("defaults", 80, []), server("defaults", 80, []), server("stock", 120, []),
+             server("stock", 120, [])])
+    pairs = rec.pair_servers([r])
+    assert [p["order"] for p in pairs] == ["stock,defaults", "defaults,stock"]
+    assert all(p["stock"]["arm"] == "stock" and p["defaults"]["arm"] == "defaults" for p in pairs)
+
+
+def test_idle_bound_is_stock_idle_seconds_times_idle_power_difference_over_stock_energy():
+    # stock: 10 s window, 60 % idle, 1000 J; idle powers 120 vs 80 W -> bound 6 s * 40 W / 1000 J = 0.24.
+    s = server("stock", 120.0, [window("1", 100.0, 1.0, 1000.0, 10.0, 0.6)])
+    d = server("defaults", 80.0, [window("1", 100.0, 1.25, 800.0, 10.0, 0.6)])
+    row = rec.rates_block(rec.pair_servers([raw([s, d])]))[0]
+    assert abs(row["idle_bound_saving"] - 0.24) < 1e-9
+    assert abs(row["energy_saving"] - 0.2) < 1e-9  # 1 - 1.0 / 1.25
+    assert abs(row["bound_attained"] - 0.2 / 0.24) < 1e-3
+    assert row["out_tok_per_j_ratio"] == 1.25 and row["throughput_ratio"] == 1.0
+
+
+def test_failed_window_leaves_its_pair_out_of_that_rate_only():
+    bad = dict(window("4", 1.0, 1.0, 1.0, 1.0, 0.0), error="0 requests completed", completed=0)
+    r = raw([server("stock", 120, [window("1", 100, 1.0, 1000, 10, 0.5), bad]),
+             server("defaults", 80, [window("1", 100, 1.1, 900, 10, 0.5), window("4", 400, 2.0, 2000, 10, 0.1)])])
+    rows = {x["request_rate"]: x for x in rec.rates_block(rec.pair_servers([r]))}
+    assert rows[1.0]["pairs"] == 1 and rows[4.0]["pairs"] == 0 and rows[4.0]["out_tok_per_j_ratio"] is None
+
+
+def test_ci_needs_two_pairs_and_brackets_the_mean():
+    m, ci = rec.mean_ci([1.0])
+    assert m == 1.0 and ci is None
+    m, ci = rec.mean_ci([1.0, 1.2, 1.1])
+    assert ci[0] < m < ci[1]
+
+
+def test_record_cli_writes_both_records_and_degrades_without_energy(tmp_path):
+    lines = [{"request_id": f"r{i}", "energy_j": 6.0 + (i % 5) * 0.1, "source": "measured"} for i in range(20)]
+    d = server("defaults", None, [dict(window("1", 100, None, None, 10, None), gpu_energy_j=None)],
+               reqenergy={"n": 20, "concurrency": 4, "input_len": 128, "output_len": 96, "lines": lines,
+                          "plugin_energy_j_by_phase": {"idle": 10.0, "decode": 120.0}, "counter_j": 130.0,
+                          "harness": {}})
+    s = server("stock", None, [dict(window("1", 100, None, None, 10, None), gpu_energy_j=None)])
+    f = tmp_path / "raw.json"
+    f.write_text(json.dumps({**raw([s, d]), "measured": False}))
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "h200_defaults_record.py"), str(f), "--out-dir", str(tmp_path)],
+                   check=True, capture_output=True)
+    out = json.loads((tmp_path / "h200-defaults.json").read_text())
+    assert out["pairs"] == 1 and out["measured"] is False and out["rates"][0]["out_tok_per_j_ratio"] is None
+    assert set(out["idle"]) >= {"stock_w", "defaults_w", "power_ratio"}
+    assert set(out["starvation"]) >= {"idle_while_busy_j", "advice", "after_fix"}
+    reqe = json.loads((tmp_path / "h200-request-energy.json").read_text())
+    seg = reqe["segments"][0]
+    assert seg["steady"]["n"] == 12  # 20 lines, 20 % dropped at each end
+    assert abs(seg["requests_plus_idle_over_counter"] - (sum(x["energy_j"] for x in lines) + 10.0) / 130.0) < 1e-4
