@@ -24,15 +24,14 @@ from .clocks.backends import ClockBackend
 from .energy import PhaseEnergyAccount, SimulatedEnergyMeter
 from .energy.meters import EnergyMeter, UnavailableEnergyMeter, nvml_handle_for_torch_device, open_nvml_meter
 from .clocks.boost import BoostController, BoostHolder
-from .settings import ENV_PERF_BOOST, PowersaveSettings, settings_from_env
+from . import envs
+from .envs import ENV_FORCE_DRY_RUN
+from .settings import PowersaveSettings, settings_from_env
 from .sim.gpu import SPECS, ModelCost, SimulatedGpu
 
 log = logging.getLogger("vllm.powersave")
 _LOOKAHEAD_ATTR = vllm_compat.LOOKAHEAD_ATTR
 
-#: Set on machines whose GPU settings must never change (the shared H200): any clock backend
-#: becomes dry-run, whatever the settings say.
-ENV_FORCE_DRY_RUN = "POWERSAVE_FORCE_DRY_RUN"
 
 _POLICY: ChunkPolicy | None = None
 _RUNTIME: "WorkerRuntime | None" = None
@@ -362,7 +361,7 @@ class WorkerRuntime:
 
     def _backend(self, settings: PowersaveSettings, nvml: Any, handle: Any) -> ClockBackend:
         kind = settings.clocks.backend
-        if os.environ.get(ENV_FORCE_DRY_RUN, "") not in ("", "0") and kind != "dry-run":
+        if envs.force_dry_run() and kind != "dry-run":
             log.warning("powersave: %s=1: clock backend %r forced to dry-run", ENV_FORCE_DRY_RUN, kind)
             kind = "dry-run"
         if kind == "nvml":
@@ -387,9 +386,10 @@ class WorkerRuntime:
 
     def _zeusd_backend(self, settings: PowersaveSettings, nvml: Any, handle: Any) -> ClockBackend:
         """Zeus's daemon for unprivileged servers; unreachable or unset -> dry-run, one warning."""
-        from .clocks.backends import ENV_ZEUSD_SOCK, ENV_ZEUSD_TOKEN, ClockError, ZeusdClockBackend
+        from .clocks.backends import ClockError, ZeusdClockBackend
+        from .envs import ENV_ZEUSD_SOCK
 
-        sock = settings.clocks.zeusd_socket or os.environ.get(ENV_ZEUSD_SOCK)
+        sock = settings.clocks.zeusd_socket or envs.zeusd_socket()
         supported = mem = None
         if handle is not None:
             try:  # read-only queries: no privilege needed
@@ -400,7 +400,7 @@ class WorkerRuntime:
         if not sock:
             log.warning("powersave: clocks.backend 'zeusd' but neither clocks.zeusd_socket nor $%s is set; using dry-run", ENV_ZEUSD_SOCK)
             return DryRunClockBackend(supported)
-        token = os.environ.get(ENV_ZEUSD_TOKEN) or None
+        token = envs.zeusd_token()
         index = settings.clocks.zeusd_gpu_index
         try:
             if index is None and handle is not None:
@@ -705,7 +705,7 @@ class WorkerRuntime:
             "sim_stock_clocks_energy_j": self.sim_stock.energy_j if self.sim_stock is not None else None,
             "sim_busy_s": self.sim.busy_time_s if self.sim is not None else None,
             "sim_stock_clocks_busy_s": self.sim_stock.busy_time_s if self.sim_stock is not None else None,
-            "cuda_perf_boost": "auto" if self.settings.cuda_perf_boost == "auto" else ("off" if os.environ.get(ENV_PERF_BOOST) == "1" else "on"),
+            "cuda_perf_boost": "auto" if self.settings.cuda_perf_boost == "auto" else ("off" if envs.perf_boost_disabled() else "on"),
             "cuda_boost": self.boost.snapshot() if self.boost is not None else None,
             "transport": ray_relay.describe(self._relay),
             "ray_node_id": self._relay.node_id if self._relay is not None else None,

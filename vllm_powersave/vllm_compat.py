@@ -50,6 +50,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from . import envs
 from .phases import ReqSched, StepInfo, classify, classify_counts
 
 log = logging.getLogger("vllm.powersave")
@@ -116,7 +117,7 @@ class _PluginAction(argparse.Action):
         for n in names:
             if n != "powersave":
                 parser.error(f"argument --plugin: unknown plugin {n!r} (known: powersave)")
-        os.environ["POWERSAVE_ENABLED"] = "1"
+        os.environ[envs.ENV_ENABLE] = "1"
         items = list(getattr(namespace, self.dest, None) or [])
         setattr(namespace, self.dest, items + names)
 
@@ -725,8 +726,8 @@ def async_scheduling(runner: Any) -> bool:
 # Ray executor: our settings reach workers on every node
 # --------------------------------------------------------------------------------------------
 #: vLLM's additive lists of what its Ray executors copy from the driver to the workers.
-RAY_EXTRA_PREFIXES_ENV = "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"
-RAY_EXTRA_VARS_ENV = "VLLM_RAY_EXTRA_ENV_VARS_TO_COPY"
+RAY_EXTRA_PREFIXES_ENV = envs.ENV_RAY_EXTRA_PREFIXES
+RAY_EXTRA_VARS_ENV = envs.ENV_RAY_EXTRA_VARS
 
 
 def ray_copy_env(prefixes: tuple[str, ...], names: tuple[str, ...], env: Any = None) -> None:
@@ -742,7 +743,7 @@ def ray_copy_env(prefixes: tuple[str, ...], names: tuple[str, ...], env: Any = N
     """
     env = os.environ if env is None else env
     for key, items in ((RAY_EXTRA_PREFIXES_ENV, prefixes), (RAY_EXTRA_VARS_ENV, names)):
-        current = [x.strip() for x in (env.get(key) or "").split(",") if x.strip()]
+        current = envs.ray_extra_list(key, env)
         missing = [x for x in items if x not in current]
         if missing:
             env[key] = ",".join(current + missing)

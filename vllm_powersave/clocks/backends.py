@@ -16,7 +16,6 @@ from __future__ import annotations
 import http.client
 import json
 import logging
-import os
 import socket
 import time
 import urllib.parse
@@ -25,6 +24,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+from .. import envs
+from ..envs import ENV_ZEUSD_SOCK, ENV_ZEUSD_TOKEN  # noqa: F401 - re-exported; declared in envs.py
 from ..sim.gpu import SimulatedGpu
 
 log = logging.getLogger("vllm.powersave.clocks")
@@ -34,11 +35,6 @@ NVML_ERROR_NOT_SUPPORTED = 3
 NVML_ERROR_NO_PERMISSION = 4
 NVML_ERROR_GPU_IS_LOST = 15
 NVML_ERROR_UNKNOWN = 999
-
-#: zeusd's socket when ``clocks.zeusd_socket`` is not set (Zeus's own convention).
-ENV_ZEUSD_SOCK = "ZEUSD_SOCK_PATH"
-#: JWT for a zeusd started with auth; read from the environment only (settings are logged).
-ENV_ZEUSD_TOKEN = "ZEUSD_TOKEN"
 
 
 class ClockError(RuntimeError):
@@ -406,7 +402,7 @@ def reset_from_lease(lease: dict[str, Any], nvml: Any | None = None) -> None:
             raise LeaseError(f"lease field 'socket' = {sock!r}: a zeusd lease needs the daemon's socket path")
         if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index <= 1024:
             raise LeaseError(f"lease field 'gpu_index' = {index!r}: must be zeusd's GPU index (0-1024)")
-        b = ZeusdClockBackend(sock, index, token=os.environ.get(ENV_ZEUSD_TOKEN) or None)
+        b = ZeusdClockBackend(sock, index, token=envs.zeusd_token())
         b.mem_may_be_locked = bool(lease.get("mem_locked", False))
         b.reset()
         return

@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
 
+from .. import envs
 from ..sim.gpu import SimulatedGpu
 
 log = logging.getLogger("vllm.powersave.energy")
@@ -630,4 +630,4 @@ def nvml_handle_for_torch_device(nvml: Any, device_index: int) -> tuple[Any, str
         uuid = str(torch.cuda.get_device_properties(device_index).uuid)
     except Exception as exc:  # older torch without .uuid: fall back to CUDA_VISIBLE_DEVICES
         log.debug("powersave: torch device UUID unavailable (%s)", exc)
-    return resolve_nvml_device(nvml, device_index, uuid, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    return resolve_nvml_device(nvml, device_index, uuid, envs.cuda_visible_devices())
