@@ -112,13 +112,15 @@ def stub_nvml_installer():
         def sm_clock_mhz(self) -> int:
             return 1980
 
-    init_nvml = runtime._init_nvml
+    # The module that builds the runtime: runtime/build.py, or the one-module runtime of older revisions.
+    builder = sys.modules.get("vllm_powersave.runtime.build", runtime)
+    init_nvml = builder._init_nvml
 
     def use(on: bool) -> None:
         vc.runner_identity = gpu_ident if on else cpu_ident
-        runtime._init_nvml = (lambda: types.SimpleNamespace()) if on else init_nvml
-        runtime.nvml_handle_for_torch_device = lambda nvml, index: ("handle", "GPU-bench")
-        runtime.open_nvml_meter = lambda nvml, handle, gpu_id, sample_period_s=None: StubNvmlMeter(gpu_id)
+        builder._init_nvml = (lambda: types.SimpleNamespace()) if on else init_nvml
+        builder.nvml_handle_for_torch_device = lambda nvml, index: ("handle", "GPU-bench")
+        builder.open_nvml_meter = lambda nvml, handle, gpu_id, sample_period_s=None: StubNvmlMeter(gpu_id)
 
     return use
 
