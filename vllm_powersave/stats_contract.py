@@ -63,6 +63,8 @@ class CudaBoost(TypedDict, total=False):
 
     held: bool
     switches: int
+    last_switch_ms: float | None
+    disabled: str | None
 
 
 class WorkerSnapshot(TypedDict, total=False):
