@@ -129,13 +129,11 @@ class Sampler(threading.Thread):
 
     def __init__(self, gpu: int, period_s: float = 0.1) -> None:
         super().__init__(daemon=True)
-        import pynvml
-
+        from vllm_powersave.device import NvmlGpu
         from vllm_powersave.energy.meters import open_nvml_meter
 
-        pynvml.nvmlInit()
-        self.nvml, self.h = pynvml, pynvml.nvmlDeviceGetHandleByIndex(gpu)
-        self.meter = open_nvml_meter(pynvml, self.h, str(gpu), start_thread=True)
+        self.gpu = NvmlGpu.from_index(gpu)
+        self.meter = open_nvml_meter(self.gpu, start_thread=True)
         self.period = period_s
         self.rows: list[tuple[float, float | None, float | None, int | None, int | None]] = []  # t, J, W, MHz, util %
         self.stop_ev = threading.Event()
@@ -152,7 +150,7 @@ class Sampler(threading.Thread):
                     pass
                 next_sync = t + 30.0
             try:
-                util = int(self.nvml.nvmlDeviceGetUtilizationRates(self.h).gpu)
+                util = self.gpu.utilization_gpu_pct()
             except Exception:
                 util = None
             self.rows.append((time.perf_counter(), self.meter.energy_j(), self.meter.power_w(), self.meter.sm_clock_mhz(), util))
@@ -213,15 +211,12 @@ class NullSampler:
 
 
 def device_facts(gpu: int) -> dict:
-    try:
-        import pynvml as N
+    from vllm_powersave.device import GpuError, NvmlGpu, driver_version
 
-        N.nvmlInit()
-        h = N.nvmlDeviceGetHandleByIndex(gpu)
-        name = N.nvmlDeviceGetName(h)
-        return {"name": name.decode() if isinstance(name, bytes) else name, "driver": str(N.nvmlSystemGetDriverVersion()),
-                "power_limit_w": N.nvmlDeviceGetEnforcedPowerLimit(h) / 1000.0}
-    except Exception as exc:
+    try:
+        g = NvmlGpu.from_index(gpu)
+        return {"name": g.name(), "driver": driver_version(g.nvml), "power_limit_w": g.power_limit_w()}
+    except (GpuError, ImportError) as exc:
         return {"name": f"no NVML ({type(exc).__name__}: {exc})"}
 
 

@@ -102,14 +102,16 @@ def stub_nvml_installer():
         def sm_clock_mhz(self) -> int:
             return 1980
 
-    init_nvml = runtime._init_nvml
+    # The module that builds the runtime: runtime/build.py, or the one-module runtime of older revisions.
+    builder = sys.modules.get("vllm_powersave.runtime.build", runtime)
+    init_nvml = builder._init_nvml
 
     def use(on: bool) -> None:
         vc.runner_identity = gpu_ident if on else cpu_ident
-        runtime._init_nvml = (lambda: types.SimpleNamespace()) if on else init_nvml
-        runtime.NvmlGpu = types.SimpleNamespace(
+        builder._init_nvml = (lambda: types.SimpleNamespace()) if on else init_nvml
+        builder.NvmlGpu = types.SimpleNamespace(
             for_torch_device=lambda index, nvml=None: types.SimpleNamespace(uuid="GPU-bench", is_mig=lambda: False))
-        runtime.open_nvml_meter = lambda gpu, sample_period_s=None: StubNvmlMeter(gpu.uuid)
+        builder.open_nvml_meter = lambda gpu, sample_period_s=None: StubNvmlMeter(gpu.uuid)
 
     return use
 

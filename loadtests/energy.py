@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import os
+import json
 import time
 from dataclasses import dataclass, field
 
 import aiohttp
 
 from vllm_powersave.device import GpuError, NvmlGpu, ZeusdClient, device_count, init_nvml
+from vllm_powersave import envs
 
 METRIC = "powersave_gpu_energy_joules"
 _SAMPLE_NAMES = {METRIC, METRIC + "_total"}
@@ -325,7 +327,7 @@ class EnergyMeter:
     def __init__(self, session: aiohttp.ClientSession, base_url: str, gpus: list[int] | None, timeout_s: float = 5.0, mode: str = "auto",
                  zeusd: str | None = None):
         self._mode = mode
-        self._zeusd = ZeusdEnergy(zeusd, gpus, timeout_s, os.environ.get("ZEUSD_TOKEN") or None) if mode == "zeusd" and zeusd else None
+        self._zeusd = ZeusdEnergy(zeusd, gpus, timeout_s, envs.zeusd_token()) if mode == "zeusd" and zeusd else None
         self._zeusd_ok = False
         self._session = session
         self._base_url = base_url

@@ -521,7 +521,9 @@ def test_step_records_drained_in_batches_equal_feeding_every_step(monkeypatch, t
             tick[0] += 0.001
             return tick[0]
 
-        monkeypatch.setattr(rt_mod, "time", SimpleNamespace(monotonic=mono, time=lambda: 0.0))
+        clock = SimpleNamespace(monotonic=mono, time=lambda: 0.0)
+        for part in (rt_mod.build, rt_mod.step, rt_mod.publisher):  # every module of the runtime on this clock
+            monkeypatch.setattr(part, "time", clock)
         d = tmp_path / ("inline" if inline else "batched")
         d.mkdir()
         nvml = FakeNvmlDevices(uuids=("GPU-aaaa-0000", "GPU-bbbb-1111"))

@@ -23,18 +23,15 @@ __version__ = "0.1.0"
 
 log = logging.getLogger("vllm.powersave")
 
-ENV_ENABLE = "POWERSAVE_ENABLED"
+from . import envs
+from .envs import ENV_ENABLE
 
 _STATE = {"registered": False, "active": False}
 
 
 def enabled_by_env(env: dict[str, str] | None = None) -> bool:
     """True if ``POWERSAVE_ENABLED`` is set (non-zero) or ``VLLM_PLUGINS`` names ``powersave``."""
-    env = os.environ if env is None else env
-    if env.get(ENV_ENABLE, "") not in ("", "0", "false", "False"):
-        return True
-    plugins = env.get("VLLM_PLUGINS")
-    return plugins is not None and "powersave" in [p.strip() for p in plugins.split(",")]
+    return envs.enabled(env) or "powersave" in envs.vllm_plugins(env)
 
 
 def register() -> None:
@@ -66,11 +63,11 @@ def apply_process_env(settings: object) -> None:
     Called in the API server before engine processes start (they inherit the environment) and
     again in each engine process's ``register()``, which vLLM runs before the worker's device init.
     """
-    from .settings import ENV_PERF_BOOST
+    from .envs import ENV_PERF_BOOST
 
     mode = getattr(settings, "cuda_perf_boost", "on")
     if mode in ("off", "auto"):
-        if os.environ.get(ENV_PERF_BOOST) != "1":
+        if not envs.perf_boost_disabled():
             os.environ[ENV_PERF_BOOST] = "1"
             log.info("powersave: %s=1 (cuda_perf_boost: %s) for this process and its children", ENV_PERF_BOOST, mode)
 
@@ -118,7 +115,7 @@ def _server_facts(engine_args: object, settings: object) -> dict:
     try:
         from .device import NvmlGpu, driver_version
 
-        gpu = NvmlGpu.for_cuda_device(0, visible=os.environ.get("CUDA_VISIBLE_DEVICES"))  # CUDA device 0, no CUDA init
+        gpu = NvmlGpu.for_cuda_device(0, visible=envs.cuda_visible_devices())  # CUDA device 0, no CUDA init
         facts["gpu_name"] = gpu.name()
         facts["driver"] = driver_version(gpu.nvml)
     except Exception:
@@ -164,10 +161,8 @@ def _prepare_stats_dir(settings):  # type: ignore[no-untyped-def]
 
 def _inherited_stats_dir() -> str | None:
     """The default stats directory exported by a parent process (not by this one), if it exists."""
-    from .settings import ENV_SETTINGS_JSON
-
     try:
-        d = json.loads(os.environ.get(ENV_SETTINGS_JSON) or "{}").get("stats_dir")
+        d = json.loads(envs.settings_json() or "{}").get("stats_dir")
     except (ValueError, AttributeError):
         return None
     if not d or not os.path.isdir(d):
@@ -190,7 +185,8 @@ def _stop_startup(err: Exception) -> None:
 def _on_engine_args(engine_args: object) -> None:
     """Before vLLM builds its config: validate settings, export them, start the metrics collector."""
     from . import vllm_compat
-    from .settings import ENV_SETTINGS_JSON, SettingsError, load_settings
+    from .envs import ENV_SETTINGS_JSON
+    from .settings import SettingsError, load_settings
 
     inline = vllm_compat.additional_config(engine_args).get("powersave")
     if inline is None and not enabled_by_env():
@@ -217,9 +213,7 @@ def _on_engine_args(engine_args: object) -> None:
     os.environ[ENV_SETTINGS_JSON] = settings.model_dump_json()
     apply_process_env(settings)
     # Ray executor: workers on other nodes get these only if vLLM copies them (ray_relay.py).
-    from .settings import ENV_PERF_BOOST
-
-    vllm_compat.ray_copy_env(("POWERSAVE_",), (ENV_PERF_BOOST,))
+    vllm_compat.ray_copy_env((envs.PREFIX,), (envs.ENV_PERF_BOOST,))
     activate()
     from .metrics import register_collector
 

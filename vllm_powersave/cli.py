@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .stats_contract import WorkerSnapshot, snapshot_from_json, snapshot_name
+
 PRESET_DIR = Path(__file__).parent / "presets"
 
 
@@ -67,9 +69,9 @@ def _with_stats_dir(extra: list[str], stats_dir: str) -> list[str]:
     return out
 
 
-def _read_snapshot(stats_dir: Path) -> dict[str, Any]:
+def _read_snapshot(stats_dir: Path) -> WorkerSnapshot:
     try:
-        return json.loads((stats_dir / "rank0.json").read_text())
+        return snapshot_from_json((stats_dir / snapshot_name(0)).read_text())
     except (OSError, ValueError):
         return {}
 

@@ -35,7 +35,6 @@ savings run and why they may not (``savings.py``).
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
@@ -47,6 +46,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from .device import decode_clock_event_reasons
+from .stats_contract import COUNTER_DICT_KEYS, NONNEG_KEYS, SNAPSHOT_GLOB, WorkerSnapshot, snapshot_from_json
 
 log = logging.getLogger("vllm.powersave")
 
@@ -56,10 +56,10 @@ log = logging.getLogger("vllm.powersave")
 #: at least every 0.5 s; snapshots a Ray relay writes for workers on other nodes carry PIDs of those
 #: nodes but stay fresh, so they are kept.
 STALE_AFTER_S = 10.0
-_COUNTER_DICTS = ("energy_j", "time_s", "steps", "tokens", "lm_head_calls")
-_NONNEG = ("counter_resets", "counter_wraps", "meter_faults", "power_w", "sm_clock_mhz", "target_sm_clock_mhz",
-           "clock_changes", "mem_clock_mhz", "clock_event_reasons", "requests_finished", "request_energy_j_finished",
-           "idle_while_busy_j", "idle_while_busy_s", "frontend_busy_s", "request_energy_j_tail")
+#: The numeric fields of a snapshot's window and steady-state dicts (stats_contract.Window, .Steady;
+#: steady's tokens are checked on their own).
+_WINDOW_NUMBERS = ("window_s", "seconds", "energy_j", "prefill_tokens", "decode_tokens")
+_STEADY_NUMBERS = ("seconds", "energy_j")
 _warned: set[tuple[str, str]] = set()
 
 
@@ -75,19 +75,18 @@ def snapshot_problem(s: Any) -> str | None:
         return f"not a JSON object ({type(s).__name__})"
     if not isinstance(s.get("gpu", s.get("rank", "?")), (str, int)):
         return f"'gpu' = {s.get('gpu')!r}"
-    for key in _NONNEG:
+    for key in NONNEG_KEYS:
         if s.get(key) is not None and not _num_ok(s[key]):
             return f"'{key}' = {s[key]!r}"
     if s.get("temperature_c") is not None and not _num_ok(s["temperature_c"], nonneg=False):
         return f"'temperature_c' = {s['temperature_c']!r}"
-    for key in _COUNTER_DICTS:
+    for key in COUNTER_DICT_KEYS:
         d = s.get(key)
         if d is None:
             continue
         if not isinstance(d, dict) or not all(_num_ok(v) for v in d.values()):
             return f"'{key}' = {_short(d)}"
-    for key, fields in (("window", ("window_s", "seconds", "energy_j", "prefill_tokens", "decode_tokens")),
-                        ("steady", ("seconds", "energy_j"))):
+    for key, fields in (("window", _WINDOW_NUMBERS), ("steady", _STEADY_NUMBERS)):
         d = s.get(key)
         if d is None:
             continue
@@ -125,18 +124,18 @@ def snapshot_is_stale(path: Path, snap: Any, now: float | None = None, stale_aft
     return age > stale_after_s and isinstance(pid, int) and not isinstance(pid, bool) and not _pid_alive(pid)
 
 
-def load_snapshots(stats_dir: str | Path) -> tuple[list[dict[str, Any]], list[tuple[Path, Any, str]]]:
+def load_snapshots(stats_dir: str | Path) -> tuple[list[WorkerSnapshot], list[tuple[Path, Any, str]]]:
     """``(good, bad)``: the live rank snapshots in ``stats_dir`` that can be exported, and the
     unusable ones as ``(path, parsed or None, why)``. Leftovers of dead writers are in neither."""
-    good: list[dict[str, Any]] = []
+    good: list[WorkerSnapshot] = []
     bad: list[tuple[Path, Any, str]] = []
     d = Path(stats_dir)
     if not d.is_dir():
         return good, bad
     now = time.time()
-    for p in sorted(d.glob("rank*.json")):
+    for p in sorted(d.glob(SNAPSHOT_GLOB)):
         try:
-            s = json.loads(p.read_text())
+            s = snapshot_from_json(p.read_text())
         except OSError:
             continue  # removed between glob and read
         except ValueError as exc:  # truncated or corrupted (workers replace it atomically)
@@ -153,7 +152,7 @@ def load_snapshots(stats_dir: str | Path) -> tuple[list[dict[str, Any]], list[tu
     return good, bad
 
 
-def read_snapshots(stats_dir: str | Path) -> list[dict[str, Any]]:
+def read_snapshots(stats_dir: str | Path) -> list[WorkerSnapshot]:
     """The live, exportable rank snapshots in ``stats_dir`` (see :func:`load_snapshots`)."""
     return load_snapshots(stats_dir)[0]
 

@@ -35,6 +35,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .stats_contract import snapshot_name
+
 log = logging.getLogger("vllm.powersave")
 
 #: Name prefix of the relay actor; the rest is a hash of the API server's ``stats_dir``.
@@ -69,7 +71,7 @@ class StatsRelay:
 
     def snapshot(self, rank: int, text: str) -> None:
         """Write ``rank<rank>.json`` atomically (``text``: the worker's JSON snapshot)."""
-        path = self.dir / f"rank{int(rank)}.json"
+        path = self.dir / snapshot_name(rank)
         try:
             tmp = path.with_suffix(f".relay{os.getpid()}.tmp")
             tmp.write_text(text)

@@ -59,6 +59,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, unquote
 
+from .stats_contract import REQUESTS_GLOB, SNAPSHOT_GLOB, snapshot_from_json
+
 log = logging.getLogger("vllm.powersave")
 
 _SUFFIX = re.compile(r"^(.*)-[0-9a-f]{8}$")
@@ -131,7 +133,7 @@ class RequestEnergyIndex:
         if now - self._ranks_at >= RANKS_EVERY_S:
             self._ranks_at = now
             self._ranks = self._live_ranks()
-        for path in sorted(self.stats_dir.glob("requests-rank*.jsonl")):
+        for path in sorted(self.stats_dir.glob(REQUESTS_GLOB)):
             try:
                 with open(path, "rb") as f:
                     st = os.fstat(f.fileno())
@@ -167,10 +169,10 @@ class RequestEnergyIndex:
         per_engine: dict[int, int] = {}
         rank_engine: dict[int, int] = {}
         now = time.time()
-        for p in self.stats_dir.glob("rank*.json"):
+        for p in self.stats_dir.glob(SNAPSHOT_GLOB):
             try:
                 fresh = now - p.stat().st_mtime <= 1.0
-                snap = json.loads(p.read_text())
+                snap = snapshot_from_json(p.read_text())
                 live = fresh or not snapshot_is_stale(p, snap, now)
             except (OSError, ValueError):
                 n += 1  # unreadable: a rank all the same, its lines may be missing

@@ -14,21 +14,17 @@ started.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from . import envs
+from .envs import ENV_CONFIG_FILE, ENV_PERF_BOOST, ENV_SETTINGS_JSON  # noqa: F401 - re-exported; declared in envs.py
+
 PHASES: tuple[str, ...] = ("prefill", "decode", "mixed", "idle")
 Phase = Literal["prefill", "decode", "mixed", "idle"]
 
-ENV_CONFIG_FILE = "POWERSAVE_CONFIG"
-#: CUDA's per-process switch behind ``cuda_perf_boost: "off"`` (read at CUDA context creation).
-ENV_PERF_BOOST = "CUDA_DISABLE_PERF_BOOST"
-#: JSON of the validated settings, exported by the API-server process so that EngineCore and
-#: worker processes (fork or spawn) see exactly what was validated there.
-ENV_SETTINGS_JSON = "POWERSAVE_SETTINGS_JSON"
 
 
 class SettingsError(ValueError):
@@ -448,12 +444,12 @@ def load_settings(inline: dict[str, Any] | None = None, env: dict[str, str] | No
     Raises:
         SettingsError: one line naming the first invalid field and its value.
     """
-    env = os.environ if env is None else env
     if inline is not None and not isinstance(inline, dict):
         raise SettingsError(f"powersave setting 'powersave' = {inline!r}: must be a mapping")
     data: dict[str, Any] = {}
-    if env.get(ENV_CONFIG_FILE):
-        data = _merge(data, _read_file(env[ENV_CONFIG_FILE], ENV_CONFIG_FILE))
+    config_file = envs.config_file(env)
+    if config_file:
+        data = _merge(data, _read_file(config_file, ENV_CONFIG_FILE))
     inline = dict(inline or {})
     if inline.get("config_file"):
         data = _merge(data, _read_file(str(inline["config_file"]), "config_file"))
@@ -466,8 +462,7 @@ def load_settings(inline: dict[str, Any] | None = None, env: dict[str, str] | No
 
 def settings_from_env(env: dict[str, str] | None = None) -> PowersaveSettings:
     """Settings exported by the API-server process, or defaults plus ``$POWERSAVE_CONFIG``."""
-    env = os.environ if env is None else env
-    raw = env.get(ENV_SETTINGS_JSON)
+    raw = envs.settings_json(env)
     if raw:
         try:
             return PowersaveSettings.model_validate_json(raw)

@@ -61,6 +61,7 @@ import sys
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from . import envs
 from .phases import ReqSched, StepInfo, classify, classify_counts
 
 log = logging.getLogger("vllm.powersave")
@@ -296,7 +297,7 @@ class _PluginAction(argparse.Action):
         for n in names:
             if n != "powersave":
                 parser.error(f"argument --plugin: unknown plugin {n!r} (known: powersave)")
-        os.environ["POWERSAVE_ENABLED"] = "1"
+        os.environ[envs.ENV_ENABLE] = "1"
         items = list(getattr(namespace, self.dest, None) or [])
         setattr(namespace, self.dest, items + names)
 
@@ -490,7 +491,7 @@ def head_gemm(lp: Any, lm_head: Any, hidden_states: Any, embedding_bias: Any) ->
         head_dtype = getattr(lp, "head_dtype", None)
         if head_dtype is not None and head_dtype != hidden_states.dtype:
             return None
-        if os.environ.get("VLLM_BATCH_INVARIANT", "0") not in ("", "0"):
+        if envs.vllm_batch_invariant():
             return None
         if embedding_bias is not None and (embedding_bias.dtype != w.dtype or embedding_bias.shape[-1] != w.shape[0]):
             return None
@@ -1031,8 +1032,8 @@ def async_scheduling(runner: Any) -> bool:
 # Ray executor: our settings reach workers on every node
 # --------------------------------------------------------------------------------------------
 #: vLLM's additive lists of what its Ray executors copy from the driver to the workers.
-RAY_EXTRA_PREFIXES_ENV = "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"
-RAY_EXTRA_VARS_ENV = "VLLM_RAY_EXTRA_ENV_VARS_TO_COPY"
+RAY_EXTRA_PREFIXES_ENV = envs.ENV_RAY_EXTRA_PREFIXES
+RAY_EXTRA_VARS_ENV = envs.ENV_RAY_EXTRA_VARS
 
 
 def ray_copy_env(prefixes: tuple[str, ...], names: tuple[str, ...], env: Any = None) -> None:
@@ -1048,7 +1049,7 @@ def ray_copy_env(prefixes: tuple[str, ...], names: tuple[str, ...], env: Any = N
     """
     env = os.environ if env is None else env
     for key, items in ((RAY_EXTRA_PREFIXES_ENV, prefixes), (RAY_EXTRA_VARS_ENV, names)):
-        current = [x.strip() for x in (env.get(key) or "").split(",") if x.strip()]
+        current = envs.ray_extra_list(key, env)
         missing = [x for x in items if x not in current]
         if missing:
             env[key] = ",".join(current + missing)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 from abc import ABC, abstractmethod
 from collections import deque
@@ -25,14 +26,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..device import GpuError, GpuNoPermissionError, GpuNotSupportedError, NvmlGpu, ZeusdClient, ZeusdError
+from .. import envs
+from ..envs import ENV_ZEUSD_SOCK, ENV_ZEUSD_TOKEN  # noqa: F401 - re-exported; declared in envs.py
 from ..sim.gpu import SimulatedGpu
 
 log = logging.getLogger("vllm.powersave.clocks")
 
-#: zeusd's socket when ``clocks.zeusd_socket`` is not set (Zeus's own convention).
-ENV_ZEUSD_SOCK = "ZEUSD_SOCK_PATH"
-#: JWT for a zeusd started with auth; read from the environment only (settings are logged).
-ENV_ZEUSD_TOKEN = "ZEUSD_TOKEN"
 
 
 class ClockError(RuntimeError):
@@ -343,7 +342,7 @@ def reset_from_lease(lease: dict[str, Any], nvml: Any | None = None) -> None:
             raise LeaseError(f"lease field 'socket' = {sock!r}: a zeusd lease needs the daemon's socket path")
         if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index <= 1024:
             raise LeaseError(f"lease field 'gpu_index' = {index!r}: must be zeusd's GPU index (0-1024)")
-        b = ZeusdClockBackend(sock, index, token=os.environ.get(ENV_ZEUSD_TOKEN) or None)
+        b = ZeusdClockBackend(sock, index, token=envs.zeusd_token())
         b.mem_may_be_locked = bool(lease.get("mem_locked", False))
         b.reset()
         return

@@ -413,6 +413,23 @@ class ClockController:
         if target is not None:
             self._switch(phase, target, now)
 
+    def on_step(self, phase: str, now: float, t_step: float, engine_idled: bool | None) -> None:
+        """One engine step's clock decision, from the step hook (hot path: one call per step).
+
+        ``now``: the scheduler's stamp (same on every rank; else the step's start); ``t_step``: the
+        step's start on this host (the watchdog's heartbeat); ``engine_idled``: the engine-wide
+        idle verdict from the scheduler's stamps, ``None`` without stamps (this rank's own timer
+        is then the verdict). Same decisions as :meth:`idle_end` where needed, then
+        :meth:`on_phase`; their no-change returns are inlined (the common step).
+        """
+        if engine_idled or self._pre_idle is not None:
+            self.idle_end(True if engine_idled is None else engine_idled, now)
+        self.step_since = t_step
+        if self._same.get(phase, False) and self._down_since is None and self.group is None:
+            self.phase = phase
+        else:
+            self.on_phase(phase, now)
+
     # -- idle, rank-consistently -----------------------------------------------------------------
     # Idle is seen by each rank's own timer (no step for idle_after_s), so two TP ranks can disagree
     # on whether a short gap was idle. The decision state therefore leaves idle only through

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+
+from .. import envs
 from pathlib import Path
 from typing import Any
 
@@ -103,15 +105,12 @@ def select_clock_mode(mode: str, backend: str, has_presets: bool, *, force_dry_r
 
 def probe_and_select(settings: Any, on_gpu: bool, env: dict[str, str] | None = None) -> ClockChoice:
     """Probe this process (no setter called) and :func:`select_clock_mode` for ``settings``."""
-    from .backends import ENV_ZEUSD_SOCK, ENV_ZEUSD_TOKEN
-
-    env = os.environ if env is None else env
     c = settings.clocks
-    force = env.get("POWERSAVE_FORCE_DRY_RUN", "") not in ("", "0")
+    force = envs.force_dry_run(env)
     needs_probe = c.mode in ("auto", "closed_loop") and c.backend == "auto" and on_gpu and not force
     perm = clock_permission() if needs_probe else (False, "not probed")
     z = (False, "not probed")
     if needs_probe and not perm[0]:
-        z = zeusd_reachable(c.zeusd_socket or env.get(ENV_ZEUSD_SOCK), env.get(ENV_ZEUSD_TOKEN) or None)
+        z = zeusd_reachable(c.zeusd_socket or envs.zeusd_socket(env), envs.zeusd_token(env))
     return select_clock_mode(c.mode, c.backend, bool(c.presets), force_dry_run=force, on_gpu=on_gpu,
                              nvml_permission=perm, zeusd=z)

@@ -16,7 +16,7 @@ parent's clocks).
 from __future__ import annotations
 
 import logging
-import os
+from .. import envs
 from typing import Any
 
 from .errors import (
@@ -223,7 +223,7 @@ class NvmlGpu:
             uuid = str(torch.cuda.get_device_properties(device_index).uuid)
         except Exception as exc:  # older torch without .uuid, or no CUDA here: the mask decides
             log.debug("powersave: torch device UUID unavailable (%s)", exc)
-        return cls.for_cuda_device(device_index, uuid, os.environ.get("CUDA_VISIBLE_DEVICES"), nvml)
+        return cls.for_cuda_device(device_index, uuid, envs.cuda_visible_devices(), nvml)
 
     # -- calls -----------------------------------------------------------------------------------
     def _call(self, name: str, *args: Any, handle: Any = None) -> Any:
@@ -340,6 +340,10 @@ class NvmlGpu:
     # -- clocks and state (read-only) ----------------------------------------------------------------
     def sm_clock_mhz(self) -> int:
         return int(self._call("nvmlDeviceGetClockInfo", self._const("NVML_CLOCK_SM", NVML_CLOCK_SM), handle=self._chip()))
+
+    def utilization_gpu_pct(self) -> int:
+        """Share of the last sample period in which a kernel ran (NVML's coarse GPU utilisation, %)."""
+        return int(self._call("nvmlDeviceGetUtilizationRates", handle=self._chip()).gpu)
 
     def mem_clock_mhz(self) -> int:
         return int(self._call("nvmlDeviceGetClockInfo", self._const("NVML_CLOCK_MEM", NVML_CLOCK_MEM), handle=self._chip()))

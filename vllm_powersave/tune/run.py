@@ -34,6 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from ..device import GpuError, driver_version
+from .. import envs
+from ..envs import ENV_FORCE_DRY_RUN
 from ..sim.gpu import H200, GpuSpec
 from . import lmhead
 from .energy import SIM_KERNEL_OVERHEAD_S, busy_window, open_nvml
@@ -41,8 +43,6 @@ from .profile import (KINDS, REGIONS, Ceilings, ModelShape, StepProfile, StepSpe
                       profile_step, region_durations_ms, simulated_ceilings)
 from .solver import DEFAULT, Curve, ResponseModel, SimulatedMeasurer, SweepResult, solve_global, solve_local, solve_single, sum_curves, sweep_and_solve
 
-#: Same variable as ``vllm_powersave.runtime.ENV_FORCE_DRY_RUN``: on shared GPUs no clock may change.
-ENV_FORCE_DRY_RUN = "POWERSAVE_FORCE_DRY_RUN"
 PHASES = ("prefill", "decode", "mixed")
 CPU_GRID = "8:decode,32:decode,128:spec,512:logprobs"
 
@@ -125,8 +125,7 @@ def clock_permission(status_path: str = "/proc/self/status") -> tuple[bool, str]
 
 def clock_mode(predict: bool, simulate_sweep: bool, gpu: bool, permission: bool, env: dict[str, str] | None = None) -> tuple[str, str]:
     """``(mode, reason)``: "sweep", "predict" or "simulated-sweep". Forced dry-run always wins."""
-    env = os.environ if env is None else env
-    if env.get(ENV_FORCE_DRY_RUN, "") not in ("", "0"):
+    if envs.force_dry_run(env):
         return "predict", f"{ENV_FORCE_DRY_RUN}=1: clocks are never set here"
     if predict:
         return "predict", "--predict"

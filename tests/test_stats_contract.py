@@ -1,0 +1,55 @@
+"""stats_contract.py: what the worker writes is what the contract declares, in the same JSON as before."""
+
+import json
+from types import SimpleNamespace
+
+from vllm_powersave import stats_contract as sc
+from vllm_powersave import vllm_compat
+from vllm_powersave.runtime import WorkerRuntime
+from vllm_powersave.settings import PowersaveSettings
+
+
+def test_file_names_match_their_globs():
+    from fnmatch import fnmatch
+
+    for rank in (0, 7, 12):
+        assert fnmatch(sc.snapshot_name(rank), sc.SNAPSHOT_GLOB) and fnmatch(sc.requests_name(rank), sc.REQUESTS_GLOB)
+        assert fnmatch(sc.trace_name(rank), sc.TRACE_GLOB)
+    assert sc.snapshot_name(3) == "rank3.json" and sc.requests_name(3) == "requests-rank3.jsonl" and sc.trace_name(3) == "trace-rank3.jsonl"
+    assert not fnmatch(sc.requests_name(0), sc.SNAPSHOT_GLOB) and not fnmatch(sc.trace_name(0), sc.SNAPSHOT_GLOB)
+
+
+def test_request_line_is_the_earlier_json_and_reads_back():
+    line = sc.RequestLine("cmpl-1-0", 1.23456789, "measured", "energy-counter", "GPU-a", 2)
+    earlier = json.dumps({"request_id": "cmpl-1-0", "energy_j": round(1.23456789, 6), "source": "measured",
+                          "method": "energy-counter", "gpu": "GPU-a", "rank": 2}) + "\n"
+    assert line.to_json() == earlier
+    assert sc.RequestLine.from_json(json.loads(earlier)) == sc.RequestLine("cmpl-1-0", 1.234568, "measured", "energy-counter", "GPU-a", 2)
+    unavailable = sc.RequestLine("r", None, "measured", "energy-counter", "GPU-a", 0)
+    assert json.loads(unavailable.to_json())["energy_j"] is None
+
+
+def test_trace_line_round_trips():
+    r = sc.TraceLine(1.5, "decode", 0, 4, 4, 400, 4, 1200, 1.502)
+    d = json.loads(r.to_json())
+    assert list(d) == list(sc.TRACE_KEYS) and sc.TraceLine.from_json(d) == r
+
+
+def test_every_key_the_worker_writes_is_declared(monkeypatch, tmp_path):
+    """A simulated worker with every optional part on (meter, trace, per-request energy, presets):
+    its snapshot's keys, and those of its window and steady dicts, are all in the contract."""
+    monkeypatch.setattr(vllm_compat, "runner_identity", lambda r: {"rank": 0, "device_type": "cpu", "device_index": None})
+    rt = WorkerRuntime(SimpleNamespace(rank=0, scheduler_config=SimpleNamespace(max_num_seqs=2, async_scheduling=False)),
+                       PowersaveSettings.model_validate({"stats_dir": str(tmp_path), "trace_steps": True, "per_request_energy": True,
+                                                         "energy": {"meter": "simulated", "idle_after_s": 20.0},
+                                                         "clocks": {"backend": "simulated", "presets": {"decode": {"sm_clock_mhz": 1200}}}}))
+    try:
+        snap = rt.snapshot()
+    finally:
+        rt.close()
+    assert snap["energy_available"] is True and "window" in snap and "steady" in snap
+    assert set(snap) <= set(sc.WorkerSnapshot.__annotations__), set(snap) - set(sc.WorkerSnapshot.__annotations__)
+    assert set(snap["window"]) <= set(sc.Window.__annotations__)
+    assert set(snap["steady"]) <= set(sc.Steady.__annotations__)
+    on_disk = sc.snapshot_from_json((tmp_path / sc.snapshot_name(0)).read_text())
+    assert set(on_disk) <= set(sc.WorkerSnapshot.__annotations__)

@@ -1,0 +1,158 @@
+"""The step path: what the worker runs on vLLM's engine thread, every step (hot).
+
+:class:`StepPath` classifies the step, has the regime filter and the clock controller decide its
+clock (each through its own method), and appends one :class:`StepRecord`; the publisher
+(``publisher.py``) feeds the records to the energy account, the trace and the simulator later,
+off the engine thread. Measured on the H200 host, per-step work here costs 5-9x its hot-loop
+figure (each step starts with cold caches after milliseconds of vLLM's own code), and a host-bound
+small model pays it in throughput (``docs/results/hook-overhead.md``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from .. import vllm_compat
+
+log = logging.getLogger("vllm.powersave")
+_LOOKAHEAD_ATTR = vllm_compat.LOOKAHEAD_ATTR
+#: Records the step hook lets pile up before it drains them itself (a stalled publisher thread).
+MAX_PENDING_STEPS = 4096
+
+
+class StepRecord:
+    """One engine step, from :meth:`StepPath.on_step_start` to the publisher's drain.
+
+    ``info``: the ``StepInfo`` (``None`` until the drain classifies it; :data:`FAILED` or
+    :data:`WARMUP` for steps the drain leaves out); ``so``: vLLM's ``SchedulerOutput`` (dropped
+    once fed); ``sm_mhz``: the SM clock target decided for it; ``t_end``: its end (s, monotonic;
+    ``None`` while it runs); ``rows``: its LM-head rows (set by the drain where read).
+    """
+
+    __slots__ = ("t", "info", "so", "sm_mhz", "t_end", "rows")
+
+    def __init__(self, t: float, info: Any, so: Any, sm_mhz: int | None) -> None:
+        self.t = t
+        self.info = info
+        self.so = so
+        self.sm_mhz = sm_mhz
+        self.t_end: float | None = None
+        self.rows = 0
+
+
+#: Record markers (in ``StepRecord.info``) for steps the drain leaves out: a step that could not
+#: be fed (its fault logged once), a kernel warm-up step of vLLM's.
+FAILED = object()
+WARMUP = object()
+
+
+class StepPath:
+    """The engine-thread half of :class:`~vllm_powersave.runtime.WorkerRuntime` (a mixin: the
+    state it reads is set up by the constructor in ``build.py``)."""
+
+    def _reset_cuda_peak(self) -> None:
+        """vLLM's start-up profile run (a dummy batch of max_num_batched_tokens), V2's warm-up steps
+        and CUDA-graph capture set a peak that serving rarely reaches again, so a peak read later
+        would mostly report start-up. Reset once, at the first served step: the snapshot's peak is
+        then serving's own. vLLM reads the peak only while it profiles memory at start-up."""
+        self._peak_reset_pending = False
+        try:
+            import torch
+
+            torch.cuda.reset_peak_memory_stats(self.device_index)
+            self._peak_scope = "since the first served step"
+        except Exception as exc:
+            log.debug("powersave: CUDA peak-memory statistics not reset: %s", exc)
+
+    def on_step_start(self, scheduler_output: Any) -> None:
+        """Engine step hook (vLLM's engine thread, every step): the clock decision only.
+
+        This hook classifies the step, decides the clock and appends one record; the energy
+        account, the step trace and the prompt-logprob rows are computed from the records by
+        ``drain_steps`` in a batch (publisher thread, every tick), where the same code runs warm.
+        The simulated GPU prices each step at the clock it ran at, so with a simulator the records
+        are drained here at once.
+        """
+        # vLLM's own warm-up (V2 kernel warm-up, before the engine serves) goes through execute_model
+        # like a real step: not served work, neither traced nor metered. At start-up it all comes
+        # before the first served step, so the check stops there (it costs ~2 us per step with cold
+        # caches); a warm-up on a serving worker is caught at its first step below, or by drain_steps.
+        if not self._serving:
+            if vllm_compat.is_warmup_step(scheduler_output):
+                self._skip_step_end = True
+                return
+            self._serving = True
+            if self._peak_reset_pending:
+                self._reset_cuda_peak()
+        if not self._per_step:
+            return  # nothing configured reads steps (no presets, meter, trace or booster)
+        steps = self._steps
+        if not self._decides:
+            rec = StepRecord(time.monotonic(), None, scheduler_output, None)  # classified by drain_steps
+        else:
+            # Every Python call here costs 2-5 us on the H200 host (h200_alternate --time-parts):
+            # the common step (decode only) is classified by one compat call and decided by one
+            # call each into the regime filter and the controller; drain_steps classifies it fully
+            # later. Other steps take step_info (ctx, a sum over the batch that only the trace and
+            # the simulator read, is added by drain_steps).
+            tokens = vllm_compat.decode_step_tokens(scheduler_output)
+            if tokens >= 0:
+                info = None
+            elif vllm_compat.is_warmup_step(scheduler_output):
+                # vLLM warms kernels up again on a worker already serving (0.32: elastic-EP scale-up).
+                # That sequence opens with a prefill of new warm-up requests (never a decode-only
+                # step), so it is caught here, and its decode steps by the check above until it ends.
+                self._serving = False
+                self._skip_step_end = True
+                return
+            else:
+                info = vllm_compat.step_info(scheduler_output, ctx=False)
+            if info is not None and info.phase == "idle":
+                rec = StepRecord(time.monotonic(), info, scheduler_output, None)
+            else:
+                self._last_step_s = t_step = time.monotonic()
+                # The scheduler's stamp (same on every rank) drives the regime window and the dwell
+                # (vllm_compat.step_lookahead, inlined: this runs every engine step).
+                la = getattr(scheduler_output, _LOOKAHEAD_ATTR, None)
+                if la is not None:
+                    now = la[0]
+                    waiting = la[2]
+                    if waiting and not self._lookahead:
+                        waiting = 0
+                    # Engine-wide idle verdict from the scheduler's stamps (identical on every rank);
+                    # the controller reconciles a rank whose own timer went idle meanwhile with it.
+                    last = self._last_stamp
+                    engine_idled = last is not None and now - last >= self._idle_stamp_gap_s
+                    self._last_stamp = now
+                else:
+                    now, waiting, engine_idled = t_step, 0, None
+                if info is None:
+                    phase = self.regime.step("decode", tokens, now, waiting)
+                else:
+                    phase = self.regime.step(info.phase, info.num_tokens, now, waiting)
+                clocks = self.clocks
+                clocks.on_step(phase, now, t_step, engine_idled)
+                if self.boost is not None:
+                    self.boost.on_busy(t_step)
+                rec = StepRecord(t_step, info, scheduler_output, clocks.current.sm_clock_mhz)
+        if steps is None:
+            return
+        steps.append(rec)
+        self._open_rec = rec
+        if self._per_request and getattr(scheduler_output, "finished_req_ids", None):
+            self._wake.set()  # the publisher attributes them now: the API server may hold their responses
+        if self._drain_inline or len(steps) > MAX_PENDING_STEPS:
+            self.drain_steps()
+
+    def on_step_end(self) -> None:
+        if self._skip_step_end:
+            self._skip_step_end = False
+            return
+        self.clocks.step_ended()
+        rec = self._open_rec
+        if rec is not None:
+            self._open_rec = None
+            if rec.t_end is None:
+                rec.t_end = time.monotonic()
