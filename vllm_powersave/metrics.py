@@ -210,6 +210,16 @@ class PowersaveCollector(Collector):
         iwb_j = CounterMetricFamily("powersave_idle_while_busy_energy_joules", "GPU energy while the engine was idle but the API server had requests in flight (front-end starvation, J)", labels=["gpu", "engine", "source"])
         iwb_s = CounterMetricFamily("powersave_idle_while_busy_seconds", "Time the engine was idle while the API server had requests in flight (s)", labels=["gpu", "engine"])
         fe_busy = CounterMetricFamily("powersave_frontend_busy_seconds", "Time the API server(s) had requests in flight, as seen by this GPU's worker (s)", labels=["gpu", "engine"])
+        cl_clock = GaugeMetricFamily("powersave_closed_loop_sm_clock_mhz", "Closed-loop decode clock per batch bucket: the SM clock it "
+                                     "asks for (MHz; 0 = driver default); state baseline/probe/ref/hold; decisions only in dry-run",
+                                     labels=["gpu", "bucket", "state", "backend"])
+        cl_base = GaugeMetricFamily("powersave_closed_loop_baseline_step_ms", "Closed-loop decode clock: step time measured at the "
+                                    "default clock per batch bucket (ms, at the bucket's mean context)", labels=["gpu", "bucket"])
+        cl_probes = CounterMetricFamily("powersave_closed_loop_probes", "Closed-loop decode clock: candidate clocks probed", labels=["gpu"])
+        cl_backoffs = CounterMetricFamily("powersave_closed_loop_backoffs", "Closed-loop decode clock: back-offs after a measured "
+                                          "violation of the target", labels=["gpu"])
+        cl_decisions = CounterMetricFamily("powersave_closed_loop_decisions", "Closed-loop decode clock: decision records "
+                                           "(each in the step trace with its measurement)", labels=["gpu"])
         saving_state = GaugeMetricFamily("powersave_saving_state", "1 per saving with its state (auto/on/off/dry-run/failed/n/a) and basis (measured/predicted)", labels=["gpu", "saving", "state", "basis"])
         sources, backends, boost = set(), set(), set()
         # A rank whose snapshot is unusable has unknown energy: no engine sums over the others.
@@ -281,6 +291,16 @@ class PowersaveCollector(Collector):
                 iwb_j.add_metric([gpu, str(e_id), src], float(s["idle_while_busy_j"]))
                 iwb_s.add_metric([gpu, str(e_id)], float(s.get("idle_while_busy_s") or 0.0))
                 fe_busy.add_metric([gpu, str(e_id)], float(s.get("frontend_busy_s") or 0.0))
+            cl = s.get("closed_loop")
+            if isinstance(cl, dict):
+                for edge, b in (cl.get("buckets") or {}).items():
+                    if isinstance(b, dict):
+                        cl_clock.add_metric([gpu, str(edge), str(b.get("state", "?")), be], float(b.get("sm_clock_mhz") or 0))
+                        if b.get("baseline_ms") is not None:
+                            cl_base.add_metric([gpu, str(edge)], float(b["baseline_ms"]))
+                cl_probes.add_metric([gpu], float(cl.get("probes_total") or 0))
+                cl_backoffs.add_metric([gpu], float(cl.get("backoffs_total") or 0))
+                cl_decisions.add_metric([gpu], float(cl.get("decisions_total") or 0))
             sv = s.get("savings")
             for name, st in (sv.items() if isinstance(sv, dict) else ()):
                 if isinstance(st, dict):
@@ -310,7 +330,8 @@ class PowersaveCollector(Collector):
         info.add_metric([self.version, ",".join(sorted(sources)) or "pending", ",".join(sorted(backends)) or "pending",
                          ",".join(sorted(boost)) or "pending"], 1.0)
         return [energy, engine, steps, tokens, power, clock, temp, mem_clock, reasons, target, changes, chunks, req_e, req_n, req_tail, simulated, info,
-                available, resets, wraps, faults, tpj, tpj_energy, steady_e, steady_s, steady_t, boost_held, boost_sw, gpu_info, iwb_j, iwb_s, fe_busy, saving_state]
+                available, resets, wraps, faults, tpj, tpj_energy, steady_e, steady_s, steady_t, boost_held, boost_sw, gpu_info, iwb_j, iwb_s, fe_busy, saving_state,
+                cl_clock, cl_base, cl_probes, cl_backoffs, cl_decisions]
 
 
 def _engine_add(acc: dict[str, float], energy_j: float, prefill: float, decode: float) -> None:

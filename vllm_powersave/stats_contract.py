@@ -122,6 +122,7 @@ class WorkerSnapshot(TypedDict, total=False):
     transport: str
     # savings on, off or failed and why (savings.py); clocks.mode's controller (clocks/mode.py)
     clock_mode: str
+    closed_loop: dict[str, Any] | None  # clocks/closed_loop.py DecodeClockTuner.snapshot()
     savings: dict[str, dict[str, str]]
     # front-end starvation (starvation.py); absent where no API server's busy file is readable
     idle_while_busy_j: float
@@ -218,3 +219,13 @@ def trace_line(r: Any) -> str:
                 f'"ctx": {ctx!r}, "reqs": {reqs!r}, "sm_target": {"null" if sm is None else repr(sm)}, '
                 f'"t_end": {"null" if t_end is None else repr(t_end)}}}\n')
     return json.dumps(dict(zip(TRACE_KEYS, r))) + "\n"
+
+
+#: Key of a closed-loop decision line in the step trace (beside the per-step lines).
+CLOSED_LOOP_KEY = "closed_loop"
+
+
+def closed_loop_line(record: Any) -> str:
+    """One closed-loop decision record (``clocks.closed_loop.ClosedLoopRecord``) as a trace line
+    ``{"closed_loop": {...}}``: the decision and the step measurement behind it."""
+    return json.dumps({CLOSED_LOOP_KEY: record.as_dict()}) + "\n"

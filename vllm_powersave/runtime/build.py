@@ -124,7 +124,12 @@ class WorkerRuntime(StepPath, Publisher):
             self.meter = None
         # clocks.mode / backend auto: chosen from this process's permissions, nothing set (clocks/mode.py).
         self.clock_choice = probe_and_select(settings, on_gpu=gpu is not None)
-        clock_settings = settings.clocks if self.clock_choice.controller != "off" else settings.clocks.model_copy(update={"presets": {}})
+        clock_settings = settings.clocks
+        if self.clock_choice.controller == "off":
+            clock_settings = clock_settings.model_copy(update={"presets": {}})
+        elif self.clock_choice.controller == "closed_loop" and not clock_settings.closed_loop.enabled:
+            # clocks.mode (auto or closed_loop) chose the closed loop: the controller runs it.
+            clock_settings = clock_settings.model_copy(update={"closed_loop": clock_settings.closed_loop.model_copy(update={"enabled": True})})
         self.clocks = ClockController(self._backend(settings, gpu), clock_settings, gpu_id=gpu_id,
                                       asynchronous=self.clock_choice.backend in ("nvml", "zeusd"),
                                       host_ahead_steps=1 if vllm_compat.async_scheduling(runner) else 0)
@@ -171,7 +176,11 @@ class WorkerRuntime(StepPath, Publisher):
         # Completed trace records (TraceLine), written as JSON lines by the publisher.
         self._trace: deque[TraceLine] | None = deque() if settings.trace_steps and self.stats_path else None
         # Step records for the account, the trace and the simulator (on_step_start -> drain_steps).
-        self._steps: deque[StepRecord] | None = deque() if (self.account is not None or self._trace is not None or self.sim is not None) else None
+        # The closed-loop decode clock learns from finished steps, fed by drain_steps off the step path.
+        self._closed_loop = self.clocks.closed_loop is not None
+        self._closed_loop_written = 0  # its decision records already in the trace
+        self._steps: deque[StepRecord] | None = (deque() if (self.account is not None or self._trace is not None or self.sim is not None
+                                                             or self._closed_loop) else None)
         self._open_rec: StepRecord | None = None  # the newest step record, until on_step_end stamps its end
         self._drained_start: StepRecord | None = None  # the record whose start drain_steps fed last
         self._drain_lock = threading.Lock()
@@ -180,7 +189,7 @@ class WorkerRuntime(StepPath, Publisher):
         self._per_request = self.account is not None and self.account.per_request
         self._lookahead = c.lookahead
         # The clock decision runs per step only where it can change something.
-        self._decides = bool(self.clocks.presets or self.clocks.groups) or self.boost is not None
+        self._decides = bool(self.clocks.presets or self.clocks.groups) or self._closed_loop or self.boost is not None
         self._per_step = self._decides or self._steps is not None
         #: Whether any phase has an lm_head kernel-group preset (the LM-head hook's fast path is off then).
         self.head_groups = any("lm_head" in g for g in self.clocks.groups.values())

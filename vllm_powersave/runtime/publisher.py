@@ -18,7 +18,7 @@ from typing import Any
 from .. import envs, ray_relay, vllm_compat
 from ..energy import PhaseEnergyAccount
 from ..sim.gpu import SimulatedGpu
-from ..stats_contract import RequestLine, TraceLine, WorkerSnapshot, requests_name, snapshot_to_json, trace_line
+from ..stats_contract import RequestLine, TraceLine, WorkerSnapshot, closed_loop_line, requests_name, snapshot_to_json, trace_line
 from .step import FAILED, WARMUP, StepRecord
 
 log = logging.getLogger("vllm.powersave")
@@ -40,6 +40,7 @@ class Publisher:
             return
         with self._drain_lock:
             acc, trace, plp, sim = self.account, self._trace, self._plp_rows, self.sim
+            closed_loop = self._closed_loop
             want_rows = trace is not None or sim is not None
             while steps:
                 # Read the length before the end stamp: a newer record is appended only after the
@@ -66,9 +67,23 @@ class Publisher:
                     acc.on_step_end(t_end)
                 if info is FAILED:
                     continue
+                if closed_loop and t_end is not None and info is not None and info.phase != "idle":
+                    self._observe_closed_loop(rec.t, t_end, info)
                 if trace is not None and info is not None and info.phase != "idle":
                     trace.append(TraceLine(rec.t, info.phase, info.prefill_tokens, info.decode_tokens, rec.rows,
                                            info.decode_ctx_tokens, info.num_reqs, rec.sm_mhz, t_end))
+
+    def _observe_closed_loop(self, t_start: float, t_end: float, info: Any) -> None:
+        """One finished step to the closed-loop decode clock (clocks/closed_loop.py): its
+        engine-thread wall time, decode batch and regime. A fault turns the loop off, once."""
+        try:
+            self.clocks.observe_decode_step(
+                t_end, info.decode_reqs, (t_end - t_start) * 1e3,
+                memory_bound=info.decode_reqs > 0 and info.num_tokens <= self.settings.clocks.memory_bound_max_tokens,
+                ctx_tokens=info.decode_ctx_tokens, tokens=info.num_tokens)
+        except Exception as exc:
+            self._closed_loop = False
+            vllm_compat.fault_once("closed_loop", exc, "feeding the closed-loop decode clock", "the decode clock stays at its default")
 
     def _step_fed(self, rec: StepRecord, acc: PhaseEnergyAccount | None, plp: Any, sim: SimulatedGpu | None, want_rows: bool) -> None:
         """One record's start: prompt-logprob rows, the account's step, the simulator's work."""
@@ -197,6 +212,7 @@ class Publisher:
             "cuda_boost": self.boost.snapshot() if self.boost is not None else None,
             "transport": ray_relay.describe(self._relay),
             "clock_mode": self.clock_choice.controller,
+            "closed_loop": self.clocks.closed_loop.snapshot() if self.clocks.closed_loop is not None else None,
             "savings": self.savings(),
             **self.starvation_snapshot(),
             "ray_node_id": self._relay.node_id if self._relay is not None else None,
@@ -209,8 +225,16 @@ class Publisher:
         self.drain_steps(final)
         pop = self._trace.popleft
         done = [pop() for _ in range(len(self._trace))]
-        if done:
-            self._write_lines(self._trace_path, [trace_line(r) for r in done])
+        lines = [trace_line(r) for r in done]
+        tuner = self.clocks.closed_loop
+        if tuner is not None:
+            # The closed loop's decisions and the measurements behind them, beside the steps.
+            new = min(tuner.n_records - self._closed_loop_written, len(tuner.records))
+            self._closed_loop_written = tuner.n_records
+            recs = list(tuner.records)[len(tuner.records) - new:] if new > 0 else []
+            lines += [closed_loop_line(r) for r in recs]
+        if lines:
+            self._write_lines(self._trace_path, lines)
 
     def _flush_requests(self) -> None:
         if not self._done_requests or self.stats_path is None:
