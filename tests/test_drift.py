@@ -53,7 +53,8 @@ def plugin(monkeypatch):
             monkeypatch.setattr(owner, h.attr, vars(owner)[h.attr])
     from vllm.model_executor import custom_op
 
-    monkeypatch.setattr(custom_op, "op_registry_oot", dict(custom_op.op_registry_oot))
+    # A registry without the LogitsProcessor an earlier test's register() left in this process.
+    monkeypatch.setattr(custom_op, "op_registry_oot", {k: v for k, v in custom_op.op_registry_oot.items() if k != "LogitsProcessor"})
     monkeypatch.setenv("POWERSAVE_ENABLED", "1")
     # A chunking table, so that the LM-head hook is wanted (lm_head_hook_needed).
     monkeypatch.setenv("POWERSAVE_SETTINGS_JSON", json.dumps({"chunking": {"table": [{"min_rows": 64, "chunks": 2}]}}))
@@ -151,3 +152,15 @@ def test_drift_feature_off_when_the_owning_module_is_gone(plugin, caplog):
     assert len(warnings) == 2 and all("vllm.v1.core.sched.scheduler" in w for w in warnings), warnings
     assert set(vllm_compat.disabled_features()) == {"arrival", "lookahead"}
     assert vllm_compat.installed_features() == AVAILABLE - {"arrival", "lookahead"}
+
+
+def test_another_plugins_logits_processor_turns_off_chunking_only(plugin, caplog, monkeypatch):
+    from vllm.model_executor import custom_op
+
+    monkeypatch.setattr(custom_op, "op_registry_oot", {**custom_op.op_registry_oot, "LogitsProcessor": object})
+    with caplog.at_level(logging.WARNING, logger="vllm.powersave"):
+        _install()  # no AssertionError out of vLLM's register_oot
+    warnings = _warnings(caplog)
+    assert len(warnings) == 1 and "LM-head chunking is off" in warnings[0]
+    assert "lm_head" not in vllm_compat.installed_features()
+    assert custom_op.op_registry_oot["LogitsProcessor"] is object

@@ -459,7 +459,11 @@ def register_logits_processor(chunks: Callable[[Any], int], chunked: Callable[..
                 vocab = getattr(self, "org_vocab_size", None)
                 return out[..., :vocab] if gemm is not None and vocab else out
 
-    LogitsProcessor.register_oot(PowersaveLogitsProcessor)
+    try:
+        LogitsProcessor.register_oot(PowersaveLogitsProcessor)
+    except AssertionError as exc:  # vLLM asserts one out-of-tree class per name: another plugin's is there
+        log.warning("powersave: an out-of-tree LogitsProcessor is already registered (%s); LM-head chunking is off", exc)
+        return False
     _PATCHED.add("logits_processor")
     _INSTALLED.add("lm_head")
     return True
