@@ -185,9 +185,9 @@ def test_step_hook_does_per_step_work_only_for_options_that_read_steps(monkeypat
     real = vllm_compat.step_info
     monkeypatch.setattr(vllm_compat, "step_info", lambda so, ctx=True: classified.append(ctx) or real(so, ctx))
 
-    def make(**extra):
+    def make(**extra):  # every option off: clocks.mode off too (its default runs the closed loop)
         return runtime.WorkerRuntime(object(), PowersaveSettings.model_validate(
-            {"stats_dir": str(tmp_path), "energy": {"meter": "off", "idle_after_s": 20.0}, **extra}))
+            {"stats_dir": str(tmp_path), "energy": {"meter": "off", "idle_after_s": 20.0}, "clocks": {"mode": "off"}, **extra}))
 
     bare = make()
     try:
@@ -608,7 +608,8 @@ def test_a_record_that_cannot_be_fed_loses_only_its_step(monkeypatch, tmp_path, 
     monkeypatch.setattr(vllm_compat, "runner_identity", lambda r: {"rank": 0, "device_type": "cpu", "device_index": None})
     vllm_compat._HOOK_ERRORS.clear()
     rt = runtime.WorkerRuntime(object(), PowersaveSettings.model_validate(
-        {"stats_dir": str(tmp_path), "trace_steps": True, "energy": {"meter": "simulated", "idle_after_s": 20.0}}))
+        {"stats_dir": str(tmp_path), "trace_steps": True, "energy": {"meter": "simulated", "idle_after_s": 20.0},
+         "clocks": {"mode": "off"}}))  # the drain path alone: no per-step clock decision
     rt._stop.set()
     rt._wake.set()
     rt._thread.join()  # the publisher's work is driven by hand below
@@ -653,5 +654,6 @@ def test_close_writes_its_final_files_when_one_final_step_fails(monkeypatch, tmp
     rt.close()
     assert not rt._thread.is_alive()  # joined before the final writes
     assert json.loads((tmp_path / "rank0.json").read_text())["steps"]["decode"] == 5
-    assert len((tmp_path / "trace-rank0.jsonl").read_text().splitlines()) == 5
+    lines = (tmp_path / "trace-rank0.jsonl").read_text().splitlines()
+    assert len([x for x in lines if "closed_loop" not in json.loads(x)]) == 5  # step lines (decisions beside them)
     assert any("final energy tick" in r.getMessage() for r in caplog.records)
