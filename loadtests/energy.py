@@ -14,8 +14,6 @@ package's device layer (:mod:`vllm_powersave.device`).
 from __future__ import annotations
 
 import asyncio
-import os
-import json
 import time
 from dataclasses import dataclass, field
 

@@ -19,12 +19,12 @@ import sys
 import tempfile
 import time
 
+from . import envs
+from .envs import ENV_ENABLE
+
 __version__ = "0.1.0"
 
 log = logging.getLogger("vllm.powersave")
-
-from . import envs
-from .envs import ENV_ENABLE
 
 _STATE = {"registered": False, "active": False}
 

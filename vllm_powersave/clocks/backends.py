@@ -17,8 +17,6 @@ control after one reset attempt and the server keeps serving.
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import time
 from abc import ABC, abstractmethod
 from collections import deque

@@ -36,7 +36,6 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 
 from ..device import GpuError, GpuMigError, GpuNotSupportedError, NvmlGpu
-from .. import envs
 from ..sim.gpu import SimulatedGpu
 
 log = logging.getLogger("vllm.powersave.energy")

@@ -109,7 +109,7 @@ def h200_anchor_values(spec: GpuSpec) -> dict[str, float]:
     copy = simulate_step(spec, StepWork(0, 4e11), 1980)
     out = {"gemm_tflops": 2 * 8192**3 / gemm.time_s / 1e12, "gemm_w": gemm.power_w, "gemm_mhz_mean": float(gemm.sm_clock_mhz),
            "copy_w": copy.power_w}
-    p19, p15, p78, s78, s15 = [], [], [], [], []
+    p19, p78, s78, s15 = [], [], [], []
     for b in (1, 32):
         w = _ma_decode_work(b)
         r19, r15, r78 = simulate_step(spec, w, 1980), simulate_step(spec, w, 1590), simulate_step(spec, w, 780)
