@@ -25,11 +25,15 @@ Arms:
 Per stock/defaults server: warm-up; ``--idle-s`` of idle with the engine loaded (after
 ``--settle-s``: the ``auto`` boost's side context is released 2 s after the last step); one
 Poisson window per ``--rates`` (``sat`` = closed loop at ``--sat-concurrency``), ``--window-s`` of
-request starts each, in-flight requests finish inside the window. Defaults servers add, per
-``--segments``: ``reqenergy`` (``--reqe-n`` identical-length requests at concurrency
-``--reqe-conc``: the plugin's per-request lines against the NVML counter) and ``starvation``
-(closed loop at ``--starv-conc`` through one API server; the plugin's starved-GPU counters, its
-warning from the server log, and ``vllm-powersave advise``).
+request starts each, in-flight requests finish inside the window (the drain: ~256 steps, ~3-4 s on
+the 7B). Finite rates also get a fixed ``span`` of at least ``--window-s`` from the first arrival
+(at 0.2 req/s two requests may be done 5 s into a 10 s window: the harness window would leave the
+idle tail out). Only where named in ``--segments`` (or ``--segments-last``: the last defaults
+server only), defaults servers add ``reqenergy`` (``--reqe-n`` identical-length requests at
+concurrency ``--reqe-conc``: the plugin's per-request lines against the NVML counter, and its
+``request_energy_j_tail``) and ``starvation`` (closed loop at ``--starv-conc`` through one API
+server; the plugin's ``powersave_idle_while_busy_*`` counters, its warning from the server log, and
+``vllm-powersave advise --result ... --metrics ... --api-servers 1``).
 
 Measurements: energy of a load window = the loadtests harness's NVML counter window (measured);
 idle power, energy, SM clock and GPU utilisation from a 10 Hz sampler on the plugin's own
@@ -38,21 +42,26 @@ idle power, energy, SM clock and GPU utilisation from a 10 Hz sampler on the plu
 during the driver's last sample period, 1/6 s to 1 s by product); ``gpu_low_power_share`` = share
 with power below the server's idle power + ``LOW_POWER_MARGIN_W``, kept as a cross-check.
 
-Default schedule, sized for one device call of 9 minutes (``--budget-s 520`` for the script):
-server start-up on the H200 is 79-86 s with a warm torch.compile cache and 97-139 s cold (0.5B,
-one server; the 7B started in 85-142 s two at a time: ``startup_s`` in
-``docs/results/raw/h200-*.json.gz``), and the defaults arm leaves ``--additional-config`` empty, so
-its compile cache key is stock's: one cold start per call. Per stock server ~105 s after start-up
-(warm-up 5, settle + idle 23, four rate windows of 12 s + drain ~18 s each), per defaults server
-~150 s (+ request energy ~15 s, starvation + advise ~30 s): ``--order stock,defaults`` ~500 s,
-one pair per GPU and call. Three pairs in two calls need two GPUs (``--gpu 0`` and ``--gpu 1`` as
-two processes); the ``fix`` arm (~125 s) fits as ``--order defaults,fix --segments starvation``.
+Default schedule: three servers per device call of <= 570 s (``--budget-s 550``). The plan is
+printed at start (``--plan-only``: only that): start-up ~80 s with a warm torch.compile cache
+(``--start-est-s``), ~120 s for the call's first (``--start-est-first-s``); per server after
+start-up ~86 s (warm-up 4, settle + idle 18.5, rates 0.2, 1, 4 ~14 s each, sat ~16 s, stop 6):
+``stock,defaults,defaults`` ~540 s. The defaults arm leaves ``--additional-config`` empty, so its
+compile cache key is stock's. Before each segment the script checks that it and the server's stop
+fit in what is left of ``--budget-s`` and skips it (noted in ``notes``) otherwise.
 
-Usage on the device (after ``device.sh unpack`` and the wheel into /tmp/psite; PYTHONPATH=/tmp/site)::
+One GPU, three calls (6 servers S D D | S S D: pairs (S,D) (D,S) (S,D) across the two raw files,
+``h200_defaults_record.py A.json B.json`` in that order), then the starvation fix::
 
-    POWERSAVE_FORCE_DRY_RUN=1 python3 benchmarks/h200_defaults.py --gpu 0 --order stock,defaults
-    POWERSAVE_FORCE_DRY_RUN=1 python3 benchmarks/h200_defaults.py --gpu 1 --order defaults,stock   # beside it
-    python3 benchmarks/h200_defaults_record.py OUT1/defaults-*.json OUT2/defaults-*.json
+    POWERSAVE_FORCE_DRY_RUN=1 python3 -m benchmarks.h200_defaults --gpu 0 --order stock,defaults,defaults --budget-s 550
+    POWERSAVE_FORCE_DRY_RUN=1 python3 -m benchmarks.h200_defaults --gpu 0 --order stock,stock,defaults --budget-s 550
+    POWERSAVE_FORCE_DRY_RUN=1 python3 -m benchmarks.h200_defaults --gpu 0 --order defaults,fix --segments starvation,reqenergy --budget-s 550
+    python3 benchmarks/h200_defaults_record.py OUT_A/defaults-*.json OUT_B/defaults-*.json OUT_C/defaults-*.json \
+        --trace-out docs/results/h200-closed-loop-decisions
+
+(on the device after ``device.sh unpack`` and the wheel into /tmp/psite; PYTHONPATH=/tmp/site).
+The defaults arm writes its step trace (``trace_steps``), with the closed-loop decode clock's
+decision lines ``{"closed_loop": {...}}``, into the servers tarball (gzip, tarball <= 16 MB).
 
 CPU smoke test: ``--model-dir /tmp/tiny --plugin-site '' --stock-site '' --energy none`` and tiny
 windows (``--serve-args "--max-num-seqs 16 --gpu-memory-utilization 0.15 --enforce-eager"``).
@@ -75,6 +84,7 @@ if os.environ.get("POWERSAVE_FORCE_DRY_RUN") != "1":  # first: nothing may touch
 import argparse  # noqa: E402
 import gzip  # noqa: E402
 import json  # noqa: E402
+import math  # noqa: E402
 import re  # noqa: E402
 import shlex  # noqa: E402
 import shutil  # noqa: E402
@@ -90,21 +100,33 @@ from typing import Any  # noqa: E402
 T0 = time.monotonic()
 
 # --- names the plugin side provides (kept here so that a rename is one edit) ------------------------
-#: Counters of GPU time / energy spent idle while requests were running or waiting (per engine).
-STARVATION_METRICS = ("powersave_gpu_starved_energy_joules_total", "powersave_gpu_starved_seconds_total")
+#: Front-end starvation counters (vllm_powersave/metrics.py, docs/metrics.md): GPU energy and time
+#: with the engine idle while an API server had requests in flight, and the busy time they are a
+#: share of (per engine).
+STARVATION_METRICS = ("powersave_idle_while_busy_energy_joules_total", "powersave_idle_while_busy_seconds_total",
+                      "powersave_frontend_busy_seconds_total")
+#: Energy of non-idle time charged to no request (docs/request-energy.md); snapshot field alongside.
+REQUEST_TAIL_METRIC = "powersave_request_tail_energy_joules_total"
+REQUEST_TAIL_SNAPSHOT = "request_energy_j_tail"
 #: Fallback when none of the above is on /metrics: any powersave_ series whose name matches both.
 STARVATION_FALLBACK = (re.compile(r"idle|starv"), re.compile(r"busy|starv|waiting|running"))
-#: The plugin's one-line warning about a starved GPU in the server log.
-STARVATION_WARNING = re.compile(r"starv|idle while (requests|busy)|api-server-count|front[- ]end", re.I)
+#: The plugin's warning about a starved GPU in the server log (vllm_powersave/starvation.py,
+#: StarvationWatch.check: "powersave: engine N: GPU idle X % of busy time (... J over ... s) while
+#: requests were in flight at the API server: ... try --api-server-count M (now N); ...").
+STARVATION_WARNING = re.compile(r"powersave: engine \d+: GPU idle .*while requests were in flight|api-server-count", re.I)
 #: Per-request energy lines and the per-rank snapshot the plugin writes into its stats_dir.
 REQUEST_LINES = "requests-rank*.jsonl"
 TRACE_LINES = "trace-rank*.jsonl"
 SNAPSHOT = "rank0.json"
-#: Default advise invocations, tried in turn until one exits 0 ({py}: this Python; {url}: the
-#: server; {metrics}: a /metrics dump; {report}: the harness result of the starvation window).
-ADVISE_CMDS = ("{py} -m vllm_powersave.cli advise --url {url}",
-               "{py} -m vllm_powersave.cli advise {report}",
-               "{py} -m vllm_powersave.cli advise --metrics {metrics}")
+#: ``vllm-powersave advise`` (vllm_powersave/cli.py, advise.py), tried in turn until one exits 0
+#: ({py}: this Python; {url}: the server; {metrics}: the /metrics scrape after the window;
+#: {report}: the harness result of the starvation window, with the window's starvation counter
+#: deltas; {n}: API servers of the run). --result wins over --metrics' totals since start.
+ADVISE_CMDS = ("{py} -m vllm_powersave.cli advise --result {report} --metrics {metrics} --api-servers {n}",
+               "{py} -m vllm_powersave.cli advise --result {report} --api-servers {n}",
+               "{py} -m vllm_powersave.cli advise --metrics {url} --api-servers {n}")
+#: The servers tarball stays below this; step traces are dropped (largest first, noted) beyond it.
+TAR_MAX_BYTES = 16 * 1024 * 1024
 LOW_POWER_MARGIN_W = 15.0
 #: As benchmarks/device_run.sh: no FlashInfer in the bundle, offline, NVLink multicast off.
 SERVER_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
@@ -316,15 +338,32 @@ def scrape(port: int) -> tuple[dict[str, float], str]:
     return out, "\n".join(keep)
 
 
+def metrics_text(port: int) -> str:
+    """The whole /metrics text (what ``vllm-powersave advise --metrics FILE`` reads)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            return r.read().decode()
+    except Exception as exc:
+        return f"# scrape failed: {exc}\n"
+
+
 def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     return {k: round(v - before.get(k, 0.0), 6) for k, v in after.items() if k.split("{")[0].endswith(("_total", "_joules", "_seconds"))
             and v != before.get(k)}
 
 
+def series_sum(d: dict[str, float], name: str) -> float | None:
+    vs = [v for k, v in d.items() if k.split("{")[0] == name]
+    return sum(vs) if vs else None
+
+
 def starvation_figures(d: dict[str, float]) -> dict:
     named = {k: v for k, v in d.items() if k.split("{")[0] in STARVATION_METRICS}
     if named:
-        return {"series": named, "how": "named metrics " + ", ".join(STARVATION_METRICS)}
+        j, s_, busy = (series_sum(d, n) for n in STARVATION_METRICS)
+        return {"series": named, "how": "plugin counters " + ", ".join(STARVATION_METRICS) + " (delta over the window)",
+                "idle_while_busy_j": j, "idle_while_busy_s": s_, "frontend_busy_s": busy,
+                "idle_while_busy_share_of_busy": (s_ / busy) if s_ is not None and busy else None}
     a, b = STARVATION_FALLBACK
     found = {k: v for k, v in d.items() if a.search(k.split("{")[0]) and b.search(k.split("{")[0])}
     return {"series": found, "how": ("fallback: powersave_ series matching " + f"/{a.pattern}/ and /{b.pattern}/") if found
@@ -332,11 +371,22 @@ def starvation_figures(d: dict[str, float]) -> dict:
 
 
 def starved_j(fig: dict) -> float | None:
+    if "idle_while_busy_j" in fig:
+        return fig["idle_while_busy_j"]
     js = [v for k, v in fig["series"].items() if "joule" in k.split("{")[0]]
     return sum(js) if js else None
 
 
 # --- load windows ------------------------------------------------------------------------------------
+def n_prompts(rate: str | None, window_s: float, conc: int | None) -> int:
+    """Prompts to generate for a window: enough for every arrival (Poisson: 3x the mean + 20) or, in
+    a closed loop, for requests of >= 0.5 s each; generating 100k random prompts took 23 s on a
+    2-core host, once per window."""
+    if rate is None or rate == "sat":
+        return int((conc or 64) * (2 * window_s + 2))
+    return int(3 * float(rate) * window_s) + 20
+
+
 def harness(ns: argparse.Namespace, port: int | list[int], label: str, **kw: Any) -> dict:
     from loadtests import BenchConfig, run
 
@@ -360,9 +410,21 @@ def load_window(ns: argparse.Namespace, sampler: Any, port: int, label: str, rat
         kw = dict(request_rate=float("inf"), max_concurrency=ns.sat_concurrency)
     else:
         kw = dict(request_rate=float(rate), max_concurrency=None)
-    h = harness(ns, port, f"{label}-r{rate}", num_prompts=100000, duration_s=ns.window_s, seed=seed, **kw)
+    h = harness(ns, port, f"{label}-r{rate}", num_prompts=n_prompts(rate, ns.window_s, ns.sat_concurrency), duration_s=ns.window_s,
+                seed=seed, **kw)
     w = {"request_rate": rate, **summary(h["res"]), "t0": h["t0"], "t1": h["t1"]}
     w["sampler"] = sampler.window(h["t0"], h["t1"], idle_w) if h["t0"] is not None else {}
+    if rate != "sat" and h["t0"] is not None and h["t1"] is not None:
+        # Fixed span: the harness window ends at the last completion, which at 0.2 req/s can be 5 s
+        # into a 10 s window and leaves out the idle time that a low rate is about. The span runs
+        # at least --window-s from the first arrival (identical in both arms: same schedule).
+        end = max(h["t1"], h["t0"] + ns.window_s)
+        time.sleep(max(0.0, end - time.perf_counter()) + 0.15)  # + one sampler period past the end
+        sp = sampler.window(h["t0"], end, idle_w)
+        toks = h["res"].get("total_output_tokens")
+        sp["out_tok_per_j"] = toks / sp["energy_j"] if toks and sp.get("energy_j") else None
+        sp["end_s"] = end - h["t0"]
+        w["span"] = sp
     if not h["res"].get("completed"):
         errs = [e for e in h["res"].get("errors") or [] if e]
         w["error"] = f"0 requests completed; first error: {errs[0] if errs else None}"
@@ -415,6 +477,7 @@ def request_energy_segment(ns: argparse.Namespace, sampler: Any, port: int, stat
     (its lines in stats_dir) against the NVML counter over the same span (snapshot to snapshot)."""
     time.sleep(ns.settle_s)
     offs = stats_lines(stats_dir, REQUEST_LINES)
+    m0, _ = scrape(port)
     wall0, perf0 = time.time(), time.perf_counter()
     snap0 = wait_snapshot_after(stats_dir, wall0)
     h = harness(ns, port, f"{label}-reqe", num_prompts=ns.reqe_n, max_concurrency=ns.reqe_conc, input_len=ns.reqe_in,
@@ -422,6 +485,7 @@ def request_energy_segment(ns: argparse.Namespace, sampler: Any, port: int, stat
     time.sleep(ns.settle_s)  # every request's line written, the engine idle again
     wall1, perf1 = time.time(), time.perf_counter()
     snap1 = wait_snapshot_after(stats_dir, wall1)
+    m1, _ = scrape(port)
     lines = new_lines(stats_dir, REQUEST_LINES, offs)
     seg: dict = {"n": ns.reqe_n, "concurrency": ns.reqe_conc, "input_len": ns.reqe_in, "output_len": ns.reqe_out,
                  "prompts": "random tokens of equal length, distinct per request (no prefix-cache hits), ignore_eos",
@@ -439,6 +503,12 @@ def request_energy_segment(ns: argparse.Namespace, sampler: Any, port: int, stat
         seg["plugin_energy_j_by_phase"], seg["counter_j"] = None, None
         seg["note"] = "no plugin snapshot with energy_j in stats_dir"
     seg["counter_harness_window_j"] = h["res"].get("gpu_energy_j")
+    # Non-idle energy charged to no request over the segment (after a batch's last step until idle
+    # is detected): the snapshot's field and the /metrics counter, each as a delta.
+    t0_, t1_ = (snap0 or {}).get(REQUEST_TAIL_SNAPSHOT), (snap1 or {}).get(REQUEST_TAIL_SNAPSHOT)
+    seg["tail_j"] = (t1_ - t0_) if isinstance(t0_, (int, float)) and isinstance(t1_, (int, float)) else None
+    a_, b_ = series_sum(m0, REQUEST_TAIL_METRIC), series_sum(m1, REQUEST_TAIL_METRIC)
+    seg["tail_j_metrics"] = (b_ - a_) if a_ is not None and b_ is not None else None
     return seg
 
 
@@ -452,7 +522,7 @@ def run_advise(ns: argparse.Namespace, port: int, workdir: Path, label: str, rep
         env["PYTHONPATH"] = f"{ns.plugin_site}:{ns.stock_site}"
     attempts = []
     for tmpl in ([ns.advise_cmd] if ns.advise_cmd else ADVISE_CMDS):
-        cmd = tmpl.format(py=sys.executable, url=f"http://127.0.0.1:{port}", metrics=metrics_f, report=report_f)
+        cmd = tmpl.format(py=sys.executable, url=f"http://127.0.0.1:{port}/metrics", metrics=metrics_f, report=report_f, n=1)
         try:
             r = subprocess.run(shlex.split(cmd), capture_output=True, text=True, timeout=60, env=env)
             a = {"cmd": cmd, "rc": r.returncode, "stdout": r.stdout[-6000:], "stderr": r.stderr[-2000:]}
@@ -472,20 +542,87 @@ def starvation_segment(ns: argparse.Namespace, sampler: Any, port: int, logp: Pa
     time.sleep(ns.settle_s)
     log_off = logp.stat().st_size
     before, _ = scrape(port)
-    h = harness(ns, port, f"{label}-starv", num_prompts=100000, max_concurrency=ns.starv_conc, duration_s=ns.starv_window_s, seed=11)
+    h = harness(ns, port, f"{label}-starv", num_prompts=n_prompts(None, ns.starv_window_s, ns.starv_conc),
+                max_concurrency=ns.starv_conc, duration_s=ns.starv_window_s, seed=11)
     time.sleep(1.0)  # the engine's last publish after the window
-    after, text = scrape(port)
+    after, _ = scrape(port)
+    text = metrics_text(port)
     d = delta(before, after)
     fig = starvation_figures(d)
-    with open(logp, "rb") as f:
+    w = {"concurrency": ns.starv_conc, **summary(h["res"]), "t0": h["t0"], "t1": h["t1"],
+         "sampler": sampler.window(h["t0"], h["t1"]) if h["t0"] is not None else {}}
+    report = {k: v for k, v in h["res"].items() if not isinstance(v, list)}
+    # The window's own starvation figures where the harness did not read them (advise's --result keys).
+    for key, fk in (("gpu_idle_while_busy_energy_j", "idle_while_busy_j"), ("gpu_idle_while_busy_s", "idle_while_busy_s"),
+                    ("frontend_busy_s", "frontend_busy_s")):
+        if report.get(key) is None and fig.get(fk) is not None:
+            report[key] = fig[fk]
+    report.setdefault("max_concurrency", ns.starv_conc)
+    adv = run_advise(ns, port, workdir, label, report, text)
+    with open(logp, "rb") as f:  # after advise: the plugin warns from its publisher, seconds late at most
         f.seek(log_off)
         tail = f.read().decode(errors="replace").splitlines()
     warnings = [ln[-400:] for ln in tail if STARVATION_WARNING.search(ln) and ("WARN" in ln or "warn" in ln.lower())]
-    w = {"concurrency": ns.starv_conc, **summary(h["res"]), "t0": h["t0"], "t1": h["t1"],
-         "sampler": sampler.window(h["t0"], h["t1"]) if h["t0"] is not None else {}}
-    adv = run_advise(ns, port, workdir, label, {k: v for k, v in h["res"].items() if not isinstance(v, list)}, text)
     return {"window": w, "metrics_delta": d, "starvation": fig, "idle_while_busy_j": starved_j(fig),
+            "idle_while_busy_s": fig.get("idle_while_busy_s"), "frontend_busy_s": fig.get("frontend_busy_s"),
+            "harness_idle_while_busy_j": h["res"].get("gpu_idle_while_busy_energy_j"),
             "warnings": warnings[:10], "advise": adv}
+
+
+# --- plan and budget -------------------------------------------------------------------------------
+def drain_s(ns: argparse.Namespace, sat: bool = True) -> float:
+    """A request started at a window's end finishes in about this: output_len decode steps of
+    --tpot-est-ms at saturation, half that at the Poisson rates (small batches), + 0.5 s."""
+    return ns.output_len * ns.tpot_est_ms / 1000.0 * (1.0 if sat else 0.5) + 0.5
+
+
+def seg_costs(ns: argparse.Namespace) -> dict[str, float]:
+    """Estimated wall time of each segment (s), for the plan and the budget checks. ``rate``: one
+    Poisson window (gap + window + drain + harness start), ``sat``: the closed-loop window."""
+    return {"warm": 4.0, "idle": ns.settle_s + ns.idle_s + 0.5,
+            "rate": ns.gap_s + ns.window_s + drain_s(ns, sat=False) + 0.5,
+            "sat": ns.gap_s + ns.window_s + drain_s(ns) + 0.5,
+            "reqenergy": 2 * ns.settle_s + -(-ns.reqe_n // ns.reqe_conc) * (ns.reqe_out * ns.tpot_est_ms / 1000.0 + 0.3) + 3.0,
+            "starvation": ns.settle_s + ns.starv_window_s + drain_s(ns) + 2.0 + 10.0,  # + advise (up to 3 CLI runs)
+            "fix": ns.settle_s + ns.starv_window_s + drain_s(ns) + 2.0, "stop": ns.stop_est_s}
+
+
+def server_segments(ns: argparse.Namespace, order: list[str], pos: int) -> list[str]:
+    """Segments of server ``pos``: --segments (reqenergy/starvation on defaults servers only), plus
+    --segments-last on the last defaults server of the order."""
+    arm = order[pos]
+    if arm == "fix":
+        return ["fix"]
+    segs = [x for x in ns.segments.split(",") if x]
+    last_defaults = max((i for i, a in enumerate(order) if a == "defaults"), default=None)
+    if arm == "defaults" and pos == last_defaults:
+        segs += [x for x in ns.segments_last.split(",") if x and x not in segs]
+    if arm == "stock":
+        segs = [x for x in segs if x in ("idle", "sweep")]
+    return segs
+
+
+def plan(ns: argparse.Namespace, order: list[str]) -> list[dict]:
+    """Per server: estimated start-up and segment times (s)."""
+    c, rates = seg_costs(ns), [x for x in ns.rates.split(",") if x]
+    out = []
+    for pos, arm in enumerate(order):
+        segs = server_segments(ns, order, pos)
+        parts = {"start": ns.start_est_first_s if pos == 0 else ns.start_est_s, "warm": c["warm"]}
+        for x in segs:
+            parts[x] = sum(c["sat" if r_ == "sat" else "rate"] for r_ in rates) if x == "sweep" else c[x]
+        parts["stop"] = c["stop"]
+        out.append({"pos": pos, "arm": arm, "segments": segs, "est_s": {k: round(v, 1) for k, v in parts.items()},
+                    "total_s": round(sum(parts.values()), 1)})
+    return out
+
+
+def left_s() -> float:
+    return NS_BUDGET[0] - (time.monotonic() - T0)
+
+
+#: --budget-s, set by main (module-level so that every check reads the same figure).
+NS_BUDGET = [math.inf]
 
 
 # --- one server --------------------------------------------------------------------------------------
@@ -502,7 +639,7 @@ def observe_settings(ns: argparse.Namespace, stats_dir: Path) -> dict:
 
 
 def run_server(ns: argparse.Namespace, model: Path, arm: str, pos: int, port: int, sampler: Any, workdir: Path, result: dict,
-               save: Any) -> dict:
+               save: Any, segs: list[str]) -> dict:
     label = f"{arm}{pos}"
     srv: dict = {"pos": pos, "arm": arm, "gpu": ns.gpu, "label": label, "windows": [], "notes": []}
     result["servers"].append(srv)
@@ -540,10 +677,20 @@ def run_server(ns: argparse.Namespace, model: Path, arm: str, pos: int, port: in
         harness(ns, port, f"{label}-warm", num_prompts=ns.warm_n, max_concurrency=ns.warm_n, output_len=16, energy="none")
         harness(ns, port, f"{label}-warm1", num_prompts=4, max_concurrency=1, output_len=16, energy="none")
         srv["metrics_info"] = [ln for ln in scrape(port)[1].splitlines() if ln.startswith("powersave_info")]
-        segs = set(ns.segments.split(","))
+        cost, stop_s = seg_costs(ns), ns.stop_est_s
+        srv["segments"] = segs
+
+        def fits(seg: str, what: str) -> bool:
+            if left_s() >= cost[seg] + stop_s:
+                return True
+            srv["notes"].append(f"budget: {what} not run ({left_s():.0f} s left, needs ~{cost[seg] + stop_s:.0f} s with the stop)")
+            log(f"[{label}] {srv['notes'][-1]}")
+            return False
+
         if arm == "fix":
             time.sleep(ns.settle_s)
-            h = harness(ns, port, f"{label}-starv", num_prompts=100000, max_concurrency=ns.starv_conc, duration_s=ns.starv_window_s, seed=11)
+            h = harness(ns, port, f"{label}-starv", num_prompts=n_prompts(None, ns.starv_window_s, ns.starv_conc),
+                        max_concurrency=ns.starv_conc, duration_s=ns.starv_window_s, seed=11)
             srv["fix_window"] = {"concurrency": ns.starv_conc, **summary(h["res"]), "t0": h["t0"], "t1": h["t1"],
                                  "sampler": sampler.window(h["t0"], h["t1"]) if h["t0"] is not None else {}}
             log(f"[{label}] c={ns.starv_conc}: {h['res'].get('output_throughput') or 0:.0f} tok/s, "
@@ -551,7 +698,7 @@ def run_server(ns: argparse.Namespace, model: Path, arm: str, pos: int, port: in
             save()
             return srv
         idle_w = None
-        if "idle" in segs:
+        if "idle" in segs and fits("idle", "idle window"):
             time.sleep(ns.settle_s)
             t0 = time.perf_counter()
             time.sleep(ns.idle_s)
@@ -562,23 +709,21 @@ def run_server(ns: argparse.Namespace, model: Path, arm: str, pos: int, port: in
             save()
         if "sweep" in segs:
             for k, rate in enumerate(ns.rates.split(",")):
-                left = ns.budget_s - (time.monotonic() - T0)
-                if left < ns.window_s + 20:
-                    srv["notes"].append(f"budget: rate {rate} and later not run ({left:.0f} s left)")
+                if not fits("sat" if rate == "sat" else "rate", f"rate {rate} and later"):
                     break
                 time.sleep(ns.gap_s)
                 w = load_window(ns, sampler, port, label, rate, seed=100 + k, idle_w=idle_w)
                 srv["windows"].append(w)
                 log(f"[{label}] rate {rate}: {w.get('output_throughput') or 0:.0f} tok/s, {w.get('output_tokens_per_joule')} tok/J, "
-                    f"idle share {w['sampler'].get('gpu_idle_share')}, TTFT p50 {w.get('median_ttft_ms')}, TPOT p99 {w.get('p99_tpot_ms')}")
+                    f"idle share {w['sampler'].get('gpu_idle_share')} (span {(w.get('span') or {}).get('gpu_idle_share')}), TTFT p50 {w.get('median_ttft_ms')}, TPOT p99 {w.get('p99_tpot_ms')}")
                 save()
-        if arm == "defaults" and "reqenergy" in segs and ns.budget_s - (time.monotonic() - T0) > 30:
+        if arm == "defaults" and "reqenergy" in segs and fits("reqenergy", "request-energy segment"):
             srv["reqenergy"] = request_energy_segment(ns, sampler, port, stats_dir, label)
             n = len(srv["reqenergy"]["lines"])
             log(f"[{label}] request energy: {n} lines, counter {srv['reqenergy'].get('counter_j')} J, "
                 f"plugin {srv['reqenergy'].get('plugin_energy_j_by_phase')}")
             save()
-        if arm == "defaults" and "starvation" in segs and ns.budget_s - (time.monotonic() - T0) > ns.starv_window_s + 25:
+        if arm == "defaults" and "starvation" in segs and fits("starvation", "starvation segment"):
             srv["starvation"] = starvation_segment(ns, sampler, port, logp, workdir, label)
             st = srv["starvation"]
             if st["advise"]["fix_args"]:
@@ -603,12 +748,26 @@ def run_server(ns: argparse.Namespace, model: Path, arm: str, pos: int, port: in
 
 
 # --- main --------------------------------------------------------------------------------------------
-def pack(workdir: Path, tar_path: Path) -> None:
+def pack(workdir: Path, tar_path: Path, result: dict | None = None) -> None:
+    """Server logs, step traces (``<label>-trace-rank<N>.jsonl.gz``, closed-loop decision lines
+    included), request-energy lines and advise output; step traces dropped, largest first, where
+    the tarball would pass TAR_MAX_BYTES (noted in the result)."""
+    files = sorted(workdir.iterdir())
+    size = sum(f.stat().st_size for f in files)
+    dropped = []
+    for f in sorted((f for f in files if "-trace-rank" in f.name), key=lambda f: -f.stat().st_size):
+        if size <= TAR_MAX_BYTES * 0.95:
+            break
+        size -= f.stat().st_size
+        dropped.append(f.name)
     tmp = tar_path.with_suffix(".tmp")
     with tarfile.open(tmp, "w:gz") as t:
-        for f in sorted(workdir.iterdir()):
-            t.add(f, arcname=f.name)
+        for f in files:
+            if f.name not in dropped:
+                t.add(f, arcname=f.name)
     tmp.replace(tar_path)
+    if result is not None:
+        result["tarball"] = {"bytes": tar_path.stat().st_size, "traces_dropped": dropped}
 
 
 def print_summary(result: dict) -> None:
@@ -644,17 +803,20 @@ def main() -> int:
     ap.add_argument("--gpu", type=int, default=0, help="NVML / CUDA index (PCI bus order)")
     ap.add_argument("--shape", default="qwen2.5-7b")
     ap.add_argument("--model-dir", default=None, help="use this model directory instead of building one from --shape")
-    ap.add_argument("--rates", default="0.2,1,4,16", help="Poisson request rates (req/s); 'sat' = closed loop at --sat-concurrency")
+    ap.add_argument("--rates", default="0.2,1,4,sat", help="Poisson request rates (req/s); 'sat' = closed loop at --sat-concurrency")
     ap.add_argument("--sat-concurrency", type=int, default=64)
-    ap.add_argument("--window-s", type=float, default=12.0, help="request starts per rate window (s)")
-    ap.add_argument("--idle-s", type=float, default=20.0, help="idle window per server (s)")
+    ap.add_argument("--window-s", type=float, default=10.0, help="request starts per rate window (s)")
+    ap.add_argument("--idle-s", type=float, default=15.0, help="idle window per server (s)")
     ap.add_argument("--settle-s", type=float, default=3.0, help="quiet time before idle/segment windows (auto boost: 2 s dwell)")
-    ap.add_argument("--gap-s", type=float, default=2.0, help="quiet time before each rate window")
+    ap.add_argument("--gap-s", type=float, default=1.0, help="quiet time before each rate window")
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=256)
-    ap.add_argument("--segments", default="idle,sweep,reqenergy,starvation",
-                    help="per stock/defaults server: idle, sweep; defaults only: reqenergy, starvation")
-    ap.add_argument("--reqe-n", type=int, default=480)
+    ap.add_argument("--segments", default="idle,sweep",
+                    help="per stock/defaults server: idle, sweep; defaults only, run only where named: reqenergy, starvation "
+                         "(--segments-last applies to the last defaults server only)")
+    ap.add_argument("--segments-last", default="",
+                    help="extra segments of the last defaults server of --order only, e.g. reqenergy")
+    ap.add_argument("--reqe-n", type=int, default=192)
     ap.add_argument("--reqe-conc", type=int, default=48)
     ap.add_argument("--reqe-in", type=int, default=128)
     ap.add_argument("--reqe-out", type=int, default=96)
@@ -669,8 +831,11 @@ def main() -> int:
                     help="vllm serve flags of every server")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--energy", default="nvml", help="loadtests energy source (nvml; none on a CPU smoke test)")
-    ap.add_argument("--budget-s", type=float, default=520.0, help="start nothing that cannot end by this (s since start)")
-    ap.add_argument("--start-est-s", type=float, default=130.0, help="a server's start-up, for the budget check (s)")
+    ap.add_argument("--budget-s", type=float, default=550.0, help="start nothing that cannot end by this (s since start)")
+    ap.add_argument("--start-est-s", type=float, default=80.0, help="a server's start-up, warm compile cache, for the plan (s)")
+    ap.add_argument("--start-est-first-s", type=float, default=120.0, help="the first server's start-up (cold cache), for the plan (s)")
+    ap.add_argument("--tpot-est-ms", type=float, default=15.0, help="decode step at saturation, for the drain estimate (ms)")
+    ap.add_argument("--stop-est-s", type=float, default=6.0, help="a server's stop + GPU release, for the plan (s)")
     ap.add_argument("--start-timeout-s", type=float, default=300.0)
     ap.add_argument("--set-visible", action=argparse.BooleanOptionalAction, default=True,
                     help="give servers CUDA_VISIBLE_DEVICES=--gpu")
@@ -681,6 +846,7 @@ def main() -> int:
     ap.add_argument("--stats-root", default="/tmp/powersave-defaults")
     ap.add_argument("--port", type=int, default=None, help="default 8100 + 50 * gpu")
     ap.add_argument("--tag", default=None)
+    ap.add_argument("--plan-only", action="store_true", help="print the time plan and exit (starts nothing)")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
     ns = ap.parse_args()
     for k, v in SERVER_ENV.items():  # the bundle's vLLM needs the first; the rest keep it offline and NVLS off
@@ -693,6 +859,19 @@ def main() -> int:
     if bad:
         print(f"error: --order: unknown arm {bad[0]!r} (stock, defaults, fix)", file=sys.stderr)
         return 2
+    NS_BUDGET[0] = ns.budget_s
+    bad_seg = [x for x in (ns.segments + "," + ns.segments_last).split(",") if x and x not in ("idle", "sweep", "reqenergy", "starvation")]
+    if bad_seg:
+        print(f"error: --segments: unknown segment {bad_seg[0]!r} (idle, sweep, reqenergy, starvation)", file=sys.stderr)
+        return 2
+    pl = plan(ns, order)
+    total = sum(x["total_s"] for x in pl)
+    for x in pl:
+        log(f"plan: server {x['pos']} {x['arm']}: ~{x['total_s']:.0f} s (" + ", ".join(f"{k} {v:g}" for k, v in x["est_s"].items()) + ")")
+    log(f"plan: ~{total:.0f} s for {len(pl)} server(s) against --budget-s {ns.budget_s:g}"
+        + ("" if total <= ns.budget_s else "; OVER: segments that cannot finish are skipped (noted)"))
+    if ns.plan_only:
+        return 0
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
     workdir = Path("/tmp") / f"defaults-work-{ns.tag}"
@@ -715,7 +894,10 @@ def main() -> int:
         "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "method": {"order": order, "rates": ns.rates.split(","), "sat_concurrency": ns.sat_concurrency, "window_s": ns.window_s,
                    "idle_s": ns.idle_s, "settle_s": ns.settle_s, "gap_s": ns.gap_s, "input_len": ns.input_len,
-                   "output_len": ns.output_len, "segments": ns.segments, "serve_args": ns.serve_args,
+                   "output_len": ns.output_len, "segments": ns.segments, "segments_last": ns.segments_last,
+                   "drain_s_est": round(drain_s(ns), 2),
+                   "low_rate_span": "finite rates: energy, idle share and tok/J also over a fixed span of >= window_s from the "
+                                    "first arrival (idle tail included; 'span'), from the 10 Hz sampler", "serve_args": ns.serve_args,
                    "defaults_observe": ns.defaults_observe, "stock": "PYTHONPATH without the plugin (--stock-site), else VLLM_PLUGINS= (empty)",
                    "defaults": "--plugin powersave; observation settings only via $POWERSAVE_CONFIG",
                    "energy": f"loadtests energy={ns.energy} per load window (counter); sampler: " + sampler.note,
@@ -724,7 +906,7 @@ def main() -> int:
                    "reqenergy": {"n": ns.reqe_n, "concurrency": ns.reqe_conc, "input_len": ns.reqe_in, "output_len": ns.reqe_out},
                    "starvation": {"concurrency": ns.starv_conc, "window_s": ns.starv_window_s, "fix_args_default": ns.fix_args,
                                   "metrics": STARVATION_METRICS}},
-        "servers": [], "notes": []}
+        "plan": pl, "budget_s": ns.budget_s, "servers": [], "notes": []}
 
     def save() -> None:
         tmp = raw_f.with_suffix(".tmp")
@@ -733,17 +915,23 @@ def main() -> int:
 
     save()
     port = ns.port or 8100 + 50 * ns.gpu
+    c = seg_costs(ns)
     for pos, arm in enumerate(order):
-        need = ns.start_est_s + (40 + ns.starv_window_s if arm == "fix" else ns.idle_s + 30)
-        if time.monotonic() - T0 + need > ns.budget_s:
-            result["notes"].append(f"budget: server {pos} ({arm}) not started")
+        segs = server_segments(ns, order, pos)
+        # At least start-up, warm-up, its first segment (idle, or one rate) and the stop must fit.
+        first = "fix" if arm == "fix" else ("idle" if "idle" in segs else "rate" if "sweep" in segs else segs[0] if segs else None)
+        first = "sat" if first == "rate" and ns.rates.split(",")[0] == "sat" else first
+        need = result["plan"][pos]["est_s"]["start"] + c["warm"] + (c[first] if first else 0.0) + c["stop"]
+        if left_s() < need:
+            result["notes"].append(f"budget: server {pos} ({arm}) not started ({left_s():.0f} s left, needs ~{need:.0f} s)")
             log(result["notes"][-1])
             break
-        run_server(ns, model, arm, pos, port + pos, sampler, workdir, result, save)
-        pack(workdir, tar_f)
+        run_server(ns, model, arm, pos, port + pos, sampler, workdir, result, save, segs)
+        pack(workdir, tar_f, result)
     sampler.stop_ev.set()
+    result["elapsed_s"] = round(time.monotonic() - T0, 1)
+    pack(workdir, tar_f, result)
     save()
-    pack(workdir, tar_f)
     log(f"saved {raw_f} ({raw_f.stat().st_size} bytes), {tar_f} ({tar_f.stat().st_size} bytes)")
     print_summary(result)
     return 0

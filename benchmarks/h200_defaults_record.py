@@ -12,8 +12,9 @@
   per-request figures: p5 / p50 / p95 / max over the median; requests + idle against the counter;
   the tail / idle split).
 
-Pairs: within one raw file (one GPU), adjacent stock and defaults servers, in run order (ABBA over
-files and GPUs). Ratios are defaults / stock per pair; intervals are Student-t 95 % over pairs.
+Pairs: adjacent stock and defaults servers of one GPU, in run order over the raw files as given
+on the command line (their server sequences concatenated: ``S D D`` + ``S S D`` -> (S,D) (D,S)
+(S,D), ABBA-like across device calls). Ratios are defaults / stock per pair; intervals are Student-t 95 % over pairs.
 ``idle_bound_saving`` of a rate = stock's idle seconds in the window (GPU idle share x energy
 window) x (stock idle W - defaults idle W of the pair) / stock's window energy: what the idle-power
 difference alone can save there. ``energy_saving`` = 1 - (defaults J per output token / stock's).
@@ -25,6 +26,7 @@ import argparse
 import gzip
 import json
 import math
+import re
 import statistics
 import sys
 import time
@@ -61,17 +63,25 @@ def load(path: str) -> dict:
 
 
 def pair_servers(raws: list[dict]) -> list[dict]:
-    """Adjacent stock/defaults servers of one raw file (one GPU), greedily in run order."""
-    pairs = []
+    """Adjacent stock/defaults servers, greedily in run order over the raw files *in the order
+    given* (their server sequences concatenated): one GPU running ``stock,defaults,defaults`` then
+    ``stock,stock,defaults`` gives the pairs (S1,D1) (D2,S2) (S3,D3), ABBA-like across the calls.
+    Give the raw files of one GPU in run order; files of different GPUs are paired per GPU."""
+    seqs: dict[Any, list[tuple[dict, dict]]] = {}
     for raw in raws:
-        srvs = [s for s in raw["servers"] if s["arm"] in ARMS and (s.get("idle") or s.get("windows"))]
+        for s in raw["servers"]:
+            if s["arm"] in ARMS and (s.get("idle") or s.get("windows")):
+                seqs.setdefault(raw.get("gpu"), []).append((raw, s))
+    pairs = []
+    for seq in seqs.values():
         i = 0
-        while i + 1 < len(srvs):
-            a, b = srvs[i], srvs[i + 1]
+        while i + 1 < len(seq):
+            (ra, a), (rb, b) = seq[i], seq[i + 1]
             if a["arm"] != b["arm"]:
                 stock, dflt = (a, b) if a["arm"] == "stock" else (b, a)
-                pairs.append({"file": raw["_file"], "gpu": raw.get("gpu"), "order": f"{a['arm']},{b['arm']}",
-                              "stock": stock, "defaults": dflt})
+                files = ra["_file"] if ra is rb else f"{ra['_file']}+{rb['_file']}"
+                pairs.append({"file": files, "gpu": ra.get("gpu"), "order": f"{a['arm']},{b['arm']}",
+                              "servers": f"{a['label']},{b['label']}", "stock": stock, "defaults": dflt})
                 i += 2
             else:
                 i += 1
@@ -86,6 +96,13 @@ def rate_key(rate: str) -> float:
     return math.inf if rate == "sat" else float(rate)
 
 
+def span(w: dict) -> dict:
+    """The window's fixed-length span figures (``h200_defaults.py``: at least ``--window-s`` of wall
+    time from the first arrival, idle tail included), if measured; else {} (harness window only)."""
+    sp = w.get("span") or {}
+    return sp if sp.get("energy_j") is not None else {}
+
+
 def idle_w(s: dict) -> float | None:
     return (s.get("idle") or {}).get("avg_power_w")
 
@@ -95,7 +112,7 @@ def rates_block(pairs: list[dict]) -> list[dict]:
     out = []
     for rate in rates:
         per: dict[str, list] = {k: [] for k in ("tokj", "thr", "ttft_d", "tpot", "share", "low_share", "bound", "saving",
-                                                "stock_tps", "def_tps", "stock_tokj", "def_tokj", "stock_w", "def_w")}
+                                                "stock_tps", "def_tps", "stock_tokj", "def_tokj", "stock_w", "def_w", "span")}
         n = 0
         for p in pairs:
             ws = next((w for w in p["stock"]["windows"] if w["request_rate"] == rate), None)
@@ -110,22 +127,33 @@ def rates_block(pairs: list[dict]) -> list[dict]:
                 per["ttft_d"].append(wd["median_ttft_ms"] - ws["median_ttft_ms"])
             if ws.get("p99_tpot_ms") and wd.get("p99_tpot_ms") is not None:
                 per["tpot"].append(wd["p99_tpot_ms"] / ws["p99_tpot_ms"])
-            share = (ws.get("sampler") or {}).get("gpu_idle_share")
+            # Both arms' fixed-length spans where both have them (idle tail of a low rate included),
+            # else the harness's own window (first request to last completion).
+            sps, spd = span(ws), span(wd)
+            use_span = bool(sps and spd)
+            fs = sps if use_span else {"energy_j": ws.get("gpu_energy_j"), "seconds": ws.get("energy_window_s") or ws.get("duration"),
+                                       "out_tok_per_j": ws.get("output_tokens_per_joule"), "avg_power_w": ws.get("gpu_avg_power_w"),
+                                       **{k: (ws.get("sampler") or {}).get(k) for k in ("gpu_idle_share", "gpu_low_power_share")}}
+            fd = spd if use_span else {"out_tok_per_j": wd.get("output_tokens_per_joule"), "avg_power_w": wd.get("gpu_avg_power_w")}
+            per["span"].append(use_span)
+            share = fs.get("gpu_idle_share")
             per["share"].append(share)
-            per["low_share"].append((ws.get("sampler") or {}).get("gpu_low_power_share"))
-            ts, td = ws.get("output_tokens_per_joule"), wd.get("output_tokens_per_joule")
+            per["low_share"].append(fs.get("gpu_low_power_share"))
+            ts, td = fs.get("out_tok_per_j"), fd.get("out_tok_per_j")
             per["stock_tokj"].append(ts)
             per["def_tokj"].append(td)
-            per["stock_w"].append(ws.get("gpu_avg_power_w"))
-            per["def_w"].append(wd.get("gpu_avg_power_w"))
+            per["stock_w"].append(fs.get("avg_power_w"))
+            per["def_w"].append(fd.get("avg_power_w"))
             if ts and td:
                 per["tokj"].append(td / ts)
                 per["saving"].append(1.0 - ts / td)
             iw_s, iw_d = idle_w(p["stock"]), idle_w(p["defaults"])
-            e_s, win_s = ws.get("gpu_energy_j"), ws.get("energy_window_s") or ws.get("duration")
+            e_s, win_s = fs.get("energy_j"), fs.get("seconds")
             if None not in (share, iw_s, iw_d, e_s, win_s) and e_s > 0:
                 per["bound"].append(share * win_s * (iw_s - iw_d) / e_s)
-        row: dict = {"request_rate": rate if rate == "sat" else float(rate), "pairs": n}
+        row: dict = {"request_rate": rate if rate == "sat" else float(rate), "pairs": n,
+                     "energy_window": ("fixed span (>= --window-s from the first arrival, idle tail included)" if per["span"] and all(per["span"])
+                                       else "harness window (first request to last completion)" if not any(per["span"]) else "mixed")}
         m, ci = mean_ci(per["tokj"])
         row["out_tok_per_j_ratio"], row["out_tok_per_j_ratio_ci95"] = r(m), [r(x) for x in ci] if ci else None
         row["stock_gpu_idle_share"] = r(mean_ci(per["share"])[0], 3)
@@ -157,6 +185,7 @@ def starvation_block(raws: list[dict]) -> dict:
                 w = st["window"]
                 e = w.get("gpu_energy_j")
                 last = {"file": raw["_file"], "server": s["label"], "idle_while_busy_j": st.get("idle_while_busy_j"),
+                        "idle_while_busy_s": st.get("idle_while_busy_s"), "frontend_busy_s": st.get("frontend_busy_s"),
                         "share_of_window_energy": (st["idle_while_busy_j"] / e) if st.get("idle_while_busy_j") is not None and e else None,
                         "how": st["starvation"]["how"], "series": st["starvation"]["series"], "warnings": st["warnings"],
                         "advise_ok": st["advise"]["ok"], "advise_output": st["advise"]["output"],
@@ -247,10 +276,129 @@ def request_energy(raws: list[dict], drop: float) -> dict:
                 "plugin_total_j": r(sum(phases.values()), 3) if phases else None, "plugin_phases_j": {k2: r(v, 3) for k2, v in phases.items()},
                 "counter_j": r(counter, 3) if counter is not None else None,
                 "requests_plus_idle_over_counter": r((req_sum + idle_j) / counter, 5) if counter and idle_j is not None else None,
-                "tail_idle_split": {"idle_j": r(idle_j, 3) if idle_j is not None else None, **{k2: r(v, 3) for k2, v in extra.items()},
-                                    "note": "idle_j: the plugin's idle phase over the span; *_j: per-request parts summed"},
+                "requests_plus_idle_plus_tail_over_counter": (r((req_sum + idle_j + seg["tail_j"]) / counter, 5)
+                                                              if counter and idle_j is not None and seg.get("tail_j") is not None else None),
+                "tail_idle_split": {"idle_j": r(idle_j, 3) if idle_j is not None else None, "tail_j": r(seg.get("tail_j"), 3),
+                                    "tail_j_metrics": r(seg.get("tail_j_metrics"), 3), **{k2: r(v, 3) for k2, v in extra.items()},
+                                    "note": "idle_j: the plugin's idle phase over the span; tail_j: non-idle energy charged to no "
+                                            "request (snapshot request_energy_j_tail delta; tail_j_metrics: "
+                                            "powersave_request_tail_energy_joules_total delta); *_j: per-request parts summed"},
                 "harness_out_tok_s": seg["harness"].get("output_throughput"), "span_s": r(seg.get("span_s"), 3)})
     return {"segments": segs}
+
+
+#: Decode batch-size buckets of the closed loop (settings ``clocks.closed_loop.batch_buckets`` default).
+BATCH_BUCKETS = (1, 8, 32, 64, 128, 256, 512)
+
+
+def bucket_of(batch: int, edges: tuple[int, ...] = BATCH_BUCKETS) -> int:
+    b = edges[0]
+    for e in edges:
+        if e <= batch:
+            b = e
+    return b
+
+
+def quantile(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    k = (len(xs) - 1) * q
+    lo = math.floor(k)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def trace_members(tar_path: Path) -> dict[str, list[dict]]:
+    """``{server label: parsed lines}`` of the step traces (``<label>-trace-rank<N>.jsonl.gz``) in a
+    servers tarball of ``h200_defaults.py``."""
+    import tarfile
+
+    out: dict[str, list[dict]] = {}
+    with tarfile.open(tar_path) as t:
+        for m in t.getmembers():
+            if "-trace-rank" not in m.name or not m.isfile():
+                continue
+            try:
+                data = t.extractfile(m).read()  # type: ignore[union-attr]
+                if m.name.endswith(".gz"):
+                    data = gzip.decompress(data)
+            except (OSError, EOFError) as exc:  # a truncated or corrupt member: the others still count
+                print(f"warning: {tar_path.name}: {m.name}: {exc}", file=sys.stderr)
+                continue
+            rows = []
+            for ln in data.splitlines():
+                try:
+                    rows.append(json.loads(ln))
+                except ValueError:
+                    pass
+            out.setdefault(m.name.split("-trace-rank")[0], []).extend(rows)
+    return out
+
+
+def closed_loop_summary(raws: list[dict], tars: dict[str, Path | None]) -> dict:
+    """Issue 19: what the closed-loop decode clock decided in dry-run (nothing was set) on the
+    defaults servers: decision records by kind; per decode-batch bucket the step time measured at
+    the default clock (every step of a dry-run ran there), the clocks it would have probed and held,
+    and the steps observed; the worker snapshot's ``closed_loop`` state at the end."""
+    servers = []
+    for raw in raws:
+        tar = tars.get(raw["_file"])
+        traces = trace_members(tar) if tar is not None and tar.is_file() else {}
+        for s in raw["servers"]:
+            if s["arm"] == "stock":
+                continue
+            rows = traces.get(s["label"], [])
+            recs = [x["closed_loop"] for x in rows if isinstance(x.get("closed_loop"), dict)]
+            steps = [x for x in rows if "phase" in x]
+            kinds: dict[str, int] = {}
+            for x in recs:
+                k = str(x.get("event") or x.get("kind") or "?")
+                kinds[k] = kinds.get(k, 0) + 1
+            per: dict[int, dict] = {}
+            for x in steps:
+                if x.get("phase") != "decode" or x.get("t_end") is None or not x.get("decode"):
+                    continue
+                b = per.setdefault(bucket_of(int(x["decode"])), {"ms": [], "sm_target": set()})
+                b["ms"].append(1e3 * (x["t_end"] - x["t"]))
+                if x.get("sm_target") is not None:
+                    b["sm_target"].add(x["sm_target"])
+            for x in recs:
+                if x.get("bucket") is None:
+                    continue
+                b = per.setdefault(int(x["bucket"]), {"ms": [], "sm_target": set()})
+                ev = x.get("event")
+                clk = x.get("sm_clock_mhz") if ev in ("probe", "hold") else x.get("ran_at_mhz") if ev in ("accept", "reject") else None
+                if ev in ("probe", "accept", "reject", "unmeasured"):
+                    m = re.search(r"at (\d+) MHz", str(x.get("reason", ""))) if ev == "unmeasured" else None
+                    clk = int(m.group(1)) if m else clk
+                    if clk is not None:
+                        b.setdefault("probed", set()).add(clk)
+                if ev == "hold":
+                    b.setdefault("held", []).append(clk)
+                if ev == "baseline_done":
+                    b.setdefault("controller_baseline_ms", []).append(x.get("baseline_ms"))
+                    b["spread_pct"] = x.get("spread_pct")
+            snap = (s.get("snapshot") or {}).get("closed_loop")
+            buckets = {}
+            for e, b in sorted(per.items()):
+                ms = b["ms"]
+                buckets[str(e)] = {"default_clock_step_ms": {"median": r(quantile(ms, 0.5), 3), "p10": r(quantile(ms, 0.1), 3),
+                                                             "p90": r(quantile(ms, 0.9), 3), "n": len(ms)},
+                                   "decode_steps_observed": len(ms), "would_probe_mhz": sorted(b.get("probed", ())),
+                                   "would_hold_mhz": b.get("held", []),  # None: the default clock "sm_target_in_trace_mhz": sorted(b["sm_target"]),
+                                   "controller_baseline_ms": [r(v, 3) for v in b.get("controller_baseline_ms", [])],
+                                   "spread_pct": r(b.get("spread_pct"), 3)}
+            servers.append({"file": raw["_file"], "server": s["label"], "device": raw["device"].get("name"),
+                            "trace": "found" if rows else ("no trace in " + (tar.name if tar else "no servers tarball")),
+                            "steps_observed": len(steps), "decode_steps": sum(len(b["ms"]) for b in per.values()),
+                            "decisions": len(recs), "decisions_by_kind": dict(sorted(kinds.items())), "buckets": buckets,
+                            "snapshot_closed_loop": snap, "clock_backend": (s.get("snapshot") or {}).get("clock_backend"),
+                            "clock_mode": (s.get("snapshot") or {}).get("clock_mode")})
+    return {"what": "closed-loop decode clock decisions in dry-run (POWERSAVE_FORCE_DRY_RUN=1: no clock was set; every step "
+                    "ran at the driver's default clock, so probes cannot be measured and time out as 'unmeasured')",
+            "step_ms": "engine-thread wall time of pure decode steps (trace t_end - t), bucketed by decode batch "
+                       f"({', '.join(map(str, BATCH_BUCKETS))})", "servers": servers}
 
 
 def plot(rates: list[dict], path: Path, title: str) -> bool:
@@ -304,6 +452,11 @@ def main() -> int:
     ap.add_argument("--out-dir", default="docs/results")
     ap.add_argument("--name", default="h200-defaults")
     ap.add_argument("--reqe-name", default="h200-request-energy")
+    ap.add_argument("--trace-out", default=None,
+                    help="also write the closed-loop decision summary (issue 19) to TRACE_OUT.json/.md "
+                         "(e.g. docs/results/h200-closed-loop-decisions), from the servers tarballs")
+    ap.add_argument("--servers", nargs="*", default=None,
+                    help="servers-<tag>.tar.gz per raw file, same order (default: beside each raw file, by its tag)")
     ap.add_argument("--steady-drop", type=float, default=0.2, help="share of request lines dropped at each end (480 -> middle 288)")
     ns = ap.parse_args()
     raws = [load(p) for p in ns.raw]
@@ -329,7 +482,7 @@ def main() -> int:
            "runs": [{"file": x["_file"], "tag": x.get("tag"), "gpu": x.get("gpu"), "date_utc": x.get("date_utc"),
                      "order": x["method"]["order"], "notes": x.get("notes")} for x in raws],
            "method": raws[0]["method"],
-           "pairs": len(pairs), "pair_list": [{"file": p["file"], "gpu": p["gpu"], "order": p["order"]} for p in pairs],
+           "pairs": len(pairs), "pair_list": [{"file": p["file"], "gpu": p["gpu"], "order": p["order"], "servers": p["servers"]} for p in pairs],
            "idle": idle, "rates": rates, "starvation": starv, "checks": checks(idle, rates, starv),
            "startup_s": {a: [s.get("startup_s") for x in raws for s in x["servers"] if s["arm"] == a] for a in ("stock", "defaults", "fix")},
            "scripts": ["benchmarks/h200_defaults.py", "benchmarks/h200_defaults_record.py"],
@@ -347,7 +500,7 @@ def main() -> int:
           f"{m.get('idle_s')} s idle, then Poisson windows of {m.get('window_s')} s of request starts at "
           f"{', '.join(m.get('rates') or [])} req/s ({m.get('input_len')} in / {m.get('output_len')} out, streamed, "
           f"same seeds in both arms). Energy: {rec['energy']}. GPU idle share: {m.get('gpu_idle_share')}. Clocks never changed.",
-          f"- Pairs: **{len(pairs)}** (adjacent stock/defaults servers on one GPU: " + ", ".join(f"{p['file']} GPU {p['gpu']} {p['order']}" for p in rec["pair_list"]) + ").",
+          f"- Pairs: **{len(pairs)}** (adjacent stock/defaults servers on one GPU: " + ", ".join(f"{p['file']} GPU {p['gpu']} {p['servers']}" for p in rec["pair_list"]) + ").",
           "", "## Idle, engine loaded", "", "| stock W | defaults W | ratio (95 % CI) | pairs |", "|---|---|---|---|",
           f"| {fmt(idle['stock_w'], 1)} | {fmt(idle['defaults_w'], 1)} | {fmt(idle['power_ratio'])} ({fmt(idle['power_ratio_ci95'])}) | {idle['pairs']} |",
           "", "## Request-rate sweep (defaults / stock per pair)", "",
@@ -358,6 +511,8 @@ def main() -> int:
                   f"{fmt(x['energy_saving'])} | {fmt(x['out_tok_per_j_ratio'])} ({fmt(x['out_tok_per_j_ratio_ci95'])}) | "
                   f"{fmt(x['throughput_ratio'])} | {fmt(x['p50_ttft_ms_delta'], 2)} | {fmt(x['p99_tpot_ratio'])} | "
                   f"{fmt(x['stock_out_tok_s'], 0)} / {fmt(x['defaults_out_tok_s'], 0)} | {fmt(x['stock_out_tok_per_j'])} / {fmt(x['defaults_out_tok_per_j'])} |")
+    md += ["", "Energy window per rate: " + "; ".join(f"{x['request_rate']}: {x['energy_window']}" for x in rates) + ".",
+           "Idle bound = stock's idle seconds in the window x (stock idle W - defaults idle W) / stock's window energy."]
     if has_png:
         md += ["", f"![tokens per joule ratio vs request rate]({png.name})"]
     fx = starv["after_fix"] if isinstance(starv["after_fix"], dict) else None
@@ -387,11 +542,36 @@ def main() -> int:
           "|---|---|---|---|---|---|---|---|---|---|"]
     for s in reqe["segments"]:
         st = s["steady"] or {}
-        other = {k: v for k, v in s["tail_idle_split"].items() if k not in ("idle_j", "note")}
+        other = {k: v for k, v in s["tail_idle_split"].items() if k not in ("idle_j", "note") and v is not None}
         md.append(f"| {s['file']} {s['server']} | {s['source']} / {s['method']} | {st.get('n')} | {fmt(st.get('median_j'))} | {fmt(st.get('p5_over_median'))} / 1 / "
                   f"{fmt(st.get('p95_over_median'))} / {fmt(st.get('max_over_median'))} | {fmt(s['requests_plus_idle_over_counter'], 4)} | "
                   f"{fmt(s['requests_sum_j'], 1)} | {fmt(s['idle_j'], 1)} | {fmt(s['counter_j'], 1)} | {json.dumps(other) if other else '–'} |")
     (out / f"{ns.reqe_name}.md").write_text("\n".join(md) + "\n")
+    if ns.trace_out:
+        tars: dict[str, Path | None] = {}
+        for k, (path, raw) in enumerate(zip(ns.raw, raws)):
+            if ns.servers is not None:
+                tars[raw["_file"]] = Path(ns.servers[k]) if k < len(ns.servers) else None
+            else:
+                tars[raw["_file"]] = Path(path).parent / f"servers-{raw.get('tag')}.tar.gz"
+        cl = closed_loop_summary(raws, tars)
+        cl.update({"measured": measured, "devices": devices, "scripts": rec["scripts"], "recorded_utc": rec["recorded_utc"]})
+        stem = Path(ns.trace_out)
+        stem.parent.mkdir(parents=True, exist_ok=True)
+        stem.with_suffix(".json").write_text(json.dumps(cl, indent=1))
+        md = [f"# Closed-loop decode clock decisions in dry-run ({', '.join(devices)}; {label})", "",
+              f"- {cl['what']}.", f"- Step time: {cl['step_ms']}.", "",
+              "| run | steps | decode steps | decisions by kind | bucket: default-clock step ms median (p10-p90, n) / would probe MHz / would hold MHz |",
+              "|---|---|---|---|---|"]
+        for x in cl["servers"]:
+            cells = "; ".join(f"{e}: {fmt(b['default_clock_step_ms']['median'])} ({fmt(b['default_clock_step_ms']['p10'])}-"
+                              f"{fmt(b['default_clock_step_ms']['p90'])}, {b['default_clock_step_ms']['n']}) / "
+                              f"{','.join(map(str, b['would_probe_mhz'])) or '–'} / {','.join('default' if h is None else str(h) for h in b['would_hold_mhz']) or '–'}"
+                              for e, b in x["buckets"].items())
+            md.append(f"| {x['file']} {x['server']} | {x['steps_observed']} | {x['decode_steps']} | "
+                      f"{json.dumps(x['decisions_by_kind']) if x['decisions_by_kind'] else '–'} | {cells or x['trace']} |")
+        stem.with_suffix(".md").write_text("\n".join(md) + "\n")
+        print(f"wrote {stem}.json/.md ({sum(x['decisions'] for x in cl['servers'])} decision records)")
     print(f"wrote {out}/{ns.name}.json/.md{'/.png' if has_png else ''} ({len(pairs)} pairs) and {out}/{ns.reqe_name}.json/.md "
           f"({len(reqe['segments'])} segment(s))")
     return 0
