@@ -20,7 +20,7 @@ def test_advise_ranks_api_servers_over_perf_boost_over_unestimated_fixes_from_a_
     assert api["evidence"] == "measured" and api["effect"] == "predicted"
     assert abs(boost["saving_share"] - (1 - 77.4 / 119.6) * 4100 / 22159) < 1e-9  # idle not spent waiting x -35 %
     assert recs[2]["saving_share"] is None and "3 request(s) waiting" in recs[2]["measurement"]
-    assert "12 clock decisions recorded in dry-run" in recs[3]["measurement"]
+    assert "12 clock changes and 0 closed-loop decisions recorded in dry-run" in recs[3]["measurement"]
 
 
 def test_advise_text_names_measured_and_predicted():

@@ -10,6 +10,7 @@ hooks), and checks what was installed.
 import importlib
 import json
 import logging
+import sys
 
 import pytest
 
@@ -164,3 +165,19 @@ def test_another_plugins_logits_processor_turns_off_chunking_only(plugin, caplog
     assert len(warnings) == 1 and "LM-head chunking is off" in warnings[0]
     assert "lm_head" not in vllm_compat.installed_features()
     assert custom_op.op_registry_oot["LogitsProcessor"] is object
+
+
+def test_api_server_run_as_main_module_gets_the_app_hook(plugin, monkeypatch):
+    """`python -m vllm.entrypoints.openai.api_server`: its build_app lives in __main__, which is
+    what must be wrapped (the per-request headers and the starvation middleware ride on it)."""
+    import types
+
+    from vllm.entrypoints.openai import api_server
+
+    main = types.ModuleType("__main__")
+    main.__spec__ = types.SimpleNamespace(name="vllm.entrypoints.openai.api_server")
+    main.build_app = api_server.build_app
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    monkeypatch.delitem(sys.modules, "vllm.entrypoints.launchers.api_server.entry", raising=False)
+    assert vllm_compat.install_app_hook("x.Middleware") == "vllm.entrypoints.openai.api_server"
+    assert main.build_app is not api_server.build_app  # wrapped where run_server looks it up

@@ -113,6 +113,8 @@ def facts_from_metrics(text: str) -> dict[str, Any]:
                 f["steady_s"] = max(f.get("steady_s", 0.0), v)
             elif n == "powersave_clock_changes_total":
                 f["clock_changes"] = f.get("clock_changes", 0.0) + v
+            elif n == "powersave_closed_loop_decisions_total":
+                f["closed_loop_decisions"] = f.get("closed_loop_decisions", 0.0) + v
             elif n == "powersave_info":
                 f["cuda_perf_boost"] = lab.get("cuda_perf_boost")
                 f["clock_backend"] = lab.get("clock_backend")
@@ -177,10 +179,12 @@ def advise(facts: dict[str, Any]) -> list[Recommendation]:
     clocks = (facts.get("savings") or {}).get("clocks") or ("dry-run" if facts.get("clock_backend") == "dry-run" else None)
     if clocks == "dry-run":
         changes = _num(facts.get("clock_changes")) or 0.0
+        loop = _num(facts.get("closed_loop_decisions")) or 0.0
         out.append(Recommendation(
             "clocks", "Let the clock controller act: run the server with CAP_SYS_ADMIN (or root), or give it a zeusd "
             "(clocks.zeusd_socket); then clocks.mode auto applies what it now only records",
-            f"{changes:.0f} clock decisions recorded in dry-run" + ("" if changes else " (none yet: no presets; `vllm-powersave tune` makes them)"),
+            f"{changes:.0f} clock changes and {loop:.0f} closed-loop decisions recorded in dry-run"
+            + ("" if changes or loop else " (none yet: no decode steps seen)"),
             "measured", "predicted", None))
     return sorted(out, key=lambda r: (r.saving_share is None, -(r.saving_share or 0.0)))
 

@@ -800,7 +800,11 @@ def install_app_hook(middleware: str | list[str]) -> str | None:
     """
     if "app_hook" in _PATCHED:
         return None
-    serving = [m for m in APP_BUILDERS if m in sys.modules]
+    # `python -m vllm.entrypoints.openai.api_server` runs the builder's module as __main__: its
+    # build_app is looked up there, so that is the module to patch.
+    main_spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    main_name = getattr(main_spec, "name", None)
+    serving = [m for m in APP_BUILDERS if m in sys.modules or m == main_name]
     if not serving:
         return None  # not an API server (offline LLM, bench client): nothing to hook
     chosen = require("app", only=lambda h: h.module in serving)
@@ -820,7 +824,7 @@ def install_app_hook(middleware: str | list[str]) -> str | None:
 
         return build_app
 
-    _patch(sys.modules[mod_name], "build_app", "app_hook", make)
+    _patch(sys.modules["__main__"] if mod_name == main_name else sys.modules[mod_name], "build_app", "app_hook", make)
     _INSTALLED.add("app")
     return mod_name
 
