@@ -46,7 +46,7 @@ for m in torchvision torchaudio torchcodec; do
   fi
 done
 
-"$VENV/bin/python" -c 'import vllm_powersave, pytest, matplotlib, yaml' >/dev/null 2>&1 \
+[ -x "$VENV/bin/ruff" ] && "$VENV/bin/python" -c 'import vllm_powersave, pytest, matplotlib, yaml' >/dev/null 2>&1 \
   || { log "installing vllm-powersave (editable) and test tools"; "${PIP[@]}" -e '.[test]' matplotlib; }
 
 # Optional extra: Ray, for vLLM's Ray executor (several nodes) and tests/test_ray.py, which skips
