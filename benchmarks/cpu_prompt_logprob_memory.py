@@ -65,7 +65,12 @@ def _descendants(pid: int) -> list[int]:
 def _status(pid: int) -> dict[str, object]:
     text = Path(f"/proc/{pid}/status").read_text()
     kb = {k: int(v) for k, v in re.findall(r"^(VmHWM|VmRSS):\s+(\d+) kB", text, re.M)}
-    return {"pid": pid, "comm": Path(f"/proc/{pid}/comm").read_text().strip(), "vm_hwm_mib": kb["VmHWM"] / 1024, "vm_rss_mib": kb["VmRSS"] / 1024}
+    return {
+        "pid": pid,
+        "comm": Path(f"/proc/{pid}/comm").read_text().strip(),
+        "vm_hwm_mib": kb["VmHWM"] / 1024,
+        "vm_rss_mib": kb["VmRSS"] / 1024,
+    }
 
 
 def _processes(server: VllmServer) -> dict[int, dict[str, object]]:
@@ -95,9 +100,18 @@ def _chunk_calls(url: str) -> dict[str, float]:
 
 def run_arm(model: Path, arm: str, prompt_tokens: int, requests: int, log_dir: Path, seed: int) -> dict:
     cfg = {"powersave": {"chunking": {"table": CHUNK_TABLE if arm == "on" else []}}}
-    args = default_serve_args(str(model)) + ["--load-format", "dummy", "--max-model-len", str(prompt_tokens + 16),
-                                             "--max-num-batched-tokens", str(max(4096, prompt_tokens + 16)),
-                                             "--plugin", "powersave", "--additional-config", json.dumps(cfg)]
+    args = default_serve_args(str(model)) + [
+        "--load-format",
+        "dummy",
+        "--max-model-len",
+        str(prompt_tokens + 16),
+        "--max-num-batched-tokens",
+        str(max(4096, prompt_tokens + 16)),
+        "--plugin",
+        "powersave",
+        "--additional-config",
+        json.dumps(cfg),
+    ]
     srv = VllmServer(args, log_path=log_dir / f"server-{arm}-{seed}.log")
     t0 = time.monotonic()
     try:
@@ -117,15 +131,25 @@ def run_arm(model: Path, arm: str, prompt_tokens: int, requests: int, log_dir: P
         calls = _chunk_calls(srv.base_url)
     finally:
         srv.stop()
-    procs = [{"comm": a["comm"], "vm_hwm_mib_after_warmup": round(before[p]["vm_hwm_mib"], 1), "vm_hwm_mib": round(a["vm_hwm_mib"], 1)}
-             for p, a in after.items() if p in before]
+    procs = [
+        {"comm": a["comm"], "vm_hwm_mib_after_warmup": round(before[p]["vm_hwm_mib"], 1), "vm_hwm_mib": round(a["vm_hwm_mib"], 1)}
+        for p, a in after.items()
+        if p in before
+    ]
     # The model runs in vLLM's worker process (VLLM::Worker_*, a child of the engine core on the CPU build).
     workers = [q for q in procs if str(q["comm"]).startswith("VLLM::Worker")]
     w = max(workers or procs, key=lambda q: q["vm_hwm_mib"] - q["vm_hwm_mib_after_warmup"])
-    return {"arm": arm, "model_process": w["comm"], "vm_hwm_mib_after_warmup": w["vm_hwm_mib_after_warmup"],
-            "vm_hwm_mib": w["vm_hwm_mib"], "vm_hwm_increase_mib": round(w["vm_hwm_mib"] - w["vm_hwm_mib_after_warmup"], 1),
-            "processes": procs, "request_s": [round(s, 2) for s in seconds], "lm_head_calls_by_chunks": calls,
-            "server_s": round(time.monotonic() - t0, 1)}
+    return {
+        "arm": arm,
+        "model_process": w["comm"],
+        "vm_hwm_mib_after_warmup": w["vm_hwm_mib_after_warmup"],
+        "vm_hwm_mib": w["vm_hwm_mib"],
+        "vm_hwm_increase_mib": round(w["vm_hwm_mib"] - w["vm_hwm_mib_after_warmup"], 1),
+        "processes": procs,
+        "request_s": [round(s, 2) for s in seconds],
+        "lm_head_calls_by_chunks": calls,
+        "server_s": round(time.monotonic() - t0, 1),
+    }
 
 
 def markdown(rec: dict) -> str:
@@ -143,8 +167,10 @@ def markdown(rec: dict) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for i, r in enumerate(rec["runs"], 1):
-        lines.append(f"| {i} | {r['arm']} | {r['model_process']} | {r['vm_hwm_mib_after_warmup']} | {r['vm_hwm_mib']} | {r['vm_hwm_increase_mib']} | "
-                     f"{', '.join(map(str, r['request_s']))} | {r['lm_head_calls_by_chunks'] or '-'} |")
+        lines.append(
+            f"| {i} | {r['arm']} | {r['model_process']} | {r['vm_hwm_mib_after_warmup']} | {r['vm_hwm_mib']} | {r['vm_hwm_increase_mib']} | "
+            f"{', '.join(map(str, r['request_s']))} | {r['lm_head_calls_by_chunks'] or '-'} |"
+        )
     sm = rec["summary"]
     lines += [
         "",
@@ -186,21 +212,33 @@ def main() -> None:
             print(json.dumps(r), flush=True)
             runs.append(r)
     by = {arm: [r for r in runs if r["arm"] == arm] for arm in ("off", "on")}
-    summary = {arm: {"vm_hwm_mib_median": st.median(r["vm_hwm_mib"] for r in rs),
-                     "vm_hwm_increase_mib_median": st.median(r["vm_hwm_increase_mib"] for r in rs),
-                     "servers": len(rs)} for arm, rs in by.items()}
+    summary = {
+        arm: {
+            "vm_hwm_mib_median": st.median(r["vm_hwm_mib"] for r in rs),
+            "vm_hwm_increase_mib_median": st.median(r["vm_hwm_increase_mib"] for r in rs),
+            "servers": len(rs),
+        }
+        for arm, rs in by.items()
+    }
     rows, vocab = a.prompt_tokens, VOCAB
     record = {
-        "name": "cpu-prompt-logprob-memory", "measured": True, "simulated": False, "started_utc": started,
+        "name": "cpu-prompt-logprob-memory",
+        "measured": True,
+        "simulated": False,
+        "started_utc": started,
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
         "vllm": __import__("vllm").__version__,
-        "what_ran": (f"vllm serve (CPU build) qwen2-tiny body, vocab {vocab}, --load-format dummy, bfloat16; plugin on in both arms; "
-                     f"off: no chunking table, on: {CHUNK_TABLE}; fresh server per run, ABBA; after one warm-up request, "
-                     f"{a.requests} sequential completions with prompt_logprobs=1 over {rows} random prompt token ids, max_tokens=1; "
-                     "VmHWM of the model's worker process from /proc before and after"),
-        "prompt_tokens": rows, "requests_per_server": a.requests,
+        "what_ran": (
+            f"vllm serve (CPU build) qwen2-tiny body, vocab {vocab}, --load-format dummy, bfloat16; plugin on in both arms; "
+            f"off: no chunking table, on: {CHUNK_TABLE}; fresh server per run, ABBA; after one warm-up request, "
+            f"{a.requests} sequential completions with prompt_logprobs=1 over {rows} random prompt token ids, max_tokens=1; "
+            "VmHWM of the model's worker process from /proc before and after"
+        ),
+        "prompt_tokens": rows,
+        "requests_per_server": a.requests,
         "logits_bytes": {"head_output_bf16_mib": round(rows * vocab * 2 / 2**20, 1), "fp32_copy_mib": round(rows * vocab * 4 / 2**20, 1)},
-        "runs": runs, "summary": summary,
+        "runs": runs,
+        "summary": summary,
         "difference_on_minus_off_mib": round(summary["on"]["vm_hwm_mib_median"] - summary["off"]["vm_hwm_mib_median"], 1),
     }
     Path(a.out + ".json").write_text(json.dumps(record, indent=2) + "\n")

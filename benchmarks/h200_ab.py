@@ -40,10 +40,12 @@ def compare_decision_streams(traces: dict[str, list[dict]]) -> dict:
         other = [tuple(x.get(k) for k in keys) for x in traces[r]]
         n = min(len(ref), len(other))
         diff = [i for i in range(n) if ref[i] != other[i]]
-        out["by_rank"][r] = {"compared_steps": n, "differing_steps": len(diff), "first_differences": [
-            {"step": i, "rank0": ref[i], f"rank{r}": other[i]} for i in diff[:10]]}
-    out["identical"] = (all(v["differing_steps"] == 0 for v in out["by_rank"].values())
-                        and len(set(out["steps_per_rank"].values())) == 1)
+        out["by_rank"][r] = {
+            "compared_steps": n,
+            "differing_steps": len(diff),
+            "first_differences": [{"step": i, "rank0": ref[i], f"rank{r}": other[i]} for i in diff[:10]],
+        }
+    out["identical"] = all(v["differing_steps"] == 0 for v in out["by_rank"].values()) and len(set(out["steps_per_rank"].values())) == 1
     return out
 
 
@@ -59,8 +61,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--gpu-mem", type=float, default=0.42)
     ap.add_argument("--serve-arg", action="append", default=[], help="extra vllm serve arguments for both servers")
     ap.add_argument("--budget-s", type=float, default=540.0, help="start no window after this many seconds")
-    ap.add_argument("--pin-cpus", action=argparse.BooleanOptionalAction, default=True,
-                    help="pin each server to its own equal share of the GPU's NUMA-local CPUs")
+    ap.add_argument(
+        "--pin-cpus",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="pin each server to its own equal share of the GPU's NUMA-local CPUs",
+    )
     ap.add_argument("--prompt-logprobs", type=int, default=None, help="ask every request for this many prompt logprobs")
     ap.add_argument("--b-chunking", default=None, help="B's LM-head chunk table (JSON list); default: never chunks")
     ap.add_argument("--a-chunking", default=None, help="run A as the plugin with this chunk table (JSON) instead of stock")
@@ -88,10 +94,13 @@ def main(argv: list[str] | None = None) -> int:
     for d in stats.values():
         shutil.rmtree(d, ignore_errors=True)
     table_b = json.loads(ns.b_chunking) if ns.b_chunking else NEVER_CHUNK
-    plugin_cfg = {"stats_dir": str(stats["B"]), "trace_steps": True, "chunking": {"table": table_b},
-                  "clocks": {"backend": "dry-run", "min_dwell_ms": 200,
-                             "presets": {"decode": {"sm_clock_mhz": 1200}, "idle": {"sm_clock_mhz": 345}}},
-                  "energy": {"meter": "nvml"}}
+    plugin_cfg = {
+        "stats_dir": str(stats["B"]),
+        "trace_steps": True,
+        "chunking": {"table": table_b},
+        "clocks": {"backend": "dry-run", "min_dwell_ms": 200, "presets": {"decode": {"sm_clock_mhz": 1200}, "idle": {"sm_clock_mhz": 345}}},
+        "energy": {"meter": "nvml"},
+    }
     plugin_path = f"{ns.plugin_site}:{ns.stock_site}"
     args = {"B": (["--plugin", "powersave", "--additional-config", json.dumps({"powersave": plugin_cfg})], plugin_path)}
     if ns.a_chunking is None:
@@ -102,17 +111,36 @@ def main(argv: list[str] | None = None) -> int:
     stream = not ns.prompt_logprobs  # vLLM returns prompt logprobs only on non-streamed requests
     cpu_sets = server_cpu_sets(gpus[0], 2) if ns.pin_cpus else None
     result: dict = {
-        "shape": ns.shape, "device": device_facts(gpus[0]), "gpus": gpus, "serve_args": serve_extra, "vllm_version": vllm.__version__,
-        "date_utc": utc_now(), "measured": True,
-        "method": {"pairs": ns.pairs, "window_s": ns.window, "input_len": ns.input_len, "output_len": ns.output_len,
-                   "order": "ABBA: A B, B A, A B, ... per pair, both servers resident",
-                   "arms": {"A": "stock vLLM" if ns.a_chunking is None else f"vLLM + powersave, chunk table {ns.a_chunking}",
-                            "B": f"vLLM + powersave, chunk table {json.dumps(table_b)}"},
-                   "energy": "NVML total-energy counter of the whole GPU over each harness window (measured)",
-                   "clocks": "never changed: POWERSAVE_FORCE_DRY_RUN=1, controller dry-run",
-                   "prompt_logprobs": ns.prompt_logprobs, "stream": stream,
-                   "server_cpus": {"A": sorted(cpu_sets[0]), "B": sorted(cpu_sets[1])} if cpu_sets else "not pinned"},
-        "idle": {}, "windows": [], "ratios": {}, "timeline": [], "trace": [], "notes": []}
+        "shape": ns.shape,
+        "device": device_facts(gpus[0]),
+        "gpus": gpus,
+        "serve_args": serve_extra,
+        "vllm_version": vllm.__version__,
+        "date_utc": utc_now(),
+        "measured": True,
+        "method": {
+            "pairs": ns.pairs,
+            "window_s": ns.window,
+            "input_len": ns.input_len,
+            "output_len": ns.output_len,
+            "order": "ABBA: A B, B A, A B, ... per pair, both servers resident",
+            "arms": {
+                "A": "stock vLLM" if ns.a_chunking is None else f"vLLM + powersave, chunk table {ns.a_chunking}",
+                "B": f"vLLM + powersave, chunk table {json.dumps(table_b)}",
+            },
+            "energy": "NVML total-energy counter of the whole GPU over each harness window (measured)",
+            "clocks": "never changed: POWERSAVE_FORCE_DRY_RUN=1, controller dry-run",
+            "prompt_logprobs": ns.prompt_logprobs,
+            "stream": stream,
+            "server_cpus": {"A": sorted(cpu_sets[0]), "B": sorted(cpu_sets[1])} if cpu_sets else "not pinned",
+        },
+        "idle": {},
+        "windows": [],
+        "ratios": {},
+        "timeline": [],
+        "trace": [],
+        "notes": [],
+    }
     try:
         sampler: EnergySampler = EnergySampler(nvml_meters(gpus))
     except Exception as exc:  # no NVML (a CPU dry run of this script): keep going without a timeline
@@ -120,9 +148,23 @@ def main(argv: list[str] | None = None) -> int:
         sampler = NullSampler()
     sampler.start()
     ports = {"A": job_port(gpus[0], 1), "B": job_port(gpus[0], 2)}
-    procs = {arm: (start_server(arm, model, ports[arm], [*args[arm][0], *serve_extra], args[arm][1], out_dir, ns.gpu_mem,
-                                env_extra=gpu_env, cpus=cpu_sets[i] if cpu_sets else None), ports[arm])
-             for i, arm in enumerate("AB")}
+    procs = {
+        arm: (
+            start_server(
+                arm,
+                model,
+                ports[arm],
+                [*args[arm][0], *serve_extra],
+                args[arm][1],
+                out_dir,
+                ns.gpu_mem,
+                env_extra=gpu_env,
+                cpus=cpu_sets[i] if cpu_sets else None,
+            ),
+            ports[arm],
+        )
+        for i, arm in enumerate("AB")
+    }
     try:
         wait_healthy(procs, timeout_s=300)
         time.sleep(3)
@@ -132,27 +174,58 @@ def main(argv: list[str] | None = None) -> int:
         log("idle", result["idle"])
         for load in [int(x) for x in ns.loads.split(",")]:
             for arm, port in ports.items():  # warm-up: compile/graph paths for this batch size
-                run(BenchConfig(base_url=f"http://127.0.0.1:{port}", model="model", num_prompts=load, max_concurrency=load,
-                                input_len=ns.input_len, output_len=32, energy="none", label=f"warm-{arm}",
-                                prompt_logprobs=ns.prompt_logprobs, stream=stream))
+                run(
+                    BenchConfig(
+                        base_url=f"http://127.0.0.1:{port}",
+                        model="model",
+                        num_prompts=load,
+                        max_concurrency=load,
+                        input_len=ns.input_len,
+                        output_len=32,
+                        energy="none",
+                        label=f"warm-{arm}",
+                        prompt_logprobs=ns.prompt_logprobs,
+                        stream=stream,
+                    )
+                )
             for pair, arm in abba("AB", ns.pairs):
                 if time.monotonic() - T0 > ns.budget_s:
                     result["notes"].append(f"budget reached before load {load} pair {pair} {arm}")
                     raise TimeoutError
                 t0 = time.monotonic()
-                res = run(BenchConfig(base_url=f"http://127.0.0.1:{ports[arm]}", model="model", num_prompts=20000,
-                                      max_concurrency=load, input_len=ns.input_len, output_len=ns.output_len,
-                                      duration_s=ns.window, energy="nvml", gpus=gpus, seed=pair, label=f"{arm}-{load}-{pair}",
-                                      prompt_logprobs=ns.prompt_logprobs, stream=stream))
+                res = run(
+                    BenchConfig(
+                        base_url=f"http://127.0.0.1:{ports[arm]}",
+                        model="model",
+                        num_prompts=20000,
+                        max_concurrency=load,
+                        input_len=ns.input_len,
+                        output_len=ns.output_len,
+                        duration_s=ns.window,
+                        energy="nvml",
+                        gpus=gpus,
+                        seed=pair,
+                        label=f"{arm}-{load}-{pair}",
+                        prompt_logprobs=ns.prompt_logprobs,
+                        stream=stream,
+                    )
+                )
                 if not res.get("completed"):  # a window of failures is no measurement: stop and say why
                     first = next((e for e in res.get("errors") or [] if e), None)
                     raise RuntimeError(f"load {load} pair {pair} {arm}: 0 of {res.get('failed')} requests completed; first error: {first}")
-                w = {"server": arm, "arm": arm, "load": load, "pair": pair, "t0": t0, "t1": time.monotonic(),
-                     **{k: res.get(k) for k in SUMMARY_KEYS}, "sampler": sampler.window(t0, time.monotonic())}
+                w = {
+                    "server": arm,
+                    "arm": arm,
+                    "load": load,
+                    "pair": pair,
+                    "t0": t0,
+                    "t1": time.monotonic(),
+                    **{k: res.get(k) for k in SUMMARY_KEYS},
+                    "sampler": sampler.window(t0, time.monotonic()),
+                }
                 result["windows"].append(w)
                 log(f"load {load} pair {pair} {arm}: {w['output_throughput']:.0f} tok/s, {w['output_tokens_per_joule']} tok/J")
-                result["ratios"][str(load)] = {k: ratio_summary([x for x in result["windows"] if x["load"] == load], k)
-                                               for k in RATIO_KEYS}
+                result["ratios"][str(load)] = {k: ratio_summary([x for x in result["windows"] if x["load"] == load], k) for k in RATIO_KEYS}
                 write_json_atomic(out_file, result)
     except TimeoutError:
         log("budget reached; saving partial results")
@@ -166,13 +239,17 @@ def main(argv: list[str] | None = None) -> int:
         result["timeline"] = [(round(t, 3), round(w, 1), c) for t, w, c, _ in sampler.rows[::2]]
         if len(gpus) > 1:
             result["timeline_per_gpu_w"] = [tuple(round(w, 1) for w in ws) for ws in sampler.per_gpu_w[::2]]
-        traces = {f.stem.removeprefix("trace-rank"): [json.loads(x) for x in f.read_text().splitlines() if x.strip()]
-                  for f in sorted(stats["B"].glob("trace-rank*.jsonl"))}
+        traces = {
+            f.stem.removeprefix("trace-rank"): [json.loads(x) for x in f.read_text().splitlines() if x.strip()]
+            for f in sorted(stats["B"].glob("trace-rank*.jsonl"))
+        }
         result["trace"] = traces.get("0", next(iter(traces.values()), []))
         if len(traces) > 1:
             result["decision_streams"] = compare_decision_streams(traces)
         for arm, d in stats.items():
-            result[f"plugin_snapshots_{arm}"] = {f.stem.removeprefix("rank"): json.loads(f.read_text()) for f in sorted(d.glob("rank*.json"))}
+            result[f"plugin_snapshots_{arm}"] = {
+                f.stem.removeprefix("rank"): json.loads(f.read_text()) for f in sorted(d.glob("rank*.json"))
+            }
         write_json_atomic(out_file, result)
         log(f"saved {out_file} ({out_file.stat().st_size} bytes)")
     return 0

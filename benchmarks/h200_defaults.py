@@ -103,8 +103,11 @@ T0 = time.monotonic()
 #: Front-end starvation counters (vllm_powersave/metrics.py, docs/metrics.md): GPU energy and time
 #: with the engine idle while an API server had requests in flight, and the busy time they are a
 #: share of (per engine).
-STARVATION_METRICS = ("powersave_idle_while_busy_energy_joules_total", "powersave_idle_while_busy_seconds_total",
-                      "powersave_frontend_busy_seconds_total")
+STARVATION_METRICS = (
+    "powersave_idle_while_busy_energy_joules_total",
+    "powersave_idle_while_busy_seconds_total",
+    "powersave_frontend_busy_seconds_total",
+)
 #: Energy of non-idle time charged to no request (docs/request-energy.md); snapshot field alongside.
 REQUEST_TAIL_METRIC = "powersave_request_tail_energy_joules_total"
 REQUEST_TAIL_SNAPSHOT = "request_energy_j_tail"
@@ -122,23 +125,60 @@ SNAPSHOT = "rank0.json"
 #: ({py}: this Python; {url}: the server; {metrics}: the /metrics scrape after the window;
 #: {report}: the harness result of the starvation window, with the window's starvation counter
 #: deltas; {n}: API servers of the run). --result wins over --metrics' totals since start.
-ADVISE_CMDS = ("{py} -m vllm_powersave.cli advise --result {report} --metrics {metrics} --api-servers {n}",
-               "{py} -m vllm_powersave.cli advise --result {report} --api-servers {n}",
-               "{py} -m vllm_powersave.cli advise --metrics {url} --api-servers {n}")
+ADVISE_CMDS = (
+    "{py} -m vllm_powersave.cli advise --result {report} --metrics {metrics} --api-servers {n}",
+    "{py} -m vllm_powersave.cli advise --result {report} --api-servers {n}",
+    "{py} -m vllm_powersave.cli advise --metrics {url} --api-servers {n}",
+)
 #: The servers tarball stays below this; step traces are dropped (largest first, noted) beyond it.
 TAR_MAX_BYTES = 16 * 1024 * 1024
 LOW_POWER_MARGIN_W = 15.0
 #: As benchmarks/device_run.sh: no FlashInfer in the bundle, offline, NVLink multicast off.
-SERVER_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
-              "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1", "NCCL_NVLS_ENABLE": "0",
-              "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1", "VLLM_ALLREDUCE_USE_SYMM_MEM": "0"}
+SERVER_ENV = {
+    "VLLM_USE_FLASHINFER_SAMPLER": "0",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "PYTHONUNBUFFERED": "1",
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+    "VLLM_ALLREDUCE_USE_SYMM_MEM": "0",
+}
 
-SUMMARY_KEYS = ("completed", "failed", "duration", "total_input_tokens", "total_output_tokens", "request_throughput",
-                "output_throughput", "total_token_throughput", "mean_ttft_ms", "median_ttft_ms", "p90_ttft_ms",
-                "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p90_tpot_ms", "p99_tpot_ms", "median_itl_ms",
-                "p99_itl_ms", "median_e2el_ms", "gpu_energy_j", "gpu_avg_power_w", "gpu_energy_per_output_token_j",
-                "output_tokens_per_joule", "total_tokens_per_joule", "energy_source", "energy_window_s",
-                "energy_note", "steady_state_duration_s", "steady_state_output_tokens_per_joule")
+SUMMARY_KEYS = (
+    "completed",
+    "failed",
+    "duration",
+    "total_input_tokens",
+    "total_output_tokens",
+    "request_throughput",
+    "output_throughput",
+    "total_token_throughput",
+    "mean_ttft_ms",
+    "median_ttft_ms",
+    "p90_ttft_ms",
+    "p99_ttft_ms",
+    "mean_tpot_ms",
+    "median_tpot_ms",
+    "p90_tpot_ms",
+    "p99_tpot_ms",
+    "median_itl_ms",
+    "p99_itl_ms",
+    "median_e2el_ms",
+    "gpu_energy_j",
+    "gpu_avg_power_w",
+    "gpu_energy_per_output_token_j",
+    "output_tokens_per_joule",
+    "total_tokens_per_joule",
+    "energy_source",
+    "energy_window_s",
+    "energy_note",
+    "steady_state_duration_s",
+    "steady_state_output_tokens_per_joule",
+)
 
 
 def log(*a: object) -> None:
@@ -186,12 +226,15 @@ class Sampler(threading.Thread):
         clocks = sorted(r[3] for r in rows if r[3] is not None)
         utils = [r[4] for r in rows if r[4] is not None]
         e0, e1 = rows[0][1], rows[-1][1]
-        out = {"seconds": rows[-1][0] - rows[0][0], "samples": len(rows),
-               "energy_j": (e1 - e0) if e0 is not None and e1 is not None else None,
-               "avg_power_w": sum(ws) / len(ws) if ws else None,
-               "median_sm_clock_mhz": clocks[len(clocks) // 2] if clocks else None,
-               "gpu_idle_share": sum(1 for u in utils if u == 0) / len(utils) if utils else None,
-               "mean_util_pct": sum(utils) / len(utils) if utils else None}
+        out = {
+            "seconds": rows[-1][0] - rows[0][0],
+            "samples": len(rows),
+            "energy_j": (e1 - e0) if e0 is not None and e1 is not None else None,
+            "avg_power_w": sum(ws) / len(ws) if ws else None,
+            "median_sm_clock_mhz": clocks[len(clocks) // 2] if clocks else None,
+            "gpu_idle_share": sum(1 for u in utils if u == 0) / len(utils) if utils else None,
+            "mean_util_pct": sum(utils) / len(utils) if utils else None,
+        }
         # Energy of the samples with utilisation 0 % (power x sample spacing): inside a window where
         # requests are running, a plugin-independent estimate of energy spent with the GPU waiting.
         idle_j = [(b[0] - a[0]) * a[2] for a, b in zip(rows, rows[1:]) if a[4] == 0 and a[2] is not None]
@@ -267,16 +310,40 @@ def port_in_use(port: int) -> bool:
     return False
 
 
-def start_server(label: str, model: Path, port: int, ns: argparse.Namespace, workdir: Path, env_extra: dict[str, str],
-                 pythonpath: str | None, extra: list[str]) -> tuple[subprocess.Popen, Path]:
+def start_server(
+    label: str,
+    model: Path,
+    port: int,
+    ns: argparse.Namespace,
+    workdir: Path,
+    env_extra: dict[str, str],
+    pythonpath: str | None,
+    extra: list[str],
+) -> tuple[subprocess.Popen, Path]:
     if port_in_use(port):
         raise RuntimeError(f"port {port} already has a listener: another job is using it")
     env = {**os.environ, **env_extra}
     if pythonpath is not None:
         env["PYTHONPATH"] = pythonpath
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name", "model",
-           "--load-format", "dummy", "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(ns.max_model_len),
-           *shlex.split(ns.serve_args), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model),
+        "--served-model-name",
+        "model",
+        "--load-format",
+        "dummy",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-model-len",
+        str(ns.max_model_len),
+        *shlex.split(ns.serve_args),
+        *extra,
+    ]
     logp = workdir / f"server-{label}.log"
     with open(logp, "wb") as f:
         f.write((" ".join(cmd) + "\n" + json.dumps({k: v for k, v in env_extra.items()}) + "\n").encode())
@@ -348,8 +415,11 @@ def metrics_text(port: int) -> str:
 
 
 def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    return {k: round(v - before.get(k, 0.0), 6) for k, v in after.items() if k.split("{")[0].endswith(("_total", "_joules", "_seconds"))
-            and v != before.get(k)}
+    return {
+        k: round(v - before.get(k, 0.0), 6)
+        for k, v in after.items()
+        if k.split("{")[0].endswith(("_total", "_joules", "_seconds")) and v != before.get(k)
+    }
 
 
 def series_sum(d: dict[str, float], name: str) -> float | None:
@@ -361,13 +431,22 @@ def starvation_figures(d: dict[str, float]) -> dict:
     named = {k: v for k, v in d.items() if k.split("{")[0] in STARVATION_METRICS}
     if named:
         j, s_, busy = (series_sum(d, n) for n in STARVATION_METRICS)
-        return {"series": named, "how": "plugin counters " + ", ".join(STARVATION_METRICS) + " (delta over the window)",
-                "idle_while_busy_j": j, "idle_while_busy_s": s_, "frontend_busy_s": busy,
-                "idle_while_busy_share_of_busy": (s_ / busy) if s_ is not None and busy else None}
+        return {
+            "series": named,
+            "how": "plugin counters " + ", ".join(STARVATION_METRICS) + " (delta over the window)",
+            "idle_while_busy_j": j,
+            "idle_while_busy_s": s_,
+            "frontend_busy_s": busy,
+            "idle_while_busy_share_of_busy": (s_ / busy) if s_ is not None and busy else None,
+        }
     a, b = STARVATION_FALLBACK
     found = {k: v for k, v in d.items() if a.search(k.split("{")[0]) and b.search(k.split("{")[0])}
-    return {"series": found, "how": ("fallback: powersave_ series matching " + f"/{a.pattern}/ and /{b.pattern}/") if found
-            else "none found on /metrics (named or fallback)"}
+    return {
+        "series": found,
+        "how": ("fallback: powersave_ series matching " + f"/{a.pattern}/ and /{b.pattern}/")
+        if found
+        else "none found on /metrics (named or fallback)",
+    }
 
 
 def starved_j(fig: dict) -> float | None:
@@ -391,8 +470,18 @@ def harness(ns: argparse.Namespace, port: int | list[int], label: str, **kw: Any
     from loadtests import BenchConfig, run
 
     ports = port if isinstance(port, list) else [port]
-    cfg = dict(base_url=f"http://127.0.0.1:{ports[0]}", model="model", input_len=ns.input_len, output_len=ns.output_len,
-               energy=ns.energy, gpus=[ns.gpu], label=label, progress=False, request_timeout_s=120.0, timeout_s=600.0)
+    cfg = dict(
+        base_url=f"http://127.0.0.1:{ports[0]}",
+        model="model",
+        input_len=ns.input_len,
+        output_len=ns.output_len,
+        energy=ns.energy,
+        gpus=[ns.gpu],
+        label=label,
+        progress=False,
+        request_timeout_s=120.0,
+        timeout_s=600.0,
+    )
     cfg.update(kw)
     res = run(BenchConfig(**cfg))
     t0 = res.get("t0_perf_counter")
@@ -410,8 +499,9 @@ def load_window(ns: argparse.Namespace, sampler: Any, port: int, label: str, rat
         kw = dict(request_rate=float("inf"), max_concurrency=ns.sat_concurrency)
     else:
         kw = dict(request_rate=float(rate), max_concurrency=None)
-    h = harness(ns, port, f"{label}-r{rate}", num_prompts=n_prompts(rate, ns.window_s, ns.sat_concurrency), duration_s=ns.window_s,
-                seed=seed, **kw)
+    h = harness(
+        ns, port, f"{label}-r{rate}", num_prompts=n_prompts(rate, ns.window_s, ns.sat_concurrency), duration_s=ns.window_s, seed=seed, **kw
+    )
     w = {"request_rate": rate, **summary(h["res"]), "t0": h["t0"], "t1": h["t1"]}
     w["sampler"] = sampler.window(h["t0"], h["t1"], idle_w) if h["t0"] is not None else {}
     if rate != "sat" and h["t0"] is not None and h["t1"] is not None:
@@ -480,16 +570,24 @@ def request_energy_segment(ns: argparse.Namespace, sampler: Any, port: int, stat
     m0, _ = scrape(port)
     wall0, perf0 = time.time(), time.perf_counter()
     snap0 = wait_snapshot_after(stats_dir, wall0)
-    h = harness(ns, port, f"{label}-reqe", num_prompts=ns.reqe_n, max_concurrency=ns.reqe_conc, input_len=ns.reqe_in,
-                output_len=ns.reqe_out, seed=7)
+    h = harness(
+        ns, port, f"{label}-reqe", num_prompts=ns.reqe_n, max_concurrency=ns.reqe_conc, input_len=ns.reqe_in, output_len=ns.reqe_out, seed=7
+    )
     time.sleep(ns.settle_s)  # every request's line written, the engine idle again
     wall1, perf1 = time.time(), time.perf_counter()
     snap1 = wait_snapshot_after(stats_dir, wall1)
     m1, _ = scrape(port)
     lines = new_lines(stats_dir, REQUEST_LINES, offs)
-    seg: dict = {"n": ns.reqe_n, "concurrency": ns.reqe_conc, "input_len": ns.reqe_in, "output_len": ns.reqe_out,
-                 "prompts": "random tokens of equal length, distinct per request (no prefix-cache hits), ignore_eos",
-                 "harness": summary(h["res"]), "lines": lines, "snapshot_fields": sorted(snap1) if snap1 else None}
+    seg: dict = {
+        "n": ns.reqe_n,
+        "concurrency": ns.reqe_conc,
+        "input_len": ns.reqe_in,
+        "output_len": ns.reqe_out,
+        "prompts": "random tokens of equal length, distinct per request (no prefix-cache hits), ignore_eos",
+        "harness": summary(h["res"]),
+        "lines": lines,
+        "snapshot_fields": sorted(snap1) if snap1 else None,
+    }
     e0, e1 = snap_energy(snap0), snap_energy(snap1)
     if e0 is not None and e1 is not None:
         seg["plugin_energy_j_by_phase"] = {k: e1[k] - e0.get(k, 0.0) for k in e1}
@@ -521,7 +619,7 @@ def run_advise(ns: argparse.Namespace, port: int, workdir: Path, label: str, rep
     if ns.plugin_site:
         env["PYTHONPATH"] = f"{ns.plugin_site}:{ns.stock_site}"
     attempts = []
-    for tmpl in ([ns.advise_cmd] if ns.advise_cmd else ADVISE_CMDS):
+    for tmpl in [ns.advise_cmd] if ns.advise_cmd else ADVISE_CMDS:
         cmd = tmpl.format(py=sys.executable, url=f"http://127.0.0.1:{port}/metrics", metrics=metrics_f, report=report_f, n=1)
         try:
             r = subprocess.run(shlex.split(cmd), capture_output=True, text=True, timeout=60, env=env)
@@ -534,27 +632,46 @@ def run_advise(ns: argparse.Namespace, port: int, workdir: Path, label: str, rep
     (workdir / f"advise-{label}.txt").write_text("\n\n".join(f"$ {a['cmd']}\nrc={a['rc']}\n{a['stdout']}\n{a['stderr']}" for a in attempts))
     ok = next((a for a in attempts if a["rc"] == 0), None)
     m = re.search(r"--api-server-count[ =](\d+)", ok["stdout"]) if ok else None
-    return {"attempts": attempts, "ok": ok is not None, "output": ok["stdout"] if ok else None,
-            "fix_args": f"--api-server-count {m.group(1)}" if m else None}
+    return {
+        "attempts": attempts,
+        "ok": ok is not None,
+        "output": ok["stdout"] if ok else None,
+        "fix_args": f"--api-server-count {m.group(1)}" if m else None,
+    }
 
 
 def starvation_segment(ns: argparse.Namespace, sampler: Any, port: int, logp: Path, workdir: Path, label: str) -> dict:
     time.sleep(ns.settle_s)
     log_off = logp.stat().st_size
     before, _ = scrape(port)
-    h = harness(ns, port, f"{label}-starv", num_prompts=n_prompts(None, ns.starv_window_s, ns.starv_conc),
-                max_concurrency=ns.starv_conc, duration_s=ns.starv_window_s, seed=11)
+    h = harness(
+        ns,
+        port,
+        f"{label}-starv",
+        num_prompts=n_prompts(None, ns.starv_window_s, ns.starv_conc),
+        max_concurrency=ns.starv_conc,
+        duration_s=ns.starv_window_s,
+        seed=11,
+    )
     time.sleep(1.0)  # the engine's last publish after the window
     after, _ = scrape(port)
     text = metrics_text(port)
     d = delta(before, after)
     fig = starvation_figures(d)
-    w = {"concurrency": ns.starv_conc, **summary(h["res"]), "t0": h["t0"], "t1": h["t1"],
-         "sampler": sampler.window(h["t0"], h["t1"]) if h["t0"] is not None else {}}
+    w = {
+        "concurrency": ns.starv_conc,
+        **summary(h["res"]),
+        "t0": h["t0"],
+        "t1": h["t1"],
+        "sampler": sampler.window(h["t0"], h["t1"]) if h["t0"] is not None else {},
+    }
     report = {k: v for k, v in h["res"].items() if not isinstance(v, list)}
     # The window's own starvation figures where the harness did not read them (advise's --result keys).
-    for key, fk in (("gpu_idle_while_busy_energy_j", "idle_while_busy_j"), ("gpu_idle_while_busy_s", "idle_while_busy_s"),
-                    ("frontend_busy_s", "frontend_busy_s")):
+    for key, fk in (
+        ("gpu_idle_while_busy_energy_j", "idle_while_busy_j"),
+        ("gpu_idle_while_busy_s", "idle_while_busy_s"),
+        ("frontend_busy_s", "frontend_busy_s"),
+    ):
         if report.get(key) is None and fig.get(fk) is not None:
             report[key] = fig[fk]
     report.setdefault("max_concurrency", ns.starv_conc)
@@ -563,10 +680,17 @@ def starvation_segment(ns: argparse.Namespace, sampler: Any, port: int, logp: Pa
         f.seek(log_off)
         tail = f.read().decode(errors="replace").splitlines()
     warnings = [ln[-400:] for ln in tail if STARVATION_WARNING.search(ln) and ("WARN" in ln or "warn" in ln.lower())]
-    return {"window": w, "metrics_delta": d, "starvation": fig, "idle_while_busy_j": starved_j(fig),
-            "idle_while_busy_s": fig.get("idle_while_busy_s"), "frontend_busy_s": fig.get("frontend_busy_s"),
-            "harness_idle_while_busy_j": h["res"].get("gpu_idle_while_busy_energy_j"),
-            "warnings": warnings[:10], "advise": adv}
+    return {
+        "window": w,
+        "metrics_delta": d,
+        "starvation": fig,
+        "idle_while_busy_j": starved_j(fig),
+        "idle_while_busy_s": fig.get("idle_while_busy_s"),
+        "frontend_busy_s": fig.get("frontend_busy_s"),
+        "harness_idle_while_busy_j": h["res"].get("gpu_idle_while_busy_energy_j"),
+        "warnings": warnings[:10],
+        "advise": adv,
+    }
 
 
 # --- plan and budget -------------------------------------------------------------------------------
@@ -579,12 +703,16 @@ def drain_s(ns: argparse.Namespace, sat: bool = True) -> float:
 def seg_costs(ns: argparse.Namespace) -> dict[str, float]:
     """Estimated wall time of each segment (s), for the plan and the budget checks. ``rate``: one
     Poisson window (gap + window + drain + harness start), ``sat``: the closed-loop window."""
-    return {"warm": 4.0, "idle": ns.settle_s + ns.idle_s + 0.5,
-            "rate": ns.gap_s + ns.window_s + drain_s(ns, sat=False) + 0.5,
-            "sat": ns.gap_s + ns.window_s + drain_s(ns) + 0.5,
-            "reqenergy": 2 * ns.settle_s + -(-ns.reqe_n // ns.reqe_conc) * (ns.reqe_out * ns.tpot_est_ms / 1000.0 + 0.3) + 3.0,
-            "starvation": ns.settle_s + ns.starv_window_s + drain_s(ns) + 2.0 + 10.0,  # + advise (up to 3 CLI runs)
-            "fix": ns.settle_s + ns.starv_window_s + drain_s(ns) + 2.0, "stop": ns.stop_est_s}
+    return {
+        "warm": 4.0,
+        "idle": ns.settle_s + ns.idle_s + 0.5,
+        "rate": ns.gap_s + ns.window_s + drain_s(ns, sat=False) + 0.5,
+        "sat": ns.gap_s + ns.window_s + drain_s(ns) + 0.5,
+        "reqenergy": 2 * ns.settle_s + -(-ns.reqe_n // ns.reqe_conc) * (ns.reqe_out * ns.tpot_est_ms / 1000.0 + 0.3) + 3.0,
+        "starvation": ns.settle_s + ns.starv_window_s + drain_s(ns) + 2.0 + 10.0,  # + advise (up to 3 CLI runs)
+        "fix": ns.settle_s + ns.starv_window_s + drain_s(ns) + 2.0,
+        "stop": ns.stop_est_s,
+    }
 
 
 def server_segments(ns: argparse.Namespace, order: list[str], pos: int) -> list[str]:
@@ -612,8 +740,15 @@ def plan(ns: argparse.Namespace, order: list[str]) -> list[dict]:
         for x in segs:
             parts[x] = sum(c["sat" if r_ == "sat" else "rate"] for r_ in rates) if x == "sweep" else c[x]
         parts["stop"] = c["stop"]
-        out.append({"pos": pos, "arm": arm, "segments": segs, "est_s": {k: round(v, 1) for k, v in parts.items()},
-                    "total_s": round(sum(parts.values()), 1)})
+        out.append(
+            {
+                "pos": pos,
+                "arm": arm,
+                "segments": segs,
+                "est_s": {k: round(v, 1) for k, v in parts.items()},
+                "total_s": round(sum(parts.values()), 1),
+            }
+        )
     return out
 
 
@@ -638,8 +773,18 @@ def observe_settings(ns: argparse.Namespace, stats_dir: Path) -> dict:
     return s
 
 
-def run_server(ns: argparse.Namespace, model: Path, arm: str, pos: int, port: int, sampler: Any, workdir: Path, result: dict,
-               save: Any, segs: list[str]) -> dict:
+def run_server(
+    ns: argparse.Namespace,
+    model: Path,
+    arm: str,
+    pos: int,
+    port: int,
+    sampler: Any,
+    workdir: Path,
+    result: dict,
+    save: Any,
+    segs: list[str],
+) -> dict:
     label = f"{arm}{pos}"
     srv: dict = {"pos": pos, "arm": arm, "gpu": ns.gpu, "label": label, "windows": [], "notes": []}
     result["servers"].append(srv)
@@ -689,12 +834,26 @@ def run_server(ns: argparse.Namespace, model: Path, arm: str, pos: int, port: in
 
         if arm == "fix":
             time.sleep(ns.settle_s)
-            h = harness(ns, port, f"{label}-starv", num_prompts=n_prompts(None, ns.starv_window_s, ns.starv_conc),
-                        max_concurrency=ns.starv_conc, duration_s=ns.starv_window_s, seed=11)
-            srv["fix_window"] = {"concurrency": ns.starv_conc, **summary(h["res"]), "t0": h["t0"], "t1": h["t1"],
-                                 "sampler": sampler.window(h["t0"], h["t1"]) if h["t0"] is not None else {}}
-            log(f"[{label}] c={ns.starv_conc}: {h['res'].get('output_throughput') or 0:.0f} tok/s, "
-                f"{h['res'].get('output_tokens_per_joule')} tok/J")
+            h = harness(
+                ns,
+                port,
+                f"{label}-starv",
+                num_prompts=n_prompts(None, ns.starv_window_s, ns.starv_conc),
+                max_concurrency=ns.starv_conc,
+                duration_s=ns.starv_window_s,
+                seed=11,
+            )
+            srv["fix_window"] = {
+                "concurrency": ns.starv_conc,
+                **summary(h["res"]),
+                "t0": h["t0"],
+                "t1": h["t1"],
+                "sampler": sampler.window(h["t0"], h["t1"]) if h["t0"] is not None else {},
+            }
+            log(
+                f"[{label}] c={ns.starv_conc}: {h['res'].get('output_throughput') or 0:.0f} tok/s, "
+                f"{h['res'].get('output_tokens_per_joule')} tok/J"
+            )
             save()
             return srv
         idle_w = None
@@ -714,23 +873,29 @@ def run_server(ns: argparse.Namespace, model: Path, arm: str, pos: int, port: in
                 time.sleep(ns.gap_s)
                 w = load_window(ns, sampler, port, label, rate, seed=100 + k, idle_w=idle_w)
                 srv["windows"].append(w)
-                log(f"[{label}] rate {rate}: {w.get('output_throughput') or 0:.0f} tok/s, {w.get('output_tokens_per_joule')} tok/J, "
-                    f"idle share {w['sampler'].get('gpu_idle_share')} (span {(w.get('span') or {}).get('gpu_idle_share')}), TTFT p50 {w.get('median_ttft_ms')}, TPOT p99 {w.get('p99_tpot_ms')}")
+                log(
+                    f"[{label}] rate {rate}: {w.get('output_throughput') or 0:.0f} tok/s, {w.get('output_tokens_per_joule')} tok/J, "
+                    f"idle share {w['sampler'].get('gpu_idle_share')} (span {(w.get('span') or {}).get('gpu_idle_share')}), TTFT p50 {w.get('median_ttft_ms')}, TPOT p99 {w.get('p99_tpot_ms')}"
+                )
                 save()
         if arm == "defaults" and "reqenergy" in segs and fits("reqenergy", "request-energy segment"):
             srv["reqenergy"] = request_energy_segment(ns, sampler, port, stats_dir, label)
             n = len(srv["reqenergy"]["lines"])
-            log(f"[{label}] request energy: {n} lines, counter {srv['reqenergy'].get('counter_j')} J, "
-                f"plugin {srv['reqenergy'].get('plugin_energy_j_by_phase')}")
+            log(
+                f"[{label}] request energy: {n} lines, counter {srv['reqenergy'].get('counter_j')} J, "
+                f"plugin {srv['reqenergy'].get('plugin_energy_j_by_phase')}"
+            )
             save()
         if arm == "defaults" and "starvation" in segs and fits("starvation", "starvation segment"):
             srv["starvation"] = starvation_segment(ns, sampler, port, logp, workdir, label)
             st = srv["starvation"]
             if st["advise"]["fix_args"]:
                 result["advised_fix"] = st["advise"]["fix_args"]
-            log(f"[{label}] starvation c={ns.starv_conc}: {st['window'].get('output_throughput') or 0:.0f} tok/s, "
+            log(
+                f"[{label}] starvation c={ns.starv_conc}: {st['window'].get('output_throughput') or 0:.0f} tok/s, "
                 f"idle-while-busy {st['idle_while_busy_j']} J ({st['starvation']['how']}), {len(st['warnings'])} warning line(s), "
-                f"advise ok={st['advise']['ok']} fix={st['advise']['fix_args']}")
+                f"advise ok={st['advise']['ok']} fix={st['advise']['fix_args']}"
+            )
             save()
     except Exception as exc:
         srv["notes"].append(f"error: {type(exc).__name__}: {exc}")
@@ -775,15 +940,20 @@ def print_summary(result: dict) -> None:
     print(f"{'server':<12}{'start s':>8}{'idle W':>8}  rate: out tok/s | tok/J | GPU idle share | TTFT p50 ms | TPOT p99 ms")
     for s in result["servers"]:
         idle = (s.get("idle") or {}).get("avg_power_w")
-        cells = [f"{w['request_rate']}: {w.get('output_throughput') or 0:.0f} | {w.get('output_tokens_per_joule')} | "
-                 f"{(w.get('sampler') or {}).get('gpu_idle_share')} | {w.get('median_ttft_ms') and round(w['median_ttft_ms'], 1)} | "
-                 f"{w.get('p99_tpot_ms') and round(w['p99_tpot_ms'], 2)}" for w in s["windows"]]
+        cells = [
+            f"{w['request_rate']}: {w.get('output_throughput') or 0:.0f} | {w.get('output_tokens_per_joule')} | "
+            f"{(w.get('sampler') or {}).get('gpu_idle_share')} | {w.get('median_ttft_ms') and round(w['median_ttft_ms'], 1)} | "
+            f"{w.get('p99_tpot_ms') and round(w['p99_tpot_ms'], 2)}"
+            for w in s["windows"]
+        ]
         print(f"{s['label']:<12}{s.get('startup_s', '-')!s:>8}{idle if idle is None else round(idle, 1)!s:>8}  " + " ; ".join(cells))
         if s.get("starvation"):
             st = s["starvation"]
-            print(f"{'':<12}starvation c={st['window']['concurrency']}: {st['window'].get('output_throughput') or 0:.0f} tok/s, "
-                  f"{st['window'].get('output_tokens_per_joule')} tok/J, idle-while-busy {st['idle_while_busy_j']} J, "
-                  f"warnings {len(st['warnings'])}, advise {'ok' if st['advise']['ok'] else 'failed'} -> {st['advise']['fix_args']}")
+            print(
+                f"{'':<12}starvation c={st['window']['concurrency']}: {st['window'].get('output_throughput') or 0:.0f} tok/s, "
+                f"{st['window'].get('output_tokens_per_joule')} tok/J, idle-while-busy {st['idle_while_busy_j']} J, "
+                f"warnings {len(st['warnings'])}, advise {'ok' if st['advise']['ok'] else 'failed'} -> {st['advise']['fix_args']}"
+            )
         if s.get("fix_window"):
             fw = s["fix_window"]
             print(f"{'':<12}fix {s['fix_args']}: {fw.get('output_throughput') or 0:.0f} tok/s, {fw.get('output_tokens_per_joule')} tok/J")
@@ -791,8 +961,10 @@ def print_summary(result: dict) -> None:
             js = sorted(x["energy_j"] for x in s["reqenergy"]["lines"] if isinstance(x.get("energy_j"), (int, float)))
             if js:
                 med = js[len(js) // 2]
-                print(f"{'':<12}request energy: {len(js)} lines, median {med:.3f} J, max/median {js[-1] / med if med else None}, "
-                      f"sum {sum(js):.1f} J, counter {s['reqenergy'].get('counter_j')}")
+                print(
+                    f"{'':<12}request energy: {len(js)} lines, median {med:.3f} J, max/median {js[-1] / med if med else None}, "
+                    f"sum {sum(js):.1f} J, counter {s['reqenergy'].get('counter_j')}"
+                )
         for n in s["notes"]:
             print(f"{'':<12}note: {n}")
 
@@ -811,11 +983,13 @@ def main() -> int:
     ap.add_argument("--gap-s", type=float, default=1.0, help="quiet time before each rate window")
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=256)
-    ap.add_argument("--segments", default="idle,sweep",
-                    help="per stock/defaults server: idle, sweep; defaults only, run only where named: reqenergy, starvation "
-                         "(--segments-last applies to the last defaults server only)")
-    ap.add_argument("--segments-last", default="",
-                    help="extra segments of the last defaults server of --order only, e.g. reqenergy")
+    ap.add_argument(
+        "--segments",
+        default="idle,sweep",
+        help="per stock/defaults server: idle, sweep; defaults only, run only where named: reqenergy, starvation "
+        "(--segments-last applies to the last defaults server only)",
+    )
+    ap.add_argument("--segments-last", default="", help="extra segments of the last defaults server of --order only, e.g. reqenergy")
     ap.add_argument("--reqe-n", type=int, default=192)
     ap.add_argument("--reqe-conc", type=int, default=48)
     ap.add_argument("--reqe-in", type=int, default=128)
@@ -824,11 +998,13 @@ def main() -> int:
     ap.add_argument("--starv-window-s", type=float, default=15.0)
     ap.add_argument("--fix-args", default="--api-server-count 4", help="fix arm's serve flags when advise names none")
     ap.add_argument("--advise-cmd", default=None, help="one advise command template ({py} {url} {metrics} {report})")
-    ap.add_argument("--defaults-observe", default="trace,reqenergy",
-                    help="observation-only settings of the defaults arm via $POWERSAVE_CONFIG: trace, reqenergy, or none")
+    ap.add_argument(
+        "--defaults-observe",
+        default="trace,reqenergy",
+        help="observation-only settings of the defaults arm via $POWERSAVE_CONFIG: trace, reqenergy, or none",
+    )
     ap.add_argument("--warm-n", type=int, default=32)
-    ap.add_argument("--serve-args", default="--max-num-seqs 256 --gpu-memory-utilization 0.85",
-                    help="vllm serve flags of every server")
+    ap.add_argument("--serve-args", default="--max-num-seqs 256 --gpu-memory-utilization 0.85", help="vllm serve flags of every server")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--energy", default="nvml", help="loadtests energy source (nvml; none on a CPU smoke test)")
     ap.add_argument("--budget-s", type=float, default=550.0, help="start nothing that cannot end by this (s since start)")
@@ -837,8 +1013,7 @@ def main() -> int:
     ap.add_argument("--tpot-est-ms", type=float, default=15.0, help="decode step at saturation, for the drain estimate (ms)")
     ap.add_argument("--stop-est-s", type=float, default=6.0, help="a server's stop + GPU release, for the plan (s)")
     ap.add_argument("--start-timeout-s", type=float, default=300.0)
-    ap.add_argument("--set-visible", action=argparse.BooleanOptionalAction, default=True,
-                    help="give servers CUDA_VISIBLE_DEVICES=--gpu")
+    ap.add_argument("--set-visible", action=argparse.BooleanOptionalAction, default=True, help="give servers CUDA_VISIBLE_DEVICES=--gpu")
     ap.add_argument("--shapes-dir", default=".gpu-bundle/shapes")
     ap.add_argument("--tok-dir", default="/tmp/model_cfg")
     ap.add_argument("--plugin-site", default="/tmp/psite", help="'' = inherit PYTHONPATH (CPU smoke test)")
@@ -868,8 +1043,10 @@ def main() -> int:
     total = sum(x["total_s"] for x in pl)
     for x in pl:
         log(f"plan: server {x['pos']} {x['arm']}: ~{x['total_s']:.0f} s (" + ", ".join(f"{k} {v:g}" for k, v in x["est_s"].items()) + ")")
-    log(f"plan: ~{total:.0f} s for {len(pl)} server(s) against --budget-s {ns.budget_s:g}"
-        + ("" if total <= ns.budget_s else "; OVER: segments that cannot finish are skipped (noted)"))
+    log(
+        f"plan: ~{total:.0f} s for {len(pl)} server(s) against --budget-s {ns.budget_s:g}"
+        + ("" if total <= ns.budget_s else "; OVER: segments that cannot finish are skipped (noted)")
+    )
     if ns.plan_only:
         return 0
     out = Path(ns.out)
@@ -889,24 +1066,49 @@ def main() -> int:
     sampler.start()
     result: dict = {
         "what": "stock vLLM vs --plugin powersave defaults, one server at a time; read-only (POWERSAVE_FORCE_DRY_RUN=1)",
-        "measured": not isinstance(sampler, NullSampler), "tag": ns.tag, "gpu": ns.gpu, "device": device_facts(ns.gpu),
-        "vllm_version": vllm.__version__, "model": str(model), "shape": None if ns.model_dir else ns.shape,
+        "measured": not isinstance(sampler, NullSampler),
+        "tag": ns.tag,
+        "gpu": ns.gpu,
+        "device": device_facts(ns.gpu),
+        "vllm_version": vllm.__version__,
+        "model": str(model),
+        "shape": None if ns.model_dir else ns.shape,
         "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "method": {"order": order, "rates": ns.rates.split(","), "sat_concurrency": ns.sat_concurrency, "window_s": ns.window_s,
-                   "idle_s": ns.idle_s, "settle_s": ns.settle_s, "gap_s": ns.gap_s, "input_len": ns.input_len,
-                   "output_len": ns.output_len, "segments": ns.segments, "segments_last": ns.segments_last,
-                   "drain_s_est": round(drain_s(ns), 2),
-                   "low_rate_span": "finite rates: energy, idle share and tok/J also over a fixed span of >= window_s from the "
-                                    "first arrival (idle tail included; 'span'), from the 10 Hz sampler", "serve_args": ns.serve_args,
-                   "defaults_observe": ns.defaults_observe, "stock": "PYTHONPATH without the plugin (--stock-site), else VLLM_PLUGINS= (empty)",
-                   "defaults": "--plugin powersave; observation settings only via $POWERSAVE_CONFIG",
-                   "energy": f"loadtests energy={ns.energy} per load window (counter); sampler: " + sampler.note,
-                   "gpu_idle_share": "share of 10 Hz samples with NVML utilisation 0 % inside the load window",
-                   "clocks": "never changed (POWERSAVE_FORCE_DRY_RUN=1)",
-                   "reqenergy": {"n": ns.reqe_n, "concurrency": ns.reqe_conc, "input_len": ns.reqe_in, "output_len": ns.reqe_out},
-                   "starvation": {"concurrency": ns.starv_conc, "window_s": ns.starv_window_s, "fix_args_default": ns.fix_args,
-                                  "metrics": STARVATION_METRICS}},
-        "plan": pl, "budget_s": ns.budget_s, "servers": [], "notes": []}
+        "method": {
+            "order": order,
+            "rates": ns.rates.split(","),
+            "sat_concurrency": ns.sat_concurrency,
+            "window_s": ns.window_s,
+            "idle_s": ns.idle_s,
+            "settle_s": ns.settle_s,
+            "gap_s": ns.gap_s,
+            "input_len": ns.input_len,
+            "output_len": ns.output_len,
+            "segments": ns.segments,
+            "segments_last": ns.segments_last,
+            "drain_s_est": round(drain_s(ns), 2),
+            "low_rate_span": "finite rates: energy, idle share and tok/J also over a fixed span of >= window_s from the "
+            "first arrival (idle tail included; 'span'), from the 10 Hz sampler",
+            "serve_args": ns.serve_args,
+            "defaults_observe": ns.defaults_observe,
+            "stock": "PYTHONPATH without the plugin (--stock-site), else VLLM_PLUGINS= (empty)",
+            "defaults": "--plugin powersave; observation settings only via $POWERSAVE_CONFIG",
+            "energy": f"loadtests energy={ns.energy} per load window (counter); sampler: " + sampler.note,
+            "gpu_idle_share": "share of 10 Hz samples with NVML utilisation 0 % inside the load window",
+            "clocks": "never changed (POWERSAVE_FORCE_DRY_RUN=1)",
+            "reqenergy": {"n": ns.reqe_n, "concurrency": ns.reqe_conc, "input_len": ns.reqe_in, "output_len": ns.reqe_out},
+            "starvation": {
+                "concurrency": ns.starv_conc,
+                "window_s": ns.starv_window_s,
+                "fix_args_default": ns.fix_args,
+                "metrics": STARVATION_METRICS,
+            },
+        },
+        "plan": pl,
+        "budget_s": ns.budget_s,
+        "servers": [],
+        "notes": [],
+    }
 
     def save() -> None:
         tmp = raw_f.with_suffix(".tmp")

@@ -34,8 +34,38 @@ from pathlib import Path
 from typing import Any
 
 #: Student-t 0.975 quantiles by degrees of freedom (1..30); larger df use 1.96.
-T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
-        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
+T975 = [
+    12.706,
+    4.303,
+    3.182,
+    2.776,
+    2.571,
+    2.447,
+    2.365,
+    2.306,
+    2.262,
+    2.228,
+    2.201,
+    2.179,
+    2.160,
+    2.145,
+    2.131,
+    2.120,
+    2.110,
+    2.101,
+    2.093,
+    2.086,
+    2.080,
+    2.074,
+    2.069,
+    2.064,
+    2.060,
+    2.056,
+    2.052,
+    2.048,
+    2.045,
+    2.042,
+]
 ARMS = ("stock", "defaults")
 
 
@@ -80,8 +110,16 @@ def pair_servers(raws: list[dict]) -> list[dict]:
             if a["arm"] != b["arm"]:
                 stock, dflt = (a, b) if a["arm"] == "stock" else (b, a)
                 files = ra["_file"] if ra is rb else f"{ra['_file']}+{rb['_file']}"
-                pairs.append({"file": files, "gpu": ra.get("gpu"), "order": f"{a['arm']},{b['arm']}",
-                              "servers": f"{a['label']},{b['label']}", "stock": stock, "defaults": dflt})
+                pairs.append(
+                    {
+                        "file": files,
+                        "gpu": ra.get("gpu"),
+                        "order": f"{a['arm']},{b['arm']}",
+                        "servers": f"{a['label']},{b['label']}",
+                        "stock": stock,
+                        "defaults": dflt,
+                    }
+                )
                 i += 2
             else:
                 i += 1
@@ -111,8 +149,26 @@ def rates_block(pairs: list[dict]) -> list[dict]:
     rates = sorted({w["request_rate"] for p in pairs for s in (p["stock"], p["defaults"]) for w in s["windows"]}, key=rate_key)
     out = []
     for rate in rates:
-        per: dict[str, list] = {k: [] for k in ("tokj", "thr", "ttft_d", "tpot", "share", "low_share", "bound", "saving",
-                                                "stock_tps", "def_tps", "stock_tokj", "def_tokj", "stock_w", "def_w", "span")}
+        per: dict[str, list] = {
+            k: []
+            for k in (
+                "tokj",
+                "thr",
+                "ttft_d",
+                "tpot",
+                "share",
+                "low_share",
+                "bound",
+                "saving",
+                "stock_tps",
+                "def_tps",
+                "stock_tokj",
+                "def_tokj",
+                "stock_w",
+                "def_w",
+                "span",
+            )
+        }
         n = 0
         for p in pairs:
             ws = next((w for w in p["stock"]["windows"] if w["request_rate"] == rate), None)
@@ -131,9 +187,17 @@ def rates_block(pairs: list[dict]) -> list[dict]:
             # else the harness's own window (first request to last completion).
             sps, spd = span(ws), span(wd)
             use_span = bool(sps and spd)
-            fs = sps if use_span else {"energy_j": ws.get("gpu_energy_j"), "seconds": ws.get("energy_window_s") or ws.get("duration"),
-                                       "out_tok_per_j": ws.get("output_tokens_per_joule"), "avg_power_w": ws.get("gpu_avg_power_w"),
-                                       **{k: (ws.get("sampler") or {}).get(k) for k in ("gpu_idle_share", "gpu_low_power_share")}}
+            fs = (
+                sps
+                if use_span
+                else {
+                    "energy_j": ws.get("gpu_energy_j"),
+                    "seconds": ws.get("energy_window_s") or ws.get("duration"),
+                    "out_tok_per_j": ws.get("output_tokens_per_joule"),
+                    "avg_power_w": ws.get("gpu_avg_power_w"),
+                    **{k: (ws.get("sampler") or {}).get(k) for k in ("gpu_idle_share", "gpu_low_power_share")},
+                }
+            )
             fd = spd if use_span else {"out_tok_per_j": wd.get("output_tokens_per_joule"), "avg_power_w": wd.get("gpu_avg_power_w")}
             per["span"].append(use_span)
             share = fs.get("gpu_idle_share")
@@ -151,16 +215,26 @@ def rates_block(pairs: list[dict]) -> list[dict]:
             e_s, win_s = fs.get("energy_j"), fs.get("seconds")
             if None not in (share, iw_s, iw_d, e_s, win_s) and e_s > 0:
                 per["bound"].append(share * win_s * (iw_s - iw_d) / e_s)
-        row: dict = {"request_rate": rate if rate == "sat" else float(rate), "pairs": n,
-                     "energy_window": ("fixed span (>= --window-s from the first arrival, idle tail included)" if per["span"] and all(per["span"])
-                                       else "harness window (first request to last completion)" if not any(per["span"]) else "mixed")}
+        row: dict = {
+            "request_rate": rate if rate == "sat" else float(rate),
+            "pairs": n,
+            "energy_window": (
+                "fixed span (>= --window-s from the first arrival, idle tail included)"
+                if per["span"] and all(per["span"])
+                else "harness window (first request to last completion)"
+                if not any(per["span"])
+                else "mixed"
+            ),
+        }
         m, ci = mean_ci(per["tokj"])
         row["out_tok_per_j_ratio"], row["out_tok_per_j_ratio_ci95"] = r(m), [r(x) for x in ci] if ci else None
         row["stock_gpu_idle_share"] = r(mean_ci(per["share"])[0], 3)
         row["stock_gpu_low_power_share"] = r(mean_ci(per["low_share"])[0], 3)
         row["idle_bound_saving"] = r(mean_ci(per["bound"])[0])
         row["energy_saving"] = r(mean_ci(per["saving"])[0])
-        row["bound_attained"] = r(row["energy_saving"] / row["idle_bound_saving"]) if row["energy_saving"] is not None and row["idle_bound_saving"] else None
+        row["bound_attained"] = (
+            r(row["energy_saving"] / row["idle_bound_saving"]) if row["energy_saving"] is not None and row["idle_bound_saving"] else None
+        )
         m, ci = mean_ci(per["thr"])
         row["throughput_ratio"], row["throughput_ratio_ci95"] = r(m), [r(x) for x in ci] if ci else None
         m, ci = mean_ci(per["ttft_d"])
@@ -168,8 +242,14 @@ def rates_block(pairs: list[dict]) -> list[dict]:
         m, ci = mean_ci(per["tpot"])
         row["p99_tpot_ratio"], row["p99_tpot_ratio_ci95"] = r(m), [r(x) for x in ci] if ci else None
         row["per_pair"] = {k: [r(x) for x in v] for k, v in per.items()}
-        for k, name in (("stock_tps", "stock_out_tok_s"), ("def_tps", "defaults_out_tok_s"), ("stock_tokj", "stock_out_tok_per_j"),
-                        ("def_tokj", "defaults_out_tok_per_j"), ("stock_w", "stock_avg_w"), ("def_w", "defaults_avg_w")):
+        for k, name in (
+            ("stock_tps", "stock_out_tok_s"),
+            ("def_tps", "defaults_out_tok_s"),
+            ("stock_tokj", "stock_out_tok_per_j"),
+            ("def_tokj", "defaults_out_tok_per_j"),
+            ("stock_w", "stock_avg_w"),
+            ("def_w", "defaults_avg_w"),
+        ):
             row[name] = r(mean_ci(per[k])[0], 2)
         out.append(row)
     return out
@@ -184,25 +264,48 @@ def starvation_block(raws: list[dict]) -> dict:
                 st = s["starvation"]
                 w = st["window"]
                 e = w.get("gpu_energy_j")
-                last = {"file": raw["_file"], "server": s["label"], "idle_while_busy_j": st.get("idle_while_busy_j"),
-                        "idle_while_busy_s": st.get("idle_while_busy_s"), "frontend_busy_s": st.get("frontend_busy_s"),
-                        "share_of_window_energy": (st["idle_while_busy_j"] / e) if st.get("idle_while_busy_j") is not None and e else None,
-                        "how": st["starvation"]["how"], "series": st["starvation"]["series"], "warnings": st["warnings"],
-                        "advise_ok": st["advise"]["ok"], "advise_output": st["advise"]["output"],
-                        "advise_cmds": [a["cmd"] for a in st["advise"]["attempts"]], "fix_args": st["advise"]["fix_args"],
-                        "concurrency": w.get("concurrency"), "out_tok_s": w.get("output_throughput"),
-                        "out_tok_per_j": w.get("output_tokens_per_joule"), "avg_w": w.get("gpu_avg_power_w"),
-                        "gpu_idle_share": (w.get("sampler") or {}).get("gpu_idle_share"),
-                        "util0_energy_j_nvml": (w.get("sampler") or {}).get("util0_energy_j")}
+                last = {
+                    "file": raw["_file"],
+                    "server": s["label"],
+                    "idle_while_busy_j": st.get("idle_while_busy_j"),
+                    "idle_while_busy_s": st.get("idle_while_busy_s"),
+                    "frontend_busy_s": st.get("frontend_busy_s"),
+                    "share_of_window_energy": (st["idle_while_busy_j"] / e) if st.get("idle_while_busy_j") is not None and e else None,
+                    "how": st["starvation"]["how"],
+                    "series": st["starvation"]["series"],
+                    "warnings": st["warnings"],
+                    "advise_ok": st["advise"]["ok"],
+                    "advise_output": st["advise"]["output"],
+                    "advise_cmds": [a["cmd"] for a in st["advise"]["attempts"]],
+                    "fix_args": st["advise"]["fix_args"],
+                    "concurrency": w.get("concurrency"),
+                    "out_tok_s": w.get("output_throughput"),
+                    "out_tok_per_j": w.get("output_tokens_per_joule"),
+                    "avg_w": w.get("gpu_avg_power_w"),
+                    "gpu_idle_share": (w.get("sampler") or {}).get("gpu_idle_share"),
+                    "util0_energy_j_nvml": (w.get("sampler") or {}).get("util0_energy_j"),
+                }
                 runs.append(last)
             if s.get("fix_window") and ok(s["fix_window"]):
                 fw = s["fix_window"]
-                after = {"out_tok_s": fw.get("output_throughput"), "out_tok_per_j": fw.get("output_tokens_per_joule"),
-                         "avg_w": fw.get("gpu_avg_power_w"), "gpu_idle_share": (fw.get("sampler") or {}).get("gpu_idle_share"),
-                         "p50_ttft_ms": fw.get("median_ttft_ms"), "p99_tpot_ms": fw.get("p99_tpot_ms")}
+                after = {
+                    "out_tok_s": fw.get("output_throughput"),
+                    "out_tok_per_j": fw.get("output_tokens_per_joule"),
+                    "avg_w": fw.get("gpu_avg_power_w"),
+                    "gpu_idle_share": (fw.get("sampler") or {}).get("gpu_idle_share"),
+                    "p50_ttft_ms": fw.get("median_ttft_ms"),
+                    "p99_tpot_ms": fw.get("p99_tpot_ms"),
+                }
                 before = {k: last.get(k) for k in ("out_tok_s", "out_tok_per_j", "avg_w", "gpu_idle_share")} if last else None
-                fx = {"file": raw["_file"], "server": s["label"], "fix_args": s.get("fix_args"), "fix_source": s.get("fix_source"),
-                      "before_from": f"{last['file']} {last['server']}" if last else None, "before": before, "after": after}
+                fx = {
+                    "file": raw["_file"],
+                    "server": s["label"],
+                    "fix_args": s.get("fix_args"),
+                    "fix_source": s.get("fix_source"),
+                    "before_from": f"{last['file']} {last['server']}" if last else None,
+                    "before": before,
+                    "after": after,
+                }
                 if before and before.get("out_tok_s") and after["out_tok_s"]:
                     fx["throughput_ratio"] = r(after["out_tok_s"] / before["out_tok_s"])
                 if before and before.get("out_tok_per_j") and after["out_tok_per_j"]:
@@ -211,12 +314,15 @@ def starvation_block(raws: list[dict]) -> dict:
     js = [x["idle_while_busy_j"] for x in runs if x["idle_while_busy_j"] is not None]
     advice = next((x["advise_output"] for x in runs if x["advise_ok"]), None)
     nv = [x["util0_energy_j_nvml"] for x in runs if x.get("util0_energy_j_nvml") is not None]
-    return {"idle_while_busy_j": r(statistics.fmean(js), 1) if js else None,
-            "util0_energy_j_nvml": r(statistics.fmean(nv), 1) if nv else None,
-            "idle_while_busy_share": r(mean_ci([x["share_of_window_energy"] for x in runs])[0]),
-            "warning": next((x["warnings"][0] for x in runs if x["warnings"]), None),
-            "advice": advice.strip().splitlines()[:20] if advice else None,
-            "after_fix": fixes[0] if len(fixes) == 1 else (fixes or None), "runs": runs}
+    return {
+        "idle_while_busy_j": r(statistics.fmean(js), 1) if js else None,
+        "util0_energy_j_nvml": r(statistics.fmean(nv), 1) if nv else None,
+        "idle_while_busy_share": r(mean_ci([x["share_of_window_energy"] for x in runs])[0]),
+        "warning": next((x["warnings"][0] for x in runs if x["warnings"]), None),
+        "advice": advice.strip().splitlines()[:20] if advice else None,
+        "after_fix": fixes[0] if len(fixes) == 1 else (fixes or None),
+        "runs": runs,
+    }
 
 
 def checks(idle: dict, rates: list[dict], starv: dict) -> dict:
@@ -224,12 +330,15 @@ def checks(idle: dict, rates: list[dict], starv: dict) -> dict:
     for row in rates:
         k = f"rate_{row['request_rate']}"
         b = row["idle_bound_saving"]
-        c[k] = {"saving_ge_80pct_of_bound": None if row["bound_attained"] is None else row["bound_attained"] >= 0.8,
-                "tokj_ci_above_1_where_bound_ge_10pct": (None if b is None or b < 0.10 or not row["out_tok_per_j_ratio_ci95"]
-                                                         else row["out_tok_per_j_ratio_ci95"][0] > 1.0),
-                "p50_ttft_le_plus_5ms": None if row["p50_ttft_ms_delta"] is None else row["p50_ttft_ms_delta"] <= 5.0,
-                "throughput_ratio_ge_0_99": None if row["throughput_ratio"] is None else row["throughput_ratio"] >= 0.99,
-                "p99_tpot_le_plus_5pct": None if row["p99_tpot_ratio"] is None else row["p99_tpot_ratio"] <= 1.05}
+        c[k] = {
+            "saving_ge_80pct_of_bound": None if row["bound_attained"] is None else row["bound_attained"] >= 0.8,
+            "tokj_ci_above_1_where_bound_ge_10pct": (
+                None if b is None or b < 0.10 or not row["out_tok_per_j_ratio_ci95"] else row["out_tok_per_j_ratio_ci95"][0] > 1.0
+            ),
+            "p50_ttft_le_plus_5ms": None if row["p50_ttft_ms_delta"] is None else row["p50_ttft_ms_delta"] <= 5.0,
+            "throughput_ratio_ge_0_99": None if row["throughput_ratio"] is None else row["throughput_ratio"] >= 0.99,
+            "p99_tpot_le_plus_5pct": None if row["p99_tpot_ratio"] is None else row["p99_tpot_ratio"] <= 1.05,
+        }
     fx = starv["after_fix"] if isinstance(starv["after_fix"], dict) else None
     c["starvation_figure_and_warning"] = starv["idle_while_busy_j"] is not None and starv["warning"] is not None
     c["fix_measured"] = bool(fx and fx.get("out_tok_per_j_ratio") is not None)
@@ -246,15 +355,22 @@ def request_energy(raws: list[dict], drop: float) -> dict:
             lines = seg["lines"]
             js = [x["energy_j"] for x in lines if isinstance(x.get("energy_j"), (int, float))]
             k = int(len(js) * drop)
-            steady = js[k:len(js) - k] if len(js) > 2 * k else js
+            steady = js[k : len(js) - k] if len(js) > 2 * k else js
 
             def spread(v: list[float]) -> dict | None:
                 if len(v) < 2:
                     return None
                 q = statistics.quantiles(v, n=100, method="inclusive")
                 med = statistics.median(v)
-                return {"n": len(v), "median_j": r(med), "p5_over_median": r(q[4] / med), "p50_over_median": 1.0,
-                        "p95_over_median": r(q[94] / med), "max_over_median": r(max(v) / med), "min_over_median": r(min(v) / med)}
+                return {
+                    "n": len(v),
+                    "median_j": r(med),
+                    "p5_over_median": r(q[4] / med),
+                    "p50_over_median": 1.0,
+                    "p95_over_median": r(q[94] / med),
+                    "max_over_median": r(max(v) / med),
+                    "min_over_median": r(min(v) / med),
+                }
 
             phases = seg.get("plugin_energy_j_by_phase") or {}
             extra = {}
@@ -265,25 +381,48 @@ def request_energy(raws: list[dict], drop: float) -> dict:
             req_sum = sum(js)
             idle_j = phases.get("idle")
             counter = seg.get("counter_j")
-            segs.append({
-                "file": raw["_file"], "server": s["label"], "device": raw["device"].get("name"), "date_utc": raw.get("date_utc"),
-                "n_requests": seg["n"], "lines": len(lines), "with_energy": len(js), "concurrency": seg["concurrency"],
-                "input_len": seg["input_len"], "output_len": seg["output_len"], "prompts": seg.get("prompts"),
-                "source": next((x.get("source") for x in lines), None), "method": next((x.get("method") for x in lines), None),
-                "steady_rule": f"lines in finish order, first and last {drop:.0%} dropped",
-                "steady": spread(steady), "all": spread(js),
-                "requests_sum_j": r(req_sum, 3), "idle_j": r(idle_j, 3) if idle_j is not None else None,
-                "plugin_total_j": r(sum(phases.values()), 3) if phases else None, "plugin_phases_j": {k2: r(v, 3) for k2, v in phases.items()},
-                "counter_j": r(counter, 3) if counter is not None else None,
-                "requests_plus_idle_over_counter": r((req_sum + idle_j) / counter, 5) if counter and idle_j is not None else None,
-                "requests_plus_idle_plus_tail_over_counter": (r((req_sum + idle_j + seg["tail_j"]) / counter, 5)
-                                                              if counter and idle_j is not None and seg.get("tail_j") is not None else None),
-                "tail_idle_split": {"idle_j": r(idle_j, 3) if idle_j is not None else None, "tail_j": r(seg.get("tail_j"), 3),
-                                    "tail_j_metrics": r(seg.get("tail_j_metrics"), 3), **{k2: r(v, 3) for k2, v in extra.items()},
-                                    "note": "idle_j: the plugin's idle phase over the span; tail_j: non-idle energy charged to no "
-                                            "request (snapshot request_energy_j_tail delta; tail_j_metrics: "
-                                            "powersave_request_tail_energy_joules_total delta); *_j: per-request parts summed"},
-                "harness_out_tok_s": seg["harness"].get("output_throughput"), "span_s": r(seg.get("span_s"), 3)})
+            segs.append(
+                {
+                    "file": raw["_file"],
+                    "server": s["label"],
+                    "device": raw["device"].get("name"),
+                    "date_utc": raw.get("date_utc"),
+                    "n_requests": seg["n"],
+                    "lines": len(lines),
+                    "with_energy": len(js),
+                    "concurrency": seg["concurrency"],
+                    "input_len": seg["input_len"],
+                    "output_len": seg["output_len"],
+                    "prompts": seg.get("prompts"),
+                    "source": next((x.get("source") for x in lines), None),
+                    "method": next((x.get("method") for x in lines), None),
+                    "steady_rule": f"lines in finish order, first and last {drop:.0%} dropped",
+                    "steady": spread(steady),
+                    "all": spread(js),
+                    "requests_sum_j": r(req_sum, 3),
+                    "idle_j": r(idle_j, 3) if idle_j is not None else None,
+                    "plugin_total_j": r(sum(phases.values()), 3) if phases else None,
+                    "plugin_phases_j": {k2: r(v, 3) for k2, v in phases.items()},
+                    "counter_j": r(counter, 3) if counter is not None else None,
+                    "requests_plus_idle_over_counter": r((req_sum + idle_j) / counter, 5) if counter and idle_j is not None else None,
+                    "requests_plus_idle_plus_tail_over_counter": (
+                        r((req_sum + idle_j + seg["tail_j"]) / counter, 5)
+                        if counter and idle_j is not None and seg.get("tail_j") is not None
+                        else None
+                    ),
+                    "tail_idle_split": {
+                        "idle_j": r(idle_j, 3) if idle_j is not None else None,
+                        "tail_j": r(seg.get("tail_j"), 3),
+                        "tail_j_metrics": r(seg.get("tail_j_metrics"), 3),
+                        **{k2: r(v, 3) for k2, v in extra.items()},
+                        "note": "idle_j: the plugin's idle phase over the span; tail_j: non-idle energy charged to no "
+                        "request (snapshot request_energy_j_tail delta; tail_j_metrics: "
+                        "powersave_request_tail_energy_joules_total delta); *_j: per-request parts summed",
+                    },
+                    "harness_out_tok_s": seg["harness"].get("output_throughput"),
+                    "span_s": r(seg.get("span_s"), 3),
+                }
+            )
     return {"segments": segs}
 
 
@@ -383,22 +522,42 @@ def closed_loop_summary(raws: list[dict], tars: dict[str, Path | None]) -> dict:
             buckets = {}
             for e, b in sorted(per.items()):
                 ms = b["ms"]
-                buckets[str(e)] = {"default_clock_step_ms": {"median": r(quantile(ms, 0.5), 3), "p10": r(quantile(ms, 0.1), 3),
-                                                             "p90": r(quantile(ms, 0.9), 3), "n": len(ms)},
-                                   "decode_steps_observed": len(ms), "would_probe_mhz": sorted(b.get("probed", ())),
-                                   "would_hold_mhz": b.get("held", []),  # None: the default clock "sm_target_in_trace_mhz": sorted(b["sm_target"]),
-                                   "controller_baseline_ms": [r(v, 3) for v in b.get("controller_baseline_ms", [])],
-                                   "spread_pct": r(b.get("spread_pct"), 3)}
-            servers.append({"file": raw["_file"], "server": s["label"], "device": raw["device"].get("name"),
-                            "trace": "found" if rows else ("no trace in " + (tar.name if tar else "no servers tarball")),
-                            "steps_observed": len(steps), "decode_steps": sum(len(b["ms"]) for b in per.values()),
-                            "decisions": len(recs), "decisions_by_kind": dict(sorted(kinds.items())), "buckets": buckets,
-                            "snapshot_closed_loop": snap, "clock_backend": (s.get("snapshot") or {}).get("clock_backend"),
-                            "clock_mode": (s.get("snapshot") or {}).get("clock_mode")})
-    return {"what": "closed-loop decode clock decisions in dry-run (POWERSAVE_FORCE_DRY_RUN=1: no clock was set; every step "
-                    "ran at the driver's default clock, so probes cannot be measured and time out as 'unmeasured')",
-            "step_ms": "engine-thread wall time of pure decode steps (trace t_end - t), bucketed by decode batch "
-                       f"({', '.join(map(str, BATCH_BUCKETS))})", "servers": servers}
+                buckets[str(e)] = {
+                    "default_clock_step_ms": {
+                        "median": r(quantile(ms, 0.5), 3),
+                        "p10": r(quantile(ms, 0.1), 3),
+                        "p90": r(quantile(ms, 0.9), 3),
+                        "n": len(ms),
+                    },
+                    "decode_steps_observed": len(ms),
+                    "would_probe_mhz": sorted(b.get("probed", ())),
+                    "would_hold_mhz": b.get("held", []),  # None: the default clock "sm_target_in_trace_mhz": sorted(b["sm_target"]),
+                    "controller_baseline_ms": [r(v, 3) for v in b.get("controller_baseline_ms", [])],
+                    "spread_pct": r(b.get("spread_pct"), 3),
+                }
+            servers.append(
+                {
+                    "file": raw["_file"],
+                    "server": s["label"],
+                    "device": raw["device"].get("name"),
+                    "trace": "found" if rows else ("no trace in " + (tar.name if tar else "no servers tarball")),
+                    "steps_observed": len(steps),
+                    "decode_steps": sum(len(b["ms"]) for b in per.values()),
+                    "decisions": len(recs),
+                    "decisions_by_kind": dict(sorted(kinds.items())),
+                    "buckets": buckets,
+                    "snapshot_closed_loop": snap,
+                    "clock_backend": (s.get("snapshot") or {}).get("clock_backend"),
+                    "clock_mode": (s.get("snapshot") or {}).get("clock_mode"),
+                }
+            )
+    return {
+        "what": "closed-loop decode clock decisions in dry-run (POWERSAVE_FORCE_DRY_RUN=1: no clock was set; every step "
+        "ran at the driver's default clock, so probes cannot be measured and time out as 'unmeasured')",
+        "step_ms": "engine-thread wall time of pure decode steps (trace t_end - t), bucketed by decode batch "
+        f"({', '.join(map(str, BATCH_BUCKETS))})",
+        "servers": servers,
+    }
 
 
 def plot(rates: list[dict], path: Path, title: str) -> bool:
@@ -452,11 +611,18 @@ def main() -> int:
     ap.add_argument("--out-dir", default="docs/results")
     ap.add_argument("--name", default="h200-defaults")
     ap.add_argument("--reqe-name", default="h200-request-energy")
-    ap.add_argument("--trace-out", default=None,
-                    help="also write the closed-loop decision summary (issue 19) to TRACE_OUT.json/.md "
-                         "(e.g. docs/results/h200-closed-loop-decisions), from the servers tarballs")
-    ap.add_argument("--servers", nargs="*", default=None,
-                    help="servers-<tag>.tar.gz per raw file, same order (default: beside each raw file, by its tag)")
+    ap.add_argument(
+        "--trace-out",
+        default=None,
+        help="also write the closed-loop decision summary (issue 19) to TRACE_OUT.json/.md "
+        "(e.g. docs/results/h200-closed-loop-decisions), from the servers tarballs",
+    )
+    ap.add_argument(
+        "--servers",
+        nargs="*",
+        default=None,
+        help="servers-<tag>.tar.gz per raw file, same order (default: beside each raw file, by its tag)",
+    )
     ap.add_argument("--steady-drop", type=float, default=0.2, help="share of request lines dropped at each end (480 -> middle 288)")
     ns = ap.parse_args()
     raws = [load(p) for p in ns.raw]
@@ -466,86 +632,146 @@ def main() -> int:
     pairs = pair_servers(raws)
     ir = [idle_w(p["defaults"]) / idle_w(p["stock"]) for p in pairs if idle_w(p["stock"]) and idle_w(p["defaults"]) is not None]
     pr, pr_ci = mean_ci(ir)
-    idle = {"stock_w": r(mean_ci([idle_w(p["stock"]) for p in pairs])[0], 1),
-            "defaults_w": r(mean_ci([idle_w(p["defaults"]) for p in pairs])[0], 1),
-            "power_ratio": r(pr), "power_ratio_ci95": [r(x) for x in pr_ci] if pr_ci else None, "pairs": len(ir),
-            "stock_sm_mhz": [(p["stock"].get("idle") or {}).get("median_sm_clock_mhz") for p in pairs],
-            "defaults_sm_mhz": [(p["defaults"].get("idle") or {}).get("median_sm_clock_mhz") for p in pairs]}
+    idle = {
+        "stock_w": r(mean_ci([idle_w(p["stock"]) for p in pairs])[0], 1),
+        "defaults_w": r(mean_ci([idle_w(p["defaults"]) for p in pairs])[0], 1),
+        "power_ratio": r(pr),
+        "power_ratio_ci95": [r(x) for x in pr_ci] if pr_ci else None,
+        "pairs": len(ir),
+        "stock_sm_mhz": [(p["stock"].get("idle") or {}).get("median_sm_clock_mhz") for p in pairs],
+        "defaults_sm_mhz": [(p["defaults"].get("idle") or {}).get("median_sm_clock_mhz") for p in pairs],
+    }
     rates = rates_block(pairs)
     starv = starvation_block(raws)
     devices = sorted({x["device"].get("name", "?") for x in raws})
-    rec = {"what": "stock vLLM vs --plugin powersave with its defaults (no setting), one server at a time, ABBA",
-           "measured": measured, "simulated": False,
-           "energy": "NVML total-energy counter per load window" if measured else "unavailable (no NVML): energy figures are null",
-           "devices": devices, "vllm_versions": sorted({str(x.get("vllm_version")) for x in raws}),
-           "shapes": sorted({str(x.get("shape") or x.get("model")) for x in raws}),
-           "runs": [{"file": x["_file"], "tag": x.get("tag"), "gpu": x.get("gpu"), "date_utc": x.get("date_utc"),
-                     "order": x["method"]["order"], "notes": x.get("notes")} for x in raws],
-           "method": raws[0]["method"],
-           "pairs": len(pairs), "pair_list": [{"file": p["file"], "gpu": p["gpu"], "order": p["order"], "servers": p["servers"]} for p in pairs],
-           "idle": idle, "rates": rates, "starvation": starv, "checks": checks(idle, rates, starv),
-           "startup_s": {a: [s.get("startup_s") for x in raws for s in x["servers"] if s["arm"] == a] for a in ("stock", "defaults", "fix")},
-           "scripts": ["benchmarks/h200_defaults.py", "benchmarks/h200_defaults_record.py"],
-           "recorded_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    rec = {
+        "what": "stock vLLM vs --plugin powersave with its defaults (no setting), one server at a time, ABBA",
+        "measured": measured,
+        "simulated": False,
+        "energy": "NVML total-energy counter per load window" if measured else "unavailable (no NVML): energy figures are null",
+        "devices": devices,
+        "vllm_versions": sorted({str(x.get("vllm_version")) for x in raws}),
+        "shapes": sorted({str(x.get("shape") or x.get("model")) for x in raws}),
+        "runs": [
+            {
+                "file": x["_file"],
+                "tag": x.get("tag"),
+                "gpu": x.get("gpu"),
+                "date_utc": x.get("date_utc"),
+                "order": x["method"]["order"],
+                "notes": x.get("notes"),
+            }
+            for x in raws
+        ],
+        "method": raws[0]["method"],
+        "pairs": len(pairs),
+        "pair_list": [{"file": p["file"], "gpu": p["gpu"], "order": p["order"], "servers": p["servers"]} for p in pairs],
+        "idle": idle,
+        "rates": rates,
+        "starvation": starv,
+        "checks": checks(idle, rates, starv),
+        "startup_s": {a: [s.get("startup_s") for x in raws for s in x["servers"] if s["arm"] == a] for a in ("stock", "defaults", "fix")},
+        "scripts": ["benchmarks/h200_defaults.py", "benchmarks/h200_defaults_record.py"],
+        "recorded_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
     (out / f"{ns.name}.json").write_text(json.dumps(rec, indent=1))
     png = out / f"{ns.name}.png"
     has_png = plot(rates, png, f"{', '.join(devices)}: --plugin powersave defaults vs stock ({len(pairs)} pairs)")
     label = "measured" if measured else "NOT measured: no NVML (CPU smoke test), energy null"
     m = raws[0]["method"]
-    md = [f"# Stock vLLM vs `--plugin powersave` defaults ({label})", "",
-          f"- Device(s): {', '.join(devices)}; vLLM {', '.join(rec['vllm_versions'])}; model {', '.join(rec['shapes'])} (`--load-format dummy`).",
-          "- Runs (UTC): " + "; ".join(f"{x['tag']} GPU {x['gpu']} {x['date_utc']} order {','.join(x['order'])}" for x in rec["runs"]) + ".",
-          f"- Method: one server at a time; stock = vLLM alone (no plugin on the path, or `VLLM_PLUGINS=` empty); defaults = "
-          f"`--plugin powersave` with no saving setting (observation only: {m.get('defaults_observe')}). Per server: "
-          f"{m.get('idle_s')} s idle, then Poisson windows of {m.get('window_s')} s of request starts at "
-          f"{', '.join(m.get('rates') or [])} req/s ({m.get('input_len')} in / {m.get('output_len')} out, streamed, "
-          f"same seeds in both arms). Energy: {rec['energy']}. GPU idle share: {m.get('gpu_idle_share')}. Clocks never changed.",
-          f"- Pairs: **{len(pairs)}** (adjacent stock/defaults servers on one GPU: " + ", ".join(f"{p['file']} GPU {p['gpu']} {p['servers']}" for p in rec["pair_list"]) + ").",
-          "", "## Idle, engine loaded", "", "| stock W | defaults W | ratio (95 % CI) | pairs |", "|---|---|---|---|",
-          f"| {fmt(idle['stock_w'], 1)} | {fmt(idle['defaults_w'], 1)} | {fmt(idle['power_ratio'])} ({fmt(idle['power_ratio_ci95'])}) | {idle['pairs']} |",
-          "", "## Request-rate sweep (defaults / stock per pair)", "",
-          "| req/s | pairs | stock GPU idle share | idle bound | energy saving | tok/J ratio (95 % CI) | throughput ratio | p50 TTFT Δ ms | p99 TPOT ratio | stock / defaults tok/s | stock / defaults tok/J |",
-          "|---|---|---|---|---|---|---|---|---|---|---|"]
+    md = [
+        f"# Stock vLLM vs `--plugin powersave` defaults ({label})",
+        "",
+        f"- Device(s): {', '.join(devices)}; vLLM {', '.join(rec['vllm_versions'])}; model {', '.join(rec['shapes'])} (`--load-format dummy`).",
+        "- Runs (UTC): " + "; ".join(f"{x['tag']} GPU {x['gpu']} {x['date_utc']} order {','.join(x['order'])}" for x in rec["runs"]) + ".",
+        f"- Method: one server at a time; stock = vLLM alone (no plugin on the path, or `VLLM_PLUGINS=` empty); defaults = "
+        f"`--plugin powersave` with no saving setting (observation only: {m.get('defaults_observe')}). Per server: "
+        f"{m.get('idle_s')} s idle, then Poisson windows of {m.get('window_s')} s of request starts at "
+        f"{', '.join(m.get('rates') or [])} req/s ({m.get('input_len')} in / {m.get('output_len')} out, streamed, "
+        f"same seeds in both arms). Energy: {rec['energy']}. GPU idle share: {m.get('gpu_idle_share')}. Clocks never changed.",
+        f"- Pairs: **{len(pairs)}** (adjacent stock/defaults servers on one GPU: "
+        + ", ".join(f"{p['file']} GPU {p['gpu']} {p['servers']}" for p in rec["pair_list"])
+        + ").",
+        "",
+        "## Idle, engine loaded",
+        "",
+        "| stock W | defaults W | ratio (95 % CI) | pairs |",
+        "|---|---|---|---|",
+        f"| {fmt(idle['stock_w'], 1)} | {fmt(idle['defaults_w'], 1)} | {fmt(idle['power_ratio'])} ({fmt(idle['power_ratio_ci95'])}) | {idle['pairs']} |",
+        "",
+        "## Request-rate sweep (defaults / stock per pair)",
+        "",
+        "| req/s | pairs | stock GPU idle share | idle bound | energy saving | tok/J ratio (95 % CI) | throughput ratio | p50 TTFT Δ ms | p99 TPOT ratio | stock / defaults tok/s | stock / defaults tok/J |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for x in rates:
-        md.append(f"| {x['request_rate']} | {x['pairs']} | {fmt(x['stock_gpu_idle_share'], 2)} | {fmt(x['idle_bound_saving'])} | "
-                  f"{fmt(x['energy_saving'])} | {fmt(x['out_tok_per_j_ratio'])} ({fmt(x['out_tok_per_j_ratio_ci95'])}) | "
-                  f"{fmt(x['throughput_ratio'])} | {fmt(x['p50_ttft_ms_delta'], 2)} | {fmt(x['p99_tpot_ratio'])} | "
-                  f"{fmt(x['stock_out_tok_s'], 0)} / {fmt(x['defaults_out_tok_s'], 0)} | {fmt(x['stock_out_tok_per_j'])} / {fmt(x['defaults_out_tok_per_j'])} |")
-    md += ["", "Energy window per rate: " + "; ".join(f"{x['request_rate']}: {x['energy_window']}" for x in rates) + ".",
-           "Idle bound = stock's idle seconds in the window x (stock idle W - defaults idle W) / stock's window energy."]
+        md.append(
+            f"| {x['request_rate']} | {x['pairs']} | {fmt(x['stock_gpu_idle_share'], 2)} | {fmt(x['idle_bound_saving'])} | "
+            f"{fmt(x['energy_saving'])} | {fmt(x['out_tok_per_j_ratio'])} ({fmt(x['out_tok_per_j_ratio_ci95'])}) | "
+            f"{fmt(x['throughput_ratio'])} | {fmt(x['p50_ttft_ms_delta'], 2)} | {fmt(x['p99_tpot_ratio'])} | "
+            f"{fmt(x['stock_out_tok_s'], 0)} / {fmt(x['defaults_out_tok_s'], 0)} | {fmt(x['stock_out_tok_per_j'])} / {fmt(x['defaults_out_tok_per_j'])} |"
+        )
+    md += [
+        "",
+        "Energy window per rate: " + "; ".join(f"{x['request_rate']}: {x['energy_window']}" for x in rates) + ".",
+        "Idle bound = stock's idle seconds in the window x (stock idle W - defaults idle W) / stock's window energy.",
+    ]
     if has_png:
         md += ["", f"![tokens per joule ratio vs request rate]({png.name})"]
     fx = starv["after_fix"] if isinstance(starv["after_fix"], dict) else None
-    md += ["", "## Starvation: one API server at high concurrency", "",
-           f"- GPU energy spent idle while requests were running or waiting: {fmt(starv['idle_while_busy_j'], 1)} J "
-           f"({fmt(starv['idle_while_busy_share'])} of the window's energy; {starv['runs'][0]['how'] if starv['runs'] else 'not run'}); "
-           f"NVML cross-check, energy of samples at 0 % utilisation: {fmt(starv['util0_energy_j_nvml'], 1)} J.",
-           f"- Warning in the server log: {('`' + starv['warning'][:300] + '`') if starv['warning'] else 'none found'}.",
-           "- `vllm-powersave advise`:" + ("" if starv["advice"] else " no output"), *(["```", *starv["advice"], "```"] if starv["advice"] else []),
-           (f"- Fix applied ({fx['fix_args']}, from {fx['fix_source']}): throughput {fmt((fx['before'] or {}).get('out_tok_s'), 0)} -> "
+    md += [
+        "",
+        "## Starvation: one API server at high concurrency",
+        "",
+        f"- GPU energy spent idle while requests were running or waiting: {fmt(starv['idle_while_busy_j'], 1)} J "
+        f"({fmt(starv['idle_while_busy_share'])} of the window's energy; {starv['runs'][0]['how'] if starv['runs'] else 'not run'}); "
+        f"NVML cross-check, energy of samples at 0 % utilisation: {fmt(starv['util0_energy_j_nvml'], 1)} J.",
+        f"- Warning in the server log: {('`' + starv['warning'][:300] + '`') if starv['warning'] else 'none found'}.",
+        "- `vllm-powersave advise`:" + ("" if starv["advice"] else " no output"),
+        *(["```", *starv["advice"], "```"] if starv["advice"] else []),
+        (
+            f"- Fix applied ({fx['fix_args']}, from {fx['fix_source']}): throughput {fmt((fx['before'] or {}).get('out_tok_s'), 0)} -> "
             f"{fmt(fx['after']['out_tok_s'], 0)} tok/s (x{fmt(fx.get('throughput_ratio'))}), tokens/J {fmt((fx['before'] or {}).get('out_tok_per_j'))} -> "
-            f"{fmt(fx['after']['out_tok_per_j'])} (x{fmt(fx.get('out_tok_per_j_ratio'))})." if fx else "- Fix: not measured.")]
+            f"{fmt(fx['after']['out_tok_per_j'])} (x{fmt(fx.get('out_tok_per_j_ratio'))})."
+            if fx
+            else "- Fix: not measured."
+        ),
+    ]
     md += ["", "## Checks against the targets", "", "```", json.dumps(rec["checks"], indent=1), "```"]
     (out / f"{ns.name}.md").write_text("\n".join(md) + "\n")
 
     reqe = request_energy(raws, ns.steady_drop)
     sim = any(seg["source"] == "simulated" for seg in reqe["segments"])
-    reqe.update({"what": "identical-length requests at a steady batch: the plugin's per-request energy", "measured": measured and not sim,
-                 "simulated": sim, "devices": devices, "scripts": rec["scripts"], "recorded_utc": rec["recorded_utc"]})
+    reqe.update(
+        {
+            "what": "identical-length requests at a steady batch: the plugin's per-request energy",
+            "measured": measured and not sim,
+            "simulated": sim,
+            "devices": devices,
+            "scripts": rec["scripts"],
+            "recorded_utc": rec["recorded_utc"],
+        }
+    )
     (out / f"{ns.reqe_name}.json").write_text(json.dumps(reqe, indent=1))
-    md = [f"# Per-request energy of identical requests at a steady batch ({'simulated per-request figures; ' if sim else ''}{label})", "",
-          "- Requests of equal length (distinct random prompts, no prefix-cache hits, `ignore_eos`) at a fixed concurrency through "
-          "the defaults server; the plugin's per-request lines (`requests-rank<N>.jsonl`) against the NVML counter over the "
-          "same span (plugin snapshot to snapshot). Steady batch: lines in finish order, first and last "
-          f"{ns.steady_drop:.0%} dropped.", "",
-          "| run | source / method | n (steady) | median J | p5 / p50 / p95 / max over median | requests + idle over counter | requests J | idle J | counter J | other parts J |",
-          "|---|---|---|---|---|---|---|---|---|---|"]
+    md = [
+        f"# Per-request energy of identical requests at a steady batch ({'simulated per-request figures; ' if sim else ''}{label})",
+        "",
+        "- Requests of equal length (distinct random prompts, no prefix-cache hits, `ignore_eos`) at a fixed concurrency through "
+        "the defaults server; the plugin's per-request lines (`requests-rank<N>.jsonl`) against the NVML counter over the "
+        "same span (plugin snapshot to snapshot). Steady batch: lines in finish order, first and last "
+        f"{ns.steady_drop:.0%} dropped.",
+        "",
+        "| run | source / method | n (steady) | median J | p5 / p50 / p95 / max over median | requests + idle over counter | requests J | idle J | counter J | other parts J |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for s in reqe["segments"]:
         st = s["steady"] or {}
         other = {k: v for k, v in s["tail_idle_split"].items() if k not in ("idle_j", "note") and v is not None}
-        md.append(f"| {s['file']} {s['server']} | {s['source']} / {s['method']} | {st.get('n')} | {fmt(st.get('median_j'))} | {fmt(st.get('p5_over_median'))} / 1 / "
-                  f"{fmt(st.get('p95_over_median'))} / {fmt(st.get('max_over_median'))} | {fmt(s['requests_plus_idle_over_counter'], 4)} | "
-                  f"{fmt(s['requests_sum_j'], 1)} | {fmt(s['idle_j'], 1)} | {fmt(s['counter_j'], 1)} | {json.dumps(other) if other else '–'} |")
+        md.append(
+            f"| {s['file']} {s['server']} | {s['source']} / {s['method']} | {st.get('n')} | {fmt(st.get('median_j'))} | {fmt(st.get('p5_over_median'))} / 1 / "
+            f"{fmt(st.get('p95_over_median'))} / {fmt(st.get('max_over_median'))} | {fmt(s['requests_plus_idle_over_counter'], 4)} | "
+            f"{fmt(s['requests_sum_j'], 1)} | {fmt(s['idle_j'], 1)} | {fmt(s['counter_j'], 1)} | {json.dumps(other) if other else '–'} |"
+        )
     (out / f"{ns.reqe_name}.md").write_text("\n".join(md) + "\n")
     if ns.trace_out:
         tars: dict[str, Path | None] = {}
@@ -559,21 +785,32 @@ def main() -> int:
         stem = Path(ns.trace_out)
         stem.parent.mkdir(parents=True, exist_ok=True)
         stem.with_suffix(".json").write_text(json.dumps(cl, indent=1))
-        md = [f"# Closed-loop decode clock decisions in dry-run ({', '.join(devices)}; {label})", "",
-              f"- {cl['what']}.", f"- Step time: {cl['step_ms']}.", "",
-              "| run | steps | decode steps | decisions by kind | bucket: default-clock step ms median (p10-p90, n) / would probe MHz / would hold MHz |",
-              "|---|---|---|---|---|"]
+        md = [
+            f"# Closed-loop decode clock decisions in dry-run ({', '.join(devices)}; {label})",
+            "",
+            f"- {cl['what']}.",
+            f"- Step time: {cl['step_ms']}.",
+            "",
+            "| run | steps | decode steps | decisions by kind | bucket: default-clock step ms median (p10-p90, n) / would probe MHz / would hold MHz |",
+            "|---|---|---|---|---|",
+        ]
         for x in cl["servers"]:
-            cells = "; ".join(f"{e}: {fmt(b['default_clock_step_ms']['median'])} ({fmt(b['default_clock_step_ms']['p10'])}-"
-                              f"{fmt(b['default_clock_step_ms']['p90'])}, {b['default_clock_step_ms']['n']}) / "
-                              f"{','.join(map(str, b['would_probe_mhz'])) or '–'} / {','.join('default' if h is None else str(h) for h in b['would_hold_mhz']) or '–'}"
-                              for e, b in x["buckets"].items())
-            md.append(f"| {x['file']} {x['server']} | {x['steps_observed']} | {x['decode_steps']} | "
-                      f"{json.dumps(x['decisions_by_kind']) if x['decisions_by_kind'] else '–'} | {cells or x['trace']} |")
+            cells = "; ".join(
+                f"{e}: {fmt(b['default_clock_step_ms']['median'])} ({fmt(b['default_clock_step_ms']['p10'])}-"
+                f"{fmt(b['default_clock_step_ms']['p90'])}, {b['default_clock_step_ms']['n']}) / "
+                f"{','.join(map(str, b['would_probe_mhz'])) or '–'} / {','.join('default' if h is None else str(h) for h in b['would_hold_mhz']) or '–'}"
+                for e, b in x["buckets"].items()
+            )
+            md.append(
+                f"| {x['file']} {x['server']} | {x['steps_observed']} | {x['decode_steps']} | "
+                f"{json.dumps(x['decisions_by_kind']) if x['decisions_by_kind'] else '–'} | {cells or x['trace']} |"
+            )
         stem.with_suffix(".md").write_text("\n".join(md) + "\n")
         print(f"wrote {stem}.json/.md ({sum(x['decisions'] for x in cl['servers'])} decision records)")
-    print(f"wrote {out}/{ns.name}.json/.md{'/.png' if has_png else ''} ({len(pairs)} pairs) and {out}/{ns.reqe_name}.json/.md "
-          f"({len(reqe['segments'])} segment(s))")
+    print(
+        f"wrote {out}/{ns.name}.json/.md{'/.png' if has_png else ''} ({len(pairs)} pairs) and {out}/{ns.reqe_name}.json/.md "
+        f"({len(reqe['segments'])} segment(s))"
+    )
     return 0
 
 

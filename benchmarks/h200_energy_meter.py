@@ -63,10 +63,18 @@ class FastSampler(threading.Thread):
         integral = sum((b[0] - a[0]) * (a[1] + b[1]) / 2 for a, b in zip(rows, rows[1:]))
         raw, interp = rows[-1][2] - rows[0][2], rows[-1][3] - rows[0][3]
         updates = sum(1 for a, b in zip(rows, rows[1:]) if b[2] != a[2])
-        return {"seconds": span, "samples": len(rows), "counter_updates": updates,
-                "counter_update_period_ms": 1000 * span / max(updates, 1), "avg_power_w": integral / span,
-                "integral_instant_j": integral, "counter_raw_j": raw, "counter_interpolated_j": interp,
-                "rel_err_raw": (raw - integral) / integral, "rel_err_interpolated": (interp - integral) / integral}
+        return {
+            "seconds": span,
+            "samples": len(rows),
+            "counter_updates": updates,
+            "counter_update_period_ms": 1000 * span / max(updates, 1),
+            "avg_power_w": integral / span,
+            "integral_instant_j": integral,
+            "counter_raw_j": raw,
+            "counter_interpolated_j": interp,
+            "rel_err_raw": (raw - integral) / integral,
+            "rel_err_interpolated": (interp - integral) / integral,
+        }
 
 
 def steady_load(seconds: float, n: int = 8192) -> None:
@@ -82,13 +90,14 @@ def steady_load(seconds: float, n: int = 8192) -> None:
 def gemm_chain(rows: int, hidden: int, layers: int):
     """A step of ``layers`` chained [rows, hidden] x [hidden, hidden] GEMMs, then a sync."""
     x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
-    ws = [torch.randn(hidden, hidden, device="cuda", dtype=torch.bfloat16) / hidden ** 0.5 for _ in range(layers)]
+    ws = [torch.randn(hidden, hidden, device="cuda", dtype=torch.bfloat16) / hidden**0.5 for _ in range(layers)]
 
     def step() -> None:
         y = x
         for w in ws:
             y = torch.mm(y, w)
         torch.cuda.synchronize()
+
     return step
 
 
@@ -96,7 +105,7 @@ def graph_step(rows: int = 64, hidden: int = 4096, layers: int = 32, repeat: int
     """A GPU-bound decode-like step: one CUDA-graph replay of ``repeat`` x ``layers`` GEMMs, then a
     sync (like vLLM's wait for sampled tokens); a few µs of host work per step."""
     x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
-    ws = [torch.randn(hidden, hidden, device="cuda", dtype=torch.bfloat16) / hidden ** 0.5 for _ in range(layers)]
+    ws = [torch.randn(hidden, hidden, device="cuda", dtype=torch.bfloat16) / hidden**0.5 for _ in range(layers)]
 
     def body():
         y = x
@@ -104,6 +113,7 @@ def graph_step(rows: int = 64, hidden: int = 4096, layers: int = 32, repeat: int
             for w in ws:
                 y = torch.mm(y, w)
         return y
+
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -118,6 +128,7 @@ def graph_step(rows: int = 64, hidden: int = 4096, layers: int = 32, repeat: int
     def step() -> None:
         g.replay()
         torch.cuda.synchronize()
+
     return step
 
 
@@ -129,7 +140,9 @@ def part_a(sampler: FastSampler, windows: list[tuple[float, int]], result: dict,
             steady_load(secs)
             w = {**sampler.window(t0, time.monotonic()), "window_s": secs, "repeat": r}
             result["a_windows"].append(w)
-            log(f"a {secs:>4} s #{r}: raw err {100 * w.get('rel_err_raw', 0):+.2f} %, interp err {100 * w.get('rel_err_interpolated', 0):+.2f} %")
+            log(
+                f"a {secs:>4} s #{r}: raw err {100 * w.get('rel_err_raw', 0):+.2f} %, interp err {100 * w.get('rel_err_interpolated', 0):+.2f} %"
+            )
             save()
 
 
@@ -197,6 +210,7 @@ def part_c(meter: NvmlEnergyMeter, sampler: FastSampler, result: dict, save) -> 
     def ticks() -> None:  # the publisher's tick, every 0.25 s
         while not stop.wait(0.25):
             acct.tick()
+
     th = threading.Thread(target=ticks, daemon=True)
     th.start()
     c0, t_start = sampler.raw.energy_j(), time.monotonic()
@@ -214,12 +228,16 @@ def part_c(meter: NvmlEnergyMeter, sampler: FastSampler, result: dict, save) -> 
     th.join()
     expected = {p: (ref.get(p) or 0.0) * acct.time_s.get(p, 0.0) for p in ("prefill", "decode", "idle")}
     result["c_attribution"] = {
-        "reference_power_w": ref, "attributed_j": dict(acct.energy_j), "time_s": dict(acct.time_s),
+        "reference_power_w": ref,
+        "attributed_j": dict(acct.energy_j),
+        "time_s": dict(acct.time_s),
         "expected_j_from_reference_power": expected,
         "rel_err_by_phase": {p: (acct.energy_j.get(p, 0) - e) / e for p, e in expected.items() if e},
-        "attributed_total_j": sum(acct.energy_j.values()), "counter_total_j": sampler.raw.energy_j() - c0,
+        "attributed_total_j": sum(acct.energy_j.values()),
+        "counter_total_j": sampler.raw.energy_j() - c0,
         "wall_s": time.monotonic() - t_start,
-        "method": "PhaseEnergyAccount (tick 0.25 s, time-share split of counter deltas) vs steady-window power x phase time"}
+        "method": "PhaseEnergyAccount (tick 0.25 s, time-share split of counter deltas) vs steady-window power x phase time",
+    }
     log("c attribution:", result["c_attribution"]["rel_err_by_phase"])
     save()
 
@@ -236,9 +254,16 @@ def main(argv: list[str] | None = None) -> int:
     ns = ap.parse_args(argv)
     torch.cuda.set_device(ns.gpu)
     out = Path(ns.out)
-    result: dict = {"what": "NVML energy counter vs instant power, metering overhead, per-step attribution (measured, read-only)",
-                    "measured": True, "device": device_facts(ns.gpu), "torch": torch.__version__, "date_utc": utc_now(),
-                    "a_windows": [], "b_runtime_pairs": [], "notes": []}
+    result: dict = {
+        "what": "NVML energy counter vs instant power, metering overhead, per-step attribution (measured, read-only)",
+        "measured": True,
+        "device": device_facts(ns.gpu),
+        "torch": torch.__version__,
+        "date_utc": utc_now(),
+        "a_windows": [],
+        "b_runtime_pairs": [],
+        "notes": [],
+    }
 
     def save() -> None:
         write_json_atomic(out, result, indent=1)
@@ -254,9 +279,11 @@ def main(argv: list[str] | None = None) -> int:
             s.join()
 
     windows = [(float(a), int(b)) for a, b in (x.split(":") for x in ns.windows.split(","))]
-    parts = {"a": lambda: sampled(lambda m, s: part_a(s, windows, result, save)),
-             "bgr": lambda: part_b_runtime(ns.gpu, result, save, ns.pairs, ns.pair_window),
-             "c": lambda: sampled(lambda m, s: part_c(m, s, result, save))}
+    parts = {
+        "a": lambda: sampled(lambda m, s: part_a(s, windows, result, save)),
+        "bgr": lambda: part_b_runtime(ns.gpu, result, save, ns.pairs, ns.pair_window),
+        "c": lambda: sampled(lambda m, s: part_c(m, s, result, save)),
+    }
     for name in ns.parts.split(","):
         try:
             parts[name]()

@@ -42,10 +42,18 @@ AB_TABLE = [{"min_rows": 1_000_000, "chunks": 2}]
 
 
 def ab_settings(stats_dir: str, meter: str = "off", lookahead: bool = True) -> dict:
-    return {"stats_dir": stats_dir, "trace_steps": True, "chunking": {"table": AB_TABLE},
-            "clocks": {"backend": "dry-run", "min_dwell_ms": 200, "lookahead": lookahead,
-                       "presets": {"decode": {"sm_clock_mhz": 1200}, "idle": {"sm_clock_mhz": 345}}},
-            "energy": {"meter": meter}}
+    return {
+        "stats_dir": stats_dir,
+        "trace_steps": True,
+        "chunking": {"table": AB_TABLE},
+        "clocks": {
+            "backend": "dry-run",
+            "min_dwell_ms": 200,
+            "lookahead": lookahead,
+            "presets": {"decode": {"sm_clock_mhz": 1200}, "idle": {"sm_clock_mhz": 345}},
+        },
+        "energy": {"meter": meter},
+    }
 
 
 # Child: measures the vllm_powersave package first on sys.path.
@@ -68,9 +76,15 @@ def sched(n: int):
 
     ids = [f"r{i}" for i in range(n)]
     return types.SimpleNamespace(
-        scheduled_new_reqs=[], scheduled_spec_decode_tokens={}, total_num_scheduled_tokens=n, finished_req_ids=set(),
-        scheduled_cached_reqs=types.SimpleNamespace(req_ids=ids, num_computed_tokens=[100 + i for i in range(n)], num_output_tokens=[5] * n),
-        num_scheduled_tokens={r: 1 for r in ids})
+        scheduled_new_reqs=[],
+        scheduled_spec_decode_tokens={},
+        total_num_scheduled_tokens=n,
+        finished_req_ids=set(),
+        scheduled_cached_reqs=types.SimpleNamespace(
+            req_ids=ids, num_computed_tokens=[100 + i for i in range(n)], num_output_tokens=[5] * n
+        ),
+        num_scheduled_tokens={r: 1 for r in ids},
+    )
 
 
 def stub_nvml_installer():
@@ -110,7 +124,8 @@ def stub_nvml_installer():
         vc.runner_identity = gpu_ident if on else cpu_ident
         builder._init_nvml = (lambda: types.SimpleNamespace()) if on else init_nvml
         builder.NvmlGpu = types.SimpleNamespace(
-            for_torch_device=lambda index, nvml=None: types.SimpleNamespace(uuid="GPU-bench", is_mig=lambda: False))
+            for_torch_device=lambda index, nvml=None: types.SimpleNamespace(uuid="GPU-bench", is_mig=lambda: False)
+        )
         builder.open_nvml_meter = lambda gpu, sample_period_s=None: StubNvmlMeter(gpu.uuid)
 
     return use
@@ -239,11 +254,15 @@ def child() -> dict:
     with tempfile.TemporaryDirectory() as d:
         for n in NS:
             so = sched(n)
-            row = {"decode_requests": n,
-                   "classify_per_request_us": per_call_us(lambda so=so: classify(vc.step_requests(so)), reps=max(200, 16000 // n)),
-                   "classify_aggregate_us": per_call_us(lambda so=so: vc.step_info(so))}
+            row = {
+                "decode_requests": n,
+                "classify_per_request_us": per_call_us(lambda so=so: classify(vc.step_requests(so)), reps=max(200, 16000 // n)),
+                "classify_aggregate_us": per_call_us(lambda so=so: vc.step_info(so)),
+            }
             for meter in ("off", "simulated"):
-                s = load_settings({"clocks": {"presets": {"decode": {"sm_clock_mhz": 1200}}}, "energy": {"meter": meter}, "stats_dir": d}, env={})
+                s = load_settings(
+                    {"clocks": {"presets": {"decode": {"sm_clock_mhz": 1200}}}, "energy": {"meter": meter}, "stats_dir": d}, env={}
+                )
                 rt = WorkerRuntime(object(), s)
                 row[f"hook_meter_{meter}_us"] = per_call_us(lambda rt=rt, so=so: (rt.on_step_start(so), rt.on_step_end()))
                 rt.close()
@@ -256,7 +275,11 @@ def child() -> dict:
         # The scheduler wrapper alone (the EngineCore's side; independent of the batch).
         so = sched(8)
         sch: dict[str, float] = {}
-        for name, waiting, lookahead in (("empty", 0, True), ("waiting_lookahead_on", WAITING, True), ("waiting_lookahead_off", WAITING, False)):
+        for name, waiting, lookahead in (
+            ("empty", 0, True),
+            ("waiting_lookahead_on", WAITING, True),
+            ("waiting_lookahead_off", WAITING, False),
+        ):
             os.environ[ENV_SETTINGS_JSON] = load_settings(ab_settings(d, lookahead=lookahead), env={}).model_dump_json()
             bare = per_call_us(scheduler(so, waiting, False).schedule, reps=5000)
             sch[f"sched_{name}_us"] = per_call_us(scheduler(so, waiting, True).schedule, reps=5000) - bare
@@ -269,8 +292,15 @@ def run_child(tree: Path) -> dict:
     env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{REPO}"}
     for k in ("POWERSAVE_SETTINGS_JSON", "POWERSAVE_CONFIG", "POWERSAVE_FORCE_DRY_RUN"):
         env.pop(k, None)
-    p = subprocess.run([sys.executable, "-m", "benchmarks.hook_overhead", "--child"], cwd=tree, env=env,
-                       capture_output=True, text=True, timeout=1800, check=False)
+    p = subprocess.run(
+        [sys.executable, "-m", "benchmarks.hook_overhead", "--child"],
+        cwd=tree,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        check=False,
+    )
     line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
     if p.returncode != 0 or line is None:
         raise SystemExit(f"error: child for {tree} failed (rc {p.returncode}): {p.stderr.strip()[-2000:]}")
@@ -278,8 +308,10 @@ def run_child(tree: Path) -> dict:
 
 
 def median_of(results: list[dict]) -> dict:
-    rows = [{k: (v if k == "decode_requests" else st.median(r["rows"][i][k] for r in results)) for k, v in r0.items()}
-            for i, r0 in enumerate(results[0]["rows"])]
+    rows = [
+        {k: (v if k == "decode_requests" else st.median(r["rows"][i][k] for r in results)) for k, v in r0.items()}
+        for i, r0 in enumerate(results[0]["rows"])
+    ]
     return {"rows": rows, "scheduler": {k: st.median(r["scheduler"][k] for r in results) for k in results[0]["scheduler"]}}
 
 
@@ -301,16 +333,28 @@ SCHED_LABELS = [
 def markdown(doc: dict) -> str:
     sides = [s for s in ("before", "after") if s in doc]
     cols = " | ".join(f"{s} (8 / 64 / 256)" for s in sides)
-    md = ["# Plugin host cost per engine step (measured, CPU)", "",
-          f"- When: {doc['date_utc']} (UTC). Where: {doc['machine']} (a CPU micro-benchmark: no GPU, no vLLM; the scheduler, "
-          "runner and LM head are do-nothing stand-ins wrapped by the plugin's own installers).",
-          f"- What ran: `python -m benchmarks.hook_overhead` at `{doc['head']}`; {doc['method']}."
-          + (f" Before = the plugin code of `{doc['baseline_rev'][:10]}`." if doc.get("baseline_rev") else ""),
-          "", "## Per step (µs), decoding requests 8 / 64 / 256", "", f"| what | {cols} |", "|---|" + "---|" * len(sides)]
+    md = [
+        "# Plugin host cost per engine step (measured, CPU)",
+        "",
+        f"- When: {doc['date_utc']} (UTC). Where: {doc['machine']} (a CPU micro-benchmark: no GPU, no vLLM; the scheduler, "
+        "runner and LM head are do-nothing stand-ins wrapped by the plugin's own installers).",
+        f"- What ran: `python -m benchmarks.hook_overhead` at `{doc['head']}`; {doc['method']}."
+        + (f" Before = the plugin code of `{doc['baseline_rev'][:10]}`." if doc.get("baseline_rev") else ""),
+        "",
+        "## Per step (µs), decoding requests 8 / 64 / 256",
+        "",
+        f"| what | {cols} |",
+        "|---|" + "---|" * len(sides),
+    ]
     for k, label in ROW_LABELS:
         md.append(f"| {label} | " + " | ".join(" / ".join(f"{r[k]:.2f}" for r in doc[s]["rows"]) for s in sides) + " |")
-    md += ["", "## Scheduler wrapper alone (µs added to `Scheduler.schedule`)", "",
-           "| waiting queue | " + " | ".join(sides) + " |", "|---|" + "---|" * len(sides)]
+    md += [
+        "",
+        "## Scheduler wrapper alone (µs added to `Scheduler.schedule`)",
+        "",
+        "| waiting queue | " + " | ".join(sides) + " |",
+        "|---|" + "---|" * len(sides),
+    ]
     for k, label in SCHED_LABELS:
         md.append(f"| {label} | " + " | ".join(f"{doc[s]['scheduler'][k]:.2f}" for s in sides) + " |")
     return "\n".join(md) + "\n"
@@ -340,13 +384,24 @@ def main(argv: list[str] | None = None) -> int:
                 r = run_child(tree)
                 runs[side].append(r)
                 print(f"round {i + 1} {side}: " + ", ".join(f"n={x['decode_requests']} step {x['ab_step_us']:.2f} us" for x in r["rows"]))
-    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False).stdout.strip()
-    doc = {"what": "per-step host cost of the plugin's hooks", "measured": True, "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-           "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
-           "head": head, "baseline_rev": ns.baseline_rev, "waiting_requests": WAITING, "ab_settings": ab_settings("<tmp>"),
-           "method": (f"medians of 7 rounds x 2000 calls per child process, then over {ns.repeats} child processes per side; "
-                      "step figures are the wrapped loop minus the bare loop"),
-           **{side: median_of(rs) for side, rs in runs.items() if rs}}
+    head = subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+    ).stdout.strip()
+    doc = {
+        "what": "per-step host cost of the plugin's hooks",
+        "measured": True,
+        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
+        "head": head,
+        "baseline_rev": ns.baseline_rev,
+        "waiting_requests": WAITING,
+        "ab_settings": ab_settings("<tmp>"),
+        "method": (
+            f"medians of 7 rounds x 2000 calls per child process, then over {ns.repeats} child processes per side; "
+            "step figures are the wrapped loop minus the bare loop"
+        ),
+        **{side: median_of(rs) for side, rs in runs.items() if rs},
+    }
     print(markdown(doc))
     if not ns.no_write:
         out = REPO / "docs" / "results"

@@ -57,12 +57,15 @@ def main(argv: list[str] | None = None) -> int:
 
     def progress(pt: dict) -> None:
         done[0] += 1
-        print(f"[lm-head {done[0]}/{n} {time.monotonic() - t0:5.1f}s] {pt['hidden']}x{pt['vocab']} {pt['kind']:8s} rows {pt['rows']:6d} "
-              f"chunks {pt['chunks']}: {pt['ms']:.3f} ms, {pt['j_per_call']:.4f} J ({pt['energy_source']}, window {pt['window_s']:.2f} s)",
-              flush=True)
+        print(
+            f"[lm-head {done[0]}/{n} {time.monotonic() - t0:5.1f}s] {pt['hidden']}x{pt['vocab']} {pt['kind']:8s} rows {pt['rows']:6d} "
+            f"chunks {pt['chunks']}: {pt['ms']:.3f} ms, {pt['j_per_call']:.4f} J ({pt['energy_source']}, window {pt['window_s']:.2f} s)",
+            flush=True,
+        )
 
-    doc = lmhead.run_benchmark(ns.shapes, ns.rows, ns.chunks, window_s=ns.window, repeats=ns.repeats,
-                               warmup_s=ns.warmup, device=ns.device, progress=progress)
+    doc = lmhead.run_benchmark(
+        ns.shapes, ns.rows, ns.chunks, window_s=ns.window, repeats=ns.repeats, warmup_s=ns.warmup, device=ns.device, progress=progress
+    )
     Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
     Path(ns.out).write_text(json.dumps(doc, indent=1))
     print(f"[lm-head] wrote {ns.out} ({len(doc['results'])} points, {doc['elapsed_s']:.0f} s, energy {doc['results'][0]['energy_source']})")

@@ -64,22 +64,38 @@ def build(raw: dict, raw_path: str, date: str | None = None, note: str | None = 
                     peaks = [p["peak_mib"] for p in cell if p["chunks"] == c and p.get("peak_mib") is not None]
                     cands[str(c)] = {**s, "peak_mib": max(peaks) if peaks else None}
                 kinds = sorted({p.get("kind") for p in cell if p.get("kind")})
-                rows_out.append({"mode": mode, "kind": kinds[0] if len(kinds) == 1 else None, "rows": rows,
-                                 "chunks_tried": sorted(ch["candidates"]), "candidates": cands, "chosen_chunks": ch["chunks"],
-                                 "noise": ch["noise"], "time_ratio": ch["time_ratio"], "energy_ratio": ch["energy_ratio"],
-                                 "window_s_min": min(ws) if ws else None, "window_s_median": st.median(ws) if ws else None})
+                rows_out.append(
+                    {
+                        "mode": mode,
+                        "kind": kinds[0] if len(kinds) == 1 else None,
+                        "rows": rows,
+                        "chunks_tried": sorted(ch["candidates"]),
+                        "candidates": cands,
+                        "chosen_chunks": ch["chunks"],
+                        "noise": ch["noise"],
+                        "time_ratio": ch["time_ratio"],
+                        "energy_ratio": ch["energy_ratio"],
+                        "window_s_min": min(ws) if ws else None,
+                        "window_s_median": st.median(ws) if ws else None,
+                    }
+                )
         table = to_table(combine_modes(per_mode))
         shapes_out.append({"hidden": hidden, "vocab": vocab, "model_class": CLASSES.get((hidden, vocab)), "rows": rows_out, "table": table})
-        md = [f"## hidden {hidden}, vocab {vocab}" + (f" — {CLASSES[(hidden, vocab)]}" if (hidden, vocab) in CLASSES else ""), "",
-              "| mode | rows | chunks | ms / call (min–max) | J / call (min–max) | n | time vs 1 | energy vs 1 | peak MiB | chosen |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+        md = [
+            f"## hidden {hidden}, vocab {vocab}" + (f" — {CLASSES[(hidden, vocab)]}" if (hidden, vocab) in CLASSES else ""),
+            "",
+            "| mode | rows | chunks | ms / call (min–max) | J / call (min–max) | n | time vs 1 | energy vs 1 | peak MiB | chosen |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for r in rows_out:
             c1 = r["candidates"]["1"]
             for c, s in r["candidates"].items():
                 peak = "–" if s["peak_mib"] is None else f"{s['peak_mib']:.0f}"
                 mark = "**yes**" if int(c) == r["chosen_chunks"] else ""
-                md.append(f"| {r['mode']} | {r['rows']} | {c} | {s['ms']:.3f} ({s['ms_min']:.3f}–{s['ms_max']:.3f}) | "
-                          f"{s['j']:.4f} ({s['j_min']:.4f}–{s['j_max']:.4f}) | {s['n']} | {s['ms'] / c1['ms']:.3f} | {s['j'] / c1['j']:.3f} | {peak} | {mark} |")
+                md.append(
+                    f"| {r['mode']} | {r['rows']} | {c} | {s['ms']:.3f} ({s['ms_min']:.3f}–{s['ms_max']:.3f}) | "
+                    f"{s['j']:.4f} ({s['j_min']:.4f}–{s['j_max']:.4f}) | {s['n']} | {s['ms'] / c1['ms']:.3f} | {s['j'] / c1['j']:.3f} | {peak} | {mark} |"
+                )
         md += ["", f"Chosen table (rows → chunks, all modes): `{table or '[] (no chunking)'}`", ""]
         md_tables += md
 
@@ -88,46 +104,75 @@ def build(raw: dict, raw_path: str, date: str | None = None, note: str | None = 
     below = sum(1 for w in windows if w < 1.0)
     doc = {
         "what": "LM-head chunking: time and energy per call per chunk count and row count, and the chosen chunk count",
-        "measured": measured, "energy_source": "measured" if measured else "simulated",
-        "device": raw.get("device"), "torch": raw.get("torch"), "driver": raw.get("driver"), "date": date,
-        "raw": raw_path, "window_edges_aligned_to_counter_updates": aligned, "method": raw.get("method"), "note": note,
-        "windows_s": {"min": min(windows), "median": st.median(windows), "max": max(windows), "below_1s": below, "points": len(windows)} if windows else None,
+        "measured": measured,
+        "energy_source": "measured" if measured else "simulated",
+        "device": raw.get("device"),
+        "torch": raw.get("torch"),
+        "driver": raw.get("driver"),
+        "date": date,
+        "raw": raw_path,
+        "window_edges_aligned_to_counter_updates": aligned,
+        "method": raw.get("method"),
+        "note": note,
+        "windows_s": {"min": min(windows), "median": st.median(windows), "max": max(windows), "below_1s": below, "points": len(windows)}
+        if windows
+        else None,
         "repeats": max(int(p.get("repeat", 0)) for p in pts) + 1,
-        "shapes_present": [list(s) for s in present], "shapes_requested_missing": [list(s) for s in missing],
+        "shapes_present": [list(s) for s in present],
+        "shapes_requested_missing": [list(s) for s in missing],
         "choice_rule": "vllm_powersave.chunking.tune.choose_chunks: admissible if mean energy <= unchunked and time <= unchunked x (1 + noise); "
-                       "counts only with a time or energy gain > noise (largest repeat spread at that row count, >= 3 %); fastest admissible wins",
+        "counts only with a time or energy gain > noise (largest repeat spread at that row count, >= 3 %); fastest admissible wins",
         "shapes": shapes_out,
     }
 
     src = "measured" if measured else "SIMULATED energy (time measured on the device named)"
-    wdesc = (f"{len(windows)} points; energy windows {min(windows):.2f}–{max(windows):.2f} s (median {st.median(windows):.2f} s); "
-             f"{below} below 1 s" if windows else "window lengths not recorded")
+    wdesc = (
+        f"{len(windows)} points; energy windows {min(windows):.2f}–{max(windows):.2f} s (median {st.median(windows):.2f} s); "
+        f"{below} below 1 s"
+        if windows
+        else "window lengths not recorded"
+    )
     if not measured:
         edge = "Energy is simulated (H200 model of the kernels' FLOPs and bytes); no energy counter was read."
     elif aligned:
-        edge = ("Window edges were taken at NVML counter updates while the GPU ran the call back to back, so the counter's "
-                "100 ms steps do not quantise the energy (`vllm_powersave.tune.energy.busy_window`).")
+        edge = (
+            "Window edges were taken at NVML counter updates while the GPU ran the call back to back, so the counter's "
+            "100 ms steps do not quantise the energy (`vllm_powersave.tune.energy.busy_window`)."
+        )
     else:
         w_min = min(windows) if windows else 1.0
-        edge = ("This run read the NVML counter at the timing loop's start and end, not at counter updates: the counter advances "
-                "every 100 ms, so each point's energy window is off by up to ±0.1 s, i.e. up to ±10 % of a 1 s window and "
-                f"±{10 / w_min:.0f} % of the shortest ({w_min:.2f} s); the min–max spread of the repeats below shows how much it mattered.")
-    md_head = [f"# LM-head chunking on {raw.get('device')} ({'measured' if measured else 'energy simulated'})", "",
-               f"- What ran: `benchmarks/lm_head_chunking.py` (the plugin's `apply_chunked`; bf16 weights), raw file `{raw_path}`; "
-               f"record made by `benchmarks/lmhead_chunking_record.py`. Date of the run: {date}.",
-               f"- Device: {raw.get('device')}, torch {raw.get('torch')}" + (f", driver {raw['driver']}" if raw.get("driver") else "") + f". Energy: {src}.",
-               f"- Windows: {wdesc}; {doc['repeats']} repeats per point in alternating chunk order. {edge}",
-               f"- Shapes in this raw file: {', '.join(f'{h}x{v}' + (f' ({CLASSES[(h, v)]})' if (h, v) in CLASSES else '') for h, v in present)}."
-               + (f" **Not in it** (a requested shape): {', '.join(f'{h}x{v} ({CLASSES[(h, v)]})' for h, v in missing)}." if missing else ""),
-               "- `mm`: logits only (decode batches, speculative rows). `mm+lsm`: logits, fp32 log-softmax and a gather per chunk "
-               "(prompt logprobs).",
-               "- Memory: `mm+lsm`'s peak is this benchmark's own per-chunk log-softmax. vLLM (0.25-0.32) takes the prompt-logprob "
-               "fp32 log-softmax over the full logits in its own code, outside the LM head, so serving does not get that saving "
-               "(`cpu-prompt-logprob-memory.md`); the plugin's chunked head only guarantees a peak no higher than unchunked.",
-               f"- Choice rule: {doc['choice_rule']}. Spread = min–max over repeats.",
-               *([f"- Note: {note}"] if note else []), ""]
+        edge = (
+            "This run read the NVML counter at the timing loop's start and end, not at counter updates: the counter advances "
+            "every 100 ms, so each point's energy window is off by up to ±0.1 s, i.e. up to ±10 % of a 1 s window and "
+            f"±{10 / w_min:.0f} % of the shortest ({w_min:.2f} s); the min–max spread of the repeats below shows how much it mattered."
+        )
+    md_head = [
+        f"# LM-head chunking on {raw.get('device')} ({'measured' if measured else 'energy simulated'})",
+        "",
+        f"- What ran: `benchmarks/lm_head_chunking.py` (the plugin's `apply_chunked`; bf16 weights), raw file `{raw_path}`; "
+        f"record made by `benchmarks/lmhead_chunking_record.py`. Date of the run: {date}.",
+        f"- Device: {raw.get('device')}, torch {raw.get('torch')}"
+        + (f", driver {raw['driver']}" if raw.get("driver") else "")
+        + f". Energy: {src}.",
+        f"- Windows: {wdesc}; {doc['repeats']} repeats per point in alternating chunk order. {edge}",
+        f"- Shapes in this raw file: {', '.join(f'{h}x{v}' + (f' ({CLASSES[(h, v)]})' if (h, v) in CLASSES else '') for h, v in present)}."
+        + (f" **Not in it** (a requested shape): {', '.join(f'{h}x{v} ({CLASSES[(h, v)]})' for h, v in missing)}." if missing else ""),
+        "- `mm`: logits only (decode batches, speculative rows). `mm+lsm`: logits, fp32 log-softmax and a gather per chunk "
+        "(prompt logprobs).",
+        "- Memory: `mm+lsm`'s peak is this benchmark's own per-chunk log-softmax. vLLM (0.25-0.32) takes the prompt-logprob "
+        "fp32 log-softmax over the full logits in its own code, outside the LM head, so serving does not get that saving "
+        "(`cpu-prompt-logprob-memory.md`); the plugin's chunked head only guarantees a peak no higher than unchunked.",
+        f"- Choice rule: {doc['choice_rule']}. Spread = min–max over repeats.",
+        *([f"- Note: {note}"] if note else []),
+        "",
+    ]
     chosen = {f"{s['hidden']}x{s['vocab']}": s["table"] for s in shapes_out}
-    md_tail = ["## Result", "", *(f"- {k}: chunk table `{v or '[]'}` ({'no chunking' if not v else 'chunking where listed'})" for k, v in chosen.items()), ""]
+    md_tail = [
+        "## Result",
+        "",
+        *(f"- {k}: chunk table `{v or '[]'}` ({'no chunking' if not v else 'chunking where listed'})" for k, v in chosen.items()),
+        "",
+    ]
     return doc, "\n".join(md_head + md_tables + md_tail)
 
 

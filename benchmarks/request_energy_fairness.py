@@ -33,7 +33,7 @@ from pathlib import Path
 
 from vllm_powersave.serving import VllmServer, default_serve_args
 
-_LINE = re.compile(r'^(powersave_[a-z_]+)\{([^}]*)\} ([-0-9.e+]+)$')
+_LINE = re.compile(r"^(powersave_[a-z_]+)\{([^}]*)\} ([-0-9.e+]+)$")
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -66,14 +66,30 @@ def run(args: argparse.Namespace) -> dict:
         from vllm_powersave.modelgen import make_model
 
         model = str(make_model(tmp / "qwen2-tiny", "qwen2-tiny"))
-    cfg = {"powersave": {"per_request_energy": True, "stats_dir": str(tmp / "stats"), "cuda_perf_boost": "off",
-                         "energy": {"response_wait_ms": 3000}}}
-    srv = VllmServer(default_serve_args(model) + ["--max-num-seqs", str(args.concurrency), "--plugin", "powersave",
-                                                  "--additional-config", json.dumps(cfg)], log_path=tmp / "server.log")
+    cfg = {
+        "powersave": {
+            "per_request_energy": True,
+            "stats_dir": str(tmp / "stats"),
+            "cuda_perf_boost": "off",
+            "energy": {"response_wait_ms": 3000},
+        }
+    }
+    srv = VllmServer(
+        default_serve_args(model)
+        + ["--max-num-seqs", str(args.concurrency), "--plugin", "powersave", "--additional-config", json.dumps(cfg)],
+        log_path=tmp / "server.log",
+    )
     srv.start()
     try:
-        body = json.dumps({"model": "model", "prompt": [100 + i % 1000 for i in range(args.prompt_tokens)],
-                           "max_tokens": args.output_tokens, "ignore_eos": True, "temperature": 0}).encode()
+        body = json.dumps(
+            {
+                "model": "model",
+                "prompt": [100 + i % 1000 for i in range(args.prompt_tokens)],
+                "max_tokens": args.output_tokens,
+                "ignore_eos": True,
+                "temperature": 0,
+            }
+        ).encode()
 
         def one() -> tuple[float | None, str]:
             req = urllib.request.Request(srv.base_url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
@@ -114,25 +130,33 @@ def run(args: argparse.Namespace) -> dict:
         srv.stop()
     results.sort(key=lambda r: r[1])  # in order of sending
     skip = 2 * args.concurrency
-    steady = [r[3] for r in results[skip:len(results) - skip] if r[3] is not None]
+    steady = [r[3] for r in results[skip : len(results) - skip] if r[3] is not None]
     missing = sum(1 for r in results if r[3] is None)
     sources = sorted({r[4] for r in results})
     d = {k: after[k] - before[k] for k in after}
     rec: dict = {
         "what": "identical requests at a steady batch: per-request energy spread, and requests + idle + tail against the GPU counter",
-        "where": platform.node(), "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "where": platform.node(),
+        "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "source": ",".join(sources),  # 'measured' (NVML counter) or 'simulated'
         "config": {k: getattr(args, k) for k in ("requests", "concurrency", "prompt_tokens", "output_tokens")} | {"model": model},
-        "wall_s": round(wall_s, 2), "requests_without_figure": missing, "steady_requests": len(steady),
+        "wall_s": round(wall_s, 2),
+        "requests_without_figure": missing,
+        "steady_requests": len(steady),
     }
     if len(steady) >= 20:
         med = statistics.median(steady)
         q = statistics.quantiles(steady, n=20)
         rec["steady_j"] = {"p5": q[0], "p50": med, "p95": q[-1], "max": max(steady), "min": min(steady)}
         rec["steady_over_median"] = {"p5": q[0] / med, "p95": q[-1] / med, "max": max(steady) / med}
-    rec["sum_check_j"] = {"gpu_counter": d["gpu_j"], "requests": d["requests_j"], "idle": d["idle_j"], "tail": d["tail_j"],
-                          "residual": d["gpu_j"] - d["requests_j"] - d["idle_j"] - d["tail_j"],
-                          "requests_counted": d["requests"]}
+    rec["sum_check_j"] = {
+        "gpu_counter": d["gpu_j"],
+        "requests": d["requests_j"],
+        "idle": d["idle_j"],
+        "tail": d["tail_j"],
+        "residual": d["gpu_j"] - d["requests_j"] - d["idle_j"] - d["tail_j"],
+        "requests_counted": d["requests"],
+    }
     return rec
 
 
@@ -140,14 +164,19 @@ def markdown(rec: dict) -> str:
     s = rec.get("steady_j", {})
     r = rec.get("steady_over_median", {})
     c = rec["sum_check_j"]
-    lines = [f"# Per-request energy at a steady batch ({rec['source']})", "",
-             f"{rec['when']} on {rec['where']}; {rec['config']}.", ""]
+    lines = [f"# Per-request energy at a steady batch ({rec['source']})", "", f"{rec['when']} on {rec['where']}; {rec['config']}.", ""]
     if s:
-        lines += [f"Steady requests ({rec['steady_requests']}): p5 / p50 / p95 / max = {s['p5']:.3f} / {s['p50']:.3f} / "
-                  f"{s['p95']:.3f} / {s['max']:.3f} J ({r['p5']:.3f} / 1 / {r['p95']:.3f} / {r['max']:.3f} of the median).", ""]
-    lines += [f"Counter {c['gpu_counter']:.1f} J = requests {c['requests']:.1f} + idle {c['idle']:.1f} + tail {c['tail']:.1f} "
-              f"(residual {c['residual']:.3f} J, in flight or pending at the end).", "",
-              "Figures are labelled with the server's energy source; method: docs/request-energy.md."]
+        lines += [
+            f"Steady requests ({rec['steady_requests']}): p5 / p50 / p95 / max = {s['p5']:.3f} / {s['p50']:.3f} / "
+            f"{s['p95']:.3f} / {s['max']:.3f} J ({r['p5']:.3f} / 1 / {r['p95']:.3f} / {r['max']:.3f} of the median).",
+            "",
+        ]
+    lines += [
+        f"Counter {c['gpu_counter']:.1f} J = requests {c['requests']:.1f} + idle {c['idle']:.1f} + tail {c['tail']:.1f} "
+        f"(residual {c['residual']:.3f} J, in flight or pending at the end).",
+        "",
+        "Figures are labelled with the server's energy source; method: docs/request-energy.md.",
+    ]
     return "\n".join(lines) + "\n"
 
 

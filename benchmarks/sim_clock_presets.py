@@ -199,10 +199,15 @@ def synthetic_trace(duration_s: float, seed: int, host_gap_s: float) -> Trace:
         s = Step(phase, n_pre, n_dec, len(sched), len(sched), dctx, patt, wtok, out, host_gap_s)
         events.append(("step", s))
         now += step_time_at(s, SPEC.f_max_mhz) + host_gap_s
-    return Trace(f"synthetic-seed{seed}", events, [
-        f"{len(arrivals)} requests over {duration_s:.0f} s; on/off arrivals (on ~30 s at 2/6/12 req/s, 30 % of on-periods start "
-        "with a 16-64 request batch; off ~8 s); prompt lognormal median 1000 (32-8192), output lognormal median 180 (4-2048); "
-        f"vLLM V1-like chunked prefill (8192 tokens, 256 sequences); host gap {host_gap_s * 1e3:.2f} ms per step (from the H200 trace)"])
+    return Trace(
+        f"synthetic-seed{seed}",
+        events,
+        [
+            f"{len(arrivals)} requests over {duration_s:.0f} s; on/off arrivals (on ~30 s at 2/6/12 req/s, 30 % of on-periods start "
+            "with a 16-64 request batch; off ~8 s); prompt lognormal median 1000 (32-8192), output lognormal median 180 (4-2048); "
+            f"vLLM V1-like chunked prefill (8192 tokens, 256 sequences); host gap {host_gap_s * 1e3:.2f} ms per step (from the H200 trace)"
+        ],
+    )
 
 
 def _lengths(rng: random.Random) -> tuple[int, int]:
@@ -227,8 +232,18 @@ def h200_trace() -> tuple[Trace, dict[str, Any]]:
         nxt = tr[k + 1]["t"] if k + 1 < len(tr) else r["t_end"]
         prefill = r["prefill"]
         # Prompts of 128 tokens in one chunk: each prefill token attends ~64 positions on average.
-        s = Step(r["phase"], prefill, r["decode"], r["rows"], r["reqs"], r["ctx"], prefill * 64, 0,
-                 r["decode"] + (r["reqs"] - r["decode"] if prefill else 0), 0.0)
+        s = Step(
+            r["phase"],
+            prefill,
+            r["decode"],
+            r["rows"],
+            r["reqs"],
+            r["ctx"],
+            prefill * 64,
+            0,
+            r["decode"] + (r["reqs"] - r["decode"] if prefill else 0),
+            0.0,
+        )
         interval = nxt - r["t"]
         if interval > IDLE_AFTER_S:
             events.append(("step", s))
@@ -237,9 +252,15 @@ def h200_trace() -> tuple[Trace, dict[str, Any]]:
         gap = max(0.0, interval - step_time_at(s, SPEC.f_max_mhz))
         gaps.append(gap)
         events.append(("step", Step(**{**s.__dict__, "host_gap_s": gap})))
-    meta = {"device": raw["device"], "vllm_version": raw["vllm_version"], "date_utc": raw["date_utc"], "warmup_steps_skipped": skipped,
-            "measured_energy_by_phase_j": raw["energy_j_by_phase"], "measured_time_by_phase_s": raw["time_s_by_phase"],
-            "median_host_gap_ms": statistics.median(gaps) * 1e3}
+    meta = {
+        "device": raw["device"],
+        "vllm_version": raw["vllm_version"],
+        "date_utc": raw["date_utc"],
+        "warmup_steps_skipped": skipped,
+        "measured_energy_by_phase_j": raw["energy_j_by_phase"],
+        "measured_time_by_phase_s": raw["time_s_by_phase"],
+        "median_host_gap_ms": statistics.median(gaps) * 1e3,
+    }
     return Trace("h200_replay", events, [f"{len(tr) - skipped} steps of the measured trace; idle periods and host gaps as measured"]), meta
 
 
@@ -298,9 +319,12 @@ def replay(trace: Trace, st: Strategy) -> dict[str, Any]:
     settings = load_settings({"clocks": {"backend": "simulated", **st.clocks}}, env={}).clocks
     clock = SimClock(st.latency_s)
     now = [0.0]
-    ctl = ClockController(LaggedBackend(clock, now), settings, asynchronous=False, clock=lambda: now[0], watchdog=False,
-                          host_ahead_steps=st.host_ahead_steps)
-    regime = RegimeFilter(settings.regime_window_s, settings.compute_share_max, settings.prefill_burst_tokens, settings.memory_bound_max_tokens)
+    ctl = ClockController(
+        LaggedBackend(clock, now), settings, asynchronous=False, clock=lambda: now[0], watchdog=False, host_ahead_steps=st.host_ahead_steps
+    )
+    regime = RegimeFilter(
+        settings.regime_window_s, settings.compute_share_max, settings.prefill_burst_tokens, settings.memory_bound_max_tokens
+    )
     t = 0.0
     e_phase: Counter = Counter()
     t_phase: Counter = Counter()
@@ -419,9 +443,18 @@ def replay(trace: Trace, st: Strategy) -> dict[str, Any]:
         tokens_out += s.out_tokens
         prev_start = start
     ctl.close()
-    return {"energy_j": dict(e_phase), "time_s": dict(t_phase), "busy_s": busy, "wall_s": t, "out_tokens": tokens_out, "after_idle": after_idle,
-            "switches": ctl.n_changes, "decisions_by_target": dict(Counter(str(d.sm_clock_mhz) for d in ctl.decisions)),
-            "groups_active": {ph: sorted(g) for ph, g in ctl.groups.items()}, "groups_ignored": ctl.groups_ignored}
+    return {
+        "energy_j": dict(e_phase),
+        "time_s": dict(t_phase),
+        "busy_s": busy,
+        "wall_s": t,
+        "out_tokens": tokens_out,
+        "after_idle": after_idle,
+        "switches": ctl.n_changes,
+        "decisions_by_target": dict(Counter(str(d.sm_clock_mhz) for d in ctl.decisions)),
+        "groups_active": {ph: sorted(g) for ph, g in ctl.groups.items()},
+        "groups_ignored": ctl.groups_ignored,
+    }
 
 
 def ratios(base: dict, r: dict) -> dict[str, Any]:
@@ -434,7 +467,8 @@ def ratios(base: dict, r: dict) -> dict[str, Any]:
         "switches_per_s": round(r["switches"] / r["wall_s"], 3),
         # Extra GPU time of the first step after each idle period (the clock ramping up from idle).
         "first_step_after_idle_extra_ms": round(1e3 * statistics.fmean(x - y for x, y in zip(r["after_idle"], base["after_idle"])), 3)
-        if base["after_idle"] else None,
+        if base["after_idle"]
+        else None,
         "busy_energy_ratio": round((e_all - r["energy_j"].get("idle", 0.0)) / (b_all - base["energy_j"].get("idle", 0.0)), 4),
         "energy_j": {k: round(v, 1) for k, v in r["energy_j"].items()},
         "busy_s": round(r["busy_s"], 3),
@@ -461,13 +495,19 @@ def tune_phase_presets(calib: Trace, log: list[str]) -> dict:
     for f in (1500, 1350, 1200, 1050, 900):
         for share in (0.3, 0.0):
             for dwell in (200, 50, 20):
-                c = {"min_dwell_ms": dwell, "compute_share_max": share, "memory_bound_max_tokens": 150,
-                     "presets": {"decode": {"sm_clock_mhz": f}, "idle": {"sm_clock_mhz": 345}}}
+                c = {
+                    "min_dwell_ms": dwell,
+                    "compute_share_max": share,
+                    "memory_bound_max_tokens": 150,
+                    "presets": {"decode": {"sm_clock_mhz": f}, "idle": {"sm_clock_mhz": 345}},
+                }
                 r = ratios(base, replay(calib, Strategy("b", c)))
                 ok = r["throughput_ratio"] >= 0.995
-                log.append(f"calibration: decode {f} MHz, compute_share_max {share}, dwell {dwell} ms: decode energy x{r['decode_energy_ratio']:.3f}, "
-                           f"e2e x{r['e2e_energy_ratio']:.3f}, throughput x{r['throughput_ratio']:.4f}, {r['switches_per_s']:.1f} switches/s"
-                           f"{'' if ok else ' (rejected: > 0.5 % slower)'}")
+                log.append(
+                    f"calibration: decode {f} MHz, compute_share_max {share}, dwell {dwell} ms: decode energy x{r['decode_energy_ratio']:.3f}, "
+                    f"e2e x{r['e2e_energy_ratio']:.3f}, throughput x{r['throughput_ratio']:.4f}, {r['switches_per_s']:.1f} switches/s"
+                    f"{'' if ok else ' (rejected: > 0.5 % slower)'}"
+                )
                 if ok and (best is None or r["e2e_energy_ratio"] < best[0]):
                     best = (r["e2e_energy_ratio"], c)
     assert best is not None
@@ -486,7 +526,7 @@ def tune_group_presets(calib: Trace, phase_clocks: dict, log: list[str]) -> dict
         if kind == "step":
             by_phase.setdefault(s.phase, []).append(s)
     for phase in ("prefill", "mixed"):
-        steps = by_phase.get(phase, [])[::max(1, len(by_phase.get(phase, [])) // 200)]
+        steps = by_phase.get(phase, [])[:: max(1, len(by_phase.get(phase, [])) // 200)]
         if not steps:
             continue
         groups = {}
@@ -503,8 +543,10 @@ def tune_group_presets(calib: Trace, phase_clocks: dict, log: list[str]) -> dict
             dur_ms = statistics.median(x[0] for x in t0) * 1e3
             if best and best[0] < SPEC.f_max_mhz and best[1] < 0.99:
                 groups[g] = {"sm_clock_mhz": best[0], "duration_ms": round(dur_ms, 4)}
-                log.append(f"calibration: {phase}/{g}: {best[0]} MHz saves {100 * (1 - best[1]):.1f} % of the group's energy at "
-                           f"+{100 * (best[2] - 1):.2f} % time; contiguous run {dur_ms:.3f} ms (simulated)")
+                log.append(
+                    f"calibration: {phase}/{g}: {best[0]} MHz saves {100 * (1 - best[1]):.1f} % of the group's energy at "
+                    f"+{100 * (best[2] - 1):.2f} % time; contiguous run {dur_ms:.3f} ms (simulated)"
+                )
             else:
                 log.append(f"calibration: {phase}/{g}: no lower clock saves energy within +0.5 % time (compute-bound or capped)")
         if groups:
@@ -517,11 +559,16 @@ def calibration_check(h200: Trace, meta: dict) -> dict[str, Any]:
     """Stock-clock replay of the measured trace vs the energy NVML measured on it (decode phase)."""
     r = replay(h200, Strategy("none", BASE_CLOCKS, host_ahead_steps=0))
     m_e, m_t = meta["measured_energy_by_phase_j"]["decode"], meta["measured_time_by_phase_s"]["decode"]
-    return {"what": "decode-phase energy of the H200 trace: simulated at stock clocks vs measured with NVML (same steps)",
-            "measured_decode_j": round(m_e, 1), "measured_decode_s": round(m_t, 2), "measured_decode_avg_w": round(m_e / m_t, 1),
-            "simulated_decode_j": round(r["energy_j"]["decode"], 1), "simulated_decode_s": round(r["time_s"]["decode"], 2),
-            "simulated_decode_avg_w": round(r["energy_j"]["decode"] / r["time_s"]["decode"], 1),
-            "simulated_over_measured_energy": round(r["energy_j"]["decode"] / m_e, 3)}
+    return {
+        "what": "decode-phase energy of the H200 trace: simulated at stock clocks vs measured with NVML (same steps)",
+        "measured_decode_j": round(m_e, 1),
+        "measured_decode_s": round(m_t, 2),
+        "measured_decode_avg_w": round(m_e / m_t, 1),
+        "simulated_decode_j": round(r["energy_j"]["decode"], 1),
+        "simulated_decode_s": round(r["time_s"]["decode"], 2),
+        "simulated_decode_avg_w": round(r["energy_j"]["decode"] / r["time_s"]["decode"], 1),
+        "simulated_over_measured_energy": round(r["energy_j"]["decode"] / m_e, 3),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -542,20 +589,45 @@ def main(argv: list[str] | None = None) -> int:
     strategies = {
         "none": Strategy("none", BASE_CLOCKS, what="no presets: driver default clocks (boost, power-capped) everywhere"),
         "per_phase": Strategy("per_phase", phase_clocks, what="per-phase presets (decode, idle), regime filter, dwell, look-ahead"),
-        "per_phase_groups": Strategy("per_phase_groups", group_clocks, use_groups=True,
-                                     what="per-phase + kernel-group presets, groups gated at 10 x 6 ms switch latency"),
+        "per_phase_groups": Strategy(
+            "per_phase_groups",
+            group_clocks,
+            use_groups=True,
+            what="per-phase + kernel-group presets, groups gated at 10 x 6 ms switch latency",
+        ),
     }
     diagnostics = {
-        "groups_ungated": Strategy("groups_ungated", ungated, use_groups=True,
-                                   what="kernel-group presets applied regardless of the gate (physics: 6 ms switch latency)"),
-        "groups_fast_switch": Strategy("groups_fast_switch", fast, use_groups=True, latency_s=FAST_SWITCH_LATENCY_S,
-                                       what="what-if: 0.05 ms switch latency (Blackwell-class, cited), gate at 10 x 0.05 ms"),
-        "groups_fast_switch_ungated": Strategy("groups_fast_switch_ungated", ungated, use_groups=True, latency_s=FAST_SWITCH_LATENCY_S,
-                                               what="ceiling of kernel-group presets: 0.05 ms switch latency and no gate"),
-        "per_phase_50ms_switch": Strategy("per_phase_50ms_switch", phase_clocks, latency_s=0.05,
-                                          what="per-phase presets if a switch took 50 ms (other Hopper reports: 10-100 ms)"),
-        "per_phase_no_lookahead": Strategy("per_phase_no_lookahead", {**phase_clocks, "lookahead": False},
-                                           what="per-phase presets without waiting-queue look-ahead and arrival ramp"),
+        "groups_ungated": Strategy(
+            "groups_ungated",
+            ungated,
+            use_groups=True,
+            what="kernel-group presets applied regardless of the gate (physics: 6 ms switch latency)",
+        ),
+        "groups_fast_switch": Strategy(
+            "groups_fast_switch",
+            fast,
+            use_groups=True,
+            latency_s=FAST_SWITCH_LATENCY_S,
+            what="what-if: 0.05 ms switch latency (Blackwell-class, cited), gate at 10 x 0.05 ms",
+        ),
+        "groups_fast_switch_ungated": Strategy(
+            "groups_fast_switch_ungated",
+            ungated,
+            use_groups=True,
+            latency_s=FAST_SWITCH_LATENCY_S,
+            what="ceiling of kernel-group presets: 0.05 ms switch latency and no gate",
+        ),
+        "per_phase_50ms_switch": Strategy(
+            "per_phase_50ms_switch",
+            phase_clocks,
+            latency_s=0.05,
+            what="per-phase presets if a switch took 50 ms (other Hopper reports: 10-100 ms)",
+        ),
+        "per_phase_no_lookahead": Strategy(
+            "per_phase_no_lookahead",
+            {**phase_clocks, "lookahead": False},
+            what="per-phase presets without waiting-queue look-ahead and arrival ramp",
+        ),
     }
     synth = synthetic_trace(ns.duration_s, seed=ns.seed, host_gap_s=gap)
     out: dict[str, Any] = {
@@ -585,26 +657,35 @@ def main(argv: list[str] | None = None) -> int:
         diag = {name: {"what": st.what, **ratios(base, replay(trace, st))} for name, st in diagnostics.items()}
         steps = [e for k, e in trace.events if k == "step"]
         out["traces"][trace.name.split("-seed")[0]] = {
-            "trace": trace.name, "notes": trace.notes,
+            "trace": trace.name,
+            "notes": trace.notes,
             "steps": dict(Counter(s.phase for s in steps)),
             "idle_s": round(sum(e for k, e in trace.events if k == "idle"), 1),
-            "stock_busy_s": round(base["busy_s"], 2), "stock_out_tokens": base["out_tokens"],
-            "strategies": res, "diagnostics": diag,
+            "stock_busy_s": round(base["busy_s"], 2),
+            "stock_out_tokens": base["out_tokens"],
+            "strategies": res,
+            "diagnostics": diag,
         }
     main_trace = out["traces"]["synthetic"]
-    out["strategies"] = {k: {f: v[f] for f in ("decode_energy_ratio", "e2e_energy_ratio", "throughput_ratio", "switches_per_s")}
-                         for k, v in main_trace["strategies"].items()}
+    out["strategies"] = {
+        k: {f: v[f] for f in ("decode_energy_ratio", "e2e_energy_ratio", "throughput_ratio", "switches_per_s")}
+        for k, v in main_trace["strategies"].items()
+    }
     best = main_trace["strategies"]["per_phase_groups"]
     pp = main_trace["strategies"]["per_phase"]
-    out["target_met"] = {tn: {k: v["decode_energy_ratio"] <= 0.75 and v["throughput_ratio"] >= 0.99 for k, v in tr["strategies"].items() if k != "none"}
-                         for tn, tr in out["traces"].items()}
+    out["target_met"] = {
+        tn: {k: v["decode_energy_ratio"] <= 0.75 and v["throughput_ratio"] >= 0.99 for k, v in tr["strategies"].items() if k != "none"}
+        for tn, tr in out["traces"].items()
+    }
     out["runtime_s"] = round(time.time() - t_run, 1)
     Path(ns.out).mkdir(parents=True, exist_ok=True)
     (Path(ns.out) / "sim-clock-presets.json").write_text(json.dumps(out, indent=1) + "\n")
     (Path(ns.out) / "sim-clock-presets.md").write_text(markdown(out))
     print(markdown(out))
-    print(f"[simulated] per-phase: decode energy x{pp['decode_energy_ratio']}, throughput x{pp['throughput_ratio']}; "
-          f"+groups: decode energy x{best['decode_energy_ratio']}, throughput x{best['throughput_ratio']}")
+    print(
+        f"[simulated] per-phase: decode energy x{pp['decode_energy_ratio']}, throughput x{pp['throughput_ratio']}; "
+        f"+groups: decode energy x{best['decode_energy_ratio']}, throughput x{best['throughput_ratio']}"
+    )
     return 0
 
 
@@ -627,50 +708,73 @@ def markdown(o: dict) -> str:
         "",
     ]
     for tname, t in o["traces"].items():
-        lines += [f"## Trace `{tname}` (simulated)", "", *[f"- {n}" for n in t["notes"]],
-                  f"- Steps by phase: {t['steps']}; idle {t['idle_s']} s; stock busy time {t['stock_busy_s']} s (simulated).", "",
-                  "| strategy | decode energy ratio | e2e energy ratio | busy energy ratio | throughput ratio | clock switches / s | first step after idle: extra ms | groups active |",
-                  "|---|---|---|---|---|---|---|---|"]
+        lines += [
+            f"## Trace `{tname}` (simulated)",
+            "",
+            *[f"- {n}" for n in t["notes"]],
+            f"- Steps by phase: {t['steps']}; idle {t['idle_s']} s; stock busy time {t['stock_busy_s']} s (simulated).",
+            "",
+            "| strategy | decode energy ratio | e2e energy ratio | busy energy ratio | throughput ratio | clock switches / s | first step after idle: extra ms | groups active |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         for name, r in {**t["strategies"], **{f"*{k}* (diagnostic)": v for k, v in t["diagnostics"].items()}}.items():
-            lines.append(f"| {name} | {r['decode_energy_ratio']:.3f} | {r['e2e_energy_ratio']:.3f} | {r['busy_energy_ratio']:.3f} | "
-                         f"{r['throughput_ratio']:.4f} | {r['switches_per_s']:.2f} | {r['first_step_after_idle_extra_ms']} | {r['groups_active'] or '-'} |")
+            lines.append(
+                f"| {name} | {r['decode_energy_ratio']:.3f} | {r['e2e_energy_ratio']:.3f} | {r['busy_energy_ratio']:.3f} | "
+                f"{r['throughput_ratio']:.4f} | {r['switches_per_s']:.2f} | {r['first_step_after_idle_extra_ms']} | {r['groups_active'] or '-'} |"
+            )
         lines += ["", *[f"- {name}: {r['what']}" for name, r in {**t["strategies"], **t["diagnostics"]}.items()], ""]
     syn, rep = o["traces"]["synthetic"], o["traces"]["h200_replay"]
     S, R = syn["strategies"], rep["strategies"]
     D, DR = syn["diagnostics"], rep["diagnostics"]
-    lines += ["## Findings (all simulated)", "",
-              f"- Per-phase presets: decode energy x{S['per_phase']['decode_energy_ratio']:.3f} / x{R['per_phase']['decode_energy_ratio']:.3f} "
-              f"at throughput x{S['per_phase']['throughput_ratio']:.4f} / x{R['per_phase']['throughput_ratio']:.4f} "
-              f"(synthetic / H200 replay), {S['per_phase']['switches_per_s']:.2f} / {R['per_phase']['switches_per_s']:.2f} clock switches per second; "
-              f"end-to-end energy x{S['per_phase']['e2e_energy_ratio']:.3f} / x{R['per_phase']['e2e_energy_ratio']:.3f} (the idle preset counts there).",
-              f"- Kernel-group presets add nothing: every group's contiguous run (LM head ~0.26 ms, sampling ~5 us; attention and MLP are "
-              f"per layer and compute-bound at stock clocks in prefill and mixed steps, memory-bound and already at the decode clock in decode) "
-              f"is far below the gate ({o['switch_latency_ms']:g} ms x 10), so the controller ignores them. Applied anyway they raise clock switches to "
-              f"{D['groups_ungated']['switches_per_s']:.1f} / {DR['groups_ungated']['switches_per_s']:.1f} per s for a decode-energy change of "
-              f"{D['groups_ungated']['decode_energy_ratio'] - S['per_phase']['decode_energy_ratio']:+.3f} / {DR['groups_ungated']['decode_energy_ratio'] - R['per_phase']['decode_energy_ratio']:+.3f} "
-              f"and throughput x{D['groups_ungated']['throughput_ratio']:.4f} / x{DR['groups_ungated']['throughput_ratio']:.4f}; even with 0.05 ms switches and no gate "
-              f"(the ceiling) the gain is {100 * (S['per_phase']['e2e_energy_ratio'] - D['groups_fast_switch_ungated']['e2e_energy_ratio']):.1f} / "
-              f"{100 * (R['per_phase']['e2e_energy_ratio'] - DR['groups_fast_switch_ungated']['e2e_energy_ratio']):.1f} points of end-to-end energy. "
-              "Seed 000's kernel-level savings (training, priced offline without switching) do not carry over to serving with NVML-speed switches.",
-              f"- Switch latency matters: if a switch took 50 ms (other Hopper reports 10-100 ms) the same presets would cost throughput "
-              f"x{D['per_phase_50ms_switch']['throughput_ratio']:.4f} / x{DR['per_phase_50ms_switch']['throughput_ratio']:.4f}: measure the latency on the GPU and retune the dwell.",
-              f"- Look-ahead: the host's one-step lead under async scheduling already raises the clock before most compute-bound steps; the "
-              f"waiting-queue look-ahead and arrival ramp change busy time by {100 * (S['per_phase']['throughput_ratio'] - D['per_phase_no_lookahead']['throughput_ratio']):+.2f} / "
-              f"{100 * (R['per_phase']['throughput_ratio'] - DR['per_phase_no_lookahead']['throughput_ratio']):+.2f} points, and cut the first step after an idle period "
-              f"from +{D['per_phase_no_lookahead']['first_step_after_idle_extra_ms']:.1f} to +{S['per_phase']['first_step_after_idle_extra_ms']:.1f} ms (synthetic).",
-              f"- Caveats: the decode saving rests on the simulator's assumption that HBM-bound kernels do not slow down above 900 MHz (`mem_bound_min_mhz`), "
-              "which no measurement of ours checks; public H200 data agree in direction and size (Ma, Afzal, Eitzinger, Wellein 2026, arXiv:2605.11999: decode locked at "
-              "780 MHz at < 1 % throughput loss, up to 32 % decode energy saved; secondary, verbal; ../shared/data/dvfs/points.csv). The simulator prices the "
-              f"measured trace's decode phase at x{cc['simulated_over_measured_energy']:.3f} of the energy NVML measured. The tuned decode clock (900 MHz) sits at that assumed knee.",
-              ""]
-    lines += ["## Presets used (tuned on the calibration trace, simulated)", "", "```json", json.dumps(o["presets"], indent=1), "```", "",
-              "## Tuning log (simulated)", "", *[f"- {x}" for x in o["tuning_log"]], "",
-              "## Target", ""]
+    lines += [
+        "## Findings (all simulated)",
+        "",
+        f"- Per-phase presets: decode energy x{S['per_phase']['decode_energy_ratio']:.3f} / x{R['per_phase']['decode_energy_ratio']:.3f} "
+        f"at throughput x{S['per_phase']['throughput_ratio']:.4f} / x{R['per_phase']['throughput_ratio']:.4f} "
+        f"(synthetic / H200 replay), {S['per_phase']['switches_per_s']:.2f} / {R['per_phase']['switches_per_s']:.2f} clock switches per second; "
+        f"end-to-end energy x{S['per_phase']['e2e_energy_ratio']:.3f} / x{R['per_phase']['e2e_energy_ratio']:.3f} (the idle preset counts there).",
+        f"- Kernel-group presets add nothing: every group's contiguous run (LM head ~0.26 ms, sampling ~5 us; attention and MLP are "
+        f"per layer and compute-bound at stock clocks in prefill and mixed steps, memory-bound and already at the decode clock in decode) "
+        f"is far below the gate ({o['switch_latency_ms']:g} ms x 10), so the controller ignores them. Applied anyway they raise clock switches to "
+        f"{D['groups_ungated']['switches_per_s']:.1f} / {DR['groups_ungated']['switches_per_s']:.1f} per s for a decode-energy change of "
+        f"{D['groups_ungated']['decode_energy_ratio'] - S['per_phase']['decode_energy_ratio']:+.3f} / {DR['groups_ungated']['decode_energy_ratio'] - R['per_phase']['decode_energy_ratio']:+.3f} "
+        f"and throughput x{D['groups_ungated']['throughput_ratio']:.4f} / x{DR['groups_ungated']['throughput_ratio']:.4f}; even with 0.05 ms switches and no gate "
+        f"(the ceiling) the gain is {100 * (S['per_phase']['e2e_energy_ratio'] - D['groups_fast_switch_ungated']['e2e_energy_ratio']):.1f} / "
+        f"{100 * (R['per_phase']['e2e_energy_ratio'] - DR['groups_fast_switch_ungated']['e2e_energy_ratio']):.1f} points of end-to-end energy. "
+        "Seed 000's kernel-level savings (training, priced offline without switching) do not carry over to serving with NVML-speed switches.",
+        f"- Switch latency matters: if a switch took 50 ms (other Hopper reports 10-100 ms) the same presets would cost throughput "
+        f"x{D['per_phase_50ms_switch']['throughput_ratio']:.4f} / x{DR['per_phase_50ms_switch']['throughput_ratio']:.4f}: measure the latency on the GPU and retune the dwell.",
+        f"- Look-ahead: the host's one-step lead under async scheduling already raises the clock before most compute-bound steps; the "
+        f"waiting-queue look-ahead and arrival ramp change busy time by {100 * (S['per_phase']['throughput_ratio'] - D['per_phase_no_lookahead']['throughput_ratio']):+.2f} / "
+        f"{100 * (R['per_phase']['throughput_ratio'] - DR['per_phase_no_lookahead']['throughput_ratio']):+.2f} points, and cut the first step after an idle period "
+        f"from +{D['per_phase_no_lookahead']['first_step_after_idle_extra_ms']:.1f} to +{S['per_phase']['first_step_after_idle_extra_ms']:.1f} ms (synthetic).",
+        f"- Caveats: the decode saving rests on the simulator's assumption that HBM-bound kernels do not slow down above 900 MHz (`mem_bound_min_mhz`), "
+        "which no measurement of ours checks; public H200 data agree in direction and size (Ma, Afzal, Eitzinger, Wellein 2026, arXiv:2605.11999: decode locked at "
+        "780 MHz at < 1 % throughput loss, up to 32 % decode energy saved; secondary, verbal; ../shared/data/dvfs/points.csv). The simulator prices the "
+        f"measured trace's decode phase at x{cc['simulated_over_measured_energy']:.3f} of the energy NVML measured. The tuned decode clock (900 MHz) sits at that assumed knee.",
+        "",
+    ]
+    lines += [
+        "## Presets used (tuned on the calibration trace, simulated)",
+        "",
+        "```json",
+        json.dumps(o["presets"], indent=1),
+        "```",
+        "",
+        "## Tuning log (simulated)",
+        "",
+        *[f"- {x}" for x in o["tuning_log"]],
+        "",
+        "## Target",
+        "",
+    ]
     for tn, met in o["target_met"].items():
         for k, v in met.items():
             r = o["traces"][tn]["strategies"][k]
-            lines.append(f"- {tn}, {k}: decode energy x{r['decode_energy_ratio']:.3f}, throughput x{r['throughput_ratio']:.4f}, "
-                         f"{r['switches_per_s']:.2f} clock switches/s: target {'met' if v else 'NOT met'} (simulated).")
+            lines.append(
+                f"- {tn}, {k}: decode energy x{r['decode_energy_ratio']:.3f}, throughput x{r['throughput_ratio']:.4f}, "
+                f"{r['switches_per_s']:.2f} clock switches/s: target {'met' if v else 'NOT met'} (simulated)."
+            )
     return "\n".join(lines) + "\n"
 
 

@@ -44,8 +44,11 @@ COMMON = {"backend": "simulated", "min_dwell_ms": 20, "compute_share_max": 0.0, 
 STRATEGIES = {
     "stock": {"backend": "simulated", "switch_latency_ms": 6.0},
     "static_preset": {**COMMON, "presets": {"decode": {"sm_clock_mhz": 900}, "idle": {"sm_clock_mhz": 345}}},
-    "closed_loop": {**COMMON, "presets": {"idle": {"sm_clock_mhz": 345}},
-                    "closed_loop": {"enabled": True, "slowdown_budget_pct": BUDGET_PCT}},
+    "closed_loop": {
+        **COMMON,
+        "presets": {"idle": {"sm_clock_mhz": 345}},
+        "closed_loop": {"enabled": True, "slowdown_budget_pct": BUDGET_PCT},
+    },
 }
 VARIANTS = {"nominal": 0.0, "misfit_plus30": 0.3, "misfit_minus30": -0.3}
 TARGET = {"decode_energy_ratio_max": 0.70, "slo_attainment_min": 0.99}
@@ -68,8 +71,11 @@ def run(duration_s: float, seed: int) -> dict[str, Any]:
         base = replay(trace, spec, settings["stock"], noise_sigma=NOISE_SIGMA, noise_seed=seed, budget_pct=BUDGET_PCT)
         results[vname] = {}
         for sname in (*STRATEGIES, "oracle_static"):
-            r = base if sname == "stock" else replay(trace, spec, settings[sname], noise_sigma=NOISE_SIGMA, noise_seed=seed,
-                                                     budget_pct=BUDGET_PCT)
+            r = (
+                base
+                if sname == "stock"
+                else replay(trace, spec, settings[sname], noise_sigma=NOISE_SIGMA, noise_seed=seed, budget_pct=BUDGET_PCT)
+            )
             results[vname][sname] = compare(base, r)
             if sname == "oracle_static":
                 results[vname][sname]["decode_clock_mhz"] = knee
@@ -78,10 +84,16 @@ def run(duration_s: float, seed: int) -> dict[str, Any]:
                 events: dict[str, int] = {}
                 for rec in r["records"]:
                     events[rec.event] = events.get(rec.event, 0) + 1
-                loop_state[vname] = {"buckets": {str(k): {kk: vv for kk, vv in b.items() if kk in ("state", "held_mhz", "probes", "spread_pct")}
-                                                 for k, b in cl["buckets"].items()},
-                                     "probes_total": cl["probes_total"], "backoffs_total": cl["backoffs_total"], "events": events,
-                                     "decode_steps_by_clock_mhz": {str(k): v for k, v in sorted(r["clock_mhz_steps"].items())}}
+                loop_state[vname] = {
+                    "buckets": {
+                        str(k): {kk: vv for kk, vv in b.items() if kk in ("state", "held_mhz", "probes", "spread_pct")}
+                        for k, b in cl["buckets"].items()
+                    },
+                    "probes_total": cl["probes_total"],
+                    "backoffs_total": cl["backoffs_total"],
+                    "events": events,
+                    "decode_steps_by_clock_mhz": {str(k): v for k, v in sorted(r["clock_mhz_steps"].items())},
+                }
     steps = [e for k, e in trace.events if k == "step"]
     out = {
         "what": "closed-loop decode SM clock vs static preset vs stock clocks on a simulated serving trace, nominal and mis-modelled GPU",
@@ -101,43 +113,67 @@ def run(duration_s: float, seed: int) -> dict[str, Any]:
             "arXiv:2601.08539; secondary)",
             "vllm_powersave/modelgen.py SHAPES['qwen2.5-7b']: FLOPs and bytes per step",
         ],
-        "setup": {"budget_pct": BUDGET_PCT, "measured_step_noise_sigma": NOISE_SIGMA, "switch_latency_ms": 6.0,
-                  "strategies": STRATEGIES, "variants": {k: f"true clock response {v:+.0%} vs the model" for k, v in VARIANTS.items()},
-                  "trace_notes": trace.notes, "trace_steps": len(steps),
-                  "trace_idle_s": round(sum(e for k, e in trace.events if k == "idle"), 1)},
+        "setup": {
+            "budget_pct": BUDGET_PCT,
+            "measured_step_noise_sigma": NOISE_SIGMA,
+            "switch_latency_ms": 6.0,
+            "strategies": STRATEGIES,
+            "variants": {k: f"true clock response {v:+.0%} vs the model" for k, v in VARIANTS.items()},
+            "trace_notes": trace.notes,
+            "trace_steps": len(steps),
+            "trace_idle_s": round(sum(e for k, e in trace.events if k == "idle"), 1),
+        },
         "target": TARGET,
         "results": results,
         "closed_loop_state": loop_state,
-        "target_met": {v: {s: r["decode_energy_ratio"] <= TARGET["decode_energy_ratio_max"] and r["slo_attainment"] >= TARGET["slo_attainment_min"]
-                           for s, r in res.items() if s not in ("stock", "oracle_static")} for v, res in results.items()},
-        "diagnostics": {"oracle_static": "static decode clock at the GPU's true memory-bound knee (known only to the simulation), "
-                                         "same idle preset: the best a static preset could do with a perfect model"},
+        "target_met": {
+            v: {
+                s: r["decode_energy_ratio"] <= TARGET["decode_energy_ratio_max"] and r["slo_attainment"] >= TARGET["slo_attainment_min"]
+                for s, r in res.items()
+                if s not in ("stock", "oracle_static")
+            }
+            for v, res in results.items()
+        },
+        "diagnostics": {
+            "oracle_static": "static decode clock at the GPU's true memory-bound knee (known only to the simulation), "
+            "same idle preset: the best a static preset could do with a perfect model"
+        },
         "runtime_s": round(time.time() - t0, 1),
     }
     return out
 
 
 def markdown(o: dict[str, Any]) -> str:
-    L = ["# Closed-loop decode clock on the simulated H200 (SIMULATED)", "",
-         "- **Everything here is simulated** (vllm_powersave/sim/gpu.py), not measured.",
-         f"- What ran: `{o['script']} --duration-s {o['args']['duration_s']:g} --seed {o['args']['seed']}` on {o['where']}, {o['date_utc']} "
-         f"(UTC), model shape {o['model_shape']}, {o['setup']['trace_steps']} steps, {o['setup']['trace_idle_s']} s idle, runtime {o['runtime_s']} s.",
-         f"- Trace: {' '.join(o['setup']['trace_notes'])}.",
-         f"- Strategies: stock (no presets); static preset (decode 900 MHz, idle 345 MHz, as vllm_powersave/presets/h200-simulated.yaml); "
-         f"closed loop (no decode preset, {o['setup']['budget_pct']:g} % slowdown budget, same idle preset). Clock switches land "
-         f"{o['setup']['switch_latency_ms']:g} ms late; measured step times carry {100 * o['setup']['measured_step_noise_sigma']:g} % noise.",
-         "- GPUs: the fitted model (nominal) and two whose true clock response differs from it by +30 % / -30 % (slowdowns and memory-bound knee scaled).",
-         "- SLO attainment: share of decode steps whose (noise-free) time is within the budget of the same step at the stock clock.",
-         "", "| GPU | strategy | decode energy ratio | SLO attainment | throughput ratio | switches/s | worst decode slowdown | e2e energy ratio |",
-         "|---|---|---|---|---|---|---|---|"]
+    L = [
+        "# Closed-loop decode clock on the simulated H200 (SIMULATED)",
+        "",
+        "- **Everything here is simulated** (vllm_powersave/sim/gpu.py), not measured.",
+        f"- What ran: `{o['script']} --duration-s {o['args']['duration_s']:g} --seed {o['args']['seed']}` on {o['where']}, {o['date_utc']} "
+        f"(UTC), model shape {o['model_shape']}, {o['setup']['trace_steps']} steps, {o['setup']['trace_idle_s']} s idle, runtime {o['runtime_s']} s.",
+        f"- Trace: {' '.join(o['setup']['trace_notes'])}.",
+        f"- Strategies: stock (no presets); static preset (decode 900 MHz, idle 345 MHz, as vllm_powersave/presets/h200-simulated.yaml); "
+        f"closed loop (no decode preset, {o['setup']['budget_pct']:g} % slowdown budget, same idle preset). Clock switches land "
+        f"{o['setup']['switch_latency_ms']:g} ms late; measured step times carry {100 * o['setup']['measured_step_noise_sigma']:g} % noise.",
+        "- GPUs: the fitted model (nominal) and two whose true clock response differs from it by +30 % / -30 % (slowdowns and memory-bound knee scaled).",
+        "- SLO attainment: share of decode steps whose (noise-free) time is within the budget of the same step at the stock clock.",
+        "",
+        "| GPU | strategy | decode energy ratio | SLO attainment | throughput ratio | switches/s | worst decode slowdown | e2e energy ratio |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for v, res in o["results"].items():
         for s, r in res.items():
-            L.append(f"| {v} | {s} | {r['decode_energy_ratio']:.3f} | {100 * r['slo_attainment']:.2f} % | {r['throughput_ratio']:.4f} | "
-                     f"{r['switches_per_s']:.2f} | {r['worst_decode_slowdown_pct']:.1f} % | {r['e2e_energy_ratio']:.3f} |")
+            L.append(
+                f"| {v} | {s} | {r['decode_energy_ratio']:.3f} | {100 * r['slo_attainment']:.2f} % | {r['throughput_ratio']:.4f} | "
+                f"{r['switches_per_s']:.2f} | {r['worst_decode_slowdown_pct']:.1f} % | {r['e2e_energy_ratio']:.3f} |"
+            )
     L += ["", "## Closed-loop state at the end (simulated)", ""]
     for v, st in o["closed_loop_state"].items():
-        b = ", ".join(f"batch >= {k}: " + (f"holds {x['held_mhz'] or 'the default'} MHz" if x["state"] == "hold" else f"still searching ({x['state']})")
-                      + f", {x['probes']} probes" for k, x in st["buckets"].items())
+        b = ", ".join(
+            f"batch >= {k}: "
+            + (f"holds {x['held_mhz'] or 'the default'} MHz" if x["state"] == "hold" else f"still searching ({x['state']})")
+            + f", {x['probes']} probes"
+            for k, x in st["buckets"].items()
+        )
         L.append(f"- {v}: {b}; {st['probes_total']} probes, {st['backoffs_total']} back-offs; decisions {st['events']}.")
     L += ["", "## Target (decode energy <= 0.70 x stock with >= 99 % of decode steps in budget)", ""]
     for v, met in o["target_met"].items():

@@ -79,27 +79,43 @@ def _int(s: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """Argument parser; option names follow ``vllm bench serve`` where they overlap."""
     p = _Parser(prog="python -m loadtests", description="Load generator for OpenAI-compatible servers; reports tokens per joule.")
-    p.add_argument("--base-url", nargs="+", default=["http://127.0.0.1:8000"], metavar="URL",
-                   help="server base URL (with or without /v1); several = a fleet, requests round-robin")
+    p.add_argument(
+        "--base-url",
+        nargs="+",
+        default=["http://127.0.0.1:8000"],
+        metavar="URL",
+        help="server base URL (with or without /v1); several = a fleet, requests round-robin",
+    )
     p.add_argument("--model", default=None, help="model id (default: first id from GET /v1/models)")
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     p.add_argument("--no-stream", action="store_true", help="use non-streaming requests (TTFT = E2E)")
-    p.add_argument("--continuous-usage-stats", action="store_true",
-                   help="ask for per-chunk usage (vLLM): per-token ITL, exact token counts per chunk")
+    p.add_argument(
+        "--continuous-usage-stats", action="store_true", help="ask for per-chunk usage (vLLM): per-token ITL, exact token counts per chunk"
+    )
     p.add_argument("--num-prompts", type=int, default=None, help="requests to send (default 100; a trace: all)")
-    p.add_argument("--max-concurrency", default=None, metavar="C[,C...]",
-                   help="cap on in-flight requests (closed loop); a list sweeps concurrency")
-    p.add_argument("--request-rate", default="inf", metavar="R[,R...]",
-                   help="requests/s, 'inf' = all at once; a list sweeps the rate")
+    p.add_argument(
+        "--max-concurrency", default=None, metavar="C[,C...]", help="cap on in-flight requests (closed loop); a list sweeps concurrency"
+    )
+    p.add_argument("--request-rate", default="inf", metavar="R[,R...]", help="requests/s, 'inf' = all at once; a list sweeps the rate")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrivals (1 = Poisson)")
-    p.add_argument("--arrival", choices=["gamma", "constant"], default="gamma",
-                   help="inter-arrival law: gamma (shape --burstiness) or constant gaps of 1/rate")
-    p.add_argument("--trust-env", action="store_true",
-                   help="use HTTP(S)_PROXY/NO_PROXY and ~/.netrc from the environment for every request, as vllm bench "
-                        "serve does (its per-request lookup then counts in TTFT); default: only the given URLs are contacted")
-    p.add_argument("--no-normalize-arrivals", action="store_true",
-                   help="keep the raw gamma draw; by default a fixed-rate schedule is scaled so that its last request "
-                        "goes out at (n-1)/rate, as vllm bench serve does")
+    p.add_argument(
+        "--arrival",
+        choices=["gamma", "constant"],
+        default="gamma",
+        help="inter-arrival law: gamma (shape --burstiness) or constant gaps of 1/rate",
+    )
+    p.add_argument(
+        "--trust-env",
+        action="store_true",
+        help="use HTTP(S)_PROXY/NO_PROXY and ~/.netrc from the environment for every request, as vllm bench "
+        "serve does (its per-request lookup then counts in TTFT); default: only the given URLs are contacted",
+    )
+    p.add_argument(
+        "--no-normalize-arrivals",
+        action="store_true",
+        help="keep the raw gamma draw; by default a fixed-rate schedule is scaled so that its last request "
+        "goes out at (n-1)/rate, as vllm bench serve does",
+    )
     p.add_argument("--ramp-up-strategy", choices=["linear", "exponential"], default=None)
     p.add_argument("--ramp-up-start-rps", type=float, default=None)
     p.add_argument("--ramp-up-end-rps", type=float, default=None)
@@ -115,8 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=float, default=None, help="per-request limit, s (a stalled stream fails)")
     p.add_argument("--goodput", nargs="+", default=[], metavar="KEY:MS", help="SLOs, e.g. ttft:200 tpot:50 e2el:5000")
     p.add_argument("--percentiles", "--metric-percentiles", dest="percentiles", default="50,90,99")
-    p.add_argument("--dataset", default="random",
-                   help="'random', 'prefix-repetition', 'jsonl:PATH' or 'sharegpt:PATH'")
+    p.add_argument("--dataset", default="random", help="'random', 'prefix-repetition', 'jsonl:PATH' or 'sharegpt:PATH'")
     p.add_argument("--prefix-len", type=int, default=256, help="prefix-repetition: shared prefix, tokens")
     p.add_argument("--num-prefixes", type=int, default=10, help="prefix-repetition: number of prefix groups")
     p.add_argument("--sharegpt-output-len", type=int, default=None, help="ShareGPT: fixed output length")
@@ -125,22 +140,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--label", default=None)
     p.add_argument("--gpus", default=None, help="NVML fallback GPU indices, e.g. 0,1 (default all)")
     p.add_argument("--duration", type=float, default=None, help="stop starting requests after this many seconds")
-    p.add_argument("--steady-state-batch", type=int, default=None,
-                   help="target batch B of the steady-state window (default --max-concurrency)")
+    p.add_argument(
+        "--steady-state-batch", type=int, default=None, help="target batch B of the steady-state window (default --max-concurrency)"
+    )
     p.add_argument("--sample-interval", type=float, default=0.5, help="energy/power/clock sample period, s (0 = edges only)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (it is only shown on a terminal anyway)")
-    p.add_argument("--ab-base-url", nargs="+", default=None, metavar="URL_B",
-                   help="A/B mode: --base-url is A, this is B; runs --pairs interleaved pairs (ABBA) and reports ratios with 95%% CIs")
+    p.add_argument(
+        "--ab-base-url",
+        nargs="+",
+        default=None,
+        metavar="URL_B",
+        help="A/B mode: --base-url is A, this is B; runs --pairs interleaved pairs (ABBA) and reports ratios with 95%% CIs",
+    )
     p.add_argument("--pairs", type=int, default=3, help="A/B mode: number of pairs (default 3)")
-    p.add_argument("--energy", choices=["auto", "server", "nvml", "zeusd", "none"], default="auto",
-                   help="energy source: server powersave_* metrics, local NVML, Zeus's daemon (--zeusd), or auto (server, else NVML)")
-    p.add_argument("--zeusd", default=None, metavar="URL_OR_SOCKET",
-                   help="zeusd address for --energy zeusd: http://host:4938 or its Unix socket path (JWT from $ZEUSD_TOKEN)")
+    p.add_argument(
+        "--energy",
+        choices=["auto", "server", "nvml", "zeusd", "none"],
+        default="auto",
+        help="energy source: server powersave_* metrics, local NVML, Zeus's daemon (--zeusd), or auto (server, else NVML)",
+    )
+    p.add_argument(
+        "--zeusd",
+        default=None,
+        metavar="URL_OR_SOCKET",
+        help="zeusd address for --energy zeusd: http://host:4938 or its Unix socket path (JWT from $ZEUSD_TOKEN)",
+    )
     p.add_argument("--result-json", default=None, help="write the full result here")
     p.add_argument("--markdown", default=None, help="write a Markdown report here")
     p.add_argument("--plot-dir", default=None, help="write PNG plots here (timeline; sweep curves)")
-    p.add_argument("--compare", nargs="+", default=None, metavar="RESULT_JSON",
-                   help="print a comparison table of existing result files and exit")
+    p.add_argument(
+        "--compare", nargs="+", default=None, metavar="RESULT_JSON", help="print a comparison table of existing result files and exit"
+    )
     p.add_argument("--plot", default=None, help="with --compare: save a PNG bar chart (needs matplotlib)")
     return p
 
@@ -167,17 +197,46 @@ def _config(args: argparse.Namespace, rate: float, conc: int | None) -> BenchCon
     gpus = [int(x) for x in _csv_floats(args.gpus, "--gpus")] if args.gpus else None
     urls = args.base_url
     kw: dict[str, Any] = dict(
-        base_url=urls[0], model=args.model, endpoint=args.endpoint, stream=not args.no_stream,
-        continuous_usage_stats=args.continuous_usage_stats, max_concurrency=conc, request_rate=rate,
-        burstiness=args.burstiness, arrival=args.arrival, normalize_arrivals=not args.no_normalize_arrivals, trust_env=args.trust_env, input_len=args.input_len, output_len=args.output_len,
-        range_ratio=args.range_ratio, num_warmups=args.num_warmups, seed=args.seed, timeout_s=args.timeout,
-        goodput=_goodput(args.goodput), percentiles=_csv_floats(args.percentiles, "--percentiles"),
-        dataset=args.dataset, prompt_logprobs=args.prompt_logprobs, label=args.label, gpus=gpus, energy=args.energy, zeusd=args.zeusd,
-        duration_s=args.duration, ramp_up_strategy=args.ramp_up_strategy, ramp_up_start_rps=args.ramp_up_start_rps,
-        ramp_up_end_rps=args.ramp_up_end_rps, ramp_up_duration_s=args.ramp_up_duration, trace=args.trace,
-        trace_time_scale=args.trace_time_scale, prefix_len=args.prefix_len, num_prefixes=args.num_prefixes,
-        sharegpt_output_len=args.sharegpt_output_len, tokenizer=args.tokenizer, request_timeout_s=args.request_timeout,
-        progress=not args.no_progress, steady_state_batch=args.steady_state_batch, sample_interval_s=args.sample_interval,
+        base_url=urls[0],
+        model=args.model,
+        endpoint=args.endpoint,
+        stream=not args.no_stream,
+        continuous_usage_stats=args.continuous_usage_stats,
+        max_concurrency=conc,
+        request_rate=rate,
+        burstiness=args.burstiness,
+        arrival=args.arrival,
+        normalize_arrivals=not args.no_normalize_arrivals,
+        trust_env=args.trust_env,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        range_ratio=args.range_ratio,
+        num_warmups=args.num_warmups,
+        seed=args.seed,
+        timeout_s=args.timeout,
+        goodput=_goodput(args.goodput),
+        percentiles=_csv_floats(args.percentiles, "--percentiles"),
+        dataset=args.dataset,
+        prompt_logprobs=args.prompt_logprobs,
+        label=args.label,
+        gpus=gpus,
+        energy=args.energy,
+        zeusd=args.zeusd,
+        duration_s=args.duration,
+        ramp_up_strategy=args.ramp_up_strategy,
+        ramp_up_start_rps=args.ramp_up_start_rps,
+        ramp_up_end_rps=args.ramp_up_end_rps,
+        ramp_up_duration_s=args.ramp_up_duration,
+        trace=args.trace,
+        trace_time_scale=args.trace_time_scale,
+        prefix_len=args.prefix_len,
+        num_prefixes=args.num_prefixes,
+        sharegpt_output_len=args.sharegpt_output_len,
+        tokenizer=args.tokenizer,
+        request_timeout_s=args.request_timeout,
+        progress=not args.no_progress,
+        steady_state_batch=args.steady_state_batch,
+        sample_interval_s=args.sample_interval,
     )
     if len(urls) > 1:
         kw["base_urls"] = urls
@@ -213,8 +272,9 @@ def main(argv: list[str] | None = None) -> int:
             from .ab import format_ab, run_ab
 
             b_urls = args.ab_base_url
-            b = BenchConfig.model_validate({**cfg.model_dump(exclude_unset=True), "base_url": b_urls[0],
-                                            "base_urls": b_urls if len(b_urls) > 1 else None})
+            b = BenchConfig.model_validate(
+                {**cfg.model_dump(exclude_unset=True), "base_url": b_urls[0], "base_urls": b_urls if len(b_urls) > 1 else None}
+            )
             ab = run_ab(cfg, b, pairs=args.pairs)
             print(format_ab(ab))
             _write_outputs(args, ab, format_ab(ab))

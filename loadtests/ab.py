@@ -17,6 +17,7 @@ from .runner import run
 # Two-sided 95 % Student t quantiles by degrees of freedom.
 _T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
 
+
 def t95(df: int) -> float:
     """Two-sided 95 % quantile of Student's t with ``df`` degrees of freedom (``df`` >= 1).
 
@@ -28,8 +29,9 @@ def t95(df: int) -> float:
     if df in _T95:
         return _T95[df]
     z, v = 1.959963985, float(df)
-    return (z + (z**3 + z) / (4 * v) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * v**2)
-            + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * v**3))
+    return (
+        z + (z**3 + z) / (4 * v) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * v**2) + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * v**3)
+    )
 
 
 #: (result field, label, "higher is better")
@@ -77,10 +79,15 @@ def run_ab(a: BenchConfig, b: BenchConfig, pairs: int = 3) -> dict[str, Any]:
         ra, rb = (r1, r2) if i % 2 == 0 else (r2, r1)
         runs.append((ra, rb))
     sources = {r.get("energy_source") for pair in runs for r in pair}
-    return {"pairs": pairs, "order": "ABBA", "a": a.base_url, "b": b.base_url,
-            "energy_source": "simulated" if "simulated" in sources else ("measured" if sources == {"measured"} else None),
-            "summary": summarize(runs),
-            "runs": [{"a": _scalars(ra), "b": _scalars(rb)} for ra, rb in runs]}
+    return {
+        "pairs": pairs,
+        "order": "ABBA",
+        "a": a.base_url,
+        "b": b.base_url,
+        "energy_source": "simulated" if "simulated" in sources else ("measured" if sources == {"measured"} else None),
+        "summary": summarize(runs),
+        "runs": [{"a": _scalars(ra), "b": _scalars(rb)} for ra, rb in runs],
+    }
 
 
 def _scalars(r: dict[str, Any]) -> dict[str, Any]:
@@ -91,8 +98,12 @@ def _scalars(r: dict[str, Any]) -> dict[str, Any]:
 def format_ab(result: dict[str, Any]) -> str:
     """Markdown table of the A/B summary; energy rows carry their source."""
     src = result.get("energy_source") or "no energy source"
-    lines = [f"A/B: A = {result['a']}, B = {result['b']}, {result['pairs']} pairs, {result['order']} order; energy {src}", "",
-             "| metric | B/A per pair | mean B/A | 95 % CI | verdict |", "|---|---|---|---|---|"]
+    lines = [
+        f"A/B: A = {result['a']}, B = {result['b']}, {result['pairs']} pairs, {result['order']} order; energy {src}",
+        "",
+        "| metric | B/A per pair | mean B/A | 95 % CI | verdict |",
+        "|---|---|---|---|---|",
+    ]
     for key, s in result["summary"].items():
         tag = f" ({src})" if "joule" in key or "energy" in key else ""
         lo, hi = s["ci95"]

@@ -110,8 +110,14 @@ def _role_only(choice: dict[str, Any], endpoint: str) -> bool:
     if endpoint != "chat":
         return False
     delta = choice.get("delta")
-    return isinstance(delta, dict) and "role" in delta and not delta.get("content") and not delta.get("reasoning_content") \
-        and not delta.get("reasoning") and not delta.get("tool_calls")
+    return (
+        isinstance(delta, dict)
+        and "role" in delta
+        and not delta.get("content")
+        and not delta.get("reasoning_content")
+        and not delta.get("reasoning")
+        and not delta.get("tool_calls")
+    )
 
 
 def _apply_usage(out: RequestOutput, usage: Any) -> None:
@@ -148,16 +154,15 @@ async def send_request(
     the word count (non-streaming).
     """
     path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
-    payload = build_payload(endpoint, model, req, stream=stream, prompt_logprobs=prompt_logprobs,
-                            continuous_usage_stats=continuous_usage_stats)
+    payload = build_payload(
+        endpoint, model, req, stream=stream, prompt_logprobs=prompt_logprobs, continuous_usage_stats=continuous_usage_stats
+    )
     out = RequestOutput()
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     st = time.perf_counter()
     try:
         # No redirects: only the user-given server may be contacted.
-        async with session.post(
-            base_url + path, json=payload, timeout=timeout, allow_redirects=False
-        ) as resp:
+        async with session.post(base_url + path, json=payload, timeout=timeout, allow_redirects=False) as resp:
             if resp.status != 200:
                 body = await resp.text(errors="replace")
                 out.error = _short(f"HTTP {resp.status}: {body}")

@@ -192,24 +192,32 @@ class BenchConfig(BaseModel):
     def _check_combinations(self) -> BenchConfig:
         ramp = (self.ramp_up_strategy, self.ramp_up_start_rps, self.ramp_up_end_rps)
         if any(x is not None for x in ramp) and any(x is None for x in ramp):
-            raise ValueError("ramp_up_strategy, ramp_up_start_rps and ramp_up_end_rps must be given together "
-                             f"(got {ramp[0]!r}, {ramp[1]!r}, {ramp[2]!r})")
+            raise ValueError(
+                "ramp_up_strategy, ramp_up_start_rps and ramp_up_end_rps must be given together "
+                f"(got {ramp[0]!r}, {ramp[1]!r}, {ramp[2]!r})"
+            )
         if self.ramp_up_duration_s is not None and self.ramp_up_strategy is None:
             raise ValueError("ramp_up_duration_s needs ramp_up_strategy")
         if self.ramp_up_strategy is not None and math.isfinite(self.request_rate):
             raise ValueError(f"request_rate = {self.request_rate:g} conflicts with ramp_up_strategy: the ramp sets the rate")
         if not self.stream and "tpot" in self.goodput:
-            raise ValueError("goodput SLO tpot cannot be judged without streaming (non-streaming TTFT = E2E, so TPOT is "
-                             "always 0): drop tpot or use streaming")
+            raise ValueError(
+                "goodput SLO tpot cannot be judged without streaming (non-streaming TTFT = E2E, so TPOT is "
+                "always 0): drop tpot or use streaming"
+            )
         if self.continuous_usage_stats and not self.stream:
             raise ValueError("continuous_usage_stats = true needs stream = true: per-chunk usage exists only in streams")
         if self.stream and self.prompt_logprobs:
             # vLLM answers 400 to every such request (CompletionRequest.check_logprobs), so refuse before the run.
-            raise ValueError(f"prompt_logprobs = {self.prompt_logprobs} needs stream = false: vLLM returns prompt "
-                             "logprobs only on non-streamed requests (--no-stream)")
+            raise ValueError(
+                f"prompt_logprobs = {self.prompt_logprobs} needs stream = false: vLLM returns prompt "
+                "logprobs only on non-streamed requests (--no-stream)"
+            )
         if (self.energy == "zeusd") != (self.zeusd is not None):
-            raise ValueError(f"energy = {self.energy!r} with zeusd = {self.zeusd!r}: energy 'zeusd' needs the daemon's address "
-                             "(zeusd = http://host:4938 or a socket path), and only it uses one")
+            raise ValueError(
+                f"energy = {self.energy!r} with zeusd = {self.zeusd!r}: energy 'zeusd' needs the daemon's address "
+                "(zeusd = http://host:4938 or a socket path), and only it uses one"
+            )
         if self.trace is not None:
             if self.ramp_up_strategy is not None or math.isfinite(self.request_rate):
                 raise ValueError("trace replay sets the arrival times itself: drop request_rate / ramp-up")

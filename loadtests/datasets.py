@@ -66,9 +66,7 @@ def _len_range(center: int, ratio: float) -> tuple[int, int]:
     return lo, hi
 
 
-def random_requests(
-    n: int, input_len: int, output_len: int, range_ratio: float = 0.0, seed: int = 0
-) -> list[RequestInput]:
+def random_requests(n: int, input_len: int, output_len: int, range_ratio: float = 0.0, seed: int = 0) -> list[RequestInput]:
     """``n`` synthetic prompts of ~``input_len`` tokens asking for ``output_len`` tokens.
 
     With ``range_ratio`` r each length is drawn uniformly from [L*(1-r), L*(1+r)].
@@ -149,19 +147,31 @@ def _jsonl_objects(p: Path, where: str) -> Iterator[tuple[int, dict[str, Any]]]:
         yield lineno, obj
 
 
-def is_valid_sequence(prompt_len: int, output_len: int, *, min_len: int = 4, max_prompt_len: int = 1024,
-                      max_total_len: int = 2048, skip_min_output_len_check: bool = False) -> bool:
+def is_valid_sequence(
+    prompt_len: int,
+    output_len: int,
+    *,
+    min_len: int = 4,
+    max_prompt_len: int = 1024,
+    max_total_len: int = 2048,
+    skip_min_output_len_check: bool = False,
+) -> bool:
     """ShareGPT pruning rule of ``vllm bench serve`` (vllm/benchmarks/datasets/datasets.py, 0.32).
 
     A pair is kept if prompt >= 4 tokens, output >= 4 tokens (unless the output length is fixed),
     prompt <= 1024 tokens and prompt + output <= 2048 tokens.
     """
-    return not (prompt_len < min_len or (not skip_min_output_len_check and output_len < min_len)
-                or prompt_len > max_prompt_len or prompt_len + output_len > max_total_len)
+    return not (
+        prompt_len < min_len
+        or (not skip_min_output_len_check and output_len < min_len)
+        or prompt_len > max_prompt_len
+        or prompt_len + output_len > max_total_len
+    )
 
 
-def load_sharegpt(path: str | Path, n: int, *, seed: int = 0, output_len: int | None = None,
-                  count: Callable[[str], int] | None = None) -> list[RequestInput]:
+def load_sharegpt(
+    path: str | Path, n: int, *, seed: int = 0, output_len: int | None = None, count: Callable[[str], int] | None = None
+) -> list[RequestInput]:
     """``n`` requests from a ShareGPT-format JSON file, sampled as ``vllm bench serve`` does.
 
     The file is a JSON list of ``{"conversations": [{"from": "human", "value": str},
@@ -181,8 +191,7 @@ def load_sharegpt(path: str | Path, n: int, *, seed: int = 0, output_len: int | 
         raise DatasetError(f"{where}: invalid JSON ({e.msg} at line {e.lineno})") from None
     if not isinstance(data, list):
         raise DatasetError(f"{where}: expected a JSON list of ShareGPT entries, got {type(data).__name__}")
-    entries = [e for e in data if isinstance(e, dict) and isinstance(e.get("conversations"), list)
-               and len(e["conversations"]) >= 2]
+    entries = [e for e in data if isinstance(e, dict) and isinstance(e.get("conversations"), list) and len(e["conversations"]) >= 2]
     random.Random(seed).shuffle(entries)
     cnt = count or _words
     items: list[RequestInput] = []
@@ -200,13 +209,15 @@ def load_sharegpt(path: str | Path, n: int, *, seed: int = 0, output_len: int | 
             continue
         items.append(RequestInput(prompt=prompt, prompt_len=p_len, output_len=o_len))
     if not items:
-        raise DatasetError(f"{where}: no usable conversation (need >= 2 turns with string values; "
-                           "prompt 4..1024 tokens, output >= 4, total <= 2048)")
+        raise DatasetError(
+            f"{where}: no usable conversation (need >= 2 turns with string values; prompt 4..1024 tokens, output >= 4, total <= 2048)"
+        )
     return [items[i % len(items)] for i in range(n)]
 
 
-def prefix_repetition_requests(n: int, prefix_len: int, suffix_len: int, num_prefixes: int, output_len: int,
-                               seed: int = 0) -> list[RequestInput]:
+def prefix_repetition_requests(
+    n: int, prefix_len: int, suffix_len: int, num_prefixes: int, output_len: int, seed: int = 0
+) -> list[RequestInput]:
     """``n`` prompts in ``num_prefixes`` groups sharing a ``prefix_len``-token prefix (prefix caching).
 
     As ``vllm bench serve --dataset-name prefix_repetition``: group g has ``n // num_prefixes``
@@ -216,8 +227,9 @@ def prefix_repetition_requests(n: int, prefix_len: int, suffix_len: int, num_pre
     Raises :class:`DatasetError` when ``num_prefixes`` > ``n`` or a length is < 1.
     """
     if num_prefixes < 1 or prefix_len < 1 or suffix_len < 1:
-        raise DatasetError(f"prefix repetition needs num_prefixes, prefix_len and input_len >= 1 "
-                           f"(got {num_prefixes}, {prefix_len}, {suffix_len})")
+        raise DatasetError(
+            f"prefix repetition needs num_prefixes, prefix_len and input_len >= 1 (got {num_prefixes}, {prefix_len}, {suffix_len})"
+        )
     per = n // num_prefixes
     if per == 0:
         raise DatasetError(f"prefix repetition: num_prompts ({n}) must be >= num_prefixes ({num_prefixes})")
@@ -236,8 +248,9 @@ def _pos_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 1
 
 
-def load_trace(path: str | Path, default_output_len: int, *, seed: int = 0,
-               time_scale: float = 1.0) -> tuple[list[float], list[RequestInput]]:
+def load_trace(
+    path: str | Path, default_output_len: int, *, seed: int = 0, time_scale: float = 1.0
+) -> tuple[list[float], list[RequestInput]]:
     """Timed trace: ``(send offsets in s, requests)`` from a JSONL file, sorted by time.
 
     Each line: ``{"timestamp": seconds, "prompt": str}`` or ``{"timestamp": s, "input_len": tokens}``
@@ -302,6 +315,5 @@ def sample_requests(
         items = load_jsonl(spec[len("jsonl:") :], output_len)
         return [items[i % len(items)] for i in range(n)]
     if spec.startswith("sharegpt:"):
-        return load_sharegpt(spec[len("sharegpt:") :], n, seed=seed, output_len=sharegpt_output_len,
-                             count=load_tokenizer(tokenizer))
+        return load_sharegpt(spec[len("sharegpt:") :], n, seed=seed, output_len=sharegpt_output_len, count=load_tokenizer(tokenizer))
     raise DatasetError(f"unknown dataset {spec!r}: expected 'random', 'prefix-repetition', 'jsonl:PATH' or 'sharegpt:PATH'")

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from vllm_powersave.device import GpuError, NvmlGpu, ZeusdClient, device_count, init_nvml
 from vllm_powersave import envs
+from vllm_powersave.device import GpuError, NvmlGpu, ZeusdClient, device_count, init_nvml
 
 METRIC = "powersave_gpu_energy_joules"
 _SAMPLE_NAMES = {METRIC, METRIC + "_total"}
@@ -163,9 +163,7 @@ class NvmlEnergy:
 async def scrape_metrics(session: aiohttp.ClientSession, base_url: str, timeout_s: float) -> str | None:
     """``GET {base_url}/metrics`` text, or None on any error (metrics are optional)."""
     try:
-        async with session.get(
-            base_url + "/metrics", timeout=aiohttp.ClientTimeout(total=timeout_s), allow_redirects=False
-        ) as resp:
+        async with session.get(base_url + "/metrics", timeout=aiohttp.ClientTimeout(total=timeout_s), allow_redirects=False) as resp:
             if resp.status != 200:
                 return None
             return await resp.text(errors="replace")
@@ -173,12 +171,21 @@ async def scrape_metrics(session: aiohttp.ClientSession, base_url: str, timeout_
         return None
 
 
-_KEEP_PREFIXES = ("powersave_gpu_energy_joules", "powersave_gpu_power_watts", "powersave_sm_clock_mhz",
-                  "powersave_info", "vllm:num_requests_running", "powersave_idle_while_busy_", "powersave_frontend_busy_seconds")
+_KEEP_PREFIXES = (
+    "powersave_gpu_energy_joules",
+    "powersave_gpu_power_watts",
+    "powersave_sm_clock_mhz",
+    "powersave_info",
+    "vllm:num_requests_running",
+    "powersave_idle_while_busy_",
+    "powersave_frontend_busy_seconds",
+)
 #: Starvation counters (summed over GPUs) -> Scrape/Sample field.
-_STARVATION = {"powersave_idle_while_busy_energy_joules_total": "idle_while_busy_j",
-               "powersave_idle_while_busy_seconds_total": "idle_while_busy_s",
-               "powersave_frontend_busy_seconds_total": "frontend_busy_s"}
+_STARVATION = {
+    "powersave_idle_while_busy_energy_joules_total": "idle_while_busy_j",
+    "powersave_idle_while_busy_seconds_total": "idle_while_busy_s",
+    "powersave_frontend_busy_seconds_total": "frontend_busy_s",
+}
 
 
 def filter_metrics_text(text: str) -> str:
@@ -322,8 +329,15 @@ class EnergyMeter:
     between two readings can be computed afterwards (steady-state window, timelines).
     """
 
-    def __init__(self, session: aiohttp.ClientSession, base_url: str, gpus: list[int] | None, timeout_s: float = 5.0, mode: str = "auto",
-                 zeusd: str | None = None):
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        base_url: str,
+        gpus: list[int] | None,
+        timeout_s: float = 5.0,
+        mode: str = "auto",
+        zeusd: str | None = None,
+    ):
         self._mode = mode
         self._zeusd = ZeusdEnergy(zeusd, gpus, timeout_s, envs.zeusd_token()) if mode == "zeusd" and zeusd else None
         self._zeusd_ok = False
@@ -360,10 +374,17 @@ class EnergyMeter:
     def _from_scrape(t: float, sc: Scrape | None) -> Sample:
         if sc is None:
             return Sample(t=t)
-        return Sample(t=t, counters=sc.counters or ({} if sc.plugin else None), power_w=sc.power_w,
-                      sm_clock_mhz=sc.sm_clock_mhz, gauge_source=sc.gauge_source, running=sc.running,
-                      idle_while_busy_j=sc.idle_while_busy_j, idle_while_busy_s=sc.idle_while_busy_s,
-                      frontend_busy_s=sc.frontend_busy_s)
+        return Sample(
+            t=t,
+            counters=sc.counters or ({} if sc.plugin else None),
+            power_w=sc.power_w,
+            sm_clock_mhz=sc.sm_clock_mhz,
+            gauge_source=sc.gauge_source,
+            running=sc.running,
+            idle_while_busy_j=sc.idle_while_busy_j,
+            idle_while_busy_s=sc.idle_while_busy_s,
+            frontend_busy_s=sc.frontend_busy_s,
+        )
 
     async def start(self) -> None:
         """Take the "before" reading, choosing the first available source."""
@@ -402,8 +423,16 @@ class EnergyMeter:
         if self._nvml is not None:
             self._t0, self._nvml_before = await self._nvml.aligned_per_gpu_j()
             power, clock = _nvml_gauges(self._nvml)
-            self.samples.append(Sample(t=self._t0, gpu_j=dict(self._nvml_before), power_w=power, sm_clock_mhz=clock,
-                                       gauge_source="measured" if power is not None else None, provider="nvml"))
+            self.samples.append(
+                Sample(
+                    t=self._t0,
+                    gpu_j=dict(self._nvml_before),
+                    power_w=power,
+                    sm_clock_mhz=clock,
+                    gauge_source="measured" if power is not None else None,
+                    provider="nvml",
+                )
+            )
         elif self._mode == "nvml":
             self._note = f"no energy source ({reason})"
         else:
@@ -426,8 +455,16 @@ class EnergyMeter:
             except Exception:  # a failed read leaves a gap; the window edges still come from start/stop
                 gpu_j = None
             power, clock = _nvml_gauges(self._nvml)
-            self.samples.append(Sample(t=time.perf_counter(), gpu_j=gpu_j, power_w=power, sm_clock_mhz=clock,
-                                       gauge_source="measured" if power is not None else None, provider="nvml"))
+            self.samples.append(
+                Sample(
+                    t=time.perf_counter(),
+                    gpu_j=gpu_j,
+                    power_w=power,
+                    sm_clock_mhz=clock,
+                    gauge_source="measured" if power is not None else None,
+                    provider="nvml",
+                )
+            )
 
     async def _zeusd_sample(self) -> Sample:
         """One zeusd reading: energy counters (raises when they cannot be read) and power (optional)."""
@@ -453,8 +490,9 @@ class EnergyMeter:
             try:
                 last = await self._zeusd_sample()
             except Exception as e:
-                return EnergyReading(window_s=time.perf_counter() - self._t0,
-                                     note=f"no energy source (final zeusd read failed: {_one_line(e)})")
+                return EnergyReading(
+                    window_s=time.perf_counter() - self._t0, note=f"no energy source (final zeusd read failed: {_one_line(e)})"
+                )
             finally:
                 await self._zeusd.close()
             self.samples.append(last)
@@ -473,8 +511,16 @@ class EnergyMeter:
             except Exception as e:  # driver hiccup: report no energy instead of crashing the run
                 return EnergyReading(window_s=time.perf_counter() - self._t0, note=f"no energy source (NVML read failed: {e})")
             power, clock = _nvml_gauges(self._nvml)
-            self.samples.append(Sample(t=t1, gpu_j=dict(after_gpu), power_w=power, sm_clock_mhz=clock,
-                                       gauge_source="measured" if power is not None else None, provider="nvml"))
+            self.samples.append(
+                Sample(
+                    t=t1,
+                    gpu_j=dict(after_gpu),
+                    power_w=power,
+                    sm_clock_mhz=clock,
+                    gauge_source="measured" if power is not None else None,
+                    provider="nvml",
+                )
+            )
             return self._window_reading(t1, "local NVML counters (server assumed to run on this host)")
         return EnergyReading(window_s=time.perf_counter() - self._t0, note=self._note or "no energy source")
 
@@ -500,8 +546,14 @@ def energy_between(a: Sample, b: Sample) -> EnergyReading | None:
     if a.gpu_j is not None and b.gpu_j is not None:
         # NVML's counter restarts only with the driver; a lower value is then the energy since.
         by_gpu = {k: (v - a.gpu_j.get(k, 0.0)) if v >= a.gpu_j.get(k, 0.0) else v for k, v in b.gpu_j.items()}
-        return EnergyReading(energy_j=sum(by_gpu.values()), window_s=b.t - a.t, source="measured", provider=b.provider or "nvml",
-                             by_gpu_j=by_gpu, counter_resets=sum(v < a.gpu_j.get(k, 0.0) for k, v in b.gpu_j.items()))
+        return EnergyReading(
+            energy_j=sum(by_gpu.values()),
+            window_s=b.t - a.t,
+            source="measured",
+            provider=b.provider or "nvml",
+            by_gpu_j=by_gpu,
+            counter_resets=sum(v < a.gpu_j.get(k, 0.0) for k, v in b.gpu_j.items()),
+        )
     return None
 
 
@@ -525,7 +577,21 @@ def energy_over(samples: list[Sample]) -> EnergyReading | None:
     # A part that moved no counter says nothing about the source; the advancing ones decide.
     moved = {r.source for r in parts if r.energy_j}
     source = "measured" if (moved or {r.source for r in parts}) == {"measured"} else "simulated"
-    note = (f"{resets} counter reset(s) during the window (server or driver restart): the energy between the last "
-            "reading before a reset and the reset is missing (sample more often to narrow it)") if resets else ""
-    return EnergyReading(energy_j=sum(r.energy_j or 0.0 for r in parts), window_s=ok[-1].t - ok[0].t, source=source,
-                         provider=parts[0].provider, by_phase_j=by_phase, by_gpu_j=by_gpu, note=note, counter_resets=resets)
+    note = (
+        (
+            f"{resets} counter reset(s) during the window (server or driver restart): the energy between the last "
+            "reading before a reset and the reset is missing (sample more often to narrow it)"
+        )
+        if resets
+        else ""
+    )
+    return EnergyReading(
+        energy_j=sum(r.energy_j or 0.0 for r in parts),
+        window_s=ok[-1].t - ok[0].t,
+        source=source,
+        provider=parts[0].provider,
+        by_phase_j=by_phase,
+        by_gpu_j=by_gpu,
+        note=note,
+        counter_resets=resets,
+    )

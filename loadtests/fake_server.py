@@ -137,28 +137,36 @@ class FakeServer:
     # -- handlers --------------------------------------------------------------------
     async def _models(self, request: web.Request) -> web.Response:
         # vLLM lists the model's path as "root"; the fake lists a made-up one the same way.
-        return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model", "root": f"/models/{self.model}-weights"}]})
+        return web.json_response(
+            {"object": "list", "data": [{"id": self.model, "object": "model", "root": f"/models/{self.model}-weights"}]}
+        )
 
     def metrics_text(self) -> str:
         """Prometheus text of the current counters and gauges."""
         self._book_idle()
         name = "powersave_gpu_energy_joules_total" if self.typed_total else "powersave_gpu_energy_joules"
         src = sorted(set(self.sources.values()))[0]
-        lines = ["# HELP vllm:num_requests_running Number of requests in model execution batches.",
-                 "# TYPE vllm:num_requests_running gauge",
-                 f'vllm:num_requests_running{{engine="0",model_name="{self.model}"}} {float(self.inflight)}',
-                 f"# HELP {name} GPU energy by phase", f"# TYPE {name} counter"]
+        lines = [
+            "# HELP vllm:num_requests_running Number of requests in model execution batches.",
+            "# TYPE vllm:num_requests_running gauge",
+            f'vllm:num_requests_running{{engine="0",model_name="{self.model}"}} {float(self.inflight)}',
+            f"# HELP {name} GPU energy by phase",
+            f"# TYPE {name} counter",
+        ]
         for phase, v in self.energy.items():
             labels = f'gpu="0",phase="{phase}",source="{self.sources[phase]}"'
             lines.append(f"powersave_gpu_energy_joules_total{{{labels}}} {v!r}")
             lines.append(f"powersave_gpu_energy_joules_created{{{labels}}} 1.7e9")
         lines += ["# TYPE powersave_steps counter"]
         lines += [f'powersave_steps_total{{gpu="0",phase="{p}"}} {float(n)}' for p, n in self.steps.items()]
-        lines += ["# TYPE powersave_gpu_power_watts gauge",
-                  f'powersave_gpu_power_watts{{gpu="0",source="{src}"}} {100.0 + 10.0 * self.inflight}',
-                  "# TYPE powersave_sm_clock_mhz gauge",
-                  f'powersave_sm_clock_mhz{{gpu="0",source="{src}"}} {CLOCKS_MHZ[self.last_event]}',
-                  "# TYPE other_metric gauge", "other_metric 42.0"]
+        lines += [
+            "# TYPE powersave_gpu_power_watts gauge",
+            f'powersave_gpu_power_watts{{gpu="0",source="{src}"}} {100.0 + 10.0 * self.inflight}',
+            "# TYPE powersave_sm_clock_mhz gauge",
+            f'powersave_sm_clock_mhz{{gpu="0",source="{src}"}} {CLOCKS_MHZ[self.last_event]}',
+            "# TYPE other_metric gauge",
+            "other_metric 42.0",
+        ]
         return "\n".join(lines) + "\n"
 
     async def _metrics(self, request: web.Request) -> web.Response:
@@ -235,7 +243,7 @@ class FakeServer:
                 await send("{this is not json")
                 return resp
             if "BADUTF8" in prompt:
-                await resp.write(b"data: {\"choices\": [{\"text\": \"\xff\xfe\"}]}\n\n")
+                await resp.write(b'data: {"choices": [{"text": "\xff\xfe"}]}\n\n')
             if "ERRCHUNK" in prompt:
                 await send({"error": {"message": "engine died", "code": 500}})
                 return resp
@@ -259,8 +267,7 @@ def main(argv: list[str] | None = None) -> None:
     ns = p.parse_args(argv)
 
     async def serve() -> None:
-        srv = FakeServer(first_delay=ns.ttft_ms / 1000.0, itl_delay=ns.itl_ms / 1000.0, usage=not ns.no_usage,
-                         record_payloads=False)
+        srv = FakeServer(first_delay=ns.ttft_ms / 1000.0, itl_delay=ns.itl_ms / 1000.0, usage=not ns.no_usage, record_payloads=False)
         print(await srv.start_async(ns.port), flush=True)
         await asyncio.Event().wait()
 

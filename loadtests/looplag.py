@@ -68,8 +68,7 @@ def bottleneck_threshold_ms(median_itl_ms: float | None, median_ttft_ms: float |
     return min(BOTTLENECK_CAP_MS, max(BOTTLENECK_FLOOR_MS, share))
 
 
-def loop_lag_metrics(lags_s: Sequence[float], period_s: float, median_itl_ms: float | None,
-                     median_ttft_ms: float | None) -> dict[str, Any]:
+def loop_lag_metrics(lags_s: Sequence[float], period_s: float, median_itl_ms: float | None, median_ttft_ms: float | None) -> dict[str, Any]:
     """``client_loop_lag_*`` fields and the bottleneck verdict (``client_bottleneck``, with a note)."""
     ms = [x * 1000.0 for x in lags_s]
     threshold = bottleneck_threshold_ms(median_itl_ms, median_ttft_ms)
@@ -78,9 +77,11 @@ def loop_lag_metrics(lags_s: Sequence[float], period_s: float, median_itl_ms: fl
     flagged = p99 is not None and p99 > threshold
     note = None
     if flagged:
-        note = (f"client event-loop lag p99 {p99:.2f} ms exceeds {threshold:.2f} ms (10 % of the {ref}, within "
-                f"{BOTTLENECK_FLOOR_MS:g}-{BOTTLENECK_CAP_MS:g} ms): the client is the bottleneck, and the latency "
-                "figures include client delay; use fewer streams per harness process or a bigger client machine")
+        note = (
+            f"client event-loop lag p99 {p99:.2f} ms exceeds {threshold:.2f} ms (10 % of the {ref}, within "
+            f"{BOTTLENECK_FLOOR_MS:g}-{BOTTLENECK_CAP_MS:g} ms): the client is the bottleneck, and the latency "
+            "figures include client delay; use fewer streams per harness process or a bigger client machine"
+        )
     elif not ms:
         note = "no event-loop lag samples (run shorter than one probe period)"
     return {

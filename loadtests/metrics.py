@@ -125,8 +125,10 @@ def method_metrics(outputs: Sequence[RequestOutput], stream: bool) -> dict[str, 
         itl = "per-token intervals: each chunk's gap divided over the tokens its per-chunk usage reports"
     elif itl_method == "mixed":
         ttft_rule = "first_chunk_with_token_per_usage_else_text"
-        itl = (f"per-token intervals for the {per_tok} requests with per-chunk usage, gaps between token chunks "
-               f"for the other {len(ok) - per_tok}")
+        itl = (
+            f"per-token intervals for the {per_tok} requests with per-chunk usage, gaps between token chunks "
+            f"for the other {len(ok) - per_tok}"
+        )
     else:
         ttft_rule = "first_chunk_with_text"
         itl = "gaps between token chunks (no per-chunk usage: a chunk may carry several tokens)"
@@ -134,13 +136,15 @@ def method_metrics(outputs: Sequence[RequestOutput], stream: bool) -> dict[str, 
         "non_streaming_full_response": "time to the whole response (not streamed: TTFT = E2E)",
         "first_chunk_with_token_per_usage": "time to the first chunk whose per-chunk usage reports a token",
         "first_chunk_with_token_per_usage_else_text": "time to the first chunk carrying a token (per-chunk usage "
-                                                      "where reported, else non-empty text)",
+        "where reported, else non-empty text)",
         "first_chunk_with_text": "time to the first chunk with non-empty text (empty deltas do not count)",
     }[ttft_rule]
-    tokens = {None: "no completed requests", "usage": "server usage (completion_tokens)",
-              "estimated": f"estimated from {'token chunks' if stream else 'words'} (no usage reported)",
-              "mixed": f"server usage, estimated from {'token chunks' if stream else 'words'} for {est} of "
-                       f"{len(ok)} requests without usage"}[tokens_source]
+    tokens = {
+        None: "no completed requests",
+        "usage": "server usage (completion_tokens)",
+        "estimated": f"estimated from {'token chunks' if stream else 'words'} (no usage reported)",
+        "mixed": f"server usage, estimated from {'token chunks' if stream else 'words'} for {est} of {len(ok)} requests without usage",
+    }[tokens_source]
     return {
         "ttft_rule": ttft_rule,
         "itl_method": itl_method,
@@ -173,14 +177,19 @@ def energy_metrics(reading: EnergyReading, total_input_tokens: int, total_output
         "gpu_idle_energy_j": reading.by_phase_j.get("idle") if reading.by_phase_j else None,
         "gpu_active_energy_per_output_token_j": (
             (e - reading.by_phase_j.get("idle", 0.0)) / total_output_tokens
-            if e is not None and reading.by_phase_j and total_output_tokens else None),
+            if e is not None and reading.by_phase_j and total_output_tokens
+            else None
+        ),
         # Front-end starvation (the plugin's counters): idle GPU energy and time while requests were
         # in flight at the server, and their share of the server's busy time.
         "gpu_idle_while_busy_energy_j": reading.idle_while_busy_j,
         "gpu_idle_while_busy_s": reading.idle_while_busy_s,
         "frontend_busy_s": reading.frontend_busy_s,
-        "idle_while_busy_share": (reading.idle_while_busy_s / reading.frontend_busy_s
-                                  if reading.idle_while_busy_s is not None and reading.frontend_busy_s else None),
+        "idle_while_busy_share": (
+            reading.idle_while_busy_s / reading.frontend_busy_s
+            if reading.idle_while_busy_s is not None and reading.frontend_busy_s
+            else None
+        ),
         "energy_source": reading.source,
         "energy_provider": reading.provider,
         "energy_by_phase_j": dict(reading.by_phase_j),

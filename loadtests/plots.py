@@ -48,8 +48,13 @@ def plot_sweep(results: list[dict[str, Any]], parameter: str, levels: list[Any],
         ax.plot(x, [r.get(f"median_{name}_ms") for r in results], "o-", label="median")
         ax.plot(x, [r.get(f"p99_{name}_ms") for r in results], "s--", label="p99")
         for xi, r, lv in zip(x, results, levels):
-            ax.annotate(f"{lv:g}" if isinstance(lv, float) else str(lv), (xi, r.get(f"median_{name}_ms") or 0),
-                        textcoords="offset points", xytext=(4, 4), fontsize=7)
+            ax.annotate(
+                f"{lv:g}" if isinstance(lv, float) else str(lv),
+                (xi, r.get(f"median_{name}_ms") or 0),
+                textcoords="offset points",
+                xytext=(4, 4),
+                fontsize=7,
+            )
         ax.set_xlabel("output throughput (tok/s)")
         ax.set_ylabel(f"{title} (ms)")
         ax.set_title(f"{title} vs throughput ({parameter} sweep)")
@@ -86,8 +91,7 @@ def _shade(ax: Any, t: list[float], phases: list[str | None]) -> set[str]:
         ph = phases[k]
         if ph is None:
             continue
-        ax.axvspan(t[k - 1], t[k], color=PHASE_COLORS.get(ph, "#ffffbf"), alpha=0.6, lw=0,
-                   label=ph if ph not in seen else None)
+        ax.axvspan(t[k - 1], t[k], color=PHASE_COLORS.get(ph, "#ffffbf"), alpha=0.6, lw=0, label=ph if ph not in seen else None)
         seen.add(ph)
     return seen
 

@@ -89,8 +89,13 @@ def _summary_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
             rows.append((f"  energy in {phase} (J)", f"{_num(j)} ({result['energy_source']})"))
         if result.get("gpu_idle_while_busy_energy_j") is not None:
             share = result.get("idle_while_busy_share")
-            rows.append(("  idle while requests in flight (J)", f"{_num(result['gpu_idle_while_busy_energy_j'])} ({result['energy_source']})"
-                         + (f", {_num(100.0 * share, 1)} % of busy time" if share is not None else "")))
+            rows.append(
+                (
+                    "  idle while requests in flight (J)",
+                    f"{_num(result['gpu_idle_while_busy_energy_j'])} ({result['energy_source']})"
+                    + (f", {_num(100.0 * share, 1)} % of busy time" if share is not None else ""),
+                )
+            )
     rows += _steady_rows(result)
     if result.get("timed_out"):
         rows.append(("Note", f"global --timeout of {_num(result.get('timeout_s'), 0)} s reached"))
@@ -102,16 +107,22 @@ def _method_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
     how = result.get("methods")
     if not isinstance(how, dict):
         return []  # a result written before these fields existed
-    rows = [("TTFT method", str(how.get("ttft"))), ("ITL method", str(how.get("itl"))),
-            ("Output tokens from", str(how.get("output_tokens")))]
+    rows = [
+        ("TTFT method", str(how.get("ttft"))),
+        ("ITL method", str(how.get("itl"))),
+        ("Output tokens from", str(how.get("output_tokens"))),
+    ]
     if result.get("client_loop_lag_samples"):
-        rows.append(("Client event-loop lag (ms)",
-                     f"p50 {_num(result.get('client_loop_lag_p50_ms'))} / p99 {_num(result.get('client_loop_lag_p99_ms'))}"
-                     f" / max {_num(result.get('client_loop_lag_max_ms'))} (bottleneck above p99 "
-                     f"{_num(result.get('client_bottleneck_threshold_ms'))})"))
+        rows.append(
+            (
+                "Client event-loop lag (ms)",
+                f"p50 {_num(result.get('client_loop_lag_p50_ms'))} / p99 {_num(result.get('client_loop_lag_p99_ms'))}"
+                f" / max {_num(result.get('client_loop_lag_max_ms'))} (bottleneck above p99 "
+                f"{_num(result.get('client_bottleneck_threshold_ms'))})",
+            )
+        )
     if result.get("client_bottleneck_note"):
-        rows.append(("Warning" if result.get("client_bottleneck") else "Client event-loop lag",
-                     str(result["client_bottleneck_note"])))
+        rows.append(("Warning" if result.get("client_bottleneck") else "Client event-loop lag", str(result["client_bottleneck_note"])))
     return rows
 
 
@@ -130,10 +141,15 @@ def _steady_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
 
     rows = [
         ("Steady state: target batch B", _num(result.get("steady_state_batch"))),
-        ("Steady state: window (s)", f"{_num(result.get('steady_state_start_s'))} - {_num(result.get('steady_state_end_s'))}"
-                                     f" ({_num(result.get('steady_state_duration_s'))} s)"),
-        ("Steady state: avg concurrency", f"{_num(result.get('steady_state_avg_concurrency'))}"
-                                          f" ({_num(result.get('steady_state_batch_utilization'))} of B)"),
+        (
+            "Steady state: window (s)",
+            f"{_num(result.get('steady_state_start_s'))} - {_num(result.get('steady_state_end_s'))}"
+            f" ({_num(result.get('steady_state_duration_s'))} s)",
+        ),
+        (
+            "Steady state: avg concurrency",
+            f"{_num(result.get('steady_state_avg_concurrency'))} ({_num(result.get('steady_state_batch_utilization'))} of B)",
+        ),
         ("Steady state: output throughput (tok/s)", _num(result.get("steady_state_output_throughput"))),
         ("Steady state: GPU energy (J)", en("steady_state_gpu_energy_j", 2)),
         ("Steady state: GPU average power (W)", en("steady_state_gpu_avg_power_w", 1)),
@@ -150,14 +166,20 @@ def _endpoint_table(result: dict[str, Any]) -> list[str]:
     eps = result.get("endpoints") or []
     if len(eps) < 2:
         return []
-    lines = ["", "### Per endpoint", "",
-             "| Endpoint | Completed / failed | Output tok/s | TTFT p50 (ms) | TPOT p50 (ms) | GPU energy (J) | J / output token | Output tokens / J | Steady state: tokens / J |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "",
+        "### Per endpoint",
+        "",
+        "| Endpoint | Completed / failed | Output tok/s | TTFT p50 (ms) | TPOT p50 (ms) | GPU energy (J) | J / output token | Output tokens / J | Steady state: tokens / J |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for ep in eps + [dict(result, base_url="**fleet total**")]:
         ss = _steady_tpj(ep)
-        lines.append(f"| {ep['base_url']} | {ep.get('completed')} / {ep.get('failed')} | {_num(ep.get('output_throughput'))} | "
-                     f"{_num(ep.get('median_ttft_ms'))} | {_num(ep.get('median_tpot_ms'))} | {_energy(ep, 'gpu_energy_j', 2)} | "
-                     f"{_energy(ep, 'gpu_energy_per_output_token_j')} | {_energy(ep, 'output_tokens_per_joule')} | {ss} |")
+        lines.append(
+            f"| {ep['base_url']} | {ep.get('completed')} / {ep.get('failed')} | {_num(ep.get('output_throughput'))} | "
+            f"{_num(ep.get('median_ttft_ms'))} | {_num(ep.get('median_tpot_ms'))} | {_energy(ep, 'gpu_energy_j', 2)} | "
+            f"{_energy(ep, 'gpu_energy_per_output_token_j')} | {_energy(ep, 'output_tokens_per_joule')} | {ss} |"
+        )
     return lines
 
 
@@ -178,8 +200,10 @@ def format_table(result: dict[str, Any]) -> str:
     lines.append("=" * 60)
     fleet = result.get("endpoints") or []
     for ep in fleet if len(fleet) > 1 else []:
-        lines.append(f"  {ep['base_url']}: {ep.get('completed')} ok / {ep.get('failed')} failed, "
-                     f"{_num(ep.get('output_throughput'))} tok/s, J/output token {_energy(ep, 'gpu_energy_per_output_token_j')}")
+        lines.append(
+            f"  {ep['base_url']}: {ep.get('completed')} ok / {ep.get('failed')} failed, "
+            f"{_num(ep.get('output_throughput'))} tok/s, J/output token {_energy(ep, 'gpu_energy_per_output_token_j')}"
+        )
     errors = [e for e in result.get("errors", []) if e]
     if errors:
         lines.append(f"First error ({len(errors)} failed): {errors[0]}")
@@ -222,20 +246,25 @@ def compare_table(results: dict[str, dict[str, Any]]) -> str:
         add(f"{title} p99 (ms)", lambda r, k=f"p99_{name}_ms": _num(r.get(k)))
     add("ITL method", lambda r: str(r.get("itl_method") or "n/a"))
     add("Output tokens from", lambda r: str(r.get("output_tokens_source") or "n/a"))
-    add("Client loop lag p99 (ms)", lambda r: _num(r.get("client_loop_lag_p99_ms"))
-        + (" (client is the bottleneck)" if r.get("client_bottleneck") else ""))
+    add(
+        "Client loop lag p99 (ms)",
+        lambda r: _num(r.get("client_loop_lag_p99_ms")) + (" (client is the bottleneck)" if r.get("client_bottleneck") else ""),
+    )
     add("GPU avg power (W)", lambda r: _energy(r, "gpu_avg_power_w", 1))
     add("J / output token", lambda r: _energy(r, "gpu_energy_per_output_token_j"))
     add("of which idle (J total)", lambda r: _energy(r, "gpu_idle_energy_j", 1))
     if any(r.get("gpu_idle_while_busy_energy_j") is not None for r in results.values()):
         add("of which idle while requests in flight (J total)", lambda r: _energy(r, "gpu_idle_while_busy_energy_j", 1))
-        add("GPU idle share of busy time (%)", lambda r: _num(100.0 * r["idle_while_busy_share"], 1)
-            if r.get("idle_while_busy_share") is not None else "n/a")
+        add(
+            "GPU idle share of busy time (%)",
+            lambda r: _num(100.0 * r["idle_while_busy_share"], 1) if r.get("idle_while_busy_share") is not None else "n/a",
+        )
     add("J / output token, active phases only", lambda r: _energy(r, "gpu_active_energy_per_output_token_j"))
     add("Output tokens / J", lambda r: _energy(r, "output_tokens_per_joule"))
     add("Total tokens / J", lambda r: _energy(r, "total_tokens_per_joule"))
     add("Energy source", lambda r: r.get("energy_source") or "none")
     if any(r.get("steady_state_duration_s") is not None for r in results.values()):
+
         def ss(key: str, digits: int = 4) -> Any:
             def f(r: dict[str, Any]) -> str:
                 v, src = r.get(key), r.get("steady_state_energy_source")
@@ -244,7 +273,9 @@ def compare_table(results: dict[str, dict[str, Any]]) -> str:
                         return _NO_ENERGY
                     return f"n/a ({src})" if v is None else f"{_num(v, digits)} ({src})"
                 return _num(v, digits)
+
             return f
+
         add("Steady state duration (s)", ss("steady_state_duration_s", 2))
         add("Steady state output tok/s", ss("steady_state_output_throughput", 2))
         add("Steady state J / output token", ss("steady_state_gpu_energy_per_output_token_j"))

@@ -27,8 +27,16 @@ def schedule(cfg: BenchConfig, n: int) -> list[float]:
     """Send offsets (s) for ``n`` measured requests from the config's load shape (not for traces)."""
     if cfg.ramp_up_strategy is not None:
         assert cfg.ramp_up_start_rps is not None and cfg.ramp_up_end_rps is not None
-        return ramp_offsets(n, cfg.ramp_up_start_rps, cfg.ramp_up_end_rps, duration_s=cfg.ramp_up_duration_s,
-                            strategy=cfg.ramp_up_strategy, burstiness=cfg.burstiness, seed=cfg.seed, arrival=cfg.arrival)
+        return ramp_offsets(
+            n,
+            cfg.ramp_up_start_rps,
+            cfg.ramp_up_end_rps,
+            duration_s=cfg.ramp_up_duration_s,
+            strategy=cfg.ramp_up_strategy,
+            burstiness=cfg.burstiness,
+            seed=cfg.seed,
+            arrival=cfg.arrival,
+        )
     return arrival_offsets(n, cfg.request_rate, cfg.burstiness, cfg.seed, cfg.arrival, cfg.normalize_arrivals)
 
 
@@ -73,9 +81,7 @@ async def check_server(session: aiohttp.ClientSession, base_url: str, model: str
     try:
         return str(body["data"][0]["id"]), root
     except (TypeError, KeyError, IndexError):
-        raise ServerUnreachableError(
-            f"cannot determine model from {url} (HTTP {status}); pass --model"
-        ) from None
+        raise ServerUnreachableError(f"cannot determine model from {url} (HTTP {status}); pass --model") from None
 
 
 class _Progress:
@@ -133,8 +139,14 @@ async def run_load(
             running.add(i)
             e = i % len(endpoints)
             o = await send_request(
-                session, endpoints[e], cfg.endpoint, models[e], reqs[i],
-                stream=cfg.stream, prompt_logprobs=cfg.prompt_logprobs, timeout_s=cfg.request_timeout_s,
+                session,
+                endpoints[e],
+                cfg.endpoint,
+                models[e],
+                reqs[i],
+                stream=cfg.stream,
+                prompt_logprobs=cfg.prompt_logprobs,
+                timeout_s=cfg.request_timeout_s,
                 continuous_usage_stats=cfg.continuous_usage_stats,
             )
             o.start_time = start - t0
@@ -241,22 +253,51 @@ async def _open_meters(session: aiohttp.ClientSession, cfg: BenchConfig) -> tupl
     return [], [], "no energy source (" + "; ".join(notes) + ")"
 
 
-def _endpoint_summary(url: str, model: str, inputs: list[RequestInput], outputs: list[RequestOutput], duration: float,
-                      cfg: BenchConfig, reading: EnergyReading | None,
-                      no_reading_note: str = "energy measured for the whole fleet only") -> dict[str, Any]:
+def _endpoint_summary(
+    url: str,
+    model: str,
+    inputs: list[RequestInput],
+    outputs: list[RequestOutput],
+    duration: float,
+    cfg: BenchConfig,
+    reading: EnergyReading | None,
+    no_reading_note: str = "energy measured for the whole fleet only",
+) -> dict[str, Any]:
     m = calculate_metrics(inputs, outputs, duration, cfg.percentiles, cfg.goodput or None)
-    keep = ("completed", "failed", "total_input_tokens", "total_output_tokens", "request_throughput",
-            "request_goodput", "output_throughput", "total_token_throughput", "mean_ttft_ms", "median_ttft_ms",
-            "mean_tpot_ms", "median_tpot_ms", "mean_itl_ms", "median_e2el_ms")
+    keep = (
+        "completed",
+        "failed",
+        "total_input_tokens",
+        "total_output_tokens",
+        "request_throughput",
+        "request_goodput",
+        "output_throughput",
+        "total_token_throughput",
+        "mean_ttft_ms",
+        "median_ttft_ms",
+        "mean_tpot_ms",
+        "median_tpot_ms",
+        "mean_itl_ms",
+        "median_e2el_ms",
+    )
     out: dict[str, Any] = {"base_url": url, "model_id": model, "num_prompts": len(outputs)}
     out |= {k: m.get(k) for k in keep}
     for p in cfg.percentiles:
         out[f"{percentile_key(p)}_ttft_ms"] = m[f"{percentile_key(p)}_ttft_ms"]
-    e = energy_metrics(reading or EnergyReading(note=no_reading_note),
-                       m["total_input_tokens"], m["total_output_tokens"])
-    out |= {k: e[k] for k in ("gpu_energy_j", "gpu_avg_power_w", "gpu_energy_per_output_token_j",
-                              "gpu_energy_per_total_token_j", "output_tokens_per_joule", "total_tokens_per_joule",
-                              "energy_source", "energy_note")}
+    e = energy_metrics(reading or EnergyReading(note=no_reading_note), m["total_input_tokens"], m["total_output_tokens"])
+    out |= {
+        k: e[k]
+        for k in (
+            "gpu_energy_j",
+            "gpu_avg_power_w",
+            "gpu_energy_per_output_token_j",
+            "gpu_energy_per_total_token_j",
+            "output_tokens_per_joule",
+            "total_tokens_per_joule",
+            "energy_source",
+            "energy_note",
+        )
+    }
     return out
 
 
@@ -275,9 +316,15 @@ async def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
     else:
         # Warm-ups come after the measured prompts so they do not warm the prefix cache for them.
         all_reqs = sample_requests(
-            cfg.dataset, cfg.num_prompts + cfg.num_warmups,
-            input_len=cfg.input_len, output_len=cfg.output_len, range_ratio=cfg.range_ratio, seed=cfg.seed,
-            prefix_len=cfg.prefix_len, num_prefixes=cfg.num_prefixes, sharegpt_output_len=cfg.sharegpt_output_len,
+            cfg.dataset,
+            cfg.num_prompts + cfg.num_warmups,
+            input_len=cfg.input_len,
+            output_len=cfg.output_len,
+            range_ratio=cfg.range_ratio,
+            seed=cfg.seed,
+            prefix_len=cfg.prefix_len,
+            num_prefixes=cfg.num_prefixes,
+            sharegpt_output_len=cfg.sharegpt_output_len,
             tokenizer=cfg.tokenizer,
         )
         reqs, warm = all_reqs[: cfg.num_prompts], all_reqs[cfg.num_prompts :]
@@ -292,8 +339,10 @@ async def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
     # are contacted. --trust-env reproduces vllm bench's session for like-for-like TTFT comparisons.
     # Metrics scrapes get their own session: in the request pool (limited to max_concurrency) they would
     # wait for a request to finish, so every sample would land between requests.
-    async with aiohttp.ClientSession(connector=connector, trust_env=cfg.trust_env) as session, \
-            aiohttp.ClientSession(trust_env=False) as metrics_session:
+    async with (
+        aiohttp.ClientSession(connector=connector, trust_env=cfg.trust_env) as session,
+        aiohttp.ClientSession(trust_env=False) as metrics_session,
+    ):
         tmo = min(cfg.connect_timeout_s, cfg.timeout_s)
         checked = await asyncio.gather(*(check_server(session, url, cfg.model, tmo) for url in endpoints))
         models = [m for m, _ in checked]
@@ -301,22 +350,34 @@ async def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
         warm_failed = 0
         if warm:
             w_out, _, _, _ = await run_load(
-                session, cfg, models, warm, offsets=[0.0] * len(warm),
-                max_concurrency=cfg.max_concurrency or len(warm), deadline=deadline,
+                session,
+                cfg,
+                models,
+                warm,
+                offsets=[0.0] * len(warm),
+                max_concurrency=cfg.max_concurrency or len(warm),
+                deadline=deadline,
             )
             warm_failed = sum(1 for o in w_out if not o.success)
         meters, names, scope = await _open_meters(metrics_session, cfg)
         stop = asyncio.Event()
-        sampler = (asyncio.create_task(_sampler(meters, cfg.sample_interval_s, stop))
-                   if meters and cfg.sample_interval_s > 0 else None)
+        sampler = asyncio.create_task(_sampler(meters, cfg.sample_interval_s, stop)) if meters and cfg.sample_interval_s > 0 else None
         progress = _Progress(len(reqs), cfg.progress, cfg.label or "requests")
         probe = LoopLagProbe()
         probe.start()
         t0 = time.perf_counter()
         try:
             outputs, duration, timed_out, sent = await run_load(
-                session, cfg, models, reqs, offsets=offsets, max_concurrency=cfg.max_concurrency,
-                deadline=deadline, duration_s=cfg.duration_s, t0=t0, progress=progress,
+                session,
+                cfg,
+                models,
+                reqs,
+                offsets=offsets,
+                max_concurrency=cfg.max_concurrency,
+                deadline=deadline,
+                duration_s=cfg.duration_s,
+                t0=t0,
+                progress=progress,
             )
         finally:
             lags = probe.stop()
@@ -344,7 +405,8 @@ async def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
     how["methods"]["client_loop_lag"] = (
         f"a probe thread posts a callback into the client's event loop every {probe.period_s * 1000:g} ms; lag = its "
         f"wait; client is the bottleneck when p99 lag > {lag['client_bottleneck_threshold_ms']:.2f} ms "
-        "(10 % of the median ITL, or TTFT without one; within 0.5-5 ms)")
+        "(10 % of the median ITL, or TTFT without one; within 0.5-5 ms)"
+    )
     if lag["client_bottleneck"]:
         print(f"warning: {lag['client_bottleneck_note']}", file=sys.stderr)
     batch = cfg.steady_state_batch or cfg.max_concurrency
@@ -355,8 +417,7 @@ async def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
     for k, url in enumerate(endpoints):
         idx = [i for i, o in enumerate(outputs) if o.endpoint == k]
         r_k = readings[k] if per_endpoint_energy else None
-        ep_rows.append(_endpoint_summary(url, models[k], [reqs[i] for i in idx], [outputs[i] for i in idx], duration, cfg, r_k,
-                                         ep_note))
+        ep_rows.append(_endpoint_summary(url, models[k], [reqs[i] for i in idx], [outputs[i] for i in idx], duration, cfg, r_k, ep_note))
         if len(endpoints) > 1:
             # Each server's own steady state: round-robin gives it 1/n of the target batch (exact, so
             # B = 4 over 3 servers is 4/3 each), and its energy is its own meter's (none where only the
@@ -391,12 +452,24 @@ async def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
         "burstiness": cfg.burstiness,
         "arrival": "trace" if cfg.trace else cfg.arrival,
         "trust_env": cfg.trust_env,
-        "arrivals_normalized": bool(cfg.normalize_arrivals and not cfg.trace and cfg.ramp_up_strategy is None
-                                    and cfg.arrival == "gamma" and math.isfinite(cfg.request_rate)),
+        "arrivals_normalized": bool(
+            cfg.normalize_arrivals
+            and not cfg.trace
+            and cfg.ramp_up_strategy is None
+            and cfg.arrival == "gamma"
+            and math.isfinite(cfg.request_rate)
+        ),
         "max_concurrency": cfg.max_concurrency,
-        **({"ramp_up_strategy": cfg.ramp_up_strategy, "ramp_up_start_rps": cfg.ramp_up_start_rps,
-            "ramp_up_end_rps": cfg.ramp_up_end_rps, "ramp_up_duration_s": cfg.ramp_up_duration_s}
-           if cfg.ramp_up_strategy else {}),
+        **(
+            {
+                "ramp_up_strategy": cfg.ramp_up_strategy,
+                "ramp_up_start_rps": cfg.ramp_up_start_rps,
+                "ramp_up_end_rps": cfg.ramp_up_end_rps,
+                "ramp_up_duration_s": cfg.ramp_up_duration_s,
+            }
+            if cfg.ramp_up_strategy
+            else {}
+        ),
         "input_len": cfg.input_len,
         "output_len": cfg.output_len,
         "range_ratio": cfg.range_ratio,

@@ -124,5 +124,4 @@ def ramp_offsets(
             duration_s = n / start_rps if abs(k - 1) < 1e-12 else n * math.log(k) / (start_rps * (k - 1.0))
     if not duration_s > 0:
         raise ValueError(f"ramp-up duration must be > 0 s (got {duration_s})")
-    return [_ramp_inverse(u, start_rps, end_rps, duration_s, strategy)
-            for u in _operational_times(n, arrival, burstiness, seed)]
+    return [_ramp_inverse(u, start_rps, end_rps, duration_s, strategy) for u in _operational_times(n, arrival, burstiness, seed)]

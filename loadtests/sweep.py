@@ -17,7 +17,11 @@ def level_configs(cfg: BenchConfig, parameter: SweepParam, levels: list[Any]) ->
     base = cfg.model_dump(exclude_unset=True)
     out = []
     for v in levels:
-        label = f"{cfg.label + ' ' if cfg.label else ''}{parameter}={v:g}" if isinstance(v, float) else f"{cfg.label + ' ' if cfg.label else ''}{parameter}={v}"
+        label = (
+            f"{cfg.label + ' ' if cfg.label else ''}{parameter}={v:g}"
+            if isinstance(v, float)
+            else f"{cfg.label + ' ' if cfg.label else ''}{parameter}={v}"
+        )
         out.append(BenchConfig.model_validate({**base, parameter: v, "label": label}))
     return out
 

@@ -19,8 +19,10 @@ from typing import Any
 from .client import RequestOutput
 from .energy import EnergyMeter, EnergyReading, Sample, energy_between, energy_over
 
-RULE = ("ML.ENERGY steady state: opens when B requests have their first token, closes when N - B - 1 "
-        "requests have finished; snapped inward to energy samples")
+RULE = (
+    "ML.ENERGY steady state: opens when B requests have their first token, closes when N - B - 1 "
+    "requests have finished; snapped inward to energy samples"
+)
 #: ML.ENERGY's data toolkit marks runs with a steady state shorter than this unstable (PITFALLS.md).
 MIN_STABLE_S = 20.0
 #: ... or with an average batch below this share of the target.
@@ -84,9 +86,13 @@ def sum_readings(readings: Sequence[EnergyReading | None]) -> EnergyReading | No
         for k, v in r.by_phase_j.items():
             by_phase[k] = by_phase.get(k, 0.0) + v
     return EnergyReading(
-        energy_j=sum(r.energy_j or 0.0 for r in rs), window_s=sum(r.window_s for r in rs) / len(rs),
-        source="measured" if srcs == {"measured"} else "simulated", provider=rs[0].provider, by_phase_j=by_phase,
-        by_gpu_j={(f"{i}/{g}" if len(rs) > 1 else g): v for i, r in enumerate(rs) for g, v in r.by_gpu_j.items()})
+        energy_j=sum(r.energy_j or 0.0 for r in rs),
+        window_s=sum(r.window_s for r in rs) / len(rs),
+        source="measured" if srcs == {"measured"} else "simulated",
+        provider=rs[0].provider,
+        by_phase_j=by_phase,
+        by_gpu_j={(f"{i}/{g}" if len(rs) > 1 else g): v for i, r in enumerate(rs) for g, v in r.by_gpu_j.items()},
+    )
 
 
 def steady_state(outputs: Sequence[RequestOutput], batch: float | None, meters: Sequence[EnergyMeter], t0: float) -> dict[str, Any]:
@@ -98,9 +104,21 @@ def steady_state(outputs: Sequence[RequestOutput], batch: float | None, meters: 
     All values are None with a ``steady_state_note`` when there is no target batch or the window
     does not exist; energy values are None when no source was sampled inside the window.
     """
-    keys = ("batch", "start_s", "end_s", "duration_s", "output_tokens", "output_throughput", "avg_concurrency",
-            "batch_utilization", "gpu_energy_j", "gpu_avg_power_w", "gpu_energy_per_output_token_j",
-            "output_tokens_per_joule", "energy_source")
+    keys = (
+        "batch",
+        "start_s",
+        "end_s",
+        "duration_s",
+        "output_tokens",
+        "output_throughput",
+        "avg_concurrency",
+        "batch_utilization",
+        "gpu_energy_j",
+        "gpu_avg_power_w",
+        "gpu_energy_per_output_token_j",
+        "output_tokens_per_joule",
+        "energy_source",
+    )
     out: dict[str, Any] = {f"steady_state_{k}": None for k in keys}
     out["steady_state_batch"] = batch
     out["steady_state_rule"] = RULE
@@ -120,7 +138,7 @@ def steady_state(outputs: Sequence[RequestOutput], batch: float | None, meters: 
         inside = [k for k, tt in enumerate(ticks) if tt is not None and tt[0] >= t_open and tt[1] <= t_close]
         if len(inside) >= 2:
             i, j = inside[0], inside[-1]
-            reading = sum_readings([energy_over(m.samples[i:j + 1]) for m in meters])
+            reading = sum_readings([energy_over(m.samples[i : j + 1]) for m in meters])
             a = sum(m.samples[i].t for m in meters) / len(meters) - t0
             b = sum(m.samples[j].t for m in meters) / len(meters) - t0
         else:
@@ -129,22 +147,28 @@ def steady_state(outputs: Sequence[RequestOutput], batch: float | None, meters: 
     tokens = sum(w for o in outputs for t, w in token_times(o) if a < t <= b)
     busy = sum(max(0.0, min(b, o.start_time + o.latency) - max(a, o.start_time)) for o in outputs if o.latency > 0)
     conc = busy / dur if dur > 0 else None
-    out.update({
-        "steady_state_start_s": a, "steady_state_end_s": b, "steady_state_duration_s": dur,
-        "steady_state_output_tokens": tokens,
-        "steady_state_output_throughput": tokens / dur if dur > 0 else None,
-        "steady_state_avg_concurrency": conc,
-        "steady_state_batch_utilization": conc / batch if conc is not None else None,
-    })
+    out.update(
+        {
+            "steady_state_start_s": a,
+            "steady_state_end_s": b,
+            "steady_state_duration_s": dur,
+            "steady_state_output_tokens": tokens,
+            "steady_state_output_throughput": tokens / dur if dur > 0 else None,
+            "steady_state_avg_concurrency": conc,
+            "steady_state_batch_utilization": conc / batch if conc is not None else None,
+        }
+    )
     if reading is not None and reading.energy_j is not None:
         e = reading.energy_j
-        out.update({
-            "steady_state_gpu_energy_j": e,
-            "steady_state_gpu_avg_power_w": e / reading.window_s if reading.window_s > 0 and reading.source == "measured" else None,
-            "steady_state_gpu_energy_per_output_token_j": e / tokens if tokens else None,
-            "steady_state_output_tokens_per_joule": tokens / e if e > 0 else None,
-            "steady_state_energy_source": reading.source,
-        })
+        out.update(
+            {
+                "steady_state_gpu_energy_j": e,
+                "steady_state_gpu_avg_power_w": e / reading.window_s if reading.window_s > 0 and reading.source == "measured" else None,
+                "steady_state_gpu_energy_per_output_token_j": e / tokens if tokens else None,
+                "steady_state_output_tokens_per_joule": tokens / e if e > 0 else None,
+                "steady_state_energy_source": reading.source,
+            }
+        )
     if dur < MIN_STABLE_S:
         notes.append(f"shorter than {MIN_STABLE_S:g} s (ML.ENERGY treats such runs as unstable)")
     if conc is not None and conc / batch < MIN_BATCH_UTILIZATION:
@@ -197,16 +221,18 @@ def timeline(meters: Sequence[EnergyMeter], names: Sequence[str], t0: float, int
             avg_power.append(d.energy_j / d.window_s if d is not None and d.energy_j is not None and d.window_s > 0 else None)
             phases.append(_phase(ss[k - 1], s))
         gauge_src = {s.gauge_source for s in ss if s.gauge_source}
-        series.append({
-            "name": name,
-            "energy_source": ("measured" if sources == {"measured"} else "simulated") if sources else None,
-            "gauge_source": ("measured" if gauge_src == {"measured"} else "simulated") if gauge_src else None,
-            "t_s": [s.t - t0 for s in ss],
-            "energy_j": energy,
-            "avg_power_w": avg_power,
-            "power_w": [s.power_w for s in ss],
-            "sm_clock_mhz": [s.sm_clock_mhz for s in ss],
-            "running": [s.running for s in ss],
-            "phase": phases,
-        })
+        series.append(
+            {
+                "name": name,
+                "energy_source": ("measured" if sources == {"measured"} else "simulated") if sources else None,
+                "gauge_source": ("measured" if gauge_src == {"measured"} else "simulated") if gauge_src else None,
+                "t_s": [s.t - t0 for s in ss],
+                "energy_j": energy,
+                "avg_power_w": avg_power,
+                "power_w": [s.power_w for s in ss],
+                "sm_clock_mhz": [s.sm_clock_mhz for s in ss],
+                "running": [s.running for s in ss],
+                "phase": phases,
+            }
+        )
     return {"sample_interval_s": interval_s, "series": series}

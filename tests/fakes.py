@@ -30,8 +30,9 @@ class FakeNvml:
     NVML_ERROR_UNKNOWN = 999
     NVML_CLOCK_SM = 1
 
-    def __init__(self, energy_mj: int = 1_000_000, no_permission: bool = False, mem_locks: bool = False,
-                 state_file: str | Path | None = None) -> None:
+    def __init__(
+        self, energy_mj: int = 1_000_000, no_permission: bool = False, mem_locks: bool = False, state_file: str | Path | None = None
+    ) -> None:
         self.energy_mj = energy_mj
         self.no_permission = no_permission
         self.fail_energy = False
@@ -185,8 +186,15 @@ class FakeZeusd:
     ``socket_path=None`` it listens on TCP at 127.0.0.1 (``url``), as ``zeusd serve --mode tcp``.
     """
 
-    def __init__(self, socket_path: str | Path | None, gpus: list[FakeNvml] | None = None, token: str | None = None,
-                 control_enabled: bool = True, pci: list[str] | None = None, read_enabled: bool = True) -> None:
+    def __init__(
+        self,
+        socket_path: str | Path | None,
+        gpus: list[FakeNvml] | None = None,
+        token: str | None = None,
+        control_enabled: bool = True,
+        pci: list[str] | None = None,
+        read_enabled: bool = True,
+    ) -> None:
         self.socket_path = str(socket_path) if socket_path is not None else None
         self.read_enabled = read_enabled
         self.gpus = gpus if gpus is not None else [FakeNvml()]
@@ -216,10 +224,18 @@ class FakeZeusd:
                 auth = self.headers.get("Authorization")
                 fake.requests.append((method, url.path, params, auth))
                 if method == "GET" and url.path == "/discover":
-                    return self._reply(200, {"gpus": [{"id": i, "name": "NVIDIA H200", "pci_address": a, "cumulative_energy_available": True}
-                                                      for i, a in enumerate(fake.pci)],
-                                             "cpus": [], "enabled_api_groups": ["gpu-control"] if fake.control_enabled else [],
-                                             "auth_required": fake.token is not None})
+                    return self._reply(
+                        200,
+                        {
+                            "gpus": [
+                                {"id": i, "name": "NVIDIA H200", "pci_address": a, "cumulative_energy_available": True}
+                                for i, a in enumerate(fake.pci)
+                            ],
+                            "cpus": [],
+                            "enabled_api_groups": ["gpu-control"] if fake.control_enabled else [],
+                            "auth_required": fake.token is not None,
+                        },
+                    )
                 if fake.token is not None and auth != f"Bearer {fake.token}":
                     return self._reply(401, {"error": "missing or invalid token"})
                 if method == "GET" and url.path in ("/gpu/get_cumulative_energy", "/gpu/get_power"):
@@ -227,11 +243,20 @@ class FakeZeusd:
                         return self._reply(404)
                     ids = [int(x) for x in params["gpu_ids"].split(",")] if "gpu_ids" in params else range(len(fake.gpus))
                     if url.path == "/gpu/get_power":
-                        return self._reply(200, {"timestamp_ms": int(time.time() * 1000),
-                                                 "power_mw": {str(i): fake.gpus[i].nvmlDeviceGetPowerUsage(f"h{i}") for i in ids}})
+                        return self._reply(
+                            200,
+                            {
+                                "timestamp_ms": int(time.time() * 1000),
+                                "power_mw": {str(i): fake.gpus[i].nvmlDeviceGetPowerUsage(f"h{i}") for i in ids},
+                            },
+                        )
                     return self._reply(200, {str(i): {"energy_mj": fake.gpus[i].nvmlDeviceGetTotalEnergyConsumption(f"h{i}")} for i in ids})
-                fns = {"/gpu/set_gpu_locked_clocks": "nvmlDeviceSetGpuLockedClocks", "/gpu/reset_gpu_locked_clocks": "nvmlDeviceResetGpuLockedClocks",
-                       "/gpu/set_mem_locked_clocks": "nvmlDeviceSetMemoryLockedClocks", "/gpu/reset_mem_locked_clocks": "nvmlDeviceResetMemoryLockedClocks"}
+                fns = {
+                    "/gpu/set_gpu_locked_clocks": "nvmlDeviceSetGpuLockedClocks",
+                    "/gpu/reset_gpu_locked_clocks": "nvmlDeviceResetGpuLockedClocks",
+                    "/gpu/set_mem_locked_clocks": "nvmlDeviceSetMemoryLockedClocks",
+                    "/gpu/reset_mem_locked_clocks": "nvmlDeviceResetMemoryLockedClocks",
+                }
                 if method != "POST" or url.path not in fns or not fake.control_enabled:
                     return self._reply(404)
                 errors = {}

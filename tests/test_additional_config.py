@@ -34,8 +34,9 @@ def test_malformed_additional_config_is_one_line_and_exit_2(value, capsys):
     assert len(err) == 1 and err[0].startswith("error: --additional-config ") and repr(value) in err[0], err
 
 
-@pytest.mark.parametrize("value, want", [('{"powersave": {"clocks": {"backend": "dry-run"}}}', {"powersave": {"clocks": {"backend": "dry-run"}}}),
-                                         ("{}", {})])
+@pytest.mark.parametrize(
+    "value, want", [('{"powersave": {"clocks": {"backend": "dry-run"}}}', {"powersave": {"clocks": {"backend": "dry-run"}}}), ("{}", {})]
+)
 def test_valid_additional_config_passes_through_unchanged(value, want):
     assert _parser().parse_args(["--additional-config", value]).additional_config == want
 
@@ -45,11 +46,14 @@ def test_malformed_additional_config_through_vllm_serve_is_one_line(tmp_path):
     one error line last; nothing started (the model directory is not even read)."""
     from vllm_powersave.serving import vllm_command
 
-    p = subprocess.run([*vllm_command(), "serve", str(tmp_path / "no-model"), "--additional-config", "{bad"],
-                       capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [*vllm_command(), "serve", str(tmp_path / "no-model"), "--additional-config", "{bad"], capture_output=True, text=True, timeout=300
+    )
     assert p.returncode == 2, p.stderr[-3000:]
     assert "Traceback" not in p.stderr + p.stdout
     errors = [ln for ln in p.stderr.splitlines() if "error" in ln.lower()]
-    assert errors == ["error: --additional-config '{bad': not valid JSON (Expecting property name enclosed in double quotes: "
-                      "line 1 column 2 (char 1)); expected a JSON object such as '{\"powersave\": {...}}'"], p.stderr[-3000:]
+    assert errors == [
+        "error: --additional-config '{bad': not valid JSON (Expecting property name enclosed in double quotes: "
+        "line 1 column 2 (char 1)); expected a JSON object such as '{\"powersave\": {...}}'"
+    ], p.stderr[-3000:]
     assert p.stderr.splitlines()[-1] == errors[0]

@@ -45,12 +45,15 @@ def test_no_starvation_no_api_server_advice():
     assert "api_servers" not in [r.key for r in advise(facts)]
 
 
-@pytest.mark.parametrize("argv,line", [
-    (["advise"], "error: give --result FILE and/or --metrics URL|FILE"),
-    (["advise", "--result", "nope.json"], "error: --result = 'nope.json': file not found"),
-    (["advise", "--metrics", "nope.txt"], "error: --metrics = 'nope.txt': neither a http(s) URL nor a file"),
-    (["advise", "--result", RESULT, "--api-servers", "0"], "error: --api-servers = 0: must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "argv,line",
+    [
+        (["advise"], "error: give --result FILE and/or --metrics URL|FILE"),
+        (["advise", "--result", "nope.json"], "error: --result = 'nope.json': file not found"),
+        (["advise", "--metrics", "nope.txt"], "error: --metrics = 'nope.txt': neither a http(s) URL nor a file"),
+        (["advise", "--result", RESULT, "--api-servers", "0"], "error: --api-servers = 0: must be >= 1"),
+    ],
+)
 def test_advise_bad_input_is_one_line(capsys, argv, line):
     assert main(argv) == 2
     err = capsys.readouterr().err

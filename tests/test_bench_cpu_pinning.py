@@ -75,9 +75,11 @@ def test_a_started_server_and_its_children_run_on_the_given_cpus(monkeypatch, tm
     allowed = sorted(os.sched_getaffinity(0))
     cpus = {allowed[-1]}
     # A stand-in for the server: a Python that starts a child and prints both processes' affinity.
-    prog = ("import os,subprocess,sys;print(sorted(os.sched_getaffinity(0)));"
-            "print(subprocess.run([sys.executable,'-c','import os;print(sorted(os.sched_getaffinity(0)))'],"
-            "capture_output=True,text=True).stdout.strip())")
+    prog = (
+        "import os,subprocess,sys;print(sorted(os.sched_getaffinity(0)));"
+        "print(subprocess.run([sys.executable,'-c','import os;print(sorted(os.sched_getaffinity(0)))'],"
+        "capture_output=True,text=True).stdout.strip())"
+    )
     monkeypatch.setattr(ab, "check_port_free", lambda port: None)
     real_popen = subprocess.Popen
     monkeypatch.setattr(ab.subprocess, "Popen", lambda cmd, **kw: real_popen([sys.executable, "-c", prog], **kw))

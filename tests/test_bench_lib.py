@@ -51,9 +51,13 @@ def test_abba_alternates_which_arm_goes_first():
 
 
 def test_ratio_summary_leaves_out_a_pair_cut_short():
-    windows = [{"pair": 0, "arm": "A", "tps": 100.0}, {"pair": 0, "arm": "B", "tps": 90.0},
-               {"pair": 1, "arm": "B", "tps": 120.0}, {"pair": 1, "arm": "A", "tps": 100.0},
-               {"pair": 2, "arm": "A", "tps": 100.0}]  # the budget stopped pair 2 before B
+    windows = [
+        {"pair": 0, "arm": "A", "tps": 100.0},
+        {"pair": 0, "arm": "B", "tps": 90.0},
+        {"pair": 1, "arm": "B", "tps": 120.0},
+        {"pair": 1, "arm": "A", "tps": 100.0},
+        {"pair": 2, "arm": "A", "tps": 100.0},
+    ]  # the budget stopped pair 2 before B
     assert paired(windows, "tps") == ([100.0, 100.0], [90.0, 120.0])
     s = ratio_summary(windows, "tps")
     assert s["pairs"] == 2 and s["per_pair"] == pytest.approx([0.9, 1.2]) and s["mean"] == pytest.approx(1.05)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
-from types import SimpleNamespace
 
 from vllm_powersave.clocks.boost import BoostController, BoostHolder, BoostUnavailable
 
@@ -115,8 +115,7 @@ class ScriptHolder(BoostHolder):
     def _start(self):
         import subprocess
 
-        return subprocess.Popen([sys.executable, "-c", self.script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                text=True, bufsize=1)
+        return subprocess.Popen([sys.executable, "-c", self.script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
 
 
 ECHO = "import sys\nfor line in sys.stdin:\n    print('ok 3.25', flush=True)\n"
@@ -197,8 +196,9 @@ def test_worker_runtime_auto_mode_drives_the_booster(monkeypatch, tmp_path):
     monkeypatch.setattr(vllm_compat, "runner_identity", lambda r: {"rank": 0, "device_type": "cuda", "device_index": 0})
     monkeypatch.setattr(rt_mod.build, "_boost_for", fake_boost_for)  # construction picks the booster
     runner = SimpleNamespace(rank=0, scheduler_config=SimpleNamespace(max_num_seqs=2, async_scheduling=False))
-    settings = PowersaveSettings.model_validate({"stats_dir": str(tmp_path), "cuda_perf_boost": "auto",
-                                                 "boost_release_after_s": 0.3, "energy": {"idle_after_s": 20.0}})
+    settings = PowersaveSettings.model_validate(
+        {"stats_dir": str(tmp_path), "cuda_perf_boost": "auto", "boost_release_after_s": 0.3, "energy": {"idle_after_s": 20.0}}
+    )
     rt = rt_mod.WorkerRuntime(runner, settings)
     try:
         for _ in range(5):

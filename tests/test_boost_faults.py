@@ -226,8 +226,7 @@ class ScriptHolder(BoostHolder):
 
     def _start(self):
         self.started += 1
-        return subprocess.Popen([sys.executable, "-c", self.script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                text=True, bufsize=1)
+        return subprocess.Popen([sys.executable, "-c", self.script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
 
 
 @pytest.mark.parametrize("answer", ["ok", "ok fast", "okay 1.0", "\\x00\\x01", "err"])
@@ -290,8 +289,17 @@ def test_step_racing_a_release_keeps_the_boost():
         ctl.close()
 
 
-@pytest.mark.parametrize("value,needle", [(float("nan"), "finite"), ("inf", "finite"), (0.01, "greater than or equal to 0.25"),
-                                          (-1, "greater than or equal to 0.25"), ("2 s", "valid number"), (7200, "less than or equal to 3600")])
+@pytest.mark.parametrize(
+    "value,needle",
+    [
+        (float("nan"), "finite"),
+        ("inf", "finite"),
+        (0.01, "greater than or equal to 0.25"),
+        (-1, "greater than or equal to 0.25"),
+        ("2 s", "valid number"),
+        (7200, "less than or equal to 3600"),
+    ],
+)
 def test_bad_release_after_values_are_one_line_errors(value, needle):
     from vllm_powersave.settings import SettingsError, load_settings
 

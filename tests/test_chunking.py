@@ -179,13 +179,12 @@ def test_chunked_lm_head_never_raises_peak_memory(dtype, monkeypatch):
     within the dtype's rounding (argmax identical)."""
     pytest.importorskip("vllm")
     from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor import custom_op
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
     from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
     from vllm_powersave import vllm_compat
-
-    from vllm.model_executor import custom_op
 
     # A registration of this test's own (another test may have registered one in this process).
     monkeypatch.setattr(vllm_compat, "_PATCHED", set())

@@ -12,7 +12,6 @@ from vllm_powersave.cli import main
 from vllm_powersave.modelgen import SHAPES
 
 
-
 def run(argv, capsys) -> tuple[int, str, str]:
     try:
         rc = main(argv)
@@ -36,29 +35,32 @@ def config(tmp_path, text: str):
     return d
 
 
-@pytest.mark.parametrize("args,needles", [
-    (["--slowdown", "nan"], ["--slowdown", "nan"]),
-    (["--slowdown", "-5"], ["--slowdown", "-5"]),
-    (["--slowdown", "101"], ["--slowdown", "101"]),
-    (["--slowdown", "abc"], ["--slowdown", "'abc'"]),
-    (["--only", "both"], ["--only", "'both'"]),
-    (["--only", ""], ["--only", "''"]),
-    (["--phases", "decode,warmup"], ["--phases", "warmup"]),
-    (["--phases", ","], ["--phases"]),
-    (["--tp", "0"], ["--tp", "0"]),
-    (["--tp", "3"], ["tp = 3", "num_attention_heads"]),
-    (["--sim-noise", "inf"], ["--sim-noise", "inf"]),
-    (["--window", "0"], ["--window", "0"]),
-    (["--sweep-window", "nan"], ["--sweep-window", "nan"]),
-    (["--thermal-warmup", "-1"], ["--thermal-warmup", "-1"]),
-    (["--warmup", "nan"], ["--warmup", "nan"]),
-    (["--rows", "abc"], ["--rows", "'abc'"]),
-    (["--rows", "64:prefill"], ["--rows", "prefill"]),
-    (["--chunks", "0,2"], ["--chunks", "'0,2'"]),
-    (["--repeats", "0"], ["--repeats", "0"]),
-    (["--sweep-points", "1"], ["--sweep-points", "1"]),
-    (["--device", "tpu"], ["--device", "'tpu'"]),
-])
+@pytest.mark.parametrize(
+    "args,needles",
+    [
+        (["--slowdown", "nan"], ["--slowdown", "nan"]),
+        (["--slowdown", "-5"], ["--slowdown", "-5"]),
+        (["--slowdown", "101"], ["--slowdown", "101"]),
+        (["--slowdown", "abc"], ["--slowdown", "'abc'"]),
+        (["--only", "both"], ["--only", "'both'"]),
+        (["--only", ""], ["--only", "''"]),
+        (["--phases", "decode,warmup"], ["--phases", "warmup"]),
+        (["--phases", ","], ["--phases"]),
+        (["--tp", "0"], ["--tp", "0"]),
+        (["--tp", "3"], ["tp = 3", "num_attention_heads"]),
+        (["--sim-noise", "inf"], ["--sim-noise", "inf"]),
+        (["--window", "0"], ["--window", "0"]),
+        (["--sweep-window", "nan"], ["--sweep-window", "nan"]),
+        (["--thermal-warmup", "-1"], ["--thermal-warmup", "-1"]),
+        (["--warmup", "nan"], ["--warmup", "nan"]),
+        (["--rows", "abc"], ["--rows", "'abc'"]),
+        (["--rows", "64:prefill"], ["--rows", "prefill"]),
+        (["--chunks", "0,2"], ["--chunks", "'0,2'"]),
+        (["--repeats", "0"], ["--repeats", "0"]),
+        (["--sweep-points", "1"], ["--sweep-points", "1"]),
+        (["--device", "tpu"], ["--device", "'tpu'"]),
+    ],
+)
 def test_tune_bad_options(tiny_config, tmp_path, capsys, args, needles):
     out_dir = tmp_path / "out"
     rc, _, err = run(["tune", str(tiny_config), "--out", str(out_dir), "--no-progress", *args], capsys)
@@ -67,16 +69,23 @@ def test_tune_bad_options(tiny_config, tmp_path, capsys, args, needles):
     assert not out_dir.exists()  # nothing written, nothing half-created
 
 
-@pytest.mark.parametrize("make,needles", [
-    (lambda t: t / "does-not-exist", ["no config.json"]),
-    (lambda t: config(t, "[]"), ["config.json", "JSON object"]),
-    (lambda t: config(t, "null"), ["config.json", "JSON object"]),
-    (lambda t: config(t, '{"text_config": 5}'), ["text_config", "JSON object"]),
-    (lambda t: config(t, "{not json"), ["cannot read config.json"]),
-    (lambda t: config(t, '{"hidden_size": true, "num_attention_heads": 4}'), ["hidden_size", "True"]),
-    (lambda t: config(t, json.dumps({**{k: v for k, v in SHAPES["qwen2-tiny"].items() if not k.startswith("_")},
-                                     "num_key_value_heads": "two"})), ["num_key_value_heads", "'two'"]),
-])
+@pytest.mark.parametrize(
+    "make,needles",
+    [
+        (lambda t: t / "does-not-exist", ["no config.json"]),
+        (lambda t: config(t, "[]"), ["config.json", "JSON object"]),
+        (lambda t: config(t, "null"), ["config.json", "JSON object"]),
+        (lambda t: config(t, '{"text_config": 5}'), ["text_config", "JSON object"]),
+        (lambda t: config(t, "{not json"), ["cannot read config.json"]),
+        (lambda t: config(t, '{"hidden_size": true, "num_attention_heads": 4}'), ["hidden_size", "True"]),
+        (
+            lambda t: config(
+                t, json.dumps({**{k: v for k, v in SHAPES["qwen2-tiny"].items() if not k.startswith("_")}, "num_key_value_heads": "two"})
+            ),
+            ["num_key_value_heads", "'two'"],
+        ),
+    ],
+)
 def test_tune_bad_model_dirs(tmp_path, capsys, make, needles):
     out_dir = tmp_path / "out"
     rc, _, err = run(["tune", str(make(tmp_path)), "--out", str(out_dir), "--no-progress"], capsys)

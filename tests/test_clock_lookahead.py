@@ -21,7 +21,9 @@ def _settings(**kw):
 
 def _ctl(clock=lambda: 0.0, **kw):
     host_ahead = kw.pop("host_ahead_steps", 0)
-    return ClockController(DryRunClockBackend(), _settings(**kw), asynchronous=False, clock=clock, watchdog=False, host_ahead_steps=host_ahead)
+    return ClockController(
+        DryRunClockBackend(), _settings(**kw), asynchronous=False, clock=clock, watchdog=False, host_ahead_steps=host_ahead
+    )
 
 
 def _step(phase, tokens, reqs=32):
@@ -102,14 +104,26 @@ def test_ranks_with_different_local_clocks_take_identical_decisions():
 
 
 def test_group_presets_gated_by_measured_duration_versus_switch_latency():
-    s = _settings(presets={"prefill": {"groups": {"lm_head": {"sm_clock_mhz": 1200, "duration_ms": 50.9},
-                                                  "attention": {"sm_clock_mhz": 1500, "duration_ms": 0.7},
-                                                  "sampling": {"sm_clock_mhz": 990}}}},
-                  switch_latency_ms=6.0, group_min_switch_multiple=5.0)
+    s = _settings(
+        presets={
+            "prefill": {
+                "groups": {
+                    "lm_head": {"sm_clock_mhz": 1200, "duration_ms": 50.9},
+                    "attention": {"sm_clock_mhz": 1500, "duration_ms": 0.7},
+                    "sampling": {"sm_clock_mhz": 990},
+                }
+            }
+        },
+        switch_latency_ms=6.0,
+        group_min_switch_multiple=5.0,
+    )
     active, ignored = group_gate(s)
     assert {ph: sorted(g) for ph, g in active.items()} == {"prefill": ["lm_head"]}
     assert active["prefill"]["lm_head"].sm_clock_mhz == 1200
-    assert sorted(line.split(":")[0] for line in ignored) == ["clocks.presets.prefill.groups.attention", "clocks.presets.prefill.groups.sampling"]
+    assert sorted(line.split(":")[0] for line in ignored) == [
+        "clocks.presets.prefill.groups.attention",
+        "clocks.presets.prefill.groups.sampling",
+    ]
     assert "0.7 ms < 5 x switch latency 6 ms" in " ".join(ignored) and "no measured duration_ms" in " ".join(ignored)
     # With the default multiple (10 x 6 ms = 60 ms) even the 50.9 ms LM head is ignored.
     assert group_gate(_settings(presets=s.model_dump()["presets"]))[0] == {}
@@ -220,11 +234,20 @@ def test_ranks_agree_across_idle_gaps_seen_differently_by_their_own_timers(monke
     from vllm_powersave.settings import PowersaveSettings
 
     monkeypatch.setattr(vllm_compat, "runner_identity", lambda r: {"rank": r.rank, "device_type": "cpu", "device_index": None})
-    settings = PowersaveSettings.model_validate({
-        "energy": {"meter": "off", "idle_after_s": 0.25},
-        "clocks": {"backend": "dry-run", "min_dwell_ms": 1500, "presets": {"decode": {"sm_clock_mhz": 1200}, "idle": {"sm_clock_mhz": 345}}}})
-    ranks = [rt_mod.WorkerRuntime(SimpleNamespace(rank=r, scheduler_config=SimpleNamespace(max_num_seqs=8, async_scheduling=False)), settings)
-             for r in (0, 1)]
+    settings = PowersaveSettings.model_validate(
+        {
+            "energy": {"meter": "off", "idle_after_s": 0.25},
+            "clocks": {
+                "backend": "dry-run",
+                "min_dwell_ms": 1500,
+                "presets": {"decode": {"sm_clock_mhz": 1200}, "idle": {"sm_clock_mhz": 345}},
+            },
+        }
+    )
+    ranks = [
+        rt_mod.WorkerRuntime(SimpleNamespace(rank=r, scheduler_config=SimpleNamespace(max_num_seqs=8, async_scheduling=False)), settings)
+        for r in (0, 1)
+    ]
     rng = random.Random(7)
     t, streams = 0.0, [[], []]
     try:
@@ -241,10 +264,14 @@ def test_ranks_agree_across_idle_gaps_seen_differently_by_their_own_timers(monke
                 reqs = {"a": 300} if phase == "prefill" else {"a": 1, "b": 1}
                 out = SimpleNamespace(
                     scheduled_new_reqs=[SimpleNamespace(req_id="a", num_computed_tokens=0)] if phase == "prefill" else [],
-                    scheduled_cached_reqs=SimpleNamespace(req_ids=[] if phase == "prefill" else ["a", "b"], num_computed_tokens=[10, 10],
-                                                          num_output_tokens=[1, 1]),
-                    num_scheduled_tokens=reqs, total_num_scheduled_tokens=sum(reqs.values()),
-                    scheduled_spec_decode_tokens={}, finished_req_ids=set())
+                    scheduled_cached_reqs=SimpleNamespace(
+                        req_ids=[] if phase == "prefill" else ["a", "b"], num_computed_tokens=[10, 10], num_output_tokens=[1, 1]
+                    ),
+                    num_scheduled_tokens=reqs,
+                    total_num_scheduled_tokens=sum(reqs.values()),
+                    scheduled_spec_decode_tokens={},
+                    finished_req_ids=set(),
+                )
                 setattr(out, vllm_compat.LOOKAHEAD_ATTR, (t, 0, 0))
                 for r, rt in enumerate(ranks):
                     rt.on_step_start(out)

@@ -28,14 +28,24 @@ TESTS = Path(__file__).parent
 REPO = TESTS.parent
 
 ERRORS = {"NotSupported": 3, "NoPermission": 4, "GpuIsLost": 15, "Unknown": 999}
-CALLS = ["nvmlDeviceSetGpuLockedClocks", "nvmlDeviceResetGpuLockedClocks", "nvmlDeviceSetMemoryLockedClocks",
-         "nvmlDeviceResetMemoryLockedClocks", "nvmlDeviceGetSupportedMemoryClocks", "nvmlDeviceGetSupportedGraphicsClocks"]
+CALLS = [
+    "nvmlDeviceSetGpuLockedClocks",
+    "nvmlDeviceResetGpuLockedClocks",
+    "nvmlDeviceSetMemoryLockedClocks",
+    "nvmlDeviceResetMemoryLockedClocks",
+    "nvmlDeviceGetSupportedMemoryClocks",
+    "nvmlDeviceGetSupportedGraphicsClocks",
+]
 SETTERS = [c for c in CALLS if "Set" in c or "Reset" in c]
 
 
 def _settings(tmp_path, **kw):
-    c = {"backend": "nvml", "min_dwell_ms": 0, "lease_dir": str(tmp_path / "leases"),
-         "presets": {"decode": {"sm_clock_mhz": 1200, "mem_clock_mhz": 2201}, "idle": {"sm_clock_mhz": 345}}}
+    c = {
+        "backend": "nvml",
+        "min_dwell_ms": 0,
+        "lease_dir": str(tmp_path / "leases"),
+        "presets": {"decode": {"sm_clock_mhz": 1200, "mem_clock_mhz": 2201}, "idle": {"sm_clock_mhz": 345}},
+    }
     c.update(kw)
     return load_settings({"clocks": c}, env={}).clocks
 
@@ -57,7 +67,9 @@ def test_nvml_error_at_every_call_leaves_gpu_unlocked(tmp_path, caplog, err, cal
     nvml = FakeNvml(mem_locks=True)
     nvml.inject(call, ERRORS[err], times=None if mode == "always" else 1, after=mode == "after")
     with caplog.at_level(logging.WARNING, logger="vllm.powersave.clocks"):
-        ctl = ClockController(NvmlClockBackend(NvmlGpu(nvml, "h0")), _settings(tmp_path), gpu_id="GPU-f", asynchronous=False, watchdog=False)
+        ctl = ClockController(
+            NvmlClockBackend(NvmlGpu(nvml, "h0")), _settings(tmp_path), gpu_id="GPU-f", asynchronous=False, watchdog=False
+        )
         for phase in ["decode", "prefill", "decode", "idle", "prefill", "decode"]:
             ctl.on_phase(phase)  # never raises
         ctl.close()
@@ -80,8 +92,13 @@ def test_nvml_error_at_every_call_leaves_gpu_unlocked(tmp_path, caplog, err, cal
 
 def test_memory_clock_locked_where_supported_and_ignored_with_one_warning_where_not(tmp_path, caplog):
     nvml = FakeNvml(mem_locks=True)
-    ctl = ClockController(NvmlClockBackend(NvmlGpu(nvml, "h0")), _settings(tmp_path, presets={"decode": {"sm_clock_mhz": 1210, "mem_clock_mhz": 2500}}),
-                          gpu_id="GPU-m", asynchronous=False, watchdog=False)
+    ctl = ClockController(
+        NvmlClockBackend(NvmlGpu(nvml, "h0")),
+        _settings(tmp_path, presets={"decode": {"sm_clock_mhz": 1210, "mem_clock_mhz": 2500}}),
+        gpu_id="GPU-m",
+        asynchronous=False,
+        watchdog=False,
+    )
     assert ctl.presets["decode"].mem_clock_mhz == 2201  # snapped to the supported list (3201, 2201)
     ctl.on_phase("decode")
     assert nvml.locked == (1200, 1200) and nvml.mem_locked == (2201, 2201)
@@ -91,7 +108,9 @@ def test_memory_clock_locked_where_supported_and_ignored_with_one_warning_where_
 
     h200 = FakeNvml(mem_locks=False)  # the H200: no memory locks
     with caplog.at_level(logging.WARNING, logger="vllm.powersave.clocks"):
-        ctl = ClockController(NvmlClockBackend(NvmlGpu(h200, "h0")), _settings(tmp_path), gpu_id="GPU-h", asynchronous=False, watchdog=False)
+        ctl = ClockController(
+            NvmlClockBackend(NvmlGpu(h200, "h0")), _settings(tmp_path), gpu_id="GPU-h", asynchronous=False, watchdog=False
+        )
         for phase in ["decode", "prefill", "decode"]:
             ctl.on_phase(phase)
     assert ctl.disabled_reason is None and h200.locked == (1200, 1200)
@@ -144,7 +163,9 @@ CHILD = textwrap.dedent("""
 def _child(tmp_path, mode):
     script = tmp_path / "child.py"
     script.write_text(CHILD.format(tests=str(TESTS), repo=str(REPO), state=str(tmp_path / "gpu.json"), leases=str(tmp_path / "leases")))
-    proc = subprocess.Popen([sys.executable, str(script), mode], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), mode], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     assert proc.stdout.readline().strip() == "locked", proc.stderr.read()
     return proc, FakeNvml(state_file=tmp_path / "gpu.json"), LeaseStore(tmp_path / "leases")
 
@@ -198,7 +219,9 @@ def test_sigkill_lock_recovered_by_reset_clocks_cli(tmp_path, monkeypatch, capsy
 def test_sigkill_lock_reset_by_watchdog(tmp_path):
     proc, gpu, leases = _child(tmp_path, "wait")
     out = {}
-    t = threading.Thread(target=lambda: out.setdefault("r", watch(proc.pid, leases, lambda lease: reset_from_lease(lease, nvml=gpu), poll_s=0.02)))
+    t = threading.Thread(
+        target=lambda: out.setdefault("r", watch(proc.pid, leases, lambda lease: reset_from_lease(lease, nvml=gpu), poll_s=0.02))
+    )
     t.start()
     proc.kill()
     proc.wait()
@@ -211,8 +234,11 @@ def test_frozen_engine_reset_by_watchdog_heartbeat_and_stops_clock_control(tmp_p
     proc, gpu, leases = _child(tmp_path, "wait")
     stop = threading.Event()
     out = {}
-    t = threading.Thread(target=lambda: out.setdefault("r", watch(proc.pid, leases, lambda lease: reset_from_lease(lease, nvml=gpu),
-                                                                  poll_s=0.05, stop=stop, heartbeat_timeout_s=1.0)))
+    t = threading.Thread(
+        target=lambda: out.setdefault(
+            "r", watch(proc.pid, leases, lambda lease: reset_from_lease(lease, nvml=gpu), poll_s=0.05, stop=stop, heartbeat_timeout_s=1.0)
+        )
+    )
     try:
         os.kill(proc.pid, signal.SIGSTOP)
         t.start()
@@ -232,7 +258,13 @@ def test_frozen_engine_reset_by_watchdog_heartbeat_and_stops_clock_control(tmp_p
 
 def test_hung_step_withholds_heartbeat_and_revocation_stops_control(tmp_path):
     nvml = FakeNvml()
-    ctl = ClockController(NvmlClockBackend(NvmlGpu(nvml, "h0")), _settings(tmp_path, heartbeat_timeout_s=5), gpu_id="GPU-hb", asynchronous=False, watchdog=False)
+    ctl = ClockController(
+        NvmlClockBackend(NvmlGpu(nvml, "h0")),
+        _settings(tmp_path, heartbeat_timeout_s=5),
+        gpu_id="GPU-hb",
+        asynchronous=False,
+        watchdog=False,
+    )
     leases = LeaseStore(tmp_path / "leases")
     assert ctl.heartbeat() is False  # nothing locked: nothing to guard
     ctl.on_phase("decode")
@@ -245,8 +277,9 @@ def test_hung_step_withholds_heartbeat_and_revocation_stops_control(tmp_path):
     hb = tmp_path / "leases" / "GPU-hb.hb"
     os.utime(hb, (time.time() - 10, time.time() - 10))
     resets, revoked = [], set()
-    assert check_heartbeats(os.getpid(), leases, lambda lease: (resets.append(lease["gpu"]), reset_from_lease(lease, nvml=nvml)),
-                            5.0, revoked) == ["GPU-hb"]
+    assert check_heartbeats(
+        os.getpid(), leases, lambda lease: (resets.append(lease["gpu"]), reset_from_lease(lease, nvml=nvml)), 5.0, revoked
+    ) == ["GPU-hb"]
     assert check_heartbeats(os.getpid(), leases, resets.append, 5.0, revoked) == []  # once only
     assert nvml.locked is None and leases.revoked_for("GPU-hb", os.getpid())
     # The owner wakes up: it stops touching clocks instead of locking again.

@@ -22,14 +22,20 @@ class Clock:
 
 
 def _settings(tmp_path, **clocks):
-    base = {"backend": "nvml", "min_dwell_ms": 500, "lease_dir": str(tmp_path / "leases"),
-            "presets": {"decode": {"sm_clock_mhz": 1210}, "idle": {"sm_clock_mhz": 345}}}
+    base = {
+        "backend": "nvml",
+        "min_dwell_ms": 500,
+        "lease_dir": str(tmp_path / "leases"),
+        "presets": {"decode": {"sm_clock_mhz": 1210}, "idle": {"sm_clock_mhz": 345}},
+    }
     base.update(clocks)
     return load_settings({"clocks": base}, env={}).clocks
 
 
 def _ctl(tmp_path, nvml, clock, **kw):
-    return ClockController(NvmlClockBackend(NvmlGpu(nvml, "h0")), _settings(tmp_path, **kw), gpu_id="GPU-test", asynchronous=False, clock=clock, watchdog=False)
+    return ClockController(
+        NvmlClockBackend(NvmlGpu(nvml, "h0")), _settings(tmp_path, **kw), gpu_id="GPU-test", asynchronous=False, clock=clock, watchdog=False
+    )
 
 
 def test_presets_snap_to_supported_clocks(tmp_path):
@@ -148,7 +154,14 @@ def test_async_apply_coalesces_to_latest_target(tmp_path):
             super().nvmlDeviceResetGpuLockedClocks(h)
 
     nvml, clock = SlowNvml(), Clock()
-    ctl = ClockController(NvmlClockBackend(NvmlGpu(nvml, "h0")), _settings(tmp_path, min_dwell_ms=0), gpu_id="GPU-a", asynchronous=True, clock=clock, watchdog=False)
+    ctl = ClockController(
+        NvmlClockBackend(NvmlGpu(nvml, "h0")),
+        _settings(tmp_path, min_dwell_ms=0),
+        gpu_id="GPU-a",
+        asynchronous=True,
+        clock=clock,
+        watchdog=False,
+    )
     for phase in ["decode", "prefill"] * 7 + ["decode"]:
         ctl.on_phase(phase)
     assert len(ctl.decisions) == 15
@@ -165,7 +178,13 @@ def test_async_apply_coalesces_to_latest_target(tmp_path):
 
 def test_simulated_backend_drives_simulated_gpu(tmp_path):
     gpu = SimulatedGpu()
-    s = load_settings({"clocks": {"backend": "simulated", "min_dwell_ms": 0, "presets": {"decode": {"sm_clock_mhz": 1200}}}, "energy": {"meter": "simulated"}}, env={}).clocks
+    s = load_settings(
+        {
+            "clocks": {"backend": "simulated", "min_dwell_ms": 0, "presets": {"decode": {"sm_clock_mhz": 1200}}},
+            "energy": {"meter": "simulated"},
+        },
+        env={},
+    ).clocks
     ctl = ClockController(SimulatedClockBackend(gpu), s, asynchronous=False)
     ctl.on_phase("decode")
     assert gpu.sm_clock_mhz <= 1200 and gpu.locked
@@ -193,7 +212,9 @@ def test_watchdog_resets_clocks_of_a_sigkilled_owner(tmp_path):
     (tmp_path / "leases" / "GPU-w.json").write_text(json.dumps({"gpu": "GPU-w", "pid": owner.pid, "sm_clock_mhz": 1200}))
     (tmp_path / "leases" / "GPU-other.json").write_text(json.dumps({"gpu": "GPU-other", "pid": os.getpid(), "sm_clock_mhz": 990}))
     resets, out = [], {}
-    t = threading.Thread(target=lambda: out.setdefault("r", watch(owner.pid, store, lambda lease: resets.append(lease["gpu"]), poll_s=0.05)))
+    t = threading.Thread(
+        target=lambda: out.setdefault("r", watch(owner.pid, store, lambda lease: resets.append(lease["gpu"]), poll_s=0.05))
+    )
     t.start()
     assert resets == []
     owner.kill()
@@ -222,8 +243,14 @@ def test_close_racing_a_pending_reset_leaves_no_lock(tmp_path):
 
     for _ in range(20):
         nvml, clock = FakeNvml(), Clock()
-        ctl = ClockController(NvmlClockBackend(NvmlGpu(nvml, "h0")), _settings(tmp_path, min_dwell_ms=0), gpu_id="GPU-r",
-                              asynchronous=True, clock=clock, watchdog=False)
+        ctl = ClockController(
+            NvmlClockBackend(NvmlGpu(nvml, "h0")),
+            _settings(tmp_path, min_dwell_ms=0),
+            gpu_id="GPU-r",
+            asynchronous=True,
+            clock=clock,
+            watchdog=False,
+        )
         ctl.on_phase("decode")
         _time.sleep(0.01)
         ctl.on_phase("prefill")
@@ -241,8 +268,14 @@ def test_slow_set_finishing_after_close_started_is_undone(tmp_path):
             super().nvmlDeviceSetGpuLockedClocks(h, lo, hi)
 
     nvml = SlowSet()
-    ctl = ClockController(NvmlClockBackend(NvmlGpu(nvml, "h0")), _settings(tmp_path, min_dwell_ms=0), gpu_id="GPU-s",
-                          asynchronous=True, clock=Clock(), watchdog=False)
+    ctl = ClockController(
+        NvmlClockBackend(NvmlGpu(nvml, "h0")),
+        _settings(tmp_path, min_dwell_ms=0),
+        gpu_id="GPU-s",
+        asynchronous=True,
+        clock=Clock(),
+        watchdog=False,
+    )
     ctl.on_phase("decode")
     _time.sleep(0.05)  # the set is in flight
     ctl.close()
@@ -253,7 +286,9 @@ def test_slow_set_finishing_after_close_started_is_undone(tmp_path):
 def test_corrupt_lease_is_treated_as_stale_not_a_crash(tmp_path, content):
     d = tmp_path / "leases"
     d.mkdir()
-    (d / "GPU-bad.json").write_text(content, errors="surrogateescape") if content != "\xff\xfe" else (d / "GPU-bad.json").write_bytes(b"\xff\xfe")
+    (d / "GPU-bad.json").write_text(content, errors="surrogateescape") if content != "\xff\xfe" else (d / "GPU-bad.json").write_bytes(
+        b"\xff\xfe"
+    )
     stale = LeaseStore(d).stale()
     assert [s["gpu"] for s in stale] == ["GPU-bad"]
 

@@ -28,8 +28,13 @@ class H200Nvml(FakeNvml):
 
 
 def _settings(tmp_path, **cl):
-    c = {"backend": "nvml", "min_dwell_ms": 0, "switch_latency_ms": 1.0, "lease_dir": str(tmp_path / "leases"),
-         "closed_loop": {"enabled": True, **cl}}
+    c = {
+        "backend": "nvml",
+        "min_dwell_ms": 0,
+        "switch_latency_ms": 1.0,
+        "lease_dir": str(tmp_path / "leases"),
+        "closed_loop": {"enabled": True, **cl},
+    }
     return load_settings({"clocks": c}, env={}).clocks
 
 
@@ -157,8 +162,18 @@ def test_pure_dry_run_backend_reports_baseline_step_times(tmp_path):
 
 def test_static_decode_preset_overrides_the_loop(tmp_path):
     nvml = H200Nvml()
-    s = load_settings({"clocks": {"backend": "nvml", "min_dwell_ms": 0, "lease_dir": str(tmp_path / "l"),
-                                  "presets": {"decode": {"sm_clock_mhz": 900}}, "closed_loop": {"enabled": True}}}, env={}).clocks
+    s = load_settings(
+        {
+            "clocks": {
+                "backend": "nvml",
+                "min_dwell_ms": 0,
+                "lease_dir": str(tmp_path / "l"),
+                "presets": {"decode": {"sm_clock_mhz": 900}},
+                "closed_loop": {"enabled": True},
+            }
+        },
+        env={},
+    ).clocks
     ctl = ClockController(NvmlClockBackend(NvmlGpu(nvml, "h0")), s, gpu_id="GPU-o", asynchronous=False, watchdog=False)
     assert ctl.closed_loop is None
     ctl.on_phase("decode", 0.0)
@@ -244,7 +259,9 @@ def test_replay_closed_loop_keeps_the_budget_where_the_static_preset_breaks_it()
     trace = serving_trace(90.0, 11, H200)
     common = {"backend": "simulated", "min_dwell_ms": 20, "compute_share_max": 0.0, "presets": {"idle": {"sm_clock_mhz": 345}}}
     stock = load_settings({"clocks": {"backend": "simulated"}}, env={}).clocks
-    static = load_settings({"clocks": {**common, "presets": {"decode": {"sm_clock_mhz": 900}, "idle": {"sm_clock_mhz": 345}}}}, env={}).clocks
+    static = load_settings(
+        {"clocks": {**common, "presets": {"decode": {"sm_clock_mhz": 900}, "idle": {"sm_clock_mhz": 345}}}}, env={}
+    ).clocks
     loop = load_settings({"clocks": {**common, "closed_loop": {"enabled": True}}}, env={}).clocks
     base = replay(trace, spec, stock, noise_sigma=0.01)
     r_static = compare(base, replay(trace, spec, static, noise_sigma=0.01))
@@ -258,8 +275,9 @@ def test_tpot_slo_target_keeps_decode_steps_under_the_slo(tmp_path):
     nvml = H200Nvml()
     # Default-clock steps take 9.2 ms growing to 10 ms with the context; a 10.5 ms TPOT SLO leaves
     # room for a clock below the memory-bound knee, less and less as the context grows.
-    ctl = ClockController(NvmlClockBackend(NvmlGpu(nvml, "h0")), _settings(tmp_path, tpot_slo_ms=10.5), gpu_id="GPU-slo",
-                          asynchronous=False, watchdog=False)
+    ctl = ClockController(
+        NvmlClockBackend(NvmlGpu(nvml, "h0")), _settings(tmp_path, tpot_slo_ms=10.5), gpu_id="GPU-slo", asynchronous=False, watchdog=False
+    )
     gpu = Gpu(nvml, 780, noise=0.005, seed=5)
     t, ctx, late = 0.0, 30_000, []
     for _ in range(2500):

@@ -16,15 +16,19 @@ def _decode(n_reqs):
     return SimpleNamespace(
         scheduled_new_reqs=[],
         scheduled_cached_reqs=SimpleNamespace(req_ids=ids, num_computed_tokens=[100] * n_reqs, num_output_tokens=[1] * n_reqs),
-        num_scheduled_tokens={i: 1 for i in ids}, total_num_scheduled_tokens=n_reqs,
-        scheduled_spec_decode_tokens={}, finished_req_ids=set())
+        num_scheduled_tokens={i: 1 for i in ids},
+        total_num_scheduled_tokens=n_reqs,
+        scheduled_spec_decode_tokens={},
+        finished_req_ids=set(),
+    )
 
 
 def _cpu_runtime(monkeypatch, tmp_path, **extra):
     monkeypatch.setattr(vllm_compat, "runner_identity", lambda r: {"rank": 0, "device_type": "cpu", "device_index": None})
     runner = SimpleNamespace(rank=0, scheduler_config=SimpleNamespace(max_num_seqs=64, async_scheduling=False))
-    settings = PowersaveSettings.model_validate({"stats_dir": str(tmp_path), "trace_steps": True,
-                                                 "energy": {"idle_after_s": 20.0}, **extra})
+    settings = PowersaveSettings.model_validate(
+        {"stats_dir": str(tmp_path), "trace_steps": True, "energy": {"idle_after_s": 20.0}, **extra}
+    )
     return rt_mod.WorkerRuntime(runner, settings)
 
 
@@ -72,8 +76,10 @@ def test_presets_or_mode_off_keep_the_closed_loop_out_of_the_step_path(monkeypat
 def test_a_fault_in_the_closed_loop_turns_only_it_off(monkeypatch, tmp_path):
     rt = _cpu_runtime(monkeypatch, tmp_path)
     try:
+
         def boom(*a, **k):
             raise RuntimeError("tuner fault")
+
         monkeypatch.setattr(rt.clocks, "observe_decode_step", boom)
         for _ in range(10):
             rt.on_step_start(_decode(8))

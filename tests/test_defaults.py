@@ -21,8 +21,7 @@ NOZ = (False, "no zeusd socket")
 
 
 def choose(mode="auto", backend="auto", presets=False, force=False, gpu=True, perm=NO, zeusd=NOZ):
-    return select_clock_mode(mode, backend, presets, force_dry_run=force, on_gpu=gpu, nvml_permission=perm,
-                             zeusd=zeusd)
+    return select_clock_mode(mode, backend, presets, force_dry_run=force, on_gpu=gpu, nvml_permission=perm, zeusd=zeusd)
 
 
 def test_clock_mode_auto_sets_clocks_only_where_the_process_may():
@@ -75,8 +74,7 @@ def _runtime(monkeypatch, tmp_path, perm, extra=None, zeusd_sock=None):
     tmp_path.mkdir(parents=True, exist_ok=True)
     cfg = {"stats_dir": str(tmp_path), "energy": {"idle_after_s": 20.0}, **(extra or {})}
     if zeusd_sock:
-        cfg["clocks"] = {"zeusd_socket": zeusd_sock, "presets": {"decode": {"sm_clock_mhz": 1200}},
-                         "lease_dir": str(tmp_path / "leases")}
+        cfg["clocks"] = {"zeusd_socket": zeusd_sock, "presets": {"decode": {"sm_clock_mhz": 1200}}, "lease_dir": str(tmp_path / "leases")}
     return rt_mod.WorkerRuntime(runner, PowersaveSettings.model_validate(cfg))
 
 
@@ -132,16 +130,22 @@ def test_metering_only_switch_keeps_every_saving_stock(monkeypatch, tmp_path):
         rt.close()
 
 
-@pytest.mark.parametrize("cfg,line", [
-    ({"savings": "off", "cuda_perf_boost": "auto"}, "powersave settings: cuda_perf_boost 'auto' conflicts with savings 'off'"),
-    ({"savings": "off", "clocks": {"mode": "closed_loop"}}, "powersave settings: clocks.mode 'closed_loop' conflicts with savings 'off'"),
-    ({"savings": "maybe"}, "powersave setting 'savings' = 'maybe'"),
-    ({"clocks": {"mode": "turbo"}}, "powersave setting 'clocks.mode' = 'turbo'"),
-    ({"clocks": {"backend": "magic"}}, "powersave setting 'clocks.backend' = 'magic'"),
-    ({"energy": {"starvation_warn_share": 1.5}}, "powersave setting 'energy.starvation_warn_share' = 1.5"),
-    ({"energy": {"starvation_min_busy_s": 0}}, "powersave setting 'energy.starvation_min_busy_s' = 0"),
-    ({"energy": {"starvation_warn_every_s": float("nan")}}, "powersave setting 'energy.starvation_warn_every_s' = nan"),
-])
+@pytest.mark.parametrize(
+    "cfg,line",
+    [
+        ({"savings": "off", "cuda_perf_boost": "auto"}, "powersave settings: cuda_perf_boost 'auto' conflicts with savings 'off'"),
+        (
+            {"savings": "off", "clocks": {"mode": "closed_loop"}},
+            "powersave settings: clocks.mode 'closed_loop' conflicts with savings 'off'",
+        ),
+        ({"savings": "maybe"}, "powersave setting 'savings' = 'maybe'"),
+        ({"clocks": {"mode": "turbo"}}, "powersave setting 'clocks.mode' = 'turbo'"),
+        ({"clocks": {"backend": "magic"}}, "powersave setting 'clocks.backend' = 'magic'"),
+        ({"energy": {"starvation_warn_share": 1.5}}, "powersave setting 'energy.starvation_warn_share' = 1.5"),
+        ({"energy": {"starvation_min_busy_s": 0}}, "powersave setting 'energy.starvation_min_busy_s' = 0"),
+        ({"energy": {"starvation_warn_every_s": float("nan")}}, "powersave setting 'energy.starvation_warn_every_s' = nan"),
+    ],
+)
 def test_bad_new_settings_stop_with_one_line_naming_field_and_value(cfg, line):
     with pytest.raises(SettingsError) as err:
         load_settings(cfg, env={})
@@ -153,14 +157,16 @@ def test_start_line_names_each_saving_and_why(monkeypatch):
     monkeypatch.setattr(mode_mod, "clock_permission", lambda: NO)
     env = {}
     line = startup_line(load_settings({}, env={}), on_gpu=True, env=env)
-    assert line == ("powersave: savings: perf-boost auto (idle power, measured -35 % on H200); clocks dry-run "
-                    "(closed loop; no clock permission: predicted only); "
-                    "chunking off (no table)")
+    assert line == (
+        "powersave: savings: perf-boost auto (idle power, measured -35 % on H200); clocks dry-run "
+        "(closed loop; no clock permission: predicted only); "
+        "chunking off (no table)"
+    )
     monkeypatch.setattr(mode_mod, "clock_permission", lambda: YES)
-    assert "clocks closed_loop (closed loop; running as root)" in startup_line(
-        load_settings({}, env={}), on_gpu=True, env=env)
+    assert "clocks closed_loop (closed loop; running as root)" in startup_line(load_settings({}, env={}), on_gpu=True, env=env)
     assert "clocks dry-run (closed loop; POWERSAVE_FORCE_DRY_RUN=1: predicted only)" in startup_line(
-        load_settings({}, env={}), on_gpu=True, env={"POWERSAVE_FORCE_DRY_RUN": "1"})
+        load_settings({}, env={}), on_gpu=True, env={"POWERSAVE_FORCE_DRY_RUN": "1"}
+    )
     assert startup_line(load_settings({"savings": "off"}, env={}), on_gpu=True, env=env).startswith("powersave: metering only")
     assert "perf-boost n/a (no GPU)" in startup_line(load_settings({}, env={}), on_gpu=False, env=env)
 

@@ -52,8 +52,10 @@ class _NewSettings(BaseModel):
 
 def test_settings_doc_picks_up_a_new_field_its_comment_bounds_and_nested_model():
     text = render(_NewSettings)
-    assert "- **`patience_ms`**: float; default `250`; bounds > 0, ≤ 1000, finite; unit ms.  \n" \
-           "  How long to wait before giving up, in milliseconds." in text
+    assert (
+        "- **`patience_ms`**: float; default `250`; bounds > 0, ≤ 1000, finite; unit ms.  \n"
+        "  How long to wait before giving up, in milliseconds." in text
+    )
     assert "- **`flag`**: bool; default `false`.  \n  a trailing comment describes it" in text
     assert "## `inner`" in text and "- **`inner.size_rows`**: int; default `3`; bounds ≥ 1; unit rows." in text
     assert "## `items[]`" in text and "- **`items[].size_rows`**" in text

@@ -38,11 +38,19 @@ STATS = {}
 def server(tiny_model, tmp_path_factory):
     log = tmp_path_factory.mktemp("logs") / "server.log"
     STATS["dir"] = tmp_path_factory.mktemp("stats")
-    cfg = {"powersave": {"config_file": str(PRESET), "clocks": {"min_dwell_ms": 50}, "cuda_perf_boost": "off",
-                         "per_request_energy": True, "stats_dir": str(STATS["dir"]), "trace_steps": True,
-                         # a loaded 2-core CI machine may need more than the default 200 ms
-                         "energy": {"response_wait_ms": 3000},
-                         "chunking": {"table": [{"min_rows": 4, "chunks": 2}]}}}
+    cfg = {
+        "powersave": {
+            "config_file": str(PRESET),
+            "clocks": {"min_dwell_ms": 50},
+            "cuda_perf_boost": "off",
+            "per_request_energy": True,
+            "stats_dir": str(STATS["dir"]),
+            "trace_steps": True,
+            # a loaded 2-core CI machine may need more than the default 200 ms
+            "energy": {"response_wait_ms": 3000},
+            "chunking": {"table": [{"min_rows": 4, "chunks": 2}]},
+        }
+    }
     srv = VllmServer(default_serve_args(str(tiny_model)) + ["--plugin", "powersave", "--additional-config", json.dumps(cfg)], log_path=log)
     srv.start()
     yield srv
@@ -67,18 +75,29 @@ def _metrics(url):
 
 
 def test_answers_completions_and_chat(server):
-    c = _post(server.base_url + "/v1/completions", {"model": "model", "prompt": "def main():", "max_tokens": 12, "ignore_eos": True, "temperature": 0})
+    c = _post(
+        server.base_url + "/v1/completions",
+        {"model": "model", "prompt": "def main():", "max_tokens": 12, "ignore_eos": True, "temperature": 0},
+    )
     assert c["usage"]["completion_tokens"] == 12 and c["choices"][0]["text"]
-    chat = _post(server.base_url + "/v1/chat/completions", {"model": "model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "ignore_eos": True})
+    chat = _post(
+        server.base_url + "/v1/chat/completions",
+        {"model": "model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "ignore_eos": True},
+    )
     assert chat["usage"]["completion_tokens"] == 8 and chat["choices"][0]["message"]["role"] == "assistant"
     # Greedy decoding is deterministic: chunking (table: 2 chunks from 4 rows) must not change results.
-    again = _post(server.base_url + "/v1/completions", {"model": "model", "prompt": "def main():", "max_tokens": 12, "ignore_eos": True, "temperature": 0})
+    again = _post(
+        server.base_url + "/v1/completions",
+        {"model": "model", "prompt": "def main():", "max_tokens": 12, "ignore_eos": True, "temperature": 0},
+    )
     assert again["choices"][0]["text"] == c["choices"][0]["text"]
 
 
 def test_metrics_and_load_test(server):
     before = _metrics(server.base_url)
-    res = run(BenchConfig(base_url=server.base_url, num_prompts=24, max_concurrency=8, input_len=32, output_len=16, num_warmups=1, label="e2e"))
+    res = run(
+        BenchConfig(base_url=server.base_url, num_prompts=24, max_concurrency=8, input_len=32, output_len=16, num_warmups=1, label="e2e")
+    )
     time.sleep(0.6)  # one publish period
     after = _metrics(server.base_url)
     assert res["completed"] == 24 and res["failed"] == 0
@@ -126,9 +145,10 @@ def test_metrics_and_load_test(server):
 def test_per_request_energy_returned_to_the_client(server):
     """Non-streaming responses carry x-powersave-energy-* headers (OpenAI clients ignore them);
     GET /powersave/requests/{response id} serves the same figure."""
-    for path, body in (("/v1/completions", {"model": "model", "prompt": "def f():", "max_tokens": 6, "ignore_eos": True}),
-                       ("/v1/chat/completions", {"model": "model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
-                                                 "ignore_eos": True})):
+    for path, body in (
+        ("/v1/completions", {"model": "model", "prompt": "def f():", "max_tokens": 6, "ignore_eos": True}),
+        ("/v1/chat/completions", {"model": "model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "ignore_eos": True}),
+    ):
         req = urllib.request.Request(server.base_url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=120) as r:
             resp, headers = json.loads(r.read()), r.headers
@@ -191,18 +211,32 @@ def test_clock_follows_phases_of_one_long_request(server):
 
 
 def test_invalid_setting_stops_startup_with_one_line(tiny_model, tmp_path):
-    cmd = [*vllm_command(), "serve", str(tiny_model), "--plugin", "powersave", "--additional-config", json.dumps({"powersave": {"clocks": {"backend": "turbo"}}})]
+    cmd = [
+        *vllm_command(),
+        "serve",
+        str(tiny_model),
+        "--plugin",
+        "powersave",
+        "--additional-config",
+        json.dumps({"powersave": {"clocks": {"backend": "turbo"}}}),
+    ]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert p.returncode == 2
     errors = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
-    assert errors == ["error: powersave setting 'clocks.backend' = 'turbo': Input should be 'auto', 'dry-run', 'nvml', 'zeusd' or 'simulated'"]
+    assert errors == [
+        "error: powersave setting 'clocks.backend' = 'turbo': Input should be 'auto', 'dry-run', 'nvml', 'zeusd' or 'simulated'"
+    ]
     assert "EngineCore" not in p.stderr + p.stdout  # nothing was started
 
 
 def test_preset_tuned_for_another_vllm_is_refused_at_startup(tiny_model):
     cfg = {"powersave": {"tuned_for": {"vllm_version": "0.25"}}}
-    p = subprocess.run([*vllm_command(), "serve", str(tiny_model), "--plugin", "powersave", "--additional-config", json.dumps(cfg)],
-                       capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [*vllm_command(), "serve", str(tiny_model), "--plugin", "powersave", "--additional-config", json.dumps(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 2
     errors = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and "'tuned_for.vllm_version' = '0.25': this server has '0.32" in errors[0]
@@ -220,12 +254,17 @@ def test_missing_model_dir_is_one_clear_error(tmp_path):
 
 
 def test_compare_cli_missing_model(tmp_path):
-    p = subprocess.run([sys.executable, "-m", "vllm_powersave.cli", "compare", "--model", str(tmp_path / "none")], capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-m", "vllm_powersave.cli", "compare", "--model", str(tmp_path / "none")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 2
     assert p.stderr.strip().splitlines()[-1].startswith("error: model directory not found")
 
 
-DRIFT_SITE = '''
+DRIFT_SITE = """
 # Simulated vLLM drift for one test: PluggableLayer.register_oot (the LM-head hook's registration)
 # is gone from vllm.model_executor.custom_op in every process of the server (fork or spawn).
 import importlib.abc, importlib.util, sys
@@ -249,7 +288,7 @@ class _Drift(importlib.abc.MetaPathFinder):
         return spec
 
 sys.meta_path.insert(0, _Drift())
-'''
+"""
 
 
 def test_drift_server_serves_without_the_hook_it_lost(tiny_model, tmp_path):
@@ -265,9 +304,13 @@ def test_drift_server_serves_without_the_hook_it_lost(tiny_model, tmp_path):
     env["PYTHONPATH"] = os.pathsep.join([str(site), *filter(None, [env.get("PYTHONPATH")])])
     cfg = {"powersave": {"config_file": str(PRESET), "cuda_perf_boost": "off", "chunking": {"table": [{"min_rows": 4, "chunks": 2}]}}}
     log = tmp_path / "server.log"
-    with VllmServer(default_serve_args(str(tiny_model)) + ["--plugin", "powersave", "--additional-config", json.dumps(cfg)], env=env, log_path=log) as srv:
-        c = _post(srv.base_url + "/v1/completions", {"model": "model", "prompt": "def main():", "max_tokens": 8, "ignore_eos": True,
-                                                       "prompt_logprobs": 0})
+    with VllmServer(
+        default_serve_args(str(tiny_model)) + ["--plugin", "powersave", "--additional-config", json.dumps(cfg)], env=env, log_path=log
+    ) as srv:
+        c = _post(
+            srv.base_url + "/v1/completions",
+            {"model": "model", "prompt": "def main():", "max_tokens": 8, "ignore_eos": True, "prompt_logprobs": 0},
+        )
         assert c["usage"]["completion_tokens"] == 8 and len(c["choices"][0]["prompt_logprobs"]) >= 2
         time.sleep(1.0)  # one publish period of the worker's counters
         m = _metrics(srv.base_url)

@@ -130,11 +130,22 @@ def test_sim_lower_decode_clock_saves_energy_at_equal_time():
 
 
 def test_collector_exposes_labelled_series(tmp_path):
-    snap = {"gpu": "GPU-a", "rank": 0, "source": "simulated", "clock_backend": "simulated",
-            "energy_j": {"prefill": 1.5, "decode": 2.0, "mixed": 0.0, "idle": 10.0},
-            "steps": {"prefill": 3, "decode": 40, "mixed": 0, "idle": 0}, "tokens": {"prefill": 300, "decode": 40},
-            "power_w": 300.0, "sm_clock_mhz": 1200, "target_sm_clock_mhz": 1200, "clock_changes": 4,
-            "lm_head_calls": {"1": 43}, "temperature_c": 51, "clock_event_reasons": 4}
+    snap = {
+        "gpu": "GPU-a",
+        "rank": 0,
+        "source": "simulated",
+        "clock_backend": "simulated",
+        "energy_j": {"prefill": 1.5, "decode": 2.0, "mixed": 0.0, "idle": 10.0},
+        "steps": {"prefill": 3, "decode": 40, "mixed": 0, "idle": 0},
+        "tokens": {"prefill": 300, "decode": 40},
+        "power_w": 300.0,
+        "sm_clock_mhz": 1200,
+        "target_sm_clock_mhz": 1200,
+        "clock_changes": 4,
+        "lm_head_calls": {"1": 43},
+        "temperature_c": 51,
+        "clock_event_reasons": 4,
+    }
     (tmp_path / "rank0.json").write_text(json.dumps(snap))
     (tmp_path / "rank1.json").write_text("{half a file")  # not fatal; its GPU's energy is unknown
     from prometheus_client import CollectorRegistry, generate_latest
@@ -170,16 +181,16 @@ def test_per_request_energy_token_share_and_sum_invariant():
         nvml.energy_mj += int(round(dt * watts * 1000))
         acc.on_step_end()
 
-    step("prefill", {"a": 300}, 0.1, 500)                 # 50 J, all a's
-    step("mixed", {"a": 1, "b": 99}, 0.1, 500)            # 50 J: a 0.5, b 49.5
+    step("prefill", {"a": 300}, 0.1, 500)  # 50 J, all a's
+    step("mixed", {"a": 1, "b": 99}, 0.1, 500)  # 50 J: a 0.5, b 49.5
     acc.tick()
-    step("decode", {"a": 1, "b": 1}, 0.2, 300)            # 60 J: 30 each
-    step("decode", {"b": 1}, 0.1, 300, finished=["a"])    # 30 J: b
+    step("decode", {"a": 1, "b": 1}, 0.2, 300)  # 60 J: 30 each
+    step("decode", {"b": 1}, 0.1, 300, finished=["a"])  # 30 J: b
     # Within one tick interval energy is split by time share (one meter read per tick), so the
     # test reads the meter at the phase boundary to know each step's energy exactly.
     acc.tick()
     clock.t += 1.0
-    nvml.energy_mj += 100_000                             # idle 100 J
+    nvml.energy_mj += 100_000  # idle 100 J
     acc.tick()
     assert done == {"a": pytest.approx(80.5)}
     assert acc.request_j["b"] == pytest.approx(109.5)
@@ -206,7 +217,12 @@ def test_shadow_gpu_prices_identical_steps_at_stock_clocks():
 def test_finished_ids_from_an_empty_step_still_close_requests():
     nvml, clock = FakeNvml(energy_mj=0), Clock()
     done = {}
-    acc = PhaseEnergyAccount(NvmlEnergyMeter(NvmlGpu(nvml, "h"), clock=clock, interpolate=False), clock=clock, per_request=True, on_request_done=lambda r, j: done.__setitem__(r, j))
+    acc = PhaseEnergyAccount(
+        NvmlEnergyMeter(NvmlGpu(nvml, "h"), clock=clock, interpolate=False),
+        clock=clock,
+        per_request=True,
+        on_request_done=lambda r, j: done.__setitem__(r, j),
+    )
     acc.on_step("decode", req_tokens={"a": 1})
     clock.t += 0.1
     nvml.energy_mj += 30_000
@@ -312,7 +328,7 @@ def test_counter_edges_interpolated_with_instant_power():
 
     def errors(span):
         interp, raw = [], []
-        for a, b in zip(reads[10:], reads[10 + span:]):
+        for a, b in zip(reads[10:], reads[10 + span :]):
             truth = gpu.true_j(b[0]) - gpu.true_j(a[0])
             interp.append(abs((b[1] - a[1]) - truth) / truth)
             raw.append(abs((b[2] - a[2]) - truth) / truth)
@@ -381,7 +397,9 @@ def test_steady_state_and_sliding_window():
     """Steps flagged steady (batch at its limit) get their time share of each tick's energy; the
     sliding window covers the last window_s of ticks, idle included."""
     nvml, clock = FakeNvml(energy_mj=0), Clock()
-    acc = PhaseEnergyAccount(NvmlEnergyMeter(NvmlGpu(nvml, "h"), clock=clock, interpolate=False), idle_after_s=0.25, clock=clock, window_s=1.0)
+    acc = PhaseEnergyAccount(
+        NvmlEnergyMeter(NvmlGpu(nvml, "h"), clock=clock, interpolate=False), idle_after_s=0.25, clock=clock, window_s=1.0
+    )
 
     def step(steady, dt, watts, decode=4):
         acc.on_step("decode", decode_tokens=decode, steady=steady)
@@ -391,8 +409,8 @@ def test_steady_state_and_sliding_window():
 
     step(False, 0.1, 300)  # ramp-up: 30 J
     acc.tick()
-    step(True, 0.1, 500)   # steady: 50 J
-    step(True, 0.1, 500)   # steady: 50 J (same tick: split by time, 500 W both)
+    step(True, 0.1, 500)  # steady: 50 J
+    step(True, 0.1, 500)  # steady: 50 J (same tick: split by time, 500 W both)
     acc.tick()
     step(False, 0.1, 200)  # draining: 20 J
     acc.tick()
@@ -414,10 +432,20 @@ def test_data_parallel_engines_are_labelled_and_their_tokens_summed(tmp_path):
     """Two DP engines x TP=2: energy adds over all four GPUs; tokens are the max within an engine
     (same steps on its ranks) and the sum across engines (different steps)."""
     for rank, engine, tokens, joules in ((0, 0, 100, 10.0), (1, 0, 100, 10.0), (2, 1, 50, 5.0), (3, 1, 50, 5.0)):
-        (tmp_path / f"rank{rank}.json").write_text(json.dumps({
-            "gpu": f"GPU-{rank}", "rank": rank, "engine": engine, "source": "simulated", "clock_backend": "dry-run",
-            "energy_j": {"prefill": 0.0, "decode": joules, "mixed": 0.0, "idle": 0.0},
-            "steps": {"decode": tokens}, "tokens": {"prefill": 0, "decode": tokens}}))
+        (tmp_path / f"rank{rank}.json").write_text(
+            json.dumps(
+                {
+                    "gpu": f"GPU-{rank}",
+                    "rank": rank,
+                    "engine": engine,
+                    "source": "simulated",
+                    "clock_backend": "dry-run",
+                    "energy_j": {"prefill": 0.0, "decode": joules, "mixed": 0.0, "idle": 0.0},
+                    "steps": {"decode": tokens},
+                    "tokens": {"prefill": 0, "decode": tokens},
+                }
+            )
+        )
     text = metrics_text(tmp_path, "0.1.0")
     assert 'powersave_gpu_info{engine="1",gpu="GPU-3",rank="3"} 1.0' in text
     assert 'powersave_gpu_info{engine="0",gpu="GPU-1",rank="1"} 1.0' in text
@@ -431,9 +459,15 @@ def test_data_parallel_workers_get_server_wide_ranks():
     from vllm_powersave import vllm_compat
 
     def runner(dp_rank):
-        return SimpleNamespace(device=None, vllm_config=SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_rank=dp_rank, world_size=2)))
+        return SimpleNamespace(
+            device=None, vllm_config=SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_rank=dp_rank, world_size=2))
+        )
 
     # Outside a distributed run the world-group rank is 0: engine 1's first worker is rank 2.
-    assert {k: vllm_compat.runner_identity(runner(1))[k] for k in ("rank", "dp_rank", "global_rank")} == {"rank": 0, "dp_rank": 1, "global_rank": 2}
+    assert {k: vllm_compat.runner_identity(runner(1))[k] for k in ("rank", "dp_rank", "global_rank")} == {
+        "rank": 0,
+        "dp_rank": 1,
+        "global_rank": 2,
+    }
     assert vllm_compat.runner_identity(runner(0))["global_rank"] == 0
     assert vllm_compat.runner_identity(SimpleNamespace(device=None))["global_rank"] == 0  # no vllm_config: as before

@@ -50,8 +50,11 @@ def sched(reqs, finished=()):
     return SimpleNamespace(
         scheduled_new_reqs=[],
         scheduled_cached_reqs=SimpleNamespace(req_ids=ids, num_computed_tokens=[10] * len(ids), num_output_tokens=[1] * len(ids)),
-        num_scheduled_tokens=dict(reqs), total_num_scheduled_tokens=sum(reqs.values()),
-        scheduled_spec_decode_tokens={}, finished_req_ids=set(finished))
+        num_scheduled_tokens=dict(reqs),
+        total_num_scheduled_tokens=sum(reqs.values()),
+        scheduled_spec_decode_tokens={},
+        finished_req_ids=set(finished),
+    )
 
 
 def make_runtime(monkeypatch, tmp_path, nvml, rank=0, visible="GPU-bbbb-1111", **extra):
@@ -61,9 +64,14 @@ def make_runtime(monkeypatch, tmp_path, nvml, rank=0, visible="GPU-bbbb-1111", *
     runner = SimpleNamespace(rank=rank, scheduler_config=SimpleNamespace(max_num_seqs=2, async_scheduling=False))
     # idle_after_s 20: the background publisher (period 0.5 s) stays out of the way; the test ticks.
     # gauge_period_s 0: gauges re-read at every publish, so a fault shows at once (default: 2 s).
-    settings = PowersaveSettings.model_validate({"stats_dir": str(tmp_path), "per_request_energy": True,
-                                                 "energy": {"idle_after_s": 20.0, "gauge_period_s": 0.0, "tick_s": 0.05},
-                                                 **extra})
+    settings = PowersaveSettings.model_validate(
+        {
+            "stats_dir": str(tmp_path),
+            "per_request_energy": True,
+            "energy": {"idle_after_s": 20.0, "gauge_period_s": 0.0, "tick_s": 0.05},
+            **extra,
+        }
+    )
     return rt_mod.WorkerRuntime(runner, settings)
 
 
@@ -141,8 +149,11 @@ def test_fault_at_every_nvml_call_serving_continues_one_warning(monkeypatch, tmp
         assert power not in m
     elif what != "energy":
         assert m[power] == 250.0  # the instant field, or the average where it fails
-    present = {"clocks": 'powersave_sm_clock_mhz{' + gpu, "temperature": "powersave_gpu_temperature_celsius{" + gpu,
-               "reasons": "powersave_clock_event_reasons{" + gpu}
+    present = {
+        "clocks": "powersave_sm_clock_mhz{" + gpu,
+        "temperature": "powersave_gpu_temperature_celsius{" + gpu,
+        "reasons": "powersave_clock_event_reasons{" + gpu,
+    }
     for w, prefix in present.items():
         assert any(k.startswith(prefix) for k in m) == (w != what), w
 
@@ -204,11 +215,14 @@ def test_tensor_parallel_ranks_sum_to_engine_and_requests(monkeypatch, tmp_path)
         assert req[r]["energy_j"] == pytest.approx(sum(req[r]["gpus"].values()), abs=1e-5)
     # per rank and summed over ranks: requests + idle + tail (+ the open gap) == total
     for a in acc:
-        assert a.finished_request_j + sum(a.request_j.values()) + a.energy_j["idle"] + a.tail_j + a.pending_j == pytest.approx(a.total_j(), rel=1e-9)
+        assert a.finished_request_j + sum(a.request_j.values()) + a.energy_j["idle"] + a.tail_j + a.pending_j == pytest.approx(
+            a.total_j(), rel=1e-9
+        )
     total_req = req["r1"]["energy_j"] + req["r2"]["energy_j"]
     assert total_req + idle == pytest.approx(engine, rel=0.01)
     assert m['powersave_tokens_per_joule{kind="total",source="measured",window="run"}'] == pytest.approx(
-        (64 + 33 + 2 + 1) / engine, rel=1e-6)  # tokens counted once, energy of both GPUs
+        (64 + 33 + 2 + 1) / engine, rel=1e-6
+    )  # tokens counted once, energy of both GPUs
     # max_num_seqs = 2: the steps with two requests are the steady state (33 + 2 tokens)
     for g in ("GPU-aaaa-0000", "GPU-bbbb-1111"):
         assert sum(v for k, v in m.items() if k.startswith(f'powersave_steady_tokens_total{{gpu="{g}"')) == 35
@@ -329,8 +343,10 @@ def test_snapshot_reports_the_workers_peak_cuda_allocation(monkeypatch, tmp_path
     finally:
         rt.close()
     monkeypatch.setattr(vllm_compat, "runner_identity", lambda r: {"rank": 0, "device_type": "cpu", "device_index": None})
-    cpu = rt_mod.WorkerRuntime(SimpleNamespace(rank=0, scheduler_config=SimpleNamespace(max_num_seqs=2, async_scheduling=False)),
-                               PowersaveSettings.model_validate({"stats_dir": str(tmp_path / "cpu"), "energy": {"meter": "off"}}))
+    cpu = rt_mod.WorkerRuntime(
+        SimpleNamespace(rank=0, scheduler_config=SimpleNamespace(max_num_seqs=2, async_scheduling=False)),
+        PowersaveSettings.model_validate({"stats_dir": str(tmp_path / "cpu"), "energy": {"meter": "off"}}),
+    )
     try:
         assert cpu.snapshot()["cuda_peak_allocated_bytes"] is None
         assert cpu.snapshot()["cuda_peak_scope"] is None
@@ -360,17 +376,32 @@ def test_trace_and_simulator_count_prompt_logprob_rows(monkeypatch, tmp_path):
     # the LM head, not one; the step trace (and the simulated GPU's pricing) must say so.
     monkeypatch.setattr(vllm_compat, "runner_identity", lambda r: {"rank": 0, "device_type": "cpu", "device_index": None})
     runner = SimpleNamespace(rank=0, scheduler_config=SimpleNamespace(max_num_seqs=8, async_scheduling=False))
-    rt = rt_mod.WorkerRuntime(runner, PowersaveSettings.model_validate(
-        {"stats_dir": str(tmp_path), "trace_steps": True, "energy": {"meter": "off", "idle_after_s": 20.0}}))
+    rt = rt_mod.WorkerRuntime(
+        runner,
+        PowersaveSettings.model_validate(
+            {"stats_dir": str(tmp_path), "trace_steps": True, "energy": {"meter": "off", "idle_after_s": 20.0}}
+        ),
+    )
     try:
-        new = SimpleNamespace(req_id="p", prompt_token_ids=list(range(4000)), num_computed_tokens=0,
-                              sampling_params=SimpleNamespace(prompt_logprobs=1))
-        first = SimpleNamespace(scheduled_new_reqs=[new], scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[], num_output_tokens=[]),
-                                num_scheduled_tokens={"p": 2048}, total_num_scheduled_tokens=2048, scheduled_spec_decode_tokens={},
-                                finished_req_ids=set())
-        second = SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(req_ids=["p"], num_computed_tokens=[2048], num_output_tokens=[0]),
-                                 num_scheduled_tokens={"p": 1952}, total_num_scheduled_tokens=1952, scheduled_spec_decode_tokens={},
-                                 finished_req_ids=set())
+        new = SimpleNamespace(
+            req_id="p", prompt_token_ids=list(range(4000)), num_computed_tokens=0, sampling_params=SimpleNamespace(prompt_logprobs=1)
+        )
+        first = SimpleNamespace(
+            scheduled_new_reqs=[new],
+            scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[], num_output_tokens=[]),
+            num_scheduled_tokens={"p": 2048},
+            total_num_scheduled_tokens=2048,
+            scheduled_spec_decode_tokens={},
+            finished_req_ids=set(),
+        )
+        second = SimpleNamespace(
+            scheduled_new_reqs=[],
+            scheduled_cached_reqs=SimpleNamespace(req_ids=["p"], num_computed_tokens=[2048], num_output_tokens=[0]),
+            num_scheduled_tokens={"p": 1952},
+            total_num_scheduled_tokens=1952,
+            scheduled_spec_decode_tokens={},
+            finished_req_ids=set(),
+        )
         third = sched({"p": 1})
         for so in (first, second, third):
             rt.on_step_start(so)
@@ -496,12 +527,18 @@ def _random_steps(rng, n_steps):
                 cached.remove(r)
         if rng.random() < 0.08:
             new, cached, ctx, nst = [], [], [], {}
-        out.append(SimpleNamespace(
-            scheduled_new_reqs=new,
-            scheduled_cached_reqs=SimpleNamespace(req_ids=cached, num_computed_tokens=[rng.randint(5, 500) for _ in cached],
-                                                  num_output_tokens=ctx),
-            num_scheduled_tokens=nst, total_num_scheduled_tokens=sum(nst.values()),
-            scheduled_spec_decode_tokens={}, finished_req_ids=finished))
+        out.append(
+            SimpleNamespace(
+                scheduled_new_reqs=new,
+                scheduled_cached_reqs=SimpleNamespace(
+                    req_ids=cached, num_computed_tokens=[rng.randint(5, 500) for _ in cached], num_output_tokens=ctx
+                ),
+                num_scheduled_tokens=nst,
+                total_num_scheduled_tokens=sum(nst.values()),
+                scheduled_spec_decode_tokens={},
+                finished_req_ids=finished,
+            )
+        )
     return out
 
 
@@ -550,8 +587,16 @@ def test_step_records_drained_in_batches_equal_feeding_every_step(monkeypatch, t
             rt.account._events.clear()
             rt._flush_trace(final=True)
             acc = rt.account
-            results.append((events, dict(acc.steps), dict(acc.tokens), dict(acc.steady_tokens), dict(rt._plp_rows.left),
-                            (d / "trace-rank0.jsonl").read_text()))
+            results.append(
+                (
+                    events,
+                    dict(acc.steps),
+                    dict(acc.tokens),
+                    dict(acc.steady_tokens),
+                    dict(rt._plp_rows.left),
+                    (d / "trace-rank0.jsonl").read_text(),
+                )
+            )
         finally:
             rt._drain_inline = True
             rt.close()

@@ -36,8 +36,10 @@ def test_step_info_keeps_its_fields_property_equality_and_immutability():
     # Equality by type and fields, as the frozen dataclass had it: never equal to a plain tuple.
     assert a != tuple(a) and tuple(a) != a and (a == tuple(a)) is False and (tuple(a) == a) is False
     assert a != StepInfo("decode", 8, 0, 8, 0, 8, 0, 8, 101) and a != "decode"
-    assert repr(IDLE) == ("StepInfo(phase='idle', num_reqs=0, prefill_reqs=0, decode_reqs=0, prefill_tokens=0, "
-                          "decode_tokens=0, spec_tokens=0, lm_head_rows=0, decode_ctx_tokens=0)")
+    assert repr(IDLE) == (
+        "StepInfo(phase='idle', num_reqs=0, prefill_reqs=0, decode_reqs=0, prefill_tokens=0, "
+        "decode_tokens=0, spec_tokens=0, lm_head_rows=0, decode_ctx_tokens=0)"
+    )
     with pytest.raises(AttributeError):
         a.phase = "prefill"  # type: ignore[misc]
     assert classify_counts(2, 0, 0, 0) is IDLE and classify_counts(0, 0, 3, 2, 4).decode_tokens == 2
@@ -123,11 +125,15 @@ def test_trace_line_equals_json_dumps():
     odd_phases = ["idle", "wéird", 'q"uote', 3]
     n = 0
     for _ in range(20000):
-        r = [rng.choice(floats) if rng.random() < 0.8 else rng.choice(odd_floats),
-             rng.choice(phases) if rng.random() < 0.85 else rng.choice(odd_phases)]
+        r = [
+            rng.choice(floats) if rng.random() < 0.8 else rng.choice(odd_floats),
+            rng.choice(phases) if rng.random() < 0.85 else rng.choice(odd_phases),
+        ]
         r += [rng.choice(ints) if rng.random() < 0.85 else rng.choice(odd_ints) for _ in range(5)]
-        r += [rng.choice([None, 1200, 345, True, np.int64(5)]),
-              rng.choice(floats + [None]) if rng.random() < 0.85 else rng.choice(odd_floats)]
+        r += [
+            rng.choice([None, 1200, 345, True, np.int64(5)]),
+            rng.choice(floats + [None]) if rng.random() < 0.85 else rng.choice(odd_floats),
+        ]
         try:
             want = json.dumps(dict(zip(runtime._TRACE_KEYS, r))) + "\n"
         except TypeError:
@@ -143,10 +149,17 @@ def test_trace_line_equals_json_dumps():
 def _decode_so(n, t=None, new=0):
     """n decoding requests (100 KV tokens, 5 outputs each), plus ``new`` new 10-token prompts."""
     ids = [f"r{i}" for i in range(n)]
-    news = [SimpleNamespace(req_id=f"n{i}", sampling_params=None, prompt_token_ids=list(range(10)), num_computed_tokens=0) for i in range(new)]
-    so = SimpleNamespace(scheduled_new_reqs=news, scheduled_spec_decode_tokens={}, total_num_scheduled_tokens=n + 10 * new, finished_req_ids=set(),
-                         scheduled_cached_reqs=SimpleNamespace(req_ids=ids, num_computed_tokens=[100] * n, num_output_tokens=[5] * n),
-                         num_scheduled_tokens={**{r: 1 for r in ids}, **{r.req_id: 10 for r in news}})
+    news = [
+        SimpleNamespace(req_id=f"n{i}", sampling_params=None, prompt_token_ids=list(range(10)), num_computed_tokens=0) for i in range(new)
+    ]
+    so = SimpleNamespace(
+        scheduled_new_reqs=news,
+        scheduled_spec_decode_tokens={},
+        total_num_scheduled_tokens=n + 10 * new,
+        finished_req_ids=set(),
+        scheduled_cached_reqs=SimpleNamespace(req_ids=ids, num_computed_tokens=[100] * n, num_output_tokens=[5] * n),
+        num_scheduled_tokens={**{r: 1 for r in ids}, **{r.req_id: 10 for r in news}},
+    )
     if t is not None:
         setattr(so, vllm_compat.LOOKAHEAD_ATTR, (t, 0, 0))
     return so
@@ -154,9 +167,17 @@ def _decode_so(n, t=None, new=0):
 
 def test_trace_records_get_their_end_time_and_the_newest_stays_in_memory(monkeypatch, tmp_path):
     monkeypatch.setattr(vllm_compat, "runner_identity", lambda r: {"rank": 0, "device_type": "cpu", "device_index": None})
-    rt = runtime.WorkerRuntime(object(), PowersaveSettings.model_validate(
-        {"stats_dir": str(tmp_path), "trace_steps": True, "energy": {"meter": "off", "idle_after_s": 20.0},
-         "clocks": {"presets": {"decode": {"sm_clock_mhz": 1200}}}}))
+    rt = runtime.WorkerRuntime(
+        object(),
+        PowersaveSettings.model_validate(
+            {
+                "stats_dir": str(tmp_path),
+                "trace_steps": True,
+                "energy": {"meter": "off", "idle_after_s": 20.0},
+                "clocks": {"presets": {"decode": {"sm_clock_mhz": 1200}}},
+            }
+        ),
+    )
     try:
         for i in range(5):
             rt.on_step_start(_decode_so(4, t=10.0 + i))
@@ -186,8 +207,12 @@ def test_step_hook_does_per_step_work_only_for_options_that_read_steps(monkeypat
     monkeypatch.setattr(vllm_compat, "step_info", lambda so, ctx=True: classified.append(ctx) or real(so, ctx))
 
     def make(**extra):  # every option off: clocks.mode off too (its default runs the closed loop)
-        return runtime.WorkerRuntime(object(), PowersaveSettings.model_validate(
-            {"stats_dir": str(tmp_path), "energy": {"meter": "off", "idle_after_s": 20.0}, "clocks": {"mode": "off"}, **extra}))
+        return runtime.WorkerRuntime(
+            object(),
+            PowersaveSettings.model_validate(
+                {"stats_dir": str(tmp_path), "energy": {"meter": "off", "idle_after_s": 20.0}, "clocks": {"mode": "off"}, **extra}
+            ),
+        )
 
     bare = make()
     try:
@@ -270,9 +295,19 @@ def _random_steps(rng, n):
 @pytest.mark.parametrize("seed", range(4))
 def test_regime_filter_and_clock_decisions_equal_the_earlier_code(seed):
     rng = random.Random(seed)
-    c = load_settings({"clocks": {"min_dwell_ms": rng.choice([0, 50, 200]),
-                                  "presets": {"decode": {"sm_clock_mhz": 1200}, "idle": {"sm_clock_mhz": 345},
-                                              "mixed": {"sm_clock_mhz": 1500} if seed % 2 else {}}}}, env={}).clocks
+    c = load_settings(
+        {
+            "clocks": {
+                "min_dwell_ms": rng.choice([0, 50, 200]),
+                "presets": {
+                    "decode": {"sm_clock_mhz": 1200},
+                    "idle": {"sm_clock_mhz": 345},
+                    "mixed": {"sm_clock_mhz": 1500} if seed % 2 else {},
+                },
+            }
+        },
+        env={},
+    ).clocks
     args = (c.regime_window_s, c.compute_share_max, c.prefill_burst_tokens, c.memory_bound_max_tokens)
     new, ref = RegimeFilter(*args), ReferenceRegime(*args)
     ctl = ClockController(DryRunClockBackend(), c, asynchronous=False, watchdog=False, host_ahead_steps=seed % 2)
@@ -350,8 +385,18 @@ class ReferenceAccount(PhaseEnergyAccount):
                 self.meter.on_idle(idle_s)
             e_now = self.meter.energy_j()
             resolved = [settle[1:]] if isinstance(settle, tuple) else []
-            self._price(e_now - self._e, t_now - self._t, busy, gaps, idle_s, sum(b[0] for b in busy),
-                        idle_s + sum(g[0] for g in gaps), resolved, settle == "tail", st[1])
+            self._price(
+                e_now - self._e,
+                t_now - self._t,
+                busy,
+                gaps,
+                idle_s,
+                sum(b[0] for b in busy),
+                idle_s + sum(g[0] for g in gaps),
+                resolved,
+                settle == "tail",
+                st[1],
+            )
             for rid in finished:
                 j = self.request_j.pop(rid, None)
                 if j is not None:
@@ -519,10 +564,20 @@ def test_decode_fast_path_decides_as_the_regime_filter_and_controller(monkeypatc
     for fast in (True, False):
         if not fast:
             monkeypatch.setattr(vllm_compat, "decode_step_tokens", lambda so: -1)
-        rt = runtime.WorkerRuntime(object(), PowersaveSettings.model_validate(
-            {"stats_dir": str(tmp_path), "energy": {"meter": "off", "idle_after_s": 20.0},
-             "clocks": {"min_dwell_ms": 50, "memory_bound_max_tokens": 128,
-                        "presets": {"decode": {"sm_clock_mhz": 1200}, "mixed": {"sm_clock_mhz": 1600}, "prefill": {"sm_clock_mhz": 1980}}}}))
+        rt = runtime.WorkerRuntime(
+            object(),
+            PowersaveSettings.model_validate(
+                {
+                    "stats_dir": str(tmp_path),
+                    "energy": {"meter": "off", "idle_after_s": 20.0},
+                    "clocks": {
+                        "min_dwell_ms": 50,
+                        "memory_bound_max_tokens": 128,
+                        "presets": {"decode": {"sm_clock_mhz": 1200}, "mixed": {"sm_clock_mhz": 1600}, "prefill": {"sm_clock_mhz": 1980}},
+                    },
+                }
+            ),
+        )
         try:
             got = []
             for so in seq:
@@ -563,13 +618,23 @@ def _warmup_so(n=4, prompt=512, decode=False):
     """vLLM V2's kernel warm-up step: ``_warmup_{i}_`` requests, a prefill of new ones or their decode."""
     ids = [f"_warmup_{i}_" for i in range(n)]
     if decode:
-        return SimpleNamespace(scheduled_new_reqs=[], scheduled_spec_decode_tokens={}, total_num_scheduled_tokens=n, finished_req_ids=set(),
-                               scheduled_cached_reqs=SimpleNamespace(req_ids=ids, num_computed_tokens=[prompt] * n, num_output_tokens=[1] * n),
-                               num_scheduled_tokens=dict.fromkeys(ids, 1))
+        return SimpleNamespace(
+            scheduled_new_reqs=[],
+            scheduled_spec_decode_tokens={},
+            total_num_scheduled_tokens=n,
+            finished_req_ids=set(),
+            scheduled_cached_reqs=SimpleNamespace(req_ids=ids, num_computed_tokens=[prompt] * n, num_output_tokens=[1] * n),
+            num_scheduled_tokens=dict.fromkeys(ids, 1),
+        )
     news = [SimpleNamespace(req_id=r, sampling_params=None, prompt_token_ids=list(range(prompt)), num_computed_tokens=0) for r in ids]
-    return SimpleNamespace(scheduled_new_reqs=news, scheduled_spec_decode_tokens={}, total_num_scheduled_tokens=n * prompt, finished_req_ids=set(),
-                           scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[], num_output_tokens=[]),
-                           num_scheduled_tokens=dict.fromkeys(ids, prompt))
+    return SimpleNamespace(
+        scheduled_new_reqs=news,
+        scheduled_spec_decode_tokens={},
+        total_num_scheduled_tokens=n * prompt,
+        finished_req_ids=set(),
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[], num_output_tokens=[]),
+        num_scheduled_tokens=dict.fromkeys(ids, prompt),
+    )
 
 
 @pytest.mark.parametrize("decides", [False, True])
@@ -579,14 +644,24 @@ def test_kernel_warmup_on_a_serving_worker_is_neither_traced_nor_decided(monkeyp
     whether the hook decides (presets) or the drain classifies (trace and meter only)."""
     monkeypatch.setattr(vllm_compat, "runner_identity", lambda r: {"rank": 0, "device_type": "cpu", "device_index": None})
     extra = {"clocks": {"presets": {"decode": {"sm_clock_mhz": 1200}}}} if decides else {}
-    rt = runtime.WorkerRuntime(object(), PowersaveSettings.model_validate(
-        {"stats_dir": str(tmp_path), "trace_steps": True, "energy": {"meter": "simulated", "idle_after_s": 20.0}, **extra}))
+    rt = runtime.WorkerRuntime(
+        object(),
+        PowersaveSettings.model_validate(
+            {"stats_dir": str(tmp_path), "trace_steps": True, "energy": {"meter": "simulated", "idle_after_s": 20.0}, **extra}
+        ),
+    )
     rt._drain_inline = False  # as with NVML: the publisher drains (here: by hand)
     try:
-        seq = [_warmup_so(), _warmup_so(decode=True),                                  # start-up warm-up
-               _decode_so(2, t=1.0), _decode_so(2, t=1.01),                            # serving
-               _warmup_so(), _warmup_so(decode=True), _warmup_so(decode=True),        # warm-up again
-               _decode_so(3, t=1.05)]
+        seq = [
+            _warmup_so(),
+            _warmup_so(decode=True),  # start-up warm-up
+            _decode_so(2, t=1.0),
+            _decode_so(2, t=1.01),  # serving
+            _warmup_so(),
+            _warmup_so(decode=True),
+            _warmup_so(decode=True),  # warm-up again
+            _decode_so(3, t=1.05),
+        ]
         phases = []
         for so in seq:
             rt.on_step_start(so)
@@ -607,9 +682,17 @@ def test_a_record_that_cannot_be_fed_loses_only_its_step(monkeypatch, tmp_path, 
     logged once; the records behind it, the account's tick, the publish and close() carry on."""
     monkeypatch.setattr(vllm_compat, "runner_identity", lambda r: {"rank": 0, "device_type": "cpu", "device_index": None})
     vllm_compat._HOOK_ERRORS.clear()
-    rt = runtime.WorkerRuntime(object(), PowersaveSettings.model_validate(
-        {"stats_dir": str(tmp_path), "trace_steps": True, "energy": {"meter": "simulated", "idle_after_s": 20.0},
-         "clocks": {"mode": "off"}}))  # the drain path alone: no per-step clock decision
+    rt = runtime.WorkerRuntime(
+        object(),
+        PowersaveSettings.model_validate(
+            {
+                "stats_dir": str(tmp_path),
+                "trace_steps": True,
+                "energy": {"meter": "simulated", "idle_after_s": 20.0},
+                "clocks": {"mode": "off"},
+            }
+        ),
+    )  # the drain path alone: no per-step clock decision
     rt._stop.set()
     rt._wake.set()
     rt._thread.join()  # the publisher's work is driven by hand below
@@ -640,8 +723,12 @@ def test_a_record_that_cannot_be_fed_loses_only_its_step(monkeypatch, tmp_path, 
 def test_close_writes_its_final_files_when_one_final_step_fails(monkeypatch, tmp_path, caplog):
     monkeypatch.setattr(vllm_compat, "runner_identity", lambda r: {"rank": 0, "device_type": "cpu", "device_index": None})
     vllm_compat._HOOK_ERRORS.clear()
-    rt = runtime.WorkerRuntime(object(), PowersaveSettings.model_validate(
-        {"stats_dir": str(tmp_path), "trace_steps": True, "energy": {"meter": "simulated", "idle_after_s": 20.0}}))
+    rt = runtime.WorkerRuntime(
+        object(),
+        PowersaveSettings.model_validate(
+            {"stats_dir": str(tmp_path), "trace_steps": True, "energy": {"meter": "simulated", "idle_after_s": 20.0}}
+        ),
+    )
     for i in range(5):
         rt.on_step_start(_decode_so(2, t=1.0 + i))
         rt.on_step_end()

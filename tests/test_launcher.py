@@ -14,6 +14,7 @@ def _versions(table: dict[str, str]):
         if name in table:
             return table[name]
         raise md.PackageNotFoundError(name)
+
     return version
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import json
 import math
-import statistics
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -30,7 +30,6 @@ from loadtests.metrics import calculate_metrics, percentile, summarize_ms
 from loadtests.runner import arrival_offsets
 
 REPO = Path(__file__).resolve().parents[1]
-
 
 
 @pytest.fixture
@@ -54,8 +53,18 @@ def write_jsonl(tmp_path: Path, prompts: list[str], output_len: int | None = Non
 def test_streaming_energy_tokens_per_joule_exact(server_factory) -> None:
     srv = server_factory(first_delay=0.1, itl_delay=0.005, sources={"prefill": "measured", "decode": "measured", "idle": "measured"})
     n, out_len = 6, 4
-    res = run(BenchConfig(base_url=srv.url + "/v1", num_prompts=n, output_len=out_len, input_len=16,
-                          max_concurrency=3, num_warmups=2, label="base", seed=1))
+    res = run(
+        BenchConfig(
+            base_url=srv.url + "/v1",
+            num_prompts=n,
+            output_len=out_len,
+            input_len=16,
+            max_concurrency=3,
+            num_warmups=2,
+            label="base",
+            seed=1,
+        )
+    )
     assert res["model_id"] == "fake-model"  # auto-detected from /v1/models
     assert res["completed"] == n and res["failed"] == 0
     assert len(srv.payloads) == n + 2  # warm-ups were sent but are not in the stats
@@ -101,8 +110,7 @@ def test_simulated_and_mixed_source_labels(server_factory) -> None:
 
 def test_chat_endpoint_skips_role_chunk(server_factory) -> None:
     srv = server_factory(first_delay=0.08)
-    res = run(BenchConfig(base_url=srv.url, endpoint="chat", num_prompts=3, output_len=3, input_len=8,
-                          model="my-model"))
+    res = run(BenchConfig(base_url=srv.url, endpoint="chat", num_prompts=3, output_len=3, input_len=8, model="my-model"))
     assert res["completed"] == 3
     assert all(t >= 0.08 for t in res["ttfts"])  # the immediate role-only chunk is not a token
     assert srv.payloads[0]["messages"][0]["role"] == "user"
@@ -113,8 +121,11 @@ def test_chat_endpoint_skips_role_chunk(server_factory) -> None:
 
 def test_chat_endpoint_passes_prompt_logprobs_without_streaming(server_factory) -> None:
     srv = server_factory(first_delay=0.05)
-    res = run(BenchConfig(base_url=srv.url, endpoint="chat", num_prompts=3, output_len=3, input_len=8,
-                          model="my-model", prompt_logprobs=2, stream=False))
+    res = run(
+        BenchConfig(
+            base_url=srv.url, endpoint="chat", num_prompts=3, output_len=3, input_len=8, model="my-model", prompt_logprobs=2, stream=False
+        )
+    )
     assert res["completed"] == 3
     assert srv.payloads[0]["prompt_logprobs"] == 2 and srv.payloads[0]["stream"] is False
 
@@ -206,9 +217,11 @@ def test_nvml_fallback_aligns_window_to_counter_updates(server_factory, monkeypa
         @staticmethod
         def nvmlDeviceGetCount() -> int:
             return 4
+
         @staticmethod
         def nvmlDeviceGetHandleByIndex(i: int) -> int:
             return i
+
         @staticmethod
         def nvmlDeviceGetTotalEnergyConsumption(h: int) -> int:
             steps = int((time.perf_counter() - t0) / 0.1)
@@ -241,8 +254,9 @@ def _free_port() -> int:
 
 def test_unreachable_server_cli_one_line_exit_2() -> None:
     url = f"http://127.0.0.1:{_free_port()}"
-    p = subprocess.run([sys.executable, "-m", "loadtests", "--base-url", url, "--num-prompts", "1"],
-                       cwd=REPO, capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        [sys.executable, "-m", "loadtests", "--base-url", url, "--num-prompts", "1"], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
     assert p.returncode == 2
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1, p.stderr
@@ -252,10 +266,12 @@ def test_unreachable_server_cli_one_line_exit_2() -> None:
 
 @pytest.mark.parametrize(
     "content, needle",
-    [('{"prompt": "ok"}\n{not json\n', "line 2: invalid JSON"),
-     ('{"prompt": ""}\n', "line 1: 'prompt' must be a non-empty string"),
-     ('{"prompt": "x", "output_len": 0}\n', "line 1: 'output_len'"),
-     (None, "No such file")],
+    [
+        ('{"prompt": "ok"}\n{not json\n', "line 2: invalid JSON"),
+        ('{"prompt": ""}\n', "line 1: 'prompt' must be a non-empty string"),
+        ('{"prompt": "x", "output_len": 0}\n', "line 1: 'output_len'"),
+        (None, "No such file"),
+    ],
 )
 def test_bad_dataset_one_line_error(tmp_path, capsys, content, needle) -> None:
     path = tmp_path / "bad.jsonl"
@@ -292,15 +308,53 @@ def test_config_validation_is_one_line(capsys) -> None:
 def test_cli_writes_json_and_compare(server_factory, tmp_path, capsys) -> None:
     srv = server_factory()
     out_a, out_b = tmp_path / "a.json", tmp_path / "b.json"
-    rc = main(["--base-url", srv.url, "--num-prompts", "3", "--input-len", "8", "--output-len", "3",
-               "--max-concurrency", "2", "--goodput", "ttft:5000", "--label", "A", "--result-json", str(out_a),
-               "--markdown", str(tmp_path / "a.md")])
+    rc = main(
+        [
+            "--base-url",
+            srv.url,
+            "--num-prompts",
+            "3",
+            "--input-len",
+            "8",
+            "--output-len",
+            "3",
+            "--max-concurrency",
+            "2",
+            "--goodput",
+            "ttft:5000",
+            "--label",
+            "A",
+            "--result-json",
+            str(out_a),
+            "--markdown",
+            str(tmp_path / "a.md"),
+        ]
+    )
     assert rc == 0
     assert "Serving Benchmark Result" in capsys.readouterr().out
     a = json.loads(out_a.read_text())
-    for key in ("date", "base_url", "endpoint_type", "model_id", "num_prompts", "request_rate", "burstiness",
-                "max_concurrency", "label", "input_len", "output_len", "ttfts", "itls", "input_lens",
-                "output_lens", "errors", "p99_tpot_ms", "std_e2el_ms", "request_goodput", "energy_by_phase_j"):
+    for key in (
+        "date",
+        "base_url",
+        "endpoint_type",
+        "model_id",
+        "num_prompts",
+        "request_rate",
+        "burstiness",
+        "max_concurrency",
+        "label",
+        "input_len",
+        "output_len",
+        "ttfts",
+        "itls",
+        "input_lens",
+        "output_lens",
+        "errors",
+        "p99_tpot_ms",
+        "std_e2el_ms",
+        "request_goodput",
+        "energy_by_phase_j",
+    ):
         assert key in a, key
     assert a["request_rate"] == "inf" and a["good_requests"] == 3
     b = dict(a, label="B", energy_source="measured")
@@ -405,11 +459,21 @@ def test_parse_and_diff_energy_counters() -> None:
 
 
 def test_compare_table_marks_every_energy_number() -> None:
-    base = {"model_id": "m", "completed": 1, "failed": 0, "output_throughput": 10.0,
-            "median_ttft_ms": 5.0, "p99_ttft_ms": 9.0, "gpu_energy_per_output_token_j": 0.5,
-            "output_tokens_per_joule": 2.0, "total_tokens_per_joule": 4.0, "gpu_avg_power_w": 100.0}
-    t = compare_table({"sim": base | {"energy_source": "simulated"}, "real": base | {"energy_source": "measured"},
-                       "none": base | {"energy_source": None}})
+    base = {
+        "model_id": "m",
+        "completed": 1,
+        "failed": 0,
+        "output_throughput": 10.0,
+        "median_ttft_ms": 5.0,
+        "p99_ttft_ms": 9.0,
+        "gpu_energy_per_output_token_j": 0.5,
+        "output_tokens_per_joule": 2.0,
+        "total_tokens_per_joule": 4.0,
+        "gpu_avg_power_w": 100.0,
+    }
+    t = compare_table(
+        {"sim": base | {"energy_source": "simulated"}, "real": base | {"energy_source": "measured"}, "none": base | {"energy_source": None}}
+    )
     rows = {line.split("|")[1].strip(): line for line in t.splitlines()}
     for row in ("J / output token", "Output tokens / J", "Total tokens / J"):
         cells = [c.strip() for c in rows[row].split("|")[2:-1]]
@@ -455,8 +519,7 @@ def test_open_loop_window_does_not_wait_for_an_arrival_after_it(server_factory) 
     # Constant gaps of 2 s: the second request would arrive at 2 s, after a 0.3 s window. It is
     # neither sent nor waited for, so the run ends with the first request, not at 2 s.
     srv = server_factory(first_delay=0.01)
-    res = run(BenchConfig(base_url=srv.url, num_prompts=5, request_rate=0.5, arrival="constant", output_len=2,
-                          input_len=4, duration_s=0.3))
+    res = run(BenchConfig(base_url=srv.url, num_prompts=5, request_rate=0.5, arrival="constant", output_len=2, input_len=4, duration_s=0.3))
     assert res["completed"] == 1 and res["duration"] < 1.5
 
 
@@ -473,9 +536,20 @@ def test_ab_ratio_ci_and_verdicts() -> None:
     assert m == pytest.approx(1.0) and lo < 1 < hi
     m, lo, hi = ratio_ci([0.80, 0.82, 0.81])
     assert hi < 1
-    pairs = [({"output_throughput": 100.0, "gpu_energy_per_output_token_j": 1.0}, {"output_throughput": 101.0, "gpu_energy_per_output_token_j": 0.8}),
-             ({"output_throughput": 100.0, "gpu_energy_per_output_token_j": 1.0}, {"output_throughput": 99.0, "gpu_energy_per_output_token_j": 0.81}),
-             ({"output_throughput": 100.0, "gpu_energy_per_output_token_j": 1.0}, {"output_throughput": 100.5, "gpu_energy_per_output_token_j": 0.79})]
+    pairs = [
+        (
+            {"output_throughput": 100.0, "gpu_energy_per_output_token_j": 1.0},
+            {"output_throughput": 101.0, "gpu_energy_per_output_token_j": 0.8},
+        ),
+        (
+            {"output_throughput": 100.0, "gpu_energy_per_output_token_j": 1.0},
+            {"output_throughput": 99.0, "gpu_energy_per_output_token_j": 0.81},
+        ),
+        (
+            {"output_throughput": 100.0, "gpu_energy_per_output_token_j": 1.0},
+            {"output_throughput": 100.5, "gpu_energy_per_output_token_j": 0.79},
+        ),
+    ]
     s = summarize(pairs)
     assert s["output_throughput"]["verdict"] == "inside noise"
     assert s["gpu_energy_per_output_token_j"]["verdict"] == "B lower"
@@ -499,15 +573,32 @@ def test_ab_cli_writes_strict_json_even_with_one_pair(server_factory, tmp_path) 
 
     a, b = server_factory(), server_factory()
     out = tmp_path / "ab.json"
-    rc = main(["--base-url", a.url, "--ab-base-url", b.url, "--pairs", "1", "--num-prompts", "2", "--output-len", "2",
-               "--input-len", "4", "--result-json", str(out)])
+    rc = main(
+        [
+            "--base-url",
+            a.url,
+            "--ab-base-url",
+            b.url,
+            "--pairs",
+            "1",
+            "--num-prompts",
+            "2",
+            "--output-len",
+            "2",
+            "--input-len",
+            "4",
+            "--result-json",
+            str(out),
+        ]
+    )
     assert rc == 0
     doc = json.loads(out.read_text())
     assert doc["pairs"] == 1 and doc["summary"]["output_throughput"]["ci95"] == [None, None]
 
 
-@pytest.mark.parametrize("df,exact", [(1, 12.706), (10, 2.228), (11, 2.201), (15, 2.131), (20, 2.086), (30, 2.042),
-                                      (59, 2.001), (120, 1.980)])
+@pytest.mark.parametrize(
+    "df,exact", [(1, 12.706), (10, 2.228), (11, 2.201), (15, 2.131), (20, 2.086), (30, 2.042), (59, 2.001), (120, 1.980)]
+)
 def test_t_quantile_matches_the_table_beyond_ten_pairs(df, exact) -> None:
     # 1.96 for every df > 10 made a 12-31-pair interval 3-11 % too narrow, and the 2 % equivalence
     # verdict of the harness comparison rests on this interval.

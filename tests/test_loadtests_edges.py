@@ -42,8 +42,9 @@ def _dataset(tmp_path: Path, prompt: str, output_len: int) -> str:
 def test_ttft_is_not_started_by_an_empty_delta_before_the_first_token(server_factory, tmp_path, endpoint) -> None:
     # The server sends an empty delta at once, then the first token after 0.1 s.
     srv = server_factory(first_delay=0.1, itl_delay=0.01)
-    res = run(BenchConfig(base_url=srv.url, endpoint=endpoint, num_prompts=2, dataset=_dataset(tmp_path, "EMPTYDELTA x", 3),
-                          sample_interval_s=0))
+    res = run(
+        BenchConfig(base_url=srv.url, endpoint=endpoint, num_prompts=2, dataset=_dataset(tmp_path, "EMPTYDELTA x", 3), sample_interval_s=0)
+    )
     assert res["completed"] == 2
     assert all(t >= 0.0999 for t in res["ttfts"])
     assert [len(i) for i in res["itls"]] == [2, 2]  # the empty delta is no ITL either
@@ -54,8 +55,9 @@ def test_ttft_is_not_started_by_an_empty_delta_before_the_first_token(server_fac
 def test_ttft_without_per_chunk_usage_waits_for_the_first_non_empty_text(server_factory, tmp_path, endpoint) -> None:
     # The first two token chunks carry "" (tokens that do not decode alone); nothing says they are tokens.
     srv = server_factory(first_delay=0.05, itl_delay=0.1)
-    res = run(BenchConfig(base_url=srv.url, endpoint=endpoint, num_prompts=1, dataset=_dataset(tmp_path, "EMPTYFIRST x", 4),
-                          sample_interval_s=0))
+    res = run(
+        BenchConfig(base_url=srv.url, endpoint=endpoint, num_prompts=1, dataset=_dataset(tmp_path, "EMPTYFIRST x", 4), sample_interval_s=0)
+    )
     assert res["ttfts"][0] >= 0.05 + 2 * 0.1 - 1e-3
     assert res["output_lens"] == [4]  # the final usage still counts all four
     assert len(res["itls"][0]) == 1
@@ -66,8 +68,16 @@ def test_ttft_starts_at_an_empty_text_chunk_that_per_chunk_usage_counts_as_a_tok
     # vLLM sends a chunk only once a token exists, even when its text is "": per-chunk usage shows it,
     # and TTFT then agrees with vllm bench serve's first-choice-chunk rule.
     srv = server_factory(first_delay=0.05, itl_delay=0.1)
-    res = run(BenchConfig(base_url=srv.url, endpoint=endpoint, num_prompts=1, dataset=_dataset(tmp_path, "EMPTYFIRST x", 4),
-                          continuous_usage_stats=True, sample_interval_s=0))
+    res = run(
+        BenchConfig(
+            base_url=srv.url,
+            endpoint=endpoint,
+            num_prompts=1,
+            dataset=_dataset(tmp_path, "EMPTYFIRST x", 4),
+            continuous_usage_stats=True,
+            sample_interval_s=0,
+        )
+    )
     assert srv.payloads[0]["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
     assert 0.0499 <= res["ttfts"][0] < 0.05 + 0.1  # the second chunk comes at 0.15 s
     assert len(res["itls"][0]) == 3 and res["output_lens"] == [4]
@@ -101,8 +111,7 @@ def test_itl_is_per_token_intervals_when_per_chunk_usage_reports_several_tokens_
     # arrived with it (0), the next chunk's gap is spread over its 3 tokens, the last chunk's is whole.
     gap = 0.09
     srv = server_factory(first_delay=0.05, itl_delay=gap, tokens_per_chunk=3)
-    res = run(BenchConfig(base_url=srv.url, num_prompts=2, output_len=7, input_len=4, continuous_usage_stats=True,
-                          sample_interval_s=0))
+    res = run(BenchConfig(base_url=srv.url, num_prompts=2, output_len=7, input_len=4, continuous_usage_stats=True, sample_interval_s=0))
     assert res["itl_method"] == "per_token" and res["itl_methods"] == ["per_token"] * 2
     for itl, ttft, lat in zip(res["itls"], res["ttfts"], res["latencies"]):
         assert len(itl) == 7 - 1
@@ -167,13 +176,16 @@ def test_loop_lag_probe_sees_a_blocked_loop() -> None:
     assert max(lags) >= 0.03
 
 
-@pytest.mark.parametrize("itl_ms, ttft_ms, expected", [
-    (20.0, 100.0, 2.0),  # 10 % of the median ITL
-    (2.0, 100.0, 0.5),  # floor: the probe's own noise
-    (200.0, 100.0, 5.0),  # cap: 5 ms is too much at any latency
-    (None, 30.0, 3.0),  # no ITL (not streamed): the median TTFT
-    (0.0, 0.0, 5.0),
-])
+@pytest.mark.parametrize(
+    "itl_ms, ttft_ms, expected",
+    [
+        (20.0, 100.0, 2.0),  # 10 % of the median ITL
+        (2.0, 100.0, 0.5),  # floor: the probe's own noise
+        (200.0, 100.0, 5.0),  # cap: 5 ms is too much at any latency
+        (None, 30.0, 3.0),  # no ITL (not streamed): the median TTFT
+        (0.0, 0.0, 5.0),
+    ],
+)
 def test_bottleneck_threshold_is_a_tenth_of_median_itl_within_floor_and_cap(itl_ms, ttft_ms, expected) -> None:
     assert bottleneck_threshold_ms(itl_ms, ttft_ms) == pytest.approx(expected)
 
@@ -235,17 +247,42 @@ def test_bottleneck_verdict_and_its_single_warning_follow_the_measured_lag(serve
 def test_report_states_each_figures_method_in_json_and_printed_summary(server_factory, tmp_path, capsys) -> None:
     srv = server_factory(first_delay=0.02, itl_delay=0.01, usage=False)
     out = tmp_path / "r.json"
-    rc = main(["--base-url", srv.url, "--num-prompts", "2", "--input-len", "4", "--output-len", "3", "--sample-interval", "0",
-               "--no-progress", "--result-json", str(out)])
+    rc = main(
+        [
+            "--base-url",
+            srv.url,
+            "--num-prompts",
+            "2",
+            "--input-len",
+            "4",
+            "--output-len",
+            "3",
+            "--sample-interval",
+            "0",
+            "--no-progress",
+            "--result-json",
+            str(out),
+        ]
+    )
     assert rc == 0
     res = json.loads(out.read_text())
     assert set(res["methods"]) == {"ttft", "itl", "tpot", "output_tokens", "client_loop_lag"}
-    for key in ("ttft_rule", "itl_method", "output_tokens_source", "client_loop_lag_p50_ms", "client_loop_lag_p99_ms",
-                "client_loop_lag_max_ms", "client_bottleneck"):
+    for key in (
+        "ttft_rule",
+        "itl_method",
+        "output_tokens_source",
+        "client_loop_lag_p50_ms",
+        "client_loop_lag_p99_ms",
+        "client_loop_lag_max_ms",
+        "client_bottleneck",
+    ):
         assert key in res
     printed = capsys.readouterr().out
-    for title, text in (("TTFT method", res["methods"]["ttft"]), ("ITL method", res["methods"]["itl"]),
-                        ("Output tokens from", res["methods"]["output_tokens"])):
+    for title, text in (
+        ("TTFT method", res["methods"]["ttft"]),
+        ("ITL method", res["methods"]["itl"]),
+        ("Output tokens from", res["methods"]["output_tokens"]),
+    ):
         assert f"{title}:" in printed and text in printed
     assert "Client event-loop lag (ms):" in printed
     assert "| ITL method | gaps between token chunks" in format_markdown(res)

@@ -134,8 +134,9 @@ def test_fleet_steady_state_per_endpoint_from_each_servers_meter(fake) -> None:
     a = fake(first_delay=0.01, itl_delay=0.01, sources=MEASURED)
     b = fake(first_delay=0.01, itl_delay=0.02, sources=MEASURED)
     n, B, out_len = 32, 4, 8
-    res = run(BenchConfig(base_urls=[a.url, b.url], num_prompts=n, max_concurrency=B, output_len=out_len, input_len=3,
-                          sample_interval_s=0.05))
+    res = run(
+        BenchConfig(base_urls=[a.url, b.url], num_prompts=n, max_concurrency=B, output_len=out_len, input_len=3, sample_interval_s=0.05)
+    )
     ea, eb = res["endpoints"]
     for k, ep in enumerate((ea, eb)):
         assert ep["steady_state_batch"] == B // 2  # round-robin: each server holds half the target batch
@@ -159,8 +160,7 @@ def test_fleet_steady_state_per_endpoint_from_each_servers_meter(fake) -> None:
 
 def test_fleet_steady_state_per_endpoint_has_no_energy_without_per_endpoint_meters(fake) -> None:
     a, b = fake(first_delay=0.0, itl_delay=0.005), fake(first_delay=0.0, itl_delay=0.005, metrics=False)
-    res = run(BenchConfig(base_urls=[a.url, b.url], num_prompts=16, max_concurrency=4, output_len=4, input_len=3,
-                          sample_interval_s=0.05))
+    res = run(BenchConfig(base_urls=[a.url, b.url], num_prompts=16, max_concurrency=4, output_len=4, input_len=3, sample_interval_s=0.05))
     assert all(ep["steady_state_gpu_energy_j"] is None and ep["steady_state_duration_s"] for ep in res["endpoints"])
 
 
@@ -169,8 +169,9 @@ def test_fleet_steady_state_per_endpoint_batch_is_the_exact_share(fake) -> None:
     # of first tokens) must not become the yardstick: a saturated fleet would read 0.67 of B on
     # every server and be flagged "batch not full".
     srv = [fake(first_delay=0.0, itl_delay=0.005) for _ in range(3)]
-    res = run(BenchConfig(base_urls=[s.url for s in srv], num_prompts=30, max_concurrency=4, output_len=4, input_len=3,
-                          sample_interval_s=0.05))
+    res = run(
+        BenchConfig(base_urls=[s.url for s in srv], num_prompts=30, max_concurrency=4, output_len=4, input_len=3, sample_interval_s=0.05)
+    )
     for ep in res["endpoints"]:
         assert ep["steady_state_batch"] == pytest.approx(4 / 3)
         assert ep["steady_state_duration_s"] is not None
@@ -197,8 +198,11 @@ def test_fleet_endpoint_energy_notes_say_why_there_is_none(fake) -> None:
     # Neither the fleet nor a server has energy (energy="none"): no endpoint may claim that the
     # fleet was measured, and its steady-state energy, None, says why.
     a, b = fake(first_delay=0.0, itl_delay=0.005), fake(first_delay=0.0, itl_delay=0.005)
-    res = run(BenchConfig(base_urls=[a.url, b.url], num_prompts=16, max_concurrency=4, output_len=4, input_len=3,
-                          sample_interval_s=0.05, energy="none"))
+    res = run(
+        BenchConfig(
+            base_urls=[a.url, b.url], num_prompts=16, max_concurrency=4, output_len=4, input_len=3, sample_interval_s=0.05, energy="none"
+        )
+    )
     assert res["gpu_energy_j"] is None
     for ep in res["endpoints"]:
         assert ep["gpu_energy_j"] is None and "whole fleet" not in ep["energy_note"]
@@ -269,8 +273,17 @@ def test_ramp_maps_unit_arrivals_through_the_cumulative_rate(strategy: str) -> N
 
 def test_ramp_run_respects_schedule_and_records_fields(fake) -> None:
     srv = fake(first_delay=0.0, itl_delay=0.0)
-    cfg = BenchConfig(base_url=srv.url, num_prompts=6, output_len=1, input_len=2, arrival="constant",
-                      ramp_up_strategy="linear", ramp_up_start_rps=10.0, ramp_up_end_rps=30.0, sample_interval_s=0)
+    cfg = BenchConfig(
+        base_url=srv.url,
+        num_prompts=6,
+        output_len=1,
+        input_len=2,
+        arrival="constant",
+        ramp_up_strategy="linear",
+        ramp_up_start_rps=10.0,
+        ramp_up_end_rps=30.0,
+        sample_interval_s=0,
+    )
     res = run(cfg)
     offs = ramp_offsets(6, 10.0, 30.0, strategy="linear", arrival="constant")
     assert all(off - 1e-3 <= st < off + 0.15 for st, off in zip(res["start_times"], offs))
@@ -279,11 +292,14 @@ def test_ramp_run_respects_schedule_and_records_fields(fake) -> None:
 
 def test_trace_replay_timing_prompts_and_scale(fake, tmp_path) -> None:
     srv = fake(first_delay=0.0, itl_delay=0.0)
-    trace = _jsonl(tmp_path / "t.jsonl", [
-        {"timestamp": 100.5, "input_len": 7, "output_len": 2},
-        {"timestamp": 100.0, "prompt": "first one here", "output_len": 3},
-        {"timestamp": 100.2, "input_len": 5},
-    ])
+    trace = _jsonl(
+        tmp_path / "t.jsonl",
+        [
+            {"timestamp": 100.5, "input_len": 7, "output_len": 2},
+            {"timestamp": 100.0, "prompt": "first one here", "output_len": 3},
+            {"timestamp": 100.2, "input_len": 5},
+        ],
+    )
     res = run(BenchConfig(base_url=srv.url, trace=str(trace), output_len=4, trace_time_scale=0.5, sample_interval_s=0))
     assert res["num_prompts"] == 3 and res["completed"] == 3 and res["arrival"] == "trace"
     for st, off in zip(res["start_times"], [0.0, 0.1, 0.25]):  # sorted by timestamp, x 0.5
@@ -297,14 +313,17 @@ def test_trace_replay_timing_prompts_and_scale(fake, tmp_path) -> None:
     assert load_trace(trace, 4, seed=0)[1] == load_trace(trace, 4, seed=0)[1]
 
 
-@pytest.mark.parametrize("line, needle", [
-    ('{"timestamp": "soon", "prompt": "x"}', "'timestamp' must be a number"),
-    ('{"timestamp": -1, "prompt": "x"}', "'timestamp' must be a number"),
-    ('{"timestamp": 1}', "need 'prompt' (string) or 'input_len'"),
-    ('{"timestamp": 1, "input_len": 3, "output_len": 0}', "'output_len' must be an integer >= 1"),
-    ("[1, 2]", "expected a JSON object"),
-    ("{oops", "invalid JSON"),
-])
+@pytest.mark.parametrize(
+    "line, needle",
+    [
+        ('{"timestamp": "soon", "prompt": "x"}', "'timestamp' must be a number"),
+        ('{"timestamp": -1, "prompt": "x"}', "'timestamp' must be a number"),
+        ('{"timestamp": 1}', "need 'prompt' (string) or 'input_len'"),
+        ('{"timestamp": 1, "input_len": 3, "output_len": 0}', "'output_len' must be an integer >= 1"),
+        ("[1, 2]", "expected a JSON object"),
+        ("{oops", "invalid JSON"),
+    ],
+)
 def test_bad_trace_file_one_line(tmp_path, capsys, line: str, needle: str) -> None:
     p = tmp_path / "bad.jsonl"
     p.write_text('{"timestamp": 0, "prompt": "ok"}\n' + line + "\n")
@@ -322,9 +341,30 @@ def test_bad_trace_file_one_line(tmp_path, capsys, line: str, needle: str) -> No
 def test_concurrency_sweep_cli_json_markdown_and_plots(fake, tmp_path, capsys) -> None:
     srv = fake(first_delay=0.02, itl_delay=0.002)
     out, md, plots = tmp_path / "s.json", tmp_path / "s.md", tmp_path / "plots"
-    rc = main(["--base-url", srv.url, "--max-concurrency", "1,3", "--num-prompts", "6", "--output-len", "3",
-               "--input-len", "4", "--label", "sw", "--result-json", str(out), "--markdown", str(md),
-               "--plot-dir", str(plots), "--sample-interval", "0.05"])
+    rc = main(
+        [
+            "--base-url",
+            srv.url,
+            "--max-concurrency",
+            "1,3",
+            "--num-prompts",
+            "6",
+            "--output-len",
+            "3",
+            "--input-len",
+            "4",
+            "--label",
+            "sw",
+            "--result-json",
+            str(out),
+            "--markdown",
+            str(md),
+            "--plot-dir",
+            str(plots),
+            "--sample-interval",
+            "0.05",
+        ]
+    )
     assert rc == 0
     doc = json.loads(out.read_text())
     assert doc["sweep"] == {"parameter": "max_concurrency", "levels": [1, 3]}
@@ -383,8 +423,11 @@ def test_sharegpt_sampling_follows_vllm_rules(tmp_path) -> None:
     # Order: the entries with >= 2 turns, shuffled like vLLM's random.seed(seed); random.shuffle.
     kept = [e for e in data if isinstance(e.get("conversations"), list) and len(e["conversations"]) >= 2]
     random.Random(7).shuffle(kept)
-    expect = [e["conversations"][0]["value"] for e in kept
-              if e["conversations"][0]["value"] in ("one two three four five", "alpha beta gamma delta")]
+    expect = [
+        e["conversations"][0]["value"]
+        for e in kept
+        if e["conversations"][0]["value"] in ("one two three four five", "alpha beta gamma delta")
+    ]
     assert [r.prompt for r in reqs] == [expect[i % 2] for i in range(5)]  # cycled to n
     assert {(r.prompt_len, r.output_len) for r in reqs} == {(5, 6), (4, 9)}
     # A fixed output length skips the output check: the short-reply and the 1000-word entries are kept.
@@ -394,11 +437,14 @@ def test_sharegpt_sampling_follows_vllm_rules(tmp_path) -> None:
     assert sample_requests(f"sharegpt:{path}", 3, input_len=1, output_len=1, seed=7) == reqs[:3]
 
 
-@pytest.mark.parametrize("content, needle", [
-    ("{not json", "invalid JSON"),
-    ('{"conversations": []}', "expected a JSON list"),
-    (json.dumps([_conv("hi", "there")]), "no usable conversation"),
-])
+@pytest.mark.parametrize(
+    "content, needle",
+    [
+        ("{not json", "invalid JSON"),
+        ('{"conversations": []}', "expected a JSON list"),
+        (json.dumps([_conv("hi", "there")]), "no usable conversation"),
+    ],
+)
 def test_sharegpt_bad_file_one_line(tmp_path, capsys, content: str, needle: str) -> None:
     p = tmp_path / "sg.json"
     p.write_text(content)
@@ -425,8 +471,20 @@ def test_prefix_repetition_groups_share_exact_prefixes() -> None:
 
 def test_prompt_logprobs_reach_the_server_with_prefix_repetition(fake) -> None:
     srv = fake(first_delay=0.0, itl_delay=0.0)
-    res = run(BenchConfig(base_url=srv.url, dataset="prefix-repetition", num_prompts=4, num_prefixes=2, prefix_len=8,
-                          input_len=2, output_len=1, prompt_logprobs=1, stream=False, sample_interval_s=0))
+    res = run(
+        BenchConfig(
+            base_url=srv.url,
+            dataset="prefix-repetition",
+            num_prompts=4,
+            num_prefixes=2,
+            prefix_len=8,
+            input_len=2,
+            output_len=1,
+            prompt_logprobs=1,
+            stream=False,
+            sample_interval_s=0,
+        )
+    )
     assert res["completed"] == 4 and all(p["prompt_logprobs"] == 1 for p in srv.payloads)
     assert srv.payloads[0]["prompt"].split()[:8] == srv.payloads[1]["prompt"].split()[:8]
 
@@ -437,14 +495,23 @@ def test_prompt_logprobs_reach_the_server_with_prefix_repetition(fake) -> None:
 
 
 def _out(start: float, ttft: float, latency: float, ok: bool = True) -> RequestOutput:
-    return RequestOutput(success=ok, start_time=start, ttft=ttft, latency=latency, output_tokens=2 if ok else 0,
-                         itl=[latency - ttft] if ok else [])
+    return RequestOutput(
+        success=ok, start_time=start, ttft=ttft, latency=latency, output_tokens=2 if ok else 0, itl=[latency - ttft] if ok else []
+    )
 
 
 def test_steady_state_bounds_ml_energy_rule() -> None:
     # N = 8, B = 2: opens at the 2nd first token (t = 1.2), closes at the 5th finish (N - B - 1 = 5).
-    outs = [_out(0.0, 1.0, 3.0), _out(0.0, 1.2, 4.0), _out(3.0, 0.5, 2.0), _out(4.0, 0.5, 2.0),
-            _out(5.0, 0.5, 2.0), _out(6.0, 0.5, 2.0), _out(7.0, 0.5, 2.0), _out(8.0, 0.1, 0.2, ok=False)]
+    outs = [
+        _out(0.0, 1.0, 3.0),
+        _out(0.0, 1.2, 4.0),
+        _out(3.0, 0.5, 2.0),
+        _out(4.0, 0.5, 2.0),
+        _out(5.0, 0.5, 2.0),
+        _out(6.0, 0.5, 2.0),
+        _out(7.0, 0.5, 2.0),
+        _out(8.0, 0.1, 0.2, ok=False),
+    ]
     finishes = sorted(o.start_time + o.latency for o in outs)
     assert steady_state_bounds(outs, 2) == (1.2, finishes[4])
     assert steady_state_bounds(outs, 4) == (4.5, finishes[2])  # 4th first token; N - B - 1 = 3rd finish
@@ -455,8 +522,7 @@ def test_steady_state_bounds_ml_energy_rule() -> None:
 def test_steady_state_window_energy_and_throughput(fake) -> None:
     srv = fake(first_delay=0.01, itl_delay=0.01, sources=MEASURED)
     B, n, out_len = 3, 24, 10
-    res = run(BenchConfig(base_url=srv.url, num_prompts=n, max_concurrency=B, output_len=out_len, input_len=3,
-                          sample_interval_s=0.05))
+    res = run(BenchConfig(base_url=srv.url, num_prompts=n, max_concurrency=B, output_len=out_len, input_len=3, sample_interval_s=0.05))
     assert res["steady_state_batch"] == B
     # The raw ML.ENERGY instants, recomputed from the per-request arrays, bracket the snapped window.
     first = sorted(s + t for s, t in zip(res["start_times"], res["ttfts"]))
@@ -507,8 +573,7 @@ def test_counter_reset_mid_run_loses_one_interval_not_the_run(fake) -> None:
 
     t = threading.Thread(target=restart, daemon=True)
     t.start()
-    res = run(BenchConfig(base_url=srv.url, num_prompts=n, max_concurrency=3, output_len=out_len, input_len=3,
-                          sample_interval_s=0.02))
+    res = run(BenchConfig(base_url=srv.url, num_prompts=n, max_concurrency=3, output_len=out_len, input_len=3, sample_interval_s=0.02))
     t.join(5)
     booked = n * per_request
     # Lost: only the work between the last reading before the reset and the reset (one sample
@@ -540,9 +605,26 @@ def test_steady_state_absent_without_target_or_enough_requests(fake) -> None:
 
 def test_timeline_phases_power_and_clock(fake, tmp_path, capsys) -> None:
     srv = fake(first_delay=0.02, itl_delay=0.01, idle_power_w=64.0)
-    rc = main(["--base-url", srv.url, "--num-prompts", "6", "--max-concurrency", "2", "--output-len", "12",
-               "--input-len", "3", "--sample-interval", "0.05", "--plot-dir", str(tmp_path), "--result-json",
-               str(tmp_path / "r.json")])
+    rc = main(
+        [
+            "--base-url",
+            srv.url,
+            "--num-prompts",
+            "6",
+            "--max-concurrency",
+            "2",
+            "--output-len",
+            "12",
+            "--input-len",
+            "3",
+            "--sample-interval",
+            "0.05",
+            "--plot-dir",
+            str(tmp_path),
+            "--result-json",
+            str(tmp_path / "r.json"),
+        ]
+    )
     assert rc == 0
     res = json.loads((tmp_path / "r.json").read_text())
     (s,) = res["timeline"]["series"]
@@ -572,8 +654,7 @@ def test_sampling_can_be_turned_off(fake) -> None:
 
 def test_stream_faults_are_counted_failures(fake, tmp_path) -> None:
     srv = fake(first_delay=0.0, itl_delay=0.0)
-    ds = _jsonl(tmp_path / "d.jsonl", [{"prompt": p, "output_len": 3} for p in
-                                       ("fine", "NODONE x", "BADUTF8 x", "ERRCHUNK x", "STALL x")])
+    ds = _jsonl(tmp_path / "d.jsonl", [{"prompt": p, "output_len": 3} for p in ("fine", "NODONE x", "BADUTF8 x", "ERRCHUNK x", "STALL x")])
     t0 = time.monotonic()
     res = run(BenchConfig(base_url=srv.url, num_prompts=5, dataset=f"jsonl:{ds}", request_timeout_s=0.4, sample_interval_s=0))
     assert time.monotonic() - t0 < 10
@@ -599,26 +680,32 @@ def test_progress_bar_only_on_a_terminal(fake, monkeypatch) -> None:
         run(BenchConfig(base_url=srv.url, num_prompts=3, output_len=1, input_len=2, progress=progress, sample_interval_s=0))
         monkeypatch.undo()
         assert ("3/3" in buf.getvalue()) is shown, buf.getvalue()
-        monkeypatch.setattr(__import__("loadtests.energy", fromlist=["x"]).NvmlEnergy, "open",
-                            classmethod(lambda cls, gpus: (None, "disabled in test")))
+        monkeypatch.setattr(
+            __import__("loadtests.energy", fromlist=["x"]).NvmlEnergy, "open", classmethod(lambda cls, gpus: (None, "disabled in test"))
+        )
 
 
-@pytest.mark.parametrize("argv, needle", [
-    (["--goodput", "ttft:100", "ttft:200"], "'ttft' given twice"),
-    (["--goodput", "ttft:0"], "SLO ttft must be a positive number"),
-    (["--goodput", "ttft:inf"], "SLO ttft must be a positive number"),
-    (["--goodput", "latency:5"], "unknown SLO 'latency'"),
-    (["--ramp-up-strategy", "linear", "--ramp-up-start-rps", "1"], "must be given together"),
-    (["--ramp-up-strategy", "linear", "--ramp-up-start-rps", "1", "--ramp-up-end-rps", "2", "--request-rate", "3"],
-     "conflicts with ramp_up_strategy"),
-    (["--trace", "t.jsonl", "--request-rate", "3"], "trace replay sets the arrival times"),
-    (["--dataset", "sharegpt:"], "field 'dataset'"),
-    (["--max-concurrency", "2,x"], "invalid --max-concurrency"),
-    (["--base-url", "http://127.0.0.1:1", "http://127.0.0.1:1/v1"], "duplicate endpoint"),
-    (["--sample-interval", "-1"], "sample_interval_s"),
-    (["--no-stream", "--goodput", "tpot:50"], "tpot cannot be judged without streaming"),
-    (["--dataset", "sharegpt:/nonexistent.json", "--tokenizer", "/nonexistent-tokenizer"], "cannot load tokenizer"),
-])
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--goodput", "ttft:100", "ttft:200"], "'ttft' given twice"),
+        (["--goodput", "ttft:0"], "SLO ttft must be a positive number"),
+        (["--goodput", "ttft:inf"], "SLO ttft must be a positive number"),
+        (["--goodput", "latency:5"], "unknown SLO 'latency'"),
+        (["--ramp-up-strategy", "linear", "--ramp-up-start-rps", "1"], "must be given together"),
+        (
+            ["--ramp-up-strategy", "linear", "--ramp-up-start-rps", "1", "--ramp-up-end-rps", "2", "--request-rate", "3"],
+            "conflicts with ramp_up_strategy",
+        ),
+        (["--trace", "t.jsonl", "--request-rate", "3"], "trace replay sets the arrival times"),
+        (["--dataset", "sharegpt:"], "field 'dataset'"),
+        (["--max-concurrency", "2,x"], "invalid --max-concurrency"),
+        (["--base-url", "http://127.0.0.1:1", "http://127.0.0.1:1/v1"], "duplicate endpoint"),
+        (["--sample-interval", "-1"], "sample_interval_s"),
+        (["--no-stream", "--goodput", "tpot:50"], "tpot cannot be judged without streaming"),
+        (["--dataset", "sharegpt:/nonexistent.json", "--tokenizer", "/nonexistent-tokenizer"], "cannot load tokenizer"),
+    ],
+)
 def test_bad_options_one_line_exit_2(capsys, argv: list[str], needle: str) -> None:
     rc = main(["--num-prompts", "1", *argv])
     err = capsys.readouterr().err.strip().splitlines()
@@ -644,22 +731,40 @@ def _vllm_serve_result_keys() -> set[str]:
     if spec is None or not spec.submodule_search_locations:
         pytest.skip("vLLM not installed")
     src = (Path(next(iter(spec.submodule_search_locations))) / "benchmarks" / "serve.py").read_text()
-    block = src[src.index("result: dict[str, Any]\n"):]
+    block = src[src.index("result: dict[str, Any]\n") :]
     block = block[: block.index("else:")]
     return set(re.findall(r'"([a-z_0-9]+)":', block))
 
 
 def test_result_fields_match_vllm_bench_serve(fake) -> None:
     srv = fake(first_delay=0.0, itl_delay=0.0)
-    res = run(BenchConfig(base_url=srv.url, num_prompts=3, max_concurrency=2, output_len=2, input_len=2, label="x",
-                          goodput={"ttft": 1000.0}))
+    res = run(
+        BenchConfig(base_url=srv.url, num_prompts=3, max_concurrency=2, output_len=2, input_len=2, label="x", goodput={"ttft": 1000.0})
+    )
     vllm_keys = _vllm_serve_result_keys()
     assert {"duration", "completed", "ttfts", "latencies", "max_concurrent_requests"} <= vllm_keys  # parser sanity
     # Left out on purpose: generated text (size) and rtfx (speech models only).
     assert vllm_keys - set(res) == {"generated_texts", "rtfx"}
-    for k in ("date", "endpoint_type", "backend", "label", "model_id", "tokenizer_id", "num_prompts", "request_rate",
-              "burstiness", "max_concurrency", "mean_ttft_ms", "median_tpot_ms", "p99_itl_ms", "std_e2el_ms",
-              "gpu_energy_j", "gpu_avg_power_w", "gpu_energy_per_output_token_j", "gpu_energy_duration_s"):
+    for k in (
+        "date",
+        "endpoint_type",
+        "backend",
+        "label",
+        "model_id",
+        "tokenizer_id",
+        "num_prompts",
+        "request_rate",
+        "burstiness",
+        "max_concurrency",
+        "mean_ttft_ms",
+        "median_tpot_ms",
+        "p99_itl_ms",
+        "std_e2el_ms",
+        "gpu_energy_j",
+        "gpu_avg_power_w",
+        "gpu_energy_per_output_token_j",
+        "gpu_energy_duration_s",
+    ):
         assert k in res, k
     assert res["gpu_energy_duration_s"] == res["energy_window_s"]
     json.dumps(res, allow_nan=False)
@@ -673,10 +778,19 @@ def test_sharegpt_selection_equals_vllm_bench_serve(tmp_path) -> None:
 
     datasets = pytest.importorskip("vllm.benchmarks.datasets.datasets")
     rng = random.Random(1)
-    data = [{"id": i, "conversations": [
-        {"from": "human" if k % 2 == 0 else "gpt",
-         "value": " ".join(rng.choice(WORDS) for _ in range(rng.choice([2, 3, 5, 50, 900, 1100])))}
-        for k in range(rng.choice([1, 2, 3]))]} for i in range(300)]
+    data = [
+        {
+            "id": i,
+            "conversations": [
+                {
+                    "from": "human" if k % 2 == 0 else "gpt",
+                    "value": " ".join(rng.choice(WORDS) for _ in range(rng.choice([2, 3, 5, 50, 900, 1100]))),
+                }
+                for k in range(rng.choice([1, 2, 3]))
+            ],
+        }
+        for i in range(300)
+    ]
     path = tmp_path / "sg.json"
     path.write_text(json.dumps(data))
 
@@ -686,8 +800,8 @@ def test_sharegpt_selection_equals_vllm_bench_serve(tmp_path) -> None:
 
     for seed, out_len in ((0, None), (5, 16)):
         theirs = datasets.ShareGPTDataset(dataset_path=str(path), random_seed=seed).sample(
-            WordTokenizer(), 60, output_len=out_len, no_oversample=True)
+            WordTokenizer(), 60, output_len=out_len, no_oversample=True
+        )
         ours = load_sharegpt(path, len(theirs), seed=seed, output_len=out_len)
         assert len(theirs) == 60
-        assert [(s.prompt, s.prompt_len, s.expected_output_len) for s in theirs] == \
-               [(r.prompt, r.prompt_len, r.output_len) for r in ours]
+        assert [(s.prompt, s.prompt_len, s.expected_output_len) for s in theirs] == [(r.prompt, r.prompt_len, r.output_len) for r in ours]

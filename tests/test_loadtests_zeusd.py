@@ -33,8 +33,20 @@ def test_energy_from_zeusd_over_tcp_and_unix_socket(server_factory, tmp_path, tr
         target = z.url if transport == "tcp" else z.socket_path
         # A 2 s window: the client's timestamps trail the daemon's reads by a round trip each, which
         # must stay small against the window on a loaded CI machine.
-        res = run(BenchConfig(base_url=srv.url, num_prompts=100000, max_concurrency=4, output_len=8, input_len=3,
-                              duration_s=2.0, energy="zeusd", zeusd=target, gpus=[0, 1], sample_interval_s=0.05))
+        res = run(
+            BenchConfig(
+                base_url=srv.url,
+                num_prompts=100000,
+                max_concurrency=4,
+                output_len=8,
+                input_len=3,
+                duration_s=2.0,
+                energy="zeusd",
+                zeusd=target,
+                gpus=[0, 1],
+                sample_interval_s=0.05,
+            )
+        )
     assert res["energy_source"] == "measured" and res["energy_provider"] == "zeusd"
     # Exactly the daemon's counters of GPUs 0 and 1 from the first read to the last; GPU 2 never read.
     assert res["gpu_energy_j"] == pytest.approx(sum((g.served[-1] - g.served[0]) / 1000 for g in gpus[:2]), abs=1e-6)

@@ -20,10 +20,21 @@ from prometheus_client.parser import text_string_to_metric_families
 from vllm_powersave import metrics
 from vllm_powersave.metrics import PowersaveCollector
 
-GOOD = {"gpu": "GPU-a", "rank": 0, "pid": os.getpid(), "source": "simulated", "clock_backend": "simulated",
-        "energy_available": True, "energy_method": "model",
-        "energy_j": {"prefill": 1.5, "decode": 2.0, "idle": 10.0}, "steps": {"prefill": 3, "decode": 40},
-        "tokens": {"prefill": 300, "decode": 40}, "power_w": 300.0, "sm_clock_mhz": 1200, "clock_changes": 4}
+GOOD = {
+    "gpu": "GPU-a",
+    "rank": 0,
+    "pid": os.getpid(),
+    "source": "simulated",
+    "clock_backend": "simulated",
+    "energy_available": True,
+    "energy_method": "model",
+    "energy_j": {"prefill": 1.5, "decode": 2.0, "idle": 10.0},
+    "steps": {"prefill": 3, "decode": 40},
+    "tokens": {"prefill": 300, "decode": 40},
+    "power_w": 300.0,
+    "sm_clock_mhz": 1200,
+    "clock_changes": 4,
+}
 
 
 @pytest.fixture
@@ -98,7 +109,10 @@ def test_a_broken_rank_snapshot_never_breaks_metrics(tmp_path, warnings_seen, co
     scrape(tmp_path)
     got = samples(text)
     assert got[("vllm_own_requests_total", ())] == 1.0  # vLLM's own series still served
-    assert got[("powersave_gpu_energy_joules_total", (("gpu", "GPU-a"), ("method", "model"), ("phase", "decode"), ("source", "simulated")))] == 2.0
+    assert (
+        got[("powersave_gpu_energy_joules_total", (("gpu", "GPU-a"), ("method", "model"), ("phase", "decode"), ("source", "simulated")))]
+        == 2.0
+    )
     assert all(math.isfinite(v) for v in got.values())  # no NaN or infinity
     assert not [k for k, v in got.items() if k[0].endswith("_total") and v < 0]
     assert not [k for k in got if k[0] == "powersave_engine_energy_joules_total"]  # rank 1's energy is unknown: no partial sum
@@ -133,7 +147,8 @@ def test_missing_or_vanished_stats_dir(tmp_path):
     got = samples(scrape(tmp_path / "never"))
     assert got[("vllm_own_requests_total", ())] == 1.0
     assert [dict(k[1]) for k in got if k[0] == "powersave_info"] == [
-        {"version": "t", "source": "pending", "clock_backend": "pending", "cuda_perf_boost": "pending"}]
+        {"version": "t", "source": "pending", "clock_backend": "pending", "cuda_perf_boost": "pending"}
+    ]
 
 
 def test_an_unexpected_collector_failure_leaves_vllms_metrics_served(tmp_path, monkeypatch, warnings_seen):

@@ -21,19 +21,36 @@ BIG = ["qwen2.5-0.5b", "qwen2.5-7b", "llama3-8b"]
 # The architecture numbers of the real checkpoints, independent of shared/.
 EXPECTED = {
     "qwen2.5-0.5b": dict(
-        architectures=["Qwen2ForCausalLM"], hidden_size=896, num_hidden_layers=24,
-        num_attention_heads=14, num_key_value_heads=2, intermediate_size=4864,
-        vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=32768,
+        architectures=["Qwen2ForCausalLM"],
+        hidden_size=896,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        intermediate_size=4864,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+        max_position_embeddings=32768,
     ),
     "qwen2.5-7b": dict(
-        architectures=["Qwen2ForCausalLM"], hidden_size=3584, num_hidden_layers=28,
-        num_attention_heads=28, num_key_value_heads=4, intermediate_size=18944,
-        vocab_size=152064, tie_word_embeddings=False, max_position_embeddings=32768,
+        architectures=["Qwen2ForCausalLM"],
+        hidden_size=3584,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        intermediate_size=18944,
+        vocab_size=152064,
+        tie_word_embeddings=False,
+        max_position_embeddings=32768,
     ),
     "llama3-8b": dict(
-        architectures=["LlamaForCausalLM"], hidden_size=4096, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,
-        vocab_size=128256, tie_word_embeddings=False,
+        architectures=["LlamaForCausalLM"],
+        hidden_size=4096,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=14336,
+        vocab_size=128256,
+        tie_word_embeddings=False,
     ),
 }
 ROPE = {"qwen2.5-0.5b": 1e6, "qwen2.5-7b": 1e6, "llama3-8b": 5e5}
@@ -150,8 +167,12 @@ def test_out_dir_that_is_a_file_is_refused(tmp_path):
 def test_files_and_config(tiny):
     names = {p.name for p in tiny.iterdir()}
     assert names == {
-        "config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-        "tokenizer_config.json", "special_tokens_map.json",
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
     }
     cfg = json.loads((tiny / "config.json").read_text())
     assert cfg["torch_dtype"] == cfg["dtype"] == "bfloat16"
@@ -264,10 +285,7 @@ def test_chat_template_renders(tiny):
     tok = AutoTokenizer.from_pretrained(tiny)
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
     s = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-    assert s == (
-        "<|im_start|>system\nBe brief.<|im_end|>\n"
-        "<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n"
-    )
+    assert s == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n")
     s2 = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=False)
     assert s2 == s[: -len("<|im_start|>assistant\n")]
     ids = tok(s, add_special_tokens=False).input_ids
@@ -288,12 +306,9 @@ def test_llama_tokenizer_and_template(llama_dir):
     ids = tok.encode(text)
     assert ids[0] == tok.bos_token_id
     assert tok.decode(ids, skip_special_tokens=True) == text
-    s = tok.apply_chat_template(
-        [{"role": "user", "content": "Hi!"}], tokenize=False, add_generation_prompt=True
-    )
+    s = tok.apply_chat_template([{"role": "user", "content": "Hi!"}], tokenize=False, add_generation_prompt=True)
     assert s == (
-        "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nHi!<|eot_id|>"
-        "<|start_header_id|>assistant<|end_header_id|>\n\n"
+        "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nHi!<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
     )
 
 

@@ -81,7 +81,16 @@ def test_plugin_declares_no_endpoint_plugin_and_no_listener():
     hits = []
     for f in src.rglob("*.py"):
         text = f.read_text()
-        for needle in (".listen(", "add_api_route(", "APIRouter(", "web.Application(", "HTTPServer(", "start_server(", "@app.post", "@router.post"):
+        for needle in (
+            ".listen(",
+            "add_api_route(",
+            "APIRouter(",
+            "web.Application(",
+            "HTTPServer(",
+            "start_server(",
+            "@app.post",
+            "@router.post",
+        ):
             if needle in text:
                 hits.append((f.name, needle))
     assert hits == []

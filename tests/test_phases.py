@@ -60,12 +60,20 @@ def test_fast_aggregate_classification_equals_per_request_classification():
         so = SimpleNamespace(
             scheduled_new_reqs=[SimpleNamespace(req_id=r, num_computed_tokens=0) for r in new],
             scheduled_cached_reqs=SimpleNamespace(req_ids=cached, num_computed_tokens=computed, num_output_tokens=n_out),
-            num_scheduled_tokens=nst, scheduled_spec_decode_tokens=spec, total_num_scheduled_tokens=sum(nst.values()),
+            num_scheduled_tokens=nst,
+            scheduled_spec_decode_tokens=spec,
+            total_num_scheduled_tokens=sum(nst.values()),
         )
         slow = classify(step_requests(so))
         fast = step_info(so)
-        assert (fast.phase, fast.prefill_tokens, fast.decode_tokens, fast.lm_head_rows, fast.num_reqs, fast.spec_tokens) == \
-            (slow.phase, slow.prefill_tokens, slow.decode_tokens, slow.lm_head_rows, slow.num_reqs, slow.spec_tokens)
+        assert (fast.phase, fast.prefill_tokens, fast.decode_tokens, fast.lm_head_rows, fast.num_reqs, fast.spec_tokens) == (
+            slow.phase,
+            slow.prefill_tokens,
+            slow.decode_tokens,
+            slow.lm_head_rows,
+            slow.num_reqs,
+            slow.spec_tokens,
+        )
 
 
 def test_small_mixed_steps_take_the_decode_clock():
@@ -104,8 +112,12 @@ def test_regime_filter_keeps_decode_clock_through_occasional_prompts_but_not_bur
 
 
 def _new(rid, prompt_len, prompt_logprobs=None, computed=0):
-    return SimpleNamespace(req_id=rid, prompt_token_ids=list(range(prompt_len)), num_computed_tokens=computed,
-                           sampling_params=SimpleNamespace(prompt_logprobs=prompt_logprobs))
+    return SimpleNamespace(
+        req_id=rid,
+        prompt_token_ids=list(range(prompt_len)),
+        num_computed_tokens=computed,
+        sampling_params=SimpleNamespace(prompt_logprobs=prompt_logprobs),
+    )
 
 
 def _so(new=(), nst=None, finished=()):

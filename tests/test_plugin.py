@@ -82,7 +82,9 @@ def test_perf_boost_off_sets_cuda_variable_for_this_process_and_children(monkeyp
     assert "CUDA_DISABLE_PERF_BOOST" not in os.environ
     vllm_powersave.apply_process_env(load_settings({"cuda_perf_boost": "off"}, env={}))
     assert os.environ["CUDA_DISABLE_PERF_BOOST"] == "1"
-    child = subprocess.run([sys.executable, "-c", "import os; print(os.environ.get('CUDA_DISABLE_PERF_BOOST'))"], capture_output=True, text=True)
+    child = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.environ.get('CUDA_DISABLE_PERF_BOOST'))"], capture_output=True, text=True
+    )
     assert child.stdout.strip() == "1"
 
 

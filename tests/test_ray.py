@@ -82,8 +82,11 @@ def test_relay_refuses_files_other_than_its_own(tmp_path):
 # -- a two-node Ray cluster on this machine --------------------------------------------------------
 def _clean_env() -> dict[str, str]:
     """This machine's environment as a fresh node would have it: none of our variables."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("POWERSAVE_", "RAY_")) and k not in ("VLLM_PLUGINS", "CUDA_DISABLE_PERF_BOOST")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("POWERSAVE_", "RAY_")) and k not in ("VLLM_PLUGINS", "CUDA_DISABLE_PERF_BOOST")
+    }
     env["PYTHONPATH"] = os.pathsep.join([str(SHIM), *filter(None, [env.get("PYTHONPATH")])])
     env["RAY_USAGE_STATS_ENABLED"] = "0"
     # Ray >= 2.52 turns token authentication on wherever ~/.ray/auth_token exists, but never for a
@@ -117,12 +120,29 @@ def ray_cluster():
     procs = []
     try:
         # Free ports where Ray would otherwise take fixed defaults (client server 10001, agent 52365).
-        for i, extra in enumerate((["--head", "--port", str(port), "--ray-client-server-port", str(free_port()), "--include-dashboard=false",
-                                    "--disable-usage-stats", "--temp-dir", str(tmp), "--dashboard-agent-listen-port", str(free_port())],
-                                   ["--address", f"127.0.0.1:{port}", "--dashboard-agent-listen-port", str(free_port())])):
+        for i, extra in enumerate(
+            (
+                [
+                    "--head",
+                    "--port",
+                    str(port),
+                    "--ray-client-server-port",
+                    str(free_port()),
+                    "--include-dashboard=false",
+                    "--disable-usage-stats",
+                    "--temp-dir",
+                    str(tmp),
+                    "--dashboard-agent-listen-port",
+                    str(free_port()),
+                ],
+                ["--address", f"127.0.0.1:{port}", "--dashboard-agent-listen-port", str(free_port())],
+            )
+        ):
             log = tmp / f"node{i}.log"
             with open(log, "wb") as f:
-                p = subprocess.Popen([str(RAY_BIN), "start", *extra, *common], stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                p = subprocess.Popen(
+                    [str(RAY_BIN), "start", *extra, *common], stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                )
             procs.append(p)
             _wait_for_line(log, "Ray runtime started", p, 180)
         yield {"address": f"127.0.0.1:{port}", "env": env, "dir": tmp}
@@ -213,18 +233,37 @@ def test_tp2_across_two_ray_nodes_ranks_agree_and_energy_reaches_the_api_server(
 
     model = make_model(tmp_path / "tiny", "qwen2-tiny")
     stats = tmp_path / "stats"
-    cfg = {"powersave": {"trace_steps": True, "per_request_energy": True, "stats_dir": str(stats),
-                         "clocks": {"backend": "simulated", "min_dwell_ms": 30,
-                                    "presets": {"decode": {"sm_clock_mhz": 1200}, "idle": {"sm_clock_mhz": 345}}},
-                         "energy": {"meter": "simulated", "response_wait_ms": 5000}}}
-    args = default_serve_args(str(model)) + ["--tensor-parallel-size", "2", "--distributed-executor-backend", "ray",
-                                             "--plugin", "powersave", "--additional-config", json.dumps(cfg)]
+    cfg = {
+        "powersave": {
+            "trace_steps": True,
+            "per_request_energy": True,
+            "stats_dir": str(stats),
+            "clocks": {
+                "backend": "simulated",
+                "min_dwell_ms": 30,
+                "presets": {"decode": {"sm_clock_mhz": 1200}, "idle": {"sm_clock_mhz": 345}},
+            },
+            "energy": {"meter": "simulated", "response_wait_ms": 5000},
+        }
+    }
+    args = default_serve_args(str(model)) + [
+        "--tensor-parallel-size",
+        "2",
+        "--distributed-executor-backend",
+        "ray",
+        "--plugin",
+        "powersave",
+        "--additional-config",
+        json.dumps(cfg),
+    ]
     env = {**ray_cluster["env"], "RAY_ADDRESS": ray_cluster["address"]}
     srv = VllmServer(args, env=env, log_path=tmp_path / "server.log", startup_timeout_s=900)
     headers = []
     with srv:
         for i in range(6):
-            resp, h = _post(srv.base_url + "/v1/completions", {"model": "model", "prompt": f"def f{i}():", "max_tokens": 48, "ignore_eos": True})
+            resp, h = _post(
+                srv.base_url + "/v1/completions", {"model": "model", "prompt": f"def f{i}():", "max_tokens": 48, "ignore_eos": True}
+            )
             assert resp["usage"]["completion_tokens"] == 48
             headers.append((resp["id"], h))
         time.sleep(1.5)  # a few publish periods

@@ -43,14 +43,18 @@ def test_internal_ids_map_to_the_openai_response_id():
 def test_index_sums_parts_and_ranks_and_reads_incrementally(tmp_path):
     ranks(tmp_path, 2)
     idx = RequestEnergyIndex(tmp_path)
-    write_lines(tmp_path, 0, [{"request_id": "cmpl-abc-0-1a2b3c4d", "energy_j": 1.0}, {"request_id": "cmpl-abc-1-5e6f7a8b", "energy_j": 2.0}])
+    write_lines(
+        tmp_path, 0, [{"request_id": "cmpl-abc-0-1a2b3c4d", "energy_j": 1.0}, {"request_id": "cmpl-abc-1-5e6f7a8b", "energy_j": 2.0}]
+    )
     idx.refresh()
     partial = idx.lookup("cmpl-abc")
     assert partial["status"] == "partial" and partial["energy_j"] is None and partial["parts"] == 2  # rank 1 missing
     assert idx.lookup("cmpl-zzz") is None
     write_lines(tmp_path, 1, [{"request_id": "cmpl-abc-0-1a2b3c4d", "energy_j": 0.5}])
     with open(tmp_path / "requests-rank1.jsonl", "a") as f:
-        f.write('{"request_id": "cmpl-abc-1-5e6f7a8b", "energy_j": 0.25, "gpu": "sim1", "rank": 1, "source": "simulated", "met')  # half a line
+        f.write(
+            '{"request_id": "cmpl-abc-1-5e6f7a8b", "energy_j": 0.25, "gpu": "sim1", "rank": 1, "source": "simulated", "met'
+        )  # half a line
     idx.refresh()
     assert idx.lookup("cmpl-abc")["status"] == "partial"
     with open(tmp_path / "requests-rank1.jsonl", "a") as f:
@@ -83,8 +87,7 @@ def app_with_middleware(tmp_path, wait_s):
 
         return StreamingResponse(gen(), media_type="text/event-stream")
 
-    app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]),
-                            Route("/v1/chat/completions", chat, methods=["POST"])])
+    app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]), Route("/v1/chat/completions", chat, methods=["POST"])])
     app.add_middleware(RequestEnergyMiddleware, index=RequestEnergyIndex(tmp_path), wait_s=wait_s)
     return app
 
@@ -183,10 +186,20 @@ def test_metrics_served_once_per_api_server_with_multiprocess_registry(tmp_path,
     stats = tmp_path / "stats"
     stats.mkdir()
     for r, j in ((0, 10.0), (1, 6.0)):
-        (stats / f"rank{r}.json").write_text(json.dumps({
-            "gpu": f"GPU-{r}", "rank": r, "source": "measured", "energy_method": "energy-counter", "energy_available": True,
-            "energy_j": {"prefill": 0.0, "decode": j, "mixed": 0.0, "idle": 1.0}, "tokens": {"prefill": 0, "decode": 40},
-            "window": {"window_s": 60.0, "seconds": 5.0, "energy_j": j, "prefill_tokens": 0, "decode_tokens": 32}}))
+        (stats / f"rank{r}.json").write_text(
+            json.dumps(
+                {
+                    "gpu": f"GPU-{r}",
+                    "rank": r,
+                    "source": "measured",
+                    "energy_method": "energy-counter",
+                    "energy_available": True,
+                    "energy_j": {"prefill": 0.0, "decode": j, "mixed": 0.0, "idle": 1.0},
+                    "tokens": {"prefill": 0, "decode": 40},
+                    "window": {"window_s": 60.0, "seconds": 5.0, "energy_j": j, "prefill_tokens": 0, "decode_tokens": 32},
+                }
+            )
+        )
     mp = tmp_path / "mp"
     mp.mkdir()
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(mp))  # what vLLM sets for --api-server-count > 1
@@ -210,10 +223,12 @@ def test_metrics_served_once_per_api_server_with_multiprocess_registry(tmp_path,
         vllm_compat._PATCHED.discard("metrics_registry")
     for text in texts:
         lines = [ln for ln in text.splitlines() if ln.startswith("powersave_engine_energy_joules_total{")]
-        assert sorted(lines) == ['powersave_engine_energy_joules_total{phase="decode",source="measured"} 16.0',
-                                 'powersave_engine_energy_joules_total{phase="idle",source="measured"} 2.0',
-                                 'powersave_engine_energy_joules_total{phase="mixed",source="measured"} 0.0',
-                                 'powersave_engine_energy_joules_total{phase="prefill",source="measured"} 0.0']
+        assert sorted(lines) == [
+            'powersave_engine_energy_joules_total{phase="decode",source="measured"} 16.0',
+            'powersave_engine_energy_joules_total{phase="idle",source="measured"} 2.0',
+            'powersave_engine_energy_joules_total{phase="mixed",source="measured"} 0.0',
+            'powersave_engine_energy_joules_total{phase="prefill",source="measured"} 0.0',
+        ]
         # tokens once (same steps on both ranks), energy of both GPUs: 32 / 16
         assert 'powersave_tokens_per_joule{kind="decode",source="measured",window="60s"} 2.0' in text
     assert texts[0] == texts[1] == texts[2]  # any API server answers the same, un-summed figures

@@ -53,8 +53,9 @@ def serve_steady(cost, *, n_requests=240, batch=48, prompt=128, out=96, tick_eve
     gpu, clock = SimulatedGpu(), Clock()
     meter = SimulatedEnergyMeter(gpu)
     done = {}
-    acc = PhaseEnergyAccount(meter, idle_after_s=0.25, clock=clock, per_request=True, cost=cost,
-                             on_request_done=lambda r, j: done.__setitem__(r, j))
+    acc = PhaseEnergyAccount(
+        meter, idle_after_s=0.25, clock=clock, per_request=True, cost=cost, on_request_done=lambda r, j: done.__setitem__(r, j)
+    )
     mc = ModelCost.for_shape(SHAPE)
     running: dict[str, list[int]] = {}  # rid -> [computed tokens, outputs left]
     admitted, finished, steps = 0, [], 0
@@ -99,7 +100,7 @@ def serve_steady(cost, *, n_requests=240, batch=48, prompt=128, out=96, tick_eve
 
 def spread(js):
     """max / min over the requests served at a steady batch (the first and last 25 % left out)."""
-    mid = js[len(js) // 4: -len(js) // 4]
+    mid = js[len(js) // 4 : -len(js) // 4]
     return max(mid) / min(mid), mid
 
 
@@ -189,15 +190,17 @@ def test_a_prompt_costs_more_than_a_decode_in_proportion_to_its_flops():
     total_s = cost.shared_s() + (fp + fd) / cost.peak_flops + (bp + bd) / cost.mem_bw
     j_per_s = 10.0 / total_s
     assert acc.request_j["p"] - acc.request_j["d"] == pytest.approx(
-        j_per_s * ((fp - fd) / cost.peak_flops + (bp - bd) / cost.mem_bw), rel=1e-9)
+        j_per_s * ((fp - fd) / cost.peak_flops + (bp - bd) / cost.mem_bw), rel=1e-9
+    )
     assert acc.request_j["p"] + acc.request_j["d"] == pytest.approx(10.0, rel=1e-9)
     # a 512-token prompt on a 7B model is compute-heavy: it costs several times the decode, yet far
     # less than the 512/513 of the step that token share gave it
     assert 2.0 < acc.request_j["p"] / acc.request_j["d"] and acc.request_j["p"] < 0.9 * 10.0
     # twice the prompt, twice its extra FLOPs (attention grows faster: n^2/2 pairs)
     f1, f2 = cost.own_flops_bytes(256, 0)[0], cost.own_flops_bytes(512, 0)[0]
-    assert f2 - cost.head_flops_per_row == pytest.approx(2 * (f1 - cost.head_flops_per_row)
-                                                         + cost.attn_flops_per_pair * (512 * 513 / 2 - 2 * 256 * 257 / 2))
+    assert f2 - cost.head_flops_per_row == pytest.approx(
+        2 * (f1 - cost.head_flops_per_row) + cost.attn_flops_per_pair * (512 * 513 / 2 - 2 * 256 * 257 / 2)
+    )
 
 
 def test_time_after_the_last_step_goes_to_the_tail_not_to_the_last_request():
@@ -206,8 +209,13 @@ def test_time_after_the_last_step_goes_to_the_tail_not_to_the_last_request():
     for phase_s in (0.0, 0.03, 0.07):
         clock, nvml = Clock(), FakeNvml(energy_mj=0)
         done = {}
-        acc = PhaseEnergyAccount(NvmlEnergyMeter(NvmlGpu(nvml, "h"), clock=clock, interpolate=False), idle_after_s=0.25, clock=clock,
-                                 per_request=True, on_request_done=lambda r, j: done.__setitem__(r, j))
+        acc = PhaseEnergyAccount(
+            NvmlEnergyMeter(NvmlGpu(nvml, "h"), clock=clock, interpolate=False),
+            idle_after_s=0.25,
+            clock=clock,
+            per_request=True,
+            on_request_done=lambda r, j: done.__setitem__(r, j),
+        )
 
         def run(dt, watts):
             clock.t += dt
@@ -236,7 +244,9 @@ def test_time_after_the_last_step_goes_to_the_tail_not_to_the_last_request():
 
 def test_a_gap_between_steps_stays_with_the_step_when_the_next_step_follows():
     clock, nvml = Clock(), FakeNvml(energy_mj=0)
-    acc = PhaseEnergyAccount(NvmlEnergyMeter(NvmlGpu(nvml, "h"), clock=clock, interpolate=False), idle_after_s=0.25, clock=clock, per_request=True)
+    acc = PhaseEnergyAccount(
+        NvmlEnergyMeter(NvmlGpu(nvml, "h"), clock=clock, interpolate=False), idle_after_s=0.25, clock=clock, per_request=True
+    )
     acc.on_step("decode", req_tokens={"a": 1})
     clock.t += 0.05
     nvml.energy_mj += 20_000
@@ -264,8 +274,9 @@ def test_requests_idle_and_tail_equal_the_counter_through_resets_and_a_lost_coun
     clock, nvml = Clock(), FakeNvml(energy_mj=5_000_000)
     meter = NvmlEnergyMeter(NvmlGpu(nvml, "h"), clock=clock, interpolate=False)
     done = {}
-    acc = PhaseEnergyAccount(meter, idle_after_s=0.25, clock=clock, per_request=True, cost=cost,
-                             on_request_done=lambda r, j: done.__setitem__(r, j))
+    acc = PhaseEnergyAccount(
+        meter, idle_after_s=0.25, clock=clock, per_request=True, cost=cost, on_request_done=lambda r, j: done.__setitem__(r, j)
+    )
     running, finished, n, next_tick, reset_done = {}, [], 0, 0.1, False
     while clock.t < 30:
         if rng.random() < 0.08 or not running:
@@ -321,8 +332,9 @@ def serve_cpu_sequential(account_kwargs, *, n=5, seed=0, idle_before_s=1.0):
     gpu, clock = SimulatedGpu(), Clock()
     meter = SimulatedEnergyMeter(gpu)
     done = {}
-    acc = PhaseEnergyAccount(meter, idle_after_s=0.25, clock=clock, per_request=True,
-                             on_request_done=lambda r, j: done.__setitem__(r, j), **account_kwargs)
+    acc = PhaseEnergyAccount(
+        meter, idle_after_s=0.25, clock=clock, per_request=True, on_request_done=lambda r, j: done.__setitem__(r, j), **account_kwargs
+    )
     mc = ModelCost.for_shape("qwen2-tiny")
     ctx_kw = "cost" in account_kwargs
     next_tick = 0.1
@@ -360,8 +372,10 @@ def test_five_identical_requests_on_the_cpu_build_read_the_same_energy():
     the trailing time after it, wherever the ticks fall."""
     cost = RequestCostModel.for_shape("qwen2-tiny")
     mc = ModelCost.for_shape("qwen2-tiny")
-    steps_j = sum(simulate_step(H200, mc.step_work(5 if k == 0 else 1, 1, 0 if k == 0 else 4 + k, mc.vocab_params),
-                                H200.f_max_mhz).energy_j for k in range(16))
+    steps_j = sum(
+        simulate_step(H200, mc.step_work(5 if k == 0 else 1, 1, 0 if k == 0 else 4 + k, mc.vocab_params), H200.f_max_mhz).energy_j
+        for k in range(16)
+    )
     for seed in range(4):
         # seed 3: the first request arrives 5 ms after the worker started, before any idle-only tick
         js, acc = serve_cpu_sequential({"cost": cost}, seed=seed, idle_before_s=0.005 if seed == 3 else 1.0)
@@ -385,16 +399,27 @@ def test_runtime_splits_by_the_models_cost_and_publishes_the_tail(monkeypatch, t
 
     monkeypatch.setattr(vllm_compat, "runner_identity", lambda r: {"rank": 0, "device_type": "cpu", "device_index": None})
     runner = SimpleNamespace(rank=0, scheduler_config=SimpleNamespace(max_num_seqs=8, async_scheduling=False))
-    rt = rt_mod.WorkerRuntime(runner, PowersaveSettings.model_validate(
-        {"stats_dir": str(tmp_path), "per_request_energy": True,
-         "energy": {"meter": "simulated", "simulated_model_shape": SHAPE, "idle_after_s": 20.0}}))
+    rt = rt_mod.WorkerRuntime(
+        runner,
+        PowersaveSettings.model_validate(
+            {
+                "stats_dir": str(tmp_path),
+                "per_request_energy": True,
+                "energy": {"meter": "simulated", "simulated_model_shape": SHAPE, "idle_after_s": 20.0},
+            }
+        ),
+    )
     try:
         assert rt.account.cost == RequestCostModel.for_shape(SHAPE)
         new = SimpleNamespace(req_id="p", prompt_token_ids=list(range(128)), num_computed_tokens=0, sampling_params=None)
-        so = SimpleNamespace(scheduled_new_reqs=[new],
-                             scheduled_cached_reqs=SimpleNamespace(req_ids=["d1", "d2"], num_computed_tokens=[400, 900], num_output_tokens=[5, 5]),
-                             num_scheduled_tokens={"p": 128, "d1": 1, "d2": 1}, total_num_scheduled_tokens=130,
-                             scheduled_spec_decode_tokens={}, finished_req_ids=set())
+        so = SimpleNamespace(
+            scheduled_new_reqs=[new],
+            scheduled_cached_reqs=SimpleNamespace(req_ids=["d1", "d2"], num_computed_tokens=[400, 900], num_output_tokens=[5, 5]),
+            num_scheduled_tokens={"p": 128, "d1": 1, "d2": 1},
+            total_num_scheduled_tokens=130,
+            scheduled_spec_decode_tokens={},
+            finished_req_ids=set(),
+        )
         assert vllm_compat.step_request_context(so) == {"p": 0, "d1": 400, "d2": 900}
         rt.on_step_start(so)
         rt.on_step_end()

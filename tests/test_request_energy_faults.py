@@ -31,8 +31,10 @@ from vllm_powersave.request_energy import (
 
 
 def line(rid: str, j, rank: int = 0, **kw) -> str:
-    return json.dumps({"request_id": rid, "energy_j": j, "source": "simulated", "method": "model", "gpu": f"sim{rank}",
-                       "rank": rank, **kw}) + "\n"
+    return (
+        json.dumps({"request_id": rid, "energy_j": j, "source": "simulated", "method": "model", "gpu": f"sim{rank}", "rank": rank, **kw})
+        + "\n"
+    )
 
 
 def append(d: Path, text: str, rank: int = 0) -> None:
@@ -42,8 +44,10 @@ def append(d: Path, text: str, rank: int = 0) -> None:
 
 def strict(text: str):
     """JSON as a strict client parses it (NaN and Infinity are not JSON)."""
+
     def no(c):
         raise ValueError(f"non-JSON constant {c}")
+
     return json.loads(text, parse_constant=no)
 
 
@@ -83,7 +87,10 @@ def test_a_line_cut_by_a_dying_writer_does_not_swallow_the_next_record(tmp_path)
 @pytest.mark.parametrize("bad", ["NaN", "Infinity", "-Infinity", "-1.5", '"abc"', '"1.5"', "true", "[1]", "{}", "1e999"])
 def test_garbage_figures_count_as_unavailable_and_never_reach_the_client_as_nan(tmp_path, bad):
     (tmp_path / "rank0.json").write_text("{}")
-    append(tmp_path, f'{{"request_id": "cmpl-g-0-00000000", "energy_j": {bad}, "rank": 0, "gpu": "sim0", "source": "simulated", "method": "model"}}\n')
+    append(
+        tmp_path,
+        f'{{"request_id": "cmpl-g-0-00000000", "energy_j": {bad}, "rank": 0, "gpu": "sim0", "source": "simulated", "method": "model"}}\n',
+    )
     idx = RequestEnergyIndex(tmp_path)
     idx.refresh()
     res = idx.lookup("cmpl-g")
@@ -94,8 +101,11 @@ def test_garbage_figures_count_as_unavailable_and_never_reach_the_client_as_nan(
 
 def test_lines_that_are_not_records_are_skipped(tmp_path):
     (tmp_path / "rank0.json").write_text("{}")
-    append(tmp_path, '[1, 2]\n5\n"x"\nnull\n{"rank": 0}\n{"request_id": "cmpl-x-0-00000000", "rank": "zero"}\n\xff\xfe\n'
-           '{"request_id": "cmpl-x-0-00000000", "rank": 1e999, "energy_j": 1}\n' + line("cmpl-ok-0-00000000", 0.25))
+    append(
+        tmp_path,
+        '[1, 2]\n5\n"x"\nnull\n{"rank": 0}\n{"request_id": "cmpl-x-0-00000000", "rank": "zero"}\n\xff\xfe\n'
+        '{"request_id": "cmpl-x-0-00000000", "rank": 1e999, "energy_j": 1}\n' + line("cmpl-ok-0-00000000", 0.25),
+    )
     idx = RequestEnergyIndex(tmp_path)
     idx.refresh()
     assert idx.lookup("cmpl-ok")["energy_j"] == 0.25 and idx.lookup("cmpl-x") is None
@@ -146,8 +156,12 @@ def app(tmp_path, wait_s=0.0):
     async def anything(request: Request):
         return JSONResponse({"app": True}, status_code=405)
 
-    a = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]),
-                          Route("/powersave/requests/{rest:path}", anything, methods=["POST", "PUT", "DELETE", "PATCH"])])
+    a = Starlette(
+        routes=[
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/powersave/requests/{rest:path}", anything, methods=["POST", "PUT", "DELETE", "PATCH"]),
+        ]
+    )
     a.add_middleware(RequestEnergyMiddleware, index=RequestEnergyIndex(tmp_path), wait_s=wait_s)
     return a
 
@@ -161,14 +175,42 @@ async def asgi_get(asgi, path: str):
     async def send(m):
         msgs.append(m)
 
-    await asgi({"type": "http", "method": "GET", "path": path, "raw_path": path.encode("utf-8", "surrogateescape"),
-                "query_string": b"", "root_path": "", "headers": [], "http_version": "1.1", "scheme": "http",
-                "server": ("t", 80), "client": ("c", 1)}, receive, send)
+    await asgi(
+        {
+            "type": "http",
+            "method": "GET",
+            "path": path,
+            "raw_path": path.encode("utf-8", "surrogateescape"),
+            "query_string": b"",
+            "root_path": "",
+            "headers": [],
+            "http_version": "1.1",
+            "scheme": "http",
+            "server": ("t", 80),
+            "client": ("c", 1),
+        },
+        receive,
+        send,
+    )
     return msgs[0]["status"], msgs[0]["headers"], b"".join(m.get("body", b"") for m in msgs[1:]).decode()
 
 
-@pytest.mark.parametrize("rid", ["..%2F..%2F..%2Fetc%2Fpasswd", "../../etc/passwd", "%2E%2E", "..", "%00", "rank0.json",
-                                 "requests-rank0.jsonl", "%2Fetc%2Fpasswd", "a" * 8000, "cmpl-x%0d%0ax-evil:%201", "~root"])
+@pytest.mark.parametrize(
+    "rid",
+    [
+        "..%2F..%2F..%2Fetc%2Fpasswd",
+        "../../etc/passwd",
+        "%2E%2E",
+        "..",
+        "%00",
+        "rank0.json",
+        "requests-rank0.jsonl",
+        "%2Fetc%2Fpasswd",
+        "a" * 8000,
+        "cmpl-x%0d%0ax-evil:%201",
+        "~root",
+    ],
+)
 def test_route_ids_are_never_paths(tmp_path, monkeypatch, rid):
     (tmp_path / "rank0.json").write_text("{}")
     append(tmp_path, line("cmpl-ok-0-00000000", 1.0))
@@ -234,9 +276,18 @@ async def call(mw, path: str, query: bytes = b"") -> int:
     return out["status"]
 
 
-@pytest.mark.parametrize("q,expect", [(b"wait_ms=1e308", 10.0), (b"wait_ms=inf", 10.0), (b"wait_ms=nan", 0.0),
-                                      (b"wait_ms=-5", 0.0), (b"wait_ms=99999999999999999999999", 10.0), (b"", 0.0),
-                                      (b"wait_ms=100&wait_ms=1e9", 0.1)])
+@pytest.mark.parametrize(
+    "q,expect",
+    [
+        (b"wait_ms=1e308", 10.0),
+        (b"wait_ms=inf", 10.0),
+        (b"wait_ms=nan", 0.0),
+        (b"wait_ms=-5", 0.0),
+        (b"wait_ms=99999999999999999999999", 10.0),
+        (b"", 0.0),
+        (b"wait_ms=100&wait_ms=1e9", 0.1),
+    ],
+)
 def test_wait_ms_is_clamped(q, expect):
     idx = RecordingIndex()
     status = asyncio.run(call(RequestEnergyMiddleware(None, idx), "/powersave/requests/cmpl-x", q))
@@ -250,8 +301,11 @@ def test_bad_wait_ms_is_a_400_naming_it(q):
     async def send(msg):
         out.setdefault("msgs", []).append(msg)
 
-    asyncio.run(RequestEnergyMiddleware(None, RecordingIndex())(
-        {"type": "http", "method": "GET", "path": "/powersave/requests/cmpl-x", "query_string": q}, None, send))
+    asyncio.run(
+        RequestEnergyMiddleware(None, RecordingIndex())(
+            {"type": "http", "method": "GET", "path": "/powersave/requests/cmpl-x", "query_string": q}, None, send
+        )
+    )
     assert out["msgs"][0]["status"] == 400 and "wait_ms" in json.loads(out["msgs"][1]["body"])["error"]
 
 
@@ -296,9 +350,18 @@ def test_concurrent_completions_each_get_their_own_figure(tmp_path):
         async def send(m):
             msgs.append(m)
 
-        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "query_string": b"", "root_path": "",
-                 "headers": [(b"content-type", b"application/json")], "http_version": "1.1", "scheme": "http",
-                 "server": ("t", 80), "client": ("c", 1)}
+        scope = {
+            "type": "http",
+            "method": "POST",
+            "path": "/v1/completions",
+            "query_string": b"",
+            "root_path": "",
+            "headers": [(b"content-type", b"application/json")],
+            "http_version": "1.1",
+            "scheme": "http",
+            "server": ("t", 80),
+            "client": ("c", 1),
+        }
         await a(scope, receive, send)
         return dict(msgs[0]["headers"])
 

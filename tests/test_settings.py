@@ -15,8 +15,13 @@ def test_defaults_turn_on_the_measured_savings_and_choose_clocks_by_permission()
 
 
 def test_inline_values_and_sorting():
-    s = load_settings({"chunking": {"table": [{"min_rows": 4096, "chunks": 4}, {"min_rows": 512, "chunks": 2}]},
-                       "clocks": {"presets": {"decode": {"sm_clock_mhz": 1200}}, "min_dwell_ms": 50}}, env={})
+    s = load_settings(
+        {
+            "chunking": {"table": [{"min_rows": 4096, "chunks": 4}, {"min_rows": 512, "chunks": 2}]},
+            "clocks": {"presets": {"decode": {"sm_clock_mhz": 1200}}, "min_dwell_ms": 50},
+        },
+        env={},
+    )
     assert [(r.min_rows, r.chunks) for r in s.chunking.table] == [(512, 2), (4096, 4)]
     assert s.clocks.presets["decode"].sm_clock_mhz == 1200
     assert s.clocks.min_dwell_ms == 50
@@ -73,7 +78,9 @@ def test_simulated_clock_with_nvml_meter_refused():
 
 
 def test_exported_settings_round_trip():
-    s = load_settings({"clocks": {"backend": "simulated", "presets": {"idle": {"sm_clock_mhz": 345}}}, "energy": {"meter": "simulated"}}, env={})
+    s = load_settings(
+        {"clocks": {"backend": "simulated", "presets": {"idle": {"sm_clock_mhz": 345}}}, "energy": {"meter": "simulated"}}, env={}
+    )
     back = settings_from_env({ENV_SETTINGS_JSON: s.model_dump_json()})
     assert back == s
     assert isinstance(back, PowersaveSettings)
@@ -110,6 +117,8 @@ def test_tuned_for_mismatch_lines():
     assert check_tuned_for(s.tuned_for, facts) == []
     facts2 = dict(facts, gpu_name="NVIDIA A100-SXM4-80GB", vllm_version="0.32.0+cpu")
     lines = check_tuned_for(s.tuned_for, facts2)
-    assert lines == ["powersave setting 'tuned_for.gpu_name' = 'NVIDIA H200': this server has 'NVIDIA A100-SXM4-80GB'",
-                     "powersave setting 'tuned_for.vllm_version' = '0.25': this server has '0.32.0+cpu'"]
+    assert lines == [
+        "powersave setting 'tuned_for.gpu_name' = 'NVIDIA H200': this server has 'NVIDIA A100-SXM4-80GB'",
+        "powersave setting 'tuned_for.vllm_version' = '0.25': this server has '0.32.0+cpu'",
+    ]
     assert check_tuned_for(None, facts2) == []

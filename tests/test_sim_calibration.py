@@ -64,9 +64,22 @@ def test_public_curve_fit_recovers_a_known_response(tmp_path):
         t = norm_time(f, f_max, u_c, knee) / 100.0
         p = 300 * norm_power(f, f_max, s, v_min)
         for metric, v in (("throughput", 1 / t), ("board_power", p)):
-            rows.append({"source": "Synthetic (test)", "gpu": "GPU X", "power_limit_w": "", "workload": "w", "phase": "decode",
-                         "sm_clock_mhz": str(f), "mem_clock_mhz": "", "metric": metric, "value": f"{v:.9f}", "unit": "",
-                         "exactness": "exact", "notes": ""})
+            rows.append(
+                {
+                    "source": "Synthetic (test)",
+                    "gpu": "GPU X",
+                    "power_limit_w": "",
+                    "workload": "w",
+                    "phase": "decode",
+                    "sm_clock_mhz": str(f),
+                    "mem_clock_mhz": "",
+                    "metric": metric,
+                    "value": f"{v:.9f}",
+                    "unit": "",
+                    "exactness": "exact",
+                    "notes": "",
+                }
+            )
     rows.append({**rows[0], "exactness": "verbal", "value": "about 3"})
     path = tmp_path / "points.csv"
     with path.open("w", newline="") as fh:

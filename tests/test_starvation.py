@@ -129,10 +129,23 @@ def test_warning_stays_silent_below_the_threshold():
 
 
 def test_metrics_export_idle_while_busy_counters_per_gpu_and_engine(tmp_path):
-    snap = {"pid": 1, "rank": 0, "engine": 0, "gpu": "GPU-a", "source": "measured", "energy_available": True,
-            "energy_method": "energy-counter", "energy_j": {"decode": 50.0, "idle": 20.0}, "time_s": {}, "steps": {}, "tokens": {},
-            "idle_while_busy_j": 12.5, "idle_while_busy_s": 0.25, "frontend_busy_s": 3.0,
-            "savings": {"perf_boost": {"state": "auto", "basis": "measured", "why": "x"}}}
+    snap = {
+        "pid": 1,
+        "rank": 0,
+        "engine": 0,
+        "gpu": "GPU-a",
+        "source": "measured",
+        "energy_available": True,
+        "energy_method": "energy-counter",
+        "energy_j": {"decode": 50.0, "idle": 20.0},
+        "time_s": {},
+        "steps": {},
+        "tokens": {},
+        "idle_while_busy_j": 12.5,
+        "idle_while_busy_s": 0.25,
+        "frontend_busy_s": 3.0,
+        "savings": {"perf_boost": {"state": "auto", "basis": "measured", "why": "x"}},
+    }
     (tmp_path / "rank0.json").write_text(json.dumps(snap))
     text = metrics_text(tmp_path)
     assert 'powersave_idle_while_busy_energy_joules_total{engine="0",gpu="GPU-a",source="measured"} 12.5' in text
@@ -149,18 +162,25 @@ def test_loadtests_report_reads_idle_while_busy_from_the_server_metrics():
     from loadtests.metrics import energy_metrics
     from loadtests.report import compare_table, format_table
 
-    text = ("# TYPE powersave_idle_while_busy_energy_joules counter\n"
-            'powersave_idle_while_busy_energy_joules_total{engine="0",gpu="g0",source="measured"} 30.0\n'
-            'powersave_idle_while_busy_energy_joules_total{engine="0",gpu="g1",source="measured"} 10.0\n'
-            "# TYPE powersave_idle_while_busy_seconds counter\n"
-            'powersave_idle_while_busy_seconds_total{engine="0",gpu="g0"} 1.0\n'
-            "# TYPE powersave_frontend_busy_seconds counter\n"
-            'powersave_frontend_busy_seconds_total{engine="0",gpu="g0"} 20.0\n')
+    text = (
+        "# TYPE powersave_idle_while_busy_energy_joules counter\n"
+        'powersave_idle_while_busy_energy_joules_total{engine="0",gpu="g0",source="measured"} 30.0\n'
+        'powersave_idle_while_busy_energy_joules_total{engine="0",gpu="g1",source="measured"} 10.0\n'
+        "# TYPE powersave_idle_while_busy_seconds counter\n"
+        'powersave_idle_while_busy_seconds_total{engine="0",gpu="g0"} 1.0\n'
+        "# TYPE powersave_frontend_busy_seconds counter\n"
+        'powersave_frontend_busy_seconds_total{engine="0",gpu="g0"} 20.0\n'
+    )
     sc = parse_scrape(text)
     assert (sc.idle_while_busy_j, sc.idle_while_busy_s, sc.frontend_busy_s) == (40.0, 1.0, 20.0)
     r = EnergyReading(energy_j=500.0, source="measured", by_phase_j={"idle": 60.0})
-    starvation_over([Sample(t=0, idle_while_busy_j=10.0, idle_while_busy_s=0.5, frontend_busy_s=5.0),
-                     Sample(t=1, idle_while_busy_j=40.0, idle_while_busy_s=1.0, frontend_busy_s=20.0)], r)
+    starvation_over(
+        [
+            Sample(t=0, idle_while_busy_j=10.0, idle_while_busy_s=0.5, frontend_busy_s=5.0),
+            Sample(t=1, idle_while_busy_j=40.0, idle_while_busy_s=1.0, frontend_busy_s=20.0),
+        ],
+        r,
+    )
     m = energy_metrics(r, 100, 1000)
     assert m["gpu_idle_while_busy_energy_j"] == 30.0 and abs(m["idle_while_busy_share"] - 0.5 / 15.0) < 1e-12
     res = {"label": "x", **m}
@@ -184,9 +204,15 @@ def test_worker_books_idle_while_the_api_server_holds_requests_and_not_after(mon
     api = BusyTracker(tmp_path, name="api")
     api.enter()  # a request the engine never got
     api.flush()
-    rt = rt_mod.WorkerRuntime(runner, PowersaveSettings.model_validate(
-        {"stats_dir": str(tmp_path), "energy": {"meter": "simulated", "simulated_model_shape": "qwen2.5-0.5b",
-                                                "idle_after_s": 0.05, "tick_s": 0.05}}))
+    rt = rt_mod.WorkerRuntime(
+        runner,
+        PowersaveSettings.model_validate(
+            {
+                "stats_dir": str(tmp_path),
+                "energy": {"meter": "simulated", "simulated_model_shape": "qwen2.5-0.5b", "idle_after_s": 0.05, "tick_s": 0.05},
+            }
+        ),
+    )
     try:
         rt.on_step_start(sched({"a": 1}))
         rt.on_step_end()

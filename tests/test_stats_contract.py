@@ -21,8 +21,19 @@ def test_file_names_match_their_globs():
 
 def test_request_line_is_the_earlier_json_and_reads_back():
     line = sc.RequestLine("cmpl-1-0", 1.23456789, "measured", "energy-counter", "GPU-a", 2)
-    earlier = json.dumps({"request_id": "cmpl-1-0", "energy_j": round(1.23456789, 6), "source": "measured",
-                          "method": "energy-counter", "gpu": "GPU-a", "rank": 2}) + "\n"
+    earlier = (
+        json.dumps(
+            {
+                "request_id": "cmpl-1-0",
+                "energy_j": round(1.23456789, 6),
+                "source": "measured",
+                "method": "energy-counter",
+                "gpu": "GPU-a",
+                "rank": 2,
+            }
+        )
+        + "\n"
+    )
     assert line.to_json() == earlier
     assert sc.RequestLine.from_json(json.loads(earlier)) == sc.RequestLine("cmpl-1-0", 1.234568, "measured", "energy-counter", "GPU-a", 2)
     unavailable = sc.RequestLine("r", None, "measured", "energy-counter", "GPU-a", 0)
@@ -39,10 +50,18 @@ def test_every_key_the_worker_writes_is_declared(monkeypatch, tmp_path):
     """A simulated worker with every optional part on (meter, trace, per-request energy, presets):
     its snapshot's keys, and those of its window and steady dicts, are all in the contract."""
     monkeypatch.setattr(vllm_compat, "runner_identity", lambda r: {"rank": 0, "device_type": "cpu", "device_index": None})
-    rt = WorkerRuntime(SimpleNamespace(rank=0, scheduler_config=SimpleNamespace(max_num_seqs=2, async_scheduling=False)),
-                       PowersaveSettings.model_validate({"stats_dir": str(tmp_path), "trace_steps": True, "per_request_energy": True,
-                                                         "energy": {"meter": "simulated", "idle_after_s": 20.0},
-                                                         "clocks": {"backend": "simulated", "presets": {"decode": {"sm_clock_mhz": 1200}}}}))
+    rt = WorkerRuntime(
+        SimpleNamespace(rank=0, scheduler_config=SimpleNamespace(max_num_seqs=2, async_scheduling=False)),
+        PowersaveSettings.model_validate(
+            {
+                "stats_dir": str(tmp_path),
+                "trace_steps": True,
+                "per_request_energy": True,
+                "energy": {"meter": "simulated", "idle_after_s": 20.0},
+                "clocks": {"backend": "simulated", "presets": {"decode": {"sm_clock_mhz": 1200}}},
+            }
+        ),
+    )
     try:
         snap = rt.snapshot()
     finally:

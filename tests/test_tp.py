@@ -26,10 +26,19 @@ def test_two_ranks_agree_and_engine_energy_is_their_sum(tmp_path, parallel):
 
     model = make_model(tmp_path / "tiny", "qwen2-tiny")
     stats = tmp_path / "stats"
-    cfg = {"powersave": {"trace_steps": True, "stats_dir": str(stats), "cuda_perf_boost": "off",
-                         "clocks": {"backend": "simulated", "min_dwell_ms": 30,
-                                    "presets": {"decode": {"sm_clock_mhz": 1200}, "idle": {"sm_clock_mhz": 345}}},
-                         "energy": {"meter": "simulated"}}}
+    cfg = {
+        "powersave": {
+            "trace_steps": True,
+            "stats_dir": str(stats),
+            "cuda_perf_boost": "off",
+            "clocks": {
+                "backend": "simulated",
+                "min_dwell_ms": 30,
+                "presets": {"decode": {"sm_clock_mhz": 1200}, "idle": {"sm_clock_mhz": 345}},
+            },
+            "energy": {"meter": "simulated"},
+        }
+    }
     args = default_serve_args(str(model)) + [*parallel, "--plugin", "powersave", "--additional-config", json.dumps(cfg)]
     # One core per rank: the CPU build binds each worker's OpenMP threads; with one NUMA node it
     # cannot choose for two workers by itself.
@@ -37,7 +46,9 @@ def test_two_ranks_agree_and_engine_energy_is_their_sum(tmp_path, parallel):
     with VllmServer(args, env=env, log_path=tmp_path / "server.log", startup_timeout_s=900) as srv:
         for i in range(6):
             body = {"model": "model", "prompt": f"def f{i}():", "max_tokens": 48, "ignore_eos": True}
-            req = urllib.request.Request(srv.base_url + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+            req = urllib.request.Request(
+                srv.base_url + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+            )
             assert json.loads(urllib.request.urlopen(req, timeout=300).read())["usage"]["completion_tokens"] == 48
         import time
 

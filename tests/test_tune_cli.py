@@ -64,8 +64,25 @@ def test_force_dry_run_wins_over_simulate_sweep(tiny_config, tmp_path, monkeypat
 def test_simulated_sweep_reports_expected_vs_remeasured(tiny_config, tmp_path, monkeypatch):
     monkeypatch.delenv(ENV_FORCE_DRY_RUN, raising=False)
     out = tmp_path / "sim"
-    assert main(["tune", str(tiny_config), "--out", str(out), "--only", "clocks", "--simulate-sweep", "--phases", "decode",
-                 "--sweep-points", "8", *FAST]) == 0
+    assert (
+        main(
+            [
+                "tune",
+                str(tiny_config),
+                "--out",
+                str(out),
+                "--only",
+                "clocks",
+                "--simulate-sweep",
+                "--phases",
+                "decode",
+                "--sweep-points",
+                "8",
+                *FAST,
+            ]
+        )
+        == 0
+    )
     sw = json.loads((out / "tune.json").read_text())["clocks"]["sweeps"]["decode"]
     for solver in ("single", "global"):
         r = sw[solver]
@@ -89,7 +106,10 @@ def test_clock_mode_decisions():
     assert clock_mode(False, False, False, True, {})[0] == "predict"
     assert clock_mode(True, False, True, True, {})[0] == "predict"
     assert clock_mode(False, True, False, False, {})[0] == "simulated-sweep"
-    assert clock_mode(False, False, True, True, {ENV_FORCE_DRY_RUN: "1"}) == ("predict", f"{ENV_FORCE_DRY_RUN}=1: clocks are never set here")
+    assert clock_mode(False, False, True, True, {ENV_FORCE_DRY_RUN: "1"}) == (
+        "predict",
+        f"{ENV_FORCE_DRY_RUN}=1: clocks are never set here",
+    )
     assert clock_mode(False, False, True, True, {ENV_FORCE_DRY_RUN: "0"})[0] == "sweep"
 
 
@@ -111,7 +131,9 @@ def test_gpu_sweep_driver_locks_each_clock_once_and_resets():
         call()
         f = nv.locked[0] if nv.locked else 1980
         seen.append(f)
-        return Window(ms_per_call=1000.0 / f, j_per_call=f / 1000.0, window_s=window_s, calls=1, power_w=1.0, sm_clock_mhz=f, source="measured")
+        return Window(
+            ms_per_call=1000.0 / f, j_per_call=f / 1000.0, window_s=window_s, calls=1, power_w=1.0, sm_clock_mhz=f, source="measured"
+        )
 
     m = GpuClockMeasurer(backend, {"mlp": lambda: None}, {"mlp": 28.0}, 1.0, NvmlGpu(nv, 0), window_fn=window, settle_s=0.0)
     try:
@@ -132,9 +154,22 @@ def test_lmhead_record_converter(tmp_path):
     for rows in (64, 4096):
         for rep in range(2):
             for c, (ms, j) in {1: (1.0, 1.0), 2: (0.8 if rows == 4096 else 2.0, 0.9 if rows == 4096 else 2.0)}.items():
-                pts.append({"hidden": 896, "vocab": 151936, "mode": "mm", "kind": "decode", "rows": rows, "chunks": c, "repeat": rep,
-                            "ms": ms * (1 + 0.01 * rep), "j_per_call": j * (1 + 0.01 * rep), "window_s": 1.1, "peak_mib": 10.0,
-                            "energy_source": "measured"})
+                pts.append(
+                    {
+                        "hidden": 896,
+                        "vocab": 151936,
+                        "mode": "mm",
+                        "kind": "decode",
+                        "rows": rows,
+                        "chunks": c,
+                        "repeat": rep,
+                        "ms": ms * (1 + 0.01 * rep),
+                        "j_per_call": j * (1 + 0.01 * rep),
+                        "window_s": 1.1,
+                        "peak_mib": 10.0,
+                        "energy_source": "measured",
+                    }
+                )
     raw = tmp_path / "raw.json"
     raw.write_text(json.dumps({"device": "NVIDIA H200", "torch": "2.11", "date": "2026-12-01", "method": "aligned", "results": pts}))
     out = tmp_path / "rec"
@@ -162,9 +197,22 @@ def test_solver_vs_public_on_a_known_curve(tmp_path):
     m = TwoPointModel(3000, 1 / 40.0, 0.3, 100.0, 250.0, 3000, 3000 * 345 / 1980, H200.v_min)  # the fit's default f_lo and v_min
     for f in (1500, 1800, 2100, 2400, 3000):
         for metric, v in (("throughput", 1 / m.t(f)), ("tokens_per_kJ", 1000 / m.e(f))):
-            rows.append({"source": "Synthetic (test)", "gpu": "GPU X", "power_limit_w": "", "workload": "w", "phase": "decode",
-                         "sm_clock_mhz": str(f), "mem_clock_mhz": "", "metric": metric, "value": f"{v:.9f}", "unit": "",
-                         "exactness": "exact", "notes": ""})
+            rows.append(
+                {
+                    "source": "Synthetic (test)",
+                    "gpu": "GPU X",
+                    "power_limit_w": "",
+                    "workload": "w",
+                    "phase": "decode",
+                    "sm_clock_mhz": str(f),
+                    "mem_clock_mhz": "",
+                    "metric": metric,
+                    "value": f"{v:.9f}",
+                    "unit": "",
+                    "exactness": "exact",
+                    "notes": "",
+                }
+            )
     rows.append({**rows[0], "exactness": "verbal", "metric": "x", "value": "about 3"})
     p = tmp_path / "points.csv"
     with p.open("w", newline="") as f:
@@ -185,11 +233,19 @@ def test_preset_writes_kernel_group_clocks_only_with_measured_durations(tmp_path
     from vllm_powersave.tune.run import TuneOptions, TuneResult, write_preset
 
     def result(kind):
-        r = TuneResult(TuneOptions(model=str(tmp_path / "m")), tmp_path, {"kind": kind, "name": "NVIDIA H200" if kind == "cuda" else "cpu"},
-                       model_name="m", clock_mode=("predict", "test"), clock_source="test")
+        r = TuneResult(
+            TuneOptions(model=str(tmp_path / "m")),
+            tmp_path,
+            {"kind": kind, "name": "NVIDIA H200" if kind == "cuda" else "cpu"},
+            model_name="m",
+            clock_mode=("predict", "test"),
+            clock_source="test",
+        )
         r.presets = {"prefill": {"sm_clock_mhz": 1500}, "decode": {"sm_clock_mhz": 900}, "idle": {"sm_clock_mhz": 345}}
-        r.group_presets = {"prefill": {"attention": {"sm_clock_mhz": 1500, "duration_ms": 0.7}, "lm_head": {"sm_clock_mhz": 900, "duration_ms": 0.53741}},
-                           "decode": {"lm_head": {"sm_clock_mhz": 900, "duration_ms": 0.5}}}
+        r.group_presets = {
+            "prefill": {"attention": {"sm_clock_mhz": 1500, "duration_ms": 0.7}, "lm_head": {"sm_clock_mhz": 900, "duration_ms": 0.53741}},
+            "decode": {"lm_head": {"sm_clock_mhz": 900, "duration_ms": 0.5}},
+        }
         return r
 
     s = load_settings({"config_file": str(write_preset(result("cuda"), tmp_path / "gpu.yaml"))}, env={})

@@ -7,7 +7,16 @@ import torch
 
 from vllm_powersave.modelgen import SHAPES, param_count
 from vllm_powersave.tune import lmhead
-from vllm_powersave.tune.profile import Ceilings, ModelShape, StepSpec, build_ops, bound_label, group_table, profile_step, simulated_ceilings
+from vllm_powersave.tune.profile import (
+    Ceilings,
+    ModelShape,
+    StepSpec,
+    bound_label,
+    build_ops,
+    group_table,
+    profile_step,
+    simulated_ceilings,
+)
 
 
 def _config_dir(tmp_path, shape):
@@ -48,8 +57,16 @@ def test_bound_labels_follow_the_h200_ridge(tmp_path):
 def test_profile_runs_and_groups_every_op(tmp_path):
     shape = ModelShape.from_dir(_config_dir(tmp_path, "qwen2-tiny"))
     ce = Ceilings(1e12, 1e11, "test")
-    sp = profile_step(shape, StepSpec("mixed", prompts=1, prompt_len=32, decodes=4, ctx=64), torch=torch, device="cpu",
-                      dtype=torch.float32, ceilings=ce, warmup=1, repeats=1)
+    sp = profile_step(
+        shape,
+        StepSpec("mixed", prompts=1, prompt_len=32, decodes=4, ctx=64),
+        torch=torch,
+        device="cpu",
+        dtype=torch.float32,
+        ceilings=ce,
+        warmup=1,
+        repeats=1,
+    )
     kinds = {r["group"]: r for r in group_table(sp, ce)}
     assert set(kinds) == {"gemm", "attention", "elementwise", "lm_head", "sampling"}
     assert sum(r["share"] for r in kinds.values()) == pytest.approx(1.0)
@@ -82,7 +99,9 @@ def test_bad_model_is_one_clear_line(tmp_path):
 
 
 def test_lm_head_on_cpu_labels_energy_simulated_and_charges_weight_rereads():
-    pts = list(lmhead.measure([(64, 2048)], lmhead.parse_grid("8:decode,64:logprobs"), [1, 4], window_s=0.01, repeats=1, warmup_s=0, device="cpu"))
+    pts = list(
+        lmhead.measure([(64, 2048)], lmhead.parse_grid("8:decode,64:logprobs"), [1, 4], window_s=0.01, repeats=1, warmup_s=0, device="cpu")
+    )
     assert {p["energy_source"] for p in pts} == {"simulated"}
     assert {(p["rows"], p["mode"], p["chunks"]) for p in pts} == {(8, "mm", 1), (8, "mm", 4), (64, "mm+lsm", 1), (64, "mm+lsm", 4)}
     by = {(p["rows"], p["chunks"]): p for p in pts}

@@ -66,7 +66,11 @@ def test_compute_bound_keeps_default_strict_and_trades_within_budget():
 
 @pytest.mark.parametrize("budget", [0.0, 0.05, 0.2])
 def test_global_solver_finds_the_brute_force_optimum(budget):
-    curves = {"gemm": _curve(_compute), "norm": _curve(_memory), "attn": _curve(lambda f: (max(1.5, 1200 / f), max(1.5, 1200 / f) * (120 + 300 * (f / 1980) ** 2)))}
+    curves = {
+        "gemm": _curve(_compute),
+        "norm": _curve(_memory),
+        "attn": _curve(lambda f: (max(1.5, 1200 / f), max(1.5, 1200 / f) * (120 + 300 * (f / 1980) ** 2))),
+    }
     best_e, picks = _brute(curves, budget)
     ch = solve_global(curves, budget)
     assert ch.e == pytest.approx(best_e)
@@ -100,7 +104,10 @@ def test_response_model_on_the_simulated_h200():
     copy = m.curve(0.0, 4e9)  # memory-bound
     # The clock the power cap lets this GEMM run at, from the model (1980 MHz requested).
     capped = simulate_step(dataclasses.replace(H200, t_fixed_s=0.0), StepWork(2 * 4096**3, 3 * 2 * 4096**2), 1980).sm_clock_mhz
-    i1000, i1500 = gemm.index(min(H200.sm_clocks_mhz, key=lambda c: abs(c - 1000))), gemm.index(min(H200.sm_clocks_mhz, key=lambda c: abs(c - min(1500, capped))))
+    i1000, i1500 = (
+        gemm.index(min(H200.sm_clocks_mhz, key=lambda c: abs(c - 1000))),
+        gemm.index(min(H200.sm_clocks_mhz, key=lambda c: abs(c - min(1500, capped)))),
+    )
     f1000, f1500 = gemm.clocks[i1000], gemm.clocks[i1500]
     assert f1500 > 1.3 * f1000
     # Compute-bound below the power-capped clock: time ∝ 1/f.
@@ -196,8 +203,15 @@ def test_relaxed_budget_is_not_widened_by_noise():
     clocks = [c for c in truth["mlp"].clocks if c != DEFAULT][::3]
     tb = sum(c.base[0] for c in truth.values())
     for seed in range(6):
-        res = sweep_and_solve(SimulatedMeasurer(truth, noise_t=0.01, noise_e=0.03, seed=seed), list(truth), clocks, 0.05,
-                              solver="global", repeats=3, recheck=6)
+        res = sweep_and_solve(
+            SimulatedMeasurer(truth, noise_t=0.01, noise_e=0.03, seed=seed),
+            list(truth),
+            clocks,
+            0.05,
+            solver="global",
+            repeats=3,
+            recheck=6,
+        )
         assert res.remeasured_slowdown <= 0.05, seed
         true_t = sum(truth[k].at(f)[0] for k, f in res.choice.clocks.items())
         assert true_t / tb - 1 <= 0.05 + res.tolerance_time, seed

@@ -16,8 +16,12 @@ from vllm_powersave.settings import load_settings
 
 
 def _settings(tmp_path, **kw):
-    c = {"backend": "zeusd", "min_dwell_ms": 0, "lease_dir": str(tmp_path / "leases"),
-         "presets": {"decode": {"sm_clock_mhz": 1200, "mem_clock_mhz": 2201}}}
+    c = {
+        "backend": "zeusd",
+        "min_dwell_ms": 0,
+        "lease_dir": str(tmp_path / "leases"),
+        "presets": {"decode": {"sm_clock_mhz": 1200, "mem_clock_mhz": 2201}},
+    }
     c.update(kw)
     return load_settings({"clocks": c}, env={}).clocks
 
@@ -42,7 +46,11 @@ def test_locks_and_resets_through_the_daemon(tmp_path):
         assert gpus[1].locked is None and gpus[1].mem_locked is None
         assert LeaseStore(tmp_path / "leases").all() == []
         set_calls = [r for r in daemon.requests if r[1] == "/gpu/set_gpu_locked_clocks"]
-        assert set_calls[0][:3] == ("POST", "/gpu/set_gpu_locked_clocks", {"gpu_ids": "1", "min_clock_mhz": "1200", "max_clock_mhz": "1200", "block": "true"})
+        assert set_calls[0][:3] == (
+            "POST",
+            "/gpu/set_gpu_locked_clocks",
+            {"gpu_ids": "1", "min_clock_mhz": "1200", "max_clock_mhz": "1200", "block": "true"},
+        )
 
 
 def test_token_is_sent_and_never_written_to_the_lease(tmp_path):
@@ -119,7 +127,9 @@ def test_crashed_servers_zeusd_lock_recovered_from_its_lease(tmp_path):
         ZeusdClockBackend(sock, 0).set_clocks(1200)
         leases = LeaseStore(tmp_path / "leases")
         leases.acquire("GPU-z", 1200, {"backend": "zeusd", "socket": sock, "gpu_index": 0, "mem_locked": False})
-        (tmp_path / "leases" / "GPU-z.json").write_text(json.dumps({**json.loads((tmp_path / "leases" / "GPU-z.json").read_text()), "pid": dead}))
+        (tmp_path / "leases" / "GPU-z.json").write_text(
+            json.dumps({**json.loads((tmp_path / "leases" / "GPU-z.json").read_text()), "pid": dead})
+        )
         assert gpu.locked == (1200, 1200)
         # The next start, whatever backend it uses, undoes the lock the way the lease says.
         nxt = ClockController(ZeusdClockBackend(sock, 0), _settings(tmp_path), gpu_id="GPU-z", asynchronous=False, watchdog=False)

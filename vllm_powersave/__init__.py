@@ -110,8 +110,12 @@ def _server_facts(engine_args: object, settings: object) -> dict:
     """GPU name and driver (NVML, read-only; no CUDA), vLLM version and model of this server."""
     from . import vllm_compat
 
-    facts = {"gpu_name": None, "driver": None, "vllm_version": vllm_compat.vllm_version(),
-             "model": str(getattr(engine_args, "model", "") or "")}
+    facts = {
+        "gpu_name": None,
+        "driver": None,
+        "vllm_version": vllm_compat.vllm_version(),
+        "model": str(getattr(engine_args, "model", "") or ""),
+    }
     try:
         from .device import NvmlGpu, driver_version
 
@@ -208,7 +212,11 @@ def _on_engine_args(engine_args: object) -> None:
     try:
         settings = _prepare_stats_dir(settings)
     except OSError as exc:
-        _stop_startup(SettingsError(f"powersave setting 'stats_dir' = {settings.stats_dir!r}: cannot create the stats directory: {exc.strerror or exc}"))
+        _stop_startup(
+            SettingsError(
+                f"powersave setting 'stats_dir' = {settings.stats_dir!r}: cannot create the stats directory: {exc.strerror or exc}"
+            )
+        )
     os.environ[ENV_ENABLE] = "1"
     os.environ[ENV_SETTINGS_JSON] = settings.model_dump_json()
     apply_process_env(settings)

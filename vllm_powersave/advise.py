@@ -53,8 +53,11 @@ class Recommendation:
     saving_share: float | None  # expected energy saving, share of the run's energy (None: no estimate)
 
     def line(self, rank: int) -> str:
-        est = (f"expected up to {100 * self.saving_share:.1f} % less energy ({self.effect})" if self.saving_share is not None
-               else f"no energy estimate ({self.effect})")
+        est = (
+            f"expected up to {100 * self.saving_share:.1f} % less energy ({self.effect})"
+            if self.saving_share is not None
+            else f"no energy estimate ({self.effect})"
+        )
         return f"{rank}. {self.action}  [{est}]\n   {self.evidence}: {self.measurement}"
 
 
@@ -130,12 +133,18 @@ def facts_from_metrics(text: str) -> dict[str, Any]:
 
 
 def facts_from_result(r: dict[str, Any]) -> dict[str, Any]:
-    f: dict[str, Any] = {"energy_j": r.get("gpu_energy_j"), "energy_source": r.get("energy_source"),
-                         "energy_by_phase_j": dict(r.get("energy_by_phase_j") or {}),
-                         "idle_while_busy_j": r.get("gpu_idle_while_busy_energy_j"),
-                         "idle_while_busy_s": r.get("gpu_idle_while_busy_s"), "frontend_busy_s": r.get("frontend_busy_s"),
-                         "duration_s": r.get("duration"), "steady_s": r.get("steady_state_duration_s"),
-                         "concurrency": r.get("max_concurrency"), "output_throughput": r.get("output_throughput")}
+    f: dict[str, Any] = {
+        "energy_j": r.get("gpu_energy_j"),
+        "energy_source": r.get("energy_source"),
+        "energy_by_phase_j": dict(r.get("energy_by_phase_j") or {}),
+        "idle_while_busy_j": r.get("gpu_idle_while_busy_energy_j"),
+        "idle_while_busy_s": r.get("gpu_idle_while_busy_s"),
+        "frontend_busy_s": r.get("frontend_busy_s"),
+        "duration_s": r.get("duration"),
+        "steady_s": r.get("steady_state_duration_s"),
+        "concurrency": r.get("max_concurrency"),
+        "output_throughput": r.get("output_throughput"),
+    }
     if f["energy_by_phase_j"].get("idle") is None and r.get("gpu_idle_energy_j") is not None:
         f["energy_by_phase_j"]["idle"] = r["gpu_idle_energy_j"]
     return {k: v for k, v in f.items() if v is not None}
@@ -155,37 +164,62 @@ def advise(facts: dict[str, Any]) -> list[Recommendation]:
     if e and iwb_j is not None and iwb_j / e >= MIN_STARVATION_SHARE:
         n = int(facts.get("api_servers") or 1)
         busy = f"; {100 * iwb_s / busy_s:.1f} % of busy time" if iwb_s is not None and busy_s else ""
-        out.append(Recommendation(
-            "api_servers", f"Run more API servers: --api-server-count {suggested_api_servers(n)}",
-            f"GPU idle {iwb_s or 0:.1f} s while requests were in flight: {iwb_j:.0f} J, {100 * iwb_j / e:.1f} % of the run's "
-            f"energy{busy} (the engine waited on the front end; H200, 1 -> 4 API servers: -8.6 % J/token, +54 % throughput, measured)",
-            src, "predicted", iwb_j / e))
+        out.append(
+            Recommendation(
+                "api_servers",
+                f"Run more API servers: --api-server-count {suggested_api_servers(n)}",
+                f"GPU idle {iwb_s or 0:.1f} s while requests were in flight: {iwb_j:.0f} J, {100 * iwb_j / e:.1f} % of the run's "
+                f"energy{busy} (the engine waited on the front end; H200, 1 -> 4 API servers: -8.6 % J/token, +54 % throughput, measured)",
+                src,
+                "predicted",
+                iwb_j / e,
+            )
+        )
     idle_j = _num((facts.get("energy_by_phase_j") or {}).get("idle"))
     boost = facts.get("cuda_perf_boost")
     if e and idle_j is not None and boost in (None, "on"):
         quiet = idle_j - (iwb_j or 0.0)
         if quiet / e >= MIN_IDLE_SHARE:
-            out.append(Recommendation(
-                "perf_boost", 'Set cuda_perf_boost: "auto" (or drop a "savings: off"/"cuda_perf_boost: on" setting)',
-                f"idle energy {quiet:.0f} J, {100 * quiet / e:.1f} % of the run's energy; idle power -35 % with auto "
-                f"(measured on the H200, docs/results/h200-perf-boost.md)" + ("" if boost else "; perf-boost mode unknown (no /metrics given)"),
-                src, "predicted", PERF_BOOST_IDLE_SAVING * quiet / e))
+            out.append(
+                Recommendation(
+                    "perf_boost",
+                    'Set cuda_perf_boost: "auto" (or drop a "savings: off"/"cuda_perf_boost: on" setting)',
+                    f"idle energy {quiet:.0f} J, {100 * quiet / e:.1f} % of the run's energy; idle power -35 % with auto "
+                    f"(measured on the H200, docs/results/h200-perf-boost.md)"
+                    + ("" if boost else "; perf-boost mode unknown (no /metrics given)"),
+                    src,
+                    "predicted",
+                    PERF_BOOST_IDLE_SAVING * quiet / e,
+                )
+            )
     steady, dur = _num(facts.get("steady_s")), _num(facts.get("duration_s"))
     if steady is not None and dur and steady / dur >= MIN_STEADY_SHARE and (facts.get("waiting") or 0) > 0:
-        out.append(Recommendation(
-            "batch_limit", "Raise the batch limit: --max-num-seqs (e.g. 2x), memory permitting",
-            f"{100 * steady / dur:.0f} % of the run at the batch limit with {facts['waiting']:.0f} request(s) waiting",
-            "measured", "predicted", None))
+        out.append(
+            Recommendation(
+                "batch_limit",
+                "Raise the batch limit: --max-num-seqs (e.g. 2x), memory permitting",
+                f"{100 * steady / dur:.0f} % of the run at the batch limit with {facts['waiting']:.0f} request(s) waiting",
+                "measured",
+                "predicted",
+                None,
+            )
+        )
     clocks = (facts.get("savings") or {}).get("clocks") or ("dry-run" if facts.get("clock_backend") == "dry-run" else None)
     if clocks == "dry-run":
         changes = _num(facts.get("clock_changes")) or 0.0
         loop = _num(facts.get("closed_loop_decisions")) or 0.0
-        out.append(Recommendation(
-            "clocks", "Let the clock controller act: run the server with CAP_SYS_ADMIN (or root), or give it a zeusd "
-            "(clocks.zeusd_socket); then clocks.mode auto applies what it now only records",
-            f"{changes:.0f} clock changes and {loop:.0f} closed-loop decisions recorded in dry-run"
-            + ("" if changes or loop else " (none yet: no decode steps seen)"),
-            "measured", "predicted", None))
+        out.append(
+            Recommendation(
+                "clocks",
+                "Let the clock controller act: run the server with CAP_SYS_ADMIN (or root), or give it a zeusd "
+                "(clocks.zeusd_socket); then clocks.mode auto applies what it now only records",
+                f"{changes:.0f} clock changes and {loop:.0f} closed-loop decisions recorded in dry-run"
+                + ("" if changes or loop else " (none yet: no decode steps seen)"),
+                "measured",
+                "predicted",
+                None,
+            )
+        )
     return sorted(out, key=lambda r: (r.saving_share is None, -(r.saving_share or 0.0)))
 
 

@@ -15,7 +15,6 @@ from .stats_contract import WorkerSnapshot, snapshot_from_json, snapshot_name
 PRESET_DIR = Path(__file__).parent / "presets"
 
 
-
 def _suspect_runs(results: dict[str, dict]) -> dict[str, float]:
     """Runs whose output throughput is below half the median of all runs (e.g. a busy 2-core CPU)."""
     import statistics
@@ -25,6 +24,7 @@ def _suspect_runs(results: dict[str, dict]) -> dict[str, float]:
         return {}
     med = statistics.median(tput.values())
     return {k: v / med for k, v in tput.items() if v < 0.5 * med}
+
 
 def _cmd_make_model(ns: argparse.Namespace) -> int:
     from .modelgen import make_model
@@ -43,8 +43,11 @@ def _configs(gpu: bool, clock_backend: str | None, sim_shape: str | None = None)
         on: dict[str, Any] = {"clocks": {"backend": clock_backend}} if clock_backend else {}
         return [
             ("off", "stock vLLM (energy: NVML on this machine, measured)", []),
-            ("on", "vLLM + powersave defaults (perf boost auto; clocks " + (clock_backend or "by permission, dry-run without it") + ")",
-             ["--plugin", "powersave", "--additional-config", json.dumps({"powersave": on})]),
+            (
+                "on",
+                "vLLM + powersave defaults (perf boost auto; clocks " + (clock_backend or "by permission, dry-run without it") + ")",
+                ["--plugin", "powersave", "--additional-config", json.dumps({"powersave": on})],
+            ),
         ]
     # No GPU: a stock server has no energy at all, so the baseline runs the plugin's simulated meter
     # with stock clocks and no chunking; only the "on" server applies the (simulated) presets.
@@ -53,8 +56,16 @@ def _configs(gpu: bool, clock_backend: str | None, sim_shape: str | None = None)
     on = {"config_file": str(PRESET_DIR / "h200-simulated.yaml"), "energy": sim}
     as_what = f"an H200 running a {sim_shape}-shaped model through the same steps" if sim_shape else "an H200"
     return [
-        ("off", f"vLLM, stock clocks, no chunking (powersave meter only; energy simulated for {as_what})", ["--additional-config", json.dumps({"powersave": base})]),
-        ("on", f"vLLM + powersave, h200-simulated clock presets (energy simulated for {as_what})", ["--plugin", "powersave", "--additional-config", json.dumps({"powersave": on})]),
+        (
+            "off",
+            f"vLLM, stock clocks, no chunking (powersave meter only; energy simulated for {as_what})",
+            ["--additional-config", json.dumps({"powersave": base})],
+        ),
+        (
+            "on",
+            f"vLLM + powersave, h200-simulated clock presets (energy simulated for {as_what})",
+            ["--plugin", "powersave", "--additional-config", json.dumps({"powersave": on})],
+        ),
     ]
 
 
@@ -109,7 +120,7 @@ def _cmd_compare(ns: argparse.Namespace) -> int:
     sim_shape = None if ns.sim_shape == "served" else ns.sim_shape
     configs = {c[0]: c for c in _configs(gpu, ns.clock_backend, sim_shape)}
     order = [x.strip() for x in ns.order.split(",") if x.strip()]
-    if sorted(set(order)) != sorted(configs) :
+    if sorted(set(order)) != sorted(configs):
         print(f"error: --order must name off and on, e.g. 'off,on' or 'on,off,off,on' (got {ns.order!r})", file=sys.stderr)
         return 2
     # Runs are numbered from 1, as in the report's columns ("off (run 1)"), and so are their files.
@@ -121,7 +132,11 @@ def _cmd_compare(ns: argparse.Namespace) -> int:
         print(f"[compare] {label}: starting vllm serve ({desc})", flush=True)
         stats_dir = (out_dir / f"stats-{label}-{run_i}").resolve()
         extra = _with_stats_dir(extra, str(stats_dir))
-        server = VllmServer(default_serve_args(str(model)) + extra + list(ns.serve_arg or []), log_path=out_dir / f"server-{label}-{run_i}.log", startup_timeout_s=ns.startup_timeout)
+        server = VllmServer(
+            default_serve_args(str(model)) + extra + list(ns.serve_arg or []),
+            log_path=out_dir / f"server-{label}-{run_i}.log",
+            startup_timeout_s=ns.startup_timeout,
+        )
         try:
             server.start()
         except ServerError as err:
@@ -142,8 +157,15 @@ def _cmd_compare(ns: argparse.Namespace) -> int:
                 seed=ns.seed,
                 label=label,
             )
-            print(f"[compare] {label}: " + (f"{ns.num_prompts} requests at concurrency {ns.concurrency}" if math.isinf(rate)
-                  else f"Poisson arrivals at {rate:g} req/s for {ns.rate_window_s:g} s (concurrency cap {ns.concurrency})"), flush=True)
+            print(
+                f"[compare] {label}: "
+                + (
+                    f"{ns.num_prompts} requests at concurrency {ns.concurrency}"
+                    if math.isinf(rate)
+                    else f"Poisson arrivals at {rate:g} req/s for {ns.rate_window_s:g} s (concurrency cap {ns.concurrency})"
+                ),
+                flush=True,
+            )
             res = run(cfg)
             res["config_description"] = desc
             res["run_index"] = run_i
@@ -155,48 +177,80 @@ def _cmd_compare(ns: argparse.Namespace) -> int:
         snap = _read_snapshot(stats_dir)
         if snap.get("sim_stock_clocks_energy_j"):
             counterfactual[f"{label} (run {run_i})"] = {
-                "with_presets_j": snap["sim_energy_j"], "stock_clocks_j": snap["sim_stock_clocks_energy_j"],
+                "with_presets_j": snap["sim_energy_j"],
+                "stock_clocks_j": snap["sim_stock_clocks_energy_j"],
                 "saving_pct": 100.0 * (1 - snap["sim_energy_j"] / snap["sim_stock_clocks_energy_j"]),
-                "gpu_time_change_pct": 100.0 * (snap["sim_busy_s"] / snap["sim_stock_clocks_busy_s"] - 1) if snap.get("sim_stock_clocks_busy_s") else None}
+                "gpu_time_change_pct": 100.0 * (snap["sim_busy_s"] / snap["sim_stock_clocks_busy_s"] - 1)
+                if snap.get("sim_stock_clocks_busy_s")
+                else None,
+            }
     many = len(plan) > len(configs)
     at = (lambda i: f" @ {rate_label(plan[i][0])}") if len(rates) > 1 else (lambda i: "")
     results = {(f"{lab} (run {i + 1}){at(i)}" if many else lab): r for i, (lab, r) in enumerate(runs)}
     if len(rates) > 1:  # one table per rate: columns of one load side by side
-        table = "\n".join(f"### {rate_label(rate)}\n\n" + compare_table({k: r for i, (k, r) in enumerate(results.items()) if plan[i][0] == rate})
-                          for rate in rates)
+        table = "\n".join(
+            f"### {rate_label(rate)}\n\n" + compare_table({k: r for i, (k, r) in enumerate(results.items()) if plan[i][0] == rate})
+            for rate in rates
+        )
     else:
         table = compare_table(results)
-    load = (f"{ns.num_prompts} requests, concurrency {ns.concurrency}" if rates == [math.inf] else
-            "request rates " + ", ".join(rate_label(r) for r in rates) + f" (Poisson for {ns.rate_window_s:g} s each; saturation: "
-            f"{ns.num_prompts} requests at concurrency {ns.concurrency})")
+    load = (
+        f"{ns.num_prompts} requests, concurrency {ns.concurrency}"
+        if rates == [math.inf]
+        else "request rates " + ", ".join(rate_label(r) for r in rates) + f" (Poisson for {ns.rate_window_s:g} s each; saturation: "
+        f"{ns.num_prompts} requests at concurrency {ns.concurrency})"
+    )
     header = f"# vllm-powersave: plugin off vs on\n\nModel: `{model}`; {load}, {ns.input_len} in / {ns.output_len} out; machine: {'GPU (energy measured by NVML)' if gpu else 'no GPU (energy SIMULATED for an H200 by the plugin meter)'}\n\n"
     legend = "".join(f"- **{k}**: {v}\n" for k, v in descriptions.items())
     if not gpu:
-        legend += ("- *simulated*: joules an H200 would spend on exactly the engine steps this CPU run executed "
-                   "(vllm_powersave/sim/gpu.py), each step costed for the model shape named above; throughput and latency are "
-                   "the CPU's own, measured (noisy on 2 cores: compare repeated runs). No average power is shown: simulated "
-                   "joules over a CPU run's wall time is not a power anyone could measure.\n")
+        legend += (
+            "- *simulated*: joules an H200 would spend on exactly the engine steps this CPU run executed "
+            "(vllm_powersave/sim/gpu.py), each step costed for the model shape named above; throughput and latency are "
+            "the CPU's own, measured (noisy on 2 cores: compare repeated runs). No average power is shown: simulated "
+            "joules over a CPU run's wall time is not a power anyone could measure.\n"
+        )
     md = header + legend
     if counterfactual:
-        md += ("\n## Clock presets on identical engine steps (simulated, free of run-to-run noise)\n\n"
-               "Each \"on\" server's exact step sequence, priced by the simulated H200 at stock clocks and with the presets:\n\n")
+        md += (
+            "\n## Clock presets on identical engine steps (simulated, free of run-to-run noise)\n\n"
+            'Each "on" server\'s exact step sequence, priced by the simulated H200 at stock clocks and with the presets:\n\n'
+        )
         for label, cf in counterfactual.items():
-            md += (f"- {label}: {cf['stock_clocks_j']:.1f} J (simulated) at stock clocks vs {cf['with_presets_j']:.1f} J (simulated) "
-                   f"with the presets: **{-cf['saving_pct']:+.1f} % energy (simulated)**, "
-                   + (f"{cf['gpu_time_change_pct']:+.1f} % GPU busy time (simulated)\n" if cf.get("gpu_time_change_pct") is not None
-                      else "GPU busy time n/a\n"))
-        md += ("\n## Per run\n\nThroughput and latency measured on this machine. Energy is simulated and follows how the "
-               "engine happened to batch in each run, which on a 2-core CPU varies a lot: use the section above for the presets' effect.\n")
+            md += (
+                f"- {label}: {cf['stock_clocks_j']:.1f} J (simulated) at stock clocks vs {cf['with_presets_j']:.1f} J (simulated) "
+                f"with the presets: **{-cf['saving_pct']:+.1f} % energy (simulated)**, "
+                + (
+                    f"{cf['gpu_time_change_pct']:+.1f} % GPU busy time (simulated)\n"
+                    if cf.get("gpu_time_change_pct") is not None
+                    else "GPU busy time n/a\n"
+                )
+            )
+        md += (
+            "\n## Per run\n\nThroughput and latency measured on this machine. Energy is simulated and follows how the "
+            "engine happened to batch in each run, which on a 2-core CPU varies a lot: use the section above for the presets' effect.\n"
+        )
     md += "\n" + table + "\n"
     suspect = _suspect_runs(results)
     if suspect:
-        md += "\n" + "".join(f"- **{k}**: output throughput {v:.2f}x the median of all runs: the machine was likely busy "
-                              "with something else; treat this run's figures as unreliable and repeat it.\n" for k, v in suspect.items())
+        md += "\n" + "".join(
+            f"- **{k}**: output throughput {v:.2f}x the median of all runs: the machine was likely busy "
+            "with something else; treat this run's figures as unreliable and repeat it.\n"
+            for k, v in suspect.items()
+        )
     md += savings_section(rated, gpu)
     (out_dir / "comparison.md").write_text(md)
-    (out_dir / "comparison.json").write_text(json.dumps({"model": str(model), "gpu": gpu, "results": results,
-                                                         "rates": ["inf" if math.isinf(r) else r for r in rates],
-                                                         "simulated_same_steps": counterfactual}, indent=2))
+    (out_dir / "comparison.json").write_text(
+        json.dumps(
+            {
+                "model": str(model),
+                "gpu": gpu,
+                "results": results,
+                "rates": ["inf" if math.isinf(r) else r for r in rates],
+                "simulated_same_steps": counterfactual,
+            },
+            indent=2,
+        )
+    )
     print()
     print(md)
     print(f"[compare] results in {out_dir}")
@@ -226,8 +280,11 @@ def _cmd_reset_clocks(ns: argparse.Namespace) -> int:
     leases = store.stale() if not ns.all else every
     if not leases:
         live = len(every)
-        print("no clock leases to reset" + (f" ({live} held by running processes; --all resets them too)" if live else "")
-              + ("" if Path(ns.lease_dir).is_dir() else f" (no lease directory {ns.lease_dir})"))
+        print(
+            "no clock leases to reset"
+            + (f" ({live} held by running processes; --all resets them too)" if live else "")
+            + ("" if Path(ns.lease_dir).is_dir() else f" (no lease directory {ns.lease_dir})")
+        )
         return 0
     rc = 0
     for lease in leases:
@@ -278,13 +335,23 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--clock-backend", choices=["dry-run", "nvml"], default=None, help="GPU machines only; default dry-run")
-    c.add_argument("--order", default="off,on,on,off",
-                   help="server runs in this order; repeating them in ABBA order cancels drift (default off,on,on,off)")
-    c.add_argument("--sim-shape", default="qwen2.5-7b", choices=["served", "qwen2.5-0.5b", "qwen2.5-7b", "llama3-8b"],
-                   help="no-GPU machines: simulate energy as if each step ran a model of this shape ('served': the served model itself)")
-    c.add_argument("--rates", default="inf",
-                   help="request rates (req/s, comma-separated; inf = saturation at --concurrency), each run in --order: "
-                        "e.g. 0.2,1,4,inf (default inf)")
+    c.add_argument(
+        "--order",
+        default="off,on,on,off",
+        help="server runs in this order; repeating them in ABBA order cancels drift (default off,on,on,off)",
+    )
+    c.add_argument(
+        "--sim-shape",
+        default="qwen2.5-7b",
+        choices=["served", "qwen2.5-0.5b", "qwen2.5-7b", "llama3-8b"],
+        help="no-GPU machines: simulate energy as if each step ran a model of this shape ('served': the served model itself)",
+    )
+    c.add_argument(
+        "--rates",
+        default="inf",
+        help="request rates (req/s, comma-separated; inf = saturation at --concurrency), each run in --order: "
+        "e.g. 0.2,1,4,inf (default inf)",
+    )
     c.add_argument("--rate-window-s", type=float, default=60.0, help="seconds of Poisson arrivals per finite rate (default 60)")
     c.add_argument("--serve-arg", action="append", help="extra argument passed to vllm serve (repeatable)")
     c.add_argument("--startup-timeout", type=float, default=600.0)

@@ -50,8 +50,10 @@ def savings_section(runs: list[tuple[str, float, dict[str, Any]]], gpu: bool) ->
     src = "measured" if gpu else "simulated"
     lines = ["", "## Savings: measured and predicted", ""]
     if not gpu:
-        lines.append("No GPU here: every joule below is *simulated* (an H200 running the same engine steps); perf boost "
-                     "cannot act on a CPU, so its saving is *predicted* from the H200 measurement.")
+        lines.append(
+            "No GPU here: every joule below is *simulated* (an H200 running the same engine steps); perf boost "
+            "cannot act on a CPU, so its saving is *predicted* from the H200 measurement."
+        )
         lines.append("")
     for rate in dict.fromkeys(r for _, r, _ in runs):
         at = [(lab, res) for lab, r, res in runs if r == rate]
@@ -62,25 +64,33 @@ def savings_section(runs: list[tuple[str, float, dict[str, Any]]], gpu: bool) ->
         lines.append(f"### {rate_label(rate)}")
         lines.append("")
         if jt_off and jt_on:
-            lines.append(f"- J / output token, defaults vs stock: {100 * (jt_on / jt_off - 1):+.1f} % ({src}, "
-                         f"mean of {len(on)} and {len(off)} runs)")
+            lines.append(
+                f"- J / output token, defaults vs stock: {100 * (jt_on / jt_off - 1):+.1f} % ({src}, mean of {len(on)} and {len(off)} runs)"
+            )
         else:
             lines.append("- J / output token, defaults vs stock: n/a (no energy figure in some run)")
         idle = _mean([x["gpu_idle_energy_j"] for x in off if x.get("gpu_idle_energy_j") is not None])
         total = _mean([x["gpu_energy_j"] for x in off if x.get("gpu_energy_j")])
         if idle is not None and total:
-            lines.append(f"- perf boost auto: stock idled {idle:.0f} J ({100 * idle / total:.1f} % of its energy, {src}); at "
-                         f"-35 % idle power (measured on the H200) that is {100 * PERF_BOOST_IDLE_SAVING * idle / total:.1f} % "
-                         f"of stock's energy (predicted)")
+            lines.append(
+                f"- perf boost auto: stock idled {idle:.0f} J ({100 * idle / total:.1f} % of its energy, {src}); at "
+                f"-35 % idle power (measured on the H200) that is {100 * PERF_BOOST_IDLE_SAVING * idle / total:.1f} % "
+                f"of stock's energy (predicted)"
+            )
         else:
-            lines.append("- perf boost auto: stock's idle energy unknown here (a stock server publishes no phases); "
-                         "bound: stock's idle seconds x the idle power difference (predicted)")
+            lines.append(
+                "- perf boost auto: stock's idle energy unknown here (a stock server publishes no phases); "
+                "bound: stock's idle seconds x the idle power difference (predicted)"
+            )
         starved = [x for x in on if x.get("gpu_idle_while_busy_energy_j") is not None]
         if starved:
             j = _mean([x["gpu_idle_while_busy_energy_j"] for x in starved]) or 0.0
             share = _mean([x["idle_while_busy_share"] for x in starved if x.get("idle_while_busy_share") is not None])
-            lines.append(f"- front-end starvation (plugin runs): {j:.0f} J idle while requests were in flight"
-                         + (f", {100 * share:.1f} % of busy time" if share is not None else "") + f" ({src}); "
-                         "`vllm-powersave advise --result result-on-*.json` says what to change")
+            lines.append(
+                f"- front-end starvation (plugin runs): {j:.0f} J idle while requests were in flight"
+                + (f", {100 * share:.1f} % of busy time" if share is not None else "")
+                + f" ({src}); "
+                "`vllm-powersave advise --result result-on-*.json` says what to change"
+            )
         lines.append("")
     return "\n".join(lines)

@@ -56,30 +56,85 @@ ENV_VLLM_BATCH_INVARIANT = "VLLM_BATCH_INVARIANT"
 #: Prefix of the plugin's own variables (what vLLM's Ray executor is asked to copy to workers).
 PREFIX = "POWERSAVE_"
 
-ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
-    EnvVar(ENV_ENABLE, "bool", False, "Enables the plugin in this process and its children (set by `--plugin powersave`); "
-           "'', '0', 'false', 'False' mean off.", _flag("0", "false", "False")),
-    EnvVar(ENV_CONFIG_FILE, "path", None, "YAML/JSON settings file, merged under the inline `powersave` settings.", _str_or_none),
-    EnvVar(ENV_SETTINGS_JSON, "json", None, "The validated settings, exported by the API-server process so that EngineCore and "
-           "worker processes (fork or spawn) see exactly what was validated there.", _str_or_none),
-    EnvVar(ENV_FORCE_DRY_RUN, "bool", False, "Set on machines whose GPU settings must never change: every clock backend becomes "
-           "dry-run and the tuner only predicts; '' and '0' mean off.", _flag("0")),
-    EnvVar(ENV_PERF_BOOST, "bool", False, "CUDA's per-process switch behind `cuda_perf_boost: off` (read at CUDA context "
-           "creation); only '1' means set.", lambda raw: raw == "1"),
-    EnvVar(ENV_CUDA_VISIBLE_DEVICES, "str", None, "CUDA's device list; maps a torch device index to an NVML device where "
-           "torch gives no UUID.", _str_or_none),
-    EnvVar(ENV_ZEUSD_SOCK, "path", None, "zeusd's socket when `clocks.zeusd_socket` is not set (Zeus's own convention).", _str_or_none),
-    EnvVar(ENV_ZEUSD_TOKEN, "str", None, "JWT for a zeusd started with auth; read from the environment only (settings are "
-           "logged).", _str_or_none),
-    EnvVar(ENV_VLLM_PLUGINS, "csv", (), "vLLM's plugin list; naming `powersave` enables the plugin.",
-           lambda raw: tuple(p.strip() for p in raw.split(",")) if raw is not None else ()),
-    EnvVar(ENV_RAY_EXTRA_PREFIXES, "csv", (), "vLLM's additive list of variable prefixes its legacy Ray executor copies to "
-           "workers (appended to, never replaced).", lambda raw: tuple(x.strip() for x in (raw or "").split(",") if x.strip())),
-    EnvVar(ENV_RAY_EXTRA_VARS, "csv", (), "vLLM's additive list of variable names its legacy Ray executor copies to workers.",
-           lambda raw: tuple(x.strip() for x in (raw or "").split(",") if x.strip())),
-    EnvVar(ENV_VLLM_BATCH_INVARIANT, "bool", False, "vLLM's batch-invariant kernels; where set, the LM head is never chunked "
-           "(a chunk's GEMM would not be vLLM's invariant one).", _flag("0")),
-)}
+ENV_VARS: dict[str, EnvVar] = {
+    v.name: v
+    for v in (
+        EnvVar(
+            ENV_ENABLE,
+            "bool",
+            False,
+            "Enables the plugin in this process and its children (set by `--plugin powersave`); '', '0', 'false', 'False' mean off.",
+            _flag("0", "false", "False"),
+        ),
+        EnvVar(ENV_CONFIG_FILE, "path", None, "YAML/JSON settings file, merged under the inline `powersave` settings.", _str_or_none),
+        EnvVar(
+            ENV_SETTINGS_JSON,
+            "json",
+            None,
+            "The validated settings, exported by the API-server process so that EngineCore and "
+            "worker processes (fork or spawn) see exactly what was validated there.",
+            _str_or_none,
+        ),
+        EnvVar(
+            ENV_FORCE_DRY_RUN,
+            "bool",
+            False,
+            "Set on machines whose GPU settings must never change: every clock backend becomes "
+            "dry-run and the tuner only predicts; '' and '0' mean off.",
+            _flag("0"),
+        ),
+        EnvVar(
+            ENV_PERF_BOOST,
+            "bool",
+            False,
+            "CUDA's per-process switch behind `cuda_perf_boost: off` (read at CUDA context creation); only '1' means set.",
+            lambda raw: raw == "1",
+        ),
+        EnvVar(
+            ENV_CUDA_VISIBLE_DEVICES,
+            "str",
+            None,
+            "CUDA's device list; maps a torch device index to an NVML device where torch gives no UUID.",
+            _str_or_none,
+        ),
+        EnvVar(ENV_ZEUSD_SOCK, "path", None, "zeusd's socket when `clocks.zeusd_socket` is not set (Zeus's own convention).", _str_or_none),
+        EnvVar(
+            ENV_ZEUSD_TOKEN,
+            "str",
+            None,
+            "JWT for a zeusd started with auth; read from the environment only (settings are logged).",
+            _str_or_none,
+        ),
+        EnvVar(
+            ENV_VLLM_PLUGINS,
+            "csv",
+            (),
+            "vLLM's plugin list; naming `powersave` enables the plugin.",
+            lambda raw: tuple(p.strip() for p in raw.split(",")) if raw is not None else (),
+        ),
+        EnvVar(
+            ENV_RAY_EXTRA_PREFIXES,
+            "csv",
+            (),
+            "vLLM's additive list of variable prefixes its legacy Ray executor copies to workers (appended to, never replaced).",
+            lambda raw: tuple(x.strip() for x in (raw or "").split(",") if x.strip()),
+        ),
+        EnvVar(
+            ENV_RAY_EXTRA_VARS,
+            "csv",
+            (),
+            "vLLM's additive list of variable names its legacy Ray executor copies to workers.",
+            lambda raw: tuple(x.strip() for x in (raw or "").split(",") if x.strip()),
+        ),
+        EnvVar(
+            ENV_VLLM_BATCH_INVARIANT,
+            "bool",
+            False,
+            "vLLM's batch-invariant kernels; where set, the LM head is never chunked (a chunk's GEMM would not be vLLM's invariant one).",
+            _flag("0"),
+        ),
+    )
+}
 
 
 def _get(name: str, env: Mapping[str, str] | None) -> Any:

@@ -174,53 +174,119 @@ class PowersaveCollector(Collector):
 
     def _collect(self) -> list[Any]:
         snaps, bad = load_snapshots(self.stats_dir)
-        energy = CounterMetricFamily("powersave_gpu_energy_joules", "GPU energy by engine phase (J)", labels=["gpu", "phase", "source", "method"])
-        engine = CounterMetricFamily("powersave_engine_energy_joules", "Energy of all GPUs of the engine (every TP/PP rank) by phase (J)", labels=["phase", "source"])
+        energy = CounterMetricFamily(
+            "powersave_gpu_energy_joules", "GPU energy by engine phase (J)", labels=["gpu", "phase", "source", "method"]
+        )
+        engine = CounterMetricFamily(
+            "powersave_engine_energy_joules", "Energy of all GPUs of the engine (every TP/PP rank) by phase (J)", labels=["phase", "source"]
+        )
         engine_sum: dict[tuple[str, str], float] = {}
         steps = CounterMetricFamily("powersave_steps", "Engine steps by phase", labels=["gpu", "phase"])
         tokens = CounterMetricFamily("powersave_tokens", "Tokens processed by kind (prefill, decode)", labels=["gpu", "kind"])
         power = GaugeMetricFamily("powersave_gpu_power_watts", "GPU power (W)", labels=["gpu", "source"])
         clock = GaugeMetricFamily("powersave_sm_clock_mhz", "SM clock (MHz)", labels=["gpu", "source"])
-        target = GaugeMetricFamily("powersave_clock_target_mhz", "SM clock the controller wants (MHz; 0 = driver default)", labels=["gpu", "backend"])
+        target = GaugeMetricFamily(
+            "powersave_clock_target_mhz", "SM clock the controller wants (MHz; 0 = driver default)", labels=["gpu", "backend"]
+        )
         temp = GaugeMetricFamily("powersave_gpu_temperature_celsius", "GPU temperature (°C, measured)", labels=["gpu"])
         mem_clock = GaugeMetricFamily("powersave_mem_clock_mhz", "Memory clock (MHz, measured)", labels=["gpu"])
-        reasons = GaugeMetricFamily("powersave_clock_event_reasons", "NVML clock-event (throttle) reasons bitmask (0x4 SW power cap, "
-                                    "0x20 SW thermal); label reasons: its bits by name, e.g. sw_power_cap,hw_slowdown", labels=["gpu", "reasons"])
+        reasons = GaugeMetricFamily(
+            "powersave_clock_event_reasons",
+            "NVML clock-event (throttle) reasons bitmask (0x4 SW power cap, "
+            "0x20 SW thermal); label reasons: its bits by name, e.g. sw_power_cap,hw_slowdown",
+            labels=["gpu", "reasons"],
+        )
         changes = CounterMetricFamily("powersave_clock_changes", "Clock changes decided", labels=["gpu", "backend"])
         chunks = CounterMetricFamily("powersave_lm_head_calls", "LM-head calls by chunk count", labels=["gpu", "chunks"])
-        req_e = CounterMetricFamily("powersave_request_energy_joules", "Energy attributed to finished requests (J; each step split by request cost, "
-                                    "docs/request-energy.md)", labels=["gpu", "source"])
-        req_tail = CounterMetricFamily("powersave_request_tail_energy_joules", "Energy of non-idle time charged to no request: after a batch's "
-                                       "last step until idle is detected (J)", labels=["gpu", "source"])
+        req_e = CounterMetricFamily(
+            "powersave_request_energy_joules",
+            "Energy attributed to finished requests (J; each step split by request cost, docs/request-energy.md)",
+            labels=["gpu", "source"],
+        )
+        req_tail = CounterMetricFamily(
+            "powersave_request_tail_energy_joules",
+            "Energy of non-idle time charged to no request: after a batch's last step until idle is detected (J)",
+            labels=["gpu", "source"],
+        )
         req_n = CounterMetricFamily("powersave_requests_finished", "Requests whose energy was attributed", labels=["gpu"])
-        simulated = GaugeMetricFamily("powersave_energy_simulated", "1 if this GPU's energy figures are simulated, 0 if measured", labels=["gpu"])
-        info = GaugeMetricFamily("powersave_info", "vllm-powersave is active", labels=["version", "source", "clock_backend", "cuda_perf_boost"])
-        available = GaugeMetricFamily("powersave_energy_available", "1 if this GPU's energy figures are current, 0 if its meter failed (figures left out)", labels=["gpu", "method"])
-        resets = CounterMetricFamily("powersave_energy_counter_resets", "NVML energy counter went backwards or jumped implausibly (bridged with instant power)", labels=["gpu"])
+        simulated = GaugeMetricFamily(
+            "powersave_energy_simulated", "1 if this GPU's energy figures are simulated, 0 if measured", labels=["gpu"]
+        )
+        info = GaugeMetricFamily(
+            "powersave_info", "vllm-powersave is active", labels=["version", "source", "clock_backend", "cuda_perf_boost"]
+        )
+        available = GaugeMetricFamily(
+            "powersave_energy_available",
+            "1 if this GPU's energy figures are current, 0 if its meter failed (figures left out)",
+            labels=["gpu", "method"],
+        )
+        resets = CounterMetricFamily(
+            "powersave_energy_counter_resets",
+            "NVML energy counter went backwards or jumped implausibly (bridged with instant power)",
+            labels=["gpu"],
+        )
         wraps = CounterMetricFamily("powersave_energy_counter_wraps", "NVML energy counter wrapped (delta kept)", labels=["gpu"])
         faults = CounterMetricFamily("powersave_meter_faults", "Failed NVML reads of the meter (the first one is logged)", labels=["gpu"])
-        tpj = GaugeMetricFamily("powersave_tokens_per_joule", "Engine tokens per joule (all GPUs): sliding window, steady state, whole run", labels=["window", "kind", "source"])
-        tpj_energy = GaugeMetricFamily("powersave_window_energy_joules", "Engine energy over the sliding tokens-per-joule window (J)", labels=["window", "source"])
-        steady_e = CounterMetricFamily("powersave_steady_energy_joules", "Energy of steps at the batch limit (steady state, J)", labels=["gpu", "source"])
+        tpj = GaugeMetricFamily(
+            "powersave_tokens_per_joule",
+            "Engine tokens per joule (all GPUs): sliding window, steady state, whole run",
+            labels=["window", "kind", "source"],
+        )
+        tpj_energy = GaugeMetricFamily(
+            "powersave_window_energy_joules", "Engine energy over the sliding tokens-per-joule window (J)", labels=["window", "source"]
+        )
+        steady_e = CounterMetricFamily(
+            "powersave_steady_energy_joules", "Energy of steps at the batch limit (steady state, J)", labels=["gpu", "source"]
+        )
         steady_s = CounterMetricFamily("powersave_steady_seconds", "Time of steps at the batch limit (s)", labels=["gpu"])
         steady_t = CounterMetricFamily("powersave_steady_tokens", "Tokens of steps at the batch limit", labels=["gpu", "kind"])
-        boost_held = GaugeMetricFamily("powersave_cuda_boost_held", "cuda_perf_boost auto: 1 while the side CUDA context boosts this GPU", labels=["gpu"])
-        boost_sw = CounterMetricFamily("powersave_cuda_boost_switches", "cuda_perf_boost auto: side-context holds and releases", labels=["gpu"])
+        boost_held = GaugeMetricFamily(
+            "powersave_cuda_boost_held", "cuda_perf_boost auto: 1 while the side CUDA context boosts this GPU", labels=["gpu"]
+        )
+        boost_sw = CounterMetricFamily(
+            "powersave_cuda_boost_switches", "cuda_perf_boost auto: side-context holds and releases", labels=["gpu"]
+        )
         # Front-end starvation (starvation.py) and which savings run (savings.py).
-        iwb_j = CounterMetricFamily("powersave_idle_while_busy_energy_joules", "GPU energy while the engine was idle but the API server had requests in flight (front-end starvation, J)", labels=["gpu", "engine", "source"])
-        iwb_s = CounterMetricFamily("powersave_idle_while_busy_seconds", "Time the engine was idle while the API server had requests in flight (s)", labels=["gpu", "engine"])
-        fe_busy = CounterMetricFamily("powersave_frontend_busy_seconds", "Time the API server(s) had requests in flight, as seen by this GPU's worker (s)", labels=["gpu", "engine"])
-        cl_clock = GaugeMetricFamily("powersave_closed_loop_sm_clock_mhz", "Closed-loop decode clock per batch bucket: the SM clock it "
-                                     "asks for (MHz; 0 = driver default); state baseline/probe/ref/hold; decisions only in dry-run",
-                                     labels=["gpu", "bucket", "state", "backend"])
-        cl_base = GaugeMetricFamily("powersave_closed_loop_baseline_step_ms", "Closed-loop decode clock: step time measured at the "
-                                    "default clock per batch bucket (ms, at the bucket's mean context)", labels=["gpu", "bucket"])
+        iwb_j = CounterMetricFamily(
+            "powersave_idle_while_busy_energy_joules",
+            "GPU energy while the engine was idle but the API server had requests in flight (front-end starvation, J)",
+            labels=["gpu", "engine", "source"],
+        )
+        iwb_s = CounterMetricFamily(
+            "powersave_idle_while_busy_seconds",
+            "Time the engine was idle while the API server had requests in flight (s)",
+            labels=["gpu", "engine"],
+        )
+        fe_busy = CounterMetricFamily(
+            "powersave_frontend_busy_seconds",
+            "Time the API server(s) had requests in flight, as seen by this GPU's worker (s)",
+            labels=["gpu", "engine"],
+        )
+        cl_clock = GaugeMetricFamily(
+            "powersave_closed_loop_sm_clock_mhz",
+            "Closed-loop decode clock per batch bucket: the SM clock it "
+            "asks for (MHz; 0 = driver default); state baseline/probe/ref/hold; decisions only in dry-run",
+            labels=["gpu", "bucket", "state", "backend"],
+        )
+        cl_base = GaugeMetricFamily(
+            "powersave_closed_loop_baseline_step_ms",
+            "Closed-loop decode clock: step time measured at the default clock per batch bucket (ms, at the bucket's mean context)",
+            labels=["gpu", "bucket"],
+        )
         cl_probes = CounterMetricFamily("powersave_closed_loop_probes", "Closed-loop decode clock: candidate clocks probed", labels=["gpu"])
-        cl_backoffs = CounterMetricFamily("powersave_closed_loop_backoffs", "Closed-loop decode clock: back-offs after a measured "
-                                          "violation of the target", labels=["gpu"])
-        cl_decisions = CounterMetricFamily("powersave_closed_loop_decisions", "Closed-loop decode clock: decision records "
-                                           "(each in the step trace with its measurement)", labels=["gpu"])
-        saving_state = GaugeMetricFamily("powersave_saving_state", "1 per saving with its state (auto/on/off/dry-run/failed/n/a) and basis (measured/predicted)", labels=["gpu", "saving", "state", "basis"])
+        cl_backoffs = CounterMetricFamily(
+            "powersave_closed_loop_backoffs", "Closed-loop decode clock: back-offs after a measured violation of the target", labels=["gpu"]
+        )
+        cl_decisions = CounterMetricFamily(
+            "powersave_closed_loop_decisions",
+            "Closed-loop decode clock: decision records (each in the step trace with its measurement)",
+            labels=["gpu"],
+        )
+        saving_state = GaugeMetricFamily(
+            "powersave_saving_state",
+            "1 per saving with its state (auto/on/off/dry-run/failed/n/a) and basis (measured/predicted)",
+            labels=["gpu", "saving", "state", "basis"],
+        )
         sources, backends, boost = set(), set(), set()
         # A rank whose snapshot is unusable has unknown energy: no engine sums over the others.
         all_available = bool(snaps) and not bad
@@ -232,7 +298,9 @@ class PowersaveCollector(Collector):
         # Per data-parallel engine: tokens are the same steps on every rank of one engine (max),
         # different steps on different engines (sum).
         eng: dict[str, dict[int, dict[str, float]]] = {"window": {}, "steady": {}, "run": {}}
-        gpu_info = GaugeMetricFamily("powersave_gpu_info", "Which data-parallel engine and worker rank each GPU belongs to", labels=["gpu", "engine", "rank"])
+        gpu_info = GaugeMetricFamily(
+            "powersave_gpu_info", "Which data-parallel engine and worker rank each GPU belongs to", labels=["gpu", "engine", "rank"]
+        )
         window_label = ""
         for s in snaps:
             gpu, src, be = str(s.get("gpu", s.get("rank", "?"))), str(s.get("source", "none")), str(s.get("clock_backend", "?"))
@@ -253,11 +321,15 @@ class PowersaveCollector(Collector):
                     energy.add_metric([gpu, phase, src, method], float(j))
                     engine_sum[(phase, src)] = engine_sum.get((phase, src), 0.0) + float(j)
                 tok = s.get("tokens") or {}
-                _engine_add(eng["run"].setdefault(e_id, {}), sum((s.get("energy_j") or {}).values()), tok.get("prefill", 0), tok.get("decode", 0))
+                _engine_add(
+                    eng["run"].setdefault(e_id, {}), sum((s.get("energy_j") or {}).values()), tok.get("prefill", 0), tok.get("decode", 0)
+                )
                 w = s.get("window") or {}
                 if w.get("seconds"):
                     window_label = f"{float(w.get('window_s', 0)):g}s"
-                    _engine_add(eng["window"].setdefault(e_id, {}), w.get("energy_j", 0.0), w.get("prefill_tokens", 0), w.get("decode_tokens", 0))
+                    _engine_add(
+                        eng["window"].setdefault(e_id, {}), w.get("energy_j", 0.0), w.get("prefill_tokens", 0), w.get("decode_tokens", 0)
+                    )
                 st = s.get("steady") or {}
                 if st.get("seconds"):
                     st_tok = st.get("tokens") or {}
@@ -265,7 +337,9 @@ class PowersaveCollector(Collector):
                     steady_s.add_metric([gpu], float(st["seconds"]))
                     for kind, n in st_tok.items():
                         steady_t.add_metric([gpu, kind], float(n))
-                    _engine_add(eng["steady"].setdefault(e_id, {}), st.get("energy_j", 0.0), st_tok.get("prefill", 0), st_tok.get("decode", 0))
+                    _engine_add(
+                        eng["steady"].setdefault(e_id, {}), st.get("energy_j", 0.0), st_tok.get("prefill", 0), st_tok.get("decode", 0)
+                    )
             for phase, n in (s.get("steps") or {}).items():
                 if phase != "idle":  # idle is time without steps, not a kind of step
                     steps.add_metric([gpu, phase], float(n))
@@ -302,7 +376,7 @@ class PowersaveCollector(Collector):
                 cl_backoffs.add_metric([gpu], float(cl.get("backoffs_total") or 0))
                 cl_decisions.add_metric([gpu], float(cl.get("decisions_total") or 0))
             sv = s.get("savings")
-            for name, st in (sv.items() if isinstance(sv, dict) else ()):
+            for name, st in sv.items() if isinstance(sv, dict) else ():
                 if isinstance(st, dict):
                     saving_state.add_metric([gpu, str(name), str(st.get("state", "?")), str(st.get("basis", ""))], 1.0)
             for c, n in (s.get("lm_head_calls") or {}).items():
@@ -327,11 +401,55 @@ class PowersaveCollector(Collector):
                     tpj.add_metric([label, "total", engine_src], (e["prefill"] + e["decode"]) / e["energy_j"])
                     if name == "window":
                         tpj_energy.add_metric([label, engine_src], e["energy_j"])
-        info.add_metric([self.version, ",".join(sorted(sources)) or "pending", ",".join(sorted(backends)) or "pending",
-                         ",".join(sorted(boost)) or "pending"], 1.0)
-        return [energy, engine, steps, tokens, power, clock, temp, mem_clock, reasons, target, changes, chunks, req_e, req_n, req_tail, simulated, info,
-                available, resets, wraps, faults, tpj, tpj_energy, steady_e, steady_s, steady_t, boost_held, boost_sw, gpu_info, iwb_j, iwb_s, fe_busy, saving_state,
-                cl_clock, cl_base, cl_probes, cl_backoffs, cl_decisions]
+        info.add_metric(
+            [
+                self.version,
+                ",".join(sorted(sources)) or "pending",
+                ",".join(sorted(backends)) or "pending",
+                ",".join(sorted(boost)) or "pending",
+            ],
+            1.0,
+        )
+        return [
+            energy,
+            engine,
+            steps,
+            tokens,
+            power,
+            clock,
+            temp,
+            mem_clock,
+            reasons,
+            target,
+            changes,
+            chunks,
+            req_e,
+            req_n,
+            req_tail,
+            simulated,
+            info,
+            available,
+            resets,
+            wraps,
+            faults,
+            tpj,
+            tpj_energy,
+            steady_e,
+            steady_s,
+            steady_t,
+            boost_held,
+            boost_sw,
+            gpu_info,
+            iwb_j,
+            iwb_s,
+            fe_busy,
+            saving_state,
+            cl_clock,
+            cl_base,
+            cl_probes,
+            cl_backoffs,
+            cl_decisions,
+        ]
 
 
 def _engine_add(acc: dict[str, float], energy_j: float, prefill: float, decode: float) -> None:

@@ -186,17 +186,13 @@ SHAPES: dict[str, dict[str, Any]] = {
 
 def _shape(shape: str) -> dict[str, Any]:
     if shape not in SHAPES:
-        raise ValueError(
-            f"unknown shape {shape!r}: shape must be one of {', '.join(sorted(SHAPES))}"
-        )
+        raise ValueError(f"unknown shape {shape!r}: shape must be one of {', '.join(sorted(SHAPES))}")
     return SHAPES[shape]
 
 
 def _check_dtype(dtype: str) -> None:
     if dtype not in DTYPE_BYTES:
-        raise ValueError(
-            f"unsupported dtype {dtype!r}: dtype must be one of {', '.join(DTYPE_BYTES)}"
-        )
+        raise ValueError(f"unsupported dtype {dtype!r}: dtype must be one of {', '.join(DTYPE_BYTES)}")
 
 
 def _rope_theta(cfg: dict[str, Any]) -> float:
@@ -354,10 +350,7 @@ def _training_text(limit: int = _TRAIN_BYTES) -> list[str]:
         if total >= limit:
             break
     # Some natural-language-ish text so prompts in English tokenize sensibly.
-    chunks.append(
-        "The quick brown fox jumps over the lazy dog. Hello, world! "
-        "You are a helpful assistant. What is the capital of France? "
-    )
+    chunks.append("The quick brown fox jumps over the lazy dog. Hello, world! You are a helpful assistant. What is the capital of France? ")
     return chunks
 
 
@@ -402,10 +395,7 @@ def _build_tokenizer(family: str, vocab_size: int):
     tok.train_from_iterator(_training_text(), trainer=trainer)
     got = tok.get_vocab_size(with_added_tokens=True)
     if got != vocab_size:
-        raise RuntimeError(
-            f"trained tokenizer has {got} tokens, wanted vocab_size={vocab_size} "
-            "(training text too small?)"
-        )
+        raise RuntimeError(f"trained tokenizer has {got} tokens, wanted vocab_size={vocab_size} (training text too small?)")
     if family == "llama":
         bos = "<|begin_of_text|>"
         bos_id = tok.token_to_id(bos)
@@ -627,13 +617,9 @@ def make_model(
         raise ValueError(f"out_dir {str(out)!r} exists and is not a directory")
     if out.is_dir() and any(out.iterdir()):
         if not overwrite:
-            raise ValueError(
-                f"out_dir {str(out)!r} exists and is not empty (pass overwrite=True, or --overwrite on the command line)"
-            )
+            raise ValueError(f"out_dir {str(out)!r} exists and is not empty (pass overwrite=True, or --overwrite on the command line)")
         for p in out.iterdir():
-            if p.is_file() and (
-                p.name in _OWN_FILES or (p.name.startswith("model-") and p.name.endswith(".safetensors"))
-            ):
+            if p.is_file() and (p.name in _OWN_FILES or (p.name.startswith("model-") and p.name.endswith(".safetensors"))):
                 p.unlink()
     out.mkdir(parents=True, exist_ok=True)
 

@@ -140,5 +140,17 @@ def classify_counts(
         phase = "decode"
     else:
         phase = "mixed"
-    return _new(StepInfo, (phase, num_reqs, prefill_reqs, cached_decode_reqs, prefill_tokens, decode_tokens, spec_tokens,
-                           num_reqs + spec_tokens, decode_ctx_tokens))
+    return _new(
+        StepInfo,
+        (
+            phase,
+            num_reqs,
+            prefill_reqs,
+            cached_decode_reqs,
+            prefill_tokens,
+            decode_tokens,
+            spec_tokens,
+            num_reqs + spec_tokens,
+            decode_ctx_tokens,
+        ),
+    )

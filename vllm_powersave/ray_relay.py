@@ -102,8 +102,14 @@ class StatsRelay:
                 node = ray.get_runtime_context().get_node_id()
             except Exception:
                 pass
-        return {"stats_dir": str(self.dir), "snapshots": self.snapshots, "lines": self.lines, "failures": self.failures,
-                "node_id": node, "pid": os.getpid()}
+        return {
+            "stats_dir": str(self.dir),
+            "snapshots": self.snapshots,
+            "lines": self.lines,
+            "failures": self.failures,
+            "node_id": node,
+            "pid": os.getpid(),
+        }
 
     def _fail(self, name: str, exc: Exception) -> None:
         self.failures += 1
@@ -141,7 +147,10 @@ def ensure_relay(stats_dir: str | os.PathLike[str]) -> bool:
 
         node = ray.get_runtime_context().get_node_id()
         actor = ray.remote(StatsRelay).options(
-            name=relay_name(stats_dir), get_if_exists=True, num_cpus=0, max_restarts=0,
+            name=relay_name(stats_dir),
+            get_if_exists=True,
+            num_cpus=0,
+            max_restarts=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False),
         )
         # Keep the handle: a named actor that is not detached still ends when its owner drops

@@ -138,8 +138,11 @@ class RequestEnergyIndex:
                 with open(path, "rb") as f:
                     st = os.fstat(f.fileno())
                     head = self._heads.get(path, b"")
-                    if (st.st_ino != self._inodes.get(path, st.st_ino) or st.st_size < self._offsets.get(path, 0)
-                            or os.pread(f.fileno(), len(head), 0) != head):
+                    if (
+                        st.st_ino != self._inodes.get(path, st.st_ino)
+                        or st.st_size < self._offsets.get(path, 0)
+                        or os.pread(f.fileno(), len(head), 0) != head
+                    ):
                         # Replaced or truncated (a new server in the same stats_dir, log rotation;
                         # a new file may get the old inode number back): read it from the start.
                         self._offsets[path] = 0
@@ -191,7 +194,7 @@ class RequestEnergyIndex:
         return n
 
     def _add_line(self, raw: bytes) -> None:
-        for attempt in (raw, raw[raw.rfind(_RECORD_START):] if raw.rfind(_RECORD_START) > 0 else None):
+        for attempt in (raw, raw[raw.rfind(_RECORD_START) :] if raw.rfind(_RECORD_START) > 0 else None):
             # The second attempt: a writer died mid-line and the next one appended after it; the
             # cut-off head is lost, the complete record behind it is not.
             if attempt is None:
@@ -206,8 +209,11 @@ class RequestEnergyIndex:
     def _clean(rec: dict[str, Any]) -> dict[str, Any]:
         j = rec.get("energy_j")
         ok = isinstance(j, (int, float)) and not isinstance(j, bool) and math.isfinite(j) and j >= 0
-        return {**rec, "energy_j": float(j) if ok else None,
-                **{k: _UNSAFE.sub("?", str(rec.get(k, "?")))[:128] for k in ("source", "method", "gpu")}}
+        return {
+            **rec,
+            "energy_j": float(j) if ok else None,
+            **{k: _UNSAFE.sub("?", str(rec.get(k, "?")))[:128] for k in ("source", "method", "gpu")},
+        }
 
     def _add(self, rec: dict[str, Any]) -> None:
         rid = str(rec["request_id"])
@@ -246,8 +252,11 @@ class RequestEnergyIndex:
             reported.append(len(ranks))
             # A request runs on one data-parallel engine: only that engine's ranks report it.
             engines = {self._rank_engine[r] for r in ranks if r in self._rank_engine}
-            expect_each.append(sum(self._engine_ranks.get(e, 0) for e in engines) + self._unknown_ranks
-                               if engines and len(self._engine_ranks) > 1 else None)
+            expect_each.append(
+                sum(self._engine_ranks.get(e, 0) for e in engines) + self._unknown_ranks
+                if engines and len(self._engine_ranks) > 1
+                else None
+            )
             for rec in ranks.values():
                 sources.add(str(rec.get("source", "?")))
                 methods.add(str(rec.get("method", "?")))
@@ -326,10 +335,10 @@ class RequestEnergyMiddleware:
         path = scope.get("path", "")
         root = scope.get("root_path", "")
         if root and path.startswith(root):
-            path = path[len(root):]
+            path = path[len(root) :]
         method = scope.get("method", "")
         if path.startswith(ROUTE) and method in ("GET", "HEAD"):
-            await self._route(scope, path[len(ROUTE):], send)
+            await self._route(scope, path[len(ROUTE) :], send)
             return
         if method != "POST" or path not in COMPLETION_PATHS:
             await self.app(scope, receive, send)
@@ -395,16 +404,28 @@ class RequestEnergyMiddleware:
         finally:
             self.route_waiters -= 1
         if res is None:
-            await _json(send, 404, {"id": rid, "status": "unknown",
-                                    "error": f"no energy recorded for request {rid!r} (yet: it is written once the request finished)"})
+            await _json(
+                send,
+                404,
+                {
+                    "id": rid,
+                    "status": "unknown",
+                    "error": f"no energy recorded for request {rid!r} (yet: it is written once the request finished)",
+                },
+            )
             return
         await _json(send, 200, res)
 
 
 async def _json(send: Any, status: int, obj: dict[str, Any]) -> None:
     body = json.dumps(obj).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        }
+    )
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 

@@ -23,8 +23,14 @@ PERF_BOOST_IDLE_SAVING = 1 - 77.4 / 119.6
 PERF_BOOST_BASIS = "idle power, measured -35 % on H200"
 
 
-def savings_state(settings: Any, clock_choice: Any, boost: dict[str, Any] | None, on_gpu: bool,
-                  clock_disabled: str | None = None, clock_kind: str | None = None) -> dict[str, dict[str, str]]:
+def savings_state(
+    settings: Any,
+    clock_choice: Any,
+    boost: dict[str, Any] | None,
+    on_gpu: bool,
+    clock_disabled: str | None = None,
+    clock_kind: str | None = None,
+) -> dict[str, dict[str, str]]:
     """``{saving: {"state", "basis", "why"}}`` for ``perf_boost``, ``clocks`` and ``chunking``.
 
     ``boost``: the booster's snapshot (``disabled`` set when its helper failed) or ``None``;

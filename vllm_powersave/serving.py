@@ -68,8 +68,15 @@ class VllmServer:
             (inherited affinity); ``None`` = unrestricted.
     """
 
-    def __init__(self, args: list[str], env: dict[str, str] | None = None, log_path: str | Path = "vllm-server.log", port: int | None = None, startup_timeout_s: float = 600.0,
-                 cpus: set[int] | None = None) -> None:
+    def __init__(
+        self,
+        args: list[str],
+        env: dict[str, str] | None = None,
+        log_path: str | Path = "vllm-server.log",
+        port: int | None = None,
+        startup_timeout_s: float = 600.0,
+        cpus: set[int] | None = None,
+    ) -> None:
         self.args = list(args)
         self.cpus = set(cpus) if cpus else None
         self.env = dict(env or {})
@@ -99,8 +106,14 @@ class VllmServer:
         self._log.flush()
         # Own process group: stopping the server also stops its EngineCore and workers.
         cpus = self.cpus
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                     preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
+        )
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -150,4 +163,3 @@ class VllmServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-

@@ -26,7 +26,6 @@ PHASES: tuple[str, ...] = ("prefill", "decode", "mixed", "idle")
 Phase = Literal["prefill", "decode", "mixed", "idle"]
 
 
-
 class SettingsError(ValueError):
     """An invalid powersave setting; ``str(err)`` is one line naming field and value."""
 
@@ -381,7 +380,9 @@ class PowersaveSettings(_Strict):
     @model_validator(mode="after")
     def _simulated_needs_sim_meter(self) -> "PowersaveSettings":
         if self.clocks.backend == "simulated" and self.energy.meter == "nvml":
-            raise ValueError("clocks.backend 'simulated' needs a simulated GPU, energy.meter 'nvml' measures a real one: use energy.meter 'simulated' or 'auto'")
+            raise ValueError(
+                "clocks.backend 'simulated' needs a simulated GPU, energy.meter 'nvml' measures a real one: use energy.meter 'simulated' or 'auto'"
+            )
         return self
 
 

@@ -34,8 +34,18 @@ from .settings import KERNEL_GROUPS, PHASES, PowersaveSettings
 COMMAND = "python -m vllm_powersave.settings_doc > docs/settings.md"
 
 #: Units from the field name's suffix (the project names fields with their unit, e.g. ``_ms``).
-_UNIT_SUFFIXES = (("_ms", "ms"), ("_s", "s"), ("_mhz", "MHz"), ("_pct", "%"), ("_j", "J"), ("_w", "W"),
-                  ("_bytes", "bytes"), ("_tokens", "tokens"), ("_rows", "rows"), ("_steps", "steps"))
+_UNIT_SUFFIXES = (
+    ("_ms", "ms"),
+    ("_s", "s"),
+    ("_mhz", "MHz"),
+    ("_pct", "%"),
+    ("_j", "J"),
+    ("_w", "W"),
+    ("_bytes", "bytes"),
+    ("_tokens", "tokens"),
+    ("_rows", "rows"),
+    ("_steps", "steps"),
+)
 
 _PREAMBLE = f"""\
 # Settings reference
@@ -71,8 +81,11 @@ def _field_comments(cls: type) -> dict[str, str]:
         return {}
     lines = src.splitlines()
     # Comments after code on the same line, by line number (a "#" inside a string is no comment).
-    trailing = {tok.start[0]: tok.string[1:].strip() for tok in tokenize.generate_tokens(io.StringIO(src).readline)
-                if tok.type == tokenize.COMMENT and lines[tok.start[0] - 1][: tok.start[1]].strip()}
+    trailing = {
+        tok.start[0]: tok.string[1:].strip()
+        for tok in tokenize.generate_tokens(io.StringIO(src).readline)
+        if tok.type == tokenize.COMMENT and lines[tok.start[0] - 1][: tok.start[1]].strip()
+    }
     out: dict[str, str] = {}
     for node in ast.parse(src).body[0].body:  # type: ignore[attr-defined]
         if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
@@ -189,8 +202,7 @@ def _unit(name: str, annotation: Any) -> str:
     return ""
 
 
-def _description(name: str, field: FieldInfo, comments: dict[str, str], paragraphs: list[str], used: set[int],
-                 path: str) -> str:
+def _description(name: str, field: FieldInfo, comments: dict[str, str], paragraphs: list[str], used: set[int], path: str) -> str:
     """The field's own text; else the paragraph of its model's docstring that opens with its name
     (taken out of the section's introduction); else the sibling comment that names it; else the
     docstring of the model it holds."""

@@ -56,8 +56,9 @@ class BusyTracker:
     :meth:`flush` writes the file (the writer thread calls it).
     """
 
-    def __init__(self, stats_dir: str | Path | None, clock: Callable[[], float] = time.monotonic,
-                 keep_s: float = KEEP_S, name: str | None = None) -> None:
+    def __init__(
+        self, stats_dir: str | Path | None, clock: Callable[[], float] = time.monotonic, keep_s: float = KEEP_S, name: str | None = None
+    ) -> None:
         self.path = Path(stats_dir) / f"frontend-{name or os.getpid()}.json" if stats_dir else None
         self.clock = clock
         self.keep_s = keep_s
@@ -90,8 +91,13 @@ class BusyTracker:
 
     def state(self) -> dict[str, Any]:
         with self._lock:
-            return {"pid": os.getpid(), "t": self.clock(), "in_flight": self.in_flight, "busy_since": self.busy_since,
-                    "intervals": [list(iv) for iv in self.closed]}
+            return {
+                "pid": os.getpid(),
+                "t": self.clock(),
+                "in_flight": self.in_flight,
+                "busy_since": self.busy_since,
+                "intervals": [list(iv) for iv in self.closed],
+            }
 
     def flush(self) -> None:
         """Write the state atomically (the worker never reads half a file)."""
@@ -251,8 +257,15 @@ def suggested_api_servers(current: int) -> int:
 class StarvationWatch:
     """Rate-limited warning when the GPU idles while the server has work (see module docstring)."""
 
-    def __init__(self, share: float, min_busy_s: float, every_s: float, engine: int = 0,
-                 clock: Callable[[], float] = time.monotonic, logger: logging.Logger = log) -> None:
+    def __init__(
+        self,
+        share: float,
+        min_busy_s: float,
+        every_s: float,
+        engine: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+        logger: logging.Logger = log,
+    ) -> None:
         self.share, self.min_busy_s, self.every_s, self.engine = share, min_busy_s, every_s, engine
         self.clock, self.log = clock, logger
         self._base = (0.0, 0.0, 0.0)  # idle-while-busy s, busy s, idle-while-busy J at the span's start
@@ -273,9 +286,11 @@ class StarvationWatch:
         self.last_warn = now
         self.warnings += 1
         n = max(1, frontends)
-        msg = (f"powersave: engine {self.engine}: GPU idle {100 * share:.0f} % of busy time ({idle_busy_j - j0:.0f} J over "
-               f"{d_busy:.0f} s) while requests were in flight at the API server: the engine is waiting on the front end "
-               f"(tokenizing, detokenizing, streaming); try --api-server-count {suggested_api_servers(n)} "
-               f"(now {n}); `vllm-powersave advise` ranks this with the other fixes")
+        msg = (
+            f"powersave: engine {self.engine}: GPU idle {100 * share:.0f} % of busy time ({idle_busy_j - j0:.0f} J over "
+            f"{d_busy:.0f} s) while requests were in flight at the API server: the engine is waiting on the front end "
+            f"(tokenizing, detokenizing, streaming); try --api-server-count {suggested_api_servers(n)} "
+            f"(now {n}); `vllm-powersave advise` ranks this with the other fixes"
+        )
         self.log.warning(msg)
         return msg

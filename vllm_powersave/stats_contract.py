@@ -133,9 +133,23 @@ class WorkerSnapshot(TypedDict, total=False):
 
 
 #: Keys whose values are counters or non-negative gauges (the metrics reader's sanity check).
-NONNEG_KEYS: tuple[str, ...] = ("counter_resets", "counter_wraps", "meter_faults", "power_w", "sm_clock_mhz", "target_sm_clock_mhz",
-                                "clock_changes", "mem_clock_mhz", "clock_event_reasons", "requests_finished", "request_energy_j_finished",
-                                "idle_while_busy_j", "idle_while_busy_s", "frontend_busy_s", "request_energy_j_tail")
+NONNEG_KEYS: tuple[str, ...] = (
+    "counter_resets",
+    "counter_wraps",
+    "meter_faults",
+    "power_w",
+    "sm_clock_mhz",
+    "target_sm_clock_mhz",
+    "clock_changes",
+    "mem_clock_mhz",
+    "clock_event_reasons",
+    "requests_finished",
+    "request_energy_j_finished",
+    "idle_while_busy_j",
+    "idle_while_busy_s",
+    "frontend_busy_s",
+    "request_energy_j_tail",
+)
 #: Keys whose values are ``{label: count or J}`` dicts of counters.
 COUNTER_DICT_KEYS: tuple[str, ...] = ("energy_j", "time_s", "steps", "tokens", "lm_head_calls")
 
@@ -172,8 +186,14 @@ class RequestLine:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> RequestLine:
         """From a parsed line. Raises KeyError without ``request_id``, ValueError/TypeError for a bad ``rank``."""
-        return cls(str(d["request_id"]), d.get("energy_j"), str(d.get("source", "?")), str(d.get("method", "?")),
-                   str(d.get("gpu", "?")), int(d.get("rank", 0)))
+        return cls(
+            str(d["request_id"]),
+            d.get("energy_j"),
+            str(d.get("source", "?")),
+            str(d.get("method", "?")),
+            str(d.get("gpu", "?")),
+            int(d.get("rank", 0)),
+        )
 
 
 # -- step trace (trace-rank<N>.jsonl) ---------------------------------------------------------
@@ -212,12 +232,18 @@ def trace_line(r: Any) -> str:
     and null; anything else goes through json.dumps. One line per engine step, on the publisher
     thread (which holds the GIL)."""
     t, phase, pre, dec, rows, ctx, reqs, sm, t_end = r
-    if ((type(t), type(phase), type(pre), type(dec), type(rows), type(ctx), type(reqs)) == _TRACE_TYPES
-            and -_INF < t < _INF and phase in _TRACE_PHASES and (sm is None or type(sm) is int)
-            and (t_end is None or type(t_end) is float and -_INF < t_end < _INF)):
-        return (f'{{"t": {t!r}, "phase": "{phase}", "prefill": {pre!r}, "decode": {dec!r}, "rows": {rows!r}, '
-                f'"ctx": {ctx!r}, "reqs": {reqs!r}, "sm_target": {"null" if sm is None else repr(sm)}, '
-                f'"t_end": {"null" if t_end is None else repr(t_end)}}}\n')
+    if (
+        (type(t), type(phase), type(pre), type(dec), type(rows), type(ctx), type(reqs)) == _TRACE_TYPES
+        and -_INF < t < _INF
+        and phase in _TRACE_PHASES
+        and (sm is None or type(sm) is int)
+        and (t_end is None or type(t_end) is float and -_INF < t_end < _INF)
+    ):
+        return (
+            f'{{"t": {t!r}, "phase": "{phase}", "prefill": {pre!r}, "decode": {dec!r}, "rows": {rows!r}, '
+            f'"ctx": {ctx!r}, "reqs": {reqs!r}, "sm_target": {"null" if sm is None else repr(sm)}, '
+            f'"t_end": {"null" if t_end is None else repr(t_end)}}}\n'
+        )
     return json.dumps(dict(zip(TRACE_KEYS, r))) + "\n"
 
 

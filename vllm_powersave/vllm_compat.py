@@ -52,9 +52,9 @@ import functools
 import importlib
 import inspect
 import itertools
+import json
 import logging
 import operator
-import json
 import os
 import re
 import sys
@@ -256,8 +256,9 @@ def _drift_off(feature: str, reason: str) -> None:
     if feature in _DISABLED:
         return
     _DISABLED[feature] = reason
-    log.warning("powersave: %s is off: vLLM %s drifted: %s; vLLM serves unchanged without it",
-                FEATURES[feature], vllm_version() or "?", reason)
+    log.warning(
+        "powersave: %s is off: vLLM %s drifted: %s; vLLM serves unchanged without it", FEATURES[feature], vllm_version() or "?", reason
+    )
 
 
 def disabled_features() -> dict[str, str]:
@@ -290,7 +291,9 @@ def _patch(owner: Any, name: str, key: str, make: Callable[[Callable[..., Any]],
 class _PluginAction(argparse.Action):
     """``--plugin NAME``: enables a named plugin for this server (env var inherited by engines)."""
 
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option_string: str | None = None) -> None:
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option_string: str | None = None
+    ) -> None:
         names = [n.strip() for n in str(values).split(",") if n.strip()]
         if not names:
             parser.error(f"argument --plugin: empty plugin name {values!r} (known: powersave)")
@@ -672,8 +675,11 @@ def decode_step_tokens(scheduler_output: Any) -> int:
 def step_decode_ctx_tokens(scheduler_output: Any, info: StepInfo) -> int:
     """``step_info(scheduler_output).decode_ctx_tokens`` for an ``info`` from ``step_info(..., ctx=False)``."""
     cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
-    if (info.phase == "idle" or getattr(cached, "num_output_tokens", None) is None
-            or getattr(scheduler_output, "total_num_scheduled_tokens", None) is None):
+    if (
+        info.phase == "idle"
+        or getattr(cached, "num_output_tokens", None) is None
+        or getattr(scheduler_output, "total_num_scheduled_tokens", None) is None
+    ):
         return info.decode_ctx_tokens  # idle, or the per-request path, which computed it already
     computed = getattr(cached, "num_computed_tokens", None)
     return sum(computed) if computed else 0

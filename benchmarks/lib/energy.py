@@ -30,8 +30,7 @@ def device_facts(index: int = 0) -> dict[str, Any]:
     """Name, UUID, driver and power limit of GPU ``index``; ``{"name": "no NVML (...)"}`` without NVML."""
     try:
         gpu = NvmlGpu.from_index(index)
-        return {"name": gpu.name(), "uuid": gpu.uuid, "driver": driver_version(gpu.nvml),
-                "power_limit_w": gpu.power_limit_w()}
+        return {"name": gpu.name(), "uuid": gpu.uuid, "driver": driver_version(gpu.nvml), "power_limit_w": gpu.power_limit_w()}
     except GpuError as exc:
         return {"name": f"no NVML ({exc})"}
 
@@ -66,8 +65,12 @@ class EnergySampler(threading.Thread):
         if len(rows) < 2:
             return {}
         clocks = sorted(r[2] for r in rows if r[2] is not None)
-        return {"avg_power_w": sum(r[1] for r in rows) / len(rows), "energy_j_counter": rows[-1][3] - rows[0][3],
-                "median_sm_clock_mhz": clocks[len(clocks) // 2] if clocks else None, "seconds": rows[-1][0] - rows[0][0]}
+        return {
+            "avg_power_w": sum(r[1] for r in rows) / len(rows),
+            "energy_j_counter": rows[-1][3] - rows[0][3],
+            "median_sm_clock_mhz": clocks[len(clocks) // 2] if clocks else None,
+            "seconds": rows[-1][0] - rows[0][0],
+        }
 
 
 class NullSampler(EnergySampler):

@@ -18,8 +18,12 @@ from .device import log
 
 # NVLink multicast stays off (a program using it can take a shared host's GPUs out of service);
 # vLLM's symmetric-memory all-reduce would use it on Hopper, so that path is off too.
-NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
-                "VLLM_ALLREDUCE_USE_SYMM_MEM": "0"}
+NO_MULTICAST = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+    "VLLM_ALLREDUCE_USE_SYMM_MEM": "0",
+}
 
 
 def parse_cpulist(text: str) -> set[int]:
@@ -33,8 +37,9 @@ def parse_cpulist(text: str) -> set[int]:
     return cpus
 
 
-def gpu_local_cpus(gpu: int, bus_ids: list[str], sysfs: Path = Path("/sys/bus/pci/devices"),
-                   allowed: set[int] | None = None) -> set[int] | None:
+def gpu_local_cpus(
+    gpu: int, bus_ids: list[str], sysfs: Path = Path("/sys/bus/pci/devices"), allowed: set[int] | None = None
+) -> set[int] | None:
     """This GPU's share of the CPUs on its NUMA node, disjoint from the other GPUs' on that node.
 
     ``bus_ids``: every GPU's PCI bus id in index order (nvidia-smi's ``00000000:18:00.0`` form).
@@ -42,6 +47,7 @@ def gpu_local_cpus(gpu: int, bus_ids: list[str], sysfs: Path = Path("/sys/bus/pc
     between them in index order, so two jobs never pin servers to the same cores. None where sysfs
     has no locality for the GPU.
     """
+
     def local(bus: str) -> set[int]:
         f = sysfs / bus.lower()[-12:] / "local_cpulist"
         return parse_cpulist(f.read_text()) if f.exists() else set()
@@ -78,7 +84,7 @@ def split_cpus(cpus: set[int], n: int, sysfs_cpu: Path = Path("/sys/devices/syst
     k = len(groups) // n
     if k == 0:
         raise ValueError(f"cannot split {len(groups)} cores ({len(cpus)} CPUs) between {n} servers")
-    return [set().union(*groups[i * k:(i + 1) * k]) for i in range(n)]
+    return [set().union(*groups[i * k : (i + 1) * k]) for i in range(n)]
 
 
 def gpu_bus_ids() -> list[str]:
@@ -107,16 +113,44 @@ def server_cpu_sets(gpu: int, n: int) -> list[set[int]] | None:
         return None
 
 
-def start_server(label: str, model: Path, port: int, extra: list[str], pythonpath: str, out: Path, gpu_mem: float,
-                 env_extra: dict[str, str] | None = None, cpus: set[int] | None = None) -> subprocess.Popen:
+def start_server(
+    label: str,
+    model: Path,
+    port: int,
+    extra: list[str],
+    pythonpath: str,
+    out: Path,
+    gpu_mem: float,
+    env_extra: dict[str, str] | None = None,
+    cpus: set[int] | None = None,
+) -> subprocess.Popen:
     """A server on ``port`` (refused if taken) with a dummy-weight ``model``, logging to
     ``out/server-<label>.log``; ``env_extra``: e.g. ``CUDA_VISIBLE_DEVICES``; ``cpus``: its CPU
     affinity, inherited by its EngineCore and worker processes."""
     check_port_free(port)
     env = {**os.environ, "PYTHONPATH": pythonpath, **NO_MULTICAST, **(env_extra or {})}  # env_extra wins
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name", "model",
-           "--load-format", "dummy", "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048",
-           "--max-num-seqs", "256", "--gpu-memory-utilization", str(gpu_mem), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model),
+        "--served-model-name",
+        "model",
+        "--load-format",
+        "dummy",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-model-len",
+        "2048",
+        "--max-num-seqs",
+        "256",
+        "--gpu-memory-utilization",
+        str(gpu_mem),
+        *extra,
+    ]
     logf = open(out / f"server-{label}.log", "wb")
     logf.write((" ".join(cmd) + "\n").encode())
     pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
@@ -165,8 +199,7 @@ def wait_healthy(procs: dict[str, tuple[subprocess.Popen, int]], timeout_s: floa
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
                     if r.status == 200:
                         if (n := tcp_listeners(port)) > 1:
-                            raise RuntimeError(f"server {label}: {n} listeners on port {port}; "
-                                               "requests would reach another server")
+                            raise RuntimeError(f"server {label}: {n} listeners on port {port}; requests would reach another server")
                         log(f"server {label} healthy")
                         pending.pop(label)
             except RuntimeError:
@@ -189,8 +222,29 @@ def stop(p: subprocess.Popen) -> None:
             pass
 
 
-SUMMARY_KEYS = ("completed", "failed", "duration", "total_input_tokens", "total_output_tokens", "request_throughput",
-                "output_throughput", "total_token_throughput", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms",
-                "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms", "median_itl_ms", "p99_itl_ms", "median_e2el_ms",
-                "gpu_energy_j", "gpu_avg_power_w", "gpu_energy_per_output_token_j", "output_tokens_per_joule",
-                "total_tokens_per_joule", "energy_source", "energy_window_s")
+SUMMARY_KEYS = (
+    "completed",
+    "failed",
+    "duration",
+    "total_input_tokens",
+    "total_output_tokens",
+    "request_throughput",
+    "output_throughput",
+    "total_token_throughput",
+    "mean_ttft_ms",
+    "median_ttft_ms",
+    "p99_ttft_ms",
+    "mean_tpot_ms",
+    "median_tpot_ms",
+    "p99_tpot_ms",
+    "median_itl_ms",
+    "p99_itl_ms",
+    "median_e2el_ms",
+    "gpu_energy_j",
+    "gpu_avg_power_w",
+    "gpu_energy_per_output_token_j",
+    "output_tokens_per_joule",
+    "total_tokens_per_joule",
+    "energy_source",
+    "energy_window_s",
+)

@@ -7,8 +7,12 @@ from collections.abc import Callable
 import torch
 
 
-def apply_chunked(head: Callable[[torch.Tensor], torch.Tensor], hidden_states: torch.Tensor, chunks: int,
-                  gemm: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
+def apply_chunked(
+    head: Callable[[torch.Tensor], torch.Tensor],
+    hidden_states: torch.Tensor,
+    chunks: int,
+    gemm: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+) -> torch.Tensor:
     """``head(hidden_states)``, computed over ``chunks`` row blocks where that costs no memory.
 
     Args:

@@ -55,10 +55,18 @@ def choose_chunks(measurements: Iterable[dict], noise_floor: float = 0.03) -> di
 
         good = [c for c, (t, e) in means.items() if c != 1 and e <= e1 and t <= t1 * (1 + noise) and gain(c) > noise]
         best = min(good, key=lambda c: (means[c][0], c)) if good else 1
-        cands = {c: {"ms": means[c][0], "ms_min": min(ts), "ms_max": max(ts), "j": means[c][1], "j_min": min(js), "j_max": max(js), "n": len(ts)}
-                 for c, (ts, js) in sorted(by_c.items())}
-        out[rows] = {"chunks": best, "noise": noise, "time_ratio": means[best][0] / t1, "energy_ratio": means[best][1] / e1,
-                     "gain": gain(best) if best != 1 else 0.0, "candidates": cands}
+        cands = {
+            c: {"ms": means[c][0], "ms_min": min(ts), "ms_max": max(ts), "j": means[c][1], "j_min": min(js), "j_max": max(js), "n": len(ts)}
+            for c, (ts, js) in sorted(by_c.items())
+        }
+        out[rows] = {
+            "chunks": best,
+            "noise": noise,
+            "time_ratio": means[best][0] / t1,
+            "energy_ratio": means[best][1] / e1,
+            "gain": gain(best) if best != 1 else 0.0,
+            "candidates": cands,
+        }
     return out
 
 

@@ -23,13 +23,12 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from ..device import GpuError, GpuNoPermissionError, GpuNotSupportedError, NvmlGpu, ZeusdClient, ZeusdError
 from .. import envs
+from ..device import GpuError, GpuNoPermissionError, GpuNotSupportedError, NvmlGpu, ZeusdClient, ZeusdError
 from ..envs import ENV_ZEUSD_SOCK, ENV_ZEUSD_TOKEN  # noqa: F401 - re-exported; declared in envs.py
 from ..sim.gpu import SimulatedGpu
 
 log = logging.getLogger("vllm.powersave.clocks")
-
 
 
 class ClockError(RuntimeError):
@@ -242,9 +241,15 @@ class ZeusdClockBackend(ClockBackend):
 
     kind = "real"
 
-    def __init__(self, socket_path: str, gpu_index: int, token: str | None = None,
-                 supported: tuple[int, ...] | None = None, supported_mem: tuple[int, ...] | None = None,
-                 timeout_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        socket_path: str,
+        gpu_index: int,
+        token: str | None = None,
+        supported: tuple[int, ...] | None = None,
+        supported_mem: tuple[int, ...] | None = None,
+        timeout_s: float = 5.0,
+    ) -> None:
         self.socket_path = socket_path
         self.gpu_index = int(gpu_index)
         self.client = ZeusdClient(socket_path, token, timeout_s)

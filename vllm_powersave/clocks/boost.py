@@ -70,9 +70,15 @@ class BoostHolder:
         env.pop(ENV_PERF_BOOST, None)  # the whole point: this session asks for the boost
         # Run as a script in isolated mode: the helper needs the standard library only, so it
         # starts in tens of ms instead of importing the package (pydantic, settings) first.
-        return subprocess.Popen([sys.executable, "-I", os.path.abspath(__file__), "--parent", str(os.getpid())],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env,
-                                text=True, bufsize=1)
+        return subprocess.Popen(
+            [sys.executable, "-I", os.path.abspath(__file__), "--parent", str(os.getpid())],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env=env,
+            text=True,
+            bufsize=1,
+        )
 
     def alive(self) -> bool:
         """Whether a helper process is running (a held boost lasts exactly as long as it does)."""
@@ -218,8 +224,12 @@ class BoostController:
                     self.disabled_reason = f"boost helper died {self.restarts} times while holding"
                     log.warning("powersave: cuda_perf_boost auto: %s; the engine stays unboosted", self.disabled_reason)
                     continue
-                log.warning("powersave: cuda_perf_boost auto: the boost helper died while holding (the GPU is unboosted "
-                            "meanwhile); starting a new one (%d/%d)", self.restarts, self.MAX_RESTARTS)
+                log.warning(
+                    "powersave: cuda_perf_boost auto: the boost helper died while holding (the GPU is unboosted "
+                    "meanwhile); starting a new one (%d/%d)",
+                    self.restarts,
+                    self.MAX_RESTARTS,
+                )
             want = self.want
             if not want and self.clock() - self.last_busy < self.release_after_s:
                 # A step landed between tick()'s test and its write of want: keep the boost.
@@ -247,8 +257,7 @@ class BoostController:
         self.held = False
 
     def snapshot(self) -> dict:
-        return {"held": self.held, "switches": self.switches, "last_switch_ms": self.last_switch_ms,
-                "disabled": self.disabled_reason}
+        return {"held": self.held, "switches": self.switches, "last_switch_ms": self.last_switch_ms, "disabled": self.disabled_reason}
 
 
 def _readline(proc: subprocess.Popen, timeout_s: float) -> str:

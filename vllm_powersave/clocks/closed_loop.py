@@ -192,8 +192,16 @@ class DecodeClockTuner:
         self.active, self._pending, self._pending_n = None, None, 0
         self._emit(now_s, "reset", None, 0, None, None, None, None, None, reason=reason)
 
-    def observe(self, now_s: float, batch: int, step_ms: float, ran_at_mhz: int | None,
-                ctx_tokens: float = 0.0, memory_bound: bool = True, tokens: int | None = None) -> int | None:
+    def observe(
+        self,
+        now_s: float,
+        batch: int,
+        step_ms: float,
+        ran_at_mhz: int | None,
+        ctx_tokens: float = 0.0,
+        memory_bound: bool = True,
+        tokens: int | None = None,
+    ) -> int | None:
         """Feed one finished engine step; returns the SM clock for the next decode steps.
 
         ``now_s``: the step's end (s, monotonic); ``batch``: decode requests in the step;
@@ -234,15 +242,24 @@ class DecodeClockTuner:
 
     def snapshot(self) -> dict[str, Any]:
         """Figures for ``/metrics`` and reports: per bucket its state and clock; counters."""
-        out: dict[str, Any] = {"active_bucket": self.active, "probes_total": self.n_probes, "backoffs_total": self.n_backoffs,
-                               "decisions_total": self.n_records, "buckets": {}}
+        out: dict[str, Any] = {
+            "active_bucket": self.active,
+            "probes_total": self.n_probes,
+            "backoffs_total": self.n_backoffs,
+            "decisions_total": self.n_records,
+            "buckets": {},
+        }
         for e, b in sorted(self.buckets.items()):
             fit = b.fit
-            out["buckets"][e] = {"state": b.state, "sm_clock_mhz": self.clock_for(e),
-                                 "held_mhz": None if b.held >= len(self.cands) else self.cands[b.held],
-                                 "baseline_ms": None if fit is None else round(fit[0] + fit[1] * (fit[3] + fit[4]) / 2, 4),
-                                 "spread_pct": None if fit is None else round(100 * fit[2], 3),
-                                 "target_ratio": round(b.target, 5), "probes": b.probes}
+            out["buckets"][e] = {
+                "state": b.state,
+                "sm_clock_mhz": self.clock_for(e),
+                "held_mhz": None if b.held >= len(self.cands) else self.cands[b.held],
+                "baseline_ms": None if fit is None else round(fit[0] + fit[1] * (fit[3] + fit[4]) / 2, 4),
+                "spread_pct": None if fit is None else round(100 * fit[2], 3),
+                "target_ratio": round(b.target, 5),
+                "probes": b.probes,
+            }
         return out
 
     # -- internals ---------------------------------------------------------------------------
@@ -271,8 +288,19 @@ class DecodeClockTuner:
                 # Its reference window is stale: measure the default clock again, then this probe.
                 b.state, b.samples, b.ref_cur, b.decided = "ref", [], [], False
                 b.ref_prev = []
-            self._emit(now_s, "bucket", edge, batch, None, None, None, None, None, b=b,
-                       reason=f"batch stayed in bucket {edge} for {self.s.bucket_dwell_steps} steps (was {old})")
+            self._emit(
+                now_s,
+                "bucket",
+                edge,
+                batch,
+                None,
+                None,
+                None,
+                None,
+                None,
+                b=b,
+                reason=f"batch stayed in bucket {edge} for {self.s.bucket_dwell_steps} steps (was {old})",
+            )
 
     def _predict(self, b: _Bucket, ctx: float) -> float:
         assert b.fit is not None
@@ -300,11 +328,12 @@ class DecodeClockTuner:
         a, slope, sigma, c_lo, c_hi, n = b.fit  # type: ignore[misc]
         base_hi = a + slope * c_hi
         b.target = self.s.tpot_slo_ms / base_hi if self.s.tpot_slo_ms is not None else 1.0 + self._budget
-        reason = (f"{n} default-clock steps: {base_hi:.3f} ms at ctx {c_hi:.0f}, spread {100 * sigma:.2f} %"
-                  + (f"; SLO {self.s.tpot_slo_ms:g} ms" if self.s.tpot_slo_ms is not None else f"; budget {100 * self._budget:g} %"))
+        reason = f"{n} default-clock steps: {base_hi:.3f} ms at ctx {c_hi:.0f}, spread {100 * sigma:.2f} %" + (
+            f"; SLO {self.s.tpot_slo_ms:g} ms" if self.s.tpot_slo_ms is not None else f"; budget {100 * self._budget:g} %"
+        )
         self._emit(now_s, "baseline_done", b.edge, batch, None, step_ms, None, None, self._predict(b, ctx), b=b, reason=reason)
         b.n_win = self._window(b)
-        b.ref_prev, b.ref_cur = b.ref_cur[-self._ref_n(b):], []
+        b.ref_prev, b.ref_cur = b.ref_cur[-self._ref_n(b) :], []
         if b.after_baseline == "hold":
             b.state = "hold"
             self._clear_windows(b)
@@ -313,10 +342,24 @@ class DecodeClockTuner:
             b.state, b.held, b.probe = "hold", len(self.cands), None
             b.t_searched = now_s
             unattainable = self.s.tpot_slo_ms is not None and b.target < 1.0
-            why = ("no clock left above the one that failed" if b.floor >= len(self.cands) else
-                   f"step noise {100 * sigma:.2f} % needs more than {self.s.probe_steps_max} steps per window to resolve the target")
-            self._emit(now_s, "slo_unattainable" if unattainable else "hold", b.edge, batch, None, None, None, None, None, b=b,
-                       reason=f"default clock kept: {why}")
+            why = (
+                "no clock left above the one that failed"
+                if b.floor >= len(self.cands)
+                else f"step noise {100 * sigma:.2f} % needs more than {self.s.probe_steps_max} steps per window to resolve the target"
+            )
+            self._emit(
+                now_s,
+                "slo_unattainable" if unattainable else "hold",
+                b.edge,
+                batch,
+                None,
+                None,
+                None,
+                None,
+                None,
+                b=b,
+                reason=f"default clock kept: {why}",
+            )
             return
         b.lo, b.hi, b.probes = b.floor, len(self.cands), 0
         self._next_probe(now_s, b, batch, prior=self._prior(b))
@@ -357,8 +400,11 @@ class DecodeClockTuner:
 
     def _prior(self, b: _Bucket) -> int | None:
         """Candidate index a neighbouring bucket holds (searched), nearest batch first."""
-        near = sorted((abs(math.log(e / b.edge)), o.held) for e, o in self.buckets.items()
-                      if o is not b and o.t_searched > -math.inf and o.held < len(self.cands))
+        near = sorted(
+            (abs(math.log(e / b.edge)), o.held)
+            for e, o in self.buckets.items()
+            if o is not b and o.t_searched > -math.inf and o.held < len(self.cands)
+        )
         return near[0][1] if near else None
 
     def _next_probe(self, now_s: float, b: _Bucket, batch: int, prior: int | None = None) -> None:
@@ -369,8 +415,19 @@ class DecodeClockTuner:
             b.state, b.held, b.probe = "hold", b.hi, None
             b.t_searched = now_s
             self._clear_windows(b)
-            self._emit(now_s, "hold", b.edge, batch, None, None, None, None, None, b=b,
-                       reason=f"lowest clock meeting the target after {b.probes} probes")
+            self._emit(
+                now_s,
+                "hold",
+                b.edge,
+                batch,
+                None,
+                None,
+                None,
+                None,
+                None,
+                b=b,
+                reason=f"lowest clock meeting the target after {b.probes} probes",
+            )
             return
         b.state = "probe"
         if prior is not None and b.lo <= prior < b.hi:
@@ -385,8 +442,19 @@ class DecodeClockTuner:
         b.samples, b.waited, b.decided = [], 0, False
         b.probes += 1
         self.n_probes += 1
-        self._emit(now_s, "probe", b.edge, batch, None, None, None, None, None, b=b,
-                   reason=f"bisection over {self.cands[b.lo]}..{'default' if b.hi >= len(self.cands) else self.cands[b.hi]} MHz")
+        self._emit(
+            now_s,
+            "probe",
+            b.edge,
+            batch,
+            None,
+            None,
+            None,
+            None,
+            None,
+            b=b,
+            reason=f"bisection over {self.cands[b.lo]}..{'default' if b.hi >= len(self.cands) else self.cands[b.hi]} MHz",
+        )
 
     def _verdict(self, now_s: float, b: _Bucket, batch: int, ref: list[tuple[float, float]], early: bool) -> None:
         assert b.probe is not None and b.fit is not None
@@ -407,9 +475,20 @@ class DecodeClockTuner:
             verdict = "accept" if med + margin <= b.target else "reject"
         b.decided = True
         base = a + slope * b.samples[-1][0]
-        self._emit(now_s, verdict, b.edge, batch, want, b.samples[-1][1], med, margin, base, b=b,
-                   reason=f"median of {n} steps at {want} MHz against {len(ref)} default-clock steps around them"
-                          + (" (stopped early)" if early else ""))
+        self._emit(
+            now_s,
+            verdict,
+            b.edge,
+            batch,
+            want,
+            b.samples[-1][1],
+            med,
+            margin,
+            base,
+            b=b,
+            reason=f"median of {n} steps at {want} MHz against {len(ref)} default-clock steps around them"
+            + (" (stopped early)" if early else ""),
+        )
         if verdict == "accept":
             b.hi = b.probe
         else:
@@ -424,8 +503,19 @@ class DecodeClockTuner:
                 if not self.dry_run:
                     b.waited = 0  # the clock was held up (dwell, compute-bound steps): keep asking
                     return
-                self._emit(now_s, "unmeasured", b.edge, batch, ran_at, step_ms, None, None, None, b=b,
-                           reason=f"dry-run: no step ran at {want} MHz, counted as a reject")
+                self._emit(
+                    now_s,
+                    "unmeasured",
+                    b.edge,
+                    batch,
+                    ran_at,
+                    step_ms,
+                    None,
+                    None,
+                    None,
+                    b=b,
+                    reason=f"dry-run: no step ran at {want} MHz, counted as a reject",
+                )
                 b.lo = b.probe + 1
                 b.samples, b.decided = [], True
                 b.state, b.ref_cur = "ref", []
@@ -472,8 +562,14 @@ class DecodeClockTuner:
         f = s.reprobe_ctx_factor
         if ctx > hi * f + 1 or ctx < lo / f - 1:
             b.floor = 0
-            self._restart(now_s, b, batch, "reprobe", f"decode context {ctx:.0f} left the measured range {lo:.0f}..{hi:.0f} "
-                          f"by more than x{f:g} (batch mix changed)", search=True)
+            self._restart(
+                now_s,
+                b,
+                batch,
+                "reprobe",
+                f"decode context {ctx:.0f} left the measured range {lo:.0f}..{hi:.0f} by more than x{f:g} (batch mix changed)",
+                search=True,
+            )
             return
         if held is not None:
             # Extrapolate the default-clock fit no further than the range it was measured over
@@ -483,7 +579,9 @@ class DecodeClockTuner:
                 self._restart(now_s, b, batch, "rebaseline", f"baseline {now_s - b.t_baselined:.0f} s old", search=False)
                 return
             if ctx > hi + reach or ctx < lo - reach:
-                self._restart(now_s, b, batch, "rebaseline", f"decode context {ctx:.0f} outside the measured {lo:.0f}..{hi:.0f}", search=False)
+                self._restart(
+                    now_s, b, batch, "rebaseline", f"decode context {ctx:.0f} outside the measured {lo:.0f}..{hi:.0f}", search=False
+                )
                 return
         if ran_at != held:
             return
@@ -517,24 +615,69 @@ class DecodeClockTuner:
             if over or over_slo:
                 self.n_backoffs += 1
                 b.floor = min(len(self.cands), b.held + 1)
-                self._emit(now_s, "violation", b.edge, batch, ran_at, step_ms, med, margin, base, b=b,
-                           reason=f"median of the last {len(b.window)} steps at {held} MHz over the target: default clock now, "
-                                  "then a search above it")
+                self._emit(
+                    now_s,
+                    "violation",
+                    b.edge,
+                    batch,
+                    ran_at,
+                    step_ms,
+                    med,
+                    margin,
+                    base,
+                    b=b,
+                    reason=f"median of the last {len(b.window)} steps at {held} MHz over the target: default clock now, "
+                    "then a search above it",
+                )
                 self._restart(now_s, b, batch, "rebaseline", "after a violation", search=True)
                 return
         self._step(now_s, b, batch, ran_at, step_ms, r, margin, base)
 
-    def _step(self, now_s: float, b: _Bucket, batch: int, ran_at: int | None, step_ms: float, ratio: float | None,
-              margin: float | None, base: float | None) -> None:
+    def _step(
+        self,
+        now_s: float,
+        b: _Bucket,
+        batch: int,
+        ran_at: int | None,
+        step_ms: float,
+        ratio: float | None,
+        margin: float | None,
+        base: float | None,
+    ) -> None:
         # Per step only a tuple (hot path); events get a full record.
         self.last_step = (now_s, b.edge, ran_at, step_ms, ratio)
 
-    def _emit(self, now_s: float, event: str, bucket: int | None, batch: int, ran_at: int | None, step_ms: float | None,
-              ratio: float | None, margin: float | None, base: float | None, b: _Bucket | None = None, reason: str = "") -> None:
+    def _emit(
+        self,
+        now_s: float,
+        event: str,
+        bucket: int | None,
+        batch: int,
+        ran_at: int | None,
+        step_ms: float | None,
+        ratio: float | None,
+        margin: float | None,
+        base: float | None,
+        b: _Bucket | None = None,
+        reason: str = "",
+    ) -> None:
         fit = b.fit if b is not None else None
-        rec = ClosedLoopRecord(now_s, event, bucket, batch, self.clock_for(self.active), ran_at, step_ms, ratio,
-                               b.target if b is not None else None, margin, base, None if fit is None else 100 * fit[2],
-                               b.probes if b is not None else 0, reason)
+        rec = ClosedLoopRecord(
+            now_s,
+            event,
+            bucket,
+            batch,
+            self.clock_for(self.active),
+            ran_at,
+            step_ms,
+            ratio,
+            b.target if b is not None else None,
+            margin,
+            base,
+            None if fit is None else 100 * fit[2],
+            b.probes if b is not None else 0,
+            reason,
+        )
         self.records.append(rec)
         self.last = rec
         self.n_records += 1

@@ -173,8 +173,10 @@ def group_gate(settings: ClockSettings) -> tuple[dict[str, dict[str, ClockPreset
             if gp.duration_ms is None:
                 ignored.append(f"{where}: ignored, no measured duration_ms (needs >= {min_ms:g} ms)")
             elif gp.duration_ms < min_ms:
-                ignored.append(f"{where}: ignored, measured {gp.duration_ms:g} ms < {settings.group_min_switch_multiple:g} x "
-                               f"switch latency {settings.switch_latency_ms:g} ms")
+                ignored.append(
+                    f"{where}: ignored, measured {gp.duration_ms:g} ms < {settings.group_min_switch_multiple:g} x "
+                    f"switch latency {settings.switch_latency_ms:g} ms"
+                )
             else:
                 active.setdefault(phase, {})[group] = ClockPreset(sm_clock_mhz=gp.sm_clock_mhz, mem_clock_mhz=gp.mem_clock_mhz)
     return active, ignored
@@ -293,8 +295,9 @@ class ClockController:
             return
         static = self.presets.get("decode")
         if static is not None and static.sm_clock_mhz is not None:
-            log.info("powersave: clocks.presets.decode = %s MHz overrides clocks.closed_loop (static clock, nothing probed)",
-                     static.sm_clock_mhz)
+            log.info(
+                "powersave: clocks.presets.decode = %s MHz overrides clocks.closed_loop (static clock, nothing probed)", static.sm_clock_mhz
+            )
             return
         try:
             self.closed_loop = DecodeClockTuner(cl, self.backend.supported_sm_clocks())
@@ -316,8 +319,9 @@ class ClockController:
                 return UNKNOWN
         return clock
 
-    def observe_decode_step(self, now_s: float, batch: int, step_ms: float, memory_bound: bool = True,
-                            ctx_tokens: float = 0.0, tokens: int | None = None) -> int | None:
+    def observe_decode_step(
+        self, now_s: float, batch: int, step_ms: float, memory_bound: bool = True, ctx_tokens: float = 0.0, tokens: int | None = None
+    ) -> int | None:
         """Feed one finished step to the closed-loop decode clock; returns its SM clock (MHz) for
         the next decode steps (``None``: default), which the next :meth:`on_phase` applies through
         the usual dwell (lowering) or at once (raising), with every lease and reset guarantee.
@@ -355,15 +359,22 @@ class ClockController:
     def _snap_all(self, settings: ClockSettings, groups: dict[str, dict[str, ClockPreset]]) -> None:
         self.presets: dict[str, ClockPreset] = {phase: self._snapped(p, f"presets.{phase}") for phase, p in settings.presets.items()}
         self.groups: dict[str, dict[str, ClockPreset]] = {
-            ph: {g: self._snapped(p, f"presets.{ph}.groups.{g}") for g, p in gs.items()} for ph, gs in groups.items()}
+            ph: {g: self._snapped(p, f"presets.{ph}.groups.{g}") for g, p in gs.items()} for ph, gs in groups.items()
+        }
 
     def _snapped(self, p: ClockPreset, where: str) -> ClockPreset:
         """Out-of-range or unsupported clocks snapped to the GPU's supported list (one info line)."""
         sm = self.backend.snap(p.sm_clock_mhz) if p.sm_clock_mhz is not None else None
         mem = self.backend.snap_mem(p.mem_clock_mhz) if p.mem_clock_mhz is not None else None
         if (sm, mem) != (p.sm_clock_mhz, p.mem_clock_mhz):
-            log.info("powersave: clocks.%s snapped to supported clocks: SM %s -> %s MHz, memory %s -> %s MHz",
-                     where, p.sm_clock_mhz, sm, p.mem_clock_mhz, mem)
+            log.info(
+                "powersave: clocks.%s snapped to supported clocks: SM %s -> %s MHz, memory %s -> %s MHz",
+                where,
+                p.sm_clock_mhz,
+                sm,
+                p.mem_clock_mhz,
+                mem,
+            )
         return ClockPreset(sm_clock_mhz=sm, mem_clock_mhz=mem)
 
     # -- decisions ---------------------------------------------------------------------------
@@ -655,9 +666,20 @@ class ClockController:
 
         try:
             subprocess.Popen(
-                [sys.executable, "-m", "vllm_powersave.clocks.watchdog", "--pid", str(os.getpid()),
-                 "--lease-dir", str(self.settings.lease_dir), "--heartbeat-timeout-s", str(self.settings.heartbeat_timeout_s)],
-                start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                [
+                    sys.executable,
+                    "-m",
+                    "vllm_powersave.clocks.watchdog",
+                    "--pid",
+                    str(os.getpid()),
+                    "--lease-dir",
+                    str(self.settings.lease_dir),
+                    "--heartbeat-timeout-s",
+                    str(self.settings.heartbeat_timeout_s),
+                ],
+                start_new_session=True,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
             )
         except OSError as exc:
             log.warning("powersave: clock watchdog not started (%s); stale locks are reset at the next start", exc)

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-
-from .. import envs
 from pathlib import Path
 from typing import Any
+
+from .. import envs
+
 
 @dataclass(frozen=True)
 class ClockChoice:
@@ -68,8 +69,16 @@ def zeusd_reachable(socket_path: str | None, token: str | None = None, timeout_s
     return True, f"zeusd at {socket_path}"
 
 
-def select_clock_mode(mode: str, backend: str, has_presets: bool, *, force_dry_run: bool, on_gpu: bool,
-                      nvml_permission: tuple[bool, str], zeusd: tuple[bool, str]) -> ClockChoice:
+def select_clock_mode(
+    mode: str,
+    backend: str,
+    has_presets: bool,
+    *,
+    force_dry_run: bool,
+    on_gpu: bool,
+    nvml_permission: tuple[bool, str],
+    zeusd: tuple[bool, str],
+) -> ClockChoice:
     """What decides the clocks and which backend applies them (see ``ClockSettings``).
 
     Args:
@@ -112,5 +121,4 @@ def probe_and_select(settings: Any, on_gpu: bool, env: dict[str, str] | None = N
     z = (False, "not probed")
     if needs_probe and not perm[0]:
         z = zeusd_reachable(c.zeusd_socket or envs.zeusd_socket(env), envs.zeusd_token(env))
-    return select_clock_mode(c.mode, c.backend, bool(c.presets), force_dry_run=force, on_gpu=on_gpu,
-                             nvml_permission=perm, zeusd=z)
+    return select_clock_mode(c.mode, c.backend, bool(c.presets), force_dry_run=force, on_gpu=on_gpu, nvml_permission=perm, zeusd=z)

@@ -37,8 +37,9 @@ def _say(msg: str) -> None:
     print(f"powersave watchdog: {msg}", file=sys.stderr, flush=True)
 
 
-def check_heartbeats(owner_pid: int, leases: LeaseStore, reset: Callable[[dict[str, Any]], None],
-                     heartbeat_timeout_s: float, revoked: set[str]) -> list[str]:
+def check_heartbeats(
+    owner_pid: int, leases: LeaseStore, reset: Callable[[dict[str, Any]], None], heartbeat_timeout_s: float, revoked: set[str]
+) -> list[str]:
     """One pass: revoke and reset (once) each lease of ``owner_pid`` whose heartbeat is too old.
 
     ``revoked`` carries the GPUs already handled across passes. Returns the GPU ids reset.
@@ -62,8 +63,14 @@ def check_heartbeats(owner_pid: int, leases: LeaseStore, reset: Callable[[dict[s
     return done
 
 
-def watch(owner_pid: int, leases: LeaseStore, reset: Callable[[dict[str, Any]], None], poll_s: float = 1.0,
-          stop: threading.Event | None = None, heartbeat_timeout_s: float | None = None) -> list[str]:
+def watch(
+    owner_pid: int,
+    leases: LeaseStore,
+    reset: Callable[[dict[str, Any]], None],
+    poll_s: float = 1.0,
+    stop: threading.Event | None = None,
+    heartbeat_timeout_s: float | None = None,
+) -> list[str]:
     """Block until ``owner_pid`` dies, then ``reset(lease)`` for each GPU it still leases.
 
     While the owner lives, a lease whose heartbeat is older than ``heartbeat_timeout_s`` (``None``:

@@ -16,9 +16,9 @@ parent's clocks).
 from __future__ import annotations
 
 import logging
-from .. import envs
 from typing import Any
 
+from .. import envs
 from .errors import (
     NVML_ERROR_FUNCTION_NOT_FOUND,
     NVML_SUCCESS,

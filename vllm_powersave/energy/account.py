@@ -82,11 +82,18 @@ class PhaseEnergyAccount:
             or for a step without request contexts, the split is by scheduled tokens).
     """
 
-    def __init__(self, meter: EnergyMeter, idle_after_s: float = 0.25, clock: Callable[[], float] = time.monotonic,
-                 per_request: bool = False, on_request_done: Callable[[str, float | None], None] | None = None,
-                 window_s: float = 60.0, feed: Callable[[], None] | None = None,
-                 busy: Callable[[float, float], float] | None = None,
-                 cost: RequestCostModel | None = None) -> None:
+    def __init__(
+        self,
+        meter: EnergyMeter,
+        idle_after_s: float = 0.25,
+        clock: Callable[[], float] = time.monotonic,
+        per_request: bool = False,
+        on_request_done: Callable[[str, float | None], None] | None = None,
+        window_s: float = 60.0,
+        feed: Callable[[], None] | None = None,
+        busy: Callable[[float, float], float] | None = None,
+        cost: RequestCostModel | None = None,
+    ) -> None:
         self.meter = meter
         self.busy = busy
         self.idle_busy_j = 0.0
@@ -135,9 +142,17 @@ class PhaseEnergyAccount:
         self._lock = threading.Lock()  # serialises tick() callers, never taken by the hot path
 
     # -- hot path (no meter access, no lock) ---------------------------------------------------
-    def on_step(self, phase: str, prefill_tokens: int = 0, decode_tokens: int = 0,
-                req_tokens: dict[str, int] | None = None, finished: object = None, steady: bool = False,
-                t: float | None = None, req_ctx: dict[str, int] | None = None) -> None:
+    def on_step(
+        self,
+        phase: str,
+        prefill_tokens: int = 0,
+        decode_tokens: int = 0,
+        req_tokens: dict[str, int] | None = None,
+        finished: object = None,
+        steady: bool = False,
+        t: float | None = None,
+        req_ctx: dict[str, int] | None = None,
+    ) -> None:
         """A step of ``phase`` starts at ``t`` (the ``clock``'s seconds; now if ``None``).
 
         ``req_tokens``: scheduled tokens per request id (kept by reference, not copied);
@@ -301,8 +316,19 @@ class PhaseEnergyAccount:
             while len(self._window) > 2 and t_now - self._window[1][0] >= self.window_s:
                 self._window.popleft()
 
-    def _price(self, d_e: float, span_s: float, busy: list, gaps: list, idle_s: float, busy_s: float, quiet_s: float,
-               resolved: list, tail_pending: bool, phase: str) -> float:
+    def _price(
+        self,
+        d_e: float,
+        span_s: float,
+        busy: list,
+        gaps: list,
+        idle_s: float,
+        busy_s: float,
+        quiet_s: float,
+        resolved: list,
+        tail_pending: bool,
+        phase: str,
+    ) -> float:
         """Split ``d_e`` joules over the interval's pieces (module docstring: quiet time at the
         idle power, steps the rest by time) and book phases, steady state, requests and the tail.
         Returns the joules booked as idle."""
@@ -342,6 +368,7 @@ class PhaseEnergyAccount:
             if w is None:
                 w = cache[id(req)] = step_weights(self.cost, req, ctx)
             return w
+
         for seconds, ph, req, ctx, steady in busy:
             j = busy_rate * seconds
             energy[ph] += j

@@ -115,8 +115,12 @@ class _NvmlReader:
         self.owner.faults += 1
         if not self.warned:
             self.warned = True
-            log.warning("powersave: NVML %s failed on GPU %s (%s); the figures it feeds are marked unavailable, serving continues",
-                        what, self.gpu_id, exc)
+            log.warning(
+                "powersave: NVML %s failed on GPU %s (%s); the figures it feeds are marked unavailable, serving continues",
+                what,
+                self.gpu_id,
+                exc,
+            )
         else:
             log.debug("powersave: NVML %s failed on GPU %s (%s)", what, self.gpu_id, exc)
 
@@ -194,8 +198,9 @@ class NvmlEnergyMeter(EnergyMeter):
     source = "measured"
     method = METHOD_COUNTER
 
-    def __init__(self, gpu: NvmlGpu, clock: Callable[[], float] = time.monotonic,
-                 counter_period_s: float = 0.1, interpolate: bool = True) -> None:
+    def __init__(
+        self, gpu: NvmlGpu, clock: Callable[[], float] = time.monotonic, counter_period_s: float = 0.1, interpolate: bool = True
+    ) -> None:
         self.gpu = gpu
         self.gpu_id = gpu.uuid
         self.clock = clock
@@ -317,18 +322,31 @@ class NvmlEnergyMeter(EnergyMeter):
                 wrapped = now_mj + (1 << bits) - self._last_mj
                 if 0 <= wrapped <= limit_mj and self._last_mj < (1 << bits):
                     self.counter_wraps += 1
-                    log.warning("powersave: NVML energy counter of GPU %s wrapped at 2^%d mJ; delta kept (%d mJ)", self.gpu_id, bits, wrapped)
+                    log.warning(
+                        "powersave: NVML energy counter of GPU %s wrapped at 2^%d mJ; delta kept (%d mJ)", self.gpu_id, bits, wrapped
+                    )
                     self._acc_mj += wrapped
                     break
             else:
                 self.counter_resets += 1
-                log.warning("powersave: NVML energy counter of GPU %s went backwards (%d -> %d mJ: driver reload?); "
-                            "interval bridged with instant power x %.3f s", self.gpu_id, self._last_mj, now_mj, dt)
+                log.warning(
+                    "powersave: NVML energy counter of GPU %s went backwards (%d -> %d mJ: driver reload?); "
+                    "interval bridged with instant power x %.3f s",
+                    self.gpu_id,
+                    self._last_mj,
+                    now_mj,
+                    dt,
+                )
                 self._acc_mj += bridge
         elif d > limit_mj:
             self.counter_resets += 1
-            log.warning("powersave: NVML energy counter of GPU %s jumped by %d mJ in %.3f s (> %.0f W); "
-                        "interval bridged with instant power", self.gpu_id, d, dt, MAX_PLAUSIBLE_W)
+            log.warning(
+                "powersave: NVML energy counter of GPU %s jumped by %d mJ in %.3f s (> %.0f W); interval bridged with instant power",
+                self.gpu_id,
+                d,
+                dt,
+                MAX_PLAUSIBLE_W,
+            )
             self._acc_mj += bridge
         else:
             self._acc_mj += d
@@ -395,8 +413,9 @@ class PowerSamplingEnergyMeter(EnergyMeter):
     source = "measured"
     method = METHOD_SAMPLING
 
-    def __init__(self, gpu: NvmlGpu, period_s: float = 0.05,
-                 clock: Callable[[], float] = time.monotonic, start_thread: bool = True) -> None:
+    def __init__(
+        self, gpu: NvmlGpu, period_s: float = 0.05, clock: Callable[[], float] = time.monotonic, start_thread: bool = True
+    ) -> None:
         self.gpu, self.gpu_id, self.clock = gpu, gpu.uuid, clock
         self.period_s = period_s
         self.faults = 0
@@ -527,8 +546,9 @@ class SimulatedEnergyMeter(EnergyMeter):
         return self.gpu.sm_clock_mhz
 
 
-def open_nvml_meter(gpu: NvmlGpu, sample_period_s: float = 0.05,
-                    clock: Callable[[], float] = time.monotonic, start_thread: bool = True) -> EnergyMeter:
+def open_nvml_meter(
+    gpu: NvmlGpu, sample_period_s: float = 0.05, clock: Callable[[], float] = time.monotonic, start_thread: bool = True
+) -> EnergyMeter:
     """The best meter this GPU allows: counter, else power sampling, else unavailable.
 
     Only ``NotSupported`` on the counter (a capability: pre-Volta, some vGPUs) leads to power
@@ -542,23 +562,37 @@ def open_nvml_meter(gpu: NvmlGpu, sample_period_s: float = 0.05,
             parent = gpu.parent().uuid
         except GpuError as exc:
             parent = f"unknown ({exc})"
-        log.warning("powersave: GPU %s is a MIG device: NVML reports energy only for the whole GPU %s, which other MIG "
-                    "instances share; energy figures of this device are marked unavailable, serving continues", gpu_id, parent)
+        log.warning(
+            "powersave: GPU %s is a MIG device: NVML reports energy only for the whole GPU %s, which other MIG "
+            "instances share; energy figures of this device are marked unavailable, serving continues",
+            gpu_id,
+            parent,
+        )
         return UnavailableEnergyMeter(gpu_id, f"MIG device (energy is only known for the whole GPU {parent})", gpu)
     try:
         return NvmlEnergyMeter(gpu, clock=clock)
     except Exception as exc:
         counter_exc = exc
     if not isinstance(counter_exc, GpuNotSupportedError) or isinstance(counter_exc, GpuMigError):
-        log.warning("powersave: NVML energy counter read failed on GPU %s (%s); energy figures of this GPU are marked unavailable, "
-                    "serving continues", gpu_id, counter_exc)
+        log.warning(
+            "powersave: NVML energy counter read failed on GPU %s (%s); energy figures of this GPU are marked unavailable, "
+            "serving continues",
+            gpu_id,
+            counter_exc,
+        )
         return UnavailableEnergyMeter(gpu_id, f"energy counter read failed: {counter_exc}", gpu)
     try:
         m = PowerSamplingEnergyMeter(gpu, period_s=sample_period_s, clock=clock, start_thread=start_thread)
     except Exception as exc:
-        log.warning("powersave: GPU %s: no NVML energy counter (%s) and no power reading (%s); energy figures unavailable",
-                    gpu_id, counter_exc, exc)
+        log.warning(
+            "powersave: GPU %s: no NVML energy counter (%s) and no power reading (%s); energy figures unavailable", gpu_id, counter_exc, exc
+        )
         return UnavailableEnergyMeter(gpu_id, f"no energy counter ({counter_exc}) and no power reading ({exc})", gpu)
-    log.warning("powersave: GPU %s has no NVML energy counter (%s); energy from power sampled every %.0f ms "
-                "(method 'power-sampling', coarser than the counter)", gpu_id, counter_exc, 1000 * sample_period_s)
+    log.warning(
+        "powersave: GPU %s has no NVML energy counter (%s); energy from power sampled every %.0f ms "
+        "(method 'power-sampling', coarser than the counter)",
+        gpu_id,
+        counter_exc,
+        1000 * sample_period_s,
+    )
     return m

@@ -62,8 +62,9 @@ class RequestCostModel:
         if n <= 0 or wb <= 0 or kv <= 0:
             return None
         ceil = simulated_ceilings(SPECS.get(gpu, H200))
-        return cls(2.0 * max(0.0, n - vocab), 2.0 * vocab, float(cost.get("attn_flops_per_pair", 0.0)), kv, wb,
-                   ceil.peak_flops, ceil.mem_bw)
+        return cls(
+            2.0 * max(0.0, n - vocab), 2.0 * vocab, float(cost.get("attn_flops_per_pair", 0.0)), kv, wb, ceil.peak_flops, ceil.mem_bw
+        )
 
     @classmethod
     def for_shape(cls, shape: str, gpu: str = "h200") -> RequestCostModel | None:
@@ -74,9 +75,16 @@ class RequestCostModel:
         c = SHAPES[shape]
         head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
         mc = ModelCost.for_shape(shape)
-        return cls.from_model({"n_params": mc.n_params, "vocab_params": mc.vocab_params, "weight_bytes": mc.weight_bytes,
-                               "kv_bytes_per_token": mc.kv_bytes_per_token,
-                               "attn_flops_per_pair": 4.0 * c["num_hidden_layers"] * c["num_attention_heads"] * head_dim}, gpu)
+        return cls.from_model(
+            {
+                "n_params": mc.n_params,
+                "vocab_params": mc.vocab_params,
+                "weight_bytes": mc.weight_bytes,
+                "kv_bytes_per_token": mc.kv_bytes_per_token,
+                "attn_flops_per_pair": 4.0 * c["num_hidden_layers"] * c["num_attention_heads"] * head_dim,
+            },
+            gpu,
+        )
 
     def shared_s(self) -> float:
         """Seconds of the step's shared work (the weights read once) at the bandwidth ceiling."""
@@ -84,8 +92,11 @@ class RequestCostModel:
 
     def own_flops_bytes(self, tokens: int, ctx: int) -> tuple[float, float]:
         """FLOPs and bytes of a request scheduling ``tokens`` tokens after ``ctx`` computed ones."""
-        flops = (self.body_flops_per_token * tokens + self.head_flops_per_row
-                 + self.attn_flops_per_pair * (tokens * ctx + tokens * (tokens + 1) / 2.0))
+        flops = (
+            self.body_flops_per_token * tokens
+            + self.head_flops_per_row
+            + self.attn_flops_per_pair * (tokens * ctx + tokens * (tokens + 1) / 2.0)
+        )
         return flops, self.kv_bytes_per_token * (ctx + tokens)
 
     def own_s(self, tokens: int, ctx: int) -> float:
@@ -113,8 +124,7 @@ class RequestCostModel:
         return out
 
 
-def step_weights(cost: RequestCostModel | None, req_tokens: Mapping[str, int],
-                 req_ctx: Mapping[str, int] | None) -> Mapping[str, float]:
+def step_weights(cost: RequestCostModel | None, req_tokens: Mapping[str, int], req_ctx: Mapping[str, int] | None) -> Mapping[str, float]:
     """Weights by which a step's energy is split over its requests: the cost model's where the
     model and each request's context are known, else the scheduled tokens (token share)."""
     if cost is None or req_ctx is None:

@@ -29,8 +29,20 @@ from ..stats_contract import trace_line as _trace_line  # noqa: F401
 from .build import WorkerRuntime, _init_nvml  # noqa: F401
 from .step import StepRecord
 
-__all__ = ["ENV_FORCE_DRY_RUN", "RegimeFilter", "StepRecord", "WorkerRuntime", "chunk_policy", "chunked_head", "clock_phase",
-           "head_chunks", "on_arrival", "on_step_end", "on_step_start", "own_phase"]
+__all__ = [
+    "ENV_FORCE_DRY_RUN",
+    "RegimeFilter",
+    "StepRecord",
+    "WorkerRuntime",
+    "chunk_policy",
+    "chunked_head",
+    "clock_phase",
+    "head_chunks",
+    "on_arrival",
+    "on_step_end",
+    "on_step_start",
+    "own_phase",
+]
 
 _POLICY: ChunkPolicy | None = None
 _RUNTIME: "WorkerRuntime | None" = None

@@ -20,16 +20,16 @@ from .. import envs, ray_relay, vllm_compat
 from ..clocks import ClockController, DryRunClockBackend, NvmlClockBackend, SimulatedClockBackend
 from ..clocks.backends import ClockBackend
 from ..clocks.boost import BoostController, BoostHolder
-from ..clocks.regime import RegimeFilter
 from ..clocks.mode import probe_and_select
+from ..clocks.regime import RegimeFilter
 from ..device import GpuError, NvmlGpu, init_nvml
 from ..energy import PhaseEnergyAccount, SimulatedEnergyMeter, request_cost
 from ..energy.meters import EnergyMeter, UnavailableEnergyMeter, open_nvml_meter
 from ..envs import ENV_FORCE_DRY_RUN
 from ..savings import savings_state, start_line
 from ..settings import PowersaveSettings
-from ..starvation import FrontendBusyReader, StarvationWatch
 from ..sim.gpu import SPECS, ModelCost, SimulatedGpu
+from ..starvation import FrontendBusyReader, StarvationWatch
 from ..stats_contract import TraceLine, snapshot_name, trace_name
 from .publisher import Publisher
 from .step import StepPath, StepRecord
@@ -80,8 +80,14 @@ class WorkerRuntime(StepPath, Publisher):
         simulated = not on_gpu or settings.energy.meter == "simulated" or settings.clocks.backend == "simulated"
         nvml, gpu, gpu_id = None, None, f"sim{self.rank}" if simulated else f"cuda{ident['device_index'] or 0}-rank{self.rank}"
         nvml_failed = None
-        if (on_gpu and settings.energy.meter in ("auto", "nvml") or settings.clocks.backend == "nvml"
-                or on_gpu and settings.clocks.backend == "auto" and settings.clocks.mode not in ("off", "dry_run")):
+        if (
+            on_gpu
+            and settings.energy.meter in ("auto", "nvml")
+            or settings.clocks.backend == "nvml"
+            or on_gpu
+            and settings.clocks.backend == "auto"
+            and settings.clocks.mode not in ("off", "dry_run")
+        ):
             nvml = _init_nvml() if on_gpu else None
             if nvml is None and on_gpu:
                 nvml_failed = "NVML unavailable"
@@ -129,10 +135,16 @@ class WorkerRuntime(StepPath, Publisher):
             clock_settings = clock_settings.model_copy(update={"presets": {}})
         elif self.clock_choice.controller == "closed_loop" and not clock_settings.closed_loop.enabled:
             # clocks.mode (auto or closed_loop) chose the closed loop: the controller runs it.
-            clock_settings = clock_settings.model_copy(update={"closed_loop": clock_settings.closed_loop.model_copy(update={"enabled": True})})
-        self.clocks = ClockController(self._backend(settings, gpu), clock_settings, gpu_id=gpu_id,
-                                      asynchronous=self.clock_choice.backend in ("nvml", "zeusd"),
-                                      host_ahead_steps=1 if vllm_compat.async_scheduling(runner) else 0)
+            clock_settings = clock_settings.model_copy(
+                update={"closed_loop": clock_settings.closed_loop.model_copy(update={"enabled": True})}
+            )
+        self.clocks = ClockController(
+            self._backend(settings, gpu),
+            clock_settings,
+            gpu_id=gpu_id,
+            asynchronous=self.clock_choice.backend in ("nvml", "zeusd"),
+            host_ahead_steps=1 if vllm_compat.async_scheduling(runner) else 0,
+        )
         self._last_stamp: float | None = None
         self._plp_rows = vllm_compat.PromptLogprobRows(whole_batch=vllm_compat.runner_is_v2(runner))
         # A gap between two scheduler stamps this long means the engine idled (a step itself is
@@ -151,17 +163,29 @@ class WorkerRuntime(StepPath, Publisher):
         # Front-end starvation: the API servers' busy intervals (starvation.py); first rank of each engine warns.
         self.frontend = FrontendBusyReader(settings.stats_dir) if settings.stats_dir else None
         e = settings.energy
-        self.starvation = (StarvationWatch(e.starvation_warn_share, e.starvation_min_busy_s, e.starvation_warn_every_s, self.engine)
-                           if int(ident.get("rank", 0) or 0) == 0 else None)
-        self.account = (PhaseEnergyAccount(self.meter, settings.energy.idle_after_s, per_request=settings.per_request_energy,
-                                           on_request_done=lambda rid, j: self._done_requests.append((rid, j)),
-                                           window_s=settings.energy.window_s, feed=lambda: self.drain_steps(),
-                                           busy=self.frontend.overlap if self.frontend is not None else None,
-                                           cost=request_cost.for_worker(settings.energy.simulated_model_shape,
-                                                                        lambda: vllm_compat.runner_model_cost(runner),
-                                                                        settings.energy.simulated_gpu)
-                                           if settings.per_request_energy else None)
-                        if self.meter else None)
+        self.starvation = (
+            StarvationWatch(e.starvation_warn_share, e.starvation_min_busy_s, e.starvation_warn_every_s, self.engine)
+            if int(ident.get("rank", 0) or 0) == 0
+            else None
+        )
+        self.account = (
+            PhaseEnergyAccount(
+                self.meter,
+                settings.energy.idle_after_s,
+                per_request=settings.per_request_energy,
+                on_request_done=lambda rid, j: self._done_requests.append((rid, j)),
+                window_s=settings.energy.window_s,
+                feed=lambda: self.drain_steps(),
+                busy=self.frontend.overlap if self.frontend is not None else None,
+                cost=request_cost.for_worker(
+                    settings.energy.simulated_model_shape, lambda: vllm_compat.runner_model_cost(runner), settings.energy.simulated_gpu
+                )
+                if settings.per_request_energy
+                else None,
+            )
+            if self.meter
+            else None
+        )
         # Steady state = the running batch at the scheduler's limit (ML.ENERGY's window, account.py).
         self.steady_batch = settings.energy.steady_batch or vllm_compat.runner_max_num_seqs(runner)
         # Set by the step hook when requests finished: the publisher then ticks at once (at most every
@@ -179,8 +203,9 @@ class WorkerRuntime(StepPath, Publisher):
         # The closed-loop decode clock learns from finished steps, fed by drain_steps off the step path.
         self._closed_loop = self.clocks.closed_loop is not None
         self._closed_loop_written = 0  # its decision records already in the trace
-        self._steps: deque[StepRecord] | None = (deque() if (self.account is not None or self._trace is not None or self.sim is not None
-                                                             or self._closed_loop) else None)
+        self._steps: deque[StepRecord] | None = (
+            deque() if (self.account is not None or self._trace is not None or self.sim is not None or self._closed_loop) else None
+        )
         self._open_rec: StepRecord | None = None  # the newest step record, until on_step_end stamps its end
         self._drained_start: StepRecord | None = None  # the record whose start drain_steps fed last
         self._drain_lock = threading.Lock()
@@ -207,8 +232,10 @@ class WorkerRuntime(StepPath, Publisher):
         atexit.register(self.close)
         log.info(
             "powersave: active on rank %d (gpu %s): energy %s, clocks %s%s, chunk table %s",
-            self.rank, gpu_id, (f"{self.meter.source} ({self.meter.method}{'' if self.meter.available else ', unavailable'})"
-                                if self.meter else "off"), self.clocks.backend.kind,
+            self.rank,
+            gpu_id,
+            (f"{self.meter.source} ({self.meter.method}{'' if self.meter.available else ', unavailable'})" if self.meter else "off"),
+            self.clocks.backend.kind,
             " (simulated)" if self.clocks.backend.kind == "simulated" else "",
             [(r.min_rows, r.chunks) for r in settings.chunking.table] or "none",
         )
@@ -218,16 +245,26 @@ class WorkerRuntime(StepPath, Publisher):
 
     def savings(self) -> dict[str, dict[str, str]]:
         """Which savings are on, off or failed here, and why (savings.py)."""
-        return savings_state(self.settings, self.clock_choice, self.boost.snapshot() if self.boost is not None else None,
-                             self._on_gpu, self.clocks.disabled_reason, self.clocks.backend.kind)
+        return savings_state(
+            self.settings,
+            self.clock_choice,
+            self.boost.snapshot() if self.boost is not None else None,
+            self._on_gpu,
+            self.clocks.disabled_reason,
+            self.clocks.backend.kind,
+        )
 
     def starvation_snapshot(self) -> dict[str, Any]:
         """Idle-while-busy figures (starvation.py); absent where no API server's busy file is readable."""
         acc, fe = self.account, self.frontend
         if acc is None or fe is None or not fe.available or not acc.available:
             return {}
-        return {"idle_while_busy_j": acc.idle_busy_j, "idle_while_busy_s": acc.idle_busy_s, "frontend_busy_s": acc.busy_s,
-                "frontends": fe.frontends}
+        return {
+            "idle_while_busy_j": acc.idle_busy_j,
+            "idle_while_busy_s": acc.idle_busy_s,
+            "frontend_busy_s": acc.busy_s,
+            "frontends": fe.frontends,
+        }
 
     def _backend(self, settings: PowersaveSettings, gpu: NvmlGpu | None) -> ClockBackend:
         kind = self.clock_choice.backend
@@ -280,4 +317,3 @@ class WorkerRuntime(StepPath, Publisher):
         except Exception as exc:
             log.warning("powersave: zeusd: cannot map this GPU to a zeusd index (%s); using the CUDA device index", exc)
         return ZeusdClockBackend(sock, int(index if index is not None else self.device_index), token, supported, mem)
-

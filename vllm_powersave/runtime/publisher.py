@@ -70,17 +70,32 @@ class Publisher:
                 if closed_loop and t_end is not None and info is not None and info.phase != "idle":
                     self._observe_closed_loop(rec.t, t_end, info)
                 if trace is not None and info is not None and info.phase != "idle":
-                    trace.append(TraceLine(rec.t, info.phase, info.prefill_tokens, info.decode_tokens, rec.rows,
-                                           info.decode_ctx_tokens, info.num_reqs, rec.sm_mhz, t_end))
+                    trace.append(
+                        TraceLine(
+                            rec.t,
+                            info.phase,
+                            info.prefill_tokens,
+                            info.decode_tokens,
+                            rec.rows,
+                            info.decode_ctx_tokens,
+                            info.num_reqs,
+                            rec.sm_mhz,
+                            t_end,
+                        )
+                    )
 
     def _observe_closed_loop(self, t_start: float, t_end: float, info: Any) -> None:
         """One finished step to the closed-loop decode clock (clocks/closed_loop.py): its
         engine-thread wall time, decode batch and regime. A fault turns the loop off, once."""
         try:
             self.clocks.observe_decode_step(
-                t_end, info.decode_reqs, (t_end - t_start) * 1e3,
+                t_end,
+                info.decode_reqs,
+                (t_end - t_start) * 1e3,
                 memory_bound=info.decode_reqs > 0 and info.num_tokens <= self.settings.clocks.memory_bound_max_tokens,
-                ctx_tokens=info.decode_ctx_tokens, tokens=info.num_tokens)
+                ctx_tokens=info.decode_ctx_tokens,
+                tokens=info.num_tokens,
+            )
         except Exception as exc:
             self._closed_loop = False
             vllm_compat.fault_once("closed_loop", exc, "feeding the closed-loop decode clock", "the decode clock stays at its default")
@@ -142,16 +157,24 @@ class Publisher:
             "requests_finished": acc.finished_requests,
         }
         if out["energy_available"]:
-            out.update({
-                "energy_j": dict(acc.energy_j),
-                "time_s": dict(acc.time_s),
-                "request_energy_j_finished": acc.finished_request_j,
-                "request_energy_j_in_flight": sum(list(acc.request_j.values())),
-                # no request's, and the open gap not yet settled (docs/request-energy.md)
-                "request_energy_j_tail": acc.tail_j, "request_energy_j_pending": acc.pending_j,
-                "window": {"window_s": acc.window_s, **acc.window()},
-                "steady": {"batch": self.steady_batch, "energy_j": acc.steady_j, "seconds": acc.steady_s, "tokens": dict(acc.steady_tokens)},
-            })
+            out.update(
+                {
+                    "energy_j": dict(acc.energy_j),
+                    "time_s": dict(acc.time_s),
+                    "request_energy_j_finished": acc.finished_request_j,
+                    "request_energy_j_in_flight": sum(list(acc.request_j.values())),
+                    # no request's, and the open gap not yet settled (docs/request-energy.md)
+                    "request_energy_j_tail": acc.tail_j,
+                    "request_energy_j_pending": acc.pending_j,
+                    "window": {"window_s": acc.window_s, **acc.window()},
+                    "steady": {
+                        "batch": self.steady_batch,
+                        "energy_j": acc.steady_j,
+                        "seconds": acc.steady_s,
+                        "tokens": dict(acc.steady_tokens),
+                    },
+                }
+            )
         return out
 
     def _gauges(self) -> dict[str, Any]:
@@ -231,7 +254,7 @@ class Publisher:
             # The closed loop's decisions and the measurements behind them, beside the steps.
             new = min(tuner.n_records - self._closed_loop_written, len(tuner.records))
             self._closed_loop_written = tuner.n_records
-            recs = list(tuner.records)[len(tuner.records) - new:] if new > 0 else []
+            recs = list(tuner.records)[len(tuner.records) - new :] if new > 0 else []
             lines += [closed_loop_line(r) for r in recs]
         if lines:
             self._write_lines(self._trace_path, lines)
@@ -324,8 +347,11 @@ class Publisher:
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=CLOSE_JOIN_S)
         # Each final write on its own: one that fails must not cost the others.
-        for what, fn in (("final energy tick", self.account.tick if self.account is not None else None),
-                         ("final publish", self.publish), ("final trace flush", lambda: self._flush_trace(final=True))):
+        for what, fn in (
+            ("final energy tick", self.account.tick if self.account is not None else None),
+            ("final publish", self.publish),
+            ("final trace flush", lambda: self._flush_trace(final=True)),
+        ):
             if fn is None:
                 continue
             try:
@@ -334,5 +360,3 @@ class Publisher:
                 log.warning("powersave: %s failed (%s: %s); continuing the shutdown", what, type(exc).__name__, exc)
         if self.meter is not None:
             self.meter.close()
-
-

@@ -46,7 +46,9 @@ DEFAULT_POINTS = Path(__file__).resolve().parents[3] / "shared/data/dvfs/points.
 
 #: H200 facts measured read-only on the project's test GPU (docs/h200-facts.md, 2026-11-30).
 H200_MEASURED = {
-    "gemm_tflops": 661.0, "gemm_w": 689.0, "gemm_mhz_mean": 1447.0,
+    "gemm_tflops": 661.0,
+    "gemm_w": 689.0,
+    "gemm_mhz_mean": 1447.0,
     "copy_w": 674.0,
 }
 #: Ma, Afzal, Eitzinger, Wellein 2026, arXiv:2605.11999 (H200 SXM, vLLM BF16 decode of ~4B models,
@@ -58,8 +60,9 @@ MA_ANCHORS = {
     "slowdown_at_1590": (0.0, 0.001),
 }
 #: The hand calibration before this fit (three measured H200 points only): the fit's start and prior.
-PRIOR = dataclasses.replace(H200, p_busy_static_w=120.0, p_mem_w=200.0, p_sm_max_w=875.0, v_min=0.70,
-                            mem_bound_sm_activity=0.43, mem_bound_min_mhz=900)
+PRIOR = dataclasses.replace(
+    H200, p_busy_static_w=120.0, p_mem_w=200.0, p_sm_max_w=875.0, v_min=0.70, mem_bound_sm_activity=0.43, mem_bound_min_mhz=900
+)
 SOURCE_MA = "Ma, Afzal, Eitzinger, Wellein 2026, arXiv:2605.11999 (H200 decode, locked clocks; verbal, secondary)"
 SOURCE_FACTS = "docs/h200-facts.md: H200 test GPU, read-only measurements (bf16 GEMM 661 TFLOP/s at 689 W, device copy 674 W)"
 
@@ -107,8 +110,12 @@ def h200_anchor_values(spec: GpuSpec) -> dict[str, float]:
     """The model's values at every H200 anchor (simulated)."""
     gemm = simulate_step(spec, StepWork(2 * 8192**3, 3 * 8192**2 * 2), 1980)
     copy = simulate_step(spec, StepWork(0, 4e11), 1980)
-    out = {"gemm_tflops": 2 * 8192**3 / gemm.time_s / 1e12, "gemm_w": gemm.power_w, "gemm_mhz_mean": float(gemm.sm_clock_mhz),
-           "copy_w": copy.power_w}
+    out = {
+        "gemm_tflops": 2 * 8192**3 / gemm.time_s / 1e12,
+        "gemm_w": gemm.power_w,
+        "gemm_mhz_mean": float(gemm.sm_clock_mhz),
+        "copy_w": copy.power_w,
+    }
     p19, p78, s78, s15 = [], [], [], []
     for b in (1, 32):
         w = _ma_decode_work(b)
@@ -117,8 +124,14 @@ def h200_anchor_values(spec: GpuSpec) -> dict[str, float]:
         p78.append(1 - r78.power_w / r19.power_w)
         s78.append(r78.time_s / r19.time_s - 1)
         s15.append(r15.time_s / r19.time_s - 1)
-    out.update({"power_1980_over_1590_minus_1": statistics.fmean(p19), "power_saving_at_780": statistics.fmean(p78),
-                "slowdown_at_780": max(s78), "slowdown_at_1590": max(s15)})
+    out.update(
+        {
+            "power_1980_over_1590_minus_1": statistics.fmean(p19),
+            "power_saving_at_780": statistics.fmean(p78),
+            "slowdown_at_780": max(s78),
+            "slowdown_at_1590": max(s15),
+        }
+    )
     return out
 
 
@@ -215,8 +228,11 @@ def load_curves(points: Path) -> tuple[list[PublicCurve], list[dict[str, Any]]]:
         clock, v = _num(r["sm_clock_mhz"]), _num(r["value"])
         why = None
         if r["exactness"] != "exact":
-            why = ("verbal or relayed figure: used as interval anchors of the H200 fit" if src.startswith("Ma")
-                   else "verbal or relayed figure (ranges or words, other GPUs)")
+            why = (
+                "verbal or relayed figure: used as interval anchors of the H200 fit"
+                if src.startswith("Ma")
+                else "verbal or relayed figure (ranges or words, other GPUs)"
+            )
         elif clock is None:
             why = "no locked SM clock (default, aggregate or power-limit sweep)"
         elif r["mem_clock_mhz"].strip():
@@ -266,6 +282,7 @@ def norm_power(f: float, f_max: float, static_share: float, v_min: float, f_lo_r
 def fit_public_gpu(curves: list[PublicCurve]) -> dict[str, Any]:
     """Fit one GPU's curves: shared voltage floor and knee, per workload compute share and static
     share; returns parameters and per-curve errors."""
+
     def unpack(x: Sequence[float]) -> tuple[float, float, list[tuple[float, float]]]:
         v_min, knee = x[0], x[1]
         per = [(x[2 + 2 * i], x[3 + 2 * i]) for i in range(len(curves))]
@@ -299,9 +316,14 @@ def fit_public_gpu(curves: list[PublicCurve]) -> dict[str, Any]:
         fm = c.clocks[-1]
         tn = [norm_time(f, fm, u_c, knee) for f in c.clocks]
         row: dict[str, Any] = {
-            "source": c.source, "gpu": c.gpu, "workload": c.workload, "clocks_mhz": [int(f) for f in c.clocks],
-            "compute_share": round(u_c, 3), "static_share": round(s, 3) if c.p is not None else None,
-            "time_norm_measured": [round(x / c.t[-1], 4) for x in c.t], "time_norm_model": [round(x, 4) for x in tn],
+            "source": c.source,
+            "gpu": c.gpu,
+            "workload": c.workload,
+            "clocks_mhz": [int(f) for f in c.clocks],
+            "compute_share": round(u_c, 3),
+            "static_share": round(s, 3) if c.p is not None else None,
+            "time_norm_measured": [round(x / c.t[-1], 4) for x in c.t],
+            "time_norm_model": [round(x, 4) for x in tn],
             "median_abs_err_time": round(statistics.median(abs(a - b / c.t[-1]) for a, b in zip(tn, c.t)), 4),
         }
         if c.p is not None:
@@ -310,13 +332,17 @@ def fit_public_gpu(curves: list[PublicCurve]) -> dict[str, Any]:
             e_mod = [p * t for p, t in zip(pn, tn)]
             best_meas = c.clocks[min(range(len(e_meas)), key=e_meas.__getitem__)]
             best_mod = c.clocks[min(range(len(e_mod)), key=e_mod.__getitem__)]
-            row.update({
-                "power_kind": c.power_kind,
-                "power_norm_measured": [round(x / c.p[-1], 4) for x in c.p], "power_norm_model": [round(x, 4) for x in pn],
-                "median_abs_err_power": round(statistics.median(abs(a - b / c.p[-1]) for a, b in zip(pn, c.p)), 4),
-                "best_efficiency_mhz_measured": int(best_meas), "best_efficiency_mhz_model": int(best_mod),
-                "best_efficiency_err_mhz": int(best_mod - best_meas),
-            })
+            row.update(
+                {
+                    "power_kind": c.power_kind,
+                    "power_norm_measured": [round(x / c.p[-1], 4) for x in c.p],
+                    "power_norm_model": [round(x, 4) for x in pn],
+                    "median_abs_err_power": round(statistics.median(abs(a - b / c.p[-1]) for a, b in zip(pn, c.p)), 4),
+                    "best_efficiency_mhz_measured": int(best_meas),
+                    "best_efficiency_mhz_model": int(best_mod),
+                    "best_efficiency_err_mhz": int(best_mod - best_meas),
+                }
+            )
         out["curves"].append(row)
     return out
 
@@ -331,20 +357,30 @@ def h200_source_errors(spec: GpuSpec) -> list[dict[str, Any]]:
         lo, hi = MA_ANCHORS[k]
         ma_p.append(0.0 if lo <= v[k] <= hi else min(abs(v[k] - lo), abs(v[k] - hi)))
     return [
-        {"source": SOURCE_FACTS, "median_abs_err_time": round(abs(v["gemm_tflops"] / H200_MEASURED["gemm_tflops"] - 1), 4),
-         "median_abs_err_power": round(statistics.median(facts[1:]), 4), "best_efficiency_err_mhz": None,
-         "note": "absolute points (GEMM throughput; GEMM and copy power), not clock sweeps"},
-        {"source": SOURCE_MA, "median_abs_err_time": round(statistics.median(ma_t), 4), "median_abs_err_power": round(statistics.median(ma_p), 4),
-         "best_efficiency_err_mhz": None,
-         "note": "errors are distances outside the published ranges (0 = inside); no per-clock curve published, so no best-clock error"},
+        {
+            "source": SOURCE_FACTS,
+            "median_abs_err_time": round(abs(v["gemm_tflops"] / H200_MEASURED["gemm_tflops"] - 1), 4),
+            "median_abs_err_power": round(statistics.median(facts[1:]), 4),
+            "best_efficiency_err_mhz": None,
+            "note": "absolute points (GEMM throughput; GEMM and copy power), not clock sweeps",
+        },
+        {
+            "source": SOURCE_MA,
+            "median_abs_err_time": round(statistics.median(ma_t), 4),
+            "median_abs_err_power": round(statistics.median(ma_p), 4),
+            "best_efficiency_err_mhz": None,
+            "note": "errors are distances outside the published ranges (0 = inside); no per-clock curve published, so no best-clock error",
+        },
     ]
 
 
 def build(points: Path) -> tuple[GpuSpec, dict[str, Any]]:
     fitted, h200 = fit_h200(PRIOR)
     # The constants in sim/gpu.py are this fit, rounded to 0.1 W and 0.001.
-    h200["sim_gpu_uses_this_fit"] = all(abs(getattr(H200, k) - getattr(fitted, k)) <= max(0.051, 0.001 * abs(getattr(fitted, k)))
-                                        for k in (*_H200_PARAMS, "mem_bound_min_mhz"))
+    h200["sim_gpu_uses_this_fit"] = all(
+        abs(getattr(H200, k) - getattr(fitted, k)) <= max(0.051, 0.001 * abs(getattr(fitted, k)))
+        for k in (*_H200_PARAMS, "mem_bound_min_mhz")
+    )
     curves, skipped = load_curves(points) if points.is_file() else ([], [{"source": str(points), "why": ["file not found"]}])
     by_gpu: dict[str, list[PublicCurve]] = defaultdict(list)
     for c in curves:
@@ -358,13 +394,26 @@ def build(points: Path) -> tuple[GpuSpec, dict[str, Any]]:
         "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "script": "python -m vllm_powersave.sim.calibrate",
         "points": "../shared/data/dvfs/points.csv" if points.resolve() == DEFAULT_POINTS.resolve() else str(points),
-        "h200": {**h200, "source_errors_before": per_source[0], "source_errors_after": per_source[1],
-                 "knee_note": "mem_bound_min_mhz: the highest supported clock with < 1 % memory-bound slowdown at 780 MHz "
-                              "(Ma et al.: < 1 % throughput loss at 780 MHz); the data bound it from above only"},
+        "h200": {
+            **h200,
+            "source_errors_before": per_source[0],
+            "source_errors_after": per_source[1],
+            "knee_note": "mem_bound_min_mhz: the highest supported clock with < 1 % memory-bound slowdown at 780 MHz "
+            "(Ma et al.: < 1 % throughput loss at 780 MHz); the data bound it from above only",
+        },
         "public_curves": public,
-        "not_used": skipped + [
-            {"source": "docs/h200-facts.md CUDA_DISABLE_PERF_BOOST runs", "why": ["driver-managed clocks (median 1350-1980 MHz), not locks: no clock to attribute the time to"]},
-            {"source": "issue text: 11 H200 sweeps (prefill clock sweeps, decode power-limit sweeps)", "why": ["not in ../shared/; not found: the fit cannot check the 50-270 MHz best-clock offset or the 10-40 % power offset at capped clocks they report"]},
+        "not_used": skipped
+        + [
+            {
+                "source": "docs/h200-facts.md CUDA_DISABLE_PERF_BOOST runs",
+                "why": ["driver-managed clocks (median 1350-1980 MHz), not locks: no clock to attribute the time to"],
+            },
+            {
+                "source": "issue text: 11 H200 sweeps (prefill clock sweeps, decode power-limit sweeps)",
+                "why": [
+                    "not in ../shared/; not found: the fit cannot check the 50-270 MHz best-clock offset or the 10-40 % power offset at capped clocks they report"
+                ],
+            },
         ],
     }
     return fitted, doc
@@ -372,27 +421,53 @@ def build(points: Path) -> tuple[GpuSpec, dict[str, Any]]:
 
 def markdown(doc: dict[str, Any]) -> str:
     h = doc["h200"]
-    L = ["# Simulated GPU calibration (SIMULATED model, public data)", "",
-         f"- What ran: `{doc['script']}` on a CPU machine, {doc['date_utc']}; data `{doc['points']}` plus docs/h200-facts.md.",
-         "- Fitted: physics constants only (voltage floor, SM activity of memory-bound work, static/HBM/SM power, memory-bound knee); never a savings figure.",
-         "- Errors: median absolute error of time and power normalised to the highest clock; error of the most efficient clock among the measured clocks (MHz).",
-         "", "## H200 (the simulated GPU)", "", "| constant | before | after |", "|---|---|---|"]
+    L = [
+        "# Simulated GPU calibration (SIMULATED model, public data)",
+        "",
+        f"- What ran: `{doc['script']}` on a CPU machine, {doc['date_utc']}; data `{doc['points']}` plus docs/h200-facts.md.",
+        "- Fitted: physics constants only (voltage floor, SM activity of memory-bound work, static/HBM/SM power, memory-bound knee); never a savings figure.",
+        "- Errors: median absolute error of time and power normalised to the highest clock; error of the most efficient clock among the measured clocks (MHz).",
+        "",
+        "## H200 (the simulated GPU)",
+        "",
+        "| constant | before | after |",
+        "|---|---|---|",
+    ]
     for k in h["params_before"]:
         L.append(f"| {k} | {h['params_before'][k]} | {h['params_after'][k]} |")
     L += ["", "| anchor | measured | model before | model after |", "|---|---|---|---|"]
     for k, m in h["anchors_measured"].items():
         L.append(f"| {k} | {m} | {h['anchors_model_before'][k]} | {h['anchors_model_after'][k]} |")
-    L += ["", f"- {h['knee_note']}.", f"- The simulated GPU (sim/gpu.py) uses this fit: {h['sim_gpu_uses_this_fit']}.", "", "| source | median abs err time (before -> after) | power (before -> after) | note |", "|---|---|---|---|"]
+    L += [
+        "",
+        f"- {h['knee_note']}.",
+        f"- The simulated GPU (sim/gpu.py) uses this fit: {h['sim_gpu_uses_this_fit']}.",
+        "",
+        "| source | median abs err time (before -> after) | power (before -> after) | note |",
+        "|---|---|---|---|",
+    ]
     for b, a in zip(h["source_errors_before"], h["source_errors_after"]):
-        L.append(f"| {a['source']} | {b['median_abs_err_time']} -> {a['median_abs_err_time']} | {b['median_abs_err_power']} -> {a['median_abs_err_power']} | {a['note']} |")
+        L.append(
+            f"| {a['source']} | {b['median_abs_err_time']} -> {a['median_abs_err_time']} | {b['median_abs_err_power']} -> {a['median_abs_err_power']} | {a['note']} |"
+        )
     for gpu, g in doc["public_curves"].items():
-        L += ["", f"## {gpu} (model form check; GPU-level v_min {g['v_min']}, knee {g['knee_rel']} x f_max)", "",
-              "| workload | clocks MHz | compute share | median abs err time | median abs err power | best clock measured / model (err MHz) |", "|---|---|---|---|---|---|"]
+        L += [
+            "",
+            f"## {gpu} (model form check; GPU-level v_min {g['v_min']}, knee {g['knee_rel']} x f_max)",
+            "",
+            "| workload | clocks MHz | compute share | median abs err time | median abs err power | best clock measured / model (err MHz) |",
+            "|---|---|---|---|---|---|",
+        ]
         for c in g["curves"]:
-            be = (f"{c['best_efficiency_mhz_measured']} / {c['best_efficiency_mhz_model']} ({c['best_efficiency_err_mhz']:+d})"
-                  if "best_efficiency_mhz_measured" in c else "no power published")
-            L.append(f"| {c['workload']} ({c['source']}) | {', '.join(map(str, c['clocks_mhz']))} | {c['compute_share']} | "
-                     f"{c['median_abs_err_time']} | {c.get('median_abs_err_power', '-')} | {be} |")
+            be = (
+                f"{c['best_efficiency_mhz_measured']} / {c['best_efficiency_mhz_model']} ({c['best_efficiency_err_mhz']:+d})"
+                if "best_efficiency_mhz_measured" in c
+                else "no power published"
+            )
+            L.append(
+                f"| {c['workload']} ({c['source']}) | {', '.join(map(str, c['clocks_mhz']))} | {c['compute_share']} | "
+                f"{c['median_abs_err_time']} | {c.get('median_abs_err_power', '-')} | {be} |"
+            )
     L += ["", "## Not used", ""]
     for s in doc["not_used"]:
         L.append(f"- {s['source']}{' (' + s['gpu'] + ')' if s.get('gpu') else ''}: {'; '.join(s['why'])}")
@@ -417,5 +492,17 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     sys.exit(main())
 
-__all__ = ["H200_MEASURED", "MA_ANCHORS", "PRIOR", "PublicCurve", "build", "fit_h200", "fit_public_gpu", "h200_anchor_values",
-           "load_curves", "nelder_mead", "norm_power", "norm_time"]
+__all__ = [
+    "H200_MEASURED",
+    "MA_ANCHORS",
+    "PRIOR",
+    "PublicCurve",
+    "build",
+    "fit_h200",
+    "fit_public_gpu",
+    "h200_anchor_values",
+    "load_curves",
+    "nelder_mead",
+    "norm_power",
+    "norm_time",
+]

@@ -86,8 +86,12 @@ def misfit(spec: GpuSpec, error: float) -> GpuSpec:
     every clock-induced slowdown scaled by ``1 + error`` and the memory-bound knee moved by the
     same factor (a knee 30 % higher makes the model's decode clock 30 % too low). Simulated."""
     knee = int(round(spec.mem_bound_min_mhz * (1 + error)))
-    return replace(spec, name=f"{spec.name} misfit {error:+.0%}", clock_response=spec.clock_response * (1 + error),
-                   mem_bound_min_mhz=max(spec.sm_clocks_mhz[0], min(spec.f_max_mhz, knee)))
+    return replace(
+        spec,
+        name=f"{spec.name} misfit {error:+.0%}",
+        clock_response=spec.clock_response * (1 + error),
+        mem_bound_min_mhz=max(spec.sm_clocks_mhz[0], min(spec.f_max_mhz, knee)),
+    )
 
 
 @dataclass(frozen=True)
@@ -156,8 +160,9 @@ def simulate_kernel(spec: GpuSpec, work: StepWork, sm_clock_mhz: float) -> StepR
     return _under_power_cap(spec, work, sm_clock_mhz, _eval_kernel)
 
 
-def predict(profile: "StepWork | list[StepWork] | tuple[StepWork, ...]", sm_clock_mhz: float,
-            spec: "GpuSpec | None" = None) -> tuple[float, float, float]:
+def predict(
+    profile: "StepWork | list[StepWork] | tuple[StepWork, ...]", sm_clock_mhz: float, spec: "GpuSpec | None" = None
+) -> tuple[float, float, float]:
     """``(time s, average power W, energy J)`` of one step at a locked SM clock (MHz). Simulated.
 
     ``profile``: the step's work, whole (:class:`StepWork`) or as its kernel groups in order (a
@@ -265,8 +270,14 @@ class KernelGroupCost:
 
         c = SHAPES[shape]
         head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-        return cls(c["num_hidden_layers"], c["hidden_size"], c["num_attention_heads"] * head_dim,
-                   c["num_key_value_heads"] * head_dim, c["intermediate_size"], c["vocab_size"])
+        return cls(
+            c["num_hidden_layers"],
+            c["hidden_size"],
+            c["num_attention_heads"] * head_dim,
+            c["num_key_value_heads"] * head_dim,
+            c["intermediate_size"],
+            c["vocab_size"],
+        )
 
     def layer(self, tokens: int, decode_ctx: int, prefill_attend: int) -> tuple[StepWork, StepWork]:
         """``(attention, mlp)`` work of one layer.

@@ -91,8 +91,9 @@ def _lengths(rng: random.Random, long_share: float) -> tuple[int, int]:
     return p, o
 
 
-def serving_trace(duration_s: float, seed: int, spec: GpuSpec, shape: str = "qwen2.5-7b", host_gap_s: float = 0.0005,
-                  long_share: float = 0.3) -> Trace:
+def serving_trace(
+    duration_s: float, seed: int, spec: GpuSpec, shape: str = "qwen2.5-7b", host_gap_s: float = 0.0005, long_share: float = 0.3
+) -> Trace:
     """Bursty open-loop serving at stock clocks, scheduled like vLLM V1 (chunked prefill, FCFS).
 
     On/off arrivals: on-periods (~30 s) at 1, 4 or 10 requests/s, 30 % of them opening with a
@@ -166,10 +167,15 @@ def serving_trace(duration_s: float, seed: int, spec: GpuSpec, shape: str = "qwe
         events.append(("step", s))
         now += cost.at(s, spec.f_max_mhz)[0] + host_gap_s
     n_req = len(arrivals)
-    return Trace(f"serving-seed{seed}", events, [
-        f"{n_req} requests over {duration_s:.0f} s (simulated): on/off arrivals (on ~30 s at 1/4/10 req/s, 30 % opening with a 16-64 "
-        f"request burst; off ~6 s idle); prompts lognormal median 800 (32-8192); {100 * long_share:.0f} % long generations "
-        "(512-4096 tokens), the rest median 180 (4-2048); chunked prefill 8192 tokens, 256 sequences"])
+    return Trace(
+        f"serving-seed{seed}",
+        events,
+        [
+            f"{n_req} requests over {duration_s:.0f} s (simulated): on/off arrivals (on ~30 s at 1/4/10 req/s, 30 % opening with a 16-64 "
+            f"request burst; off ~6 s idle); prompts lognormal median 800 (32-8192); {100 * long_share:.0f} % long generations "
+            "(512-4096 tokens), the rest median 180 (4-2048); chunked prefill 8192 tokens, 256 sequences"
+        ],
+    )
 
 
 class LaggedClock:
@@ -218,9 +224,18 @@ def memory_bound(s: Step, max_tokens: int) -> bool:
     return s.decode > 0 and (s.prefill == 0 or s.tokens <= max_tokens)
 
 
-def replay(trace: Trace, spec: GpuSpec, settings: ClockSettings, *, noise_sigma: float = 0.0, noise_seed: int = 0,
-           budget_pct: float = 1.0, shape: str = "qwen2.5-7b", on_step: Callable[[ClockController, float], None] | None = None,
-           close: bool = True) -> dict[str, Any]:
+def replay(
+    trace: Trace,
+    spec: GpuSpec,
+    settings: ClockSettings,
+    *,
+    noise_sigma: float = 0.0,
+    noise_seed: int = 0,
+    budget_pct: float = 1.0,
+    shape: str = "qwen2.5-7b",
+    on_step: Callable[[ClockController, float], None] | None = None,
+    close: bool = True,
+) -> dict[str, Any]:
     """Replay ``trace`` under ``settings`` on GPU ``spec``; returns totals and per-decode-step facts.
 
     Decode steps (:func:`memory_bound`) are judged against the same step at the stock clock on the
@@ -235,8 +250,18 @@ def replay(trace: Trace, spec: GpuSpec, settings: ClockSettings, *, noise_sigma:
     rng = random.Random(noise_seed)
     mb_tokens = settings.memory_bound_max_tokens
     t = 0.0
-    out: dict[str, Any] = {"decode_j": 0.0, "decode_s": 0.0, "decode_steps": 0, "decode_in_budget": 0, "other_j": 0.0, "idle_j": 0.0,
-                           "busy_s": 0.0, "out_tokens": 0, "worst_slowdown": 0.0, "clock_mhz_steps": {}}
+    out: dict[str, Any] = {
+        "decode_j": 0.0,
+        "decode_s": 0.0,
+        "decode_steps": 0,
+        "decode_in_budget": 0,
+        "other_j": 0.0,
+        "idle_j": 0.0,
+        "busy_s": 0.0,
+        "out_tokens": 0,
+        "worst_slowdown": 0.0,
+        "clock_mhz_steps": {},
+    }
     limit = 1.0 + budget_pct / 100.0
 
     def f_of(x: int | None) -> int:

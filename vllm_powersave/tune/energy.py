@@ -177,8 +177,9 @@ def busy_window(
         clock = gpu.sm_clock_mhz()
     except GpuError:
         clock = None
-    return Window(ms_per_call=ms, j_per_call=power * ms / 1000.0, window_s=dt, calls=n, power_w=power,
-                  sm_clock_mhz=clock, source="measured")
+    return Window(
+        ms_per_call=ms, j_per_call=power * ms / 1000.0, window_s=dt, calls=n, power_w=power, sm_clock_mhz=clock, source="measured"
+    )
 
 
 def timed_window(call: Callable[[], Any], window_s: float, sync: Callable[[], None] | None = None) -> tuple[float, int]:

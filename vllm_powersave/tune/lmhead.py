@@ -202,7 +202,7 @@ def measure(
             idx = torch.randint(0, vocab, (g.rows, 1), generator=gen).to(dev)
             cs = [c for c in cands if c <= g.rows]
             for rep in range(repeats):
-                for c in (cs if rep % 2 == 0 else list(reversed(cs))):
+                for c in cs if rep % 2 == 0 else list(reversed(cs)):
                     call = _make_call(torch, w, x, idx, g.mode, c)
                     peak = None
                     if gpu:
@@ -213,16 +213,38 @@ def measure(
                         sync()
                         peak = (torch.cuda.max_memory_allocated(dev) - base) / 2**20
                         win = busy_window(call, window_s, nv)
-                        ms, j, ws, n, pw, clk, src = (win.ms_per_call, win.j_per_call, win.window_s, win.calls,
-                                                      win.power_w, win.sm_clock_mhz, win.source)
+                        ms, j, ws, n, pw, clk, src = (
+                            win.ms_per_call,
+                            win.j_per_call,
+                            win.window_s,
+                            win.calls,
+                            win.power_w,
+                            win.sm_clock_mhz,
+                            win.source,
+                        )
                     else:
                         ms, n = timed_window(call, window_s)
                         t_sim, j = simulated_kernels(call_kernels(g.rows, hidden, vocab, c, g.mode))
                         ws, pw, clk, src = ms * n / 1000.0, j / t_sim, None, "simulated"
                     sim_ms = None if gpu else t_sim * 1000.0
-                    pt = {"hidden": hidden, "vocab": vocab, "mode": g.mode, "kind": g.kind, "rows": g.rows, "chunks": c,
-                          "repeat": rep, "ms": ms, "j_per_call": j, "window_s": ws, "peak_mib": peak,
-                          "sm_clock_mhz": clk, "power_w": pw, "calls": n, "energy_source": src, "sim_ms": sim_ms}
+                    pt = {
+                        "hidden": hidden,
+                        "vocab": vocab,
+                        "mode": g.mode,
+                        "kind": g.kind,
+                        "rows": g.rows,
+                        "chunks": c,
+                        "repeat": rep,
+                        "ms": ms,
+                        "j_per_call": j,
+                        "window_s": ws,
+                        "peak_mib": peak,
+                        "sm_clock_mhz": clk,
+                        "power_w": pw,
+                        "calls": n,
+                        "energy_source": src,
+                        "sim_ms": sim_ms,
+                    }
                     if progress:
                         progress(pt)
                     yield pt
@@ -238,9 +260,17 @@ def planned_points(shapes: list[tuple[int, int]], grid: list[GridRow], chunks: l
     return len(shapes) * repeats * sum(len([c for c in cands if c <= g.rows]) for g in grid)
 
 
-def run_benchmark(shapes: str = DEFAULT_SHAPES, grid: str = DEFAULT_GRID, chunks: str = DEFAULT_CHUNKS, *,
-                  window_s: float = 1.0, repeats: int = 2, warmup_s: float = 2.0, device: str | None = None,
-                  progress: Callable[[dict], None] | None = None) -> dict:
+def run_benchmark(
+    shapes: str = DEFAULT_SHAPES,
+    grid: str = DEFAULT_GRID,
+    chunks: str = DEFAULT_CHUNKS,
+    *,
+    window_s: float = 1.0,
+    repeats: int = 2,
+    warmup_s: float = 2.0,
+    device: str | None = None,
+    progress: Callable[[dict], None] | None = None,
+) -> dict:
     """The raw document ``benchmarks/lm_head_chunking.py`` writes (input of the record converter)."""
     import torch
 
@@ -261,11 +291,17 @@ def run_benchmark(shapes: str = DEFAULT_SHAPES, grid: str = DEFAULT_GRID, chunks
         "torch": torch.__version__,
         "driver": driver,
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d"),
-        "method": ("energy: NVML total-energy counter between two counter updates while the GPU runs the call back "
-                   "to back; time: CUDA events" if gpu else
-                   "time: wall clock on the CPU (measured); energy: H200 model from the kernels' FLOPs and bytes (simulated)"),
-        "window_s": window_s, "repeats": repeats, "warmup_s": warmup_s,
-        "shapes": shapes, "grid": grid, "chunks": chunks,
+        "method": (
+            "energy: NVML total-energy counter between two counter updates while the GPU runs the call back to back; time: CUDA events"
+            if gpu
+            else "time: wall clock on the CPU (measured); energy: H200 model from the kernels' FLOPs and bytes (simulated)"
+        ),
+        "window_s": window_s,
+        "repeats": repeats,
+        "warmup_s": warmup_s,
+        "shapes": shapes,
+        "grid": grid,
+        "chunks": chunks,
         "elapsed_s": time.monotonic() - t0,
         "results": results,
     }

@@ -97,9 +97,17 @@ class ModelShape:
         kv = need("num_key_value_heads", heads)
         head_dim = need("head_dim", max(1, hidden // heads))
         mt = str(cfg.get("model_type", ""))
-        return cls(name=name, hidden=hidden, layers=need("num_hidden_layers"), heads=heads, kv_heads=int(kv),
-                   head_dim=int(head_dim), intermediate=need("intermediate_size"), vocab=need("vocab_size"),
-                   qkv_bias=bool(cfg.get("attention_bias", mt.startswith("qwen2"))))
+        return cls(
+            name=name,
+            hidden=hidden,
+            layers=need("num_hidden_layers"),
+            heads=heads,
+            kv_heads=int(kv),
+            head_dim=int(head_dim),
+            intermediate=need("intermediate_size"),
+            vocab=need("vocab_size"),
+            qkv_bias=bool(cfg.get("attention_bias", mt.startswith("qwen2"))),
+        )
 
     def sharded(self, tp: int) -> "ModelShape":
         """Per-rank shapes under tensor parallelism ``tp`` (vLLM: heads, KV heads (>= 1), MLP, vocab split)."""
@@ -107,8 +115,13 @@ class ModelShape:
             return self
         if self.heads % tp:
             raise ValueError(f"tp = {tp}: does not divide num_attention_heads = {self.heads}")
-        return dataclasses.replace(self, heads=self.heads // tp, kv_heads=max(1, self.kv_heads // tp),
-                                   intermediate=math.ceil(self.intermediate / tp), vocab=math.ceil(self.vocab / tp))
+        return dataclasses.replace(
+            self,
+            heads=self.heads // tp,
+            kv_heads=max(1, self.kv_heads // tp),
+            intermediate=math.ceil(self.intermediate / tp),
+            vocab=math.ceil(self.vocab / tp),
+        )
 
 
 @dataclass(frozen=True)
@@ -136,10 +149,16 @@ def default_steps(gpu: bool) -> list[StepSpec]:
     """Representative steps: a 2048-token prefill, a 64-request decode at 1024 context, and a
     chunked-prefill mixed step (32 decodes + a 512-token chunk). Smaller on a CPU (time)."""
     if gpu:
-        return [StepSpec("prefill", prompts=4, prompt_len=512), StepSpec("decode", decodes=64, ctx=1024),
-                StepSpec("mixed", prompts=1, prompt_len=512, decodes=32, ctx=1024)]
-    return [StepSpec("prefill", prompts=2, prompt_len=128), StepSpec("decode", decodes=32, ctx=512),
-            StepSpec("mixed", prompts=1, prompt_len=128, decodes=16, ctx=512)]
+        return [
+            StepSpec("prefill", prompts=4, prompt_len=512),
+            StepSpec("decode", decodes=64, ctx=1024),
+            StepSpec("mixed", prompts=1, prompt_len=512, decodes=32, ctx=1024),
+        ]
+    return [
+        StepSpec("prefill", prompts=2, prompt_len=128),
+        StepSpec("decode", decodes=32, ctx=512),
+        StepSpec("mixed", prompts=1, prompt_len=128, decodes=16, ctx=512),
+    ]
 
 
 @dataclass
@@ -174,8 +193,11 @@ def simulated_ceilings(spec: GpuSpec = H200) -> Ceilings:
     """The simulated GPU's effective ceilings at the driver-default clock (power cap applied). Simulated."""
     big = simulate_step(dataclasses.replace(spec, t_fixed_s=0.0), StepWork(flops=1e15, bytes=1e9), spec.f_max_mhz)
     copy = simulate_step(dataclasses.replace(spec, t_fixed_s=0.0), StepWork(flops=0.0, bytes=1e11), spec.f_max_mhz)
-    return Ceilings(peak_flops=1e15 / big.time_s, mem_bw=1e11 / copy.time_s,
-                    source=f"simulated ({spec.name}, vllm_powersave/sim/gpu.py; calibrated on the H200's measured 661 TFLOP/s and 4.28 TB/s)")
+    return Ceilings(
+        peak_flops=1e15 / big.time_s,
+        mem_bw=1e11 / copy.time_s,
+        source=f"simulated ({spec.name}, vllm_powersave/sim/gpu.py; calibrated on the H200's measured 661 TFLOP/s and 4.28 TB/s)",
+    )
 
 
 def measure_ceilings(torch: Any, device: Any, seconds: float = 0.3) -> Ceilings:
@@ -205,8 +227,9 @@ def measure_ceilings(torch: Any, device: Any, seconds: float = 0.3) -> Ceilings:
     return Ceilings(flops, bw, f"measured on this GPU ({seconds:.1f} s bursts: bf16 GEMM 8192^3, 1 GiB device copy)")
 
 
-def build_ops(shape: ModelShape, step: StepSpec, torch: Any | None = None, device: Any = "cpu", dtype: Any = None,
-              tp: int = 1, seed: int = 0) -> list[Op]:
+def build_ops(
+    shape: ModelShape, step: StepSpec, torch: Any | None = None, device: Any = "cpu", dtype: Any = None, tp: int = 1, seed: int = 0
+) -> list[Op]:
     """The ops of one step: one decoder layer (``per_layer``), then final norm, LM head, sampling.
 
     With ``torch`` given, each op gets a callable on real tensors of the (per-rank) shapes; without,
@@ -391,8 +414,19 @@ def _kernels_under(ev: Any, out: dict[str, float]) -> None:
         _kernels_under(ch, out)
 
 
-def profile_step(shape: ModelShape, step: StepSpec, *, torch: Any, device: Any, dtype: Any, ceilings: Ceilings,
-                 tp: int = 1, warmup: int = 2, repeats: int = 3, sim_spec: GpuSpec = H200) -> StepProfile:
+def profile_step(
+    shape: ModelShape,
+    step: StepSpec,
+    *,
+    torch: Any,
+    device: Any,
+    dtype: Any,
+    ceilings: Ceilings,
+    tp: int = 1,
+    warmup: int = 2,
+    repeats: int = 3,
+    sim_spec: GpuSpec = H200,
+) -> StepProfile:
     """Run one step's ops ``warmup + repeats`` times, the last ``repeats`` under ``torch.profiler``.
 
     Time per op: device time of the kernels inside its ``record_function`` scope (GPU) or CPU time
@@ -438,11 +472,24 @@ def profile_step(shape: ModelShape, step: StepSpec, *, torch: Any, device: Any, 
         mult = shape.layers if o.per_layer else 1
         t1 = o.model_time_s if o.fn is None else t_us.get(o.name, 0.0) / 1e6 / repeats
         sim_t, _ = simulated_kernels([(o.flops, o.nbytes)], spec=sim_spec) if o.fn is not None else (o.model_time_s or 0.0, 0.0)
-        rows.append({"name": o.name, "kind": o.kind, "region": o.region, "per_layer": o.per_layer, "layers": mult,
-                     "time_s": t1 * mult, "time_per_call_s": t1, "sim_time_s": sim_t * mult, "flops": o.flops * mult,
-                     "bytes": o.nbytes * mult, "flops_per_call": o.flops, "bytes_per_call": o.nbytes,
-                     "modelled": o.fn is None,
-                     "kernels": {k: v / repeats * mult / 1e6 for k, v in sorted(kernels.get(o.name, {}).items(), key=lambda kv: -kv[1])[:5]}})
+        rows.append(
+            {
+                "name": o.name,
+                "kind": o.kind,
+                "region": o.region,
+                "per_layer": o.per_layer,
+                "layers": mult,
+                "time_s": t1 * mult,
+                "time_per_call_s": t1,
+                "sim_time_s": sim_t * mult,
+                "flops": o.flops * mult,
+                "bytes": o.nbytes * mult,
+                "flops_per_call": o.flops,
+                "bytes_per_call": o.nbytes,
+                "modelled": o.fn is None,
+                "kernels": {k: v / repeats * mult / 1e6 for k, v in sorted(kernels.get(o.name, {}).items(), key=lambda kv: -kv[1])[:5]},
+            }
+        )
     return _aggregate(step, rows, ceilings)
 
 
@@ -469,7 +516,7 @@ def _aggregate(step: StepSpec, rows: list[dict], ceilings: Ceilings) -> StepProf
 
 
 def bound_label(intensity: float, ceilings: Ceilings) -> str:
-    """"compute-bound" if ``intensity`` (FLOP/B) reaches the ceilings' ridge point, else "memory-bound"."""
+    """ "compute-bound" if ``intensity`` (FLOP/B) reaches the ceilings' ridge point, else "memory-bound"."""
     return "compute-bound" if intensity >= ceilings.ridge else "memory-bound"
 
 
@@ -479,9 +526,21 @@ def group_table(sp: StepProfile, ceilings: Ceilings, by: str = "kinds") -> list[
     for name, gs in getattr(sp, by).items():
         if not gs.ops:
             continue
-        out.append({"group": name, "share": gs.share, "time_s": gs.time_s, "sim_time_s": gs.sim_time_s, "flops": gs.flops,
-                    "bytes": gs.nbytes, "intensity": gs.intensity, "bound": bound_label(gs.intensity, ceilings) if gs.nbytes else "-",
-                    "modelled": gs.modelled, "ops": list(gs.ops), "top_kernels": dict(list(sorted(gs.kernels.items(), key=lambda kv: -kv[1]))[:3])})
+        out.append(
+            {
+                "group": name,
+                "share": gs.share,
+                "time_s": gs.time_s,
+                "sim_time_s": gs.sim_time_s,
+                "flops": gs.flops,
+                "bytes": gs.nbytes,
+                "intensity": gs.intensity,
+                "bound": bound_label(gs.intensity, ceilings) if gs.nbytes else "-",
+                "modelled": gs.modelled,
+                "ops": list(gs.ops),
+                "top_kernels": dict(list(sorted(gs.kernels.items(), key=lambda kv: -kv[1]))[:3]),
+            }
+        )
     return out
 
 
@@ -494,5 +553,19 @@ def region_durations_ms(sp: StepProfile, layers: int, use_sim: bool) -> dict[str
     return out
 
 
-__all__ = ["KINDS", "REGIONS", "Ceilings", "ModelShape", "StepSpec", "StepProfile", "build_ops", "default_steps",
-           "group_table", "measure_ceilings", "profile_step", "region_durations_ms", "simulated_ceilings", "SIM_KERNEL_OVERHEAD_S"]
+__all__ = [
+    "KINDS",
+    "REGIONS",
+    "Ceilings",
+    "ModelShape",
+    "StepSpec",
+    "StepProfile",
+    "build_ops",
+    "default_steps",
+    "group_table",
+    "measure_ceilings",
+    "profile_step",
+    "region_durations_ms",
+    "simulated_ceilings",
+    "SIM_KERNEL_OVERHEAD_S",
+]

@@ -31,52 +31,83 @@ def write_report(res: Any) -> tuple[Path, Path | None]:
 def _markdown(res: Any) -> str:
     o, dev, ce = res.opts, res.device, res.ceilings
     gpu = dev["kind"] == "cuda"
-    L = [f"# vllm-powersave tune: {Path(o.model).name}", "",
-         f"- Model: `{o.model}`; tensor parallel {o.tp}; device: {dev['name']}" + (f" (driver {dev['driver']})" if dev.get("driver") else ""),
-         f"- Energy: {'measured (NVML counter)' if gpu else '**simulated** for an H200 (vllm_powersave/sim/gpu.py): this machine has no GPU'}",
-         f"- Ceilings: {ce.peak_flops / 1e12:.0f} TFLOP/s bf16, {ce.mem_bw / 1e12:.2f} TB/s, ridge {ce.ridge:.0f} FLOP/B — {ce.source}",
-         f"- Slowdown budget: {o.slowdown_pct:g} % ({'strict' if o.slowdown_pct == 0 else 'relaxed'})", ""]
+    L = [
+        f"# vllm-powersave tune: {Path(o.model).name}",
+        "",
+        f"- Model: `{o.model}`; tensor parallel {o.tp}; device: {dev['name']}"
+        + (f" (driver {dev['driver']})" if dev.get("driver") else ""),
+        f"- Energy: {'measured (NVML counter)' if gpu else '**simulated** for an H200 (vllm_powersave/sim/gpu.py): this machine has no GPU'}",
+        f"- Ceilings: {ce.peak_flops / 1e12:.0f} TFLOP/s bf16, {ce.mem_bw / 1e12:.2f} TB/s, ridge {ce.ridge:.0f} FLOP/B — {ce.source}",
+        f"- Slowdown budget: {o.slowdown_pct:g} % ({'strict' if o.slowdown_pct == 0 else 'relaxed'})",
+        "",
+    ]
     if res.profiles:
-        L += ["## Profile (one decoder layer measured x layers, vLLM-equal shapes)", "",
-              ("Times: device time of each group's kernels under torch.profiler on this GPU (measured)." if gpu else
-               "Time share: **CPU time** of each group under torch.profiler (measured on this CPU; not a GPU figure). "
-               "H200 ms: the simulated H200's time for the same FLOPs and bytes (simulated). Bound label: from the simulated H200 ceilings."),
-              "FLOPs and bytes from the shapes (bf16). Communication at TP > 1 is modelled (NVLink 450 GB/s), not run.", ""]
+        L += [
+            "## Profile (one decoder layer measured x layers, vLLM-equal shapes)",
+            "",
+            (
+                "Times: device time of each group's kernels under torch.profiler on this GPU (measured)."
+                if gpu
+                else "Time share: **CPU time** of each group under torch.profiler (measured on this CPU; not a GPU figure). "
+                "H200 ms: the simulated H200's time for the same FLOPs and bytes (simulated). Bound label: from the simulated H200 ceilings."
+            ),
+            "FLOPs and bytes from the shapes (bf16). Communication at TP > 1 is modelled (NVLink 450 GB/s), not run.",
+            "",
+        ]
         for ph, sp in res.profiles.items():
             s = sp.step
-            L += [f"### {ph}: {s.prompts} prompt(s) x {s.prompt_len} tokens + {s.decodes} decode(s) at context {s.ctx}; "
-                  f"{s.tokens} tokens, {s.lm_rows} LM-head rows; step {1000 * sp.total_s:.2f} ms "
-                  f"({'measured' if gpu else 'CPU'}), H200 {1000 * sp.sim_total_s:.3f} ms (simulated)", "",
-                  "| kernel group | time share | ms / step | H200 ms (sim.) | GFLOP | MB | FLOP/B | bound | top kernels / ops |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+            L += [
+                f"### {ph}: {s.prompts} prompt(s) x {s.prompt_len} tokens + {s.decodes} decode(s) at context {s.ctx}; "
+                f"{s.tokens} tokens, {s.lm_rows} LM-head rows; step {1000 * sp.total_s:.2f} ms "
+                f"({'measured' if gpu else 'CPU'}), H200 {1000 * sp.sim_total_s:.3f} ms (simulated)",
+                "",
+                "| kernel group | time share | ms / step | H200 ms (sim.) | GFLOP | MB | FLOP/B | bound | top kernels / ops |",
+                "|---|---|---|---|---|---|---|---|---|",
+            ]
             for r in group_table(sp, ce):
                 top = ", ".join(list(r["top_kernels"])[:2]) if r["top_kernels"] else ", ".join(r["ops"][:3])
-                L.append(f"| {r['group']}{' (modelled)' if r['modelled'] else ''} | {100 * r['share']:.1f} % | {1000 * r['time_s']:.3f} | "
-                         f"{1000 * r['sim_time_s']:.3f} | {r['flops'] / 1e9:.2f} | {r['bytes'] / 1e6:.1f} | {r['intensity']:.1f} | {r['bound']} | {top[:70]} |")
+                L.append(
+                    f"| {r['group']}{' (modelled)' if r['modelled'] else ''} | {100 * r['share']:.1f} % | {1000 * r['time_s']:.3f} | "
+                    f"{1000 * r['sim_time_s']:.3f} | {r['flops'] / 1e9:.2f} | {r['bytes'] / 1e6:.1f} | {r['intensity']:.1f} | {r['bound']} | {top[:70]} |"
+                )
             if o.tp == 1:
                 L.append("| communication | 0 % (TP = 1: none) | | | | | | | |")
             L.append("")
     if res.chunk_table is not None:
-        L += ["## LM-head chunking", "", f"Source: {res.chunk_source}. Rule: `vllm_powersave.chunking.tune.choose_chunks` "
-              "(the fastest count not worse in energy; none unless a gain exceeds the measured noise).", "",
-              f"| rows | kind | chosen | noise | time vs 1 | energy vs 1 | candidates ({'ms' if gpu else 'H200 ms (simulated)'}, J per call) |",
-              "|---|---|---|---|---|---|---|"]
+        L += [
+            "## LM-head chunking",
+            "",
+            f"Source: {res.chunk_source}. Rule: `vllm_powersave.chunking.tune.choose_chunks` "
+            "(the fastest count not worse in energy; none unless a gain exceeds the measured noise).",
+            "",
+            f"| rows | kind | chosen | noise | time vs 1 | energy vs 1 | candidates ({'ms' if gpu else 'H200 ms (simulated)'}, J per call) |",
+            "|---|---|---|---|---|---|---|",
+        ]
         kinds = {p["rows"]: p["kind"] for p in res.chunk_points}
         for rows, c in res.chunk_choice.items():
             cands = "; ".join(f"{k}: {v['ms']:.3f}, {v['j']:.4f}" for k, v in c["candidates"].items())
-            L.append(f"| {rows} | {kinds.get(rows, '')} | {c['chunks']} | {100 * c['noise']:.1f} % | {c['time_ratio']:.3f} | {c['energy_ratio']:.3f} | {cands} |")
+            L.append(
+                f"| {rows} | {kinds.get(rows, '')} | {c['chunks']} | {100 * c['noise']:.1f} % | {c['time_ratio']:.3f} | {c['energy_ratio']:.3f} | {cands} |"
+            )
         L += ["", f"Chunk table: `{res.chunk_table or '[] (no chunking)'}`", ""]
     if res.clock_mode:
         mode, why = res.clock_mode
         L += ["## SM clocks", "", f"Mode: **{mode}** ({why}). Source: {res.clock_source}.", ""]
         if mode != "sweep":
-            L += ["No clock was set: every clock figure below is a **prediction** of the clock-response model "
-                  "(compute-bound time ∝ 1/f, memory-bound time flat, power from the calibrated DVFS model) — simulated, not measured.", ""]
-        L += ["Per phase: one clock for the whole step (what a phase preset applies); per region: a clock per contiguous region "
-              "(attention / MLP per layer, LM head, sampling), globally (only the step total meets the budget) and locally "
-              "(each region meets it); per kernel kind: the same, as an offline oracle (kernel kinds interleave within a "
-              "layer far faster than a clock switch, so it cannot be applied; seed 000's fine-grained bound).", "",
-              "| phase | solution | clocks | energy | time |", "|---|---|---|---|---|"]
+            L += [
+                "No clock was set: every clock figure below is a **prediction** of the clock-response model "
+                "(compute-bound time ∝ 1/f, memory-bound time flat, power from the calibrated DVFS model) — simulated, not measured.",
+                "",
+            ]
+        L += [
+            "Per phase: one clock for the whole step (what a phase preset applies); per region: a clock per contiguous region "
+            "(attention / MLP per layer, LM head, sampling), globally (only the step total meets the budget) and locally "
+            "(each region meets it); per kernel kind: the same, as an offline oracle (kernel kinds interleave within a "
+            "layer far faster than a clock switch, so it cannot be applied; seed 000's fine-grained bound).",
+            "",
+            "| phase | solution | clocks | energy | time |",
+            "|---|---|---|---|---|",
+        ]
         for ph, sols in res.solutions.items():
             for name in ("single", "global_regions", "local_regions", "global_kinds_oracle"):
                 s = sols[name]
@@ -85,33 +116,55 @@ def _markdown(res: Any) -> str:
                 L.append(f"| {ph} | {name.replace('_', ' ')} (predicted) | {cls} | {_pct(-s['saving'])} | {_pct(s['slowdown'])} |")
         L.append("")
         if res.sweeps:
-            L += ["### Sweep and re-measurement (guard against outlier-chasing)", "",
-                  f"{'Measured on this GPU' if mode == 'sweep' else 'Simulated: the sweep reads the model with injected noise'}. "
-                  "Expected = the sweep table's value at the chosen clocks; re-measured = fresh interleaved readings of the choice "
-                  "against the default. A round that disagrees beyond the tolerance folds its readings into the table and solves again; "
-                  "a re-measured saving within the tolerance keeps the default.", "",
-                  "| phase | solver | first choice (no guard) | final clocks | expected energy | re-measured energy | expected time | re-measured time | tolerance | rounds | fell back |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+            L += [
+                "### Sweep and re-measurement (guard against outlier-chasing)",
+                "",
+                f"{'Measured on this GPU' if mode == 'sweep' else 'Simulated: the sweep reads the model with injected noise'}. "
+                "Expected = the sweep table's value at the chosen clocks; re-measured = fresh interleaved readings of the choice "
+                "against the default. A round that disagrees beyond the tolerance folds its readings into the table and solves again; "
+                "a re-measured saving within the tolerance keeps the default.",
+                "",
+                "| phase | solver | first choice (no guard) | final clocks | expected energy | re-measured energy | expected time | re-measured time | tolerance | rounds | fell back |",
+                "|---|---|---|---|---|---|---|---|---|---|---|",
+            ]
             for ph, d in res.sweeps.items():
                 for solver, s in d.items():
                     first = ", ".join(sorted({_mhz(v) for v in s.naive.clocks.values()})) if s.naive else ""
-                    final = ", ".join(f"{k} {_mhz(v)}" for k, v in s.choice.clocks.items()) if solver == "global" else _mhz(next(iter(s.choice.clocks.values())))
+                    final = (
+                        ", ".join(f"{k} {_mhz(v)}" for k, v in s.choice.clocks.items())
+                        if solver == "global"
+                        else _mhz(next(iter(s.choice.clocks.values())))
+                    )
                     if s.fell_back:  # show what was rejected, not the default's zeros
                         r = s.rounds[-1]
-                        ex = (f"({_pct(-r['expected_saving'])} rejected)", f"({_pct(-r['remeasured_saving'])})",
-                              f"({_pct(r['expected_slowdown'])})", f"({_pct(r['remeasured_slowdown'])})")
+                        ex = (
+                            f"({_pct(-r['expected_saving'])} rejected)",
+                            f"({_pct(-r['remeasured_saving'])})",
+                            f"({_pct(r['expected_slowdown'])})",
+                            f"({_pct(r['remeasured_slowdown'])})",
+                        )
                     else:
                         ex = (_pct(-s.expected_saving), _pct(-s.remeasured_saving), _pct(s.expected_slowdown), _pct(s.remeasured_slowdown))
-                    L.append(f"| {ph} | {solver} | {first} ({_pct(-s.naive.saving) if s.naive else ''}) | {final} | {ex[0]} | {ex[1]} | {ex[2]} | {ex[3]} | "
-                             f"±{100 * s.tolerance:.1f} % (time ±{100 * s.tolerance_time:.1f} %) | {len(s.rounds)} | {'yes' if s.fell_back else 'no'} |")
+                    L.append(
+                        f"| {ph} | {solver} | {first} ({_pct(-s.naive.saving) if s.naive else ''}) | {final} | {ex[0]} | {ex[1]} | {ex[2]} | {ex[3]} | "
+                        f"±{100 * s.tolerance:.1f} % (time ±{100 * s.tolerance_time:.1f} %) | {len(s.rounds)} | {'yes' if s.fell_back else 'no'} |"
+                    )
             L.append("")
         L += ["### Presets written", "", "| phase | preset | kernel-group clocks (global solution; durations ms) |", "|---|---|---|"]
         for ph, p in res.presets.items():
             gp = res.group_presets.get(ph, {})
-            gps = ", ".join(f"{g} {_mhz(d['sm_clock_mhz'])} ({d['duration_ms']:.3f} ms{' sim.' if not gpu else ''})" for g, d in gp.items() if d.get("duration_ms") is not None)
+            gps = ", ".join(
+                f"{g} {_mhz(d['sm_clock_mhz'])} ({d['duration_ms']:.3f} ms{' sim.' if not gpu else ''})"
+                for g, d in gp.items()
+                if d.get("duration_ms") is not None
+            )
             L.append(f"| {ph} | {_mhz(p.get('sm_clock_mhz'))} | {gps or '–'} |")
-        L += ["", "Kernel-group clocks go into the preset only where this GPU measured the group's duration and it differs from "
-              "the phase clock; the controller uses one only if the group lasts `group_min_switch_multiple` x `switch_latency_ms`.", ""]
+        L += [
+            "",
+            "Kernel-group clocks go into the preset only where this GPU measured the group's duration and it differs from "
+            "the phase clock; the controller uses one only if the group lasts `group_min_switch_multiple` x `switch_latency_ms`.",
+            "",
+        ]
     if res.preset_path:
         L += ["## Preset file", "", f"`{res.preset_path}`:", "", "```yaml", res.preset_path.read_text().rstrip(), "```", ""]
     if res.notes:
@@ -128,8 +181,11 @@ def _plot(res: Any, path: Path) -> Path | None:
     except ImportError:
         return None
     gpu = res.device["kind"] == "cuda"
-    panels = [p for p in ("profile", "chunks", "clocks") if (p == "profile" and res.profiles) or (p == "chunks" and res.chunk_points)
-              or (p == "clocks" and res.solutions)]
+    panels = [
+        p
+        for p in ("profile", "chunks", "clocks")
+        if (p == "profile" and res.profiles) or (p == "chunks" and res.chunk_points) or (p == "clocks" and res.solutions)
+    ]
     if not panels:
         return None
     fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.2), squeeze=False)
@@ -168,15 +224,22 @@ def _plot(res: Any, path: Path) -> Path | None:
                 ax.plot([s["time_s"] / s["base_time_s"]], [s["energy_j"] / s["base_energy_j"]], "k*", ms=10)
             for ph, d in res.sweeps.items():
                 s = d["single"]
-                ax.plot([1 + s.remeasured_slowdown], [1 - s.remeasured_saving], "rx", ms=9,
-                        label=f"{ph} re-measured ({'measured' if res.clock_mode[0] == 'sweep' else 'simulated'})")
+                ax.plot(
+                    [1 + s.remeasured_slowdown],
+                    [1 - s.remeasured_saving],
+                    "rx",
+                    ms=9,
+                    label=f"{ph} re-measured ({'measured' if res.clock_mode[0] == 'sweep' else 'simulated'})",
+                )
             ax.axvline(1 + res.opts.slowdown_pct / 100, color="grey", ls="--", lw=0.8)
             ax.set_xlabel("step time vs default clock")
             ax.set_ylabel("step energy vs default clock")
             ax.set_title("SM clock response per phase (* chosen)")
             ax.legend(fontsize=7)
-    fig.suptitle(f"vllm-powersave tune: {Path(res.opts.model).name} on {res.device['name']}"
-                 + ("" if gpu else " — energy SIMULATED for an H200"), fontsize=10)
+    fig.suptitle(
+        f"vllm-powersave tune: {Path(res.opts.model).name} on {res.device['name']}" + ("" if gpu else " — energy SIMULATED for an H200"),
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

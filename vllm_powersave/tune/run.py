@@ -33,15 +33,38 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..device import GpuError, driver_version
 from .. import envs
+from ..device import GpuError, driver_version
 from ..envs import ENV_FORCE_DRY_RUN
 from ..sim.gpu import H200, GpuSpec
 from . import lmhead
 from .energy import SIM_KERNEL_OVERHEAD_S, busy_window, open_nvml
-from .profile import (KINDS, REGIONS, Ceilings, ModelShape, StepProfile, StepSpec, default_steps, group_table, measure_ceilings,
-                      profile_step, region_durations_ms, simulated_ceilings)
-from .solver import DEFAULT, Curve, ResponseModel, SimulatedMeasurer, SweepResult, solve_global, solve_local, solve_single, sum_curves, sweep_and_solve
+from .profile import (
+    KINDS,
+    REGIONS,
+    Ceilings,
+    ModelShape,
+    StepProfile,
+    StepSpec,
+    default_steps,
+    group_table,
+    measure_ceilings,
+    profile_step,
+    region_durations_ms,
+    simulated_ceilings,
+)
+from .solver import (
+    DEFAULT,
+    Curve,
+    ResponseModel,
+    SimulatedMeasurer,
+    SweepResult,
+    solve_global,
+    solve_local,
+    solve_single,
+    sum_curves,
+    sweep_and_solve,
+)
 
 PHASES = ("prefill", "decode", "mixed")
 CPU_GRID = "8:decode,32:decode,128:spec,512:logprobs"
@@ -90,8 +113,12 @@ class TuneOptions:
             raise ValueError(f"--device = {self.device!r}: must be 'cpu' or 'cuda'")
         if not 0 <= self.sim_noise <= 0.5:
             raise ValueError(f"--sim-noise = {self.sim_noise!r}: must be a fraction in [0, 0.5]")
-        for name, v, lo in (("--repeats", self.repeats, 1), ("--profile-repeats", self.profile_repeats, 1),
-                            ("--sweep-points", self.sweep_points, 2), ("--sweep-repeats", self.sweep_repeats, 1)):
+        for name, v, lo in (
+            ("--repeats", self.repeats, 1),
+            ("--profile-repeats", self.profile_repeats, 1),
+            ("--sweep-points", self.sweep_points, 2),
+            ("--sweep-repeats", self.sweep_repeats, 1),
+        ):
             if v < lo:
                 raise ValueError(f"{name} = {v}: must be >= {lo}")
         for name, w in (("--window", self.window_s), ("--sweep-window", self.sweep_window_s)):
@@ -147,8 +174,16 @@ class GpuClockMeasurer:
     :meth:`close` resets the clocks; use it in ``finally``.
     """
 
-    def __init__(self, backend: Any, workloads: dict[str, Callable[[], Any]], scale: dict[str, float], window_s: float,
-                 gpu: Any, window_fn: Callable[..., Any] = busy_window, settle_s: float = 0.05) -> None:
+    def __init__(
+        self,
+        backend: Any,
+        workloads: dict[str, Callable[[], Any]],
+        scale: dict[str, float],
+        window_s: float,
+        gpu: Any,
+        window_fn: Callable[..., Any] = busy_window,
+        settle_s: float = 0.05,
+    ) -> None:
         self.backend, self.workloads, self.scale = backend, workloads, scale
         self.window_s, self.gpu, self.window_fn, self.settle_s = window_s, gpu, window_fn, settle_s
         self.current: int | None = None
@@ -224,25 +259,56 @@ class TuneResult:
 
     def summary(self) -> dict:
         def sweep_d(s: SweepResult) -> dict:
-            return {"choice": s.choice.as_dict(), "expected_saving": s.expected_saving, "remeasured_saving": s.remeasured_saving,
-                    "expected_slowdown": s.expected_slowdown, "remeasured_slowdown": s.remeasured_slowdown, "noise": s.noise,
-                    "tolerance": s.tolerance, "fell_back": s.fell_back, "rounds": s.rounds,
-                    "first_choice_without_guard": s.naive.as_dict() if s.naive else None}
+            return {
+                "choice": s.choice.as_dict(),
+                "expected_saving": s.expected_saving,
+                "remeasured_saving": s.remeasured_saving,
+                "expected_slowdown": s.expected_slowdown,
+                "remeasured_slowdown": s.remeasured_slowdown,
+                "noise": s.noise,
+                "tolerance": s.tolerance,
+                "fell_back": s.fell_back,
+                "rounds": s.rounds,
+                "first_choice_without_guard": s.naive.as_dict() if s.naive else None,
+            }
 
         prof = {}
         for ph, sp in self.profiles.items():
-            prof[ph] = {"step": dataclasses.asdict(sp.step), "total_s": sp.total_s, "sim_total_s": sp.sim_total_s,
-                        "kinds": group_table(sp, self.ceilings), "regions": group_table(sp, self.ceilings, "regions"), "ops": sp.ops}
+            prof[ph] = {
+                "step": dataclasses.asdict(sp.step),
+                "total_s": sp.total_s,
+                "sim_total_s": sp.sim_total_s,
+                "kinds": group_table(sp, self.ceilings),
+                "regions": group_table(sp, self.ceilings, "regions"),
+                "ops": sp.ops,
+            }
         return {
-            "what": "vllm-powersave tune", "date": _now(), "model": self.opts.model, "device": self.device,
+            "what": "vllm-powersave tune",
+            "date": _now(),
+            "model": self.opts.model,
+            "device": self.device,
             "ceilings": dataclasses.asdict(self.ceilings) | {"ridge": self.ceilings.ridge} if self.ceilings else None,
             "profile": prof,
-            "chunking": {"source": self.chunk_source, "table": self.chunk_table, "per_rows": {str(k): v for k, v in self.chunk_choice.items()},
-                         "points": self.chunk_points} if self.chunk_table is not None else None,
-            "clocks": {"mode": self.clock_mode[0], "reason": self.clock_mode[1], "source": self.clock_source,
-                       "slowdown_budget": self.opts.slowdown_pct / 100, "solutions": self.solutions,
-                       "sweeps": {ph: {k: sweep_d(v) for k, v in d.items()} for ph, d in self.sweeps.items()},
-                       "presets": self.presets, "group_presets": self.group_presets} if self.clock_mode else None,
+            "chunking": {
+                "source": self.chunk_source,
+                "table": self.chunk_table,
+                "per_rows": {str(k): v for k, v in self.chunk_choice.items()},
+                "points": self.chunk_points,
+            }
+            if self.chunk_table is not None
+            else None,
+            "clocks": {
+                "mode": self.clock_mode[0],
+                "reason": self.clock_mode[1],
+                "source": self.clock_source,
+                "slowdown_budget": self.opts.slowdown_pct / 100,
+                "solutions": self.solutions,
+                "sweeps": {ph: {k: sweep_d(v) for k, v in d.items()} for ph, d in self.sweeps.items()},
+                "presets": self.presets,
+                "group_presets": self.group_presets,
+            }
+            if self.clock_mode
+            else None,
             "preset_file": str(self.preset_path) if self.preset_path else None,
             "notes": self.notes,
         }
@@ -306,8 +372,14 @@ def _gpu_spec(info: dict, nv: Any, ceilings: Ceilings) -> tuple[GpuSpec, str]:
             clocks = nv.supported_sm_clocks_mhz()  # read-only queries
         except GpuError:
             pass
-    spec = dataclasses.replace(H200, name=f"{info['name']} (H200-calibrated power model)", sm_clocks_mhz=tuple(clocks),
-                               f_max_mhz=max(clocks), peak_flops=ceilings.peak_flops, mem_bw=ceilings.mem_bw)
+    spec = dataclasses.replace(
+        H200,
+        name=f"{info['name']} (H200-calibrated power model)",
+        sm_clocks_mhz=tuple(clocks),
+        f_max_mhz=max(clocks),
+        peak_flops=ceilings.peak_flops,
+        mem_bw=ceilings.mem_bw,
+    )
     return spec, f"{info['name']}: measured ceilings, H200-calibrated power model (simulated)"
 
 
@@ -347,13 +419,17 @@ def run_tune(opts: TuneOptions, log: Callable[[str], None] = print) -> TuneResul
     bar = _Bar(opts.progress, (len(steps) if do_clocks else 0) + n_chunk_pts)
     try:
         res.ceilings = measure_ceilings(torch, dev) if gpu else simulated_ceilings()
-        bar.write(f"[tune] {shape.name}: {shape.layers} layers, hidden {shape.hidden}, vocab {shape.vocab}, tp {opts.tp}; device {info['name']}; "
-            f"ceilings {res.ceilings.peak_flops / 1e12:.0f} TFLOP/s, {res.ceilings.mem_bw / 1e12:.2f} TB/s ({res.ceilings.source.split(' (')[0]})", log)
+        bar.write(
+            f"[tune] {shape.name}: {shape.layers} layers, hidden {shape.hidden}, vocab {shape.vocab}, tp {opts.tp}; device {info['name']}; "
+            f"ceilings {res.ceilings.peak_flops / 1e12:.0f} TFLOP/s, {res.ceilings.mem_bw / 1e12:.2f} TB/s ({res.ceilings.source.split(' (')[0]})",
+            log,
+        )
         if do_clocks:
             for s in steps:
                 bar.update(0, f"profile {s.phase}")
-                res.profiles[s.phase] = profile_step(shape, s, torch=torch, device=dev, dtype=dtype, ceilings=res.ceilings, tp=opts.tp,
-                                                     repeats=opts.profile_repeats)
+                res.profiles[s.phase] = profile_step(
+                    shape, s, torch=torch, device=dev, dtype=dtype, ceilings=res.ceilings, tp=opts.tp, repeats=opts.profile_repeats
+                )
                 bar.update(1)
         if do_chunks:
             _tune_chunks(res, torch, rank_shape, grid, chunks, window, warm, gpu, bar)
@@ -373,12 +449,22 @@ def run_tune(opts: TuneOptions, log: Callable[[str], None] = print) -> TuneResul
     return res
 
 
-def _tune_chunks(res: TuneResult, torch: Any, shape: ModelShape, grid: list, chunks: list[int], window: float, warm: float, gpu: bool, bar: _Bar) -> None:
+def _tune_chunks(
+    res: TuneResult, torch: Any, shape: ModelShape, grid: list, chunks: list[int], window: float, warm: float, gpu: bool, bar: _Bar
+) -> None:
     from ..chunking.tune import choose_chunks, combine_modes, to_table
 
     pts = []
-    for p in lmhead.measure([(shape.hidden, shape.vocab)], grid, chunks, window_s=window, repeats=res.opts.repeats, warmup_s=warm,
-                            device="cuda" if gpu else "cpu", seed=res.opts.seed):
+    for p in lmhead.measure(
+        [(shape.hidden, shape.vocab)],
+        grid,
+        chunks,
+        window_s=window,
+        repeats=res.opts.repeats,
+        warmup_s=warm,
+        device="cuda" if gpu else "cpu",
+        seed=res.opts.seed,
+    ):
         pts.append(p)
         bar.update(1, f"lm-head {p['rows']} rows")
     res.chunk_points = pts
@@ -386,10 +472,16 @@ def _tune_chunks(res: TuneResult, torch: Any, shape: ModelShape, grid: list, chu
     # H200; the CPU's own LM-head time is kept in the points but mixing it with simulated energy
     # would choose for neither machine).
     tkey = "ms" if gpu else "sim_ms"
-    res.chunk_source = "measured (CUDA events, NVML)" if gpu else "simulated H200 (time and energy from the model; CPU time shown for reference)"
+    res.chunk_source = (
+        "measured (CUDA events, NVML)" if gpu else "simulated H200 (time and energy from the model; CPU time shown for reference)"
+    )
     per_mode = []
     for mode in sorted({p["mode"] for p in pts}):
-        per_mode.append(choose_chunks([{"rows": p["rows"], "chunks": p["chunks"], "ms": p[tkey], "j": p["j_per_call"]} for p in pts if p["mode"] == mode]))
+        per_mode.append(
+            choose_chunks(
+                [{"rows": p["rows"], "chunks": p["chunks"], "ms": p[tkey], "j": p["j_per_call"]} for p in pts if p["mode"] == mode]
+            )
+        )
     res.chunk_choice = combine_modes(per_mode)
     res.chunk_table = to_table(res.chunk_choice)
 
@@ -400,19 +492,28 @@ def _tune_clocks(res: TuneResult, torch: Any, shape: ModelShape, dev: Any, dtype
     gpu = res.device["kind"] == "cuda"
     spec, spec_src = _gpu_spec(res.device, nv, res.ceilings)
     model = ResponseModel(spec)
-    res.clock_source = {"predict": f"predicted: profile {'measured on this GPU' if gpu else 'costed by the simulated H200'} + clock-response model ({spec_src})",
-                        "simulated-sweep": f"simulated sweep of {spec_src} with {res.opts.sim_noise:.0%} injected noise",
-                        "sweep": "measured: SM clock sweep on this GPU"}[mode]
+    res.clock_source = {
+        "predict": f"predicted: profile {'measured on this GPU' if gpu else 'costed by the simulated H200'} + clock-response model ({spec_src})",
+        "simulated-sweep": f"simulated sweep of {spec_src} with {res.opts.sim_noise:.0%} injected noise",
+        "sweep": "measured: SM clock sweep on this GPU",
+    }[mode]
     for ph, sp in res.profiles.items():
         ops = _op_curves(sp, model, use_measured=gpu)
         regions = _group_curves(ops, "region", REGIONS)
         kinds = _group_curves(ops, "kind", KINDS)
         res.phase_curves[ph] = regions
-        sol = {"single": solve_single(regions, budget), "global_regions": solve_global(regions, budget),
-               "local_regions": solve_local(regions, budget), "global_kinds_oracle": solve_global(kinds, budget)}
+        sol = {
+            "single": solve_single(regions, budget),
+            "global_regions": solve_global(regions, budget),
+            "local_regions": solve_local(regions, budget),
+            "global_kinds_oracle": solve_global(kinds, budget),
+        }
         res.solutions[ph] = {k: v.as_dict() for k, v in sol.items()}
-        res.solutions[ph]["predicted_curve"] = {"clocks_mhz": list(regions[next(iter(regions))].clocks),
-                                                "time_s": list(sum_curves(list(regions.values())).t), "energy_j": list(sum_curves(list(regions.values())).e)}
+        res.solutions[ph]["predicted_curve"] = {
+            "clocks_mhz": list(regions[next(iter(regions))].clocks),
+            "time_s": list(sum_curves(list(regions.values())).t),
+            "energy_j": list(sum_curves(list(regions.values())).e),
+        }
         chosen = sol["single"]
         glob = sol["global_regions"]
         if mode == "simulated-sweep":
@@ -420,12 +521,24 @@ def _tune_clocks(res: TuneResult, torch: Any, shape: ModelShape, dev: Any, dtype
             truth = {k: Curve(c.clocks[:-1] + (DEFAULT,), c.t, c.e, "simulated") for k, c in regions.items()}
             sweeps: dict[str, SweepResult] = {}
             bar.grow((len(clocks) + 1) * len(truth) * res.opts.sweep_repeats)
-            meas = SimulatedMeasurer({k: _restrict(c, clocks) for k, c in truth.items()}, noise_t=res.opts.sim_noise / 3,
-                                     noise_e=res.opts.sim_noise, seed=res.opts.seed + zlib.crc32(ph.encode()) % 1000)
+            meas = SimulatedMeasurer(
+                {k: _restrict(c, clocks) for k, c in truth.items()},
+                noise_t=res.opts.sim_noise / 3,
+                noise_e=res.opts.sim_noise,
+                seed=res.opts.seed + zlib.crc32(ph.encode()) % 1000,
+            )
             for solver in ("single", "global"):  # one sweep; the global solver reuses its readings
-                sweeps[solver] = sweep_and_solve(meas, list(truth), clocks, budget, solver=solver, repeats=res.opts.sweep_repeats,
-                                                 source="simulated", progress=lambda k: bar.update(k, f"sim sweep {ph}"),
-                                                 table=sweeps["single"].table if sweeps else None)
+                sweeps[solver] = sweep_and_solve(
+                    meas,
+                    list(truth),
+                    clocks,
+                    budget,
+                    solver=solver,
+                    repeats=res.opts.sweep_repeats,
+                    source="simulated",
+                    progress=lambda k: bar.update(k, f"sim sweep {ph}"),
+                    table=sweeps["single"].table if sweeps else None,
+                )
             res.sweeps[ph] = sweeps
             chosen, glob = sweeps["single"].choice, sweeps["global"].choice
         elif mode == "sweep":
@@ -434,11 +547,14 @@ def _tune_clocks(res: TuneResult, torch: Any, shape: ModelShape, dev: Any, dtype
         f = next(iter(chosen.clocks.values()))
         res.presets[ph] = {} if f == DEFAULT else {"sm_clock_mhz": int(f)}
         durations = region_durations_ms(sp, shape.layers, use_sim=not gpu)
-        res.group_presets[ph] = {g: {"sm_clock_mhz": None if c == DEFAULT else int(c), "duration_ms": durations.get(g)}
-                                 for g, c in glob.clocks.items()}
+        res.group_presets[ph] = {
+            g: {"sm_clock_mhz": None if c == DEFAULT else int(c), "duration_ms": durations.get(g)} for g, c in glob.clocks.items()
+        }
     res.presets["idle"] = {"sm_clock_mhz": int(min(spec.sm_clocks_mhz))}
-    res.notes.append("idle preset: the lowest supported SM clock (rule, not tuned: a locked low clock draws less than an "
-                     "unlocked loaded engine, 76 vs 122 W in the simulated H200; the next step pays the switch latency).")
+    res.notes.append(
+        "idle preset: the lowest supported SM clock (rule, not tuned: a locked low clock draws less than an "
+        "unlocked loaded engine, 76 vs 122 W in the simulated H200; the next step pays the switch latency)."
+    )
 
 
 def _restrict(c: Curve, clocks: list[int]) -> Curve:
@@ -446,8 +562,9 @@ def _restrict(c: Curve, clocks: list[int]) -> Curve:
     return Curve(tuple(clocks) + (DEFAULT,), tuple(c.t[i] for i in idx), tuple(c.e[i] for i in idx), c.source)
 
 
-def _real_sweep(res: TuneResult, torch: Any, shape: ModelShape, sp: StepProfile, dev: Any, dtype: Any, nv: Any, spec: GpuSpec,
-                budget: float, bar: _Bar) -> dict[str, SweepResult]:
+def _real_sweep(
+    res: TuneResult, torch: Any, shape: ModelShape, sp: StepProfile, dev: Any, dtype: Any, nv: Any, spec: GpuSpec, budget: float, bar: _Bar
+) -> dict[str, SweepResult]:
     """SM-clock sweep on this GPU (needs clock permission; never reached with POWERSAVE_FORCE_DRY_RUN=1)."""
     from ..clocks.backends import NvmlClockBackend
     from .profile import build_ops
@@ -463,7 +580,7 @@ def _real_sweep(res: TuneResult, torch: Any, shape: ModelShape, sp: StepProfile,
     for region in REGIONS:
         mine = [o.fn for o in runnable if o.region == region]
         if mine:
-            workloads[region] = (lambda fs: (lambda: [f() for f in fs]))(mine)
+            workloads[region] = (lambda fs: lambda: [f() for f in fs])(mine)
             scale[region] = float(shape.layers) if region in ("attention", "mlp") else 1.0
     backend = NvmlClockBackend(nv)
     clocks = _sweep_clocks(backend.supported_sm_clocks(), res.opts.sweep_points, max(backend.supported_sm_clocks()))
@@ -478,9 +595,17 @@ def _real_sweep(res: TuneResult, torch: Any, shape: ModelShape, sp: StepProfile,
             torch.cuda.synchronize()
             bar.grow((len(clocks) + 1) * len(workloads) * res.opts.sweep_repeats)
             for solver in ("single", "global"):  # one sweep; the global solver reuses its readings
-                out[solver] = sweep_and_solve(meas, list(workloads), clocks, budget, solver=solver, repeats=res.opts.sweep_repeats,
-                                              source="measured", progress=lambda k: bar.update(k, f"clock sweep {sp.step.phase}"),
-                                              table=out["single"].table if out else None)
+                out[solver] = sweep_and_solve(
+                    meas,
+                    list(workloads),
+                    clocks,
+                    budget,
+                    solver=solver,
+                    repeats=res.opts.sweep_repeats,
+                    source="measured",
+                    progress=lambda k: bar.update(k, f"clock sweep {sp.step.phase}"),
+                    table=out["single"].table if out else None,
+                )
     finally:
         meas.close()
     return out
@@ -511,8 +636,11 @@ def write_preset(res: TuneResult, path: Path) -> Path:
             # uses a group preset only if it lasts long enough for a clock switch) and only where it
             # differs from the phase clock.
             if has_groups and gpu and res.clock_mode[0] != "simulated-sweep":
-                groups = {g: {k: (round(v, 4) if k == "duration_ms" else v) for k, v in d.items() if v is not None} for g, d in gp.items()
-                          if d.get("duration_ms") and d.get("sm_clock_mhz") != p.get("sm_clock_mhz")}
+                groups = {
+                    g: {k: (round(v, 4) if k == "duration_ms" else v) for k, v in d.items() if v is not None}
+                    for g, d in gp.items()
+                    if d.get("duration_ms") and d.get("sm_clock_mhz") != p.get("sm_clock_mhz")
+                }
                 if groups:
                     presets[ph]["groups"] = groups
         body["clocks"] = {"presets": presets}
@@ -524,16 +652,21 @@ def write_preset(res: TuneResult, path: Path) -> Path:
         for p in body["clocks"]["presets"].values():  # an older schema without kernel-group presets
             p.pop("groups", None)
         PowersaveSettings.model_validate(body)
-        res.notes.append(f"kernel-group presets left out of the preset file: this settings schema refuses them ({str(exc).splitlines()[0]})")
+        res.notes.append(
+            f"kernel-group presets left out of the preset file: this settings schema refuses them ({str(exc).splitlines()[0]})"
+        )
     mode = res.clock_mode[0] if res.clock_mode else None
     what = []
     if res.chunk_table is not None:
         what.append(f"chunking table: {res.chunk_source}")
     if mode:
         what.append(f"clock presets: {res.clock_source}" + ("" if mode == "sweep" else " -- PREDICTED/SIMULATED, not measured"))
-    header = [f"# Generated by `vllm-powersave tune {res.opts.model}` on {_now()} ({res.device['name']}).", *(f"# {w}" for w in what),
-              f"# Slowdown budget: {res.opts.slowdown_pct:g} %. Report: {res.out_dir / 'report.md'}.",
-              "# Use: vllm serve MODEL --plugin powersave --additional-config '{\"powersave\": {\"config_file\": \"THIS_FILE\"}}'",
-              "# (clocks.backend defaults to dry-run; set it to nvml where clocks may be changed)."]
+    header = [
+        f"# Generated by `vllm-powersave tune {res.opts.model}` on {_now()} ({res.device['name']}).",
+        *(f"# {w}" for w in what),
+        f"# Slowdown budget: {res.opts.slowdown_pct:g} %. Report: {res.out_dir / 'report.md'}.",
+        '# Use: vllm serve MODEL --plugin powersave --additional-config \'{"powersave": {"config_file": "THIS_FILE"}}\'',
+        "# (clocks.backend defaults to dry-run; set it to nvml where clocks may be changed).",
+    ]
     path.write_text("\n".join(header) + "\n" + yaml.safe_dump({"powersave": body}, sort_keys=False))
     return path

@@ -141,9 +141,16 @@ class Choice:
         return self.t / self.t_base - 1.0 if self.t_base else 0.0
 
     def as_dict(self) -> dict:
-        return {"policy": self.policy, "clocks_mhz": {k: (None if v == DEFAULT else v) for k, v in self.clocks.items()},
-                "time_s": self.t, "energy_j": self.e, "base_time_s": self.t_base, "base_energy_j": self.e_base,
-                "saving": self.saving, "slowdown": self.slowdown}
+        return {
+            "policy": self.policy,
+            "clocks_mhz": {k: (None if v == DEFAULT else v) for k, v in self.clocks.items()},
+            "time_s": self.t,
+            "energy_j": self.e,
+            "base_time_s": self.t_base,
+            "base_energy_j": self.e_base,
+            "saving": self.saving,
+            "slowdown": self.slowdown,
+        }
 
 
 def _check_budget(budget: float) -> None:
@@ -264,8 +271,16 @@ class SimulatedMeasurer:
     ones: ``{(item, clock): factor}`` applied to the first reading only.
     """
 
-    def __init__(self, curves: dict[str, Curve], noise_t: float = 0.01, noise_e: float = 0.03, outlier_rate: float = 0.0,
-                 outlier_factor: float = 0.75, outliers: dict[tuple[str, int], float] | None = None, seed: int = 0) -> None:
+    def __init__(
+        self,
+        curves: dict[str, Curve],
+        noise_t: float = 0.01,
+        noise_e: float = 0.03,
+        outlier_rate: float = 0.0,
+        outlier_factor: float = 0.75,
+        outliers: dict[tuple[str, int], float] | None = None,
+        seed: int = 0,
+    ) -> None:
         self.curves = curves
         self.noise_t, self.noise_e = noise_t, noise_e
         self.outlier_rate, self.outlier_factor = outlier_rate, outlier_factor
@@ -373,21 +388,32 @@ def sweep_and_solve(
     for rnd in range(max_rounds):
         curves = _table_curves(table, grid, source)
         if banned:
-            curves = {k: Curve(c.clocks, tuple(math.inf if (k, f) in banned else t for f, t in zip(c.clocks, c.t)), c.e, c.source)
-                      for k, c in curves.items()}
+            curves = {
+                k: Curve(c.clocks, tuple(math.inf if (k, f) in banned else t for f, t in zip(c.clocks, c.t)), c.e, c.source)
+                for k, c in curves.items()
+            }
         choice = solve(curves, min(10.0, max(budget, tol_t_sweep)))
         if naive is None:
             naive = choice
         if all(f == DEFAULT for f in choice.clocks.values()):
-            rounds.append({"round": rnd + 1, "clocks": dict(choice.clocks), "expected_saving": 0.0, "remeasured_saving": 0.0,
-                           "expected_slowdown": 0.0, "remeasured_slowdown": 0.0, "accepted": True})
+            rounds.append(
+                {
+                    "round": rnd + 1,
+                    "clocks": dict(choice.clocks),
+                    "expected_saving": 0.0,
+                    "remeasured_saving": 0.0,
+                    "expected_slowdown": 0.0,
+                    "remeasured_slowdown": 0.0,
+                    "accepted": True,
+                }
+            )
             break
         pairs: list[tuple[float, float]] = []  # per interleaved pair: (time ratio, energy ratio) new / default
         per_item = {k: {"new": 0.0, "def": 0.0} for k in items}
         fresh: dict[tuple[str, int], list[tuple[float, float]]] = {}
         for r in range(recheck):
             sums = {"new": [0.0, 0.0], "def": [0.0, 0.0]}
-            for which in (("new", "def") if r % 2 == 0 else ("def", "new")):
+            for which in ("new", "def") if r % 2 == 0 else ("def", "new"):
                 for k in items:
                     f = choice.clocks[k] if which == "new" else DEFAULT
                     m = measure(k, f)
@@ -403,16 +429,26 @@ def sweep_and_solve(
         exp_s, exp_d = choice.saving, choice.slowdown
         time_ok = re_d <= max(budget, tol_t)
         ok = time_ok and re_s >= exp_s - tol
-        rec = {"round": rnd + 1, "clocks": dict(choice.clocks), "expected_saving": exp_s, "remeasured_saving": re_s,
-               "expected_slowdown": exp_d, "remeasured_slowdown": re_d, "accepted": ok}
+        rec = {
+            "round": rnd + 1,
+            "clocks": dict(choice.clocks),
+            "expected_saving": exp_s,
+            "remeasured_saving": re_s,
+            "expected_slowdown": exp_d,
+            "remeasured_slowdown": re_d,
+            "accepted": ok,
+        }
         rounds.append(rec)
         for (k, f), ms in fresh.items():
             table[k][f].extend(ms)
         if time_ok:
             verified.append((choice, rec))
         else:
-            slow = {(k, choice.clocks[k]) for k in items if choice.clocks[k] != DEFAULT
-                    and per_item[k]["new"] > per_item[k]["def"] * (1 + max(budget, tol_t))}
+            slow = {
+                (k, choice.clocks[k])
+                for k in items
+                if choice.clocks[k] != DEFAULT and per_item[k]["new"] > per_item[k]["def"] * (1 + max(budget, tol_t))
+            }
             banned |= slow or {(k, choice.clocks[k]) for k in items if choice.clocks[k] != DEFAULT}
         if ok:
             break
@@ -424,9 +460,26 @@ def sweep_and_solve(
     base = naive if naive is not None else Choice({k: DEFAULT for k in items}, 0.0, 0.0, 0.0, 0.0)
     if good:
         choice, rec = max([cr for cr in good if cr[1]["accepted"]] or good, key=lambda cr: cr[1]["remeasured_saving"])
-        exp_s, exp_d = (rec["expected_saving"], rec["expected_slowdown"]) if rec["accepted"] else (rec["remeasured_saving"], rec["remeasured_slowdown"])
-        return SweepResult(choice, exp_s, exp_d, rec["remeasured_saving"], rec["remeasured_slowdown"],
-                           noise, tol, False, rounds, table, naive, noise_t, tol_t)
+        exp_s, exp_d = (
+            (rec["expected_saving"], rec["expected_slowdown"])
+            if rec["accepted"]
+            else (rec["remeasured_saving"], rec["remeasured_slowdown"])
+        )
+        return SweepResult(
+            choice,
+            exp_s,
+            exp_d,
+            rec["remeasured_saving"],
+            rec["remeasured_slowdown"],
+            noise,
+            tol,
+            False,
+            rounds,
+            table,
+            naive,
+            noise_t,
+            tol_t,
+        )
     fell_back = any(any(f != DEFAULT for f in r["clocks"].values()) for r in rounds)
     default = Choice({k: DEFAULT for k in items}, base.t_base, base.e_base, base.t_base, base.e_base, base.policy)
     return SweepResult(default, 0.0, 0.0, 0.0, 0.0, noise, tol, fell_back, rounds, table, naive, noise_t, tol_t)
@@ -463,8 +516,14 @@ class TwoPointModel:
         return (f / f_max) * v * v
 
     @classmethod
-    def fit(cls, ref: tuple[float, float, float], other: tuple[float, float, float], f_max: float | None = None,
-            f_lo: float | None = None, v_min: float = H200.v_min) -> "TwoPointModel":
+    def fit(
+        cls,
+        ref: tuple[float, float, float],
+        other: tuple[float, float, float],
+        f_max: float | None = None,
+        f_lo: float | None = None,
+        v_min: float = H200.v_min,
+    ) -> "TwoPointModel":
         """Fit to ``ref = (f, t, e)`` (usually the highest clock) and ``other = (f, t, e)``.
 
         Raises:
