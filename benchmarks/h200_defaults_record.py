@@ -312,6 +312,12 @@ def starvation_block(raws: list[dict]) -> dict:
                     fx["out_tok_per_j_ratio"] = r(after["out_tok_per_j"] / before["out_tok_per_j"])
                 fixes.append(fx)
     js = [x["idle_while_busy_j"] for x in runs if x["idle_while_busy_j"] is not None]
+    # The latest run whose plugin counters were found speaks for the figure, its advice and its fix
+    # (an earlier run may predate the counters on /metrics).
+    counted = [x for x in runs if x["idle_while_busy_j"] is not None]
+    if counted:
+        runs = [counted[-1], *(x for x in runs if x is not counted[-1])]
+        fixes = [f for f in fixes if f["before_from"] == f"{counted[-1]['file']} {counted[-1]['server']}"] or fixes
     advice = next((x["advise_output"] for x in runs if x["advise_ok"]), None)
     nv = [x["util0_energy_j_nvml"] for x in runs if x.get("util0_energy_j_nvml") is not None]
     return {
@@ -320,7 +326,7 @@ def starvation_block(raws: list[dict]) -> dict:
         "idle_while_busy_share": r(mean_ci([x["share_of_window_energy"] for x in runs])[0]),
         "warning": next((x["warnings"][0] for x in runs if x["warnings"]), None),
         "advice": advice.strip().splitlines()[:20] if advice else None,
-        "after_fix": fixes[0] if len(fixes) == 1 else (fixes or None),
+        "after_fix": fixes[-1] if fixes else None,
         "runs": runs,
     }
 
@@ -381,6 +387,7 @@ def request_energy(raws: list[dict], drop: float) -> dict:
             req_sum = sum(js)
             idle_j = phases.get("idle")
             counter = seg.get("counter_j")
+            harness_j = seg.get("counter_harness_window_j")  # NVML counter, first request to last completion
             segs.append(
                 {
                     "file": raw["_file"],
@@ -404,6 +411,10 @@ def request_energy(raws: list[dict], drop: float) -> dict:
                     "plugin_total_j": r(sum(phases.values()), 3) if phases else None,
                     "plugin_phases_j": {k2: r(v, 3) for k2, v in phases.items()},
                     "counter_j": r(counter, 3) if counter is not None else None,
+                    "counter_harness_window_j": r(harness_j, 3) if harness_j is not None else None,
+                    "requests_plus_tail_over_harness_window_counter": (
+                        r((req_sum + seg["tail_j"]) / harness_j, 5) if harness_j and seg.get("tail_j") is not None else None
+                    ),
                     "requests_plus_idle_over_counter": r((req_sum + idle_j) / counter, 5) if counter and idle_j is not None else None,
                     "requests_plus_idle_plus_tail_over_counter": (
                         r((req_sum + idle_j + seg["tail_j"]) / counter, 5)
