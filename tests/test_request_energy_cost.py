@@ -435,3 +435,66 @@ def test_runtime_splits_by_the_models_cost_and_publishes_the_tail(monkeypatch, t
         assert 'powersave_request_tail_energy_joules_total{gpu="sim0",source="simulated"}' in metrics_text(tmp_path)
     finally:
         rt.close()
+
+
+class PoweredMeter:
+    """A GPU that draws power between steps too (as a real one does): ``w`` watts from ``last`` on."""
+
+    source, method, available, powered_between_steps = "measured", "energy-counter", True, True
+
+    def __init__(self, clock):
+        self.clock, self.j, self.last, self.w = clock, 0.0, 0.0, 200.0
+
+    def draw(self, t, w):
+        self.j += self.w * (t - self.last)
+        self.last, self.w = t, w
+
+    def energy_j(self):
+        self.draw(self.clock.t, self.w)
+        return self.j
+
+    def on_idle(self, seconds):
+        pass
+
+
+@pytest.mark.parametrize("gap_s", [0.01, 0.03, 0.1])
+def test_the_gap_after_a_whole_batch_finished_is_no_requests_even_when_reported_with_the_next_step(gap_s):
+    """Waves of identical requests (a closed-loop client: all finish together, the next wave
+    arrives after a gap). vLLM reports finished requests with the next step, so the gap after a
+    wave's last step used to land on whichever wave a tick happened to settle it with: waves read
+    alternately 1.00 and 0.84 of the median. The gap is now the tail's, every wave alike."""
+    clock = Clock()
+    meter = PoweredMeter(clock)
+    done = {}
+    acc = PhaseEnergyAccount(
+        meter,
+        idle_after_s=0.25,
+        clock=clock,
+        per_request=True,
+        cost=RequestCostModel.for_shape(SHAPE),
+        on_request_done=lambda r, j: done.__setitem__(r, j),
+    )
+
+    def step(phase, req, ctx, fin, dur):
+        meter.draw(clock.t, 600.0)
+        acc.on_step(phase, sum(v for v in req.values() if v > 1), sum(1 for v in req.values() if v == 1), req, fin, t=clock.t, req_ctx=ctx)
+        clock.t += dur
+        meter.draw(clock.t, 200.0)
+        acc.on_step_end(clock.t)
+
+    fin = []
+    for wave in range(6):
+        ids = [f"w{wave}r{i}" for i in range(8)]
+        step("prefill", {i: 128 for i in ids}, {i: 0 for i in ids}, fin, 0.008)
+        for k in range(20):
+            step("decode", {i: 1 for i in ids}, {i: 128 + k for i in ids}, [], 0.0025)
+        fin = ids  # reported with the next step, as vLLM does
+        clock.t += gap_s
+        acc.tick()
+    acc.on_step("idle", 0, 0, {}, fin, t=clock.t)
+    clock.t += 1.0
+    acc.tick()
+    js = list(done.values())
+    assert len(js) == 48 and max(js) / min(js) == pytest.approx(1.0, abs=1e-9)
+    assert acc.tail_j > 0  # the gaps between waves (and after the last) are booked, to no request
+    assert balance(acc) == pytest.approx(meter.energy_j(), rel=1e-9)

@@ -240,6 +240,10 @@ class PhaseEnergyAccount:
                             idle_busy_s += fe_busy(g0, te)
                         tail_pending = tail_pending or self._pending_j > 0
                     else:
+                        if not drained and req and ev_fin and not req.keys() - set(ev_fin):
+                            # Every request of the step before the gap finished in it (vLLM reports
+                            # them with the next step): the gap after their last step is no one's.
+                            drained = True
                         to = "tail" if drained else "req"
                         if te > g0:
                             gaps.append((te - g0, phase, req, ctx, steady, to))
