@@ -56,7 +56,7 @@ One GPU, three calls (6 servers S D D | S S D: pairs (S,D) (D,S) (S,D) across th
     POWERSAVE_FORCE_DRY_RUN=1 python3 -m benchmarks.h200_defaults --gpu 0 --order stock,defaults,defaults --budget-s 550
     POWERSAVE_FORCE_DRY_RUN=1 python3 -m benchmarks.h200_defaults --gpu 0 --order stock,stock,defaults --budget-s 550
     POWERSAVE_FORCE_DRY_RUN=1 python3 -m benchmarks.h200_defaults --gpu 0 --order defaults,fix --segments starvation,reqenergy --budget-s 550
-    python3 benchmarks/h200_defaults_record.py OUT_A/defaults-*.json OUT_B/defaults-*.json OUT_C/defaults-*.json \
+    python3 -m benchmarks.h200_defaults_record OUT_A/defaults-*.json OUT_B/defaults-*.json OUT_C/defaults-*.json \
         --trace-out docs/results/h200-closed-loop-decisions
 
 (on the device after ``device.sh unpack`` and the wheel into /tmp/psite; PYTHONPATH=/tmp/site).

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Records from ``benchmarks/h200_defaults.py`` raw files: stock vs the plugin's defaults.
 
-``python3 benchmarks/h200_defaults_record.py RAW.json[.gz]... [--out-dir docs/results]`` writes
+``python -m benchmarks.h200_defaults_record RAW.json[.gz]... [--out-dir docs/results]`` writes
 
 * ``h200-defaults.json`` + ``.md`` + ``.png``: ``pairs``; ``idle`` (``stock_w``, ``defaults_w``,
   ``power_ratio``); ``rates`` (per request rate: ``stock_gpu_idle_share``, ``idle_bound_saving``,
@@ -33,51 +33,20 @@ import time
 from pathlib import Path
 from typing import Any
 
-#: Student-t 0.975 quantiles by degrees of freedom (1..30); larger df use 1.96.
-T975 = [
-    12.706,
-    4.303,
-    3.182,
-    2.776,
-    2.571,
-    2.447,
-    2.365,
-    2.306,
-    2.262,
-    2.228,
-    2.201,
-    2.179,
-    2.160,
-    2.145,
-    2.131,
-    2.120,
-    2.110,
-    2.101,
-    2.093,
-    2.086,
-    2.080,
-    2.074,
-    2.069,
-    2.064,
-    2.060,
-    2.056,
-    2.052,
-    2.048,
-    2.045,
-    2.042,
-]
+from benchmarks.lib.stats import mean_ci95
+
 ARMS = ("stock", "defaults")
 
 
 def mean_ci(xs: list[float]) -> tuple[float | None, list[float] | None]:
+    """Mean and t-based 95 % interval of the finite values (lib.stats); no interval below 2."""
     xs = [x for x in xs if x is not None and math.isfinite(x)]
     if not xs:
         return None, None
-    m = statistics.fmean(xs)
     if len(xs) < 2:
-        return m, None
-    h = (T975[len(xs) - 2] if len(xs) - 1 <= len(T975) else 1.96) * statistics.stdev(xs) / math.sqrt(len(xs))
-    return m, [m - h, m + h]
+        return xs[0], None
+    m, lo, hi = mean_ci95(xs)
+    return m, [lo, hi]
 
 
 def r(x: Any, nd: int = 4) -> Any:

@@ -5,9 +5,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from benchmarks import h200_defaults_record as rec
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import h200_defaults_record as rec  # noqa: E402
 
 
 def window(rate, tps, tokj, energy_j, window_s, idle_share, ttft=20.0, tpot=8.0):
@@ -106,7 +106,8 @@ def test_record_cli_writes_both_records_and_degrades_without_energy(tmp_path):
     f = tmp_path / "raw.json"
     f.write_text(json.dumps({**raw([s, d]), "measured": False}))
     subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "h200_defaults_record.py"), str(f), "--out-dir", str(tmp_path)],
+        [sys.executable, "-m", "benchmarks.h200_defaults_record", str(f), "--out-dir", str(tmp_path)],
+        cwd=ROOT,
         check=True,
         capture_output=True,
     )
@@ -244,13 +245,15 @@ def test_trace_out_summarises_closed_loop_decisions_per_bucket(tmp_path):
     subprocess.run(
         [
             sys.executable,
-            str(ROOT / "benchmarks" / "h200_defaults_record.py"),
+            "-m",
+            "benchmarks.h200_defaults_record",
             str(f),
             "--out-dir",
             str(tmp_path),
             "--trace-out",
             str(stem),
         ],
+        cwd=ROOT,
         check=True,
         capture_output=True,
     )
