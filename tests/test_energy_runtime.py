@@ -189,6 +189,11 @@ def test_tensor_parallel_ranks_sum_to_engine_and_requests(monkeypatch, tmp_path)
                 rt.on_step_end()
                 rt.account.tick()
         for rt in rts:
+            # The background publisher keeps ticking the account (and the fake counter's interpolation
+            # keeps adding energy): stop it, so the scrape and the accounts below are one moment.
+            rt._stop.set()
+            rt._wake.set()
+            rt._thread.join()
             rt.account.tick()
             rt.publish()
         m = scrape(tmp_path)
