@@ -16,6 +16,18 @@ def test_runs_below_half_the_median_throughput_are_flagged():
     assert _suspect_runs({"a": {"output_throughput": 1.0}, "b": {"output_throughput": 100.0}}) == {}  # two runs: no median to trust
 
 
+def test_a_rate_capped_run_is_compared_only_with_runs_at_its_rate():
+    runs = {
+        f"{arm} (run {i})": {"output_throughput": t}
+        for i, (arm, t) in enumerate(
+            [("off", 61.0), ("on", 60.0), ("on", 62.0), ("off", 59.0), ("off", 700.0), ("on", 690.0), ("on", 710.0), ("off", 240.0)]
+        )
+    }
+    rate_of = {k: (1.0 if i < 4 else float("inf")) for i, k in enumerate(runs)}
+    assert _suspect_runs(runs, rate_of) == {"off (run 7)": 240.0 / 695.0}  # only the slow saturated run
+    assert len(_suspect_runs(runs)) == 4  # one median over both rates flags every 1 req/s run
+
+
 def test_gpu_main_job_compares_stock_with_the_plugin_defaults():
     import json
 

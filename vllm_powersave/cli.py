@@ -15,15 +15,22 @@ from .stats_contract import WorkerSnapshot, snapshot_from_json, snapshot_name
 PRESET_DIR = Path(__file__).parent / "presets"
 
 
-def _suspect_runs(results: dict[str, dict]) -> dict[str, float]:
-    """Runs whose output throughput is below half the median of all runs (e.g. a busy 2-core CPU)."""
+def _suspect_runs(results: dict[str, dict], rate_of: dict[str, float] | None = None) -> dict[str, float]:
+    """Runs whose output throughput is below half the median of the runs at the same request rate
+    (``rate_of``: label -> req/s; a rate-capped run is not compared with a saturated one), e.g. on
+    a busy 2-core CPU."""
     import statistics
 
-    tput = {k: r.get("output_throughput") for k, r in results.items() if r.get("output_throughput")}
-    if len(tput) < 3:
-        return {}
-    med = statistics.median(tput.values())
-    return {k: v / med for k, v in tput.items() if v < 0.5 * med}
+    groups: dict[float | None, dict[str, float]] = {}
+    for k, r in results.items():
+        if r.get("output_throughput"):
+            groups.setdefault((rate_of or {}).get(k), {})[k] = r["output_throughput"]
+    out: dict[str, float] = {}
+    for tput in groups.values():
+        if len(tput) >= 3:
+            med = statistics.median(tput.values())
+            out.update({k: v / med for k, v in tput.items() if v < 0.5 * med})
+    return out
 
 
 def _cmd_make_model(ns: argparse.Namespace) -> int:
@@ -230,10 +237,10 @@ def _cmd_compare(ns: argparse.Namespace) -> int:
             "engine happened to batch in each run, which on a 2-core CPU varies a lot: use the section above for the presets' effect.\n"
         )
     md += "\n" + table + "\n"
-    suspect = _suspect_runs(results)
+    suspect = _suspect_runs(results, {label: rate for label, rate, _ in rated})
     if suspect:
         md += "\n" + "".join(
-            f"- **{k}**: output throughput {v:.2f}x the median of all runs: the machine was likely busy "
+            f"- **{k}**: output throughput {v:.2f}x the median of the runs at its request rate: the machine was likely busy "
             "with something else; treat this run's figures as unreliable and repeat it.\n"
             for k, v in suspect.items()
         )
