@@ -456,7 +456,7 @@ def trace_members(tar_path: Path) -> dict[str, list[dict]]:
 
 
 def closed_loop_summary(raws: list[dict], tars: dict[str, Path | None]) -> dict:
-    """Issue 19: what the closed-loop decode clock decided in dry-run (nothing was set) on the
+    """What the closed-loop decode clock decided in dry-run (nothing was set) on the
     defaults servers: decision records by kind; per decode-batch bucket the step time measured at
     the default clock (every step of a dry-run ran there), the clocks it would have probed and held,
     and the steps observed; the worker snapshot's ``closed_loop`` state at the end."""
@@ -594,7 +594,7 @@ def main() -> int:
     ap.add_argument(
         "--trace-out",
         default=None,
-        help="also write the closed-loop decision summary (issue 19) to TRACE_OUT.json/.md "
+        help="also write the closed-loop decision summary to TRACE_OUT.json/.md "
         "(e.g. docs/results/h200-closed-loop-decisions), from the servers tarballs",
     )
     ap.add_argument(
