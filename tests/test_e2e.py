@@ -314,7 +314,9 @@ def test_drift_server_serves_without_the_hook_it_lost(tiny_model, tmp_path):
         assert c["usage"]["completion_tokens"] == 8 and len(c["choices"][0]["prompt_logprobs"]) >= 2
         time.sleep(1.0)  # one publish period of the worker's counters
         m = _metrics(srv.base_url)
-    text = log.read_text()
+        # The log while serving: at shutdown vLLM 0.32's API server may log its own output-handler
+        # traceback when the engine core exits first, which says nothing about the plugin.
+        text = log.read_text()
     drift = [ln for ln in text.splitlines() if "drifted" in ln]
     assert drift and all("register_oot" in ln and "LM-head chunking" in ln for ln in drift), drift
     # One warning per process that installs the worker hooks (API server, engine core), never two in one.
