@@ -57,3 +57,14 @@ def _no_stale_vllm_cpu_shm():
             except OSError:
                 pass  # alive (or not ours to judge): keep it
     yield
+
+
+@pytest.fixture(autouse=True)
+def _fake_cuda_step_timer(monkeypatch):
+    """Runtimes built on a fake CUDA device (FakeNvml) time steps with a fake CUDA-event timer:
+    this machine's torch has no CUDA. Tests of the timer itself replace it again."""
+    from fakes import FakeCudaStepTimer
+
+    from vllm_powersave.runtime import build
+
+    monkeypatch.setattr(build, "CudaEventStepTimer", FakeCudaStepTimer)

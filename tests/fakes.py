@@ -414,3 +414,58 @@ def energy_series(metrics_text: str) -> tuple[dict[str, float], dict[str, float]
         if line.startswith("powersave_engine_energy_joules_total{"):
             engine[line.split(" ")[0]] = float(line.rsplit(" ", 1)[1])
     return per_gpu, engine
+
+
+class FakeCudaStepTimer:
+    """Stands in for ``device.step_timer.CudaEventStepTimer`` where the test machine has no CUDA.
+
+    A mark is ``[start_s, stop_s, done]``; by default every step is complete at once and its GPU time
+    is its host time. ``gpu_ms``: report this GPU time instead (a step whose launch is not its run:
+    async scheduling); ``hold()``: the GPU has not reached the marks stopped from now on, until
+    ``finish()``; ``fail_on``: raise from that method (a CUDA fault).
+    """
+
+    source = "cuda_events"
+
+    def __init__(self, device_index: int = 0, gpu_ms: float | None = None, fail_on: str | None = None) -> None:
+        self.device_index = device_index
+        self.gpu_ms = gpu_ms
+        self.fail_on = fail_on
+        self._holding = False
+        self._held: list[list] = []
+        self.started = self.released = 0
+
+    def _maybe_fail(self, name: str) -> None:
+        if self.fail_on == name:
+            raise RuntimeError(f"CUDA error: fake fault in {name}")
+
+    def start(self):
+        self._maybe_fail("start")
+        self.started += 1
+        return [time.monotonic(), None, False]
+
+    def stop(self, mark) -> None:
+        self._maybe_fail("stop")
+        mark[1] = time.monotonic()
+        if self._holding:
+            self._held.append(mark)
+        else:
+            mark[2] = True
+
+    def hold(self) -> None:
+        self._holding = True
+
+    def finish(self) -> None:
+        self._holding = False
+        for m in self._held:
+            m[2] = True
+        self._held.clear()
+
+    def elapsed_ms(self, mark):
+        self._maybe_fail("elapsed_ms")
+        if not mark[2]:
+            return None
+        return self.gpu_ms if self.gpu_ms is not None else (mark[1] - mark[0]) * 1e3
+
+    def release(self, mark) -> None:
+        self.released += 1

@@ -251,7 +251,11 @@ def trace_line(r: Any) -> str:
 CLOSED_LOOP_KEY = "closed_loop"
 
 
-def closed_loop_line(record: Any) -> str:
+def closed_loop_line(record: Any, step_time_source: str | None = None) -> str:
     """One closed-loop decision record (``clocks.closed_loop.ClosedLoopRecord``) as a trace line
-    ``{"closed_loop": {...}}``: the decision and the step measurement behind it."""
-    return json.dumps({CLOSED_LOOP_KEY: record.as_dict()}) + "\n"
+    ``{"closed_loop": {...}}``: the decision and the step measurement behind it, with where its
+    step times came from (``cuda_events``, ``simulated`` or ``engine_wall``: device/step_timer.py)."""
+    d = record.as_dict()
+    if step_time_source is not None:
+        d["step_time_source"] = step_time_source
+    return json.dumps({CLOSED_LOOP_KEY: d}) + "\n"

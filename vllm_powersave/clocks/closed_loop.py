@@ -205,8 +205,8 @@ class DecodeClockTuner:
         """Feed one finished engine step; returns the SM clock for the next decode steps.
 
         ``now_s``: the step's end (s, monotonic); ``batch``: decode requests in the step;
-        ``step_ms``: its engine-thread wall time; ``ran_at_mhz``: the clock it ran at entirely
-        (``None``: default, ``UNKNOWN``: a change landed in it); ``ctx_tokens``: decode context
+        ``step_ms``: its time (on the GPU where timed there: device/step_timer.py); ``ran_at_mhz``:
+        the clock it ran at entirely (``None``: default, ``UNKNOWN``: a change landed in it); ``ctx_tokens``: decode context
         (KV tokens read); ``memory_bound``: False for compute-bound steps (they keep the default
         clock and are not measured); ``tokens``: tokens scheduled in the step (``None``: ``batch``,
         a pure decode step). A small mixed step (prompt tokens riding along) gets the bucket's clock

@@ -320,16 +320,26 @@ class ClockController:
         return clock
 
     def observe_decode_step(
-        self, now_s: float, batch: int, step_ms: float, memory_bound: bool = True, ctx_tokens: float = 0.0, tokens: int | None = None
+        self,
+        now_s: float,
+        batch: int,
+        step_ms: float,
+        memory_bound: bool = True,
+        ctx_tokens: float = 0.0,
+        tokens: int | None = None,
+        span_s: tuple[float, float] | None = None,
     ) -> int | None:
         """Feed one finished step to the closed-loop decode clock; returns its SM clock (MHz) for
         the next decode steps (``None``: default), which the next :meth:`on_phase` applies through
         the usual dwell (lowering) or at once (raising), with every lease and reset guarantee.
 
         ``now_s``: the step's end on the same clock as ``on_phase``'s ``now``; ``batch``: decode
-        requests in it; ``step_ms``: its engine-thread wall time; ``memory_bound``: the step's
-        regime (False: not measured, default clock); ``ctx_tokens``: decode context (KV tokens);
-        ``tokens``: tokens scheduled in the step (``None``: ``batch``; a mixed step is not measured).
+        requests in it; ``step_ms``: its time (on the GPU where timed there: device/step_timer.py);
+        ``memory_bound``: the step's regime (False: not measured, default clock); ``ctx_tokens``:
+        decode context (KV tokens); ``tokens``: tokens scheduled in the step (``None``: ``batch``; a
+        mixed step is not measured); ``span_s``: the interval (same clock as ``now_s``) the step can
+        have run in (``None``: the ``step_ms`` before ``now_s``); a clock switch landing anywhere in
+        it makes the step no measurement.
         A no-op returning ``None`` when the loop is off, overridden by a static decode preset,
         disabled after a fault, or closed.
 
@@ -340,7 +350,7 @@ class ClockController:
         tuner = self.closed_loop
         if tuner is None or self.disabled_reason is not None or self._closed:
             return None
-        ran = self.ran_at(now_s - step_ms / 1000.0, now_s)
+        ran = self.ran_at(*span_s) if span_s is not None else self.ran_at(now_s - step_ms / 1000.0, now_s)
         tuner.dry_run = self.backend.kind == "dry-run"  # also after a permission fallback
         mhz = tuner.observe(now_s, batch, step_ms, ran, ctx_tokens, memory_bound, tokens)
         if memory_bound:

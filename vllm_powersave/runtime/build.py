@@ -23,6 +23,7 @@ from ..clocks.boost import BoostController, BoostHolder
 from ..clocks.mode import probe_and_select
 from ..clocks.regime import RegimeFilter
 from ..device import GpuError, NvmlGpu, init_nvml
+from ..device.step_timer import WALL, CudaEventStepTimer, SimulatedStepTimer, StepTimer
 from ..energy import PhaseEnergyAccount, SimulatedEnergyMeter, request_cost
 from ..energy.meters import EnergyMeter, UnavailableEnergyMeter, open_nvml_meter
 from ..envs import ENV_FORCE_DRY_RUN
@@ -202,7 +203,13 @@ class WorkerRuntime(StepPath, Publisher):
         # Step records for the account, the trace and the simulator (on_step_start -> drain_steps).
         # The closed-loop decode clock learns from finished steps, fed by drain_steps off the step path.
         self._closed_loop = self.clocks.closed_loop is not None
+        self._closed_loop_off_reason: str | None = None
         self._closed_loop_written = 0  # its decision records already in the trace
+        # Where the closed loop's step times come from (device/step_timer.py), and the timed steps
+        # whose end the GPU has not reached yet (oldest first: fed to the loop in step order).
+        self._step_timer: StepTimer | None = self._make_step_timer() if self._closed_loop else None
+        self.step_time_source = self._step_timer.source if self._step_timer is not None else WALL
+        self._timed_steps: deque[tuple[float, float, Any, Any]] = deque()
         self._steps: deque[StepRecord] | None = (
             deque() if (self.account is not None or self._trace is not None or self.sim is not None or self._closed_loop) else None
         )
@@ -250,7 +257,7 @@ class WorkerRuntime(StepPath, Publisher):
             self.clock_choice,
             self.boost.snapshot() if self.boost is not None else None,
             self._on_gpu,
-            self.clocks.disabled_reason,
+            self.clocks.disabled_reason or (f"closed loop off: {self._closed_loop_off_reason}" if self._closed_loop_off_reason else None),
             self.clocks.backend.kind,
         )
 
@@ -290,6 +297,28 @@ class WorkerRuntime(StepPath, Publisher):
         elif self.sim is not None:
             supported = self.sim.spec.sm_clocks_mhz
         return DryRunClockBackend(supported)
+
+    def _make_step_timer(self) -> StepTimer | None:
+        """The closed loop's step timer: the simulated GPU's step time where the clock is the
+        simulator's, CUDA events on a GPU, else ``None`` (engine-thread wall time: vLLM's CPU build
+        runs a step synchronously). On a GPU whose events fail the loop is off, with one warning:
+        the engine-thread time there is launch time under async scheduling, not the step's."""
+        if self.clocks.backend.kind == "simulated" and self.sim is not None and self.model_cost is not None:
+            return SimulatedStepTimer()
+        if not self._on_gpu:
+            return None
+        try:
+            return CudaEventStepTimer(self.device_index)
+        except Exception as exc:
+            self._closed_loop_off(f"no CUDA event timing ({exc})")
+            log.warning("powersave: cannot time steps with CUDA events (%s); the closed-loop decode clock is off", exc)
+            return None
+
+    def _closed_loop_off(self, reason: str) -> None:
+        """Stop feeding the closed loop (its decode clock stays at the default); the snapshot's
+        ``savings`` then shows the clock saving as failed, with ``reason``."""
+        self._closed_loop = False
+        self._closed_loop_off_reason = reason
 
     def _zeusd_backend(self, settings: PowersaveSettings, gpu: NvmlGpu | None) -> ClockBackend:
         """Zeus's daemon for unprivileged servers; unreachable or unset -> dry-run, one warning."""

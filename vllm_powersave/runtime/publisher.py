@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import envs, ray_relay, vllm_compat
+from ..device.step_timer import SimulatedStepTimer
 from ..energy import PhaseEnergyAccount
 from ..sim.gpu import SimulatedGpu
 from ..stats_contract import RequestLine, TraceLine, WorkerSnapshot, closed_loop_line, requests_name, snapshot_to_json, trace_line
@@ -60,15 +61,24 @@ class Publisher:
                     break
                 steps.popleft()
                 info = rec.info
+                t_end = rec.t_end
+                if (
+                    closed_loop
+                    and t_end is not None
+                    and info is not None
+                    and info is not WARMUP
+                    and info is not FAILED
+                    and info.phase != "idle"
+                ):
+                    self._time_closed_loop_step(rec, t_end, info)
+                elif rec.mark is not None and self._step_timer is not None:
+                    self._step_timer.release(rec.mark)  # a step the loop does not learn from
                 if info is WARMUP:
                     continue  # vLLM's kernel warm-up on a serving worker: no served work
-                t_end = rec.t_end
                 if acc is not None and t_end is not None:
                     acc.on_step_end(t_end)
                 if info is FAILED:
                     continue
-                if closed_loop and t_end is not None and info is not None and info.phase != "idle":
-                    self._observe_closed_loop(rec.t, t_end, info)
                 if trace is not None and info is not None and info.phase != "idle":
                     trace.append(
                         TraceLine(
@@ -84,20 +94,53 @@ class Publisher:
                         )
                     )
 
-    def _observe_closed_loop(self, t_start: float, t_end: float, info: Any) -> None:
-        """One finished step to the closed-loop decode clock (clocks/closed_loop.py): its
-        engine-thread wall time, decode batch and regime. A fault turns the loop off, once."""
+    def _time_closed_loop_step(self, rec: StepRecord, t_end: float, info: Any) -> None:
+        """Queue a finished step for the closed loop, then feed it every queued step whose time is
+        known, in step order: a CUDA-timed step waits until the GPU has passed its end event (read
+        without blocking, at the next drain if not yet), and is then timed as the GPU ran it
+        (device/step_timer.py). Without a timer the engine-thread wall time is the step's time."""
+        timer = self._step_timer
+        if timer is None or rec.mark is None:
+            if timer is None:
+                self._observe_closed_loop(t_end, (t_end - rec.t) * 1e3, info)
+            return
+        wait = self._timed_steps
+        wait.append((rec.t, t_end, rec.mark, info))
+        try:
+            while wait:
+                t_start, t_end, mark, info = wait[0]
+                step_ms = timer.elapsed_ms(mark)
+                if step_ms is None:
+                    break  # still running on the GPU
+                wait.popleft()
+                timer.release(mark)
+                # The GPU runs a step after its launch and, with async scheduling, up to about one
+                # step after the engine thread moved on: a clock switch anywhere in that span makes
+                # the step no measurement.
+                self._observe_closed_loop(t_end, step_ms, info, (t_start, t_end + 2e-3 * step_ms))
+        except Exception as exc:
+            self._closed_loop_off(f"step timer fault ({type(exc).__name__})")
+            self._step_timer = None
+            wait.clear()
+            vllm_compat.fault_once("step_timer", exc, "reading a step's GPU time", "the decode clock stays at its default")
+
+    def _observe_closed_loop(self, t_end: float, step_ms: float, info: Any, span_s: tuple[float, float] | None = None) -> None:
+        """One finished step to the closed-loop decode clock (clocks/closed_loop.py): its time
+        (``step_time_source``), decode batch and regime. A fault turns the loop off, once."""
+        if not self._closed_loop:
+            return
         try:
             self.clocks.observe_decode_step(
                 t_end,
                 info.decode_reqs,
-                (t_end - t_start) * 1e3,
+                step_ms,
                 memory_bound=info.decode_reqs > 0 and info.num_tokens <= self.settings.clocks.memory_bound_max_tokens,
                 ctx_tokens=info.decode_ctx_tokens,
                 tokens=info.num_tokens,
+                span_s=span_s,
             )
         except Exception as exc:
-            self._closed_loop = False
+            self._closed_loop_off(f"fault ({type(exc).__name__})")
             vllm_compat.fault_once("closed_loop", exc, "feeding the closed-loop decode clock", "the decode clock stays at its default")
 
     def _step_fed(self, rec: StepRecord, acc: PhaseEnergyAccount | None, plp: Any, sim: SimulatedGpu | None, want_rows: bool) -> None:
@@ -135,7 +178,9 @@ class Publisher:
             acc.on_step(info.phase, info.prefill_tokens, info.decode_tokens, req, fin, steady, t=t, req_ctx=ctx)
         if sim is not None and self.model_cost is not None:
             work = self.model_cost.step_work(info.num_tokens, rows, info.decode_ctx_tokens, self.model_cost.vocab_params)
-            sim.run(work)
+            res = sim.run(work)
+            if rec.mark is not None and isinstance(self._step_timer, SimulatedStepTimer):
+                self._step_timer.set_ms(rec.mark, res.time_s * 1e3)
             if self.sim_stock is not None:
                 self.sim_stock.run(work)
 
@@ -235,7 +280,11 @@ class Publisher:
             "cuda_boost": self.boost.snapshot() if self.boost is not None else None,
             "transport": ray_relay.describe(self._relay),
             "clock_mode": self.clock_choice.controller,
-            "closed_loop": self.clocks.closed_loop.snapshot() if self.clocks.closed_loop is not None else None,
+            "closed_loop": (
+                {**self.clocks.closed_loop.snapshot(), "step_time_source": self.step_time_source, "active": self._closed_loop}
+                if self.clocks.closed_loop is not None
+                else None
+            ),
             "savings": self.savings(),
             **self.starvation_snapshot(),
             "ray_node_id": self._relay.node_id if self._relay is not None else None,
@@ -255,7 +304,7 @@ class Publisher:
             new = min(tuner.n_records - self._closed_loop_written, len(tuner.records))
             self._closed_loop_written = tuner.n_records
             recs = list(tuner.records)[len(tuner.records) - new :] if new > 0 else []
-            lines += [closed_loop_line(r) for r in recs]
+            lines += [closed_loop_line(r, self.step_time_source) for r in recs]
         if lines:
             self._write_lines(self._trace_path, lines)
 

@@ -28,10 +28,11 @@ class StepRecord:
     ``info``: the ``StepInfo`` (``None`` until the drain classifies it; :data:`FAILED` or
     :data:`WARMUP` for steps the drain leaves out); ``so``: vLLM's ``SchedulerOutput`` (dropped
     once fed); ``sm_mhz``: the SM clock target decided for it; ``t_end``: its end (s, monotonic;
-    ``None`` while it runs); ``rows``: its LM-head rows (set by the drain where read).
+    ``None`` while it runs); ``rows``: its LM-head rows (set by the drain where read); ``mark``: its
+    step timer's mark (device/step_timer.py; ``None``: untimed, the closed loop is off).
     """
 
-    __slots__ = ("t", "info", "so", "sm_mhz", "t_end", "rows")
+    __slots__ = ("t", "info", "so", "sm_mhz", "t_end", "rows", "mark")
 
     def __init__(self, t: float, info: Any, so: Any, sm_mhz: int | None) -> None:
         self.t = t
@@ -40,6 +41,7 @@ class StepRecord:
         self.sm_mhz = sm_mhz
         self.t_end: float | None = None
         self.rows = 0
+        self.mark: Any = None
 
 
 #: Record markers (in ``StepRecord.info``) for steps the drain leaves out: a step that could not
@@ -137,6 +139,12 @@ class StepPath:
                 if self.boost is not None:
                     self.boost.on_busy(t_step)
                 rec = StepRecord(t_step, info, scheduler_output, clocks.current.sm_clock_mhz)
+                timer = self._step_timer
+                if timer is not None:
+                    try:
+                        rec.mark = timer.start()  # the closed loop's step time, on the GPU
+                    except Exception as exc:
+                        self._step_timer_failed(exc)
         if steps is None:
             return
         steps.append(rec)
@@ -155,4 +163,18 @@ class StepPath:
         if rec is not None:
             self._open_rec = None
             if rec.t_end is None:
+                if rec.mark is not None:
+                    timer = self._step_timer
+                    if timer is not None:
+                        try:
+                            timer.stop(rec.mark)  # before t_end: the drain reads the mark once t_end is set
+                        except Exception as exc:
+                            self._step_timer_failed(exc)
                 rec.t_end = time.monotonic()
+
+    def _step_timer_failed(self, exc: Exception) -> None:
+        """A step timer that faults on the step path turns the closed loop off (once); the step
+        itself is still recorded, metered and traced."""
+        self._step_timer = None
+        self._closed_loop_off(f"step timer fault ({type(exc).__name__})")
+        vllm_compat.fault_once("step_timer", exc, "timing a step on the GPU", "the decode clock stays at its default")
