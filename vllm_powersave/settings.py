@@ -338,8 +338,11 @@ class PowersaveSettings(_Strict):
     cuda_perf_boost: Literal["on", "off", "auto"] = "auto"
     #: "auto" only: seconds without an engine step before the side context is released (s).
     #: At least 0.25 s: one hold plus one release takes ~0.24 s on the H200 (171 + 71 ms), so a
-    #: shorter dwell only makes the side context flap between steps.
-    boost_release_after_s: float = Field(default=2.0, ge=0.25, le=3600, allow_inf_nan=False)
+    #: shorter dwell only makes the side context flap between steps. Default 0.5 s (twice that):
+    #: the boost is paid for every idle gap up to the dwell, and at 0.2 req/s a 2 s dwell kept 62 %
+    #: of the idle-power saving on the table (docs/results/h200-defaults-release2s.md). A request
+    #: that arrives unboosted costs ~3 ms TTFT until the hold lands (h200-perf-boost.md, wake-up).
+    boost_release_after_s: float = Field(default=0.5, ge=0.25, le=3600, allow_inf_nan=False)
     #: Write one JSON line per engine step (phase, tokens, LM-head rows, clock decision, host
     #: start/end times in s) to ``stats_dir/trace-rank<N>.jsonl``: the data the controller and the
     #: simulator are judged against. Costs a dict and a list append per step.
