@@ -96,6 +96,15 @@ def main() -> None:
                 timer.release(mark)
         torch.cuda.synchronize()
         cost[timed].append((time.perf_counter() - t) / args.steps * 1e6)
+    ev = torch.cuda.Event(enable_timing=True)
+    per_call = {}
+    for name, call in (("event_record_public_us", ev.record), ("timer_record_us", lambda: timer._record_now(ev))):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(args.steps):
+            call()
+        per_call[name] = round((time.perf_counter() - t) / args.steps * 1e6, 3)
+        torch.cuda.synchronize()
     gpu_ms, launch_ms = run(200)  # 3 launches per step: stays inside the ~1,024-entry launch queue
     gpu_ms.sort()
     launch_ms.sort()
@@ -112,6 +121,7 @@ def main() -> None:
         "host_launch_ms_p50": round(launch_ms[len(launch_ms) // 2], 4),
         "timer_host_us_per_step": {"mean": round(m, 3), "ci95": [round(lo, 3), round(hi, 3)], "blocks": args.blocks},
         "host_us_per_step_without": round(sum(cost[False]) / len(cost[False]), 3),
+        **per_call,
     }
     print(json.dumps(out, indent=1))
     if args.out:

@@ -45,9 +45,17 @@ class CudaEventStepTimer:
 
         if not torch.cuda.is_available():
             raise RuntimeError("CUDA is not available")
+        self._torch = torch
         self._event = torch.cuda.Event
         self._device_index = device_index
         self._free: deque[tuple[Any, Any]] = deque()
+        # ``Event.record()`` with no stream builds a ``torch.cuda.Stream`` object for the current
+        # stream on every call, most of its host cost (docs/results/h200-step-timer.md). The
+        # current stream's id is a cheap C call: the Stream object is rebuilt only when it changes.
+        self._current_id = getattr(torch._C, "_cuda_getCurrentStream", None)
+        self._record = getattr(getattr(torch._C, "_CudaEventBase", None), "record", None)
+        self._stream_key: Any = None
+        self._stream: Any = None
         # Create one pair now so that a CUDA fault shows at construction, not on the step path.
         with torch.cuda.device(device_index):
             self._free.append(self._pair())
@@ -55,16 +63,27 @@ class CudaEventStepTimer:
     def _pair(self) -> tuple[Any, Any]:
         return (self._event(enable_timing=True), self._event(enable_timing=True))
 
+    def _record_now(self, event: Any) -> None:
+        """Record ``event`` on the engine thread's current stream."""
+        if self._current_id is None or self._record is None:
+            event.record()  # a torch without the private fast path: the public call
+            return
+        key = self._current_id(self._device_index)
+        if key != self._stream_key:
+            self._stream = self._torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
+            self._stream_key = key
+        self._record(event, self._stream)
+
     def start(self) -> tuple[Any, Any]:
         """Mark a step's launch; returns the mark to pass to :meth:`stop`."""
         free = self._free
         mark = free.pop() if free else self._pair()
-        mark[0].record()
+        self._record_now(mark[0])
         return mark
 
     def stop(self, mark: tuple[Any, Any]) -> None:
         """Mark the end of the step's work (after its sampling was launched)."""
-        mark[1].record()
+        self._record_now(mark[1])
 
     def elapsed_ms(self, mark: tuple[Any, Any]) -> float | None:
         """The step's span on the GPU (ms), or ``None`` while the GPU has not reached its end."""
