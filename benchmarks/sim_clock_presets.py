@@ -459,49 +459,25 @@ def main(argv: list[str] | None = None) -> int:
     group_clocks = tune_group_presets(calib, phase_clocks, log)
     ungated = {**group_clocks, "switch_latency_ms": 0.001, "group_min_switch_multiple": 1.0}
     fast = {**group_clocks, "switch_latency_ms": FAST_SWITCH_LATENCY_S * 1e3}
-    strategies = {
-        "none": Strategy("none", BASE_CLOCKS, what="no presets: driver default clocks (boost, power-capped) everywhere"),
-        "per_phase": Strategy("per_phase", phase_clocks, what="per-phase presets (decode, idle), regime filter, dwell, look-ahead"),
-        "per_phase_groups": Strategy(
-            "per_phase_groups",
-            group_clocks,
-            use_groups=True,
-            what="per-phase + kernel-group presets, groups gated at 10 x 6 ms switch latency",
-        ),
+    no_lookahead = {**phase_clocks, "lookahead": False}
+    # name: (clocks, kernel groups on, switch latency s, what it is)
+    lat, fast_lat = SWITCH_LATENCY_S, FAST_SWITCH_LATENCY_S
+    reported = {
+        "none": (BASE_CLOCKS, False, lat, "no presets: driver default clocks (boost, power-capped) everywhere"),
+        "per_phase": (phase_clocks, False, lat, "per-phase presets (decode, idle), regime filter, dwell, look-ahead"),
+        "per_phase_groups": (group_clocks, True, lat, "per-phase + kernel-group presets, groups gated at 10 x 6 ms switch latency"),
     }
-    diagnostics = {
-        "groups_ungated": Strategy(
-            "groups_ungated",
-            ungated,
-            use_groups=True,
-            what="kernel-group presets applied regardless of the gate (physics: 6 ms switch latency)",
-        ),
-        "groups_fast_switch": Strategy(
-            "groups_fast_switch",
-            fast,
-            use_groups=True,
-            latency_s=FAST_SWITCH_LATENCY_S,
-            what="what-if: 0.05 ms switch latency (Blackwell-class, cited), gate at 10 x 0.05 ms",
-        ),
-        "groups_fast_switch_ungated": Strategy(
-            "groups_fast_switch_ungated",
-            ungated,
-            use_groups=True,
-            latency_s=FAST_SWITCH_LATENCY_S,
-            what="ceiling of kernel-group presets: 0.05 ms switch latency and no gate",
-        ),
-        "per_phase_50ms_switch": Strategy(
-            "per_phase_50ms_switch",
-            phase_clocks,
-            latency_s=0.05,
-            what="per-phase presets if a switch took 50 ms (other Hopper reports: 10-100 ms)",
-        ),
-        "per_phase_no_lookahead": Strategy(
-            "per_phase_no_lookahead",
-            {**phase_clocks, "lookahead": False},
-            what="per-phase presets without waiting-queue look-ahead and arrival ramp",
-        ),
+    diagnostic = {
+        "groups_ungated": (ungated, True, lat, "kernel-group presets applied regardless of the gate (physics: 6 ms switch latency)"),
+        "groups_fast_switch": (fast, True, fast_lat, "what-if: 0.05 ms switch latency (Blackwell-class, cited), gate at 10 x 0.05 ms"),
+        "groups_fast_switch_ungated": (ungated, True, fast_lat, "ceiling of kernel-group presets: 0.05 ms switch latency and no gate"),
+        "per_phase_50ms_switch": (phase_clocks, False, 0.05, "per-phase presets if a switch took 50 ms (other Hopper reports: 10-100 ms)"),
+        "per_phase_no_lookahead": (no_lookahead, False, lat, "per-phase presets without waiting-queue look-ahead and arrival ramp"),
     }
+    strategies, diagnostics = (
+        {name: Strategy(name, clocks, use_groups=g, latency_s=s, what=what) for name, (clocks, g, s, what) in table.items()}
+        for table in (reported, diagnostic)
+    )
     synth = synthetic_trace(ns.duration_s, seed=ns.seed, host_gap_s=gap)
     out: dict[str, Any] = {
         "what": "clock presets on the simulated H200: energy and throughput of none / per-phase / per-phase + kernel-group presets",
