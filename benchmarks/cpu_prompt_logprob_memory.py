@@ -35,6 +35,8 @@ from pathlib import Path
 from vllm_powersave.modelgen import make_model
 from vllm_powersave.serving import VllmServer, default_serve_args
 
+from .lib.ab import abba
+
 ROOT = Path(__file__).resolve().parents[1]
 
 VOCAB = 151936
@@ -205,11 +207,9 @@ def main() -> None:
     cfg_path.write_text(json.dumps(cfg, indent=2))
     started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     runs = []
-    for i in range(a.pairs):
-        for j, arm in enumerate(("off", "on", "on", "off")):
-            r = run_arm(model, arm, a.prompt_tokens, a.requests, work, seed=4 * i + j)
-            print(json.dumps(r), flush=True)
-            runs.append(r)
+    for k, (_, arm) in enumerate(abba(("off", "on"), 2 * a.pairs)):  # --pairs ABBA blocks: off on, on off
+        runs.append(run_arm(model, arm, a.prompt_tokens, a.requests, work, seed=k))
+        print(json.dumps(runs[-1]), flush=True)
     by = {arm: [r for r in runs if r["arm"] == arm] for arm in ("off", "on")}
     summary = {
         arm: {
