@@ -13,7 +13,8 @@ one while the body stays cheap), the plugin on in both arms; arm ``off``: no chu
 VmHWM (peak resident set, /proc) is read for every process of the server (the model runs in vLLM's worker process), then
 ``--requests`` completions
 with ``prompt_logprobs=1`` over a ``--prompt-tokens``-token prompt run one after another, and VmHWM
-is read again. Writes docs/results/cpu-prompt-logprob-memory.{json,md}.
+is read again. Writes docs/results/cpu-prompt-logprob-memory.{json,md}. Run from the repository root:
+``python -m benchmarks.cpu_prompt_logprob_memory``.
 """
 
 from __future__ import annotations
@@ -26,17 +27,17 @@ import platform
 import random
 import re
 import statistics as st
-import sys
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from vllm_powersave.modelgen import make_model
+from vllm_powersave.serving import VllmServer, default_serve_args
 
-from vllm_powersave.modelgen import make_model  # noqa: E402
-from vllm_powersave.serving import VllmServer, default_serve_args  # noqa: E402
+from .lib.ab import abba
+
+ROOT = Path(__file__).resolve().parents[1]
 
 VOCAB = 151936
 CHUNK_TABLE = [{"min_rows": 256, "chunks": 8}]
@@ -206,11 +207,9 @@ def main() -> None:
     cfg_path.write_text(json.dumps(cfg, indent=2))
     started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     runs = []
-    for i in range(a.pairs):
-        for j, arm in enumerate(("off", "on", "on", "off")):
-            r = run_arm(model, arm, a.prompt_tokens, a.requests, work, seed=4 * i + j)
-            print(json.dumps(r), flush=True)
-            runs.append(r)
+    for k, (_, arm) in enumerate(abba(("off", "on"), 2 * a.pairs)):  # --pairs ABBA blocks: off on, on off
+        runs.append(run_arm(model, arm, a.prompt_tokens, a.requests, work, seed=k))
+        print(json.dumps(runs[-1]), flush=True)
     by = {arm: [r for r in runs if r["arm"] == arm] for arm in ("off", "on")}
     summary = {
         arm: {

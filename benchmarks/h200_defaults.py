@@ -74,30 +74,28 @@ after every server), then prints a summary table.
 
 from __future__ import annotations
 
+import argparse
+import functools
+import gzip
+import json
+import math
 import os
+import re
+import shlex
+import shutil
+import subprocess
 import sys
+import tarfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
 
-if os.environ.get("POWERSAVE_FORCE_DRY_RUN") != "1":  # first: nothing may touch a GPU before this
-    print("error: refusing to run: POWERSAVE_FORCE_DRY_RUN=1 must be set on a shared GPU", file=sys.stderr)
-    sys.exit(2)
+from .lib.device import T0, make_model, require_dry_run, write_json_atomic
+from .lib.device import log as _log
+from .lib.serve import NO_MULTICAST, SUMMARY_KEYS, metrics_text, start_server, stop, wait_healthy
 
-import argparse  # noqa: E402
-import gzip  # noqa: E402
-import json  # noqa: E402
-import math  # noqa: E402
-import re  # noqa: E402
-import shlex  # noqa: E402
-import shutil  # noqa: E402
-import signal  # noqa: E402
-import subprocess  # noqa: E402
-import tarfile  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-import urllib.request  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
-
-T0 = time.monotonic()
+log = functools.partial(_log, tag="defaults")
 
 # --- names the plugin side provides (kept here so that a rename is one edit) ------------------------
 #: Front-end starvation counters (vllm_powersave/metrics.py, docs/metrics.md): GPU energy and time
@@ -142,47 +140,17 @@ SERVER_ENV = {
     "TRANSFORMERS_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
     "PYTHONUNBUFFERED": "1",
-    "NCCL_NVLS_ENABLE": "0",
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-    "NVSHMEM_DISABLE_NVLS": "1",
-    "VLLM_ALLREDUCE_USE_SYMM_MEM": "0",
+    **NO_MULTICAST,
 }
 
+#: The A/B runner's summary keys with the p90 before the p99 of TTFT and TPOT, then the energy note
+#: and the steady-state figures.
 SUMMARY_KEYS = (
-    "completed",
-    "failed",
-    "duration",
-    "total_input_tokens",
-    "total_output_tokens",
-    "request_throughput",
-    "output_throughput",
-    "total_token_throughput",
-    "mean_ttft_ms",
-    "median_ttft_ms",
-    "p90_ttft_ms",
-    "p99_ttft_ms",
-    "mean_tpot_ms",
-    "median_tpot_ms",
-    "p90_tpot_ms",
-    "p99_tpot_ms",
-    "median_itl_ms",
-    "p99_itl_ms",
-    "median_e2el_ms",
-    "gpu_energy_j",
-    "gpu_avg_power_w",
-    "gpu_energy_per_output_token_j",
-    "output_tokens_per_joule",
-    "total_tokens_per_joule",
-    "energy_source",
-    "energy_window_s",
+    *(x for k in SUMMARY_KEYS for x in ((k.replace("p99", "p90"), k) if k in ("p99_ttft_ms", "p99_tpot_ms") else (k,))),
     "energy_note",
     "steady_state_duration_s",
     "steady_state_output_tokens_per_joule",
 )
-
-
-def log(*a: object) -> None:
-    print(f"[defaults +{time.monotonic() - T0:6.1f}s]", *a, flush=True)
 
 
 # --- GPU sampling (read-only) ------------------------------------------------------------------------
@@ -275,124 +243,12 @@ class NullSampler:
         return []
 
 
-def device_facts(gpu: int) -> dict:
-    from vllm_powersave.device import GpuError, NvmlGpu, driver_version
-
-    try:
-        g = NvmlGpu.from_index(gpu)
-        return {"name": g.name(), "driver": driver_version(g.nvml), "power_limit_w": g.power_limit_w()}
-    except (GpuError, ImportError) as exc:
-        return {"name": f"no NVML ({type(exc).__name__}: {exc})"}
-
-
 # --- servers -----------------------------------------------------------------------------------------
-def make_model(ns: argparse.Namespace) -> Path:
-    if ns.model_dir:
-        return Path(ns.model_dir)
-    d = Path("/tmp/models") / ns.shape
-    d.mkdir(parents=True, exist_ok=True)
-    shutil.copy(Path(ns.shapes_dir) / f"{ns.shape}.json", d / "config.json")
-    for f in Path(ns.tok_dir).iterdir():
-        if f.is_file() and f.name != "config.json":
-            shutil.copy(f, d / f.name)
-    return d
-
-
-def port_in_use(port: int) -> bool:
-    for f in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            for ln in Path(f).read_text().splitlines()[1:]:
-                c = ln.split()
-                if int(c[1].rsplit(":", 1)[1], 16) == port and c[3] == "0A":
-                    return True
-        except OSError:
-            continue
-    return False
-
-
-def start_server(
-    label: str,
-    model: Path,
-    port: int,
-    ns: argparse.Namespace,
-    workdir: Path,
-    env_extra: dict[str, str],
-    pythonpath: str | None,
-    extra: list[str],
-) -> tuple[subprocess.Popen, Path]:
-    if port_in_use(port):
-        raise RuntimeError(f"port {port} already has a listener: another job is using it")
-    env = {**os.environ, **env_extra}
-    if pythonpath is not None:
-        env["PYTHONPATH"] = pythonpath
-    cmd = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(model),
-        "--served-model-name",
-        "model",
-        "--load-format",
-        "dummy",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--max-model-len",
-        str(ns.max_model_len),
-        *shlex.split(ns.serve_args),
-        *extra,
-    ]
-    logp = workdir / f"server-{label}.log"
-    with open(logp, "wb") as f:
-        f.write((" ".join(cmd) + "\n" + json.dumps({k: v for k, v in env_extra.items()}) + "\n").encode())
-    logf = open(logp, "ab")
-    p = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    logf.close()
-    return p, logp
-
-
-#: Start-up failures after which the API server may stay up without an engine (it never turns healthy).
-DEAD_ENGINE = ("EngineDeadError", "Engine core initialization failed")
-
-
-def wait_healthy(p: subprocess.Popen, port: int, timeout_s: float, logp: Path) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if p.poll() is not None:
-            raise RuntimeError(f"server exited with {p.returncode} during start-up")
-        text = logp.read_text(errors="replace")
-        if any(m in text for m in DEAD_ENGINE):
-            raise RuntimeError("engine died during start-up (server log: " + next(m for m in DEAD_ENGINE if m in text) + ")")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except Exception:
-            pass
-        time.sleep(1.0)
-    raise RuntimeError(f"server not healthy after {timeout_s:.0f} s")
-
-
-def stop(p: subprocess.Popen) -> None:
-    for sig, wait in ((signal.SIGINT, 20), (signal.SIGKILL, 5)):
-        if p.poll() is not None:
-            return
-        try:
-            os.killpg(p.pid, sig)
-            p.wait(wait)
-        except Exception:
-            pass
-
-
 def scrape(port: int) -> tuple[dict[str, float], str]:
     """``powersave_*`` series of /metrics as {name{labels}: value}, and the text of those lines."""
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-            text = r.read().decode()
-    except Exception as exc:
-        return {}, f"# scrape failed: {exc}"
+    text = metrics_text(port)
+    if text.startswith("# scrape failed"):
+        return {}, text.rstrip("\n")
     out, keep = {}, []
     for line in text.splitlines():
         if line.startswith("powersave_"):
@@ -403,15 +259,6 @@ def scrape(port: int) -> tuple[dict[str, float], str]:
             except ValueError:
                 pass
     return out, "\n".join(keep)
-
-
-def metrics_text(port: int) -> str:
-    """The whole /metrics text (what ``vllm-powersave advise --metrics FILE`` reads)."""
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-            return r.read().decode()
-    except Exception as exc:
-        return f"# scrape failed: {exc}\n"
 
 
 def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -640,10 +487,9 @@ def run_advise(ns: argparse.Namespace, port: int, workdir: Path, label: str, rep
     }
 
 
-def starvation_segment(ns: argparse.Namespace, sampler: Any, port: int, logp: Path, workdir: Path, label: str) -> dict:
-    time.sleep(ns.settle_s)
-    log_off = logp.stat().st_size
-    before, _ = scrape(port)
+def starv_window(ns: argparse.Namespace, sampler: Any, port: int, label: str, after_s: float = 0.0) -> tuple[dict, dict]:
+    """The closed loop at ``--starv-conc`` (starvation segment and fix arm): harness output and
+    the window's figures, read ``after_s`` after its end."""
     h = harness(
         ns,
         port,
@@ -653,18 +499,20 @@ def starvation_segment(ns: argparse.Namespace, sampler: Any, port: int, logp: Pa
         duration_s=ns.starv_window_s,
         seed=11,
     )
-    time.sleep(1.0)  # the engine's last publish after the window
+    time.sleep(after_s)
+    sampled = sampler.window(h["t0"], h["t1"]) if h["t0"] is not None else {}
+    return h, {"concurrency": ns.starv_conc, **summary(h["res"]), "t0": h["t0"], "t1": h["t1"], "sampler": sampled}
+
+
+def starvation_segment(ns: argparse.Namespace, sampler: Any, port: int, logp: Path, workdir: Path, label: str) -> dict:
+    time.sleep(ns.settle_s)
+    log_off = logp.stat().st_size
+    before, _ = scrape(port)
+    h, w = starv_window(ns, sampler, port, label, after_s=1.0)  # 1 s: the engine's last publish after the window
     after, _ = scrape(port)
     text = metrics_text(port)
     d = delta(before, after)
     fig = starvation_figures(d)
-    w = {
-        "concurrency": ns.starv_conc,
-        **summary(h["res"]),
-        "t0": h["t0"],
-        "t1": h["t1"],
-        "sampler": sampler.window(h["t0"], h["t1"]) if h["t0"] is not None else {},
-    }
     report = {k: v for k, v in h["res"].items() if not isinstance(v, list)}
     # The window's own starvation figures where the harness did not read them (advise's --result keys).
     for key, fk in (
@@ -813,10 +661,12 @@ def run_server(
             extra += shlex.split(fix)
     srv["serve_extra"] = extra
     t_start, t_start_perf = time.monotonic(), time.perf_counter()
-    p, logp = start_server(label, model, port, ns, workdir, env, pythonpath, extra)
+    serve_args = shlex.split(ns.serve_args)
+    p = start_server(label, model, port, extra, pythonpath, workdir, env_extra=env, serve_args=serve_args, max_model_len=ns.max_model_len)
+    logp = workdir / f"server-{label}.log"
     srv["log"] = logp.name
     try:
-        wait_healthy(p, port, ns.start_timeout_s, logp)
+        wait_healthy({label: (p, port)}, ns.start_timeout_s, logs={label: logp})
         srv["startup_s"] = round(time.monotonic() - t_start, 1)
         log(f"[{label}] healthy after {srv['startup_s']} s")
         harness(ns, port, f"{label}-warm", num_prompts=ns.warm_n, max_concurrency=ns.warm_n, output_len=16, energy="none")
@@ -834,22 +684,7 @@ def run_server(
 
         if arm == "fix":
             time.sleep(ns.settle_s)
-            h = harness(
-                ns,
-                port,
-                f"{label}-starv",
-                num_prompts=n_prompts(None, ns.starv_window_s, ns.starv_conc),
-                max_concurrency=ns.starv_conc,
-                duration_s=ns.starv_window_s,
-                seed=11,
-            )
-            srv["fix_window"] = {
-                "concurrency": ns.starv_conc,
-                **summary(h["res"]),
-                "t0": h["t0"],
-                "t1": h["t1"],
-                "sampler": sampler.window(h["t0"], h["t1"]) if h["t0"] is not None else {},
-            }
+            h, srv["fix_window"] = starv_window(ns, sampler, port, label)
             log(
                 f"[{label}] c={ns.starv_conc}: {h['res'].get('output_throughput') or 0:.0f} tok/s, "
                 f"{h['res'].get('output_tokens_per_joule')} tok/J"
@@ -969,7 +804,8 @@ def print_summary(result: dict) -> None:
             print(f"{'':<12}note: {n}")
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    require_dry_run()  # first: nothing may touch a GPU before this
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--order", default="stock,defaults", help="arms in server order: stock, defaults, fix")
     ap.add_argument("--gpu", type=int, default=0, help="NVML / CUDA index (PCI bus order)")
@@ -1023,7 +859,7 @@ def main() -> int:
     ap.add_argument("--tag", default=None)
     ap.add_argument("--plan-only", action="store_true", help="print the time plan and exit (starts nothing)")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
-    ns = ap.parse_args()
+    ns = ap.parse_args(argv)
     for k, v in SERVER_ENV.items():  # the bundle's vLLM needs the first; the rest keep it offline and NVLS off
         os.environ.setdefault(k, v)
     ns.tag = ns.tag or f"gpu{ns.gpu}-{time.strftime('%m%d%H%M%S', time.gmtime())}"
@@ -1055,8 +891,10 @@ def main() -> int:
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
     raw_f, tar_f = out / f"defaults-{ns.tag}.json", out / f"servers-{ns.tag}.tar.gz"
-    model = make_model(ns)
+    model = Path(ns.model_dir) if ns.model_dir else make_model(ns.shape, Path(ns.shapes_dir), Path(ns.tok_dir))
     import vllm
+
+    from .lib.energy import device_facts  # after --plugin-site is on sys.path: it imports the plugin
 
     try:
         sampler: Any = Sampler(ns.gpu)
@@ -1069,7 +907,7 @@ def main() -> int:
         "measured": not isinstance(sampler, NullSampler),
         "tag": ns.tag,
         "gpu": ns.gpu,
-        "device": device_facts(ns.gpu),
+        "device": {k: v for k, v in device_facts(ns.gpu).items() if k != "uuid"},
         "vllm_version": vllm.__version__,
         "model": str(model),
         "shape": None if ns.model_dir else ns.shape,
@@ -1110,11 +948,7 @@ def main() -> int:
         "notes": [],
     }
 
-    def save() -> None:
-        tmp = raw_f.with_suffix(".tmp")
-        tmp.write_text(json.dumps(result))
-        tmp.replace(raw_f)
-
+    save = functools.partial(write_json_atomic, raw_f, result)
     save()
     port = ns.port or 8100 + 50 * ns.gpu
     c = seg_costs(ns)

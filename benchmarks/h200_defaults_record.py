@@ -114,30 +114,23 @@ def idle_w(s: dict) -> float | None:
     return (s.get("idle") or {}).get("avg_power_w")
 
 
+#: Per-pair figures of a rate (``per_pair`` in the record): ratios and deltas defaults / stock, the
+#: stock GPU's idle and low-power shares, the idle-power bound, the saving, each arm's tok/s, tok/J
+#: and W, and whether the fixed-length span was used.
+PAIR_FIGURES = "tokj thr ttft_d tpot share low_share bound saving stock_tps def_tps stock_tokj def_tokj stock_w def_w span".split()
+
+
+def put_mean_ci(row: dict, name: str, xs: list[float], nd: int = 4) -> None:
+    """``row[name]``: the mean of ``xs``, ``row[name + "_ci95"]``: its 95 % interval (rounded)."""
+    m, ci = mean_ci(xs)
+    row[name], row[f"{name}_ci95"] = r(m, nd), [r(x, nd) for x in ci] if ci else None
+
+
 def rates_block(pairs: list[dict]) -> list[dict]:
     rates = sorted({w["request_rate"] for p in pairs for s in (p["stock"], p["defaults"]) for w in s["windows"]}, key=rate_key)
     out = []
     for rate in rates:
-        per: dict[str, list] = {
-            k: []
-            for k in (
-                "tokj",
-                "thr",
-                "ttft_d",
-                "tpot",
-                "share",
-                "low_share",
-                "bound",
-                "saving",
-                "stock_tps",
-                "def_tps",
-                "stock_tokj",
-                "def_tokj",
-                "stock_w",
-                "def_w",
-                "span",
-            )
-        }
+        per: dict[str, list] = {k: [] for k in PAIR_FIGURES}
         n = 0
         for p in pairs:
             ws = next((w for w in p["stock"]["windows"] if w["request_rate"] == rate), None)
@@ -195,8 +188,7 @@ def rates_block(pairs: list[dict]) -> list[dict]:
                 else "mixed"
             ),
         }
-        m, ci = mean_ci(per["tokj"])
-        row["out_tok_per_j_ratio"], row["out_tok_per_j_ratio_ci95"] = r(m), [r(x) for x in ci] if ci else None
+        put_mean_ci(row, "out_tok_per_j_ratio", per["tokj"])
         row["stock_gpu_idle_share"] = r(mean_ci(per["share"])[0], 3)
         row["stock_gpu_low_power_share"] = r(mean_ci(per["low_share"])[0], 3)
         row["idle_bound_saving"] = r(mean_ci(per["bound"])[0])
@@ -204,12 +196,9 @@ def rates_block(pairs: list[dict]) -> list[dict]:
         row["bound_attained"] = (
             r(row["energy_saving"] / row["idle_bound_saving"]) if row["energy_saving"] is not None and row["idle_bound_saving"] else None
         )
-        m, ci = mean_ci(per["thr"])
-        row["throughput_ratio"], row["throughput_ratio_ci95"] = r(m), [r(x) for x in ci] if ci else None
-        m, ci = mean_ci(per["ttft_d"])
-        row["p50_ttft_ms_delta"], row["p50_ttft_ms_delta_ci95"] = r(m, 2), [r(x, 2) for x in ci] if ci else None
-        m, ci = mean_ci(per["tpot"])
-        row["p99_tpot_ratio"], row["p99_tpot_ratio_ci95"] = r(m), [r(x) for x in ci] if ci else None
+        put_mean_ci(row, "throughput_ratio", per["thr"])
+        put_mean_ci(row, "p50_ttft_ms_delta", per["ttft_d"], 2)
+        put_mean_ci(row, "p99_tpot_ratio", per["tpot"])
         row["per_pair"] = {k: [r(x) for x in v] for k, v in per.items()}
         for k, name in (
             ("stock_tps", "stock_out_tok_s"),
@@ -611,16 +600,11 @@ def main() -> int:
     measured = all(x.get("measured") for x in raws)
     pairs = pair_servers(raws)
     ir = [idle_w(p["defaults"]) / idle_w(p["stock"]) for p in pairs if idle_w(p["stock"]) and idle_w(p["defaults"]) is not None]
-    pr, pr_ci = mean_ci(ir)
-    idle = {
-        "stock_w": r(mean_ci([idle_w(p["stock"]) for p in pairs])[0], 1),
-        "defaults_w": r(mean_ci([idle_w(p["defaults"]) for p in pairs])[0], 1),
-        "power_ratio": r(pr),
-        "power_ratio_ci95": [r(x) for x in pr_ci] if pr_ci else None,
-        "pairs": len(ir),
-        "stock_sm_mhz": [(p["stock"].get("idle") or {}).get("median_sm_clock_mhz") for p in pairs],
-        "defaults_sm_mhz": [(p["defaults"].get("idle") or {}).get("median_sm_clock_mhz") for p in pairs],
-    }
+    idle = {f"{arm}_w": r(mean_ci([idle_w(p[arm]) for p in pairs])[0], 1) for arm in ARMS}
+    put_mean_ci(idle, "power_ratio", ir)
+    idle["pairs"] = len(ir)
+    for arm in ARMS:
+        idle[f"{arm}_sm_mhz"] = [(p[arm].get("idle") or {}).get("median_sm_clock_mhz") for p in pairs]
     rates = rates_block(pairs)
     starv = starvation_block(raws)
     devices = sorted({x["device"].get("name", "?") for x in raws})

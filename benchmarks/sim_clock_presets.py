@@ -36,17 +36,17 @@ import random
 import statistics
 import time
 from collections import Counter, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 from vllm_powersave.clocks import ClockController
-from vllm_powersave.clocks.backends import ClockBackend
 from vllm_powersave.phases import StepInfo
 from vllm_powersave.runtime import RegimeFilter
 from vllm_powersave.settings import load_settings
-from vllm_powersave.sim.gpu import H200, KernelGroupCost, StepWork, idle_power_w, simulate_kernel
+from vllm_powersave.sim.gpu import H200, KernelGroupCost, StepWork, simulate_kernel
+from vllm_powersave.sim.replay import LaggedBackend, LaggedClock, Trace, idle_energy_j, onoff_arrivals, run_at_clocks, schedule_v1
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -88,13 +88,6 @@ class Step:
         return self.prefill + self.decode
 
 
-@dataclass
-class Trace:
-    name: str
-    events: list  # ("step", Step) | ("idle", seconds)
-    notes: list[str] = field(default_factory=list)
-
-
 def _q(x: float) -> float:
     return float(f"{x:.3g}")
 
@@ -129,76 +122,18 @@ def step_time_at(s: Step, f: int) -> float:
 def synthetic_trace(duration_s: float, seed: int, host_gap_s: float) -> Trace:
     """Open-loop serving at stock clocks, scheduled like vLLM V1 (chunked prefill, FCFS)."""
     rng = random.Random(seed)
-    arrivals: list[tuple[float, int, int]] = []
-    t, on = 0.0, True
-    while t < duration_s:
-        if on:
-            span = rng.expovariate(1 / 30.0)
-            rate = rng.choice([2.0, 6.0, 12.0])  # light, medium, heavy load (requests/s)
-            if rng.random() < 0.3:  # a batch job: a prefill burst
-                for _ in range(rng.randint(16, 64)):
-                    arrivals.append((t, *_lengths(rng)))
-            u = t
-            while True:
-                u += rng.expovariate(rate)
-                if u >= t + span:
-                    break
-                arrivals.append((u, *_lengths(rng)))
-        else:
-            span = rng.expovariate(1 / 8.0)  # idle gap
-        t += span
-        on = not on
-    arrivals = [a for a in sorted(arrivals) if a[0] < duration_s]
-    events: list = []
-    waiting: deque = deque()
-    running: list[dict] = []
-    i, now = 0, 0.0
-    budget_max, max_seqs = 8192, 256
-    while i < len(arrivals) or waiting or running:
-        while i < len(arrivals) and arrivals[i][0] <= now:
-            waiting.append({"prompt": arrivals[i][1], "out_target": arrivals[i][2], "computed": 0, "out": 0})
-            i += 1
-        if not waiting and not running:
-            gap = arrivals[i][0] - now
-            events.append(("idle", gap))
-            now = arrivals[i][0]
-            continue
-        budget = budget_max
-        sched: list[tuple[dict, int]] = []
-        for r in running:  # running first: decodes, then continuing prefills
-            if r["computed"] >= r["prompt"]:
-                sched.append((r, 1))
-                budget -= 1
-        for r in running:
-            if r["computed"] < r["prompt"] and budget > 0:
-                c = min(r["prompt"] - r["computed"], budget)
-                sched.append((r, c))
-                budget -= c
-        while waiting and budget > 0 and len(running) < max_seqs:
-            r = waiting.popleft()
-            running.append(r)
-            c = min(r["prompt"], budget)
-            sched.append((r, c))
-            budget -= c
-        dec = [(r, c) for r, c in sched if r["computed"] >= r["prompt"]]
-        pre = [(r, c) for r, c in sched if r["computed"] < r["prompt"]]
-        n_dec, n_pre = len(dec), sum(c for _, c in pre)
+    # Light, medium and heavy load (requests/s); idle gaps of ~8 s.
+    arrivals = onoff_arrivals(rng, duration_s, (2.0, 6.0, 12.0), 8.0, _lengths)
+
+    def make_step(pre: list[tuple[dict, int]], dec: list[tuple[dict, int]], waiting: deque, out: int) -> Step:
         phase = "prefill" if not dec else ("decode" if not pre else "mixed")
         dctx = sum(r["prompt"] + r["out"] for r, _ in dec)
         patt = int(sum(c * (r["computed"] + c / 2) for r, c in pre))
         wtok = sum(r["prompt"] for _, r in zip(range(64), waiting))
-        out = n_dec
-        for r, c in pre:
-            r["computed"] += c
-            if r["computed"] >= r["prompt"]:
-                r["out"] += 1
-                out += 1
-        for r, _ in dec:
-            r["out"] += 1
-        running = [r for r in running if r["out"] < r["out_target"]]
-        s = Step(phase, n_pre, n_dec, len(sched), len(sched), dctx, patt, wtok, out, host_gap_s)
-        events.append(("step", s))
-        now += step_time_at(s, SPEC.f_max_mhz) + host_gap_s
+        n = len(pre) + len(dec)
+        return Step(phase, sum(c for _, c in pre), len(dec), n, n, dctx, patt, wtok, out, host_gap_s)
+
+    events = schedule_v1(arrivals, make_step, lambda s: step_time_at(s, SPEC.f_max_mhz) + host_gap_s)
     return Trace(
         f"synthetic-seed{seed}",
         events,
@@ -267,44 +202,6 @@ def h200_trace() -> tuple[Trace, dict[str, Any]]:
 # --------------------------------------------------------------------------------------------
 # Replay
 # --------------------------------------------------------------------------------------------
-class SimClock:
-    """The SM clock the GPU actually runs: a request takes effect ``latency_s`` later."""
-
-    def __init__(self, latency_s: float) -> None:
-        self.latency_s = latency_s
-        self.f: int | None = None  # None: driver default (boost, power-capped)
-        self.changes: deque[tuple[float, int | None]] = deque()
-
-    def request(self, t: float, f: int | None) -> None:
-        self.changes.append((t + self.latency_s, f))
-
-    def at(self, t: float) -> int | None:
-        while self.changes and self.changes[0][0] <= t:
-            self.f = self.changes.popleft()[1]
-        return self.f
-
-    def next_change(self) -> float:
-        return self.changes[0][0] if self.changes else math.inf
-
-
-class LaggedBackend(ClockBackend):
-    """The controller's backend in the simulation: records each request at the simulated time."""
-
-    kind = "simulated"
-
-    def __init__(self, clock: SimClock, now: list[float]) -> None:
-        self.clock, self.now = clock, now
-
-    def supported_sm_clocks(self) -> tuple[int, ...]:
-        return SPEC.sm_clocks_mhz
-
-    def set_clocks(self, sm_clock_mhz: int, mem_clock_mhz: int | None = None) -> None:
-        self.clock.request(self.now[0], int(sm_clock_mhz))
-
-    def reset(self) -> None:
-        self.clock.request(self.now[0], None)
-
-
 @dataclass
 class Strategy:
     name: str
@@ -317,11 +214,10 @@ class Strategy:
 
 def replay(trace: Trace, st: Strategy) -> dict[str, Any]:
     settings = load_settings({"clocks": {"backend": "simulated", **st.clocks}}, env={}).clocks
-    clock = SimClock(st.latency_s)
+    clock = LaggedClock(st.latency_s)
     now = [0.0]
-    ctl = ClockController(
-        LaggedBackend(clock, now), settings, asynchronous=False, clock=lambda: now[0], watchdog=False, host_ahead_steps=st.host_ahead_steps
-    )
+    backend = LaggedBackend(SPEC, clock, now)
+    ctl = ClockController(backend, settings, asynchronous=False, clock=lambda: now[0], watchdog=False, host_ahead_steps=st.host_ahead_steps)
     regime = RegimeFilter(
         settings.regime_window_s, settings.compute_share_max, settings.prefill_burst_tokens, settings.memory_bound_max_tokens
     )
@@ -346,23 +242,7 @@ def replay(trace: Trace, st: Strategy) -> dict[str, Any]:
                 ctl.end_group(t0)
             ctl.on_group(group, t0)
             last_group = group
-        tt, e, remaining = t0, 0.0, 1.0
-        while remaining > 1e-12:
-            f = f_req(clock.at(tt))
-            tk, ek = kernel(w, f)
-            if tk <= 0:
-                break
-            t_next = clock.next_change()
-            if t_next < tt + remaining * tk:
-                frac = (t_next - tt) / tk
-                e += ek * frac
-                remaining -= frac
-                tt = t_next
-            else:
-                e += ek * remaining
-                tt += remaining * tk
-                remaining = 0.0
-        return tt, e
+        return run_at_clocks(clock, t0, lambda f: kernel(w, f), SPEC.f_max_mhz)[:2]
 
     def run_idle(t0: float, dur: float, ticks: bool) -> float:
         """Idle for ``dur`` seconds: the runtime's idle ticks, then the arrival ramp at the end."""
@@ -376,11 +256,8 @@ def replay(trace: Trace, st: Strategy) -> dict[str, Any]:
             marks.append(("arrival", max(t0, end - ARRIVAL_LEAD_S)))
         marks.append(("end", end))
         for kind, mt in marks:
-            while tt < mt:  # integrate idle power across clock changes
-                f = clock.at(tt)
-                seg_end = min(mt, clock.next_change())
-                e += idle_power_w(SPEC, f) * (seg_end - tt)
-                tt = seg_end
+            e += idle_energy_j(SPEC, clock, tt, mt)
+            tt = max(tt, mt)
             now[0] = mt
             if kind == "tick":
                 ctl.on_phase("idle", mt)
@@ -432,12 +309,8 @@ def replay(trace: Trace, st: Strategy) -> dict[str, Any]:
             after_idle.append(t - start)
             was_idle = False
         if s.host_gap_s > 0:
-            g_end = t + s.host_gap_s
-            while t < g_end:
-                f0 = clock.at(t)
-                seg = min(g_end, clock.next_change())
-                e += idle_power_w(SPEC, f0) * (seg - t)
-                t = seg
+            e += idle_energy_j(SPEC, clock, t, t + s.host_gap_s)
+            t += s.host_gap_s
         e_phase[s.phase] += e
         t_phase[s.phase] += t - start
         tokens_out += s.out_tokens
@@ -586,49 +459,25 @@ def main(argv: list[str] | None = None) -> int:
     group_clocks = tune_group_presets(calib, phase_clocks, log)
     ungated = {**group_clocks, "switch_latency_ms": 0.001, "group_min_switch_multiple": 1.0}
     fast = {**group_clocks, "switch_latency_ms": FAST_SWITCH_LATENCY_S * 1e3}
-    strategies = {
-        "none": Strategy("none", BASE_CLOCKS, what="no presets: driver default clocks (boost, power-capped) everywhere"),
-        "per_phase": Strategy("per_phase", phase_clocks, what="per-phase presets (decode, idle), regime filter, dwell, look-ahead"),
-        "per_phase_groups": Strategy(
-            "per_phase_groups",
-            group_clocks,
-            use_groups=True,
-            what="per-phase + kernel-group presets, groups gated at 10 x 6 ms switch latency",
-        ),
+    no_lookahead = {**phase_clocks, "lookahead": False}
+    # name: (clocks, kernel groups on, switch latency s, what it is)
+    lat, fast_lat = SWITCH_LATENCY_S, FAST_SWITCH_LATENCY_S
+    reported = {
+        "none": (BASE_CLOCKS, False, lat, "no presets: driver default clocks (boost, power-capped) everywhere"),
+        "per_phase": (phase_clocks, False, lat, "per-phase presets (decode, idle), regime filter, dwell, look-ahead"),
+        "per_phase_groups": (group_clocks, True, lat, "per-phase + kernel-group presets, groups gated at 10 x 6 ms switch latency"),
     }
-    diagnostics = {
-        "groups_ungated": Strategy(
-            "groups_ungated",
-            ungated,
-            use_groups=True,
-            what="kernel-group presets applied regardless of the gate (physics: 6 ms switch latency)",
-        ),
-        "groups_fast_switch": Strategy(
-            "groups_fast_switch",
-            fast,
-            use_groups=True,
-            latency_s=FAST_SWITCH_LATENCY_S,
-            what="what-if: 0.05 ms switch latency (Blackwell-class, cited), gate at 10 x 0.05 ms",
-        ),
-        "groups_fast_switch_ungated": Strategy(
-            "groups_fast_switch_ungated",
-            ungated,
-            use_groups=True,
-            latency_s=FAST_SWITCH_LATENCY_S,
-            what="ceiling of kernel-group presets: 0.05 ms switch latency and no gate",
-        ),
-        "per_phase_50ms_switch": Strategy(
-            "per_phase_50ms_switch",
-            phase_clocks,
-            latency_s=0.05,
-            what="per-phase presets if a switch took 50 ms (other Hopper reports: 10-100 ms)",
-        ),
-        "per_phase_no_lookahead": Strategy(
-            "per_phase_no_lookahead",
-            {**phase_clocks, "lookahead": False},
-            what="per-phase presets without waiting-queue look-ahead and arrival ramp",
-        ),
+    diagnostic = {
+        "groups_ungated": (ungated, True, lat, "kernel-group presets applied regardless of the gate (physics: 6 ms switch latency)"),
+        "groups_fast_switch": (fast, True, fast_lat, "what-if: 0.05 ms switch latency (Blackwell-class, cited), gate at 10 x 0.05 ms"),
+        "groups_fast_switch_ungated": (ungated, True, fast_lat, "ceiling of kernel-group presets: 0.05 ms switch latency and no gate"),
+        "per_phase_50ms_switch": (phase_clocks, False, 0.05, "per-phase presets if a switch took 50 ms (other Hopper reports: 10-100 ms)"),
+        "per_phase_no_lookahead": (no_lookahead, False, lat, "per-phase presets without waiting-queue look-ahead and arrival ramp"),
     }
+    strategies, diagnostics = (
+        {name: Strategy(name, clocks, use_groups=g, latency_s=s, what=what) for name, (clocks, g, s, what) in table.items()}
+        for table in (reported, diagnostic)
+    )
     synth = synthetic_trace(ns.duration_s, seed=ns.seed, host_gap_s=gap)
     out: dict[str, Any] = {
         "what": "clock presets on the simulated H200: energy and throughput of none / per-phase / per-phase + kernel-group presets",

@@ -30,13 +30,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from vllm_powersave.settings import load_settings
+from vllm_powersave.sim.gpu import H200, StepWork, misfit, simulate_step
+from vllm_powersave.sim.replay import compare, replay, serving_trace
 
-from vllm_powersave.settings import load_settings  # noqa: E402
-from vllm_powersave.sim.gpu import H200, StepWork, misfit, simulate_step  # noqa: E402
-from vllm_powersave.sim.replay import compare, replay, serving_trace  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 BUDGET_PCT = 1.0
 NOISE_SIGMA = 0.01

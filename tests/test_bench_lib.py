@@ -72,7 +72,7 @@ def test_require_dry_run_refuses_with_one_line_and_exit_status_2(capsys):
     require_dry_run(env={"POWERSAVE_FORCE_DRY_RUN": "1"})
 
 
-@pytest.mark.parametrize("script", ["h200_ab", "h200_energy_meter"])
+@pytest.mark.parametrize("script", ["h200_ab", "h200_defaults", "h200_energy_meter"])
 def test_device_scripts_refuse_to_start_without_forced_dry_run(script, monkeypatch, tmp_path):
     import importlib
 

@@ -43,16 +43,6 @@ def test_predict_prices_groups_each_at_the_clock_with_the_cap():
 
 
 @pytest.mark.bench
-def test_simulated_switch_latency_delays_each_request():
-    b = _bench()
-    c = b.SimClock(0.006)
-    c.request(1.0, 900)
-    c.request(1.002, None)
-    assert c.at(1.0059) is None and c.next_change() == pytest.approx(1.006)
-    assert c.at(1.006) == 900 and c.at(1.0079) == 900 and c.at(1.008) is None
-
-
-@pytest.mark.bench
 def test_replay_per_phase_presets_save_decode_energy_without_losing_throughput():
     b = _bench()
     trace = b.synthetic_trace(20.0, seed=5, host_gap_s=0.001)

@@ -7,6 +7,7 @@ on one port once sent both jobs' load to one server (uvicorn's SO_REUSEPORT bind
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -118,17 +119,22 @@ def start_server(
     model: Path,
     port: int,
     extra: list[str],
-    pythonpath: str,
+    pythonpath: str | None,
     out: Path,
-    gpu_mem: float,
+    gpu_mem: float = 0.9,
     env_extra: dict[str, str] | None = None,
     cpus: set[int] | None = None,
+    serve_args: list[str] | None = None,
+    max_model_len: int = 2048,
 ) -> subprocess.Popen:
     """A server on ``port`` (refused if taken) with a dummy-weight ``model``, logging to
-    ``out/server-<label>.log``; ``env_extra``: e.g. ``CUDA_VISIBLE_DEVICES``; ``cpus``: its CPU
-    affinity, inherited by its EngineCore and worker processes."""
+    ``out/server-<label>.log`` (first line: ``env_extra`` and the command as one shell line);
+    ``pythonpath``: None inherits this process's; ``env_extra``: e.g. ``CUDA_VISIBLE_DEVICES``;
+    ``cpus``: its CPU affinity, inherited by its EngineCore and worker processes; ``serve_args``
+    replace the default ``--max-num-seqs 256 --gpu-memory-utilization GPU_MEM``."""
     check_port_free(port)
-    env = {**os.environ, "PYTHONPATH": pythonpath, **NO_MULTICAST, **(env_extra or {})}  # env_extra wins
+    site = {} if pythonpath is None else {"PYTHONPATH": pythonpath}
+    env = {**os.environ, **site, **NO_MULTICAST, **(env_extra or {})}  # env_extra wins
     cmd = [
         sys.executable,
         "-m",
@@ -144,15 +150,12 @@ def start_server(
         "--port",
         str(port),
         "--max-model-len",
-        "2048",
-        "--max-num-seqs",
-        "256",
-        "--gpu-memory-utilization",
-        str(gpu_mem),
+        str(max_model_len),
+        *(["--max-num-seqs", "256", "--gpu-memory-utilization", str(gpu_mem)] if serve_args is None else serve_args),
         *extra,
     ]
     logf = open(out / f"server-{label}.log", "wb")
-    logf.write((" ".join(cmd) + "\n").encode())
+    logf.write((" ".join([*(f"{k}={shlex.quote(v)}" for k, v in (env_extra or {}).items()), *cmd]) + "\n").encode())
     pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
     return subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True, preexec_fn=pin)
 
@@ -187,14 +190,22 @@ def check_port_free(port: int) -> None:
         raise RuntimeError(f"port {port} already has a listener: another benchmark job is using it")
 
 
-def wait_healthy(procs: dict[str, tuple[subprocess.Popen, int]], timeout_s: float) -> None:
-    """Wait for /health of every server; RuntimeError if one exits, times out, or shares its port."""
+#: Start-up failures after which the API server may stay up without an engine (it never turns healthy).
+DEAD_ENGINE = ("EngineDeadError", "Engine core initialization failed")
+
+
+def wait_healthy(procs: dict[str, tuple[subprocess.Popen, int]], timeout_s: float, logs: dict[str, Path] | None = None) -> None:
+    """Wait for /health of every server; RuntimeError if one exits, times out, or shares its port,
+    or if its log (``logs``, by label) shows that its engine died during start-up."""
     pending = dict(procs)
     deadline = time.monotonic() + timeout_s
     while pending and time.monotonic() < deadline:
         for label, (p, port) in list(pending.items()):
             if p.poll() is not None:
                 raise RuntimeError(f"server {label} exited with {p.returncode} during start-up")
+            text = logs[label].read_text(errors="replace") if logs and label in logs else ""
+            if dead := next((m for m in DEAD_ENGINE if m in text), None):
+                raise RuntimeError(f"server {label}: engine died during start-up (server log: {dead})")
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
                     if r.status == 200:
@@ -209,6 +220,15 @@ def wait_healthy(procs: dict[str, tuple[subprocess.Popen, int]], timeout_s: floa
         time.sleep(1)
     if pending:
         raise RuntimeError(f"servers {sorted(pending)} not healthy after {timeout_s:.0f} s")
+
+
+def metrics_text(port: int) -> str:
+    """The server's whole /metrics text; ``# scrape failed: ...`` where it does not answer."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            return r.read().decode()
+    except Exception as exc:
+        return f"# scrape failed: {exc}\n"
 
 
 def stop(p: subprocess.Popen) -> None:

@@ -5,7 +5,11 @@ presets, the closed-loop decode clock) on the same steps: each strategy replays 
 so differences in time and energy come from the clocks alone.
 
 * :func:`serving_trace`: open-loop serving with bursty arrivals, long decode runs and idle gaps,
-  scheduled like vLLM V1 (chunked prefill, token budget, sequence cap) at stock clocks.
+  scheduled like vLLM V1 (chunked prefill, token budget, sequence cap) at stock clocks; its parts,
+  :func:`onoff_arrivals` and :func:`schedule_v1`, serve other trace shapes too
+  (``benchmarks/sim_clock_presets.py``).
+* :func:`idle_energy_j` and :func:`run_at_clocks`: energy of idle time and time and energy of a
+  piece of GPU work while the clock changes under it (a change splits the work where it lands).
 * :func:`replay`: drives a :class:`~vllm_powersave.clocks.ClockController` (its dwell, leases
   and closed loop) whose clock requests take effect one switch latency later; each step's time
   and energy come from the simulated GPU at the clock(s) in effect while it runs; the step time
@@ -91,41 +95,55 @@ def _lengths(rng: random.Random, long_share: float) -> tuple[int, int]:
     return p, o
 
 
-def serving_trace(
-    duration_s: float, seed: int, spec: GpuSpec, shape: str = "qwen2.5-7b", host_gap_s: float = 0.0005, long_share: float = 0.3
-) -> Trace:
-    """Bursty open-loop serving at stock clocks, scheduled like vLLM V1 (chunked prefill, FCFS).
+Arrival = tuple[float, int, int]  # (time s, prompt tokens, output tokens)
 
-    On/off arrivals: on-periods (~30 s) at 1, 4 or 10 requests/s, 30 % of them opening with a
-    batch job of 16-64 requests (a prefill burst); off-periods (~6 s) with no arrivals (idle gaps).
-    ``long_share`` of requests generate 512-4096 tokens (long decode runs).
-    """
-    rng = random.Random(seed)
-    cost = StepCost(spec, shape)
-    arrivals: list[tuple[float, int, int]] = []
+
+def onoff_arrivals(
+    rng: random.Random, duration_s: float, rates: tuple[float, ...], off_mean_s: float, lengths: Callable[[random.Random], tuple[int, int]]
+) -> list[Arrival]:
+    """On/off arrivals, sorted: on-periods (mean 30 s) of Poisson arrivals at a rate drawn from
+    ``rates`` (req/s), 30 % of them opening with a batch job of 16-64 requests at once (a prefill
+    burst); off-periods (mean ``off_mean_s``) with no arrivals (idle gaps)."""
+    arrivals: list[Arrival] = []
     t, on = 0.0, True
     while t < duration_s:
         if on:
             span = rng.expovariate(1 / 30.0)
-            rate = rng.choice([1.0, 4.0, 10.0])
+            rate = rng.choice(rates)
             if rng.random() < 0.3:
-                arrivals += [(t, *_lengths(rng, long_share)) for _ in range(rng.randint(16, 64))]
+                arrivals += [(t, *lengths(rng)) for _ in range(rng.randint(16, 64))]
             u = t
             while True:
                 u += rng.expovariate(rate)
                 if u >= t + span:
                     break
-                arrivals.append((u, *_lengths(rng, long_share)))
+                arrivals.append((u, *lengths(rng)))
         else:
-            span = rng.expovariate(1 / 6.0)
+            span = rng.expovariate(1 / off_mean_s)
         t += span
         on = not on
-    arrivals = sorted(a for a in arrivals if a[0] < duration_s)
+    return sorted(a for a in arrivals if a[0] < duration_s)
+
+
+def schedule_v1(
+    arrivals: list[Arrival],
+    make_step: Callable[[list[tuple[dict, int]], list[tuple[dict, int]], deque, int], Any],
+    step_s: Callable[[Any], float],
+    budget_tokens: int = 8192,
+    max_seqs: int = 256,
+) -> list:
+    """``("step", step) | ("idle", seconds)`` events of vLLM V1's scheduler (FCFS, chunked prefill)
+    serving ``arrivals``: each step, running decodes first (one token each), then continuing
+    prefills, then new requests, within ``budget_tokens`` and ``max_seqs``.
+
+    ``make_step(prefills, decodes, waiting, out_tokens)`` builds a step from ``(request, tokens)``
+    pairs as they stand before the step runs (a request is a dict: ``prompt``, ``out_target``,
+    ``computed``, ``out``); ``step_s(step)``: its wall time, which moves the arrival clock.
+    """
     events: list = []
     waiting: deque = deque()
     running: list[dict] = []
     i, now = 0, 0.0
-    budget_max, max_seqs = 8192, 256
     while i < len(arrivals) or waiting or running:
         while i < len(arrivals) and arrivals[i][0] <= now:
             waiting.append({"prompt": arrivals[i][1], "out_target": arrivals[i][2], "computed": 0, "out": 0})
@@ -134,7 +152,7 @@ def serving_trace(
             events.append(("idle", arrivals[i][0] - now))
             now = arrivals[i][0]
             continue
-        budget = budget_max
+        budget = budget_tokens
         sched: list[tuple[dict, int]] = []
         for r in running:
             if r["computed"] >= r["prompt"]:
@@ -151,21 +169,39 @@ def serving_trace(
             c = min(r["prompt"], budget)
             sched.append((r, c))
             budget -= c
-        dec = [r for r, c in sched if r["computed"] >= r["prompt"]]
+        dec = [(r, c) for r, c in sched if r["computed"] >= r["prompt"]]
         pre = [(r, c) for r, c in sched if r["computed"] < r["prompt"]]
-        ctx = sum(r["prompt"] + r["out"] for r in dec)
-        out = len(dec)
+        # A prefill that completes its prompt samples the request's first token in this step.
+        s = make_step(pre, dec, waiting, len(dec) + sum(1 for r, c in pre if r["computed"] + c >= r["prompt"]))
         for r, c in pre:
             r["computed"] += c
             if r["computed"] >= r["prompt"]:
                 r["out"] += 1
-                out += 1
-        for r in dec:
+        for r, _ in dec:
             r["out"] += 1
         running = [r for r in running if r["out"] < r["out_target"]]
-        s = Step(sum(c for _, c in pre), len(dec), ctx, out, host_gap_s)
         events.append(("step", s))
-        now += cost.at(s, spec.f_max_mhz)[0] + host_gap_s
+        now += step_s(s)
+    return events
+
+
+def serving_trace(
+    duration_s: float, seed: int, spec: GpuSpec, shape: str = "qwen2.5-7b", host_gap_s: float = 0.0005, long_share: float = 0.3
+) -> Trace:
+    """Bursty open-loop serving at stock clocks, scheduled like vLLM V1 (chunked prefill, FCFS).
+
+    On/off arrivals: on-periods (~30 s) at 1, 4 or 10 requests/s, 30 % of them opening with a
+    batch job of 16-64 requests (a prefill burst); off-periods (~6 s) with no arrivals (idle gaps).
+    ``long_share`` of requests generate 512-4096 tokens (long decode runs).
+    """
+    rng = random.Random(seed)
+    cost = StepCost(spec, shape)
+    arrivals = onoff_arrivals(rng, duration_s, (1.0, 4.0, 10.0), 6.0, lambda g: _lengths(g, long_share))
+
+    def make_step(pre: list[tuple[dict, int]], dec: list[tuple[dict, int]], waiting: deque, out: int) -> Step:
+        return Step(sum(c for _, c in pre), len(dec), sum(r["prompt"] + r["out"] for r, _ in dec), out, host_gap_s)
+
+    events = schedule_v1(arrivals, make_step, lambda s: cost.at(s, spec.f_max_mhz)[0] + host_gap_s)
     n_req = len(arrivals)
     return Trace(
         f"serving-seed{seed}",
@@ -196,6 +232,46 @@ class LaggedClock:
 
     def next_change(self) -> float:
         return self.changes[0][0] if self.changes else math.inf
+
+
+def idle_energy_j(spec: GpuSpec, clock: LaggedClock, t0: float, t1: float) -> float:
+    """Energy of the GPU idling from ``t0`` to ``t1`` at the clock(s) in effect (changes applied)."""
+    e, t = 0.0, t0
+    while t < t1:
+        f = clock.at(t)
+        seg = min(t1, clock.next_change())
+        e += idle_power_w(spec, f) * (seg - t)
+        t = seg
+    return e
+
+
+def run_at_clocks(
+    clock: LaggedClock, t: float, price: Callable[[int], tuple[float, float]], f_default: int
+) -> tuple[float, float, dict[int, float]]:
+    """Run one piece of GPU work from ``t``: ``price(f)`` is its (seconds, joules) at SM clock ``f``
+    (``f_default`` while no clock is set); a clock change landing inside it runs the rest at the
+    new clock. Returns the end time, the energy and the seconds spent at each clock."""
+    remaining, e = 1.0, 0.0
+    f_time: dict[int, float] = {}
+    while remaining > 1e-12:
+        f = clock.at(t)
+        f = f_default if f is None else f
+        ts, es = price(f)
+        if ts <= 0:
+            break
+        nxt = clock.next_change()
+        if nxt < t + remaining * ts:
+            frac = (nxt - t) / ts
+            e += es * frac
+            remaining -= frac
+            f_time[f] = f_time.get(f, 0.0) + (nxt - t)
+            t = nxt
+        else:
+            e += es * remaining
+            f_time[f] = f_time.get(f, 0.0) + remaining * ts
+            t += remaining * ts
+            remaining = 0.0
+    return t, e, f_time
 
 
 class LaggedBackend(ClockBackend):
@@ -263,47 +339,22 @@ def replay(
         "clock_mhz_steps": {},
     }
     limit = 1.0 + budget_pct / 100.0
-
-    def f_of(x: int | None) -> int:
-        return spec.f_max_mhz if x is None else x
-
     for kind, ev in trace.events:
         if kind == "idle":
             end = t + ev
             now[0] = t + 0.25 if ev > 0.25 else t
             if ev > 0.25:
                 ctl.on_phase("idle", now[0])
-            e = 0.0
-            while t < end:
-                f = clock.at(t)
-                seg = min(end, clock.next_change())
-                e += idle_power_w(spec, f) * (seg - t)
-                t = seg
-            out["idle_j"] += e
+            out["idle_j"] += idle_energy_j(spec, clock, t, end)
+            t = max(t, end)
             continue
         s: Step = ev
         mb = memory_bound(s, mb_tokens)
         phase = "decode" if mb else ("prefill" if s.phase == "prefill" else "mixed")
         now[0] = t
         ctl.on_phase(phase, t)
-        # Run the step, splitting it where a clock change lands inside it.
-        start, remaining, e = t, 1.0, 0.0
-        f_time: dict[int, float] = {}
-        while remaining > 1e-12:
-            f = f_of(clock.at(t))
-            ts, es = cost.at(s, f)
-            nxt = clock.next_change()
-            if nxt < t + remaining * ts:
-                frac = (nxt - t) / ts
-                e += es * frac
-                remaining -= frac
-                f_time[f] = f_time.get(f, 0.0) + (nxt - t)
-                t = nxt
-            else:
-                e += es * remaining
-                f_time[f] = f_time.get(f, 0.0) + remaining * ts
-                t += remaining * ts
-                remaining = 0.0
+        start = t
+        t, e, f_time = run_at_clocks(clock, t, lambda f: cost.at(s, f), spec.f_max_mhz)
         true_s = t - start
         noise = math.exp(rng.gauss(0.0, noise_sigma)) if noise_sigma > 0 else 1.0
         out["busy_s"] += true_s
@@ -325,12 +376,8 @@ def replay(
         if on_step is not None:
             on_step(ctl, t)
         if s.host_gap_s > 0:
-            g_end = t + s.host_gap_s
-            while t < g_end:
-                f0 = clock.at(t)
-                seg = min(g_end, clock.next_change())
-                out["other_j"] += idle_power_w(spec, f0) * (seg - t)
-                t = seg
+            out["other_j"] += idle_energy_j(spec, clock, t, t + s.host_gap_s)
+            t += s.host_gap_s
     out["wall_s"] = t
     out["switches"] = ctl.n_changes
     out["closed_loop"] = ctl.closed_loop.snapshot() if ctl.closed_loop is not None else None
@@ -354,4 +401,18 @@ def compare(base: dict[str, Any], r: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-__all__ = ["LaggedBackend", "LaggedClock", "Step", "StepCost", "Trace", "compare", "memory_bound", "replay", "serving_trace"]
+__all__ = [
+    "LaggedBackend",
+    "LaggedClock",
+    "Step",
+    "StepCost",
+    "Trace",
+    "compare",
+    "idle_energy_j",
+    "memory_bound",
+    "onoff_arrivals",
+    "replay",
+    "run_at_clocks",
+    "schedule_v1",
+    "serving_trace",
+]
