@@ -417,8 +417,24 @@ def request_energy_segment(ns: argparse.Namespace, sampler: Any, port: int, stat
     m0, _ = scrape(port)
     wall0, perf0 = time.time(), time.perf_counter()
     snap0 = wait_snapshot_after(stats_dir, wall0)
+    # Identical requests started together finish together: the batch then runs in waves that ramp
+    # up and drain, and the first and last of each wave share steps with few others. Starting them
+    # at a constant rate of about --reqe-conc per request lifetime staggers them once; the
+    # concurrency cap then keeps the batch full, one request ending as the next starts.
+    rate = math.inf if ns.reqe_rate == "inf" else ns.reqe_conc / ((ns.reqe_out * ns.reqe_tpot_ms + 50.0) / 1e3)
+    if ns.reqe_rate not in ("inf", "auto"):
+        rate = float(ns.reqe_rate)
     h = harness(
-        ns, port, f"{label}-reqe", num_prompts=ns.reqe_n, max_concurrency=ns.reqe_conc, input_len=ns.reqe_in, output_len=ns.reqe_out, seed=7
+        ns,
+        port,
+        f"{label}-reqe",
+        num_prompts=ns.reqe_n,
+        max_concurrency=ns.reqe_conc,
+        input_len=ns.reqe_in,
+        output_len=ns.reqe_out,
+        seed=7,
+        request_rate=rate,
+        arrival="constant",
     )
     time.sleep(ns.settle_s)  # every request's line written, the engine idle again
     wall1, perf1 = time.time(), time.perf_counter()
@@ -430,6 +446,8 @@ def request_energy_segment(ns: argparse.Namespace, sampler: Any, port: int, stat
         "concurrency": ns.reqe_conc,
         "input_len": ns.reqe_in,
         "output_len": ns.reqe_out,
+        "request_rate": None if math.isinf(rate) else round(rate, 2),
+        "arrivals": "all at once (waves)" if math.isinf(rate) else "constant rate, then one start per finish (staggered)",
         "prompts": "random tokens of equal length, distinct per request (no prefix-cache hits), ignore_eos",
         "harness": summary(h["res"]),
         "lines": lines,
@@ -441,6 +459,9 @@ def request_energy_segment(ns: argparse.Namespace, sampler: Any, port: int, stat
         # The counter over the snapshots' own span: their 't' is wall time, mapped onto perf_counter.
         t_a = perf0 + (snap0.get("t", wall0) - wall0)
         t_b = perf1 + (snap1.get("t", wall1) - wall1)
+        deadline = time.perf_counter() + 1.0  # the sampler's next row after the snapshot
+        while getattr(sampler, "rows", None) and sampler.rows[-1][0] < t_b and time.perf_counter() < deadline:
+            time.sleep(0.05)
         ca, cb = sampler.energy_at(t_a), sampler.energy_at(t_b)
         seg["counter_j"] = (cb - ca) if ca is not None and cb is not None else None
         seg["span_s"] = t_b - t_a
@@ -826,7 +847,9 @@ def main(argv: list[str] | None = None) -> int:
         "(--segments-last applies to the last defaults server only)",
     )
     ap.add_argument("--segments-last", default="", help="extra segments of the last defaults server of --order only, e.g. reqenergy")
-    ap.add_argument("--reqe-n", type=int, default=192)
+    ap.add_argument("--reqe-n", type=int, default=480)
+    ap.add_argument("--reqe-rate", default="auto", help="start rate (req/s): auto = --reqe-conc per request lifetime, inf = all at once")
+    ap.add_argument("--reqe-tpot-ms", type=float, default=5.5, help="decode step for --reqe-rate auto (7B, H200: h200-step-timer.md)")
     ap.add_argument("--reqe-conc", type=int, default=48)
     ap.add_argument("--reqe-in", type=int, default=128)
     ap.add_argument("--reqe-out", type=int, default=96)
