@@ -22,7 +22,7 @@ def _listen(reuse_port: bool = False, port: int = 0) -> socket.socket:
 
 
 def test_job_ports_differ_between_parallel_jobs() -> None:
-    # device_run.sh runs one job per GPU at once; perf-boost uses slots 10.., the A/B slots 1 and 2.
+    # Device jobs run one per GPU at once; perf-boost uses slots 10.., the A/B slots 1 and 2.
     ports = {ab.job_port(g, slot) for g in (0, 1, 2, 3) for slot in (1, 2, *range(10, 40))}
     assert len(ports) == 4 * 32
 

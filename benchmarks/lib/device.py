@@ -2,7 +2,7 @@
 
 Every script that runs on a lent GPU calls :func:`require_dry_run` first: clocks and power limits
 are never changed on a shared GPU, and the plugin runs its clock controller in dry-run there.
-``benchmarks/device_run.sh`` exports ``POWERSAVE_FORCE_DRY_RUN=1`` for every job it starts.
+A device job exports ``POWERSAVE_FORCE_DRY_RUN=1`` before it starts a script.
 """
 
 from __future__ import annotations

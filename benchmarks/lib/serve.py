@@ -161,7 +161,7 @@ def start_server(
 
 
 def job_port(gpu: int, slot: int) -> int:
-    """A port per (first GPU, server slot): device_run.sh runs one job per GPU in parallel, and two
+    """A port per (first GPU, server slot): device jobs run one per GPU in parallel, and two
     jobs on one port once sent both jobs' requests to one server (uvicorn's SO_REUSEPORT lets a second
     server bind the same port silently)."""
     return 8000 + 50 * gpu + slot

@@ -1,7 +1,8 @@
 """The tuner behind ``vllm-powersave tune``: from a kernel-level profile to a preset file.
 
 Modules (each importable on its own; ``lmhead`` and ``energy`` need only torch and, on a GPU,
-nvidia-ml-py, so that ``benchmarks/lm_head_chunking.py`` runs on a bare GPU machine):
+nvidia-ml-py, so that the LM-head grid runs on a bare GPU machine, as for the H200 records
+``docs/results/h200-lmhead-chunking*.md``; ``vllm-powersave tune MODEL --only chunking`` runs it):
 
 * :mod:`.energy` -- NVML energy windows aligned to the counter's 100 ms updates (measured), and the
   simulated H200 costing of a piece of work (simulated);

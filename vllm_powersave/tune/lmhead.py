@@ -271,7 +271,11 @@ def run_benchmark(
     device: str | None = None,
     progress: Callable[[dict], None] | None = None,
 ) -> dict:
-    """The raw document ``benchmarks/lm_head_chunking.py`` writes (input of the record converter)."""
+    """The raw document of one LM-head grid run (the format of the raw files behind
+    ``docs/results/h200-lmhead-chunking*.md``; the script that wrote them and their record converter
+    are ``benchmarks/lm_head_chunking.py`` and ``benchmarks/lmhead_chunking_record.py`` at tag
+    ``investigations-archive-2``). ``vllm-powersave tune MODEL --only chunking`` measures the same
+    grid through :func:`measure` and writes a preset instead."""
     import torch
 
     sh, gr, ch = parse_shapes(shapes), parse_grid(grid), parse_ints(chunks, "chunks")
