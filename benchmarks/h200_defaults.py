@@ -131,7 +131,7 @@ ADVISE_CMDS = (
 #: The servers tarball stays below this; step traces are dropped (largest first, noted) beyond it.
 TAR_MAX_BYTES = 16 * 1024 * 1024
 LOW_POWER_MARGIN_W = 15.0
-#: As benchmarks/device_run.sh: no FlashInfer in the bundle, offline, NVLink multicast off.
+#: no FlashInfer in the bundle, offline, NVLink multicast off.
 SERVER_ENV = {
     "VLLM_USE_FLASHINFER_SAMPLER": "0",
     "VLLM_NO_USAGE_STATS": "1",

@@ -486,6 +486,7 @@ def closed_loop_summary(raws: list[dict], tars: dict[str, Path | None]) -> dict:
                     b.setdefault("held", []).append(clk)
                 if ev == "baseline_done":
                     b.setdefault("controller_baseline_ms", []).append(x.get("baseline_ms"))
+                    b.setdefault("spreads", []).append(x.get("spread_pct"))
                     b["spread_pct"] = x.get("spread_pct")
             snap = (s.get("snapshot") or {}).get("closed_loop")
             buckets = {}
@@ -502,6 +503,7 @@ def closed_loop_summary(raws: list[dict], tars: dict[str, Path | None]) -> dict:
                     "would_probe_mhz": sorted(b.get("probed", ())),
                     "would_hold_mhz": b.get("held", []),  # None: the default clock "sm_target_in_trace_mhz": sorted(b["sm_target"]),
                     "controller_baseline_ms": [r(v, 3) for v in b.get("controller_baseline_ms", [])],
+                    "controller_spread_pct": [r(v, 3) for v in b.get("spreads", [])],
                     "spread_pct": r(b.get("spread_pct"), 3),
                 }
             servers.append(
@@ -514,6 +516,8 @@ def closed_loop_summary(raws: list[dict], tars: dict[str, Path | None]) -> dict:
                     "decode_steps": sum(len(b["ms"]) for b in per.values()),
                     "decisions": len(recs),
                     "decisions_by_kind": dict(sorted(kinds.items())),
+                    # where the closed loop's own step times came from (device/step_timer.py)
+                    "step_time_source": sorted({str(x["step_time_source"]) for x in recs if x.get("step_time_source")}) or ["engine_wall"],
                     "buckets": buckets,
                     "snapshot_closed_loop": snap,
                     "clock_backend": (s.get("snapshot") or {}).get("clock_backend"),
@@ -523,8 +527,10 @@ def closed_loop_summary(raws: list[dict], tars: dict[str, Path | None]) -> dict:
     return {
         "what": "closed-loop decode clock decisions in dry-run (POWERSAVE_FORCE_DRY_RUN=1: no clock was set; every step "
         "ran at the driver's default clock, so probes cannot be measured and time out as 'unmeasured')",
-        "step_ms": "engine-thread wall time of pure decode steps (trace t_end - t), bucketed by decode batch "
-        f"({', '.join(map(str, BATCH_BUCKETS))})",
+        "step_ms": "default_clock_step_ms: engine-thread wall time of pure decode steps (trace t_end - t), bucketed by "
+        f"decode batch ({', '.join(map(str, BATCH_BUCKETS))}): launch time under async scheduling; "
+        "controller_baseline_ms / controller_spread_pct: the closed loop's own default-clock fit per bucket and its "
+        "relative step noise, from the step times it measured (step_time_source: cuda_events = on the GPU)",
         "servers": servers,
     }
 
@@ -755,19 +761,23 @@ def main() -> int:
             f"- {cl['what']}.",
             f"- Step time: {cl['step_ms']}.",
             "",
-            "| run | steps | decode steps | decisions by kind | bucket: default-clock step ms median (p10-p90, n) / would probe MHz / would hold MHz |",
-            "|---|---|---|---|---|",
+            "| run | steps | decode steps | decisions by kind | loop's step times | bucket: loop's default-clock step ms (noise %) "
+            "/ engine-thread wall ms median (p10-p90, n) / would probe MHz / would hold MHz |",
+            "|---|---|---|---|---|---|",
         ]
         for x in cl["servers"]:
             cells = "; ".join(
-                f"{e}: {fmt(b['default_clock_step_ms']['median'])} ({fmt(b['default_clock_step_ms']['p10'])}-"
+                f"{e}: {','.join(fmt(v) for v in b['controller_baseline_ms']) or '–'} "
+                f"({','.join(fmt(v, 2) for v in b['controller_spread_pct']) or '–'}) / "
+                f"{fmt(b['default_clock_step_ms']['median'])} ({fmt(b['default_clock_step_ms']['p10'])}-"
                 f"{fmt(b['default_clock_step_ms']['p90'])}, {b['default_clock_step_ms']['n']}) / "
                 f"{','.join(map(str, b['would_probe_mhz'])) or '–'} / {','.join('default' if h is None else str(h) for h in b['would_hold_mhz']) or '–'}"
                 for e, b in x["buckets"].items()
             )
             md.append(
                 f"| {x['file']} {x['server']} | {x['steps_observed']} | {x['decode_steps']} | "
-                f"{json.dumps(x['decisions_by_kind']) if x['decisions_by_kind'] else '–'} | {cells or x['trace']} |"
+                f"{json.dumps(x['decisions_by_kind']) if x['decisions_by_kind'] else '–'} | {', '.join(x['step_time_source'])} | "
+                f"{cells or x['trace']} |"
             )
         stem.with_suffix(".md").write_text("\n".join(md) + "\n")
         print(f"wrote {stem}.json/.md ({sum(x['decisions'] for x in cl['servers'])} decision records)")
