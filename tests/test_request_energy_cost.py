@@ -498,3 +498,38 @@ def test_the_gap_after_a_whole_batch_finished_is_no_requests_even_when_reported_
     assert len(js) == 48 and max(js) / min(js) == pytest.approx(1.0, abs=1e-9)
     assert acc.tail_j > 0  # the gaps between waves (and after the last) are booked, to no request
     assert balance(acc) == pytest.approx(meter.energy_j(), rel=1e-9)
+
+
+def _two_requests_different_host_spans(gpu_runs_ahead):
+    """Requests a and b, each alone for 10 decode steps of 5 ms on a GPU that draws 400 W while it
+    works (100 W idle); a's engine thread returns 1 ms into each step, b's 4 ms (async scheduling:
+    the host span is launch time, not the step). Each request's last step returns at 2 ms: the
+    gap after a request's last step is no one's (the tail) either way. Returns {rid: J}."""
+    clock, meter, done = Clock(), ExactMeter(), {}
+    acc = PhaseEnergyAccount(
+        meter, idle_after_s=0.25, clock=clock, per_request=True, gpu_runs_ahead=gpu_runs_ahead, on_request_done=done.__setitem__
+    )
+    clock.t = meter.j = 2.0  # an idle-only interval first: the account learns the idle power (100 W)
+    meter.j = 200.0
+    acc.tick()
+    t0 = clock.t
+    for rid, host_ms, fin in (("a", 1.0, None), ("b", 4.0, ["a"])):
+        for i in range(10):
+            acc.on_step("decode", decode_tokens=1, req_tokens={rid: 1}, finished=fin if i == 0 else None, t=clock.t)
+            acc.on_step_end(clock.t + (host_ms if i < 9 else 2.0) / 1e3)
+            clock.t += 5e-3
+    acc.on_finished(["b"], clock.t)
+    meter.j += 400.0 * (clock.t - t0)
+    acc.tick()
+    done["tail"] = acc.tail_j
+    return done
+
+
+def test_under_async_scheduling_identical_steps_cost_the_same_whatever_their_host_span():
+    done = _two_requests_different_host_spans(gpu_runs_ahead=True)
+    assert done["a"] == pytest.approx(done["b"], rel=1e-9)
+    assert done["a"] + done["b"] + done["tail"] == pytest.approx(400.0 * 0.1, rel=1e-9)  # 20 steps x 5 ms x 400 W
+    # Without it the gap after each host span is priced at the idle power: a's steps (mostly gap)
+    # read far less than b's, although the GPU did the same work for each.
+    skewed = _two_requests_different_host_spans(gpu_runs_ahead=False)
+    assert skewed["b"] > 1.5 * skewed["a"]

@@ -7,7 +7,9 @@ reads the meter once and splits the energy of the interval since the previous ti
 
 Method (per tick interval ``[t_prev, t_now]``): each step owns the time from its start to its end
 (busy); the gap from its end to the next step's start is quiet time in the step's phase, except that
-a gap longer than ``idle_after_s`` is idle; intervals with no step at all are idle. The interval's
+a gap longer than ``idle_after_s`` is idle; intervals with no step at all are idle. Under vLLM's
+async scheduling on a GPU (``gpu_runs_ahead``) the GPU runs a step in the gap after its host end, so
+a gap the next step follows is busy time of the step. The interval's
 energy is split over these pieces: quiet time (idle and gaps) is priced at the idle power the
 counter showed over recent intervals of idle only (a moving average; never more than the interval's
 energy), and the steps share the rest in proportion to their time. (Gaps only where the meter's GPU
@@ -93,8 +95,16 @@ class PhaseEnergyAccount:
         feed: Callable[[], None] | None = None,
         busy: Callable[[float, float], float] | None = None,
         cost: RequestCostModel | None = None,
+        gpu_runs_ahead: bool = False,
     ) -> None:
         self.meter = meter
+        #: vLLM's async scheduling on a GPU: the engine thread returns from a step once it is
+        #: launched and prepares the next while the GPU runs it, so the gap between a step's host
+        #: end and the next step is that step's GPU time, not idle. On the H200 (7B decode) the host
+        #: span was 2.7 ms of a 5.05 ms period, and the GPU-timed step 4.6-5.1 ms
+        #: (docs/results/h200-step-timer.md): a gap the next step follows is then priced as the
+        #: step's own time. Edges (the open gap after the last step, idle) keep the idle price.
+        self.gpu_runs_ahead = gpu_runs_ahead
         self.busy = busy
         self.idle_busy_j = 0.0
         self.idle_busy_s = 0.0
@@ -246,7 +256,10 @@ class PhaseEnergyAccount:
                             drained = True
                         to = "tail" if drained else "req"
                         if te > g0:
-                            gaps.append((te - g0, phase, req, ctx, steady, to))
+                            if to == "req" and self.gpu_runs_ahead:
+                                busy.append((te - g0, phase, req, ctx, steady))
+                            else:
+                                gaps.append((te - g0, phase, req, ctx, steady, to))
                         if self._pending_j > 0 and not resolved and not tail_pending:
                             if drained:
                                 tail_pending = True

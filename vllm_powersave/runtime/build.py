@@ -178,6 +178,7 @@ class WorkerRuntime(StepPath, Publisher):
                 window_s=settings.energy.window_s,
                 feed=lambda: self.drain_steps(),
                 busy=self.frontend.overlap if self.frontend is not None else None,
+                gpu_runs_ahead=on_gpu and vllm_compat.async_scheduling(runner),
                 cost=request_cost.for_worker(
                     settings.energy.simulated_model_shape, lambda: vllm_compat.runner_model_cost(runner), settings.energy.simulated_gpu
                 )
