@@ -3,6 +3,7 @@ on the device (CUDA events), never the engine thread's launch time; the simulato
 simulated clock; the wall time on vLLM's CPU build. A timer fault turns only the closed loop off."""
 
 import json
+import logging
 import math
 import sys
 from types import SimpleNamespace
@@ -20,6 +21,10 @@ from vllm_powersave.settings import PowersaveSettings
 
 
 def _gpu_runtime(monkeypatch, tmp_path, timer_factory=None, extra=None):
+    # vLLM's logging config (loaded by an earlier test's engine) may stop "vllm.*" at its own handler
+    # or disable loggers that existed before it; caplog listens on the root logger.
+    monkeypatch.setattr(logging.getLogger("vllm"), "propagate", True)
+    monkeypatch.setattr(logging.getLogger("vllm.powersave"), "disabled", False)  # dictConfig disables existing loggers
     monkeypatch.setitem(sys.modules, "pynvml", FakeNvmlDevices(uuids=("GPU-aaaa-0000",)))
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-aaaa-0000")
     monkeypatch.setenv("POWERSAVE_FORCE_DRY_RUN", "1")
@@ -85,6 +90,7 @@ def test_steps_still_running_on_the_gpu_wait_and_reach_the_loop_in_step_order(mo
 @pytest.mark.parametrize("where", ["start", "stop", "elapsed_ms"])
 def test_a_step_timer_fault_turns_only_the_closed_loop_off_and_steps_stay_metered(monkeypatch, tmp_path, where, caplog):
     monkeypatch.setattr(vllm_compat, "_HOOK_ERRORS", set())  # faults are logged once per process
+    caplog.set_level(logging.WARNING, logger="vllm.powersave")  # an earlier test may raise the root level
     rt = _gpu_runtime(monkeypatch, tmp_path, lambda device_index: FakeCudaStepTimer(fail_on=where))
     try:
         for _ in range(30):
@@ -106,6 +112,7 @@ def test_a_gpu_without_cuda_event_timing_serves_with_the_closed_loop_off_and_one
     def no_events(device_index):
         raise RuntimeError("CUDA is not available")
 
+    caplog.set_level(logging.WARNING, logger="vllm.powersave")  # an earlier test may raise the root level
     rt = _gpu_runtime(monkeypatch, tmp_path, no_events)
     try:
         for _ in range(10):
