@@ -209,12 +209,17 @@ class PhaseEnergyAccount:
             # the step's phase; it goes to the step's requests, the tail or stays pending) and idle.
             busy: list[tuple[float, str, dict | None, dict | None, bool]] = []
             gaps: list[tuple[float, str, dict | None, dict | None, bool, str]] = []
-            idle_s = 0.0
+            idle = [0.0, 0.0]  # idle seconds; of them, seconds the API servers had requests in flight
             resolved: list[tuple[dict | None, dict | None]] = []  # pending gaps that went to their step
             tail_pending = False  # the pending gap turned out to be a tail
             finished: list = []
             fe_busy = self.busy  # the API servers' in-flight time inside [a, b] (starvation.py)
-            idle_busy_s = 0.0
+
+            def add_idle(a: float, b: float) -> None:
+                if b > a:
+                    idle[0] += b - a
+                    if fe_busy is not None:
+                        idle[1] += fe_busy(a, b)
 
             t, phase, end_t, req, ctx, steady, drained = self._state
             events, idle_after_s = self._events, self.idle_after_s
@@ -233,10 +238,7 @@ class PhaseEnergyAccount:
                         tail_pending = tail_pending or self._pending_j > 0
                     continue
                 if phase == "idle":
-                    if te > t:
-                        idle_s += te - t
-                        if fe_busy is not None:
-                            idle_busy_s += fe_busy(t, te)
+                    add_idle(t, te)
                 elif end_t is None:
                     if te > t:
                         busy.append((te - t, phase, req, ctx, steady))
@@ -245,9 +247,7 @@ class PhaseEnergyAccount:
                     if g0 > t:
                         busy.append((g0 - t, phase, req, ctx, steady))
                     if te - end_t >= idle_after_s:
-                        idle_s += te - g0
-                        if fe_busy is not None and te > g0:
-                            idle_busy_s += fe_busy(g0, te)
+                        add_idle(g0, te)
                         tail_pending = tail_pending or self._pending_j > 0
                     else:
                         if not drained and req and ev_fin and not req.keys() - set(ev_fin):
@@ -270,10 +270,7 @@ class PhaseEnergyAccount:
                     finished.extend(ev_fin)
             # Close the interval at t_now.
             if phase == "idle":
-                if t_now > t:
-                    idle_s += t_now - t
-                    if fe_busy is not None:
-                        idle_busy_s += fe_busy(t, t_now)
+                add_idle(t, t_now)
             elif end_t is None:
                 if t_now > t:
                     busy.append((t_now - t, phase, req, ctx, steady))
@@ -282,15 +279,12 @@ class PhaseEnergyAccount:
                 if g0 > t:
                     busy.append((g0 - t, phase, req, ctx, steady))
                 if t_now - end_t >= idle_after_s:
-                    # Time after a long-finished step is idle from here on.
-                    if t_now > g0:
-                        idle_s += t_now - g0
-                        if fe_busy is not None:
-                            idle_busy_s += fe_busy(g0, t_now)
+                    add_idle(g0, t_now)  # time after a long-finished step is idle from here on
                     tail_pending = tail_pending or self._pending_j > 0
                     phase, end_t, req, ctx, steady, drained = "idle", None, None, None, False, False
                 elif t_now > g0:
                     gaps.append((t_now - g0, phase, req, ctx, steady, "tail" if drained else "pending"))
+            idle_s, idle_busy_s = idle
             quiet_s = idle_s + sum(g[0] for g in gaps)
             busy_s = sum(b[0] for b in busy)
             if idle_s > 0:
