@@ -190,7 +190,7 @@ class DecodeClockTuner:
         """Forget every bucket (the model or the GPU changed): baselines and searches start over."""
         self.buckets.clear()
         self.active, self._pending, self._pending_n = None, None, 0
-        self._emit(now_s, "reset", None, 0, None, None, None, None, None, reason=reason)
+        self._emit(now_s, "reset", None, 0, reason=reason)
 
     def observe(
         self,
@@ -272,7 +272,7 @@ class DecodeClockTuner:
     def _choose_bucket(self, now_s: float, edge: int, batch: int) -> None:
         if self.active is None:
             self.active = edge
-            self._emit(now_s, "bucket", edge, batch, None, None, None, None, None, reason="first decode step")
+            self._emit(now_s, "bucket", edge, batch, reason="first decode step")
             return
         if edge == self.active:
             self._pending, self._pending_n = None, 0
@@ -289,17 +289,7 @@ class DecodeClockTuner:
                 b.state, b.samples, b.ref_cur, b.decided = "ref", [], [], False
                 b.ref_prev = []
             self._emit(
-                now_s,
-                "bucket",
-                edge,
-                batch,
-                None,
-                None,
-                None,
-                None,
-                None,
-                b=b,
-                reason=f"batch stayed in bucket {edge} for {self.s.bucket_dwell_steps} steps (was {old})",
+                now_s, "bucket", edge, batch, b=b, reason=f"batch stayed in bucket {edge} for {self.s.bucket_dwell_steps} steps (was {old})"
             )
 
     def _predict(self, b: _Bucket, ctx: float) -> float:
@@ -331,7 +321,7 @@ class DecodeClockTuner:
         reason = f"{n} default-clock steps: {base_hi:.3f} ms at ctx {c_hi:.0f}, spread {100 * sigma:.2f} %" + (
             f"; SLO {self.s.tpot_slo_ms:g} ms" if self.s.tpot_slo_ms is not None else f"; budget {100 * self._budget:g} %"
         )
-        self._emit(now_s, "baseline_done", b.edge, batch, None, step_ms, None, None, self._predict(b, ctx), b=b, reason=reason)
+        self._emit(now_s, "baseline_done", b.edge, batch, step_ms=step_ms, base=self._predict(b, ctx), b=b, reason=reason)
         b.n_win = self._window(b)
         b.ref_prev, b.ref_cur = b.ref_cur[-self._ref_n(b) :], []
         if b.after_baseline == "hold":
@@ -347,19 +337,7 @@ class DecodeClockTuner:
                 if b.floor >= len(self.cands)
                 else f"step noise {100 * sigma:.2f} % needs more than {self.s.probe_steps_max} steps per window to resolve the target"
             )
-            self._emit(
-                now_s,
-                "slo_unattainable" if unattainable else "hold",
-                b.edge,
-                batch,
-                None,
-                None,
-                None,
-                None,
-                None,
-                b=b,
-                reason=f"default clock kept: {why}",
-            )
+            self._emit(now_s, "slo_unattainable" if unattainable else "hold", b.edge, batch, b=b, reason=f"default clock kept: {why}")
             return
         b.lo, b.hi, b.probes = b.floor, len(self.cands), 0
         self._next_probe(now_s, b, batch, prior=self._prior(b))
@@ -396,7 +374,7 @@ class DecodeClockTuner:
         b.probe, b.samples, b.waited, b.ref_cur = None, [], 0, []
         if search:
             b.held = len(self.cands)
-        self._emit(now_s, event, b.edge, batch, None, None, None, None, None, b=b, reason=reason)
+        self._emit(now_s, event, b.edge, batch, b=b, reason=reason)
 
     def _prior(self, b: _Bucket) -> int | None:
         """Candidate index a neighbouring bucket holds (searched), nearest batch first."""
@@ -415,19 +393,7 @@ class DecodeClockTuner:
             b.state, b.held, b.probe = "hold", b.hi, None
             b.t_searched = now_s
             self._clear_windows(b)
-            self._emit(
-                now_s,
-                "hold",
-                b.edge,
-                batch,
-                None,
-                None,
-                None,
-                None,
-                None,
-                b=b,
-                reason=f"lowest clock meeting the target after {b.probes} probes",
-            )
+            self._emit(now_s, "hold", b.edge, batch, b=b, reason=f"lowest clock meeting the target after {b.probes} probes")
             return
         b.state = "probe"
         if prior is not None and b.lo <= prior < b.hi:
@@ -447,11 +413,6 @@ class DecodeClockTuner:
             "probe",
             b.edge,
             batch,
-            None,
-            None,
-            None,
-            None,
-            None,
             b=b,
             reason=f"bisection over {self.cands[b.lo]}..{'default' if b.hi >= len(self.cands) else self.cands[b.hi]} MHz",
         )
@@ -480,11 +441,11 @@ class DecodeClockTuner:
             verdict,
             b.edge,
             batch,
-            want,
-            b.samples[-1][1],
-            med,
-            margin,
-            base,
+            ran_at=want,
+            step_ms=b.samples[-1][1],
+            ratio=med,
+            margin=margin,
+            base=base,
             b=b,
             reason=f"median of {n} steps at {want} MHz against {len(ref)} default-clock steps around them"
             + (" (stopped early)" if early else ""),
@@ -508,11 +469,8 @@ class DecodeClockTuner:
                     "unmeasured",
                     b.edge,
                     batch,
-                    ran_at,
-                    step_ms,
-                    None,
-                    None,
-                    None,
+                    ran_at=ran_at,
+                    step_ms=step_ms,
                     b=b,
                     reason=f"dry-run: no step ran at {want} MHz, counted as a reject",
                 )
@@ -620,11 +578,11 @@ class DecodeClockTuner:
                     "violation",
                     b.edge,
                     batch,
-                    ran_at,
-                    step_ms,
-                    med,
-                    margin,
-                    base,
+                    ran_at=ran_at,
+                    step_ms=step_ms,
+                    ratio=med,
+                    margin=margin,
+                    base=base,
                     b=b,
                     reason=f"median of the last {len(b.window)} steps at {held} MHz over the target: default clock now, "
                     "then a search above it",
@@ -653,11 +611,12 @@ class DecodeClockTuner:
         event: str,
         bucket: int | None,
         batch: int,
-        ran_at: int | None,
-        step_ms: float | None,
-        ratio: float | None,
-        margin: float | None,
-        base: float | None,
+        *,
+        ran_at: int | None = None,
+        step_ms: float | None = None,
+        ratio: float | None = None,
+        margin: float | None = None,
+        base: float | None = None,
         b: _Bucket | None = None,
         reason: str = "",
     ) -> None:
