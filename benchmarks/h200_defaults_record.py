@@ -43,11 +43,14 @@ from benchmarks.lib.stats import mean_ci95
 
 ARMS = ("stock", "defaults")
 SCRIPTS = ["benchmarks/h200_defaults.py", "benchmarks/h200_defaults_record.py"]
+REQE_WHAT = "identical-length requests at a steady batch: the plugin's per-request energy"
 #: Decode batch-size buckets of the closed loop (settings ``clocks.closed_loop.batch_buckets`` default).
 BATCH_BUCKETS = (1, 8, 32, 64, 128, 256, 512)
 #: Per-pair figures of a rate (``per_pair`` in the record): ratios and deltas defaults / stock, the
 #: stock GPU's idle and low-power shares, the idle-power bound, the saving, each arm's tok/s, tok/J
 #: and W, and whether the fixed-length span was used.
+#: A load window's throughput, energy and power figures under the record's names (:func:`pick`).
+WINDOW = "out_tok_s=output_throughput out_tok_per_j=output_tokens_per_joule avg_w=gpu_avg_power_w gpu_idle_share=sampler.gpu_idle_share"
 PAIR_FIGURES = "tokj thr ttft_d tpot share low_share bound saving stock_tps def_tps stock_tokj def_tokj stock_w def_w span".split()
 
 
@@ -95,9 +98,14 @@ def idle_w(s: dict) -> float | None:
     return (s.get("idle") or {}).get("avg_power_w")
 
 
-def sampled(w: dict, key: str) -> Any:
-    """A load window's NVML sampler figure (GPU idle share, energy at 0 % utilisation, ...)."""
-    return (w.get("sampler") or {}).get(key)
+def pick(d: dict, spec: str) -> dict:
+    """``{name: d[key]}`` for each ``name=key`` in ``spec`` (``name`` alone: that key; missing: None);
+    a key ``sampler.K`` reads the load window's NVML sampler figure K."""
+    out = {}
+    for name, _, key in (item.partition("=") for item in spec.split()):
+        src, key = ((d.get("sampler") or {}), key[8:]) if key.startswith("sampler.") else (d, key or name)
+        out[name] = src.get(key)
+    return out
 
 
 def pair_servers(raws: list[dict]) -> list[dict]:
@@ -133,23 +141,12 @@ def pair_figures(p: dict, rate: str) -> dict | None:
     fs, fd = (w.get("span") or {} for w in (ws, wd))
     use_span = fs.get("energy_j") is not None and fd.get("energy_j") is not None
     if not use_span:
-        fs, fd = (
-            {
-                "energy_j": w.get("gpu_energy_j"),
-                "seconds": w.get("energy_window_s") or w.get("duration"),
-                "out_tok_per_j": w.get("output_tokens_per_joule"),
-                "avg_power_w": w.get("gpu_avg_power_w"),
-                **{k: sampled(w, k) for k in ("gpu_idle_share", "gpu_low_power_share")},
-            }
-            for w in (ws, wd)
-        )
+        spec = "energy_j=gpu_energy_j out_tok_per_j=output_tokens_per_joule avg_power_w=gpu_avg_power_w"
+        spec += " gpu_idle_share=sampler.gpu_idle_share gpu_low_power_share=sampler.gpu_low_power_share"
+        fs, fd = ({**pick(w, spec), "seconds": w.get("energy_window_s") or w.get("duration")} for w in (ws, wd))
     ts, td, tps_s = fs.get("out_tok_per_j"), fd.get("out_tok_per_j"), ws.get("output_throughput")
-    f = {
-        "thr": wd["output_throughput"] / tps_s if tps_s else None,
-        "share": fs.get("gpu_idle_share"),
-        "low_share": fs.get("gpu_low_power_share"),
-    }
-    f.update(stock_tps=tps_s, def_tps=wd.get("output_throughput"), stock_tokj=ts, def_tokj=td)
+    f = {"thr": wd["output_throughput"] / tps_s if tps_s else None, "share": fs.get("gpu_idle_share")}
+    f.update(low_share=fs.get("gpu_low_power_share"), stock_tps=tps_s, def_tps=wd.get("output_throughput"), stock_tokj=ts, def_tokj=td)
     f.update(stock_w=fs.get("avg_power_w"), def_w=fd.get("avg_power_w"), span=use_span)
     if ws.get("median_ttft_ms") is not None and wd.get("median_ttft_ms") is not None:
         f["ttft_d"] = wd["median_ttft_ms"] - ws["median_ttft_ms"]
@@ -212,29 +209,15 @@ def starvation_block(raws: list[dict]) -> dict:
         for s in raw["servers"]:
             if st := s.get("starvation"):
                 w, j, adv = st["window"], st.get("idle_while_busy_j"), st["advise"]
-                last = {
-                    "file": raw["_file"],
-                    "server": s["label"],
-                    **{k: st.get(k) for k in ("idle_while_busy_j", "idle_while_busy_s", "frontend_busy_s")},
-                    "share_of_window_energy": j / w["gpu_energy_j"] if j is not None and w.get("gpu_energy_j") else None,
-                    **{k: st["starvation"][k] for k in ("how", "series")},
-                    "warnings": st["warnings"],
-                    **{f"advise_{k}": adv[k] for k in ("ok", "output")},
-                    "advise_cmds": [a["cmd"] for a in adv["attempts"]],
-                    "fix_args": adv["fix_args"],
-                    "concurrency": w.get("concurrency"),
-                    "out_tok_s": w.get("output_throughput"),
-                    "out_tok_per_j": w.get("output_tokens_per_joule"),
-                    "avg_w": w.get("gpu_avg_power_w"),
-                    "gpu_idle_share": sampled(w, "gpu_idle_share"),
-                    "util0_energy_j_nvml": sampled(w, "util0_energy_j"),
-                }
+                last = {"file": raw["_file"], "server": s["label"], **pick(st, "idle_while_busy_j idle_while_busy_s frontend_busy_s")}
+                last["share_of_window_energy"] = j / w["gpu_energy_j"] if j is not None and w.get("gpu_energy_j") else None
+                last.update(pick(st["starvation"], "how series"), warnings=st["warnings"], advise_ok=adv["ok"], advise_output=adv["output"])
+                last.update(advise_cmds=[a["cmd"] for a in adv["attempts"]], fix_args=adv["fix_args"])
+                last.update(pick(w, f"concurrency {WINDOW} util0_energy_j_nvml=sampler.util0_energy_j"))
                 runs.append(last)
             if ok(fw := s.get("fix_window")):
-                after = {"out_tok_s": fw.get("output_throughput"), "out_tok_per_j": fw.get("output_tokens_per_joule")}
-                after.update(avg_w=fw.get("gpu_avg_power_w"), gpu_idle_share=sampled(fw, "gpu_idle_share"))
-                after.update(p50_ttft_ms=fw.get("median_ttft_ms"), p99_tpot_ms=fw.get("p99_tpot_ms"))
-                before = {k: last[k] for k in ("out_tok_s", "out_tok_per_j", "avg_w", "gpu_idle_share")} if last else None
+                after = pick(fw, f"{WINDOW} p50_ttft_ms=median_ttft_ms p99_tpot_ms")
+                before = pick(last, "out_tok_s out_tok_per_j avg_w gpu_idle_share") if last else None
                 fx = {"file": raw["_file"], "server": s["label"], "fix_args": s.get("fix_args"), "fix_source": s.get("fix_source")}
                 fx.update(before_from=f"{last['file']} {last['server']}" if last else None, before=before, after=after)
                 for k, name in (("out_tok_s", "throughput_ratio"), ("out_tok_per_j", "out_tok_per_j_ratio")):
@@ -263,17 +246,8 @@ def starvation_block(raws: list[dict]) -> dict:
 def checks(idle: dict, rates: list[dict], starv: dict) -> dict:
     c: dict = {"idle_power_30pct_lower": None if idle["power_ratio"] is None else idle["power_ratio"] <= 0.70}
     for row in rates:
-        b, ci, att, ttft, thr, tpot = (
-            row[k]
-            for k in (
-                "idle_bound_saving",
-                "out_tok_per_j_ratio_ci95",
-                "bound_attained",
-                "p50_ttft_ms_delta",
-                "throughput_ratio",
-                "p99_tpot_ratio",
-            )
-        )
+        b, ci, att = row["idle_bound_saving"], row["out_tok_per_j_ratio_ci95"], row["bound_attained"]
+        ttft, thr, tpot = row["p50_ttft_ms_delta"], row["throughput_ratio"], row["p99_tpot_ratio"]
         c[f"rate_{row['request_rate']}"] = {
             "saving_ge_80pct_of_bound": None if att is None else att >= 0.8,
             "tokj_ci_above_1_where_bound_ge_10pct": None if b is None or b < 0.10 or not ci else ci[0] > 1.0,
@@ -318,8 +292,7 @@ def request_energy(raws: list[dict], drop: float) -> dict:
                 "n_requests": seg["n"],
                 "lines": len(lines),
                 "with_energy": len(js),
-                **{key: seg[key] for key in ("concurrency", "input_len", "output_len")},
-                "prompts": seg.get("prompts"),
+                **pick(seg, "concurrency input_len output_len prompts"),
                 **{key: next((x.get(key) for x in lines), None) for key in ("source", "method")},
                 "steady_rule": f"lines in finish order, first and last {drop:.0%} dropped",
                 "steady": spread(js[k : len(js) - k] if len(js) > 2 * k else js),
@@ -328,8 +301,7 @@ def request_energy(raws: list[dict], drop: float) -> dict:
                 "idle_j": r(idle_j, 3),
                 "plugin_total_j": r(sum(phases.values()), 3) if phases else None,
                 "plugin_phases_j": {key: r(v, 3) for key, v in phases.items()},
-                "counter_j": r(counter, 3),
-                "counter_harness_window_j": r(harness_j, 3),
+                **{key: r(seg.get(key), 3) for key in ("counter_j", "counter_harness_window_j")},
                 "requests_plus_tail_over_harness_window_counter": ratio((req_sum, tail_j), harness_j),
                 "requests_plus_idle_over_counter": ratio((req_sum, idle_j), counter),
                 "requests_plus_idle_plus_tail_over_counter": ratio((req_sum, idle_j, tail_j), counter),
@@ -517,18 +489,10 @@ def defaults_record(raws: list[dict]) -> dict:
         "devices": sorted({x["device"].get("name", "?") for x in raws}),
         "vllm_versions": sorted({str(x.get("vllm_version")) for x in raws}),
         "shapes": sorted({str(x.get("shape") or x.get("model")) for x in raws}),
-        "runs": [
-            {
-                "file": x["_file"],
-                **{k: x.get(k) for k in ("tag", "gpu", "date_utc")},
-                "order": x["method"]["order"],
-                "notes": x.get("notes"),
-            }
-            for x in raws
-        ],
+        "runs": [{"file": x["_file"], **pick(x, "tag gpu date_utc"), "order": x["method"]["order"], "notes": x.get("notes")} for x in raws],
         "method": raws[0]["method"],
         "pairs": len(pairs),
-        "pair_list": [{k: p[k] for k in ("file", "gpu", "order", "servers")} for p in pairs],
+        "pair_list": [pick(p, "file gpu order servers") for p in pairs],
         "idle": idle,
         "rates": rates,
         "starvation": starv,
@@ -640,9 +604,7 @@ def main() -> int:
     ap.add_argument("--name", default="h200-defaults")
     ap.add_argument("--reqe-name", default="h200-request-energy")
     ap.add_argument("--trace-out", help="also write the closed-loop decision summary to TRACE_OUT.json/.md, from the servers tarballs")
-    ap.add_argument(
-        "--servers", nargs="*", help="servers-<tag>.tar.gz per raw file, same order (default: beside each raw file, by its tag)"
-    )
+    ap.add_argument("--servers", nargs="*", help="servers-<tag>.tar.gz per raw file, same order (default: beside each raw file)")
     ap.add_argument("--steady-drop", type=float, default=0.2, help="share of request lines dropped at each end (480 -> middle 288)")
     ns = ap.parse_args()
     raws = [load(p) for p in ns.raw]
@@ -653,37 +615,23 @@ def main() -> int:
     png = out / f"{ns.name}.png"
     has_png = plot(rec["rates"], png, f"{', '.join(rec['devices'])}: --plugin powersave defaults vs stock ({rec['pairs']} pairs)")
     write(out / f"{ns.name}.json", rec, defaults_md(rec, label, png.name if has_png else None))
+    common = {"devices": rec["devices"], "scripts": SCRIPTS, "recorded_utc": rec["recorded_utc"]}
     reqe = request_energy(raws, ns.steady_drop)
     sim = any(seg["source"] == "simulated" for seg in reqe["segments"])
-    what = "identical-length requests at a steady batch: the plugin's per-request energy"
-    reqe.update(
-        what=what,
-        measured=rec["measured"] and not sim,
-        simulated=sim,
-        devices=rec["devices"],
-        scripts=SCRIPTS,
-        recorded_utc=rec["recorded_utc"],
-    )
-    write(
-        out / f"{ns.reqe_name}.json",
-        reqe,
-        request_energy_md(reqe, f"{'simulated per-request figures; ' if sim else ''}{label}", ns.steady_drop),
-    )
+    reqe.update(what=REQE_WHAT, measured=rec["measured"] and not sim, simulated=sim, **common)
+    md = request_energy_md(reqe, f"{'simulated per-request figures; ' if sim else ''}{label}", ns.steady_drop)
+    write(out / f"{ns.reqe_name}.json", reqe, md)
     if ns.trace_out:
-        servers = (
-            ns.servers if ns.servers is not None else [Path(p).parent / f"servers-{x.get('tag')}.tar.gz" for p, x in zip(ns.raw, raws)]
-        )
+        beside = [Path(p).parent / f"servers-{x.get('tag')}.tar.gz" for p, x in zip(ns.raw, raws)]
+        servers = beside if ns.servers is None else ns.servers
         tars = {x["_file"]: Path(servers[k]) if k < len(servers) else None for k, x in enumerate(raws)}
-        cl = closed_loop_summary(raws, tars)
-        cl.update(measured=rec["measured"], devices=rec["devices"], scripts=SCRIPTS, recorded_utc=rec["recorded_utc"])
+        cl = {**closed_loop_summary(raws, tars), "measured": rec["measured"], **common}
         stem = Path(ns.trace_out)
         stem.parent.mkdir(parents=True, exist_ok=True)
         write(stem.with_suffix(".json"), cl, closed_loop_md(cl, f"{', '.join(rec['devices'])}; {label}"))
         print(f"wrote {stem}.json/.md ({sum(x['decisions'] for x in cl['servers'])} decision records)")
-    png_note = "/.png" if has_png else ""
-    print(
-        f"wrote {out}/{ns.name}.json/.md{png_note} ({rec['pairs']} pairs) and {out}/{ns.reqe_name}.json/.md ({len(reqe['segments'])} segment(s))"
-    )
+    print(f"wrote {out}/{ns.name}.json/.md{'/.png' if has_png else ''} ({rec['pairs']} pairs)", end=" ")
+    print(f"and {out}/{ns.reqe_name}.json/.md ({len(reqe['segments'])} segment(s))")
     return 0
 
 
