@@ -10,11 +10,14 @@
   ``advice``, ``after_fix``); ``checks`` against the targets;
 * ``h200-request-energy.json`` + ``.md``: identical requests at a steady batch (the plugin's
   per-request figures: p5 / p50 / p95 / max over the median; requests + idle against the counter;
-  the tail / idle split).
+  the tail / idle split);
+* with ``--trace-out STEM``: ``STEM.json`` + ``.md``, the closed-loop clock decisions in dry-run,
+  from the step traces in each raw file's servers tarball.
 
 Pairs: adjacent stock and defaults servers of one GPU, in run order over the raw files as given
 on the command line (their server sequences concatenated: ``S D D`` + ``S S D`` -> (S,D) (D,S)
-(S,D), ABBA-like across device calls). Ratios are defaults / stock per pair; intervals are Student-t 95 % over pairs.
+(S,D), ABBA-like across device calls; files of different GPUs are paired per GPU). Ratios are
+defaults / stock per pair; intervals are Student-t 95 % over pairs.
 ``idle_bound_saving`` of a rate = stock's idle seconds in the window (GPU idle share x energy
 window) x (stock idle W - defaults idle W of the pair) / stock's window energy: what the idle-power
 difference alone can save there. ``energy_saving`` = 1 - (defaults J per output token / stock's).
@@ -23,28 +26,39 @@ difference alone can save there. ``energy_saving`` = 1 - (defaults J per output 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gzip
 import json
 import math
 import re
 import statistics
 import sys
+import tarfile
 import time
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
 from benchmarks.lib.stats import mean_ci95
 
 ARMS = ("stock", "defaults")
+SCRIPTS = ["benchmarks/h200_defaults.py", "benchmarks/h200_defaults_record.py"]
+REQE_WHAT = "identical-length requests at a steady batch: the plugin's per-request energy"
+#: Decode batch-size buckets of the closed loop (settings ``clocks.closed_loop.batch_buckets`` default).
+BATCH_BUCKETS = (1, 8, 32, 64, 128, 256, 512)
+#: Per-pair figures of a rate (``per_pair`` in the record): ratios and deltas defaults / stock, the
+#: stock GPU's idle and low-power shares, the idle-power bound, the saving, each arm's tok/s, tok/J
+#: and W, and whether the fixed-length span was used.
+#: A load window's throughput, energy and power figures under the record's names (:func:`pick`).
+WINDOW = "out_tok_s=output_throughput out_tok_per_j=output_tokens_per_joule avg_w=gpu_avg_power_w gpu_idle_share=sampler.gpu_idle_share"
+PAIR_FIGURES = "tokj thr ttft_d tpot share low_share bound saving stock_tps def_tps stock_tokj def_tokj stock_w def_w span".split()
 
 
 def mean_ci(xs: list[float]) -> tuple[float | None, list[float] | None]:
     """Mean and t-based 95 % interval of the finite values (lib.stats); no interval below 2."""
     xs = [x for x in xs if x is not None and math.isfinite(x)]
-    if not xs:
-        return None, None
     if len(xs) < 2:
-        return xs[0], None
+        return (xs[0] if xs else None), None
     m, lo, hi = mean_ci95(xs)
     return m, [lo, hi]
 
@@ -53,71 +67,9 @@ def r(x: Any, nd: int = 4) -> Any:
     return round(x, nd) if isinstance(x, float) and math.isfinite(x) else x
 
 
-def load(path: str) -> dict:
-    p = Path(path)
-    data = gzip.decompress(p.read_bytes()) if p.suffix == ".gz" else p.read_bytes()
-    d = json.loads(data)
-    d["_file"] = p.name
-    return d
-
-
-def pair_servers(raws: list[dict]) -> list[dict]:
-    """Adjacent stock/defaults servers, greedily in run order over the raw files *in the order
-    given* (their server sequences concatenated): one GPU running ``stock,defaults,defaults`` then
-    ``stock,stock,defaults`` gives the pairs (S1,D1) (D2,S2) (S3,D3), ABBA-like across the calls.
-    Give the raw files of one GPU in run order; files of different GPUs are paired per GPU."""
-    seqs: dict[Any, list[tuple[dict, dict]]] = {}
-    for raw in raws:
-        for s in raw["servers"]:
-            if s["arm"] in ARMS and (s.get("idle") or s.get("windows")):
-                seqs.setdefault(raw.get("gpu"), []).append((raw, s))
-    pairs = []
-    for seq in seqs.values():
-        i = 0
-        while i + 1 < len(seq):
-            (ra, a), (rb, b) = seq[i], seq[i + 1]
-            if a["arm"] != b["arm"]:
-                stock, dflt = (a, b) if a["arm"] == "stock" else (b, a)
-                files = ra["_file"] if ra is rb else f"{ra['_file']}+{rb['_file']}"
-                pairs.append(
-                    {
-                        "file": files,
-                        "gpu": ra.get("gpu"),
-                        "order": f"{a['arm']},{b['arm']}",
-                        "servers": f"{a['label']},{b['label']}",
-                        "stock": stock,
-                        "defaults": dflt,
-                    }
-                )
-                i += 2
-            else:
-                i += 1
-    return pairs
-
-
-def ok(w: dict | None) -> bool:
-    return bool(w) and not w.get("error") and bool(w.get("completed"))
-
-
-def rate_key(rate: str) -> float:
-    return math.inf if rate == "sat" else float(rate)
-
-
-def span(w: dict) -> dict:
-    """The window's fixed-length span figures (``h200_defaults.py``: at least ``--window-s`` of wall
-    time from the first arrival, idle tail included), if measured; else {} (harness window only)."""
-    sp = w.get("span") or {}
-    return sp if sp.get("energy_j") is not None else {}
-
-
-def idle_w(s: dict) -> float | None:
-    return (s.get("idle") or {}).get("avg_power_w")
-
-
-#: Per-pair figures of a rate (``per_pair`` in the record): ratios and deltas defaults / stock, the
-#: stock GPU's idle and low-power shares, the idle-power bound, the saving, each arm's tok/s, tok/J
-#: and W, and whether the fixed-length span was used.
-PAIR_FIGURES = "tokj thr ttft_d tpot share low_share bound saving stock_tps def_tps stock_tokj def_tokj stock_w def_w span".split()
+def mean(xs: list[float], nd: int = 4) -> Any:
+    """The rounded mean of the finite values of ``xs`` (None where there is none)."""
+    return r(mean_ci(xs)[0], nd)
 
 
 def put_mean_ci(row: dict, name: str, xs: list[float], nd: int = 4) -> None:
@@ -126,91 +78,128 @@ def put_mean_ci(row: dict, name: str, xs: list[float], nd: int = 4) -> None:
     row[name], row[f"{name}_ci95"] = r(m, nd), [r(x, nd) for x in ci] if ci else None
 
 
-def rates_block(pairs: list[dict]) -> list[dict]:
-    rates = sorted({w["request_rate"] for p in pairs for s in (p["stock"], p["defaults"]) for w in s["windows"]}, key=rate_key)
-    out = []
-    for rate in rates:
-        per: dict[str, list] = {k: [] for k in PAIR_FIGURES}
-        n = 0
-        for p in pairs:
-            ws = next((w for w in p["stock"]["windows"] if w["request_rate"] == rate), None)
-            wd = next((w for w in p["defaults"]["windows"] if w["request_rate"] == rate), None)
-            if not (ok(ws) and ok(wd)):
+def ratio(parts: tuple, den: float | None, nd: int = 5) -> float | None:
+    """``sum(parts) / den`` rounded; None where a part is missing or ``den`` is 0 or missing."""
+    return r(sum(parts) / den, nd) if den and None not in parts else None
+
+
+def load(path: str) -> dict:
+    p = Path(path)
+    d = json.loads(gzip.decompress(p.read_bytes()) if p.suffix == ".gz" else p.read_bytes())
+    d["_file"] = p.name
+    return d
+
+
+def ok(w: dict | None) -> bool:
+    return bool(w) and not w.get("error") and bool(w.get("completed"))
+
+
+def idle_w(s: dict) -> float | None:
+    return (s.get("idle") or {}).get("avg_power_w")
+
+
+def pick(d: dict, spec: str) -> dict:
+    """``{name: d[key]}`` for each ``name=key`` in ``spec`` (``name`` alone: that key; missing: None);
+    a key ``sampler.K`` reads the load window's NVML sampler figure K."""
+    out = {}
+    for name, _, key in (item.partition("=") for item in spec.split()):
+        src, key = ((d.get("sampler") or {}), key[8:]) if key.startswith("sampler.") else (d, key or name)
+        out[name] = src.get(key)
+    return out
+
+
+def pair_servers(raws: list[dict]) -> list[dict]:
+    """Adjacent stock/defaults servers of one GPU, greedily in run order over ``raws`` (see above)."""
+    seqs: dict[Any, list[tuple[dict, dict]]] = defaultdict(list)
+    for raw in raws:
+        for s in raw["servers"]:
+            if s["arm"] in ARMS and (s.get("idle") or s.get("windows")):
+                seqs[raw.get("gpu")].append((raw, s))
+    pairs = []
+    for seq in seqs.values():
+        i = 0
+        while i + 1 < len(seq):
+            (ra, a), (rb, b) = seq[i], seq[i + 1]
+            if a["arm"] == b["arm"]:
+                i += 1
                 continue
-            n += 1
-            per["thr"].append(wd["output_throughput"] / ws["output_throughput"] if ws.get("output_throughput") else None)
-            per["stock_tps"].append(ws.get("output_throughput"))
-            per["def_tps"].append(wd.get("output_throughput"))
-            if ws.get("median_ttft_ms") is not None and wd.get("median_ttft_ms") is not None:
-                per["ttft_d"].append(wd["median_ttft_ms"] - ws["median_ttft_ms"])
-            if ws.get("p99_tpot_ms") and wd.get("p99_tpot_ms") is not None:
-                per["tpot"].append(wd["p99_tpot_ms"] / ws["p99_tpot_ms"])
-            # Both arms' fixed-length spans where both have them (idle tail of a low rate included),
-            # else the harness's own window (first request to last completion).
-            sps, spd = span(ws), span(wd)
-            use_span = bool(sps and spd)
-            fs = (
-                sps
-                if use_span
-                else {
-                    "energy_j": ws.get("gpu_energy_j"),
-                    "seconds": ws.get("energy_window_s") or ws.get("duration"),
-                    "out_tok_per_j": ws.get("output_tokens_per_joule"),
-                    "avg_power_w": ws.get("gpu_avg_power_w"),
-                    **{k: (ws.get("sampler") or {}).get(k) for k in ("gpu_idle_share", "gpu_low_power_share")},
-                }
-            )
-            fd = spd if use_span else {"out_tok_per_j": wd.get("output_tokens_per_joule"), "avg_power_w": wd.get("gpu_avg_power_w")}
-            per["span"].append(use_span)
-            share = fs.get("gpu_idle_share")
-            per["share"].append(share)
-            per["low_share"].append(fs.get("gpu_low_power_share"))
-            ts, td = fs.get("out_tok_per_j"), fd.get("out_tok_per_j")
-            per["stock_tokj"].append(ts)
-            per["def_tokj"].append(td)
-            per["stock_w"].append(fs.get("avg_power_w"))
-            per["def_w"].append(fd.get("avg_power_w"))
-            if ts and td:
-                per["tokj"].append(td / ts)
-                per["saving"].append(1.0 - ts / td)
-            iw_s, iw_d = idle_w(p["stock"]), idle_w(p["defaults"])
-            e_s, win_s = fs.get("energy_j"), fs.get("seconds")
-            if None not in (share, iw_s, iw_d, e_s, win_s) and e_s > 0:
-                per["bound"].append(share * win_s * (iw_s - iw_d) / e_s)
+            files = ra["_file"] if ra is rb else f"{ra['_file']}+{rb['_file']}"
+            pairs.append({"file": files, "gpu": ra.get("gpu"), "order": f"{a['arm']},{b['arm']}", "servers": f"{a['label']},{b['label']}"})
+            pairs[-1].update({s["arm"]: s for s in (a, b)})
+            i += 2
+    return pairs
+
+
+def pair_figures(p: dict, rate: str) -> dict | None:
+    """One pair's :data:`PAIR_FIGURES` at ``rate``, each left out where its inputs are missing;
+    None where either arm's window failed."""
+    ws, wd = (next((w for w in p[arm]["windows"] if w["request_rate"] == rate), None) for arm in ARMS)
+    if not (ok(ws) and ok(wd)):
+        return None
+    # Both arms' fixed-length spans (>= --window-s of wall time from the first arrival, idle tail
+    # included) where both have them, else the harness's own windows (first request to last completion).
+    fs, fd = (w.get("span") or {} for w in (ws, wd))
+    use_span = fs.get("energy_j") is not None and fd.get("energy_j") is not None
+    if not use_span:
+        spec = "energy_j=gpu_energy_j out_tok_per_j=output_tokens_per_joule avg_power_w=gpu_avg_power_w"
+        spec += " gpu_idle_share=sampler.gpu_idle_share gpu_low_power_share=sampler.gpu_low_power_share"
+        fs, fd = ({**pick(w, spec), "seconds": w.get("energy_window_s") or w.get("duration")} for w in (ws, wd))
+    ts, td, tps_s = fs.get("out_tok_per_j"), fd.get("out_tok_per_j"), ws.get("output_throughput")
+    f = {"thr": wd["output_throughput"] / tps_s if tps_s else None, "share": fs.get("gpu_idle_share")}
+    f.update(low_share=fs.get("gpu_low_power_share"), stock_tps=tps_s, def_tps=wd.get("output_throughput"), stock_tokj=ts, def_tokj=td)
+    f.update(stock_w=fs.get("avg_power_w"), def_w=fd.get("avg_power_w"), span=use_span)
+    if ws.get("median_ttft_ms") is not None and wd.get("median_ttft_ms") is not None:
+        f["ttft_d"] = wd["median_ttft_ms"] - ws["median_ttft_ms"]
+    if ws.get("p99_tpot_ms") and wd.get("p99_tpot_ms") is not None:
+        f["tpot"] = wd["p99_tpot_ms"] / ws["p99_tpot_ms"]
+    if ts and td:
+        f["tokj"], f["saving"] = td / ts, 1.0 - ts / td
+    iw_s, iw_d, e_s, win_s = idle_w(p["stock"]), idle_w(p["defaults"]), fs.get("energy_j"), fs.get("seconds")
+    if None not in (f["share"], iw_s, iw_d, e_s, win_s) and e_s > 0:
+        f["bound"] = f["share"] * win_s * (iw_s - iw_d) / e_s
+    return f
+
+
+def rates_block(pairs: list[dict]) -> list[dict]:
+    rates = {w["request_rate"] for p in pairs for arm in ARMS for w in p[arm]["windows"]}
+    out = []
+    for rate in sorted(rates, key=lambda x: math.inf if x == "sat" else float(x)):
+        figs = [f for f in (pair_figures(p, rate) for p in pairs) if f is not None]
+        per = {k: [f[k] for f in figs if k in f] for k in PAIR_FIGURES}
+        spans = per["span"]
         row: dict = {
             "request_rate": rate if rate == "sat" else float(rate),
-            "pairs": n,
+            "pairs": len(figs),
             "energy_window": (
                 "fixed span (>= --window-s from the first arrival, idle tail included)"
-                if per["span"] and all(per["span"])
+                if spans and all(spans)
                 else "harness window (first request to last completion)"
-                if not any(per["span"])
+                if not any(spans)
                 else "mixed"
             ),
         }
         put_mean_ci(row, "out_tok_per_j_ratio", per["tokj"])
-        row["stock_gpu_idle_share"] = r(mean_ci(per["share"])[0], 3)
-        row["stock_gpu_low_power_share"] = r(mean_ci(per["low_share"])[0], 3)
-        row["idle_bound_saving"] = r(mean_ci(per["bound"])[0])
-        row["energy_saving"] = r(mean_ci(per["saving"])[0])
-        row["bound_attained"] = (
-            r(row["energy_saving"] / row["idle_bound_saving"]) if row["energy_saving"] is not None and row["idle_bound_saving"] else None
-        )
+        row["stock_gpu_idle_share"], row["stock_gpu_low_power_share"] = mean(per["share"], 3), mean(per["low_share"], 3)
+        row["idle_bound_saving"], row["energy_saving"] = bound, saving = mean(per["bound"]), mean(per["saving"])
+        row["bound_attained"] = r(saving / bound) if saving is not None and bound else None
         put_mean_ci(row, "throughput_ratio", per["thr"])
         put_mean_ci(row, "p50_ttft_ms_delta", per["ttft_d"], 2)
         put_mean_ci(row, "p99_tpot_ratio", per["tpot"])
         row["per_pair"] = {k: [r(x) for x in v] for k, v in per.items()}
-        for k, name in (
-            ("stock_tps", "stock_out_tok_s"),
-            ("def_tps", "defaults_out_tok_s"),
-            ("stock_tokj", "stock_out_tok_per_j"),
-            ("def_tokj", "defaults_out_tok_per_j"),
-            ("stock_w", "stock_avg_w"),
-            ("def_w", "defaults_avg_w"),
-        ):
-            row[name] = r(mean_ci(per[k])[0], 2)
+        for k, name in (("tps", "out_tok_s"), ("tokj", "out_tok_per_j"), ("w", "avg_w")):
+            row[f"stock_{name}"], row[f"defaults_{name}"] = mean(per[f"stock_{k}"], 2), mean(per[f"def_{k}"], 2)
         out.append(row)
     return out
+
+
+def idle_block(pairs: list[dict]) -> dict:
+    ir = [idle_w(p["defaults"]) / idle_w(p["stock"]) for p in pairs if idle_w(p["stock"]) and idle_w(p["defaults"]) is not None]
+    idle = {f"{arm}_w": mean([idle_w(p[arm]) for p in pairs], 1) for arm in ARMS}
+    put_mean_ci(idle, "power_ratio", ir)
+    idle["pairs"] = len(ir)
+    for arm in ARMS:
+        idle[f"{arm}_sm_mhz"] = [(p[arm].get("idle") or {}).get("median_sm_clock_mhz") for p in pairs]
+    return idle
 
 
 def starvation_block(raws: list[dict]) -> dict:
@@ -218,58 +207,23 @@ def starvation_block(raws: list[dict]) -> dict:
     last = None  # a fix run in a later file is compared with the latest starvation window before it
     for raw in raws:
         for s in raw["servers"]:
-            if s.get("starvation"):
-                st = s["starvation"]
-                w = st["window"]
-                e = w.get("gpu_energy_j")
-                last = {
-                    "file": raw["_file"],
-                    "server": s["label"],
-                    "idle_while_busy_j": st.get("idle_while_busy_j"),
-                    "idle_while_busy_s": st.get("idle_while_busy_s"),
-                    "frontend_busy_s": st.get("frontend_busy_s"),
-                    "share_of_window_energy": (st["idle_while_busy_j"] / e) if st.get("idle_while_busy_j") is not None and e else None,
-                    "how": st["starvation"]["how"],
-                    "series": st["starvation"]["series"],
-                    "warnings": st["warnings"],
-                    "advise_ok": st["advise"]["ok"],
-                    "advise_output": st["advise"]["output"],
-                    "advise_cmds": [a["cmd"] for a in st["advise"]["attempts"]],
-                    "fix_args": st["advise"]["fix_args"],
-                    "concurrency": w.get("concurrency"),
-                    "out_tok_s": w.get("output_throughput"),
-                    "out_tok_per_j": w.get("output_tokens_per_joule"),
-                    "avg_w": w.get("gpu_avg_power_w"),
-                    "gpu_idle_share": (w.get("sampler") or {}).get("gpu_idle_share"),
-                    "util0_energy_j_nvml": (w.get("sampler") or {}).get("util0_energy_j"),
-                }
+            if st := s.get("starvation"):
+                w, j, adv = st["window"], st.get("idle_while_busy_j"), st["advise"]
+                last = {"file": raw["_file"], "server": s["label"], **pick(st, "idle_while_busy_j idle_while_busy_s frontend_busy_s")}
+                last["share_of_window_energy"] = j / w["gpu_energy_j"] if j is not None and w.get("gpu_energy_j") else None
+                last.update(pick(st["starvation"], "how series"), warnings=st["warnings"], advise_ok=adv["ok"], advise_output=adv["output"])
+                last.update(advise_cmds=[a["cmd"] for a in adv["attempts"]], fix_args=adv["fix_args"])
+                last.update(pick(w, f"concurrency {WINDOW} util0_energy_j_nvml=sampler.util0_energy_j"))
                 runs.append(last)
-            if s.get("fix_window") and ok(s["fix_window"]):
-                fw = s["fix_window"]
-                after = {
-                    "out_tok_s": fw.get("output_throughput"),
-                    "out_tok_per_j": fw.get("output_tokens_per_joule"),
-                    "avg_w": fw.get("gpu_avg_power_w"),
-                    "gpu_idle_share": (fw.get("sampler") or {}).get("gpu_idle_share"),
-                    "p50_ttft_ms": fw.get("median_ttft_ms"),
-                    "p99_tpot_ms": fw.get("p99_tpot_ms"),
-                }
-                before = {k: last.get(k) for k in ("out_tok_s", "out_tok_per_j", "avg_w", "gpu_idle_share")} if last else None
-                fx = {
-                    "file": raw["_file"],
-                    "server": s["label"],
-                    "fix_args": s.get("fix_args"),
-                    "fix_source": s.get("fix_source"),
-                    "before_from": f"{last['file']} {last['server']}" if last else None,
-                    "before": before,
-                    "after": after,
-                }
-                if before and before.get("out_tok_s") and after["out_tok_s"]:
-                    fx["throughput_ratio"] = r(after["out_tok_s"] / before["out_tok_s"])
-                if before and before.get("out_tok_per_j") and after["out_tok_per_j"]:
-                    fx["out_tok_per_j_ratio"] = r(after["out_tok_per_j"] / before["out_tok_per_j"])
+            if ok(fw := s.get("fix_window")):
+                after = pick(fw, f"{WINDOW} p50_ttft_ms=median_ttft_ms p99_tpot_ms")
+                before = pick(last, "out_tok_s out_tok_per_j avg_w gpu_idle_share") if last else None
+                fx = {"file": raw["_file"], "server": s["label"], "fix_args": s.get("fix_args"), "fix_source": s.get("fix_source")}
+                fx.update(before_from=f"{last['file']} {last['server']}" if last else None, before=before, after=after)
+                for k, name in (("out_tok_s", "throughput_ratio"), ("out_tok_per_j", "out_tok_per_j_ratio")):
+                    if before and before[k] and after[k]:
+                        fx[name] = r(after[k] / before[k])
                 fixes.append(fx)
-    js = [x["idle_while_busy_j"] for x in runs if x["idle_while_busy_j"] is not None]
     # The latest run whose plugin counters were found speaks for the figure, its advice and its fix
     # (an earlier run may predate the counters on /metrics).
     counted = [x for x in runs if x["idle_while_busy_j"] is not None]
@@ -279,9 +233,9 @@ def starvation_block(raws: list[dict]) -> dict:
     advice = next((x["advise_output"] for x in runs if x["advise_ok"]), None)
     nv = [x["util0_energy_j_nvml"] for x in runs if x.get("util0_energy_j_nvml") is not None]
     return {
-        "idle_while_busy_j": r(statistics.fmean(js), 1) if js else None,
+        "idle_while_busy_j": r(statistics.fmean(x["idle_while_busy_j"] for x in counted), 1) if counted else None,
         "util0_energy_j_nvml": r(statistics.fmean(nv), 1) if nv else None,
-        "idle_while_busy_share": r(mean_ci([x["share_of_window_energy"] for x in runs])[0]),
+        "idle_while_busy_share": mean([x["share_of_window_energy"] for x in runs]),
         "warning": next((x["warnings"][0] for x in runs if x["warnings"]), None),
         "advice": advice.strip().splitlines()[:20] if advice else None,
         "after_fix": fixes[-1] if fixes else None,
@@ -292,119 +246,77 @@ def starvation_block(raws: list[dict]) -> dict:
 def checks(idle: dict, rates: list[dict], starv: dict) -> dict:
     c: dict = {"idle_power_30pct_lower": None if idle["power_ratio"] is None else idle["power_ratio"] <= 0.70}
     for row in rates:
-        k = f"rate_{row['request_rate']}"
-        b = row["idle_bound_saving"]
-        c[k] = {
-            "saving_ge_80pct_of_bound": None if row["bound_attained"] is None else row["bound_attained"] >= 0.8,
-            "tokj_ci_above_1_where_bound_ge_10pct": (
-                None if b is None or b < 0.10 or not row["out_tok_per_j_ratio_ci95"] else row["out_tok_per_j_ratio_ci95"][0] > 1.0
-            ),
-            "p50_ttft_le_plus_5ms": None if row["p50_ttft_ms_delta"] is None else row["p50_ttft_ms_delta"] <= 5.0,
-            "throughput_ratio_ge_0_99": None if row["throughput_ratio"] is None else row["throughput_ratio"] >= 0.99,
-            "p99_tpot_le_plus_5pct": None if row["p99_tpot_ratio"] is None else row["p99_tpot_ratio"] <= 1.05,
+        b, ci, att = row["idle_bound_saving"], row["out_tok_per_j_ratio_ci95"], row["bound_attained"]
+        ttft, thr, tpot = row["p50_ttft_ms_delta"], row["throughput_ratio"], row["p99_tpot_ratio"]
+        c[f"rate_{row['request_rate']}"] = {
+            "saving_ge_80pct_of_bound": None if att is None else att >= 0.8,
+            "tokj_ci_above_1_where_bound_ge_10pct": None if b is None or b < 0.10 or not ci else ci[0] > 1.0,
+            "p50_ttft_le_plus_5ms": None if ttft is None else ttft <= 5.0,
+            "throughput_ratio_ge_0_99": None if thr is None else thr >= 0.99,
+            "p99_tpot_le_plus_5pct": None if tpot is None else tpot <= 1.05,
         }
-    fx = starv["after_fix"] if isinstance(starv["after_fix"], dict) else None
     c["starvation_figure_and_warning"] = starv["idle_while_busy_j"] is not None and starv["warning"] is not None
-    c["fix_measured"] = bool(fx and fx.get("out_tok_per_j_ratio") is not None)
+    c["fix_measured"] = bool(starv["after_fix"] and starv["after_fix"].get("out_tok_per_j_ratio") is not None)
     return c
+
+
+def spread(v: list[float]) -> dict | None:
+    """Count, median J and p5 / p50 / p95 / max / min over the median (None below 2 values)."""
+    if len(v) < 2:
+        return None
+    q, med = statistics.quantiles(v, n=100, method="inclusive"), statistics.median(v)
+    over = (("p5", q[4]), ("p50", med), ("p95", q[94]), ("max", max(v)), ("min", min(v)))
+    return {"n": len(v), "median_j": r(med), **{f"{k}_over_median": r(x / med) for k, x in over}}
 
 
 def request_energy(raws: list[dict], drop: float) -> dict:
     segs = []
-    for raw in raws:
-        for s in raw["servers"]:
-            seg = s.get("reqenergy")
-            if not seg:
-                continue
-            lines = seg["lines"]
-            js = [x["energy_j"] for x in lines if isinstance(x.get("energy_j"), (int, float))]
-            k = int(len(js) * drop)
-            steady = js[k : len(js) - k] if len(js) > 2 * k else js
-
-            def spread(v: list[float]) -> dict | None:
-                if len(v) < 2:
-                    return None
-                q = statistics.quantiles(v, n=100, method="inclusive")
-                med = statistics.median(v)
-                return {
-                    "n": len(v),
-                    "median_j": r(med),
-                    "p5_over_median": r(q[4] / med),
-                    "p50_over_median": 1.0,
-                    "p95_over_median": r(q[94] / med),
-                    "max_over_median": r(max(v) / med),
-                    "min_over_median": r(min(v) / med),
-                }
-
-            phases = seg.get("plugin_energy_j_by_phase") or {}
-            extra = {}
-            for x in lines:  # per-request parts the plugin may add (e.g. a tail share): summed by name
-                for key, v in x.items():
-                    if key != "energy_j" and key.endswith("_j") and isinstance(v, (int, float)):
-                        extra[key] = extra.get(key, 0.0) + v
-            req_sum = sum(js)
-            idle_j = phases.get("idle")
-            counter = seg.get("counter_j")
-            harness_j = seg.get("counter_harness_window_j")  # NVML counter, first request to last completion
-            segs.append(
-                {
-                    "file": raw["_file"],
-                    "server": s["label"],
-                    "device": raw["device"].get("name"),
-                    "date_utc": raw.get("date_utc"),
-                    "n_requests": seg["n"],
-                    "lines": len(lines),
-                    "with_energy": len(js),
-                    "concurrency": seg["concurrency"],
-                    "input_len": seg["input_len"],
-                    "output_len": seg["output_len"],
-                    "prompts": seg.get("prompts"),
-                    "source": next((x.get("source") for x in lines), None),
-                    "method": next((x.get("method") for x in lines), None),
-                    "steady_rule": f"lines in finish order, first and last {drop:.0%} dropped",
-                    "steady": spread(steady),
-                    "all": spread(js),
-                    "requests_sum_j": r(req_sum, 3),
-                    "idle_j": r(idle_j, 3) if idle_j is not None else None,
-                    "plugin_total_j": r(sum(phases.values()), 3) if phases else None,
-                    "plugin_phases_j": {k2: r(v, 3) for k2, v in phases.items()},
-                    "counter_j": r(counter, 3) if counter is not None else None,
-                    "counter_harness_window_j": r(harness_j, 3) if harness_j is not None else None,
-                    "requests_plus_tail_over_harness_window_counter": (
-                        r((req_sum + seg["tail_j"]) / harness_j, 5) if harness_j and seg.get("tail_j") is not None else None
-                    ),
-                    "requests_plus_idle_over_counter": r((req_sum + idle_j) / counter, 5) if counter and idle_j is not None else None,
-                    "requests_plus_idle_plus_tail_over_counter": (
-                        r((req_sum + idle_j + seg["tail_j"]) / counter, 5)
-                        if counter and idle_j is not None and seg.get("tail_j") is not None
-                        else None
-                    ),
-                    "tail_idle_split": {
-                        "idle_j": r(idle_j, 3) if idle_j is not None else None,
-                        "tail_j": r(seg.get("tail_j"), 3),
-                        "tail_j_metrics": r(seg.get("tail_j_metrics"), 3),
-                        **{k2: r(v, 3) for k2, v in extra.items()},
-                        "note": "idle_j: the plugin's idle phase over the span; tail_j: non-idle energy charged to no "
-                        "request (snapshot request_energy_j_tail delta; tail_j_metrics: "
-                        "powersave_request_tail_energy_joules_total delta); *_j: per-request parts summed",
-                    },
-                    "harness_out_tok_s": seg["harness"].get("output_throughput"),
-                    "span_s": r(seg.get("span_s"), 3),
-                }
-            )
+    for raw, s in ((raw, s) for raw in raws for s in raw["servers"] if s.get("reqenergy")):
+        seg, lines = s["reqenergy"], s["reqenergy"]["lines"]
+        js = [x["energy_j"] for x in lines if isinstance(x.get("energy_j"), (int, float))]
+        k = int(len(js) * drop)
+        extra: dict[str, float] = {}
+        for x in lines:  # per-request parts the plugin may add (e.g. a tail share): summed by name
+            for key, v in x.items():
+                if key != "energy_j" and key.endswith("_j") and isinstance(v, (int, float)):
+                    extra[key] = extra.get(key, 0.0) + v
+        phases = seg.get("plugin_energy_j_by_phase") or {}
+        req_sum, idle_j, counter, tail_j = sum(js), phases.get("idle"), seg.get("counter_j"), seg.get("tail_j")
+        harness_j = seg.get("counter_harness_window_j")  # NVML counter, first request to last completion
+        segs.append(
+            {
+                "file": raw["_file"],
+                "server": s["label"],
+                "device": raw["device"].get("name"),
+                "date_utc": raw.get("date_utc"),
+                "n_requests": seg["n"],
+                "lines": len(lines),
+                "with_energy": len(js),
+                **pick(seg, "concurrency input_len output_len prompts"),
+                **{key: next((x.get(key) for x in lines), None) for key in ("source", "method")},
+                "steady_rule": f"lines in finish order, first and last {drop:.0%} dropped",
+                "steady": spread(js[k : len(js) - k] if len(js) > 2 * k else js),
+                "all": spread(js),
+                "requests_sum_j": r(req_sum, 3),
+                "idle_j": r(idle_j, 3),
+                "plugin_total_j": r(sum(phases.values()), 3) if phases else None,
+                "plugin_phases_j": {key: r(v, 3) for key, v in phases.items()},
+                **{key: r(seg.get(key), 3) for key in ("counter_j", "counter_harness_window_j")},
+                "requests_plus_tail_over_harness_window_counter": ratio((req_sum, tail_j), harness_j),
+                "requests_plus_idle_over_counter": ratio((req_sum, idle_j), counter),
+                "requests_plus_idle_plus_tail_over_counter": ratio((req_sum, idle_j, tail_j), counter),
+                "tail_idle_split": {
+                    **{key: r(v, 3) for key, v in (("idle_j", idle_j), ("tail_j", tail_j), ("tail_j_metrics", seg.get("tail_j_metrics")))},
+                    **{key: r(v, 3) for key, v in extra.items()},
+                    "note": "idle_j: the plugin's idle phase over the span; tail_j: non-idle energy charged to no "
+                    "request (snapshot request_energy_j_tail delta; tail_j_metrics: "
+                    "powersave_request_tail_energy_joules_total delta); *_j: per-request parts summed",
+                },
+                "harness_out_tok_s": seg["harness"].get("output_throughput"),
+                "span_s": r(seg.get("span_s"), 3),
+            }
+        )
     return {"segments": segs}
-
-
-#: Decode batch-size buckets of the closed loop (settings ``clocks.closed_loop.batch_buckets`` default).
-BATCH_BUCKETS = (1, 8, 32, 64, 128, 256, 512)
-
-
-def bucket_of(batch: int, edges: tuple[int, ...] = BATCH_BUCKETS) -> int:
-    b = edges[0]
-    for e in edges:
-        if e <= batch:
-            b = e
-    return b
 
 
 def quantile(xs: list[float], q: float) -> float | None:
@@ -420,8 +332,6 @@ def quantile(xs: list[float], q: float) -> float | None:
 def trace_members(tar_path: Path) -> dict[str, list[dict]]:
     """``{server label: parsed lines}`` of the step traces (``<label>-trace-rank<N>.jsonl.gz``) in a
     servers tarball of ``h200_defaults.py``."""
-    import tarfile
-
     out: dict[str, list[dict]] = {}
     with tarfile.open(tar_path) as t:
         for m in t.getmembers():
@@ -429,19 +339,39 @@ def trace_members(tar_path: Path) -> dict[str, list[dict]]:
                 continue
             try:
                 data = t.extractfile(m).read()  # type: ignore[union-attr]
-                if m.name.endswith(".gz"):
-                    data = gzip.decompress(data)
+                data = gzip.decompress(data) if m.name.endswith(".gz") else data
             except (OSError, EOFError) as exc:  # a truncated or corrupt member: the others still count
                 print(f"warning: {tar_path.name}: {m.name}: {exc}", file=sys.stderr)
                 continue
-            rows = []
+            rows = out.setdefault(m.name.split("-trace-rank")[0], [])
             for ln in data.splitlines():
-                try:
+                with contextlib.suppress(ValueError):
                     rows.append(json.loads(ln))
-                except ValueError:
-                    pass
-            out.setdefault(m.name.split("-trace-rank")[0], []).extend(rows)
     return out
+
+
+def bucket_stats(steps: list[dict], recs: list[dict]) -> dict[int, dict[str, list]]:
+    """Per decode-batch bucket: the wall ms of pure decode steps (``ms``) and the closed loop's
+    records of it: clocks it would probe and hold, its default-clock baseline ms and spread %."""
+    per: dict[int, dict[str, list]] = defaultdict(lambda: defaultdict(list))
+    for x in steps:
+        if x.get("phase") == "decode" and x.get("t_end") is not None and x.get("decode"):
+            bucket = max((e for e in BATCH_BUCKETS if e <= int(x["decode"])), default=BATCH_BUCKETS[0])
+            per[bucket]["ms"].append(1e3 * (x["t_end"] - x["t"]))
+    for x in (x for x in recs if x.get("bucket") is not None):
+        b, ev = per[int(x["bucket"])], x.get("event")
+        clk = x.get("sm_clock_mhz") if ev in ("probe", "hold") else x.get("ran_at_mhz") if ev in ("accept", "reject") else None
+        if ev == "unmeasured":  # dry-run: the reason names the clock that no step ran at
+            m = re.search(r"at (\d+) MHz", str(x.get("reason", "")))
+            clk = int(m.group(1)) if m else None
+        if ev in ("probe", "accept", "reject", "unmeasured") and clk is not None:
+            b["probed"].append(clk)
+        if ev == "hold":
+            b["held"].append(clk)  # None: the default clock
+        if ev == "baseline_done":
+            b["baseline_ms"].append(x.get("baseline_ms"))
+            b["spread_pct"].append(x.get("spread_pct"))
+    return per
 
 
 def closed_loop_summary(raws: list[dict], tars: dict[str, Path | None]) -> dict:
@@ -453,59 +383,24 @@ def closed_loop_summary(raws: list[dict], tars: dict[str, Path | None]) -> dict:
     for raw in raws:
         tar = tars.get(raw["_file"])
         traces = trace_members(tar) if tar is not None and tar.is_file() else {}
-        for s in raw["servers"]:
-            if s["arm"] == "stock":
-                continue
-            rows = traces.get(s["label"], [])
+        for s in (s for s in raw["servers"] if s["arm"] != "stock"):
+            rows, snap = traces.get(s["label"], []), s.get("snapshot") or {}
             recs = [x["closed_loop"] for x in rows if isinstance(x.get("closed_loop"), dict)]
             steps = [x for x in rows if "phase" in x]
-            kinds: dict[str, int] = {}
-            for x in recs:
-                k = str(x.get("event") or x.get("kind") or "?")
-                kinds[k] = kinds.get(k, 0) + 1
-            per: dict[int, dict] = {}
-            for x in steps:
-                if x.get("phase") != "decode" or x.get("t_end") is None or not x.get("decode"):
-                    continue
-                b = per.setdefault(bucket_of(int(x["decode"])), {"ms": [], "sm_target": set()})
-                b["ms"].append(1e3 * (x["t_end"] - x["t"]))
-                if x.get("sm_target") is not None:
-                    b["sm_target"].add(x["sm_target"])
-            for x in recs:
-                if x.get("bucket") is None:
-                    continue
-                b = per.setdefault(int(x["bucket"]), {"ms": [], "sm_target": set()})
-                ev = x.get("event")
-                clk = x.get("sm_clock_mhz") if ev in ("probe", "hold") else x.get("ran_at_mhz") if ev in ("accept", "reject") else None
-                if ev in ("probe", "accept", "reject", "unmeasured"):
-                    m = re.search(r"at (\d+) MHz", str(x.get("reason", ""))) if ev == "unmeasured" else None
-                    clk = int(m.group(1)) if m else clk
-                    if clk is not None:
-                        b.setdefault("probed", set()).add(clk)
-                if ev == "hold":
-                    b.setdefault("held", []).append(clk)
-                if ev == "baseline_done":
-                    b.setdefault("controller_baseline_ms", []).append(x.get("baseline_ms"))
-                    b.setdefault("spreads", []).append(x.get("spread_pct"))
-                    b["spread_pct"] = x.get("spread_pct")
-            snap = (s.get("snapshot") or {}).get("closed_loop")
-            buckets = {}
-            for e, b in sorted(per.items()):
-                ms = b["ms"]
-                buckets[str(e)] = {
-                    "default_clock_step_ms": {
-                        "median": r(quantile(ms, 0.5), 3),
-                        "p10": r(quantile(ms, 0.1), 3),
-                        "p90": r(quantile(ms, 0.9), 3),
-                        "n": len(ms),
-                    },
-                    "decode_steps_observed": len(ms),
-                    "would_probe_mhz": sorted(b.get("probed", ())),
-                    "would_hold_mhz": b.get("held", []),  # None: the default clock "sm_target_in_trace_mhz": sorted(b["sm_target"]),
-                    "controller_baseline_ms": [r(v, 3) for v in b.get("controller_baseline_ms", [])],
-                    "controller_spread_pct": [r(v, 3) for v in b.get("spreads", [])],
-                    "spread_pct": r(b.get("spread_pct"), 3),
+            per = bucket_stats(steps, recs)
+            quantiles = (("median", 0.5), ("p10", 0.1), ("p90", 0.9))
+            buckets = {
+                str(e): {
+                    "default_clock_step_ms": {**{k: r(quantile(b["ms"], q), 3) for k, q in quantiles}, "n": len(b["ms"])},
+                    "decode_steps_observed": len(b["ms"]),
+                    "would_probe_mhz": sorted(set(b["probed"])),
+                    "would_hold_mhz": b["held"],
+                    "controller_baseline_ms": [r(v, 3) for v in b["baseline_ms"]],
+                    "controller_spread_pct": [r(v, 3) for v in b["spread_pct"]],
+                    "spread_pct": r(b["spread_pct"][-1], 3) if b["spread_pct"] else None,
                 }
+                for e, b in sorted(per.items())
+            }
             servers.append(
                 {
                     "file": raw["_file"],
@@ -515,13 +410,12 @@ def closed_loop_summary(raws: list[dict], tars: dict[str, Path | None]) -> dict:
                     "steps_observed": len(steps),
                     "decode_steps": sum(len(b["ms"]) for b in per.values()),
                     "decisions": len(recs),
-                    "decisions_by_kind": dict(sorted(kinds.items())),
+                    "decisions_by_kind": dict(sorted(Counter(str(x.get("event") or x.get("kind") or "?") for x in recs).items())),
                     # where the closed loop's own step times came from (device/step_timer.py)
                     "step_time_source": sorted({str(x["step_time_source"]) for x in recs if x.get("step_time_source")}) or ["engine_wall"],
                     "buckets": buckets,
-                    "snapshot_closed_loop": snap,
-                    "clock_backend": (s.get("snapshot") or {}).get("clock_backend"),
-                    "clock_mode": (s.get("snapshot") or {}).get("clock_mode"),
+                    "snapshot_closed_loop": snap.get("closed_loop"),
+                    **{k: snap.get(k) for k in ("clock_backend", "clock_mode")},
                 }
             )
     return {
@@ -550,20 +444,18 @@ def plot(rates: list[dict], path: Path, title: str) -> bool:
     top = max(finite) * 3 if finite else 1.0
     xs = [top if x["request_rate"] == "sat" else x["request_rate"] for x in rows]
     ys = [x["out_tok_per_j_ratio"] for x in rows]
-    lo = [y - (x["out_tok_per_j_ratio_ci95"] or [y, y])[0] for x, y in zip(rows, ys)]
-    hi = [(x["out_tok_per_j_ratio_ci95"] or [y, y])[1] - y for x, y in zip(rows, ys)]
+    cis = [x["out_tok_per_j_ratio_ci95"] or [y, y] for x, y in zip(rows, ys)]
+    yerr = [[y - ci[0] for y, ci in zip(ys, cis)], [ci[1] - y for y, ci in zip(ys, cis)]]
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
-    ax.errorbar(xs, ys, yerr=[lo, hi], fmt="o-", capsize=4, label="defaults / stock (mean, 95 % CI over pairs)")
-    bx = [x for x, row in zip(xs, rows) if row["idle_bound_saving"] is not None and row["idle_bound_saving"] < 1]
-    by = [1 / (1 - row["idle_bound_saving"]) for row in rows if row["idle_bound_saving"] is not None and row["idle_bound_saving"] < 1]
-    if bx:
-        ax.plot(bx, by, "s--", color="gray", label="idle-power bound (stock idle s x idle W difference)")
+    ax.errorbar(xs, ys, yerr=yerr, fmt="o-", capsize=4, label="defaults / stock (mean, 95 % CI over pairs)")
+    bound = [(x, 1 / (1 - b)) for x, b in zip(xs, (row["idle_bound_saving"] for row in rows)) if b is not None and b < 1]
+    if bound:
+        ax.plot(*zip(*bound), "s--", color="gray", label="idle-power bound (stock idle s x idle W difference)")
     ax.axhline(1.0, color="black", lw=0.8)
     ax.set_xscale("log")
     ax.set_xticks(xs)
     ax.set_xticklabels(["sat" if row["request_rate"] == "sat" else f"{row['request_rate']:g}" for row in rows])
-    ax.set_xlabel("Poisson request rate (req/s)")
-    ax.set_ylabel("output tokens per joule ratio")
+    ax.set(xlabel="Poisson request rate (req/s)", ylabel="output tokens per joule ratio")
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -580,101 +472,59 @@ def fmt(x: Any, nd: int = 3) -> str:
     return f"{x:.{nd}f}" if isinstance(x, float) else str(x)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("raw", nargs="+")
-    ap.add_argument("--out-dir", default="docs/results")
-    ap.add_argument("--name", default="h200-defaults")
-    ap.add_argument("--reqe-name", default="h200-request-energy")
-    ap.add_argument(
-        "--trace-out",
-        default=None,
-        help="also write the closed-loop decision summary to TRACE_OUT.json/.md "
-        "(e.g. docs/results/h200-closed-loop-decisions), from the servers tarballs",
-    )
-    ap.add_argument(
-        "--servers",
-        nargs="*",
-        default=None,
-        help="servers-<tag>.tar.gz per raw file, same order (default: beside each raw file, by its tag)",
-    )
-    ap.add_argument("--steady-drop", type=float, default=0.2, help="share of request lines dropped at each end (480 -> middle 288)")
-    ns = ap.parse_args()
-    raws = [load(p) for p in ns.raw]
-    out = Path(ns.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    measured = all(x.get("measured") for x in raws)
-    pairs = pair_servers(raws)
-    ir = [idle_w(p["defaults"]) / idle_w(p["stock"]) for p in pairs if idle_w(p["stock"]) and idle_w(p["defaults"]) is not None]
-    idle = {f"{arm}_w": r(mean_ci([idle_w(p[arm]) for p in pairs])[0], 1) for arm in ARMS}
-    put_mean_ci(idle, "power_ratio", ir)
-    idle["pairs"] = len(ir)
-    for arm in ARMS:
-        idle[f"{arm}_sm_mhz"] = [(p[arm].get("idle") or {}).get("median_sm_clock_mhz") for p in pairs]
-    rates = rates_block(pairs)
-    starv = starvation_block(raws)
-    devices = sorted({x["device"].get("name", "?") for x in raws})
-    rec = {
+def write(path: Path, rec: dict, md: list[str]) -> None:
+    """The record ``path`` (JSON) and its Markdown twin beside it."""
+    path.write_text(json.dumps(rec, indent=1))
+    path.with_suffix(".md").write_text("\n".join(md) + "\n")
+
+
+def defaults_record(raws: list[dict]) -> dict:
+    measured, pairs = all(x.get("measured") for x in raws), pair_servers(raws)
+    idle, rates, starv = idle_block(pairs), rates_block(pairs), starvation_block(raws)
+    return {
         "what": "stock vLLM vs --plugin powersave with its defaults (no setting), one server at a time, ABBA",
         "measured": measured,
         "simulated": False,
         "energy": "NVML total-energy counter per load window" if measured else "unavailable (no NVML): energy figures are null",
-        "devices": devices,
+        "devices": sorted({x["device"].get("name", "?") for x in raws}),
         "vllm_versions": sorted({str(x.get("vllm_version")) for x in raws}),
         "shapes": sorted({str(x.get("shape") or x.get("model")) for x in raws}),
-        "runs": [
-            {
-                "file": x["_file"],
-                "tag": x.get("tag"),
-                "gpu": x.get("gpu"),
-                "date_utc": x.get("date_utc"),
-                "order": x["method"]["order"],
-                "notes": x.get("notes"),
-            }
-            for x in raws
-        ],
+        "runs": [{"file": x["_file"], **pick(x, "tag gpu date_utc"), "order": x["method"]["order"], "notes": x.get("notes")} for x in raws],
         "method": raws[0]["method"],
         "pairs": len(pairs),
-        "pair_list": [{"file": p["file"], "gpu": p["gpu"], "order": p["order"], "servers": p["servers"]} for p in pairs],
+        "pair_list": [pick(p, "file gpu order servers") for p in pairs],
         "idle": idle,
         "rates": rates,
         "starvation": starv,
         "checks": checks(idle, rates, starv),
         "startup_s": {a: [s.get("startup_s") for x in raws for s in x["servers"] if s["arm"] == a] for a in ("stock", "defaults", "fix")},
-        "scripts": ["benchmarks/h200_defaults.py", "benchmarks/h200_defaults_record.py"],
+        "scripts": SCRIPTS,
         "recorded_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    (out / f"{ns.name}.json").write_text(json.dumps(rec, indent=1))
-    png = out / f"{ns.name}.png"
-    has_png = plot(rates, png, f"{', '.join(devices)}: --plugin powersave defaults vs stock ({len(pairs)} pairs)")
-    label = "measured" if measured else "NOT measured: no NVML (CPU smoke test), energy null"
-    m = raws[0]["method"]
+
+
+def defaults_md(rec: dict, label: str, png: str | None) -> list[str]:
+    idle, starv, m, fx = rec["idle"], rec["starvation"], rec["method"], rec["starvation"]["after_fix"]
     md = [
-        f"# Stock vLLM vs `--plugin powersave` defaults ({label})",
-        "",
-        f"- Device(s): {', '.join(devices)}; vLLM {', '.join(rec['vllm_versions'])}; model {', '.join(rec['shapes'])} (`--load-format dummy`).",
+        f"# Stock vLLM vs `--plugin powersave` defaults ({label})\n",
+        f"- Device(s): {', '.join(rec['devices'])}; vLLM {', '.join(rec['vllm_versions'])}; model {', '.join(rec['shapes'])} (`--load-format dummy`).",
         "- Runs (UTC): " + "; ".join(f"{x['tag']} GPU {x['gpu']} {x['date_utc']} order {','.join(x['order'])}" for x in rec["runs"]) + ".",
         f"- Method: one server at a time; stock = vLLM alone (no plugin on the path, or `VLLM_PLUGINS=` empty); defaults = "
         f"`--plugin powersave` with no saving setting (observation only: {m.get('defaults_observe')}). Per server: "
         f"{m.get('idle_s')} s idle, then Poisson windows of {m.get('window_s')} s of request starts at "
         f"{', '.join(m.get('rates') or [])} req/s ({m.get('input_len')} in / {m.get('output_len')} out, streamed, "
         f"same seeds in both arms). Energy: {rec['energy']}. GPU idle share: {m.get('gpu_idle_share')}. Clocks never changed.",
-        f"- Pairs: **{len(pairs)}** (adjacent stock/defaults servers on one GPU: "
+        f"- Pairs: **{rec['pairs']}** (adjacent stock/defaults servers on one GPU: "
         + ", ".join(f"{p['file']} GPU {p['gpu']} {p['servers']}" for p in rec["pair_list"])
         + ").",
-        "",
-        "## Idle, engine loaded",
-        "",
-        "| stock W | defaults W | ratio (95 % CI) | pairs |",
-        "|---|---|---|---|",
+        "\n## Idle, engine loaded\n",
+        "| stock W | defaults W | ratio (95 % CI) | pairs |\n|---|---|---|---|",
         f"| {fmt(idle['stock_w'], 1)} | {fmt(idle['defaults_w'], 1)} | {fmt(idle['power_ratio'])} ({fmt(idle['power_ratio_ci95'])}) | {idle['pairs']} |",
-        "",
-        "## Request-rate sweep (defaults / stock per pair)",
-        "",
-        "| req/s | pairs | stock GPU idle share | idle bound | energy saving | tok/J ratio (95 % CI) | throughput ratio | p50 TTFT Δ ms | p99 TPOT ratio | stock / defaults tok/s | stock / defaults tok/J |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "\n## Request-rate sweep (defaults / stock per pair)\n",
+        "| req/s | pairs | stock GPU idle share | idle bound | energy saving | tok/J ratio (95 % CI) | throughput ratio | p50 TTFT Δ ms | "
+        "p99 TPOT ratio | stock / defaults tok/s | stock / defaults tok/J |\n|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for x in rates:
+    for x in rec["rates"]:
         md.append(
             f"| {x['request_rate']} | {x['pairs']} | {fmt(x['stock_gpu_idle_share'], 2)} | {fmt(x['idle_bound_saving'])} | "
             f"{fmt(x['energy_saving'])} | {fmt(x['out_tok_per_j_ratio'])} ({fmt(x['out_tok_per_j_ratio_ci95'])}) | "
@@ -682,17 +532,10 @@ def main() -> int:
             f"{fmt(x['stock_out_tok_s'], 0)} / {fmt(x['defaults_out_tok_s'], 0)} | {fmt(x['stock_out_tok_per_j'])} / {fmt(x['defaults_out_tok_per_j'])} |"
         )
     md += [
-        "",
-        "Energy window per rate: " + "; ".join(f"{x['request_rate']}: {x['energy_window']}" for x in rates) + ".",
+        "\nEnergy window per rate: " + "; ".join(f"{x['request_rate']}: {x['energy_window']}" for x in rec["rates"]) + ".",
         "Idle bound = stock's idle seconds in the window x (stock idle W - defaults idle W) / stock's window energy.",
-    ]
-    if has_png:
-        md += ["", f"![tokens per joule ratio vs request rate]({png.name})"]
-    fx = starv["after_fix"] if isinstance(starv["after_fix"], dict) else None
-    md += [
-        "",
-        "## Starvation: one API server at high concurrency",
-        "",
+        *([f"\n![tokens per joule ratio vs request rate]({png})"] if png else []),
+        "\n## Starvation: one API server at high concurrency\n",
         f"- GPU energy spent idle while requests were running or waiting: {fmt(starv['idle_while_busy_j'], 1)} J "
         f"({fmt(starv['idle_while_busy_share'])} of the window's energy; {starv['runs'][0]['how'] if starv['runs'] else 'not run'}); "
         f"NVML cross-check, energy of samples at 0 % utilisation: {fmt(starv['util0_energy_j_nvml'], 1)} J.",
@@ -706,33 +549,20 @@ def main() -> int:
             if fx
             else "- Fix: not measured."
         ),
+        "\n## Checks against the targets\n",
+        f"```\n{json.dumps(rec['checks'], indent=1)}\n```",
     ]
-    md += ["", "## Checks against the targets", "", "```", json.dumps(rec["checks"], indent=1), "```"]
-    (out / f"{ns.name}.md").write_text("\n".join(md) + "\n")
+    return md
 
-    reqe = request_energy(raws, ns.steady_drop)
-    sim = any(seg["source"] == "simulated" for seg in reqe["segments"])
-    reqe.update(
-        {
-            "what": "identical-length requests at a steady batch: the plugin's per-request energy",
-            "measured": measured and not sim,
-            "simulated": sim,
-            "devices": devices,
-            "scripts": rec["scripts"],
-            "recorded_utc": rec["recorded_utc"],
-        }
-    )
-    (out / f"{ns.reqe_name}.json").write_text(json.dumps(reqe, indent=1))
+
+def request_energy_md(reqe: dict, title: str, drop: float) -> list[str]:
     md = [
-        f"# Per-request energy of identical requests at a steady batch ({'simulated per-request figures; ' if sim else ''}{label})",
-        "",
+        f"# Per-request energy of identical requests at a steady batch ({title})\n",
         "- Requests of equal length (distinct random prompts, no prefix-cache hits, `ignore_eos`) at a fixed concurrency through "
         "the defaults server; the plugin's per-request lines (`requests-rank<N>.jsonl`) against the NVML counter over the "
-        "same span (plugin snapshot to snapshot). Steady batch: lines in finish order, first and last "
-        f"{ns.steady_drop:.0%} dropped.",
-        "",
-        "| run | source / method | n (steady) | median J | p5 / p50 / p95 / max over median | requests + idle over counter | requests J | idle J | counter J | other parts J |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        f"same span (plugin snapshot to snapshot). Steady batch: lines in finish order, first and last {drop:.0%} dropped.\n",
+        "| run | source / method | n (steady) | median J | p5 / p50 / p95 / max over median | requests + idle over counter | requests J | "
+        "idle J | counter J | other parts J |\n|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in reqe["segments"]:
         st = s["steady"] or {}
@@ -742,49 +572,66 @@ def main() -> int:
             f"{fmt(st.get('p95_over_median'))} / {fmt(st.get('max_over_median'))} | {fmt(s['requests_plus_idle_over_counter'], 4)} | "
             f"{fmt(s['requests_sum_j'], 1)} | {fmt(s['idle_j'], 1)} | {fmt(s['counter_j'], 1)} | {json.dumps(other) if other else '–'} |"
         )
-    (out / f"{ns.reqe_name}.md").write_text("\n".join(md) + "\n")
+    return md
+
+
+def closed_loop_md(cl: dict, title: str) -> list[str]:
+    md = [
+        f"# Closed-loop decode clock decisions in dry-run ({title})\n",
+        f"- {cl['what']}.",
+        f"- Step time: {cl['step_ms']}.\n",
+        "| run | steps | decode steps | decisions by kind | loop's step times | bucket: loop's default-clock step ms (noise %) "
+        "/ engine-thread wall ms median (p10-p90, n) / would probe MHz / would hold MHz |\n|---|---|---|---|---|---|",
+    ]
+    for x in cl["servers"]:
+        cells = "; ".join(
+            f"{e}: {','.join(fmt(v) for v in b['controller_baseline_ms']) or '–'} ({','.join(fmt(v, 2) for v in b['controller_spread_pct']) or '–'}) / "
+            f"{fmt(ms['median'])} ({fmt(ms['p10'])}-{fmt(ms['p90'])}, {ms['n']}) / {','.join(map(str, b['would_probe_mhz'])) or '–'} / "
+            f"{','.join('default' if h is None else str(h) for h in b['would_hold_mhz']) or '–'}"
+            for e, b, ms in ((e, b, b["default_clock_step_ms"]) for e, b in x["buckets"].items())
+        )
+        md.append(
+            f"| {x['file']} {x['server']} | {x['steps_observed']} | {x['decode_steps']} | "
+            f"{json.dumps(x['decisions_by_kind']) if x['decisions_by_kind'] else '–'} | {', '.join(x['step_time_source'])} | {cells or x['trace']} |"
+        )
+    return md
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("raw", nargs="+")
+    ap.add_argument("--out-dir", default="docs/results")
+    ap.add_argument("--name", default="h200-defaults")
+    ap.add_argument("--reqe-name", default="h200-request-energy")
+    ap.add_argument("--trace-out", help="also write the closed-loop decision summary to TRACE_OUT.json/.md, from the servers tarballs")
+    ap.add_argument("--servers", nargs="*", help="servers-<tag>.tar.gz per raw file, same order (default: beside each raw file)")
+    ap.add_argument("--steady-drop", type=float, default=0.2, help="share of request lines dropped at each end (480 -> middle 288)")
+    ns = ap.parse_args()
+    raws = [load(p) for p in ns.raw]
+    out = Path(ns.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rec = defaults_record(raws)
+    label = "measured" if rec["measured"] else "NOT measured: no NVML (CPU smoke test), energy null"
+    png = out / f"{ns.name}.png"
+    has_png = plot(rec["rates"], png, f"{', '.join(rec['devices'])}: --plugin powersave defaults vs stock ({rec['pairs']} pairs)")
+    write(out / f"{ns.name}.json", rec, defaults_md(rec, label, png.name if has_png else None))
+    common = {"devices": rec["devices"], "scripts": SCRIPTS, "recorded_utc": rec["recorded_utc"]}
+    reqe = request_energy(raws, ns.steady_drop)
+    sim = any(seg["source"] == "simulated" for seg in reqe["segments"])
+    reqe.update(what=REQE_WHAT, measured=rec["measured"] and not sim, simulated=sim, **common)
+    md = request_energy_md(reqe, f"{'simulated per-request figures; ' if sim else ''}{label}", ns.steady_drop)
+    write(out / f"{ns.reqe_name}.json", reqe, md)
     if ns.trace_out:
-        tars: dict[str, Path | None] = {}
-        for k, (path, raw) in enumerate(zip(ns.raw, raws)):
-            if ns.servers is not None:
-                tars[raw["_file"]] = Path(ns.servers[k]) if k < len(ns.servers) else None
-            else:
-                tars[raw["_file"]] = Path(path).parent / f"servers-{raw.get('tag')}.tar.gz"
-        cl = closed_loop_summary(raws, tars)
-        cl.update({"measured": measured, "devices": devices, "scripts": rec["scripts"], "recorded_utc": rec["recorded_utc"]})
+        beside = [Path(p).parent / f"servers-{x.get('tag')}.tar.gz" for p, x in zip(ns.raw, raws)]
+        servers = beside if ns.servers is None else ns.servers
+        tars = {x["_file"]: Path(servers[k]) if k < len(servers) else None for k, x in enumerate(raws)}
+        cl = {**closed_loop_summary(raws, tars), "measured": rec["measured"], **common}
         stem = Path(ns.trace_out)
         stem.parent.mkdir(parents=True, exist_ok=True)
-        stem.with_suffix(".json").write_text(json.dumps(cl, indent=1))
-        md = [
-            f"# Closed-loop decode clock decisions in dry-run ({', '.join(devices)}; {label})",
-            "",
-            f"- {cl['what']}.",
-            f"- Step time: {cl['step_ms']}.",
-            "",
-            "| run | steps | decode steps | decisions by kind | loop's step times | bucket: loop's default-clock step ms (noise %) "
-            "/ engine-thread wall ms median (p10-p90, n) / would probe MHz / would hold MHz |",
-            "|---|---|---|---|---|---|",
-        ]
-        for x in cl["servers"]:
-            cells = "; ".join(
-                f"{e}: {','.join(fmt(v) for v in b['controller_baseline_ms']) or '–'} "
-                f"({','.join(fmt(v, 2) for v in b['controller_spread_pct']) or '–'}) / "
-                f"{fmt(b['default_clock_step_ms']['median'])} ({fmt(b['default_clock_step_ms']['p10'])}-"
-                f"{fmt(b['default_clock_step_ms']['p90'])}, {b['default_clock_step_ms']['n']}) / "
-                f"{','.join(map(str, b['would_probe_mhz'])) or '–'} / {','.join('default' if h is None else str(h) for h in b['would_hold_mhz']) or '–'}"
-                for e, b in x["buckets"].items()
-            )
-            md.append(
-                f"| {x['file']} {x['server']} | {x['steps_observed']} | {x['decode_steps']} | "
-                f"{json.dumps(x['decisions_by_kind']) if x['decisions_by_kind'] else '–'} | {', '.join(x['step_time_source'])} | "
-                f"{cells or x['trace']} |"
-            )
-        stem.with_suffix(".md").write_text("\n".join(md) + "\n")
+        write(stem.with_suffix(".json"), cl, closed_loop_md(cl, f"{', '.join(rec['devices'])}; {label}"))
         print(f"wrote {stem}.json/.md ({sum(x['decisions'] for x in cl['servers'])} decision records)")
-    print(
-        f"wrote {out}/{ns.name}.json/.md{'/.png' if has_png else ''} ({len(pairs)} pairs) and {out}/{ns.reqe_name}.json/.md "
-        f"({len(reqe['segments'])} segment(s))"
-    )
+    print(f"wrote {out}/{ns.name}.json/.md{'/.png' if has_png else ''} ({rec['pairs']} pairs)", end=" ")
+    print(f"and {out}/{ns.reqe_name}.json/.md ({len(reqe['segments'])} segment(s))")
     return 0
 
 

@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from benchmarks.lib import serve as ab
+from benchmarks.lib import serve
 
 pytestmark = pytest.mark.bench
 
@@ -21,28 +21,22 @@ def _listen(reuse_port: bool = False, port: int = 0) -> socket.socket:
     return s
 
 
-def test_job_ports_differ_between_parallel_jobs() -> None:
-    # Device jobs run one per GPU at once; perf-boost uses slots 10.., the A/B slots 1 and 2.
-    ports = {ab.job_port(g, slot) for g in (0, 1, 2, 3) for slot in (1, 2, *range(10, 40))}
-    assert len(ports) == 4 * 32
-
-
 def test_busy_port_is_refused_and_a_second_listener_is_counted() -> None:
     a = _listen(reuse_port=True)
     port = a.getsockname()[1]
     try:
-        assert ab.tcp_listeners(port) == 1
+        assert serve.tcp_listeners(port) == 1
         with pytest.raises(RuntimeError, match=f"port {port} already has a listener"):
-            ab.check_port_free(port)
+            serve.check_port_free(port)
         b = _listen(reuse_port=True, port=port)  # what a second uvicorn did silently
         try:
-            assert ab.tcp_listeners(port) == 2
+            assert serve.tcp_listeners(port) == 2
         finally:
             b.close()
     finally:
         a.close()
-    assert ab.tcp_listeners(port) == 0
-    ab.check_port_free(port)
+    assert serve.tcp_listeners(port) == 0
+    serve.check_port_free(port)
 
 
 def test_listeners_are_counted_without_ipv6(monkeypatch) -> None:
@@ -51,12 +45,12 @@ def test_listeners_are_counted_without_ipv6(monkeypatch) -> None:
     a = _listen()
     port = a.getsockname()[1]
     try:
-        monkeypatch.setattr(ab, "PROC_NET_TCP", ("/proc/net/tcp", "/nonexistent/tcp6"))
-        assert ab.tcp_listeners(port) == 1
+        monkeypatch.setattr(serve, "PROC_NET_TCP", ("/proc/net/tcp", "/nonexistent/tcp6"))
+        assert serve.tcp_listeners(port) == 1
         with pytest.raises(RuntimeError, match="already has a listener"):
-            ab.check_port_free(port)
-        monkeypatch.setattr(ab, "PROC_NET_TCP", ("/nonexistent/tcp", "/nonexistent/tcp6"))
-        assert ab.tcp_listeners(port) == -1
+            serve.check_port_free(port)
+        monkeypatch.setattr(serve, "PROC_NET_TCP", ("/nonexistent/tcp", "/nonexistent/tcp6"))
+        assert serve.tcp_listeners(port) == -1
     finally:
         a.close()
 
@@ -66,6 +60,6 @@ def test_ipv6_listener_is_counted() -> None:
     s.bind(("::1", 0))
     s.listen()
     try:
-        assert ab.tcp_listeners(s.getsockname()[1]) == 1
+        assert serve.tcp_listeners(s.getsockname()[1]) == 1
     finally:
         s.close()

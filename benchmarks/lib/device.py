@@ -7,7 +7,6 @@ A device job exports ``POWERSAVE_FORCE_DRY_RUN=1`` before it starts a script.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -46,14 +45,6 @@ def write_json_atomic(path: Path, obj: object, indent: int | None = None) -> Non
 
 def utc_now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-
-
-def add_bundle_args(ap: argparse.ArgumentParser) -> None:
-    """Where the device scripts find the model shapes, the tokenizer and the two Python sites."""
-    ap.add_argument("--shapes-dir", default=".gpu-bundle/shapes")
-    ap.add_argument("--tok-dir", default="/tmp/model_cfg")
-    ap.add_argument("--plugin-site", default="/tmp/psite", help="site of the plugin's wheel (B's servers)")
-    ap.add_argument("--stock-site", default="/tmp/site", help="site of stock vLLM")
 
 
 def make_model(shape: str, shapes_dir: Path, tok_dir: Path, root: Path = Path("/tmp/models")) -> Path:

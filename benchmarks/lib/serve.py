@@ -1,7 +1,7 @@
-"""vLLM OpenAI servers for the device A/B runs: ports, CPU pinning, start, health, stop.
+"""vLLM OpenAI servers for the device A/B runs: start, port guard, health, stop.
 
-A port per GPU job and server slot, and a refusal of a port that already has a listener: two jobs
-on one port once sent both jobs' load to one server (uvicorn's SO_REUSEPORT binds silently).
+A port that already has a listener is refused: two jobs on one port once sent both jobs' load to
+one server (uvicorn's SO_REUSEPORT binds silently).
 """
 
 from __future__ import annotations
@@ -27,93 +27,6 @@ NO_MULTICAST = {
 }
 
 
-def parse_cpulist(text: str) -> set[int]:
-    """CPUs of a kernel cpulist such as ``0-15,32-47`` (sysfs ``local_cpulist``); empty text: none."""
-    cpus: set[int] = set()
-    for part in text.strip().split(","):
-        if not part:
-            continue
-        lo, _, hi = part.partition("-")
-        cpus.update(range(int(lo), int(hi or lo) + 1))
-    return cpus
-
-
-def gpu_local_cpus(
-    gpu: int, bus_ids: list[str], sysfs: Path = Path("/sys/bus/pci/devices"), allowed: set[int] | None = None
-) -> set[int] | None:
-    """This GPU's share of the CPUs on its NUMA node, disjoint from the other GPUs' on that node.
-
-    ``bus_ids``: every GPU's PCI bus id in index order (nvidia-smi's ``00000000:18:00.0`` form).
-    Where several GPUs share a node (two device jobs run side by side), the node's CPUs are split
-    between them in index order, so two jobs never pin servers to the same cores. None where sysfs
-    has no locality for the GPU.
-    """
-
-    def local(bus: str) -> set[int]:
-        f = sysfs / bus.lower()[-12:] / "local_cpulist"
-        return parse_cpulist(f.read_text()) if f.exists() else set()
-
-    mine = local(bus_ids[gpu])
-    if allowed is not None:
-        mine &= allowed
-    if not mine:
-        return None
-    sharing = [i for i, b in enumerate(bus_ids) if local(b) and local(b) == local(bus_ids[gpu])]
-    return split_cpus(mine, len(sharing))[sharing.index(gpu)]
-
-
-def core_groups(cpus: set[int], sysfs_cpu: Path = Path("/sys/devices/system/cpu")) -> list[set[int]]:
-    """``cpus`` grouped by physical core (hyperthread siblings together, from sysfs
-    ``topology/thread_siblings_list``), in order of their lowest CPU; a CPU without topology
-    information is a core of its own."""
-    seen: set[int] = set()
-    groups = []
-    for c in sorted(cpus):
-        if c in seen:
-            continue
-        f = sysfs_cpu / f"cpu{c}" / "topology" / "thread_siblings_list"
-        g = (parse_cpulist(f.read_text()) if f.exists() else {c}) & cpus or {c}
-        seen |= g
-        groups.append(g)
-    return groups
-
-
-def split_cpus(cpus: set[int], n: int, sysfs_cpu: Path = Path("/sys/devices/system/cpu")) -> list[set[int]]:
-    """``cpus`` in ``n`` disjoint slices of equal size, whole physical cores each (two servers on two
-    hyperthreads of one core would share it), contiguous in core order; the remainder is left unused."""
-    groups = core_groups(cpus, sysfs_cpu)
-    k = len(groups) // n
-    if k == 0:
-        raise ValueError(f"cannot split {len(groups)} cores ({len(cpus)} CPUs) between {n} servers")
-    return [set().union(*groups[i * k : (i + 1) * k]) for i in range(n)]
-
-
-def gpu_bus_ids() -> list[str]:
-    """PCI bus ids of the GPUs in index order (nvidia-smi, a read-only query)."""
-    out = subprocess.run(["nvidia-smi", "--query-gpu=pci.bus_id", "--format=csv,noheader"], capture_output=True, text=True, timeout=30)
-    return [line.strip() for line in out.stdout.splitlines() if line.strip()]
-
-
-def server_cpu_sets(gpu: int, n: int) -> list[set[int]] | None:
-    """One disjoint CPU set per co-resident server, all on the GPU's NUMA node.
-
-    Why: a host-bound small model's step time depends on where its API server and EngineCore run;
-    left to the OS, servers of one A/B land on different cores (and nodes) for the whole run.
-    Pinned, every server gets the same number of GPU-local cores of its own. None: no locality
-    known (unpinned).
-    """
-    try:
-        local = gpu_local_cpus(gpu, gpu_bus_ids(), allowed=os.sched_getaffinity(0))
-        if not local or len(local) < 2 * n:
-            # An API server and an EngineCore busy loop each want a core: fewer would measure the pinning.
-            log(f"CPU pinning skipped: {len(local or ())} GPU-local CPUs for {n} servers (2 each needed)")
-            return None
-        return split_cpus(local, n)
-    except Exception as exc:  # pinning is an improvement, never a reason not to measure
-        log("CPU pinning unavailable:", exc)
-        return None
-
-
 def start_server(
     label: str,
     model: Path,
@@ -123,15 +36,13 @@ def start_server(
     out: Path,
     gpu_mem: float = 0.9,
     env_extra: dict[str, str] | None = None,
-    cpus: set[int] | None = None,
     serve_args: list[str] | None = None,
     max_model_len: int = 2048,
 ) -> subprocess.Popen:
     """A server on ``port`` (refused if taken) with a dummy-weight ``model``, logging to
     ``out/server-<label>.log`` (first line: ``env_extra`` and the command as one shell line);
     ``pythonpath``: None inherits this process's; ``env_extra``: e.g. ``CUDA_VISIBLE_DEVICES``;
-    ``cpus``: its CPU affinity, inherited by its EngineCore and worker processes; ``serve_args``
-    replace the default ``--max-num-seqs 256 --gpu-memory-utilization GPU_MEM``."""
+    ``serve_args`` replace the default ``--max-num-seqs 256 --gpu-memory-utilization GPU_MEM``."""
     check_port_free(port)
     site = {} if pythonpath is None else {"PYTHONPATH": pythonpath}
     env = {**os.environ, **site, **NO_MULTICAST, **(env_extra or {})}  # env_extra wins
@@ -156,15 +67,7 @@ def start_server(
     ]
     logf = open(out / f"server-{label}.log", "wb")
     logf.write((" ".join([*(f"{k}={shlex.quote(v)}" for k, v in (env_extra or {}).items()), *cmd]) + "\n").encode())
-    pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
-    return subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True, preexec_fn=pin)
-
-
-def job_port(gpu: int, slot: int) -> int:
-    """A port per (first GPU, server slot): device jobs run one per GPU in parallel, and two
-    jobs on one port once sent both jobs' requests to one server (uvicorn's SO_REUSEPORT lets a second
-    server bind the same port silently)."""
-    return 8000 + 50 * gpu + slot
+    return subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
 PROC_NET_TCP = ("/proc/net/tcp", "/proc/net/tcp6")

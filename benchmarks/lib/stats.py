@@ -65,16 +65,3 @@ def mean_ci95(values: Sequence[float]) -> tuple[float, float, float]:
     m = statistics.fmean(xs)
     half = t975(len(xs) - 1) * statistics.stdev(xs) / math.sqrt(len(xs))
     return m, m - half, m + half
-
-
-def ratio_ci95(pairs_a: Sequence[float], pairs_b: Sequence[float]) -> tuple[float, float, float]:
-    """``(ratio, lo, hi)``: the mean over pairs of ``b[i] / a[i]`` and its 95 % interval.
-
-    ``pairs_a[i]`` and ``pairs_b[i]`` are one pair's figures (e.g. tokens/s of stock and plugin in
-    adjacent windows). ValueError: lengths differ, fewer than 2 pairs, or an A figure is 0.
-    """
-    if len(pairs_a) != len(pairs_b):
-        raise ValueError(f"pairs differ in length: {len(pairs_a)} A vs {len(pairs_b)} B")
-    if any(a == 0 for a in pairs_a):
-        raise ValueError("an A figure is 0: its ratio is undefined")
-    return mean_ci95([b / a for a, b in zip(pairs_a, pairs_b)])
