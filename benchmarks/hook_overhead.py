@@ -2,23 +2,15 @@
 
 vLLM's engine loop is host-bound for small models (a 0.5B decode step is ~2.2 ms on the H200,
 ``docs/results/h200-vllm.md``), so every microsecond the plugin adds per step shows up in
-throughput (10 us ~ 0.45 %). Measured, for 8 / 64 / 256 decoding requests:
+throughput (10 us ~ 0.45 %). For 8 / 64 / 256 decoding requests: the aggregate step
+classification, the worker hook alone, and the whole per-step path with the H200 A/B's settings
+(scheduler, runner and LM-head wrappers around do-nothing stand-ins, the publisher's per-step work
+amortised, minus the bare loop), with variants in :data:`STEPS`; the scheduler wrapper alone in
+:data:`SCHEDULERS`. Each figure: the median over ``--repeats`` fresh child processes. With
+``--baseline-rev REV`` the plugin code of that git revision runs too, alternating with this tree.
+Writes ``docs/results/hook-overhead.{json,md}`` unless ``--no-write``.
 
-* the per-request classification (``classify(step_requests(...))``) against the aggregate one
-  (``step_info``), and the worker hook alone (``on_step_start`` + ``on_step_end``, meter off /
-  simulated);
-* the whole per-step path with the H200 A/B's settings (step trace on, dry-run presets decode
-  1200 MHz / idle 345 MHz, 200 ms dwell, a chunk table that never chunks, meter off): the
-  scheduler's ``schedule`` wrapper, the runner's ``execute_model`` / ``sample_tokens`` wrappers
-  with the worker hook, the LM-head hook and the publisher thread's trace flush amortised per
-  step, minus the same loop on bare stand-ins; variants with 200 waiting requests (look-ahead
-  scan) and with an energy account fed by a stub NVML meter;
-* the scheduler wrapper alone: empty queue, 200 waiting with look-ahead on, and off.
-
-Each figure is measured in fresh child processes, ``--repeats`` times, and the median reported.
-With ``--baseline-rev REV`` the plugin code of that git revision runs too, alternating with this
-tree (before / after in one run). Writes ``docs/results/hook-overhead.{json,md}`` unless
-``--no-write``. Run: ``python -m benchmarks.hook_overhead [--baseline-rev REV]``.
+Run: ``python -m benchmarks.hook_overhead [--repeats 3] [--baseline-rev REV] [--no-write]``.
 """
 
 from __future__ import annotations
@@ -39,6 +31,23 @@ NS = (8, 64, 256)
 WAITING = 200
 #: The H200 A/B's chunk table: chunks only from a million rows on, i.e. never, but the hook is installed.
 AB_TABLE = [{"min_rows": 1_000_000, "chunks": 2}]
+#: The worker hook alone (``on_step_start`` + ``on_step_end``): key, label, energy meter.
+HOOKS = [
+    ("hook_meter_off_us", "worker hook alone, meter off", "off"),
+    ("hook_meter_simulated_us", "worker hook alone, simulated meter", "simulated"),
+]
+#: The whole step path with the A/B settings: key, label, energy meter, waiting requests.
+STEPS = [
+    ("ab_step_us", "**whole step path, A/B settings, meter off, empty queue**", "off", 0),
+    ("ab_step_waiting_us", f"whole step path, A/B settings, {WAITING} waiting (look-ahead scan)", "off", WAITING),
+    ("ab_step_stub_nvml_us", "whole step path, A/B settings, energy account (stub NVML meter)", "stub-nvml", 0),
+]
+#: The scheduler wrapper alone (the EngineCore's side; independent of the batch): key, label, waiting requests, look-ahead.
+SCHEDULERS = [
+    ("sched_empty_us", "empty waiting queue", 0, True),
+    ("sched_waiting_lookahead_on_us", f"{WAITING} waiting, look-ahead on (first 64 scanned)", WAITING, True),
+    ("sched_waiting_lookahead_off_us", f"{WAITING} waiting, look-ahead off", WAITING, False),
+]
 
 
 def ab_settings(stats_dir: str, meter: str = "off", lookahead: bool = True) -> dict:
@@ -102,8 +111,6 @@ def stub_nvml_installer():
     vc.runner_identity = cpu_ident
 
     class StubNvmlMeter(EnergyMeter):
-        """Stands in for the NVML meter: only the background tick reads it."""
-
         def __init__(self, gpu_id: str) -> None:
             self.gpu_id = gpu_id
 
@@ -259,30 +266,20 @@ def child() -> dict:
                 "classify_per_request_us": per_call_us(lambda so=so: classify(vc.step_requests(so)), reps=max(200, 16000 // n)),
                 "classify_aggregate_us": per_call_us(lambda so=so: vc.step_info(so)),
             }
-            for meter in ("off", "simulated"):
-                s = load_settings(
-                    {"clocks": {"presets": {"decode": {"sm_clock_mhz": 1200}}}, "energy": {"meter": meter}, "stats_dir": d}, env={}
-                )
-                rt = WorkerRuntime(object(), s)
-                row[f"hook_meter_{meter}_us"] = per_call_us(lambda rt=rt, so=so: (rt.on_step_start(so), rt.on_step_end()))
+            for key, _, meter in HOOKS:
+                settings = {"clocks": {"presets": {"decode": {"sm_clock_mhz": 1200}}}, "energy": {"meter": meter}, "stats_dir": d}
+                rt = WorkerRuntime(object(), load_settings(settings, env={}))
+                row[key] = per_call_us(lambda rt=rt, so=so: (rt.on_step_start(so), rt.on_step_end()))
                 rt.close()
-            bare = bare_step_us(so, n)
-            row["bare_step_us"] = bare
-            row["ab_step_us"] = step_us(so, n, d) - bare
-            row["ab_step_waiting_us"] = step_us(so, n, d, waiting=WAITING) - bare
-            row["ab_step_stub_nvml_us"] = step_us(so, n, d, meter="stub-nvml") - bare
+            row["bare_step_us"] = bare = bare_step_us(so, n)
+            for key, _, meter, waiting in STEPS:
+                row[key] = step_us(so, n, d, meter, waiting) - bare
             rows.append(row)
-        # The scheduler wrapper alone (the EngineCore's side; independent of the batch).
-        so = sched(8)
-        sch: dict[str, float] = {}
-        for name, waiting, lookahead in (
-            ("empty", 0, True),
-            ("waiting_lookahead_on", WAITING, True),
-            ("waiting_lookahead_off", WAITING, False),
-        ):
+        so, sch = sched(8), {}
+        for key, _, waiting, lookahead in SCHEDULERS:
             os.environ[ENV_SETTINGS_JSON] = load_settings(ab_settings(d, lookahead=lookahead), env={}).model_dump_json()
             bare = per_call_us(scheduler(so, waiting, False).schedule, reps=5000)
-            sch[f"sched_{name}_us"] = per_call_us(scheduler(so, waiting, True).schedule, reps=5000) - bare
+            sch[key] = per_call_us(scheduler(so, waiting, True).schedule, reps=5000) - bare
     return {"rows": rows, "scheduler": sch}
 
 
@@ -315,24 +312,15 @@ def median_of(results: list[dict]) -> dict:
     return {"rows": rows, "scheduler": {k: st.median(r["scheduler"][k] for r in results) for k in results[0]["scheduler"]}}
 
 
-ROW_LABELS = [
-    ("classify_aggregate_us", "aggregate classification (`step_info`)"),
-    ("hook_meter_off_us", "worker hook alone, meter off"),
-    ("hook_meter_simulated_us", "worker hook alone, simulated meter"),
-    ("ab_step_us", "**whole step path, A/B settings, meter off, empty queue**"),
-    ("ab_step_waiting_us", f"whole step path, A/B settings, {WAITING} waiting (look-ahead scan)"),
-    ("ab_step_stub_nvml_us", "whole step path, A/B settings, energy account (stub NVML meter)"),
-]
-SCHED_LABELS = [
-    ("sched_empty_us", "empty waiting queue"),
-    ("sched_waiting_lookahead_on_us", f"{WAITING} waiting, look-ahead on (first 64 scanned)"),
-    ("sched_waiting_lookahead_off_us", f"{WAITING} waiting, look-ahead off"),
-]
-
-
 def markdown(doc: dict) -> str:
     sides = [s for s in ("before", "after") if s in doc]
-    cols = " | ".join(f"{s} (8 / 64 / 256)" for s in sides)
+    row_labels = [("classify_aggregate_us", "aggregate classification (`step_info`)"), *[x[:2] for x in HOOKS + STEPS]]
+
+    def table(head: str, suffix: str, labels: list, cell) -> list[str]:
+        return [f"| {head} | " + " | ".join(s + suffix for s in sides) + " |", "|---|" + "---|" * len(sides)] + [
+            f"| {label} | " + " | ".join(cell(doc[s], k) for s in sides) + " |" for k, label, *_ in labels
+        ]
+
     md = [
         "# Plugin host cost per engine step (measured, CPU)",
         "",
@@ -343,20 +331,12 @@ def markdown(doc: dict) -> str:
         "",
         "## Per step (µs), decoding requests 8 / 64 / 256",
         "",
-        f"| what | {cols} |",
-        "|---|" + "---|" * len(sides),
-    ]
-    for k, label in ROW_LABELS:
-        md.append(f"| {label} | " + " | ".join(" / ".join(f"{r[k]:.2f}" for r in doc[s]["rows"]) for s in sides) + " |")
-    md += [
+        *table("what", " (8 / 64 / 256)", row_labels, lambda side, k: " / ".join(f"{r[k]:.2f}" for r in side["rows"])),
         "",
         "## Scheduler wrapper alone (µs added to `Scheduler.schedule`)",
         "",
-        "| waiting queue | " + " | ".join(sides) + " |",
-        "|---|" + "---|" * len(sides),
+        *table("waiting queue", "", SCHEDULERS, lambda side, k: f"{side['scheduler'][k]:.2f}"),
     ]
-    for k, label in SCHED_LABELS:
-        md.append(f"| {label} | " + " | ".join(f"{doc[s]['scheduler'][k]:.2f}" for s in sides) + " |")
     return "\n".join(md) + "\n"
 
 

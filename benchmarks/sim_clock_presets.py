@@ -1,28 +1,12 @@
 """Clock presets on the SIMULATED H200: none vs per-phase vs per-phase + kernel-group presets.
 
-Everything this script reports is **simulated** (vllm_powersave/sim/gpu.py); nothing is measured
-here except the step shapes and host pacing taken from the real H200 vLLM trace.
+Everything reported is **simulated** (vllm_powersave/sim/gpu.py); only the step shapes, host gaps
+and idle periods of the ``h200_replay`` trace (docs/results/h200-vllm-7b-steps.json.gz) are measured.
+The project's controller drives a simulated clock whose requests land one switch latency later, and
+each step is priced per kernel group at the clock in effect. Every strategy replays the same steps;
+presets are tuned on a separate calibration trace. Method and findings: docs/results/sim-clock-presets.md.
 
-What runs:
-
-* the project's own controller (``ClockController``, ``RegimeFilter``, look-ahead, arrival ramp,
-  async-scheduling rule, kernel-group gate) drives a simulated clock whose requests take effect
-  ``switch latency`` later (6 ms: the only public H200 figure, ../shared/data/dvfs/switch_latency.csv);
-* each engine step is priced by the simulator's roofline per kernel group (per layer: attention,
-  MLP; then LM head, sampling) at the clock in effect while the group runs (a switch landing inside
-  a group splits it);
-* traces: (1) ``synthetic``: an open-loop serving trace with bursty arrivals (prefill bursts),
-  variable prompt/output lengths, decode runs and idle gaps, scheduled like vLLM V1 (chunked
-  prefill, 8192-token budget, 256 sequences) at stock clocks; (2) ``h200_replay``: the real
-  step sequence of stock-shaped vLLM 0.25 serving qwen2.5-7b on the H200 test GPU (22k steps,
-  docs/results/h200-vllm-7b-steps.json.gz), with its measured host gaps and idle periods;
-* presets are tuned on a separate calibration trace (another seed), never on the traces reported.
-
-Each strategy replays the *same* steps; throughput ratio = stock GPU busy time / strategy busy
-time (same tokens), so it is free of batching noise. Output: docs/results/sim-clock-presets.json
-and .md (``--out``).
-
-Usage: ``python -m benchmarks.sim_clock_presets [--duration-s 300] [--out docs/results]``
+Usage: ``python -m benchmarks.sim_clock_presets [--duration-s 300] [--seed 2] [--out docs/results]``
 """
 
 from __future__ import annotations
@@ -36,8 +20,7 @@ import random
 import statistics
 import time
 from collections import Counter, deque
-from dataclasses import dataclass
-from functools import lru_cache
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -45,14 +28,23 @@ from vllm_powersave.clocks import ClockController
 from vllm_powersave.phases import StepInfo
 from vllm_powersave.runtime import RegimeFilter
 from vllm_powersave.settings import load_settings
-from vllm_powersave.sim.gpu import H200, KernelGroupCost, StepWork, simulate_kernel
-from vllm_powersave.sim.replay import LaggedBackend, LaggedClock, Trace, idle_energy_j, onoff_arrivals, run_at_clocks, schedule_v1
+from vllm_powersave.sim.gpu import H200, StepWork
+from vllm_powersave.sim.replay import (
+    GroupStepCost,
+    LaggedBackend,
+    LaggedClock,
+    Trace,
+    idle_energy_j,
+    onoff_arrivals,
+    run_at_clocks,
+    schedule_v1,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
 SPEC = H200
 SHAPE = "qwen2.5-7b"
-COST = KernelGroupCost.for_shape(SHAPE)
+PRICE = GroupStepCost(SPEC, SHAPE)
 SWITCH_LATENCY_S = 0.006  # Velicka et al. via Spaan et al. 2026 (arXiv:2601.08539 Sec. 9), secondary
 FAST_SWITCH_LATENCY_S = 0.00005  # Blackwell "10-100 us" (PowerWeave citing Velicka et al.): what-if only
 ARRIVAL_LEAD_S = 0.002  # add_request -> first GPU work of the step (host prepares inputs ~2 ms, H200 trace)
@@ -60,11 +52,10 @@ IDLE_AFTER_S, IDLE_TICK_S = 0.25, 0.125  # runtime: idle after 0.25 s without a 
 STEP_TRACE = REPO / "docs/results/h200-vllm-7b-steps.json.gz"
 STEP_FIELDS = ("phase", "prefill", "decode", "rows", "reqs", "ctx")
 PHASES = ("prefill", "decode", "mixed", "idle")
+BASE_CLOCKS = {"min_dwell_ms": 200, "presets": {}}
+FINDINGS = "\n## Findings"
 
 
-# --------------------------------------------------------------------------------------------
-# Steps and traces
-# --------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Step:
     phase: str
@@ -87,38 +78,17 @@ class Step:
     def tokens(self) -> int:
         return self.prefill + self.decode
 
-
-def _q(x: float) -> float:
-    return float(f"{x:.3g}")
-
-
-@lru_cache(maxsize=400_000)
-def _kernel(flops: float, nbytes: float, f: int) -> tuple[float, float]:
-    r = simulate_kernel(SPEC, StepWork(flops, nbytes), f)
-    return r.time_s, r.energy_j
-
-
-def kernel(w: StepWork, f: int) -> tuple[float, float]:
-    return _kernel(_q(w.flops), _q(w.bytes), f)
-
-
-@lru_cache(maxsize=200_000)
-def _groups(tokens: int, rows: int, dctx: int, patt: int) -> tuple[tuple[str, StepWork], ...]:
-    attn, mlp = COST.layer(tokens, dctx, patt)
-    lm, smp = COST.head(rows)
-    return (("attention", attn), ("mlp", mlp), ("lm_head", lm), ("sampling", smp))
-
-
-def step_groups(s: Step) -> tuple[tuple[str, StepWork], ...]:
-    # Context sums quantised to 0.5 % so that the price cache hits across similar steps.
-    return _groups(s.tokens, s.rows, int(_q(s.decode_ctx)), int(_q(s.prefill_attend)))
+    @property
+    def works(self) -> tuple[StepWork, ...]:
+        return PRICE.works(self.tokens, self.rows, self.decode_ctx, self.prefill_attend)
 
 
 def step_time_at(s: Step, f: int) -> float:
-    (_, a), (_, m), (_, lm), (_, sm) = step_groups(s)
-    return SPEC.t_fixed_s + COST.layers * (kernel(a, f)[0] + kernel(m, f)[0]) + kernel(lm, f)[0] + kernel(sm, f)[0]
+    a, m, lm, smp = (PRICE.kernel(w, f)[0] for w in s.works)
+    return SPEC.t_fixed_s + PRICE.layers * (a + m) + lm + smp
 
 
+# Traces -------------------------------------------------------------------------------------
 def synthetic_trace(duration_s: float, seed: int, host_gap_s: float) -> Trace:
     """Open-loop serving at stock clocks, scheduled like vLLM V1 (chunked prefill, FCFS)."""
     rng = random.Random(seed)
@@ -152,41 +122,27 @@ def _lengths(rng: random.Random) -> tuple[int, int]:
 
 
 def h200_trace() -> tuple[Trace, dict[str, Any]]:
-    """The real step sequence of the H200 test GPU (plugin server, qwen2.5-7b, vLLM 0.25.0)."""
+    """The measured step sequence of the H200 test GPU (plugin server, qwen2.5-7b, vLLM 0.25.0)."""
     raw = json.load(gzip.open(STEP_TRACE))
     c = raw["columns"]
     t = list(itertools.accumulate(c["t_delta_us"]))
-    tr = [{"t": t[i] / 1e6, "t_end": (t[i] + c["dur_us"][i]) / 1e6, **{k: c[k][i] for k in STEP_FIELDS}} for i in range(len(t))]
     events: list = []
+    gaps: list[float] = []
     skipped = 0
-    gaps = []
-    for k, r in enumerate(tr):
-        if r["t_end"] - r["t"] > 1.0:  # warm-up step (graph capture): not serving
+    for i in range(len(t)):
+        start, end = t[i] / 1e6, (t[i] + c["dur_us"][i]) / 1e6
+        if end - start > 1.0:  # warm-up step (graph capture): not serving
             skipped += 1
             continue
-        nxt = tr[k + 1]["t"] if k + 1 < len(tr) else r["t_end"]
-        prefill = r["prefill"]
+        phase, prefill, decode, rows, reqs, ctx = (c[k][i] for k in STEP_FIELDS)
         # Prompts of 128 tokens in one chunk: each prefill token attends ~64 positions on average.
-        s = Step(
-            r["phase"],
-            prefill,
-            r["decode"],
-            r["rows"],
-            r["reqs"],
-            r["ctx"],
-            prefill * 64,
-            0,
-            r["decode"] + (r["reqs"] - r["decode"] if prefill else 0),
-            0.0,
-        )
-        interval = nxt - r["t"]
+        s = Step(phase, prefill, decode, rows, reqs, ctx, prefill * 64, 0, decode + (reqs - decode if prefill else 0), 0.0)
+        interval = (t[i + 1] / 1e6 if i + 1 < len(t) else end) - start
         if interval > IDLE_AFTER_S:
-            events.append(("step", s))
-            events.append(("idle", interval - step_time_at(s, SPEC.f_max_mhz)))
-            continue
-        gap = max(0.0, interval - step_time_at(s, SPEC.f_max_mhz))
-        gaps.append(gap)
-        events.append(("step", Step(**{**s.__dict__, "host_gap_s": gap})))
+            events += [("step", s), ("idle", interval - step_time_at(s, SPEC.f_max_mhz))]
+        else:
+            gaps.append(max(0.0, interval - step_time_at(s, SPEC.f_max_mhz)))
+            events.append(("step", replace(s, host_gap_s=gaps[-1])))
     meta = {
         "device": raw["device"],
         "vllm_version": raw["vllm_version"],
@@ -196,12 +152,10 @@ def h200_trace() -> tuple[Trace, dict[str, Any]]:
         "measured_time_by_phase_s": raw["time_s_by_phase"],
         "median_host_gap_ms": statistics.median(gaps) * 1e3,
     }
-    return Trace("h200_replay", events, [f"{len(tr) - skipped} steps of the measured trace; idle periods and host gaps as measured"]), meta
+    return Trace("h200_replay", events, [f"{len(t) - skipped} steps of the measured trace; idle periods and host gaps as measured"]), meta
 
 
-# --------------------------------------------------------------------------------------------
-# Replay
-# --------------------------------------------------------------------------------------------
+# Replay -------------------------------------------------------------------------------------
 @dataclass
 class Strategy:
     name: str
@@ -212,27 +166,44 @@ class Strategy:
     what: str = ""
 
 
+def run_idle(ctl: ClockController, clock: LaggedClock, now: list[float], t0: float, dur: float) -> float:
+    """Idle for ``dur`` seconds: past IDLE_AFTER_S the runtime's idle ticks, then the arrival ramp
+    ARRIVAL_LEAD_S before the end. Returns the idle energy."""
+    e, tt, end = 0.0, t0, t0 + dur
+    marks = []
+    if dur > IDLE_AFTER_S:
+        k = t0 + IDLE_AFTER_S
+        while k < end - ARRIVAL_LEAD_S:
+            marks.append(("tick", k))
+            k += IDLE_TICK_S
+        marks.append(("arrival", max(t0, end - ARRIVAL_LEAD_S)))
+    for kind, mt in [*marks, ("end", end)]:
+        e += idle_energy_j(SPEC, clock, tt, mt)
+        tt = max(tt, mt)
+        now[0] = mt
+        if kind == "tick":
+            ctl.on_phase("idle", mt)
+        elif kind == "arrival":
+            ctl.on_arrival(mt)
+    return e
+
+
 def replay(trace: Trace, st: Strategy) -> dict[str, Any]:
     settings = load_settings({"clocks": {"backend": "simulated", **st.clocks}}, env={}).clocks
-    clock = LaggedClock(st.latency_s)
-    now = [0.0]
+    clock, now = LaggedClock(st.latency_s), [0.0]
     backend = LaggedBackend(SPEC, clock, now)
     ctl = ClockController(backend, settings, asynchronous=False, clock=lambda: now[0], watchdog=False, host_ahead_steps=st.host_ahead_steps)
     regime = RegimeFilter(
         settings.regime_window_s, settings.compute_share_max, settings.prefill_burst_tokens, settings.memory_bound_max_tokens
     )
-    t = 0.0
     e_phase: Counter = Counter()
     t_phase: Counter = Counter()
-    busy = 0.0
+    t = busy = 0.0
     tokens_out = 0
     prev_start: float | None = None
     last_group: str | None = None
     after_idle: list[float] = []  # GPU time of each first step after an idle period (burst start)
     was_idle = False
-
-    def f_req(f: int | None) -> int:
-        return SPEC.f_max_mhz if f is None else f
 
     def run_group(w: StepWork, group: str, t0: float, grouped: bool) -> tuple[float, float]:
         nonlocal last_group
@@ -242,33 +213,11 @@ def replay(trace: Trace, st: Strategy) -> dict[str, Any]:
                 ctl.end_group(t0)
             ctl.on_group(group, t0)
             last_group = group
-        return run_at_clocks(clock, t0, lambda f: kernel(w, f), SPEC.f_max_mhz)[:2]
-
-    def run_idle(t0: float, dur: float, ticks: bool) -> float:
-        """Idle for ``dur`` seconds: the runtime's idle ticks, then the arrival ramp at the end."""
-        e, tt, end = 0.0, t0, t0 + dur
-        marks = []
-        if ticks:
-            k = t0 + IDLE_AFTER_S
-            while k < end - ARRIVAL_LEAD_S:
-                marks.append(("tick", k))
-                k += IDLE_TICK_S
-            marks.append(("arrival", max(t0, end - ARRIVAL_LEAD_S)))
-        marks.append(("end", end))
-        for kind, mt in marks:
-            e += idle_energy_j(SPEC, clock, tt, mt)
-            tt = max(tt, mt)
-            now[0] = mt
-            if kind == "tick":
-                ctl.on_phase("idle", mt)
-            elif kind == "arrival":
-                ctl.on_arrival(mt)
-        return e
+        return run_at_clocks(clock, t0, lambda f: PRICE.kernel(w, f), SPEC.f_max_mhz)[:2]
 
     for kind, ev in trace.events:
         if kind == "idle":
-            e = run_idle(t, ev, ticks=ev > IDLE_AFTER_S)
-            e_phase["idle"] += e
+            e_phase["idle"] += run_idle(ctl, clock, now, t, ev)
             t_phase["idle"] += ev
             t += ev
             prev_start = None
@@ -283,19 +232,17 @@ def replay(trace: Trace, st: Strategy) -> dict[str, Any]:
         start = t
         e = SPEC.p_idle_w * SPEC.t_fixed_s
         t += SPEC.t_fixed_s
-        groups = step_groups(s)
-        (_, a), (_, m), (_, lm), (_, smp) = groups
-        f = f_req(clock.at(t))
-        est = COST.layers * (kernel(a, f)[0] + kernel(m, f)[0]) + kernel(lm, f)[0] + kernel(smp, f)[0]
+        attn, mlp, lm, smp = works = s.works
+        f = clock.at(t)
+        est, est_j = PRICE.run(works, SPEC.f_max_mhz if f is None else f)
         grouped = st.use_groups and bool(ctl.groups.get(ctl.phase or ""))
-        if not grouped and clock.next_change() > t + est:
-            # Fast path: no clock change lands inside this step.
-            e += COST.layers * (kernel(a, f)[1] + kernel(m, f)[1]) + kernel(lm, f)[1] + kernel(smp, f)[1]
+        if not grouped and clock.next_change() > t + est:  # fast path: no clock change lands inside this step
+            e += est_j
             t += est
         else:
-            for _ in range(COST.layers):
-                t, ea = run_group(a, "attention", t, grouped)
-                t, em = run_group(m, "mlp", t, grouped)
+            for _ in range(PRICE.layers):
+                t, ea = run_group(attn, "attention", t, grouped)
+                t, em = run_group(mlp, "mlp", t, grouped)
                 e += ea + em
             t, el = run_group(lm, "lm_head", t, grouped)
             t, es = run_group(smp, "sampling", t, grouped)
@@ -324,24 +271,20 @@ def replay(trace: Trace, st: Strategy) -> dict[str, Any]:
         "out_tokens": tokens_out,
         "after_idle": after_idle,
         "switches": ctl.n_changes,
-        "decisions_by_target": dict(Counter(str(d.sm_clock_mhz) for d in ctl.decisions)),
         "groups_active": {ph: sorted(g) for ph, g in ctl.groups.items()},
-        "groups_ignored": ctl.groups_ignored,
     }
 
 
 def ratios(base: dict, r: dict) -> dict[str, Any]:
-    e_all = sum(r["energy_j"].values())
-    b_all = sum(base["energy_j"].values())
+    e_all, b_all = sum(r["energy_j"].values()), sum(base["energy_j"].values())
+    # Extra GPU time of the first step after each idle period (the clock ramping up from idle).
+    after_idle = statistics.fmean(x - y for x, y in zip(r["after_idle"], base["after_idle"])) if base["after_idle"] else None
     return {
         "decode_energy_ratio": round(r["energy_j"].get("decode", 0.0) / base["energy_j"]["decode"], 4),
         "e2e_energy_ratio": round(e_all / b_all, 4),
         "throughput_ratio": round(base["busy_s"] / r["busy_s"], 4),
         "switches_per_s": round(r["switches"] / r["wall_s"], 3),
-        # Extra GPU time of the first step after each idle period (the clock ramping up from idle).
-        "first_step_after_idle_extra_ms": round(1e3 * statistics.fmean(x - y for x, y in zip(r["after_idle"], base["after_idle"])), 3)
-        if base["after_idle"]
-        else None,
+        "first_step_after_idle_extra_ms": None if after_idle is None else round(1e3 * after_idle, 3),
         "busy_energy_ratio": round((e_all - r["energy_j"].get("idle", 0.0)) / (b_all - base["energy_j"].get("idle", 0.0)), 4),
         "energy_j": {k: round(v, 1) for k, v in r["energy_j"].items()},
         "busy_s": round(r["busy_s"], 3),
@@ -350,12 +293,7 @@ def ratios(base: dict, r: dict) -> dict[str, Any]:
     }
 
 
-# --------------------------------------------------------------------------------------------
-# Tuning (on a calibration trace, never on the reported ones)
-# --------------------------------------------------------------------------------------------
-BASE_CLOCKS = {"min_dwell_ms": 200, "presets": {}}
-
-
+# Tuning (on a calibration trace, never on the reported ones) --------------------------------
 def tune_phase_presets(calib: Trace, log: list[str]) -> dict:
     """Lowest-energy per-phase settings with <= 0.5 % busy-time cost on the calibration trace.
 
@@ -365,24 +303,22 @@ def tune_phase_presets(calib: Trace, log: list[str]) -> dict:
     """
     base = replay(calib, Strategy("none", BASE_CLOCKS))
     best = None
-    for f in (1500, 1350, 1200, 1050, 900):
-        for share in (0.3, 0.0):
-            for dwell in (200, 50, 20):
-                c = {
-                    "min_dwell_ms": dwell,
-                    "compute_share_max": share,
-                    "memory_bound_max_tokens": 150,
-                    "presets": {"decode": {"sm_clock_mhz": f}, "idle": {"sm_clock_mhz": 345}},
-                }
-                r = ratios(base, replay(calib, Strategy("b", c)))
-                ok = r["throughput_ratio"] >= 0.995
-                log.append(
-                    f"calibration: decode {f} MHz, compute_share_max {share}, dwell {dwell} ms: decode energy x{r['decode_energy_ratio']:.3f}, "
-                    f"e2e x{r['e2e_energy_ratio']:.3f}, throughput x{r['throughput_ratio']:.4f}, {r['switches_per_s']:.1f} switches/s"
-                    f"{'' if ok else ' (rejected: > 0.5 % slower)'}"
-                )
-                if ok and (best is None or r["e2e_energy_ratio"] < best[0]):
-                    best = (r["e2e_energy_ratio"], c)
+    for f, share, dwell in itertools.product((1500, 1350, 1200, 1050, 900), (0.3, 0.0), (200, 50, 20)):
+        c = {
+            "min_dwell_ms": dwell,
+            "compute_share_max": share,
+            "memory_bound_max_tokens": 150,
+            "presets": {"decode": {"sm_clock_mhz": f}, "idle": {"sm_clock_mhz": 345}},
+        }
+        r = ratios(base, replay(calib, Strategy("b", c)))
+        ok = r["throughput_ratio"] >= 0.995
+        log.append(
+            f"calibration: decode {f} MHz, compute_share_max {share}, dwell {dwell} ms: decode energy x{r['decode_energy_ratio']:.3f}, "
+            f"e2e x{r['e2e_energy_ratio']:.3f}, throughput x{r['throughput_ratio']:.4f}, {r['switches_per_s']:.1f} switches/s"
+            f"{'' if ok else ' (rejected: > 0.5 % slower)'}"
+        )
+        if ok and (best is None or r["e2e_energy_ratio"] < best[0]):
+            best = (r["e2e_energy_ratio"], c)
     assert best is not None
     return best[1]
 
@@ -394,21 +330,17 @@ def tune_group_presets(calib: Trace, phase_clocks: dict, log: list[str]) -> dict
     calibration trace at stock clocks, *predicted by the simulator* (on a real GPU: measured).
     """
     presets = json.loads(json.dumps(phase_clocks["presets"]))
-    by_phase: dict[str, list[Step]] = {}
-    for kind, s in calib.events:
-        if kind == "step":
-            by_phase.setdefault(s.phase, []).append(s)
     for phase in ("prefill", "mixed"):
-        steps = by_phase.get(phase, [])[:: max(1, len(by_phase.get(phase, [])) // 200)]
+        steps = [s for kind, s in calib.events if kind == "step" and s.phase == phase]
         if not steps:
             continue
-        groups = {}
-        for gi, g in enumerate(("attention", "mlp", "lm_head", "sampling")):
-            works = [step_groups(s)[gi][1] for s in steps]
-            t0 = [kernel(w, SPEC.f_max_mhz) for w in works]
+        steps, groups = steps[:: max(1, len(steps) // 200)], {}
+        for gi, g in enumerate(PRICE.GROUPS):
+            works = [s.works[gi] for s in steps]
+            t0 = [PRICE.kernel(w, SPEC.f_max_mhz) for w in works]
             best = None
             for f in sorted({c for c in SPEC.sm_clocks_mhz if c >= 600}, reverse=True):
-                tf = [kernel(w, f) for w in works]
+                tf = [PRICE.kernel(w, f) for w in works]
                 dt = sum(x[0] for x in tf) / sum(x[0] for x in t0)
                 de = sum(x[1] for x in tf) / sum(x[1] for x in t0)
                 if dt <= 1.005 and (best is None or de < best[1]):
@@ -427,20 +359,20 @@ def tune_group_presets(calib: Trace, phase_clocks: dict, log: list[str]) -> dict
     return {**phase_clocks, "presets": presets}
 
 
-# --------------------------------------------------------------------------------------------
 def calibration_check(h200: Trace, meta: dict) -> dict[str, Any]:
     """Stock-clock replay of the measured trace vs the energy NVML measured on it (decode phase)."""
     r = replay(h200, Strategy("none", BASE_CLOCKS, host_ahead_steps=0))
     m_e, m_t = meta["measured_energy_by_phase_j"]["decode"], meta["measured_time_by_phase_s"]["decode"]
+    s_e, s_t = r["energy_j"]["decode"], r["time_s"]["decode"]
     return {
         "what": "decode-phase energy of the H200 trace: simulated at stock clocks vs measured with NVML (same steps)",
         "measured_decode_j": round(m_e, 1),
         "measured_decode_s": round(m_t, 2),
         "measured_decode_avg_w": round(m_e / m_t, 1),
-        "simulated_decode_j": round(r["energy_j"]["decode"], 1),
-        "simulated_decode_s": round(r["time_s"]["decode"], 2),
-        "simulated_decode_avg_w": round(r["energy_j"]["decode"] / r["time_s"]["decode"], 1),
-        "simulated_over_measured_energy": round(r["energy_j"]["decode"] / m_e, 3),
+        "simulated_decode_j": round(s_e, 1),
+        "simulated_decode_s": round(s_t, 2),
+        "simulated_decode_avg_w": round(s_e / s_t, 1),
+        "simulated_over_measured_energy": round(s_e / m_e, 3),
     }
 
 
@@ -460,8 +392,8 @@ def main(argv: list[str] | None = None) -> int:
     ungated = {**group_clocks, "switch_latency_ms": 0.001, "group_min_switch_multiple": 1.0}
     fast = {**group_clocks, "switch_latency_ms": FAST_SWITCH_LATENCY_S * 1e3}
     no_lookahead = {**phase_clocks, "lookahead": False}
-    # name: (clocks, kernel groups on, switch latency s, what it is)
     lat, fast_lat = SWITCH_LATENCY_S, FAST_SWITCH_LATENCY_S
+    # name: (clocks, kernel groups on, switch latency s, what it is)
     reported = {
         "none": (BASE_CLOCKS, False, lat, "no presets: driver default clocks (boost, power-capped) everywhere"),
         "per_phase": (phase_clocks, False, lat, "per-phase presets (decode, idle), regime filter, dwell, look-ahead"),
@@ -502,8 +434,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     for trace in (synth, h200):
         base = replay(trace, strategies["none"])
-        res = {name: {"what": st.what, **ratios(base, replay(trace, st))} for name, st in strategies.items()}
-        diag = {name: {"what": st.what, **ratios(base, replay(trace, st))} for name, st in diagnostics.items()}
+        res, diag = (
+            {name: {"what": st.what, **ratios(base, replay(trace, st))} for name, st in t.items()} for t in (strategies, diagnostics)
+        )
         steps = [e for k, e in trace.events if k == "step"]
         out["traces"][trace.name.split("-seed")[0]] = {
             "trace": trace.name,
@@ -515,13 +448,8 @@ def main(argv: list[str] | None = None) -> int:
             "strategies": res,
             "diagnostics": diag,
         }
-    main_trace = out["traces"]["synthetic"]
-    out["strategies"] = {
-        k: {f: v[f] for f in ("decode_energy_ratio", "e2e_energy_ratio", "throughput_ratio", "switches_per_s")}
-        for k, v in main_trace["strategies"].items()
-    }
-    best = main_trace["strategies"]["per_phase_groups"]
-    pp = main_trace["strategies"]["per_phase"]
+    keys = ("decode_energy_ratio", "e2e_energy_ratio", "throughput_ratio", "switches_per_s")
+    out["strategies"] = {k: {f: v[f] for f in keys} for k, v in out["traces"]["synthetic"]["strategies"].items()}
     out["target_met"] = {
         tn: {k: v["decode_energy_ratio"] <= 0.75 and v["throughput_ratio"] >= 0.99 for k, v in tr["strategies"].items() if k != "none"}
         for tn, tr in out["traces"].items()
@@ -529,8 +457,12 @@ def main(argv: list[str] | None = None) -> int:
     out["runtime_s"] = round(time.time() - t_run, 1)
     Path(ns.out).mkdir(parents=True, exist_ok=True)
     (Path(ns.out) / "sim-clock-presets.json").write_text(json.dumps(out, indent=1) + "\n")
-    (Path(ns.out) / "sim-clock-presets.md").write_text(markdown(out))
+    md = Path(ns.out) / "sim-clock-presets.md"
+    # The Markdown twin's hand-written part (the findings, from FINDINGS on) is kept across reruns.
+    kept = md.read_text().partition(FINDINGS) if md.exists() else ("", "", "")
+    md.write_text(markdown(out) + "".join(kept[1:]))
     print(markdown(out))
+    pp, best = out["strategies"]["per_phase"], out["strategies"]["per_phase_groups"]
     print(
         f"[simulated] per-phase: decode energy x{pp['decode_energy_ratio']}, throughput x{pp['throughput_ratio']}; "
         f"+groups: decode energy x{best['decode_energy_ratio']}, throughput x{best['throughput_ratio']}"
@@ -572,37 +504,6 @@ def markdown(o: dict) -> str:
                 f"{r['throughput_ratio']:.4f} | {r['switches_per_s']:.2f} | {r['first_step_after_idle_extra_ms']} | {r['groups_active'] or '-'} |"
             )
         lines += ["", *[f"- {name}: {r['what']}" for name, r in {**t["strategies"], **t["diagnostics"]}.items()], ""]
-    syn, rep = o["traces"]["synthetic"], o["traces"]["h200_replay"]
-    S, R = syn["strategies"], rep["strategies"]
-    D, DR = syn["diagnostics"], rep["diagnostics"]
-    lines += [
-        "## Findings (all simulated)",
-        "",
-        f"- Per-phase presets: decode energy x{S['per_phase']['decode_energy_ratio']:.3f} / x{R['per_phase']['decode_energy_ratio']:.3f} "
-        f"at throughput x{S['per_phase']['throughput_ratio']:.4f} / x{R['per_phase']['throughput_ratio']:.4f} "
-        f"(synthetic / H200 replay), {S['per_phase']['switches_per_s']:.2f} / {R['per_phase']['switches_per_s']:.2f} clock switches per second; "
-        f"end-to-end energy x{S['per_phase']['e2e_energy_ratio']:.3f} / x{R['per_phase']['e2e_energy_ratio']:.3f} (the idle preset counts there).",
-        f"- Kernel-group presets add nothing: every group's contiguous run (LM head ~0.26 ms, sampling ~5 us; attention and MLP are "
-        f"per layer and compute-bound at stock clocks in prefill and mixed steps, memory-bound and already at the decode clock in decode) "
-        f"is far below the gate ({o['switch_latency_ms']:g} ms x 10), so the controller ignores them. Applied anyway they raise clock switches to "
-        f"{D['groups_ungated']['switches_per_s']:.1f} / {DR['groups_ungated']['switches_per_s']:.1f} per s for a decode-energy change of "
-        f"{D['groups_ungated']['decode_energy_ratio'] - S['per_phase']['decode_energy_ratio']:+.3f} / {DR['groups_ungated']['decode_energy_ratio'] - R['per_phase']['decode_energy_ratio']:+.3f} "
-        f"and throughput x{D['groups_ungated']['throughput_ratio']:.4f} / x{DR['groups_ungated']['throughput_ratio']:.4f}; even with 0.05 ms switches and no gate "
-        f"(the ceiling) the gain is {100 * (S['per_phase']['e2e_energy_ratio'] - D['groups_fast_switch_ungated']['e2e_energy_ratio']):.1f} / "
-        f"{100 * (R['per_phase']['e2e_energy_ratio'] - DR['groups_fast_switch_ungated']['e2e_energy_ratio']):.1f} points of end-to-end energy. "
-        "Seed 000's kernel-level savings (training, priced offline without switching) do not carry over to serving with NVML-speed switches.",
-        f"- Switch latency matters: if a switch took 50 ms (other Hopper reports 10-100 ms) the same presets would cost throughput "
-        f"x{D['per_phase_50ms_switch']['throughput_ratio']:.4f} / x{DR['per_phase_50ms_switch']['throughput_ratio']:.4f}: measure the latency on the GPU and retune the dwell.",
-        f"- Look-ahead: the host's one-step lead under async scheduling already raises the clock before most compute-bound steps; the "
-        f"waiting-queue look-ahead and arrival ramp change busy time by {100 * (S['per_phase']['throughput_ratio'] - D['per_phase_no_lookahead']['throughput_ratio']):+.2f} / "
-        f"{100 * (R['per_phase']['throughput_ratio'] - DR['per_phase_no_lookahead']['throughput_ratio']):+.2f} points, and cut the first step after an idle period "
-        f"from +{D['per_phase_no_lookahead']['first_step_after_idle_extra_ms']:.1f} to +{S['per_phase']['first_step_after_idle_extra_ms']:.1f} ms (synthetic).",
-        f"- Caveats: the decode saving rests on the simulator's assumption that HBM-bound kernels do not slow down above 900 MHz (`mem_bound_min_mhz`), "
-        "which no measurement of ours checks; public H200 data agree in direction and size (Ma, Afzal, Eitzinger, Wellein 2026, arXiv:2605.11999: decode locked at "
-        "780 MHz at < 1 % throughput loss, up to 32 % decode energy saved; secondary, verbal; ../shared/data/dvfs/points.csv). The simulator prices the "
-        f"measured trace's decode phase at x{cc['simulated_over_measured_energy']:.3f} of the energy NVML measured. The tuned decode clock (900 MHz) sits at that assumed knee.",
-        "",
-    ]
     lines += [
         "## Presets used (tuned on the calibration trace, simulated)",
         "",

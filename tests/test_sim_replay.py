@@ -4,8 +4,8 @@ import random
 
 import pytest
 
-from vllm_powersave.sim.gpu import H200, idle_power_w
-from vllm_powersave.sim.replay import LaggedClock, idle_energy_j, onoff_arrivals, run_at_clocks, schedule_v1
+from vllm_powersave.sim.gpu import H200, KernelGroupCost, idle_power_w, simulate_kernel
+from vllm_powersave.sim.replay import GroupStepCost, LaggedClock, idle_energy_j, onoff_arrivals, run_at_clocks, schedule_v1
 
 
 def test_simulated_switch_latency_delays_each_request():
@@ -70,3 +70,18 @@ def test_onoff_arrivals_are_sorted_within_the_duration_and_come_in_bursts():
     times = [t for t, _, _ in a]
     assert max(times.count(t) for t in set(times)) >= 16  # a batch job: 16-64 requests at one instant
     assert a == onoff_arrivals(random.Random(3), 600.0, (2.0,), 8.0, lengths)  # seeded: reproducible
+
+
+def test_group_pricing_runs_each_layer_group_once_per_layer_at_the_clock():
+    price = GroupStepCost(H200, "qwen2.5-7b")
+    works = price.works(64, 64, 40_000, 0)
+    groups = KernelGroupCost.for_shape("qwen2.5-7b").groups(64, 64, 40_000, 0)
+    assert [g for g, _ in groups[:2] + groups[-2:]] == list(price.GROUPS) and len(groups) == 2 * price.layers + 2
+    for f in (1980, 900):
+        exact = [simulate_kernel(H200, w, f) for _, w in groups]
+        t, e = price.run(works, f)
+        # Works are quantised to 3 significant digits for the cache: prices agree to well within 1 %.
+        assert t == pytest.approx(sum(r.time_s for r in exact), rel=5e-3) and e == pytest.approx(sum(r.energy_j for r in exact), rel=5e-3)
+    assert price.run(works, 900)[1] < price.run(works, 1980)[1]  # a memory-bound decode step: less energy at a lower clock
+    # Context sums within 0.5 % share one cached price.
+    assert price.works(64, 64, 40_010, 0) == works and price.works(64, 64, 41_000, 0) != works

@@ -9,7 +9,8 @@ so differences in time and energy come from the clocks alone.
   :func:`onoff_arrivals` and :func:`schedule_v1`, serve other trace shapes too
   (``benchmarks/sim_clock_presets.py``).
 * :func:`idle_energy_j` and :func:`run_at_clocks`: energy of idle time and time and energy of a
-  piece of GPU work while the clock changes under it (a change splits the work where it lands).
+  piece of GPU work while the clock changes under it (a change splits the work where it lands);
+  :class:`GroupStepCost` prices a step per kernel group, so a change can land between groups.
 * :func:`replay`: drives a :class:`~vllm_powersave.clocks.ClockController` (its dwell, leases
   and closed loop) whose clock requests take effect one switch latency later; each step's time
   and energy come from the simulated GPU at the clock(s) in effect while it runs; the step time
@@ -30,7 +31,7 @@ from typing import Any
 from ..clocks.backends import ClockBackend
 from ..clocks.controller import ClockController
 from ..settings import ClockSettings
-from .gpu import GpuSpec, ModelCost, StepWork, idle_power_w, simulate_step
+from .gpu import GpuSpec, KernelGroupCost, ModelCost, StepWork, idle_power_w, simulate_kernel, simulate_step
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,45 @@ def _q(x: float) -> float:
 def _price(spec: GpuSpec, flops: float, nbytes: float, f: int) -> tuple[float, float]:
     r = simulate_step(spec, StepWork(flops, nbytes), f)
     return r.time_s, r.energy_j
+
+
+class GroupStepCost:
+    """Prices steps of one model shape per kernel group on one simulated GPU (:class:`KernelGroupCost`:
+    per layer attention and MLP, then LM head and sampling). Cached: works are quantised to three
+    significant digits and context sums to 0.5 %, so that similar steps share a price."""
+
+    GROUPS = ("attention", "mlp", "lm_head", "sampling")
+
+    def __init__(self, spec: GpuSpec, shape: str = "qwen2.5-7b") -> None:
+        self.spec = spec
+        self.cost = KernelGroupCost.for_shape(shape)
+        self.layers = self.cost.layers
+        self._kernel = lru_cache(maxsize=400_000)(self._price)
+        self._works = lru_cache(maxsize=200_000)(self._group_works)
+
+    def works(self, tokens: int, rows: int, decode_ctx: int, prefill_attend: int) -> tuple[StepWork, ...]:
+        """The work of each of :attr:`GROUPS` (attention and MLP: one layer's)."""
+        return self._works(tokens, rows, int(_q3(decode_ctx)), int(_q3(prefill_attend)))
+
+    def kernel(self, w: StepWork, f: int) -> tuple[float, float]:
+        """(seconds, joules) of one group's work at requested SM clock ``f`` (power cap applied)."""
+        return self._kernel(_q3(w.flops), _q3(w.bytes), f)
+
+    def run(self, works: tuple[StepWork, ...], f: int) -> tuple[float, float]:
+        """(seconds, joules) of all of a step's groups at SM clock ``f`` (without the fixed step time)."""
+        a, m, lm, smp = (self.kernel(w, f) for w in works)
+        return self.layers * (a[0] + m[0]) + lm[0] + smp[0], self.layers * (a[1] + m[1]) + lm[1] + smp[1]
+
+    def _price(self, flops: float, nbytes: float, f: int) -> tuple[float, float]:
+        r = simulate_kernel(self.spec, StepWork(flops, nbytes), f)
+        return r.time_s, r.energy_j
+
+    def _group_works(self, tokens: int, rows: int, decode_ctx: int, prefill_attend: int) -> tuple[StepWork, ...]:
+        return (*self.cost.layer(tokens, decode_ctx, prefill_attend), *self.cost.head(rows))
+
+
+def _q3(x: float) -> float:
+    return float(f"{x:.3g}")
 
 
 def _lengths(rng: random.Random, long_share: float) -> tuple[int, int]:
@@ -402,6 +442,7 @@ def compare(base: dict[str, Any], r: dict[str, Any]) -> dict[str, Any]:
 
 
 __all__ = [
+    "GroupStepCost",
     "LaggedBackend",
     "LaggedClock",
     "Step",
