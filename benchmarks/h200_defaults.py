@@ -109,8 +109,6 @@ STARVATION_METRICS = (
 #: Energy of non-idle time charged to no request (docs/request-energy.md); snapshot field alongside.
 REQUEST_TAIL_METRIC = "powersave_request_tail_energy_joules_total"
 REQUEST_TAIL_SNAPSHOT = "request_energy_j_tail"
-#: Fallback when none of the above is on /metrics: any powersave_ series whose name matches both.
-STARVATION_FALLBACK = (re.compile(r"idle|starv"), re.compile(r"busy|starv|waiting|running"))
 #: The plugin's warning about a starved GPU in the server log (vllm_powersave/starvation.py,
 #: StarvationWatch.check: "powersave: engine N: GPU idle X % of busy time (... J over ... s) while
 #: requests were in flight at the API server: ... try --api-server-count M (now N); ...").
@@ -286,21 +284,7 @@ def starvation_figures(d: dict[str, float]) -> dict:
             "frontend_busy_s": busy,
             "idle_while_busy_share_of_busy": (s_ / busy) if s_ is not None and busy else None,
         }
-    a, b = STARVATION_FALLBACK
-    found = {k: v for k, v in d.items() if a.search(k.split("{")[0]) and b.search(k.split("{")[0])}
-    return {
-        "series": found,
-        "how": ("fallback: powersave_ series matching " + f"/{a.pattern}/ and /{b.pattern}/")
-        if found
-        else "none found on /metrics (named or fallback)",
-    }
-
-
-def starved_j(fig: dict) -> float | None:
-    if "idle_while_busy_j" in fig:
-        return fig["idle_while_busy_j"]
-    js = [v for k, v in fig["series"].items() if "joule" in k.split("{")[0]]
-    return sum(js) if js else None
+    return {"series": {}, "how": "none of " + ", ".join(STARVATION_METRICS) + " moved on /metrics"}
 
 
 # --- load windows ------------------------------------------------------------------------------------
@@ -553,7 +537,7 @@ def starvation_segment(ns: argparse.Namespace, sampler: Any, port: int, logp: Pa
         "window": w,
         "metrics_delta": d,
         "starvation": fig,
-        "idle_while_busy_j": starved_j(fig),
+        "idle_while_busy_j": fig.get("idle_while_busy_j"),
         "idle_while_busy_s": fig.get("idle_while_busy_s"),
         "frontend_busy_s": fig.get("frontend_busy_s"),
         "harness_idle_while_busy_j": h["res"].get("gpu_idle_while_busy_energy_j"),
