@@ -9,7 +9,7 @@ import sys
 from types import SimpleNamespace
 
 import pytest
-from fakes import FakeCudaStepTimer, FakeNvmlDevices
+from fakes import FakeCudaStepTimer, FakeNvmlDevices, metrics_text
 from test_closed_loop_runtime import _decode
 
 from vllm_powersave import runtime as rt_mod
@@ -57,6 +57,8 @@ def test_on_a_gpu_the_closed_loop_learns_the_steps_gpu_time_not_the_launch_time(
         snap = json.loads((tmp_path / "rank0.json").read_text())
         assert snap["closed_loop"]["step_time_source"] == "cuda_events"
         assert snap["closed_loop"]["buckets"]["32"]["baseline_ms"] == pytest.approx(7.25)
+        text = metrics_text(str(tmp_path))
+        assert f'powersave_closed_loop_baseline_step_ms{{bucket="32",gpu="{rt.gpu_id}",timing="cuda_events"}} 7.25' in text
         assert timer.released == timer.started == 80  # every pair of events goes back to the pool
     finally:
         rt.close()

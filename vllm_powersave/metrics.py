@@ -270,8 +270,9 @@ class PowersaveCollector(Collector):
         )
         cl_base = GaugeMetricFamily(
             "powersave_closed_loop_baseline_step_ms",
-            "Closed-loop decode clock: step time measured at the default clock per batch bucket (ms, at the bucket's mean context)",
-            labels=["gpu", "bucket"],
+            "Closed-loop decode clock: step time measured at the default clock per batch bucket (ms, at the bucket's mean context); "
+            "timing: cuda_events (on the GPU), simulated, or engine_wall (CPU build)",
+            labels=["gpu", "bucket", "timing"],
         )
         cl_probes = CounterMetricFamily("powersave_closed_loop_probes", "Closed-loop decode clock: candidate clocks probed", labels=["gpu"])
         cl_backoffs = CounterMetricFamily(
@@ -371,7 +372,7 @@ class PowersaveCollector(Collector):
                     if isinstance(b, dict):
                         cl_clock.add_metric([gpu, str(edge), str(b.get("state", "?")), be], float(b.get("sm_clock_mhz") or 0))
                         if b.get("baseline_ms") is not None:
-                            cl_base.add_metric([gpu, str(edge)], float(b["baseline_ms"]))
+                            cl_base.add_metric([gpu, str(edge), str(cl.get("step_time_source") or "engine_wall")], float(b["baseline_ms"]))
                 cl_probes.add_metric([gpu], float(cl.get("probes_total") or 0))
                 cl_backoffs.add_metric([gpu], float(cl.get("backoffs_total") or 0))
                 cl_decisions.add_metric([gpu], float(cl.get("decisions_total") or 0))
