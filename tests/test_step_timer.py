@@ -59,7 +59,8 @@ def test_on_a_gpu_the_closed_loop_learns_the_steps_gpu_time_not_the_launch_time(
         assert snap["closed_loop"]["buckets"]["32"]["baseline_ms"] == pytest.approx(7.25)
         text = metrics_text(str(tmp_path))
         assert f'powersave_closed_loop_baseline_step_ms{{bucket="32",gpu="{rt.gpu_id}",timing="cuda_events"}} 7.25' in text
-        assert timer.released == timer.started == 80  # every pair of events goes back to the pool
+        # Every pair of events goes back to the pool once read; the last step's is read at the next step.
+        assert timer.started == 80 and timer.released == 79
     finally:
         rt.close()
 
@@ -81,8 +82,9 @@ def test_steps_still_running_on_the_gpu_wait_and_reach_the_loop_in_step_order(mo
         rt.drain_steps()
         assert seen == [8, 9, 10]
         timer.finish()
-        rt.on_step_start(_decode(13))
-        rt.on_step_end()
+        for b in (13, 14):  # a step's time is read at a later step's start, on the engine thread
+            rt.on_step_start(_decode(b))
+            rt.on_step_end()
         rt.drain_steps()
         assert seen == [8, 9, 10, 11, 12, 13]
     finally:
@@ -163,3 +165,67 @@ def test_the_simulated_timer_reads_nan_for_a_step_it_never_priced():
     assert math.isnan(t.elapsed_ms(m))  # no measurement, and not "still running"
     t.set_ms(m, 3.5)
     assert t.elapsed_ms(m) == 3.5
+
+
+def test_a_closed_loop_fault_also_stops_the_step_timer(monkeypatch, tmp_path):
+    timer = FakeCudaStepTimer(gpu_ms=5.0)
+    rt = _gpu_runtime(monkeypatch, tmp_path, lambda device_index: timer)
+
+    def boom(*a, **k):
+        raise RuntimeError("tuner fault")
+
+    monkeypatch.setattr(rt.clocks, "observe_decode_step", boom)
+    try:
+        for _ in range(5):
+            rt.on_step_start(_decode(8))
+            rt.on_step_end()
+        rt.drain_steps()
+        assert rt._closed_loop is False
+        started = timer.started
+        for _ in range(50):
+            rt.on_step_start(_decode(8))
+            rt.on_step_end()
+        assert timer.started == started  # no events recorded for a loop that is off
+    finally:
+        rt.close()
+
+
+def test_no_cuda_call_leaves_the_engine_thread(monkeypatch, tmp_path):
+    """vLLM may capture CUDA graphs on a serving worker; a CUDA call from another thread would
+    invalidate the capture. The publisher thread only reads times the engine thread stored."""
+    import threading
+
+    class ThreadCheckingTimer(FakeCudaStepTimer):
+        def __init__(self, device_index=0):
+            super().__init__(device_index, gpu_ms=5.0)
+            self.threads = set()
+
+        def start(self):
+            self.threads.add(threading.get_ident())
+            return super().start()
+
+        def stop(self, mark):
+            self.threads.add(threading.get_ident())
+            super().stop(mark)
+
+        def elapsed_ms(self, mark):
+            self.threads.add(threading.get_ident())
+            return super().elapsed_ms(mark)
+
+        def release(self, mark):
+            self.threads.add(threading.get_ident())
+            super().release(mark)
+
+    timer = ThreadCheckingTimer()
+    rt = _gpu_runtime(monkeypatch, tmp_path, lambda device_index: timer)
+    try:
+        for _ in range(40):
+            rt.on_step_start(_decode(8))
+            rt.on_step_end()
+        done = threading.Event()
+        threading.Thread(target=lambda: (rt.publish(), done.set())).start()  # a drain on another thread
+        assert done.wait(10)
+        assert timer.threads == {threading.get_ident()}
+        assert _decisions(tmp_path)  # and the loop still learned from the steps
+    finally:
+        rt.close()

@@ -10,8 +10,9 @@ device sees it:
 
 * :class:`CudaEventStepTimer` (real): two CUDA timing events on the engine thread's current stream,
   one where the step is launched and one after its sampling; their elapsed time is the step's
-  span on the GPU (from the end of the work queued before it to the end of its own). Events are
-  read later, off the engine thread, only once the GPU has passed them (``query``), and reused.
+  span on the GPU (from the end of the work queued before it to the end of its own). The engine
+  thread reads them at a later step start, once the GPU has passed them (``query``), and reuses
+  them; no other thread makes a CUDA call (``runtime/step.py``, ``_read_step_times``).
 * :class:`SimulatedStepTimer`: the simulated GPU's time for the step (labelled ``simulated``).
 * ``None`` (no timer): the engine-thread wall time, right where execution is synchronous (vLLM's
   CPU build); :data:`WALL` names that source.
@@ -34,8 +35,8 @@ _POOL_MAX = 1024
 class CudaEventStepTimer:
     """Times steps with CUDA events on the current stream (``torch.cuda.Event(enable_timing=True)``).
 
-    ``start``/``stop`` run on the engine thread (one ``record`` each); ``elapsed_ms``/``release``
-    on the reader's thread.
+    Every method runs on the engine thread: ``start``/``stop`` record one event each,
+    ``elapsed_ms`` queries and reads a pair, ``release`` gives it back.
     """
 
     source = "cuda_events"
@@ -56,9 +57,9 @@ class CudaEventStepTimer:
         self._record = getattr(getattr(torch._C, "_CudaEventBase", None), "record", None)
         self._stream_key: Any = None
         self._stream: Any = None
-        # Create one pair now so that a CUDA fault shows at construction, not on the step path.
-        with torch.cuda.device(device_index):
-            self._free.append(self._pair())
+        # torch creates a CUDA event at its first record, so a fault shows at the first start(),
+        # where the step path catches it and turns the closed loop off.
+        self._free.append(self._pair())
 
     def _pair(self) -> tuple[Any, Any]:
         return (self._event(enable_timing=True), self._event(enable_timing=True))

@@ -210,7 +210,8 @@ class WorkerRuntime(StepPath, Publisher):
         # whose end the GPU has not reached yet (oldest first: fed to the loop in step order).
         self._step_timer: StepTimer | None = self._make_step_timer() if self._closed_loop else None
         self.step_time_source = self._step_timer.source if self._step_timer is not None else WALL
-        self._timed_steps: deque[tuple[float, float, Any, Any]] = deque()
+        self._timed_steps: deque[tuple[StepRecord, float, Any]] = deque()  # publisher thread's
+        self._unread: deque[StepRecord] = deque()  # timed steps not read yet (engine thread's)
         self._steps: deque[StepRecord] | None = (
             deque() if (self.account is not None or self._trace is not None or self.sim is not None or self._closed_loop) else None
         )
@@ -316,9 +317,11 @@ class WorkerRuntime(StepPath, Publisher):
             return None
 
     def _closed_loop_off(self, reason: str) -> None:
-        """Stop feeding the closed loop (its decode clock stays at the default); the snapshot's
-        ``savings`` then shows the clock saving as failed, with ``reason``."""
+        """Stop feeding the closed loop (its decode clock stays at the default) and stop timing
+        steps for it; the snapshot's ``savings`` then shows the clock saving as failed, with
+        ``reason``. Either thread may call it: each side drops its own queue of timed steps."""
         self._closed_loop = False
+        self._step_timer = None
         self._closed_loop_off_reason = reason
 
     def _zeusd_backend(self, settings: PowersaveSettings, gpu: NvmlGpu | None) -> ClockBackend:

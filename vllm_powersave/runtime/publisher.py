@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import envs, ray_relay, vllm_compat
-from ..device.step_timer import SimulatedStepTimer
+from ..device.step_timer import WALL, SimulatedStepTimer
 from ..energy import PhaseEnergyAccount
 from ..sim.gpu import SimulatedGpu
 from ..stats_contract import RequestLine, TraceLine, WorkerSnapshot, closed_loop_line, requests_name, snapshot_to_json, trace_line
@@ -71,8 +71,6 @@ class Publisher:
                     and info.phase != "idle"
                 ):
                     self._time_closed_loop_step(rec, t_end, info)
-                elif rec.mark is not None and self._step_timer is not None:
-                    self._step_timer.release(rec.mark)  # a step the loop does not learn from
                 if info is WARMUP:
                     continue  # vLLM's kernel warm-up on a serving worker: no served work
                 if acc is not None and t_end is not None:
@@ -96,33 +94,33 @@ class Publisher:
 
     def _time_closed_loop_step(self, rec: StepRecord, t_end: float, info: Any) -> None:
         """Queue a finished step for the closed loop, then feed it every queued step whose time is
-        known, in step order: a CUDA-timed step waits until the GPU has passed its end event (read
-        without blocking, at the next drain if not yet), and is then timed as the GPU ran it
-        (device/step_timer.py). Without a timer the engine-thread wall time is the step's time."""
-        timer = self._step_timer
-        if timer is None or rec.mark is None:
-            if timer is None:
+        known, in step order. A timed step waits until the engine thread has read its GPU time
+        (``StepPath._read_step_times``: no CUDA call is made on this thread); a step it will never
+        read (the loop turned off, the GPU fell behind) is skipped. Without a timer (vLLM's CPU
+        build) the engine-thread wall time is the step's time."""
+        if rec.mark is None and rec.gpu_ms is None:
+            if self._step_timer is None and self.step_time_source == WALL:
                 self._observe_closed_loop(t_end, (t_end - rec.t) * 1e3, info)
             return
+        if self.clocks.closed_loop is None or self.clocks.disabled_reason is not None:
+            # Clock control went off (a backend fault, close): nothing to learn for.
+            self._closed_loop_off(f"clock control off ({self.clocks.disabled_reason or 'closed'})")
+            self._timed_steps.clear()
+            return
         wait = self._timed_steps
-        wait.append((rec.t, t_end, rec.mark, info))
-        try:
-            while wait:
-                t_start, t_end, mark, info = wait[0]
-                step_ms = timer.elapsed_ms(mark)
-                if step_ms is None:
-                    break  # still running on the GPU
-                wait.popleft()
-                timer.release(mark)
-                # The GPU runs a step after its launch and, with async scheduling, up to about one
-                # step after the engine thread moved on: a clock switch anywhere in that span makes
-                # the step no measurement.
-                self._observe_closed_loop(t_end, step_ms, info, (t_start, t_end + 2e-3 * step_ms))
-        except Exception as exc:
-            self._closed_loop_off(f"step timer fault ({type(exc).__name__})")
-            self._step_timer = None
-            wait.clear()
-            vllm_compat.fault_once("step_timer", exc, "reading a step's GPU time", "the decode clock stays at its default")
+        wait.append((rec, t_end, info))
+        while wait:
+            head, t_end, info = wait[0]
+            if head.gpu_ms is None:
+                if head.mark is not None and self._step_timer is not None:
+                    break  # not read yet: the GPU is still running it, or the engine has not stepped since
+                wait.popleft()  # never to be read
+                continue
+            wait.popleft()
+            # The GPU runs a step after its launch and, with async scheduling, up to about one
+            # step after the engine thread moved on (two here, to err long): a clock switch
+            # anywhere in that span makes the step no measurement.
+            self._observe_closed_loop(t_end, head.gpu_ms, info, (head.t, t_end + 2e-3 * head.gpu_ms))
 
     def _observe_closed_loop(self, t_end: float, step_ms: float, info: Any, span_s: tuple[float, float] | None = None) -> None:
         """One finished step to the closed-loop decode clock (clocks/closed_loop.py): its time

@@ -20,6 +20,9 @@ log = logging.getLogger("vllm.powersave")
 _LOOKAHEAD_ATTR = vllm_compat.LOOKAHEAD_ATTR
 #: Records the step hook lets pile up before it drains them itself (a stalled publisher thread).
 MAX_PENDING_STEPS = 4096
+#: Timed steps read per step start (normally one finishes per step), and at most this many waiting.
+_READS_PER_STEP = 2
+_MAX_UNREAD = 64
 
 
 class StepRecord:
@@ -29,10 +32,11 @@ class StepRecord:
     :data:`WARMUP` for steps the drain leaves out); ``so``: vLLM's ``SchedulerOutput`` (dropped
     once fed); ``sm_mhz``: the SM clock target decided for it; ``t_end``: its end (s, monotonic;
     ``None`` while it runs); ``rows``: its LM-head rows (set by the drain where read); ``mark``: its
-    step timer's mark (device/step_timer.py; ``None``: untimed, the closed loop is off).
+    step timer's mark (device/step_timer.py; ``None``: untimed, or read and given back);
+    ``gpu_ms``: its time as the timer read it (``None`` until read, on the engine thread).
     """
 
-    __slots__ = ("t", "info", "so", "sm_mhz", "t_end", "rows", "mark")
+    __slots__ = ("t", "info", "so", "sm_mhz", "t_end", "rows", "mark", "gpu_ms")
 
     def __init__(self, t: float, info: Any, so: Any, sm_mhz: int | None) -> None:
         self.t = t
@@ -42,6 +46,7 @@ class StepRecord:
         self.t_end: float | None = None
         self.rows = 0
         self.mark: Any = None
+        self.gpu_ms: float | None = None
 
 
 #: Record markers (in ``StepRecord.info``) for steps the drain leaves out: a step that could not
@@ -142,6 +147,8 @@ class StepPath:
                 timer = self._step_timer
                 if timer is not None:
                     try:
+                        if self._unread:
+                            self._read_step_times(timer)
                         rec.mark = timer.start()  # the closed loop's step time, on the GPU
                     except Exception as exc:
                         self._step_timer_failed(exc)
@@ -167,14 +174,37 @@ class StepPath:
                     timer = self._step_timer
                     if timer is not None:
                         try:
-                            timer.stop(rec.mark)  # before t_end: the drain reads the mark once t_end is set
+                            timer.stop(rec.mark)
+                            self._unread.append(rec)
                         except Exception as exc:
                             self._step_timer_failed(exc)
                 rec.t_end = time.monotonic()
 
+    def _read_step_times(self, timer: Any) -> None:
+        """Read the timed steps the GPU has finished, oldest first, into their records' ``gpu_ms``
+        and give their events back. Here, on the engine thread, and nowhere else: a CUDA call from
+        another thread while vLLM captures CUDA graphs on a serving worker (0.32's elastic-EP
+        scale-up) would invalidate the capture, as NCCL's watchdog queries did (PyTorch's
+        ``capture_error_mode`` docs). With async scheduling the newest step is still running, so
+        the one before it is read: one query and one elapsed time per step."""
+        unread = self._unread
+        for _ in range(_READS_PER_STEP):
+            rec = unread[0]
+            ms = timer.elapsed_ms(rec.mark)
+            if ms is None:
+                break  # still running on the GPU
+            unread.popleft()
+            timer.release(rec.mark)
+            rec.mark = None
+            rec.gpu_ms = ms
+            if not unread:
+                return
+        while len(unread) > _MAX_UNREAD:  # the GPU fell far behind: those steps go unmeasured
+            unread.popleft().mark = None
+
     def _step_timer_failed(self, exc: Exception) -> None:
         """A step timer that faults on the step path turns the closed loop off (once); the step
         itself is still recorded, metered and traced."""
-        self._step_timer = None
+        self._unread.clear()
         self._closed_loop_off(f"step timer fault ({type(exc).__name__})")
         vllm_compat.fault_once("step_timer", exc, "timing a step on the GPU", "the decode clock stays at its default")
