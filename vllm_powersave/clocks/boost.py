@@ -171,7 +171,7 @@ class BoostController:
     #: Helpers that may die while holding before the controller gives up (OOM-killed each time).
     MAX_RESTARTS = 3
 
-    def __init__(self, holder: "BoostHolder", release_after_s: float = 2.0, clock=time.monotonic) -> None:
+    def __init__(self, holder: "BoostHolder", release_after_s: float = 0.5, clock=time.monotonic) -> None:
         self.holder = holder
         self.release_after_s = release_after_s
         self.clock = clock
