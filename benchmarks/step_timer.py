@@ -6,8 +6,8 @@ bandwidth) is launched back to back without synchronising, as vLLM's async sched
 * **what it sees**: the step's span from CUDA events against the host's launch time (what the
   engine thread measured before) and against a synchronised wall time of the same work;
 * **what it costs**: host (engine-thread) time per step with the timer vs without, in interleaved
-  blocks (mean and 95 % interval over blocks), events read and released by a second thread as the
-  plugin's publisher does.
+  blocks (mean and 95 % interval over blocks): two records per step, and the previous step's
+  events read and released on the same thread, as the plugin's step path does.
 
 Read-only on GPU settings; refuses to start without ``POWERSAVE_FORCE_DRY_RUN=1``.
 
@@ -88,12 +88,19 @@ def main() -> None:
         timed = bool(b % 2) ^ (b // 2 % 2 == 1)  # ABBA
         torch.cuda.synchronize()
         t = time.perf_counter()
+        prev = None
         for _ in range(args.steps):
+            if timed and prev is not None and timer.elapsed_ms(prev) is not None:
+                timer.release(prev)  # as the plugin does: read at a later step's start, same thread
+                prev = None
             mark = timer.start() if timed else None
             xs.add_(1.0)
             if timed:
                 timer.stop(mark)
-                timer.release(mark)
+                if prev is None:
+                    prev = mark
+                else:
+                    timer.release(mark)
         torch.cuda.synchronize()
         cost[timed].append((time.perf_counter() - t) / args.steps * 1e6)
     ev = torch.cuda.Event(enable_timing=True)
