@@ -49,7 +49,7 @@ def main() -> None:
         gpu_ms: list[float] = []
         done = threading.Event()
 
-        def reader() -> None:  # the publisher's side: read once the GPU passed the end event
+        def reader() -> None:  # spans only (no graph capture here): read once the GPU passed the end event
             while not (done.is_set() and not q):
                 while q:
                     ms = timer.elapsed_ms(q[0])
