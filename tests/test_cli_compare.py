@@ -1,6 +1,8 @@
 """`vllm-powersave compare`: runs spoiled by a busy machine are flagged in the report."""
 
-from vllm_powersave.cli import _suspect_runs
+import math
+
+from vllm_powersave.cli import _keyed_runs, _suspect_runs
 
 
 def test_runs_below_half_the_median_throughput_are_flagged():
@@ -68,3 +70,16 @@ def test_savings_section_says_what_was_measured_and_what_predicted():
     assert "(measured, mean of 2 and 2 runs)" in gpu and "simulated" not in gpu
     stock_gpu = savings_section([("off", 1.0, {"gpu_energy_per_output_token_j": 0.1}), ("on", 1.0, on)], gpu=True)
     assert "stock's idle energy unknown here" in stock_gpu
+
+
+def test_the_report_keys_each_run_with_its_own_rate_so_no_rate_capped_run_is_flagged():
+    # The main job's order at --rates 1,inf: off on on off at 1 req/s, then off on on off saturated
+    # (throughputs of the demo on this machine, one saturated run spoiled).
+    rates = [1.0] * 4 + [math.inf] * 4
+    tputs = [61.4, 61.3, 61.1, 61.6, 696.0, 716.0, 730.0, 240.0]
+    runs = [(arm, {"output_throughput": t}) for arm, t in zip(["off", "on", "on", "off"] * 2, tputs)]
+    results, rate_of = _keyed_runs(runs, rates, n_configs=2)
+    assert list(results)[0] == "off (run 1) @ 1 req/s" and list(results)[-1] == "off (run 8) @ saturation"
+    assert _suspect_runs(results, rate_of) == {"off (run 8) @ saturation": 240.0 / 706.0}
+    one, _ = _keyed_runs([("off", {}), ("on", {})], [math.inf, math.inf], n_configs=2)
+    assert list(one) == ["off", "on"]  # one run per config: the config's label alone

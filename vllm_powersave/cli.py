@@ -33,6 +33,22 @@ def _suspect_runs(results: dict[str, dict], rate_of: dict[str, float] | None = N
     return out
 
 
+def _keyed_runs(runs: list[tuple[str, dict]], plan_rates: list[float], n_configs: int) -> tuple[dict[str, dict], dict[str, float]]:
+    """The runs keyed as the report names them (``off (run 1) @ 1 req/s``; just the config's label
+    for one run per config), and each key's request rate (``plan_rates[i]``: run i's)."""
+    from .compare_report import rate_label
+
+    many = len(plan_rates) > n_configs
+    multi_rate = len(set(plan_rates)) > 1
+    results: dict[str, dict] = {}
+    rate_of: dict[str, float] = {}
+    for i, (label, res) in enumerate(runs):
+        key = f"{label} (run {i + 1})" + (f" @ {rate_label(plan_rates[i])}" if multi_rate else "") if many else label
+        results[key] = res
+        rate_of[key] = plan_rates[i]
+    return results, rate_of
+
+
 def _cmd_make_model(ns: argparse.Namespace) -> int:
     from .modelgen import make_model
 
@@ -191,9 +207,7 @@ def _cmd_compare(ns: argparse.Namespace) -> int:
                 if snap.get("sim_stock_clocks_busy_s")
                 else None,
             }
-    many = len(plan) > len(configs)
-    at = (lambda i: f" @ {rate_label(plan[i][0])}") if len(rates) > 1 else (lambda i: "")
-    results = {(f"{lab} (run {i + 1}){at(i)}" if many else lab): r for i, (lab, r) in enumerate(runs)}
+    results, rate_of = _keyed_runs(runs, [p[0] for p in plan], len(configs))
     if len(rates) > 1:  # one table per rate: columns of one load side by side
         table = "\n".join(
             f"### {rate_label(rate)}\n\n" + compare_table({k: r for i, (k, r) in enumerate(results.items()) if plan[i][0] == rate})
@@ -237,7 +251,7 @@ def _cmd_compare(ns: argparse.Namespace) -> int:
             "engine happened to batch in each run, which on a 2-core CPU varies a lot: use the section above for the presets' effect.\n"
         )
     md += "\n" + table + "\n"
-    suspect = _suspect_runs(results, {label: rate for label, rate, _ in rated})
+    suspect = _suspect_runs(results, rate_of)
     if suspect:
         md += "\n" + "".join(
             f"- **{k}**: output throughput {v:.2f}x the median of the runs at its request rate: the machine was likely busy "
