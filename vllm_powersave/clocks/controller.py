@@ -304,6 +304,12 @@ class ClockController:
         except Exception as exc:  # a backend that cannot list clocks: the loop stays off, serving goes on
             log.error("powersave: closed-loop decode clock off for GPU %s: %s", self.gpu_id, exc)
 
+    @property
+    def closed_loop_active(self) -> bool:
+        """Whether the closed loop still learns: it exists (not overridden by a static decode
+        preset), and clock control is neither disabled after a fault nor closed."""
+        return self.closed_loop is not None and self.disabled_reason is None and not self._closed
+
     def ran_at(self, start_s: float, end_s: float) -> int | None:
         """The SM clock (MHz, ``None``: default) a step spanning ``[start_s, end_s]`` ran at
         throughout, or ``UNKNOWN`` if a switch may have landed inside it (decided at ``t``, in
@@ -348,7 +354,7 @@ class ClockController:
         host); it only replaces the decode target, which ``on_phase`` reads (atomic under the GIL).
         """
         tuner = self.closed_loop
-        if tuner is None or self.disabled_reason is not None or self._closed:
+        if tuner is None or not self.closed_loop_active:
             return None
         ran = self.ran_at(*span_s) if span_s is not None else self.ran_at(now_s - step_ms / 1000.0, now_s)
         tuner.dry_run = self.backend.kind == "dry-run"  # also after a permission fallback

@@ -206,8 +206,9 @@ class WorkerRuntime(StepPath, Publisher):
         self._closed_loop = self.clocks.closed_loop is not None
         self._closed_loop_off_reason: str | None = None
         self._closed_loop_written = 0  # its decision records already in the trace
-        # Where the closed loop's step times come from (device/step_timer.py), and the timed steps
-        # whose end the GPU has not reached yet (oldest first: fed to the loop in step order).
+        # Where the closed loop's step times come from (device/step_timer.py); the timed steps the
+        # engine thread has not read yet, and those the publisher holds until they are (both oldest
+        # first: the loop learns in step order).
         self._step_timer: StepTimer | None = self._make_step_timer() if self._closed_loop else None
         self.step_time_source = self._step_timer.source if self._step_timer is not None else WALL
         self._timed_steps: deque[tuple[StepRecord, float, Any]] = deque()  # publisher thread's

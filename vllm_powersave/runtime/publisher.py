@@ -99,13 +99,15 @@ class Publisher:
         read (the loop turned off, the GPU fell behind) is skipped. Without a timer (vLLM's CPU
         build) the engine-thread wall time is the step's time."""
         if rec.mark is None and rec.gpu_ms is None:
-            if self._step_timer is None and self.step_time_source == WALL:
+            if self.step_time_source == WALL:
                 self._observe_closed_loop(t_end, (t_end - rec.t) * 1e3, info)
             return
-        if self.clocks.closed_loop is None or self.clocks.disabled_reason is not None:
-            # Clock control went off (a backend fault, close): nothing to learn for.
-            self._closed_loop_off(f"clock control off ({self.clocks.disabled_reason or 'closed'})")
+        if not self.clocks.closed_loop_active:
+            # Nothing more to learn for. After a backend fault the loop is off for good and the timer
+            # stops; at close, the last steps are simply not fed (clocks close before the final drain).
             self._timed_steps.clear()
+            if self.clocks.disabled_reason is not None:
+                self._closed_loop_off(f"clock control off ({self.clocks.disabled_reason})")
             return
         wait = self._timed_steps
         wait.append((rec, t_end, info))
