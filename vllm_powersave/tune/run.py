@@ -209,6 +209,27 @@ def _now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
 
 
+def _sweep_both(
+    meas: Any, workloads: list[str], clocks: list[int], budget: float, repeats: int, source: str, progress: Callable[[int], None]
+) -> dict[str, SweepResult]:
+    """The single-operation and the global solver over one clock sweep: the global solver reuses
+    the single one's readings (its ``table``), so the GPU is swept once."""
+    out: dict[str, SweepResult] = {}
+    for solver in ("single", "global"):
+        out[solver] = sweep_and_solve(
+            meas,
+            workloads,
+            clocks,
+            budget,
+            solver=solver,
+            repeats=repeats,
+            source=source,
+            progress=progress,
+            table=out["single"].table if out else None,
+        )
+    return out
+
+
 def _sweep_clocks(all_clocks: tuple[int, ...], n: int, f_max: int) -> list[int]:
     cl = [c for c in all_clocks if c < f_max]
     if len(cl) <= n:
@@ -519,7 +540,6 @@ def _tune_clocks(res: TuneResult, torch: Any, shape: ModelShape, dev: Any, dtype
         if mode == "simulated-sweep":
             clocks = _sweep_clocks(model.clocks, res.opts.sweep_points, spec.f_max_mhz)
             truth = {k: Curve(c.clocks[:-1] + (DEFAULT,), c.t, c.e, "simulated") for k, c in regions.items()}
-            sweeps: dict[str, SweepResult] = {}
             bar.grow((len(clocks) + 1) * len(truth) * res.opts.sweep_repeats)
             meas = SimulatedMeasurer(
                 {k: _restrict(c, clocks) for k, c in truth.items()},
@@ -527,18 +547,9 @@ def _tune_clocks(res: TuneResult, torch: Any, shape: ModelShape, dev: Any, dtype
                 noise_e=res.opts.sim_noise,
                 seed=res.opts.seed + zlib.crc32(ph.encode()) % 1000,
             )
-            for solver in ("single", "global"):  # one sweep; the global solver reuses its readings
-                sweeps[solver] = sweep_and_solve(
-                    meas,
-                    list(truth),
-                    clocks,
-                    budget,
-                    solver=solver,
-                    repeats=res.opts.sweep_repeats,
-                    source="simulated",
-                    progress=lambda k: bar.update(k, f"sim sweep {ph}"),
-                    table=sweeps["single"].table if sweeps else None,
-                )
+            sweeps = _sweep_both(
+                meas, list(truth), clocks, budget, res.opts.sweep_repeats, "simulated", lambda k: bar.update(k, f"sim sweep {ph}")
+            )
             res.sweeps[ph] = sweeps
             chosen, glob = sweeps["single"].choice, sweeps["global"].choice
         elif mode == "sweep":
@@ -585,7 +596,6 @@ def _real_sweep(
     backend = NvmlClockBackend(nv)
     clocks = _sweep_clocks(backend.supported_sm_clocks(), res.opts.sweep_points, max(backend.supported_sm_clocks()))
     meas = GpuClockMeasurer(backend, workloads, scale, res.opts.sweep_window_s, nv)
-    out = {}
     try:
         with torch.no_grad():
             step_fn = workloads.get("mlp") or next(iter(workloads.values()))
@@ -594,18 +604,15 @@ def _real_sweep(
                 step_fn()
             torch.cuda.synchronize()
             bar.grow((len(clocks) + 1) * len(workloads) * res.opts.sweep_repeats)
-            for solver in ("single", "global"):  # one sweep; the global solver reuses its readings
-                out[solver] = sweep_and_solve(
-                    meas,
-                    list(workloads),
-                    clocks,
-                    budget,
-                    solver=solver,
-                    repeats=res.opts.sweep_repeats,
-                    source="measured",
-                    progress=lambda k: bar.update(k, f"clock sweep {sp.step.phase}"),
-                    table=out["single"].table if out else None,
-                )
+            out = _sweep_both(
+                meas,
+                list(workloads),
+                clocks,
+                budget,
+                res.opts.sweep_repeats,
+                "measured",
+                lambda k: bar.update(k, f"clock sweep {sp.step.phase}"),
+            )
     finally:
         meas.close()
     return out
