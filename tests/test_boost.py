@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import threading
 import time
@@ -65,6 +66,9 @@ def test_hold_on_first_busy_step_release_after_idle_dwell():
         _settle(ctl, h, 2)
         assert h.calls == [True, False] and not ctl.held
         assert ctl.snapshot() == {"held": False, "switches": 2, "last_switch_ms": 12.5, "disabled": None}
+        # Each finished switch once, on the injected clock, for the step trace.
+        assert [tuple(x) for x in ctl.drain_switches()] == [(100.0, True, 12.5), (t[0], False, 12.5)]
+        assert ctl.drain_switches() == []
     finally:
         ctl.close()
     assert h.closed
@@ -197,7 +201,13 @@ def test_worker_runtime_auto_mode_drives_the_booster(monkeypatch, tmp_path):
     monkeypatch.setattr(rt_mod.build, "_boost_for", fake_boost_for)  # construction picks the booster
     runner = SimpleNamespace(rank=0, scheduler_config=SimpleNamespace(max_num_seqs=2, async_scheduling=False))
     settings = PowersaveSettings.model_validate(
-        {"stats_dir": str(tmp_path), "cuda_perf_boost": "auto", "boost_release_after_s": 0.3, "energy": {"idle_after_s": 20.0}}
+        {
+            "stats_dir": str(tmp_path),
+            "cuda_perf_boost": "auto",
+            "boost_release_after_s": 0.3,
+            "trace_steps": True,
+            "energy": {"idle_after_s": 20.0},
+        }
     )
     rt = rt_mod.WorkerRuntime(runner, settings)
     try:
@@ -215,6 +225,12 @@ def test_worker_runtime_auto_mode_drives_the_booster(monkeypatch, tmp_path):
         assert 'powersave_cuda_boost_switches_total{gpu="GPU-bbbb-1111"} 2.0' in text
         assert 'powersave_cuda_boost_held{gpu="GPU-bbbb-1111"} 0.0' in text
         assert 'cuda_perf_boost="auto"' in text
+        # The step trace carries the hold and the release, after the steps that caused them.
+        lines = [json.loads(x) for x in (tmp_path / "trace-rank0.jsonl").read_text().splitlines()]
+        boost = [x["boost"] for x in lines if "boost" in x]
+        steps = [x for x in lines if "t" in x]
+        assert [b["held"] for b in boost] == [True, False]
+        assert boost[0]["t_s"] >= steps[0]["t"] and boost[1]["t_s"] >= steps[-1]["t_end"]
     finally:
         rt.close()
     assert holders[0].closed

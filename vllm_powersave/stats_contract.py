@@ -251,6 +251,15 @@ def trace_line(r: Any) -> str:
 CLOSED_LOOP_KEY = "closed_loop"
 
 
+BOOST_KEY = "boost"
+
+
+def boost_line(switch: Any) -> str:
+    """One finished perf-boost hold or release (``clocks.boost.BoostSwitch``) as a trace line
+    ``{"boost": {"t_s", "held", "ms"}}``; ``t_s`` is on the step lines' clock."""
+    return json.dumps({BOOST_KEY: {"t_s": switch.t_s, "held": switch.held, "ms": switch.ms}}) + "\n"
+
+
 def closed_loop_line(record: Any, step_time_source: str | None = None) -> str:
     """One closed-loop decision record (``clocks.closed_loop.ClosedLoopRecord``) as a trace line
     ``{"closed_loop": {...}}``: the decision and the step measurement behind it, with where its

@@ -32,6 +32,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
+from typing import NamedTuple
 
 log = logging.getLogger("vllm_powersave")
 
@@ -151,6 +153,16 @@ class BoostHolder:
             p.wait(timeout=5)
 
 
+class BoostSwitch(NamedTuple):
+    """One finished hold or release: when it completed (s, monotonic: the step trace's clock), the
+    state it left and how long the helper took (ms). The GPU's own fall to idle power follows the
+    release by a lag of its own, which the step trace lets a reader line up with power samples."""
+
+    t_s: float
+    held: bool
+    ms: float | None
+
+
 class BoostController:
     """``cuda_perf_boost: "auto"``: the engine runs unboosted; a side context boosts it while it works.
 
@@ -182,6 +194,7 @@ class BoostController:
         self.restarts = 0
         self.last_switch_ms: float | None = None
         self.disabled_reason: str | None = None
+        self._recent: deque[BoostSwitch] = deque(maxlen=256)  # finished switches not yet drained
         self._ev = threading.Event()
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="powersave-boost", daemon=True)
@@ -239,6 +252,7 @@ class BoostController:
             try:
                 self.last_switch_ms = self.holder.set(want)
                 self.held = want
+                self._recent.append(BoostSwitch(self.clock(), want, self.last_switch_ms))
                 self.switches += 1
             except Exception as exc:  # no driver, no memory for a context, helper died: stay unboosted
                 self.held = False
@@ -246,6 +260,16 @@ class BoostController:
                     return  # close() ended the helper under a call in flight: not a failure
                 self.disabled_reason = str(exc)
                 log.warning("powersave: cuda_perf_boost auto: the side context failed (%s); the engine stays unboosted", exc)
+
+    def drain_switches(self) -> list[BoostSwitch]:
+        """The switches finished since the last call, oldest first (at most the latest 256). Safe
+        from any thread: deque appends and pops are atomic."""
+        out = []
+        while True:
+            try:
+                out.append(self._recent.popleft())
+            except IndexError:
+                return out
 
     def close(self) -> None:
         """Release the boost and end the helper; prompt even while a hold is in flight (the helper

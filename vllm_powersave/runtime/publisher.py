@@ -19,7 +19,16 @@ from .. import envs, ray_relay, vllm_compat
 from ..device.step_timer import WALL, SimulatedStepTimer
 from ..energy import PhaseEnergyAccount
 from ..sim.gpu import SimulatedGpu
-from ..stats_contract import RequestLine, TraceLine, WorkerSnapshot, closed_loop_line, requests_name, snapshot_to_json, trace_line
+from ..stats_contract import (
+    RequestLine,
+    TraceLine,
+    WorkerSnapshot,
+    boost_line,
+    closed_loop_line,
+    requests_name,
+    snapshot_to_json,
+    trace_line,
+)
 from .step import FAILED, WARMUP, StepRecord
 
 log = logging.getLogger("vllm.powersave")
@@ -305,6 +314,8 @@ class Publisher:
             self._closed_loop_written = tuner.n_records
             recs = list(tuner.records)[len(tuner.records) - new :] if new > 0 else []
             lines += [closed_loop_line(r, self.step_time_source) for r in recs]
+        if self.boost is not None:
+            lines += [boost_line(x) for x in self.boost.drain_switches()]
         if lines:
             self._write_lines(self._trace_path, lines)
 
