@@ -76,7 +76,7 @@ METHOD_OPTIONS = ("sat_concurrency", "window_s", "idle_s", "settle_s", "gap_s", 
 #: --defaults-observe items: the plugin settings they turn on.
 OBSERVE = {"trace": "trace_steps", "reqenergy": "per_request_energy"}
 #: Segment names of --segments / --segments-last.
-SEGMENTS = ("idle", "sweep", "reqenergy", "starvation")
+SEGMENTS = ("idle", "sweep", "reqenergy", "release", "starvation")
 
 
 # --- the plugin's figures: /metrics and stats_dir ----------------------------------------------------
@@ -99,6 +99,34 @@ def snap_energy(snap: dict | None) -> dict | None:
     if not snap or not isinstance(snap.get("energy_j"), dict):
         return None
     return {k: v for k, v in snap["energy_j"].items() if isinstance(v, (int, float))}
+
+
+def release_figures(
+    lines: list[dict], rows: list, t1: float, idle_w: float | None, low_w: float | None, idle_mhz: int, energy_at
+) -> list[dict]:
+    """Per perf-boost release in a step trace's ``lines``: its delay after the last step, and how long
+    after it the sampler ``rows`` (t, J, W, MHz, util) fell below ``low_w`` and to ``idle_mhz``, up
+    to the next step (or ``t1``); the gap's energy above ``idle_w`` (``energy_at``: J at a time)."""
+    ends, starts = sorted(x["t_end"] for x in lines if x.get("t_end")), sorted(x["t"] for x in lines if "t" in x)
+    out = []
+    for b in [x["boost"] for x in lines if "boost" in x and not x["boost"]["held"]]:
+        t, last = b["t_s"], max((e for e in ends if e <= b["t_s"]), default=None)
+        nxt = min((x for x in starts if x > t), default=t1)
+        after = [r for r in rows if t <= r[0] <= nxt]
+        fall_w = next((r[0] - t for r in after if low_w and r[2] is not None and r[2] < low_w), None)
+        fall_mhz = next((r[0] - t for r in after if r[3] is not None and r[3] <= idle_mhz), None)
+        j = load.diff(energy_at(last), energy_at(nxt)) if last else None
+        out.append(
+            {
+                "release_after_last_step_s": None if last is None else t - last,
+                "release_ms": b["ms"],
+                "power_fall_s": fall_w,
+                "clock_fall_s": fall_mhz,
+                "gap_s": None if last is None else nxt - last,
+                "gap_excess_j": None if j is None or idle_w is None else j - idle_w * (nxt - last),
+            }
+        )
+    return out
 
 
 # --- one server's segments ---------------------------------------------------------------------------
@@ -203,6 +231,35 @@ class Server:
         )
         return seg
 
+    def release(self, idle_w: float | None) -> dict:
+        """Short requests one at a time, ``--release-gap-s`` apart: when the plugin let the perf boost
+        go (its trace's boost lines) and how long the GPU then took to fall to idle power (idle_w +
+        LOW_POWER_MARGIN_W) and to the idle SM clock (10 Hz samples, same monotonic clock)."""
+        ns, pat = self.ns, TRACE_LINES
+        time.sleep(ns.settle_s)
+        offs = {f.name: f.stat().st_size for f in self.stats_dir.glob(pat)}
+        kw = dict(num_prompts=ns.release_n, request_rate=1.0 / ns.release_gap_s, arrival="constant", input_len=128, output_len=32)
+        h = self.harness("release", **kw, seed=13)
+        time.sleep(ns.release_gap_s)  # the last release, and the fall after it
+        t0, t1, lines = h["t0"] or 0.0, time.perf_counter(), load.new_lines(self.stats_dir, pat, offs)
+        rows = [r for r in self.sampler.rows if t0 <= r[0] <= t1]
+        low_w = idle_w + load.LOW_POWER_MARGIN_W if idle_w else None
+        out = release_figures(lines, rows, t1, idle_w, low_w, ns.release_idle_mhz, self.sampler.energy_at)
+        log(f"[{self.label}] release: {len(out)} releases, power fell {[r['power_fall_s'] for r in out]} s after")
+        return {
+            "n": ns.release_n,
+            "gap_s": ns.release_gap_s,
+            "input_len": 128,
+            "output_len": 32,
+            "idle_w": idle_w,
+            "low_power_w": low_w,
+            "idle_sm_clock_mhz": ns.release_idle_mhz,
+            "harness": load.summary(h["res"]),
+            "releases": out,
+            "boost_lines": [x["boost"] for x in lines if "boost" in x],
+            "samples": [(round(r[0] - t0, 3), r[2], r[3], r[4]) for r in rows],  # s from the first request, W, MHz, util %
+        }
+
     def starv_window(self, after_s: float = 0.0) -> tuple[dict, dict]:
         """The closed loop at ``--starv-conc`` (starvation segment and fix arm): harness output and
         the window's figures, read ``after_s`` after its end."""
@@ -297,6 +354,7 @@ def seg_costs(ns: argparse.Namespace) -> dict[str, float]:
         "rate": ns.gap_s + ns.window_s + drain_s(ns, sat=False) + 0.5,
         "sat": ns.gap_s + ns.window_s + drain_s(ns) + 0.5,
         "reqenergy": 2 * ns.settle_s + -(-ns.reqe_n // ns.reqe_conc) * (ns.reqe_out * ns.tpot_est_ms / 1000.0 + 0.3) + 3.0,
+        "release": ns.settle_s + (ns.release_n + 1) * ns.release_gap_s + 2.0,
         "starvation": ns.settle_s + ns.starv_window_s + drain_s(ns) + 2.0 + 10.0,  # + advise (up to 3 CLI runs)
         "fix": ns.settle_s + ns.starv_window_s + drain_s(ns) + 2.0,
         "stop": ns.stop_est_s,
@@ -399,6 +457,9 @@ def run_segments(s: Server, srv: dict, segs: list[str], result: dict, save: Call
             save()
     if "reqenergy" in segs and fits("reqenergy", "request-energy segment"):
         srv["reqenergy"] = s.request_energy()
+        save()
+    if "release" in segs and fits("release", "release segment"):
+        srv["release"] = s.release(idle_w)
         save()
     if "starvation" in segs and fits("starvation", "starvation segment"):
         srv["starvation"] = s.starvation()
@@ -516,7 +577,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--segments",
         default="idle,sweep",
-        help="per stock/defaults server: idle, sweep; defaults only, run only where named: reqenergy, starvation "
+        help="per stock/defaults server: idle, sweep; defaults only, run only where named: reqenergy, release, starvation "
         "(--segments-last applies to the last defaults server only)",
     )
     ap.add_argument("--segments-last", default="", help="extra segments of the last defaults server of --order only, e.g. reqenergy")
@@ -526,6 +587,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--reqe-conc", type=int, default=48)
     ap.add_argument("--reqe-in", type=int, default=128)
     ap.add_argument("--reqe-out", type=int, default=96)
+    ap.add_argument("--release-n", type=int, default=8, help="release segment: requests, one at a time")
+    ap.add_argument("--release-gap-s", type=float, default=4.0, help="release segment: seconds between request starts")
+    ap.add_argument("--release-idle-mhz", type=int, default=400, help="release segment: SM clock counted as idle (H200: 345)")
     ap.add_argument("--starv-conc", type=int, default=64)
     ap.add_argument("--starv-window-s", type=float, default=15.0)
     ap.add_argument("--fix-args", default="--api-server-count 4", help="fix arm's serve flags when advise names none")

@@ -52,3 +52,20 @@ def test_device_scripts_refuse_to_start_without_forced_dry_run(script, monkeypat
 def test_benchmarks_never_import_pynvml():
     offenders = [str(p.relative_to(BENCH)) for p in BENCH.rglob("*.py") if "pynvml" in p.read_text()]
     assert offenders == []
+
+
+def test_release_figures_time_the_fall_from_the_release_not_from_the_last_step():
+    from benchmarks.h200_defaults import release_figures
+
+    lines = [
+        {"t": 10.0, "t_end": 11.0},
+        {"boost": {"t_s": 9.8, "held": True, "ms": 170.0}},  # holds are not releases
+        {"boost": {"t_s": 11.6, "held": False, "ms": 70.0}},
+        {"t": 14.0, "t_end": 14.2},
+    ]
+    # 10 Hz: boosted idle (126 W, 1980 MHz) until 12.8 s, then unboosted idle (80 W, 345 MHz).
+    rows = [(10 + 0.1 * i, None, 126.0 if i < 28 else 80.0, 1980 if i < 29 else 345, 0) for i in range(50)]
+    (r,) = release_figures(lines, rows, 15.0, 80.0, 95.0, 400, lambda t: 1000.0 + 100.0 * (t - 10.0))
+    assert r["release_after_last_step_s"] == pytest.approx(0.6) and r["release_ms"] == 70.0
+    assert r["power_fall_s"] == pytest.approx(1.2) and r["clock_fall_s"] == pytest.approx(1.3)
+    assert r["gap_s"] == pytest.approx(3.0) and r["gap_excess_j"] == pytest.approx(300.0 - 240.0)
