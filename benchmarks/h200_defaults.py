@@ -101,6 +101,16 @@ def snap_energy(snap: dict | None) -> dict | None:
     return {k: v for k, v in snap["energy_j"].items() if isinstance(v, (int, float))}
 
 
+def batch_spread(lines: list[dict], keep: float = 0.6) -> list[int] | None:
+    """p5 / p50 / p95 of the running requests per step over the middle ``keep`` of the steps' span."""
+    steps = [x for x in lines if "t" in x and x.get("reqs")]
+    if not steps:
+        return None
+    a, b = steps[0]["t"], steps[-1]["t"]
+    mid = sorted(x["reqs"] for x in steps if a + (1 - keep) / 2 * (b - a) <= x["t"] <= b - (1 - keep) / 2 * (b - a))
+    return [mid[int(q * (len(mid) - 1))] for q in (0.05, 0.5, 0.95)] if mid else None
+
+
 def release_figures(
     lines: list[dict], rows: list, t1: float, idle_w: float | None, low_w: float | None, idle_mhz: int, energy_at
 ) -> list[dict]:
@@ -185,13 +195,16 @@ class Server:
         wall0, perf0 = time.time(), time.perf_counter()
         snap0 = load.wait_snapshot_after(stats_dir, wall0)
         # Identical requests started together finish together: the batch then runs in waves that ramp
-        # up and drain, and the first and last of each wave share steps with few others. Starting them
-        # at a constant rate of about --reqe-conc per request lifetime staggers them once; the
-        # concurrency cap then keeps the batch full, one request ending as the next starts.
+        # up and drain, and the first and last of each wave share steps with few others. A cap on
+        # concurrency keeps that: a start per finish re-synchronises starts with finishes, and the
+        # waves came back within 2 s on the H200 (h200-request-energy.md, run I). Open-loop starts at
+        # a constant rate have no such feedback: the batch settles at rate x lifetime (Little's law).
         rate = math.inf if ns.reqe_rate == "inf" else ns.reqe_conc / ((ns.reqe_out * ns.reqe_tpot_ms + 50.0) / 1e3)
         if ns.reqe_rate not in ("inf", "auto"):
             rate = float(ns.reqe_rate)
-        reqe = dict(num_prompts=ns.reqe_n, max_concurrency=ns.reqe_conc, input_len=ns.reqe_in, output_len=ns.reqe_out)
+        cap = ns.reqe_conc if math.isinf(rate) or ns.reqe_cap else None
+        reqe = dict(num_prompts=ns.reqe_n, max_concurrency=cap, input_len=ns.reqe_in, output_len=ns.reqe_out)
+        t_offs = {f.name: f.stat().st_size for f in stats_dir.glob(TRACE_LINES)}
         h = self.harness("reqe", **reqe, seed=7, request_rate=rate, arrival="constant")
         time.sleep(ns.settle_s)  # every request's line written, the engine idle again
         wall1, perf1 = time.time(), time.perf_counter()
@@ -200,10 +213,14 @@ class Server:
         seg: dict = {
             "n": ns.reqe_n,
             "concurrency": ns.reqe_conc,
+            "cap": cap,
             "input_len": ns.reqe_in,
             "output_len": ns.reqe_out,
             "request_rate": None if math.isinf(rate) else round(rate, 2),
-            "arrivals": "all at once (waves)" if math.isinf(rate) else "constant rate, then one start per finish (staggered)",
+            "arrivals": "all at once (waves)"
+            if math.isinf(rate)
+            else f"constant rate, {'then one start per finish' if cap else 'open loop (no cap)'}",
+            "batch_p5_p50_p95": batch_spread(load.new_lines(stats_dir, TRACE_LINES, t_offs)),
             "prompts": "random tokens of equal length, distinct per request (no prefix-cache hits), ignore_eos",
             "harness": load.summary(h["res"]),
             "lines": load.new_lines(stats_dir, REQUEST_LINES, offs),
@@ -584,7 +601,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--reqe-n", type=int, default=480)
     ap.add_argument("--reqe-rate", default="auto", help="start rate (req/s): auto = --reqe-conc per request lifetime, inf = all at once")
     ap.add_argument("--reqe-tpot-ms", type=float, default=5.5, help="decode step for --reqe-rate auto (7B, H200: h200-step-timer.md)")
-    ap.add_argument("--reqe-conc", type=int, default=48)
+    ap.add_argument("--reqe-conc", type=int, default=48, help="target batch: sets the auto rate (and the cap with --reqe-cap)")
+    ap.add_argument("--reqe-cap", action="store_true", help="also cap concurrency at --reqe-conc (one start per finish)")
     ap.add_argument("--reqe-in", type=int, default=128)
     ap.add_argument("--reqe-out", type=int, default=96)
     ap.add_argument("--release-n", type=int, default=8, help="release segment: requests, one at a time")
