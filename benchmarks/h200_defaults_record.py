@@ -1,26 +1,18 @@
-#!/usr/bin/env python3
 """Records from ``benchmarks/h200_defaults.py`` raw files: stock vs the plugin's defaults.
 
-``python -m benchmarks.h200_defaults_record RAW.json[.gz]... [--out-dir docs/results]`` writes
-
-* ``h200-defaults.json`` + ``.md`` + ``.png``: ``pairs``; ``idle`` (``stock_w``, ``defaults_w``,
-  ``power_ratio``); ``rates`` (per request rate: ``stock_gpu_idle_share``, ``idle_bound_saving``,
-  ``out_tok_per_j_ratio`` and its ``_ci95``, ``throughput_ratio``, ``p50_ttft_ms_delta``,
-  ``p99_tpot_ratio``, and the figures behind them); ``starvation`` (``idle_while_busy_j``,
-  ``advice``, ``after_fix``); ``checks`` against the targets;
-* ``h200-request-energy.json`` + ``.md``: identical requests at a steady batch (the plugin's
-  per-request figures: p5 / p50 / p95 / max over the median; requests + idle against the counter;
-  the tail / idle split);
-* with ``--trace-out STEM``: ``STEM.json`` + ``.md``, the closed-loop clock decisions in dry-run,
-  from the step traces in each raw file's servers tarball.
+``python -m benchmarks.h200_defaults_record RAW.json[.gz]... [--out-dir docs/results] [--trace-out STEM]``
+writes ``h200-defaults.{json,md,png}`` (idle power, the request-rate sweep, starvation, checks),
+``h200-request-energy.{json,md}`` (identical requests at a steady batch) and, with ``--trace-out``,
+``STEM.{json,md}``: the closed-loop clock decisions in dry-run, from the step traces in each raw
+file's servers tarball (``servers-<tag>.tar.gz`` beside it). How the raw files are made:
+docs/benchmarks.md.
 
 Pairs: adjacent stock and defaults servers of one GPU, in run order over the raw files as given
-on the command line (their server sequences concatenated: ``S D D`` + ``S S D`` -> (S,D) (D,S)
-(S,D), ABBA-like across device calls; files of different GPUs are paired per GPU). Ratios are
-defaults / stock per pair; intervals are Student-t 95 % over pairs.
-``idle_bound_saving`` of a rate = stock's idle seconds in the window (GPU idle share x energy
-window) x (stock idle W - defaults idle W of the pair) / stock's window energy: what the idle-power
-difference alone can save there. ``energy_saving`` = 1 - (defaults J per output token / stock's).
+(``S D D`` + ``S S D`` -> (S,D) (D,S) (S,D), ABBA-like across device calls). Ratios are defaults /
+stock per pair; intervals are Student-t 95 % over pairs. ``idle_bound_saving`` of a rate = stock's
+idle seconds in the window (GPU idle share x energy window) x (stock idle W - defaults idle W) /
+stock's window energy: what the idle-power difference alone can save there. ``energy_saving`` =
+1 - (defaults J per output token / stock's).
 """
 
 from __future__ import annotations
@@ -40,18 +32,21 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.lib.stats import mean_ci95
+from vllm_powersave.settings import ClosedLoopSettings
 
 ARMS = ("stock", "defaults")
 SCRIPTS = ["benchmarks/h200_defaults.py", "benchmarks/h200_defaults_record.py"]
 REQE_WHAT = "identical-length requests at a steady batch: the plugin's per-request energy"
-#: Decode batch-size buckets of the closed loop (settings ``clocks.closed_loop.batch_buckets`` default).
-BATCH_BUCKETS = (1, 8, 32, 64, 128, 256, 512)
-#: Per-pair figures of a rate (``per_pair`` in the record): ratios and deltas defaults / stock, the
-#: stock GPU's idle and low-power shares, the idle-power bound, the saving, each arm's tok/s, tok/J
-#: and W, and whether the fixed-length span was used.
+BATCH_BUCKETS = ClosedLoopSettings().batch_buckets
 #: A load window's throughput, energy and power figures under the record's names (:func:`pick`).
 WINDOW = "out_tok_s=output_throughput out_tok_per_j=output_tokens_per_joule avg_w=gpu_avg_power_w gpu_idle_share=sampler.gpu_idle_share"
+#: Per-pair figures of a rate (``per_pair``): defaults / stock tok/J and throughput, p50 TTFT delta, p99 TPOT
+#: ratio, stock's GPU idle and low-power shares, the idle-power bound, the saving, each arm's tok/s, tok/J, W.
 PAIR_FIGURES = "tokj thr ttft_d tpot share low_share bound saving stock_tps def_tps stock_tokj def_tokj stock_w def_w span".split()
+ENERGY_WINDOWS = {
+    True: "fixed span (>= --window-s from the first arrival, idle tail included)",
+    False: "harness window (first request to last completion)",
+}
 
 
 def mean_ci(xs: list[float]) -> tuple[float | None, list[float] | None]:
@@ -68,7 +63,6 @@ def r(x: Any, nd: int = 4) -> Any:
 
 
 def mean(xs: list[float], nd: int = 4) -> Any:
-    """The rounded mean of the finite values of ``xs`` (None where there is none)."""
     return r(mean_ci(xs)[0], nd)
 
 
@@ -167,17 +161,8 @@ def rates_block(pairs: list[dict]) -> list[dict]:
         figs = [f for f in (pair_figures(p, rate) for p in pairs) if f is not None]
         per = {k: [f[k] for f in figs if k in f] for k in PAIR_FIGURES}
         spans = per["span"]
-        row: dict = {
-            "request_rate": rate if rate == "sat" else float(rate),
-            "pairs": len(figs),
-            "energy_window": (
-                "fixed span (>= --window-s from the first arrival, idle tail included)"
-                if spans and all(spans)
-                else "harness window (first request to last completion)"
-                if not any(spans)
-                else "mixed"
-            ),
-        }
+        window = "mixed" if any(spans) and not all(spans) else ENERGY_WINDOWS[any(spans)]
+        row: dict = {"request_rate": rate if rate == "sat" else float(rate), "pairs": len(figs), "energy_window": window}
         put_mean_ci(row, "out_tok_per_j_ratio", per["tokj"])
         row["stock_gpu_idle_share"], row["stock_gpu_low_power_share"] = mean(per["share"], 3), mean(per["low_share"], 3)
         row["idle_bound_saving"], row["energy_saving"] = bound, saving = mean(per["bound"]), mean(per["saving"])
@@ -232,15 +217,12 @@ def starvation_block(raws: list[dict]) -> dict:
         fixes = [f for f in fixes if f["before_from"] == f"{counted[-1]['file']} {counted[-1]['server']}"] or fixes
     advice = next((x["advise_output"] for x in runs if x["advise_ok"]), None)
     nv = [x["util0_energy_j_nvml"] for x in runs if x.get("util0_energy_j_nvml") is not None]
-    return {
-        "idle_while_busy_j": r(statistics.fmean(x["idle_while_busy_j"] for x in counted), 1) if counted else None,
-        "util0_energy_j_nvml": r(statistics.fmean(nv), 1) if nv else None,
-        "idle_while_busy_share": mean([x["share_of_window_energy"] for x in runs]),
-        "warning": next((x["warnings"][0] for x in runs if x["warnings"]), None),
-        "advice": advice.strip().splitlines()[:20] if advice else None,
-        "after_fix": fixes[-1] if fixes else None,
-        "runs": runs,
-    }
+    out = {"idle_while_busy_j": r(statistics.fmean(x["idle_while_busy_j"] for x in counted), 1) if counted else None}
+    out["util0_energy_j_nvml"] = r(statistics.fmean(nv), 1) if nv else None
+    out["idle_while_busy_share"] = mean([x["share_of_window_energy"] for x in runs])
+    out["warning"] = next((x["warnings"][0] for x in runs if x["warnings"]), None)
+    out["advice"] = advice.strip().splitlines()[:20] if advice else None
+    return {**out, "after_fix": fixes[-1] if fixes else None, "runs": runs}
 
 
 def checks(idle: dict, rates: list[dict], starv: dict) -> dict:
@@ -283,60 +265,42 @@ def request_energy(raws: list[dict], drop: float) -> dict:
         phases = seg.get("plugin_energy_j_by_phase") or {}
         req_sum, idle_j, counter, tail_j = sum(js), phases.get("idle"), seg.get("counter_j"), seg.get("tail_j")
         harness_j = seg.get("counter_harness_window_j")  # NVML counter, first request to last completion
-        segs.append(
-            {
-                "file": raw["_file"],
-                "server": s["label"],
-                "device": raw["device"].get("name"),
-                "date_utc": raw.get("date_utc"),
-                "n_requests": seg["n"],
-                "lines": len(lines),
-                "with_energy": len(js),
-                **pick(seg, "concurrency input_len output_len prompts"),
-                **{key: next((x.get(key) for x in lines), None) for key in ("source", "method")},
-                "steady_rule": f"lines in finish order, first and last {drop:.0%} dropped",
-                "steady": spread(js[k : len(js) - k] if len(js) > 2 * k else js),
-                "all": spread(js),
-                "requests_sum_j": r(req_sum, 3),
-                "idle_j": r(idle_j, 3),
-                "plugin_total_j": r(sum(phases.values()), 3) if phases else None,
-                "plugin_phases_j": {key: r(v, 3) for key, v in phases.items()},
-                **{key: r(seg.get(key), 3) for key in ("counter_j", "counter_harness_window_j")},
-                "requests_plus_tail_over_harness_window_counter": ratio((req_sum, tail_j), harness_j),
-                "requests_plus_idle_over_counter": ratio((req_sum, idle_j), counter),
-                "requests_plus_idle_plus_tail_over_counter": ratio((req_sum, idle_j, tail_j), counter),
-                "tail_idle_split": {
-                    **{key: r(v, 3) for key, v in (("idle_j", idle_j), ("tail_j", tail_j), ("tail_j_metrics", seg.get("tail_j_metrics")))},
-                    **{key: r(v, 3) for key, v in extra.items()},
-                    "note": "idle_j: the plugin's idle phase over the span; tail_j: non-idle energy charged to no "
-                    "request (snapshot request_energy_j_tail delta; tail_j_metrics: "
-                    "powersave_request_tail_energy_joules_total delta); *_j: per-request parts summed",
-                },
-                "harness_out_tok_s": seg["harness"].get("output_throughput"),
-                "span_s": r(seg.get("span_s"), 3),
-            }
-        )
+        o = {"file": raw["_file"], "server": s["label"], "device": raw["device"].get("name"), "date_utc": raw.get("date_utc")}
+        o.update(n_requests=seg["n"], lines=len(lines), with_energy=len(js), **pick(seg, "concurrency input_len output_len prompts"))
+        o.update({key: next((x.get(key) for x in lines), None) for key in ("source", "method")})
+        o["steady_rule"] = f"lines in finish order, first and last {drop:.0%} dropped"
+        o.update(steady=spread(js[k : len(js) - k] if len(js) > 2 * k else js), all=spread(js), requests_sum_j=r(req_sum, 3))
+        o.update(idle_j=r(idle_j, 3), plugin_total_j=r(sum(phases.values()), 3) if phases else None)
+        o.update(plugin_phases_j={key: r(v, 3) for key, v in phases.items()}, counter_j=r(counter, 3))
+        o["counter_harness_window_j"] = r(harness_j, 3)
+        o["requests_plus_tail_over_harness_window_counter"] = ratio((req_sum, tail_j), harness_j)
+        o["requests_plus_idle_over_counter"] = ratio((req_sum, idle_j), counter)
+        o["requests_plus_idle_plus_tail_over_counter"] = ratio((req_sum, idle_j, tail_j), counter)
+        split = {"idle_j": r(idle_j, 3), "tail_j": r(tail_j, 3), "tail_j_metrics": r(seg.get("tail_j_metrics"), 3)}
+        o["tail_idle_split"] = {
+            **split,
+            **{key: r(v, 3) for key, v in extra.items()},
+            "note": "idle_j: the plugin's idle phase over the span; tail_j: non-idle energy charged to no request (snapshot "
+            "request_energy_j_tail delta; tail_j_metrics: powersave_request_tail_energy_joules_total delta); *_j: per-request parts summed",
+        }
+        segs.append({**o, "harness_out_tok_s": seg["harness"].get("output_throughput"), "span_s": r(seg.get("span_s"), 3)})
     return {"segments": segs}
 
 
 def quantile(xs: list[float], q: float) -> float | None:
+    """Linear interpolation between the order statistics; None for no values."""
     if not xs:
         return None
-    xs = sorted(xs)
-    k = (len(xs) - 1) * q
+    xs, k = sorted(xs), (len(xs) - 1) * q
     lo = math.floor(k)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+    return xs[lo] + (xs[min(lo + 1, len(xs) - 1)] - xs[lo]) * (k - lo)
 
 
 def trace_members(tar_path: Path) -> dict[str, list[dict]]:
-    """``{server label: parsed lines}`` of the step traces (``<label>-trace-rank<N>.jsonl.gz``) in a
-    servers tarball of ``h200_defaults.py``."""
+    """``{server label: parsed lines}`` of the step traces (``<label>-trace-rank<N>.jsonl.gz``) in a servers tarball."""
     out: dict[str, list[dict]] = {}
     with tarfile.open(tar_path) as t:
-        for m in t.getmembers():
-            if "-trace-rank" not in m.name or not m.isfile():
-                continue
+        for m in (m for m in t.getmembers() if "-trace-rank" in m.name and m.isfile()):
             try:
                 data = t.extractfile(m).read()  # type: ignore[union-attr]
                 data = gzip.decompress(data) if m.name.endswith(".gz") else data
@@ -374,50 +338,35 @@ def bucket_stats(steps: list[dict], recs: list[dict]) -> dict[int, dict[str, lis
     return per
 
 
-def closed_loop_summary(raws: list[dict], tars: dict[str, Path | None]) -> dict:
-    """What the closed-loop decode clock decided in dry-run (nothing was set) on the
-    defaults servers: decision records by kind; per decode-batch bucket the step time measured at
-    the default clock (every step of a dry-run ran there), the clocks it would have probed and held,
-    and the steps observed; the worker snapshot's ``closed_loop`` state at the end."""
+def closed_loop_summary(raws: list[dict], tars: dict[str, Path]) -> dict:
+    """What the closed-loop decode clock decided in dry-run (nothing was set) on the defaults
+    servers: decisions by kind; per decode-batch bucket the step time at the default clock (every
+    step of a dry-run ran there), the clocks it would have probed and held; its snapshot state."""
     servers = []
     for raw in raws:
-        tar = tars.get(raw["_file"])
-        traces = trace_members(tar) if tar is not None and tar.is_file() else {}
+        tar = tars[raw["_file"]]
+        traces = trace_members(tar) if tar.is_file() else {}
         for s in (s for s in raw["servers"] if s["arm"] != "stock"):
             rows, snap = traces.get(s["label"], []), s.get("snapshot") or {}
             recs = [x["closed_loop"] for x in rows if isinstance(x.get("closed_loop"), dict)]
-            steps = [x for x in rows if "phase" in x]
-            per = bucket_stats(steps, recs)
-            quantiles = (("median", 0.5), ("p10", 0.1), ("p90", 0.9))
-            buckets = {
-                str(e): {
-                    "default_clock_step_ms": {**{k: r(quantile(b["ms"], q), 3) for k, q in quantiles}, "n": len(b["ms"])},
-                    "decode_steps_observed": len(b["ms"]),
-                    "would_probe_mhz": sorted(set(b["probed"])),
-                    "would_hold_mhz": b["held"],
-                    "controller_baseline_ms": [r(v, 3) for v in b["baseline_ms"]],
-                    "controller_spread_pct": [r(v, 3) for v in b["spread_pct"]],
-                    "spread_pct": r(b["spread_pct"][-1], 3) if b["spread_pct"] else None,
-                }
-                for e, b in sorted(per.items())
-            }
-            servers.append(
-                {
-                    "file": raw["_file"],
-                    "server": s["label"],
-                    "device": raw["device"].get("name"),
-                    "trace": "found" if rows else ("no trace in " + (tar.name if tar else "no servers tarball")),
-                    "steps_observed": len(steps),
-                    "decode_steps": sum(len(b["ms"]) for b in per.values()),
-                    "decisions": len(recs),
-                    "decisions_by_kind": dict(sorted(Counter(str(x.get("event") or x.get("kind") or "?") for x in recs).items())),
-                    # where the closed loop's own step times came from (device/step_timer.py)
-                    "step_time_source": sorted({str(x["step_time_source"]) for x in recs if x.get("step_time_source")}) or ["engine_wall"],
-                    "buckets": buckets,
-                    "snapshot_closed_loop": snap.get("closed_loop"),
-                    **{k: snap.get(k) for k in ("clock_backend", "clock_mode")},
-                }
-            )
+            per = bucket_stats([x for x in rows if "phase" in x], recs)
+            buckets = {}
+            for e, b in sorted(per.items()):
+                ms = {k: r(quantile(b["ms"], q), 3) for k, q in (("median", 0.5), ("p10", 0.1), ("p90", 0.9))}
+                bk = {"default_clock_step_ms": {**ms, "n": len(b["ms"])}, "decode_steps_observed": len(b["ms"])}
+                bk.update(would_probe_mhz=sorted(set(b["probed"])), would_hold_mhz=b["held"])
+                bk["controller_baseline_ms"] = [r(v, 3) for v in b["baseline_ms"]]
+                bk["controller_spread_pct"] = [r(v, 3) for v in b["spread_pct"]]
+                buckets[str(e)] = {**bk, "spread_pct": r(b["spread_pct"][-1], 3) if b["spread_pct"] else None}
+            o = {"file": raw["_file"], "server": s["label"], "device": raw["device"].get("name")}
+            o.update(trace="found" if rows else f"no trace in {tar.name}", steps_observed=sum(1 for x in rows if "phase" in x))
+            o.update(decode_steps=sum(len(b["ms"]) for b in per.values()), decisions=len(recs))
+            o["decisions_by_kind"] = dict(sorted(Counter(str(x.get("event") or x.get("kind") or "?") for x in recs).items()))
+            # where the closed loop's own step times came from (device/step_timer.py)
+            o["step_time_source"] = sorted({str(x["step_time_source"]) for x in recs if x.get("step_time_source")}) or ["engine_wall"]
+            o.update(buckets=buckets, snapshot_closed_loop=snap.get("closed_loop"))
+            o.update(clock_backend=snap.get("clock_backend"), clock_mode=snap.get("clock_mode"))
+            servers.append(o)
     return {
         "what": "closed-loop decode clock decisions in dry-run (POWERSAVE_FORCE_DRY_RUN=1: no clock was set; every step "
         "ran at the driver's default clock, so probes cannot be measured and time out as 'unmeasured')",
@@ -481,26 +430,20 @@ def write(path: Path, rec: dict, md: list[str]) -> None:
 def defaults_record(raws: list[dict]) -> dict:
     measured, pairs = all(x.get("measured") for x in raws), pair_servers(raws)
     idle, rates, starv = idle_block(pairs), rates_block(pairs), starvation_block(raws)
-    return {
-        "what": "stock vLLM vs --plugin powersave with its defaults (no setting), one server at a time, ABBA",
-        "measured": measured,
-        "simulated": False,
-        "energy": "NVML total-energy counter per load window" if measured else "unavailable (no NVML): energy figures are null",
-        "devices": sorted({x["device"].get("name", "?") for x in raws}),
-        "vllm_versions": sorted({str(x.get("vllm_version")) for x in raws}),
-        "shapes": sorted({str(x.get("shape") or x.get("model")) for x in raws}),
-        "runs": [{"file": x["_file"], **pick(x, "tag gpu date_utc"), "order": x["method"]["order"], "notes": x.get("notes")} for x in raws],
-        "method": raws[0]["method"],
-        "pairs": len(pairs),
-        "pair_list": [pick(p, "file gpu order servers") for p in pairs],
-        "idle": idle,
-        "rates": rates,
-        "starvation": starv,
-        "checks": checks(idle, rates, starv),
-        "startup_s": {a: [s.get("startup_s") for x in raws for s in x["servers"] if s["arm"] == a] for a in ("stock", "defaults", "fix")},
-        "scripts": SCRIPTS,
-        "recorded_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
+    rec = {"what": "stock vLLM vs --plugin powersave with its defaults (no setting), one server at a time, ABBA", "measured": measured}
+    rec["simulated"] = False
+    rec["energy"] = "NVML total-energy counter per load window" if measured else "unavailable (no NVML): energy figures are null"
+    rec["devices"] = sorted({x["device"].get("name", "?") for x in raws})
+    rec["vllm_versions"] = sorted({str(x.get("vllm_version")) for x in raws})
+    rec["shapes"] = sorted({str(x.get("shape") or x.get("model")) for x in raws})
+    rec["runs"] = [
+        {"file": x["_file"], **pick(x, "tag gpu date_utc"), "order": x["method"]["order"], "notes": x.get("notes")} for x in raws
+    ]
+    rec.update(method=raws[0]["method"], pairs=len(pairs), pair_list=[pick(p, "file gpu order servers") for p in pairs])
+    rec.update(idle=idle, rates=rates)
+    rec.update(starvation=starv, checks=checks(idle, rates, starv))
+    rec["startup_s"] = {a: [s.get("startup_s") for x in raws for s in x["servers"] if s["arm"] == a] for a in ("stock", "defaults", "fix")}
+    return {**rec, "scripts": SCRIPTS, "recorded_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
 def defaults_md(rec: dict, label: str, png: str | None) -> list[str]:
@@ -604,7 +547,6 @@ def main() -> int:
     ap.add_argument("--name", default="h200-defaults")
     ap.add_argument("--reqe-name", default="h200-request-energy")
     ap.add_argument("--trace-out", help="also write the closed-loop decision summary to TRACE_OUT.json/.md, from the servers tarballs")
-    ap.add_argument("--servers", nargs="*", help="servers-<tag>.tar.gz per raw file, same order (default: beside each raw file)")
     ap.add_argument("--steady-drop", type=float, default=0.2, help="share of request lines dropped at each end (480 -> middle 288)")
     ns = ap.parse_args()
     raws = [load(p) for p in ns.raw]
@@ -622,9 +564,7 @@ def main() -> int:
     md = request_energy_md(reqe, f"{'simulated per-request figures; ' if sim else ''}{label}", ns.steady_drop)
     write(out / f"{ns.reqe_name}.json", reqe, md)
     if ns.trace_out:
-        beside = [Path(p).parent / f"servers-{x.get('tag')}.tar.gz" for p, x in zip(ns.raw, raws)]
-        servers = beside if ns.servers is None else ns.servers
-        tars = {x["_file"]: Path(servers[k]) if k < len(servers) else None for k, x in enumerate(raws)}
+        tars = {x["_file"]: Path(p).parent / f"servers-{x.get('tag')}.tar.gz" for p, x in zip(ns.raw, raws)}
         cl = {**closed_loop_summary(raws, tars), "measured": rec["measured"], **common}
         stem = Path(ns.trace_out)
         stem.parent.mkdir(parents=True, exist_ok=True)
@@ -636,4 +576,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

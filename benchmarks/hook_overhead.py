@@ -3,14 +3,13 @@
 vLLM's engine loop is host-bound for small models (a 0.5B decode step is ~2.2 ms on the H200,
 ``docs/results/h200-vllm.md``), so every microsecond the plugin adds per step shows up in
 throughput (10 us ~ 0.45 %). For 8 / 64 / 256 decoding requests: the aggregate step
-classification, the worker hook alone, and the whole per-step path with the H200 A/B's settings
-(scheduler, runner and LM-head wrappers around do-nothing stand-ins, the publisher's per-step work
-amortised, minus the bare loop), with variants in :data:`STEPS`; the scheduler wrapper alone in
-:data:`SCHEDULERS`. Each figure: the median over ``--repeats`` fresh child processes. With
-``--baseline-rev REV`` the plugin code of that git revision runs too, alternating with this tree.
-Writes ``docs/results/hook-overhead.{json,md}`` unless ``--no-write``.
+classification, the worker hook alone (:data:`HOOKS`), the whole step path with the H200 A/B's
+settings minus the bare loop (:data:`STEPS`) and the scheduler wrapper alone (:data:`SCHEDULERS`),
+each the median over ``--repeats`` fresh child processes; ``--baseline-rev REV`` alternates them
+with the plugin code of that git revision.
 
-Run: ``python -m benchmarks.hook_overhead [--repeats 3] [--baseline-rev REV] [--no-write]``.
+``python -m benchmarks.hook_overhead [--repeats 3] [--baseline-rev REV] [--no-write]`` writes
+``docs/results/hook-overhead.{json,md}`` unless ``--no-write``.
 """
 
 from __future__ import annotations
@@ -25,6 +24,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from benchmarks.lib.device import utc_now, write_record
 
 REPO = Path(__file__).resolve().parents[1]
 NS = (8, 64, 256)
@@ -51,18 +52,9 @@ SCHEDULERS = [
 
 
 def ab_settings(stats_dir: str, meter: str = "off", lookahead: bool = True) -> dict:
-    return {
-        "stats_dir": stats_dir,
-        "trace_steps": True,
-        "chunking": {"table": AB_TABLE},
-        "clocks": {
-            "backend": "dry-run",
-            "min_dwell_ms": 200,
-            "lookahead": lookahead,
-            "presets": {"decode": {"sm_clock_mhz": 1200}, "idle": {"sm_clock_mhz": 345}},
-        },
-        "energy": {"meter": meter},
-    }
+    clocks = {"backend": "dry-run", "min_dwell_ms": 200, "lookahead": lookahead}
+    clocks["presets"] = {"decode": {"sm_clock_mhz": 1200}, "idle": {"sm_clock_mhz": 345}}
+    return {"stats_dir": stats_dir, "trace_steps": True, "chunking": {"table": AB_TABLE}, "clocks": clocks, "energy": {"meter": meter}}
 
 
 # Child: measures the vllm_powersave package first on sys.path.
@@ -84,16 +76,10 @@ def sched(n: int):
     import types
 
     ids = [f"r{i}" for i in range(n)]
-    return types.SimpleNamespace(
-        scheduled_new_reqs=[],
-        scheduled_spec_decode_tokens={},
-        total_num_scheduled_tokens=n,
-        finished_req_ids=set(),
-        scheduled_cached_reqs=types.SimpleNamespace(
-            req_ids=ids, num_computed_tokens=[100 + i for i in range(n)], num_output_tokens=[5] * n
-        ),
-        num_scheduled_tokens={r: 1 for r in ids},
-    )
+    cached = types.SimpleNamespace(req_ids=ids, num_computed_tokens=[100 + i for i in range(n)], num_output_tokens=[5] * n)
+    so = types.SimpleNamespace(scheduled_new_reqs=[], scheduled_spec_decode_tokens={}, total_num_scheduled_tokens=n, finished_req_ids=set())
+    so.scheduled_cached_reqs, so.num_scheduled_tokens = cached, {r: 1 for r in ids}
+    return so
 
 
 def stub_nvml_installer():
@@ -161,14 +147,12 @@ def child() -> dict:
         def sample_tokens(self, *args, **kwargs):
             return 0
 
-    mod = types.ModuleType("powersave_bench_runner")
-
     class Runner(BareRunner):
         execute_model = BareRunner.execute_model
         sample_tokens = BareRunner.sample_tokens
 
+    mod = sys.modules["powersave_bench_runner"] = types.ModuleType("powersave_bench_runner")
     mod.Runner = Runner
-    sys.modules[mod.__name__] = mod
     vc.RUNNER_CLASSES = (("bench", mod.__name__, "Runner"),)
     assert vc.install_step_hooks(runtime.on_step_start, runtime.on_step_end) == ["bench"]
 
@@ -180,19 +164,16 @@ def child() -> dict:
             def add_request(self, request, *args, **kwargs):
                 self.waiting.append(request)
 
-        if wrapped:
+        if wrapped:  # the plugin's installer wraps this class as if it were vLLM's
             m = types.ModuleType("vllm.v1.core.sched.scheduler")
-            m.Scheduler = Scheduler
-            saved = sys.modules.get(m.__name__)
+            m.Scheduler, saved = Scheduler, sys.modules.get(m.__name__)
             sys.modules[m.__name__] = m
-            vc._PATCHED.discard("sched.schedule")
-            vc._PATCHED.discard("sched.add_request")
+            vc._PATCHED.difference_update(("sched.schedule", "sched.add_request"))
             try:
                 assert vc.install_scheduler_hooks(runtime.on_arrival)
             finally:
-                if saved is None:
-                    sys.modules.pop(m.__name__, None)
-                else:
+                del sys.modules[m.__name__]
+                if saved is not None:
                     sys.modules[m.__name__] = saved
         s = Scheduler()
         s.waiting = deque(types.SimpleNamespace(num_prompt_tokens=300 + i, num_computed_tokens=0) for i in range(waiting))
@@ -263,9 +244,9 @@ def child() -> dict:
             so = sched(n)
             row = {
                 "decode_requests": n,
-                "classify_per_request_us": per_call_us(lambda so=so: classify(vc.step_requests(so)), reps=max(200, 16000 // n)),
-                "classify_aggregate_us": per_call_us(lambda so=so: vc.step_info(so)),
+                "classify_per_request_us": per_call_us(lambda: classify(vc.step_requests(so)), reps=max(200, 16000 // n)),
             }
+            row["classify_aggregate_us"] = per_call_us(lambda: vc.step_info(so))
             for key, _, meter in HOOKS:
                 settings = {"clocks": {"presets": {"decode": {"sm_clock_mhz": 1200}}}, "energy": {"meter": meter}, "stats_dir": d}
                 rt = WorkerRuntime(object(), load_settings(settings, env={}))
@@ -289,15 +270,8 @@ def run_child(tree: Path) -> dict:
     env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{REPO}"}
     for k in ("POWERSAVE_SETTINGS_JSON", "POWERSAVE_CONFIG", "POWERSAVE_FORCE_DRY_RUN"):
         env.pop(k, None)
-    p = subprocess.run(
-        [sys.executable, "-m", "benchmarks.hook_overhead", "--child"],
-        cwd=tree,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1800,
-        check=False,
-    )
+    cmd = [sys.executable, "-m", "benchmarks.hook_overhead", "--child"]
+    p = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=1800, check=False)
     line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
     if p.returncode != 0 or line is None:
         raise SystemExit(f"error: child for {tree} failed (rc {p.returncode}): {p.stderr.strip()[-2000:]}")
@@ -364,15 +338,13 @@ def main(argv: list[str] | None = None) -> int:
                 r = run_child(tree)
                 runs[side].append(r)
                 print(f"round {i + 1} {side}: " + ", ".join(f"n={x['decode_requests']} step {x['ab_step_us']:.2f} us" for x in r["rows"]))
-    head = subprocess.run(
-        ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
-    ).stdout.strip()
+    git = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False)
     doc = {
         "what": "per-step host cost of the plugin's hooks",
         "measured": True,
-        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "date_utc": utc_now(),
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
-        "head": head,
+        "head": git.stdout.strip(),
         "baseline_rev": ns.baseline_rev,
         "waiting_requests": WAITING,
         "ab_settings": ab_settings("<tmp>"),
@@ -384,9 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(markdown(doc))
     if not ns.no_write:
-        out = REPO / "docs" / "results"
-        (out / "hook-overhead.json").write_text(json.dumps(doc, indent=1) + "\n")
-        (out / "hook-overhead.md").write_text(markdown(doc))
+        write_record(REPO / "docs" / "results", "hook-overhead", doc, markdown(doc))
     return 0
 
 

@@ -24,10 +24,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from benchmarks.lib.device import utc_now, write_record
 from vllm_powersave.clocks import ClockController
 from vllm_powersave.phases import StepInfo
 from vllm_powersave.runtime import RegimeFilter
-from vllm_powersave.settings import load_settings
+from vllm_powersave.settings import PHASES, load_settings  # noqa: F401 - PHASES: the step phases a trace may hold
 from vllm_powersave.sim.gpu import H200, StepWork
 from vllm_powersave.sim.replay import (
     GroupStepCost,
@@ -51,9 +52,7 @@ ARRIVAL_LEAD_S = 0.002  # add_request -> first GPU work of the step (host prepar
 IDLE_AFTER_S, IDLE_TICK_S = 0.25, 0.125  # runtime: idle after 0.25 s without a step, publisher tick
 STEP_TRACE = REPO / "docs/results/h200-vllm-7b-steps.json.gz"
 STEP_FIELDS = ("phase", "prefill", "decode", "rows", "reqs", "ctx")
-PHASES = ("prefill", "decode", "mixed", "idle")
 BASE_CLOCKS = {"min_dwell_ms": 200, "presets": {}}
-FINDINGS = "\n## Findings"
 
 
 @dataclass(frozen=True)
@@ -104,15 +103,12 @@ def synthetic_trace(duration_s: float, seed: int, host_gap_s: float) -> Trace:
         return Step(phase, sum(c for _, c in pre), len(dec), n, n, dctx, patt, wtok, out, host_gap_s)
 
     events = schedule_v1(arrivals, make_step, lambda s: step_time_at(s, SPEC.f_max_mhz) + host_gap_s)
-    return Trace(
-        f"synthetic-seed{seed}",
-        events,
-        [
-            f"{len(arrivals)} requests over {duration_s:.0f} s; on/off arrivals (on ~30 s at 2/6/12 req/s, 30 % of on-periods start "
-            "with a 16-64 request batch; off ~8 s); prompt lognormal median 1000 (32-8192), output lognormal median 180 (4-2048); "
-            f"vLLM V1-like chunked prefill (8192 tokens, 256 sequences); host gap {host_gap_s * 1e3:.2f} ms per step (from the H200 trace)"
-        ],
+    note = (
+        f"{len(arrivals)} requests over {duration_s:.0f} s; on/off arrivals (on ~30 s at 2/6/12 req/s, 30 % of on-periods start "
+        "with a 16-64 request batch; off ~8 s); prompt lognormal median 1000 (32-8192), output lognormal median 180 (4-2048); "
+        f"vLLM V1-like chunked prefill (8192 tokens, 256 sequences); host gap {host_gap_s * 1e3:.2f} ms per step (from the H200 trace)"
     )
+    return Trace(f"synthetic-seed{seed}", events, [note])
 
 
 def _lengths(rng: random.Random) -> tuple[int, int]:
@@ -143,15 +139,10 @@ def h200_trace() -> tuple[Trace, dict[str, Any]]:
         else:
             gaps.append(max(0.0, interval - step_time_at(s, SPEC.f_max_mhz)))
             events.append(("step", replace(s, host_gap_s=gaps[-1])))
-    meta = {
-        "device": raw["device"],
-        "vllm_version": raw["vllm_version"],
-        "date_utc": raw["date_utc"],
-        "warmup_steps_skipped": skipped,
-        "measured_energy_by_phase_j": raw["energy_j_by_phase"],
-        "measured_time_by_phase_s": raw["time_s_by_phase"],
-        "median_host_gap_ms": statistics.median(gaps) * 1e3,
-    }
+    meta = {k: raw[k] for k in ("device", "vllm_version", "date_utc")}
+    meta.update(warmup_steps_skipped=skipped, measured_energy_by_phase_j=raw["energy_j_by_phase"])
+    meta["measured_time_by_phase_s"] = raw["time_s_by_phase"]
+    meta["median_host_gap_ms"] = statistics.median(gaps) * 1e3
     return Trace("h200_replay", events, [f"{len(t) - skipped} steps of the measured trace; idle periods and host gaps as measured"]), meta
 
 
@@ -263,34 +254,21 @@ def replay(trace: Trace, st: Strategy) -> dict[str, Any]:
         tokens_out += s.out_tokens
         prev_start = start
     ctl.close()
-    return {
-        "energy_j": dict(e_phase),
-        "time_s": dict(t_phase),
-        "busy_s": busy,
-        "wall_s": t,
-        "out_tokens": tokens_out,
-        "after_idle": after_idle,
-        "switches": ctl.n_changes,
-        "groups_active": {ph: sorted(g) for ph, g in ctl.groups.items()},
-    }
+    out = {"energy_j": dict(e_phase), "time_s": dict(t_phase), "busy_s": busy, "wall_s": t, "out_tokens": tokens_out}
+    return {**out, "after_idle": after_idle, "switches": ctl.n_changes, "groups_active": {ph: sorted(g) for ph, g in ctl.groups.items()}}
 
 
 def ratios(base: dict, r: dict) -> dict[str, Any]:
     e_all, b_all = sum(r["energy_j"].values()), sum(base["energy_j"].values())
     # Extra GPU time of the first step after each idle period (the clock ramping up from idle).
     after_idle = statistics.fmean(x - y for x, y in zip(r["after_idle"], base["after_idle"])) if base["after_idle"] else None
-    return {
-        "decode_energy_ratio": round(r["energy_j"].get("decode", 0.0) / base["energy_j"]["decode"], 4),
-        "e2e_energy_ratio": round(e_all / b_all, 4),
-        "throughput_ratio": round(base["busy_s"] / r["busy_s"], 4),
-        "switches_per_s": round(r["switches"] / r["wall_s"], 3),
-        "first_step_after_idle_extra_ms": None if after_idle is None else round(1e3 * after_idle, 3),
-        "busy_energy_ratio": round((e_all - r["energy_j"].get("idle", 0.0)) / (b_all - base["energy_j"].get("idle", 0.0)), 4),
-        "energy_j": {k: round(v, 1) for k, v in r["energy_j"].items()},
-        "busy_s": round(r["busy_s"], 3),
-        "switches": r["switches"],
-        "groups_active": r["groups_active"],
-    }
+    out = {"decode_energy_ratio": round(r["energy_j"].get("decode", 0.0) / base["energy_j"]["decode"], 4)}
+    out.update(e2e_energy_ratio=round(e_all / b_all, 4), throughput_ratio=round(base["busy_s"] / r["busy_s"], 4))
+    out["switches_per_s"] = round(r["switches"] / r["wall_s"], 3)
+    out["first_step_after_idle_extra_ms"] = None if after_idle is None else round(1e3 * after_idle, 3)
+    out["busy_energy_ratio"] = round((e_all - r["energy_j"].get("idle", 0.0)) / (b_all - base["energy_j"].get("idle", 0.0)), 4)
+    out.update(energy_j={k: round(v, 1) for k, v in r["energy_j"].items()}, busy_s=round(r["busy_s"], 3), switches=r["switches"])
+    return {**out, "groups_active": r["groups_active"]}
 
 
 # Tuning (on a calibration trace, never on the reported ones) --------------------------------
@@ -304,12 +282,8 @@ def tune_phase_presets(calib: Trace, log: list[str]) -> dict:
     base = replay(calib, Strategy("none", BASE_CLOCKS))
     best = None
     for f, share, dwell in itertools.product((1500, 1350, 1200, 1050, 900), (0.3, 0.0), (200, 50, 20)):
-        c = {
-            "min_dwell_ms": dwell,
-            "compute_share_max": share,
-            "memory_bound_max_tokens": 150,
-            "presets": {"decode": {"sm_clock_mhz": f}, "idle": {"sm_clock_mhz": 345}},
-        }
+        c = {"min_dwell_ms": dwell, "compute_share_max": share, "memory_bound_max_tokens": 150}
+        c["presets"] = {"decode": {"sm_clock_mhz": f}, "idle": {"sm_clock_mhz": 345}}
         r = ratios(base, replay(calib, Strategy("b", c)))
         ok = r["throughput_ratio"] >= 0.995
         log.append(
@@ -364,16 +338,10 @@ def calibration_check(h200: Trace, meta: dict) -> dict[str, Any]:
     r = replay(h200, Strategy("none", BASE_CLOCKS, host_ahead_steps=0))
     m_e, m_t = meta["measured_energy_by_phase_j"]["decode"], meta["measured_time_by_phase_s"]["decode"]
     s_e, s_t = r["energy_j"]["decode"], r["time_s"]["decode"]
-    return {
-        "what": "decode-phase energy of the H200 trace: simulated at stock clocks vs measured with NVML (same steps)",
-        "measured_decode_j": round(m_e, 1),
-        "measured_decode_s": round(m_t, 2),
-        "measured_decode_avg_w": round(m_e / m_t, 1),
-        "simulated_decode_j": round(s_e, 1),
-        "simulated_decode_s": round(s_t, 2),
-        "simulated_decode_avg_w": round(s_e / s_t, 1),
-        "simulated_over_measured_energy": round(s_e / m_e, 3),
-    }
+    out = {"what": "decode-phase energy of the H200 trace: simulated at stock clocks vs measured with NVML (same steps)"}
+    for k, e, t in (("measured", m_e, m_t), ("simulated", s_e, s_t)):
+        out.update({f"{k}_decode_j": round(e, 1), f"{k}_decode_s": round(t, 2), f"{k}_decode_avg_w": round(e / t, 1)})
+    return {**out, "simulated_over_measured_energy": round(s_e / m_e, 3)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -415,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
         "what": "clock presets on the simulated H200: energy and throughput of none / per-phase / per-phase + kernel-group presets",
         "simulated": True,
         "label": "SIMULATED: every energy, power, time and throughput figure is a model prediction (vllm_powersave/sim/gpu.py), not a measurement",
-        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "date_utc": utc_now(),
         "where": "CPU machine (no GPU); simulated NVIDIA H200",
         "script": "benchmarks/sim_clock_presets.py",
         "model_shape": SHAPE,
@@ -438,16 +406,9 @@ def main(argv: list[str] | None = None) -> int:
             {name: {"what": st.what, **ratios(base, replay(trace, st))} for name, st in t.items()} for t in (strategies, diagnostics)
         )
         steps = [e for k, e in trace.events if k == "step"]
-        out["traces"][trace.name.split("-seed")[0]] = {
-            "trace": trace.name,
-            "notes": trace.notes,
-            "steps": dict(Counter(s.phase for s in steps)),
-            "idle_s": round(sum(e for k, e in trace.events if k == "idle"), 1),
-            "stock_busy_s": round(base["busy_s"], 2),
-            "stock_out_tokens": base["out_tokens"],
-            "strategies": res,
-            "diagnostics": diag,
-        }
+        tr = {"trace": trace.name, "notes": trace.notes, "steps": dict(Counter(s.phase for s in steps))}
+        tr.update(idle_s=round(sum(e for k, e in trace.events if k == "idle"), 1), stock_busy_s=round(base["busy_s"], 2))
+        out["traces"][trace.name.split("-seed")[0]] = {**tr, "stock_out_tokens": base["out_tokens"], "strategies": res, "diagnostics": diag}
     keys = ("decode_energy_ratio", "e2e_energy_ratio", "throughput_ratio", "switches_per_s")
     out["strategies"] = {k: {f: v[f] for f in keys} for k, v in out["traces"]["synthetic"]["strategies"].items()}
     out["target_met"] = {
@@ -455,12 +416,7 @@ def main(argv: list[str] | None = None) -> int:
         for tn, tr in out["traces"].items()
     }
     out["runtime_s"] = round(time.time() - t_run, 1)
-    Path(ns.out).mkdir(parents=True, exist_ok=True)
-    (Path(ns.out) / "sim-clock-presets.json").write_text(json.dumps(out, indent=1) + "\n")
-    md = Path(ns.out) / "sim-clock-presets.md"
-    # The Markdown twin's hand-written part (the findings, from FINDINGS on) is kept across reruns.
-    kept = md.read_text().partition(FINDINGS) if md.exists() else ("", "", "")
-    md.write_text(markdown(out) + "".join(kept[1:]))
+    write_record(Path(ns.out), "sim-clock-presets", out, markdown(out), keep_from="\n## Findings")  # the hand-written findings stay
     print(markdown(out))
     pp, best = out["strategies"]["per_phase"], out["strategies"]["per_phase_groups"]
     print(
@@ -473,51 +429,32 @@ def main(argv: list[str] | None = None) -> int:
 def markdown(o: dict) -> str:
     cc = o["calibration_check"]
     lines = [
-        "# Clock presets on the simulated H200 (SIMULATED)",
-        "",
+        "# Clock presets on the simulated H200 (SIMULATED)\n",
         "- **Everything here is simulated** (vllm_powersave/sim/gpu.py), not measured; only the step shapes, host gaps and idle periods of the `h200_replay` trace are measured data.",
         f"- What ran: `{o['script']}` on {o['where']}, {o['date_utc']} (UTC), model shape {o['model_shape']}, switch latency {o['switch_latency_ms']:g} ms.",
         "- The project's controller (regime filter, dwell, waiting-queue look-ahead, arrival ramp, async-scheduling rule, kernel-group gate) drives a simulated clock whose requests take effect one switch latency later; each step is priced per kernel group (per layer attention and MLP, then LM head and sampling) at the clock in effect while the group runs.",
         "- Presets were tuned on a separate calibration trace (seed 1); the traces below were not used for tuning. Throughput ratio = stock GPU busy time / strategy busy time for the same steps.",
-        f"- Target: decode energy ratio <= {o['target']['decode_energy_ratio_max']} at throughput ratio >= {o['target']['throughput_ratio_min']}.",
-        "",
-        "## Calibration check (same steps, stock clocks)",
-        "",
+        f"- Target: decode energy ratio <= {o['target']['decode_energy_ratio_max']} at throughput ratio >= {o['target']['throughput_ratio_min']}.\n",
+        "## Calibration check (same steps, stock clocks)\n",
         f"Decode phase of the measured H200 trace: NVML measured {cc['measured_decode_j']:.0f} J over {cc['measured_decode_s']:.1f} s ({cc['measured_decode_avg_w']:.0f} W); "
         f"the simulator predicts {cc['simulated_decode_j']:.0f} J over {cc['simulated_decode_s']:.1f} s ({cc['simulated_decode_avg_w']:.0f} W): "
-        f"ratio {cc['simulated_over_measured_energy']:.3f}.",
-        "",
+        f"ratio {cc['simulated_over_measured_energy']:.3f}.\n",
     ]
     for tname, t in o["traces"].items():
-        lines += [
-            f"## Trace `{tname}` (simulated)",
-            "",
-            *[f"- {n}" for n in t["notes"]],
-            f"- Steps by phase: {t['steps']}; idle {t['idle_s']} s; stock busy time {t['stock_busy_s']} s (simulated).",
-            "",
-            "| strategy | decode energy ratio | e2e energy ratio | busy energy ratio | throughput ratio | clock switches / s | first step after idle: extra ms | groups active |",
-            "|---|---|---|---|---|---|---|---|",
-        ]
+        lines += [f"## Trace `{tname}` (simulated)\n", *[f"- {n}" for n in t["notes"]]]
+        lines.append(f"- Steps by phase: {t['steps']}; idle {t['idle_s']} s; stock busy time {t['stock_busy_s']} s (simulated).\n")
+        lines.append(
+            "| strategy | decode energy ratio | e2e energy ratio | busy energy ratio | throughput ratio | clock switches / s "
+            "| first step after idle: extra ms | groups active |\n|---|---|---|---|---|---|---|---|"
+        )
         for name, r in {**t["strategies"], **{f"*{k}* (diagnostic)": v for k, v in t["diagnostics"].items()}}.items():
             lines.append(
                 f"| {name} | {r['decode_energy_ratio']:.3f} | {r['e2e_energy_ratio']:.3f} | {r['busy_energy_ratio']:.3f} | "
                 f"{r['throughput_ratio']:.4f} | {r['switches_per_s']:.2f} | {r['first_step_after_idle_extra_ms']} | {r['groups_active'] or '-'} |"
             )
         lines += ["", *[f"- {name}: {r['what']}" for name, r in {**t["strategies"], **t["diagnostics"]}.items()], ""]
-    lines += [
-        "## Presets used (tuned on the calibration trace, simulated)",
-        "",
-        "```json",
-        json.dumps(o["presets"], indent=1),
-        "```",
-        "",
-        "## Tuning log (simulated)",
-        "",
-        *[f"- {x}" for x in o["tuning_log"]],
-        "",
-        "## Target",
-        "",
-    ]
+    lines += ["## Presets used (tuned on the calibration trace, simulated)\n", f"```json\n{json.dumps(o['presets'], indent=1)}\n```\n"]
+    lines += ["## Tuning log (simulated)\n", *[f"- {x}" for x in o["tuning_log"]], "\n## Target\n"]
     for tn, met in o["target_met"].items():
         for k, v in met.items():
             r = o["traces"][tn]["strategies"][k]

@@ -12,13 +12,13 @@ Usage: ``python -m benchmarks.sim_closed_loop [--duration-s 600] [--seed 7] [--o
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from benchmarks.lib.device import utc_now, write_record
 from vllm_powersave.settings import load_settings
 from vllm_powersave.sim.gpu import H200, StepWork, misfit, simulate_step
 from vllm_powersave.sim.replay import compare, replay, serving_trace
@@ -39,7 +39,6 @@ STRATEGIES = {
 }
 VARIANTS = {"nominal": 0.0, "misfit_plus30": 0.3, "misfit_minus30": -0.3}
 TARGET = {"decode_energy_ratio_max": 0.70, "slo_attainment_min": 0.99}
-READING = "\n## Reading"
 
 
 def run(duration_s: float, seed: int) -> dict[str, Any]:
@@ -55,36 +54,28 @@ def run(duration_s: float, seed: int) -> dict[str, Any]:
         t_max = simulate_step(spec, mem, spec.f_max_mhz).time_s
         knee = min(c for c in spec.sm_clocks_mhz if simulate_step(spec, mem, c).time_s <= t_max * (1 + BUDGET_PCT / 100))
         oracle = {**COMMON, "presets": {"decode": {"sm_clock_mhz": knee}, "idle": {"sm_clock_mhz": 345}}}
-        settings = {k: load_settings({"clocks": v}, env={}).clocks for k, v in {**STRATEGIES, "oracle_static": oracle}.items()}
-        base = replay(trace, spec, settings["stock"], noise_sigma=NOISE_SIGMA, noise_seed=seed, budget_pct=BUDGET_PCT)
-        results[vname] = {}
-        for sname in (*STRATEGIES, "oracle_static"):
-            r = (
-                base
-                if sname == "stock"
-                else replay(trace, spec, settings[sname], noise_sigma=NOISE_SIGMA, noise_seed=seed, budget_pct=BUDGET_PCT)
-            )
-            results[vname][sname] = compare(base, r)
-            if sname == "oracle_static":
-                results[vname][sname]["decode_clock_mhz"] = knee
-            if sname == "closed_loop":
-                cl = r["closed_loop"]
-                loop_state[vname] = {
-                    "buckets": {
-                        str(k): {kk: vv for kk, vv in b.items() if kk in ("state", "held_mhz", "probes", "spread_pct")}
-                        for k, b in cl["buckets"].items()
-                    },
-                    "probes_total": cl["probes_total"],
-                    "backoffs_total": cl["backoffs_total"],
-                    "events": dict(Counter(rec.event for rec in r["records"])),
-                    "decode_steps_by_clock_mhz": {str(k): v for k, v in sorted(r["clock_mhz_steps"].items())},
-                }
-    steps = [e for k, e in trace.events if k == "step"]
-    out = {
+        runs = {}
+        for sname, clocks in {**STRATEGIES, "oracle_static": oracle}.items():
+            settings = load_settings({"clocks": clocks}, env={}).clocks
+            runs[sname] = replay(trace, spec, settings, noise_sigma=NOISE_SIGMA, noise_seed=seed, budget_pct=BUDGET_PCT)
+        results[vname] = {sname: compare(runs["stock"], r) for sname, r in runs.items()}
+        results[vname]["oracle_static"]["decode_clock_mhz"] = knee
+        r, cl = runs["closed_loop"], runs["closed_loop"]["closed_loop"]
+        keep = ("state", "held_mhz", "probes", "spread_pct")
+        loop_state[vname] = {"buckets": {str(k): {kk: vv for kk, vv in b.items() if kk in keep} for k, b in cl["buckets"].items()}}
+        loop_state[vname].update(probes_total=cl["probes_total"], backoffs_total=cl["backoffs_total"])
+        loop_state[vname]["events"] = dict(Counter(rec.event for rec in r["records"]))
+        loop_state[vname]["decode_steps_by_clock_mhz"] = {str(k): v for k, v in sorted(r["clock_mhz_steps"].items())}
+    setup = {"budget_pct": BUDGET_PCT, "measured_step_noise_sigma": NOISE_SIGMA, "switch_latency_ms": 6.0, "strategies": STRATEGIES}
+    setup["variants"] = {k: f"true clock response {v:+.0%} vs the model" for k, v in VARIANTS.items()}
+    setup.update(trace_notes=trace.notes, trace_steps=sum(1 for k, _ in trace.events if k == "step"))
+    setup["trace_idle_s"] = round(sum(e for k, e in trace.events if k == "idle"), 1)
+    met = lambda r: r["decode_energy_ratio"] <= TARGET["decode_energy_ratio_max"] and r["slo_attainment"] >= TARGET["slo_attainment_min"]
+    return {
         "what": "closed-loop decode SM clock vs static preset vs stock clocks on a simulated serving trace, nominal and mis-modelled GPU",
         "simulated": True,
         "label": "SIMULATED: every time, energy and attainment figure is a model prediction (vllm_powersave/sim/gpu.py), not a measurement",
-        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "date_utc": utc_now(),
         "where": "CPU machine (no GPU); simulated NVIDIA H200",
         "script": "python -m benchmarks.sim_closed_loop",
         "args": {"duration_s": duration_s, "seed": seed},
@@ -98,40 +89,22 @@ def run(duration_s: float, seed: int) -> dict[str, Any]:
             "arXiv:2601.08539; secondary)",
             "vllm_powersave/modelgen.py SHAPES['qwen2.5-7b']: FLOPs and bytes per step",
         ],
-        "setup": {
-            "budget_pct": BUDGET_PCT,
-            "measured_step_noise_sigma": NOISE_SIGMA,
-            "switch_latency_ms": 6.0,
-            "strategies": STRATEGIES,
-            "variants": {k: f"true clock response {v:+.0%} vs the model" for k, v in VARIANTS.items()},
-            "trace_notes": trace.notes,
-            "trace_steps": len(steps),
-            "trace_idle_s": round(sum(e for k, e in trace.events if k == "idle"), 1),
-        },
+        "setup": setup,
         "target": TARGET,
         "results": results,
         "closed_loop_state": loop_state,
-        "target_met": {
-            v: {
-                s: r["decode_energy_ratio"] <= TARGET["decode_energy_ratio_max"] and r["slo_attainment"] >= TARGET["slo_attainment_min"]
-                for s, r in res.items()
-                if s not in ("stock", "oracle_static")
-            }
-            for v, res in results.items()
-        },
+        "target_met": {v: {s: met(r) for s, r in res.items() if s not in ("stock", "oracle_static")} for v, res in results.items()},
         "diagnostics": {
             "oracle_static": "static decode clock at the GPU's true memory-bound knee (known only to the simulation), "
             "same idle preset: the best a static preset could do with a perfect model"
         },
         "runtime_s": round(time.time() - t0, 1),
     }
-    return out
 
 
 def markdown(o: dict[str, Any]) -> str:
     L = [
-        "# Closed-loop decode clock on the simulated H200 (SIMULATED)",
-        "",
+        "# Closed-loop decode clock on the simulated H200 (SIMULATED)\n",
         "- **Everything here is simulated** (vllm_powersave/sim/gpu.py), not measured.",
         f"- What ran: `{o['script']} --duration-s {o['args']['duration_s']:g} --seed {o['args']['seed']}` on {o['where']}, {o['date_utc']} "
         f"(UTC), model shape {o['model_shape']}, {o['setup']['trace_steps']} steps, {o['setup']['trace_idle_s']} s idle, runtime {o['runtime_s']} s.",
@@ -140,8 +113,7 @@ def markdown(o: dict[str, Any]) -> str:
         f"closed loop (no decode preset, {o['setup']['budget_pct']:g} % slowdown budget, same idle preset). Clock switches land "
         f"{o['setup']['switch_latency_ms']:g} ms late; measured step times carry {100 * o['setup']['measured_step_noise_sigma']:g} % noise.",
         "- GPUs: the fitted model (nominal) and two whose true clock response differs from it by +30 % / -30 % (slowdowns and memory-bound knee scaled).",
-        "- SLO attainment: share of decode steps whose (noise-free) time is within the budget of the same step at the stock clock.",
-        "",
+        "- SLO attainment: share of decode steps whose (noise-free) time is within the budget of the same step at the stock clock.\n",
         "| GPU | strategy | decode energy ratio | SLO attainment | throughput ratio | switches/s | worst decode slowdown | e2e energy ratio |",
         "|---|---|---|---|---|---|---|---|",
     ]
@@ -151,7 +123,7 @@ def markdown(o: dict[str, Any]) -> str:
                 f"| {v} | {s} | {r['decode_energy_ratio']:.3f} | {100 * r['slo_attainment']:.2f} % | {r['throughput_ratio']:.4f} | "
                 f"{r['switches_per_s']:.2f} | {r['worst_decode_slowdown_pct']:.1f} % | {r['e2e_energy_ratio']:.3f} |"
             )
-    L += ["", "## Closed-loop state at the end (simulated)", ""]
+    L.append("\n## Closed-loop state at the end (simulated)\n")
     for v, st in o["closed_loop_state"].items():
         b = ", ".join(
             f"batch >= {k}: "
@@ -160,10 +132,10 @@ def markdown(o: dict[str, Any]) -> str:
             for k, x in st["buckets"].items()
         )
         L.append(f"- {v}: {b}; {st['probes_total']} probes, {st['backoffs_total']} back-offs; decisions {st['events']}.")
-    L += ["", "## Target (decode energy <= 0.70 x stock with >= 99 % of decode steps in budget)", ""]
+    L.append("\n## Target (decode energy <= 0.70 x stock with >= 99 % of decode steps in budget)\n")
     for v, met in o["target_met"].items():
         L.append(f"- {v}: " + ", ".join(f"{s} {'met' if m else 'NOT met'}" for s, m in met.items()) + " (simulated).")
-    L += ["", f"*oracle_static* (diagnostic): {o['diagnostics']['oracle_static']}."]
+    L.append(f"\n*oracle_static* (diagnostic): {o['diagnostics']['oracle_static']}.")
     return "\n".join(L) + "\n"
 
 
@@ -177,13 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --duration-s = {ns.duration_s!r}: must be > 0", file=sys.stderr)
         return 2
     o = run(ns.duration_s, ns.seed)
-    out = Path(ns.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "sim-closed-loop.json").write_text(json.dumps(o, indent=1) + "\n")
-    # The Markdown twin's hand-written part (the reading, from READING on) is kept across reruns.
-    md = out / "sim-closed-loop.md"
-    kept = md.read_text().partition(READING) if md.exists() else ("", "", "")
-    md.write_text(markdown(o) + "".join(kept[1:]))
+    write_record(Path(ns.out), "sim-closed-loop", o, markdown(o), keep_from="\n## Reading")  # the hand-written reading stays
     print(markdown(o))
     return 0
 

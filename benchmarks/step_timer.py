@@ -21,6 +21,7 @@ import json
 import threading
 import time
 from collections import deque
+from pathlib import Path
 
 from benchmarks.lib.device import require_dry_run, utc_now
 from benchmarks.lib.stats import mean_ci95
@@ -59,9 +60,8 @@ def main() -> None:
                     timer.release(q.popleft())
                 time.sleep(0.01)
 
-        th = threading.Thread(target=reader)
+        th, launch_ms = threading.Thread(target=reader), []
         th.start()
-        launch_ms = []
         for _ in range(steps):
             a = time.perf_counter()
             mark = timer.start()
@@ -117,23 +117,16 @@ def main() -> None:
     launch_ms.sort()
     diff = [a - b for a, b in zip(cost[True], cost[False])]
     m, lo, hi = mean_ci95(diff)
-    out = {
-        "what": "CUDA-event step timer: GPU span vs launch time, and its host cost (measured)",
-        "date": utc_now(),
-        "device": torch.cuda.get_device_name(),
-        "stand_in_step": f"bf16 GEMV over {args.weight_gib} GiB of weights",
-        "sync_wall_ms_per_step": round(sync_ms, 4),
-        "event_ms_p50": round(gpu_ms[len(gpu_ms) // 2], 4),
-        "event_ms_p5_p95": [round(gpu_ms[len(gpu_ms) // 20], 4), round(gpu_ms[-len(gpu_ms) // 20], 4)],
-        "host_launch_ms_p50": round(launch_ms[len(launch_ms) // 2], 4),
-        "timer_host_us_per_step": {"mean": round(m, 3), "ci95": [round(lo, 3), round(hi, 3)], "blocks": args.blocks},
-        "host_us_per_step_without": round(sum(cost[False]) / len(cost[False]), 3),
-        **per_call,
-    }
+    out = {"what": "CUDA-event step timer: GPU span vs launch time, and its host cost (measured)", "date": utc_now()}
+    out.update(device=torch.cuda.get_device_name(), stand_in_step=f"bf16 GEMV over {args.weight_gib} GiB of weights")
+    out.update(sync_wall_ms_per_step=round(sync_ms, 4), event_ms_p50=round(gpu_ms[len(gpu_ms) // 2], 4))
+    out["event_ms_p5_p95"] = [round(gpu_ms[len(gpu_ms) // 20], 4), round(gpu_ms[-len(gpu_ms) // 20], 4)]
+    out["host_launch_ms_p50"] = round(launch_ms[len(launch_ms) // 2], 4)
+    out["timer_host_us_per_step"] = {"mean": round(m, 3), "ci95": [round(lo, 3), round(hi, 3)], "blocks": args.blocks}
+    out.update(host_us_per_step_without=round(sum(cost[False]) / len(cost[False]), 3), **per_call)
     print(json.dumps(out, indent=1))
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
+        Path(args.out).write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":

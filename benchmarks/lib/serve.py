@@ -46,25 +46,9 @@ def start_server(
     check_port_free(port)
     site = {} if pythonpath is None else {"PYTHONPATH": pythonpath}
     env = {**os.environ, **site, **NO_MULTICAST, **(env_extra or {})}  # env_extra wins
-    cmd = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(model),
-        "--served-model-name",
-        "model",
-        "--load-format",
-        "dummy",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--max-model-len",
-        str(max_model_len),
-        *(["--max-num-seqs", "256", "--gpu-memory-utilization", str(gpu_mem)] if serve_args is None else serve_args),
-        *extra,
-    ]
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name", "model"]
+    cmd += ["--load-format", "dummy", "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(max_model_len)]
+    cmd += [*(["--max-num-seqs", "256", "--gpu-memory-utilization", str(gpu_mem)] if serve_args is None else serve_args), *extra]
     logf = open(out / f"server-{label}.log", "wb")
     logf.write((" ".join([*(f"{k}={shlex.quote(v)}" for k, v in (env_extra or {}).items()), *cmd]) + "\n").encode())
     return subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -145,29 +129,10 @@ def stop(p: subprocess.Popen) -> None:
             pass
 
 
-SUMMARY_KEYS = (
-    "completed",
-    "failed",
-    "duration",
-    "total_input_tokens",
-    "total_output_tokens",
-    "request_throughput",
-    "output_throughput",
-    "total_token_throughput",
-    "mean_ttft_ms",
-    "median_ttft_ms",
-    "p99_ttft_ms",
-    "mean_tpot_ms",
-    "median_tpot_ms",
-    "p99_tpot_ms",
-    "median_itl_ms",
-    "p99_itl_ms",
-    "median_e2el_ms",
-    "gpu_energy_j",
-    "gpu_avg_power_w",
-    "gpu_energy_per_output_token_j",
-    "output_tokens_per_joule",
-    "total_tokens_per_joule",
-    "energy_source",
-    "energy_window_s",
+#: The loadtests result keys a record keeps per load window (lib/load.py adds p90s and steady-state figures).
+SUMMARY_KEYS = tuple(
+    "completed failed duration total_input_tokens total_output_tokens request_throughput output_throughput total_token_throughput "
+    "mean_ttft_ms median_ttft_ms p99_ttft_ms mean_tpot_ms median_tpot_ms p99_tpot_ms median_itl_ms p99_itl_ms median_e2el_ms "
+    "gpu_energy_j gpu_avg_power_w gpu_energy_per_output_token_j output_tokens_per_joule total_tokens_per_joule energy_source "
+    "energy_window_s".split()
 )
