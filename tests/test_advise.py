@@ -40,6 +40,19 @@ def test_advise_labels_simulated_evidence():
     assert advise(facts)[0].evidence == "simulated"
 
 
+def test_a_lagging_client_is_named_first_and_the_api_server_fix_loses_its_estimate():
+    r = {**json.load(open(RESULT)), "client_bottleneck": True, "client_loop_lag_p99_ms": 2.72, "client_loop_lag_max_ms": 334.7}
+    recs = advise(facts_from_result(r))
+    keys = [x.key for x in recs]
+    assert keys[0] == "client" and "api_servers" in keys
+    assert "more client processes" in recs[0].action and "lag p99 2.72 ms, max 335 ms" in recs[0].measurement
+    api = recs[keys.index("api_servers")]
+    assert api.saving_share is None and "unhurried client" in api.action
+    # A client that kept up changes nothing.
+    calm = advise(facts_from_result({**r, "client_bottleneck": False}))
+    assert calm[0].key == "api_servers" and "client" not in [x.key for x in calm]
+
+
 def test_no_starvation_no_api_server_advice():
     facts = {**facts_from_result(json.load(open(RESULT))), "idle_while_busy_j": 10.0}
     assert "api_servers" not in [r.key for r in advise(facts)]

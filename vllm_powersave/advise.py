@@ -144,6 +144,9 @@ def facts_from_result(r: dict[str, Any]) -> dict[str, Any]:
         "steady_s": r.get("steady_state_duration_s"),
         "concurrency": r.get("max_concurrency"),
         "output_throughput": r.get("output_throughput"),
+        "client_bottleneck": r.get("client_bottleneck"),
+        "client_loop_lag_p99_ms": r.get("client_loop_lag_p99_ms"),
+        "client_loop_lag_max_ms": r.get("client_loop_lag_max_ms"),
     }
     if f["energy_by_phase_j"].get("idle") is None and r.get("gpu_idle_energy_j") is not None:
         f["energy_by_phase_j"]["idle"] = r["gpu_idle_energy_j"]
@@ -164,15 +167,39 @@ def advise(facts: dict[str, Any]) -> list[Recommendation]:
     if e and iwb_j is not None and iwb_j / e >= MIN_STARVATION_SHARE:
         n = int(facts.get("api_servers") or 1)
         busy = f"; {100 * iwb_s / busy_s:.1f} % of busy time" if iwb_s is not None and busy_s else ""
+        seen = (
+            f"GPU idle {iwb_s or 0:.1f} s while requests were in flight: {iwb_j:.0f} J, {100 * iwb_j / e:.1f} % of the run's energy{busy}"
+        )
+        # The engine waits on everything in front of it, the load generator included. When the
+        # client fell behind its own schedule, more API servers did not help on the H200
+        # (docs/results/h200-defaults.md, starvation at concurrency 256): measure the client first.
+        client = facts.get("client_bottleneck") is True
+        if client:
+            lag = _num(facts.get("client_loop_lag_p99_ms"))
+            lag_max = _num(facts.get("client_loop_lag_max_ms"))
+            out.append(
+                Recommendation(
+                    "client",
+                    "Split the load over more client processes (or a bigger client machine) and measure again, "
+                    "before adding API servers: the load generator was behind its own schedule",
+                    f"{seen}; client event-loop lag p99 {lag if lag is not None else float('nan'):.2f} ms"
+                    + (f", max {lag_max:.0f} ms" if lag_max is not None else "")
+                    + " (the run's own check); H200, concurrency 256 with a lagging client: 1 -> 4 API servers gave x0.94 "
+                    "throughput (docs/results/h200-defaults.md)",
+                    "measured",
+                    "predicted",
+                    iwb_j / e,
+                )
+            )
         out.append(
             Recommendation(
                 "api_servers",
-                f"Run more API servers: --api-server-count {suggested_api_servers(n)}",
-                f"GPU idle {iwb_s or 0:.1f} s while requests were in flight: {iwb_j:.0f} J, {100 * iwb_j / e:.1f} % of the run's "
-                f"energy{busy} (the engine waited on the front end; H200, 1 -> 4 API servers: -8.6 % J/token, +54 % throughput, measured)",
+                f"Run more API servers: --api-server-count {suggested_api_servers(n)}"
+                + (" (only if the idle-while-busy time stays with an unhurried client)" if client else ""),
+                f"{seen} (the engine waited on the front end; H200, 1 -> 4 API servers: -8.6 % J/token, +54 % throughput, measured)",
                 src,
                 "predicted",
-                iwb_j / e,
+                None if client else iwb_j / e,
             )
         )
     idle_j = _num((facts.get("energy_by_phase_j") or {}).get("idle"))
