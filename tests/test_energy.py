@@ -471,3 +471,31 @@ def test_data_parallel_workers_get_server_wide_ranks():
     }
     assert vllm_compat.runner_identity(runner(0))["global_rank"] == 0
     assert vllm_compat.runner_identity(SimpleNamespace(device=None))["global_rank"] == 0  # no vllm_config: as before
+
+
+def test_each_tick_reports_its_counter_joules_split_and_the_requests_it_made_final():
+    nvml, clock = FakeNvml(energy_mj=0), Clock()
+    meter = NvmlEnergyMeter(NvmlGpu(nvml, "h"), clock=clock, interpolate=False)
+    ticks = []
+    acc = PhaseEnergyAccount(meter, idle_after_s=0.25, clock=clock, per_request=True, on_tick=ticks.append)
+
+    def step(req, dt, watts, finished=None):
+        acc.on_step("decode", req_tokens=req, finished=finished)
+        clock.t += dt
+        nvml.energy_mj += int(round(dt * watts * 1000))
+        acc.on_step_end()
+
+    t0 = clock.t
+    step({"a": 1, "b": 1}, 0.2, 300)
+    acc.tick()
+    step({"b": 1}, 0.1, 300, finished=["a"])
+    acc.tick()
+    clock.t += 1.0
+    nvml.energy_mj += 80_000  # idle
+    acc.tick()
+    assert [x.finished for x in ticks] == [[], ["a"], []]
+    assert ticks[0].t0_s == t0 and all(a.t1_s == b.t0_s for a, b in zip(ticks, ticks[1:]))
+    assert sum(x.energy_j for x in ticks) == pytest.approx(meter.energy_j())
+    for x in ticks:  # the span is split into step time, gaps and idle, nothing lost
+        assert x.busy_s + x.gap_s + x.idle_s == pytest.approx(x.t1_s - x.t0_s)
+    assert ticks[0].busy_s == pytest.approx(0.2) and ticks[-1].idle_s > 0 and ticks[-1].idle_j == pytest.approx(ticks[-1].energy_j)

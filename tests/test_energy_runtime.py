@@ -413,7 +413,7 @@ def test_trace_and_simulator_count_prompt_logprob_rows(monkeypatch, tmp_path):
             rt.on_step_end()
         rt.publish()
         lines = [json.loads(x) for x in (tmp_path / "trace-rank0.jsonl").read_text().splitlines()]
-        rows = [x["rows"] for x in lines if "closed_loop" not in x]  # step lines, not the closed loop's decisions
+        rows = [x["rows"] for x in lines if "t" in x]  # step lines, not the closed loop's decisions or energy ticks
         assert rows[:2] == [1 + 2048, 1 + 1951]  # the sampling row plus the prompt positions of the chunk
     finally:
         rt.close()

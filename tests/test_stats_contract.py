@@ -72,3 +72,13 @@ def test_every_key_the_worker_writes_is_declared(monkeypatch, tmp_path):
     assert set(snap["steady"]) <= set(sc.Steady.__annotations__)
     on_disk = sc.snapshot_from_json((tmp_path / sc.snapshot_name(0)).read_text())
     assert set(on_disk) <= set(sc.WorkerSnapshot.__annotations__)
+
+
+def test_tick_and_boost_trace_lines_name_their_kind_and_keep_the_steps_clock():
+    from vllm_powersave.clocks.boost import BoostSwitch
+    from vllm_powersave.energy.account import TickRecord
+    from vllm_powersave.stats_contract import boost_line, tick_line
+
+    tick = json.loads(tick_line(TickRecord(10.1234567, 10.3, 42.0, 0.15, 0.02, 0.0, 0.0, ["r1"])))
+    assert list(tick) == ["tick"] and tick["tick"]["t0_s"] == 10.123457 and tick["tick"]["finished"] == ["r1"]
+    assert json.loads(boost_line(BoostSwitch(5.5, False, 70.0))) == {"boost": {"t_s": 5.5, "held": False, "ms": 70.0}}

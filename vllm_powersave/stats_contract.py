@@ -252,6 +252,19 @@ CLOSED_LOOP_KEY = "closed_loop"
 
 
 BOOST_KEY = "boost"
+TICK_KEY = "tick"
+
+
+def tick_line(tick: Any) -> str:
+    """One energy tick (``energy.account.TickRecord``) as a trace line ``{"tick": {...}}``: its span
+    (s, the steps' clock), the meter's joules, step / gap / idle seconds, idle joules and the ids
+    of the requests it made final (their lines in ``requests-rank<N>.jsonl``)."""
+    d = tick._asdict()
+    for k in ("t0_s", "t1_s"):
+        d[k] = round(d[k], 6)
+    for k in ("energy_j", "busy_s", "gap_s", "idle_s", "idle_j"):
+        d[k] = round(d[k], 6)
+    return json.dumps({TICK_KEY: d}) + "\n"
 
 
 def boost_line(switch: Any) -> str:

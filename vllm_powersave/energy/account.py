@@ -59,7 +59,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..settings import PHASES
 from .meters import EnergyMeter
@@ -69,6 +69,21 @@ from .request_cost import RequestCostModel, step_weights
 _IDLE_POWER_MIN_S = 0.02
 #: Weight of the newest idle interval in the idle power's moving average.
 _IDLE_POWER_EMA = 0.3
+
+
+class TickRecord(NamedTuple):
+    """One tick's attribution: its span (s, the steps' clock), the meter's joules over it, how the
+    span split into step time, gaps after steps and idle, the joules booked as idle, and the
+    requests whose figure the tick made final."""
+
+    t0_s: float
+    t1_s: float
+    energy_j: float
+    busy_s: float
+    gap_s: float
+    idle_s: float
+    idle_j: float
+    finished: list
 
 
 class PhaseEnergyAccount:
@@ -82,6 +97,9 @@ class PhaseEnergyAccount:
             events (the worker runtime batches the step hook's records, ``WorkerRuntime.drain_steps``).
         cost: the model whose request costs split a step's energy (per-request energy; without it,
             or for a step without request contexts, the split is by scheduled tokens).
+        on_tick: called with a :class:`TickRecord` after each attributed tick, on the ticking
+            thread (the step trace keeps them, so that a request's figure can be lined up with the
+            counter readings behind it).
     """
 
     def __init__(
@@ -91,6 +109,7 @@ class PhaseEnergyAccount:
         clock: Callable[[], float] = time.monotonic,
         per_request: bool = False,
         on_request_done: Callable[[str, float | None], None] | None = None,
+        on_tick: Callable[[TickRecord], None] | None = None,
         window_s: float = 60.0,
         feed: Callable[[], None] | None = None,
         busy: Callable[[float, float], float] | None = None,
@@ -128,6 +147,7 @@ class PhaseEnergyAccount:
         self._unknown: set[str] = set()  # requests in flight while the meter is unavailable
         self.per_request = per_request
         self.on_request_done = on_request_done
+        self.on_tick = on_tick
         self.request_j: dict[str, float] = {}  # in flight
         self.finished_request_j = 0.0
         self.finished_requests = 0
@@ -314,13 +334,17 @@ class PhaseEnergyAccount:
                 if idle_busy_s > 0 and idle_s > 0:
                     self.idle_busy_j += idle_j * idle_busy_s / idle_s
                     self.idle_busy_s += idle_busy_s
+            done = []
             for rid in finished:
                 j = self.request_j.pop(rid, None)
                 if j is not None:
+                    done.append(rid)
                     self.finished_request_j += j
                     self.finished_requests += 1
                     if self.on_request_done is not None:
                         self.on_request_done(rid, j)
+            if self.on_tick is not None:
+                self.on_tick(TickRecord(self._t, t_now, d_e, busy_s, quiet_s - idle_s, idle_s, idle_j, done))
             self._t, self._e = t_now, e_now
             self._state = (t_now, phase, end_t, req, ctx, steady, drained)
             self._window.append((t_now, self.total_j(), self.tokens["prefill"], self.tokens["decode"]))

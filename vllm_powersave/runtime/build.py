@@ -161,6 +161,9 @@ class WorkerRuntime(StepPath, Publisher):
             # (/metrics shows perf boost as failed).
             self.boost = None if nvml_failed is not None else _boost_for(on_gpu, gpu_id, settings.boost_release_after_s)
         self._done_requests: deque[tuple[str, float | None]] = deque()
+        # The energy ticks behind the per-request figures, for the step trace (bounded).
+        self._ticks: deque = deque(maxlen=4096)
+        trace_ticks = bool(settings.trace_steps and settings.stats_dir)
         # Front-end starvation: the API servers' busy intervals (starvation.py); first rank of each engine warns.
         self.frontend = FrontendBusyReader(settings.stats_dir) if settings.stats_dir else None
         e = settings.energy
@@ -175,6 +178,7 @@ class WorkerRuntime(StepPath, Publisher):
                 settings.energy.idle_after_s,
                 per_request=settings.per_request_energy,
                 on_request_done=lambda rid, j: self._done_requests.append((rid, j)),
+                on_tick=self._ticks.append if trace_ticks else None,
                 window_s=settings.energy.window_s,
                 feed=lambda: self.drain_steps(),
                 busy=self.frontend.overlap if self.frontend is not None else None,

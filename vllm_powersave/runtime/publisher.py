@@ -27,6 +27,7 @@ from ..stats_contract import (
     closed_loop_line,
     requests_name,
     snapshot_to_json,
+    tick_line,
     trace_line,
 )
 from .step import FAILED, WARMUP, StepRecord
@@ -316,6 +317,9 @@ class Publisher:
             lines += [closed_loop_line(r, self.step_time_source) for r in recs]
         if self.boost is not None:
             lines += [boost_line(x) for x in self.boost.drain_switches()]
+        ticks = self._ticks
+        if ticks:
+            lines += [tick_line(ticks.popleft()) for _ in range(len(ticks))]
         if lines:
             self._write_lines(self._trace_path, lines)
 
