@@ -499,3 +499,55 @@ def test_each_tick_reports_its_counter_joules_split_and_the_requests_it_made_fin
     for x in ticks:  # the span is split into step time, gaps and idle, nothing lost
         assert x.busy_s + x.gap_s + x.idle_s == pytest.approx(x.t1_s - x.t0_s)
     assert ticks[0].busy_s == pytest.approx(0.2) and ticks[-1].idle_s > 0 and ticks[-1].idle_j == pytest.approx(ticks[-1].energy_j)
+
+
+class SwingingCounterGpu(CounterGpu):
+    """A steady batch's power: kernels alternate 300 W and 800 W every 7 ms (mean 550 W), from 80 W
+    idle before ``busy_from``; the counter steps every 100 ms, instant power is the kernel's."""
+
+    def __init__(self, clock, busy_from=1.0):
+        super().__init__(clock, [(0.0, 80.0)])
+        self.busy_from = busy_from
+
+    def power_at(self, t):
+        if t < self.busy_from:
+            return 80.0
+        return 300.0 if int((t - self.busy_from) / 0.007) % 2 == 0 else 800.0
+
+    def true_j(self, t):
+        if t <= self.busy_from:
+            return 80.0 * t
+        full, rest = divmod(t - self.busy_from, 0.014)
+        return 80.0 * self.busy_from + full * 0.014 * 550.0 + min(rest, 0.007) * 300.0 + max(0.0, rest - 0.007) * 800.0
+
+
+def _short_tick_errors(monkeypatch, ratio):
+    from vllm_powersave.energy import meters
+
+    monkeypatch.setattr(meters, "LOAD_CHANGE_RATIO", ratio)
+    rng, clock = random.Random(3), Clock()
+    gpu = SwingingCounterGpu(clock)
+    clock.t = 0.5
+    meter = NvmlEnergyMeter(NvmlGpu(gpu, 0, "GPU-x"), clock=clock, counter_period_s=0.1)
+
+    def sleep(s):
+        clock.t += s
+
+    reads = []
+    while clock.t < 8:
+        clock.t += rng.uniform(0.012, 0.022)  # request-finish flushes under a steady batch
+        if clock.t >= meter.sync_due:
+            meter.sync_counter_phase(sleep=sleep)
+        reads.append((clock.t, meter.energy_j()))
+    busy = [(a, b) for a, b in zip(reads, reads[1:]) if a[0] > 2.0]  # past the edge and a sync
+    errs = sorted(abs((b[1] - a[1]) - (gpu.true_j(b[0]) - gpu.true_j(a[0]))) for a, b in busy)
+    return errs[len(errs) // 2], errs[int(0.95 * len(errs))], reads, gpu
+
+
+def test_short_ticks_under_a_swinging_steady_load_extend_the_counter_by_its_step_average(monkeypatch):
+    med_instant, p95_instant, _, _ = _short_tick_errors(monkeypatch, 1.0)  # 1.0: always instant power
+    med, p95, reads, gpu = _short_tick_errors(monkeypatch, 2.5)
+    assert p95 < p95_instant / 4 and med < med_instant / 2, (med, p95, med_instant, p95_instant)
+    # The idle -> busy edge (80 -> ~550 W, beyond the ratio) still follows instant power, and the
+    # whole run stays anchored to the counter.
+    assert abs((reads[-1][1] - reads[0][1]) - (gpu.true_j(reads[-1][0]) - gpu.true_j(reads[0][0]))) < 800 * 0.1
