@@ -159,16 +159,18 @@ LOAD_CHANGE_RATIO = 2.5
 
 
 class NvmlEnergyMeter(EnergyMeter):
-    """``nvmlDeviceGetTotalEnergyConsumption`` with window edges interpolated by instant power.
+    """``nvmlDeviceGetTotalEnergyConsumption``, interpolated between its steps.
 
     The counter (mJ) advances in steps, about every 100 ms on Hopper (ML.ENERGY; measured on the
     H200 test GPU in ``docs/results/h200-energy-meter.md``), so a raw difference of two reads is
     off by up to one step's energy at each edge: ±70 J per edge at 700 W, which makes short
     windows (and the per-tick attribution) meaningless. Each read therefore returns::
 
-        E(t) = C + P_instant(t) * (t - t_update)
+        E(t) = C + P(t) * (t - t_update)
 
-    where ``C`` is the counter and ``t_update`` the time of its last step. The counter steps at a
+    where ``C`` is the counter, ``t_update`` the time of its last step and ``P`` that step's
+    average power, or the instant power where it differs from that average by more than
+    :data:`LOAD_CHANGE_RATIO` (a load change; see :meth:`_interp_power_w`). The counter steps at a
     fixed period, so :meth:`sync_counter_phase` (called by the background publisher, never on the
     step path) polls it every 1 ms until it steps, which gives the phase to ~1 ms and, on the first
     call, the period; later syncs (every 30 s) refine the period over the long baseline. Every read
