@@ -8,8 +8,8 @@ settings minus the bare loop (:data:`STEPS`) and the scheduler wrapper alone (:d
 each the median over ``--repeats`` fresh child processes; ``--baseline-rev REV`` alternates them
 with the plugin code of that git revision.
 
-``python -m benchmarks.hook_overhead [--repeats 3] [--baseline-rev REV] [--no-write]`` writes
-``docs/results/hook-overhead.{json,md}`` unless ``--no-write``.
+``python -m benchmarks.hook_overhead [--repeats 3] [--baseline-rev REV]`` prints each round's whole
+step path per side (``hook-overhead-split.md`` pairs these rounds), then the medians as Markdown.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.lib.device import utc_now, write_record
+from benchmarks.lib.device import utc_now
 
 REPO = Path(__file__).resolve().parents[1]
 NS = (8, 64, 256)
@@ -319,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--baseline-rev", default=None, help="git revision whose plugin code runs as 'before'")
     ap.add_argument("--repeats", type=int, default=3, help="child processes per side (default 3)")
-    ap.add_argument("--no-write", action="store_true", help="print only; leave docs/results alone")
+    ap.add_argument("--no-write", action="store_true", help=argparse.SUPPRESS)  # printing is the only mode (the split record's command)
     ns = ap.parse_args(argv)
     if ns.child:
         print("RESULT " + json.dumps(child()), flush=True)
@@ -340,14 +340,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"round {i + 1} {side}: " + ", ".join(f"n={x['decode_requests']} step {x['ab_step_us']:.2f} us" for x in r["rows"]))
     git = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False)
     doc = {
-        "what": "per-step host cost of the plugin's hooks",
-        "measured": True,
         "date_utc": utc_now(),
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
         "head": git.stdout.strip(),
         "baseline_rev": ns.baseline_rev,
-        "waiting_requests": WAITING,
-        "ab_settings": ab_settings("<tmp>"),
         "method": (
             f"medians of 7 rounds x 2000 calls per child process, then over {ns.repeats} child processes per side; "
             "step figures are the wrapped loop minus the bare loop"
@@ -355,8 +351,6 @@ def main(argv: list[str] | None = None) -> int:
         **{side: median_of(rs) for side, rs in runs.items() if rs},
     }
     print(markdown(doc))
-    if not ns.no_write:
-        write_record(REPO / "docs" / "results", "hook-overhead", doc, markdown(doc))
     return 0
 
 
