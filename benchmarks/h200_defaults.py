@@ -675,8 +675,6 @@ def main(argv: list[str] | None = None) -> int:
     model = Path(ns.model_dir) if ns.model_dir else make_model(ns.shape, Path(ns.shapes_dir), Path(ns.tok_dir))
     import vllm
 
-    from .lib.energy import device_facts  # after --plugin-site is on sys.path: it imports the plugin
-
     sampler = load.Sampler(ns.gpu)
     log(f"sampler: {sampler.note}")  # without NVML (CPU smoke test) energy and idle share are null, labelled
     sampler.start()
@@ -685,7 +683,7 @@ def main(argv: list[str] | None = None) -> int:
         "measured": sampler.measured,
         "tag": ns.tag,
         "gpu": ns.gpu,
-        "device": {k: v for k, v in device_facts(ns.gpu).items() if k != "uuid"},
+        "device": load.device_facts(ns.gpu),
         "vllm_version": vllm.__version__,
         "model": str(model),
         "shape": None if ns.model_dir else ns.shape,

@@ -1,7 +1,8 @@
-"""Load windows against one vLLM server, and what the device scripts read around them.
+"""Load windows against one vLLM server, the GPU, and what the device scripts read around them.
 
 * :func:`run_window`, :func:`summary`: one loadtests run, its perf_counter window and its figures;
   :func:`rate_window`: one window of a rate sweep (Poisson or closed loop) with the sampler's figures;
+* :func:`device_facts`: the GPU's name, driver and power limit, through the plugin's device layer;
 * :class:`Sampler`: energy, power, SM clock and GPU utilisation at 10 Hz, through the plugin's own
   NVML meter (read-only; without NVML it takes no samples and every figure is null);
 * :func:`scrape`, :func:`delta`, :func:`series_sum`: the plugin's ``powersave_*`` series on /metrics;
@@ -18,16 +19,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .serve import SUMMARY_KEYS as AB_SUMMARY_KEYS
 from .serve import metrics_text
 
-#: The A/B runner's summary keys with the p90 before the p99 of TTFT and TPOT, then the energy note
-#: and the steady-state figures.
-SUMMARY_KEYS = (
-    *(x for k in AB_SUMMARY_KEYS for x in ((k.replace("p99", "p90"), k) if k in ("p99_ttft_ms", "p99_tpot_ms") else (k,))),
-    "energy_note",
-    "steady_state_duration_s",
-    "steady_state_output_tokens_per_joule",
+#: The loadtests result keys a record keeps per load window.
+SUMMARY_KEYS = tuple(
+    "completed failed duration total_input_tokens total_output_tokens request_throughput output_throughput total_token_throughput "
+    "mean_ttft_ms median_ttft_ms p90_ttft_ms p99_ttft_ms mean_tpot_ms median_tpot_ms p90_tpot_ms p99_tpot_ms median_itl_ms p99_itl_ms "
+    "median_e2el_ms gpu_energy_j gpu_avg_power_w gpu_energy_per_output_token_j output_tokens_per_joule total_tokens_per_joule "
+    "energy_source energy_window_s energy_note steady_state_duration_s steady_state_output_tokens_per_joule".split()
 )
 #: A sample counts as low power below the server's idle power plus this (a cross-check of the idle share).
 LOW_POWER_MARGIN_W = 15.0
@@ -97,7 +96,18 @@ def rate_window(
     return w
 
 
-# --- GPU sampling (read-only) ------------------------------------------------------------------------
+# --- the GPU (read-only) -----------------------------------------------------------------------------
+def device_facts(index: int = 0) -> dict[str, Any]:
+    """Name, driver and power limit of GPU ``index``; ``{"name": "no NVML (...)"}`` without NVML."""
+    from vllm_powersave.device import GpuError, NvmlGpu, driver_version  # here: after --plugin-site is on sys.path
+
+    try:
+        gpu = NvmlGpu.from_index(index)
+        return {"name": gpu.name(), "driver": driver_version(gpu.nvml), "power_limit_w": gpu.power_limit_w()}
+    except GpuError as exc:
+        return {"name": f"no NVML ({exc})"}
+
+
 class Sampler(threading.Thread):
     """10 Hz: energy (J, the plugin's interpolated counter meter), power (W), SM clock, utilisation.
 

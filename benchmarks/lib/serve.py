@@ -127,12 +127,3 @@ def stop(p: subprocess.Popen) -> None:
             p.wait(wait)
         except Exception:
             pass
-
-
-#: The loadtests result keys a record keeps per load window (lib/load.py adds p90s and steady-state figures).
-SUMMARY_KEYS = tuple(
-    "completed failed duration total_input_tokens total_output_tokens request_throughput output_throughput total_token_throughput "
-    "mean_ttft_ms median_ttft_ms p99_ttft_ms mean_tpot_ms median_tpot_ms p99_tpot_ms median_itl_ms p99_itl_ms median_e2el_ms "
-    "gpu_energy_j gpu_avg_power_w gpu_energy_per_output_token_j output_tokens_per_joule total_tokens_per_joule energy_source "
-    "energy_window_s".split()
-)
