@@ -472,10 +472,11 @@ def pack(workdir: Path, tar_path: Path, result: dict) -> None:
 
 
 def print_summary(result: dict) -> None:
+    """Per server: start-up, idle power and the rate windows, request energy, notes (segment figures are logged as they run)."""
     print("\n== summary (" + result["device"].get("name", "?") + "; energy " + result["method"]["energy"] + ")")
     print(f"{'server':<12}{'start s':>8}{'idle W':>8}  rate: out tok/s | tok/J | GPU idle share | TTFT p50 ms | TPOT p99 ms")
     for s in result["servers"]:
-        idle = (s.get("idle") or {}).get("avg_power_w")
+        idle, pad = (s.get("idle") or {}).get("avg_power_w"), " " * 12
         cells = [
             f"{w['request_rate']}: {w.get('output_throughput') or 0:.0f} | {w.get('output_tokens_per_joule')} | "
             f"{(w.get('sampler') or {}).get('gpu_idle_share')} | {w.get('median_ttft_ms') and round(w['median_ttft_ms'], 1)} | "
@@ -483,25 +484,10 @@ def print_summary(result: dict) -> None:
             for w in s["windows"]
         ]
         print(f"{s['label']:<12}{s.get('startup_s', '-')!s:>8}{idle if idle is None else round(idle, 1)!s:>8}  " + " ; ".join(cells))
-        if s.get("starvation"):
-            st, sw = s["starvation"], s["starvation"]["window"]
-            print(
-                f"{'':<12}starvation c={sw['concurrency']}: {sw.get('output_throughput') or 0:.0f} tok/s, "
-                f"{sw.get('output_tokens_per_joule')} tok/J, idle-while-busy {st['idle_while_busy_j']} J, "
-                f"warnings {len(st['warnings'])}, advise {'ok' if st['advise']['ok'] else 'failed'} -> {st['advise']['fix_args']}"
-            )
-        if s.get("fix_window"):
-            fw = s["fix_window"]
-            print(f"{'':<12}fix {s['fix_args']}: {fw.get('output_throughput') or 0:.0f} tok/s, {fw.get('output_tokens_per_joule')} tok/J")
-        js = sorted(x["energy_j"] for x in (s.get("reqenergy") or {}).get("lines", []) if isinstance(x.get("energy_j"), (int, float)))
-        if js:
-            med = js[len(js) // 2]
-            print(
-                f"{'':<12}request energy: {len(js)} lines, median {med:.3f} J, max/median {js[-1] / med if med else None}, "
-                f"sum {sum(js):.1f} J, counter {s['reqenergy'].get('counter_j')}"
-            )
+        if js := sorted(x["energy_j"] for x in (s.get("reqenergy") or {}).get("lines", []) if isinstance(x.get("energy_j"), (int, float))):
+            print(f"{pad}request energy: {len(js)} lines, median {js[len(js) // 2]:.3f} J, max {js[-1]:.3f} J, sum {sum(js):.1f} J")
         for n in s["notes"]:
-            print(f"{'':<12}note: {n}")
+            print(f"{pad}note: {n}")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
