@@ -341,8 +341,7 @@ def defaults_record(raws: list[dict]) -> dict:
         {"file": x["_file"], **pick(x, "tag gpu date_utc"), "order": x["method"]["order"], "notes": x.get("notes")} for x in raws
     ]
     rec.update(method=raws[0]["method"], pairs=len(pairs), pair_list=[pick(p, "file gpu order servers") for p in pairs])
-    rec.update(idle=idle, rates=rates)
-    rec.update(starvation=starv, checks=checks(idle, rates, starv))
+    rec.update(idle=idle, rates=rates, starvation=starv, checks=checks(idle, rates, starv))
     rec["startup_s"] = {a: [s.get("startup_s") for x in raws for s in x["servers"] if s["arm"] == a] for a in ("stock", "defaults", "fix")}
     return {**rec, "scripts": SCRIPTS, "recorded_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
