@@ -1,11 +1,9 @@
-#!/usr/bin/env python3
 """Stock vLLM against ``--plugin powersave`` with its defaults, one server at a time, read-only.
 
-Arms (``--order``), segments, measurements, the time plan, and the commands of an H200 run and of the
-CPU smoke test: ``docs/benchmarks.md``. Never changes a GPU setting: refuses to start unless
-``POWERSAVE_FORCE_DRY_RUN=1``. Writes under ``--out``: ``defaults-<tag>.json`` (rewritten after every
-window; ``h200_defaults_record.py`` reads it) and ``servers-<tag>.tar.gz`` (server logs, step traces,
-request-energy lines, advise output).
+Arms, segments, measurements, the time plan and the commands of an H200 run and of the CPU smoke test:
+``docs/benchmarks.md``. Never changes a GPU setting: refuses to start unless ``POWERSAVE_FORCE_DRY_RUN=1``.
+Writes under ``--out``: ``defaults-<tag>.json`` (rewritten after every window; ``h200_defaults_record.py``
+reads it) and ``servers-<tag>.tar.gz`` (server logs, step traces, request-energy lines, advise output).
 """
 
 from __future__ import annotations
@@ -23,7 +21,6 @@ import subprocess
 import sys
 import tarfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +40,9 @@ STARVATION_METRICS = (
     "powersave_idle_while_busy_seconds_total",
     "powersave_frontend_busy_seconds_total",
 )
+#: The same three as the raw file's figures, and as the harness result keys advise's --result reads.
+STARVATION_FIGURES = ("idle_while_busy_j", "idle_while_busy_s", "frontend_busy_s")
+ADVISE_RESULT_KEYS = ("gpu_idle_while_busy_energy_j", "gpu_idle_while_busy_s", "frontend_busy_s")
 #: Energy of non-idle time charged to no request (docs/request-energy.md); snapshot field alongside.
 REQUEST_TAIL_METRIC = "powersave_request_tail_energy_joules_total"
 REQUEST_TAIL_SNAPSHOT = "request_energy_j_tail"
@@ -61,38 +61,27 @@ ADVISE_CMDS = (
 )
 #: The servers tarball stays below this; step traces are dropped (largest first, noted) beyond it.
 TAR_MAX_BYTES = 16 * 1024 * 1024
-#: No FlashInfer in the bundle, offline (start_server turns NVLink multicast off for every server).
-SERVER_ENV = {
-    "VLLM_USE_FLASHINFER_SAMPLER": "0",
-    "VLLM_NO_USAGE_STATS": "1",
-    "DO_NOT_TRACK": "1",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-    "PYTHONUNBUFFERED": "1",
-}
+#: No FlashInfer in the bundle (the bundle's vLLM needs this), offline; start_server turns NVLink multicast off.
+SERVER_ENV = dict(VLLM_USE_FLASHINFER_SAMPLER="0", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+SERVER_ENV.update(TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
 #: Options recorded as given in the raw file's ``method``, in this order.
 METHOD_OPTIONS = ("sat_concurrency", "window_s", "idle_s", "settle_s", "gap_s", "input_len", "output_len", "segments", "segments_last")
 #: --defaults-observe items: the plugin settings they turn on.
 OBSERVE = {"trace": "trace_steps", "reqenergy": "per_request_energy"}
-#: Segment names of --segments / --segments-last.
+#: Arms of --order; segments of --segments / --segments-last.
+ARMS = ("stock", "defaults", "fix")
 SEGMENTS = ("idle", "sweep", "reqenergy", "release", "starvation")
 
 
 # --- the plugin's figures: /metrics and stats_dir ----------------------------------------------------
 def starvation_figures(d: dict[str, float]) -> dict:
-    named = {k: v for k, v in d.items() if k.split("{")[0] in STARVATION_METRICS}
-    if named:
-        j, s_, busy = (load.series_sum(d, n) for n in STARVATION_METRICS)
-        return {
-            "series": named,
-            "how": "plugin counters " + ", ".join(STARVATION_METRICS) + " (delta over the window)",
-            "idle_while_busy_j": j,
-            "idle_while_busy_s": s_,
-            "frontend_busy_s": busy,
-            "idle_while_busy_share_of_busy": (s_ / busy) if s_ is not None and busy else None,
-        }
-    return {"series": {}, "how": "none of " + ", ".join(STARVATION_METRICS) + " moved on /metrics"}
+    """The starvation counters among the /metrics deltas ``d``, and how they were read."""
+    names = ", ".join(STARVATION_METRICS)
+    if not (series := {k: v for k, v in d.items() if k.split("{")[0] in STARVATION_METRICS}):
+        return {"series": {}, "how": f"none of {names} moved on /metrics"}
+    j, s_, busy = (load.series_sum(d, n) for n in STARVATION_METRICS)
+    out = {"series": series, "how": f"plugin counters {names} (delta over the window)", **dict(zip(STARVATION_FIGURES, (j, s_, busy)))}
+    return {**out, "idle_while_busy_share_of_busy": (s_ / busy) if s_ is not None and busy else None}
 
 
 def snap_energy(snap: dict | None) -> dict | None:
@@ -126,16 +115,9 @@ def release_figures(
         fall_w = next((r[0] - t for r in after if low_w and r[2] is not None and r[2] < low_w), None)
         fall_mhz = next((r[0] - t for r in after if r[3] is not None and r[3] <= idle_mhz), None)
         j = load.diff(energy_at(last), energy_at(nxt)) if last else None
-        out.append(
-            {
-                "release_after_last_step_s": None if last is None else t - last,
-                "release_ms": b["ms"],
-                "power_fall_s": fall_w,
-                "clock_fall_s": fall_mhz,
-                "gap_s": None if last is None else nxt - last,
-                "gap_excess_j": None if j is None or idle_w is None else j - idle_w * (nxt - last),
-            }
-        )
+        delay, gap = (None, None) if last is None else (t - last, nxt - last)
+        out.append(dict(release_after_last_step_s=delay, release_ms=b["ms"], power_fall_s=fall_w, clock_fall_s=fall_mhz, gap_s=gap))
+        out[-1]["gap_excess_j"] = None if j is None or idle_w is None else j - idle_w * gap
     return out
 
 
@@ -202,7 +184,8 @@ class Server:
         rate = math.inf if ns.reqe_rate == "inf" else ns.reqe_conc / ((ns.reqe_out * ns.reqe_tpot_ms + 50.0) / 1e3)
         if ns.reqe_rate not in ("inf", "auto"):
             rate = float(ns.reqe_rate)
-        cap = ns.reqe_conc if math.isinf(rate) or ns.reqe_cap else None
+        waves = math.isinf(rate)
+        cap = ns.reqe_conc if waves or ns.reqe_cap else None
         reqe = dict(num_prompts=ns.reqe_n, max_concurrency=cap, input_len=ns.reqe_in, output_len=ns.reqe_out)
         t_offs = {f.name: f.stat().st_size for f in stats_dir.glob(TRACE_LINES)}
         # Not streamed by default: at ~80 req/s x 96 tokens one client process lags behind its own
@@ -212,77 +195,53 @@ class Server:
         wall1, perf1 = time.time(), time.perf_counter()
         snap1 = load.wait_snapshot_after(stats_dir, wall1)
         m1, _ = load.scrape(self.port)
-        seg: dict = {
-            "n": ns.reqe_n,
-            "concurrency": ns.reqe_conc,
-            "cap": cap,
-            "stream": ns.reqe_stream,
-            "input_len": ns.reqe_in,
-            "output_len": ns.reqe_out,
-            "request_rate": None if math.isinf(rate) else round(rate, 2),
-            "arrivals": "all at once (waves)"
-            if math.isinf(rate)
-            else f"constant rate, {'then one start per finish' if cap else 'open loop (no cap)'}",
-            "batch_p5_p50_p95": batch_spread(load.new_lines(stats_dir, TRACE_LINES, t_offs)),
-            "prompts": "random tokens of equal length, distinct per request (no prefix-cache hits), ignore_eos",
-            "harness": load.summary(h["res"]),
-            "lines": load.new_lines(stats_dir, REQUEST_LINES, offs),
-            "snapshot_fields": sorted(snap1) if snap1 else None,
-        }
+        seg: dict = dict(n=ns.reqe_n, concurrency=ns.reqe_conc, cap=cap, stream=ns.reqe_stream, input_len=ns.reqe_in)
+        seg.update(output_len=ns.reqe_out, request_rate=None if waves else round(rate, 2))
+        closed = "then one start per finish" if cap else "open loop (no cap)"
+        seg["arrivals"] = "all at once (waves)" if waves else f"constant rate, {closed}"
+        seg["batch_p5_p50_p95"] = batch_spread(load.new_lines(stats_dir, TRACE_LINES, t_offs))
+        seg["prompts"] = "random tokens of equal length, distinct per request (no prefix-cache hits), ignore_eos"
+        seg.update(harness=load.summary(h["res"]), lines=load.new_lines(stats_dir, REQUEST_LINES, offs))
+        seg["snapshot_fields"] = sorted(snap1) if snap1 else None
         e0, e1 = snap_energy(snap0), snap_energy(snap1)
         if e0 is not None and e1 is not None:
             seg["plugin_energy_j_by_phase"] = {k: e1[k] - e0.get(k, 0.0) for k in e1}
             # The counter over the snapshots' own span: their 't' is wall time, mapped onto perf_counter.
-            t_a = perf0 + (snap0.get("t", wall0) - wall0)
-            t_b = perf1 + (snap1.get("t", wall1) - wall1)
-            seg["counter_j"] = self.sampler.energy_between(t_a, t_b)
-            seg["span_s"] = t_b - t_a
+            t_a, t_b = perf0 + (snap0.get("t", wall0) - wall0), perf1 + (snap1.get("t", wall1) - wall1)
+            seg.update(counter_j=self.sampler.energy_between(t_a, t_b), span_s=t_b - t_a)
         else:
-            seg["plugin_energy_j_by_phase"], seg["counter_j"] = None, None
-            seg["note"] = "no plugin snapshot with energy_j in stats_dir"
+            seg.update(plugin_energy_j_by_phase=None, counter_j=None, note="no plugin snapshot with energy_j in stats_dir")
         seg["counter_harness_window_j"] = h["res"].get("gpu_energy_j")
         # Non-idle energy charged to no request over the segment (after a batch's last step until idle
         # is detected): the snapshot's field and the /metrics counter, each as a delta.
         seg["tail_j"] = load.diff((snap0 or {}).get(REQUEST_TAIL_SNAPSHOT), (snap1 or {}).get(REQUEST_TAIL_SNAPSHOT))
         seg["tail_j_metrics"] = load.diff(load.series_sum(m0, REQUEST_TAIL_METRIC), load.series_sum(m1, REQUEST_TAIL_METRIC))
-        log(
-            f"[{self.label}] request energy: {len(seg['lines'])} lines, counter {seg.get('counter_j')} J, "
-            f"plugin {seg.get('plugin_energy_j_by_phase')}"
-        )
+        phases = seg["plugin_energy_j_by_phase"]
+        log(f"[{self.label}] request energy: {len(seg['lines'])} lines, counter {seg['counter_j']} J, plugin {phases}")
         return seg
 
     def release(self, idle_w: float | None) -> dict:
-        """Short requests one at a time, ``--release-gap-s`` apart: when the plugin let the perf boost
-        go (its trace's boost lines) and how long the GPU then took to fall to idle power (idle_w +
-        LOW_POWER_MARGIN_W) and to the idle SM clock (10 Hz samples, same monotonic clock)."""
-        ns, pat = self.ns, TRACE_LINES
+        """Short requests ``--release-gap-s`` apart: each perf-boost release in the trace, and how long the GPU
+        then took to fall below idle_w + LOW_POWER_MARGIN_W and to the idle SM clock (10 Hz samples)."""
+        ns = self.ns
         time.sleep(ns.settle_s)
-        offs = {f.name: f.stat().st_size for f in self.stats_dir.glob(pat)}
+        offs = {f.name: f.stat().st_size for f in self.stats_dir.glob(TRACE_LINES)}
         kw = dict(num_prompts=ns.release_n, request_rate=1.0 / ns.release_gap_s, arrival="constant", input_len=128, output_len=32)
         h = self.harness("release", **kw, seed=13)
         time.sleep(ns.release_gap_s)  # the last release, and the fall after it
-        t0, t1, lines = h["t0"] or 0.0, time.perf_counter(), load.new_lines(self.stats_dir, pat, offs)
+        t0, t1, lines = h["t0"] or 0.0, time.perf_counter(), load.new_lines(self.stats_dir, TRACE_LINES, offs)
         rows = [r for r in self.sampler.rows if t0 <= r[0] <= t1]
         low_w = idle_w + load.LOW_POWER_MARGIN_W if idle_w else None
         out = release_figures(lines, rows, t1, idle_w, low_w, ns.release_idle_mhz, self.sampler.energy_at)
         log(f"[{self.label}] release: {len(out)} releases, power fell {[r['power_fall_s'] for r in out]} s after")
-        return {
-            "n": ns.release_n,
-            "gap_s": ns.release_gap_s,
-            "input_len": 128,
-            "output_len": 32,
-            "idle_w": idle_w,
-            "low_power_w": low_w,
-            "idle_sm_clock_mhz": ns.release_idle_mhz,
-            "harness": load.summary(h["res"]),
-            "releases": out,
-            "boost_lines": [x["boost"] for x in lines if "boost" in x],
-            "samples": [(round(r[0] - t0, 3), r[2], r[3], r[4]) for r in rows],  # s from the first request, W, MHz, util %
-        }
+        seg = dict(n=ns.release_n, gap_s=ns.release_gap_s, input_len=128, output_len=32, idle_w=idle_w, low_power_w=low_w)
+        seg.update(idle_sm_clock_mhz=ns.release_idle_mhz, harness=load.summary(h["res"]), releases=out)
+        seg["boost_lines"] = [x["boost"] for x in lines if "boost" in x]
+        seg["samples"] = [(round(r[0] - t0, 3), r[2], r[3], r[4]) for r in rows]  # s from the first request, W, MHz, util %
+        return seg
 
     def starv_window(self, after_s: float = 0.0) -> tuple[dict, dict]:
-        """The closed loop at ``--starv-conc`` (starvation segment and fix arm): harness output and
-        the window's figures, read ``after_s`` after its end."""
+        """The closed loop at ``--starv-conc`` (starvation, fix arm): harness output, window figures ``after_s`` later."""
         ns = self.ns
         n = load.n_prompts(None, ns.starv_window_s, ns.starv_conc)
         h = self.harness("starv", num_prompts=n, max_concurrency=ns.starv_conc, duration_s=ns.starv_window_s, seed=11)
@@ -301,12 +260,7 @@ class Server:
         d = load.delta(before, after)
         fig = starvation_figures(d)
         report = {k: v for k, v in h["res"].items() if not isinstance(v, list)}
-        # The window's own starvation figures where the harness did not read them (advise's --result keys).
-        for key, fk in (
-            ("gpu_idle_while_busy_energy_j", "idle_while_busy_j"),
-            ("gpu_idle_while_busy_s", "idle_while_busy_s"),
-            ("frontend_busy_s", "frontend_busy_s"),
-        ):
+        for key, fk in zip(ADVISE_RESULT_KEYS, STARVATION_FIGURES):  # where the harness did not read them
             if report.get(key) is None and fig.get(fk) is not None:
                 report[key] = fig[fk]
         report.setdefault("max_concurrency", self.ns.starv_conc)
@@ -315,17 +269,8 @@ class Server:
             f.seek(log_off)
             tail = f.read().decode(errors="replace").splitlines()
         warnings = [ln[-400:] for ln in tail if STARVATION_WARNING.search(ln) and ("WARN" in ln or "warn" in ln.lower())]
-        st = {
-            "window": w,
-            "metrics_delta": d,
-            "starvation": fig,
-            "idle_while_busy_j": fig.get("idle_while_busy_j"),
-            "idle_while_busy_s": fig.get("idle_while_busy_s"),
-            "frontend_busy_s": fig.get("frontend_busy_s"),
-            "harness_idle_while_busy_j": h["res"].get("gpu_idle_while_busy_energy_j"),
-            "warnings": warnings[:10],
-            "advise": adv,
-        }
+        st = {"window": w, "metrics_delta": d, "starvation": fig, **{k: fig.get(k) for k in STARVATION_FIGURES}}
+        st.update(harness_idle_while_busy_j=h["res"].get("gpu_idle_while_busy_energy_j"), warnings=warnings[:10], advise=adv)
         log(
             f"[{self.label}] starvation: idle-while-busy {st['idle_while_busy_j']} J ({fig['how']}), "
             f"{len(st['warnings'])} warning line(s), advise ok={adv['ok']} fix={adv['fix_args']}"
@@ -344,14 +289,13 @@ class Server:
             cmd = tmpl.format(py=sys.executable, url=f"http://127.0.0.1:{self.port}/metrics", metrics=metrics_f, report=report_f, n=1)
             try:
                 r = subprocess.run(shlex.split(cmd), capture_output=True, text=True, timeout=60, env=env)
-                a = {"cmd": cmd, "rc": r.returncode, "stdout": r.stdout[-6000:], "stderr": r.stderr[-2000:]}
+                attempts.append({"cmd": cmd, "rc": r.returncode, "stdout": r.stdout[-6000:], "stderr": r.stderr[-2000:]})
             except Exception as exc:
-                a = {"cmd": cmd, "rc": None, "stdout": "", "stderr": f"{type(exc).__name__}: {exc}"}
-            attempts.append(a)
-            if a["rc"] == 0:
+                attempts.append({"cmd": cmd, "rc": None, "stdout": "", "stderr": f"{type(exc).__name__}: {exc}"})
+            if attempts[-1]["rc"] == 0:
                 break
-        out_f = self.workdir / f"advise-{label}.txt"
-        out_f.write_text("\n\n".join(f"$ {a['cmd']}\nrc={a['rc']}\n{a['stdout']}\n{a['stderr']}" for a in attempts))
+        text = "\n\n".join(f"$ {a['cmd']}\nrc={a['rc']}\n{a['stdout']}\n{a['stderr']}" for a in attempts)
+        (self.workdir / f"advise-{label}.txt").write_text(text)
         ok = next((a for a in attempts if a["rc"] == 0), None)
         m = re.search(r"--api-server-count[ =](\d+)", ok["stdout"]) if ok else None
         fix = f"--api-server-count {m.group(1)}" if m else None
@@ -368,17 +312,12 @@ def drain_s(ns: argparse.Namespace, sat: bool = True) -> float:
 def seg_costs(ns: argparse.Namespace) -> dict[str, float]:
     """Estimated wall time of each segment (s), for the plan and the budget checks. ``rate``: one
     Poisson window (gap + window + drain + harness start), ``sat``: the closed-loop window."""
-    return {
-        "warm": 4.0,
-        "idle": ns.settle_s + ns.idle_s + 0.5,
-        "rate": ns.gap_s + ns.window_s + drain_s(ns, sat=False) + 0.5,
-        "sat": ns.gap_s + ns.window_s + drain_s(ns) + 0.5,
-        "reqenergy": 2 * ns.settle_s + -(-ns.reqe_n // ns.reqe_conc) * (ns.reqe_out * ns.tpot_est_ms / 1000.0 + 0.3) + 3.0,
-        "release": ns.settle_s + (ns.release_n + 1) * ns.release_gap_s + 2.0,
-        "starvation": ns.settle_s + ns.starv_window_s + drain_s(ns) + 2.0 + 10.0,  # + advise (up to 3 CLI runs)
-        "fix": ns.settle_s + ns.starv_window_s + drain_s(ns) + 2.0,
-        "stop": ns.stop_est_s,
-    }
+    fix = ns.settle_s + ns.starv_window_s + drain_s(ns) + 2.0
+    reqe = 2 * ns.settle_s + -(-ns.reqe_n // ns.reqe_conc) * (ns.reqe_out * ns.tpot_est_ms / 1000.0 + 0.3) + 3.0
+    c = dict(warm=4.0, idle=ns.settle_s + ns.idle_s + 0.5, rate=ns.gap_s + ns.window_s + drain_s(ns, sat=False) + 0.5)
+    c.update(sat=ns.gap_s + ns.window_s + drain_s(ns) + 0.5, reqenergy=reqe)
+    c["release"] = ns.settle_s + (ns.release_n + 1) * ns.release_gap_s + 2.0
+    return c | dict(starvation=fix + 10.0, fix=fix, stop=ns.stop_est_s)  # starvation: + advise (up to 3 CLI runs)
 
 
 def server_segments(ns: argparse.Namespace, order: list[str], pos: int) -> list[str]:
@@ -388,33 +327,27 @@ def server_segments(ns: argparse.Namespace, order: list[str], pos: int) -> list[
     if arm == "fix":
         return ["fix"]
     segs = [x for x in ns.segments.split(",") if x]
-    last_defaults = max((i for i, a in enumerate(order) if a == "defaults"), default=None)
-    if arm == "defaults" and pos == last_defaults:
+    if arm == "defaults" and pos == max(i for i, a in enumerate(order) if a == "defaults"):
         segs += [x for x in ns.segments_last.split(",") if x and x not in segs]
-    if arm == "stock":
-        segs = [x for x in segs if x in ("idle", "sweep")]
-    return segs
+    return [x for x in segs if x in ("idle", "sweep")] if arm == "stock" else segs
 
 
 def plan(ns: argparse.Namespace, order: list[str]) -> list[dict]:
     """Per server: estimated start-up and segment times (s)."""
-    c, rates = seg_costs(ns), [x for x in ns.rates.split(",") if x]
-    out = []
+    c, rates, out = seg_costs(ns), [x for x in ns.rates.split(",") if x], []
     for pos, arm in enumerate(order):
         segs = server_segments(ns, order, pos)
         parts = {"start": ns.start_est_first_s if pos == 0 else ns.start_est_s, "warm": c["warm"]}
-        for x in segs:
-            parts[x] = sum(c["sat" if r_ == "sat" else "rate"] for r_ in rates) if x == "sweep" else c[x]
-        parts["stop"] = c["stop"]
-        est_s = {k: round(v, 1) for k, v in parts.items()}
-        out.append({"pos": pos, "arm": arm, "segments": segs, "est_s": est_s, "total_s": round(sum(parts.values()), 1)})
+        parts.update({x: sum(c["sat" if r == "sat" else "rate"] for r in rates) if x == "sweep" else c[x] for x in segs}, stop=c["stop"])
+        est_s, total_s = {k: round(v, 1) for k, v in parts.items()}, round(sum(parts.values()), 1)
+        out.append({"pos": pos, "arm": arm, "segments": segs, "est_s": est_s, "total_s": total_s})
     return out
 
 
 def first_need_s(ns: argparse.Namespace, server: dict) -> float:
     """What a planned server needs to start at all: start-up, warm-up, its first segment and the stop."""
-    c, segs = seg_costs(ns), server["segments"]
-    first = "fix" if server["arm"] == "fix" else ("idle" if "idle" in segs else "rate" if "sweep" in segs else segs[0] if segs else None)
+    c, segs = seg_costs(ns), server["segments"]  # a fix server's only segment is "fix"
+    first = "idle" if "idle" in segs else "rate" if "sweep" in segs else segs[0] if segs else None
     first = "sat" if first == "rate" and ns.rates.split(",")[0] == "sat" else first
     return server["est_s"]["start"] + c["warm"] + (c[first] if first else 0.0) + c["stop"]
 
@@ -436,8 +369,7 @@ def launch(ns: argparse.Namespace, s: Server, srv: dict, advised_fix: str | None
     if ns.defaults_observe != "none":  # observation only: no saving setting, --additional-config stays empty
         settings.update(stats_dir=str(s.stats_dir), **{OBSERVE[x]: True for x in ns.defaults_observe.split(",") if x in OBSERVE})
         s.stats_dir.mkdir(parents=True, exist_ok=True)
-        cfg_f = s.workdir / f"powersave-{s.label}.json"
-        cfg_f.write_text(json.dumps({"powersave": settings}))
+        (cfg_f := s.workdir / f"powersave-{s.label}.json").write_text(json.dumps({"powersave": settings}))
         env["POWERSAVE_CONFIG"] = str(cfg_f)
     extra = ["--plugin", "powersave"]
     if srv["arm"] == "fix":
@@ -447,7 +379,7 @@ def launch(ns: argparse.Namespace, s: Server, srv: dict, advised_fix: str | None
     return (f"{ns.plugin_site}:{ns.stock_site}" if ns.plugin_site else None), extra, env
 
 
-def run_segments(s: Server, srv: dict, segs: list[str], result: dict, save: Callable[[], None]) -> None:
+def run_segments(s: Server, srv: dict, segs: list[str], result: dict, save: Any) -> None:
     """The server's segments in a fixed order, each only where it and the server's stop fit the budget."""
     ns = s.ns
     if "fix" in segs:  # the fix arm's one window: the starvation segment's load
@@ -468,19 +400,16 @@ def run_segments(s: Server, srv: dict, segs: list[str], result: dict, save: Call
         srv["idle"] = s.idle()
         idle_w = srv["idle"].get("avg_power_w")
         save()
-    if "sweep" in segs:
-        for k, rate in enumerate(ns.rates.split(",")):
-            if not fits("sat" if rate == "sat" else "rate", f"rate {rate} and later"):
-                break
-            time.sleep(ns.gap_s)
-            srv["windows"].append(s.load_window(rate, seed=100 + k, idle_w=idle_w))
+    for k, rate in enumerate(ns.rates.split(",") if "sweep" in segs else []):
+        if not fits("sat" if rate == "sat" else "rate", f"rate {rate} and later"):
+            break
+        time.sleep(ns.gap_s)
+        srv["windows"].append(s.load_window(rate, seed=100 + k, idle_w=idle_w))
+        save()
+    for seg, what, run in (("reqenergy", "request-energy", s.request_energy), ("release", "release", lambda: s.release(idle_w))):
+        if seg in segs and fits(seg, f"{what} segment"):
+            srv[seg] = run()
             save()
-    if "reqenergy" in segs and fits("reqenergy", "request-energy segment"):
-        srv["reqenergy"] = s.request_energy()
-        save()
-    if "release" in segs and fits("release", "release segment"):
-        srv["release"] = s.release(idle_w)
-        save()
     if "starvation" in segs and fits("starvation", "starvation segment"):
         srv["starvation"] = s.starvation()
         if srv["starvation"]["advise"]["fix_args"]:
@@ -497,9 +426,8 @@ def run_server(ns: argparse.Namespace, model: Path, server: dict, sampler: load.
     s = Server(ns, sampler, (ns.port or 8100 + 50 * ns.gpu) + pos, label, workdir, Path(ns.stats_root) / f"{ns.tag}-{label}")
     shutil.rmtree(s.stats_dir, ignore_errors=True)
     pythonpath, extra, env = launch(ns, s, srv, result.get("advised_fix"))
-    srv["serve_extra"] = extra
+    srv["serve_extra"], serve_args = extra, shlex.split(ns.serve_args)
     t_start, t_start_perf = time.monotonic(), time.perf_counter()
-    serve_args = shlex.split(ns.serve_args)
     p = start_server(label, model, s.port, extra, pythonpath, workdir, env_extra=env, serve_args=serve_args, max_model_len=ns.max_model_len)
     srv["log"] = s.log_path.name
     try:
@@ -526,32 +454,29 @@ def run_server(ns: argparse.Namespace, model: Path, server: dict, sampler: load.
 
 
 # --- main --------------------------------------------------------------------------------------------
-def pack(workdir: Path, tar_path: Path, result: dict | None = None) -> None:
+def pack(workdir: Path, tar_path: Path, result: dict) -> None:
     """Server logs, step traces (``<label>-trace-rank<N>.jsonl.gz``, with the closed-loop decisions), request-energy
     lines, advise output; step traces dropped, largest first, where the tarball would pass TAR_MAX_BYTES (noted)."""
     files = sorted(workdir.iterdir())
-    size = sum(f.stat().st_size for f in files)
-    dropped = []
+    size, dropped = sum(f.stat().st_size for f in files), []
     for f in sorted((f for f in files if "-trace-rank" in f.name), key=lambda f: -f.stat().st_size):
         if size <= TAR_MAX_BYTES * 0.95:
             break
         size -= f.stat().st_size
         dropped.append(f.name)
-    tmp = tar_path.with_suffix(".tmp")
-    with tarfile.open(tmp, "w:gz") as t:
-        for f in files:
-            if f.name not in dropped:
-                t.add(f, arcname=f.name)
+    with tarfile.open(tmp := tar_path.with_suffix(".tmp"), "w:gz") as t:
+        for f in (f for f in files if f.name not in dropped):
+            t.add(f, arcname=f.name)
     tmp.replace(tar_path)
-    if result is not None:
-        result["tarball"] = {"bytes": tar_path.stat().st_size, "traces_dropped": dropped}
+    result["tarball"] = {"bytes": tar_path.stat().st_size, "traces_dropped": dropped}
 
 
 def print_summary(result: dict) -> None:
+    """Per server: start-up, idle power and the rate windows, request energy, notes (segment figures are logged as they run)."""
     print("\n== summary (" + result["device"].get("name", "?") + "; energy " + result["method"]["energy"] + ")")
     print(f"{'server':<12}{'start s':>8}{'idle W':>8}  rate: out tok/s | tok/J | GPU idle share | TTFT p50 ms | TPOT p99 ms")
     for s in result["servers"]:
-        idle = (s.get("idle") or {}).get("avg_power_w")
+        idle, pad = (s.get("idle") or {}).get("avg_power_w"), " " * 12
         cells = [
             f"{w['request_rate']}: {w.get('output_throughput') or 0:.0f} | {w.get('output_tokens_per_joule')} | "
             f"{(w.get('sampler') or {}).get('gpu_idle_share')} | {w.get('median_ttft_ms') and round(w['median_ttft_ms'], 1)} | "
@@ -559,102 +484,68 @@ def print_summary(result: dict) -> None:
             for w in s["windows"]
         ]
         print(f"{s['label']:<12}{s.get('startup_s', '-')!s:>8}{idle if idle is None else round(idle, 1)!s:>8}  " + " ; ".join(cells))
-        if s.get("starvation"):
-            st, sw = s["starvation"], s["starvation"]["window"]
-            print(
-                f"{'':<12}starvation c={sw['concurrency']}: {sw.get('output_throughput') or 0:.0f} tok/s, "
-                f"{sw.get('output_tokens_per_joule')} tok/J, idle-while-busy {st['idle_while_busy_j']} J, "
-                f"warnings {len(st['warnings'])}, advise {'ok' if st['advise']['ok'] else 'failed'} -> {st['advise']['fix_args']}"
-            )
-        if s.get("fix_window"):
-            fw = s["fix_window"]
-            print(f"{'':<12}fix {s['fix_args']}: {fw.get('output_throughput') or 0:.0f} tok/s, {fw.get('output_tokens_per_joule')} tok/J")
-        js = sorted(x["energy_j"] for x in (s.get("reqenergy") or {}).get("lines", []) if isinstance(x.get("energy_j"), (int, float)))
-        if js:
-            med = js[len(js) // 2]
-            print(
-                f"{'':<12}request energy: {len(js)} lines, median {med:.3f} J, max/median {js[-1] / med if med else None}, "
-                f"sum {sum(js):.1f} J, counter {s['reqenergy'].get('counter_j')}"
-            )
+        if js := sorted(x["energy_j"] for x in (s.get("reqenergy") or {}).get("lines", []) if isinstance(x.get("energy_j"), (int, float))):
+            print(f"{pad}request energy: {len(js)} lines, median {js[len(js) // 2]:.3f} J, max {js[-1]:.3f} J, sum {sum(js):.1f} J")
         for n in s["notes"]:
-            print(f"{'':<12}note: {n}")
+            print(f"{pad}note: {n}")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    # Options without help text (docs/benchmarks.md), typed by their defaults.
+    plain = dict(shape="qwen2.5-7b", sat_concurrency=64, input_len=512, output_len=256, reqe_n=480, reqe_in=128, reqe_out=96, starv_conc=64)
+    plain.update(starv_window_s=15.0, warm_n=32, max_model_len=2048, start_timeout_s=300.0, shapes_dir=".gpu-bundle/shapes")
+    plain.update(tok_dir="/tmp/model_cfg", stats_root="/tmp/powersave-defaults", out=os.environ.get("OUT", "/tmp/out"))
+    for name, default in plain.items():
+        ap.add_argument("--" + name.replace("_", "-"), type=type(default), default=default)
     ap.add_argument("--order", default="stock,defaults", help="arms in server order: stock, defaults, fix")
     ap.add_argument("--gpu", type=int, default=0, help="NVML / CUDA index (PCI bus order)")
-    ap.add_argument("--shape", default="qwen2.5-7b")
     ap.add_argument("--model-dir", default=None, help="use this model directory instead of building one from --shape")
     ap.add_argument("--rates", default="0.2,1,4,sat", help="Poisson request rates (req/s); 'sat' = closed loop at --sat-concurrency")
-    ap.add_argument("--sat-concurrency", type=int, default=64)
     ap.add_argument("--window-s", type=float, default=10.0, help="request starts per rate window (s)")
     ap.add_argument("--idle-s", type=float, default=15.0, help="idle window per server (s)")
     ap.add_argument("--settle-s", type=float, default=3.0, help="quiet time before idle/segment windows (auto boost: 2 s dwell)")
     ap.add_argument("--gap-s", type=float, default=1.0, help="quiet time before each rate window")
-    ap.add_argument("--input-len", type=int, default=512)
-    ap.add_argument("--output-len", type=int, default=256)
-    ap.add_argument(
-        "--segments",
-        default="idle,sweep",
-        help="per stock/defaults server: idle, sweep; defaults only, run only where named: reqenergy, release, starvation "
-        "(--segments-last applies to the last defaults server only)",
-    )
+    ap.add_argument("--segments", default="idle,sweep", help="idle, sweep (any server); reqenergy, release, starvation (defaults servers)")
     ap.add_argument("--segments-last", default="", help="extra segments of the last defaults server of --order only, e.g. reqenergy")
-    ap.add_argument("--reqe-n", type=int, default=480)
     ap.add_argument("--reqe-rate", default="auto", help="start rate (req/s): auto = --reqe-conc per request lifetime, inf = all at once")
     ap.add_argument("--reqe-tpot-ms", type=float, default=5.5, help="decode step for --reqe-rate auto (7B, H200: h200-step-timer.md)")
     ap.add_argument("--reqe-conc", type=int, default=48, help="target batch: sets the auto rate (and the cap with --reqe-cap)")
     ap.add_argument("--reqe-stream", action="store_true", help="stream the request-energy requests (default: one response each)")
     ap.add_argument("--reqe-cap", action="store_true", help="also cap concurrency at --reqe-conc (one start per finish)")
-    ap.add_argument("--reqe-in", type=int, default=128)
-    ap.add_argument("--reqe-out", type=int, default=96)
     ap.add_argument("--release-n", type=int, default=8, help="release segment: requests, one at a time")
     ap.add_argument("--release-gap-s", type=float, default=4.0, help="release segment: seconds between request starts")
     ap.add_argument("--release-idle-mhz", type=int, default=400, help="release segment: SM clock counted as idle (H200: 345)")
-    ap.add_argument("--starv-conc", type=int, default=64)
-    ap.add_argument("--starv-window-s", type=float, default=15.0)
     ap.add_argument("--fix-args", default="--api-server-count 4", help="fix arm's serve flags when advise names none")
     ap.add_argument("--advise-cmd", default=None, help="one advise command template ({py} {url} {metrics} {report})")
-    ap.add_argument(
-        "--defaults-observe",
-        default="trace,reqenergy",
-        help="observation-only settings of the defaults arm via $POWERSAVE_CONFIG: trace, reqenergy, or none",
-    )
-    ap.add_argument("--warm-n", type=int, default=32)
+    ap.add_argument("--defaults-observe", default="trace,reqenergy", help="defaults arm's observation settings: trace, reqenergy, none")
     ap.add_argument("--serve-args", default="--max-num-seqs 256 --gpu-memory-utilization 0.85", help="vllm serve flags of every server")
-    ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--energy", default="nvml", help="loadtests energy source (nvml; none on a CPU smoke test)")
     ap.add_argument("--budget-s", type=float, default=550.0, help="start nothing that cannot end by this (s since start)")
     ap.add_argument("--start-est-s", type=float, default=80.0, help="a server's start-up, warm compile cache, for the plan (s)")
     ap.add_argument("--start-est-first-s", type=float, default=120.0, help="the first server's start-up (cold cache), for the plan (s)")
     ap.add_argument("--tpot-est-ms", type=float, default=15.0, help="decode step at saturation, for the drain estimate (ms)")
     ap.add_argument("--stop-est-s", type=float, default=6.0, help="a server's stop + GPU release, for the plan (s)")
-    ap.add_argument("--start-timeout-s", type=float, default=300.0)
     ap.add_argument("--set-visible", action=argparse.BooleanOptionalAction, default=True, help="give servers CUDA_VISIBLE_DEVICES=--gpu")
-    ap.add_argument("--shapes-dir", default=".gpu-bundle/shapes")
-    ap.add_argument("--tok-dir", default="/tmp/model_cfg")
     ap.add_argument("--plugin-site", default="/tmp/psite", help="'' = inherit PYTHONPATH (CPU smoke test)")
     ap.add_argument("--stock-site", default="/tmp/site", help="'' = inherit PYTHONPATH (CPU smoke test)")
-    ap.add_argument("--stats-root", default="/tmp/powersave-defaults")
     ap.add_argument("--port", type=int, default=None, help="default 8100 + 50 * gpu")
     ap.add_argument("--tag", default=None)
     ap.add_argument("--plan-only", action="store_true", help="print the time plan and exit (starts nothing)")
-    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
     return ap.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     require_dry_run()  # first: nothing may touch a GPU before this
     ns = parse_args(argv)
-    for k, v in SERVER_ENV.items():  # the bundle's vLLM needs the first; the rest keep it offline
+    for k, v in SERVER_ENV.items():
         os.environ.setdefault(k, v)
     ns.tag = ns.tag or f"gpu{ns.gpu}-{time.strftime('%m%d%H%M%S', time.gmtime())}"
     if ns.plugin_site:
         sys.path[:0] = [ns.plugin_site]
     order = [a.strip() for a in ns.order.split(",") if a.strip()]
-    if bad := [a for a in order if a not in ("stock", "defaults", "fix")]:
-        print(f"error: --order: unknown arm {bad[0]!r} (stock, defaults, fix)", file=sys.stderr)
+    if bad := [a for a in order if a not in ARMS]:
+        print(f"error: --order: unknown arm {bad[0]!r} ({', '.join(ARMS)})", file=sys.stderr)
         return 2
     if bad := [x for x in (ns.segments + "," + ns.segments_last).split(",") if x and x not in SEGMENTS]:
         print(f"error: --segments: unknown segment {bad[0]!r} ({', '.join(SEGMENTS)})", file=sys.stderr)
@@ -675,45 +566,31 @@ def main(argv: list[str] | None = None) -> int:
     model = Path(ns.model_dir) if ns.model_dir else make_model(ns.shape, Path(ns.shapes_dir), Path(ns.tok_dir))
     import vllm
 
-    from .lib.energy import device_facts  # after --plugin-site is on sys.path: it imports the plugin
-
     sampler = load.Sampler(ns.gpu)
     log(f"sampler: {sampler.note}")  # without NVML (CPU smoke test) energy and idle share are null, labelled
     sampler.start()
-    result: dict = {
-        "what": "stock vLLM vs --plugin powersave defaults, one server at a time; read-only (POWERSAVE_FORCE_DRY_RUN=1)",
-        "measured": sampler.measured,
-        "tag": ns.tag,
-        "gpu": ns.gpu,
-        "device": {k: v for k, v in device_facts(ns.gpu).items() if k != "uuid"},
-        "vllm_version": vllm.__version__,
-        "model": str(model),
-        "shape": None if ns.model_dir else ns.shape,
-        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "method": {
-            "order": order,
-            "rates": ns.rates.split(","),
-            **{k: getattr(ns, k) for k in METHOD_OPTIONS},
-            "drain_s_est": round(drain_s(ns), 2),
-            "low_rate_span": "finite rates: energy, idle share and tok/J also over a fixed span of >= window_s from the "
-            "first arrival (idle tail included; 'span'), from the 10 Hz sampler",
-            "serve_args": ns.serve_args,
-            "defaults_observe": ns.defaults_observe,
-            "stock": "PYTHONPATH without the plugin (--stock-site), else VLLM_PLUGINS= (empty)",
-            "defaults": "--plugin powersave; observation settings only via $POWERSAVE_CONFIG",
-            "energy": f"loadtests energy={ns.energy} per load window (counter); sampler: " + sampler.note,
-            "gpu_idle_share": "share of 10 Hz samples with NVML utilisation 0 % inside the load window",
-            "clocks": "never changed (POWERSAVE_FORCE_DRY_RUN=1)",
-            "reqenergy": {"n": ns.reqe_n, "concurrency": ns.reqe_conc, "input_len": ns.reqe_in, "output_len": ns.reqe_out},
-            "starvation": dict(
-                concurrency=ns.starv_conc, window_s=ns.starv_window_s, fix_args_default=ns.fix_args, metrics=STARVATION_METRICS
-            ),
-        },
-        "plan": pl,
-        "budget_s": ns.budget_s,
-        "servers": [],
-        "notes": [],
-    }
+    method = {"order": order, "rates": ns.rates.split(","), **{k: getattr(ns, k) for k in METHOD_OPTIONS}}
+    method["drain_s_est"] = round(drain_s(ns), 2)
+    method["low_rate_span"] = (
+        "finite rates: energy, idle share and tok/J also over a fixed span of >= window_s from the "
+        "first arrival (idle tail included; 'span'), from the 10 Hz sampler"
+    )
+    method.update(serve_args=ns.serve_args, defaults_observe=ns.defaults_observe)
+    method["stock"] = "PYTHONPATH without the plugin (--stock-site), else VLLM_PLUGINS= (empty)"
+    method["defaults"] = "--plugin powersave; observation settings only via $POWERSAVE_CONFIG"
+    method["energy"] = f"loadtests energy={ns.energy} per load window (counter); sampler: " + sampler.note
+    method["gpu_idle_share"] = "share of 10 Hz samples with NVML utilisation 0 % inside the load window"
+    method["clocks"] = "never changed (POWERSAVE_FORCE_DRY_RUN=1)"
+    method["reqenergy"] = {"n": ns.reqe_n, "concurrency": ns.reqe_conc, "input_len": ns.reqe_in, "output_len": ns.reqe_out}
+    method["starvation"] = dict(
+        concurrency=ns.starv_conc, window_s=ns.starv_window_s, fix_args_default=ns.fix_args, metrics=STARVATION_METRICS
+    )
+    result: dict = {"what": "stock vLLM vs --plugin powersave defaults, one server at a time; read-only (POWERSAVE_FORCE_DRY_RUN=1)"}
+    result.update(measured=sampler.measured, tag=ns.tag, gpu=ns.gpu, device=load.device_facts(ns.gpu))
+    result.update(vllm_version=vllm.__version__, model=str(model), shape=None if ns.model_dir else ns.shape)
+    result.update(
+        date_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), method=method, plan=pl, budget_s=ns.budget_s, servers=[], notes=[]
+    )
     save = functools.partial(write_json_atomic, raw_f, result)
     save()
     for x in pl:

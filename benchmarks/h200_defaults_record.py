@@ -1,11 +1,9 @@
 """Records from ``benchmarks/h200_defaults.py`` raw files: stock vs the plugin's defaults.
 
-``python -m benchmarks.h200_defaults_record RAW.json[.gz]... [--out-dir docs/results] [--trace-out STEM]``
-writes ``h200-defaults.{json,md,png}`` (idle power, the request-rate sweep, starvation, checks),
-``h200-request-energy.{json,md}`` (identical requests at a steady batch) and, with ``--trace-out``,
-``STEM.{json,md}``: the closed-loop clock decisions in dry-run, from the step traces in each raw
-file's servers tarball (``servers-<tag>.tar.gz`` beside it). How the raw files are made:
-docs/benchmarks.md.
+``python -m benchmarks.h200_defaults_record RAW.json[.gz]... [--out-dir docs/results]`` writes
+``h200-defaults.{json,md,png}`` (idle power, the request-rate sweep, starvation, checks) and
+``h200-request-energy.{json,md}`` (identical requests at a steady batch). How the raw files are
+made: docs/benchmarks.md.
 
 Pairs: adjacent stock and defaults servers of one GPU, in run order over the raw files as given
 (``S D D`` + ``S S D`` -> (S,D) (D,S) (S,D), ABBA-like across device calls). Ratios are defaults /
@@ -18,26 +16,20 @@ stock's window energy: what the idle-power difference alone can save there. ``en
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gzip
 import json
 import math
-import re
 import statistics
-import sys
-import tarfile
 import time
-from collections import Counter, defaultdict
+from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 from benchmarks.lib.stats import mean_ci95
-from vllm_powersave.settings import ClosedLoopSettings
 
 ARMS = ("stock", "defaults")
 SCRIPTS = ["benchmarks/h200_defaults.py", "benchmarks/h200_defaults_record.py"]
 REQE_WHAT = "identical-length requests at a steady batch: the plugin's per-request energy"
-BATCH_BUCKETS = ClosedLoopSettings().batch_buckets
 #: A load window's throughput, energy and power figures under the record's names (:func:`pick`).
 WINDOW = "out_tok_s=output_throughput out_tok_per_j=output_tokens_per_joule avg_w=gpu_avg_power_w gpu_idle_share=sampler.gpu_idle_share"
 #: Per-pair figures of a rate (``per_pair``): defaults / stock tok/J and throughput, p50 TTFT delta, p99 TPOT
@@ -287,97 +279,6 @@ def request_energy(raws: list[dict], drop: float) -> dict:
     return {"segments": segs}
 
 
-def quantile(xs: list[float], q: float) -> float | None:
-    """Linear interpolation between the order statistics; None for no values."""
-    if not xs:
-        return None
-    xs, k = sorted(xs), (len(xs) - 1) * q
-    lo = math.floor(k)
-    return xs[lo] + (xs[min(lo + 1, len(xs) - 1)] - xs[lo]) * (k - lo)
-
-
-def trace_members(tar_path: Path) -> dict[str, list[dict]]:
-    """``{server label: parsed lines}`` of the step traces (``<label>-trace-rank<N>.jsonl.gz``) in a servers tarball."""
-    out: dict[str, list[dict]] = {}
-    with tarfile.open(tar_path) as t:
-        for m in (m for m in t.getmembers() if "-trace-rank" in m.name and m.isfile()):
-            try:
-                data = t.extractfile(m).read()  # type: ignore[union-attr]
-                data = gzip.decompress(data) if m.name.endswith(".gz") else data
-            except (OSError, EOFError) as exc:  # a truncated or corrupt member: the others still count
-                print(f"warning: {tar_path.name}: {m.name}: {exc}", file=sys.stderr)
-                continue
-            rows = out.setdefault(m.name.split("-trace-rank")[0], [])
-            for ln in data.splitlines():
-                with contextlib.suppress(ValueError):
-                    rows.append(json.loads(ln))
-    return out
-
-
-def bucket_stats(steps: list[dict], recs: list[dict]) -> dict[int, dict[str, list]]:
-    """Per decode-batch bucket: the wall ms of pure decode steps (``ms``) and the closed loop's
-    records of it: clocks it would probe and hold, its default-clock baseline ms and spread %."""
-    per: dict[int, dict[str, list]] = defaultdict(lambda: defaultdict(list))
-    for x in steps:
-        if x.get("phase") == "decode" and x.get("t_end") is not None and x.get("decode"):
-            bucket = max((e for e in BATCH_BUCKETS if e <= int(x["decode"])), default=BATCH_BUCKETS[0])
-            per[bucket]["ms"].append(1e3 * (x["t_end"] - x["t"]))
-    for x in (x for x in recs if x.get("bucket") is not None):
-        b, ev = per[int(x["bucket"])], x.get("event")
-        clk = x.get("sm_clock_mhz") if ev in ("probe", "hold") else x.get("ran_at_mhz") if ev in ("accept", "reject") else None
-        if ev == "unmeasured":  # dry-run: the reason names the clock that no step ran at
-            m = re.search(r"at (\d+) MHz", str(x.get("reason", "")))
-            clk = int(m.group(1)) if m else None
-        if ev in ("probe", "accept", "reject", "unmeasured") and clk is not None:
-            b["probed"].append(clk)
-        if ev == "hold":
-            b["held"].append(clk)  # None: the default clock
-        if ev == "baseline_done":
-            b["baseline_ms"].append(x.get("baseline_ms"))
-            b["spread_pct"].append(x.get("spread_pct"))
-    return per
-
-
-def closed_loop_summary(raws: list[dict], tars: dict[str, Path]) -> dict:
-    """What the closed-loop decode clock decided in dry-run (nothing was set) on the defaults
-    servers: decisions by kind; per decode-batch bucket the step time at the default clock (every
-    step of a dry-run ran there), the clocks it would have probed and held; its snapshot state."""
-    servers = []
-    for raw in raws:
-        tar = tars[raw["_file"]]
-        traces = trace_members(tar) if tar.is_file() else {}
-        for s in (s for s in raw["servers"] if s["arm"] != "stock"):
-            rows, snap = traces.get(s["label"], []), s.get("snapshot") or {}
-            recs = [x["closed_loop"] for x in rows if isinstance(x.get("closed_loop"), dict)]
-            per = bucket_stats([x for x in rows if "phase" in x], recs)
-            buckets = {}
-            for e, b in sorted(per.items()):
-                ms = {k: r(quantile(b["ms"], q), 3) for k, q in (("median", 0.5), ("p10", 0.1), ("p90", 0.9))}
-                bk = {"default_clock_step_ms": {**ms, "n": len(b["ms"])}, "decode_steps_observed": len(b["ms"])}
-                bk.update(would_probe_mhz=sorted(set(b["probed"])), would_hold_mhz=b["held"])
-                bk["controller_baseline_ms"] = [r(v, 3) for v in b["baseline_ms"]]
-                bk["controller_spread_pct"] = [r(v, 3) for v in b["spread_pct"]]
-                buckets[str(e)] = {**bk, "spread_pct": r(b["spread_pct"][-1], 3) if b["spread_pct"] else None}
-            o = {"file": raw["_file"], "server": s["label"], "device": raw["device"].get("name")}
-            o.update(trace="found" if rows else f"no trace in {tar.name}", steps_observed=sum(1 for x in rows if "phase" in x))
-            o.update(decode_steps=sum(len(b["ms"]) for b in per.values()), decisions=len(recs))
-            o["decisions_by_kind"] = dict(sorted(Counter(str(x.get("event") or x.get("kind") or "?") for x in recs).items()))
-            # where the closed loop's own step times came from (device/step_timer.py)
-            o["step_time_source"] = sorted({str(x["step_time_source"]) for x in recs if x.get("step_time_source")}) or ["engine_wall"]
-            o.update(buckets=buckets, snapshot_closed_loop=snap.get("closed_loop"))
-            o.update(clock_backend=snap.get("clock_backend"), clock_mode=snap.get("clock_mode"))
-            servers.append(o)
-    return {
-        "what": "closed-loop decode clock decisions in dry-run (POWERSAVE_FORCE_DRY_RUN=1: no clock was set; every step "
-        "ran at the driver's default clock, so probes cannot be measured and time out as 'unmeasured')",
-        "step_ms": "default_clock_step_ms: engine-thread wall time of pure decode steps (trace t_end - t), bucketed by "
-        f"decode batch ({', '.join(map(str, BATCH_BUCKETS))}): launch time under async scheduling; "
-        "controller_baseline_ms / controller_spread_pct: the closed loop's own default-clock fit per bucket and its "
-        "relative step noise, from the step times it measured (step_time_source: cuda_events = on the GPU)",
-        "servers": servers,
-    }
-
-
 def plot(rates: list[dict], path: Path, title: str) -> bool:
     try:
         import matplotlib
@@ -440,8 +341,7 @@ def defaults_record(raws: list[dict]) -> dict:
         {"file": x["_file"], **pick(x, "tag gpu date_utc"), "order": x["method"]["order"], "notes": x.get("notes")} for x in raws
     ]
     rec.update(method=raws[0]["method"], pairs=len(pairs), pair_list=[pick(p, "file gpu order servers") for p in pairs])
-    rec.update(idle=idle, rates=rates)
-    rec.update(starvation=starv, checks=checks(idle, rates, starv))
+    rec.update(idle=idle, rates=rates, starvation=starv, checks=checks(idle, rates, starv))
     rec["startup_s"] = {a: [s.get("startup_s") for x in raws for s in x["servers"] if s["arm"] == a] for a in ("stock", "defaults", "fix")}
     return {**rec, "scripts": SCRIPTS, "recorded_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
@@ -518,35 +418,12 @@ def request_energy_md(reqe: dict, title: str, drop: float) -> list[str]:
     return md
 
 
-def closed_loop_md(cl: dict, title: str) -> list[str]:
-    md = [
-        f"# Closed-loop decode clock decisions in dry-run ({title})\n",
-        f"- {cl['what']}.",
-        f"- Step time: {cl['step_ms']}.\n",
-        "| run | steps | decode steps | decisions by kind | loop's step times | bucket: loop's default-clock step ms (noise %) "
-        "/ engine-thread wall ms median (p10-p90, n) / would probe MHz / would hold MHz |\n|---|---|---|---|---|---|",
-    ]
-    for x in cl["servers"]:
-        cells = "; ".join(
-            f"{e}: {','.join(fmt(v) for v in b['controller_baseline_ms']) or '–'} ({','.join(fmt(v, 2) for v in b['controller_spread_pct']) or '–'}) / "
-            f"{fmt(ms['median'])} ({fmt(ms['p10'])}-{fmt(ms['p90'])}, {ms['n']}) / {','.join(map(str, b['would_probe_mhz'])) or '–'} / "
-            f"{','.join('default' if h is None else str(h) for h in b['would_hold_mhz']) or '–'}"
-            for e, b, ms in ((e, b, b["default_clock_step_ms"]) for e, b in x["buckets"].items())
-        )
-        md.append(
-            f"| {x['file']} {x['server']} | {x['steps_observed']} | {x['decode_steps']} | "
-            f"{json.dumps(x['decisions_by_kind']) if x['decisions_by_kind'] else '–'} | {', '.join(x['step_time_source'])} | {cells or x['trace']} |"
-        )
-    return md
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("raw", nargs="+")
     ap.add_argument("--out-dir", default="docs/results")
     ap.add_argument("--name", default="h200-defaults")
     ap.add_argument("--reqe-name", default="h200-request-energy")
-    ap.add_argument("--trace-out", help="also write the closed-loop decision summary to TRACE_OUT.json/.md, from the servers tarballs")
     ap.add_argument("--steady-drop", type=float, default=0.2, help="share of request lines dropped at each end (480 -> middle 288)")
     ns = ap.parse_args()
     raws = [load(p) for p in ns.raw]
@@ -563,13 +440,6 @@ def main() -> int:
     reqe.update(what=REQE_WHAT, measured=rec["measured"] and not sim, simulated=sim, **common)
     md = request_energy_md(reqe, f"{'simulated per-request figures; ' if sim else ''}{label}", ns.steady_drop)
     write(out / f"{ns.reqe_name}.json", reqe, md)
-    if ns.trace_out:
-        tars = {x["_file"]: Path(p).parent / f"servers-{x.get('tag')}.tar.gz" for p, x in zip(ns.raw, raws)}
-        cl = {**closed_loop_summary(raws, tars), "measured": rec["measured"], **common}
-        stem = Path(ns.trace_out)
-        stem.parent.mkdir(parents=True, exist_ok=True)
-        write(stem.with_suffix(".json"), cl, closed_loop_md(cl, f"{', '.join(rec['devices'])}; {label}"))
-        print(f"wrote {stem}.json/.md ({sum(x['decisions'] for x in cl['servers'])} decision records)")
     print(f"wrote {out}/{ns.name}.json/.md{'/.png' if has_png else ''} ({rec['pairs']} pairs)", end=" ")
     print(f"and {out}/{ns.reqe_name}.json/.md ({len(reqe['segments'])} segment(s))")
     return 0

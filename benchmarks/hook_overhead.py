@@ -1,15 +1,12 @@
 """Per-step host cost of the plugin's hooks (CPU, in-process): the overhead guard.
 
 vLLM's engine loop is host-bound for small models (a 0.5B decode step is ~2.2 ms on the H200,
-``docs/results/h200-vllm.md``), so every microsecond the plugin adds per step shows up in
-throughput (10 us ~ 0.45 %). For 8 / 64 / 256 decoding requests: the aggregate step
-classification, the worker hook alone (:data:`HOOKS`), the whole step path with the H200 A/B's
-settings minus the bare loop (:data:`STEPS`) and the scheduler wrapper alone (:data:`SCHEDULERS`),
-each the median over ``--repeats`` fresh child processes; ``--baseline-rev REV`` alternates them
-with the plugin code of that git revision.
-
-``python -m benchmarks.hook_overhead [--repeats 3] [--baseline-rev REV] [--no-write]`` writes
-``docs/results/hook-overhead.{json,md}`` unless ``--no-write``.
+``docs/results/h200-vllm.md``), so every microsecond the plugin adds per step shows up in throughput
+(10 us ~ 0.45 %). For 8 / 64 / 256 decoding requests: the aggregate step classification, the worker
+hook alone (:data:`HOOKS`), the whole step path with the H200 A/B's settings minus the bare loop
+(:data:`STEPS`), the scheduler wrapper alone (:data:`SCHEDULERS`); medians over ``--repeats`` fresh
+child processes, alternating with the plugin code of ``--baseline-rev REV`` where given. Prints each
+round's whole step path per side (``hook-overhead-split.md`` pairs them), then the medians as Markdown.
 """
 
 from __future__ import annotations
@@ -25,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.lib.device import utc_now, write_record
+from benchmarks.lib.device import utc_now
 
 REPO = Path(__file__).resolve().parents[1]
 NS = (8, 64, 256)
@@ -296,19 +293,14 @@ def markdown(doc: dict) -> str:
         ]
 
     md = [
-        "# Plugin host cost per engine step (measured, CPU)",
-        "",
+        "# Plugin host cost per engine step (measured, CPU)\n",
         f"- When: {doc['date_utc']} (UTC). Where: {doc['machine']} (a CPU micro-benchmark: no GPU, no vLLM; the scheduler, "
         "runner and LM head are do-nothing stand-ins wrapped by the plugin's own installers).",
         f"- What ran: `python -m benchmarks.hook_overhead` at `{doc['head']}`; {doc['method']}."
         + (f" Before = the plugin code of `{doc['baseline_rev'][:10]}`." if doc.get("baseline_rev") else ""),
-        "",
-        "## Per step (µs), decoding requests 8 / 64 / 256",
-        "",
+        "\n## Per step (µs), decoding requests 8 / 64 / 256\n",
         *table("what", " (8 / 64 / 256)", row_labels, lambda side, k: " / ".join(f"{r[k]:.2f}" for r in side["rows"])),
-        "",
-        "## Scheduler wrapper alone (µs added to `Scheduler.schedule`)",
-        "",
+        "\n## Scheduler wrapper alone (µs added to `Scheduler.schedule`)\n",
         *table("waiting queue", "", SCHEDULERS, lambda side, k: f"{side['scheduler'][k]:.2f}"),
     ]
     return "\n".join(md) + "\n"
@@ -319,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--baseline-rev", default=None, help="git revision whose plugin code runs as 'before'")
     ap.add_argument("--repeats", type=int, default=3, help="child processes per side (default 3)")
-    ap.add_argument("--no-write", action="store_true", help="print only; leave docs/results alone")
+    ap.add_argument("--no-write", action="store_true", help=argparse.SUPPRESS)  # printing is the only mode (the split record's command)
     ns = ap.parse_args(argv)
     if ns.child:
         print("RESULT " + json.dumps(child()), flush=True)
@@ -339,24 +331,12 @@ def main(argv: list[str] | None = None) -> int:
                 runs[side].append(r)
                 print(f"round {i + 1} {side}: " + ", ".join(f"n={x['decode_requests']} step {x['ab_step_us']:.2f} us" for x in r["rows"]))
     git = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False)
-    doc = {
-        "what": "per-step host cost of the plugin's hooks",
-        "measured": True,
-        "date_utc": utc_now(),
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
-        "head": git.stdout.strip(),
-        "baseline_rev": ns.baseline_rev,
-        "waiting_requests": WAITING,
-        "ab_settings": ab_settings("<tmp>"),
-        "method": (
-            f"medians of 7 rounds x 2000 calls per child process, then over {ns.repeats} child processes per side; "
-            "step figures are the wrapped loop minus the bare loop"
-        ),
-        **{side: median_of(rs) for side, rs in runs.items() if rs},
-    }
+    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
+    doc = {"date_utc": utc_now(), "machine": machine, "head": git.stdout.strip(), "baseline_rev": ns.baseline_rev}
+    doc["method"] = f"medians of 7 rounds x 2000 calls per child process, then over {ns.repeats} child processes per side; "
+    doc["method"] += "step figures are the wrapped loop minus the bare loop"
+    doc.update({side: median_of(rs) for side, rs in runs.items() if rs})
     print(markdown(doc))
-    if not ns.no_write:
-        write_record(REPO / "docs" / "results", "hook-overhead", doc, markdown(doc))
     return 0
 
 

@@ -1,7 +1,3 @@
-"""Shared pieces of the benchmark scripts.
-
-* :mod:`.stats`: the 95 % confidence interval of a mean (per-pair ratios of A/B runs);
-* :mod:`.energy`: the GPU's facts for a record, through the plugin's device layer;
-* :mod:`.device`: the guard every device script calls first, JSON writing, the model bundle;
-* :mod:`.serve`: vLLM OpenAI servers for the A/B runs (port guard, health, stop).
-"""
+"""Shared pieces of the benchmark scripts: :mod:`.stats` (95 % intervals of per-pair ratios),
+:mod:`.device` (the dry-run guard, JSON and records, the model bundle), :mod:`.serve` (vLLM servers:
+port guard, health, stop) and :mod:`.load` (load windows, the GPU sampler, the plugin's figures)."""

@@ -19,16 +19,12 @@ ENV_FORCE_DRY_RUN = "POWERSAVE_FORCE_DRY_RUN"  # vllm_powersave.envs.ENV_FORCE_D
 T0 = time.monotonic()
 
 
-class DryRunNotForced(SystemExit):
-    """Raised by :func:`require_dry_run`: the script must not start (exit status 2)."""
-
-
 def require_dry_run(env: dict[str, str] | None = None) -> None:
     """Refuse to start (one line on stderr, exit status 2) unless ``POWERSAVE_FORCE_DRY_RUN=1``."""
     if (os.environ if env is None else env).get(ENV_FORCE_DRY_RUN) == "1":
         return
     print(f"error: refusing to run: {ENV_FORCE_DRY_RUN}=1 must be set on a shared GPU", file=sys.stderr)
-    raise DryRunNotForced(2)
+    raise SystemExit(2)
 
 
 def log(*a: object, tag: str = "run") -> None:

@@ -1,16 +1,11 @@
-"""Load windows against one vLLM server, and what the device scripts read around them.
-
-* :func:`run_window`, :func:`summary`: one loadtests run, its perf_counter window and its figures;
-  :func:`rate_window`: one window of a rate sweep (Poisson or closed loop) with the sampler's figures;
-* :class:`Sampler`: energy, power, SM clock and GPU utilisation at 10 Hz, through the plugin's own
-  NVML meter (read-only; without NVML it takes no samples and every figure is null);
-* :func:`scrape`, :func:`delta`, :func:`series_sum`: the plugin's ``powersave_*`` series on /metrics;
-* :func:`new_lines`, :func:`read_snapshot`, :func:`wait_snapshot_after`: what the plugin writes into
-  its ``stats_dir`` (JSON lines, the rank-0 snapshot).
+"""Load windows against one vLLM server (loadtests), the GPU's facts and a 10 Hz sampler through the
+plugin's device layer (read-only; without NVML no samples and null figures), and what the plugin
+publishes: its ``powersave_*`` series on /metrics and its ``stats_dir`` files (JSON lines, snapshot).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import threading
@@ -18,16 +13,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .serve import SUMMARY_KEYS as AB_SUMMARY_KEYS
 from .serve import metrics_text
 
-#: The A/B runner's summary keys with the p90 before the p99 of TTFT and TPOT, then the energy note
-#: and the steady-state figures.
-SUMMARY_KEYS = (
-    *(x for k in AB_SUMMARY_KEYS for x in ((k.replace("p99", "p90"), k) if k in ("p99_ttft_ms", "p99_tpot_ms") else (k,))),
-    "energy_note",
-    "steady_state_duration_s",
-    "steady_state_output_tokens_per_joule",
+#: The loadtests result keys a record keeps per load window.
+SUMMARY_KEYS = tuple(
+    "completed failed duration total_input_tokens total_output_tokens request_throughput output_throughput total_token_throughput "
+    "mean_ttft_ms median_ttft_ms p90_ttft_ms p99_ttft_ms mean_tpot_ms median_tpot_ms p90_tpot_ms p99_tpot_ms median_itl_ms p99_itl_ms "
+    "median_e2el_ms gpu_energy_j gpu_avg_power_w gpu_energy_per_output_token_j output_tokens_per_joule total_tokens_per_joule "
+    "energy_source energy_window_s energy_note steady_state_duration_s steady_state_output_tokens_per_joule".split()
 )
 #: A sample counts as low power below the server's idle power plus this (a cross-check of the idle share).
 LOW_POWER_MARGIN_W = 15.0
@@ -42,17 +35,16 @@ def diff(a: Any, b: Any) -> float | None:
 
 # --- load windows ------------------------------------------------------------------------------------
 def n_prompts(rate: str | None, window_s: float, conc: int | None) -> int:
-    """Prompts to generate for a window: enough for every arrival (Poisson: 3x the mean + 20) or, in
-    a closed loop, for requests of >= 0.5 s each; generating 100k random prompts took 23 s on a
-    2-core host, once per window."""
+    """Prompts for a window: enough for every arrival (Poisson: 3x the mean + 20; closed loop: requests
+    of >= 0.5 s each), and no more: 100k random prompts took 23 s to generate on a 2-core host."""
     if rate is None or rate == "sat":
         return int((conc or 64) * (2 * window_s + 2))
     return int(3 * float(rate) * window_s) + 20
 
 
 def run_window(port: int, label: str, **kw: Any) -> dict:
-    """One loadtests run against the server on ``port`` (``kw``: BenchConfig fields over these
-    defaults): ``{"res": its result, "t0", "t1": its window in perf_counter s, None if unknown}``."""
+    """One loadtests run (``kw``: BenchConfig fields over these defaults): ``{"res": its result, "t0",
+    "t1": its window in perf_counter s, None if unknown}``."""
     from loadtests import BenchConfig, run
 
     cfg = dict(base_url=f"http://127.0.0.1:{port}", model="model", label=label, progress=False, request_timeout_s=120.0, timeout_s=600.0)
@@ -63,18 +55,15 @@ def run_window(port: int, label: str, **kw: Any) -> dict:
 
 def summary(res: dict) -> dict:
     """A loadtests result's :data:`SUMMARY_KEYS` and its energy note."""
-    out = {k: res.get(k) for k in SUMMARY_KEYS if k in res}
-    out["energy_note"] = res.get("energy_note") or res.get("energy_scope")
-    return out
+    return {**{k: res.get(k) for k in SUMMARY_KEYS if k in res}, "energy_note": res.get("energy_note") or res.get("energy_scope")}
 
 
 def rate_window(
     port: int, label: str, sampler: Sampler, rate: str, window_s: float, sat_concurrency: int, idle_w: float | None, **kw: Any
 ) -> dict:
-    """One window of a rate sweep: ``window_s`` of request starts, Poisson at ``rate`` req/s or, for
-    ``sat``, a closed loop at ``sat_concurrency``; in-flight requests finish inside the window. Its
-    :func:`summary`, the sampler's figures (``idle_w``: the server's idle power) and, at a finite
-    rate, those of a fixed ``span``. ``kw``: further BenchConfig fields (lengths, energy, seed)."""
+    """``window_s`` of request starts, Poisson at ``rate`` req/s or (``sat``) a closed loop at ``sat_concurrency``,
+    in-flight requests finishing inside the window: its :func:`summary` and sampler figures (``idle_w``: the
+    server's idle power), at a finite rate also those of a fixed ``span``. ``kw``: BenchConfig fields."""
     sat, n = rate == "sat", n_prompts(rate, window_s, sat_concurrency)
     arrivals = dict(request_rate=math.inf if sat else float(rate), max_concurrency=sat_concurrency if sat else None)
     h = run_window(port, label, num_prompts=n, duration_s=window_s, **arrivals, **kw)
@@ -97,13 +86,21 @@ def rate_window(
     return w
 
 
-# --- GPU sampling (read-only) ------------------------------------------------------------------------
-class Sampler(threading.Thread):
-    """10 Hz: energy (J, the plugin's interpolated counter meter), power (W), SM clock, utilisation.
+# --- the GPU (read-only) -----------------------------------------------------------------------------
+def device_facts(index: int = 0) -> dict[str, Any]:
+    """Name, driver and power limit of GPU ``index``; ``{"name": "no NVML (...)"}`` without NVML."""
+    from vllm_powersave.device import GpuError, NvmlGpu, driver_version  # here: after --plugin-site is on sys.path
 
-    ``note`` says how it measures; without NVML (a CPU smoke test) it is ``unavailable: ...``, no
-    sample is taken and every figure is null.
-    """
+    try:
+        gpu = NvmlGpu.from_index(index)
+        return {"name": gpu.name(), "driver": driver_version(gpu.nvml), "power_limit_w": gpu.power_limit_w()}
+    except GpuError as exc:
+        return {"name": f"no NVML ({exc})"}
+
+
+class Sampler(threading.Thread):
+    """10 Hz: energy (J, the plugin's interpolated counter meter), power (W), SM clock, utilisation; ``note``
+    says how, and without NVML (a CPU smoke test) is ``unavailable: ...``, with no samples and null figures."""
 
     def __init__(self, gpu: int, period_s: float = 0.1) -> None:
         super().__init__(daemon=True)
@@ -128,17 +125,13 @@ class Sampler(threading.Thread):
     def run(self) -> None:
         next_sync = 0.0
         while self.measured and not self.stop_ev.is_set():
-            t = time.perf_counter()
-            if t >= next_sync and hasattr(self.meter, "sync_counter_phase"):
-                try:
+            if (t := time.perf_counter()) >= next_sync and hasattr(self.meter, "sync_counter_phase"):
+                with contextlib.suppress(Exception):
                     self.meter.sync_counter_phase()
-                except Exception:
-                    pass
                 next_sync = t + 30.0
-            try:
+            util = None
+            with contextlib.suppress(Exception):
                 util = self.gpu.utilization_gpu_pct()
-            except Exception:
-                util = None
             self.rows.append((time.perf_counter(), self.meter.energy_j(), self.meter.power_w(), self.meter.sm_clock_mhz(), util))
             time.sleep(self.period)
 
@@ -146,21 +139,15 @@ class Sampler(threading.Thread):
         """Figures of the samples between ``t0`` and ``t1`` (perf_counter s); ``idle_w``: the server's idle power."""
         if not self.measured:
             return {"note": self.note, "energy_j": None, "avg_power_w": None, "gpu_idle_share": None}
-        rows = [r for r in self.rows if t0 <= r[0] <= t1]
-        if len(rows) < 2:
+        if len(rows := [r for r in self.rows if t0 <= r[0] <= t1]) < 2:
             return {"note": "fewer than 2 samples in the window"}
-        ws = [r[2] for r in rows if r[2] is not None]
+        ws, utils = [r[2] for r in rows if r[2] is not None], [r[4] for r in rows if r[4] is not None]
         clocks = sorted(r[3] for r in rows if r[3] is not None)
-        utils = [r[4] for r in rows if r[4] is not None]
-        out = {
-            "seconds": rows[-1][0] - rows[0][0],
-            "samples": len(rows),
-            "energy_j": diff(rows[0][1], rows[-1][1]),
-            "avg_power_w": sum(ws) / len(ws) if ws else None,
-            "median_sm_clock_mhz": clocks[len(clocks) // 2] if clocks else None,
-            "gpu_idle_share": sum(1 for u in utils if u == 0) / len(utils) if utils else None,
-            "mean_util_pct": sum(utils) / len(utils) if utils else None,
-        }
+        out = {"seconds": rows[-1][0] - rows[0][0], "samples": len(rows), "energy_j": diff(rows[0][1], rows[-1][1])}
+        out["avg_power_w"] = sum(ws) / len(ws) if ws else None
+        out["median_sm_clock_mhz"] = clocks[len(clocks) // 2] if clocks else None
+        out["gpu_idle_share"] = sum(1 for u in utils if u == 0) / len(utils) if utils else None
+        out["mean_util_pct"] = sum(utils) / len(utils) if utils else None
         # Energy of the samples with utilisation 0 % (power x sample spacing): inside a window where
         # requests are running, a plugin-independent estimate of energy spent with the GPU waiting.
         idle_j = [(b[0] - a[0]) * a[2] for a, b in zip(rows, rows[1:]) if a[4] == 0 and a[2] is not None]
@@ -195,28 +182,19 @@ class Sampler(threading.Thread):
 # --- the plugin's own figures ------------------------------------------------------------------------
 def scrape(port: int) -> tuple[dict[str, float], str]:
     """``powersave_*`` series of /metrics as {name{labels}: value}, and the text of those lines."""
-    text = metrics_text(port)
-    if text.startswith("# scrape failed"):
+    if (text := metrics_text(port)).startswith("# scrape failed"):
         return {}, text.rstrip("\n")
-    out, keep = {}, []
-    for line in text.splitlines():
-        if line.startswith("powersave_"):
-            keep.append(line)
-            key, _, val = line.rpartition(" ")
-            try:
-                out[key] = float(val)
-            except ValueError:
-                pass
+    keep, out = [ln for ln in text.splitlines() if ln.startswith("powersave_")], {}
+    for key, _, val in (ln.rpartition(" ") for ln in keep):
+        with contextlib.suppress(ValueError):
+            out[key] = float(val)
     return out, "\n".join(keep)
 
 
 def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     """The counters (``_total``, ``_joules``, ``_seconds``) that moved: ``after - before``."""
-    return {
-        k: round(v - before.get(k, 0.0), 6)
-        for k, v in after.items()
-        if k.split("{")[0].endswith(("_total", "_joules", "_seconds")) and v != before.get(k)
-    }
+    counters = (k for k in after if k.split("{")[0].endswith(("_total", "_joules", "_seconds")))
+    return {k: round(after[k] - before.get(k, 0.0), 6) for k in counters if after[k] != before.get(k)}
 
 
 def series_sum(d: dict[str, float], name: str) -> float | None:
@@ -232,24 +210,20 @@ def new_lines(stats_dir: Path, pattern: str, offsets: dict[str, int]) -> list[di
         with open(f, "rb") as fh:
             fh.seek(offsets.get(f.name, 0))
             for raw in fh.read().splitlines():
-                try:
+                with contextlib.suppress(ValueError):
                     out.append(json.loads(raw))
-                except ValueError:
-                    pass
     return out
 
 
 def read_snapshot(stats_dir: Path) -> dict | None:
-    try:
+    with contextlib.suppress(OSError, ValueError):
         return json.loads((stats_dir / SNAPSHOT).read_text())
-    except (OSError, ValueError):
-        return None
+    return None
 
 
 def wait_snapshot_after(stats_dir: Path, wall_t: float, timeout_s: float = 5.0) -> dict | None:
     """The rank-0 snapshot written after wall time ``wall_t`` (its ``t``), or the latest one."""
-    deadline = time.monotonic() + timeout_s
-    snap = read_snapshot(stats_dir)
+    deadline, snap = time.monotonic() + timeout_s, read_snapshot(stats_dir)
     while time.monotonic() < deadline and not (snap and snap.get("t", 0) > wall_t):
         time.sleep(0.05)
         snap = read_snapshot(stats_dir)

@@ -19,12 +19,7 @@ from .device import log
 
 # NVLink multicast stays off (a program using it can take a shared host's GPUs out of service);
 # vLLM's symmetric-memory all-reduce would use it on Hopper, so that path is off too.
-NO_MULTICAST = {
-    "NCCL_NVLS_ENABLE": "0",
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-    "NVSHMEM_DISABLE_NVLS": "1",
-    "VLLM_ALLREDUCE_USE_SYMM_MEM": "0",
-}
+NO_MULTICAST = dict(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1", VLLM_ALLREDUCE_USE_SYMM_MEM="0")
 
 
 def start_server(
@@ -34,21 +29,19 @@ def start_server(
     extra: list[str],
     pythonpath: str | None,
     out: Path,
-    gpu_mem: float = 0.9,
+    serve_args: list[str],
     env_extra: dict[str, str] | None = None,
-    serve_args: list[str] | None = None,
     max_model_len: int = 2048,
 ) -> subprocess.Popen:
-    """A server on ``port`` (refused if taken) with a dummy-weight ``model``, logging to
+    """A server on ``port`` (refused if taken) with a dummy-weight ``model`` and ``serve_args``, logging to
     ``out/server-<label>.log`` (first line: ``env_extra`` and the command as one shell line);
-    ``pythonpath``: None inherits this process's; ``env_extra``: e.g. ``CUDA_VISIBLE_DEVICES``;
-    ``serve_args`` replace the default ``--max-num-seqs 256 --gpu-memory-utilization GPU_MEM``."""
+    ``pythonpath``: None inherits this process's; ``env_extra``: e.g. ``CUDA_VISIBLE_DEVICES``."""
     check_port_free(port)
     site = {} if pythonpath is None else {"PYTHONPATH": pythonpath}
     env = {**os.environ, **site, **NO_MULTICAST, **(env_extra or {})}  # env_extra wins
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name", "model"]
     cmd += ["--load-format", "dummy", "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(max_model_len)]
-    cmd += [*(["--max-num-seqs", "256", "--gpu-memory-utilization", str(gpu_mem)] if serve_args is None else serve_args), *extra]
+    cmd += [*serve_args, *extra]
     logf = open(out / f"server-{label}.log", "wb")
     logf.write((" ".join([*(f"{k}={shlex.quote(v)}" for k, v in (env_extra or {}).items()), *cmd]) + "\n").encode())
     return subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -127,12 +120,3 @@ def stop(p: subprocess.Popen) -> None:
             p.wait(wait)
         except Exception:
             pass
-
-
-#: The loadtests result keys a record keeps per load window (lib/load.py adds p90s and steady-state figures).
-SUMMARY_KEYS = tuple(
-    "completed failed duration total_input_tokens total_output_tokens request_throughput output_throughput total_token_throughput "
-    "mean_ttft_ms median_ttft_ms p99_ttft_ms mean_tpot_ms median_tpot_ms p99_tpot_ms median_itl_ms p99_itl_ms median_e2el_ms "
-    "gpu_energy_j gpu_avg_power_w gpu_energy_per_output_token_j output_tokens_per_joule total_tokens_per_joule energy_source "
-    "energy_window_s".split()
-)
