@@ -79,3 +79,9 @@ def test_advise_result_that_is_not_json_is_one_line(tmp_path, capsys):
     assert main(["advise", "--result", str(bad)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"error: --result = {str(bad)!r}: not JSON") and "\n" not in err
+
+
+def test_the_client_advice_of_a_simulated_run_is_labelled_simulated():
+    r = {**json.load(open(RESULT)), "energy_source": "simulated", "client_bottleneck": True, "client_loop_lag_p99_ms": 9.0}
+    recs = advise(facts_from_result(r))
+    assert [x.evidence for x in recs if x.key in ("client", "api_servers")] == ["simulated", "simulated"]  # the run's joules

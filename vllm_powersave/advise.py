@@ -186,7 +186,7 @@ def advise(facts: dict[str, Any]) -> list[Recommendation]:
                     + (f", max {lag_max:.0f} ms" if lag_max is not None else "")
                     + " (the run's own check); H200, concurrency 256 with a lagging client: 1 -> 4 API servers gave x0.94 "
                     "throughput (docs/results/h200-defaults.md)",
-                    "measured",
+                    src,  # the run's joules and share, simulated where its energy was
                     "predicted",
                     iwb_j / e,
                 )
