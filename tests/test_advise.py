@@ -85,3 +85,9 @@ def test_the_client_advice_of_a_simulated_run_is_labelled_simulated():
     r = {**json.load(open(RESULT)), "energy_source": "simulated", "client_bottleneck": True, "client_loop_lag_p99_ms": 9.0}
     recs = advise(facts_from_result(r))
     assert [x.evidence for x in recs if x.key in ("client", "api_servers")] == ["simulated", "simulated"]  # the run's joules
+
+
+def test_the_client_advice_without_lag_figures_says_so_instead_of_nan():
+    r = {**json.load(open(RESULT)), "client_bottleneck": True}  # a result without the lag figures
+    client = advise(facts_from_result(r))[0]
+    assert client.key == "client" and "nan" not in client.measurement and "event-loop lag not recorded" in client.measurement

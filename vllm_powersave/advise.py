@@ -177,14 +177,14 @@ def advise(facts: dict[str, Any]) -> list[Recommendation]:
         if client:
             lag = _num(facts.get("client_loop_lag_p99_ms"))
             lag_max = _num(facts.get("client_loop_lag_max_ms"))
+            lags = ([f"p99 {lag:.2f} ms"] if lag is not None else []) + ([f"max {lag_max:.0f} ms"] if lag_max is not None else [])
             out.append(
                 Recommendation(
                     "client",
                     "Split the load over more client processes (or a bigger client machine) and measure again, "
                     "before adding API servers: the load generator was behind its own schedule",
-                    f"{seen}; client event-loop lag p99 {lag if lag is not None else float('nan'):.2f} ms"
-                    + (f", max {lag_max:.0f} ms" if lag_max is not None else "")
-                    + " (the run's own check); H200, concurrency 256 with a lagging client: 1 -> 4 API servers gave x0.94 "
+                    f"{seen}; the run's own check flagged the client (event-loop lag {', '.join(lags) or 'not recorded'})"
+                    + "; H200, concurrency 256 with a lagging client: 1 -> 4 API servers gave x0.94 "
                     "throughput (docs/results/h200-defaults.md)",
                     src,  # the run's joules and share, simulated where its energy was
                     "predicted",
