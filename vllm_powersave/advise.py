@@ -71,6 +71,15 @@ def load_result(path: str) -> dict[str, Any]:
         raise AdviseError(f"--result = {path!r}: not JSON ({str(exc).splitlines()[0][:80]})") from None
     if not isinstance(data, dict):
         raise AdviseError(f"--result = {path!r}: not a loadtests result (top level is {type(data).__name__})")
+    # The load generator's own check decides which fix comes first: a flag that is not a JSON
+    # boolean (a "true" string) must not quietly read as a client that kept up.
+    v = data.get("client_bottleneck")
+    if v is not None and not isinstance(v, bool):
+        raise AdviseError(f"--result = {path!r}: client_bottleneck = {v!r}: not true/false")
+    for k in ("client_loop_lag_p99_ms", "client_loop_lag_max_ms"):
+        v = data.get(k)
+        if v is not None and (_num(v) is None or v < 0):
+            raise AdviseError(f"--result = {path!r}: {k} = {v!r}: not a number >= 0")
     return data
 
 
