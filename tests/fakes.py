@@ -400,7 +400,8 @@ def rank_decisions(stats_dir, ranks=(0, 1)) -> dict[int, list[tuple]]:
     out = {}
     for r in ranks:
         rows = [json.loads(x) for x in (stats_dir / f"trace-rank{r}.jsonl").read_text().splitlines()]
-        out[r] = [(x["phase"], x["prefill"], x["decode"], x["sm_target"]) for x in rows]
+        # Step lines only: the trace also holds closed-loop decisions, boost switches and energy ticks.
+        out[r] = [(x["phase"], x["prefill"], x["decode"], x["sm_target"]) for x in rows if "t" in x]
     return out
 
 

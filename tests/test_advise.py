@@ -79,3 +79,33 @@ def test_advise_result_that_is_not_json_is_one_line(tmp_path, capsys):
     assert main(["advise", "--result", str(bad)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"error: --result = {str(bad)!r}: not JSON") and "\n" not in err
+
+
+def test_the_client_advice_of_a_simulated_run_is_labelled_simulated():
+    r = {**json.load(open(RESULT)), "energy_source": "simulated", "client_bottleneck": True, "client_loop_lag_p99_ms": 9.0}
+    recs = advise(facts_from_result(r))
+    assert [x.evidence for x in recs if x.key in ("client", "api_servers")] == ["simulated", "simulated"]  # the run's joules
+
+
+def test_the_client_advice_without_lag_figures_says_so_instead_of_nan():
+    r = {**json.load(open(RESULT)), "client_bottleneck": True}  # a result without the lag figures
+    client = advise(facts_from_result(r))[0]
+    assert client.key == "client" and "nan" not in client.measurement and "event-loop lag not recorded" in client.measurement
+
+
+@pytest.mark.parametrize(
+    "field,value,why",
+    [
+        ("client_bottleneck", "true", "not true/false"),
+        ("client_bottleneck", 1, "not true/false"),
+        ("client_loop_lag_p99_ms", "2.7", "not a number >= 0"),
+        ("client_loop_lag_p99_ms", -1.0, "not a number >= 0"),
+        ("client_loop_lag_max_ms", float("nan"), "not a number >= 0"),
+    ],
+)
+def test_a_result_with_a_client_figure_of_the_wrong_type_is_one_line(tmp_path, capsys, field, value, why):
+    bad = tmp_path / "r.json"
+    bad.write_text(json.dumps({**json.load(open(RESULT)), "client_bottleneck": True, field: value}))
+    assert main(["advise", "--result", str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: --result = {str(bad)!r}: {field} = {value!r}: {why}"

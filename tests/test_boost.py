@@ -234,3 +234,62 @@ def test_worker_runtime_auto_mode_drives_the_booster(monkeypatch, tmp_path):
     finally:
         rt.close()
     assert holders[0].closed
+
+
+class MortalHolder(FakeHolder):
+    """A FakeHolder whose helper can die while holding (``living`` False until the next ``set``),
+    and whose release can fail (``fail_release``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.living = True
+        self.fail_release = False
+
+    def alive(self) -> bool:
+        return self.living
+
+    def set(self, hold: bool) -> float:
+        if not hold and self.fail_release:
+            raise BoostUnavailable("boost helper: BrokenPipeError")
+        self.living = True  # a hold after a death starts a new helper
+        return super().set(hold)
+
+
+def _drained(ctl: BoostController, n: int) -> list[tuple]:
+    got: list[tuple] = []
+    for _ in range(500):
+        got += [(x.held, x.ms) for x in ctl.drain_switches()]
+        if len(got) >= n:
+            return got
+        time.sleep(0.01)
+    raise AssertionError(f"expected {n} switches, got {got}")
+
+
+def test_a_boost_lost_without_a_release_is_traced_as_a_release_without_a_helper_time():
+    """The trace's boost lines must say when the GPU lost the boost: a helper that died holding, a
+    release that failed, and close() while holding end it as surely as a release does."""
+    t = [100.0]
+    h = MortalHolder()
+    ctl = BoostController(h, release_after_s=2.0, clock=lambda: t[0])
+    try:
+        ctl.on_busy()
+        assert _drained(ctl, 1) == [(True, 12.5)]
+        h.living = False  # OOM-killed while holding: its context, and the boost, went with it
+        ctl.tick()
+        assert _drained(ctl, 2) == [(False, None), (True, 12.5)]  # noticed, then held again
+    finally:
+        ctl.close()  # while held: the helper is ended
+    assert [(x.held, x.ms) for x in ctl.drain_switches()] == [(False, None)]
+
+    h = MortalHolder()
+    ctl = BoostController(h, release_after_s=2.0, clock=lambda: t[0])
+    try:
+        ctl.on_busy()
+        assert _drained(ctl, 1) == [(True, 12.5)]
+        h.fail_release = True  # the release fails: the holder ends its helper, and the boost
+        t[0] += 2.5
+        ctl.tick()
+        assert _drained(ctl, 1) == [(False, None)] and ctl.disabled_reason and not ctl.held
+    finally:
+        ctl.close()
+    assert ctl.drain_switches() == []  # released already: close() adds nothing

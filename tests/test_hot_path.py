@@ -21,6 +21,7 @@ from vllm_powersave import runtime, vllm_compat
 from vllm_powersave.chunking.policy import ChunkPolicy
 from vllm_powersave.clocks import ClockController, DryRunClockBackend
 from vllm_powersave.energy import PhaseEnergyAccount
+from vllm_powersave.energy.account import TickRecord
 from vllm_powersave.energy.meters import EnergyMeter
 from vllm_powersave.phases import IDLE, ReqSched, StepInfo, classify, classify_counts
 from vllm_powersave.runtime import RegimeFilter, clock_phase
@@ -385,7 +386,7 @@ class ReferenceAccount(PhaseEnergyAccount):
                 self.meter.on_idle(idle_s)
             e_now = self.meter.energy_j()
             resolved = [settle[1:]] if isinstance(settle, tuple) else []
-            self._price(
+            idle_j = self._price(
                 e_now - self._e,
                 t_now - self._t,
                 busy,
@@ -397,13 +398,18 @@ class ReferenceAccount(PhaseEnergyAccount):
                 settle == "tail",
                 st[1],
             )
+            done = []
             for rid in finished:
                 j = self.request_j.pop(rid, None)
                 if j is not None:
+                    done.append(rid)
                     self.finished_request_j += j
                     self.finished_requests += 1
                     if self.on_request_done is not None:
                         self.on_request_done(rid, j)
+            if self.on_tick is not None:
+                gap_s = sum(g[0] for g in gaps)
+                self.on_tick(TickRecord(self._t, t_now, e_now - self._e, sum(b[0] for b in busy), gap_s, idle_s, idle_j, done))
             self._t, self._e = t_now, e_now
             st[0] = t_now
             self._state = tuple(st)
@@ -431,9 +437,23 @@ def test_account_tick_equals_the_earlier_code(per_request):
     rng = random.Random(11 + per_request)
     now = [0.0]
     clock = lambda: now[0]
-    done_new, done_ref = [], []
-    new = PhaseEnergyAccount(Meter(clock), 0.25, clock=clock, per_request=per_request, on_request_done=lambda r, j: done_new.append((r, j)))
-    ref = ReferenceAccount(Meter(clock), 0.25, clock=clock, per_request=per_request, on_request_done=lambda r, j: done_ref.append((r, j)))
+    done_new, done_ref, ticks_new, ticks_ref = [], [], [], []
+    new = PhaseEnergyAccount(
+        Meter(clock),
+        0.25,
+        clock=clock,
+        per_request=per_request,
+        on_request_done=lambda r, j: done_new.append((r, j)),
+        on_tick=ticks_new.append,
+    )
+    ref = ReferenceAccount(
+        Meter(clock),
+        0.25,
+        clock=clock,
+        per_request=per_request,
+        on_request_done=lambda r, j: done_ref.append((r, j)),
+        on_tick=ticks_ref.append,
+    )
     live: list[str] = []
     for i in range(4000):
         now[0] += rng.choice([0.0, 0.0001, 0.002, 0.002, 0.01, 0.3, 1.0])
@@ -469,6 +489,17 @@ def test_account_tick_equals_the_earlier_code(per_request):
     assert done_new == done_ref and new.window() == ref.window() and sum(new.time_s.values()) > 0
     if per_request:
         assert new.finished_requests > 10
+    # The trace's tick records: the same spans, joules, split and finished requests as the plain walk
+    # (seconds to rounding: the sums run in another order), each span split without loss.
+    assert len(ticks_new) == len(ticks_ref) > 100
+    for a, b in zip(ticks_new, ticks_ref):
+        assert (a.t0_s, a.t1_s, a.energy_j, a.idle_j, a.finished) == (b.t0_s, b.t1_s, b.energy_j, b.idle_j, b.finished)
+        assert (a.busy_s, a.gap_s, a.idle_s) == pytest.approx((b.busy_s, b.gap_s, b.idle_s), abs=1e-9)
+        assert min(a.busy_s, a.gap_s, a.idle_s) >= 0 and a.busy_s + a.gap_s + a.idle_s == pytest.approx(a.t1_s - a.t0_s, abs=1e-9)
+    assert all(a.t1_s == b.t0_s for a, b in zip(ticks_new, ticks_new[1:]))
+    assert sum(x.energy_j for x in ticks_new) == pytest.approx(new.total_j())  # every joule the account booked
+    if per_request:
+        assert sorted(r for x in ticks_new for r in x.finished) == sorted(r for r, _ in done_new)
 
 
 # --- LM-head hook ------------------------------------------------------------------------------------
@@ -743,5 +774,5 @@ def test_close_writes_its_final_files_when_one_final_step_fails(monkeypatch, tmp
     assert not rt._thread.is_alive()  # joined before the final writes
     assert json.loads((tmp_path / "rank0.json").read_text())["steps"]["decode"] == 5
     lines = (tmp_path / "trace-rank0.jsonl").read_text().splitlines()
-    assert len([x for x in lines if "closed_loop" not in json.loads(x)]) == 5  # step lines (decisions beside them)
+    assert len([x for x in lines if "t" in json.loads(x)]) == 5  # step lines (decisions and energy ticks beside them)
     assert any("final energy tick" in r.getMessage() for r in caplog.records)

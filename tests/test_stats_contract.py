@@ -82,3 +82,23 @@ def test_tick_and_boost_trace_lines_name_their_kind_and_keep_the_steps_clock():
     tick = json.loads(tick_line(TickRecord(10.1234567, 10.3, 42.0, 0.15, 0.02, 0.0, 0.0, ["r1"])))
     assert list(tick) == ["tick"] and tick["tick"]["t0_s"] == 10.123457 and tick["tick"]["finished"] == ["r1"]
     assert json.loads(boost_line(BoostSwitch(5.5, False, 70.0))) == {"boost": {"t_s": 5.5, "held": False, "ms": 70.0}}
+
+
+def test_rank_decisions_of_a_trace_with_ticks_boosts_and_decisions_are_its_steps_only(tmp_path):
+    """The tensor-parallel and Ray tests compare the ranks' step lines; the same file carries the
+    closed loop's decisions, boost switches and energy ticks, which have no phase."""
+    from fakes import rank_decisions
+
+    from vllm_powersave.clocks.boost import BoostSwitch
+    from vllm_powersave.energy.account import TickRecord
+
+    step = sc.TraceLine(10.0, "decode", 0, 4, 4, 400, 4, 1200, 10.01)
+    for r in (0, 1):
+        (tmp_path / sc.trace_name(r)).write_text(
+            sc.trace_line(step)
+            + sc.boost_line(BoostSwitch(10.2, True, 170.0))
+            + sc.tick_line(TickRecord(10.0, 10.25, 40.0, 0.01, 0.24, 0.0, 0.0, []))
+            + json.dumps({sc.CLOSED_LOOP_KEY: {"event": "bucket"}})
+            + "\n"
+        )
+    assert rank_decisions(tmp_path) == {0: [("decode", 0, 4, 1200)], 1: [("decode", 0, 4, 1200)]}

@@ -102,7 +102,7 @@ def test_a_step_timer_fault_turns_only_the_closed_loop_off_and_steps_stay_metere
             rt.on_step_end()
         rt.publish()
         lines = [json.loads(x) for x in (tmp_path / "trace-rank0.jsonl").read_text().splitlines()]
-        assert len([x for x in lines if "closed_loop" not in x]) == 30  # every step traced
+        assert len([x for x in lines if "t" in x]) == 30  # every step traced (step lines, not decisions or ticks)
         assert rt._closed_loop is False
         assert rt.clocks.target_sm_clock_mhz is None  # the decode clock stays at the default
         sv = rt.snapshot()["savings"]["clocks"]

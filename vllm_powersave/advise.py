@@ -71,6 +71,15 @@ def load_result(path: str) -> dict[str, Any]:
         raise AdviseError(f"--result = {path!r}: not JSON ({str(exc).splitlines()[0][:80]})") from None
     if not isinstance(data, dict):
         raise AdviseError(f"--result = {path!r}: not a loadtests result (top level is {type(data).__name__})")
+    # The load generator's own check decides which fix comes first: a flag that is not a JSON
+    # boolean (a "true" string) must not quietly read as a client that kept up.
+    v = data.get("client_bottleneck")
+    if v is not None and not isinstance(v, bool):
+        raise AdviseError(f"--result = {path!r}: client_bottleneck = {v!r}: not true/false")
+    for k in ("client_loop_lag_p99_ms", "client_loop_lag_max_ms"):
+        v = data.get(k)
+        if v is not None and (_num(v) is None or v < 0):
+            raise AdviseError(f"--result = {path!r}: {k} = {v!r}: not a number >= 0")
     return data
 
 
@@ -177,16 +186,16 @@ def advise(facts: dict[str, Any]) -> list[Recommendation]:
         if client:
             lag = _num(facts.get("client_loop_lag_p99_ms"))
             lag_max = _num(facts.get("client_loop_lag_max_ms"))
+            lags = ([f"p99 {lag:.2f} ms"] if lag is not None else []) + ([f"max {lag_max:.0f} ms"] if lag_max is not None else [])
             out.append(
                 Recommendation(
                     "client",
                     "Split the load over more client processes (or a bigger client machine) and measure again, "
                     "before adding API servers: the load generator was behind its own schedule",
-                    f"{seen}; client event-loop lag p99 {lag if lag is not None else float('nan'):.2f} ms"
-                    + (f", max {lag_max:.0f} ms" if lag_max is not None else "")
-                    + " (the run's own check); H200, concurrency 256 with a lagging client: 1 -> 4 API servers gave x0.94 "
+                    f"{seen}; the run's own check flagged the client (event-loop lag {', '.join(lags) or 'not recorded'})"
+                    + "; H200, concurrency 256 with a lagging client: 1 -> 4 API servers gave x0.94 "
                     "throughput (docs/results/h200-defaults.md)",
-                    "measured",
+                    src,  # the run's joules and share, simulated where its energy was
                     "predicted",
                     iwb_j / e,
                 )

@@ -156,7 +156,11 @@ class BoostHolder:
 class BoostSwitch(NamedTuple):
     """One finished hold or release: when it completed (s, monotonic: the step trace's clock), the
     state it left and how long the helper took (ms). The GPU's own fall to idle power follows the
-    release by a lag of its own, which the step trace lets a reader line up with power samples."""
+    release by a lag of its own, which the step trace lets a reader line up with power samples.
+
+    ``ms`` is ``None`` for a boost that ended without a release the helper answered: the helper
+    died while holding (``t_s``: when the controller noticed, within one tick), a release failed
+    (the holder then ends the helper) or :meth:`BoostController.close` ended it while held."""
 
     t_s: float
     held: bool
@@ -232,6 +236,7 @@ class BoostController:
                 continue
             if self.held and not self._holder_alive():
                 self.held = False
+                self._recent.append(BoostSwitch(self.clock(), False, None))  # the boost went with the helper
                 self.restarts += 1
                 if self.restarts > self.MAX_RESTARTS:
                     self.disabled_reason = f"boost helper died {self.restarts} times while holding"
@@ -255,6 +260,8 @@ class BoostController:
                 self._recent.append(BoostSwitch(self.clock(), want, self.last_switch_ms))
                 self.switches += 1
             except Exception as exc:  # no driver, no memory for a context, helper died: stay unboosted
+                if self.held:  # a failed release: the holder ended its helper, and the boost with it
+                    self._recent.append(BoostSwitch(self.clock(), False, None))
                 self.held = False
                 if self._stop:
                     return  # close() ended the helper under a call in flight: not a failure
@@ -278,6 +285,8 @@ class BoostController:
         self._ev.set()
         self.holder.close()
         self._thread.join(timeout=5)
+        if self.held:  # ending the helper dropped the boost: the trace's last boost line says so
+            self._recent.append(BoostSwitch(self.clock(), False, None))
         self.held = False
 
     def snapshot(self) -> dict:
