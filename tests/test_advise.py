@@ -81,6 +81,14 @@ def test_advise_result_that_is_not_json_is_one_line(tmp_path, capsys):
     assert err.startswith(f"error: --result = {str(bad)!r}: not JSON") and "\n" not in err
 
 
+def test_advise_energy_by_phase_that_is_not_an_object_is_one_line(tmp_path, capsys):
+    bad = tmp_path / "r.json"
+    bad.write_text(json.dumps({**json.load(open(RESULT)), "energy_by_phase_j": [1, 2]}))
+    assert main(["advise", "--result", str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: --result = {str(bad)!r}: energy_by_phase_j = '[1, 2]': not an object of joules by phase"
+
+
 def test_the_client_advice_of_a_simulated_run_is_labelled_simulated():
     r = {**json.load(open(RESULT)), "energy_source": "simulated", "client_bottleneck": True, "client_loop_lag_p99_ms": 9.0}
     recs = advise(facts_from_result(r))

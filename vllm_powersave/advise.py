@@ -80,6 +80,9 @@ def load_result(path: str) -> dict[str, Any]:
         v = data.get(k)
         if v is not None and (_num(v) is None or v < 0):
             raise AdviseError(f"--result = {path!r}: {k} = {v!r}: not a number >= 0")
+    v = data.get("energy_by_phase_j")
+    if v is not None and not isinstance(v, dict):
+        raise AdviseError(f"--result = {path!r}: energy_by_phase_j = {str(v)[:60]!r}: not an object of joules by phase")
     return data
 
 
