@@ -108,7 +108,8 @@ def release_figures(
     to the next step (or ``t1``); the gap's energy above ``idle_w`` (``energy_at``: J at a time)."""
     ends, starts = sorted(x["t_end"] for x in lines if x.get("t_end")), sorted(x["t"] for x in lines if "t" in x)
     out = []
-    for b in [x["boost"] for x in lines if "boost" in x and not x["boost"]["held"]]:
+    # ms None: a boost lost without a release (helper death, shutdown), not the dwell's release.
+    for b in [x["boost"] for x in lines if "boost" in x and not x["boost"]["held"] and x["boost"]["ms"] is not None]:
         t, last = b["t_s"], max((e for e in ends if e <= b["t_s"]), default=None)
         nxt = min((x for x in starts if x > t), default=t1)
         after = [r for r in rows if t <= r[0] <= nxt]

@@ -62,6 +62,7 @@ def test_release_figures_time_the_fall_from_the_release_not_from_the_last_step()
         {"boost": {"t_s": 9.8, "held": True, "ms": 170.0}},  # holds are not releases
         {"boost": {"t_s": 11.6, "held": False, "ms": 70.0}},
         {"t": 14.0, "t_end": 14.2},
+        {"boost": {"t_s": 14.5, "held": False, "ms": None}},  # lost at shutdown: no dwell release
     ]
     # 10 Hz: boosted idle (126 W, 1980 MHz) until 12.8 s, then unboosted idle (80 W, 345 MHz).
     rows = [(10 + 0.1 * i, None, 126.0 if i < 28 else 80.0, 1980 if i < 29 else 345, 0) for i in range(50)]

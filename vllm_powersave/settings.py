@@ -347,7 +347,8 @@ class PowersaveSettings(_Strict):
     #: start/end times in s) to ``stats_dir/trace-rank<N>.jsonl``: the data the controller and the
     #: simulator are judged against. Costs a dict and a list append per step. The same file gets the
     #: closed loop's decisions (``{"closed_loop": ...}``), each finished perf-boost hold or release
-    #: (``{"boost": {"t_s", "held", "ms"}}``, on the steps' clock) and each energy tick (``{"tick":
+    #: (``{"boost": {"t_s", "held", "ms"}}``, on the steps' clock; ``ms`` null where the boost was
+    #: lost without a release: helper death, shutdown) and each energy tick (``{"tick":
     #: ...}``: the counter's joules over its span, step / gap / idle seconds, the requests it closed).
     trace_steps: bool = False
     #: "auto": every saving that is on by default (``cuda_perf_boost``, ``clocks.mode``, the chunk
