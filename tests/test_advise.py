@@ -117,3 +117,14 @@ def test_a_result_with_a_client_figure_of_the_wrong_type_is_one_line(tmp_path, c
     assert main(["advise", "--result", str(bad)]) == 2
     err = capsys.readouterr().err.strip()
     assert err == f"error: --result = {str(bad)!r}: {field} = {value!r}: {why}"
+
+
+def test_a_later_result_without_the_client_check_does_not_inherit_an_earlier_flag(tmp_path):
+    base = json.load(open(RESULT))
+    lagging, calm = tmp_path / "a.json", tmp_path / "b.json"
+    lagging.write_text(json.dumps({**base, "client_bottleneck": True, "client_loop_lag_p99_ms": 9.0}))
+    calm.write_text(json.dumps(base))  # an older loadtests result: no client check at all
+    keys = [r["key"] for r in json.loads(run([str(lagging), str(calm)], [], as_json=True))["recommendations"]]
+    assert "client" not in keys and keys[0] == "api_servers"
+    keys = [r["key"] for r in json.loads(run([str(calm), str(lagging)], [], as_json=True))["recommendations"]]
+    assert keys[0] == "client"

@@ -39,6 +39,10 @@ MIN_IDLE_SHARE = 0.03
 MIN_STEADY_SHARE = 0.5
 
 
+#: A run's own load-generator check (loadtests), taken from the last --result only.
+CLIENT_KEYS = ("client_bottleneck", "client_loop_lag_p99_ms", "client_loop_lag_max_ms")
+
+
 class AdviseError(ValueError):
     """Unusable input; ``str(err)`` is one line naming the input and why."""
 
@@ -273,7 +277,12 @@ def run(results: list[str], metrics: list[str], api_servers: int = 1, as_json: b
         for k, v in facts_from_metrics(load_metrics(m)).items():
             facts.setdefault(k, v)
     for r in results:  # the run's own window wins over the server's totals since start
-        facts.update(facts_from_result(load_result(r)))
+        f = facts_from_result(load_result(r))
+        # The client check belongs to the run it was made in: a later run without it must not
+        # inherit an earlier run's flag.
+        for k in CLIENT_KEYS:
+            facts.pop(k, None)
+        facts.update(f)
     recs = advise(facts)
     if as_json:
         return json.dumps({"inputs": {"results": results, "metrics": metrics}, "recommendations": [asdict(r) for r in recs]}, indent=2)
