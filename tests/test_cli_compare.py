@@ -41,6 +41,20 @@ def test_gpu_main_job_compares_stock_with_the_plugin_defaults():
     assert "defaults" in desc
 
 
+def test_cpu_main_job_baseline_is_a_meter_with_no_clock_decision_at_all():
+    import json
+
+    from vllm_powersave.cli import _configs
+    from vllm_powersave.settings import PowersaveSettings
+
+    (off, desc, off_args), (on, _, on_args) = _configs(gpu=False, clock_backend=None)
+    base = PowersaveSettings.model_validate(json.loads(off_args[off_args.index("--additional-config") + 1])["powersave"])
+    # Stock clocks means no decision of any kind: neither presets nor the closed loop, which
+    # clocks.mode "auto" would run on the simulated backend.
+    assert base.clocks.mode == "off" and not base.chunking.enabled and base.energy.meter == "simulated"
+    assert "stock clocks" in desc and "--plugin" in on_args
+
+
 def test_rates_parse_and_bad_rates_are_one_line():
     import math
 
@@ -63,11 +77,11 @@ def test_savings_section_says_what_was_measured_and_what_predicted():
     runs = [("off", 0.5, off), ("on", 0.5, on), ("on", 0.5, on), ("off", 0.5, off), ("off", float("inf"), off), ("on", float("inf"), on)]
     cpu = savings_section(runs, gpu=False)
     assert "### 0.5 req/s" in cpu and "### saturation" in cpu
-    assert "- J / output token, defaults vs stock: -10.0 % (simulated, mean of 2 and 2 runs)" in cpu
+    assert "- J / output token, clock presets vs stock clocks: -10.0 % (simulated, mean of 2 and 2 runs)" in cpu
     assert "stock idled 400 J (20.0 % of its energy, simulated)" in cpu and "7.1 % of stock's energy (predicted)" in cpu
     assert "50 J idle while requests were in flight, 2.0 % of busy time (simulated)" in cpu
     gpu = savings_section(runs, gpu=True)
-    assert "(measured, mean of 2 and 2 runs)" in gpu and "simulated" not in gpu
+    assert "- J / output token, defaults vs stock: -10.0 % (measured, mean of 2 and 2 runs)" in gpu and "simulated" not in gpu
     stock_gpu = savings_section([("off", 1.0, {"gpu_energy_per_output_token_j": 0.1}), ("on", 1.0, on)], gpu=True)
     assert "stock's idle energy unknown here" in stock_gpu
 

@@ -73,9 +73,10 @@ def _configs(gpu: bool, clock_backend: str | None, sim_shape: str | None = None)
             ),
         ]
     # No GPU: a stock server has no energy at all, so the baseline runs the plugin's simulated meter
-    # with stock clocks and no chunking; only the "on" server applies the (simulated) presets.
+    # as a meter only (savings "off": no clock decision, closed loop included, and no chunking);
+    # only the "on" server applies the (simulated) presets.
     sim = {"meter": "simulated", "simulated_model_shape": sim_shape} if sim_shape else {"meter": "simulated"}
-    base = {"chunking": {"enabled": False}, "clocks": {"backend": "simulated", "presets": {}}, "energy": sim}
+    base = {"savings": "off", "clocks": {"backend": "simulated"}, "energy": sim}
     on = {"config_file": str(PRESET_DIR / "h200-simulated.yaml"), "energy": sim}
     as_what = f"an H200 running a {sim_shape}-shaped model through the same steps" if sim_shape else "an H200"
     return [

@@ -63,12 +63,13 @@ def savings_section(runs: list[tuple[str, float, dict[str, Any]]], gpu: bool) ->
         jt_on = _mean([x["gpu_energy_per_output_token_j"] for x in on if x.get("gpu_energy_per_output_token_j")])
         lines.append(f"### {rate_label(rate)}")
         lines.append("")
+        # On a GPU "on" is the plugin's defaults against stock vLLM; without one it is the
+        # simulated H200's clock presets against the same meter at stock clocks (cli._configs).
+        what = "defaults vs stock" if gpu else "clock presets vs stock clocks"
         if jt_off and jt_on:
-            lines.append(
-                f"- J / output token, defaults vs stock: {100 * (jt_on / jt_off - 1):+.1f} % ({src}, mean of {len(on)} and {len(off)} runs)"
-            )
+            lines.append(f"- J / output token, {what}: {100 * (jt_on / jt_off - 1):+.1f} % ({src}, mean of {len(on)} and {len(off)} runs)")
         else:
-            lines.append("- J / output token, defaults vs stock: n/a (no energy figure in some run)")
+            lines.append(f"- J / output token, {what}: n/a (no energy figure in some run)")
         idle = _mean([x["gpu_idle_energy_j"] for x in off if x.get("gpu_idle_energy_j") is not None])
         total = _mean([x["gpu_energy_j"] for x in off if x.get("gpu_energy_j")])
         if idle is not None and total:
