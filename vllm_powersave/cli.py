@@ -1,4 +1,4 @@
-"""``vllm-powersave`` command line: make-model, compare (the main job), advise, reset-clocks."""
+"""``vllm-powersave`` command line: make-model, compare (the main job), advise, reset-clocks, tune."""
 
 from __future__ import annotations
 
@@ -380,7 +380,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", default="runs")
     c.set_defaults(fn=_cmd_compare)
 
-    a = sub.add_parser("advise", help="ranked recommendations from a run's figures (loadtests result, /metrics)")
+    a = sub.add_parser(
+        "advise",
+        help="ranked recommendations from a run's figures (loadtests result, /metrics)",
+        description="Ranked recommendations from a run's figures (a loadtests result and/or a server's /metrics), "
+        "each with the measurement behind it and whether its effect is measured or predicted.",
+    )
     a.add_argument("--result", action="append", help="loadtests result JSON (repeatable)")
     a.add_argument("--metrics", action="append", help="the server's /metrics: http(s) URL or a saved scrape (repeatable)")
     a.add_argument("--api-servers", type=int, default=1, help="API servers the run used (default 1)")

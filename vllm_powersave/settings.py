@@ -112,6 +112,9 @@ class ClosedLoopSettings(_Strict):
     A static ``presets.decode`` clock, if set, overrides the loop (used as is, nothing probed).
     """
 
+    #: Run the loop whatever ``clocks.mode`` chose. Leave it false normally: ``clocks.mode`` "auto"
+    #: (the default) turns the loop on by itself where the process may set clocks, and
+    #: "closed_loop" asks for it explicitly.
     enabled: bool = False
     #: Absolute TPOT / ITL target for a decode step, ms. ``None``: use ``slowdown_budget_pct``.
     tpot_slo_ms: float | None = Field(default=None, gt=0.0, le=60_000.0, allow_inf_nan=False)
@@ -341,7 +344,9 @@ class PowersaveSettings(_Strict):
     #: shorter dwell only makes the side context flap between steps. Default 0.5 s (twice that):
     #: the boost is paid for every idle gap up to the dwell, and at 0.2 req/s a 2 s dwell kept 62 %
     #: of the idle-power saving on the table (docs/results/h200-defaults-release2s.md). A request
-    #: that arrives unboosted costs ~3 ms TTFT until the hold lands (h200-perf-boost.md, wake-up).
+    #: that arrives unboosted costs ~3 ms more TTFT (15 vs 12 ms) until the hold lands
+    #: (h200-perf-boost.md, wake-up). After a release the GPU itself stays at boosted idle power
+    #: for ~1.3 s more (h200-defaults.md, release), which no dwell can save.
     boost_release_after_s: float = Field(default=0.5, ge=0.25, le=3600, allow_inf_nan=False)
     #: Write one JSON line per engine step (phase, tokens, LM-head rows, clock decision, host
     #: start/end times in s) to ``stats_dir/trace-rank<N>.jsonl``: the data the controller and the
