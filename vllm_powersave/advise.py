@@ -80,7 +80,7 @@ def load_result(path: str) -> dict[str, Any]:
     v = data.get("client_bottleneck")
     if v is not None and not isinstance(v, bool):
         raise AdviseError(f"--result = {path!r}: client_bottleneck = {v!r}: not true/false")
-    for k in ("client_loop_lag_p99_ms", "client_loop_lag_max_ms"):
+    for k in CLIENT_KEYS[1:]:  # the lag figures
         v = data.get(k)
         if v is not None and (_num(v) is None or v < 0):
             raise AdviseError(f"--result = {path!r}: {k} = {v!r}: not a number >= 0")
@@ -160,9 +160,7 @@ def facts_from_result(r: dict[str, Any]) -> dict[str, Any]:
         "steady_s": r.get("steady_state_duration_s"),
         "concurrency": r.get("max_concurrency"),
         "output_throughput": r.get("output_throughput"),
-        "client_bottleneck": r.get("client_bottleneck"),
-        "client_loop_lag_p99_ms": r.get("client_loop_lag_p99_ms"),
-        "client_loop_lag_max_ms": r.get("client_loop_lag_max_ms"),
+        **{k: r.get(k) for k in CLIENT_KEYS},
     }
     if f["energy_by_phase_j"].get("idle") is None and r.get("gpu_idle_energy_j") is not None:
         f["energy_by_phase_j"]["idle"] = r["gpu_idle_energy_j"]

@@ -260,9 +260,7 @@ def tick_line(tick: Any) -> str:
     (s, the steps' clock), the meter's joules, step / gap / idle seconds, idle joules and the ids
     of the requests it made final (their lines in ``requests-rank<N>.jsonl``)."""
     d = tick._asdict()
-    for k in ("t0_s", "t1_s"):
-        d[k] = round(d[k], 6)
-    for k in ("energy_j", "busy_s", "gap_s", "idle_s", "idle_j"):
+    for k in ("t0_s", "t1_s", "energy_j", "busy_s", "gap_s", "idle_s", "idle_j"):
         d[k] = round(d[k], 6)
     return json.dumps({TICK_KEY: d}) + "\n"
 
@@ -270,7 +268,7 @@ def tick_line(tick: Any) -> str:
 def boost_line(switch: Any) -> str:
     """One finished perf-boost hold or release (``clocks.boost.BoostSwitch``) as a trace line
     ``{"boost": {"t_s", "held", "ms"}}``; ``t_s`` is on the step lines' clock."""
-    return json.dumps({BOOST_KEY: {"t_s": switch.t_s, "held": switch.held, "ms": switch.ms}}) + "\n"
+    return json.dumps({BOOST_KEY: switch._asdict()}) + "\n"
 
 
 def closed_loop_line(record: Any, step_time_source: str | None = None) -> str:
