@@ -67,6 +67,9 @@ class EnergyReading:
     idle_while_busy_j: float | None = None
     idle_while_busy_s: float | None = None
     frontend_busy_s: float | None = None
+    # How far ``window_s`` may be off the span the counters cover (s): half the round trip of the
+    # first and of the last counter read (zeusd; 0 for local reads). A stalled client makes it large.
+    window_edge_s: float = 0.0
 
 
 def _one_line(e: BaseException) -> str:
@@ -274,6 +277,7 @@ class Sample:
     idle_while_busy_j: float | None = None  # cumulative starvation counters (server metrics), J / s
     idle_while_busy_s: float | None = None
     frontend_busy_s: float | None = None
+    read_s: float = 0.0  # round trip of a remote counter read (s); ``t`` is its midpoint
 
 
 def _nvml_gauges(nvml: NvmlEnergy) -> tuple[float | None, float | None]:
@@ -469,10 +473,20 @@ class EnergyMeter:
     async def _zeusd_sample(self) -> Sample:
         """One zeusd reading: energy counters (raises when they cannot be read) and power (optional)."""
         assert self._zeusd is not None
+        # The daemon reads the counter somewhere inside the round trip; its midpoint is the best
+        # stamp, and the round trip bounds the error (a loaded client can stall the reply by ~1 s).
+        sent = time.perf_counter()
         gpu_j = await self._zeusd.per_gpu_j()
-        t = time.perf_counter()
+        got = time.perf_counter()
         power = await self._zeusd.power_w()
-        return Sample(t=t, gpu_j=gpu_j, power_w=power, provider="zeusd", gauge_source="measured" if power is not None else None)
+        return Sample(
+            t=(sent + got) / 2,
+            read_s=got - sent,
+            gpu_j=gpu_j,
+            power_w=power,
+            provider="zeusd",
+            gauge_source="measured" if power is not None else None,
+        )
 
     def _window_reading(self, t1: float, note: str = "") -> EnergyReading:
         """The window's energy over every reading so far, the last taken at ``t1`` (s)."""
@@ -588,6 +602,7 @@ def energy_over(samples: list[Sample]) -> EnergyReading | None:
     return EnergyReading(
         energy_j=sum(r.energy_j or 0.0 for r in parts),
         window_s=ok[-1].t - ok[0].t,
+        window_edge_s=(ok[0].read_s + ok[-1].read_s) / 2,
         source=source,
         provider=parts[0].provider,
         by_phase_j=by_phase,

@@ -195,6 +195,7 @@ def energy_metrics(reading: EnergyReading, total_input_tokens: int, total_output
         "energy_by_phase_j": dict(reading.by_phase_j),
         "energy_by_gpu_j": dict(reading.by_gpu_j),
         "energy_window_s": reading.window_s,
+        "energy_window_edge_s": reading.window_edge_s,
         "energy_note": reading.note,
     }
 

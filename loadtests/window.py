@@ -88,6 +88,7 @@ def sum_readings(readings: Sequence[EnergyReading | None]) -> EnergyReading | No
     return EnergyReading(
         energy_j=sum(r.energy_j or 0.0 for r in rs),
         window_s=sum(r.window_s for r in rs) / len(rs),
+        window_edge_s=max(r.window_edge_s for r in rs),  # the mean of the windows is off by no more
         source="measured" if srcs == {"measured"} else "simulated",
         provider=rs[0].provider,
         by_phase_j=by_phase,
