@@ -616,3 +616,42 @@ def test_any_read_schedule_stays_within_a_step_of_the_true_energy_at_each_end_an
     assert all(b[1] >= a[1] for a, b in zip(reads, reads[1:]))
     errors = [abs(e - (gpu.true_j(t) - gpu.true_j(t0))) for t, e in reads]
     assert max(errors) <= 2 * p_max * 0.1, (max(errors), p_max)
+
+
+def test_counter_steps_report_when_and_how_much_interpolation_missed_and_a_phase_error_never_counts_a_period_twice():
+    """Under a steady 500 W whose last 100 ms period drew 300 W, each counter step is reported
+    with its time (by the learnt phase) and the joules the previous read's rate did not predict;
+    a read that falls between the counter's real step and the step the (slightly late) phase
+    expects counts the new period once, not twice."""
+    clock = Clock()
+    gpu = CounterGpu(clock, [(0.0, 300.0), (1.037, 500.0)], period=0.1, phase=0.037)
+
+    def sleep(s):
+        clock.t += s
+
+    clock.t = 0.5
+    meter = NvmlEnergyMeter(NvmlGpu(gpu, 0, "GPU-x"), clock=clock, counter_period_s=0.1)
+    assert meter.drain_counter_steps() == []  # no phase yet: steps are not placed
+    assert meter.sync_counter_phase(sleep=sleep)
+    reads = []
+    while clock.t < 1.35:
+        clock.t += 0.016
+        reads.append((clock.t, meter.energy_j()))
+    steps = meter.drain_counter_steps()
+    assert len(steps) == 8 and all(abs((s.t_s - 0.037) / 0.1 - round((s.t_s - 0.037) / 0.1)) < 0.01 for s in steps)
+    # The periods before 1.037 s drew 300 W as the rate predicted: nothing missed there (after the
+    # first, which follows the sync's unread polling). The first period at 500 W was extended at
+    # 300 W: its step reports the missing 200 W x 0.1 s, plus 200 W since the step to the read.
+    jumps = {round(s.t_s, 2): s.jump_j for s in steps}
+    assert all(abs(j) < 1.0 for t, j in jumps.items() if 0.7 < t < 1.1)
+    assert 20.0 <= jumps[1.14] <= 20.0 + 200 * 0.016 + 0.1 and abs(jumps[1.24]) < 1.0
+    assert meter.drain_counter_steps() == []  # drained
+    # A phase 2 ms late (the sync's poll resolution and the drift between syncs allow a few ms):
+    # a read 1 ms after the real step sees the new counter value, and must not add another period.
+    meter.sync_counter_phase(sleep=sleep)
+    t_step = 0.037 + math.ceil((clock.t - 0.037) / 0.1) * 0.1
+    meter._phase_t += 0.002  # noqa: SLF001 - the learnt phase, made late on purpose
+    clock.t = t_step - 0.01
+    e0, t0 = meter.energy_j(), clock.t
+    clock.t = t_step + 0.001
+    assert meter.energy_j() - e0 == pytest.approx(gpu.true_j(clock.t) - gpu.true_j(t0), abs=500 * 0.004)

@@ -33,7 +33,9 @@ import math
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Callable
+from typing import NamedTuple
 
 from ..device import GpuError, GpuMigError, GpuNotSupportedError, NvmlGpu
 from ..sim.gpu import SimulatedGpu
@@ -48,6 +50,15 @@ METHOD_NONE = "none"
 #: A counter step implying more than this per GPU is not energy but a glitch (the largest modules,
 #: GB200 superchips, draw ~2.7 kW including the CPU).
 MAX_PLAUSIBLE_W = 5000.0
+
+
+class CounterStep(NamedTuple):
+    """The counter stepped at ``t_s`` (the meter's clock), and the returned energy jumped by
+    ``jump_j`` beyond what the previous read's rate predicted: the part of the period that ends at
+    ``t_s`` which interpolation had not seen (negative where it had over-estimated)."""
+
+    t_s: float
+    jump_j: float
 
 
 class EnergyMeter(ABC):
@@ -96,6 +107,14 @@ class EnergyMeter(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         pass
+
+    #: Seconds between counter steps; 0 for meters whose reads are exact at any time.
+    counter_period_s: float = 0.0
+
+    def drain_counter_steps(self) -> list[CounterStep]:
+        """The counter steps seen by reads since the last call (oldest first); none for meters
+        without a stepping counter."""
+        return []
 
 
 class _NvmlReader:
@@ -237,6 +256,10 @@ class NvmlEnergyMeter(EnergyMeter):
         self._offset_j = 0.0
         self._offset_j = self._estimate_j(self._t_read, self._read_power())
         self._reported = 0.0
+        # The last returned read: its time and the rate (W) it extended the counter with; a step's
+        # jump is measured against that rate continued (CounterStep). Bounded: an account drains it.
+        self._t_out, self._rate_w = self._t_read, self._rate(self._power)
+        self._counter_steps: deque[CounterStep] = deque(maxlen=256)
 
     # -- internals ---------------------------------------------------------------------------
     def _read_power(self) -> float | None:
@@ -248,11 +271,12 @@ class NvmlEnergyMeter(EnergyMeter):
         self._power, self._t_power = p, self.clock()
         return p
 
+    def _rate(self, p: float | None) -> float:
+        """The power (W) the counter is extended with after its last step."""
+        return max(0.0, self._interp_power_w(p)) if self.interpolate and p is not None else 0.0
+
     def _estimate_j(self, t: float, p: float | None) -> float:
-        since = 0.0
-        if self.interpolate and p is not None:
-            since = self._since_update(t) * max(0.0, self._interp_power_w(p))
-        return (self._acc_mj / 1000.0 + since) - self._offset_j
+        return (self._acc_mj / 1000.0 + self._since_update(t) * self._rate(p)) - self._offset_j
 
     def _interp_power_w(self, p: float) -> float:
         """The power to extend the counter's last step with: the average of that step, unless the
@@ -293,17 +317,26 @@ class NvmlEnergyMeter(EnergyMeter):
 
     def _steps_between(self, t_prev: float, t: float) -> int:
         T = self.period
-        if self._phase_t is not None:
-            return max(1, math.floor((t - self._phase_t) / T) - math.floor((t_prev - self._phase_t) / T))
-        return max(1, round((t - t_prev) / T))
+        if self._phase_t is None:
+            return max(1, round((t - t_prev) / T))
+        # By the phase, but an interval of length L holds floor(L/T) to ceil(L/T) steps: a phase a
+        # millisecond off must not count two steps between reads 16 ms apart (halving the average).
+        n = math.floor((t - self._phase_t) / T) - math.floor((t_prev - self._phase_t) / T)
+        return min(max(n, math.floor((t - t_prev) / T), 1), max(1, math.ceil((t - t_prev) / T)))
 
     def _since_update(self, t: float) -> float:
         """Estimated seconds since the counter's last step before ``t`` (0 .. period)."""
         T = self.period
-        if self._phase_t is not None:
-            return (t - self._phase_t) % T
-        lo, hi = self._bracket  # phase unknown: the middle of the last step's bracket
-        return min(T, max(0.0, t - (lo + hi) / 2))
+        lo, hi = self._bracket  # the reads saw the last step inside (lo, hi]
+        if self._phase_t is None:  # phase unknown: the middle of that bracket
+            return min(T, max(0.0, t - (lo + hi) / 2))
+        # The phase is right to the sync's ~1 ms (and checked to 3 ms): a read inside that error
+        # would count a whole period twice (a step already in the counter, and the phase's ~T
+        # since it) or not at all. So the phase's step nearest to the bracket the reads saw the
+        # last step in, moved into that bracket.
+        last = t - (t - self._phase_t) % T
+        step = last if abs(last - min(max(last, lo), hi)) <= abs(last + T - min(max(last + T, lo), hi)) else last + T
+        return t - min(max(step, lo), hi)
 
     def sync_counter_phase(self, poll_s: float = 0.001, sleep: Callable[[float], None] = time.sleep) -> bool:
         """Learn when the counter steps: poll it every ``poll_s`` until it changes (background only).
@@ -400,9 +433,25 @@ class NvmlEnergyMeter(EnergyMeter):
                 return None
             t = self.clock()
             p = self._read_power() if self.interpolate else self._power
+            stepped = now != self._last_mj
             self._step(now, t)
-            self._reported = max(self._reported, self._estimate_j(t, p))
+            before = self._reported
+            self._reported = max(before, self._estimate_j(t, p))
+            if stepped and self._phase_t is not None:  # only where it is known when the counter steps
+                predicted = before + self._rate_w * max(0.0, t - self._t_out)
+                self._counter_steps.append(CounterStep(t - self._since_update(t), self._reported - predicted))
+            self._t_out, self._rate_w = t, self._rate(p)
             return self._reported
+
+    @property
+    def counter_period_s(self) -> float:  # type: ignore[override]
+        return self.period
+
+    def drain_counter_steps(self) -> list[CounterStep]:
+        with self._lock:
+            out = list(self._counter_steps)
+            self._counter_steps.clear()
+        return out
 
     def power_w(self) -> float | None:
         # The tick reads instant power with the counter; reuse a reading younger than 50 ms.
