@@ -397,6 +397,7 @@ class ReferenceAccount(PhaseEnergyAccount):
                 resolved,
                 settle == "tail",
                 st[1],
+                {},
             )
             done = []
             for rid in finished:

@@ -84,6 +84,9 @@ class TickRecord(NamedTuple):
     idle_s: float
     idle_j: float
     finished: list
+    #: Joules of counter steps seen in this tick that went back to the periods they close (in
+    #: ``energy_j``, not priced in this tick): see :meth:`PhaseEnergyAccount._book_back`.
+    booked_back_j: float = 0.0
 
 
 class PhaseEnergyAccount:
@@ -169,6 +172,9 @@ class PhaseEnergyAccount:
         if e0 is None:
             self.available = False
         self._window.append((self._t, 0.0, 0, 0))
+        #: What recent ticks booked where, ``(t0, t1, {bucket: joules})``, kept one counter period
+        #: back so that a counter step's jump can be booked over the period it closes.
+        self._recent: deque[tuple[float, float, dict]] = deque()
         self._lock = threading.Lock()  # serialises tick() callers, never taken by the hot path
 
     # -- hot path (no meter access, no lock) ---------------------------------------------------
@@ -328,12 +334,25 @@ class PhaseEnergyAccount:
                 self._state = (t_now, phase, end_t, req, ctx, steady, drained)
                 return
             d_e = e_now - self._e
-            idle_j = self._price(d_e, t_now - self._t, busy, gaps, idle_s, busy_s, quiet_s, resolved, tail_pending, phase)
+            # A counter step's jump belongs to the ~100 ms period it closes, not to this (often
+            # ~16 ms) tick: it is set aside and booked back over that period's ticks below.
+            drain = getattr(self.meter, "drain_counter_steps", None)  # meters without a stepping counter: none
+            period_s = getattr(self.meter, "counter_period_s", 0.0)
+            steps = [c for c in (drain() if drain else ()) if self._recent_overlap(c.t_s - period_s, c.t_s) > 0]
+            back_j = sum(c.jump_j for c in steps)
+            book: dict = {}
+            idle_j = self._price(d_e - back_j, t_now - self._t, busy, gaps, idle_s, busy_s, quiet_s, resolved, tail_pending, phase, book)
             if fe_busy is not None:
                 self.busy_s += fe_busy(self._t, t_now)
                 if idle_busy_s > 0 and idle_s > 0:
-                    self.idle_busy_j += idle_j * idle_busy_s / idle_s
+                    book["idle_busy"] = idle_j * idle_busy_s / idle_s
+                    self.idle_busy_j += book["idle_busy"]
                     self.idle_busy_s += idle_busy_s
+            self._recent.append((self._t, t_now, book))
+            for c in steps:
+                idle_j += self._book_back(c.t_s - period_s, c.t_s, c.jump_j, phase)
+            while len(self._recent) > 1 and self._recent[0][1] < t_now - 2 * period_s:
+                self._recent.popleft()
             done = []
             for rid in finished:
                 j = self.request_j.pop(rid, None)
@@ -344,7 +363,7 @@ class PhaseEnergyAccount:
                     if self.on_request_done is not None:
                         self.on_request_done(rid, j)
             if self.on_tick is not None:
-                self.on_tick(TickRecord(self._t, t_now, d_e, busy_s, quiet_s - idle_s, idle_s, idle_j, done))
+                self.on_tick(TickRecord(self._t, t_now, d_e, busy_s, quiet_s - idle_s, idle_s, idle_j, done, back_j))
             self._t, self._e = t_now, e_now
             self._state = (t_now, phase, end_t, req, ctx, steady, drained)
             self._window.append((t_now, self.total_j(), self.tokens["prefill"], self.tokens["decode"]))
@@ -363,15 +382,14 @@ class PhaseEnergyAccount:
         resolved: list,
         tail_pending: bool,
         phase: str,
+        book: dict,
     ) -> float:
         """Split ``d_e`` joules over the interval's pieces (module docstring: quiet time at the
-        idle power, steps the rest by time) and book phases, steady state, requests and the tail.
-        Returns the joules booked as idle."""
+        idle power, steps the rest by time) and book phases, steady state, requests and the tail;
+        ``book`` gets what went where (phases by name, requests by ``("r", id)``, ``"tail"``,
+        ``"pending"``, ``"steady"``, ``"idle_busy"``). Returns the joules booked as idle."""
         if busy_s + quiet_s <= 0:
-            self.energy_j[phase] += d_e
-            if phase != "idle" and self.per_request:
-                self.tail_j += d_e  # no time passed: nothing to split by
-            return d_e if phase == "idle" else 0.0
+            return self._book_lump(d_e, phase, book)
         idle_w = self.idle_power_w
         gap_s = quiet_s - idle_s
         # Quiet time priced at the idle power: idle, and the gaps after steps where the meter's GPU
@@ -390,9 +408,14 @@ class PhaseEnergyAccount:
             quiet_rate = busy_rate = 0.0
         gap_rate = quiet_rate if priced_s == quiet_s else (d_e / gap_s if busy_s + priced_s <= 0 else 0.0)
         energy, time_s, acc = self.energy_j, self.time_s, self.request_j
+
+        def add(key: Any, j: float) -> None:
+            book[key] = book.get(key, 0.0) + j
+
         if idle_s > 0:
             energy["idle"] += quiet_rate * idle_s
             time_s["idle"] += idle_s
+            add("idle", quiet_rate * idle_s)
         per_request = self.per_request
         cache: dict[int, Any] = {}  # a step's busy piece and its gap share one weighting
 
@@ -408,26 +431,34 @@ class PhaseEnergyAccount:
             j = busy_rate * seconds
             energy[ph] += j
             time_s[ph] += seconds
+            add(ph, j)
             if steady:
                 self.steady_j += j
                 self.steady_s += seconds
-            if per_request and not self._share(acc, j, weights(req, ctx)):
+                add("steady", j)
+            if per_request and not self._share(acc, j, weights(req, ctx), book):
                 self.tail_j += j
+                add("tail", j)
         for seconds, ph, req, ctx, steady, to in gaps:
             j = gap_rate * seconds
             energy[ph] += j
             time_s[ph] += seconds
+            add(ph, j)
             if steady:
                 self.steady_j += j
                 self.steady_s += seconds
+                add("steady", j)
             if not per_request:
                 continue
             if to == "pending":
                 self._pending_j += j
-            elif to == "tail" or not self._share(acc, j, weights(req, ctx)):
+                add("pending", j)
+            elif to == "tail" or not self._share(acc, j, weights(req, ctx), book):
                 self.tail_j += j
+                add("tail", j)
         if per_request:
-            # A gap left pending by an earlier interval is settled by what followed it in this one.
+            # A gap left pending by an earlier interval is settled by what followed it in this one
+            # (energy already booked, so not a booking of this tick).
             for req, ctx in resolved:
                 j, self._pending_j = self._pending_j, 0.0
                 if not self._share(acc, j, weights(req, ctx)):
@@ -438,8 +469,9 @@ class PhaseEnergyAccount:
         return quiet_rate * idle_s if idle_s > 0 else 0.0
 
     @staticmethod
-    def _share(acc: dict[str, float], joules: float, weights: Any) -> bool:
-        """Add ``joules`` to the requests in proportion to ``weights``; False if there is none."""
+    def _share(acc: dict[str, float], joules: float, weights: Any, book: dict | None = None) -> bool:
+        """Add ``joules`` to the requests in proportion to ``weights`` (and to ``book`` under
+        ``("r", id)``); False if there is none."""
         if not weights:
             return False
         n = sum(weights.values())
@@ -448,7 +480,74 @@ class PhaseEnergyAccount:
         k = joules / n
         for rid, w in weights.items():
             acc[rid] = acc.get(rid, 0.0) + k * w
+            if book is not None:
+                key = ("r", rid)
+                book[key] = book.get(key, 0.0) + k * w
         return True
+
+    def _book_lump(self, joules: float, phase: str, book: dict) -> float:
+        """Book ``joules`` with no time to split them by: to ``phase`` (and, off idle, to the
+        tail). Returns the joules booked as idle."""
+        self.energy_j[phase] += joules
+        book[phase] = book.get(phase, 0.0) + joules
+        if phase != "idle" and self.per_request:
+            self.tail_j += joules
+            book["tail"] = book.get("tail", 0.0) + joules
+        return joules if phase == "idle" else 0.0
+
+    def _recent_overlap(self, t0: float, t1: float) -> float:
+        """Joules that ticks before the current one booked over ``[t0, t1]`` (pro rata by time)."""
+        total = 0.0
+        for a, b, book in self._recent:
+            cut = min(b, t1) - max(a, t0)
+            if cut > 0 and b > a:
+                total += cut / (b - a) * sum(v for k, v in book.items() if k in self.energy_j)
+        return total
+
+    def _book_back(self, t0: float, t1: float, jump_j: float, phase: str) -> float:
+        """Book a counter step's ``jump_j`` over the counter period ``[t0, t1]`` it closes: every
+        bucket of steps the ticks there booked (pro rata by time) grows by the same fraction, so a request
+        that prefilled in a short tick takes its share of the period's error, not of the tick's.
+        (Booking the jump in the tick that sees it gave a prefilling request most of a period's
+        error on the H200: docs/results/h200-request-energy.md.) A request already reported
+        cannot change: its part goes to the tail. Returns the joules booked as idle."""
+        parts: dict = {}
+        for a, b, book in self._recent:
+            cut = min(b, t1) - max(a, t0)
+            if cut <= 0 or b <= a:
+                continue
+            k = cut / (b - a)
+            for key, v in book.items():
+                parts[key] = parts.get(key, 0.0) + k * v
+        # Quiet time was priced at the measured idle power; what interpolation missed is the steps'
+        # (at an idle -> busy edge, scaling idle up by the jump would book busy power as idle). A
+        # period of idle only takes its jump as idle.
+        busy = {k: v for k, v in parts.items() if k not in ("idle", "idle_busy")}
+        if any(v > 0 for k, v in busy.items() if k in self.energy_j):
+            parts = busy
+        booked = sum(v for key, v in parts.items() if key in self.energy_j)
+        if booked <= 0:
+            return self._book_lump(jump_j, phase, {})
+        f = max(-1.0, jump_j / booked)  # never below zero for any bucket
+        left = jump_j - f * booked
+        idle_j = 0.0
+        for key, v in parts.items():
+            d = f * v
+            if key in self.energy_j:
+                self.energy_j[key] += d
+                if key == "idle":
+                    idle_j += d
+            elif key == "steady":
+                self.steady_j += d
+            elif key == "idle_busy":
+                self.idle_busy_j += d
+            elif key[0] == "r" and key[1] in self.request_j:
+                self.request_j[key[1]] += d
+            else:  # the tail, a pending gap, or a request already reported
+                self.tail_j += d
+        if left:
+            idle_j += self._book_lump(left, phase, {})
+        return idle_j
 
     @property
     def current_phase(self) -> str:
