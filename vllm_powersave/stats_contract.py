@@ -258,9 +258,10 @@ TICK_KEY = "tick"
 def tick_line(tick: Any) -> str:
     """One energy tick (``energy.account.TickRecord``) as a trace line ``{"tick": {...}}``: its span
     (s, the steps' clock), the meter's joules, step / gap / idle seconds, idle joules and the ids
-    of the requests it made final (their lines in ``requests-rank<N>.jsonl``)."""
+    of the requests it made final (their lines in ``requests-rank<N>.jsonl``), and the joules of
+    counter steps it booked back over the periods they close (``booked_back_j``)."""
     d = tick._asdict()
-    for k in ("t0_s", "t1_s", "energy_j", "busy_s", "gap_s", "idle_s", "idle_j"):
+    for k in ("t0_s", "t1_s", "energy_j", "busy_s", "gap_s", "idle_s", "idle_j", "booked_back_j"):
         d[k] = round(d[k], 6)
     return json.dumps({TICK_KEY: d}) + "\n"
 

@@ -196,7 +196,10 @@ class NvmlEnergyMeter(EnergyMeter):
     checks the phase (a step seen where none was due, or none where one was due, beyond 3 ms) and
     drops it until the next sync if it is wrong. Without a phase the estimate uses the middle of
     the last step's bracket between two reads: at most ``P x period / 2`` per edge, half the raw
-    counter's error. Errors do not accumulate: every read is re-anchored to the counter.
+    counter's error. Errors do not accumulate: every read is re-anchored to the counter. Where the
+    phase is known, each step a read sees is kept as a :class:`CounterStep` (its time and the
+    joules the previous read's rate had not predicted) until :meth:`drain_counter_steps`: the
+    account books them over the period they close (``energy/account.py``).
 
     Counter anomalies, each counted, logged with one warning and bridged with instant power x
     elapsed time instead of a negative or absurd value:
