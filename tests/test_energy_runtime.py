@@ -319,6 +319,20 @@ def test_gauges_are_read_once_per_gauge_period(monkeypatch, tmp_path):
         runtime.close()
 
 
+def test_snapshot_says_what_the_meter_learnt_of_the_counter(monkeypatch, tmp_path):
+    """The counter's period and the reads that contradicted its phase are in the snapshot, so a
+    run's raw files show how well its counter steps were placed (docs/request-energy.md)."""
+    nvml = FakeNvmlDevices(uuids=("GPU-aaaa-0000", "GPU-bbbb-1111"))
+    runtime = make_runtime(monkeypatch, tmp_path, nvml)
+    try:
+        run_steps(runtime, nvml)
+        snap = json.loads((tmp_path / "rank0.json").read_text())
+        assert snap["counter_period_s"] == runtime.meter.period > 0
+        assert snap["counter_phase_losses"] == runtime.meter.phase_losses
+    finally:
+        runtime.close()
+
+
 def test_snapshot_reports_the_workers_peak_cuda_allocation(monkeypatch, tmp_path):
     # What LM-head chunking lowers for prompt-logprob batches; read from PyTorch's allocator stats.
     import torch

@@ -85,6 +85,8 @@ class WorkerSnapshot(TypedDict, total=False):
     energy_unavailable_reason: str | None
     counter_resets: int
     counter_wraps: int
+    counter_period_s: float  # the counter's step period as learnt (0 for meters without steps)
+    counter_phase_losses: int  # reads that contradicted the learnt phase (energy/meters.py)
     meter_faults: int
     energy_j: dict[str, float]  # by phase
     time_s: dict[str, float]  # by phase
@@ -136,6 +138,8 @@ class WorkerSnapshot(TypedDict, total=False):
 NONNEG_KEYS: tuple[str, ...] = (
     "counter_resets",
     "counter_wraps",
+    "counter_period_s",
+    "counter_phase_losses",
     "meter_faults",
     "power_w",
     "sm_clock_mhz",

@@ -70,6 +70,7 @@ class EnergyMeter(ABC):
     #: Counter anomalies seen (see NvmlEnergyMeter); 0 for meters without a counter.
     counter_resets: int = 0
     counter_wraps: int = 0
+    phase_losses: int = 0  # reads that contradicted the counter's learnt phase (NvmlEnergyMeter)
     faults: int = 0
     unavailable_reason: str | None = None
     #: Whether the GPU draws power in the gaps between engine steps (a real GPU idles there; the

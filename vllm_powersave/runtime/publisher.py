@@ -206,6 +206,8 @@ class Publisher:
             "energy_unavailable_reason": m.unavailable_reason,
             "counter_resets": m.counter_resets,
             "counter_wraps": m.counter_wraps,
+            "counter_period_s": m.counter_period_s,
+            "counter_phase_losses": m.phase_losses,
             "meter_faults": m.faults,
             "steps": dict(acc.steps),
             "tokens": dict(acc.tokens),
