@@ -592,9 +592,12 @@ class TraceCounterGpu(FakeNvmlDevices):
         i = bisect.bisect_right(self.ts, t) - 1
         return self.cum[i] + self.ws[i] * (t - self.ts[i])
 
+    offset_mj = 7_000_000  # a driver reload sets it back
+
     def nvmlDeviceGetTotalEnergyConsumption(self, h):
+        self._hit("nvmlDeviceGetTotalEnergyConsumption")
         k = math.floor((self.clock() - 0.037) / 0.1)
-        return 7_000_000 + int(round(self.true_j(0.037 + k * 0.1) * 1000))
+        return self.offset_mj + int(round(self.true_j(0.037 + k * 0.1) * 1000))
 
     def power_at(self, t):
         return self.ws[bisect.bisect_right(self.ts, t) - 1]
@@ -708,6 +711,84 @@ def test_a_counter_steps_jump_goes_to_the_period_it_closes_so_identical_requests
     (err_p95, worst), (err_p95_tick, worst_tick) = figures["period"], figures["tick"]
     assert err_p95 < 0.16 and worst < 1.30, figures
     assert err_p95_tick > 1.4 * err_p95 and worst_tick > worst + 0.15, figures
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_booked_back_jumps_keep_every_sum_through_idle_resets_and_a_lost_counter(seed):
+    """Random serving through a 100 ms counter with its phase synced, so that counter steps are
+    booked back: bursts and idle gaps, power from 80 to 900 W, a driver reload, ticks 5-300 ms
+    apart, then a lost counter. After every tick requests + idle + tail (+ the open gap) equal
+    the account's total; the total follows the meter; no request reads below zero; requests
+    finishing after the loss get None."""
+    rng = random.Random(seed)
+    clock = Clock()
+    gpu = TraceCounterGpu(clock, random.Random(seed + 100))
+    clock.t = 0.5
+    meter = NvmlEnergyMeter(NvmlGpu(gpu, 0, "GPU-x"), clock=clock, counter_period_s=0.1)
+    done = {}
+    ticks = []
+    acc = PhaseEnergyAccount(
+        meter,
+        clock=clock,
+        per_request=True,
+        cost=RequestCostModel.for_shape(SHAPE),
+        on_request_done=done.__setitem__,
+        on_tick=ticks.append,
+    )
+    running, finished, n, next_tick, reset_at = {}, [], 0, 0.6, rng.uniform(5, 15)
+
+    def sync():
+        own = Clock()
+        own.t = clock.t
+        gpu.clock = meter.clock = own
+        meter.sync_counter_phase(sleep=lambda s: setattr(own, "t", own.t + s))
+        gpu.clock = meter.clock = clock
+
+    while clock.t < 20:
+        if rng.random() < 0.1 or not running:
+            n += 1
+            running[f"q{n}"] = [rng.randint(20, 300), 0]
+        req = {r: (st[0] if st[1] == 0 else 1) for r, st in running.items()}
+        acc.on_step(
+            "mixed" if any(v > 1 for v in req.values()) else "decode",
+            req_tokens=req,
+            finished=finished,
+            req_ctx={r: st[1] for r, st in running.items()},
+        )
+        finished = []
+        dt = rng.uniform(0.003, 0.04)
+        gpu.run(clock.t, rng.choice([300.0, 550.0, 900.0]))
+        acc.on_step_end(clock.t + dt * rng.uniform(0.3, 1.0))
+        clock.t += dt
+        for r, st in list(running.items()):
+            st[1] += req[r]
+            if rng.random() < 0.05:
+                finished.append(r)
+                del running[r]
+        if rng.random() < 0.03:
+            if not running:
+                acc.on_finished(finished)
+                finished = []
+            gpu.run(clock.t, 80.0)
+            clock.t += rng.uniform(0.05, 1.5)  # host gap or idle
+        if clock.t > reset_at:
+            gpu.offset_mj, reset_at = 1_000 - int(gpu.true_j(clock.t - 0.1) * 1000), math.inf  # driver reload
+        if clock.t >= meter.sync_due:
+            sync()
+        if clock.t >= next_tick:
+            acc.tick()
+            next_tick = clock.t + rng.choice([0.005, 0.016, 0.1, 0.3])
+            assert balance(acc) == pytest.approx(acc.total_j(), rel=1e-9, abs=1e-9)
+    assert meter.counter_resets == 1 and len(done) > 20 and sum(1 for r in ticks if r.booked_back_j) > 5
+    assert all(j is not None and j >= 0 for j in done.values())
+    assert acc.total_j() == pytest.approx(sum(r.energy_j for r in ticks), rel=1e-9)  # the meter's, all of it
+    gpu.faults["nvmlDeviceGetTotalEnergyConsumption"] = 999  # the counter is lost
+    acc.on_step("decode", req_tokens={r: 1 for r in running}, finished=finished, req_ctx={r: 1 for r in running})
+    clock.t += 0.02
+    acc.on_step_end()
+    acc.on_finished(list(running))
+    acc.tick()
+    assert not acc.available and all(done[r] is None for r in running)
 
 
 class SteppingMeter:
