@@ -287,63 +287,6 @@ def test_a_gap_between_steps_stays_with_the_step_when_the_next_step_follows():
     assert acc.finished_request_j == pytest.approx(45.0)
 
 
-def test_requests_idle_and_tail_equal_the_counter_through_resets_and_a_lost_counter():
-    """A random serving trace with idle gaps, a counter reset and finally a lost counter: until the
-    loss requests + idle + tail (+ the open gap) equal the account's total, which follows the
-    counter; afterwards finishing requests get None, never a partial figure."""
-    rng = random.Random(7)
-    cost = RequestCostModel.for_shape(SHAPE)
-    clock, nvml = Clock(), FakeNvml(energy_mj=5_000_000)
-    meter = NvmlEnergyMeter(NvmlGpu(nvml, "h"), clock=clock, interpolate=False)
-    done = {}
-    acc = PhaseEnergyAccount(
-        meter, idle_after_s=0.25, clock=clock, per_request=True, cost=cost, on_request_done=lambda r, j: done.__setitem__(r, j)
-    )
-    running, finished, n, next_tick, reset_done = {}, [], 0, 0.1, False
-    while clock.t < 30:
-        if rng.random() < 0.08 or not running:
-            n += 1
-            running[f"q{n}"] = [rng.randint(20, 300), 0]
-        req = {r: (st[0] if st[1] == 0 else 1) for r, st in running.items()}
-        ctx = {r: st[1] for r, st in running.items()}
-        acc.on_step("mixed" if any(v > 1 for v in req.values()) else "decode", req_tokens=req, finished=finished, req_ctx=ctx)
-        finished = []
-        dt = rng.uniform(0.01, 0.04)
-        clock.t += dt
-        nvml.energy_mj += int(dt * rng.choice([250, 400, 600]) * 1000)
-        acc.on_step_end()
-        for r, st in list(running.items()):
-            st[1] += req[r]
-            if rng.random() < 0.04:
-                finished.append(r)
-                del running[r]
-        if rng.random() < 0.03:
-            if not running:
-                acc.on_finished(finished)
-                finished = []
-            gap = rng.uniform(0.05, 1.0)  # host gap or idle
-            clock.t += gap
-            nvml.energy_mj += int(gap * 90 * 1000)
-        if not reset_done and clock.t > 15:
-            nvml.energy_mj = 1_000  # driver reload: the counter restarts
-            reset_done = True
-        if clock.t >= next_tick:
-            acc.tick()
-            next_tick = clock.t + rng.uniform(0.08, 0.2)
-            assert balance(acc) == pytest.approx(acc.total_j(), rel=1e-9)
-    assert meter.counter_resets == 1 and len(done) > 10
-    assert all(j is not None and j >= 0 for j in done.values())
-    assert acc.total_j() == pytest.approx(meter.energy_j(), rel=1e-9)
-    nvml.fail_energy = True  # the counter is lost
-    acc.on_step("decode", req_tokens={r: 1 for r in running}, finished=finished, req_ctx={r: 1 for r in running})
-    clock.t += 0.02
-    acc.on_step_end()
-    acc.on_finished(list(running))
-    acc.tick()
-    assert not acc.available
-    assert all(done[r] is None for r in running)
-
-
 def serve_cpu_sequential(account_kwargs, *, n=5, seed=0, idle_before_s=1.0):
     """The CPU build's stream with the simulated meter: ``n`` identical requests, one after the
     other (a 5-token prompt, 16 tokens out); a CPU step takes 20-30 ms of wall time but the
@@ -610,6 +553,16 @@ class TraceCounterGpu(FakeNvmlDevices):
         return int(self.power_at(self.clock()) * 1000)
 
 
+def sync_while_running(gpu, meter, clock):
+    """The publisher's counter-phase sync: it polls on a thread of its own while the GPU runs on,
+    so on a clock of its own here (the main clock stays where the serving loop left it)."""
+    own = Clock()
+    own.t = clock.t
+    gpu.clock = meter.clock = own
+    meter.sync_counter_phase(sleep=lambda s: setattr(own, "t", own.t + s))
+    gpu.clock = meter.clock = clock
+
+
 def serve_through_the_counter(seed, swing=0.1, n_requests=600, batch=120, prompt=128, out=96):
     """Identical requests at a steady batch on the simulated H200, metered through a 100 ms NVML
     counter as on a real GPU: async host steps, ticks at request finishes (at most every 10 ms,
@@ -628,17 +581,10 @@ def serve_through_the_counter(seed, swing=0.1, n_requests=600, batch=120, prompt
     done, truth = {}, {}
     acc = PhaseEnergyAccount(meter, clock=clock, per_request=True, cost=cost, on_request_done=done.__setitem__, gpu_runs_ahead=True)
 
-    def sync():
-        own = Clock()
-        own.t = clock.t
-        gpu.clock = meter.clock = own
-        meter.sync_counter_phase(sleep=lambda s: setattr(own, "t", own.t + s))
-        gpu.clock = meter.clock = clock
-
     while clock.t < 2.0:  # idle first: the idle power, and the counter's phase
         clock.t += 0.1
         if clock.t >= meter.sync_due:
-            sync()
+            sync_while_running(gpu, meter, clock)
         acc.tick()
     running, admitted, finished, last_tick, slow, slow_t = {}, 0, [], clock.t, 0.0, clock.t
     while admitted < n_requests or running:
@@ -677,7 +623,7 @@ def serve_through_the_counter(seed, swing=0.1, n_requests=600, batch=120, prompt
                     finished.append(rid)
                     del running[rid]
         if clock.t >= meter.sync_due:
-            sync()
+            sync_while_running(gpu, meter, clock)
         if (flush and clock.t - last_tick >= 0.01) or clock.t - last_tick >= 0.1:
             acc.tick()
             last_tick = clock.t
@@ -713,18 +659,18 @@ def test_a_counter_steps_jump_goes_to_the_period_it_closes_so_identical_requests
     assert err_p95_tick > 1.4 * err_p95 and worst_tick > worst + 0.15, figures
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_booked_back_jumps_keep_every_sum_through_idle_resets_and_a_lost_counter(seed):
-    """Random serving through a 100 ms counter with its phase synced, so that counter steps are
-    booked back: bursts and idle gaps, power from 80 to 900 W, a driver reload, ticks 5-300 ms
-    apart, then a lost counter. After every tick requests + idle + tail (+ the open gap) equal
-    the account's total; the total follows the meter; no request reads below zero; requests
-    finishing after the loss get None."""
+@pytest.mark.parametrize("seed,synced", [(s, True) for s in range(6)] + [(s, False) for s in range(2)])
+def test_requests_idle_and_tail_equal_the_counter_through_resets_and_a_lost_counter(seed, synced):
+    """Random serving through a 100 ms counter: bursts and idle gaps, power from 80 to 900 W, a
+    driver reload, ticks 5-300 ms apart, then a lost counter; the counter's phase synced (its
+    steps booked back over their periods) or not (the raw counter, not interpolated). After every
+    tick requests + idle + tail (+ the open gap) equal the account's total; the total is the
+    meter's; no request reads below zero; requests finishing after the loss get None."""
     rng = random.Random(seed)
     clock = Clock()
     gpu = TraceCounterGpu(clock, random.Random(seed + 100))
     clock.t = 0.5
-    meter = NvmlEnergyMeter(NvmlGpu(gpu, 0, "GPU-x"), clock=clock, counter_period_s=0.1)
+    meter = NvmlEnergyMeter(NvmlGpu(gpu, 0, "GPU-x"), clock=clock, counter_period_s=0.1, interpolate=synced)
     done = {}
     ticks = []
     acc = PhaseEnergyAccount(
@@ -736,13 +682,6 @@ def test_booked_back_jumps_keep_every_sum_through_idle_resets_and_a_lost_counter
         on_tick=ticks.append,
     )
     running, finished, n, next_tick, reset_at = {}, [], 0, 0.6, rng.uniform(5, 15)
-
-    def sync():
-        own = Clock()
-        own.t = clock.t
-        gpu.clock = meter.clock = own
-        meter.sync_counter_phase(sleep=lambda s: setattr(own, "t", own.t + s))
-        gpu.clock = meter.clock = clock
 
     while clock.t < 20:
         if rng.random() < 0.1 or not running:
@@ -773,13 +712,13 @@ def test_booked_back_jumps_keep_every_sum_through_idle_resets_and_a_lost_counter
             clock.t += rng.uniform(0.05, 1.5)  # host gap or idle
         if clock.t > reset_at:
             gpu.offset_mj, reset_at = 1_000 - int(gpu.true_j(clock.t - 0.1) * 1000), math.inf  # driver reload
-        if clock.t >= meter.sync_due:
-            sync()
+        if synced and clock.t >= meter.sync_due:
+            sync_while_running(gpu, meter, clock)
         if clock.t >= next_tick:
             acc.tick()
             next_tick = clock.t + rng.choice([0.005, 0.016, 0.1, 0.3])
             assert balance(acc) == pytest.approx(acc.total_j(), rel=1e-9, abs=1e-9)
-    assert meter.counter_resets == 1 and len(done) > 20 and sum(1 for r in ticks if r.booked_back_j) > 5
+    assert meter.counter_resets == 1 and len(done) > 20 and (sum(1 for r in ticks if r.booked_back_j) > 5) == synced
     assert all(j is not None and j >= 0 for j in done.values())
     assert acc.total_j() == pytest.approx(sum(r.energy_j for r in ticks), rel=1e-9)  # the meter's, all of it
     gpu.faults["nvmlDeviceGetTotalEnergyConsumption"] = 999  # the counter is lost
