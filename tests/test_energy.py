@@ -655,3 +655,34 @@ def test_counter_steps_report_when_and_how_much_interpolation_missed_and_a_phase
     e0, t0 = meter.energy_j(), clock.t
     clock.t = t_step + 0.001
     assert meter.energy_j() - e0 == pytest.approx(gpu.true_j(clock.t) - gpu.true_j(t0), abs=500 * 0.004)
+
+
+def test_syncs_learn_the_counter_period_from_coarse_or_fine_polls_without_miscounting_periods():
+    """NVML reads take ~4 ms on the H200 test host: two counter steps polled 5 ms apart pin the
+    period only to ~5 %, and a phase on such a period drifts out within a few periods. Such a
+    sync keeps the nominal 100 ms; syncs then come while the phase can have drifted a quarter
+    period at most, each measuring the period over the baseline since the last, so that the
+    periods between them are counted right (30 s of a period 0.3 % off the nominal one would
+    be miscounted by one). Coarse or fine, the period converges and the phase holds."""
+    for poll_s in (0.005, 0.001):
+        clock = Clock()
+        gpu = CounterGpu(clock, [(0.0, 300.0)], period=0.1003, phase=0.0123)
+
+        def sleep(s):
+            clock.t += s
+
+        clock.t = 0.5
+        meter = NvmlEnergyMeter(NvmlGpu(gpu, 0, "GPU-x"), clock=clock, counter_period_s=0.1)
+        assert meter.sync_counter_phase(poll_s=poll_s, sleep=sleep)
+        if poll_s == 0.005:
+            assert meter.period == 0.1  # the two steps' brackets say less than the nominal period
+        gaps = [meter.sync_due - clock.t]
+        while clock.t < 90:
+            clock.t = meter.sync_due
+            assert meter.sync_counter_phase(poll_s=poll_s, sleep=sleep)
+            gaps.append(meter.sync_due - clock.t)
+            for _ in range(20):  # reads between syncs check the phase
+                clock.t += 0.016
+                meter.energy_j()
+        assert meter.period == pytest.approx(0.1003, abs=1e-6) and meter.phase_losses == 0
+        assert gaps[0] < 5.0 and gaps[-1] == pytest.approx(30.0, abs=0.3)  # sooner while uncertain

@@ -655,7 +655,7 @@ def test_a_counter_steps_jump_goes_to_the_period_it_closes_so_identical_requests
             assert acc.meter.counter_resets == 0 and acc.meter.available
         figures[where] = statistics.quantiles(err, n=20)[-1], max(rel)
     (err_p95, worst), (err_p95_tick, worst_tick) = figures["period"], figures["tick"]
-    assert err_p95 < 0.16 and worst < 1.30, figures
+    assert err_p95 < 0.12 and worst < 1.20, figures
     assert err_p95_tick > 1.4 * err_p95 and worst_tick > worst + 0.15, figures
 
 

@@ -193,7 +193,8 @@ class NvmlEnergyMeter(EnergyMeter):
     :data:`LOAD_CHANGE_RATIO` (a load change; see :meth:`_interp_power_w`). The counter steps at a
     fixed period, so :meth:`sync_counter_phase` (called by the background publisher, never on the
     step path) polls it every 1 ms until it steps, which gives the phase to ~1 ms and, on the first
-    call, the period; later syncs (every 30 s) refine the period over the long baseline. Every read
+    call, the period where its polls pin it; later syncs (sooner while the period is uncertain,
+    then every 30 s) measure it over the baseline between them. Every read
     checks the phase (a step seen where none was due, or none where one was due, beyond 3 ms) and
     drops it until the next sync if it is wrong. Without a phase the estimate uses the middle of
     the last step's bracket between two reads: at most ``P x period / 2`` per edge, half the raw
@@ -250,6 +251,9 @@ class NvmlEnergyMeter(EnergyMeter):
         # bracket (lo, hi] of the last step seen between two reads.
         self._phase_t: float | None = None
         self._last_sync_t: float | None = None
+        self._last_sync_w = 0.0  # the width of that sync's step bracket, s
+        #: How far the period may be off (s): 1 % for the nominal one, then what syncs measured.
+        self.period_sigma_s = 0.01 * counter_period_s
         self._bracket = (self._t_read - self.period, self._t_read)
         self.sync_every_s = 30.0
         self.sync_due = self._t_read
@@ -345,15 +349,16 @@ class NvmlEnergyMeter(EnergyMeter):
     def sync_counter_phase(self, poll_s: float = 0.001, sleep: Callable[[float], None] = time.sleep) -> bool:
         """Learn when the counter steps: poll it every ``poll_s`` until it changes (background only).
 
-        The first call follows two steps and also measures the period; later calls (every
-        ``sync_every_s``, or after a read contradicted the phase) follow one step and refine the
-        period over the long baseline. At most ~2.5 periods of polling (``poll_s`` apart, NVML reads
+        The first call follows two steps and also measures the period where its brackets are
+        narrow; later calls (as soon as the phase may have drifted a quarter period, at most every
+        ``sync_every_s``, or after a read contradicted the phase) follow one step and measure the
+        period over the baseline since the last sync. At most ~2.5 periods of polling (``poll_s`` apart, NVML reads
         only). Returns False if the counter did not step in that time (phase stays unknown).
         """
         if self.unavailable_reason is not None or not self.interpolate:
             return False
         T = self.period
-        steps: list[float] = []
+        steps: list[tuple[float, float]] = []  # (the middle of a step's bracket, its width), s
         try:
             c_prev, t_prev = self.gpu.total_energy_mj(), self.clock()
             deadline = t_prev + 2.5 * T
@@ -362,21 +367,33 @@ class NvmlEnergyMeter(EnergyMeter):
                 sleep(poll_s)
                 c, t = self.gpu.total_energy_mj(), self.clock()
                 if c != c_prev:
-                    steps.append((t_prev + t) / 2)
+                    steps.append(((t_prev + t) / 2, t - t_prev))
                 c_prev, t_prev = c, t
         except Exception as exc:
             log.debug("powersave: counter phase sync failed on GPU %s: %s", self.gpu_id, exc)
             return False  # the next energy read reports the fault
-        self.sync_due = self.clock() + self.sync_every_s
         if len(steps) < want:
+            self.sync_due = self.clock() + self.sync_every_s
             return False
-        if len(steps) == 2 and 0.5 * T < steps[1] - steps[0] < 2.0 * T:
-            T = self.period = steps[1] - steps[0]
+        # The period is only as good as the brackets behind it: NVML reads take ~4 ms on the H200
+        # test host (docs/results/h200-energy-meter.md), so two steps polled there pin it to ~5 %
+        # only, and a phase then drifts 5 ms per period. A measurement is taken where it beats
+        # what is known (period_sigma_s), and the next sync comes while the phase can have
+        # drifted at most a quarter period, so that the periods between two syncs are counted
+        # right and the period is measured again over that longer baseline.
+        (t_step, w_step) = steps[-1]
+        if len(steps) == 2 and 0.5 * T < t_step - steps[0][0] < 2.0 * T and (w_step + steps[0][1]) / 2 < self.period_sigma_s:
+            T = self.period = t_step - steps[0][0]
+            self.period_sigma_s = (w_step + steps[0][1]) / 2
         elif self._last_sync_t is not None:
-            n = round((steps[-1] - self._last_sync_t) / T)
-            if n >= 2 and abs((steps[-1] - self._last_sync_t) / n - T) < 0.05 * T:
-                self.period = (steps[-1] - self._last_sync_t) / n
-        self._phase_t = self._last_sync_t = steps[-1]
+            n = round((t_step - self._last_sync_t) / T)
+            sigma = (w_step + self._last_sync_w) / 2 / max(n, 1)
+            if n >= 2 and n * self.period_sigma_s < 0.5 * T and sigma < self.period_sigma_s:
+                T = self.period = (t_step - self._last_sync_t) / n
+                self.period_sigma_s = sigma
+        self._phase_t = self._last_sync_t = t_step
+        self._last_sync_w = w_step
+        self.sync_due = self.clock() + min(self.sync_every_s, 0.25 * T / self.period_sigma_s * T)
         return True
 
     def _step(self, now_mj: int, t: float) -> None:
