@@ -67,8 +67,9 @@ class EnergyReading:
     idle_while_busy_j: float | None = None
     idle_while_busy_s: float | None = None
     frontend_busy_s: float | None = None
-    # How far ``window_s`` may be off the span the counters cover (s): half the round trip of the
-    # first and of the last counter read (zeusd; 0 for local reads). A stalled client makes it large.
+    # How far ``window_s`` may be off the span the counters cover (s): half the span of the first
+    # and of the last counter read (a zeusd round trip, or an NVML read aligned on a counter update
+    # from the last poll that saw the old value; 0 for server metrics). A stalled client makes it large.
     window_edge_s: float = 0.0
 
 
@@ -145,22 +146,35 @@ class NvmlEnergy:
         """Per-GPU counter values in joules, keyed by index."""
         return {str(i): g.total_energy_mj() / 1000.0 for i, g in zip(self._indices, self._gpus)}
 
-    async def aligned_per_gpu_j(self, max_wait_s: float = 0.25, poll_s: float = 0.002) -> tuple[float, dict[str, float]]:
-        """``(t, per-GPU joules)`` taken right when the first GPU's counter updates.
+    async def aligned_per_gpu_j(self, max_wait_s: float = 0.25, poll_s: float = 0.002) -> tuple[float, float, dict[str, float]]:
+        """``(t, span_s, per-GPU joules)`` taken right when the first GPU's counter updates.
 
         The counter advances in ~100 ms steps, so a window read at arbitrary times is off by up to
         a step at each edge (±2 % on a 5 s window). Starting and ending the window on a counter
         update removes that quantisation; the window then grows by < 100 ms per edge (the energy
         of that time is real and stays in). Falls back to a plain read after ``max_wait_s``.
+
+        The update lies between the last poll that still saw the old value and the end of the read
+        of every GPU: ``t`` is that span's midpoint and ``span_s`` its length (s), a few ms unless
+        the poller stalled (a loaded host), which then shows in ``span_s`` instead of shifting ``t``.
+        (A plain read after ``max_wait_s`` without an update is stamped at its own span.)
         """
         g0 = self._gpus[0]
+        before = time.perf_counter()  # the last poll known to precede the update
         first = g0.total_energy_mj()
-        deadline = time.perf_counter() + max_wait_s
-        while time.perf_counter() < deadline:
+        deadline = before + max_wait_s
+        while True:
+            polled = time.perf_counter()
+            # Read before testing the deadline: after a stall past it the counter has moved.
             if g0.total_energy_mj() != first:
                 break
+            before = polled
+            if polled >= deadline:
+                break
             await asyncio.sleep(poll_s)
-        return time.perf_counter(), self.per_gpu_j()
+        per_gpu = self.per_gpu_j()
+        after = time.perf_counter()
+        return (before + after) / 2, after - before, per_gpu
 
 
 async def scrape_metrics(session: aiohttp.ClientSession, base_url: str, timeout_s: float) -> str | None:
@@ -277,7 +291,7 @@ class Sample:
     idle_while_busy_j: float | None = None  # cumulative starvation counters (server metrics), J / s
     idle_while_busy_s: float | None = None
     frontend_busy_s: float | None = None
-    read_s: float = 0.0  # round trip of a remote counter read (s); ``t`` is its midpoint
+    read_s: float = 0.0  # span in which the counters were read (s): zeusd round trip, aligned NVML read; ``t`` is its midpoint
 
 
 def _nvml_gauges(nvml: NvmlEnergy) -> tuple[float | None, float | None]:
@@ -425,11 +439,12 @@ class EnergyMeter:
                 return
         self._nvml, reason = NvmlEnergy.open(self._gpus)
         if self._nvml is not None:
-            self._t0, self._nvml_before = await self._nvml.aligned_per_gpu_j()
+            self._t0, span, self._nvml_before = await self._nvml.aligned_per_gpu_j()
             power, clock = _nvml_gauges(self._nvml)
             self.samples.append(
                 Sample(
                     t=self._t0,
+                    read_s=span,
                     gpu_j=dict(self._nvml_before),
                     power_w=power,
                     sm_clock_mhz=clock,
@@ -521,13 +536,14 @@ class EnergyMeter:
             return self._window_reading(t1)
         if self._nvml is not None and self._nvml_before is not None:
             try:
-                t1, after_gpu = await self._nvml.aligned_per_gpu_j()
+                t1, span, after_gpu = await self._nvml.aligned_per_gpu_j()
             except Exception as e:  # driver hiccup: report no energy instead of crashing the run
                 return EnergyReading(window_s=time.perf_counter() - self._t0, note=f"no energy source (NVML read failed: {e})")
             power, clock = _nvml_gauges(self._nvml)
             self.samples.append(
                 Sample(
                     t=t1,
+                    read_s=span,
                     gpu_j=dict(after_gpu),
                     power_w=power,
                     sm_clock_mhz=clock,
