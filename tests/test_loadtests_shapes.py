@@ -6,9 +6,10 @@ energy counter is deterministic (``PREFILL_J`` per request, ``DECODE_J`` per tok
 
 Timing tolerances: the fake server's sleeps are a hard lower bound (a client cannot see a chunk
 before it is written), so lower bounds are tight (the event loop's clock resolution, < 1 ms). The
-harness can only add time: request encoding, loopback TCP and SSE parsing take ~1 ms on this
-machine when idle; the upper bounds allow 25 ms on medians and 150 ms on single values because the
-CI machine has 2 cores shared with other jobs (a descheduled event loop shows up as extra latency).
+harness can only add time: ~1 ms on an idle machine, but a stalled CI host (2 cores) can add most
+of a second to any single value. So nothing is bounded from above by a fixed wall-clock margin:
+upper bounds come from what the harness itself measured (a request's end, the next request's
+start, the queue time it reports) or are guards against hangs.
 """
 
 from __future__ import annotations
@@ -78,14 +79,19 @@ def test_ttft_tpot_itl_match_the_servers_delays(fake) -> None:
     n_out = 6
     res = run(BenchConfig(base_url=srv.url, num_prompts=5, max_concurrency=1, output_len=n_out, input_len=4, sample_interval_s=0))
     assert res["completed"] == 5
-    ttfts = res["ttfts"]
-    assert all(0.0499 <= t < 0.050 + 0.150 for t in ttfts), ttfts
-    assert 50.0 <= res["median_ttft_ms"] < 50.0 + 25.0
-    itls = [x for itl in res["itls"] for x in itl]
-    assert len(itls) == 5 * (n_out - 1)
-    assert 10.0 - 1.0 <= res["median_itl_ms"] < 10.0 + 25.0  # a gap can shrink by the previous chunk's delay
-    assert 10.0 <= res["median_tpot_ms"] < 10.0 + 25.0
-    assert all(e >= 0.050 + (n_out - 1) * 0.010 - 1e-3 for e in res["latencies"])
+    ttfts, itls, lats, starts = res["ttfts"], res["itls"], res["latencies"], res["start_times"]
+    assert all(t >= 0.0499 for t in ttfts), ttfts
+    assert all(len(itl) == n_out - 1 and min(itl) >= 0.0 for itl in itls)
+    for t, itl, e in zip(ttfts, itls, lats):
+        # TTFT ends at the first token and the gaps after it reach the last one: no earlier than the
+        # server wrote it, no later than the request's end.
+        assert 0.050 + (n_out - 1) * 0.010 - 1e-3 <= t + sum(itl) <= e + 1e-9
+    # Times count from each request's own start: one at a time, each starts after the previous ended.
+    assert all(s0 + e0 <= s1 + 1e-9 for s0, e0, s1 in zip(starts, lats, starts[1:]))
+    # The summaries are those of the per-request values: TPOT = (E2E - TTFT) / (tokens - 1).
+    assert res["median_ttft_ms"] == pytest.approx(1000.0 * statistics.median(ttfts))
+    assert res["median_itl_ms"] == pytest.approx(1000.0 * statistics.median(x for itl in itls for x in itl))
+    assert res["median_tpot_ms"] == pytest.approx(1000.0 * statistics.median((e - t) / (n_out - 1) for t, e in zip(ttfts, lats)))
     assert res["latencies"] == res["e2els"]
     # One at a time: the server never saw two requests together, and vLLM's peak counter agrees.
     assert srv.max_inflight == 1
@@ -93,13 +99,18 @@ def test_ttft_tpot_itl_match_the_servers_delays(fake) -> None:
 
 
 def test_queue_time_under_a_concurrency_cap(fake) -> None:
-    # 4 requests at once, cap 2, each ~0.1 s: the second pair waits one request's length.
+    # 4 requests at once, cap 2, each >= 0.1 s: the second pair waits for a slot.
     srv = fake(first_delay=0.1, itl_delay=0.0)
     res = run(BenchConfig(base_url=srv.url, num_prompts=4, max_concurrency=2, output_len=1, input_len=2, sample_interval_s=0))
-    q = sorted(res["queue_times"])
-    assert q[0] < 0.02 and q[1] < 0.02
-    assert 0.0999 <= q[2] < 0.25 and 0.0999 <= q[3] < 0.25
-    assert srv.max_inflight == 2
+    q, st, lat = res["queue_times"], res["start_times"], res["latencies"]
+    # All four arrived at the run's start: the queue time counts from there, so it is the start time.
+    assert q == pytest.approx(st, abs=1e-9)
+    # The first two run together (the second starts before the first could end); the other two
+    # start only once one of them ended, >= 0.1 s in.
+    assert st[1] < st[0] + lat[0]
+    first_end = min(st[0] + lat[0], st[1] + lat[1])
+    assert all(st[k] >= max(first_end - 1e-9, 0.0999) for k in (2, 3))
+    assert srv.max_inflight <= 2
 
 
 # ---------------------------------------------------------------------------------
@@ -123,8 +134,12 @@ def test_fleet_round_robin_per_endpoint_and_total_energy(fake) -> None:
     assert res["output_tokens_per_joule"] == n * out_len / (2 * per)
     assert ea["energy_source"] == eb["energy_source"] == res["energy_source"] == "measured"
     assert res["gpu_avg_power_w"] == pytest.approx(2 * per / res["energy_window_s"])
-    # Each endpoint's latency is its own server's.
-    assert 10.0 <= ea["median_ttft_ms"] < 80.0 <= eb["median_ttft_ms"]
+    # Each endpoint's latency is its own requests', and B's server never answers before 80 ms.
+    for k, ep in enumerate((ea, eb)):
+        mine = [t for t, e in zip(res["ttfts"], res["endpoint_ids"]) if e == k]
+        assert ep["median_ttft_ms"] == pytest.approx(1000.0 * statistics.median(mine))
+    assert all(t >= 0.08 for t, e in zip(res["ttfts"], res["endpoint_ids"]) if e == 1)
+    assert ea["median_ttft_ms"] >= 10.0
     assert ea["completed"] == eb["completed"] == n // 2
     md = __import__("loadtests").format_markdown(res)
     assert "### Per endpoint" in md and "**fleet total**" in md
@@ -146,14 +161,22 @@ def test_fleet_steady_state_per_endpoint_from_each_servers_meter(fake) -> None:
         done = sorted(res["start_times"][i] + res["latencies"][i] for i in mine)
         lo, hi = ep["steady_state_start_s"], ep["steady_state_end_s"]
         assert first[B // 2 - 1] <= lo < hi <= done[len(mine) - B // 2 - 2]
+        # Tokens: this server's own token arrivals inside its window (a mix-up of servers, the
+        # slower one making fewer, would count others').
+        tok = 0
+        for i in mine:
+            x = res["start_times"][i] + res["ttfts"][i]
+            tok += lo < x <= hi
+            for g in res["itls"][i]:
+                x += g
+                tok += lo < x <= hi
+        assert ep["steady_state_output_tokens"] == tok
+        assert ep["steady_state_output_throughput"] == pytest.approx(tok / (hi - lo))
         # Energy from this server's meter only: its tokens and prefills inside the window, edges aside.
-        tok = ep["steady_state_output_tokens"]
         starts = sum(1 for i in mine if lo < res["start_times"][i] <= hi)
         assert abs(ep["steady_state_gpu_energy_j"] - (tok * DECODE_J + starts * PREFILL_J)) <= 2 * B * (DECODE_J + PREFILL_J)
         assert ep["steady_state_output_tokens_per_joule"] == tok / ep["steady_state_gpu_energy_j"]
         assert ep["steady_state_energy_source"] == "measured"
-    # The slower server (longer ITL) makes fewer tokens per second in its window.
-    assert eb["steady_state_output_throughput"] < ea["steady_state_output_throughput"]
     md = __import__("loadtests").format_markdown(res)
     assert "Steady state: tokens / J" in md and f"{ea['steady_state_output_tokens_per_joule']:.4f} (measured)" in md
 
@@ -286,7 +309,8 @@ def test_ramp_run_respects_schedule_and_records_fields(fake) -> None:
     )
     res = run(cfg)
     offs = ramp_offsets(6, 10.0, 30.0, strategy="linear", arrival="constant")
-    assert all(off - 1e-3 <= st < off + 0.15 for st, off in zip(res["start_times"], offs))
+    # Never before its arrival; a late start is queue time the result reports (from the arrival).
+    assert all(off - 1e-3 <= st <= off + q + 1e-9 for st, off, q in zip(res["start_times"], offs, res["queue_times"]))
     assert res["ramp_up_strategy"] == "linear" and res["ramp_up_end_rps"] == 30.0
 
 
@@ -302,8 +326,8 @@ def test_trace_replay_timing_prompts_and_scale(fake, tmp_path) -> None:
     )
     res = run(BenchConfig(base_url=srv.url, trace=str(trace), output_len=4, trace_time_scale=0.5, sample_interval_s=0))
     assert res["num_prompts"] == 3 and res["completed"] == 3 and res["arrival"] == "trace"
-    for st, off in zip(res["start_times"], [0.0, 0.1, 0.25]):  # sorted by timestamp, x 0.5
-        assert off - 1e-3 <= st < off + 0.15
+    for st, off, q in zip(res["start_times"], [0.0, 0.1, 0.25], res["queue_times"]):  # sorted by timestamp, x 0.5
+        assert off - 1e-3 <= st <= off + q + 1e-9  # late only by the queue time the result reports
     prompts = [p["prompt"] for p in srv.payloads]
     assert prompts[0] == "first one here"
     assert [len(p.split()) for p in prompts[1:]] == [5, 7]
