@@ -127,22 +127,27 @@ def test_grid_and_shape_parsing_errors_name_the_entry():
     assert lmhead.planned_points([(8, 16)], lmhead.parse_grid("2,64:spec"), [1, 2, 4], 2) == 2 * (2 + 3)
 
 
-def test_counter_poller_records_each_update_with_its_time():
-    import time
+def test_counter_poller_records_each_update_with_its_time(monkeypatch):
+    import types
 
-    from vllm_powersave.tune.energy import _CounterPoller
+    from vllm_powersave.tune import energy
 
-    t0 = time.perf_counter()
+    # A fake clock (ms) that only a read advances: each read takes 1 ms, so a stalled test host
+    # cannot move an edge. The counter advances every 20 ms by 2000 mJ (100 W), like NVML's.
+    now_ms = [0]
 
-    def read():  # NVML-like: advances every 20 ms by 2000 mJ (100 W)
-        return int((time.perf_counter() - t0) / 0.02) * 2000
+    def read():
+        now_ms[0] += 1
+        if now_ms[0] == 250:
+            p.stop_evt.set()  # the last read
+        return now_ms[0] // 20 * 2000
 
-    p = _CounterPoller(read, 0.001)
+    monkeypatch.setattr(energy, "time", types.SimpleNamespace(perf_counter=lambda: now_ms[0] / 1000))
+    p = energy._CounterPoller(read, 0.0)
     p.start()
-    time.sleep(0.25)
-    p.stop_evt.set()
-    p.join()
-    assert len(p.changes) >= 8
+    p.join(timeout=30)
+    assert not p.is_alive() and p.error is None
+    # Every update once, stamped right after the read that saw it.
+    assert p.changes == [(k * 20 / 1000, k * 2000) for k in range(1, 13)]
     (ta, ea), (tb, eb) = p.changes[1], p.changes[-1]
-    # Power between two recorded updates is the counter's 100 W, within the edges' poll jitter.
-    assert (eb - ea) / 1000 / (tb - ta) == pytest.approx(100.0, rel=0.15)
+    assert (eb - ea) / 1000 / (tb - ta) == pytest.approx(100.0, rel=1e-9)
