@@ -188,11 +188,15 @@ def test_worker_runtime_auto_mode_drives_the_booster(monkeypatch, tmp_path):
     from vllm_powersave.settings import PowersaveSettings
 
     holders: list[FakeHolder] = []
+    # The controller's clock is the steps' (time.monotonic) moved ahead by the test: the publisher
+    # thread's ticks cannot release the boost on their own during a stall of the test host (the
+    # dwell is 30 s), only once the test moves the clock past it.
+    ahead = [0.0]
 
     def fake_boost_for(on_gpu, gpu_id, release_after_s):
         assert on_gpu and gpu_id.startswith("GPU-")
         holders.append(FakeHolder())
-        return BoostController(holders[-1], release_after_s)
+        return BoostController(holders[-1], release_after_s, clock=lambda: time.monotonic() + ahead[0])
 
     nvml = FakeNvmlDevices(["GPU-bbbb-1111"])
     monkeypatch.setitem(sys.modules, "pynvml", nvml)
@@ -204,7 +208,7 @@ def test_worker_runtime_auto_mode_drives_the_booster(monkeypatch, tmp_path):
         {
             "stats_dir": str(tmp_path),
             "cuda_perf_boost": "auto",
-            "boost_release_after_s": 0.3,
+            "boost_release_after_s": 30.0,
             "trace_steps": True,
             "energy": {"idle_after_s": 20.0},
         }
@@ -216,7 +220,7 @@ def test_worker_runtime_auto_mode_drives_the_booster(monkeypatch, tmp_path):
             rt.on_step_end()
         _settle(rt.boost, holders[0], 1)
         assert holders[0].calls == [True]
-        time.sleep(0.35)
+        ahead[0] = 30.5  # 30.5 s without a step
         rt.boost.tick()
         _settle(rt.boost, holders[0], 2)
         assert holders[0].calls == [True, False]
