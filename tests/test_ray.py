@@ -266,9 +266,17 @@ def test_tp2_across_two_ray_nodes_ranks_agree_and_energy_reaches_the_api_server(
             )
             assert resp["usage"]["completion_tokens"] == 48
             headers.append((resp["id"], h))
-        time.sleep(1.5)  # a few publish periods
-        with urllib.request.urlopen(srv.base_url + "/metrics", timeout=30) as r:
-            text = r.read().decode()
+        # Wait until both ranks' published energy shows every phase, idle included (each publisher
+        # writes every 0.5 s, later on a loaded CI host), rather than sleep a few periods.
+        deadline = time.monotonic() + 30
+        while True:
+            with urllib.request.urlopen(srv.base_url + "/metrics", timeout=30) as r:
+                text = r.read().decode()
+            per_gpu, _ = energy_series(text)
+            seen = {(k.split('gpu="')[1].split('"')[0], k.split('phase="')[1].split('"')[0]) for k, v in per_gpu.items() if v > 0}
+            if seen >= {(g, p) for g in ("sim0", "sim1") for p in ("prefill", "decode", "idle")} or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
         snaps = {r: json.loads((stats / f"rank{r}.json").read_text()) for r in (0, 1)}
         log = srv.log_tail(400)
     # Both ranks ran the plugin and reported through the relay, from two different Ray nodes.
