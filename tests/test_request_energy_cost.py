@@ -776,3 +776,35 @@ def test_a_jump_is_shared_by_the_period_it_closes_not_by_the_prompt_in_the_tick_
     assert figures[True]["a"] == pytest.approx((21.0 + 8.0 / 102) * f)
     # Left in the tick that saw it, the jump went mostly to the prompt there.
     assert figures[False]["c"] == pytest.approx(38.0 * 100 / 102) and figures[False]["c"] > 2.5 * figures[True]["c"]
+
+
+def test_a_gap_still_open_at_a_tick_stays_pending_when_the_same_tick_settled_the_gap_before_it():
+    """A tick that settles the gap an earlier tick left open (the next step followed) and ends in
+    a new open gap: the new gap's energy waits for what follows it, and is not handed to the
+    requests of the earlier gap. Under load on a GPU almost every tick does both; the new gap
+    went to the requests of the step before the old one."""
+    clock = Clock()
+    meter = PoweredMeter(clock)  # 200 W throughout: every second of every piece costs 200 J
+    done = {}
+    acc = PhaseEnergyAccount(meter, clock=clock, per_request=True, on_request_done=done.__setitem__)
+
+    def step(req, t0, t1, fin=None):
+        clock.t = t0
+        acc.on_step("decode", req_tokens=req, finished=fin, t=t0)
+        acc.on_step_end(t1)
+
+    step({"a": 1}, 0.0, 0.01)
+    clock.t = 0.02
+    acc.tick()  # a's step, then the gap after it, open: pending
+    assert acc.pending_j == pytest.approx(200 * 0.01)
+    step({"b": 1}, 0.025, 0.035)  # follows within idle_after_s: the gap was a's
+    clock.t = 0.045
+    acc.tick()  # settles a's gap, and leaves the one after b's step open
+    assert acc.request_j["a"] == pytest.approx(200 * 0.025)
+    assert acc.pending_j == pytest.approx(200 * 0.01) and acc.request_j["b"] == pytest.approx(200 * 0.01)
+    step({"b": 1}, 0.05, 0.06, fin=["a"])
+    acc.on_finished(["b"], t=0.06)
+    clock.t = 0.07
+    acc.tick()
+    assert done == {"a": pytest.approx(200 * 0.025), "b": pytest.approx(200 * 0.035)}
+    assert balance(acc) == pytest.approx(meter.energy_j(), rel=1e-9)

@@ -427,6 +427,17 @@ class PhaseEnergyAccount:
                 w = cache[id(req)] = step_weights(self.cost, req, ctx)
             return w
 
+        if per_request:
+            # A gap left pending by an earlier interval is settled by what followed it in this one
+            # (energy already booked, so not a booking of this tick); before this interval's own
+            # open gap joins the pending joules, which is not that gap's.
+            for req, ctx in resolved:
+                j, self._pending_j = self._pending_j, 0.0
+                if not self._share(acc, j, weights(req, ctx)):
+                    self.tail_j += j
+            if tail_pending:
+                self.tail_j += self._pending_j
+                self._pending_j = 0.0
         for seconds, ph, req, ctx, steady in busy:
             j = busy_rate * seconds
             energy[ph] += j
@@ -456,16 +467,6 @@ class PhaseEnergyAccount:
             elif to == "tail" or not self._share(acc, j, weights(req, ctx), book):
                 self.tail_j += j
                 add("tail", j)
-        if per_request:
-            # A gap left pending by an earlier interval is settled by what followed it in this one
-            # (energy already booked, so not a booking of this tick).
-            for req, ctx in resolved:
-                j, self._pending_j = self._pending_j, 0.0
-                if not self._share(acc, j, weights(req, ctx)):
-                    self.tail_j += j
-            if tail_pending:
-                self.tail_j += self._pending_j
-                self._pending_j = 0.0
         return quiet_rate * idle_s if idle_s > 0 else 0.0
 
     @staticmethod
