@@ -563,7 +563,7 @@ def sync_while_running(gpu, meter, clock):
     gpu.clock = meter.clock = clock
 
 
-def serve_through_the_counter(seed, swing=0.1, n_requests=600, batch=120, prompt=128, out=96):
+def serve_through_the_counter(seed, swing=0.1, n_requests=600, batch=120, prompt=128, out=96, on_tick=None):
     """Identical requests at a steady batch on the simulated H200, metered through a 100 ms NVML
     counter as on a real GPU: async host steps, ticks at request finishes (at most every 10 ms,
     as the publisher flushes) and every 100 ms, the counter's phase synced by polling as the
@@ -571,7 +571,8 @@ def serve_through_the_counter(seed, swing=0.1, n_requests=600, batch=120, prompt
     its own noise and a slow swing (AR(1) over 20 ms, ~0.1 s correlation: ``swing`` its scale),
     so 100 ms periods differ as on the H200, whose 16 ms ticks read 222-876 W p5/p95
     (docs/results/h200-request-energy.md, run O). Returns (figure / cost-model truth - 1, figure /
-    median) over the middle half of the requests, and the account."""
+    median) over the middle half of the requests, and the account. ``on_tick(record, account)``
+    is called after each tick."""
     rng = random.Random(seed)
     clock, gpu_sim = Clock(), SimulatedGpu()
     cost, mc = RequestCostModel.for_shape(SHAPE), ModelCost.for_shape(SHAPE)
@@ -579,7 +580,15 @@ def serve_through_the_counter(seed, swing=0.1, n_requests=600, batch=120, prompt
     clock.t = 0.5
     meter = NvmlEnergyMeter(NvmlGpu(gpu, 0, "GPU-x"), clock=clock, counter_period_s=0.1)
     done, truth = {}, {}
-    acc = PhaseEnergyAccount(meter, clock=clock, per_request=True, cost=cost, on_request_done=done.__setitem__, gpu_runs_ahead=True)
+    acc = PhaseEnergyAccount(
+        meter,
+        clock=clock,
+        per_request=True,
+        cost=cost,
+        on_request_done=done.__setitem__,
+        gpu_runs_ahead=True,
+        on_tick=None if on_tick is None else lambda rec: on_tick(rec, acc),
+    )
 
     while clock.t < 2.0:  # idle first: the idle power, and the counter's phase
         clock.t += 0.1
@@ -808,3 +817,59 @@ def test_a_gap_still_open_at_a_tick_stays_pending_when_the_same_tick_settled_the
     acc.tick()
     assert done == {"a": pytest.approx(200 * 0.025), "b": pytest.approx(200 * 0.035)}
     assert balance(acc) == pytest.approx(meter.energy_j(), rel=1e-9)
+
+
+def published(acc):
+    """The account's figures that leave it as Prometheus counters (metrics.py): energy by phase,
+    the tail, steady state, idle while busy, and the sum over reported requests."""
+    return {**acc.energy_j, "tail": acc.tail_j, "steady": acc.steady_j, "idle_busy": acc.idle_busy_j, "reported": acc.finished_request_j}
+
+
+def test_a_negative_jump_lowers_no_published_counter_and_a_reported_requests_share_leaves_the_tail_alone():
+    """A counter step whose period drew less than interpolation booked (a negative jump) cannot
+    take joules back from figures already out: the phase counters, the tail and reported requests.
+    Booked pro rata over the period, it lowered the prefill counter of an earlier tick and drove
+    the tail below zero with a reported request's share. The request still in flight takes its
+    share of the period; the rest comes out of the tick that saw the step."""
+    from vllm_powersave.energy.meters import CounterStep
+
+    clock, meter, done = Clock(), SteppingMeter(), {}
+    acc = PhaseEnergyAccount(meter, clock=clock, per_request=True, on_request_done=done.__setitem__)
+    acc.on_step("prefill", req_tokens={"a": 1, "b": 1})  # 50 ms, 25 J: a and b alike
+    clock.t, meter.j = 0.05, 25.0
+    acc.on_step_end()
+    acc.tick()
+    acc.on_step("decode", req_tokens={"b": 1}, finished=["a"])  # a is reported with this tick
+    clock.t, meter.j = 0.084, 42.0
+    acc.on_step_end()
+    acc.tick()
+    before = published(acc)
+    acc.on_step("decode", req_tokens={"b": 1})
+    clock.t, meter.j = 0.1, 44.0  # 12 J as interpolated, less the step's jump of -10 J
+    meter.steps = [CounterStep(0.1, -10.0)]
+    acc.on_step_end()
+    acc.tick()
+    after = published(acc)
+    assert all(after[k] >= before[k] for k in before), (before, after)
+    assert after["prefill"] == 25.0 and after["tail"] == 0.0 and done == {"a": 12.5}
+    # b gives back its share of the period (41.5 of the 54 J booked there); a's share (12.5 of 54)
+    # comes out of this tick, whose only request is b: 10 J in all.
+    assert acc.request_j["b"] == pytest.approx(12.5 + 17.0 + 12.0 - 10.0)
+    assert balance(acc) == pytest.approx(acc.total_j()) == pytest.approx(44.0)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_counter_steps_booked_back_never_lower_a_published_counter_under_steady_serving(seed):
+    """Identical requests at a steady batch through a 100 ms counter, then the batch drains and the
+    GPU idles: every tick leaves the phase, tail, steady-state and reported-request counters at
+    or above where they were (Prometheus reads a drop as a reset), the tail at or above zero and
+    every request in flight too."""
+    ticks = []
+    _, _, acc = serve_through_the_counter(
+        seed, n_requests=240, batch=60, on_tick=lambda rec, a: ticks.append((rec, published(a), min(a.request_j.values(), default=0.0)))
+    )
+    assert sum(1 for rec, _, _ in ticks if rec.booked_back_j < 0) > 10  # negative jumps were booked
+    drops = [(rec.t1_s, k, b[k] - a[k]) for (_, a, _), (rec, b, _) in zip(ticks, ticks[1:]) for k in a if b[k] < a[k] - 1e-9]
+    assert not drops, drops[:5]
+    assert min(p["tail"] for _, p, _ in ticks) >= 0.0 and min(m for _, _, m in ticks) >= 0.0
+    assert balance(acc) == pytest.approx(acc.total_j(), rel=1e-9)

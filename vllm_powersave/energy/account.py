@@ -350,7 +350,7 @@ class PhaseEnergyAccount:
                     self.idle_busy_s += idle_busy_s
             self._recent.append((self._t, t_now, book))
             for c in steps:
-                idle_j += self._book_back(c.t_s - period_s, c.t_s, c.jump_j, phase)
+                idle_j += self._book_back(c.t_s - period_s, c.t_s, c.jump_j, phase, book)
             while len(self._recent) > 1 and self._recent[0][1] < t_now - 2 * period_s:
                 self._recent.popleft()
             done = []
@@ -505,20 +505,24 @@ class PhaseEnergyAccount:
                 total += cut / (b - a) * sum(v for k, v in book.items() if k in self.energy_j)
         return total
 
-    def _book_back(self, t0: float, t1: float, jump_j: float, phase: str) -> float:
+    def _book_back(self, t0: float, t1: float, jump_j: float, phase: str, book: dict) -> float:
         """Book a counter step's ``jump_j`` over the counter period ``[t0, t1]`` it closes: every
         bucket of steps the ticks there booked (pro rata by time) grows by the same fraction, so a request
         that prefilled in a short tick takes its share of the period's error, not of the tick's.
         (Booking the jump in the tick that sees it gave a prefilling request most of a period's
         error on the H200: docs/results/h200-request-energy.md.) A request already reported
-        cannot change: its part goes to the tail. Returns the joules booked as idle."""
+        cannot change: its part goes to the tail. A negative jump is :meth:`_take_back`'s.
+        ``book``: this tick's bookings. Returns the joules booked as idle."""
         parts: dict = {}
-        for a, b, book in self._recent:
+        own = 0.0  # the share of this tick's bookings in the period
+        for a, b, booked_there in self._recent:
             cut = min(b, t1) - max(a, t0)
             if cut <= 0 or b <= a:
                 continue
             k = cut / (b - a)
-            for key, v in book.items():
+            if booked_there is book:
+                own = k
+            for key, v in booked_there.items():
                 parts[key] = parts.get(key, 0.0) + k * v
         # Quiet time was priced at the measured idle power; what interpolation missed is the steps'
         # (at an idle -> busy edge, scaling idle up by the jump would book busy power as idle). A
@@ -529,8 +533,9 @@ class PhaseEnergyAccount:
         booked = sum(v for key, v in parts.items() if key in self.energy_j)
         if booked <= 0:
             return self._book_lump(jump_j, phase, {})
-        f = max(-1.0, jump_j / booked)  # never below zero for any bucket
-        left = jump_j - f * booked
+        if jump_j < 0:
+            return self._take_back(jump_j, parts, booked, phase, book, own)
+        f = jump_j / booked
         idle_j = 0.0
         for key, v in parts.items():
             d = f * v
@@ -546,9 +551,55 @@ class PhaseEnergyAccount:
                 self.request_j[key[1]] += d
             else:  # the tail, a pending gap, or a request already reported
                 self.tail_j += d
-        if left:
-            idle_j += self._book_lump(left, phase, {})
         return idle_j
+
+    def _take_back(self, jump_j: float, parts: dict, booked: float, phase: str, book: dict, own: float) -> float:
+        """A negative jump: the period drew ``-jump_j`` joules less than its ``parts`` (``booked``
+        of them in phases) say. Figures already out cannot give joules back: the phase, tail,
+        steady-state and idle-while-busy counters (Prometheus reads a drop as a counter reset)
+        and reported requests. So the requests still in flight give back their share of the
+        period before this tick, and the rest comes out of this tick's bookings ``book`` (``own``
+        of them lie in the period), its steps' first, then its idle: this tick priced the
+        previous read's rate, which the jump corrects, so it holds at least ``-jump_j``
+        (:class:`~.meters.CounterStep`). Returns the joules booked as idle."""
+        acc, energy = self.request_j, self.energy_j
+        f = max(-1.0, jump_j / booked)
+        given = 0.0  # by the requests in flight, over the period before this tick
+        for key, v in parts.items():
+            if type(key) is tuple and key[1] in acc:
+                d = f * (v - own * book.get(key, 0.0))
+                acc[key[1]] += d
+                given += d
+        busy_j = max(0.0, sum(v for k, v in book.items() if k in energy and k != "idle"))
+        idle_j = max(0.0, book.get("idle", 0.0))
+        from_busy = max(jump_j, -busy_j)  # phases: this tick's steps, then its idle
+        from_idle = max(jump_j - from_busy, -idle_j)
+        g_busy = from_busy / busy_j if busy_j > 0 else 0.0
+        g_idle = from_idle / idle_j if idle_j > 0 else 0.0
+        # Requests, tail and pending: the steps' part less what the requests in flight gave back.
+        g_req = (from_busy - given) / busy_j if busy_j > 0 else 0.0
+        if busy_j <= 0:
+            self.tail_j -= given
+        for key, v in book.items():
+            idle = key in ("idle", "idle_busy")
+            # What this tick holds now, for a later step's period (its steps' and idle's parts
+            # shrunk alike on both sides, so that it still balances).
+            book[key] = v * (1.0 + (g_idle if idle else g_busy))
+            d = (g_idle if idle else g_busy if key in energy or key == "steady" else g_req) * v
+            if key in energy:
+                energy[key] += d
+            elif key == "steady":
+                self.steady_j += d
+            elif key == "idle_busy":
+                self.idle_busy_j += d
+            elif key == "pending":
+                self._pending_j += d
+            elif type(key) is tuple and key[1] in acc:
+                acc[key[1]] += d
+            else:
+                self.tail_j += d
+        left = jump_j - from_busy - from_idle  # more than this tick holds: a meter off its contract
+        return from_idle + (self._book_lump(left, phase, {}) if left else 0.0)
 
     @property
     def current_phase(self) -> str:
