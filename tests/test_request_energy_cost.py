@@ -873,3 +873,22 @@ def test_counter_steps_booked_back_never_lower_a_published_counter_under_steady_
     assert not drops, drops[:5]
     assert min(p["tail"] for _, p, _ in ticks) >= 0.0 and min(m for _, _, m in ticks) >= 0.0
     assert balance(acc) == pytest.approx(acc.total_j(), rel=1e-9)
+
+
+def test_a_counter_step_is_booked_over_the_time_since_the_step_before_it_never_twice():
+    """A counter that steps at irregular intervals (or faster than its nominal period): a step
+    50 ms after the one before closes those 50 ms, not the nominal 100 ms, half of which the step
+    before already closed. Booked over the nominal period, the second jump also went to a, which
+    ran only in the time the first step had corrected."""
+    from vllm_powersave.energy.meters import CounterStep
+
+    clock, meter, done = Clock(), SteppingMeter(), {}
+    acc = PhaseEnergyAccount(meter, clock=clock, per_request=True, on_request_done=done.__setitem__)
+    for t, req, j, step in ((0.05, {"a": 1}, 25.0, None), (0.1, {"a": 1}, 35.0, 10.0), (0.15, {"b": 1}, 35.0, 10.0)):
+        acc.on_step("decode", req_tokens=req)
+        clock.t, meter.j = t, meter.j + j  # 25 J as interpolated (and the step's jump)
+        meter.steps = [CounterStep(t, step)] if step else []
+        acc.on_step_end()
+        acc.tick()
+    assert acc.request_j == pytest.approx({"a": 60.0, "b": 35.0})
+    assert balance(acc) == pytest.approx(acc.total_j()) == pytest.approx(95.0)

@@ -55,6 +55,7 @@ the total); ``busy_s`` sums the busy time of every tick (the denominator of the 
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import deque
@@ -175,6 +176,8 @@ class PhaseEnergyAccount:
         #: What recent ticks booked where, ``(t0, t1, {bucket: joules})``, kept one counter period
         #: back so that a counter step's jump can be booked over the period it closes.
         self._recent: deque[tuple[float, float, dict]] = deque()
+        #: When the counter last stepped: a step closes the time since then, at most a period.
+        self._last_step_t = -math.inf
         self._lock = threading.Lock()  # serialises tick() callers, never taken by the hot path
 
     # -- hot path (no meter access, no lock) ---------------------------------------------------
@@ -338,8 +341,13 @@ class PhaseEnergyAccount:
             # ~16 ms) tick: it is set aside and booked back over that period's ticks below.
             drain = getattr(self.meter, "drain_counter_steps", None)  # meters without a stepping counter: none
             period_s = getattr(self.meter, "counter_period_s", 0.0)
-            steps = [c for c in (drain() if drain else ()) if self._recent_overlap(c.t_s - period_s, c.t_s) > 0]
-            back_j = sum(c.jump_j for c in steps)
+            steps = []  # (start of the time the step closes, the step)
+            for c in drain() if drain else ():
+                t0 = max(c.t_s - period_s, self._last_step_t)
+                if self._recent_overlap(t0, c.t_s) > 0:
+                    steps.append((t0, c))
+                self._last_step_t = max(self._last_step_t, c.t_s)
+            back_j = sum(c.jump_j for _, c in steps)
             book: dict = {}
             idle_j = self._price(d_e - back_j, t_now - self._t, busy, gaps, idle_s, busy_s, quiet_s, resolved, tail_pending, phase, book)
             if fe_busy is not None:
@@ -349,8 +357,8 @@ class PhaseEnergyAccount:
                     self.idle_busy_j += book["idle_busy"]
                     self.idle_busy_s += idle_busy_s
             self._recent.append((self._t, t_now, book))
-            for c in steps:
-                idle_j += self._book_back(c.t_s - period_s, c.t_s, c.jump_j, phase, book)
+            for t0, c in steps:
+                idle_j += self._book_back(t0, c.t_s, c.jump_j, phase, book)
             while len(self._recent) > 1 and self._recent[0][1] < t_now - 2 * period_s:
                 self._recent.popleft()
             done = []
