@@ -892,3 +892,50 @@ def test_a_counter_step_is_booked_over_the_time_since_the_step_before_it_never_t
         acc.tick()
     assert acc.request_j == pytest.approx({"a": 60.0, "b": 35.0})
     assert balance(acc) == pytest.approx(acc.total_j()) == pytest.approx(95.0)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    ["nan jump", "inf jump", "jump beyond the read", "step after the read", "nan t", "nan period", "inf period", "period 0", "period < 0"],
+)
+def test_counter_steps_a_meter_cannot_mean_stay_in_their_tick_and_later_steps_still_book_back(bad):
+    """A meter off the counter-step contract (a jump not finite or larger than its read returned,
+    a step after the read that saw it, a period not a positive number of seconds) must not
+    poison the account: such steps stay in the tick that saw them, the figures stay finite,
+    within the meter's total and at or above zero, the record of recent ticks stays bounded,
+    and the meter's sound steps are still booked back."""
+    from vllm_powersave.energy.meters import CounterStep
+
+    rng = random.Random(5)
+    clock, meter, ticks = Clock(), SteppingMeter(), []
+    acc = PhaseEnergyAccount(meter, clock=clock, per_request=True, on_request_done=lambda r, j: None, on_tick=ticks.append)
+    meter.counter_period_s = {"nan period": math.nan, "inf period": math.inf, "period 0": 0.0, "period < 0": -0.1}.get(bad, 0.1)
+    live, prev = [], published(acc)
+    for i in range(400):
+        live = [r for r in live if rng.random() > 0.05] + [f"q{i}"] * (rng.random() < 0.3)
+        acc.on_step("decode", req_tokens={r: 1 for r in live}, steady=True)
+        clock.t += 0.016
+        acc.on_step_end()
+        rate_j = rng.uniform(2.0, 10.0)  # what the previous read's rate predicted for this tick
+        jump = rng.uniform(-rate_j, rate_j) if i % 6 == 0 else None
+        meter.j += rate_j + (jump or 0.0)
+        if jump is not None:
+            step = CounterStep(clock.t - 0.004, jump)
+            if i % 12 == 0:  # every other step is off the contract
+                step = {
+                    "nan jump": step._replace(jump_j=math.nan),
+                    "inf jump": step._replace(jump_j=math.inf),
+                    "jump beyond the read": step._replace(jump_j=rate_j + jump + 50.0),
+                    "step after the read": step._replace(t_s=clock.t + 100.0),
+                    "nan t": step._replace(t_s=math.nan),
+                }.get(bad, step)
+            meter.steps = [step]
+        acc.tick()
+        now = published(acc)
+        assert all(math.isfinite(v) and v >= prev[k] - 1e-9 for k, v in now.items()), (i, prev, now)
+        assert min(acc.request_j.values(), default=0.0) >= 0.0 and acc.tail_j >= 0.0 and acc.pending_j >= 0.0
+        assert acc.total_j() == pytest.approx(meter.j, rel=1e-9) and balance(acc) == pytest.approx(meter.j, rel=1e-9)
+        assert len(acc._recent) < 40  # noqa: SLF001 - ~2 periods of 16 ms ticks, not the whole run
+        prev = now
+    # Of ~16 sound steps in the second half (none where the period itself is not a period).
+    assert (sum(1 for r in ticks[200:] if r.booked_back_j) > 12) == ("period" not in bad)

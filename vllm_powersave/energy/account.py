@@ -341,12 +341,20 @@ class PhaseEnergyAccount:
             # ~16 ms) tick: it is set aside and booked back over that period's ticks below.
             drain = getattr(self.meter, "drain_counter_steps", None)  # meters without a stepping counter: none
             period_s = getattr(self.meter, "counter_period_s", 0.0)
+            if not 0.0 < period_s < math.inf:  # no period to book over (and none to keep ticks for)
+                period_s = 0.0
             steps = []  # (start of the time the step closes, the step)
             for c in drain() if drain else ():
-                t0 = max(c.t_s - period_s, self._last_step_t)
-                if self._recent_overlap(t0, c.t_s) > 0:
-                    steps.append((t0, c))
-                self._last_step_t = max(self._last_step_t, c.t_s)
+                # A step after the read that saw it, or not a number, is no step of this counter.
+                if period_s and c.t_s <= t_now and math.isfinite(c.jump_j):
+                    t0 = max(c.t_s - period_s, self._last_step_t)
+                    if self._recent_overlap(t0, c.t_s) > 0:
+                        steps.append((t0, c))
+                    self._last_step_t = max(self._last_step_t, c.t_s)
+            # The jumps a meter reports lie within what its reads returned (CounterStep): more than
+            # the tick saw, and they are not the counter's; the tick keeps what it saw.
+            if sum(c.jump_j for _, c in steps if c.jump_j > 0) > d_e:
+                steps = []
             back_j = sum(c.jump_j for _, c in steps)
             book: dict = {}
             idle_j = self._price(d_e - back_j, t_now - self._t, busy, gaps, idle_s, busy_s, quiet_s, resolved, tail_pending, phase, book)
