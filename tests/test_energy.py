@@ -686,3 +686,36 @@ def test_syncs_learn_the_counter_period_from_coarse_or_fine_polls_without_miscou
                 meter.energy_j()
         assert meter.period == pytest.approx(0.1003, abs=1e-6) and meter.phase_losses == 0
         assert gaps[0] < 5.0 and gaps[-1] == pytest.approx(30.0, abs=0.3)  # sooner while uncertain
+
+
+def test_a_counter_that_keeps_contradicting_its_phase_is_polled_less_and_less_often():
+    """Each phase sync polls NVML for up to 2.5 counter periods on the publisher's thread, which
+    also ticks the account and flushes request energy. A counter the meter cannot place (one
+    stepping every 50 ms against the nominal 100 ms: every learnt phase is contradicted within a
+    few reads) had it resync after every loss, polling 36 of 60 s. A one-off loss still resyncs
+    at once; losses in a row back off, to one sync per ``sync_every_s``."""
+    for period, max_polling_s in ((0.05, 3.0), (0.1, 0.5)):
+        clock = Clock()
+        gpu = CounterGpu(clock, [(0.0, 400.0)], period=period, phase=0.0123)
+        clock.t = 0.5
+        meter = NvmlEnergyMeter(NvmlGpu(gpu, 0, "GPU-x"), clock=clock, counter_period_s=0.1)
+        polled = [0.0]
+
+        def sleep(s):
+            clock.t += s
+            polled[0] += s
+
+        while clock.t < 60.0:
+            if clock.t >= meter.sync_due:
+                meter.sync_counter_phase(sleep=sleep)
+            clock.t += 0.016
+            meter.energy_j()
+        assert polled[0] < max_polling_s, (period, polled[0], meter.phase_losses)
+    # On the 100 ms counter the phase holds; one made wrong on purpose is relearnt at the next read.
+    assert meter.phase_losses == 0
+    meter._phase_t += 0.03  # noqa: SLF001 - the learnt phase, wrong on purpose
+    for _ in range(10):
+        clock.t += 0.016
+        meter.energy_j()
+    assert meter.phase_losses == 1 and meter.sync_due <= clock.t
+    assert meter.sync_counter_phase(sleep=sleep) and meter.phase_losses == 1

@@ -196,7 +196,8 @@ class NvmlEnergyMeter(EnergyMeter):
     call, the period where its polls pin it; later syncs (sooner while the period is uncertain,
     then every 30 s) measure it over the baseline between them. Every read
     checks the phase (a step seen where none was due, or none where one was due, beyond 3 ms) and
-    drops it until the next sync if it is wrong. Without a phase the estimate uses the middle of
+    drops it until the next sync if it is wrong (at once after a one-off; losses in a row back off
+    to one sync per ``sync_every_s``). Without a phase the estimate uses the middle of
     the last step's bracket between two reads: at most ``P x period / 2`` per edge, half the raw
     counter's error. Errors do not accumulate: every read is re-anchored to the counter. Where the
     phase is known, each step a read sees is kept as a :class:`CounterStep` (its time and the
@@ -258,6 +259,7 @@ class NvmlEnergyMeter(EnergyMeter):
         self.sync_every_s = 30.0
         self.sync_due = self._t_read
         self.phase_losses = 0
+        self._losses_in_a_row = 0  # phases lost with no sync between that found one holding
         self._power: float | None = None
         self._t_power = -1.0
         self._step_avg_w: float | None = None  # the counter's last step: its energy / its period
@@ -320,7 +322,11 @@ class NvmlEnergyMeter(EnergyMeter):
             ok = True
         if not ok:  # the counter does not step where the learnt phase says: relearn it soon
             self._phase_t = None
-            self.sync_due = t
+            # At once after a one-off; a counter that keeps contradicting its phase (a period other
+            # than the one learnt, irregular steps) is polled less and less often, to one sync per
+            # sync_every_s: each sync polls NVML on the publisher's thread for up to 2.5 periods.
+            self.sync_due = t + min(self.sync_every_s, 0.5 * (2**self._losses_in_a_row - 1))
+            self._losses_in_a_row += 1
             self.phase_losses += 1
 
     def _steps_between(self, t_prev: float, t: float) -> int:
@@ -357,6 +363,8 @@ class NvmlEnergyMeter(EnergyMeter):
         """
         if self.unavailable_reason is not None or not self.interpolate:
             return False
+        if self._phase_t is not None:  # the phase held until this sync
+            self._losses_in_a_row = 0
         T = self.period
         steps: list[tuple[float, float]] = []  # (the middle of a step's bracket, its width), s
         try:
