@@ -517,8 +517,8 @@ class PhaseEnergyAccount:
         total = 0.0
         for a, b, book in self._recent:
             cut = min(b, t1) - max(a, t0)
-            if cut > 0 and b > a:
-                total += cut / (b - a) * sum(v for k, v in book.items() if k in self.energy_j)
+            if cut > 0 and b > a:  # the phases only: a tick books one key per request besides
+                total += cut / (b - a) * sum(book.get(p, 0.0) for p in PHASES)
         return total
 
     def _book_back(self, t0: float, t1: float, jump_j: float, phase: str, book: dict) -> float:
