@@ -70,3 +70,15 @@ def test_release_figures_time_the_fall_from_the_release_not_from_the_last_step()
     assert r["release_after_last_step_s"] == pytest.approx(0.6) and r["release_ms"] == 70.0
     assert r["power_fall_s"] == pytest.approx(1.2) and r["clock_fall_s"] == pytest.approx(1.3)
     assert r["gap_s"] == pytest.approx(3.0) and r["gap_excess_j"] == pytest.approx(300.0 - 240.0)
+
+
+def test_a_records_load_summary_keeps_the_harness_client_check_and_window_edge(server_factory):
+    """Records keep loadtests' own client check (so its threshold can be judged against GPU runs)
+    and the window's stated edge error: the names must be the harness's."""
+    from benchmarks.lib.load import summary
+    from loadtests import BenchConfig, run
+
+    srv = server_factory(first_delay=0.0, itl_delay=0.001)
+    s = summary(run(BenchConfig(base_url=srv.url, num_prompts=8, output_len=4, input_len=2, max_concurrency=2, energy="none")))
+    assert isinstance(s["client_loop_lag_p99_ms"], float) and isinstance(s["client_bottleneck_threshold_ms"], float)
+    assert isinstance(s["client_bottleneck"], bool) and s["energy_window_edge_s"] == 0.0
