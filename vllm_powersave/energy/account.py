@@ -512,14 +512,35 @@ class PhaseEnergyAccount:
             book["tail"] = book.get("tail", 0.0) + joules
         return joules if phase == "idle" else 0.0
 
-    def _recent_overlap(self, t0: float, t1: float) -> float:
-        """Joules that ticks before the current one booked over ``[t0, t1]`` (pro rata by time)."""
-        total = 0.0
+    def _in_period(self, t0: float, t1: float):
+        """``(share, bookings)`` of each kept tick that overlaps ``[t0, t1]``: the share of its
+        span inside, by which its bookings count there (pro rata by time)."""
         for a, b, book in self._recent:
             cut = min(b, t1) - max(a, t0)
-            if cut > 0 and b > a:  # the phases only: a tick books one key per request besides
-                total += cut / (b - a) * sum(book.get(p, 0.0) for p in PHASES)
-        return total
+            if cut > 0 and b > a:
+                yield cut / (b - a), book
+
+    def _recent_overlap(self, t0: float, t1: float) -> float:
+        """Joules that ticks before the current one booked over ``[t0, t1]`` (pro rata by time)."""
+        # The phases only: a tick books one key per request besides.
+        return sum(k * sum(book.get(p, 0.0) for p in PHASES) for k, book in self._in_period(t0, t1))
+
+    def _credit(self, key: Any, joules: float, pending_open: bool) -> None:
+        """Add ``joules`` to the figure a booking ``key`` names (``_price``'s keys). A request
+        already reported cannot change: its part goes to the tail; so does a pending gap's unless
+        it is still open (``pending_open``: it may have been settled since)."""
+        if key in self.energy_j:
+            self.energy_j[key] += joules
+        elif key == "steady":
+            self.steady_j += joules
+        elif key == "idle_busy":
+            self.idle_busy_j += joules
+        elif key == "pending" and pending_open:
+            self._pending_j += joules
+        elif type(key) is tuple and key[1] in self.request_j:
+            self.request_j[key[1]] += joules
+        else:
+            self.tail_j += joules
 
     def _book_back(self, t0: float, t1: float, jump_j: float, phase: str, book: dict) -> float:
         """Book a counter step's ``jump_j`` over the counter period ``[t0, t1]`` it closes: every
@@ -531,11 +552,7 @@ class PhaseEnergyAccount:
         ``book``: this tick's bookings. Returns the joules booked as idle."""
         parts: dict = {}
         own = 0.0  # the share of this tick's bookings in the period
-        for a, b, booked_there in self._recent:
-            cut = min(b, t1) - max(a, t0)
-            if cut <= 0 or b <= a:
-                continue
-            k = cut / (b - a)
+        for k, booked_there in self._in_period(t0, t1):
             if booked_there is book:
                 own = k
             for key, v in booked_there.items():
@@ -552,22 +569,9 @@ class PhaseEnergyAccount:
         if jump_j < 0:
             return self._take_back(jump_j, parts, booked, phase, book, own)
         f = jump_j / booked
-        idle_j = 0.0
         for key, v in parts.items():
-            d = f * v
-            if key in self.energy_j:
-                self.energy_j[key] += d
-                if key == "idle":
-                    idle_j += d
-            elif key == "steady":
-                self.steady_j += d
-            elif key == "idle_busy":
-                self.idle_busy_j += d
-            elif key[0] == "r" and key[1] in self.request_j:
-                self.request_j[key[1]] += d
-            else:  # the tail, a pending gap, or a request already reported
-                self.tail_j += d
-        return idle_j
+            self._credit(key, f * v, pending_open=False)  # an earlier tick's gap may be settled since
+        return f * parts.get("idle", 0.0)
 
     def _take_back(self, jump_j: float, parts: dict, booked: float, phase: str, book: dict, own: float) -> float:
         """A negative jump: the period drew ``-jump_j`` joules less than its ``parts`` (``booked``
@@ -601,19 +605,8 @@ class PhaseEnergyAccount:
             # What this tick holds now, for a later step's period (its steps' and idle's parts
             # shrunk alike on both sides, so that it still balances).
             book[key] = v * (1.0 + (g_idle if idle else g_busy))
-            d = (g_idle if idle else g_busy if key in energy or key == "steady" else g_req) * v
-            if key in energy:
-                energy[key] += d
-            elif key == "steady":
-                self.steady_j += d
-            elif key == "idle_busy":
-                self.idle_busy_j += d
-            elif key == "pending":
-                self._pending_j += d
-            elif type(key) is tuple and key[1] in acc:
-                acc[key[1]] += d
-            else:
-                self.tail_j += d
+            # This tick's open gap is still pending: its part comes off the pending joules.
+            self._credit(key, (g_idle if idle else g_busy if key in energy or key == "steady" else g_req) * v, pending_open=True)
         left = jump_j - from_busy - from_idle  # more than this tick holds: a meter off its contract
         return from_idle + (self._book_lump(left, phase, {}) if left else 0.0)
 
