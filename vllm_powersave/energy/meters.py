@@ -109,8 +109,10 @@ class EnergyMeter(ABC):
     def close(self) -> None:  # noqa: B027 - optional hook
         pass
 
-    #: Seconds between counter steps; 0 for meters whose reads are exact at any time.
-    counter_period_s: float = 0.0
+    @property
+    def counter_period_s(self) -> float:
+        """Seconds between counter steps; 0 for meters whose reads are exact at any time."""
+        return 0.0
 
     def drain_counter_steps(self) -> list[CounterStep]:
         """The counter steps seen by reads since the last call (oldest first); none for meters
@@ -310,7 +312,7 @@ class NvmlEnergyMeter(EnergyMeter):
             self._bracket = (max(t_prev, t - T), t)
         if self._phase_t is None:
             return
-        k_prev, k_now = math.floor((t_prev - self._phase_t) / T), math.floor((t - self._phase_t) / T)
+        k_prev, k_now = self._period_index(t_prev), self._period_index(t)
         tol = 0.003  # s: poll resolution plus jitter
         if changed and k_now == k_prev:
             nearest = min(abs(t - (self._phase_t + (k_now + 1) * T)), abs(t_prev - (self._phase_t + k_now * T)))
@@ -329,13 +331,17 @@ class NvmlEnergyMeter(EnergyMeter):
             self._losses_in_a_row += 1
             self.phase_losses += 1
 
+    def _period_index(self, t: float) -> int:
+        """Which counter period ``t`` falls in, by the learnt phase (which must be known)."""
+        return math.floor((t - self._phase_t) / self.period)  # type: ignore[operator]
+
     def _steps_between(self, t_prev: float, t: float) -> int:
         T = self.period
         if self._phase_t is None:
             return max(1, round((t - t_prev) / T))
         # By the phase, but an interval of length L holds floor(L/T) to ceil(L/T) steps: a phase a
         # millisecond off must not count two steps between reads 16 ms apart (halving the average).
-        n = math.floor((t - self._phase_t) / T) - math.floor((t_prev - self._phase_t) / T)
+        n = self._period_index(t) - self._period_index(t_prev)
         return min(max(n, math.floor((t - t_prev) / T), 1), max(1, math.ceil((t - t_prev) / T)))
 
     def _since_update(self, t: float) -> float:
@@ -358,8 +364,9 @@ class NvmlEnergyMeter(EnergyMeter):
         The first call follows two steps and also measures the period where its brackets are
         narrow; later calls (as soon as the phase may have drifted a quarter period, at most every
         ``sync_every_s``, or after a read contradicted the phase) follow one step and measure the
-        period over the baseline since the last sync. At most ~2.5 periods of polling (``poll_s`` apart, NVML reads
-        only). Returns False if the counter did not step in that time (phase stays unknown).
+        period over the baseline since the last sync. At most ~2.5 periods of polling (``poll_s``
+        apart, NVML reads only). Returns False if the counter did not step in that time (phase
+        stays unknown).
         """
         if self.unavailable_reason is not None or not self.interpolate:
             return False
@@ -473,7 +480,7 @@ class NvmlEnergyMeter(EnergyMeter):
             return self._reported
 
     @property
-    def counter_period_s(self) -> float:  # type: ignore[override]
+    def counter_period_s(self) -> float:
         return self.period
 
     def drain_counter_steps(self) -> list[CounterStep]:
