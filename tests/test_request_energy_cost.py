@@ -44,6 +44,38 @@ def balance(acc):
     return acc.finished_request_j + sum(acc.request_j.values()) + acc.energy_j["idle"] + acc.tail_j + acc.pending_j
 
 
+def schedule_step(running, prompt, budget):
+    """One step scheduled like vLLM V1: every running request past its prompt decodes one token,
+    then prompt chunks fill ``budget`` tokens. ``running``: rid -> [computed tokens, outputs
+    left]. Returns (scheduled tokens, computed tokens before the step, LM-head rows, decode
+    context tokens)."""
+    req, ctx, rows, decode_ctx = {}, {}, 0, 0
+    for rid, (comp, _) in running.items():
+        if comp >= prompt:
+            req[rid], ctx[rid] = 1, comp
+            decode_ctx += comp
+            rows += 1
+    for rid, (comp, _) in running.items():
+        if comp < prompt and budget > 0:
+            n = min(prompt - comp, budget)
+            req[rid], ctx[rid] = n, comp
+            budget -= n
+            rows += comp + n >= prompt
+    return req, ctx, rows, decode_ctx
+
+
+def advance(running, req, prompt, finished):
+    """Book a step's scheduled tokens; a request with no outputs left moves to ``finished``."""
+    for rid, n in req.items():
+        st = running[rid]
+        st[0] += n
+        if st[0] >= prompt:  # a decode, or the prompt's last chunk: one token sampled
+            st[1] -= 1
+            if st[1] <= 0:
+                finished.append(rid)
+                del running[rid]
+
+
 def serve_steady(cost, *, n_requests=240, batch=48, prompt=128, out=96, tick_every=1, seed=0, async_host=None):
     """Serve identical requests on the simulated H200 at a steady batch: the queue never empties,
     so a finished request is replaced at once and ``batch`` requests always run. Each step decodes
@@ -80,19 +112,7 @@ def serve_steady(cost, *, n_requests=240, batch=48, prompt=128, out=96, tick_eve
         while len(running) < batch and admitted < n_requests:
             admitted += 1
             running[f"r{admitted:03d}"] = [0, out]
-        req, ctx, rows, decode_ctx = {}, {}, 0, 0
-        left = rng.choice([60, 100, 200, 300, 700, 2048])
-        for rid, (comp, _) in running.items():
-            if comp >= prompt:
-                req[rid], ctx[rid] = 1, comp
-                decode_ctx += comp
-                rows += 1
-        for rid, (comp, _) in running.items():
-            if comp < prompt and left > 0:
-                n = min(prompt - comp, left)
-                req[rid], ctx[rid] = n, comp
-                left -= n
-                rows += comp + n >= prompt
+        req, ctx, rows, decode_ctx = schedule_step(running, prompt, rng.choice([60, 100, 200, 300, 700, 2048]))
         phase = "decode" if all(v == 1 for v in req.values()) else "mixed"
         acc.on_step(phase, req_tokens=req, finished=finished, steady=len(running) >= batch, req_ctx=ctx)
         finished = []
@@ -104,14 +124,7 @@ def serve_steady(cost, *, n_requests=240, batch=48, prompt=128, out=96, tick_eve
             acc.on_step_end(clock.t + res.time_s * (rng.uniform(0.4, 0.7) if phase == "decode" else rng.uniform(0.6, 0.95)))
             clock.t += res.time_s
             meter.j += res.energy_j
-        for rid, n in req.items():
-            st = running[rid]
-            st[0] += n
-            if st[0] >= prompt:  # a decode, or the prompt's last chunk: one token sampled
-                st[1] -= 1
-                if st[1] <= 0:
-                    finished.append(rid)
-                    del running[rid]
+        advance(running, req, prompt, finished)
         steps += 1
         if steps % tick_every == 0:
             acc.tick()
@@ -600,16 +613,7 @@ def serve_through_the_counter(seed, swing=0.1, n_requests=600, batch=120, prompt
         while len(running) < batch and admitted < n_requests:
             admitted += 1
             running[f"r{admitted:04d}"] = [0, out]
-        req, ctx, rows, decode_ctx, left = {}, {}, 0, 0, rng.choice([60, 100, 200, 300, 700, 2048])
-        for rid, (comp, _) in running.items():
-            if comp >= prompt:
-                req[rid], ctx[rid] = 1, comp
-                decode_ctx, rows = decode_ctx + comp, rows + 1
-        for rid, (comp, _) in running.items():
-            if comp < prompt and left > 0:
-                n = min(prompt - comp, left)
-                req[rid], ctx[rid], left = n, comp, left - n
-                rows += comp + n >= prompt
+        req, ctx, rows, decode_ctx = schedule_step(running, prompt, rng.choice([60, 100, 200, 300, 700, 2048]))
         phase = "decode" if all(v == 1 for v in req.values()) else "mixed"
         acc.on_step(phase, req_tokens=req, finished=finished, steady=True, req_ctx=ctx)
         flush, finished = bool(finished), []
@@ -623,14 +627,7 @@ def serve_through_the_counter(seed, swing=0.1, n_requests=600, batch=120, prompt
         acc.on_step_end(clock.t + res.time_s * (rng.uniform(0.4, 0.7) if phase == "decode" else rng.uniform(0.6, 0.95)))
         gpu.run(clock.t, joules / res.time_s)
         clock.t += res.time_s
-        for rid, n in req.items():
-            st = running[rid]
-            st[0] += n
-            if st[0] >= prompt:
-                st[1] -= 1
-                if st[1] <= 0:
-                    finished.append(rid)
-                    del running[rid]
+        advance(running, req, prompt, finished)
         if clock.t >= meter.sync_due:
             sync_while_running(gpu, meter, clock)
         if (flush and clock.t - last_tick >= 0.01) or clock.t - last_tick >= 0.1:
