@@ -66,6 +66,7 @@ def _install():
     """The plugin's install path: register() (CLI flag, settings hook, worker and scheduler hooks),
     then the API-server hooks that the settings hook installs under `vllm serve`."""
     vllm_powersave.register()
+    vllm_compat.install_serve_hook(lambda args: None)  # under `vllm serve`: once its parser is built
     vllm_compat.install_app_hook("vllm_powersave.request_energy:EnergyMiddleware")
     vllm_compat.install_metrics_registry_hook(lambda registry: None)
 
@@ -97,7 +98,7 @@ def test_drift_inventory_installs_every_available_feature_without_warnings(plugi
     assert _warnings(caplog) == []
     assert vllm_compat.installed_features() == AVAILABLE
     assert vllm_compat.disabled_features() == {}
-    assert {"cli_flag", "settings", "lm_head", "step_v1", "arrival", "lookahead", "app", "metrics_mp"} <= AVAILABLE
+    assert {"cli_flag", "settings", "lm_head", "step_v1", "arrival", "lookahead", "app", "metrics_mp", "frontend"} <= AVAILABLE
 
 
 @pytest.mark.parametrize("how", ["removed", "renamed", "signature"])

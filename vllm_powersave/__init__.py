@@ -26,7 +26,8 @@ __version__ = "0.1.0"
 
 log = logging.getLogger("vllm.powersave")
 
-_STATE = {"registered": False, "active": False}
+#: Process state: hooks registered / active, and the API-server pool chosen under `vllm serve`.
+_STATE: dict[str, object] = {"registered": False, "active": False, "frontend": None}
 
 
 def enabled_by_env(env: dict[str, str] | None = None) -> bool:
@@ -51,7 +52,7 @@ def register() -> None:
         if enabled_by_env():
             log.warning("powersave: disabled: %s", why)
         return
-    vllm_compat.install_cli_flag()
+    vllm_compat.install_cli_flag(_on_serve_args)
     vllm_compat.install_config_hook(_on_engine_args)
     if enabled_by_env():
         activate()
@@ -186,6 +187,26 @@ def _stop_startup(err: Exception) -> None:
     raise err
 
 
+def _on_serve_args(args: object) -> None:
+    """``vllm serve``, before it picks its API-server count: size the pool (frontend.py)."""
+    from . import frontend, vllm_compat
+    from .settings import SettingsError, load_settings
+
+    inline = vllm_compat.additional_config(args).get("powersave")
+    if inline is None and not enabled_by_env():
+        return
+    try:
+        settings = load_settings(inline if inline is not None else {})
+    except SettingsError as err:
+        _stop_startup(err)
+    gpu = _server_facts(args, settings).get("gpu_name")
+    on_gpu = bool(gpu) and "simulated" not in str(gpu) and settings.clocks.backend != "simulated"
+    choice = frontend.choose(settings.api_server_count, vllm_compat.serve_facts(args), frontend.usable_cores(), on_gpu)
+    if choice.changed:
+        vllm_compat.set_api_server_count(args, choice.count)
+    _STATE["frontend"] = choice
+
+
 def _on_engine_args(engine_args: object) -> None:
     """Before vLLM builds its config: validate settings, export them, start the metrics collector."""
     from . import vllm_compat
@@ -241,4 +262,4 @@ def _on_engine_args(engine_args: object) -> None:
 
         gpu = facts.get("gpu_name")
         on_gpu = bool(gpu) and "simulated" not in str(gpu) and settings.clocks.backend != "simulated"
-        log.info("%s", startup_line(settings, on_gpu))
+        log.info("%s", startup_line(settings, on_gpu, frontend=_STATE.get("frontend")))

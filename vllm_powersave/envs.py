@@ -52,6 +52,8 @@ ENV_VLLM_PLUGINS = "VLLM_PLUGINS"
 ENV_RAY_EXTRA_PREFIXES = "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"
 ENV_RAY_EXTRA_VARS = "VLLM_RAY_EXTRA_ENV_VARS_TO_COPY"
 ENV_VLLM_BATCH_INVARIANT = "VLLM_BATCH_INVARIANT"
+ENV_VLLM_RUST_FRONTEND = "VLLM_RUST_FRONTEND_PATH"
+ENV_VLLM_RUNTIME_LORA = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 
 #: Prefix of the plugin's own variables (what vLLM's Ray executor is asked to copy to workers).
 PREFIX = "POWERSAVE_"
@@ -133,6 +135,21 @@ ENV_VARS: dict[str, EnvVar] = {
             "vLLM's batch-invariant kernels; where set, the LM head is never chunked (a chunk's GEMM would not be vLLM's invariant one).",
             _flag("0"),
         ),
+        EnvVar(
+            ENV_VLLM_RUST_FRONTEND,
+            "path",
+            None,
+            "vLLM's Rust front end; where set, vLLM runs one (multithreaded) front-end process and the API-server pool is left alone.",
+            _str_or_none,
+        ),
+        EnvVar(
+            ENV_VLLM_RUNTIME_LORA,
+            "bool",
+            False,
+            "vLLM's runtime LoRA updating, which vLLM refuses with several API servers; where on ('1' or 'true', as vLLM "
+            "reads it), the pool stays at one.",
+            lambda raw: (raw or "").strip().lower() in ("1", "true"),
+        ),
     )
 }
 
@@ -186,3 +203,11 @@ def ray_extra_list(name: str, env: Mapping[str, str] | None = None) -> list[str]
     if name not in (ENV_RAY_EXTRA_PREFIXES, ENV_RAY_EXTRA_VARS):
         raise KeyError(name)
     return list(_get(name, env))
+
+
+def vllm_rust_frontend(env: Mapping[str, str] | None = None) -> str | None:
+    return _get(ENV_VLLM_RUST_FRONTEND, env)
+
+
+def vllm_runtime_lora(env: Mapping[str, str] | None = None) -> bool:
+    return _get(ENV_VLLM_RUNTIME_LORA, env)

@@ -81,11 +81,14 @@ def start_line(state: dict[str, dict[str, str]], metering_only: bool = False) ->
     return "powersave: savings: " + "; ".join(parts)
 
 
-def startup_line(settings: Any, on_gpu: bool, env: dict[str, str] | None = None) -> str:
+def startup_line(settings: Any, on_gpu: bool, env: dict[str, str] | None = None, frontend: Any = None) -> str:
     """The start line for ``settings`` on this machine (API-server process, before engines start):
-    the clock choice from the workers' probe (no setter called), perf boost as configured."""
+    the clock choice from the workers' probe (no setter called), perf boost as configured, and
+    the API-server pool (``frontend``: a :class:`~vllm_powersave.frontend.FrontendChoice`, or
+    ``None`` where ``vllm serve`` did not run, e.g. the offline ``LLM``)."""
     from .clocks.mode import probe_and_select
 
     choice = probe_and_select(settings, on_gpu, env)
     state = savings_state(settings, choice, {"disabled": None}, on_gpu)
-    return start_line(state, metering_only=getattr(settings, "savings", "auto") == "off")
+    line = start_line(state, metering_only=getattr(settings, "savings", "auto") == "off")
+    return line + (f"; {frontend.describe()}" if frontend is not None else "")

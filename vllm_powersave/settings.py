@@ -356,12 +356,26 @@ class PowersaveSettings(_Strict):
     #: lost without a release: helper death, shutdown) and each energy tick (``{"tick":
     #: ...}``: the counter's joules over its span, step / gap / idle seconds, the requests it closed).
     trace_steps: bool = False
+    #: API-server processes of ``vllm serve`` when its command line sets no ``--api-server-count``.
+    #: "auto": up to 4 per local engine, within the usable CPU cores (one left per engine process);
+    #: on the H200 at concurrency 64 one API server was the bottleneck and four gave +25-40 %
+    #: output throughput and about -5 % J per output token (docs/results/h200-under-load.md).
+    #: "vllm": vLLM's own choice (one per data-parallel rank). A count: that many (1-64). Left
+    #: alone wherever vLLM refuses several API servers, without a GPU, and under ``savings: off``.
+    api_server_count: Literal["auto", "vllm"] | int = "auto"
     #: "auto": every saving that is on by default (``cuda_perf_boost``, ``clocks.mode``, the chunk
     #: table) runs as configured. "off": metering only: the engine keeps CUDA's boost (``"on"``),
     #: no clock decisions (``clocks.mode: off``) and no chunking; energy, phases and starvation are
     #: still measured. A saving set explicitly together with "off" is a contradiction and stops
     #: the server with one line.
     savings: Literal["auto", "off"] = "auto"
+
+    @field_validator("api_server_count", mode="before")
+    @classmethod
+    def _api_server_count(cls, v: Any) -> Any:
+        if v in ("auto", "vllm") or (type(v) is int and 1 <= v <= 64):
+            return v
+        raise ValueError('must be "auto", "vllm" or a count from 1 to 64')
 
     @model_validator(mode="before")
     @classmethod
@@ -386,7 +400,10 @@ class PowersaveSettings(_Strict):
             if chunking.get("table") and chunking.get("enabled", True):
                 raise ValueError("chunking.table conflicts with savings 'off' (metering only): drop one of them")
             chunking = {**chunking, "enabled": False}
-        data.update(cuda_perf_boost="on", clocks=clocks, chunking=chunking)
+        servers = data.get("api_server_count", "vllm")
+        if servers != "vllm":
+            raise ValueError(f"api_server_count {servers!r} conflicts with savings 'off' (metering only): drop one of them")
+        data.update(cuda_perf_boost="on", clocks=clocks, chunking=chunking, api_server_count="vllm")
         return data
 
     @model_validator(mode="after")

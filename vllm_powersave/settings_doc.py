@@ -139,6 +139,8 @@ def _type_name_plain(a: Any) -> str:
     origin, args = get_origin(a), get_args(a)
     if origin is Literal:
         return " | ".join(f'`"{v}"`' if isinstance(v, str) else f"`{v}`" for v in args)
+    if origin in (typing.Union, types.UnionType):  # e.g. "auto" | "vllm" | int
+        return " | ".join(_type_name_plain(x) for x in args)
     if origin in (tuple, list):
         return f"list of {_type_name_plain(args[0])}"
     if origin is dict:

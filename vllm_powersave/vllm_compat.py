@@ -61,7 +61,7 @@ import sys
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from . import envs
+from . import envs, frontend
 from .phases import ReqSched, StepInfo, classify, classify_counts
 
 log = logging.getLogger("vllm.powersave")
@@ -142,6 +142,7 @@ FEATURES: dict[str, str] = {
     "lookahead": "the scheduler look-ahead (waiting-queue facts for clock decisions)",
     "app": "per-request energy in API responses",
     "metrics_mp": "/metrics with several API servers (--api-server-count > 1)",
+    "frontend": "API-server pool sizing (api_server_count: auto; vLLM's own count stays)",
 }
 
 #: Every attribute the plugin's hooks need (one inventory: the drift tests are built from it).
@@ -160,6 +161,7 @@ HOOKS: tuple[Hook, ...] = (
     Hook("app", "vllm.entrypoints.launchers.api_server.entry", "", "build_app", ("args",), group="app"),
     Hook("app", "vllm.entrypoints.openai.api_server", "", "build_app", ("args",), group="app"),
     Hook("metrics_mp", "prometheus_client.multiprocess", "MultiProcessCollector", "__init__", ("", "registry")),
+    Hook("frontend", "vllm.entrypoints.cli.serve", "ServeSubcommand", "cmd", ("args",)),
 )
 
 _DISABLED: dict[str, str] = {}  # feature -> the warning's reason (one warning per feature and process)
@@ -305,18 +307,21 @@ class _PluginAction(argparse.Action):
         setattr(namespace, self.dest, items + names)
 
 
-CLI_STATE = {"parser_built": False}
+CLI_STATE: dict[str, Any] = {"parser_built": False, "on_serve_args": None}
 
 
-def install_cli_flag() -> bool:
+def install_cli_flag(on_serve_args: Callable[[Any], None] | None = None) -> bool:
     """Add ``--plugin`` to vLLM's engine argument parser (used by ``vllm serve``), and make a
     malformed ``--additional-config`` one line (:func:`guard_additional_config`).
 
     vLLM loads general plugins inside ``AsyncEngineArgs.add_cli_args`` right before it calls
     ``EngineArgs.add_cli_args``, so patching the latter here reaches the parser being built.
     ``EngineArgs.from_cli_args`` copies only dataclass fields, so the extra attribute is ignored.
-    Returns whether it was installed now.
+    ``on_serve_args``: installed on ``vllm serve``'s dispatch once its parser is built
+    (:func:`install_serve_hook`). Returns whether it was installed now.
     """
+    if on_serve_args is not None:
+        CLI_STATE["on_serve_args"] = on_serve_args
     if "cli_flag" in _PATCHED or require("cli_flag") is None:
         return False
     from vllm.engine.arg_utils import EngineArgs
@@ -336,12 +341,82 @@ def install_cli_flag() -> bool:
             except argparse.ArgumentError:
                 pass  # another plugin (or a future vLLM) already defines --plugin
             guard_additional_config(parser)
+            if CLI_STATE["on_serve_args"] is not None:
+                install_serve_hook(CLI_STATE["on_serve_args"])
             return parser
 
         return add_cli_args
 
     _INSTALLED.add("cli_flag")
     return _patch(EngineArgs, "add_cli_args", "cli_flag", make)
+
+
+def install_serve_hook(on_serve_args: Callable[[Any], None]) -> bool:
+    """Call ``on_serve_args(args)`` in ``vllm serve``'s process right before it picks how many API
+    servers to start (``ServeSubcommand.cmd``), so that ``args.api_server_count`` may be set.
+
+    Installed while vLLM builds the serve parser (from :func:`install_cli_flag`): vLLM reads
+    ``ServeSubcommand.cmd`` for the parser's dispatch function only after that, and the module is
+    imported by then, so no other vLLM process pays for the import. A fault inside the callback
+    turns this one feature off with one warning; ``SystemExit`` (a bad setting) stops the server.
+    """
+    if "serve_hook" in _PATCHED or require("frontend") is None:
+        return False
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+
+    def make(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def cmd(args: Any, *a: Any, **kw: Any) -> Any:
+            try:
+                on_serve_args(args)
+            except Exception as exc:
+                fault_once("frontend", exc, "API-server pool sizing", "vLLM's own API-server count stays")
+            return orig(args, *a, **kw)
+
+        return cmd
+
+    _INSTALLED.add("frontend")
+    return _patch(ServeSubcommand, "cmd", "serve_hook", make)
+
+
+def serve_facts(args: Any) -> frontend.ServeFacts:
+    """What ``vllm serve``'s parsed arguments say about the front end (0.25-0.32 spell them alike,
+    ``vllm/entrypoints/cli/serve.py``); :mod:`vllm_powersave.frontend` decides from it."""
+    g = functools.partial(getattr, args)
+    refusal = None
+    if g("headless", False):
+        refusal = "--headless runs no API server"
+    elif g("grpc", False):
+        refusal = "--grpc serves through one gRPC server"
+    elif (
+        g("data_parallel_multi_port_external_lb", False)
+        or g("data_parallel_external_lb", False)
+        or g("data_parallel_rank", None) is not None
+    ):
+        refusal = "an external data-parallel load balancer: vLLM runs one API server per rank"
+    elif g("data_parallel_hybrid_lb", False) or g("data_parallel_start_rank", None) is not None:
+        refusal = "hybrid data-parallel load balancing: vLLM sizes the pool per node"
+    elif envs.vllm_rust_frontend():
+        refusal = f"{envs.ENV_VLLM_RUST_FRONTEND} is set: vLLM's Rust front end is one multithreaded process"
+    elif g("enable_elastic_ep", False):
+        refusal = "elastic EP supports one API server"
+    elif envs.vllm_runtime_lora():
+        refusal = f"{envs.ENV_VLLM_RUNTIME_LORA}: vLLM refuses several API servers with runtime LoRA updates"
+    tp, pp = int(g("tensor_parallel_size", 1) or 1), int(g("pipeline_parallel_size", 1) or 1)
+    local = g("data_parallel_size_local", None)
+    return frontend.ServeFacts(
+        api_server_count=g("api_server_count", None),
+        data_parallel_size=int(g("data_parallel_size", 1) or 1),
+        data_parallel_size_local=int(local) if local else None,
+        # One process per engine with a single GPU (the worker runs inside EngineCore); with more,
+        # EngineCore plus one worker process per GPU, each a busy Python loop.
+        workers_per_engine=1 if tp * pp == 1 else tp * pp + 1,
+        refusal=refusal,
+    )
+
+
+def set_api_server_count(args: Any, count: int) -> None:
+    """Set ``vllm serve``'s API-server count (read by ``ServeSubcommand.cmd`` right after)."""
+    args.api_server_count = count
 
 
 def guard_additional_config(parser: Any) -> bool:
