@@ -1,7 +1,7 @@
 """``vllm-powersave advise``: a run's figures turned into ranked, concrete recommendations.
 
 Input: a loadtests result JSON (``python -m loadtests ... --out``, or ``vllm-powersave compare``'s
-``result-*.json``) and/or the server's ``/metrics`` (a URL or a saved scrape). Each recommendation
+``result-*.json``; any other JSON is refused) and/or the server's ``/metrics`` (a URL or a saved scrape). Each recommendation
 carries the figure behind it and two labels: ``evidence`` (``measured`` or ``simulated``: where the
 figure comes from) and ``effect`` (``measured``: the change itself was measured, on the GPU named;
 ``predicted``: an estimate from the figure). Ranked by expected energy saving, largest first;
@@ -14,7 +14,8 @@ Rules (the figures they rest on):
   the H200, 1 -> 4 API servers at concurrency 64 gave -8.6 % J/token and +54 % throughput.
 * **Perf boost**: idle energy of a server that keeps CUDA's boost (``cuda_perf_boost: on``):
   ``auto`` cuts idle power by 35 % (119.6 -> 77.4 W, medians) (measured on the H200, docs/results/h200-perf-boost.md), so it
-  would save 35 % of that idle energy here (predicted).
+  would save 35 % of that idle energy here (predicted). Never for a server that ran auto or off;
+  conditional, without an estimate, where neither /metrics nor the result says which it ran.
 * **Batch limit**: most of the run at the batch limit (steady state) with requests waiting:
   raise ``--max-num-seqs`` (no estimate: depends on memory and model).
 * **Clocks**: clock decisions recorded but not applied (dry-run): give the server clock permission
@@ -41,6 +42,12 @@ MIN_STEADY_SHARE = 0.5
 
 #: A run's own load-generator check (loadtests), taken from the last --result only.
 CLIENT_KEYS = ("client_bottleneck", "client_loop_lag_p99_ms", "client_loop_lag_max_ms")
+#: Every loadtests result has these (loadtests/runner.py); a file with neither is something else
+#: (a comparison.json, a settings file) and its figures would be read as absent, not refused.
+RESULT_KEYS = ("completed", "output_throughput")
+#: Where a result may carry the server's powersave_info labels (the perf-boost mode).
+INFO_KEYS = ("powersave_info", "server_info")
+BOOST_MODES = ("on", "off", "auto")
 
 
 class AdviseError(ValueError):
@@ -75,6 +82,9 @@ def load_result(path: str) -> dict[str, Any]:
         raise AdviseError(f"--result = {path!r}: not JSON ({str(exc).splitlines()[0][:80]})") from None
     if not isinstance(data, dict):
         raise AdviseError(f"--result = {path!r}: not a loadtests result (top level is {type(data).__name__})")
+    if not any(k in data for k in RESULT_KEYS):
+        raise AdviseError(f"--result = {path!r}: not a loadtests result (no {RESULT_KEYS[0]!r} or {RESULT_KEYS[1]!r} key)")
+    _check_server_fields(path, data)
     # The load generator's own check decides which fix comes first: a flag that is not a JSON
     # boolean (a "true" string) must not quietly read as a client that kept up.
     v = data.get("client_bottleneck")
@@ -88,6 +98,33 @@ def load_result(path: str) -> dict[str, Any]:
     if v is not None and not isinstance(v, dict):
         raise AdviseError(f"--result = {path!r}: energy_by_phase_j = {str(v)[:60]!r}: not an object of joules by phase")
     return data
+
+
+def result_perf_boost(data: dict[str, Any]) -> tuple[str, Any] | None:
+    """(field, value) of the perf-boost mode a result carries: ``cuda_perf_boost`` at the top or
+    in its server's ``powersave_info`` / ``server_info`` labels; None when it carries none."""
+    if data.get("cuda_perf_boost") is not None:
+        return "cuda_perf_boost", data["cuda_perf_boost"]
+    for k in INFO_KEYS:
+        info = data.get(k)
+        if isinstance(info, dict) and info.get("cuda_perf_boost") is not None:
+            return f"{k}.cuda_perf_boost", info["cuda_perf_boost"]
+    return None
+
+
+def _check_server_fields(path: str, data: dict[str, Any]) -> None:
+    """The server facts a result may carry must read as what they claim, or the file is refused."""
+    boost = result_perf_boost(data)
+    # One value per GPU, joined by commas as powersave_info's label is (metrics.py); "pending" =
+    # no worker had published yet.
+    if boost is not None:
+        field, v = boost
+        modes = set(v.split(",")) if isinstance(v, str) else {None}
+        if v != "pending" and not modes <= set(BOOST_MODES):
+            raise AdviseError(f"--result = {path!r}: {field} = {v!r}: not on, off or auto")
+    n = data.get("api_server_count")
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+        raise AdviseError(f"--result = {path!r}: api_server_count = {n!r}: not an integer >= 1")
 
 
 def load_metrics(source: str, timeout_s: float = 10.0) -> str:
@@ -161,6 +198,8 @@ def facts_from_result(r: dict[str, Any]) -> dict[str, Any]:
         "concurrency": r.get("max_concurrency"),
         "output_throughput": r.get("output_throughput"),
         **{k: r.get(k) for k in CLIENT_KEYS},
+        "api_servers": r.get("api_server_count"),
+        "cuda_perf_boost": (result_perf_boost(r) or (None, None))[1],
     }
     if f["energy_by_phase_j"].get("idle") is None and r.get("gpu_idle_energy_j") is not None:
         f["energy_by_phase_j"]["idle"] = r["gpu_idle_energy_j"]
@@ -216,23 +255,9 @@ def advise(facts: dict[str, Any]) -> list[Recommendation]:
                 None if client else iwb_j / e,
             )
         )
-    idle_j = _num((facts.get("energy_by_phase_j") or {}).get("idle"))
-    boost = facts.get("cuda_perf_boost")
-    if e and idle_j is not None and boost in (None, "on"):
-        quiet = idle_j - (iwb_j or 0.0)
-        if quiet / e >= MIN_IDLE_SHARE:
-            out.append(
-                Recommendation(
-                    "perf_boost",
-                    'Set cuda_perf_boost: "auto" (or drop a "savings: off"/"cuda_perf_boost: on" setting)',
-                    f"idle energy {quiet:.0f} J, {100 * quiet / e:.1f} % of the run's energy; idle power -35 % with auto "
-                    f"(measured on the H200, docs/results/h200-perf-boost.md)"
-                    + ("" if boost else "; perf-boost mode unknown (no /metrics given)"),
-                    src,
-                    "predicted",
-                    PERF_BOOST_IDLE_SAVING * quiet / e,
-                )
-            )
+    boost = _perf_boost(facts, e, iwb_j, src)
+    if boost is not None:
+        out.append(boost)
     steady, dur = _num(facts.get("steady_s")), _num(facts.get("duration_s"))
     if steady is not None and dur and steady / dur >= MIN_STEADY_SHARE and (facts.get("waiting") or 0) > 0:
         out.append(
@@ -264,13 +289,40 @@ def advise(facts: dict[str, Any]) -> list[Recommendation]:
     return sorted(out, key=lambda r: (r.saving_share is None, -(r.saving_share or 0.0)))
 
 
-def run(results: list[str], metrics: list[str], api_servers: int = 1, as_json: bool = False) -> str:
+def _perf_boost(facts: dict[str, Any], e: float | None, iwb_j: float | None, src: str) -> Recommendation | None:
+    """``cuda_perf_boost: "auto"`` for a server that kept CUDA's boost on every GPU. Never for one
+    that already ran auto or off; where the mode is unknown (a result without it, no /metrics),
+    the advice is conditional and carries no estimate to rank by: the plugin's default is auto."""
+    idle_j = _num((facts.get("energy_by_phase_j") or {}).get("idle"))
+    mode = facts.get("cuda_perf_boost")
+    modes = set(mode.split(",")) if isinstance(mode, str) and mode != "pending" else None
+    if not e or idle_j is None or (modes is not None and modes != {"on"}):
+        return None
+    quiet = idle_j - (iwb_j or 0.0)
+    if quiet / e < MIN_IDLE_SHARE:
+        return None
+    action = 'Set cuda_perf_boost: "auto" (or drop a "savings: off"/"cuda_perf_boost: on" setting)'
+    if modes is None:
+        action = 'If this server ran with cuda_perf_boost: "on" or savings: "off": set cuda_perf_boost: "auto"'
+    return Recommendation(
+        "perf_boost",
+        action,
+        f"idle energy {quiet:.0f} J, {100 * quiet / e:.1f} % of the run's energy; idle power -35 % with auto "
+        f"(measured on the H200, docs/results/h200-perf-boost.md)"
+        + ("" if modes else "; perf-boost mode unknown (give the server's --metrics, or a result that carries cuda_perf_boost)"),
+        src,
+        "predicted",
+        PERF_BOOST_IDLE_SAVING * quiet / e if modes else None,
+    )
+
+
+def run(results: list[str], metrics: list[str], api_servers: int | None = None, as_json: bool = False) -> str:
     """The report text (or JSON) for the given inputs; raises :class:`AdviseError` on bad input."""
     if not results and not metrics:
         raise AdviseError("give --result FILE and/or --metrics URL|FILE")
-    if api_servers < 1:
+    if api_servers is not None and api_servers < 1:
         raise AdviseError(f"--api-servers = {api_servers}: must be >= 1")
-    facts: dict[str, Any] = {"api_servers": api_servers}
+    facts: dict[str, Any] = {"api_servers": 1}
     for m in metrics:
         for k, v in facts_from_metrics(load_metrics(m)).items():
             facts.setdefault(k, v)
@@ -281,6 +333,8 @@ def run(results: list[str], metrics: list[str], api_servers: int = 1, as_json: b
         for k in CLIENT_KEYS:
             facts.pop(k, None)
         facts.update(f)
+    if api_servers is not None:  # the operator's word wins over the count a result carries
+        facts["api_servers"] = api_servers
     recs = advise(facts)
     if as_json:
         return json.dumps({"inputs": {"results": results, "metrics": metrics}, "recommendations": [asdict(r) for r in recs]}, indent=2)

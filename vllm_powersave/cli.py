@@ -388,7 +388,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     a.add_argument("--result", action="append", help="loadtests result JSON (repeatable)")
     a.add_argument("--metrics", action="append", help="the server's /metrics: http(s) URL or a saved scrape (repeatable)")
-    a.add_argument("--api-servers", type=int, default=1, help="API servers the run used (default 1)")
+    a.add_argument(
+        "--api-servers", type=int, default=None, help="API servers the run used (default: the result's api_server_count, else 1)"
+    )
     a.add_argument("--json", action="store_true", help="print JSON instead of text")
     a.set_defaults(fn=_cmd_advise)
 

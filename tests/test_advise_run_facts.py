@@ -1,0 +1,92 @@
+"""`vllm-powersave advise`: the perf-boost mode and API-server count a result carries, and files
+that are not run results refused in one line."""
+
+import json
+
+import pytest
+
+from vllm_powersave.cli import main
+
+RESULT = "tests/data/advise-result.json"
+
+
+def _advise_json(tmp_path, capsys, **fields) -> list[dict]:
+    p = tmp_path / "result.json"
+    p.write_text(json.dumps({**json.load(open(RESULT)), **fields}))
+    assert main(["advise", "--result", str(p), "--json"]) == 0
+    return json.loads(capsys.readouterr().out)["recommendations"]
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"cuda_perf_boost": "auto"},
+        {"cuda_perf_boost": "off"},
+        {"cuda_perf_boost": "auto,on"},  # some GPUs already auto: not a blanket "set auto"
+        {"powersave_info": {"cuda_perf_boost": "auto", "clock_backend": "dry-run"}},
+        {"server_info": {"cuda_perf_boost": "off"}},
+    ],
+)
+def test_advise_never_recommends_perf_boost_auto_to_a_run_that_had_it_or_had_it_off(tmp_path, capsys, fields):
+    assert "perf_boost" not in [r["key"] for r in _advise_json(tmp_path, capsys, **fields)]
+
+
+def test_advise_recommends_perf_boost_auto_to_a_run_that_kept_the_boost(tmp_path, capsys):
+    (boost,) = [r for r in _advise_json(tmp_path, capsys, cuda_perf_boost="on") if r["key"] == "perf_boost"]
+    assert boost["action"].startswith('Set cuda_perf_boost: "auto"') and boost["saving_share"] > 0
+
+
+def test_without_the_mode_the_perf_boost_advice_is_conditional_and_has_no_estimate(tmp_path, capsys):
+    (boost,) = [r for r in _advise_json(tmp_path, capsys) if r["key"] == "perf_boost"]
+    assert boost["action"].startswith('If this server ran with cuda_perf_boost: "on"') and boost["saving_share"] is None
+    assert "perf-boost mode unknown" in boost["measurement"]
+
+
+def test_the_result_mode_wins_over_an_older_metrics_scrape(tmp_path, capsys):
+    p = tmp_path / "result.json"
+    p.write_text(json.dumps({**json.load(open(RESULT)), "cuda_perf_boost": "auto"}))
+    assert main(["advise", "--result", str(p), "--metrics", "tests/data/advise-metrics.txt", "--json"]) == 0
+    assert "perf_boost" not in [r["key"] for r in json.loads(capsys.readouterr().out)["recommendations"]]
+
+
+def test_the_api_server_count_of_the_result_sets_the_next_step_unless_given(tmp_path, capsys):
+    (api,) = [r for r in _advise_json(tmp_path, capsys, api_server_count=4) if r["key"] == "api_servers"]
+    assert "--api-server-count 8" in api["action"]
+    p = tmp_path / "r4.json"
+    p.write_text(json.dumps({**json.load(open(RESULT)), "api_server_count": 4}))
+    assert main(["advise", "--result", str(p), "--api-servers", "2", "--json"]) == 0
+    recs = json.loads(capsys.readouterr().out)["recommendations"]
+    assert "--api-server-count 4" in next(r for r in recs if r["key"] == "api_servers")["action"]
+
+
+@pytest.mark.parametrize(
+    "doc",
+    [
+        {"model": "m", "gpu": True, "results": {"off": {"completed": 8}}, "rates": ["inf"]},  # a comparison.json
+        {"powersave": {"cuda_perf_boost": "auto"}},  # a settings file
+        {},
+    ],
+)
+def test_advise_refuses_a_file_that_is_not_a_run_result_in_one_line(tmp_path, capsys, doc):
+    p = tmp_path / "comparison.json"
+    p.write_text(json.dumps(doc))
+    assert main(["advise", "--result", str(p)]) == 2
+    cap = capsys.readouterr()
+    assert cap.err == f"error: --result = {str(p)!r}: not a loadtests result (no 'completed' or 'output_throughput' key)\n"
+    assert cap.out == ""
+
+
+@pytest.mark.parametrize(
+    "field,value,line",
+    [
+        ("cuda_perf_boost", "fast", "cuda_perf_boost = 'fast': not on, off or auto"),
+        ("powersave_info", {"cuda_perf_boost": 1}, "powersave_info.cuda_perf_boost = 1: not on, off or auto"),
+        ("api_server_count", 0, "api_server_count = 0: not an integer >= 1"),
+        ("api_server_count", "4", "api_server_count = '4': not an integer >= 1"),
+    ],
+)
+def test_a_server_fact_of_the_wrong_kind_is_one_line(tmp_path, capsys, field, value, line):
+    p = tmp_path / "result.json"
+    p.write_text(json.dumps({**json.load(open(RESULT)), field: value}))
+    assert main(["advise", "--result", str(p)]) == 2
+    assert capsys.readouterr().err == f"error: --result = {str(p)!r}: {line}\n"
