@@ -77,9 +77,11 @@ def test_savings_section_says_what_was_measured_and_what_predicted():
     runs = [("off", 0.5, off), ("on", 0.5, on), ("on", 0.5, on), ("off", 0.5, off), ("off", float("inf"), off), ("on", float("inf"), on)]
     cpu = savings_section(runs, gpu=False)
     assert "### 0.5 req/s" in cpu and "### saturation" in cpu
-    assert "- J / output token, clock presets vs stock clocks: -10.0 % (simulated, mean of 2 and 2 runs)" in cpu
+    # No identical-steps figure: no saving is claimed; the run-to-run change is named as such.
+    assert "- J / output token, clock presets vs stock clocks: n/a (no identical-steps figure in these runs)" in cpu
+    assert "not the presets' effect): presets runs vs stock-clocks runs -10.0 % J / output token (simulated, mean of 2 and 2 runs)" in cpu
     assert "stock idled 400 J (20.0 % of its energy, simulated)" in cpu and "7.1 % of stock's energy (predicted)" in cpu
-    assert "50 J idle while requests were in flight, 2.0 % of busy time (simulated)" in cpu
+    assert "- front-end starvation, presets: 50 J idle while requests were in flight, 2.0 % of busy time (simulated, mean of 2 runs)" in cpu
     gpu = savings_section(runs, gpu=True)
     assert "- J / output token, defaults vs stock: -10.0 % (measured, mean of 2 and 2 runs)" in gpu and "simulated" not in gpu
     stock_gpu = savings_section([("off", 1.0, {"gpu_energy_per_output_token_j": 0.1}), ("on", 1.0, on)], gpu=True)

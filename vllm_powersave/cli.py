@@ -259,7 +259,8 @@ def _cmd_compare(ns: argparse.Namespace) -> int:
             "with something else; treat this run's figures as unreliable and repeat it.\n"
             for k, v in suspect.items()
         )
-    md += savings_section(rated, gpu)
+    # On the CPU the identical-steps figures are the presets' saving (compare_report._energy_lines).
+    md += savings_section(rated, gpu, counterfactual)
     (out_dir / "comparison.md").write_text(md)
     (out_dir / "comparison.json").write_text(
         json.dumps(

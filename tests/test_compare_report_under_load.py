@@ -1,0 +1,142 @@
+"""`vllm-powersave compare` under load: starvation of both arms with the advice and its basis, and
+the CPU's saving taken from identical engine steps."""
+
+import json
+import math
+
+import pytest
+
+from vllm_powersave.compare_report import API_SERVER_ADVICE, savings_section
+
+INF = math.inf
+
+
+def _stock(**kw):
+    return {"gpu_energy_per_output_token_j": 0.100, "gpu_energy_j": 12000.0, **kw}
+
+
+def _defaults(**kw):
+    # The c64 one-API-server run: ~820 J idle while requests waited, ~7 % of the energy.
+    base = {"gpu_energy_per_output_token_j": 0.102, "gpu_energy_j": 11800.0, "gpu_idle_while_busy_energy_j": 820.0}
+    return {**base, "idle_while_busy_share": 0.074, **kw}
+
+
+def _section(lines: str, title: str) -> list[str]:
+    body = lines.split(f"### {title}\n", 1)[1]
+    return body.split("\n### ", 1)[0].splitlines()
+
+
+def test_every_gpu_section_shows_both_arms_starvation_and_the_advice_with_its_measured_basis():
+    runs = [(arm, rate, f()) for rate in (0.5, INF) for arm, f in (("off", _stock), ("on", _defaults), ("on", _defaults), ("off", _stock))]
+    md = savings_section(runs, gpu=True)
+    for title in ("0.5 req/s", "saturation"):
+        sec = _section(md, title)
+        assert "- front-end starvation, stock: n/a (stock publishes no starvation counter)" in sec
+        assert (
+            "- front-end starvation, defaults: 820 J idle while requests were in flight, 7.4 % of busy time, 6.9 % of the energy (measured, mean of 2 runs)"
+            in sec
+        )
+        assert f"- advice: {API_SERVER_ADVICE}" in sec
+    assert "--api-server-count 4" in API_SERVER_ADVICE and "docs/results/h200-under-load.md" in API_SERVER_ADVICE
+    assert "+25–40 % throughput, about −5 % J per output token" in API_SERVER_ADVICE
+
+
+def test_stock_starvation_is_shown_where_its_result_carries_it():
+    stock = _stock(gpu_idle_while_busy_energy_j=300.0, idle_while_busy_share=0.03)
+    md = savings_section([("off", INF, stock), ("on", INF, _defaults())], gpu=True)
+    assert (
+        "- front-end starvation, stock: 300 J idle while requests were in flight, 3.0 % of busy time, 2.5 % of the energy (measured, mean of 1 run)"
+        in md
+    )
+    assert "stock publishes no starvation counter" not in md
+
+
+@pytest.mark.parametrize(
+    "share,j,advice",
+    [
+        (0.074, 820.0, True),  # share above 5 % of busy time
+        (0.03, 300.0, True),  # under 5 %, but 2.5 % of the energy
+        (0.01, 60.0, False),  # neither
+        (None, 60.0, False),
+    ],
+)
+def test_the_advice_appears_only_where_starvation_is_material(share, j, advice):
+    on = _defaults(gpu_idle_while_busy_energy_j=j, idle_while_busy_share=share)
+    md = savings_section([("off", INF, _stock()), ("on", INF, on)], gpu=True)
+    assert ("- advice: run more API servers" in md) is advice
+
+
+def test_no_api_server_advice_on_the_cpu_where_the_servers_would_share_the_engine_cores():
+    md = savings_section([("off", INF, _stock()), ("on", INF, _defaults())], gpu=False)
+    assert "front-end starvation, presets: 820 J" in md and "advice:" not in md
+
+
+def test_each_arm_names_the_api_server_count_its_runs_used_where_the_results_carry_it():
+    runs = [
+        ("off", INF, _stock(api_server_count=1)),
+        ("on", INF, _defaults(api_server_count=4)),
+        ("on", INF, _defaults(api_server_count=4)),
+    ]
+    assert "- API servers: stock 1, defaults 4" in savings_section(runs, gpu=True)
+    mixed = [("off", INF, _stock()), ("on", INF, _defaults(api_server_count=4)), ("on", INF, _defaults(api_server_count=2))]
+    assert "- API servers: stock n/a, defaults 2/4" in savings_section(mixed, gpu=True)
+    assert "API servers:" not in savings_section([("off", INF, _stock()), ("on", INF, _defaults())], gpu=True)
+
+
+def test_the_cpu_saving_is_the_identical_steps_figure_and_the_run_to_run_one_is_named_noise():
+    # The report that contradicted itself: -18.2 % on identical steps, -28.8 % run to run.
+    off = {"gpu_energy_per_output_token_j": 1.0}
+    on = {"gpu_energy_per_output_token_j": 0.712}
+    runs = [("off", INF, {**off, "run_index": 1}), ("on", INF, {**on, "run_index": 2}), ("on", INF, {**on, "run_index": 3})]
+    runs.append(("off", INF, {**off, "run_index": 4}))
+    cf = {"on (run 2)": {"saving_pct": 18.0}, "on (run 3)": {"saving_pct": 18.4}, "off (run 1)": {"saving_pct": 0.0}}
+    lines = savings_section(runs, gpu=False, counterfactual=cf).splitlines()
+    (head,) = [x for x in lines if x.startswith("- J / output token, clock presets vs stock clocks")]
+    assert "-18.2 %" in head and "identical engine steps" in head
+    noisy = [x for x in lines if "-28.8" in x]
+    assert len(noisy) == 1 and noisy[0].startswith("- run-to-run (includes the CPU's batching noise, not the presets' effect)")
+
+
+# The command itself: the CPU report's Savings line comes from the identical-steps figures
+
+
+class _FakeServer:
+    def __init__(self, args, log_path=None, startup_timeout_s=None):
+        self.label = "on" if "--plugin" in args else "off"
+
+    base_url = "http://127.0.0.1:9"
+
+    def start(self):
+        return self
+
+    def stop(self, timeout_s: float = 30.0):
+        return 0
+
+    def __getattr__(self, name):  # anything else the command reads from a server: not known here
+        return None
+
+
+def test_the_cpu_compare_report_takes_its_saving_from_identical_steps(tmp_path, monkeypatch):
+    import loadtests
+    import vllm_powersave.serving as serving
+    from vllm_powersave import cli
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    jt = {"off": 1.0, "on": 0.712}  # -28.8 % run to run
+    monkeypatch.setattr(serving, "VllmServer", _FakeServer)
+    monkeypatch.setattr(serving, "cpu_only", lambda: True)
+    monkeypatch.setattr(loadtests, "run", lambda cfg: {"label": cfg.label, "completed": 8, "gpu_energy_per_output_token_j": jt[cfg.label]})
+    monkeypatch.setattr(
+        cli,
+        "_read_snapshot",
+        lambda d: {"sim_energy_j": 81.8, "sim_stock_clocks_energy_j": 100.0} if d.name.startswith("stats-on") else {},
+    )
+    assert cli.main(["compare", "--model", str(model), "--out", str(tmp_path / "runs"), "--rates", "inf"]) == 0
+    (out,) = (tmp_path / "runs").iterdir()
+    lines = (out / "comparison.md").read_text().splitlines()
+    (head,) = [x for x in lines if x.startswith("- J / output token, clock presets vs stock clocks")]
+    assert "-18.2 %" in head
+    assert all("not the presets' effect" in x for x in lines if "-28.8" in x)
+    assert json.loads((out / "comparison.json").read_text())["simulated_same_steps"]["on (run 2)"]["saving_pct"] == pytest.approx(18.2)
