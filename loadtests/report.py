@@ -11,6 +11,38 @@ from .metrics import percentile_key
 
 _NO_ENERGY = "n/a (no energy source)"
 
+#: A steady-state window shorter than this, or holding fewer energy samples, is too short to
+#: compare arms by (a few samples at the window's edges decide its joules): its rows are left out.
+STEADY_MIN_WINDOW_S = 10.0
+STEADY_MIN_SAMPLES = 3
+
+
+def steady_state_samples(result: dict[str, Any]) -> int | None:
+    """Energy samples inside a result's steady-state window (the fewest over its sources), from
+    ``steady_state_energy_samples`` or counted on its timeline; None when neither says."""
+    n = result.get("steady_state_energy_samples")
+    if isinstance(n, int) and not isinstance(n, bool):
+        return n
+    a, b = result.get("steady_state_start_s"), result.get("steady_state_end_s")
+    series = ((result.get("timeline") or {}).get("series")) or []
+    if a is None or b is None or not series:
+        return None
+    # The window's edges are snapped to sample times (averaged over sources): allow a little slack.
+    eps_s = 0.05
+    return min(sum(1 for t in s.get("t_s") or [] if a - eps_s <= t <= b + eps_s) for s in series)
+
+
+def steady_state_unusable(result: dict[str, Any]) -> str | None:
+    """Why a result's steady-state figures are too thin to show, or None when they are usable."""
+    dur_s = result.get("steady_state_duration_s")
+    if dur_s is None:
+        return result.get("steady_state_note") or "no steady-state window"
+    n = steady_state_samples(result)
+    if dur_s < STEADY_MIN_WINDOW_S or n is None or n < STEADY_MIN_SAMPLES:
+        got = f"{n} energy samples" if n is not None else "energy samples unknown"
+        return f"window {dur_s:.1f} s, {got}; needs >= {STEADY_MIN_WINDOW_S:g} s and >= {STEADY_MIN_SAMPLES} samples"
+    return None
+
 
 def _num(v: Any, digits: int = 2) -> str:
     if v is None:
@@ -223,11 +255,13 @@ def format_markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def compare_table(results: dict[str, dict[str, Any]]) -> str:
+def compare_table(results: dict[str, dict[str, Any]], steady_state: bool = True) -> str:
     """Side-by-side Markdown table of labelled results (one column per label).
 
     Every energy number carries its provenance ("measured"/"simulated") so simulated
-    numbers are never mistaken for measurements.
+    numbers are never mistaken for measurements. Steady-state rows appear only where some run's
+    window is usable (:func:`steady_state_unusable`), and not at all with ``steady_state=False``
+    (a caller that shows them per arm with an interval).
     """
     labels = list(results)
     rows: list[tuple[str, list[str]]] = []
@@ -263,11 +297,14 @@ def compare_table(results: dict[str, dict[str, Any]]) -> str:
     add("Output tokens / J", lambda r: _energy(r, "output_tokens_per_joule"))
     add("Total tokens / J", lambda r: _energy(r, "total_tokens_per_joule"))
     add("Energy source", lambda r: r.get("energy_source") or "none")
-    if any(r.get("steady_state_duration_s") is not None for r in results.values()):
+    if steady_state and any(steady_state_unusable(r) is None for r in results.values()):
 
         def ss(key: str, digits: int = 4) -> Any:
             def f(r: dict[str, Any]) -> str:
                 v, src = r.get(key), r.get("steady_state_energy_source")
+                why = steady_state_unusable(r)
+                if why is not None:
+                    return f"n/a ({why})"
                 if "energy" in key or "joule" in key or "power" in key:
                     if src is None:
                         return _NO_ENERGY

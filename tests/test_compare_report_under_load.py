@@ -1,12 +1,14 @@
-"""`vllm-powersave compare` under load: starvation of both arms with the advice and its basis, and
-the CPU's saving taken from identical engine steps."""
+"""`vllm-powersave compare` under load: starvation of both arms with the advice and its basis, the
+CPU's saving taken from identical engine steps, and steady-state rows only with a usable window."""
 
 import json
 import math
+import statistics
 
 import pytest
 
-from vllm_powersave.compare_report import API_SERVER_ADVICE, savings_section
+from loadtests.report import compare_table
+from vllm_powersave.compare_report import API_SERVER_ADVICE, mean_ci95, savings_section, steady_state_section, t975
 
 INF = math.inf
 
@@ -95,6 +97,72 @@ def test_the_cpu_saving_is_the_identical_steps_figure_and_the_run_to_run_one_is_
     assert "-18.2 %" in head and "identical engine steps" in head
     noisy = [x for x in lines if "-28.8" in x]
     assert len(noisy) == 1 and noisy[0].startswith("- run-to-run (includes the CPU's batching noise, not the presets' effect)")
+
+
+# Steady state
+
+
+def _steady(dur_s: float, samples: int, j_per_tok: float, tput: float = 4000.0, src: str = "measured") -> dict:
+    """A result whose steady window [10, 10 + dur_s] holds ``samples`` timeline samples."""
+    inside = [10.0 + dur_s * k / max(1, samples - 1) for k in range(samples)] if samples else []
+    return {
+        "steady_state_duration_s": dur_s,
+        "steady_state_start_s": 10.0,
+        "steady_state_end_s": 10.0 + dur_s,
+        "steady_state_output_throughput": tput,
+        "steady_state_gpu_energy_per_output_token_j": j_per_tok,
+        "steady_state_output_tokens_per_joule": 1.0 / j_per_tok,
+        "steady_state_energy_source": src,
+        "timeline": {"series": [{"t_s": [0.0, 5.0, *inside, 10.0 + dur_s + 5.0]}]},
+    }
+
+
+@pytest.mark.parametrize("dur_s,samples,shown", [(12.0, 3, True), (8.0, 5, False), (12.0, 2, False), (30.0, 0, False)])
+def test_compare_table_shows_steady_rows_only_for_a_long_enough_window_with_three_samples(dur_s, samples, shown):
+    table = compare_table({"off": _steady(dur_s, samples, 0.1), "on": _steady(dur_s, samples, 0.09)})
+    assert ("Steady state J / output token" in table) is shown
+
+
+def test_a_run_whose_window_is_too_short_says_why_beside_a_usable_one():
+    table = compare_table({"off": _steady(12.0, 4, 0.1), "on": _steady(6.0, 4, 0.09)})
+    row = next(x for x in table.splitlines() if x.startswith("| Steady state J / output token"))
+    assert "0.1000 (measured)" in row and "n/a (window 6.0 s, 4 energy samples; needs >= 10 s and >= 3 samples)" in row
+    # A result that counts its own window samples is taken at its word.
+    assert "Steady state" not in compare_table({"a": {**_steady(12.0, 9, 0.1), "steady_state_energy_samples": 2}})
+    assert "Steady state" not in compare_table({"a": _steady(12.0, 4, 0.1)}, steady_state=False)
+
+
+def test_t_quantiles_and_the_interval():
+    assert t975(1) == pytest.approx(12.706, abs=1e-3) and t975(10) == pytest.approx(2.228, abs=1e-3)
+    assert t975(30) == pytest.approx(2.042, abs=1e-3) and t975(200) == pytest.approx(1.960, abs=1e-3)
+    assert all(t975(d) > t975(d + 1) for d in range(1, 31)) and t975(31) == t975(500)
+    m, lo, hi = mean_ci95([0.10, 0.12])
+    half = 12.7062 * statistics.stdev([0.10, 0.12]) / math.sqrt(2)
+    assert m == pytest.approx(0.11) and lo == pytest.approx(0.11 - half) and hi == pytest.approx(0.11 + half)
+    assert mean_ci95([0.1]) is None
+
+
+def test_steady_state_section_gives_each_arm_its_mean_and_interval_or_says_one_run():
+    runs = [
+        ("off", INF, _steady(20.0, 30, 0.10)),
+        ("on", INF, _steady(20.0, 30, 0.09)),
+        ("on", INF, _steady(4.0, 6, 0.05)),  # too short: left out of the mean
+        ("off", INF, _steady(20.0, 30, 0.12)),
+    ]
+    md = steady_state_section(runs, gpu=True)
+    assert "stock 2 of 2 runs, defaults 1 of 2 runs" in md
+    row = next(x for x in md.splitlines() if x.startswith("| J / output token"))
+    lo, hi = 0.11 - 12.7062 * statistics.stdev([0.10, 0.12]) / math.sqrt(2), 0.11 + 12.7062 * statistics.stdev([0.10, 0.12]) / math.sqrt(2)
+    assert f"| 0.1100 (95 % CI {lo:.4f}–{hi:.4f}, 2 runs; measured) | 0.0900 (one run: no interval; measured) |" in row
+    assert "0.0500" not in md
+
+
+def test_steady_state_section_shows_no_figure_when_no_window_is_usable():
+    md = steady_state_section(
+        [("off", 1.0, _steady(8.0, 3, 0.1)), ("on", 1.0, {"steady_state_duration_s": None, "steady_state_note": "x"})], gpu=True
+    )
+    assert "- no steady-state figures: no run's window is >= 10 s with >= 3 energy samples (e.g. window 8.0 s" in md
+    assert "| J / output token" not in md
 
 
 # The command itself: the CPU report's Savings line comes from the identical-steps figures

@@ -114,7 +114,7 @@ def _read_snapshot(stats_dir: Path) -> WorkerSnapshot:
 def _cmd_compare(ns: argparse.Namespace) -> int:
     from loadtests import BenchConfig, compare_table, run
 
-    from .compare_report import parse_rates, rate_label, savings_section
+    from .compare_report import parse_rates, rate_label, savings_section, steady_state_section
     from .serving import ServerError, VllmServer, cpu_only, default_serve_args
 
     rates = parse_rates(ns.rates)
@@ -209,13 +209,15 @@ def _cmd_compare(ns: argparse.Namespace) -> int:
                 else None,
             }
     results, rate_of = _keyed_runs(runs, [p[0] for p in plan], len(configs))
+    # Steady-state figures appear per arm with an interval (steady_state_section), not per run.
     if len(rates) > 1:  # one table per rate: columns of one load side by side
         table = "\n".join(
-            f"### {rate_label(rate)}\n\n" + compare_table({k: r for i, (k, r) in enumerate(results.items()) if plan[i][0] == rate})
+            f"### {rate_label(rate)}\n\n"
+            + compare_table({k: r for i, (k, r) in enumerate(results.items()) if plan[i][0] == rate}, steady_state=False)
             for rate in rates
         )
     else:
-        table = compare_table(results)
+        table = compare_table(results, steady_state=False)
     load = (
         f"{ns.num_prompts} requests, concurrency {ns.concurrency}"
         if rates == [math.inf]
@@ -260,7 +262,7 @@ def _cmd_compare(ns: argparse.Namespace) -> int:
             for k, v in suspect.items()
         )
     # On the CPU the identical-steps figures are the presets' saving (compare_report._energy_lines).
-    md += savings_section(rated, gpu, counterfactual)
+    md += savings_section(rated, gpu, counterfactual) + "\n" + steady_state_section(rated, gpu) + "\n"
     (out_dir / "comparison.md").write_text(md)
     (out_dir / "comparison.json").write_text(
         json.dumps(

@@ -24,6 +24,13 @@ API_SERVER_ADVICE = (
     "run more API servers (--api-server-count 4, or leave the plugin's api_server_count: auto): measured on H200, "
     "c64 streamed 512/256, 7B shape: +25–40 % throughput, about −5 % J per output token (docs/results/h200-under-load.md)"
 )
+#: Two-sided 95 % quantiles of Student's t (the 0.975 point) for 1..30 degrees of freedom; above
+#: 30 the normal quantile is within 2 % of t's.
+T975 = (
+    12.7062, 4.3027, 3.1824, 2.7764, 2.5706, 2.4469, 2.3646, 2.3060, 2.2622, 2.2281,
+    2.2010, 2.1788, 2.1604, 2.1448, 2.1314, 2.1199, 2.1098, 2.1009, 2.0930, 2.0860,
+    2.0796, 2.0739, 2.0687, 2.0639, 2.0595, 2.0555, 2.0518, 2.0484, 2.0452, 2.0423,
+)  # fmt: skip
 
 
 def parse_rates(text: str) -> list[float]:
@@ -48,6 +55,20 @@ def rate_label(rate: float) -> str:
 
 def _mean(xs: list[float]) -> float | None:
     return statistics.fmean(xs) if xs else None
+
+
+def t975(df: int) -> float:
+    """The 0.975 quantile of Student's t with ``df`` degrees of freedom (>= 1)."""
+    return T975[df - 1] if df <= len(T975) else statistics.NormalDist().inv_cdf(0.975)
+
+
+def mean_ci95(xs: list[float]) -> tuple[float, float, float] | None:
+    """(mean, low, high): the mean and its two-sided 95 % t interval; None below two values."""
+    if len(xs) < 2:
+        return None
+    m = statistics.fmean(xs)
+    half = t975(len(xs) - 1) * statistics.stdev(xs) / math.sqrt(len(xs))
+    return m, m - half, m + half
 
 
 def _arm_names(gpu: bool) -> dict[str, str]:
@@ -191,3 +212,50 @@ def savings_section(runs: list[tuple[str, float, dict[str, Any]]], gpu: bool, co
             lines.append(servers)
         lines.append("")
     return "\n".join(lines)
+
+
+#: Steady-state figures shown per arm: (row title, result key, digits, an energy figure).
+_STEADY_ROWS = (
+    ("output tok/s", "steady_state_output_throughput", 1, False),
+    ("J / output token", "steady_state_gpu_energy_per_output_token_j", 4, True),
+    ("output tokens / J", "steady_state_output_tokens_per_joule", 3, True),
+)
+
+
+def _steady_cell(arm: list[dict], key: str, digits: int, energy: bool) -> str:
+    """One arm's steady-state figure: the mean with its 95 % t interval over the arm's runs."""
+    xs = [float(x[key]) for x in arm if x.get(key) is not None]
+    srcs = {x.get("steady_state_energy_source") for x in arm if x.get(key) is not None}
+    src = ("; measured" if srcs == {"measured"} else "; simulated") if energy and xs else ""
+    if not xs:
+        return "n/a"
+    ci = mean_ci95(xs)
+    if ci is None:
+        return f"{xs[0]:.{digits}f} (one run: no interval{src})"
+    m, lo, hi = ci
+    return f"{m:.{digits}f} (95 % CI {lo:.{digits}f}–{hi:.{digits}f}, {len(xs)} runs{src})"
+
+
+def steady_state_section(runs: list[tuple[str, float, dict[str, Any]]], gpu: bool) -> str:
+    """Markdown: per rate, each arm's steady-state figures over the runs whose window is long
+    enough to mean something (loadtests.report.steady_state_unusable), with a 95 % interval."""
+    from loadtests.report import STEADY_MIN_SAMPLES, STEADY_MIN_WINDOW_S, steady_state_unusable
+
+    names = _arm_names(gpu)
+    need = f">= {STEADY_MIN_WINDOW_S:g} s with >= {STEADY_MIN_SAMPLES} energy samples"
+    lines = ["", "## Steady state (ML.ENERGY window), per arm", ""]
+    body: list[str] = []
+    for rate in dict.fromkeys(r for _, r, _ in runs):
+        arms = {lab: [res for lb, r, res in runs if r == rate and lb == lab] for lab in ("off", "on")}
+        ok = {lab: [x for x in arm if steady_state_unusable(x) is None] for lab, arm in arms.items()}
+        if not ok["off"] and not ok["on"]:
+            why = next((steady_state_unusable(x) for arm in arms.values() for x in arm), "no run")
+            body += [f"### {rate_label(rate)}", "", f"- no steady-state figures: no run's window is {need} (e.g. {why})", ""]
+            continue
+        used = ", ".join(f"{names[lab]} {len(ok[lab])} of {len(arms[lab])} runs" for lab in arms)
+        body += [f"### {rate_label(rate)}", "", f"Runs with a window {need}: {used}.", ""]
+        body += ["| steady state | " + " | ".join(names[lab] for lab in arms) + " |", "|---|---|---|"]
+        for title, key, digits, energy in _STEADY_ROWS:
+            body.append(f"| {title} | " + " | ".join(_steady_cell(ok[lab], key, digits, energy) for lab in arms) + " |")
+        body.append("")
+    return "\n".join(lines + body)
