@@ -144,6 +144,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--steady-state-batch", type=int, default=None, help="target batch B of the steady-state window (default --max-concurrency)"
     )
     p.add_argument("--sample-interval", type=float, default=0.5, help="energy/power/clock sample period, s (0 = edges only)")
+    p.add_argument(
+        "--metrics-interval",
+        type=float,
+        default=15.0,
+        help="period of /metrics scrapes of the server under test, s (0 = window edges only; default 15, as operators scrape); "
+        "also the energy sample period where the server's counters are the source",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar (it is only shown on a terminal anyway)")
     p.add_argument(
         "--ab-base-url",
@@ -237,6 +244,7 @@ def _config(args: argparse.Namespace, rate: float, conc: int | None) -> BenchCon
         progress=not args.no_progress,
         steady_state_batch=args.steady_state_batch,
         sample_interval_s=args.sample_interval,
+        metrics_interval_s=args.metrics_interval,
     )
     if len(urls) > 1:
         kw["base_urls"] = urls

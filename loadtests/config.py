@@ -130,6 +130,14 @@ class BenchConfig(BaseModel):
     steady_state_batch: int | None = Field(default=None, ge=1)
     #: Period of energy/power/clock samples during the run, s (0 = only the window edges).
     sample_interval_s: float = Field(default=0.5, ge=0)
+    #: Period of ``/metrics`` scrapes of the server under test between the window's edges, s (0 =
+    #: the edges only). Every energy source gets them, so that a server with the plugin and one
+    #: without see the same client: a scrape of vLLM's ~61 kB ``/metrics`` lands on the API server's
+    #: event loop, which is the bottleneck at high concurrency (docs/results/h200-under-load.md).
+    #: 15 s is within what operators use (Prometheus scrape intervals of 10-30 s). Where the server's
+    #: counters are the energy source, energy samples come at this period too; local NVML and zeusd
+    #: keep ``sample_interval_s``.
+    metrics_interval_s: float = Field(default=15.0, ge=0)
 
     def __init__(self, **data: Any) -> None:
         try:

@@ -14,8 +14,9 @@ package's device layer (:mod:`vllm_powersave.device`).
 from __future__ import annotations
 
 import asyncio
+import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import aiohttp
 
@@ -355,8 +356,11 @@ class EnergyMeter:
         timeout_s: float = 5.0,
         mode: str = "auto",
         zeusd: str | None = None,
+        metrics_interval_s: float = 15.0,
     ):
         self._mode = mode
+        self._metrics_interval_s = metrics_interval_s
+        self._scraped_t = -math.inf  # when /metrics was last scraped (perf_counter s)
         self._zeusd = ZeusdEnergy(zeusd, gpus, timeout_s, envs.zeusd_token()) if mode == "zeusd" and zeusd else None
         self._zeusd_ok = False
         self._session = session
@@ -386,7 +390,28 @@ class EnergyMeter:
 
     async def _scrape(self) -> tuple[float, Scrape | None]:
         text = await scrape_metrics(self._session, self._base_url, self._timeout_s)
-        return time.perf_counter(), (parse_scrape(text) if text is not None else None)
+        self._scraped_t = time.perf_counter()
+        return self._scraped_t, (parse_scrape(text) if text is not None else None)
+
+    def _scrape_due(self) -> bool:
+        """Whether a periodic ``/metrics`` scrape is due (``metrics_interval_s``; 0: edges only)."""
+        return self._metrics_interval_s > 0 and time.perf_counter() - self._scraped_t >= self._metrics_interval_s
+
+    async def _with_frontend(self, sample: Sample, sc: Scrape | None = None, scrape: bool = True) -> Sample:
+        """``sample`` (a local NVML or zeusd reading) with the server's front-end figures from
+        ``/metrics`` (the starvation counters where the plugin publishes them): scraped now unless
+        ``sc`` is given or ``scrape`` is False, so that both arms of a comparison load the server alike."""
+        if sc is None and scrape and self._base_url:
+            _, sc = await self._scrape()
+        if sc is None:
+            return sample
+        return replace(
+            sample,
+            running=sc.running,
+            idle_while_busy_j=sc.idle_while_busy_j,
+            idle_while_busy_s=sc.idle_while_busy_s,
+            frontend_busy_s=sc.frontend_busy_s,
+        )
 
     @staticmethod
     def _from_scrape(t: float, sc: Scrape | None) -> Sample:
@@ -422,9 +447,10 @@ class EnergyMeter:
                 return
             self._t0 = first.t
             self._zeusd_ok = True
-            self.samples.append(first)
+            self.samples.append(await self._with_frontend(first))
             return
         reason = "not tried"
+        sc = None
         if self._mode in ("auto", "server"):
             self._t0, sc = await self._scrape()
             counters = sc.counters if sc is not None else None
@@ -439,19 +465,20 @@ class EnergyMeter:
                 return
         self._nvml, reason = NvmlEnergy.open(self._gpus)
         if self._nvml is not None:
+            if sc is None:  # the same edge scrape as a server whose counters are the source
+                _, sc = await self._scrape()
             self._t0, span, self._nvml_before = await self._nvml.aligned_per_gpu_j()
             power, clock = _nvml_gauges(self._nvml)
-            self.samples.append(
-                Sample(
-                    t=self._t0,
-                    read_s=span,
-                    gpu_j=dict(self._nvml_before),
-                    power_w=power,
-                    sm_clock_mhz=clock,
-                    gauge_source="measured" if power is not None else None,
-                    provider="nvml",
-                )
+            first = Sample(
+                t=self._t0,
+                read_s=span,
+                gpu_j=dict(self._nvml_before),
+                power_w=power,
+                sm_clock_mhz=clock,
+                gauge_source="measured" if power is not None else None,
+                provider="nvml",
             )
+            self.samples.append(await self._with_frontend(first, sc, scrape=False))
         elif self._mode == "nvml":
             self._note = f"no energy source ({reason})"
         else:
@@ -459,31 +486,32 @@ class EnergyMeter:
 
     async def sample(self) -> None:
         """One periodic reading (a plain scrape or NVML read, not aligned); no-op without a source."""
+        due = self._scrape_due()
         if self._zeusd_ok:
             try:
-                self.samples.append(await self._zeusd_sample())
+                self.samples.append(await self._with_frontend(await self._zeusd_sample(), scrape=due))
             except Exception:  # a failed read leaves a gap; the window edges still come from start/stop
                 t, power = time.perf_counter(), await self._zeusd.power_w()
                 self.samples.append(Sample(t=t, power_w=power, provider="zeusd", gauge_source="measured" if power is not None else None))
         elif self._before is not None:
-            t, sc = await self._scrape()
-            self.samples.append(self._from_scrape(t, sc))
+            if due:  # the server's counters are the source: they come at the scrape period
+                t, sc = await self._scrape()
+                self.samples.append(self._from_scrape(t, sc))
         elif self._nvml is not None and self._nvml_before is not None:
             try:
                 gpu_j = self._nvml.per_gpu_j()
             except Exception:  # a failed read leaves a gap; the window edges still come from start/stop
                 gpu_j = None
             power, clock = _nvml_gauges(self._nvml)
-            self.samples.append(
-                Sample(
-                    t=time.perf_counter(),
-                    gpu_j=gpu_j,
-                    power_w=power,
-                    sm_clock_mhz=clock,
-                    gauge_source="measured" if power is not None else None,
-                    provider="nvml",
-                )
+            reading = Sample(
+                t=time.perf_counter(),
+                gpu_j=gpu_j,
+                power_w=power,
+                sm_clock_mhz=clock,
+                gauge_source="measured" if power is not None else None,
+                provider="nvml",
             )
+            self.samples.append(await self._with_frontend(reading, scrape=due))
 
     async def _zeusd_sample(self) -> Sample:
         """One zeusd reading: energy counters (raises when they cannot be read) and power (optional)."""
@@ -524,7 +552,7 @@ class EnergyMeter:
                 )
             finally:
                 await self._zeusd.close()
-            self.samples.append(last)
+            self.samples.append(await self._with_frontend(last))
             return self._window_reading(last.t, "zeusd gpu-read counters (the GPUs of the daemon's host)")
         if self._before is not None:
             t1, sc = await self._scrape()
@@ -540,17 +568,16 @@ class EnergyMeter:
             except Exception as e:  # driver hiccup: report no energy instead of crashing the run
                 return EnergyReading(window_s=time.perf_counter() - self._t0, note=f"no energy source (NVML read failed: {e})")
             power, clock = _nvml_gauges(self._nvml)
-            self.samples.append(
-                Sample(
-                    t=t1,
-                    read_s=span,
-                    gpu_j=dict(after_gpu),
-                    power_w=power,
-                    sm_clock_mhz=clock,
-                    gauge_source="measured" if power is not None else None,
-                    provider="nvml",
-                )
+            last = Sample(
+                t=t1,
+                read_s=span,
+                gpu_j=dict(after_gpu),
+                power_w=power,
+                sm_clock_mhz=clock,
+                gauge_source="measured" if power is not None else None,
+                provider="nvml",
             )
+            self.samples.append(await self._with_frontend(last))
             return self._window_reading(t1, "local NVML counters (server assumed to run on this host)")
         return EnergyReading(window_s=time.perf_counter() - self._t0, note=self._note or "no energy source")
 

@@ -36,6 +36,9 @@ from aiohttp import web
 
 PREFILL_J = 0.5
 DECODE_J = 0.25
+#: Starvation the fake books per finished request: idle-while-busy J and s (busy time: ten times that).
+STARVED_J = 0.1
+STARVED_S = 0.002
 CLOCKS_MHZ = {"idle": 345.0, "prefill": 1980.0, "decode": 1200.0}
 
 
@@ -56,6 +59,7 @@ class FakeServer:
         idle_power_w: float = 0.0,
         model: str = "fake-model",
         record_payloads: bool = True,
+        powersave: bool = True,
     ) -> None:
         self.first_delay = first_delay
         self.itl_delay = itl_delay
@@ -68,11 +72,13 @@ class FakeServer:
         self.idle_power_w = idle_power_w
         self.model = model
         self.record_payloads = record_payloads
+        self.powersave = powersave  # False: /metrics has vLLM's own series only (stock vLLM)
         self.energy = {"prefill": 0.0, "decode": 0.0, "idle": 3.0}
         self.steps = {"prefill": 0, "decode": 0}
         self.last_event = "idle"
         self.payloads: list[dict[str, Any]] = []
         self.metrics_scrapes = 0
+        self.finished = 0  # requests whose handler returned (each books STARVED_J of starvation)
         self.inflight = 0
         self.max_inflight = 0
         self.url = ""
@@ -130,6 +136,7 @@ class FakeServer:
 
     def _leave(self) -> None:
         self.inflight -= 1
+        self.finished += 1
         if self.inflight == 0:
             self._idle_since = time.perf_counter()
             self.last_event = "idle"
@@ -150,6 +157,10 @@ class FakeServer:
             "# HELP vllm:num_requests_running Number of requests in model execution batches.",
             "# TYPE vllm:num_requests_running gauge",
             f'vllm:num_requests_running{{engine="0",model_name="{self.model}"}} {float(self.inflight)}',
+        ]
+        if not self.powersave:
+            return "\n".join(lines) + "\n"
+        lines += [
             f"# HELP {name} GPU energy by phase",
             f"# TYPE {name} counter",
         ]
@@ -157,6 +168,14 @@ class FakeServer:
             labels = f'gpu="0",phase="{phase}",source="{self.sources[phase]}"'
             lines.append(f"powersave_gpu_energy_joules_total{{{labels}}} {v!r}")
             lines.append(f"powersave_gpu_energy_joules_created{{{labels}}} 1.7e9")
+        lines += [
+            "# TYPE powersave_idle_while_busy_energy_joules counter",
+            f'powersave_idle_while_busy_energy_joules_total{{gpu="0",source="{src}"}} {STARVED_J * self.finished!r}',
+            "# TYPE powersave_idle_while_busy_seconds counter",
+            f'powersave_idle_while_busy_seconds_total{{gpu="0"}} {STARVED_S * self.finished!r}',
+            "# TYPE powersave_frontend_busy_seconds counter",
+            f'powersave_frontend_busy_seconds_total{{gpu="0"}} {10 * STARVED_S * self.finished!r}',
+        ]
         lines += ["# TYPE powersave_steps counter"]
         lines += [f'powersave_steps_total{{gpu="0",phase="{p}"}} {float(n)}' for p, n in self.steps.items()]
         lines += [

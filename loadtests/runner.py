@@ -225,10 +225,10 @@ async def _open_meters(session: aiohttp.ClientSession, cfg: BenchConfig) -> tupl
     server metrics are used only when every endpoint publishes them; otherwise (``auto``) local NVML
     covers the whole fleet once, so no GPU is counted twice.
     """
-    tmo = cfg.connect_timeout_s
+    tmo, every = cfg.connect_timeout_s, cfg.metrics_interval_s
     notes: list[str] = []
     if cfg.energy in ("auto", "server"):
-        meters = [EnergyMeter(session, url, cfg.gpus, timeout_s=tmo, mode="server") for url in cfg.endpoints]
+        meters = [EnergyMeter(session, url, cfg.gpus, timeout_s=tmo, mode="server", metrics_interval_s=every) for url in cfg.endpoints]
         await asyncio.gather(*(m.start() for m in meters))
         if all(m.provider == "server-metrics" for m in meters):
             return meters, list(cfg.endpoints), "server-metrics per endpoint"
@@ -237,13 +237,13 @@ async def _open_meters(session: aiohttp.ClientSession, cfg: BenchConfig) -> tupl
         if cfg.energy == "server":
             return [], [], "no energy source (" + "; ".join(notes) + ")"
     if cfg.energy == "zeusd":
-        m = EnergyMeter(session, cfg.base_url, cfg.gpus, timeout_s=tmo, mode="zeusd", zeusd=cfg.zeusd)
+        m = EnergyMeter(session, cfg.base_url, cfg.gpus, timeout_s=tmo, mode="zeusd", zeusd=cfg.zeusd, metrics_interval_s=every)
         await m.start()
         if m.provider == "zeusd":
             return [m], ["zeusd"], f"zeusd at {cfg.zeusd} (whole fleet)"
         return [], [], m.note
     if cfg.energy in ("auto", "nvml"):
-        m = EnergyMeter(session, cfg.base_url, cfg.gpus, timeout_s=tmo, mode="nvml")
+        m = EnergyMeter(session, cfg.base_url, cfg.gpus, timeout_s=tmo, mode="nvml", metrics_interval_s=every)
         await m.start()
         if m.provider == "nvml":
             return [m], ["nvml"], "local NVML (whole fleet)"

@@ -93,7 +93,16 @@ def sum_readings(readings: Sequence[EnergyReading | None]) -> EnergyReading | No
         provider=rs[0].provider,
         by_phase_j=by_phase,
         by_gpu_j={(f"{i}/{g}" if len(rs) > 1 else g): v for i, r in enumerate(rs) for g, v in r.by_gpu_j.items()},
+        # Front-end starvation: a sum only where every source has it (a server without the plugin
+        # publishes none: no figure, rather than a partial one that reads as the fleet's).
+        idle_while_busy_j=_sum_or_none([r.idle_while_busy_j for r in rs]),
+        idle_while_busy_s=_sum_or_none([r.idle_while_busy_s for r in rs]),
+        frontend_busy_s=_sum_or_none([r.frontend_busy_s for r in rs]),
     )
+
+
+def _sum_or_none(values: Sequence[float | None]) -> float | None:
+    return None if any(v is None for v in values) else sum(v for v in values if v is not None)
 
 
 def steady_state(outputs: Sequence[RequestOutput], batch: float | None, meters: Sequence[EnergyMeter], t0: float) -> dict[str, Any]:

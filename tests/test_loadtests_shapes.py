@@ -150,7 +150,15 @@ def test_fleet_steady_state_per_endpoint_from_each_servers_meter(fake) -> None:
     b = fake(first_delay=0.01, itl_delay=0.02, sources=MEASURED)
     n, B, out_len = 32, 4, 8
     res = run(
-        BenchConfig(base_urls=[a.url, b.url], num_prompts=n, max_concurrency=B, output_len=out_len, input_len=3, sample_interval_s=0.05)
+        BenchConfig(
+            base_urls=[a.url, b.url],
+            num_prompts=n,
+            max_concurrency=B,
+            output_len=out_len,
+            input_len=3,
+            sample_interval_s=0.05,
+            metrics_interval_s=0.05,
+        )
     )
     ea, eb = res["endpoints"]
     for k, ep in enumerate((ea, eb)):
@@ -183,7 +191,17 @@ def test_fleet_steady_state_per_endpoint_from_each_servers_meter(fake) -> None:
 
 def test_fleet_steady_state_per_endpoint_has_no_energy_without_per_endpoint_meters(fake) -> None:
     a, b = fake(first_delay=0.0, itl_delay=0.005), fake(first_delay=0.0, itl_delay=0.005, metrics=False)
-    res = run(BenchConfig(base_urls=[a.url, b.url], num_prompts=16, max_concurrency=4, output_len=4, input_len=3, sample_interval_s=0.05))
+    res = run(
+        BenchConfig(
+            base_urls=[a.url, b.url],
+            num_prompts=16,
+            max_concurrency=4,
+            output_len=4,
+            input_len=3,
+            sample_interval_s=0.05,
+            metrics_interval_s=0.05,
+        )
+    )
     assert all(ep["steady_state_gpu_energy_j"] is None and ep["steady_state_duration_s"] for ep in res["endpoints"])
 
 
@@ -193,7 +211,15 @@ def test_fleet_steady_state_per_endpoint_batch_is_the_exact_share(fake) -> None:
     # every server and be flagged "batch not full".
     srv = [fake(first_delay=0.0, itl_delay=0.005) for _ in range(3)]
     res = run(
-        BenchConfig(base_urls=[s.url for s in srv], num_prompts=30, max_concurrency=4, output_len=4, input_len=3, sample_interval_s=0.05)
+        BenchConfig(
+            base_urls=[s.url for s in srv],
+            num_prompts=30,
+            max_concurrency=4,
+            output_len=4,
+            input_len=3,
+            sample_interval_s=0.05,
+            metrics_interval_s=0.05,
+        )
     )
     for ep in res["endpoints"]:
         assert ep["steady_state_batch"] == pytest.approx(4 / 3)
@@ -223,7 +249,14 @@ def test_fleet_endpoint_energy_notes_say_why_there_is_none(fake) -> None:
     a, b = fake(first_delay=0.0, itl_delay=0.005), fake(first_delay=0.0, itl_delay=0.005)
     res = run(
         BenchConfig(
-            base_urls=[a.url, b.url], num_prompts=16, max_concurrency=4, output_len=4, input_len=3, sample_interval_s=0.05, energy="none"
+            base_urls=[a.url, b.url],
+            num_prompts=16,
+            max_concurrency=4,
+            output_len=4,
+            input_len=3,
+            sample_interval_s=0.05,
+            metrics_interval_s=0.05,
+            energy="none",
         )
     )
     assert res["gpu_energy_j"] is None
@@ -546,7 +579,17 @@ def test_steady_state_bounds_ml_energy_rule() -> None:
 def test_steady_state_window_energy_and_throughput(fake) -> None:
     srv = fake(first_delay=0.01, itl_delay=0.01, sources=MEASURED)
     B, n, out_len = 3, 24, 10
-    res = run(BenchConfig(base_url=srv.url, num_prompts=n, max_concurrency=B, output_len=out_len, input_len=3, sample_interval_s=0.05))
+    res = run(
+        BenchConfig(
+            base_url=srv.url,
+            num_prompts=n,
+            max_concurrency=B,
+            output_len=out_len,
+            input_len=3,
+            sample_interval_s=0.05,
+            metrics_interval_s=0.05,
+        )
+    )
     assert res["steady_state_batch"] == B
     # The raw ML.ENERGY instants, recomputed from the per-request arrays, bracket the snapped window.
     first = sorted(s + t for s, t in zip(res["start_times"], res["ttfts"]))
@@ -597,7 +640,17 @@ def test_counter_reset_mid_run_loses_one_interval_not_the_run(fake) -> None:
 
     t = threading.Thread(target=restart, daemon=True)
     t.start()
-    res = run(BenchConfig(base_url=srv.url, num_prompts=n, max_concurrency=3, output_len=out_len, input_len=3, sample_interval_s=0.02))
+    res = run(
+        BenchConfig(
+            base_url=srv.url,
+            num_prompts=n,
+            max_concurrency=3,
+            output_len=out_len,
+            input_len=3,
+            sample_interval_s=0.02,
+            metrics_interval_s=0.02,
+        )
+    )
     t.join(5)
     booked = n * per_request
     # Lost: only the work between the last reading before the reset and the reset (one sample
@@ -642,6 +695,8 @@ def test_timeline_phases_power_and_clock(fake, tmp_path, capsys) -> None:
             "--input-len",
             "3",
             "--sample-interval",
+            "0.05",
+            "--metrics-interval",
             "0.05",
             "--plot-dir",
             str(tmp_path),
