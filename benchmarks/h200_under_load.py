@@ -1,0 +1,205 @@
+"""Stock vLLM against the plugin's defaults under load, through ``vllm serve`` as a user starts it.
+
+Both servers run side by side on one GPU (``--gpu-memory-utilization`` 0.42 each) and take the
+load in turn, in adjacent pairs in ABBA order (pair 1 stock then defaults, pair 2 defaults then
+stock, ...), each pair with its own seed and the same prompts for both arms. A server that is not
+under load is idle: it draws no GPU time, and the GPU's counter is shared, so each arm's window
+holds its own load only. Side by side saves a restart per run (~1 min each for a 7B shape), which
+is what lets 6 pairs fit in one lease; it also keeps a CUDA context on the GPU at all times, so
+the idle-power saving of ``cuda_perf_boost`` cannot show here: this job is for saturation points
+(rates run with one server at a time in ``h200_defaults.py``).
+
+Stock runs without the plugin installed (``--stock-site``); the defaults arm adds only
+``--plugin powersave`` (its API-server pool, perf boost, dry-run clocks). Every window is measured
+by the local NVML counter and scrapes ``/metrics`` at its edges alike (loadtests'
+``metrics_interval_s``). Raw results go to ``$OUT/under-load-<tag>.json`` after every run, so a
+job stopped at its time limit keeps what it measured; ``h200_under_load_record.py`` builds the
+record from one or more such files.
+
+Run on the GPU machine (refuses to start without ``POWERSAVE_FORCE_DRY_RUN=1``)::
+
+    POWERSAVE_FORCE_DRY_RUN=1 python3 -m benchmarks.h200_under_load --points c64 --pairs 6 --budget-s 560
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .lib import load
+from .lib.device import log, make_model, require_dry_run, utc_now, write_json_atomic
+from .lib.serve import NO_MULTICAST, check_port_free, stop, tcp_listeners, wait_healthy
+
+#: Load points (the issue's saturation points): closed loop at a concurrency, streamed.
+POINTS = {
+    "c64": dict(max_concurrency=64, input_len=512, output_len=256, num_prompts=400),
+    "c256": dict(max_concurrency=256, input_len=128, output_len=128, num_prompts=1536),
+}
+#: Arms: extra ``vllm serve`` flags; stock has no plugin on its path at all.
+ARMS = {"stock": [], "defaults": ["--plugin", "powersave"]}
+SERVER_ENV = dict(VLLM_USE_FLASHINFER_SAMPLER="0", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+SERVER_ENV.update(TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+#: uvicorn logs this once per API-server process (vLLM 0.25 and 0.32).
+API_SERVER_LINE = re.compile(r"Started server process \[\d+\]")
+FRONT_END_LINE = re.compile(r"front end (\d+) API servers?|front end vLLM's choice \(([^)]*)\)")
+
+
+@dataclass
+class Arm:
+    """One running server: its label, port, process and log."""
+
+    label: str
+    port: int
+    log_path: Path
+    proc: subprocess.Popen | None = None
+    facts: dict = field(default_factory=dict)
+
+    def api_servers(self) -> int | None:
+        """API-server processes the server started, counted in its log."""
+        try:
+            return len(API_SERVER_LINE.findall(self.log_path.read_text(errors="replace"))) or None
+        except OSError:
+            return None
+
+    def front_end_line(self) -> str | None:
+        """The plugin's start-line clause on the front end, where it logged one."""
+        try:
+            m = FRONT_END_LINE.search(self.log_path.read_text(errors="replace"))
+        except OSError:
+            return None
+        return m.group(0) if m else None
+
+
+def serve_cmd(model: Path, port: int, extra: list[str], serve_args: str) -> list[str]:
+    """``vllm serve`` through vLLM's own CLI entry (the bundle has no console script)."""
+    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model), "--served-model-name", "model"]
+    cmd += ["--load-format", "dummy", "--host", "127.0.0.1", "--port", str(port), *serve_args.split(), *extra]
+    return cmd
+
+
+def start_arm(ns: argparse.Namespace, arm: Arm, model: Path) -> None:
+    """Start ``arm``'s server (refused if its port is taken) in its own session, logging to its file."""
+    check_port_free(arm.port)
+    site = ns.stock_site if arm.label == "stock" else f"{ns.plugin_site}:{ns.stock_site}"
+    env = {**os.environ, **SERVER_ENV, **NO_MULTICAST, "PYTHONPATH": site}
+    cmd = serve_cmd(model, arm.port, ARMS[arm.label], ns.serve_args)
+    with open(arm.log_path, "wb") as logf:
+        logf.write((" ".join(cmd) + "\n").encode())
+        arm.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    log(f"[{arm.label}] starting on port {arm.port}")
+
+
+def run_one(ns: argparse.Namespace, arm: Arm, point: str, seed: int) -> dict:
+    """One measured window of ``point`` against ``arm`` (streamed; local NVML; same client for both)."""
+    w = load.run_window(arm.port, f"{arm.label}-{point}", seed=seed, energy="nvml", gpus=[0], stream=True, **POINTS[point])
+    res = w["res"]
+    out = load.summary(res)
+    out.update(
+        started_utc=utc_now(),
+        api_servers=arm.api_servers(),
+        idle_while_busy_j=res.get("gpu_idle_while_busy_energy_j"),
+        idle_while_busy_share=res.get("idle_while_busy_share"),
+    )
+    log(
+        f"[{arm.label}] {point}: {out.get('output_throughput') or 0:.0f} tok/s, "
+        f"{out.get('gpu_energy_per_output_token_j')} J/tok, TPOT p99 {out.get('p99_tpot_ms')} ms, "
+        f"TTFT p50 {out.get('median_ttft_ms')} ms, {out['api_servers']} API server(s)"
+    )
+    return out
+
+
+def run_pairs(ns: argparse.Namespace, arms: dict[str, Arm], record: dict, save) -> None:
+    """Adjacent pairs in ABBA order at each point until ``--pairs`` or the time budget runs out."""
+    for point in ns.points.split(","):
+        est_s = 60.0
+        for i in range(ns.pairs):
+            if time.monotonic() - T_START + 2 * est_s + 10 > ns.budget_s:
+                log(f"{point}: pair {i + 1} skipped: {2 * est_s:.0f} s would pass the budget")
+                break
+            order = ("stock", "defaults") if i % 2 == 0 else ("defaults", "stock")
+            pair = {"point": point, "pair": i + 1, "order": list(order), "seed": 1000 + i}
+            t0 = time.monotonic()
+            for label in order:
+                pair[label] = run_one(ns, arms[label], point, pair["seed"])
+            est_s = (time.monotonic() - t0) / 2
+            record["pairs"].append(pair)
+            save()
+
+
+def bring_up(ns: argparse.Namespace, model: Path) -> dict[str, Arm]:
+    """Both servers, one after the other (vLLM checks free memory at start), or the ones already up."""
+    arms = {label: Arm(label, ns.port + k, Path(ns.workdir) / f"server-{label}.log") for k, label in enumerate(ARMS)}
+    for arm in arms.values():
+        if tcp_listeners(arm.port) > 0:
+            log(f"[{arm.label}] reusing the server on port {arm.port}")
+            continue
+        start_arm(ns, arm, model)
+        wait_healthy({arm.label: (arm.proc, arm.port)}, ns.start_timeout_s, {arm.label: arm.log_path})
+    return arms
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--points", default="c64", help=f"comma-separated load points: {', '.join(POINTS)}")
+    ap.add_argument("--pairs", type=int, default=6, help="adjacent stock/defaults pairs per point (ABBA order)")
+    ap.add_argument("--shape", default="qwen2.5-7b")
+    ap.add_argument("--shapes-dir", default=".gpu-bundle/shapes")
+    ap.add_argument("--tok-dir", default="/tmp/model_cfg")
+    ap.add_argument("--serve-args", default="--max-model-len 2048 --max-num-seqs 256 --gpu-memory-utilization 0.42")
+    ap.add_argument("--port", type=int, default=8300)
+    ap.add_argument("--plugin-site", default="/tmp/psite")
+    ap.add_argument("--stock-site", default="/tmp/site")
+    ap.add_argument("--workdir", default="/tmp/under-load")
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
+    ap.add_argument("--tag", default=None)
+    ap.add_argument("--keep-servers", action="store_true", help="leave both servers up for the next call (they run in their own session)")
+    ap.add_argument("--start-timeout-s", type=float, default=300.0)
+    ap.add_argument("--budget-s", type=float, default=560.0, help="start no pair that cannot end by this (s since start)")
+    return ap.parse_args(argv)
+
+
+T_START = time.monotonic()
+
+
+def main(argv: list[str] | None = None) -> int:
+    require_dry_run()  # first: nothing may touch a GPU before this
+    ns = parse_args(argv)
+    if bad := [p for p in ns.points.split(",") if p not in POINTS]:
+        print(f"error: --points: unknown point {bad[0]!r} ({', '.join(POINTS)})", file=sys.stderr)
+        return 2
+    sys.path[:0] = [ns.plugin_site]
+    Path(ns.workdir).mkdir(parents=True, exist_ok=True)
+    tag = ns.tag or time.strftime("%m%d%H%M%S", time.gmtime())
+    out = Path(ns.out) / f"under-load-{tag}.json"
+    Path(ns.out).mkdir(parents=True, exist_ok=True)
+    model = make_model(ns.shape, Path(ns.shapes_dir), Path(ns.tok_dir))
+    record = {"tag": tag, "started_utc": utc_now(), "device": load.device_facts(0), "shape": ns.shape, "serve_args": ns.serve_args}
+    record.update(points={p: POINTS[p] for p in ns.points.split(",")}, pairs=[])
+    arms = bring_up(ns, model)
+    record["front_end"] = {k: {"api_servers": a.api_servers(), "start_line": a.front_end_line()} for k, a in arms.items()}
+    log(f"front end: {json.dumps(record['front_end'])}")
+    try:
+        run_pairs(ns, arms, record, lambda: write_json_atomic(out, record, indent=1))
+    finally:
+        record["ended_utc"] = utc_now()
+        write_json_atomic(out, record, indent=1)
+        if not ns.keep_servers:
+            for a in arms.values():
+                if a.proc is not None:
+                    stop(a.proc)
+    for p in record["pairs"]:
+        s, d = p["stock"], p["defaults"]
+        ratio = (d.get("output_throughput") or 0) / (s.get("output_throughput") or 1)
+        log(f"{p['point']} pair {p['pair']} {'/'.join(p['order'])}: throughput x{ratio:.3f}", tag="sum")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,211 @@
+"""The under-load record from ``benchmarks/h200_under_load.py`` raw files: stock vs the plugin's defaults.
+
+``python -m benchmarks.h200_under_load_record RAW.json... [--out-dir docs/results] [--lease NAME=FILE]``
+writes ``h200-under-load.{json,md,png}``. Each pair's ratios are defaults / stock (throughput, J per
+output token, p99 TPOT) and its TTFT figure is the p50 difference (ms); a load's figure is the mean
+over its pairs with a Student-t 95 % interval (lib.stats). Pairs are kept as the raw files hold them
+(ABBA order inside each file); ``--lease`` names the device lease each file ran in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from benchmarks.lib.stats import mean_ci95
+
+#: Record name of each load point of the raw files, with its kind and closed-loop concurrency.
+LOADS = {
+    "c64": dict(name="c64-streamed-512-256", kind="saturation", concurrency=64),
+    "c256": dict(name="c256-streamed-128-128", kind="saturation", concurrency=256),
+}
+#: Loads the issue asks for that no raw file here holds yet (they need one server at a time: the
+#: side-by-side job keeps a CUDA context up, which hides perf boost's idle saving).
+PLANNED = ["rate 0.5 req/s", "rate 2 req/s", "rate 8 req/s"]
+
+
+def _ratio(d: dict, s: dict, key: str) -> float | None:
+    a, b = d.get(key), s.get(key)
+    return a / b if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else None
+
+
+def pair_figures(p: dict) -> dict[str, float | None]:
+    """One pair's figures: defaults over stock, and the p50 TTFT difference (defaults - stock, ms)."""
+    s, d = p["stock"], p["defaults"]
+    ttft = d.get("median_ttft_ms"), s.get("median_ttft_ms")
+    return {
+        "throughput_ratio": _ratio(d, s, "output_throughput"),
+        "j_per_out_token_ratio": _ratio(d, s, "gpu_energy_per_output_token_j"),
+        "p99_tpot_ratio": _ratio(d, s, "p99_tpot_ms"),
+        "p50_ttft_delta_ms": ttft[0] - ttft[1] if None not in ttft else None,
+    }
+
+
+def mean_ci(xs: list[float | None], nd: int = 4) -> dict[str, Any]:
+    """``{"mean", "ci95"}`` over the finite values (no interval below 2 values)."""
+    v = [x for x in xs if isinstance(x, (int, float)) and math.isfinite(x)]
+    if len(v) < 2:
+        return {"mean": round(v[0], nd) if v else None, "ci95": None}
+    m, lo, hi = mean_ci95(v)
+    return {"mean": round(m, nd), "ci95": [round(lo, nd), round(hi, nd)]}
+
+
+def _arm_mean(pairs: list[dict], arm: str, key: str) -> float | None:
+    return mean_ci([p[arm].get(key) for p in pairs], 2)["mean"]
+
+
+def load_entry(point: str, pairs: list[dict]) -> dict:
+    """One ``loads`` entry: the issue's fields, each arm's means, and the pairs themselves."""
+    figs = [pair_figures(p) for p in pairs]
+    entry: dict[str, Any] = {**LOADS[point], "pairs": len(pairs)}
+    entry["api_server_count_stock"] = max((p["stock"].get("api_servers") or 1 for p in pairs), default=1)
+    entry["api_server_count_defaults"] = max((p["defaults"].get("api_servers") or 1 for p in pairs), default=1)
+    for k in ("throughput_ratio", "j_per_out_token_ratio", "p99_tpot_ratio"):
+        entry[k] = mean_ci([f[k] for f in figs])
+    entry["p50_ttft_delta_ms"] = mean_ci([f["p50_ttft_delta_ms"] for f in figs], 2)
+    # Stock vLLM publishes no starvation counter (the plugin's powersave_idle_while_busy_*): null.
+    entry["starvation_j"] = {arm: _arm_mean(pairs, arm, "idle_while_busy_j") for arm in ("stock", "defaults")}
+    entry["arms"] = {
+        arm: {k: _arm_mean(pairs, arm, k) for k in ("output_throughput", "gpu_energy_per_output_token_j", "p99_tpot_ms", "median_itl_ms")}
+        for arm in ("stock", "defaults")
+    }
+    entry["pair_list"] = [
+        {
+            "lease": p.get("lease"),
+            "order": p["order"],
+            "started_utc": p[p["order"][0]].get("started_utc"),
+            **{k: _r(v) for k, v in f.items()},
+        }
+        for p, f in zip(pairs, figs)
+    ]
+    return entry
+
+
+def _r(x: Any) -> Any:
+    return round(x, 4) if isinstance(x, float) else x
+
+
+def build(raws: list[dict]) -> dict:
+    """The record from raw files (each with its ``lease`` name set)."""
+    by_point: dict[str, list[dict]] = {}
+    for raw in raws:
+        for p in raw["pairs"]:
+            if p.get("stock") and p.get("defaults"):
+                by_point.setdefault(p["point"], []).append({**p, "lease": raw.get("lease")})
+    dev = next((r.get("device") for r in raws if r.get("device")), {})
+    return {
+        "name": "h200-under-load",
+        "measured": True,
+        "what": "stock vLLM 0.25 vs vllm serve --plugin powersave (defaults), side by side on one H200, through the OpenAI "
+        "server and loadtests (streamed, local NVML counter, /metrics scraped at the window edges for both arms)",
+        "device": dev,
+        "shape": raws[0].get("shape") if raws else None,
+        "serve_args": raws[0].get("serve_args") if raws else None,
+        "runs": [
+            {"lease": r.get("lease"), "tag": r.get("tag"), "started_utc": r.get("started_utc"), "ended_utc": r.get("ended_utc")}
+            for r in raws
+        ],
+        "loads": [load_entry(pt, ps) for pt, ps in by_point.items()],
+        "not_yet_measured": PLANNED,
+    }
+
+
+def _fmt(ci: dict, nd: int = 3) -> str:
+    if ci["mean"] is None:
+        return "n/a"
+    if ci["ci95"] is None:
+        return f"{ci['mean']:.{nd}f} (one pair)"
+    return f"{ci['mean']:.{nd}f} ({ci['ci95'][0]:.{nd}f}–{ci['ci95'][1]:.{nd}f})"
+
+
+def markdown(rec: dict, png: str | None) -> str:
+    rows = [
+        f"| {e['name']} | {e['pairs']} | {e['api_server_count_stock']} / {e['api_server_count_defaults']} | {_fmt(e['throughput_ratio'])} | "
+        f"{_fmt(e['j_per_out_token_ratio'])} | {_fmt(e['p99_tpot_ratio'])} | {_fmt(e['p50_ttft_delta_ms'], 1)} | "
+        f"{e['starvation_j']['defaults'] if e['starvation_j']['defaults'] is not None else 'n/a'} |"
+        for e in rec["loads"]
+    ]
+    runs = "; ".join(f"{r['lease']}: {r['started_utc']} to {r['ended_utc']}" for r in rec["runs"])
+    lines = [
+        "# H200 under load: stock vLLM vs the plugin's defaults (measured)",
+        "",
+        f"What ran: {rec['what']}. Model: {rec['shape']} shape, dummy weights; serve flags `{rec['serve_args']}`. "
+        f"Device: {rec['device'].get('name', '?')}. Leases and times (UTC): {runs}. Clocks were never changed "
+        "(POWERSAVE_FORCE_DRY_RUN=1: the closed loop ran dry).",
+        "",
+        "Ratios are defaults / stock per adjacent pair (ABBA order), mean and Student-t 95 % interval over pairs; "
+        "TTFT is the p50 difference in ms. Starvation: the plugin's idle-while-busy joules per run (stock publishes none).",
+        "",
+        "| load | pairs | API servers stock / defaults | throughput | J per output token | p99 TPOT | p50 TTFT Δ ms | starvation J (defaults) |",
+        "|---|---|---|---|---|---|---|---|",
+        *rows,
+        "",
+        f"Not yet measured here: {', '.join(rec['not_yet_measured'])} (one server at a time, `benchmarks/h200_defaults.py`).",
+        "Raw per-pair figures: `pair_list` in the JSON twin. How to rerun: docs/benchmarks.md.",
+    ]
+    if png:
+        lines += ["", f"![defaults / stock per load, 95 % intervals]({png})"]
+    return "\n".join(lines) + "\n"
+
+
+def plot(rec: dict, path: Path) -> bool:
+    """Defaults / stock ratios per load with their intervals; False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    keys = ("throughput_ratio", "j_per_out_token_ratio", "p99_tpot_ratio")
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    for j, e in enumerate(rec["loads"]):
+        for i, k in enumerate(keys):
+            c = e[k]
+            if c["mean"] is None:
+                continue
+            lo, hi = c["ci95"] or (c["mean"], c["mean"])
+            ax.errorbar(
+                [j + (i - 1) * 0.2],
+                [c["mean"]],
+                yerr=[[c["mean"] - lo], [hi - c["mean"]]],
+                fmt="o",
+                capsize=4,
+                color=f"C{i}",
+                label=k if j == 0 else None,
+            )
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xticks(range(len(rec["loads"])), [e["name"] for e in rec["loads"]])
+    ax.set_ylabel("defaults / stock (measured)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("raw", nargs="+", help="raw files of h200_under_load.py; NAME=FILE names the lease it ran in")
+    ap.add_argument("--out-dir", default="docs/results")
+    ns = ap.parse_args(argv)
+    raws = []
+    for arg in ns.raw:
+        lease, _, path = arg.rpartition("=")
+        raw = json.loads(Path(path).read_text())
+        raws.append({**raw, "lease": lease or raw.get("tag")})
+    rec = build(raws)
+    out = Path(ns.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "h200-under-load.json").write_text(json.dumps(rec, indent=1) + "\n")
+    png = "h200-under-load.png" if plot(rec, out / "h200-under-load.png") else None
+    (out / "h200-under-load.md").write_text(markdown(rec, png))
+    print(markdown(rec, png))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

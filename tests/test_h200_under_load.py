@@ -1,0 +1,85 @@
+"""benchmarks/h200_under_load*.py: the dry-run guard, the server command, what a server's log says
+about its front end, and the record's per-load figures in the shape docs/results expects."""
+
+import json
+import statistics
+
+import pytest
+
+from benchmarks import h200_under_load as job
+from benchmarks import h200_under_load_record as rec
+
+
+def test_the_job_refuses_to_start_without_the_dry_run_guard(monkeypatch, capsys):
+    monkeypatch.delenv("POWERSAVE_FORCE_DRY_RUN", raising=False)
+    with pytest.raises(SystemExit) as exc:
+        job.main(["--points", "c64"])
+    assert exc.value.code == 2 and "POWERSAVE_FORCE_DRY_RUN=1" in capsys.readouterr().err
+
+
+def test_servers_start_through_vllm_serve_and_only_the_defaults_arm_names_the_plugin(tmp_path):
+    cmd = job.serve_cmd(tmp_path, 8300, job.ARMS["defaults"], "--max-model-len 2048")
+    assert cmd[1:5] == ["-m", "vllm.entrypoints.cli.main", "serve", str(tmp_path)]
+    assert cmd[-2:] == ["--plugin", "powersave"] and "--api-server-count" not in cmd
+    assert "--plugin" not in job.serve_cmd(tmp_path, 8301, job.ARMS["stock"], "")
+
+
+def test_the_log_tells_how_many_api_servers_ran_and_what_the_plugin_chose(tmp_path):
+    log = tmp_path / "server.log"
+    log.write_text(
+        "INFO powersave: savings: perf-boost auto (x); front end 4 API servers (auto: 16 usable cores, 1 engine; y)\n"
+        + "".join(f"INFO:     Started server process [{100 + i}]\n" for i in range(4))
+    )
+    arm = job.Arm("defaults", 1, log)
+    assert arm.api_servers() == 4 and arm.front_end_line() == "front end 4 API servers"
+    assert job.Arm("stock", 1, tmp_path / "missing.log").api_servers() is None
+
+
+def _run(tps, jpt, tpot, ttft, servers, starved=None):
+    return {"output_throughput": tps, "gpu_energy_per_output_token_j": jpt, "p99_tpot_ms": tpot, "median_ttft_ms": ttft,
+            "api_servers": servers, "idle_while_busy_j": starved, "started_utc": "2026-12-04T19:30:00Z"}  # fmt: skip
+
+
+def _raw(pairs):
+    return {"tag": "t", "device": {"name": "NVIDIA H200"}, "shape": "qwen2.5-7b", "serve_args": "x", "pairs": pairs}
+
+
+def test_a_load_entry_has_the_issues_fields_with_pair_means_and_intervals():
+    pairs = [
+        {"point": "c64", "pair": i + 1, "order": ["stock", "defaults"] if i % 2 == 0 else ["defaults", "stock"],
+         "stock": _run(4000.0, 0.20, 12.0, 100.0, 1), "defaults": _run(4000.0 * (1.2 + 0.01 * i), 0.19, 11.0, 90.0 + i, 4, 50.0)}
+        for i in range(6)
+    ]  # fmt: skip
+    r = rec.build([{**_raw(pairs), "lease": "L1"}])
+    (e,) = r["loads"]
+    assert (e["name"], e["kind"], e["concurrency"], e["pairs"]) == ("c64-streamed-512-256", "saturation", 64, 6)
+    assert (e["api_server_count_stock"], e["api_server_count_defaults"]) == (1, 4)
+    assert e["throughput_ratio"]["mean"] == pytest.approx(1.225, abs=1e-4)
+    lo, hi = e["throughput_ratio"]["ci95"]
+    xs = [1.2 + 0.01 * i for i in range(6)]
+    assert hi - lo == pytest.approx(2 * 2.571 * statistics.stdev(xs) / 6**0.5, abs=2e-4)  # t(5) = 2.571
+    assert e["j_per_out_token_ratio"]["mean"] == pytest.approx(0.95) and e["j_per_out_token_ratio"]["ci95"] == [0.95, 0.95]
+    assert e["p50_ttft_delta_ms"]["mean"] == pytest.approx(-7.5)
+    assert e["starvation_j"] == {"stock": None, "defaults": 50.0}
+    assert [p["lease"] for p in e["pair_list"]] == ["L1"] * 6
+    json.dumps(r)  # the record is plain JSON
+
+
+def test_a_half_pair_cut_by_the_time_limit_is_left_out():
+    pairs = [{"point": "c256", "pair": 1, "order": ["stock", "defaults"], "stock": _run(1.0, 1.0, 1.0, 1.0, 1)}]
+    assert rec.build([_raw(pairs)])["loads"] == []
+
+
+def test_the_markdown_twin_says_measured_names_leases_and_what_is_not_yet_measured(tmp_path):
+    pairs = [
+        {
+            "point": "c64",
+            "pair": 1,
+            "order": ["stock", "defaults"],
+            "stock": _run(1.0, 1.0, 1.0, 1.0, 1),
+            "defaults": _run(1.2, 0.9, 1.0, 1.0, 4),
+        }
+    ]
+    r = rec.build([{**_raw(pairs), "lease": "lease-A"}])
+    md = rec.markdown(r, None)
+    assert "(measured)" in md and "lease-A" in md and "1.200 (one pair)" in md and "rate 0.5 req/s" in md
