@@ -180,6 +180,9 @@ class _FakeServer:
     def stop(self, timeout_s: float = 30.0):
         return 0
 
+    def api_server_count(self):
+        return 4 if self.label == "on" else 1
+
     def __getattr__(self, name):  # anything else the command reads from a server: not known here
         return None
 
@@ -208,3 +211,29 @@ def test_the_cpu_compare_report_takes_its_saving_from_identical_steps(tmp_path, 
     assert "-18.2 %" in head
     assert all("not the presets' effect" in x for x in lines if "-28.8" in x)
     assert json.loads((out / "comparison.json").read_text())["simulated_same_steps"]["on (run 2)"]["saving_pct"] == pytest.approx(18.2)
+
+
+def test_on_a_gpu_both_arms_take_energy_from_one_source_and_name_their_api_servers(tmp_path, monkeypatch):
+    """Both arms of the main job are measured by the same client: the local NVML counter, not the
+    plugin's /metrics for one arm and NVML for the other (docs/results/h200-under-load.md)."""
+    import loadtests
+    import vllm_powersave.serving as serving
+    from vllm_powersave import cli
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    seen: dict[str, set] = {}
+
+    def fake_run(cfg):
+        seen.setdefault(cfg.label, set()).add((cfg.energy, cfg.metrics_interval_s))
+        return {"label": cfg.label, "completed": 8, "output_throughput": 100.0, "gpu_energy_per_output_token_j": 0.1}
+
+    monkeypatch.setattr(serving, "VllmServer", _FakeServer)
+    monkeypatch.setattr(serving, "cpu_only", lambda: False)
+    monkeypatch.setattr(loadtests, "run", fake_run)
+    assert cli.main(["compare", "--model", str(model), "--out", str(tmp_path / "runs"), "--order", "off,on"]) == 0
+    assert seen == {"off": {("nvml", 15.0)}, "on": {("nvml", 15.0)}}
+    (out,) = (tmp_path / "runs").iterdir()
+    results = json.loads((out / "comparison.json").read_text())["results"]
+    assert {k: r["api_server_count"] for k, r in results.items()} == {"off": 1, "on": 4}

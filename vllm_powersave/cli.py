@@ -180,6 +180,10 @@ def _cmd_compare(ns: argparse.Namespace) -> int:
                 num_warmups=ns.warmups,
                 seed=ns.seed,
                 label=label,
+                # One energy source for both arms on a GPU: the local NVML counter, sampled alike,
+                # and /metrics scraped alike (edges and every 15 s), so the two servers see the same
+                # client (docs/results/h200-under-load.md).
+                energy="nvml" if gpu else "auto",
             )
             print(
                 f"[compare] {label}: "
@@ -193,6 +197,7 @@ def _cmd_compare(ns: argparse.Namespace) -> int:
             res = run(cfg)
             res["config_description"] = desc
             res["run_index"] = run_i
+            res["api_server_count"] = server.api_server_count()
             runs.append((label, res))
             rated.append((label, rate, res))
         finally:

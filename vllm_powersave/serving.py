@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -135,6 +136,15 @@ class VllmServer:
         except OSError:
             return ""
         return "\n".join(lines[-n:])
+
+    def api_server_count(self) -> int | None:
+        """API-server processes this server started: uvicorn logs ``Started server process [pid]``
+        once per process (vLLM 0.25 and 0.32); None before any started or without a log."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return None
+        return len(re.findall(r"Started server process \[\d+\]", text)) or None
 
     def stop(self, timeout_s: float = 30.0) -> int | None:
         """SIGINT (vLLM's graceful shutdown), then SIGTERM, then SIGKILL, to the process group."""
