@@ -214,3 +214,22 @@ def test_server_start_logs_exactly_one_savings_line(tmp_path, second_api_server)
     assert len(lines) == (0 if second_api_server else 1), p.stdout[-2000:]
     if lines:
         assert "perf-boost" in lines[0] and "clocks" in lines[0] and "chunking off (no table)" in lines[0]
+
+
+EXPLICIT = START.replace('{"powersave": {}}', '{"powersave": {"stats_dir": sys.argv[1]}}')
+
+
+def test_api_servers_with_an_explicit_stats_dir_log_no_second_start_line(tmp_path):
+    """`vllm serve --api-server-count 4` with a ``stats_dir`` set (as `vllm-powersave compare` does):
+    the spawned API servers inherit the first one's PID, not a PID-named directory, and stay quiet."""
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("POWERSAVE_", "VLLM_PLUGINS", "ZEUSD_"))}
+    first = subprocess.run([sys.executable, "-c", EXPLICIT, str(tmp_path)], capture_output=True, text=True, env=env, timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert sum("powersave: savings:" in x for x in (first.stdout + first.stderr).splitlines()) == 1
+    env["POWERSAVE_STARTED_BY"] = "1"  # PID 1 logged it: this process is one of its API servers
+    child = subprocess.run([sys.executable, "-c", EXPLICIT, str(tmp_path)], capture_output=True, text=True, env=env, timeout=300)
+    assert child.returncode == 0, child.stderr[-3000:]
+    assert not [x for x in (child.stdout + child.stderr).splitlines() if "powersave: savings:" in x]

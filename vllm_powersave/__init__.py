@@ -229,7 +229,9 @@ def _on_engine_args(engine_args: object) -> None:
             log.warning("%s (allowed by tuned_for.allow_mismatch)", m)
     elif mismatches:
         _stop_startup(SettingsError(mismatches[0] + (f" (+{len(mismatches) - 1} more)" if len(mismatches) > 1 else "")))
-    first_api_server = _inherited_stats_dir() is None  # --api-server-count N: the others inherit its directory
+    # --api-server-count N: the other API servers inherit the directory, or (an explicit stats_dir)
+    # the PID of the process that logged the start line.
+    first_api_server = _inherited_stats_dir() is None and envs.started_by() in (None, os.getpid())
     try:
         settings = _prepare_stats_dir(settings)
     except OSError as exc:
@@ -258,6 +260,7 @@ def _on_engine_args(engine_args: object) -> None:
     vllm_compat.install_app_hook(middleware)
     log.info("powersave: enabled; settings %s", json.dumps(settings.model_dump(mode="json"), sort_keys=True))
     if first_api_server:  # one line per server: which savings run, and why
+        os.environ[envs.ENV_STARTED_BY] = str(os.getpid())
         from .savings import startup_line
 
         gpu = facts.get("gpu_name")

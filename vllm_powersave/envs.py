@@ -52,6 +52,7 @@ ENV_VLLM_PLUGINS = "VLLM_PLUGINS"
 ENV_RAY_EXTRA_PREFIXES = "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"
 ENV_RAY_EXTRA_VARS = "VLLM_RAY_EXTRA_ENV_VARS_TO_COPY"
 ENV_VLLM_BATCH_INVARIANT = "VLLM_BATCH_INVARIANT"
+ENV_STARTED_BY = "POWERSAVE_STARTED_BY"
 ENV_VLLM_RUST_FRONTEND = "VLLM_RUST_FRONTEND_PATH"
 ENV_VLLM_RUNTIME_LORA = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 
@@ -136,6 +137,14 @@ ENV_VARS: dict[str, EnvVar] = {
             _flag("0"),
         ),
         EnvVar(
+            ENV_STARTED_BY,
+            "int",
+            None,
+            "PID of the process that logged the server's start line; the API-server processes of "
+            "`--api-server-count N` inherit it and log none (one start line per server).",
+            lambda raw: int(raw) if raw and raw.isdigit() else None,
+        ),
+        EnvVar(
             ENV_VLLM_RUST_FRONTEND,
             "path",
             None,
@@ -211,3 +220,7 @@ def vllm_rust_frontend(env: Mapping[str, str] | None = None) -> str | None:
 
 def vllm_runtime_lora(env: Mapping[str, str] | None = None) -> bool:
     return _get(ENV_VLLM_RUNTIME_LORA, env)
+
+
+def started_by(env: Mapping[str, str] | None = None) -> int | None:
+    return _get(ENV_STARTED_BY, env)
