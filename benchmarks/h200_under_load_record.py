@@ -24,6 +24,8 @@ LOADS = {
 }
 #: Loads the issue asks for that no raw file here holds yet (they need one server at a time: the
 #: side-by-side job keeps a CUDA context up, which hides perf boost's idle saving).
+#: The twin's hand-written part starts at this heading and survives a rebuild.
+KEEP_FROM = "## Reading"
 PLANNED = ["rate 0.5 req/s", "rate 2 req/s", "rate 8 req/s"]
 
 
@@ -113,6 +115,23 @@ def build(raws: list[dict]) -> dict:
     }
 
 
+def product_compare(cmp: dict, lease: str) -> dict:
+    """The product's own ``vllm-powersave compare`` (one adjacent off/on pair): its ratios, as a check
+    that the benchmark's side-by-side servers measure what a user's run measures."""
+    res = cmp["results"]
+    off, on = res["off"], res["on"]
+    pair = {"stock": off, "defaults": on}
+    figs = pair_figures(pair)
+    return {
+        "lease": lease,
+        "command": "vllm-powersave compare --rates inf --concurrency 64 --input-len 512 --output-len 256 --num-prompts 400 --order off,on",
+        "api_servers": {"stock": off.get("api_server_count"), "defaults": on.get("api_server_count")},
+        **{k: _r(v) for k, v in figs.items()},
+        "output_throughput": {"stock": _r(off.get("output_throughput")), "defaults": _r(on.get("output_throughput"))},
+        "median_itl_ms": {"stock": _r(off.get("median_itl_ms")), "defaults": _r(on.get("median_itl_ms"))},
+    }
+
+
 def _fmt(ci: dict, nd: int = 3) -> str:
     if ci["mean"] is None:
         return "n/a"
@@ -146,6 +165,15 @@ def markdown(rec: dict, png: str | None) -> str:
         f"Not yet measured here: {', '.join(rec['not_yet_measured'])} (one server at a time, `benchmarks/h200_defaults.py`).",
         "Raw per-pair figures: `pair_list` in the JSON twin. How to rerun: docs/benchmarks.md.",
     ]
+    if pc := rec.get("product_compare"):
+        lines += [
+            "",
+            f"The product's own `{pc['command']}` ({pc['lease']}; one pair, fresh servers, full GPU memory): "
+            f"throughput x{pc['throughput_ratio']:.3f}, J per output token x{pc['j_per_out_token_ratio']:.3f}, "
+            f"p99 TPOT x{pc['p99_tpot_ratio']:.3f}, p50 TTFT {pc['p50_ttft_delta_ms']:+.1f} ms; API servers "
+            f"{pc['api_servers']['stock']} / {pc['api_servers']['defaults']}; ITL p50 {pc['median_itl_ms']['stock']} / "
+            f"{pc['median_itl_ms']['defaults']} ms (measured).",
+        ]
     if png:
         lines += ["", f"![defaults / stock per load, 95 % intervals]({png})"]
     return "\n".join(lines) + "\n"
@@ -191,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("raw", nargs="+", help="raw files of h200_under_load.py; NAME=FILE names the lease it ran in")
     ap.add_argument("--out-dir", default="docs/results")
+    ap.add_argument("--compare", default=None, help="NAME=FILE: a comparison.json of vllm-powersave compare at c64 (one pair)")
     ns = ap.parse_args(argv)
     raws = []
     for arg in ns.raw:
@@ -198,11 +227,16 @@ def main(argv: list[str] | None = None) -> int:
         raw = json.loads(Path(path).read_text())
         raws.append({**raw, "lease": lease or raw.get("tag")})
     rec = build(raws)
+    if ns.compare:
+        lease, _, path = ns.compare.rpartition("=")
+        rec["product_compare"] = product_compare(json.loads(Path(path).read_text()), lease)
     out = Path(ns.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "h200-under-load.json").write_text(json.dumps(rec, indent=1) + "\n")
     png = "h200-under-load.png" if plot(rec, out / "h200-under-load.png") else None
-    (out / "h200-under-load.md").write_text(markdown(rec, png))
+    twin = out / "h200-under-load.md"
+    kept = "".join(twin.read_text().partition(KEEP_FROM)[1:]) if twin.exists() else ""  # the hand-written reading
+    twin.write_text(markdown(rec, png) + ("\n" + kept if kept else ""))
     print(markdown(rec, png))
     return 0
 

@@ -40,7 +40,7 @@ def test_every_gpu_section_shows_both_arms_starvation_and_the_advice_with_its_me
         )
         assert f"- advice: {API_SERVER_ADVICE}" in sec
     assert "--api-server-count 4" in API_SERVER_ADVICE and "docs/results/h200-under-load.md" in API_SERVER_ADVICE
-    assert "+25–40 % throughput, about −5 % J per output token" in API_SERVER_ADVICE
+    assert "x1.54 throughput and p99 TPOT x0.68 at c256" in API_SERVER_ADVICE
 
 
 def test_stock_starvation_is_shown_where_its_result_carries_it():

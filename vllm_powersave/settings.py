@@ -358,8 +358,8 @@ class PowersaveSettings(_Strict):
     trace_steps: bool = False
     #: API-server processes of ``vllm serve`` when its command line sets no ``--api-server-count``.
     #: "auto": up to 4 per local engine, within the usable CPU cores (one left per engine process);
-    #: on the H200 at concurrency 64 one API server was the bottleneck and four gave +25-40 %
-    #: output throughput and about -5 % J per output token (docs/results/h200-under-load.md).
+    #: on the H200, streamed, four against one gave x1.54 output throughput at concurrency 256 and
+    #: x1.02 at 64, where one server was not the limit (docs/results/h200-under-load.md).
     #: "vllm": vLLM's own choice (one per data-parallel rank). A count: that many (1-64). Left
     #: alone wherever vLLM refuses several API servers, without a GPU, and under ``savings: off``.
     api_server_count: Literal["auto", "vllm"] | int = "auto"
