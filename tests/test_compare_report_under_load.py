@@ -137,7 +137,7 @@ def test_t_quantiles_and_the_interval():
     assert t975(30) == pytest.approx(2.042, abs=1e-3) and t975(200) == pytest.approx(1.960, abs=1e-3)
     assert all(t975(d) > t975(d + 1) for d in range(1, 31)) and t975(31) == t975(500)
     m, lo, hi = mean_ci95([0.10, 0.12])
-    half = 12.7062 * statistics.stdev([0.10, 0.12]) / math.sqrt(2)
+    half = 12.706 * statistics.stdev([0.10, 0.12]) / math.sqrt(2)  # t(1), the table in intervals.py
     assert m == pytest.approx(0.11) and lo == pytest.approx(0.11 - half) and hi == pytest.approx(0.11 + half)
     assert mean_ci95([0.1]) is None
 

@@ -13,7 +13,9 @@ import math
 import statistics
 from typing import Any
 
+from . import intervals
 from .advise import MIN_STARVATION_SHARE
+from .intervals import t975  # noqa: F401 - the report's interval, re-exported for its readers
 from .savings import PERF_BOOST_IDLE_SAVING
 
 #: Front-end starvation above this share of the busy time earns the API-server advice (as do
@@ -24,13 +26,6 @@ API_SERVER_ADVICE = (
     "run more API servers (--api-server-count 4, or leave the plugin's api_server_count: auto): measured on H200, "
     "7B shape, streamed: x1.54 throughput and p99 TPOT x0.68 at c256, x1.02 at c64 (docs/results/h200-under-load.md)"
 )
-#: Two-sided 95 % quantiles of Student's t (the 0.975 point) for 1..30 degrees of freedom; above
-#: 30 the normal quantile is within 2 % of t's.
-T975 = (
-    12.7062, 4.3027, 3.1824, 2.7764, 2.5706, 2.4469, 2.3646, 2.3060, 2.2622, 2.2281,
-    2.2010, 2.1788, 2.1604, 2.1448, 2.1314, 2.1199, 2.1098, 2.1009, 2.0930, 2.0860,
-    2.0796, 2.0739, 2.0687, 2.0639, 2.0595, 2.0555, 2.0518, 2.0484, 2.0452, 2.0423,
-)  # fmt: skip
 
 
 def parse_rates(text: str) -> list[float]:
@@ -57,18 +52,9 @@ def _mean(xs: list[float]) -> float | None:
     return statistics.fmean(xs) if xs else None
 
 
-def t975(df: int) -> float:
-    """The 0.975 quantile of Student's t with ``df`` degrees of freedom (>= 1)."""
-    return T975[df - 1] if df <= len(T975) else statistics.NormalDist().inv_cdf(0.975)
-
-
 def mean_ci95(xs: list[float]) -> tuple[float, float, float] | None:
     """(mean, low, high): the mean and its two-sided 95 % t interval; None below two values."""
-    if len(xs) < 2:
-        return None
-    m = statistics.fmean(xs)
-    half = t975(len(xs) - 1) * statistics.stdev(xs) / math.sqrt(len(xs))
-    return m, m - half, m + half
+    return intervals.mean_ci95(xs) if len(xs) >= 2 else None
 
 
 def _arm_names(gpu: bool) -> dict[str, str]:
