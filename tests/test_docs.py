@@ -1,11 +1,13 @@
 """The reference docs follow the code: settings.md is generated from the pydantic model, metrics.md
-names every series the collector exports, and the README stays a short page whose links resolve."""
+names every series of the collector's family table with its type, labels and unit, and the README
+stays a short page whose links resolve."""
 
 import re
 from pathlib import Path
 
 from pydantic import BaseModel, Field
 
+from vllm_powersave.metrics import FAMILIES, FamilySpec
 from vllm_powersave.settings_doc import COMMAND, field_paths, render
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,18 +64,44 @@ def test_settings_doc_picks_up_a_new_field_its_comment_bounds_and_nested_model()
     assert field_paths(_NewSettings) == ["patience_ms", "inner", "inner.size_rows", "flag", "items", "items[].size_rows"]
 
 
-def _exported_series() -> set[str]:
-    """Every metric family name the collector builds (counters are exposed with ``_total``)."""
-    src = (ROOT / "vllm_powersave" / "metrics.py").read_text(encoding="utf-8")
-    return set(re.findall(r'(?:Counter|Gauge)MetricFamily\(\s*"(powersave_[a-z_]+)"', src))
+def _doc_series_rows() -> dict[str, tuple[str, tuple[str, ...], str]]:
+    """docs/metrics.md's series table: exposed name -> (type, labels, unit)."""
+    doc = (ROOT / "docs" / "metrics.md").read_text(encoding="utf-8")
+    rows = {}
+    for line in doc.splitlines():
+        m = re.match(r"\| `(powersave_[a-z_]+)` \| (\w+) \| ([^|]*) \| ([^|]*) \|", line)
+        if m:
+            rows[m[1]] = (m[2], tuple(re.findall(r"`([a-z_]+)`", m[3])), m[4].strip())
+    return rows
+
+
+def _exposed_name(spec: FamilySpec) -> str:
+    return spec.name + ("_total" if spec.type == "counter" else "")
 
 
 def test_metrics_doc_describes_every_exported_series():
-    doc = (ROOT / "docs" / "metrics.md").read_text(encoding="utf-8")
-    series = _exported_series()
-    assert len(series) >= 25  # the regex still finds the collector's families
-    missing = sorted(s for s in series if f"`{s}" not in doc)
+    rows = _doc_series_rows()
+    assert len(FAMILIES) >= 25  # the collector's family table
+    missing = sorted(_exposed_name(f) for f in FAMILIES if _exposed_name(f) not in rows)
     assert not missing, f"series exported by vllm_powersave/metrics.py but not described in docs/metrics.md: {missing}"
+    extra = sorted(set(rows) - {_exposed_name(f) for f in FAMILIES})
+    assert not extra, f"docs/metrics.md describes series the collector does not export: {extra}"
+
+
+def test_metrics_doc_states_each_series_type_labels_and_unit_as_the_family_table():
+    rows = _doc_series_rows()
+    wrong = {
+        _exposed_name(f): (rows[_exposed_name(f)], (f.type, f.labels, f.unit))
+        for f in FAMILIES
+        if _exposed_name(f) in rows and rows[_exposed_name(f)] != (f.type, f.labels, f.unit)
+    }
+    assert not wrong, f"docs/metrics.md (type, labels, unit) differ from vllm_powersave/metrics.py FAMILIES: {wrong}"
+
+
+def test_metrics_family_table_names_each_family_once_with_its_prefix():
+    names = [f.name for f in FAMILIES]
+    assert len(names) == len(set(names))
+    assert all(re.fullmatch(r"powersave_[a-z_]+", n) and f.type in ("counter", "gauge") for n, f in zip(names, FAMILIES))
 
 
 def test_readme_is_at_most_150_lines():

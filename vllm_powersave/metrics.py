@@ -40,7 +40,7 @@ import math
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -157,6 +157,160 @@ def read_snapshots(stats_dir: str | Path) -> list[WorkerSnapshot]:
     return load_snapshots(stats_dir)[0]
 
 
+class FamilySpec(NamedTuple):
+    """One ``powersave_*`` family: its Prometheus name (counters are exposed with ``_total``), type,
+    help text, unit (as docs/metrics.md states it; not passed to prometheus_client, which would
+    append it to the name) and label names."""
+
+    name: str
+    type: str  # "counter" or "gauge"
+    help: str
+    unit: str
+    labels: tuple[str, ...]
+
+    def build(self) -> CounterMetricFamily | GaugeMetricFamily:
+        cls = CounterMetricFamily if self.type == "counter" else GaugeMetricFamily
+        return cls(self.name, self.help, labels=list(self.labels))
+
+
+_C, _G = "counter", "gauge"
+#: Every family the collector exports, in the order of the exposition; docs/metrics.md describes
+#: each (tests/test_docs.py checks its type, labels and unit against this table).
+FAMILIES: tuple[FamilySpec, ...] = (
+    FamilySpec("powersave_gpu_energy_joules", _C, "GPU energy by engine phase (J)", "J", ("gpu", "phase", "source", "method")),
+    FamilySpec(
+        "powersave_engine_energy_joules", _C, "Energy of all GPUs of the engine (every TP/PP rank) by phase (J)", "J", ("phase", "source")
+    ),
+    FamilySpec("powersave_steps", _C, "Engine steps by phase", "steps", ("gpu", "phase")),
+    FamilySpec("powersave_tokens", _C, "Tokens processed by kind (prefill, decode)", "tokens", ("gpu", "kind")),
+    FamilySpec("powersave_gpu_power_watts", _G, "GPU power (W)", "W", ("gpu", "source")),
+    FamilySpec("powersave_sm_clock_mhz", _G, "SM clock (MHz)", "MHz", ("gpu", "source")),
+    FamilySpec("powersave_gpu_temperature_celsius", _G, "GPU temperature (°C, measured)", "°C", ("gpu",)),
+    FamilySpec("powersave_mem_clock_mhz", _G, "Memory clock (MHz, measured)", "MHz", ("gpu",)),
+    FamilySpec(
+        "powersave_clock_event_reasons",
+        _G,
+        "NVML clock-event (throttle) reasons bitmask (0x4 SW power cap, "
+        "0x20 SW thermal); label reasons: its bits by name, e.g. sw_power_cap,hw_slowdown",
+        "bitmask",
+        ("gpu", "reasons"),
+    ),
+    FamilySpec("powersave_clock_target_mhz", _G, "SM clock the controller wants (MHz; 0 = driver default)", "MHz", ("gpu", "backend")),
+    FamilySpec("powersave_clock_changes", _C, "Clock changes decided", "count", ("gpu", "backend")),
+    FamilySpec("powersave_lm_head_calls", _C, "LM-head calls by chunk count", "calls", ("gpu", "chunks")),
+    FamilySpec(
+        "powersave_request_energy_joules",
+        _C,
+        "Energy attributed to finished requests (J; each step split by request cost, docs/request-energy.md)",
+        "J",
+        ("gpu", "source"),
+    ),
+    FamilySpec("powersave_requests_finished", _C, "Requests whose energy was attributed", "requests", ("gpu",)),
+    FamilySpec(
+        "powersave_request_tail_energy_joules",
+        _C,
+        "Energy of non-idle time charged to no request: after a batch's last step until idle is detected (J)",
+        "J",
+        ("gpu", "source"),
+    ),
+    FamilySpec("powersave_energy_simulated", _G, "1 if this GPU's energy figures are simulated, 0 if measured", "1/0", ("gpu",)),
+    FamilySpec("powersave_info", _G, "vllm-powersave is active", "1", ("version", "source", "clock_backend", "cuda_perf_boost")),
+    FamilySpec(
+        "powersave_energy_available",
+        _G,
+        "1 if this GPU's energy figures are current, 0 if its meter failed (figures left out)",
+        "1/0",
+        ("gpu", "method"),
+    ),
+    FamilySpec(
+        "powersave_energy_counter_resets",
+        _C,
+        "NVML energy counter went backwards or jumped implausibly (bridged with instant power)",
+        "count",
+        ("gpu",),
+    ),
+    FamilySpec("powersave_energy_counter_wraps", _C, "NVML energy counter wrapped (delta kept)", "count", ("gpu",)),
+    FamilySpec("powersave_meter_faults", _C, "Failed NVML reads of the meter (the first one is logged)", "count", ("gpu",)),
+    FamilySpec(
+        "powersave_tokens_per_joule",
+        _G,
+        "Engine tokens per joule (all GPUs): sliding window, steady state, whole run",
+        "tokens/J",
+        ("window", "kind", "source"),
+    ),
+    FamilySpec(
+        "powersave_window_energy_joules", _G, "Engine energy over the sliding tokens-per-joule window (J)", "J", ("window", "source")
+    ),
+    FamilySpec("powersave_steady_energy_joules", _C, "Energy of steps at the batch limit (steady state, J)", "J", ("gpu", "source")),
+    FamilySpec("powersave_steady_seconds", _C, "Time of steps at the batch limit (s)", "s", ("gpu",)),
+    FamilySpec("powersave_steady_tokens", _C, "Tokens of steps at the batch limit", "tokens", ("gpu", "kind")),
+    FamilySpec("powersave_cuda_boost_held", _G, "cuda_perf_boost auto: 1 while the side CUDA context boosts this GPU", "1/0", ("gpu",)),
+    FamilySpec("powersave_cuda_boost_switches", _C, "cuda_perf_boost auto: side-context holds and releases", "count", ("gpu",)),
+    FamilySpec("powersave_gpu_info", _G, "Which data-parallel engine and worker rank each GPU belongs to", "1", ("gpu", "engine", "rank")),
+    # Front-end starvation (starvation.py) and which savings run (savings.py).
+    FamilySpec(
+        "powersave_idle_while_busy_energy_joules",
+        _C,
+        "GPU energy while the engine was idle but the API server had requests in flight (front-end starvation, J)",
+        "J",
+        ("gpu", "engine", "source"),
+    ),
+    FamilySpec(
+        "powersave_idle_while_busy_seconds",
+        _C,
+        "Time the engine was idle while the API server had requests in flight (s)",
+        "s",
+        ("gpu", "engine"),
+    ),
+    FamilySpec(
+        "powersave_frontend_busy_seconds",
+        _C,
+        "Time the API server(s) had requests in flight, as seen by this GPU's worker (s)",
+        "s",
+        ("gpu", "engine"),
+    ),
+    FamilySpec(
+        "powersave_saving_state",
+        _G,
+        "1 per saving with its state (auto/on/off/dry-run/failed/n/a) and basis (measured/predicted)",
+        "1",
+        ("gpu", "saving", "state", "basis"),
+    ),
+    # The closed-loop decode clock (clocks/closed_loop.py, docs/closed-loop.md).
+    FamilySpec(
+        "powersave_closed_loop_sm_clock_mhz",
+        _G,
+        "Closed-loop decode clock per batch bucket: the SM clock it "
+        "asks for (MHz; 0 = driver default); state baseline/probe/ref/hold; decisions only in dry-run",
+        "MHz",
+        ("gpu", "bucket", "state", "backend"),
+    ),
+    FamilySpec(
+        "powersave_closed_loop_baseline_step_ms",
+        _G,
+        "Closed-loop decode clock: step time measured at the default clock per batch bucket (ms, at the bucket's mean context); "
+        "timing: cuda_events (on the GPU), simulated, or engine_wall (CPU build)",
+        "ms",
+        ("gpu", "bucket", "timing"),
+    ),
+    FamilySpec("powersave_closed_loop_probes", _C, "Closed-loop decode clock: candidate clocks probed", "count", ("gpu",)),
+    FamilySpec(
+        "powersave_closed_loop_backoffs",
+        _C,
+        "Closed-loop decode clock: back-offs after a measured violation of the target",
+        "count",
+        ("gpu",),
+    ),
+    FamilySpec(
+        "powersave_closed_loop_decisions",
+        _C,
+        "Closed-loop decode clock: decision records (each in the step trace with its measurement)",
+        "count",
+        ("gpu",),
+    ),
+)
+
+
 class PowersaveCollector(Collector):
     """Prometheus collector over the worker snapshots of one server."""
 
@@ -174,283 +328,186 @@ class PowersaveCollector(Collector):
 
     def _collect(self) -> list[Any]:
         snaps, bad = load_snapshots(self.stats_dir)
-        energy = CounterMetricFamily(
-            "powersave_gpu_energy_joules", "GPU energy by engine phase (J)", labels=["gpu", "phase", "source", "method"]
-        )
-        engine = CounterMetricFamily(
-            "powersave_engine_energy_joules", "Energy of all GPUs of the engine (every TP/PP rank) by phase (J)", labels=["phase", "source"]
-        )
-        engine_sum: dict[tuple[str, str], float] = {}
-        steps = CounterMetricFamily("powersave_steps", "Engine steps by phase", labels=["gpu", "phase"])
-        tokens = CounterMetricFamily("powersave_tokens", "Tokens processed by kind (prefill, decode)", labels=["gpu", "kind"])
-        power = GaugeMetricFamily("powersave_gpu_power_watts", "GPU power (W)", labels=["gpu", "source"])
-        clock = GaugeMetricFamily("powersave_sm_clock_mhz", "SM clock (MHz)", labels=["gpu", "source"])
-        target = GaugeMetricFamily(
-            "powersave_clock_target_mhz", "SM clock the controller wants (MHz; 0 = driver default)", labels=["gpu", "backend"]
-        )
-        temp = GaugeMetricFamily("powersave_gpu_temperature_celsius", "GPU temperature (°C, measured)", labels=["gpu"])
-        mem_clock = GaugeMetricFamily("powersave_mem_clock_mhz", "Memory clock (MHz, measured)", labels=["gpu"])
-        reasons = GaugeMetricFamily(
-            "powersave_clock_event_reasons",
-            "NVML clock-event (throttle) reasons bitmask (0x4 SW power cap, "
-            "0x20 SW thermal); label reasons: its bits by name, e.g. sw_power_cap,hw_slowdown",
-            labels=["gpu", "reasons"],
-        )
-        changes = CounterMetricFamily("powersave_clock_changes", "Clock changes decided", labels=["gpu", "backend"])
-        chunks = CounterMetricFamily("powersave_lm_head_calls", "LM-head calls by chunk count", labels=["gpu", "chunks"])
-        req_e = CounterMetricFamily(
-            "powersave_request_energy_joules",
-            "Energy attributed to finished requests (J; each step split by request cost, docs/request-energy.md)",
-            labels=["gpu", "source"],
-        )
-        req_tail = CounterMetricFamily(
-            "powersave_request_tail_energy_joules",
-            "Energy of non-idle time charged to no request: after a batch's last step until idle is detected (J)",
-            labels=["gpu", "source"],
-        )
-        req_n = CounterMetricFamily("powersave_requests_finished", "Requests whose energy was attributed", labels=["gpu"])
-        simulated = GaugeMetricFamily(
-            "powersave_energy_simulated", "1 if this GPU's energy figures are simulated, 0 if measured", labels=["gpu"]
-        )
-        info = GaugeMetricFamily(
-            "powersave_info", "vllm-powersave is active", labels=["version", "source", "clock_backend", "cuda_perf_boost"]
-        )
-        available = GaugeMetricFamily(
-            "powersave_energy_available",
-            "1 if this GPU's energy figures are current, 0 if its meter failed (figures left out)",
-            labels=["gpu", "method"],
-        )
-        resets = CounterMetricFamily(
-            "powersave_energy_counter_resets",
-            "NVML energy counter went backwards or jumped implausibly (bridged with instant power)",
-            labels=["gpu"],
-        )
-        wraps = CounterMetricFamily("powersave_energy_counter_wraps", "NVML energy counter wrapped (delta kept)", labels=["gpu"])
-        faults = CounterMetricFamily("powersave_meter_faults", "Failed NVML reads of the meter (the first one is logged)", labels=["gpu"])
-        tpj = GaugeMetricFamily(
-            "powersave_tokens_per_joule",
-            "Engine tokens per joule (all GPUs): sliding window, steady state, whole run",
-            labels=["window", "kind", "source"],
-        )
-        tpj_energy = GaugeMetricFamily(
-            "powersave_window_energy_joules", "Engine energy over the sliding tokens-per-joule window (J)", labels=["window", "source"]
-        )
-        steady_e = CounterMetricFamily(
-            "powersave_steady_energy_joules", "Energy of steps at the batch limit (steady state, J)", labels=["gpu", "source"]
-        )
-        steady_s = CounterMetricFamily("powersave_steady_seconds", "Time of steps at the batch limit (s)", labels=["gpu"])
-        steady_t = CounterMetricFamily("powersave_steady_tokens", "Tokens of steps at the batch limit", labels=["gpu", "kind"])
-        boost_held = GaugeMetricFamily(
-            "powersave_cuda_boost_held", "cuda_perf_boost auto: 1 while the side CUDA context boosts this GPU", labels=["gpu"]
-        )
-        boost_sw = CounterMetricFamily(
-            "powersave_cuda_boost_switches", "cuda_perf_boost auto: side-context holds and releases", labels=["gpu"]
-        )
-        # Front-end starvation (starvation.py) and which savings run (savings.py).
-        iwb_j = CounterMetricFamily(
-            "powersave_idle_while_busy_energy_joules",
-            "GPU energy while the engine was idle but the API server had requests in flight (front-end starvation, J)",
-            labels=["gpu", "engine", "source"],
-        )
-        iwb_s = CounterMetricFamily(
-            "powersave_idle_while_busy_seconds",
-            "Time the engine was idle while the API server had requests in flight (s)",
-            labels=["gpu", "engine"],
-        )
-        fe_busy = CounterMetricFamily(
-            "powersave_frontend_busy_seconds",
-            "Time the API server(s) had requests in flight, as seen by this GPU's worker (s)",
-            labels=["gpu", "engine"],
-        )
-        cl_clock = GaugeMetricFamily(
-            "powersave_closed_loop_sm_clock_mhz",
-            "Closed-loop decode clock per batch bucket: the SM clock it "
-            "asks for (MHz; 0 = driver default); state baseline/probe/ref/hold; decisions only in dry-run",
-            labels=["gpu", "bucket", "state", "backend"],
-        )
-        cl_base = GaugeMetricFamily(
-            "powersave_closed_loop_baseline_step_ms",
-            "Closed-loop decode clock: step time measured at the default clock per batch bucket (ms, at the bucket's mean context); "
-            "timing: cuda_events (on the GPU), simulated, or engine_wall (CPU build)",
-            labels=["gpu", "bucket", "timing"],
-        )
-        cl_probes = CounterMetricFamily("powersave_closed_loop_probes", "Closed-loop decode clock: candidate clocks probed", labels=["gpu"])
-        cl_backoffs = CounterMetricFamily(
-            "powersave_closed_loop_backoffs", "Closed-loop decode clock: back-offs after a measured violation of the target", labels=["gpu"]
-        )
-        cl_decisions = CounterMetricFamily(
-            "powersave_closed_loop_decisions",
-            "Closed-loop decode clock: decision records (each in the step trace with its measurement)",
-            labels=["gpu"],
-        )
-        saving_state = GaugeMetricFamily(
-            "powersave_saving_state",
-            "1 per saving with its state (auto/on/off/dry-run/failed/n/a) and basis (measured/predicted)",
-            labels=["gpu", "saving", "state", "basis"],
-        )
-        sources, backends, boost = set(), set(), set()
+        sc = _Scrape()
         # A rank whose snapshot is unusable has unknown energy: no engine sums over the others.
         all_available = bool(snaps) and not bad
-        for path, s, why in bad:
-            _warn_once(path, why)
-            gpu = s.get("gpu") if isinstance(s, dict) else None
-            method = s.get("energy_method") if isinstance(s, dict) else None
-            available.add_metric([gpu if isinstance(gpu, str) else path.stem, method if isinstance(method, str) else "unknown"], 0.0)
+        _add_bad(sc, bad)
+        for s in snaps:
+            all_available = _add_rank(sc, s) and all_available
+        if all_available:  # engine-level figures only when every GPU's energy is known
+            _add_engine(sc)
+        boost = ",".join(sorted(sc.boost_modes)) or "pending"
+        sc.add("info", [self.version, ",".join(sorted(sc.sources)) or "pending", ",".join(sorted(sc.backends)) or "pending", boost], 1.0)
+        return list(sc.families.values())
+
+
+class _Scrape:
+    """One scrape's families (by name without the ``powersave_`` prefix) and the engine-level sums
+    gathered over the rank snapshots."""
+
+    def __init__(self) -> None:
+        self.families: dict[str, Any] = {spec.name.removeprefix("powersave_"): spec.build() for spec in FAMILIES}
+        self.engine_energy_j: dict[tuple[str, str], float] = {}  # (phase, source) -> J
         # Per data-parallel engine: tokens are the same steps on every rank of one engine (max),
         # different steps on different engines (sum).
-        eng: dict[str, dict[int, dict[str, float]]] = {"window": {}, "steady": {}, "run": {}}
-        gpu_info = GaugeMetricFamily(
-            "powersave_gpu_info", "Which data-parallel engine and worker rank each GPU belongs to", labels=["gpu", "engine", "rank"]
+        self.engine_totals: dict[str, dict[int, dict[str, float]]] = {"window": {}, "steady": {}, "run": {}}
+        self.window_label = ""
+        self.sources: set[str] = set()
+        self.backends: set[str] = set()
+        self.boost_modes: set[str] = set()
+
+    def add(self, family: str, labels: list[str], value: float) -> None:
+        self.families[family].add_metric(labels, value)
+
+
+class _Rank(NamedTuple):
+    """The labels of one rank snapshot's series."""
+
+    gpu: str
+    source: str
+    backend: str
+    method: str
+    engine: int
+    ok: bool  # its energy figures are current (else they are left out, never frozen)
+
+
+def _rank_of(s: WorkerSnapshot) -> _Rank:
+    src = str(s.get("source", "none"))
+    e_id = s.get("engine", 0) if isinstance(s.get("engine", 0), int) else 0
+    return _Rank(
+        gpu=str(s.get("gpu", s.get("rank", "?"))),
+        source=src,
+        backend=str(s.get("clock_backend", "?")),
+        method=str(s.get("energy_method", "energy-counter" if src == "measured" else "model")),
+        engine=e_id,
+        ok=bool(s.get("energy_available", bool(s.get("energy_j")))),
+    )
+
+
+def _add_bad(sc: _Scrape, bad: list[tuple[Path, Any, str]]) -> None:
+    """An unusable snapshot: one warning, and its GPU shown as unavailable."""
+    for path, s, why in bad:
+        _warn_once(path, why)
+        gpu = s.get("gpu") if isinstance(s, dict) else None
+        method = s.get("energy_method") if isinstance(s, dict) else None
+        sc.add("energy_available", [gpu if isinstance(gpu, str) else path.stem, method if isinstance(method, str) else "unknown"], 0.0)
+
+
+def _add_rank(sc: _Scrape, s: WorkerSnapshot) -> bool:
+    """Every series of one rank snapshot; whether its energy is available."""
+    r = _rank_of(s)
+    sc.add("gpu_info", [r.gpu, str(r.engine), str(s.get("rank", "?"))], 1.0)
+    sc.sources.add(r.source)
+    sc.backends.add(r.backend)
+    sc.boost_modes.add(str(s.get("cuda_perf_boost", "on")))
+    sc.add("energy_available", [r.gpu, r.method], 1.0 if r.ok else 0.0)
+    sc.add("energy_counter_resets", [r.gpu], float(s.get("counter_resets", 0)))
+    sc.add("energy_counter_wraps", [r.gpu], float(s.get("counter_wraps", 0)))
+    sc.add("meter_faults", [r.gpu], float(s.get("meter_faults", 0)))
+    if r.ok:
+        _add_rank_energy(sc, r, s)
+    _add_rank_steps_and_clocks(sc, r, s)
+    if r.ok and s.get("idle_while_busy_j") is not None:
+        sc.add("idle_while_busy_energy_joules", [r.gpu, str(r.engine), r.source], float(s["idle_while_busy_j"]))
+        sc.add("idle_while_busy_seconds", [r.gpu, str(r.engine)], float(s.get("idle_while_busy_s") or 0.0))
+        sc.add("frontend_busy_seconds", [r.gpu, str(r.engine)], float(s.get("frontend_busy_s") or 0.0))
+    cl = s.get("closed_loop")
+    if isinstance(cl, dict):
+        _add_closed_loop(sc, r, cl)
+    sv = s.get("savings")
+    for name, st in sv.items() if isinstance(sv, dict) else ():
+        if isinstance(st, dict):
+            sc.add("saving_state", [r.gpu, str(name), str(st.get("state", "?")), str(st.get("basis", ""))], 1.0)
+    for c, n in (s.get("lm_head_calls") or {}).items():
+        sc.add("lm_head_calls", [r.gpu, str(c)], float(n))
+    sc.add("energy_simulated", [r.gpu], 1.0 if r.source == "simulated" else 0.0)
+    if r.ok and s.get("requests_finished") and s.get("request_energy_j_finished") is not None:
+        sc.add("request_energy_joules", [r.gpu, r.source], float(s.get("request_energy_j_finished", 0.0)))
+        sc.add("requests_finished", [r.gpu], float(s["requests_finished"]))
+    if r.ok and s.get("request_energy_j_tail") is not None:
+        sc.add("request_tail_energy_joules", [r.gpu, r.source], float(s["request_energy_j_tail"]))
+    return r.ok
+
+
+def _add_rank_energy(sc: _Scrape, r: _Rank, s: WorkerSnapshot) -> None:
+    """Phase energy, and the run, window and steady-state sums (only while the meter is available)."""
+    for phase, j in (s.get("energy_j") or {}).items():
+        sc.add("gpu_energy_joules", [r.gpu, phase, r.source, r.method], float(j))
+        sc.engine_energy_j[(phase, r.source)] = sc.engine_energy_j.get((phase, r.source), 0.0) + float(j)
+    tok = s.get("tokens") or {}
+    totals = sc.engine_totals
+    _engine_add(
+        totals["run"].setdefault(r.engine, {}), sum((s.get("energy_j") or {}).values()), tok.get("prefill", 0), tok.get("decode", 0)
+    )
+    w = s.get("window") or {}
+    if w.get("seconds"):
+        sc.window_label = f"{float(w.get('window_s', 0)):g}s"
+        _engine_add(
+            totals["window"].setdefault(r.engine, {}), w.get("energy_j", 0.0), w.get("prefill_tokens", 0), w.get("decode_tokens", 0)
         )
-        window_label = ""
-        for s in snaps:
-            gpu, src, be = str(s.get("gpu", s.get("rank", "?"))), str(s.get("source", "none")), str(s.get("clock_backend", "?"))
-            e_id = s.get("engine", 0) if isinstance(s.get("engine", 0), int) else 0
-            gpu_info.add_metric([gpu, str(e_id), str(s.get("rank", "?"))], 1.0)
-            method = str(s.get("energy_method", "energy-counter" if src == "measured" else "model"))
-            sources.add(src)
-            backends.add(be)
-            boost.add(str(s.get("cuda_perf_boost", "on")))
-            ok = bool(s.get("energy_available", bool(s.get("energy_j"))))
-            all_available = all_available and ok
-            available.add_metric([gpu, method], 1.0 if ok else 0.0)
-            resets.add_metric([gpu], float(s.get("counter_resets", 0)))
-            wraps.add_metric([gpu], float(s.get("counter_wraps", 0)))
-            faults.add_metric([gpu], float(s.get("meter_faults", 0)))
-            if ok:  # else no stale figures: energy, window and request series of this GPU are left out
-                for phase, j in (s.get("energy_j") or {}).items():
-                    energy.add_metric([gpu, phase, src, method], float(j))
-                    engine_sum[(phase, src)] = engine_sum.get((phase, src), 0.0) + float(j)
-                tok = s.get("tokens") or {}
-                _engine_add(
-                    eng["run"].setdefault(e_id, {}), sum((s.get("energy_j") or {}).values()), tok.get("prefill", 0), tok.get("decode", 0)
-                )
-                w = s.get("window") or {}
-                if w.get("seconds"):
-                    window_label = f"{float(w.get('window_s', 0)):g}s"
-                    _engine_add(
-                        eng["window"].setdefault(e_id, {}), w.get("energy_j", 0.0), w.get("prefill_tokens", 0), w.get("decode_tokens", 0)
-                    )
-                st = s.get("steady") or {}
-                if st.get("seconds"):
-                    st_tok = st.get("tokens") or {}
-                    steady_e.add_metric([gpu, src], float(st.get("energy_j", 0.0)))
-                    steady_s.add_metric([gpu], float(st["seconds"]))
-                    for kind, n in st_tok.items():
-                        steady_t.add_metric([gpu, kind], float(n))
-                    _engine_add(
-                        eng["steady"].setdefault(e_id, {}), st.get("energy_j", 0.0), st_tok.get("prefill", 0), st_tok.get("decode", 0)
-                    )
-            for phase, n in (s.get("steps") or {}).items():
-                if phase != "idle":  # idle is time without steps, not a kind of step
-                    steps.add_metric([gpu, phase], float(n))
-            for kind, n in (s.get("tokens") or {}).items():
-                tokens.add_metric([gpu, kind], float(n))
-            if s.get("power_w") is not None:
-                power.add_metric([gpu, src], float(s["power_w"]))
-            if s.get("sm_clock_mhz") is not None:
-                clock.add_metric([gpu, src], float(s["sm_clock_mhz"]))
-            target.add_metric([gpu, be], float(s.get("target_sm_clock_mhz") or 0))
-            for fam, key in ((temp, "temperature_c"), (mem_clock, "mem_clock_mhz")):
-                if s.get(key) is not None:
-                    fam.add_metric([gpu], float(s[key]))
-            if s.get("clock_event_reasons") is not None:
-                mask = int(s["clock_event_reasons"])
-                reasons.add_metric([gpu, ",".join(decode_clock_event_reasons(mask)) or "none"], float(mask))
-            changes.add_metric([gpu, be], float(s.get("clock_changes", 0)))
-            cb = s.get("cuda_boost")
-            if cb:
-                boost_held.add_metric([gpu], 1.0 if cb.get("held") else 0.0)
-                boost_sw.add_metric([gpu], float(cb.get("switches", 0)))
-            if ok and s.get("idle_while_busy_j") is not None:
-                iwb_j.add_metric([gpu, str(e_id), src], float(s["idle_while_busy_j"]))
-                iwb_s.add_metric([gpu, str(e_id)], float(s.get("idle_while_busy_s") or 0.0))
-                fe_busy.add_metric([gpu, str(e_id)], float(s.get("frontend_busy_s") or 0.0))
-            cl = s.get("closed_loop")
-            if isinstance(cl, dict):
-                for edge, b in (cl.get("buckets") or {}).items():
-                    if isinstance(b, dict):
-                        cl_clock.add_metric([gpu, str(edge), str(b.get("state", "?")), be], float(b.get("sm_clock_mhz") or 0))
-                        if b.get("baseline_ms") is not None:
-                            cl_base.add_metric([gpu, str(edge), str(cl.get("step_time_source") or "engine_wall")], float(b["baseline_ms"]))
-                cl_probes.add_metric([gpu], float(cl.get("probes_total") or 0))
-                cl_backoffs.add_metric([gpu], float(cl.get("backoffs_total") or 0))
-                cl_decisions.add_metric([gpu], float(cl.get("decisions_total") or 0))
-            sv = s.get("savings")
-            for name, st in sv.items() if isinstance(sv, dict) else ():
-                if isinstance(st, dict):
-                    saving_state.add_metric([gpu, str(name), str(st.get("state", "?")), str(st.get("basis", ""))], 1.0)
-            for c, n in (s.get("lm_head_calls") or {}).items():
-                chunks.add_metric([gpu, str(c)], float(n))
-            simulated.add_metric([gpu], 1.0 if src == "simulated" else 0.0)
-            if ok and s.get("requests_finished") and s.get("request_energy_j_finished") is not None:
-                req_e.add_metric([gpu, src], float(s.get("request_energy_j_finished", 0.0)))
-                req_n.add_metric([gpu], float(s["requests_finished"]))
-            if ok and s.get("request_energy_j_tail") is not None:
-                req_tail.add_metric([gpu, src], float(s["request_energy_j_tail"]))
-        engine_src = "measured" if sources == {"measured"} else "simulated"
-        if all_available:  # engine-level figures only when every GPU's energy is known
-            for (phase, src), j in sorted(engine_sum.items()):
-                engine.add_metric([phase, src], j)
-            for name, per_engine in eng.items():
-                e = {k: sum(x.get(k, 0.0) for x in per_engine.values()) for k in ("energy_j", "prefill", "decode")}
-                if name == "window" and not window_label:
-                    continue
-                if e.get("energy_j", 0.0) > 0:
-                    label = window_label if name == "window" else name
-                    tpj.add_metric([label, "decode", engine_src], e["decode"] / e["energy_j"])
-                    tpj.add_metric([label, "total", engine_src], (e["prefill"] + e["decode"]) / e["energy_j"])
-                    if name == "window":
-                        tpj_energy.add_metric([label, engine_src], e["energy_j"])
-        info.add_metric(
-            [
-                self.version,
-                ",".join(sorted(sources)) or "pending",
-                ",".join(sorted(backends)) or "pending",
-                ",".join(sorted(boost)) or "pending",
-            ],
-            1.0,
-        )
-        return [
-            energy,
-            engine,
-            steps,
-            tokens,
-            power,
-            clock,
-            temp,
-            mem_clock,
-            reasons,
-            target,
-            changes,
-            chunks,
-            req_e,
-            req_n,
-            req_tail,
-            simulated,
-            info,
-            available,
-            resets,
-            wraps,
-            faults,
-            tpj,
-            tpj_energy,
-            steady_e,
-            steady_s,
-            steady_t,
-            boost_held,
-            boost_sw,
-            gpu_info,
-            iwb_j,
-            iwb_s,
-            fe_busy,
-            saving_state,
-            cl_clock,
-            cl_base,
-            cl_probes,
-            cl_backoffs,
-            cl_decisions,
-        ]
+    st = s.get("steady") or {}
+    if st.get("seconds"):
+        st_tok = st.get("tokens") or {}
+        sc.add("steady_energy_joules", [r.gpu, r.source], float(st.get("energy_j", 0.0)))
+        sc.add("steady_seconds", [r.gpu], float(st["seconds"]))
+        for kind, n in st_tok.items():
+            sc.add("steady_tokens", [r.gpu, kind], float(n))
+        _engine_add(totals["steady"].setdefault(r.engine, {}), st.get("energy_j", 0.0), st_tok.get("prefill", 0), st_tok.get("decode", 0))
+
+
+def _add_rank_steps_and_clocks(sc: _Scrape, r: _Rank, s: WorkerSnapshot) -> None:
+    """Steps, tokens, the gauges, the clock target and changes, and the perf boost."""
+    for phase, n in (s.get("steps") or {}).items():
+        if phase != "idle":  # idle is time without steps, not a kind of step
+            sc.add("steps", [r.gpu, phase], float(n))
+    for kind, n in (s.get("tokens") or {}).items():
+        sc.add("tokens", [r.gpu, kind], float(n))
+    if s.get("power_w") is not None:
+        sc.add("gpu_power_watts", [r.gpu, r.source], float(s["power_w"]))
+    if s.get("sm_clock_mhz") is not None:
+        sc.add("sm_clock_mhz", [r.gpu, r.source], float(s["sm_clock_mhz"]))
+    sc.add("clock_target_mhz", [r.gpu, r.backend], float(s.get("target_sm_clock_mhz") or 0))
+    for family, key in (("gpu_temperature_celsius", "temperature_c"), ("mem_clock_mhz", "mem_clock_mhz")):
+        if s.get(key) is not None:
+            sc.add(family, [r.gpu], float(s[key]))
+    if s.get("clock_event_reasons") is not None:
+        mask = int(s["clock_event_reasons"])
+        sc.add("clock_event_reasons", [r.gpu, ",".join(decode_clock_event_reasons(mask)) or "none"], float(mask))
+    sc.add("clock_changes", [r.gpu, r.backend], float(s.get("clock_changes", 0)))
+    cb = s.get("cuda_boost")
+    if cb:
+        sc.add("cuda_boost_held", [r.gpu], 1.0 if cb.get("held") else 0.0)
+        sc.add("cuda_boost_switches", [r.gpu], float(cb.get("switches", 0)))
+
+
+def _add_closed_loop(sc: _Scrape, r: _Rank, cl: dict[str, Any]) -> None:
+    """The closed-loop decode clock's buckets and counters (``DecodeClockTuner.snapshot()``)."""
+    for edge, b in (cl.get("buckets") or {}).items():
+        if isinstance(b, dict):
+            sc.add("closed_loop_sm_clock_mhz", [r.gpu, str(edge), str(b.get("state", "?")), r.backend], float(b.get("sm_clock_mhz") or 0))
+            if b.get("baseline_ms") is not None:
+                timing = str(cl.get("step_time_source") or "engine_wall")
+                sc.add("closed_loop_baseline_step_ms", [r.gpu, str(edge), timing], float(b["baseline_ms"]))
+    sc.add("closed_loop_probes", [r.gpu], float(cl.get("probes_total") or 0))
+    sc.add("closed_loop_backoffs", [r.gpu], float(cl.get("backoffs_total") or 0))
+    sc.add("closed_loop_decisions", [r.gpu], float(cl.get("decisions_total") or 0))
+
+
+def _add_engine(sc: _Scrape) -> None:
+    """Engine-level energy and tokens per joule (only when every GPU's energy is known)."""
+    engine_src = "measured" if sc.sources == {"measured"} else "simulated"
+    for (phase, src), j in sorted(sc.engine_energy_j.items()):
+        sc.add("engine_energy_joules", [phase, src], j)
+    for name, per_engine in sc.engine_totals.items():
+        e = {k: sum(x.get(k, 0.0) for x in per_engine.values()) for k in ("energy_j", "prefill", "decode")}
+        if name == "window" and not sc.window_label:
+            continue
+        if e.get("energy_j", 0.0) > 0:
+            label = sc.window_label if name == "window" else name
+            sc.add("tokens_per_joule", [label, "decode", engine_src], e["decode"] / e["energy_j"])
+            sc.add("tokens_per_joule", [label, "total", engine_src], (e["prefill"] + e["decode"]) / e["energy_j"])
+            if name == "window":
+                sc.add("window_energy_joules", [label, engine_src], e["energy_j"])
 
 
 def _engine_add(acc: dict[str, float], energy_j: float, prefill: float, decode: float) -> None:
