@@ -31,6 +31,8 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field, replace
 
+from .shapes import SHAPES, param_count
+
 
 @dataclass(frozen=True)
 class GpuSpec:
@@ -224,9 +226,7 @@ class ModelCost:
 
     @classmethod
     def for_shape(cls, shape: str) -> "ModelCost":
-        """Costs of a named real model shape (``vllm_powersave.modelgen.SHAPES``), bf16."""
-        from ..modelgen import SHAPES, param_count
-
+        """Costs of a named real model shape (:data:`.shapes.SHAPES`), bf16."""
         cfg = SHAPES[shape]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
         n = float(param_count(shape))
@@ -265,9 +265,7 @@ class KernelGroupCost:
 
     @classmethod
     def for_shape(cls, shape: str) -> "KernelGroupCost":
-        """Group costs of a named model shape (``vllm_powersave.modelgen.SHAPES``)."""
-        from ..modelgen import SHAPES
-
+        """Group costs of a named model shape (:data:`.shapes.SHAPES`)."""
         c = SHAPES[shape]
         head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
         return cls(

@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..sim.gpu import H200, GpuSpec, StepWork, simulate_step
+from ..sim.ceilings import Ceilings, simulated_ceilings
+from ..sim.gpu import H200, GpuSpec
 from .energy import SIM_KERNEL_OVERHEAD_S, simulated_kernels
 
 KINDS: tuple[str, ...] = ("gemm", "attention", "elementwise", "lm_head", "sampling", "communication")
@@ -173,31 +174,6 @@ class Op:
     per_layer: bool
     fn: Callable[[], Any] | None = None  # None: modelled only (communication)
     model_time_s: float | None = None  # for modelled ops
-
-
-@dataclass
-class Ceilings:
-    """Peak dense bf16 FLOP/s and HBM bandwidth (B/s) of the GPU, and where they come from."""
-
-    peak_flops: float
-    mem_bw: float
-    source: str
-
-    @property
-    def ridge(self) -> float:
-        """Arithmetic intensity (FLOP/B) above which work is compute-bound."""
-        return self.peak_flops / self.mem_bw
-
-
-def simulated_ceilings(spec: GpuSpec = H200) -> Ceilings:
-    """The simulated GPU's effective ceilings at the driver-default clock (power cap applied). Simulated."""
-    big = simulate_step(dataclasses.replace(spec, t_fixed_s=0.0), StepWork(flops=1e15, bytes=1e9), spec.f_max_mhz)
-    copy = simulate_step(dataclasses.replace(spec, t_fixed_s=0.0), StepWork(flops=0.0, bytes=1e11), spec.f_max_mhz)
-    return Ceilings(
-        peak_flops=1e15 / big.time_s,
-        mem_bw=1e11 / copy.time_s,
-        source=f"simulated ({spec.name}, vllm_powersave/sim/gpu.py; calibrated on the H200's measured 661 TFLOP/s and 4.28 TB/s)",
-    )
 
 
 def measure_ceilings(torch: Any, device: Any, seconds: float = 0.3) -> Ceilings:
