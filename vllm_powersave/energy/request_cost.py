@@ -16,8 +16,8 @@ A request's weight is ``shared / n + flops / peak + bytes / bandwidth`` (seconds
 ceilings), and the step's energy is split in proportion to the weights. Equivalently: the step's
 energy is split between compute and memory in proportion to their roofline times, then each part
 by each request's use of it (the weights' bytes equally). Only the ratio of the ceilings (the ridge
-point) matters for the split, and the ceilings are those of ``vllm_powersave.tune.profile``'s
-simulated GPU (calibrated on the H200's measured 661 TFLOP/s and 4.28 TB/s, docs/h200-facts.md).
+point) matters for the split, and the ceilings are those of the simulated GPU in
+``vllm_powersave.sim.ceilings`` (calibrated on the H200's measured 661 TFLOP/s and 4.28 TB/s, docs/h200-facts.md).
 """
 
 from __future__ import annotations
@@ -54,8 +54,8 @@ class RequestCostModel:
         """From a model's figures (``vllm_compat.runner_model_cost``'s keys: ``n_params``,
         ``vocab_params``, ``kv_bytes_per_token``, ``weight_bytes``, ``attn_flops_per_pair``) and the
         ceilings of the simulated GPU ``gpu``; ``None`` if the figures are missing."""
+        from ..sim.ceilings import simulated_ceilings
         from ..sim.gpu import H200, SPECS
-        from ..tune.profile import simulated_ceilings
 
         n, vocab = float(cost.get("n_params", 0.0)), float(cost.get("vocab_params", 0.0))
         wb, kv = float(cost.get("weight_bytes", 0.0)), float(cost.get("kv_bytes_per_token", 0.0))
@@ -68,9 +68,9 @@ class RequestCostModel:
 
     @classmethod
     def for_shape(cls, shape: str, gpu: str = "h200") -> RequestCostModel | None:
-        """From a named model shape (``vllm_powersave.modelgen.SHAPES``), bf16."""
-        from ..modelgen import SHAPES
+        """From a named model shape (``vllm_powersave.sim.shapes.SHAPES``), bf16."""
         from ..sim.gpu import ModelCost
+        from ..sim.shapes import SHAPES
 
         c = SHAPES[shape]
         head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
