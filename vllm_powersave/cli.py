@@ -7,8 +7,9 @@ import json
 import math
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from .stats_contract import WorkerSnapshot, snapshot_from_json, snapshot_name
 
@@ -112,35 +113,19 @@ def _read_snapshot(stats_dir: Path) -> WorkerSnapshot:
 
 
 def _cmd_compare(ns: argparse.Namespace) -> int:
-    from loadtests import BenchConfig, compare_table, run
-
-    from .compare_report import parse_rates, rate_label, savings_section, steady_state_section
-    from .serving import ServerError, VllmServer, cpu_only, default_serve_args
+    from .compare_report import parse_rates
+    from .serving import cpu_only
 
     rates = parse_rates(ns.rates)
     if not 0 < ns.rate_window_s <= 3600:
         print(f"error: --rate-window-s = {ns.rate_window_s:g}: must be in (0, 3600] s", file=sys.stderr)
         return 2
-
-    if ns.model is not None and not ns.model.strip():
-        print("error: --model is empty (give a Hugging Face model directory, or omit it to generate --shape)", file=sys.stderr)
-        return 2
-    model = Path(ns.model) if ns.model else Path(".models") / ns.shape
-    if ns.model is None and not (model / "config.json").exists():
-        from .modelgen import make_model
-
-        print(f"[compare] generating the {ns.shape} model in {model}")
-        make_model(model, ns.shape)
-    if not (model / "config.json").exists():
-        print(f"error: model directory not found or not a Hugging Face model: {str(model)!r}", file=sys.stderr)
+    model = _compare_model(ns)
+    if model is None:
         return 2
     out_dir = Path(ns.out) / time.strftime("compare-%Y%m%d-%H%M%S")
     out_dir.mkdir(parents=True, exist_ok=True)
     gpu = not cpu_only()
-    runs: list[tuple[str, dict]] = []
-    rated: list[tuple[str, float, dict]] = []
-    counterfactual: dict[str, dict] = {}
-    descriptions: dict[str, str] = {}
     sim_shape = None if ns.sim_shape == "served" else ns.sim_shape
     configs = {c[0]: c for c in _configs(gpu, ns.clock_backend, sim_shape)}
     order = [x.strip() for x in ns.order.split(",") if x.strip()]
@@ -150,79 +135,153 @@ def _cmd_compare(ns: argparse.Namespace) -> int:
     # Runs are numbered from 1, as in the report's columns ("off (run 1)"), and so are their files.
     # Several rates: the ABBA order runs at each rate in turn (rate-major), numbering continues.
     plan = [(rate, label) for rate in rates for label in order]
+    runs = _CompareRuns()
     for run_i, (rate, label) in enumerate(plan, start=1):
-        _, desc, extra = configs[label]
-        descriptions[label] = desc
-        print(f"[compare] {label}: starting vllm serve ({desc})", flush=True)
-        stats_dir = (out_dir / f"stats-{label}-{run_i}").resolve()
-        extra = _with_stats_dir(extra, str(stats_dir))
-        server = VllmServer(
-            default_serve_args(str(model)) + extra + list(ns.serve_arg or []),
-            log_path=out_dir / f"server-{label}-{run_i}.log",
-            startup_timeout_s=ns.startup_timeout,
-        )
-        try:
-            server.start()
-        except ServerError as err:
-            print(f"error: {err}", file=sys.stderr)
+        if not _compare_one_run(ns, runs, _CompareArm(label, rate, run_i, configs[label]), model, out_dir, gpu):
             return 1
-        try:
-            cfg = BenchConfig(
-                base_url=server.base_url,
-                model=None,
-                endpoint=ns.endpoint,
-                num_prompts=ns.num_prompts if math.isinf(rate) else max(8, int(rate * ns.rate_window_s * 2)),
-                max_concurrency=ns.concurrency,
-                request_rate=rate,
-                duration_s=None if math.isinf(rate) else ns.rate_window_s,
-                input_len=ns.input_len,
-                output_len=ns.output_len,
-                num_warmups=ns.warmups,
-                seed=ns.seed,
-                label=label,
-                # One energy source for both arms on a GPU: the local NVML counter, sampled alike,
-                # and /metrics scraped alike (edges and every 15 s), so the two servers see the same
-                # client (docs/results/h200-under-load.md).
-                energy="nvml" if gpu else "auto",
-            )
-            print(
-                f"[compare] {label}: "
-                + (
-                    f"{ns.num_prompts} requests at concurrency {ns.concurrency}"
-                    if math.isinf(rate)
-                    else f"Poisson arrivals at {rate:g} req/s for {ns.rate_window_s:g} s (concurrency cap {ns.concurrency})"
-                ),
-                flush=True,
-            )
-            res = run(cfg)
-            res["config_description"] = desc
-            res["run_index"] = run_i
-            res["api_server_count"] = server.api_server_count()
-            runs.append((label, res))
-            rated.append((label, rate, res))
-        finally:
-            server.stop()
-        (out_dir / f"result-{label}-{run_i}.json").write_text(json.dumps(res, indent=2))
-        snap = _read_snapshot(stats_dir)
-        if snap.get("sim_stock_clocks_energy_j"):
-            counterfactual[f"{label} (run {run_i})"] = {
-                "with_presets_j": snap["sim_energy_j"],
-                "stock_clocks_j": snap["sim_stock_clocks_energy_j"],
-                "saving_pct": 100.0 * (1 - snap["sim_energy_j"] / snap["sim_stock_clocks_energy_j"]),
-                "gpu_time_change_pct": 100.0 * (snap["sim_busy_s"] / snap["sim_stock_clocks_busy_s"] - 1)
-                if snap.get("sim_stock_clocks_busy_s")
-                else None,
-            }
-    results, rate_of = _keyed_runs(runs, [p[0] for p in plan], len(configs))
-    # Steady-state figures appear per arm with an interval (steady_state_section), not per run.
-    if len(rates) > 1:  # one table per rate: columns of one load side by side
-        table = "\n".join(
-            f"### {rate_label(rate)}\n\n"
-            + compare_table({k: r for i, (k, r) in enumerate(results.items()) if plan[i][0] == rate}, steady_state=False)
-            for rate in rates
+    results, rate_of = _keyed_runs(runs.runs, [p[0] for p in plan], len(configs))
+    md = _compare_markdown(ns, model, gpu, rates, runs)
+    md += _compare_tables(rates, plan, runs, results, rate_of, gpu)
+    (out_dir / "comparison.md").write_text(md)
+    (out_dir / "comparison.json").write_text(
+        json.dumps(
+            {
+                "model": str(model),
+                "gpu": gpu,
+                "results": results,
+                "rates": ["inf" if math.isinf(r) else r for r in rates],
+                "simulated_same_steps": runs.counterfactual,
+            },
+            indent=2,
         )
-    else:
-        table = compare_table(results, steady_state=False)
+    )
+    print()
+    print(md)
+    print(f"[compare] results in {out_dir}")
+    return 0
+
+
+def _compare_model(ns: argparse.Namespace) -> Path | None:
+    """The served model's directory, generated from ``--shape`` when no ``--model`` is given;
+    ``None`` (after one error line) when there is none."""
+    if ns.model is not None and not ns.model.strip():
+        print("error: --model is empty (give a Hugging Face model directory, or omit it to generate --shape)", file=sys.stderr)
+        return None
+    model = Path(ns.model) if ns.model else Path(".models") / ns.shape
+    if ns.model is None and not (model / "config.json").exists():
+        from .modelgen import make_model
+
+        print(f"[compare] generating the {ns.shape} model in {model}")
+        make_model(model, ns.shape)
+    if not (model / "config.json").exists():
+        print(f"error: model directory not found or not a Hugging Face model: {str(model)!r}", file=sys.stderr)
+        return None
+    return model
+
+
+class _CompareArm(NamedTuple):
+    """One run of the plan: its arm (``off``/``on``), request rate (req/s; inf: saturation), number
+    and ``_configs`` row."""
+
+    label: str
+    rate: float
+    run_index: int
+    config: tuple[str, str, list[str]]
+
+
+@dataclass
+class _CompareRuns:
+    """What the runs of one comparison gathered, in plan order."""
+
+    runs: list[tuple[str, dict]] = field(default_factory=list)  # (arm, result)
+    rated: list[tuple[str, float, dict]] = field(default_factory=list)  # (arm, rate req/s, result)
+    counterfactual: dict[str, dict] = field(default_factory=dict)  # "<arm> (run <n>)" -> simulated same-steps figures
+    descriptions: dict[str, str] = field(default_factory=dict)  # arm -> its configuration in words
+
+
+def _compare_one_run(ns: argparse.Namespace, runs: _CompareRuns, arm: _CompareArm, model: Path, out_dir: Path, gpu: bool) -> bool:
+    """Serve one arm, drive its load and record its result; ``False`` when the server did not start."""
+    from loadtests import run
+
+    from .serving import ServerError, VllmServer, default_serve_args
+
+    label, rate, run_i = arm.label, arm.rate, arm.run_index
+    _, desc, extra = arm.config
+    runs.descriptions[label] = desc
+    print(f"[compare] {label}: starting vllm serve ({desc})", flush=True)
+    stats_dir = (out_dir / f"stats-{label}-{run_i}").resolve()
+    extra = _with_stats_dir(extra, str(stats_dir))
+    server = VllmServer(
+        default_serve_args(str(model)) + extra + list(ns.serve_arg or []),
+        log_path=out_dir / f"server-{label}-{run_i}.log",
+        startup_timeout_s=ns.startup_timeout,
+    )
+    try:
+        server.start()
+    except ServerError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return False
+    try:
+        cfg = _compare_bench_config(ns, server.base_url, label, rate, gpu)
+        print(
+            f"[compare] {label}: "
+            + (
+                f"{ns.num_prompts} requests at concurrency {ns.concurrency}"
+                if math.isinf(rate)
+                else f"Poisson arrivals at {rate:g} req/s for {ns.rate_window_s:g} s (concurrency cap {ns.concurrency})"
+            ),
+            flush=True,
+        )
+        res = run(cfg)
+        res["config_description"] = desc
+        res["run_index"] = run_i
+        res["api_server_count"] = server.api_server_count()
+        runs.runs.append((label, res))
+        runs.rated.append((label, rate, res))
+    finally:
+        server.stop()
+    (out_dir / f"result-{label}-{run_i}.json").write_text(json.dumps(res, indent=2))
+    snap = _read_snapshot(stats_dir)
+    if snap.get("sim_stock_clocks_energy_j"):
+        runs.counterfactual[f"{label} (run {run_i})"] = {
+            "with_presets_j": snap["sim_energy_j"],
+            "stock_clocks_j": snap["sim_stock_clocks_energy_j"],
+            "saving_pct": 100.0 * (1 - snap["sim_energy_j"] / snap["sim_stock_clocks_energy_j"]),
+            "gpu_time_change_pct": 100.0 * (snap["sim_busy_s"] / snap["sim_stock_clocks_busy_s"] - 1)
+            if snap.get("sim_stock_clocks_busy_s")
+            else None,
+        }
+    return True
+
+
+def _compare_bench_config(ns: argparse.Namespace, base_url: str, label: str, rate: float, gpu: bool) -> Any:
+    """The load of one run: saturation (``rate`` inf) or Poisson arrivals for ``--rate-window-s``."""
+    from loadtests import BenchConfig
+
+    return BenchConfig(
+        base_url=base_url,
+        model=None,
+        endpoint=ns.endpoint,
+        num_prompts=ns.num_prompts if math.isinf(rate) else max(8, int(rate * ns.rate_window_s * 2)),
+        max_concurrency=ns.concurrency,
+        request_rate=rate,
+        duration_s=None if math.isinf(rate) else ns.rate_window_s,
+        input_len=ns.input_len,
+        output_len=ns.output_len,
+        num_warmups=ns.warmups,
+        seed=ns.seed,
+        label=label,
+        # One energy source for both arms on a GPU: the local NVML counter, sampled alike,
+        # and /metrics scraped alike (edges and every 15 s), so the two servers see the same
+        # client (docs/results/h200-under-load.md).
+        energy="nvml" if gpu else "auto",
+    )
+
+
+def _compare_markdown(ns: argparse.Namespace, model: Path, gpu: bool, rates: list[float], runs: _CompareRuns) -> str:
+    """The report's header, legend and (simulated) identical-steps section, up to the runs' table."""
+    from .compare_report import rate_label
+
     load = (
         f"{ns.num_prompts} requests, concurrency {ns.concurrency}"
         if rates == [math.inf]
@@ -230,7 +289,7 @@ def _cmd_compare(ns: argparse.Namespace) -> int:
         f"{ns.num_prompts} requests at concurrency {ns.concurrency})"
     )
     header = f"# vllm-powersave: plugin off vs on\n\nModel: `{model}`; {load}, {ns.input_len} in / {ns.output_len} out; machine: {'GPU (energy measured by NVML)' if gpu else 'no GPU (energy SIMULATED for an H200 by the plugin meter)'}\n\n"
-    legend = "".join(f"- **{k}**: {v}\n" for k, v in descriptions.items())
+    legend = "".join(f"- **{k}**: {v}\n" for k, v in runs.descriptions.items())
     if not gpu:
         legend += (
             "- *simulated*: joules an H200 would spend on exactly the engine steps this CPU run executed "
@@ -239,12 +298,12 @@ def _cmd_compare(ns: argparse.Namespace) -> int:
             "joules over a CPU run's wall time is not a power anyone could measure.\n"
         )
     md = header + legend
-    if counterfactual:
+    if runs.counterfactual:
         md += (
             "\n## Clock presets on identical engine steps (simulated, free of run-to-run noise)\n\n"
             'Each "on" server\'s exact step sequence, priced by the simulated H200 at stock clocks and with the presets:\n\n'
         )
-        for label, cf in counterfactual.items():
+        for label, cf in runs.counterfactual.items():
             md += (
                 f"- {label}: {cf['stock_clocks_j']:.1f} J (simulated) at stock clocks vs {cf['with_presets_j']:.1f} J (simulated) "
                 f"with the presets: **{-cf['saving_pct']:+.1f} % energy (simulated)**, "
@@ -258,7 +317,32 @@ def _cmd_compare(ns: argparse.Namespace) -> int:
             "\n## Per run\n\nThroughput and latency measured on this machine. Energy is simulated and follows how the "
             "engine happened to batch in each run, which on a 2-core CPU varies a lot: use the section above for the presets' effect.\n"
         )
-    md += "\n" + table + "\n"
+    return md
+
+
+def _compare_tables(
+    rates: list[float],
+    plan: list[tuple[float, str]],
+    runs: _CompareRuns,
+    results: dict[str, dict],
+    rate_of: dict[str, float],
+    gpu: bool,
+) -> str:
+    """The runs' table (one per rate), the runs flagged as suspect, and the savings and steady-state sections."""
+    from loadtests import compare_table
+
+    from .compare_report import rate_label, savings_section, steady_state_section
+
+    # Steady-state figures appear per arm with an interval (steady_state_section), not per run.
+    if len(rates) > 1:  # one table per rate: columns of one load side by side
+        table = "\n".join(
+            f"### {rate_label(rate)}\n\n"
+            + compare_table({k: r for i, (k, r) in enumerate(results.items()) if plan[i][0] == rate}, steady_state=False)
+            for rate in rates
+        )
+    else:
+        table = compare_table(results, steady_state=False)
+    md = "\n" + table + "\n"
     suspect = _suspect_runs(results, rate_of)
     if suspect:
         md += "\n" + "".join(
@@ -267,24 +351,8 @@ def _cmd_compare(ns: argparse.Namespace) -> int:
             for k, v in suspect.items()
         )
     # On the CPU the identical-steps figures are the presets' saving (compare_report._energy_lines).
-    md += savings_section(rated, gpu, counterfactual) + "\n" + steady_state_section(rated, gpu) + "\n"
-    (out_dir / "comparison.md").write_text(md)
-    (out_dir / "comparison.json").write_text(
-        json.dumps(
-            {
-                "model": str(model),
-                "gpu": gpu,
-                "results": results,
-                "rates": ["inf" if math.isinf(r) else r for r in rates],
-                "simulated_same_steps": counterfactual,
-            },
-            indent=2,
-        )
-    )
-    print()
-    print(md)
-    print(f"[compare] results in {out_dir}")
-    return 0
+    md += savings_section(runs.rated, gpu, runs.counterfactual) + "\n" + steady_state_section(runs.rated, gpu) + "\n"
+    return md
 
 
 def _cmd_advise(ns: argparse.Namespace) -> int:
