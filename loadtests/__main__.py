@@ -79,6 +79,16 @@ def _int(s: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """Argument parser; option names follow ``vllm bench serve`` where they overlap."""
     p = _Parser(prog="python -m loadtests", description="Load generator for OpenAI-compatible servers; reports tokens per joule.")
+    _add_server_args(p)
+    _add_arrival_args(p)
+    _add_request_args(p)
+    _add_energy_args(p)
+    _add_output_args(p)
+    return p
+
+
+def _add_server_args(p: argparse.ArgumentParser) -> None:
+    """The server under test: its URLs, model, endpoint and streaming."""
     p.add_argument(
         "--base-url",
         nargs="+",
@@ -92,6 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--continuous-usage-stats", action="store_true", help="ask for per-chunk usage (vLLM): per-token ITL, exact token counts per chunk"
     )
+
+
+def _add_arrival_args(p: argparse.ArgumentParser) -> None:
+    """How many requests and when they go out: concurrency, rate, arrivals, ramps, a trace."""
     p.add_argument("--num-prompts", type=int, default=None, help="requests to send (default 100; a trace: all)")
     p.add_argument(
         "--max-concurrency", default=None, metavar="C[,C...]", help="cap on in-flight requests (closed loop); a list sweeps concurrency"
@@ -122,6 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ramp-up-duration", type=float, default=None, help="ramp length, s (then end rps held); default: whole run")
     p.add_argument("--trace", default=None, metavar="PATH", help="replay a timed JSONL trace (timestamp, prompt|input_len, output_len)")
     p.add_argument("--trace-time-scale", type=float, default=1.0, help="multiply trace timestamps by this (0.5 = twice as fast)")
+
+
+def _add_request_args(p: argparse.ArgumentParser) -> None:
+    """What each request asks for, the run's limits, SLOs and the dataset."""
     p.add_argument("--input-len", type=int, default=1024, help="prompt length, ~tokens (random; prefix-repetition suffix)")
     p.add_argument("--output-len", type=int, default=128, help="max_tokens per request")
     p.add_argument("--range-ratio", type=float, default=0.0)
@@ -138,6 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default=None, help="local tokenizer directory for dataset lengths (offline)")
     p.add_argument("--prompt-logprobs", type=int, default=None)
     p.add_argument("--label", default=None)
+
+
+def _add_energy_args(p: argparse.ArgumentParser) -> None:
+    """Energy and sampling: the source, its periods, the steady-state window, A/B mode."""
     p.add_argument("--gpus", default=None, help="NVML fallback GPU indices, e.g. 0,1 (default all)")
     p.add_argument("--duration", type=float, default=None, help="stop starting requests after this many seconds")
     p.add_argument(
@@ -172,6 +194,10 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="URL_OR_SOCKET",
         help="zeusd address for --energy zeusd: http://host:4938 or its Unix socket path (JWT from $ZEUSD_TOKEN)",
     )
+
+
+def _add_output_args(p: argparse.ArgumentParser) -> None:
+    """Where results go, and --compare of existing results."""
     p.add_argument("--result-json", default=None, help="write the full result here")
     p.add_argument("--markdown", default=None, help="write a Markdown report here")
     p.add_argument("--plot-dir", default=None, help="write PNG plots here (timeline; sweep curves)")
@@ -179,7 +205,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--compare", nargs="+", default=None, metavar="RESULT_JSON", help="print a comparison table of existing result files and exit"
     )
     p.add_argument("--plot", default=None, help="with --compare: save a PNG bar chart (needs matplotlib)")
-    return p
 
 
 def _compare(paths: list[str], plot: str | None) -> int:
