@@ -141,7 +141,7 @@ def _prepare_stats_dir(settings):  # type: ignore[no-untyped-def]
     import atexit
     import shutil
 
-    from .clocks.controller import _pid_alive
+    from .clocks.leases import pid_alive
 
     if settings.stats_dir is not None:
         os.makedirs(settings.stats_dir, exist_ok=True)
@@ -157,7 +157,7 @@ def _prepare_stats_dir(settings):  # type: ignore[no-untyped-def]
     os.makedirs(base, exist_ok=True)
     for name in os.listdir(base):
         pid = name.split("-", 1)[0]
-        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+        if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
             shutil.rmtree(os.path.join(base, name), ignore_errors=True)
     stats_dir = tempfile.mkdtemp(prefix=f"{os.getpid()}-{int(time.time())}-", dir=base)
     atexit.register(shutil.rmtree, stats_dir, True)

@@ -217,7 +217,7 @@ class FrontendBusyReader:
         if not force and now - self._read_at < self.refresh_s:
             return
         self._read_at = now
-        from .clocks.controller import _pid_alive
+        from .clocks.leases import pid_alive
 
         closed: list[tuple[float, float]] = []
         opened: list[float] = []
@@ -226,7 +226,7 @@ class FrontendBusyReader:
             try:
                 s = json.loads(p.read_text())
                 pid = int(s.get("pid", -1))
-                if not _pid_alive(pid) and time.time() - p.stat().st_mtime > STALE_AFTER_S:
+                if not pid_alive(pid) and time.time() - p.stat().st_mtime > STALE_AFTER_S:
                     continue
                 for a, b in s.get("intervals") or []:
                     closed.append((float(a), float(b)))

@@ -9,7 +9,8 @@ from .backends import (
     NvmlClockBackend,
     SimulatedClockBackend,
 )
-from .controller import ClockController, LeaseStore
+from .controller import ClockController
+from .leases import LeaseStore, pid_alive
 
 __all__ = [
     "ClockBackend",
@@ -21,4 +22,5 @@ __all__ = [
     "LeaseStore",
     "NvmlClockBackend",
     "SimulatedClockBackend",
+    "pid_alive",
 ]

@@ -331,7 +331,7 @@ def _zeusd_unsupported(exc: ClockError) -> bool:
 def reset_from_lease(lease: dict[str, Any], nvml: Any | None = None) -> None:
     """Undo the locks a lease records, from any process (watchdog, next start, ``reset-clocks``).
 
-    ``lease``: as written by :class:`~vllm_powersave.clocks.controller.LeaseStore` (``gpu`` is the
+    ``lease``: as written by :class:`~vllm_powersave.clocks.leases.LeaseStore` (``gpu`` is the
     GPU UUID; ``backend`` ``nvml`` (default) or ``zeusd`` with ``socket`` and ``gpu_index``).
     ``nvml``: an NVML binding to use instead of ``pynvml`` (tests hand in a fake).
 

@@ -41,114 +41,27 @@ one reset attempt; the server keeps serving.
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import os
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from ..settings import KERNEL_GROUPS, ClockPreset, ClockSettings
 from .backends import ClockBackend, ClockChange, ClockError, ClockPermissionError, DryRunClockBackend, reset_from_lease
 from .closed_loop import UNKNOWN, DecodeClockTuner
+from .leases import LeaseStore, pid_alive
+
+# Kept until every reader imports clocks.leases.pid_alive (vllm_powersave/metrics.py still reads it here).
+_pid_alive = pid_alive
 
 log = logging.getLogger("vllm.powersave.clocks")
 
 #: Time from a switch decision to the backend call on the apply thread (s), added to the switch
 #: latency when deciding which clock a measured step ran at.
 _APPLY_SLACK_S = 0.002
-
-
-class LeaseStore:
-    """One JSON lease file per GPU (keyed by UUID) recording who holds a clock lock.
-
-    Beside each lease: ``<gpu>.hb`` (its mtime is the owner's last heartbeat) and
-    ``<gpu>.revoked`` (written by the watchdog when it reset the GPU of a live but silent owner;
-    holds that owner's PID).
-    """
-
-    def __init__(self, directory: str | Path) -> None:
-        self.dir = Path(directory)
-
-    def _path(self, gpu_id: str, suffix: str = ".json") -> Path:
-        safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in gpu_id)
-        return self.dir / f"{safe}{suffix}"
-
-    def acquire(self, gpu_id: str, sm_clock_mhz: int, info: dict[str, Any] | None = None) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True)
-        tmp = self._path(gpu_id, f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({**(info or {}), "gpu": gpu_id, "pid": os.getpid(), "sm_clock_mhz": sm_clock_mhz, "t": time.time()}))
-        tmp.replace(self._path(gpu_id))
-        self.beat(gpu_id)
-
-    def release(self, gpu_id: str) -> None:
-        for suffix in (".json", ".hb", ".revoked"):
-            self._path(gpu_id, suffix).unlink(missing_ok=True)
-
-    def held(self, gpu_id: str) -> bool:
-        return self._path(gpu_id).exists()
-
-    def beat(self, gpu_id: str) -> None:
-        """Record a heartbeat (the file's mtime)."""
-        p = self._path(gpu_id, ".hb")
-        try:
-            os.utime(p)
-        except FileNotFoundError:
-            p.touch()
-
-    def heartbeat_age_s(self, gpu_id: str) -> float | None:
-        """Seconds since the last heartbeat (wall clock), or ``None`` if none was ever written."""
-        try:
-            return max(0.0, time.time() - self._path(gpu_id, ".hb").stat().st_mtime)
-        except OSError:
-            return None
-
-    def revoke(self, gpu_id: str, owner_pid: int) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self._path(gpu_id, ".revoked").write_text(str(owner_pid))
-
-    def revoked_for(self, gpu_id: str, pid: int) -> bool:
-        try:
-            return int(self._path(gpu_id, ".revoked").read_text().strip() or -1) == pid
-        except (OSError, ValueError):
-            return False
-
-    def _load(self, p: Path) -> dict[str, Any]:
-        try:
-            lease = json.loads(p.read_text())
-            if not isinstance(lease, dict):
-                raise ValueError("not a mapping")
-            lease["pid"] = int(lease.get("pid", -1))
-            lease["gpu"] = str(lease.get("gpu") or p.stem)
-        except (OSError, ValueError, TypeError, OverflowError, UnicodeDecodeError):
-            # A corrupt lease cannot prove its owner alive: treat the GPU as possibly locked.
-            lease = {"gpu": p.stem, "pid": -1, "corrupt": True}
-        lease["path"] = str(p)
-        return lease
-
-    def all(self) -> list[dict[str, Any]]:
-        if not self.dir.is_dir():
-            return []
-        return [self._load(p) for p in sorted(self.dir.glob("*.json"))]
-
-    def stale(self) -> list[dict]:
-        """Leases whose owning process no longer exists."""
-        return [lease for lease in self.all() if not _pid_alive(lease["pid"])]
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except (ProcessLookupError, OverflowError, ValueError):
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _rank(p: ClockPreset) -> float:

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .backends import reset_from_lease
-from .controller import LeaseStore, _pid_alive
+from .leases import LeaseStore, pid_alive
 
 
 def _say(msg: str) -> None:
@@ -80,7 +80,7 @@ def watch(
     """
     done: list[str] = []
     revoked: set[str] = set()
-    while _pid_alive(owner_pid):
+    while pid_alive(owner_pid):
         if heartbeat_timeout_s is not None:
             done += check_heartbeats(owner_pid, leases, reset, heartbeat_timeout_s, revoked)
         if stop is not None:
