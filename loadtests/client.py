@@ -221,8 +221,7 @@ async def _read_stream(resp: aiohttp.ClientResponse, endpoint: str, out: Request
         try:
             chunk = json.loads(data)
         except json.JSONDecodeError:
-            out.error = _short(f"malformed stream chunk: {data}")
-            return
+            chunk = None
         if not isinstance(chunk, dict):
             out.error = _short(f"malformed stream chunk: {data}")
             return
@@ -263,6 +262,16 @@ async def _read_stream(resp: aiohttp.ClientResponse, endpoint: str, out: Request
     if not done:
         out.error = _short("stream ended before [DONE]" + (f" (ignored lines: {ignored})" if ignored else ""))
         return
+    _settle_stream_tokens(
+        out, st, token_chunks=token_chunks, first_choice=first_choice, usage_chunks=usage_chunks, text_only_tokens=text_only_tokens
+    )
+
+
+def _settle_stream_tokens(
+    out: RequestOutput, st: float, *, token_chunks: int, first_choice: float | None, usage_chunks: int, text_only_tokens: bool
+) -> None:
+    """Once per complete stream, after its last chunk: the empty-text TTFT rule, the token count,
+    and success or the error (see :func:`_read_stream`)."""
     if token_chunks == 0 and first_choice is not None and out.usage_reported and out.output_tokens > 0:
         # Only empty-text chunks, yet usage reports tokens (e.g. special tokens that decode to ""):
         # the first choice chunk is the best TTFT there is (vllm bench's rule).
