@@ -9,10 +9,11 @@ from fakes import FakeNvml
 
 from vllm_powersave.cli import main
 from vllm_powersave.clocks.backends import NvmlClockBackend
+from vllm_powersave.clocks.mode import clock_permission
 from vllm_powersave.device import NvmlGpu
 from vllm_powersave.settings import load_settings
 from vllm_powersave.tune.energy import Window
-from vllm_powersave.tune.run import ENV_FORCE_DRY_RUN, GpuClockMeasurer, clock_mode, clock_permission
+from vllm_powersave.tune.run import ENV_FORCE_DRY_RUN, GpuClockMeasurer, clock_mode
 from vllm_powersave.tune.solver import DEFAULT
 
 FAST = ["--profile-repeats", "1", "--window", "0.01", "--repeats", "2", "--rows", "8:decode,256:logprobs", "--no-progress"]

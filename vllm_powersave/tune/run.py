@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import envs
+from ..clocks.mode import clock_permission
 from ..device import GpuError, driver_version
 from ..envs import ENV_FORCE_DRY_RUN
 from ..sim.gpu import H200, GpuSpec
@@ -135,19 +136,6 @@ class TuneOptions:
         lmhead.parse_ints(self.chunks, "--chunks")
         if self.out is not None and Path(self.out).exists() and not Path(self.out).is_dir():
             raise ValueError(f"--out = {self.out!r}: exists and is not a directory")
-
-
-def clock_permission(status_path: str = "/proc/self/status") -> tuple[bool, str]:
-    """Whether this process may lock GPU clocks (root or CAP_SYS_ADMIN), without touching a GPU."""
-    if hasattr(os, "geteuid") and os.geteuid() == 0:
-        return True, "running as root"
-    try:
-        for line in Path(status_path).read_text().splitlines():
-            if line.startswith("CapEff:") and (int(line.split()[1], 16) >> 21) & 1:
-                return True, "CAP_SYS_ADMIN"
-    except (OSError, ValueError, IndexError):
-        pass
-    return False, "no clock permission (needs root or CAP_SYS_ADMIN)"
 
 
 def clock_mode(predict: bool, simulate_sweep: bool, gpu: bool, permission: bool, env: dict[str, str] | None = None) -> tuple[str, str]:
