@@ -30,16 +30,8 @@ from vllm_powersave.phases import StepInfo
 from vllm_powersave.runtime import RegimeFilter
 from vllm_powersave.settings import PHASES, load_settings  # noqa: F401 - PHASES: the step phases a trace may hold
 from vllm_powersave.sim.gpu import H200, StepWork
-from vllm_powersave.sim.replay import (
-    GroupStepCost,
-    LaggedBackend,
-    LaggedClock,
-    Trace,
-    idle_energy_j,
-    onoff_arrivals,
-    run_at_clocks,
-    schedule_v1,
-)
+from vllm_powersave.sim.trace import GroupStepCost, LaggedClock, Trace, idle_energy_j, onoff_arrivals, run_at_clocks, schedule_v1
+from vllm_powersave.tune.replay import LaggedBackend
 
 REPO = Path(__file__).resolve().parents[1]
 

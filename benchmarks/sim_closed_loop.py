@@ -2,7 +2,7 @@
 
 Everything reported is **simulated** (vllm_powersave/sim/gpu.py, fitted to public per-clock data:
 docs/results/sim-calibration.md); nothing is measured here. A bursty serving trace
-(``vllm_powersave.sim.replay.serving_trace``) is replayed through the project's ``ClockController``
+(``vllm_powersave.sim.trace.serving_trace``) is replayed through the project's ``ClockController``
 under each strategy on three GPUs: the model's H200 and two whose true clock response differs from
 the model by +/-30 % (``sim.gpu.misfit``). Method, figures and reading: docs/results/sim-closed-loop.md.
 
@@ -21,7 +21,8 @@ from typing import Any
 from benchmarks.lib.device import utc_now, write_record
 from vllm_powersave.settings import load_settings
 from vllm_powersave.sim.gpu import H200, StepWork, misfit, simulate_step
-from vllm_powersave.sim.replay import compare, replay, serving_trace
+from vllm_powersave.sim.trace import serving_trace
+from vllm_powersave.tune.replay import compare, replay
 
 REPO = Path(__file__).resolve().parents[1]
 

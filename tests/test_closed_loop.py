@@ -13,7 +13,8 @@ from vllm_powersave.clocks import ClockController, DryRunClockBackend, LeaseStor
 from vllm_powersave.device import NvmlGpu
 from vllm_powersave.settings import SettingsError, load_settings
 from vllm_powersave.sim.gpu import H200, misfit
-from vllm_powersave.sim.replay import compare, replay, serving_trace
+from vllm_powersave.sim.trace import serving_trace
+from vllm_powersave.tune.replay import compare, replay
 
 TESTS = Path(__file__).parent
 REPO = TESTS.parent

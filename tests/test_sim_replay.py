@@ -5,7 +5,7 @@ import random
 import pytest
 
 from vllm_powersave.sim.gpu import H200, KernelGroupCost, idle_power_w, simulate_kernel
-from vllm_powersave.sim.replay import GroupStepCost, LaggedClock, idle_energy_j, onoff_arrivals, run_at_clocks, schedule_v1
+from vllm_powersave.sim.trace import GroupStepCost, LaggedClock, idle_energy_j, onoff_arrivals, run_at_clocks, schedule_v1
 
 
 def test_simulated_switch_latency_delays_each_request():

@@ -1,8 +1,9 @@
-"""Simulated serving: a step trace replayed through the real ClockController on a simulated GPU.
+"""Simulated serving traces: steps, their prices on a simulated GPU, and a clock that lags its requests.
 
-Everything here is **simulated** (``sim/gpu.py``). It exists to judge clock strategies (static
-presets, the closed-loop decode clock) on the same steps: each strategy replays the same trace,
-so differences in time and energy come from the clocks alone.
+Everything here is **simulated** (``sim/gpu.py``). It is what clock strategies are judged on (the
+replay through the real controller lives with the tuner, ``tune/replay.py``, because the simulator
+sits below ``clocks/``: docs/design.md, "Layering"); each strategy replays the same trace, so
+differences in time and energy come from the clocks alone.
 
 * :func:`serving_trace`: open-loop serving with bursty arrivals, long decode runs and idle gaps,
   scheduled like vLLM V1 (chunked prefill, token budget, sequence cap) at stock clocks; its parts,
@@ -11,11 +12,7 @@ so differences in time and energy come from the clocks alone.
 * :func:`idle_energy_j` and :func:`run_at_clocks`: energy of idle time and time and energy of a
   piece of GPU work while the clock changes under it (a change splits the work where it lands);
   :class:`GroupStepCost` prices a step per kernel group, so a change can land between groups.
-* :func:`replay`: drives a :class:`~vllm_powersave.clocks.ClockController` (its dwell, leases
-  and closed loop) whose clock requests take effect one switch latency later; each step's time
-  and energy come from the simulated GPU at the clock(s) in effect while it runs; the step time
-  the controller *measures* carries multiplicative noise (host jitter), the same draw for every
-  strategy.
+* :class:`LaggedClock`: the SM clock the simulated GPU runs, one switch latency behind the request.
 """
 
 from __future__ import annotations
@@ -28,9 +25,6 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
-from ..clocks.backends import ClockBackend
-from ..clocks.controller import ClockController
-from ..settings import ClockSettings
 from .gpu import GpuSpec, KernelGroupCost, ModelCost, StepWork, idle_power_w, simulate_kernel, simulate_step
 
 
@@ -314,145 +308,21 @@ def run_at_clocks(
     return t, e, f_time
 
 
-class LaggedBackend(ClockBackend):
-    """Simulated clock backend whose settings land one switch latency after the request."""
-
-    kind = "simulated"
-
-    def __init__(self, spec: GpuSpec, clock: LaggedClock, now: list[float]) -> None:
-        self.spec, self.clock, self.now = spec, clock, now
-        self.locked = False
-
-    def supported_sm_clocks(self) -> tuple[int, ...]:
-        return self.spec.sm_clocks_mhz
-
-    def set_clocks(self, sm_clock_mhz: int, mem_clock_mhz: int | None = None) -> None:
-        self.locked = True
-        self.clock.request(self.now[0], int(sm_clock_mhz))
-
-    def reset(self) -> None:
-        self.locked = False
-        self.clock.request(self.now[0], None)
-
-
 def memory_bound(s: Step, max_tokens: int) -> bool:
     """A step the decode clock applies to: decode, or a mixed step of at most ``max_tokens``."""
     return s.decode > 0 and (s.prefill == 0 or s.tokens <= max_tokens)
 
 
-def replay(
-    trace: Trace,
-    spec: GpuSpec,
-    settings: ClockSettings,
-    *,
-    noise_sigma: float = 0.0,
-    noise_seed: int = 0,
-    budget_pct: float = 1.0,
-    shape: str = "qwen2.5-7b",
-    on_step: Callable[[ClockController, float], None] | None = None,
-    close: bool = True,
-) -> dict[str, Any]:
-    """Replay ``trace`` under ``settings`` on GPU ``spec``; returns totals and per-decode-step facts.
-
-    Decode steps (:func:`memory_bound`) are judged against the same step at the stock clock on the
-    same GPU: in budget if their time (noise-free) is at most ``1 + budget_pct / 100`` times it.
-    Everything returned is simulated.
-    """
-    cost = StepCost(spec, shape)
-    clock = LaggedClock(settings.switch_latency_ms / 1000.0)
-    now = [0.0]
-    backend = LaggedBackend(spec, clock, now)
-    ctl = ClockController(backend, settings, asynchronous=False, clock=lambda: now[0], watchdog=False)
-    rng = random.Random(noise_seed)
-    mb_tokens = settings.memory_bound_max_tokens
-    t = 0.0
-    out: dict[str, Any] = {
-        "decode_j": 0.0,
-        "decode_s": 0.0,
-        "decode_steps": 0,
-        "decode_in_budget": 0,
-        "other_j": 0.0,
-        "idle_j": 0.0,
-        "busy_s": 0.0,
-        "out_tokens": 0,
-        "worst_slowdown": 0.0,
-        "clock_mhz_steps": {},
-    }
-    limit = 1.0 + budget_pct / 100.0
-    for kind, ev in trace.events:
-        if kind == "idle":
-            end = t + ev
-            now[0] = t + 0.25 if ev > 0.25 else t
-            if ev > 0.25:
-                ctl.on_phase("idle", now[0])
-            out["idle_j"] += idle_energy_j(spec, clock, t, end)
-            t = max(t, end)
-            continue
-        s: Step = ev
-        mb = memory_bound(s, mb_tokens)
-        phase = "decode" if mb else ("prefill" if s.phase == "prefill" else "mixed")
-        now[0] = t
-        ctl.on_phase(phase, t)
-        start = t
-        t, e, f_time = run_at_clocks(clock, t, lambda f: cost.at(s, f), spec.f_max_mhz)
-        true_s = t - start
-        noise = math.exp(rng.gauss(0.0, noise_sigma)) if noise_sigma > 0 else 1.0
-        out["busy_s"] += true_s
-        out["out_tokens"] += s.out_tokens
-        if mb:
-            stock_s = cost.at(s, spec.f_max_mhz)[0]
-            slow = true_s / stock_s
-            out["decode_j"] += e
-            out["decode_s"] += true_s
-            out["decode_steps"] += 1
-            out["decode_in_budget"] += slow <= limit + 1e-9
-            out["worst_slowdown"] = max(out["worst_slowdown"], slow - 1)
-            fmain = max(f_time, key=f_time.__getitem__)
-            out["clock_mhz_steps"][fmain] = out["clock_mhz_steps"].get(fmain, 0) + 1
-        else:
-            out["other_j"] += e
-        # The engine thread's wall time of the step, as the controller would measure it.
-        ctl.observe_decode_step(t, s.decode, true_s * noise * 1e3, mb, s.ctx, s.tokens)
-        if on_step is not None:
-            on_step(ctl, t)
-        if s.host_gap_s > 0:
-            out["other_j"] += idle_energy_j(spec, clock, t, t + s.host_gap_s)
-            t += s.host_gap_s
-    out["wall_s"] = t
-    out["switches"] = ctl.n_changes
-    out["closed_loop"] = ctl.closed_loop.snapshot() if ctl.closed_loop is not None else None
-    out["records"] = list(ctl.closed_loop.records) if ctl.closed_loop is not None else []
-    out["controller"] = ctl
-    if close:
-        ctl.close()
-    return out
-
-
-def compare(base: dict[str, Any], r: dict[str, Any]) -> dict[str, Any]:
-    """The figures of ``r`` against the stock replay ``base`` of the same trace (simulated)."""
-    return {
-        "decode_energy_ratio": round(r["decode_j"] / base["decode_j"], 4),
-        "slo_attainment": round(r["decode_in_budget"] / max(1, r["decode_steps"]), 5),
-        "throughput_ratio": round(base["busy_s"] / r["busy_s"], 4),
-        "switches_per_s": round(r["switches"] / r["wall_s"], 3),
-        "e2e_energy_ratio": round((r["decode_j"] + r["other_j"] + r["idle_j"]) / (base["decode_j"] + base["other_j"] + base["idle_j"]), 4),
-        "worst_decode_slowdown_pct": round(100 * r["worst_slowdown"], 2),
-        "decode_steps": r["decode_steps"],
-    }
-
-
 __all__ = [
+    "Arrival",
     "GroupStepCost",
-    "LaggedBackend",
     "LaggedClock",
     "Step",
     "StepCost",
     "Trace",
-    "compare",
     "idle_energy_j",
     "memory_bound",
     "onoff_arrivals",
-    "replay",
     "run_at_clocks",
     "schedule_v1",
     "serving_trace",
