@@ -368,6 +368,59 @@ def _dump(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
+def _prepare_out_dir(out: Path, overwrite: bool) -> None:
+    """Create ``out``; a non-empty one only with ``overwrite``, and then only our own files go."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"out_dir {str(out)!r} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()):
+        if not overwrite:
+            raise ValueError(f"out_dir {str(out)!r} exists and is not empty (pass overwrite=True, or --overwrite on the command line)")
+        for p in out.iterdir():
+            if p.is_file() and (p.name in _OWN_FILES or (p.name.startswith("model-") and p.name.endswith(".safetensors"))):
+                p.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def _weights_by_default(shape: str, dtype: str, out: Path) -> bool:
+    """Write weights only up to :data:`WEIGHTS_DEFAULT_LIMIT_BYTES`; say so on stderr otherwise."""
+    wbytes = weight_bytes(shape, dtype)
+    weights = wbytes <= WEIGHTS_DEFAULT_LIMIT_BYTES
+    if not weights:
+        print(
+            f"note: {shape} weights would be {wbytes / 1e9:.1f} GB at {dtype}; "
+            f"not writing them (serve {out} with vLLM --load-format dummy, "
+            "or pass weights=True, or --weights on the command line, to write them)",
+            file=sys.stderr,
+        )
+    return weights
+
+
+def _write_configs(out: Path, cfg0: dict[str, Any], ids: dict[str, int], dtype: str) -> None:
+    """``config.json`` (the shape's, with this tokenizer's token ids) and ``generation_config.json``."""
+    cfg = {k: copy.deepcopy(v) for k, v in cfg0.items() if not k.startswith("_")}
+    cfg["bos_token_id"] = ids["bos"]
+    cfg["eos_token_id"] = ids["eos"]
+    cfg["dtype"] = dtype
+    # transformers < 5 and older vLLM read these spellings instead.
+    cfg["torch_dtype"] = dtype
+    cfg.setdefault("rope_theta", _rope_theta(cfg))
+    _dump(out / "config.json", cfg)
+
+    if cfg0["_family"] == "qwen2":
+        gen_eos: int | list[int] = [ids["<|endoftext|>"], ids["<|im_end|>"]]
+    else:
+        gen_eos = [ids["<|end_of_text|>"], ids["<|eot_id|>"]]
+    _dump(
+        out / "generation_config.json",
+        {
+            "bos_token_id": ids["bos"],
+            "eos_token_id": gen_eos,
+            "pad_token_id": ids["pad"],
+            "transformers_version": cfg.get("transformers_version", "5.17.0"),
+        },
+    )
+
+
 def make_model(
     out_dir: Path | str,
     shape: str,
@@ -416,54 +469,15 @@ def make_model(
     cfg0 = shape_config(shape)
     check_dtype(dtype)
     out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"out_dir {str(out)!r} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()):
-        if not overwrite:
-            raise ValueError(f"out_dir {str(out)!r} exists and is not empty (pass overwrite=True, or --overwrite on the command line)")
-        for p in out.iterdir():
-            if p.is_file() and (p.name in _OWN_FILES or (p.name.startswith("model-") and p.name.endswith(".safetensors"))):
-                p.unlink()
-    out.mkdir(parents=True, exist_ok=True)
-
-    wbytes = weight_bytes(shape, dtype)
+    _prepare_out_dir(out, overwrite)
     if weights is None:
-        weights = wbytes <= WEIGHTS_DEFAULT_LIMIT_BYTES
-        if not weights:
-            print(
-                f"note: {shape} weights would be {wbytes / 1e9:.1f} GB at {dtype}; "
-                f"not writing them (serve {out} with vLLM --load-format dummy, "
-                "or pass weights=True, or --weights on the command line, to write them)",
-                file=sys.stderr,
-            )
+        weights = _weights_by_default(shape, dtype, out)
 
     family = cfg0["_family"]
     tok_vocab = cfg0["_tokenizer_vocab"]
     assert tok_vocab <= cfg0["vocab_size"]
     ids = _write_tokenizer(out, family, tok_vocab, int(cfg0["max_position_embeddings"]))
-
-    cfg = {k: copy.deepcopy(v) for k, v in cfg0.items() if not k.startswith("_")}
-    cfg["bos_token_id"] = ids["bos"]
-    cfg["eos_token_id"] = ids["eos"]
-    cfg["dtype"] = dtype
-    # transformers < 5 and older vLLM read these spellings instead.
-    cfg["torch_dtype"] = dtype
-    cfg.setdefault("rope_theta", _rope_theta(cfg))
-    _dump(out / "config.json", cfg)
-
-    if family == "qwen2":
-        gen_eos: int | list[int] = [ids["<|endoftext|>"], ids["<|im_end|>"]]
-    else:
-        gen_eos = [ids["<|end_of_text|>"], ids["<|eot_id|>"]]
-    _dump(
-        out / "generation_config.json",
-        {
-            "bos_token_id": ids["bos"],
-            "eos_token_id": gen_eos,
-            "pad_token_id": ids["pad"],
-            "transformers_version": cfg.get("transformers_version", "5.17.0"),
-        },
-    )
+    _write_configs(out, cfg0, ids, dtype)
 
     if weights:
         _write_weights(out, shape, seed, dtype)
