@@ -7,8 +7,9 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable, Coroutine
 from datetime import datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 
@@ -159,33 +160,10 @@ async def run_load(
             if sem is not None:
                 sem.release()
 
-    async def issue() -> None:
-        # The issuer takes the concurrency slot before it creates a request's task, so at most
-        # max_concurrency tasks exist. (A task per request waiting on the semaphore, as vllm bench
-        # does, made a closed-loop window over 100k prompts spend its first second creating tasks
-        # and serve a third of the tokens: the client, not the server, set the rate.)
-        for i, off in enumerate(offsets):
-            if duration_s is not None and off > duration_s:
-                break  # arrives after the window: not sent (and not waited for, which would lengthen the run)
-            # Sleep to absolute targets so scheduling jitter does not accumulate.
-            delay = t0 + off - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            # The request arrived at its scheduled time even when the issuer reaches it later (it
-            # waited for a slot for an earlier request): queue time counts from the arrival.
-            arrived = min(time.perf_counter(), t0 + off)
-            if sem is not None:
-                await sem.acquire()
-            if duration_s is not None and time.perf_counter() - t0 > duration_s:
-                if sem is not None:
-                    sem.release()
-                break  # window closed: this and later arrivals are not sent, not counted
-            tasks.append(asyncio.create_task(one(i, arrived)))
-        await asyncio.gather(*tasks)
-
     timed_out = False
     try:
-        await asyncio.wait_for(issue(), timeout=max(0.0, deadline - time.monotonic()))
+        issuing = _issue(offsets, t0=t0, duration_s=duration_s, sem=sem, tasks=tasks, one=one)
+        await asyncio.wait_for(issuing, timeout=max(0.0, deadline - time.monotonic()))
     except TimeoutError:
         timed_out = True
     finally:
@@ -194,17 +172,63 @@ async def run_load(
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
     duration = time.perf_counter() - t0
-    started = {i for i, o in enumerate(outputs) if o is not None} if duration_s is not None else set(range(len(outputs)))
-    if duration_s is not None:
+    final, started = _started_outputs(
+        outputs, running, windowed=duration_s is not None, timeout_s=cfg.timeout_s, n_endpoints=len(endpoints)
+    )
+    return final, duration, timed_out, started
+
+
+def _started_outputs(
+    outputs: list[RequestOutput | None], running: set[int], *, windowed: bool, timeout_s: float, n_endpoints: int
+) -> tuple[list[RequestOutput], list[int]]:
+    """The outputs of the requests that were started (all of them without a window) and their
+    indices; one still unfinished is a failure of the run's ``--timeout``."""
+    started = {i for i, o in enumerate(outputs) if o is not None} if windowed else set(range(len(outputs)))
+    if windowed:
         started |= {i for i in range(len(outputs)) if i in running}
     final = []
     for i, o in enumerate(outputs):
         if i not in started:
             continue
         if o is None:
-            o = RequestOutput(error=f"not finished within --timeout {cfg.timeout_s:g} s", endpoint=i % len(endpoints))
+            o = RequestOutput(error=f"not finished within --timeout {timeout_s:g} s", endpoint=i % n_endpoints)
         final.append(o)
-    return final, duration, timed_out, sorted(started)
+    return final, sorted(started)
+
+
+async def _issue(
+    offsets: list[float],
+    *,
+    t0: float,
+    duration_s: float | None,
+    sem: asyncio.Semaphore | None,
+    tasks: list[asyncio.Task[None]],
+    one: Callable[[int, float], Coroutine[Any, Any, None]],
+) -> None:
+    """Start ``one(i, arrived)`` for each request at ``t0 + offsets[i]`` (see :func:`run_load`) and
+    wait for them all."""
+    # The issuer takes the concurrency slot before it creates a request's task, so at most
+    # max_concurrency tasks exist. (A task per request waiting on the semaphore, as vllm bench
+    # does, made a closed-loop window over 100k prompts spend its first second creating tasks
+    # and serve a third of the tokens: the client, not the server, set the rate.)
+    for i, off in enumerate(offsets):
+        if duration_s is not None and off > duration_s:
+            break  # arrives after the window: not sent (and not waited for, which would lengthen the run)
+        # Sleep to absolute targets so scheduling jitter does not accumulate.
+        delay = t0 + off - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        # The request arrived at its scheduled time even when the issuer reaches it later (it
+        # waited for a slot for an earlier request): queue time counts from the arrival.
+        arrived = min(time.perf_counter(), t0 + off)
+        if sem is not None:
+            await sem.acquire()
+        if duration_s is not None and time.perf_counter() - t0 > duration_s:
+            if sem is not None:
+                sem.release()
+            break  # window closed: this and later arrivals are not sent, not counted
+        tasks.append(asyncio.create_task(one(i, arrived)))
+    await asyncio.gather(*tasks)
 
 
 async def _sampler(meters: list[EnergyMeter], interval_s: float, stop: asyncio.Event) -> None:
@@ -301,6 +325,34 @@ def _endpoint_summary(
     return out
 
 
+class _Workload(NamedTuple):
+    """What one benchmark sends: the measured requests at their offsets (s from the start), and the
+    warm-ups sent before."""
+
+    offsets: list[float]
+    reqs: list[RequestInput]
+    warm: list[RequestInput]
+
+
+class _Measured(NamedTuple):
+    """What the timed load gave, as the client saw it."""
+
+    models: list[str]  # per endpoint
+    roots: list[str | None]  # per endpoint
+    warm_failed: int
+    meters: list[EnergyMeter]
+    names: list[str]  # the meters' names
+    scope: str  # what the energy figures cover
+    t0: float  # time.perf_counter() when the timed load began
+    outputs: list[RequestOutput]
+    duration_s: float
+    timed_out: bool
+    reqs: list[RequestInput]  # the requests that were sent, in the order of ``outputs``
+    readings: list[EnergyReading]  # per meter
+    loop_lags_s: list[float]  # the client loop's lag probe samples
+    lag_probe_period_s: float
+
+
 async def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
     """Run one benchmark and return the result dict (see ``loadtests/README.md`` for fields).
 
@@ -308,32 +360,73 @@ async def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
     bad dataset or an unreachable server; failed requests never raise.
     """
     deadline = time.monotonic() + cfg.timeout_s
+    measured = await _measure(cfg, _workload(cfg), deadline)
+    reading = _total_reading(measured)
+    outputs = measured.outputs
+    m = calculate_metrics(measured.reqs, outputs, measured.duration_s, cfg.percentiles, cfg.goodput or None)
+    e = energy_metrics(reading, m["total_input_tokens"], m["total_output_tokens"])
+    how = method_metrics(outputs, cfg.stream)
+    lag = loop_lag_metrics(
+        measured.loop_lags_s, measured.lag_probe_period_s, m["median_itl_ms"] if cfg.stream else None, m["median_ttft_ms"]
+    )
+    how["methods"]["client_loop_lag"] = (
+        f"a probe thread posts a callback into the client's event loop every {measured.lag_probe_period_s * 1000:g} ms; lag = its "
+        f"wait; client is the bottleneck when p99 lag > {lag['client_bottleneck_threshold_ms']:.2f} ms "
+        "(10 % of the median ITL, or TTFT without one; within 0.5-5 ms)"
+    )
+    if lag["client_bottleneck"]:
+        print(f"warning: {lag['client_bottleneck_note']}", file=sys.stderr)
+    batch = cfg.steady_state_batch or cfg.max_concurrency
+    ss = steady_state(outputs, batch, measured.meters, measured.t0)
+    ep_rows = _endpoint_rows(cfg, measured, reading, batch)
+    return {
+        **_run_settings(cfg, measured),
+        **m,
+        **how,
+        **lag,
+        **peak_metrics(outputs),
+        **e,
+        "gpu_energy_duration_s": e["energy_window_s"] if e["gpu_energy_j"] is not None else None,
+        "energy_scope": measured.scope,
+        **ss,
+        "endpoints": ep_rows,
+        "timeline": timeline(measured.meters, measured.names, measured.t0, cfg.sample_interval_s),
+        **_per_request_arrays(cfg, measured.reqs, outputs),
+    }
+
+
+def _workload(cfg: BenchConfig) -> _Workload:
+    """The measured requests and their arrival offsets (a trace's, or the load shape's), and the warm-ups."""
     if cfg.trace is not None:
         offsets, reqs = load_trace(cfg.trace, cfg.output_len, seed=cfg.seed, time_scale=cfg.trace_time_scale)
         if "num_prompts" in cfg.model_fields_set:
             offsets, reqs = offsets[: cfg.num_prompts], reqs[: cfg.num_prompts]
         warm = random_requests(cfg.num_warmups, cfg.input_len, cfg.output_len, cfg.range_ratio, cfg.seed + 1)
-    else:
-        # Warm-ups come after the measured prompts so they do not warm the prefix cache for them.
-        all_reqs = sample_requests(
-            cfg.dataset,
-            cfg.num_prompts + cfg.num_warmups,
-            input_len=cfg.input_len,
-            output_len=cfg.output_len,
-            range_ratio=cfg.range_ratio,
-            seed=cfg.seed,
-            prefix_len=cfg.prefix_len,
-            num_prefixes=cfg.num_prefixes,
-            sharegpt_output_len=cfg.sharegpt_output_len,
-            tokenizer=cfg.tokenizer,
-        )
-        reqs, warm = all_reqs[: cfg.num_prompts], all_reqs[cfg.num_prompts :]
-        try:
-            offsets = schedule(cfg, len(reqs))
-        except ValueError as e:
-            raise LoadTestError(f"invalid load shape: {e}") from None
-    endpoints = cfg.endpoints
+        return _Workload(offsets, reqs, warm)
+    # Warm-ups come after the measured prompts so they do not warm the prefix cache for them.
+    all_reqs = sample_requests(
+        cfg.dataset,
+        cfg.num_prompts + cfg.num_warmups,
+        input_len=cfg.input_len,
+        output_len=cfg.output_len,
+        range_ratio=cfg.range_ratio,
+        seed=cfg.seed,
+        prefix_len=cfg.prefix_len,
+        num_prefixes=cfg.num_prefixes,
+        sharegpt_output_len=cfg.sharegpt_output_len,
+        tokenizer=cfg.tokenizer,
+    )
+    reqs, warm = all_reqs[: cfg.num_prompts], all_reqs[cfg.num_prompts :]
+    try:
+        offsets = schedule(cfg, len(reqs))
+    except ValueError as e:
+        raise LoadTestError(f"invalid load shape: {e}") from None
+    return _Workload(offsets, reqs, warm)
 
+
+async def _measure(cfg: BenchConfig, work: _Workload, deadline: float) -> _Measured:
+    """Check the servers, send the warm-ups, then the timed load with the meters and the loop-lag probe running."""
+    endpoints = cfg.endpoints
     connector = aiohttp.TCPConnector(limit=cfg.max_concurrency or 0)
     # trust_env=False (default): never route through proxies from the environment; only the given URLs
     # are contacted. --trust-env reproduces vllm bench's session for like-for-like TTFT comparisons.
@@ -346,23 +439,11 @@ async def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
         tmo = min(cfg.connect_timeout_s, cfg.timeout_s)
         checked = await asyncio.gather(*(check_server(session, url, cfg.model, tmo) for url in endpoints))
         models = [m for m, _ in checked]
-        roots = [r for _, r in checked]
-        warm_failed = 0
-        if warm:
-            w_out, _, _, _ = await run_load(
-                session,
-                cfg,
-                models,
-                warm,
-                offsets=[0.0] * len(warm),
-                max_concurrency=cfg.max_concurrency or len(warm),
-                deadline=deadline,
-            )
-            warm_failed = sum(1 for o in w_out if not o.success)
+        warm_failed = await _warm_up(session, cfg, models, work.warm, deadline)
         meters, names, scope = await _open_meters(metrics_session, cfg)
         stop = asyncio.Event()
         sampler = asyncio.create_task(_sampler(meters, cfg.sample_interval_s, stop)) if meters and cfg.sample_interval_s > 0 else None
-        progress = _Progress(len(reqs), cfg.progress, cfg.label or "requests")
+        progress = _Progress(len(work.reqs), cfg.progress, cfg.label or "requests")
         probe = LoopLagProbe()
         probe.start()
         t0 = time.perf_counter()
@@ -371,8 +452,8 @@ async def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
                 session,
                 cfg,
                 models,
-                reqs,
-                offsets=offsets,
+                work.reqs,
+                offsets=work.offsets,
                 max_concurrency=cfg.max_concurrency,
                 deadline=deadline,
                 duration_s=cfg.duration_s,
@@ -386,67 +467,100 @@ async def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
             if sampler is not None:
                 await sampler
         readings = list(await asyncio.gather(*(m.stop() for m in meters)))
-        reqs = [reqs[i] for i in sent]
-
-    per_endpoint_energy = len(meters) == len(endpoints) and names == list(endpoints)
-    reading = sum_readings(readings) if readings else None
-    if reading is None:
-        notes = [r.note for r in readings if r.energy_j is None and r.note]
-        reading = EnergyReading(window_s=duration, note=(notes[0] if notes else scope))
-    elif len(meters) > 1:
-        reading.note = f"sum over {len(meters)} endpoints' server metrics"
-    else:
-        reading.note = readings[0].note
-
-    m = calculate_metrics(reqs, outputs, duration, cfg.percentiles, cfg.goodput or None)
-    e = energy_metrics(reading, m["total_input_tokens"], m["total_output_tokens"])
-    how = method_metrics(outputs, cfg.stream)
-    lag = loop_lag_metrics(lags, probe.period_s, m["median_itl_ms"] if cfg.stream else None, m["median_ttft_ms"])
-    how["methods"]["client_loop_lag"] = (
-        f"a probe thread posts a callback into the client's event loop every {probe.period_s * 1000:g} ms; lag = its "
-        f"wait; client is the bottleneck when p99 lag > {lag['client_bottleneck_threshold_ms']:.2f} ms "
-        "(10 % of the median ITL, or TTFT without one; within 0.5-5 ms)"
+    return _Measured(
+        models=models,
+        roots=[r for _, r in checked],
+        warm_failed=warm_failed,
+        meters=meters,
+        names=names,
+        scope=scope,
+        t0=t0,
+        outputs=outputs,
+        duration_s=duration,
+        timed_out=timed_out,
+        reqs=[work.reqs[i] for i in sent],
+        readings=readings,
+        loop_lags_s=lags,
+        lag_probe_period_s=probe.period_s,
     )
-    if lag["client_bottleneck"]:
-        print(f"warning: {lag['client_bottleneck_note']}", file=sys.stderr)
-    batch = cfg.steady_state_batch or cfg.max_concurrency
-    ss = steady_state(outputs, batch, meters, t0)
+
+
+async def _warm_up(session: aiohttp.ClientSession, cfg: BenchConfig, models: list[str], warm: list[RequestInput], deadline: float) -> int:
+    """Send the warm-ups all at once (capped at ``max_concurrency``); how many failed."""
+    if not warm:
+        return 0
+    w_out, _, _, _ = await run_load(
+        session,
+        cfg,
+        models,
+        warm,
+        offsets=[0.0] * len(warm),
+        max_concurrency=cfg.max_concurrency or len(warm),
+        deadline=deadline,
+    )
+    return sum(1 for o in w_out if not o.success)
+
+
+def _total_reading(run: _Measured) -> EnergyReading:
+    """The run's energy: the sum over the meters, or an empty reading that says why there is none."""
+    reading = sum_readings(run.readings) if run.readings else None
+    if reading is None:
+        notes = [r.note for r in run.readings if r.energy_j is None and r.note]
+        reading = EnergyReading(window_s=run.duration_s, note=(notes[0] if notes else run.scope))
+    elif len(run.meters) > 1:
+        reading.note = f"sum over {len(run.meters)} endpoints' server metrics"
+    else:
+        reading.note = run.readings[0].note
+    return reading
+
+
+def _endpoint_rows(cfg: BenchConfig, run: _Measured, reading: EnergyReading, batch: int | None) -> list[dict[str, Any]]:
+    """One summary per server of the fleet, with its own steady state when there are several."""
+    endpoints, outputs = cfg.endpoints, run.outputs
+    per_endpoint_energy = len(run.meters) == len(endpoints) and run.names == list(endpoints)
     ep_rows = []
     # Why a server has no energy of its own: the fleet was measured as a whole, or not at all.
-    ep_note = "energy measured for the whole fleet only" if reading.energy_j is not None else (reading.note or scope)
+    ep_note = "energy measured for the whole fleet only" if reading.energy_j is not None else (reading.note or run.scope)
     for k, url in enumerate(endpoints):
         idx = [i for i, o in enumerate(outputs) if o.endpoint == k]
-        r_k = readings[k] if per_endpoint_energy else None
-        ep_rows.append(_endpoint_summary(url, models[k], [reqs[i] for i in idx], [outputs[i] for i in idx], duration, cfg, r_k, ep_note))
+        r_k = run.readings[k] if per_endpoint_energy else None
+        ep_rows.append(
+            _endpoint_summary(url, run.models[k], [run.reqs[i] for i in idx], [outputs[i] for i in idx], run.duration_s, cfg, r_k, ep_note)
+        )
         if len(endpoints) > 1:
             # Each server's own steady state: round-robin gives it 1/n of the target batch (exact, so
             # B = 4 over 3 servers is 4/3 each), and its energy is its own meter's (none where only the
             # fleet total is known).
             b_k = (batch // len(endpoints) if batch % len(endpoints) == 0 else batch / len(endpoints)) if batch else None
-            ss_k = steady_state([outputs[i] for i in idx], b_k, [meters[k]] if per_endpoint_energy else [], t0)
+            ss_k = steady_state([outputs[i] for i in idx], b_k, [run.meters[k]] if per_endpoint_energy else [], run.t0)
             if not per_endpoint_energy and ss_k["steady_state_duration_s"] is not None:
                 ss_k["steady_state_note"] = "; ".join(x for x in (ss_k["steady_state_note"], f"no energy: {ep_note}") if x)
             ep_rows[-1] |= {k2: v for k2, v in ss_k.items() if k2 != "steady_state_rule"}
+    return ep_rows
+
+
+def _run_settings(cfg: BenchConfig, run: _Measured) -> dict[str, Any]:
+    """The result's first keys: when, against what, and the load's settings (vllm bench's names where they overlap)."""
     return {
         "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
         # time.perf_counter() when the timed load began (start_times count from it); CLOCK_MONOTONIC
         # on Linux, so runs in different processes of one host can be lined up.
-        "t0_perf_counter": t0,
+        "t0_perf_counter": run.t0,
         "label": cfg.label,
         "base_url": cfg.base_url,
-        "base_urls": list(endpoints),
+        "base_urls": list(cfg.endpoints),
         "endpoint_type": "openai-chat" if cfg.endpoint == "chat" else "openai",
         "backend": "openai-chat" if cfg.endpoint == "chat" else "openai",
         "endpoint": "/v1/chat/completions" if cfg.endpoint == "chat" else "/v1/completions",
         "stream": cfg.stream,
-        "model_id": models[0],
-        "model_root": roots[0],
+        "model_id": run.models[0],
+        "model_root": run.roots[0],
         "tokenizer_id": cfg.tokenizer,
         "dataset": f"trace:{cfg.trace}" if cfg.trace else cfg.dataset,
-        "num_prompts": len(reqs),
+        "num_prompts": len(run.reqs),
         "duration_limit_s": cfg.duration_s,
         "num_warmups": cfg.num_warmups,
-        "warmup_failed": warm_failed,
+        "warmup_failed": run.warm_failed,
         # JSON has no Infinity; vllm bench writes the string "inf" too.
         "request_rate": cfg.request_rate if math.isfinite(cfg.request_rate) else "inf",
         "burstiness": cfg.burstiness,
@@ -478,18 +592,13 @@ async def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
         "goodput_slo_ms": dict(cfg.goodput),
         "timeout_s": cfg.timeout_s,
         "request_timeout_s": cfg.request_timeout_s,
-        "timed_out": timed_out,
-        **m,
-        **how,
-        **lag,
-        **peak_metrics(outputs),
-        **e,
-        "gpu_energy_duration_s": e["energy_window_s"] if e["gpu_energy_j"] is not None else None,
-        "energy_scope": scope,
-        **ss,
-        "endpoints": ep_rows,
-        "timeline": timeline(meters, names, t0, cfg.sample_interval_s),
-        # Per-request arrays; times in seconds like vllm bench's ttfts/itls/latencies.
+        "timed_out": run.timed_out,
+    }
+
+
+def _per_request_arrays(cfg: BenchConfig, reqs: list[RequestInput], outputs: list[RequestOutput]) -> dict[str, list[Any]]:
+    """The result's per-request arrays; times in seconds like vllm bench's ttfts/itls/latencies."""
+    return {
         "start_times": [o.start_time for o in outputs],
         "queue_times": [o.queue_time for o in outputs],
         "ttfts": [o.ttft for o in outputs],
