@@ -114,14 +114,14 @@ def _warn_once(path: Path, why: str) -> None:
 
 def snapshot_is_stale(path: Path, snap: Any, now: float | None = None, stale_after_s: float = STALE_AFTER_S) -> bool:
     """A snapshot not rewritten for ``stale_after_s`` whose ``pid`` no longer exists (see ``STALE_AFTER_S``)."""
-    from .clocks.controller import _pid_alive
+    from .clocks.leases import pid_alive
 
     try:
         age = (time.time() if now is None else now) - path.stat().st_mtime
     except OSError:
         return True
     pid = snap.get("pid") if isinstance(snap, dict) else None
-    return age > stale_after_s and isinstance(pid, int) and not isinstance(pid, bool) and not _pid_alive(pid)
+    return age > stale_after_s and isinstance(pid, int) and not isinstance(pid, bool) and not pid_alive(pid)
 
 
 def load_snapshots(stats_dir: str | Path) -> tuple[list[WorkerSnapshot], list[tuple[Path, Any, str]]]:
