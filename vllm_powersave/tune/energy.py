@@ -86,6 +86,60 @@ class _CounterPoller(threading.Thread):
             self.error = exc
 
 
+def _time_per_call_s(torch: Any, call: Callable[[], Any]) -> float:
+    """Seconds per call from CUDA events over three calls after a warm-up call."""
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    call()
+    torch.cuda.synchronize()
+    s.record()
+    for _ in range(3):
+        call()
+    e.record()
+    torch.cuda.synchronize()
+    return max(s.elapsed_time(e) / 3 / 1000, 1e-6)
+
+
+def _launch_until_two_edges(
+    torch: Any, call: Callable[[], Any], poller: _CounterPoller, *, stride: int, depth: int, window_s: float, lead_in_s: float, max_s: float
+) -> tuple[tuple[float, int] | None, tuple[float, int] | None, int]:
+    """Enqueue ``call`` back to back while ``poller`` watches the counter, until two counter updates
+    at least ``window_s`` apart (the first after ``lead_in_s``), ``max_s`` or a read error.
+
+    Returns the two edges ``(time, mJ)`` (``None`` where not seen) and the number of calls enqueued.
+    """
+    ring: deque[Any] = deque()
+    t_begin = time.perf_counter()
+    poller.start()
+    edge0: tuple[float, int] | None = None
+    edge1: tuple[float, int] | None = None
+    n = 0
+    try:
+        while True:
+            call()
+            n += 1
+            if n % stride:
+                continue
+            ev = torch.cuda.Event()
+            ev.record()
+            ring.append(ev)
+            while len(ring) > depth:
+                if ring[0].query():
+                    ring.popleft()
+            ch = poller.changes
+            if edge0 is None:
+                edge0 = next((c for c in ch if c[0] - t_begin >= lead_in_s), None)
+            if edge0 is not None:
+                edge1 = next((c for c in ch if c[0] - edge0[0] >= window_s), None)
+                if edge1 is not None:
+                    break
+            if time.perf_counter() - t_begin > max_s or poller.error is not None:
+                break
+    finally:
+        poller.stop_evt.set()
+        poller.join()
+    return edge0, edge1, n
+
+
 def busy_window(
     call: Callable[[], Any],
     window_s: float,
@@ -116,15 +170,7 @@ def busy_window(
     """
     import torch
 
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    call()
-    torch.cuda.synchronize()
-    s.record()
-    for _ in range(3):
-        call()
-    e.record()
-    torch.cuda.synchronize()
-    per_call_s = max(s.elapsed_time(e) / 3 / 1000, 1e-6)
+    per_call_s = _time_per_call_s(torch, call)
     # An event every ~0.5 ms of work (not every call: recording costs host time on tiny calls), and
     # enough of them in flight that the GPU never waits for the host.
     stride = max(1, int(0.0005 / per_call_s))
@@ -132,38 +178,11 @@ def busy_window(
     max_s = window_s + 1.0 if max_s is None else max_s
 
     poller = _CounterPoller(gpu.total_energy_mj, poll_s)
-    ring: deque[Any] = deque()
     start_evt, end_evt = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start_evt.record()
-    t_begin = time.perf_counter()
-    poller.start()
-    edge0: tuple[float, int] | None = None
-    edge1: tuple[float, int] | None = None
-    n = 0
-    try:
-        while True:
-            call()
-            n += 1
-            if n % stride:
-                continue
-            ev = torch.cuda.Event()
-            ev.record()
-            ring.append(ev)
-            while len(ring) > depth:
-                if ring[0].query():
-                    ring.popleft()
-            ch = poller.changes
-            if edge0 is None:
-                edge0 = next((c for c in ch if c[0] - t_begin >= lead_in_s), None)
-            if edge0 is not None:
-                edge1 = next((c for c in ch if c[0] - edge0[0] >= window_s), None)
-                if edge1 is not None:
-                    break
-            if time.perf_counter() - t_begin > max_s or poller.error is not None:
-                break
-    finally:
-        poller.stop_evt.set()
-        poller.join()
+    edge0, edge1, n = _launch_until_two_edges(
+        torch, call, poller, stride=stride, depth=depth, window_s=window_s, lead_in_s=lead_in_s, max_s=max_s
+    )
     end_evt.record()
     torch.cuda.synchronize()
     if poller.error is not None:

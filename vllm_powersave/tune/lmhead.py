@@ -192,11 +192,7 @@ def measure(
     for hidden, vocab in shapes:
         w = (torch.randn(vocab, hidden, generator=gen) * 0.02).to(dev, dtype)
         if warmup_s > 0:
-            big = max(grid, key=lambda g: (g.rows, g.mode == "mm+lsm"))
-            xw = torch.randn(big.rows, hidden, generator=gen).to(dev, dtype)
-            iw = torch.randint(0, vocab, (big.rows, 1), generator=gen).to(dev)
-            timed_window(_make_call(torch, w, xw, iw, big.mode, 1), warmup_s, sync)
-            del xw, iw
+            _warm_up(torch, w, grid, gen, dev, dtype, warmup_s, sync)
         for g in grid:
             x = torch.randn(g.rows, hidden, generator=gen).to(dev, dtype)
             idx = torch.randint(0, vocab, (g.rows, 1), generator=gen).to(dev)
@@ -204,29 +200,6 @@ def measure(
             for rep in range(repeats):
                 for c in cs if rep % 2 == 0 else list(reversed(cs)):
                     call = _make_call(torch, w, x, idx, g.mode, c)
-                    peak = None
-                    if gpu:
-                        sync()
-                        torch.cuda.reset_peak_memory_stats(dev)
-                        base = torch.cuda.memory_allocated(dev)
-                        call()
-                        sync()
-                        peak = (torch.cuda.max_memory_allocated(dev) - base) / 2**20
-                        win = busy_window(call, window_s, nv)
-                        ms, j, ws, n, pw, clk, src = (
-                            win.ms_per_call,
-                            win.j_per_call,
-                            win.window_s,
-                            win.calls,
-                            win.power_w,
-                            win.sm_clock_mhz,
-                            win.source,
-                        )
-                    else:
-                        ms, n = timed_window(call, window_s)
-                        t_sim, j = simulated_kernels(call_kernels(g.rows, hidden, vocab, c, g.mode))
-                        ws, pw, clk, src = ms * n / 1000.0, j / t_sim, None, "simulated"
-                    sim_ms = None if gpu else t_sim * 1000.0
                     pt = {
                         "hidden": hidden,
                         "vocab": vocab,
@@ -235,15 +208,7 @@ def measure(
                         "rows": g.rows,
                         "chunks": c,
                         "repeat": rep,
-                        "ms": ms,
-                        "j_per_call": j,
-                        "window_s": ws,
-                        "peak_mib": peak,
-                        "sm_clock_mhz": clk,
-                        "power_w": pw,
-                        "calls": n,
-                        "energy_source": src,
-                        "sim_ms": sim_ms,
+                        **_measure_call(torch, dev, nv, call, window_s, (g.rows, hidden, vocab, c, g.mode)),
                     }
                     if progress:
                         progress(pt)
@@ -252,6 +217,51 @@ def measure(
         del w
         if gpu:
             torch.cuda.empty_cache()
+
+
+def _warm_up(torch: Any, w: Any, grid: list[GridRow], gen: Any, dev: Any, dtype: Any, warmup_s: float, sync: Callable[[], None]) -> None:
+    """Run the grid's heaviest call for ``warmup_s`` so that clocks and temperature settle."""
+    vocab, hidden = w.shape
+    big = max(grid, key=lambda g: (g.rows, g.mode == "mm+lsm"))
+    xw = torch.randn(big.rows, hidden, generator=gen).to(dev, dtype)
+    iw = torch.randint(0, vocab, (big.rows, 1), generator=gen).to(dev)
+    timed_window(_make_call(torch, w, xw, iw, big.mode, 1), warmup_s, sync)
+    del xw, iw
+
+
+def _measure_call(
+    torch: Any, dev: Any, nv: Any, call: Callable[[], Any], window_s: float, point: tuple[int, int, int, int, str]
+) -> dict[str, Any]:
+    """One point's figures: on a GPU (``nv`` given) its peak memory and a counter-aligned energy
+    window (measured); on a CPU its time per call and the simulated H200's energy and time for
+    the kernels of ``point`` (:func:`call_kernels`' arguments; simulated)."""
+    if nv is not None:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev)
+        call()
+        torch.cuda.synchronize()
+        peak = (torch.cuda.max_memory_allocated(dev) - base) / 2**20
+        win = busy_window(call, window_s, nv)
+        ms, j, ws, n, pw, clk, src = win.ms_per_call, win.j_per_call, win.window_s, win.calls, win.power_w, win.sm_clock_mhz, win.source
+        sim_ms = None
+    else:
+        peak = None
+        ms, n = timed_window(call, window_s)
+        t_sim, j = simulated_kernels(call_kernels(*point))
+        ws, pw, clk, src = ms * n / 1000.0, j / t_sim, None, "simulated"
+        sim_ms = t_sim * 1000.0
+    return {
+        "ms": ms,
+        "j_per_call": j,
+        "window_s": ws,
+        "peak_mib": peak,
+        "sm_clock_mhz": clk,
+        "power_w": pw,
+        "calls": n,
+        "energy_source": src,
+        "sim_ms": sim_ms,
+    }
 
 
 def planned_points(shapes: list[tuple[int, int]], grid: list[GridRow], chunks: list[int], repeats: int) -> int:
