@@ -264,6 +264,32 @@ def _sdpa(F: Any, q: Any, k: Any, v: Any, rep: int, causal: bool) -> Any:
         return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), is_causal=causal)
 
 
+def _attention(F: Any, torch: Any, st: dict[str, Any], s: ModelShape, step: StepSpec, kv_cache: Any) -> None:
+    """The attention op of :func:`_attach_fns`: causal SDPA per prompt, then the decodes over their KV cache."""
+    hd = s.head_dim
+    Q, K = s.heads * hd, s.kv_heads * hd
+    qkv = st["qkv"]
+    q = st["qk_rot"][:, : s.heads].transpose(0, 1)  # [heads, T, hd]
+    outs = []
+    n = 0
+    rep = s.heads // s.kv_heads
+    for _ in range(step.prompts):
+        L = step.prompt_len
+        # 4-D [1, heads, L, hd] with GQA: the flash/cuDNN backends apply (3-D inputs fall back
+        # to the fp32 math path on CUDA, which is not what vLLM runs).
+        k = st["qk_rot"][n : n + L, s.heads :].transpose(0, 1)[None]
+        v = qkv[n : n + L, Q + K :].view(L, s.kv_heads, hd).transpose(0, 1)[None]
+        o = _sdpa(F, q[None, :, n : n + L], k, v, rep, causal=True)
+        outs.append(o[0].transpose(0, 1).reshape(L, Q))
+        n += L
+    if step.decodes:
+        qd = q[:, n : n + step.decodes].transpose(0, 1).reshape(step.decodes, s.kv_heads, rep, hd)
+        kc, vc = kv_cache[..., :hd], kv_cache[..., hd:]
+        o = F.scaled_dot_product_attention(qd, kc, vc)  # [decodes, kv_heads, rep, hd] over ctx
+        outs.append(o.reshape(step.decodes, Q))
+    st["attn"] = torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
 def _attach_fns(ops: list[Op], torch: Any, s: ModelShape, step: StepSpec, device: Any, dtype: Any, seed: int) -> None:
     F = torch.nn.functional
     g = torch.Generator(device="cpu").manual_seed(seed)
@@ -294,28 +320,6 @@ def _attach_fns(ops: list[Op], torch: Any, s: ModelShape, step: StepSpec, device
         c, sn = cos[:, None, :], sin[:, None, :]
         st["qk_rot"] = torch.cat((a * c - b * sn, b * c + a * sn), dim=-1)
 
-    def attn() -> None:
-        qkv = st["qkv"]
-        q = st["qk_rot"][:, : s.heads].transpose(0, 1)  # [heads, T, hd]
-        outs = []
-        n = 0
-        rep = s.heads // s.kv_heads
-        for _ in range(step.prompts):
-            L = step.prompt_len
-            # 4-D [1, heads, L, hd] with GQA: the flash/cuDNN backends apply (3-D inputs fall back
-            # to the fp32 math path on CUDA, which is not what vLLM runs).
-            k = st["qk_rot"][n : n + L, s.heads :].transpose(0, 1)[None]
-            v = qkv[n : n + L, Q + K :].view(L, s.kv_heads, hd).transpose(0, 1)[None]
-            o = _sdpa(F, q[None, :, n : n + L], k, v, rep, causal=True)
-            outs.append(o[0].transpose(0, 1).reshape(L, Q))
-            n += L
-        if step.decodes:
-            qd = q[:, n : n + step.decodes].transpose(0, 1).reshape(step.decodes, s.kv_heads, rep, hd)
-            kc, vc = kv_cache[..., :hd], kv_cache[..., hd:]
-            o = F.scaled_dot_product_attention(qd, kc, vc)  # [decodes, kv_heads, rep, hd] over ctx
-            outs.append(o.reshape(step.decodes, Q))
-        st["attn"] = torch.cat(outs) if len(outs) > 1 else outs[0]
-
     def sample_prep() -> None:
         st["p"] = st["logits"].float().div_(0.8)
 
@@ -327,7 +331,7 @@ def _attach_fns(ops: list[Op], torch: Any, s: ModelShape, step: StepSpec, device
         "input_layernorm": lambda: st.__setitem__("h", rms(x)),
         "qkv_proj": lambda: st.__setitem__("qkv", F.linear(st["h"], w_qkv, b_qkv)),
         "rotary_emb": rope,
-        "attn": attn,
+        "attn": lambda: _attention(F, torch, st, s, step, kv_cache),
         "o_proj": lambda: st.__setitem__("o", F.linear(st["attn"], w_o)),
         "residual_add_attn": lambda: st.__setitem__("r", st["o"] + resid),
         "post_attention_layernorm": lambda: st.__setitem__("h2", rms(st["r"])),
