@@ -35,10 +35,7 @@ PENDING_LONG_FUNCTIONS: set[str] = {
     "vllm_powersave/clocks/closed_loop.py:DecodeClockTuner._hold_sample",
     "vllm_powersave/energy/account.py:PhaseEnergyAccount._price",
     "vllm_powersave/energy/account.py:PhaseEnergyAccount.tick",
-    # The worker runtime as owned components.
-    "vllm_powersave/runtime/build.py:assemble",
     # The offline tuner.
-    "vllm_powersave/tune/profile.py:_attach_fns",
     "vllm_powersave/tune/report.py:_markdown",
     "vllm_powersave/tune/solver.py:sweep_and_solve",
 }
