@@ -29,9 +29,27 @@ def write_report(res: Any) -> tuple[Path, Path | None]:
 
 
 def _markdown(res: Any) -> str:
+    gpu = res.device["kind"] == "cuda"
+    L = _header(res, gpu)
+    if res.profiles:
+        L += _profile_section(res, gpu)
+    if res.chunk_table is not None:
+        L += _chunking_section(res, gpu)
+    if res.clock_mode:
+        L += _solutions_section(res)
+        if res.sweeps:
+            L += _sweep_section(res, res.clock_mode[0])
+        L += _presets_section(res, gpu)
+    if res.preset_path:
+        L += ["## Preset file", "", f"`{res.preset_path}`:", "", "```yaml", res.preset_path.read_text().rstrip(), "```", ""]
+    if res.notes:
+        L += ["## Notes", "", *(f"- {n}" for n in res.notes), ""]
+    return "\n".join(L)
+
+
+def _header(res: Any, gpu: bool) -> list[str]:
     o, dev, ce = res.opts, res.device, res.ceilings
-    gpu = dev["kind"] == "cuda"
-    L = [
+    return [
         f"# vllm-powersave tune: {Path(o.model).name}",
         "",
         f"- Model: `{o.model}`; tensor parallel {o.tp}; device: {dev['name']}"
@@ -41,135 +59,152 @@ def _markdown(res: Any) -> str:
         f"- Slowdown budget: {o.slowdown_pct:g} % ({'strict' if o.slowdown_pct == 0 else 'relaxed'})",
         "",
     ]
-    if res.profiles:
+
+
+def _profile_section(res: Any, gpu: bool) -> list[str]:
+    o, ce = res.opts, res.ceilings
+    L: list[str] = []
+    L += [
+        "## Profile (one decoder layer measured x layers, vLLM-equal shapes)",
+        "",
+        (
+            "Times: device time of each group's kernels under torch.profiler on this GPU (measured)."
+            if gpu
+            else "Time share: **CPU time** of each group under torch.profiler (measured on this CPU; not a GPU figure). "
+            "H200 ms: the simulated H200's time for the same FLOPs and bytes (simulated). Bound label: from the simulated H200 ceilings."
+        ),
+        "FLOPs and bytes from the shapes (bf16). Communication at TP > 1 is modelled (NVLink 450 GB/s), not run.",
+        "",
+    ]
+    for ph, sp in res.profiles.items():
+        s = sp.step
         L += [
-            "## Profile (one decoder layer measured x layers, vLLM-equal shapes)",
+            f"### {ph}: {s.prompts} prompt(s) x {s.prompt_len} tokens + {s.decodes} decode(s) at context {s.ctx}; "
+            f"{s.tokens} tokens, {s.lm_rows} LM-head rows; step {1000 * sp.total_s:.2f} ms "
+            f"({'measured' if gpu else 'CPU'}), H200 {1000 * sp.sim_total_s:.3f} ms (simulated)",
             "",
-            (
-                "Times: device time of each group's kernels under torch.profiler on this GPU (measured)."
-                if gpu
-                else "Time share: **CPU time** of each group under torch.profiler (measured on this CPU; not a GPU figure). "
-                "H200 ms: the simulated H200's time for the same FLOPs and bytes (simulated). Bound label: from the simulated H200 ceilings."
-            ),
-            "FLOPs and bytes from the shapes (bf16). Communication at TP > 1 is modelled (NVLink 450 GB/s), not run.",
-            "",
+            "| kernel group | time share | ms / step | H200 ms (sim.) | GFLOP | MB | FLOP/B | bound | top kernels / ops |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
-        for ph, sp in res.profiles.items():
-            s = sp.step
-            L += [
-                f"### {ph}: {s.prompts} prompt(s) x {s.prompt_len} tokens + {s.decodes} decode(s) at context {s.ctx}; "
-                f"{s.tokens} tokens, {s.lm_rows} LM-head rows; step {1000 * sp.total_s:.2f} ms "
-                f"({'measured' if gpu else 'CPU'}), H200 {1000 * sp.sim_total_s:.3f} ms (simulated)",
-                "",
-                "| kernel group | time share | ms / step | H200 ms (sim.) | GFLOP | MB | FLOP/B | bound | top kernels / ops |",
-                "|---|---|---|---|---|---|---|---|---|",
-            ]
-            for r in group_table(sp, ce):
-                top = ", ".join(list(r["top_kernels"])[:2]) if r["top_kernels"] else ", ".join(r["ops"][:3])
-                L.append(
-                    f"| {r['group']}{' (modelled)' if r['modelled'] else ''} | {100 * r['share']:.1f} % | {1000 * r['time_s']:.3f} | "
-                    f"{1000 * r['sim_time_s']:.3f} | {r['flops'] / 1e9:.2f} | {r['bytes'] / 1e6:.1f} | {r['intensity']:.1f} | {r['bound']} | {top[:70]} |"
-                )
-            if o.tp == 1:
-                L.append("| communication | 0 % (TP = 1: none) | | | | | | | |")
-            L.append("")
-    if res.chunk_table is not None:
-        L += [
-            "## LM-head chunking",
-            "",
-            f"Source: {res.chunk_source}. Rule: `vllm_powersave.chunking.tune.choose_chunks` "
-            "(the fastest count not worse in energy; none unless a gain exceeds the measured noise).",
-            "",
-            f"| rows | kind | chosen | noise | time vs 1 | energy vs 1 | candidates ({'ms' if gpu else 'H200 ms (simulated)'}, J per call) |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        kinds = {p["rows"]: p["kind"] for p in res.chunk_points}
-        for rows, c in res.chunk_choice.items():
-            cands = "; ".join(f"{k}: {v['ms']:.3f}, {v['j']:.4f}" for k, v in c["candidates"].items())
+        for r in group_table(sp, ce):
+            top = ", ".join(list(r["top_kernels"])[:2]) if r["top_kernels"] else ", ".join(r["ops"][:3])
             L.append(
-                f"| {rows} | {kinds.get(rows, '')} | {c['chunks']} | {100 * c['noise']:.1f} % | {c['time_ratio']:.3f} | {c['energy_ratio']:.3f} | {cands} |"
+                f"| {r['group']}{' (modelled)' if r['modelled'] else ''} | {100 * r['share']:.1f} % | {1000 * r['time_s']:.3f} | "
+                f"{1000 * r['sim_time_s']:.3f} | {r['flops'] / 1e9:.2f} | {r['bytes'] / 1e6:.1f} | {r['intensity']:.1f} | {r['bound']} | {top[:70]} |"
             )
-        L += ["", f"Chunk table: `{res.chunk_table or '[] (no chunking)'}`", ""]
-    if res.clock_mode:
-        mode, why = res.clock_mode
-        L += ["## SM clocks", "", f"Mode: **{mode}** ({why}). Source: {res.clock_source}.", ""]
-        if mode != "sweep":
-            L += [
-                "No clock was set: every clock figure below is a **prediction** of the clock-response model "
-                "(compute-bound time ∝ 1/f, memory-bound time flat, power from the calibrated DVFS model) — simulated, not measured.",
-                "",
-            ]
-        L += [
-            "Per phase: one clock for the whole step (what a phase preset applies); per region: a clock per contiguous region "
-            "(attention / MLP per layer, LM head, sampling), globally (only the step total meets the budget) and locally "
-            "(each region meets it); per kernel kind: the same, as an offline oracle (kernel kinds interleave within a "
-            "layer far faster than a clock switch, so it cannot be applied; seed 000's fine-grained bound).",
-            "",
-            "| phase | solution | clocks | energy | time |",
-            "|---|---|---|---|---|",
-        ]
-        for ph, sols in res.solutions.items():
-            for name in ("single", "global_regions", "local_regions", "global_kinds_oracle"):
-                s = sols[name]
-                cl = {k: v for k, v in s["clocks_mhz"].items()}
-                cls = _mhz(next(iter(cl.values()))) if name == "single" else ", ".join(f"{k} {_mhz(v)}" for k, v in cl.items())
-                L.append(f"| {ph} | {name.replace('_', ' ')} (predicted) | {cls} | {_pct(-s['saving'])} | {_pct(s['slowdown'])} |")
+        if o.tp == 1:
+            L.append("| communication | 0 % (TP = 1: none) | | | | | | | |")
         L.append("")
-        if res.sweeps:
-            L += [
-                "### Sweep and re-measurement (guard against outlier-chasing)",
-                "",
-                f"{'Measured on this GPU' if mode == 'sweep' else 'Simulated: the sweep reads the model with injected noise'}. "
-                "Expected = the sweep table's value at the chosen clocks; re-measured = fresh interleaved readings of the choice "
-                "against the default. A round that disagrees beyond the tolerance folds its readings into the table and solves again; "
-                "a re-measured saving within the tolerance keeps the default.",
-                "",
-                "| phase | solver | first choice (no guard) | final clocks | expected energy | re-measured energy | expected time | re-measured time | tolerance | rounds | fell back |",
-                "|---|---|---|---|---|---|---|---|---|---|---|",
-            ]
-            for ph, d in res.sweeps.items():
-                for solver, s in d.items():
-                    first = ", ".join(sorted({_mhz(v) for v in s.naive.clocks.values()})) if s.naive else ""
-                    final = (
-                        ", ".join(f"{k} {_mhz(v)}" for k, v in s.choice.clocks.items())
-                        if solver == "global"
-                        else _mhz(next(iter(s.choice.clocks.values())))
-                    )
-                    if s.fell_back:  # show what was rejected, not the default's zeros
-                        r = s.rounds[-1]
-                        ex = (
-                            f"({_pct(-r['expected_saving'])} rejected)",
-                            f"({_pct(-r['remeasured_saving'])})",
-                            f"({_pct(r['expected_slowdown'])})",
-                            f"({_pct(r['remeasured_slowdown'])})",
-                        )
-                    else:
-                        ex = (_pct(-s.expected_saving), _pct(-s.remeasured_saving), _pct(s.expected_slowdown), _pct(s.remeasured_slowdown))
-                    L.append(
-                        f"| {ph} | {solver} | {first} ({_pct(-s.naive.saving) if s.naive else ''}) | {final} | {ex[0]} | {ex[1]} | {ex[2]} | {ex[3]} | "
-                        f"±{100 * s.tolerance:.1f} % (time ±{100 * s.tolerance_time:.1f} %) | {len(s.rounds)} | {'yes' if s.fell_back else 'no'} |"
-                    )
-            L.append("")
-        L += ["### Presets written", "", "| phase | preset | kernel-group clocks (global solution; durations ms) |", "|---|---|---|"]
-        for ph, p in res.presets.items():
-            gp = res.group_presets.get(ph, {})
-            gps = ", ".join(
-                f"{g} {_mhz(d['sm_clock_mhz'])} ({d['duration_ms']:.3f} ms{' sim.' if not gpu else ''})"
-                for g, d in gp.items()
-                if d.get("duration_ms") is not None
-            )
-            L.append(f"| {ph} | {_mhz(p.get('sm_clock_mhz'))} | {gps or '–'} |")
+    return L
+
+
+def _chunking_section(res: Any, gpu: bool) -> list[str]:
+    L: list[str] = []
+    L += [
+        "## LM-head chunking",
+        "",
+        f"Source: {res.chunk_source}. Rule: `vllm_powersave.chunking.tune.choose_chunks` "
+        "(the fastest count not worse in energy; none unless a gain exceeds the measured noise).",
+        "",
+        f"| rows | kind | chosen | noise | time vs 1 | energy vs 1 | candidates ({'ms' if gpu else 'H200 ms (simulated)'}, J per call) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    kinds = {p["rows"]: p["kind"] for p in res.chunk_points}
+    for rows, c in res.chunk_choice.items():
+        cands = "; ".join(f"{k}: {v['ms']:.3f}, {v['j']:.4f}" for k, v in c["candidates"].items())
+        L.append(
+            f"| {rows} | {kinds.get(rows, '')} | {c['chunks']} | {100 * c['noise']:.1f} % | {c['time_ratio']:.3f} | {c['energy_ratio']:.3f} | {cands} |"
+        )
+    L += ["", f"Chunk table: `{res.chunk_table or '[] (no chunking)'}`", ""]
+    return L
+
+
+def _solutions_section(res: Any) -> list[str]:
+    L: list[str] = []
+    mode, why = res.clock_mode
+    L += ["## SM clocks", "", f"Mode: **{mode}** ({why}). Source: {res.clock_source}.", ""]
+    if mode != "sweep":
         L += [
-            "",
-            "Kernel-group clocks go into the preset only where this GPU measured the group's duration and it differs from "
-            "the phase clock; the controller uses one only if the group lasts `group_min_switch_multiple` x `switch_latency_ms`.",
+            "No clock was set: every clock figure below is a **prediction** of the clock-response model "
+            "(compute-bound time ∝ 1/f, memory-bound time flat, power from the calibrated DVFS model) — simulated, not measured.",
             "",
         ]
-    if res.preset_path:
-        L += ["## Preset file", "", f"`{res.preset_path}`:", "", "```yaml", res.preset_path.read_text().rstrip(), "```", ""]
-    if res.notes:
-        L += ["## Notes", "", *(f"- {n}" for n in res.notes), ""]
-    return "\n".join(L)
+    L += [
+        "Per phase: one clock for the whole step (what a phase preset applies); per region: a clock per contiguous region "
+        "(attention / MLP per layer, LM head, sampling), globally (only the step total meets the budget) and locally "
+        "(each region meets it); per kernel kind: the same, as an offline oracle (kernel kinds interleave within a "
+        "layer far faster than a clock switch, so it cannot be applied; seed 000's fine-grained bound).",
+        "",
+        "| phase | solution | clocks | energy | time |",
+        "|---|---|---|---|---|",
+    ]
+    for ph, sols in res.solutions.items():
+        for name in ("single", "global_regions", "local_regions", "global_kinds_oracle"):
+            s = sols[name]
+            cl = {k: v for k, v in s["clocks_mhz"].items()}
+            cls = _mhz(next(iter(cl.values()))) if name == "single" else ", ".join(f"{k} {_mhz(v)}" for k, v in cl.items())
+            L.append(f"| {ph} | {name.replace('_', ' ')} (predicted) | {cls} | {_pct(-s['saving'])} | {_pct(s['slowdown'])} |")
+    L.append("")
+    return L
+
+
+def _sweep_section(res: Any, mode: str) -> list[str]:
+    L: list[str] = []
+    L += [
+        "### Sweep and re-measurement (guard against outlier-chasing)",
+        "",
+        f"{'Measured on this GPU' if mode == 'sweep' else 'Simulated: the sweep reads the model with injected noise'}. "
+        "Expected = the sweep table's value at the chosen clocks; re-measured = fresh interleaved readings of the choice "
+        "against the default. A round that disagrees beyond the tolerance folds its readings into the table and solves again; "
+        "a re-measured saving within the tolerance keeps the default.",
+        "",
+        "| phase | solver | first choice (no guard) | final clocks | expected energy | re-measured energy | expected time | re-measured time | tolerance | rounds | fell back |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for ph, d in res.sweeps.items():
+        for solver, s in d.items():
+            first = ", ".join(sorted({_mhz(v) for v in s.naive.clocks.values()})) if s.naive else ""
+            final = (
+                ", ".join(f"{k} {_mhz(v)}" for k, v in s.choice.clocks.items())
+                if solver == "global"
+                else _mhz(next(iter(s.choice.clocks.values())))
+            )
+            if s.fell_back:  # show what was rejected, not the default's zeros
+                r = s.rounds[-1]
+                ex = (
+                    f"({_pct(-r['expected_saving'])} rejected)",
+                    f"({_pct(-r['remeasured_saving'])})",
+                    f"({_pct(r['expected_slowdown'])})",
+                    f"({_pct(r['remeasured_slowdown'])})",
+                )
+            else:
+                ex = (_pct(-s.expected_saving), _pct(-s.remeasured_saving), _pct(s.expected_slowdown), _pct(s.remeasured_slowdown))
+            L.append(
+                f"| {ph} | {solver} | {first} ({_pct(-s.naive.saving) if s.naive else ''}) | {final} | {ex[0]} | {ex[1]} | {ex[2]} | {ex[3]} | "
+                f"±{100 * s.tolerance:.1f} % (time ±{100 * s.tolerance_time:.1f} %) | {len(s.rounds)} | {'yes' if s.fell_back else 'no'} |"
+            )
+    L.append("")
+    return L
+
+
+def _presets_section(res: Any, gpu: bool) -> list[str]:
+    L: list[str] = []
+    L += ["### Presets written", "", "| phase | preset | kernel-group clocks (global solution; durations ms) |", "|---|---|---|"]
+    for ph, p in res.presets.items():
+        gp = res.group_presets.get(ph, {})
+        gps = ", ".join(
+            f"{g} {_mhz(d['sm_clock_mhz'])} ({d['duration_ms']:.3f} ms{' sim.' if not gpu else ''})"
+            for g, d in gp.items()
+            if d.get("duration_ms") is not None
+        )
+        L.append(f"| {ph} | {_mhz(p.get('sm_clock_mhz'))} | {gps or '–'} |")
+    L += [
+        "",
+        "Kernel-group clocks go into the preset only where this GPU measured the group's duration and it differs from "
+        "the phase clock; the controller uses one only if the group lasts `group_min_switch_multiple` x `switch_latency_ms`.",
+        "",
+    ]
+    return L
 
 
 def _plot(res: Any, path: Path) -> Path | None:
