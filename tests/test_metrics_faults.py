@@ -159,3 +159,37 @@ def test_an_unexpected_collector_failure_leaves_vllms_metrics_served(tmp_path, m
     got = samples(scrape(tmp_path))
     assert got == {("vllm_own_requests_total", ()): 1.0, ("vllm_own_requests_created", ()): got[("vllm_own_requests_created", ())]}
     assert any("disk on fire" in m for m in warnings_seen)
+
+
+def test_a_full_snapshot_fills_every_family_of_the_table(tmp_path):
+    """Every row of metrics.FAMILIES gets samples from a snapshot that holds every figure (a family
+    the collector fills under a wrong name would fail the whole scrape, caught, and export nothing)."""
+    full = {
+        **GOOD,
+        "engine": 0,
+        "energy_j": {"prefill": 1.5, "decode": 2.0, "idle": 10.0},
+        "window": {"window_s": 60.0, "seconds": 30.0, "energy_j": 12.5, "prefill_tokens": 100, "decode_tokens": 33},
+        "steady": {"seconds": 5.0, "energy_j": 4.0, "tokens": {"prefill": 20, "decode": 80}},
+        "mem_clock_mhz": 2619,
+        "temperature_c": 41.5,
+        "clock_event_reasons": 4,
+        "target_sm_clock_mhz": 1400,
+        "counter_resets": 1,
+        "counter_wraps": 2,
+        "meter_faults": 3,
+        "lm_head_calls": {"1": 10},
+        "cuda_perf_boost": "auto",
+        "cuda_boost": {"held": True, "switches": 7},
+        "closed_loop": {"step_time_source": "simulated", "probes_total": 5, "buckets": {"8": {"state": "hold", "baseline_ms": 12.5}}},
+        "idle_while_busy_j": 3.25,
+        "idle_while_busy_s": 0.5,
+        "frontend_busy_s": 4.0,
+        "requests_finished": 12,
+        "request_energy_j_finished": 8.5,
+        "request_energy_j_tail": 0.75,
+        "savings": {"clocks": {"state": "on", "basis": "measured"}},
+    }
+    (tmp_path / "rank0.json").write_text(json.dumps(full))
+    exposed = {fam.name for fam in text_string_to_metric_families(scrape(tmp_path)) if fam.samples}
+    assert exposed >= {f.name for f in metrics.FAMILIES}
+    assert len(metrics.FAMILIES) == len({f.name for f in metrics.FAMILIES})
