@@ -30,6 +30,7 @@ import random
 import statistics as st
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from ..sim.gpu import H200, GpuSpec, StepWork, simulate_step
 
@@ -359,18 +360,77 @@ def sweep_and_solve(
     if repeats < 1 or recheck < 2:
         raise ValueError(f"repeats = {repeats}, recheck = {recheck}: need repeats >= 1 and recheck >= 2")
     grid = tuple(sorted({int(f) for f in clocks if f != DEFAULT})) + (DEFAULT,)
+    table = _sweep_table(measure, items, grid, repeats, progress, table)
+    g = _guard(table, items, grid, repeats, recheck, tol_floor)
+    solve = SOLVERS[solver]
+    rounds: list[dict] = []
+    verified: list[tuple[Choice, dict]] = []  # choices whose re-measurement met the time budget
+    banned: set[tuple[str, int]] = set()  # (item, clock) re-measured slower than the budget allows
+    naive = None
+    for rnd in range(max_rounds):
+        choice = solve(_without(_table_curves(table, grid, source), banned), min(10.0, max(budget, g.tol_t_sweep)))
+        if naive is None:
+            naive = choice
+        if all(f == DEFAULT for f in choice.clocks.values()):
+            rounds.append(_default_round(rnd, choice))
+            break
+        pairs, per_item, fresh = _remeasure(measure, items, choice, recheck, progress)
+        rec, time_ok = _judge_round(rnd, choice, pairs, budget, g)
+        rounds.append(rec)
+        for (k, f), ms in fresh.items():
+            table[k][f].extend(ms)
+        if time_ok:
+            verified.append((choice, rec))
+        else:
+            banned |= _too_slow(items, choice, per_item, max(budget, g.tol_t))
+        if rec["accepted"]:
+            break
+    return _final_result(items, verified, naive, rounds, table, g)
+
+
+class _Guard(NamedTuple):
+    """The sweep's noise (median relative standard deviation of its repeats) and the tolerances
+    derived from it, all fractions; see :func:`sweep_and_solve`'s Returns."""
+
+    noise: float  # energy
+    noise_t: float  # time
+    tol: float  # re-measured saving below the expected one by more than this: disagreement
+    tol_t_sweep: float  # the sweep solves with at least this slowdown budget
+    tol_t: float  # the re-measurement accepts at least this slowdown
+
+
+def _sweep_table(
+    measure: Measure,
+    items: Sequence[str],
+    grid: tuple[int, ...],
+    repeats: int,
+    progress: Callable[[int], None] | None,
+    table: dict[str, dict[int, list[tuple[float, float]]]] | None,
+) -> dict[str, dict[int, list[tuple[float, float]]]]:
+    """Readings per item and clock: a copy of ``table`` if given, else ``repeats`` sweeps of ``grid``
+    (alternating direction)."""
     # Curves index the default as their last clock; store it under DEFAULT.
     if table is not None:
-        table = {k: {f: list(table[k][f]) for f in grid} for k in items}
-    else:
-        table = {k: {f: [] for f in grid} for k in items}
-        for rep in range(repeats):
-            order = grid if rep % 2 == 0 else tuple(reversed(grid))
-            for f in order:
-                for k in items:
-                    table[k][f].append(measure(k, f))
-            if progress:
-                progress(len(grid) * len(items))
+        return {k: {f: list(table[k][f]) for f in grid} for k in items}
+    table = {k: {f: [] for f in grid} for k in items}
+    for rep in range(repeats):
+        order = grid if rep % 2 == 0 else tuple(reversed(grid))
+        for f in order:
+            for k in items:
+                table[k][f].append(measure(k, f))
+        if progress:
+            progress(len(grid) * len(items))
+    return table
+
+
+def _guard(
+    table: dict[str, dict[int, list[tuple[float, float]]]],
+    items: Sequence[str],
+    grid: tuple[int, ...],
+    repeats: int,
+    recheck: int,
+    tol_floor: float,
+) -> _Guard:
     noise = st.median([_rel_sd([x[1] for x in table[k][f]]) for k in items for f in grid]) if repeats > 1 else 0.03
     noise_t = st.median([_rel_sd([x[0] for x in table[k][f]]) for k in items for f in grid]) if repeats > 1 else 0.01
     # Two standard errors of the median of ``recheck`` paired ratios (1.25 x the mean's standard error).
@@ -380,83 +440,101 @@ def sweep_and_solve(
     # reading. A larger budget is applied as given.
     tol_t_sweep = 2 * noise_t * math.sqrt(2 / repeats)
     tol_t = max(tol_floor / 5, 2 * 1.25 * noise_t * math.sqrt(2 / recheck))
-    solve = SOLVERS[solver]
-    rounds: list[dict] = []
-    verified: list[tuple[Choice, dict]] = []  # choices whose re-measurement met the time budget
-    banned: set[tuple[str, int]] = set()  # (item, clock) re-measured slower than the budget allows
-    naive = None
-    for rnd in range(max_rounds):
-        curves = _table_curves(table, grid, source)
-        if banned:
-            curves = {
-                k: Curve(c.clocks, tuple(math.inf if (k, f) in banned else t for f, t in zip(c.clocks, c.t)), c.e, c.source)
-                for k, c in curves.items()
-            }
-        choice = solve(curves, min(10.0, max(budget, tol_t_sweep)))
-        if naive is None:
-            naive = choice
-        if all(f == DEFAULT for f in choice.clocks.values()):
-            rounds.append(
-                {
-                    "round": rnd + 1,
-                    "clocks": dict(choice.clocks),
-                    "expected_saving": 0.0,
-                    "remeasured_saving": 0.0,
-                    "expected_slowdown": 0.0,
-                    "remeasured_slowdown": 0.0,
-                    "accepted": True,
-                }
-            )
-            break
-        pairs: list[tuple[float, float]] = []  # per interleaved pair: (time ratio, energy ratio) new / default
-        per_item = {k: {"new": 0.0, "def": 0.0} for k in items}
-        fresh: dict[tuple[str, int], list[tuple[float, float]]] = {}
-        for r in range(recheck):
-            sums = {"new": [0.0, 0.0], "def": [0.0, 0.0]}
-            for which in ("new", "def") if r % 2 == 0 else ("def", "new"):
-                for k in items:
-                    f = choice.clocks[k] if which == "new" else DEFAULT
-                    m = measure(k, f)
-                    fresh.setdefault((k, f), []).append(m)
-                    sums[which][0] += m[0]
-                    sums[which][1] += m[1]
-                    per_item[k][which] += m[0]
-            pairs.append((sums["new"][0] / sums["def"][0], sums["new"][1] / sums["def"][1]))
-        if progress:
-            progress(2 * recheck * len(items))
-        # Medians of the paired ratios: one stray reading in the re-measurement cannot carry it either.
-        re_s, re_d = 1 - st.median(p[1] for p in pairs), st.median(p[0] for p in pairs) - 1
-        exp_s, exp_d = choice.saving, choice.slowdown
-        time_ok = re_d <= max(budget, tol_t)
-        ok = time_ok and re_s >= exp_s - tol
-        rec = {
-            "round": rnd + 1,
-            "clocks": dict(choice.clocks),
-            "expected_saving": exp_s,
-            "remeasured_saving": re_s,
-            "expected_slowdown": exp_d,
-            "remeasured_slowdown": re_d,
-            "accepted": ok,
-        }
-        rounds.append(rec)
-        for (k, f), ms in fresh.items():
-            table[k][f].extend(ms)
-        if time_ok:
-            verified.append((choice, rec))
-        else:
-            slow = {
-                (k, choice.clocks[k])
-                for k in items
-                if choice.clocks[k] != DEFAULT and per_item[k]["new"] > per_item[k]["def"] * (1 + max(budget, tol_t))
-            }
-            banned |= slow or {(k, choice.clocks[k]) for k in items if choice.clocks[k] != DEFAULT}
-        if ok:
-            break
+    return _Guard(noise, noise_t, tol, tol_t_sweep, tol_t)
+
+
+def _without(curves: dict[str, Curve], banned: set[tuple[str, int]]) -> dict[str, Curve]:
+    """``curves`` with the banned (item, clock) points made infinitely slow."""
+    if not banned:
+        return curves
+    return {
+        k: Curve(c.clocks, tuple(math.inf if (k, f) in banned else t for f, t in zip(c.clocks, c.t)), c.e, c.source)
+        for k, c in curves.items()
+    }
+
+
+def _default_round(rnd: int, choice: Choice) -> dict:
+    """The record of a round whose choice is the default clock: nothing to re-measure."""
+    return {
+        "round": rnd + 1,
+        "clocks": dict(choice.clocks),
+        "expected_saving": 0.0,
+        "remeasured_saving": 0.0,
+        "expected_slowdown": 0.0,
+        "remeasured_slowdown": 0.0,
+        "accepted": True,
+    }
+
+
+def _remeasure(
+    measure: Measure, items: Sequence[str], choice: Choice, recheck: int, progress: Callable[[int], None] | None
+) -> tuple[list[tuple[float, float]], dict[str, dict[str, float]], dict[tuple[str, int], list[tuple[float, float]]]]:
+    """``recheck`` interleaved measurements of ``choice`` and of the default.
+
+    Returns per pair the (time, energy) ratios new / default, per item the summed seconds of each,
+    and the fresh readings per (item, clock).
+    """
+    pairs: list[tuple[float, float]] = []  # per interleaved pair: (time ratio, energy ratio) new / default
+    per_item = {k: {"new": 0.0, "def": 0.0} for k in items}
+    fresh: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    for r in range(recheck):
+        sums = {"new": [0.0, 0.0], "def": [0.0, 0.0]}
+        for which in ("new", "def") if r % 2 == 0 else ("def", "new"):
+            for k in items:
+                f = choice.clocks[k] if which == "new" else DEFAULT
+                m = measure(k, f)
+                fresh.setdefault((k, f), []).append(m)
+                sums[which][0] += m[0]
+                sums[which][1] += m[1]
+                per_item[k][which] += m[0]
+        pairs.append((sums["new"][0] / sums["def"][0], sums["new"][1] / sums["def"][1]))
+    if progress:
+        progress(2 * recheck * len(items))
+    return pairs, per_item, fresh
+
+
+def _judge_round(rnd: int, choice: Choice, pairs: list[tuple[float, float]], budget: float, g: _Guard) -> tuple[dict, bool]:
+    """The round's record (accepted: within the time budget and the saving confirmed) and whether
+    the re-measured slowdown met the time budget."""
+    # Medians of the paired ratios: one stray reading in the re-measurement cannot carry it either.
+    re_s, re_d = 1 - st.median(p[1] for p in pairs), st.median(p[0] for p in pairs) - 1
+    exp_s, exp_d = choice.saving, choice.slowdown
+    time_ok = re_d <= max(budget, g.tol_t)
+    ok = time_ok and re_s >= exp_s - g.tol
+    rec = {
+        "round": rnd + 1,
+        "clocks": dict(choice.clocks),
+        "expected_saving": exp_s,
+        "remeasured_saving": re_s,
+        "expected_slowdown": exp_d,
+        "remeasured_slowdown": re_d,
+        "accepted": ok,
+    }
+    return rec, time_ok
+
+
+def _too_slow(items: Sequence[str], choice: Choice, per_item: dict[str, dict[str, float]], slowdown_max: float) -> set[tuple[str, int]]:
+    """The (item, clock) points of ``choice`` re-measured slower than ``slowdown_max`` allows (all of
+    its lowered points if no single item was)."""
+    slow = {
+        (k, choice.clocks[k]) for k in items if choice.clocks[k] != DEFAULT and per_item[k]["new"] > per_item[k]["def"] * (1 + slowdown_max)
+    }
+    return slow or {(k, choice.clocks[k]) for k in items if choice.clocks[k] != DEFAULT}
+
+
+def _final_result(
+    items: Sequence[str],
+    verified: list[tuple[Choice, dict]],
+    naive: Choice | None,
+    rounds: list[dict],
+    table: dict[str, dict[int, list[tuple[float, float]]]],
+    g: _Guard,
+) -> SweepResult:
     # The final choice: the verified (re-measured, within the time budget) choice with the largest
     # re-measured saving, if that saving exceeds the tolerance; else the default clock.
     # Rounds whose re-measurement confirmed the sweep come first; from any other round the sweep's
     # expectation was disproved, so its re-measured figure is what is reported as expected.
-    good = [(c, r) for c, r in verified if r["remeasured_saving"] > tol]
+    good = [(c, r) for c, r in verified if r["remeasured_saving"] > g.tol]
     base = naive if naive is not None else Choice({k: DEFAULT for k in items}, 0.0, 0.0, 0.0, 0.0)
     if good:
         choice, rec = max([cr for cr in good if cr[1]["accepted"]] or good, key=lambda cr: cr[1]["remeasured_saving"])
@@ -471,18 +549,18 @@ def sweep_and_solve(
             exp_d,
             rec["remeasured_saving"],
             rec["remeasured_slowdown"],
-            noise,
-            tol,
+            g.noise,
+            g.tol,
             False,
             rounds,
             table,
             naive,
-            noise_t,
-            tol_t,
+            g.noise_t,
+            g.tol_t,
         )
     fell_back = any(any(f != DEFAULT for f in r["clocks"].values()) for r in rounds)
     default = Choice({k: DEFAULT for k in items}, base.t_base, base.e_base, base.t_base, base.e_base, base.policy)
-    return SweepResult(default, 0.0, 0.0, 0.0, 0.0, noise, tol, fell_back, rounds, table, naive, noise_t, tol_t)
+    return SweepResult(default, 0.0, 0.0, 0.0, 0.0, g.noise, g.tol, fell_back, rounds, table, naive, g.noise_t, g.tol_t)
 
 
 # --------------------------------------------------------------------------------------------
