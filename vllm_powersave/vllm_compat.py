@@ -273,6 +273,13 @@ def installed_features() -> set[str]:
     return set(_INSTALLED)
 
 
+def forget_patches(*keys: str) -> None:
+    """Let the next install of these hooks (``"sched.schedule"``, ``"sched.add_request"``, ...)
+    wrap again: for a caller that wraps fresh stand-in classes in one process
+    (``benchmarks/hook_overhead.py``). The classes already wrapped stay wrapped."""
+    _PATCHED.difference_update(keys)
+
+
 def _patch(owner: Any, name: str, key: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> bool:
     """Replace ``owner.name`` with ``make(original)`` once per process (keyed by ``key``)."""
     if key in _PATCHED:
