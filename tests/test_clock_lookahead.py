@@ -189,12 +189,16 @@ def test_lm_head_group_switches_around_the_lm_head_hook(monkeypatch):
     s = _settings(presets={"prefill": {"groups": {"lm_head": {"sm_clock_mhz": 900, "duration_ms": 70}}}})
     backend = DryRunClockBackend()
     ctl = ClockController(backend, s, asynchronous=False, watchdog=False)
-    monkeypatch.setattr(runtime, "_RUNTIME", type("RT", (), {"clocks": ctl, "head_groups": True})())
-    ctl.on_phase("decode", 0.0)
-    out = runtime.chunked_head(lambda h: h * 2, torch.ones(3, 4))
-    assert torch.equal(out, torch.full((3, 4), 2.0)) and list(backend.calls) == []  # no lm_head preset in decode
-    ctl.on_phase("prefill", 0.1)
-    runtime.chunked_head(lambda h: h * 2, torch.ones(3, 4))
+    saved = runtime.process_runtime()
+    runtime.install_runtime(type("RT", (), {"clocks": ctl, "head_groups": True})())
+    try:
+        ctl.on_phase("decode", 0.0)
+        out = runtime.chunked_head(lambda h: h * 2, torch.ones(3, 4))
+        assert torch.equal(out, torch.full((3, 4), 2.0)) and list(backend.calls) == []  # no lm_head preset in decode
+        ctl.on_phase("prefill", 0.1)
+        runtime.chunked_head(lambda h: h * 2, torch.ones(3, 4))
+    finally:
+        runtime.install_runtime(saved)
     assert [(d.phase, d.sm_clock_mhz) for d in ctl.decisions] == [("prefill/lm_head", 900), ("prefill", None)]
     assert list(backend.calls) == [("set", 900, None), ("reset", None, None)]
 

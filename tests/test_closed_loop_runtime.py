@@ -87,6 +87,6 @@ def test_a_fault_in_the_closed_loop_turns_only_it_off(monkeypatch, tmp_path):
         rt.publish()  # drains: the fault is caught there
         lines = (tmp_path / "trace-rank0.jsonl").read_text().splitlines()
         assert len([x for x in lines if "t" in json.loads(x)]) == 10  # steps still traced
-        assert rt._closed_loop is False
+        assert rt.closed_loop_active is False
     finally:
         rt.close()

@@ -191,9 +191,7 @@ def test_tensor_parallel_ranks_sum_to_engine_and_requests(monkeypatch, tmp_path)
         for rt in rts:
             # The background publisher keeps ticking the account (and the fake counter's interpolation
             # keeps adding energy): stop it, so the scrape and the accounts below are one moment.
-            rt._stop.set()
-            rt._wake.set()
-            rt._thread.join()
+            rt.stop_publisher_thread()
             rt.account.tick()
             rt.publish()
         m = scrape(tmp_path)
@@ -303,14 +301,12 @@ def test_gauges_are_read_once_per_gauge_period(monkeypatch, tmp_path):
     """Power/clock/extras cost NVML reads (milliseconds each on some hosts): at most one set per
     gauge_period_s, however often the publisher runs."""
     nvml = FakeNvmlDevices(uuids=("GPU-aaaa-0000", "GPU-bbbb-1111"))
-    runtime = make_runtime(monkeypatch, tmp_path, nvml)
+    reads = []
+    orig = nvml.nvmlDeviceGetClockInfo
+    monkeypatch.setattr(nvml, "nvmlDeviceGetClockInfo", lambda h, k: reads.append(k) or orig(h, k))
+    # idle_after_s 20: the background publisher stays out; the runtime's first publish reads the gauges.
+    runtime = make_runtime(monkeypatch, tmp_path, nvml, energy={"idle_after_s": 20.0, "gauge_period_s": 60.0, "tick_s": 0.05})
     try:
-        e = runtime.settings.energy.model_copy(update={"gauge_period_s": 60.0})
-        runtime.settings = runtime.settings.model_copy(update={"energy": e})
-        reads = []
-        orig = nvml.nvmlDeviceGetClockInfo
-        monkeypatch.setattr(nvml, "nvmlDeviceGetClockInfo", lambda h, k: reads.append(k) or orig(h, k))
-        runtime._gauge_cache = None
         for _ in range(5):
             runtime.publish()
         assert len(reads) == 2  # SM + memory clock, once
@@ -466,19 +462,19 @@ def test_prompt_logprob_rows_are_read_only_where_they_can_be_nonzero(monkeypatch
     nvml = FakeNvmlDevices(uuids=("GPU-aaaa-0000", "GPU-bbbb-1111"))
     rt = make_runtime(monkeypatch, tmp_path, nvml, trace_steps=True)
     calls = []
-    orig = rt._plp_rows.rows
-    monkeypatch.setattr(rt._plp_rows, "rows", lambda so: calls.append(1) or orig(so))
+    orig = rt.drain.plp_rows.rows
+    monkeypatch.setattr(rt.drain.plp_rows, "rows", lambda so: calls.append(1) or orig(so))
     try:
         for _ in range(4):  # decode-only steps, nothing pending: never asked
             rt.on_step_start(sched({"a": 1, "b": 1}))
             rt.on_step_end()
         rt.drain_steps()
         assert calls == [] and rt.account.steps["decode"] == 4
-        rt._plp_rows.left["a"] = 3  # a request with prompt-logprob rows still to come: asked
+        rt.drain.plp_rows.left["a"] = 3  # a request with prompt-logprob rows still to come: asked
         rt.on_step_start(sched({"a": 1, "b": 1}))
         rt.on_step_end()
         rt.drain_steps()
-        assert calls == [1] and rt._plp_rows.left == {"a": 2}
+        assert calls == [1] and rt.drain.plp_rows.left == {"a": 2}
     finally:
         rt.close()
 
@@ -579,16 +575,14 @@ def test_step_records_drained_in_batches_equal_feeding_every_step(monkeypatch, t
             return tick[0]
 
         clock = SimpleNamespace(monotonic=mono, time=lambda: 0.0)
-        for part in (rt_mod.build, rt_mod.step, rt_mod.publisher):  # every module of the runtime on this clock
+        for part in (rt_mod.step, rt_mod.publisher):  # every module of the runtime on this clock
             monkeypatch.setattr(part, "time", clock)
         d = tmp_path / ("inline" if inline else "batched")
         d.mkdir()
         nvml = FakeNvmlDevices(uuids=("GPU-aaaa-0000", "GPU-bbbb-1111"))
         rt = make_runtime(monkeypatch, d, nvml, trace_steps=True, clocks={"presets": {"decode": {"sm_clock_mhz": 1200}}})
-        rt._stop.set()  # this test drains; the publisher thread stays out
-        rt._wake.set()
-        rt._thread.join()
-        rt._drain_inline = inline
+        rt.stop_publisher_thread()  # this test drains; the publisher thread stays out
+        rt.step_path.drain_inline = inline
         events = []
         try:
             for so, (no_end, mid, after) in zip(steps, plan):
@@ -604,7 +598,7 @@ def test_step_records_drained_in_batches_equal_feeding_every_step(monkeypatch, t
             rt.drain_steps(final=True)
             events.extend(rt.account._events)
             rt.account._events.clear()
-            rt._flush_trace(final=True)
+            rt.publisher.flush_trace(final=True)
             acc = rt.account
             results.append(
                 (
@@ -612,12 +606,12 @@ def test_step_records_drained_in_batches_equal_feeding_every_step(monkeypatch, t
                     dict(acc.steps),
                     dict(acc.tokens),
                     dict(acc.steady_tokens),
-                    dict(rt._plp_rows.left),
+                    dict(rt.drain.plp_rows.left),
                     (d / "trace-rank0.jsonl").read_text(),
                 )
             )
         finally:
-            rt._drain_inline = True
+            rt.step_path.drain_inline = True
             rt.close()
     inline_r, batched_r = results
     assert len(inline_r[0]) > 300 and inline_r[5].count("\n") > 200

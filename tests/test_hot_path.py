@@ -26,6 +26,7 @@ from vllm_powersave.energy.meters import EnergyMeter
 from vllm_powersave.phases import IDLE, ReqSched, StepInfo, classify, classify_counts
 from vllm_powersave.runtime import RegimeFilter, clock_phase
 from vllm_powersave.settings import PowersaveSettings, load_settings
+from vllm_powersave.stats_contract import TRACE_KEYS, trace_line
 
 
 # --- StepInfo -------------------------------------------------------------------------------------
@@ -136,13 +137,13 @@ def test_trace_line_equals_json_dumps():
             rng.choice(floats + [None]) if rng.random() < 0.85 else rng.choice(odd_floats),
         ]
         try:
-            want = json.dumps(dict(zip(runtime._TRACE_KEYS, r))) + "\n"
+            want = json.dumps(dict(zip(TRACE_KEYS, r))) + "\n"
         except TypeError:
             with pytest.raises(TypeError):
-                runtime._trace_line(r)
+                trace_line(r)
             continue
-        assert runtime._trace_line(r) == want
-        assert runtime._trace_line(tuple(r)) == want
+        assert trace_line(r) == want
+        assert trace_line(tuple(r)) == want
         n += 1
     assert n > 10000
 
@@ -188,7 +189,7 @@ def test_trace_records_get_their_end_time_and_the_newest_stays_in_memory(monkeyp
         rt.publish()
         lines = (tmp_path / "trace-rank0.jsonl").read_text().splitlines()
         steps = [json.loads(x) for x in lines]
-        assert len(steps) == 5 and all(list(s) == list(runtime._TRACE_KEYS) for s in steps)
+        assert len(steps) == 5 and all(list(s) == list(TRACE_KEYS) for s in steps)
         assert all(s["t_end"] >= s["t"] and (s["phase"], s["reqs"], s["rows"], s["ctx"]) == ("decode", 4, 4, 400) for s in steps)
         assert lines[0] == json.dumps(steps[0])
         rt.on_step_end()
@@ -220,7 +221,7 @@ def test_step_hook_does_per_step_work_only_for_options_that_read_steps(monkeypat
         for i in range(3):
             bare.on_step_start(_decode_so(4, t=1.0 + i))
             bare.on_step_end()
-        assert (bare._per_step, bare._steps, classified) == (False, None, [])
+        assert (bare.step_path.per_step, bare.drain.handoff.steps, classified) == (False, None, [])
     finally:
         bare.close()
     presets = make(clocks={"presets": {"decode": {"sm_clock_mhz": 1200}}})
@@ -228,7 +229,7 @@ def test_step_hook_does_per_step_work_only_for_options_that_read_steps(monkeypat
         for i in range(3):
             presets.on_step_start(_decode_so(4, t=1.0 + i))
             presets.on_step_end()
-        assert presets._steps is None and classified == []  # decode-only steps: decode_step_tokens, no StepInfo
+        assert presets.drain.handoff.steps is None and classified == []  # decode-only steps: decode_step_tokens, no StepInfo
         assert presets.clocks.phase == "decode"
         presets.on_step_start(_decode_so(4, t=5.0, new=1))  # any other step: step_info, without the ctx sum
         assert classified == [False]
@@ -240,7 +241,9 @@ def test_step_hook_does_per_step_work_only_for_options_that_read_steps(monkeypat
         traced.on_step_end()
         traced.on_step_start(_decode_so(2, t=2.0))
         traced.drain_steps()
-        assert len(traced._steps) == 1 and len(traced._trace) == 1 and traced._trace[0][6] == 4  # reqs of the ended step
+        assert (
+            len(traced.drain.handoff.steps) == 1 and len(traced.drain.trace) == 1 and traced.drain.trace[0][6] == 4
+        )  # reqs of the ended step
         assert classified[1:] == [True, True]  # no presets: the drain classifies (ctx included), the running step too
     finally:
         traced.close()
@@ -516,11 +519,22 @@ def test_chunk_policy_take_is_chunks_then_record():
         assert a.calls == b.calls and a.rows_total == b.rows_total
 
 
-def test_chunked_head_calls_the_head_once_for_one_chunk(monkeypatch):
+@pytest.fixture
+def process_hooks():
+    """The process's chunk policy and runtime, set by a test through runtime's public seams and
+    cleared after it."""
+    saved = runtime.process_runtime()
+    yield
+    runtime.set_chunk_policy(None)
+    runtime.install_runtime(saved)
+
+
+def test_chunked_head_calls_the_head_once_for_one_chunk(process_hooks):
     torch = pytest.importorskip("torch")
     s = load_settings({"chunking": {"table": [{"min_rows": 4, "chunks": 2}]}}, env={}).chunking
-    monkeypatch.setattr(runtime, "_POLICY", ChunkPolicy(s))
-    monkeypatch.setattr(runtime, "_RUNTIME", None)
+    policy = ChunkPolicy(s)
+    runtime.set_chunk_policy(policy)
+    runtime.install_runtime(None)
     seen = []
 
     def head(h):
@@ -535,33 +549,34 @@ def test_chunked_head_calls_the_head_once_for_one_chunk(monkeypatch):
     assert torch.equal(runtime.chunked_head(head, y, None, (w, None)), y * 2) and seen == [3]
     # ... any other head runs once, unchunked: splitting it would hold block results beside the output.
     assert torch.equal(runtime.chunked_head(head, y), y * 2) and seen == [3, 4]
-    assert dict(runtime._POLICY.calls) == {1: 1, 2: 2} and runtime._POLICY.rows_total == 11
+    assert dict(policy.calls) == {1: 1, 2: 2} and policy.rows_total == 11
 
 
-def test_head_chunks_is_zero_where_vllms_own_call_applies(monkeypatch):
+def test_head_chunks_is_zero_where_vllms_own_call_applies(process_hooks):
     """0 (the subclass calls vLLM's head directly) for one chunk and no lm_head group preset; the
     chunk count otherwise, and 1 where only the group preset applies. Every call is recorded."""
     torch = pytest.importorskip("torch")
     s = load_settings({"chunking": {"table": [{"min_rows": 4, "chunks": 2}]}}, env={}).chunking
-    monkeypatch.setattr(runtime, "_POLICY", ChunkPolicy(s))
-    monkeypatch.setattr(runtime, "_RUNTIME", None)
+    policy = ChunkPolicy(s)
+    runtime.set_chunk_policy(policy)
+    runtime.install_runtime(None)
     assert runtime.head_chunks(torch.ones(3, 2)) == 0
     assert runtime.head_chunks(torch.ones(4, 2)) == 2
     assert runtime.head_chunks(torch.ones(2)) == 0  # one row
     grouped = type("C", (), {"groups": {"prefill": {}}, "has_group": lambda self, g: g == "lm_head"})()
-    monkeypatch.setattr(runtime, "_RUNTIME", type("RT", (), {"clocks": grouped, "head_groups": True})())
+    runtime.install_runtime(type("RT", (), {"clocks": grouped, "head_groups": True})())
     assert runtime.head_chunks(torch.ones(3, 2)) == 1 and runtime.head_chunks(torch.ones(5, 2)) == 2
-    assert dict(runtime._POLICY.calls) == {1: 3, 2: 2} and runtime._POLICY.rows_total == 3 + 4 + 1 + 3 + 5
+    assert dict(policy.calls) == {1: 3, 2: 2} and policy.rows_total == 3 + 4 + 1 + 3 + 5
 
 
-def test_chunked_head_fails_open_on_its_own_faults_but_not_on_the_heads(monkeypatch, caplog):
+def test_chunked_head_fails_open_on_its_own_faults_but_not_on_the_heads(monkeypatch, caplog, process_hooks):
     import torch
 
     class Broken:
         def take(self, rows):
             raise KeyError("table")
 
-    monkeypatch.setattr(runtime, "_POLICY", Broken())
+    runtime.set_chunk_policy(Broken())
     monkeypatch.setattr(vllm_compat, "_HOOK_ERRORS", set())
     x = torch.ones(3, 4)
     with caplog.at_level("ERROR", logger="vllm.powersave"):
@@ -682,7 +697,7 @@ def test_kernel_warmup_on_a_serving_worker_is_neither_traced_nor_decided(monkeyp
             {"stats_dir": str(tmp_path), "trace_steps": True, "energy": {"meter": "simulated", "idle_after_s": 20.0}, **extra}
         ),
     )
-    rt._drain_inline = False  # as with NVML: the publisher drains (here: by hand)
+    rt.step_path.drain_inline = False  # as with NVML: the publisher drains (here: by hand)
     try:
         seq = [
             _warmup_so(),
@@ -700,7 +715,7 @@ def test_kernel_warmup_on_a_serving_worker_is_neither_traced_nor_decided(monkeyp
             phases.append(rt.clocks.phase)
             rt.on_step_end()
         rt.drain_steps(final=True)
-        assert [(r[1], r[3], r[6]) for r in rt._trace] == [("decode", 2, 2), ("decode", 2, 2), ("decode", 3, 3)]
+        assert [(r[1], r[3], r[6]) for r in rt.drain.trace] == [("decode", 2, 2), ("decode", 2, 2), ("decode", 3, 3)]
         assert rt.account.steps["decode"] == 3 and rt.account.steps["prefill"] == 0
         assert rt.account.tokens == {"prefill": 0, "decode": 7}
         if decides:
@@ -725,10 +740,8 @@ def test_a_record_that_cannot_be_fed_loses_only_its_step(monkeypatch, tmp_path, 
             }
         ),
     )  # the drain path alone: no per-step clock decision
-    rt._stop.set()
-    rt._wake.set()
-    rt._thread.join()  # the publisher's work is driven by hand below
-    rt._drain_inline = False
+    rt.stop_publisher_thread()  # the publisher's work is driven by hand below
+    rt.step_path.drain_inline = False
 
     def bad_so():
         so = _decode_so(4)
@@ -741,7 +754,7 @@ def test_a_record_that_cannot_be_fed_loses_only_its_step(monkeypatch, tmp_path, 
         rt.on_step_end()
     rt.account.tick()  # drains through its feed: raised before the fix
     assert rt.account.steps["decode"] == 38 and rt.account.tokens["decode"] == 38 * 4
-    assert len(rt._steps) == 0  # every record ended, the two bad ones included
+    assert len(rt.drain.handoff.steps) == 0  # every record ended, the two bad ones included
     assert sum("feeding a step record" in r.getMessage() for r in caplog.records) == 1  # once, not per step
     rt.on_step_start(bad_so())  # still pending at close(): the final publish and trace flush happen anyway
     rt.on_step_end()
@@ -772,7 +785,7 @@ def test_close_writes_its_final_files_when_one_final_step_fails(monkeypatch, tmp
     monkeypatch.setattr(rt.account, "tick", broken_tick)
     caplog.set_level("WARNING", logger="vllm.powersave")
     rt.close()
-    assert not rt._thread.is_alive()  # joined before the final writes
+    assert not rt.publisher.running  # joined before the final writes
     assert json.loads((tmp_path / "rank0.json").read_text())["steps"]["decode"] == 5
     lines = (tmp_path / "trace-rank0.jsonl").read_text().splitlines()
     assert len([x for x in lines if "t" in json.loads(x)]) == 5  # step lines (decisions and energy ticks beside them)

@@ -9,9 +9,13 @@ Layout:
   ``on_arrival``, the LM-head hooks ``head_chunks`` / ``chunked_head``) and the process's
   runtime and chunk policy;
 * ``build.py``: construction (:class:`WorkerRuntime` from the settings and the runner);
-* ``step.py``: the step path (engine thread, hot) and the typed :class:`StepRecord`;
-* ``publisher.py``: the background thread draining step records into the energy account, the
-  trace and the stats files (``stats_contract.py``).
+* ``step.py``: the step path (engine thread, hot), the typed :class:`StepRecord` and the records
+  both threads share (``StepHandoff``, ``StepTiming``, ``CudaPeak``);
+* ``drain.py``: the step records into the energy account, the trace and the simulator;
+* ``publisher.py``: the background thread writing the stats files (``stats_contract.py``).
+
+:func:`install_runtime` and :func:`set_chunk_policy` are the seams that set (or clear) the
+process's runtime and chunk policy without a vLLM runner (tests, ``benchmarks/hook_overhead.py``).
 """
 
 from __future__ import annotations
@@ -24,13 +28,13 @@ from ..chunking.policy import ChunkPolicy, apply_chunked
 from ..clocks.regime import RegimeFilter, clock_phase, own_phase
 from ..envs import ENV_FORCE_DRY_RUN
 from ..settings import settings_from_env
-from ..stats_contract import TRACE_KEYS as _TRACE_KEYS  # noqa: F401 - the one-module runtime's names (tests, benchmarks)
-from ..stats_contract import trace_line as _trace_line  # noqa: F401
-from .build import WorkerRuntime, _init_nvml  # noqa: F401
+from .build import NVML, NvmlAccess, WorkerRuntime
 from .step import StepRecord
 
 __all__ = [
     "ENV_FORCE_DRY_RUN",
+    "NVML",
+    "NvmlAccess",
     "RegimeFilter",
     "StepRecord",
     "WorkerRuntime",
@@ -38,10 +42,13 @@ __all__ = [
     "chunked_head",
     "clock_phase",
     "head_chunks",
+    "install_runtime",
     "on_arrival",
     "on_step_end",
     "on_step_start",
     "own_phase",
+    "process_runtime",
+    "set_chunk_policy",
 ]
 
 _POLICY: ChunkPolicy | None = None
@@ -54,6 +61,26 @@ def chunk_policy() -> ChunkPolicy:
     if _POLICY is None:
         _POLICY = ChunkPolicy(settings_from_env().chunking)
     return _POLICY
+
+
+def set_chunk_policy(policy: ChunkPolicy | None) -> None:
+    """Make ``policy`` the process's chunk policy (the LM-head hook's); ``None``: read it again
+    from the settings (``$POWERSAVE_SETTINGS_JSON``) at its next use."""
+    global _POLICY
+    _POLICY = policy
+
+
+def install_runtime(rt: WorkerRuntime | None) -> None:
+    """Make ``rt`` the process's runtime, the one vLLM's hooks reach; ``None``: none, until the
+    next step builds one from the runner. Closing a runtime stays its owner's job."""
+    global _RUNTIME
+    with _RT_LOCK:
+        _RUNTIME = rt
+
+
+def process_runtime() -> WorkerRuntime | None:
+    """The process's runtime (``None`` until the first real step built it)."""
+    return _RUNTIME
 
 
 def _head_fault(where: str, exc: Exception) -> None:

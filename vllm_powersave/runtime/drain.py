@@ -1,0 +1,206 @@
+"""The drain: feeds the step path's records to the energy account, the step trace, the simulator
+and the closed-loop decode clock, off the engine thread.
+
+:class:`StepDrain` consumes the :class:`~vllm_powersave.runtime.step.StepHandoff`'s records
+oldest first, on the publisher thread every tick (and inline where a simulator prices each step at
+its clock, ``StepPath.drain_inline``), under a lock the step hook never takes. The step trace's
+records (``TraceLine``) it appends are written by the publisher (``publisher.py``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from .. import vllm_compat
+from ..clocks import ClockController
+from ..device.step_timer import WALL, SimulatedStepTimer
+from ..energy import PhaseEnergyAccount
+from ..sim.gpu import ModelCost, SimulatedGpu
+from ..stats_contract import TraceLine
+from .step import FAILED, WARMUP, StepHandoff, StepRecord, StepTiming
+
+
+@dataclass(eq=False)
+class StepDrain:
+    """Turns step records into the account's steps, trace records and simulated work.
+
+    ``trace``: the step trace's records, for the publisher to write (``None``: no trace);
+    ``plp_rows``: the prompt-logprob rows still to come per request (``vllm_compat``);
+    ``sim_stock``: the simulated GPU at stock clocks, priced beside ``sim`` (the saving's baseline);
+    ``steady_batch``: the running batch counted as steady state (ML.ENERGY's window, account.py);
+    ``memory_bound_max_tokens``: the regime bound the closed loop's samples are tagged with.
+    """
+
+    handoff: StepHandoff
+    timing: StepTiming
+    clocks: ClockController
+    account: PhaseEnergyAccount | None
+    trace: deque[TraceLine] | None
+    plp_rows: vllm_compat.PromptLogprobRows
+    sim: SimulatedGpu | None
+    sim_stock: SimulatedGpu | None
+    model_cost: ModelCost | None
+    steady_batch: int | None
+    per_request: bool
+    memory_bound_max_tokens: int
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
+    _drained_start: StepRecord | None = field(default=None, init=False)  # the record whose start was fed last
+    # Finished steps held for the closed loop until the engine thread has read their GPU time (oldest first).
+    _timed_steps: deque[tuple[StepRecord, float, Any]] = field(default_factory=deque, init=False)
+
+    def drain_steps(self, final: bool = False) -> None:
+        """Feed the step records appended by :meth:`StepPath.on_step_start` to the energy account, the
+        step trace and the simulator, oldest first (any thread; serialised by a lock the step hook
+        never takes). A step still running keeps its record until its end is known, unless
+        ``final``. Idempotent: each record is consumed once."""
+        steps = self.handoff.steps
+        if not steps:
+            return
+        with self._lock:
+            acc, trace, plp, sim = self.account, self.trace, self.plp_rows, self.sim
+            closed_loop = self.timing.active
+            want_rows = trace is not None or sim is not None
+            while steps:
+                # Read the length before the end stamp: a newer record is appended only after the
+                # step thread stamped (or skipped) this one's end, so n > 1 means the end is final.
+                n = len(steps)
+                rec = steps[0]
+                if rec is not self._drained_start:
+                    self._drained_start = rec
+                    try:
+                        self._step_fed(rec, acc, plp, sim, want_rows)
+                    except Exception as exc:
+                        # One record that cannot be classified or fed loses that step only: it must
+                        # not stop the records behind it, the tick, the publish or close().
+                        rec.info = FAILED
+                        vllm_compat.fault_once("drain_steps", exc, "feeding a step record", "that step is not metered or traced")
+                if n == 1 and rec.t_end is None and not final:
+                    break
+                steps.popleft()
+                info = rec.info
+                t_end = rec.t_end
+                if (
+                    closed_loop
+                    and t_end is not None
+                    and info is not None
+                    and info is not WARMUP
+                    and info is not FAILED
+                    and info.phase != "idle"
+                ):
+                    self._time_closed_loop_step(rec, t_end, info)
+                if info is WARMUP:
+                    continue  # vLLM's kernel warm-up on a serving worker: no served work
+                if acc is not None and t_end is not None:
+                    acc.on_step_end(t_end)
+                if info is FAILED:
+                    continue
+                if trace is not None and info is not None and info.phase != "idle":
+                    trace.append(
+                        TraceLine(
+                            rec.t,
+                            info.phase,
+                            info.prefill_tokens,
+                            info.decode_tokens,
+                            rec.rows,
+                            info.decode_ctx_tokens,
+                            info.num_reqs,
+                            rec.sm_mhz,
+                            t_end,
+                        )
+                    )
+
+    def _time_closed_loop_step(self, rec: StepRecord, t_end: float, info: Any) -> None:
+        """Queue a finished step for the closed loop, then feed it every queued step whose time is
+        known, in step order. A timed step waits until the engine thread has read its GPU time
+        (``StepPath._read_step_times``: no CUDA call is made on this thread); a step it will never
+        read (the loop turned off, the GPU fell behind) is skipped. Without a timer (vLLM's CPU
+        build) the engine-thread wall time is the step's time."""
+        if rec.mark is None and rec.gpu_ms is None:
+            if self.timing.source == WALL:
+                self._observe_closed_loop(t_end, (t_end - rec.t) * 1e3, info)
+            return
+        if not self.clocks.closed_loop_active:
+            # Nothing more to learn for. After a backend fault the loop is off for good and the timer
+            # stops; at close, the last steps are simply not fed (clocks close before the final drain).
+            self._timed_steps.clear()
+            if self.clocks.disabled_reason is not None:
+                self.timing.turn_off(f"clock control off ({self.clocks.disabled_reason})")
+            return
+        wait = self._timed_steps
+        wait.append((rec, t_end, info))
+        while wait:
+            head, t_end, info = wait[0]
+            if head.gpu_ms is None:
+                if head.mark is not None and self.timing.timer is not None:
+                    break  # not read yet: the GPU is still running it, or the engine has not stepped since
+                wait.popleft()  # never to be read
+                continue
+            wait.popleft()
+            # The GPU runs a step after its launch and, with async scheduling, up to about one
+            # step after the engine thread moved on (two here, to err long): a clock switch
+            # anywhere in that span makes the step no measurement.
+            self._observe_closed_loop(t_end, head.gpu_ms, info, (head.t, t_end + 2e-3 * head.gpu_ms))
+
+    def _observe_closed_loop(self, t_end: float, step_ms: float, info: Any, span_s: tuple[float, float] | None = None) -> None:
+        """One finished step to the closed-loop decode clock (clocks/closed_loop.py): its time
+        (``StepTiming.source``), decode batch and regime. A fault turns the loop off, once."""
+        if not self.timing.active:
+            return
+        try:
+            self.clocks.observe_decode_step(
+                t_end,
+                info.decode_reqs,
+                step_ms,
+                memory_bound=info.decode_reqs > 0 and info.num_tokens <= self.memory_bound_max_tokens,
+                ctx_tokens=info.decode_ctx_tokens,
+                tokens=info.num_tokens,
+                span_s=span_s,
+            )
+        except Exception as exc:
+            self.timing.turn_off(f"fault ({type(exc).__name__})")
+            vllm_compat.fault_once("closed_loop", exc, "feeding the closed-loop decode clock", "the decode clock stays at its default")
+
+    def _step_fed(self, rec: StepRecord, acc: PhaseEnergyAccount | None, plp: Any, sim: SimulatedGpu | None, want_rows: bool) -> None:
+        """One record's start: prompt-logprob rows, the account's step, the simulator's work."""
+        so = rec.so
+        rec.so = None  # the SchedulerOutput is not kept past this point
+        info = rec.info
+        if info is None:
+            if vllm_compat.is_warmup_step(so):
+                # Records that no clock decision classified: a kernel warm-up vLLM runs on a worker
+                # already serving (0.32's elastic-EP scale-up) is recognised here, off the step path.
+                rec.info = WARMUP
+                return
+            info = rec.info = vllm_compat.step_info(so)
+        elif want_rows and info.phase != "idle":
+            info = rec.info = info._replace(decode_ctx_tokens=vllm_compat.step_decode_ctx_tokens(so, info))
+        if info.phase == "idle":
+            if want_rows:
+                plp.rows(so)  # forgets requests that finished (aborted) meanwhile
+            if acc is not None:
+                fin = vllm_compat.step_request_tokens(so)[1]
+                acc.on_finished(fin, rec.t)
+            return
+        t = rec.t
+        if want_rows:
+            # Prompt-logprob rows reach the LM head too: without them a long prompt with
+            # prompt_logprobs would be priced (simulator) and traced as one row per request.
+            # (rows() is 0 unless a request is pending or this step has new or context-phase requests.)
+            rec.rows = rows = info.lm_head_rows + plp.rows(so) if plp.left or info.prefill_reqs else info.lm_head_rows
+        if acc is not None:
+            # References only (no copies); the account drops them unless per_request is on.
+            req, fin = vllm_compat.step_request_tokens(so)
+            steady = self.steady_batch is not None and info.num_reqs >= self.steady_batch
+            ctx = vllm_compat.step_request_context(so) if self.per_request and acc.cost is not None else None
+            acc.on_step(info.phase, info.prefill_tokens, info.decode_tokens, req, fin, steady, t=t, req_ctx=ctx)
+        if sim is not None and self.model_cost is not None:
+            work = self.model_cost.step_work(info.num_tokens, rows, info.decode_ctx_tokens, self.model_cost.vocab_params)
+            res = sim.run(work)
+            timer = self.timing.timer
+            if rec.mark is not None and isinstance(timer, SimulatedStepTimer):
+                timer.set_ms(rec.mark, res.time_s * 1e3)
+            if self.sim_stock is not None:
+                self.sim_stock.run(work)
