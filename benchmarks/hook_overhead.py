@@ -79,15 +79,16 @@ def sched(n: int):
     return so
 
 
-def stub_nvml_installer():
-    """``use(on)``: with ``on``, the runtime sees a CUDA device whose NVML meter is a stub (read only
-    by the background tick, as the real one), so the energy account's per-step bookkeeping runs as
-    with ``meter: nvml`` on a GPU; off, a CPU device. Starts off."""
+def stub_nvml():
+    """``(access, use)``: ``access`` stands a stub GPU in for NVML (runtime.NvmlAccess: a meter read
+    only by the background tick, as the real one), so the energy account's per-step bookkeeping runs
+    as with ``meter: nvml`` on a GPU; ``use(on)`` makes the runner a CUDA device (on) or a CPU one
+    (off, the start)."""
     import types
 
     import vllm_powersave.vllm_compat as vc
-    from vllm_powersave import runtime
     from vllm_powersave.energy.meters import EnergyMeter
+    from vllm_powersave.runtime import NvmlAccess
 
     cpu_ident = lambda r: {"rank": 0, "device_type": "cpu", "device_index": None}
     gpu_ident = lambda r: {"rank": 0, "device_type": "cuda", "device_index": 0}
@@ -106,37 +107,26 @@ def stub_nvml_installer():
         def sm_clock_mhz(self) -> int:
             return 1980
 
-    # The module that builds the runtime: runtime/build.py, or the one-module runtime of older revisions.
-    builder = sys.modules.get("vllm_powersave.runtime.build", runtime)
-    init_nvml = builder._init_nvml
+    access = NvmlAccess(
+        init=lambda: types.SimpleNamespace(),
+        gpu_for_device=lambda index, nvml: types.SimpleNamespace(uuid="GPU-bench", is_mig=lambda: False),
+        open_meter=lambda gpu, sample_period_s: StubNvmlMeter(gpu.uuid),
+    )
 
     def use(on: bool) -> None:
         vc.runner_identity = gpu_ident if on else cpu_ident
-        builder._init_nvml = (lambda: types.SimpleNamespace()) if on else init_nvml
-        builder.NvmlGpu = types.SimpleNamespace(
-            for_torch_device=lambda index, nvml=None: types.SimpleNamespace(uuid="GPU-bench", is_mig=lambda: False)
-        )
-        builder.open_nvml_meter = lambda gpu, sample_period_s=None: StubNvmlMeter(gpu.uuid)
 
-    return use
+    return access, use
 
 
-def child() -> dict:
+def stand_in_runners() -> tuple[type, type]:
+    """``(BareRunner, Runner)``: stand-ins for vLLM's runner class, the second wrapped by the
+    plugin's own installer."""
     import types
-    from collections import deque
-
-    import torch
 
     import vllm_powersave.vllm_compat as vc
     from vllm_powersave import runtime
-    from vllm_powersave.phases import classify
-    from vllm_powersave.runtime import WorkerRuntime
-    from vllm_powersave.settings import ENV_SETTINGS_JSON, load_settings
 
-    use_stub_nvml = stub_nvml_installer()
-    vc.runner_model_cost = lambda r: {"n_params": 4.9e8, "vocab_params": 1.36e8, "kv_bytes_per_token": 12288.0, "weight_bytes": 9.9e8}
-
-    # Stand-ins for vLLM's runner and scheduler classes, wrapped by the plugin's own installers.
     class BareRunner:
         def execute_model(self, scheduler_output, *args, **kwargs):
             return None  # V1 with sampling: the output comes from sample_tokens
@@ -152,89 +142,128 @@ def child() -> dict:
     mod.Runner = Runner
     vc.RUNNER_CLASSES = (("bench", mod.__name__, "Runner"),)
     assert vc.install_step_hooks(runtime.on_step_start, runtime.on_step_end) == ["bench"]
+    return BareRunner, Runner
 
-    def scheduler(so, waiting: int, wrapped: bool):
-        class Scheduler:
-            def schedule(self, *args, **kwargs):
-                return so
 
-            def add_request(self, request, *args, **kwargs):
-                self.waiting.append(request)
+def scheduler(so, waiting: int, wrapped: bool):
+    """A stand-in scheduler returning ``so`` with ``waiting`` requests queued; ``wrapped``: a fresh
+    class wrapped by the plugin's installer as if it were vLLM's (its look-ahead reads the settings anew)."""
+    import types
+    from collections import deque
 
-        if wrapped:  # the plugin's installer wraps this class as if it were vLLM's
-            m = types.ModuleType("vllm.v1.core.sched.scheduler")
-            m.Scheduler, saved = Scheduler, sys.modules.get(m.__name__)
-            sys.modules[m.__name__] = m
-            vc._PATCHED.difference_update(("sched.schedule", "sched.add_request"))
-            try:
-                assert vc.install_scheduler_hooks(runtime.on_arrival)
-            finally:
-                del sys.modules[m.__name__]
-                if saved is not None:
-                    sys.modules[m.__name__] = saved
-        s = Scheduler()
-        s.waiting = deque(types.SimpleNamespace(num_prompt_tokens=300 + i, num_computed_tokens=0) for i in range(waiting))
-        return s
+    import vllm_powersave.vllm_compat as vc
+    from vllm_powersave import runtime
 
-    head = lambda h: h  # the LM-head GEMM's stand-in
+    class Scheduler:
+        def schedule(self, *args, **kwargs):
+            return so
 
-    def runtime_for(settings: dict) -> WorkerRuntime:
-        s = load_settings(settings, env={})
-        os.environ[ENV_SETTINGS_JSON] = s.model_dump_json()  # chunk_policy() and the scheduler read it
-        runtime._POLICY = None
-        rt = WorkerRuntime(object(), s)
-        rt._stop.set()  # the publisher thread's per-step work is timed below, in the measuring thread
-        rt._wake.set()
-        rt._thread.join()
-        runtime._RUNTIME = rt
-        return rt
+        def add_request(self, request, *args, **kwargs):
+            self.waiting.append(request)
 
-    def step_us(so, n: int, d: str, meter: str = "off", waiting: int = 0) -> float:
-        stub = meter == "stub-nvml"
-        use_stub_nvml(stub)
-        rt = runtime_for(ab_settings(d, "nvml" if stub else meter))
-        hs = torch.empty((n, 8))
-        s, r = scheduler(so, waiting, True), Runner()
-        schedule, execute, sample, chunked = s.schedule, r.execute_model, r.sample_tokens, runtime.chunked_head
+    if wrapped:
+        m = types.ModuleType("vllm.v1.core.sched.scheduler")
+        m.Scheduler, saved = Scheduler, sys.modules.get(m.__name__)
+        sys.modules[m.__name__] = m
+        vc.forget_patches("sched.schedule", "sched.add_request")
+        try:
+            assert vc.install_scheduler_hooks(runtime.on_arrival)
+        finally:
+            del sys.modules[m.__name__]
+            if saved is not None:
+                sys.modules[m.__name__] = saved
+    s = Scheduler()
+    s.waiting = deque(types.SimpleNamespace(num_prompt_tokens=300 + i, num_computed_tokens=0) for i in range(waiting))
+    return s
 
-        def step():
-            out = schedule()
-            execute(out)
-            chunked(head, hs)
-            sample()
 
-        def publisher():  # what the publisher thread does with these steps' records
-            rt._flush_trace()
-            if rt.account is not None:
-                rt.account.tick()
+def head(h):
+    """The LM-head GEMM's stand-in."""
+    return h
 
-        # Past the 200 ms dwell: the steady state of a serving engine (8 and 64 requests: the decode
-        # clock applied; 256 tokens are compute-bound: default clock; with 200 waiting, 64 x ~330
-        # prompt tokens exceed prefill_burst_tokens: the look-ahead holds the prefill clock).
-        t_end = time.perf_counter() + 0.3
-        while time.perf_counter() < t_end:
-            for _ in range(100):
-                step()
-            publisher()
-        us = per_call_us(step, after=publisher)
-        rt.close()
-        runtime._RUNTIME = None
-        use_stub_nvml(False)
-        return us
 
-    def bare_step_us(so, n: int) -> float:
-        hs = torch.empty((n, 8))
-        s, r = scheduler(so, 0, False), BareRunner()
-        schedule, execute, sample = s.schedule, r.execute_model, r.sample_tokens
+def runtime_for(settings: dict, nvml):
+    """The process's runtime for ``settings``, its publisher thread stopped: the publisher's
+    per-step work is timed in the measuring thread."""
+    from vllm_powersave import runtime
+    from vllm_powersave.settings import ENV_SETTINGS_JSON, load_settings
 
-        def step():
-            out = schedule()
-            execute(out)
-            head(hs)
-            sample()
+    s = load_settings(settings, env={})
+    os.environ[ENV_SETTINGS_JSON] = s.model_dump_json()  # chunk_policy() and the scheduler read it
+    runtime.set_chunk_policy(None)
+    rt = runtime.WorkerRuntime(object(), s, nvml=nvml)
+    rt.stop_publisher_thread()
+    runtime.install_runtime(rt)
+    return rt
 
-        return per_call_us(step)
 
+def step_us(so, n: int, d: str, runner: type, stub, meter: str = "off", waiting: int = 0) -> float:
+    """The whole step path with the A/B settings: scheduler, runner and LM-head hooks, and the
+    publisher's trace flush (and account tick) amortised per step."""
+    import torch
+
+    from vllm_powersave import runtime
+
+    access, use_stub = stub
+    on = meter == "stub-nvml"
+    use_stub(on)
+    rt = runtime_for(ab_settings(d, "nvml" if on else meter), access)
+    hs = torch.empty((n, 8))
+    s, r = scheduler(so, waiting, True), runner()
+    schedule, execute, sample, chunked = s.schedule, r.execute_model, r.sample_tokens, runtime.chunked_head
+
+    def step():
+        out = schedule()
+        execute(out)
+        chunked(head, hs)
+        sample()
+
+    def publisher():  # what the publisher thread does with these steps' records
+        rt.publisher.flush_trace()
+        if rt.account is not None:
+            rt.account.tick()
+
+    # Past the 200 ms dwell: the steady state of a serving engine (8 and 64 requests: the decode
+    # clock applied; 256 tokens are compute-bound: default clock; with 200 waiting, 64 x ~330
+    # prompt tokens exceed prefill_burst_tokens: the look-ahead holds the prefill clock).
+    t_end = time.perf_counter() + 0.3
+    while time.perf_counter() < t_end:
+        for _ in range(100):
+            step()
+        publisher()
+    us = per_call_us(step, after=publisher)
+    rt.close()
+    runtime.install_runtime(None)
+    use_stub(False)
+    return us
+
+
+def bare_step_us(so, n: int, runner: type) -> float:
+    """The same loop without the plugin."""
+    import torch
+
+    hs = torch.empty((n, 8))
+    s, r = scheduler(so, 0, False), runner()
+    schedule, execute, sample = s.schedule, r.execute_model, r.sample_tokens
+
+    def step():
+        out = schedule()
+        execute(out)
+        head(hs)
+        sample()
+
+    return per_call_us(step)
+
+
+def child() -> dict:
+    import vllm_powersave.vllm_compat as vc
+    from vllm_powersave.phases import classify
+    from vllm_powersave.runtime import WorkerRuntime
+    from vllm_powersave.settings import ENV_SETTINGS_JSON, load_settings
+
+    stub = stub_nvml()
+    vc.runner_model_cost = lambda r: {"n_params": 4.9e8, "vocab_params": 1.36e8, "kv_bytes_per_token": 12288.0, "weight_bytes": 9.9e8}
+    bare_runner, runner = stand_in_runners()
     rows = []
     with tempfile.TemporaryDirectory() as d:
         for n in NS:
@@ -249,9 +278,9 @@ def child() -> dict:
                 rt = WorkerRuntime(object(), load_settings(settings, env={}))
                 row[key] = per_call_us(lambda rt=rt, so=so: (rt.on_step_start(so), rt.on_step_end()))
                 rt.close()
-            row["bare_step_us"] = bare = bare_step_us(so, n)
+            row["bare_step_us"] = bare = bare_step_us(so, n, bare_runner)
             for key, _, meter, waiting in STEPS:
-                row[key] = step_us(so, n, d, meter, waiting) - bare
+                row[key] = step_us(so, n, d, runner, stub, meter, waiting) - bare
             rows.append(row)
         so, sch = sched(8), {}
         for key, _, waiting, lookahead in SCHEDULERS:
