@@ -35,7 +35,7 @@ import math
 import statistics
 from collections import deque
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..settings import ClosedLoopSettings
 
@@ -77,6 +77,56 @@ class ClosedLoopRecord:
         return asdict(self)
 
 
+class StepSample(NamedTuple):
+    """One measured decode step: its decode context (KV tokens read) and its time (ms)."""
+
+    ctx_tokens: float
+    step_ms: float
+
+
+class MeasuredStep(NamedTuple):
+    """The last measured step, kept per step (a tuple: the per-step path allocates nothing more).
+    ``ratio``: to the default-clock fit at its context (``None`` while probing)."""
+
+    t_s: float
+    bucket: int
+    ran_at_mhz: int | None
+    step_ms: float
+    ratio: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class LineFit:
+    """Default-clock step time as a line in the decode context, fitted robustly (:func:`_fit_line`):
+    ``step_ms = a_ms + ms_per_ctx_token * ctx``, the relative residual spread ``sigma`` (robust
+    sigma, a fraction), and the context range ``[ctx_lo, ctx_hi]`` of the ``n_steps`` steps it
+    was fitted over."""
+
+    a_ms: float
+    ms_per_ctx_token: float
+    sigma: float
+    ctx_lo: float
+    ctx_hi: float
+    n_steps: int
+
+    def ms_at(self, ctx_tokens: float) -> float:
+        """Predicted default-clock step time (ms) at ``ctx_tokens`` of decode context."""
+        return self.a_ms + self.ms_per_ctx_token * ctx_tokens
+
+    def mid_ms(self) -> float:
+        """Predicted step time (ms) at the middle of the context range the line was fitted over."""
+        return self.a_ms + self.ms_per_ctx_token * (self.ctx_lo + self.ctx_hi) / 2
+
+
+class _HeldTest(NamedTuple):
+    """A held clock's check over its recent steps: the median ratio to the default-clock fit, the
+    noise margin it was held to, and whether it was over the target plus that margin."""
+
+    ratio: float
+    margin: float
+    over: bool
+
+
 class _Bucket:
     """State of one batch-size bucket (owned by the tuner)."""
 
@@ -84,17 +134,17 @@ class _Bucket:
         self.edge = edge
         self.state = "baseline"  # baseline | probe | ref | hold
         self.need = baseline_n
-        self.base: deque[tuple[float, float]] = deque(maxlen=256)  # default-clock (ctx, ms)
-        self.fit: tuple[float, float, float, float, float, int] | None = None  # a, b, sigma, ctx_lo, ctx_hi, n
+        self.base: deque[StepSample] = deque(maxlen=256)  # at the default clock
+        self.fit: LineFit | None = None
         self.target = 1.0
         self.floor = 0  # lowest candidate index allowed in the next search
         self.lo, self.hi = 0, n_cands  # search interval; hi == n_cands is the default clock
         self.held = n_cands
         self.probe: int | None = None  # candidate index being probed (or awaiting its closing ref window)
         self.decided = True  # the probe's verdict is in (early reject), only its ref window remains
-        self.samples: list[tuple[float, float]] = []  # (ctx, ms) at the probe clock
-        self.ref_prev: list[tuple[float, float]] = []
-        self.ref_cur: list[tuple[float, float]] = []
+        self.samples: list[StepSample] = []  # at the probe clock
+        self.ref_prev: list[StepSample] = []
+        self.ref_cur: list[StepSample] = []
         self.waited = 0  # steps since the probe was requested without a sample at its clock
         self.probes = 0
         self.window: deque[float] = deque()  # ratios at the held clock (long window)
@@ -107,8 +157,8 @@ class _Bucket:
         self.t_searched = -math.inf
 
 
-def _fit_line(pts: list[tuple[float, float]] | deque[tuple[float, float]], slope_hint: float = 0.0) -> tuple[float, float, float]:
-    """``(a, b, sigma)``: step ms = a + b * ctx (robust), and the relative residual spread."""
+def _fit_line(pts: list[StepSample] | deque[StepSample], slope_hint: float = 0.0) -> LineFit:
+    """Step ms = a + b * ctx (robust), the relative residual spread and the context range."""
     xs = [c for c, _ in pts]
     ys = [m for _, m in pts]
     n = len(xs)
@@ -125,7 +175,7 @@ def _fit_line(pts: list[tuple[float, float]] | deque[tuple[float, float]], slope
     rel = [y / (a + slope * x) - 1.0 for x, y in zip(xs, ys)]
     med = statistics.median(rel)
     sigma = 1.4826 * statistics.median(abs(r - med) for r in rel)
-    return a, slope, sigma
+    return LineFit(a, slope, sigma, min(xs), max(xs), n)
 
 
 class DecodeClockTuner:
@@ -151,8 +201,8 @@ class DecodeClockTuner:
         self._pending_n = 0
         self.records: deque[ClosedLoopRecord] = deque(maxlen=4096)
         self.last: ClosedLoopRecord | None = None  # the last event
-        #: The last measured step: (t_s, bucket, ran_at_mhz, step_ms, ratio to the default-clock fit).
-        self.last_step: tuple[float, int, int | None, float, float | None] | None = None
+        #: The last measured step.
+        self.last_step: MeasuredStep | None = None
         self.n_probes = 0
         self.n_backoffs = 0
         self.n_records = 0
@@ -255,8 +305,8 @@ class DecodeClockTuner:
                 "state": b.state,
                 "sm_clock_mhz": self.clock_for(e),
                 "held_mhz": None if b.held >= len(self.cands) else self.cands[b.held],
-                "baseline_ms": None if fit is None else round(fit[0] + fit[1] * (fit[3] + fit[4]) / 2, 4),
-                "spread_pct": None if fit is None else round(100 * fit[2], 3),
+                "baseline_ms": None if fit is None else round(fit.mid_ms(), 4),
+                "spread_pct": None if fit is None else round(100 * fit.sigma, 3),
                 "target_ratio": round(b.target, 5),
                 "probes": b.probes,
             }
@@ -294,29 +344,30 @@ class DecodeClockTuner:
 
     def _predict(self, b: _Bucket, ctx: float) -> float:
         assert b.fit is not None
-        return b.fit[0] + b.fit[1] * ctx
+        return b.fit.ms_at(ctx)
 
     def _margin(self, b: _Bucket, n: int, n_ref: int | None = None, extra_z: float = 0.0) -> float:
-        sigma = b.fit[2] if b.fit else 0.0
-        n_base = n_ref if n_ref is not None else (b.fit[5] if b.fit else 1)
+        sigma = b.fit.sigma if b.fit else 0.0
+        n_base = n_ref if n_ref is not None else (b.fit.n_steps if b.fit else 1)
         z = self.s.noise_z + extra_z
         return self._margin0 + z * _MEDIAN_SE * sigma * math.sqrt(1.0 / max(1, n) + 1.0 / max(1, n_base))
 
     def _refit(self, b: _Bucket) -> None:
-        a, slope, sigma = _fit_line(b.base)
-        xs = [c for c, _ in b.base]
-        b.fit = (a, slope, sigma, min(xs), max(xs), len(xs))
+        b.fit = _fit_line(b.base)
 
     def _baseline_sample(self, now_s: float, b: _Bucket, batch: int, step_ms: float, ctx: float) -> None:
-        b.base.append((ctx, step_ms))
-        b.ref_cur.append((ctx, step_ms))
+        sample = StepSample(ctx, step_ms)
+        b.base.append(sample)
+        b.ref_cur.append(sample)
         b.need -= 1
         if b.need > 0:
             return
         self._refit(b)
         b.t_baselined = now_s
-        a, slope, sigma, c_lo, c_hi, n = b.fit  # type: ignore[misc]
-        base_hi = a + slope * c_hi
+        fit = b.fit
+        assert fit is not None
+        sigma, c_hi, n = fit.sigma, fit.ctx_hi, fit.n_steps
+        base_hi = fit.ms_at(c_hi)
         b.target = self.s.tpot_slo_ms / base_hi if self.s.tpot_slo_ms is not None else 1.0 + self._budget
         reason = f"{n} default-clock steps: {base_hi:.3f} ms at ctx {c_hi:.0f}, spread {100 * sigma:.2f} %" + (
             f"; SLO {self.s.tpot_slo_ms:g} ms" if self.s.tpot_slo_ms is not None else f"; budget {100 * self._budget:g} %"
@@ -358,7 +409,7 @@ class DecodeClockTuner:
         room = b.target - 1.0 - self._margin0
         if room <= 0:
             return 0
-        sigma = b.fit[2] if b.fit else 0.0
+        sigma = b.fit.sigma if b.fit else 0.0
         # Margin <= room / 2.5: a clock with no slowdown is then rejected only beyond 3 standard errors.
         need = math.ceil(2.0 * (self.s.noise_z * _MEDIAN_SE * sigma / (room / 2.5)) ** 2)
         if need > self.s.probe_steps_max:
@@ -417,10 +468,12 @@ class DecodeClockTuner:
             reason=f"bisection over {self.cands[b.lo]}..{'default' if b.hi >= len(self.cands) else self.cands[b.hi]} MHz",
         )
 
-    def _verdict(self, now_s: float, b: _Bucket, batch: int, ref: list[tuple[float, float]], early: bool) -> None:
+    def _verdict(self, now_s: float, b: _Bucket, batch: int, ref: list[StepSample], early: bool) -> None:
         assert b.probe is not None and b.fit is not None
-        a, slope, _ = _fit_line(ref, b.fit[1]) if len(ref) >= 2 else (b.fit[0], b.fit[1], 0.0)
-        ratios = [ms / (a + slope * c) for c, ms in b.samples]
+        # The probe's steps against the default clock measured around them (the bucket's fit
+        # alone where that is too short to fit: its slope and offset).
+        line = _fit_line(ref, b.fit.ms_per_ctx_token) if len(ref) >= 2 else b.fit
+        ratios = [ms / line.ms_at(c) for c, ms in b.samples]
         n = len(ratios)
         med = statistics.median(ratios)
         margin = self._margin(b, n, len(ref))
@@ -435,14 +488,14 @@ class DecodeClockTuner:
         else:
             verdict = "accept" if med + margin <= b.target else "reject"
         b.decided = True
-        base = a + slope * b.samples[-1][0]
+        base = line.ms_at(b.samples[-1].ctx_tokens)
         self._emit(
             now_s,
             verdict,
             b.edge,
             batch,
             ran_at=want,
-            step_ms=b.samples[-1][1],
+            step_ms=b.samples[-1].step_ms,
             ratio=med,
             margin=margin,
             base=base,
@@ -478,7 +531,7 @@ class DecodeClockTuner:
                 b.samples, b.decided = [], True
                 b.state, b.ref_cur = "ref", []
             return
-        b.samples.append((ctx, step_ms))
+        b.samples.append(StepSample(ctx, step_ms))
         n = len(b.samples)
         if n >= _EARLY_STEPS and b.ref_prev and (n - _EARLY_STEPS) % 4 == 0:
             self._verdict(now_s, b, batch, b.ref_prev, early=True)
@@ -488,8 +541,9 @@ class DecodeClockTuner:
         self._step(now_s, b, batch, ran_at, step_ms, None, None, None)
 
     def _ref_sample(self, now_s: float, b: _Bucket, batch: int, step_ms: float, ctx: float) -> None:
-        b.ref_cur.append((ctx, step_ms))
-        b.base.append((ctx, step_ms))
+        sample = StepSample(ctx, step_ms)
+        b.ref_cur.append(sample)
+        b.base.append(sample)
         if len(b.ref_cur) < self._ref_n(b):
             return
         self._refit(b)
@@ -510,13 +564,43 @@ class DecodeClockTuner:
 
     def _hold_sample(self, now_s: float, b: _Bucket, batch: int, step_ms: float, ran_at: int | None, ctx: float) -> None:
         held = None if b.held >= len(self.cands) else self.cands[b.held]
+        assert b.fit is not None
+        if self._left_hold(now_s, b, batch, ctx, held) or ran_at != held:
+            return
+        base = self._predict(b, ctx)
+        r = step_ms / base
+        if held is None:
+            b.base.append(StepSample(ctx, step_ms))  # holding the default: every step is a baseline sample
+            self._step(now_s, b, batch, ran_at, step_ms, r, None, base)
+            return
+        s = self.s
+        b.window.append(r)
+        b.short.append(r)
+        if s.tpot_slo_ms is not None:
+            b.short_ms.append(step_ms)
+        margin = None
+        b.n_held += 1
+        if len(b.short) >= s.backoff_steps:
+            test = self._held_test(b)
+            margin = test.margin
+            over_slo = s.tpot_slo_ms is not None and statistics.median(b.short_ms) > s.tpot_slo_ms
+            if test.over or over_slo:
+                self._back_off(now_s, b, batch, ran_at, step_ms, base, held, test)
+                return
+        self._step(now_s, b, batch, ran_at, step_ms, r, margin, base)
+
+    def _left_hold(self, now_s: float, b: _Bucket, batch: int, ctx: float, held: int | None) -> bool:
+        """Whether the held bucket restarts at this step (True: it did): a re-probe when its last
+        search is old or the decode context left the fit's range by far, a re-baseline (a held
+        clock below the default only) when its baseline is old or the context moved beyond what
+        the fit may be extrapolated to."""
         s = self.s
         assert b.fit is not None
         if s.reprobe_after_s and now_s - b.t_searched > s.reprobe_after_s:
             b.floor = 0
             self._restart(now_s, b, batch, "reprobe", f"last search {now_s - b.t_searched:.0f} s ago", search=True)
-            return
-        lo, hi = b.fit[3], b.fit[4]
+            return True
+        lo, hi = b.fit.ctx_lo, b.fit.ctx_hi
         f = s.reprobe_ctx_factor
         if ctx > hi * f + 1 or ctx < lo / f - 1:
             b.floor = 0
@@ -528,68 +612,59 @@ class DecodeClockTuner:
                 f"decode context {ctx:.0f} left the measured range {lo:.0f}..{hi:.0f} by more than x{f:g} (batch mix changed)",
                 search=True,
             )
-            return
-        if held is not None:
-            # Extrapolate the default-clock fit no further than the range it was measured over
-            # (at least 5 %, at most rebaseline_ctx_pct): a slope from a narrow range is uncertain.
-            reach = min(hi * s.rebaseline_ctx_pct / 100.0, max(0.05 * hi, hi - lo)) + 1
-            if s.rebaseline_s and now_s - b.t_baselined > s.rebaseline_s:
-                self._restart(now_s, b, batch, "rebaseline", f"baseline {now_s - b.t_baselined:.0f} s old", search=False)
-                return
-            if ctx > hi + reach or ctx < lo - reach:
-                self._restart(
-                    now_s, b, batch, "rebaseline", f"decode context {ctx:.0f} outside the measured {lo:.0f}..{hi:.0f}", search=False
-                )
-                return
-        if ran_at != held:
-            return
-        base = self._predict(b, ctx)
-        r = step_ms / base
+            return True
         if held is None:
-            b.base.append((ctx, step_ms))  # holding the default: every step is a baseline sample
-            self._step(now_s, b, batch, ran_at, step_ms, r, None, base)
-            return
-        b.window.append(r)
-        b.short.append(r)
-        if s.tpot_slo_ms is not None:
-            b.short_ms.append(step_ms)
-        k = s.backoff_steps
-        margin = None
-        b.n_held += 1
-        if len(b.short) >= k:
-            # Short window every step (large violations, bounded by backoff_steps), tested at every
-            # step, so a false alarm must be far rarer: 2 more standard errors. The long window
-            # (small violations) every 4 steps once full.
-            margin = self._margin(b, k, extra_z=2.0)
-            med = statistics.median(b.short)
-            over = med > b.target + margin
-            n = len(b.window)
-            if not over and n == b.window.maxlen and n > k and b.n_held % 4 == 0:
-                m_long = self._margin(b, n)
-                med_long = statistics.median(b.window)
-                if med_long > b.target + m_long:
-                    med, margin, over = med_long, m_long, True
-            over_slo = s.tpot_slo_ms is not None and statistics.median(b.short_ms) > s.tpot_slo_ms
-            if over or over_slo:
-                self.n_backoffs += 1
-                b.floor = min(len(self.cands), b.held + 1)
-                self._emit(
-                    now_s,
-                    "violation",
-                    b.edge,
-                    batch,
-                    ran_at=ran_at,
-                    step_ms=step_ms,
-                    ratio=med,
-                    margin=margin,
-                    base=base,
-                    b=b,
-                    reason=f"median of the last {len(b.window)} steps at {held} MHz over the target: default clock now, "
-                    "then a search above it",
-                )
-                self._restart(now_s, b, batch, "rebaseline", "after a violation", search=True)
-                return
-        self._step(now_s, b, batch, ran_at, step_ms, r, margin, base)
+            return False
+        # Extrapolate the default-clock fit no further than the range it was measured over
+        # (at least 5 %, at most rebaseline_ctx_pct): a slope from a narrow range is uncertain.
+        reach = min(hi * s.rebaseline_ctx_pct / 100.0, max(0.05 * hi, hi - lo)) + 1
+        if s.rebaseline_s and now_s - b.t_baselined > s.rebaseline_s:
+            self._restart(now_s, b, batch, "rebaseline", f"baseline {now_s - b.t_baselined:.0f} s old", search=False)
+            return True
+        if ctx > hi + reach or ctx < lo - reach:
+            self._restart(now_s, b, batch, "rebaseline", f"decode context {ctx:.0f} outside the measured {lo:.0f}..{hi:.0f}", search=False)
+            return True
+        return False
+
+    def _held_test(self, b: _Bucket) -> _HeldTest:
+        """The held clock against its target: the short window (the last ``backoff_steps``) at
+        every step, the long one every 4 steps once full."""
+        k = self.s.backoff_steps
+        # Short window every step (large violations, bounded by backoff_steps), tested at every
+        # step, so a false alarm must be far rarer: 2 more standard errors. The long window
+        # (small violations) every 4 steps once full.
+        margin = self._margin(b, k, extra_z=2.0)
+        med = statistics.median(b.short)
+        over = med > b.target + margin
+        n = len(b.window)
+        if not over and n == b.window.maxlen and n > k and b.n_held % 4 == 0:
+            m_long = self._margin(b, n)
+            med_long = statistics.median(b.window)
+            if med_long > b.target + m_long:
+                return _HeldTest(med_long, m_long, True)
+        return _HeldTest(med, margin, over)
+
+    def _back_off(
+        self, now_s: float, b: _Bucket, batch: int, ran_at: int | None, step_ms: float, base: float, held: int, test: _HeldTest
+    ) -> None:
+        """The held clock broke its target (or the TPOT SLO): the default clock at once, then a
+        search above the clock that failed."""
+        self.n_backoffs += 1
+        b.floor = min(len(self.cands), b.held + 1)
+        self._emit(
+            now_s,
+            "violation",
+            b.edge,
+            batch,
+            ran_at=ran_at,
+            step_ms=step_ms,
+            ratio=test.ratio,
+            margin=test.margin,
+            base=base,
+            b=b,
+            reason=f"median of the last {len(b.window)} steps at {held} MHz over the target: default clock now, then a search above it",
+        )
+        self._restart(now_s, b, batch, "rebaseline", "after a violation", search=True)
 
     def _step(
         self,
@@ -603,7 +678,7 @@ class DecodeClockTuner:
         base: float | None,
     ) -> None:
         # Per step only a tuple (hot path); events get a full record.
-        self.last_step = (now_s, b.edge, ran_at, step_ms, ratio)
+        self.last_step = MeasuredStep(now_s, b.edge, ran_at, step_ms, ratio)
 
     def _emit(
         self,
@@ -633,7 +708,7 @@ class DecodeClockTuner:
             b.target if b is not None else None,
             margin,
             base,
-            None if fit is None else 100 * fit[2],
+            None if fit is None else 100 * fit.sigma,
             b.probes if b is not None else 0,
             reason,
         )
