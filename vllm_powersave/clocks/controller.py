@@ -52,10 +52,7 @@ from typing import Any
 from ..settings import KERNEL_GROUPS, ClockPreset, ClockSettings
 from .backends import ClockBackend, ClockChange, ClockError, ClockPermissionError, DryRunClockBackend, reset_from_lease
 from .closed_loop import UNKNOWN, DecodeClockTuner
-from .leases import LeaseStore, pid_alive
-
-# Kept until every reader imports clocks.leases.pid_alive (vllm_powersave/metrics.py still reads it here).
-_pid_alive = pid_alive
+from .leases import LeaseStore
 
 log = logging.getLogger("vllm.powersave.clocks")
 
