@@ -58,7 +58,7 @@ def sched(reqs, finished=()):
 
 
 def make_runtime(monkeypatch, tmp_path, nvml, rank=0, visible="GPU-bbbb-1111", **extra):
-    monkeypatch.setitem(sys.modules, "pynvml", nvml)  # _init_nvml imports it
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)  # the runtime's NVML init (runtime.NVML) imports it
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
     monkeypatch.setattr(vllm_compat, "runner_identity", lambda r: {"rank": r.rank, "device_type": "cuda", "device_index": 0})
     runner = SimpleNamespace(rank=rank, scheduler_config=SimpleNamespace(max_num_seqs=2, async_scheduling=False))
