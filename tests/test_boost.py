@@ -202,7 +202,7 @@ def test_worker_runtime_auto_mode_drives_the_booster(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "pynvml", nvml)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-bbbb-1111")
     monkeypatch.setattr(vllm_compat, "runner_identity", lambda r: {"rank": 0, "device_type": "cuda", "device_index": 0})
-    monkeypatch.setattr(rt_mod.build, "_boost_for", fake_boost_for)  # construction picks the booster
+    monkeypatch.setattr(rt_mod.build, "boost_for", fake_boost_for)  # construction picks the booster (looked up at build time)
     runner = SimpleNamespace(rank=0, scheduler_config=SimpleNamespace(max_num_seqs=2, async_scheduling=False))
     settings = PowersaveSettings.model_validate(
         {

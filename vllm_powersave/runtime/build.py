@@ -77,7 +77,7 @@ class Metering(NamedTuple):
     model_cost: ModelCost | None
 
 
-def _boost_for(on_gpu: bool, gpu_id: str, release_after_s: float) -> BoostController | None:
+def boost_for(on_gpu: bool, gpu_id: str, release_after_s: float) -> BoostController | None:
     """The side-context booster of this worker's GPU, addressed by UUID (``cuda_perf_boost: auto``)."""
     if not on_gpu:
         return None  # nothing to boost (the savings line and /metrics say "n/a: no GPU")
@@ -413,7 +413,7 @@ class WorkerRuntime:
         self.boost = None
         if settings.cuda_perf_boost == "auto" and nvml_failed is None:
             # Where NVML failed the UUID is unknown: its warning said so already (/metrics shows perf boost as failed).
-            self.boost = _boost_for(self.ident.on_gpu, self.ident.gpu_id, settings.boost_release_after_s)
+            self.boost = boost_for(self.ident.on_gpu, self.ident.gpu_id, settings.boost_release_after_s)
         self.head_groups = any("lm_head" in g for g in self.clocks.groups.values())
         self.step_path, self.drain, self.publisher = assemble(runner, settings, self.ident, m, self.clocks, self.clock_choice, self.boost)
         self.on_step_start, self.on_step_end = self.step_path.on_step_start, self.step_path.on_step_end
