@@ -21,7 +21,7 @@ from vllm_powersave import runtime, vllm_compat
 from vllm_powersave.chunking.policy import ChunkPolicy
 from vllm_powersave.clocks import ClockController, DryRunClockBackend
 from vllm_powersave.energy import PhaseEnergyAccount
-from vllm_powersave.energy.account import TickRecord
+from vllm_powersave.energy.account import TickPieces, TickRecord
 from vllm_powersave.energy.meters import EnergyMeter
 from vllm_powersave.phases import IDLE, ReqSched, StepInfo, classify, classify_counts
 from vllm_powersave.runtime import RegimeFilter, clock_phase
@@ -389,19 +389,19 @@ class ReferenceAccount(PhaseEnergyAccount):
                 self.meter.on_idle(idle_s)
             e_now = self.meter.energy_j()
             resolved = [settle[1:]] if isinstance(settle, tuple) else []
-            idle_j = self._price(
-                e_now - self._e,
-                t_now - self._t,
+            pieces = TickPieces(
                 busy,
                 gaps,
                 idle_s,
+                0.0,
                 sum(b[0] for b in busy),
                 idle_s + sum(g[0] for g in gaps),
                 resolved,
                 settle == "tail",
+                finished,
                 st[1],
-                {},
             )
+            idle_j = self._price(pieces, energy_j=e_now - self._e, span_s=t_now - self._t, book={})
             done = []
             for rid in finished:
                 j = self.request_j.pop(rid, None)

@@ -60,10 +60,11 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from ..settings import PHASES
-from .meters import EnergyMeter
+from .meters import CounterStep, EnergyMeter
 from .request_cost import RequestCostModel, step_weights
 
 #: An interval of idle only this long or longer updates the idle power estimate (s).
@@ -88,6 +89,259 @@ class TickRecord(NamedTuple):
     #: Joules of counter steps seen in this tick that went back to the periods they close (in
     #: ``energy_j``, not priced in this tick): see :meth:`PhaseEnergyAccount._book_back`.
     booked_back_j: float = 0.0
+
+
+class StepEvent(NamedTuple):
+    """One event of the step hook's stream (appended on the step path, so a tuple): a step of
+    ``phase`` starts at ``t_s``; ``phase`` ``None``: the current step's host work ended;
+    ``phase`` ``""``: requests finished with no step (the batch drained)."""
+
+    t_s: float
+    phase: str | None
+    req_tokens: dict | None
+    finished: object
+    steady: bool
+    req_ctx: dict | None
+
+
+class _Cursor(NamedTuple):
+    """Where the attribution stands between ticks: the start of the time not yet attributed, the
+    phase owning it, the end of the last step if it ended, that step's request tokens and
+    contexts, whether it was steady, and whether the batch drained after it."""
+
+    t_s: float
+    phase: str
+    end_t_s: float | None
+    req_tokens: dict | None
+    req_ctx: dict | None
+    steady: bool
+    drained: bool
+
+
+class StepPiece(NamedTuple):
+    """A step's own time (busy) inside a tick: ``seconds`` of ``phase``, with its requests."""
+
+    seconds: float
+    phase: str
+    req_tokens: dict | None
+    req_ctx: dict | None
+    steady: bool
+
+
+class GapPiece(NamedTuple):
+    """The gap after a step's end inside a tick (quiet time in the step's phase); ``to``: whose
+    joules they are, ``"req"`` (the step's requests), ``"tail"`` or ``"pending"`` (still open)."""
+
+    seconds: float
+    phase: str
+    req_tokens: dict | None
+    req_ctx: dict | None
+    steady: bool
+    to: str
+
+
+@dataclass(frozen=True, slots=True)
+class TickPieces:
+    """A tick's interval cut into pieces (module docstring), what :meth:`PhaseEnergyAccount._price`
+    splits the joules over. ``idle_busy_s``: of ``idle_s``, the seconds the API servers had
+    requests in flight; ``resolved``: ``(req_tokens, req_ctx)`` of the step a gap left pending
+    by an earlier tick turned out to belong to; ``tail_pending``: that gap turned out to be a
+    tail; ``finished``: the requests reported finished; ``phase``: the phase owning the time at
+    the tick's end."""
+
+    busy: list[StepPiece]
+    gaps: list[GapPiece]
+    idle_s: float
+    idle_busy_s: float
+    busy_s: float
+    quiet_s: float  # idle and gaps
+    resolved: list[tuple[dict | None, dict | None]]
+    tail_pending: bool
+    finished: list
+    phase: str
+
+
+class _Rates(NamedTuple):
+    """A tick's prices (W): of quiet time (idle), of the steps' own time and of the gaps after steps."""
+
+    quiet_w: float
+    busy_w: float
+    gap_w: float
+
+
+class _Booked(NamedTuple):
+    """What a tick over ``[t0_s, t1_s]`` booked where (``_price``'s keys)."""
+
+    t0_s: float
+    t1_s: float
+    book: dict
+
+
+class _WindowSample(NamedTuple):
+    t_s: float
+    energy_j: float
+    prefill_tokens: int
+    decode_tokens: int
+
+
+class _PeriodStep(NamedTuple):
+    """A counter step and the start of the counter period it closes (its jump is booked there)."""
+
+    t0_s: float
+    step: CounterStep
+
+
+def _add(book: dict, key: Any, joules: float) -> None:
+    book[key] = book.get(key, 0.0) + joules
+
+
+class _StepWeights:
+    """A step's request weights (:func:`.request_cost.step_weights`), computed once per tick for
+    the step's busy piece and its gap alike."""
+
+    __slots__ = ("cost", "cache")
+
+    def __init__(self, cost: RequestCostModel | None) -> None:
+        self.cost = cost
+        self.cache: dict[int, Any] = {}
+
+    def __call__(self, req: dict | None, ctx: dict | None) -> Any:
+        if not req:
+            return None
+        w = self.cache.get(id(req))
+        if w is None:
+            w = self.cache[id(req)] = step_weights(self.cost, req, ctx)
+        return w
+
+
+class _IntervalWalk:
+    """Cuts a tick's interval into :class:`TickPieces` by walking the step events from the
+    account's cursor: each step owns the time from its start to its end (busy), the gap after its
+    end goes to its requests (or, under ``gpu_runs_ahead``, is its own time), to the tail once the
+    batch drained, or stays pending at the tick; a gap of ``idle_after_s`` or more is idle.
+    ``pending``: the account holds joules of a gap left open by an earlier tick; ``fe_busy``: the
+    API servers' in-flight seconds inside ``[a, b]`` (starvation.py)."""
+
+    __slots__ = (
+        "t", "phase", "end_t", "req", "ctx", "steady", "drained",
+        "idle_after_s", "gpu_runs_ahead", "pending", "fe_busy",
+        "busy", "gaps", "idle_s", "idle_busy_s", "resolved", "tail_pending", "finished",
+    )  # fmt: skip
+
+    def __init__(
+        self, start: _Cursor, idle_after_s: float, gpu_runs_ahead: bool, pending: bool, fe_busy: Callable[[float, float], float] | None
+    ) -> None:
+        self.t, self.phase, self.end_t, self.req, self.ctx, self.steady, self.drained = start
+        self.idle_after_s, self.gpu_runs_ahead, self.pending, self.fe_busy = idle_after_s, gpu_runs_ahead, pending, fe_busy
+        self.busy: list[StepPiece] = []
+        self.gaps: list[GapPiece] = []
+        self.idle_s = 0.0
+        self.idle_busy_s = 0.0  # of idle_s, seconds the API servers had requests in flight
+        self.resolved: list[tuple[dict | None, dict | None]] = []  # pending gaps that went to their step
+        self.tail_pending = False  # the pending gap turned out to be a tail
+        self.finished: list = []
+
+    def walk(self, events: deque[StepEvent], t_now: float) -> TickPieces:
+        """Consume ``events`` and close the interval at ``t_now``."""
+        pop = events.popleft
+        while events:
+            te, ev, ev_req, ev_fin, ev_steady, ev_ctx = pop()
+            if te < self.t:  # noqa: PLR1730 - te = max(te, t) without the call
+                te = self.t
+            if ev is None:
+                self.end_t = te
+                continue
+            if ev == "":  # finished ids only: no new step; the batch drained
+                self.finished.extend(ev_fin)  # type: ignore[arg-type]
+                if self.phase != "idle" and self.end_t is not None:
+                    self.drained = True
+                    self.tail_pending = self.tail_pending or self.pending
+                continue
+            self._to_step(te, ev_fin)
+            self.t, self.phase, self.end_t, self.req, self.ctx, self.steady, self.drained = te, ev, None, ev_req, ev_ctx, ev_steady, False
+            if ev_fin:
+                self.finished.extend(ev_fin)  # type: ignore[arg-type]
+        self._close(t_now)
+        busy_s = sum(b[0] for b in self.busy)
+        quiet_s = self.idle_s + sum(g[0] for g in self.gaps)
+        return TickPieces(
+            self.busy,
+            self.gaps,
+            self.idle_s,
+            self.idle_busy_s,
+            busy_s,
+            quiet_s,
+            self.resolved,
+            self.tail_pending,
+            self.finished,
+            self.phase,
+        )
+
+    def cursor(self, t_now: float) -> _Cursor:
+        """The account's cursor after the walk closed the interval at ``t_now``."""
+        return _Cursor(t_now, self.phase, self.end_t, self.req, self.ctx, self.steady, self.drained)
+
+    def _idle(self, a: float, b: float) -> None:
+        if b > a:
+            self.idle_s += b - a
+            if self.fe_busy is not None:
+                self.idle_busy_s += self.fe_busy(a, b)
+
+    def _busy(self, seconds: float) -> None:
+        self.busy.append(StepPiece(seconds, self.phase, self.req, self.ctx, self.steady))
+
+    def _to_step(self, te: float, ev_fin: object) -> None:
+        """Cut the time from the cursor to the start of the next step at ``te``, which reports
+        ``ev_fin`` finished."""
+        t, end_t, req = self.t, self.end_t, self.req
+        if self.phase == "idle":
+            self._idle(t, te)
+        elif end_t is None:
+            if te > t:
+                self._busy(te - t)
+        else:
+            g0 = end_t if end_t > t else t
+            if g0 > t:
+                self._busy(g0 - t)
+            if te - end_t >= self.idle_after_s:
+                self._idle(g0, te)
+                self.tail_pending = self.tail_pending or self.pending
+                return
+            if not self.drained and req and ev_fin and not req.keys() - set(ev_fin):  # type: ignore[call-overload]
+                # Every request of the step before the gap finished in it (vLLM reports them with
+                # the next step): the gap after their last step is no one's.
+                self.drained = True
+            to = "tail" if self.drained else "req"
+            if te > g0:
+                if to == "req" and self.gpu_runs_ahead:
+                    self._busy(te - g0)
+                else:
+                    self.gaps.append(GapPiece(te - g0, self.phase, req, self.ctx, self.steady, to))
+            if self.pending and not self.resolved and not self.tail_pending:
+                if self.drained:
+                    self.tail_pending = True
+                else:
+                    self.resolved.append((req, self.ctx))
+
+    def _close(self, t_now: float) -> None:
+        """Cut the time from the cursor to the tick at ``t_now``."""
+        t, end_t = self.t, self.end_t
+        if self.phase == "idle":
+            self._idle(t, t_now)
+        elif end_t is None:
+            if t_now > t:
+                self._busy(t_now - t)
+        else:
+            g0 = end_t if end_t > t else t
+            if g0 > t:
+                self._busy(g0 - t)
+            if t_now - end_t >= self.idle_after_s:
+                self._idle(g0, t_now)  # time after a long-finished step is idle from here on
+                self.tail_pending = self.tail_pending or self.pending
+                self.phase, self.end_t, self.req, self.ctx, self.steady, self.drained = "idle", None, None, None, False, False
+            elif t_now > g0:
+                to = "tail" if self.drained else "pending"
+                self.gaps.append(GapPiece(t_now - g0, self.phase, self.req, self.ctx, self.steady, to))
 
 
 class PhaseEnergyAccount:
@@ -139,14 +393,12 @@ class PhaseEnergyAccount:
         self.time_s: dict[str, float] = {p: 0.0 for p in PHASES}
         self.steps: dict[str, int] = {p: 0 for p in PHASES}
         self.tokens: dict[str, int] = {"prefill": 0, "decode": 0}
-        # (t, phase, {req: tokens} | None, finished ids | None, steady, {req: computed tokens} | None)
-        # for a step start, (t, None, None, None, False, None) for a step end; appended by the hot path only.
-        self._events: deque[tuple[float, str | None, dict | None, object, bool, dict | None]] = deque()
+        self._events: deque[StepEvent] = deque()  # appended by the hot path only
         self.steady_j = 0.0
         self.steady_s = 0.0
         self.steady_tokens: dict[str, int] = {"prefill": 0, "decode": 0}
         self.window_s = window_s
-        self._window: deque[tuple[float, float, int, int]] = deque()
+        self._window: deque[_WindowSample] = deque()
         self.available = True
         self._unknown: set[str] = set()  # requests in flight while the meter is unavailable
         self.per_request = per_request
@@ -165,17 +417,15 @@ class PhaseEnergyAccount:
         #: what the meter knows (the simulated GPU's), else None (intervals then split by time).
         self.idle_power_w: float | None = meter.idle_power_w() if hasattr(meter, "idle_power_w") else None
         self._t = clock()
-        # (start of the time not yet attributed, phase owning it, end of the last step if it ended,
-        # its request tokens, its request contexts, steady, whether the batch drained after it)
-        self._state: tuple = (self._t, "idle", None, None, None, False, False)
+        self._state = _Cursor(self._t, "idle", None, None, None, False, False)
         e0 = meter.energy_j()
         self._e = e0 if e0 is not None else 0.0
         if e0 is None:
             self.available = False
-        self._window.append((self._t, 0.0, 0, 0))
-        #: What recent ticks booked where, ``(t0, t1, {bucket: joules})``, kept one counter period
-        #: back so that a counter step's jump can be booked over the period it closes.
-        self._recent: deque[tuple[float, float, dict]] = deque()
+        self._window.append(_WindowSample(self._t, 0.0, 0, 0))
+        #: What recent ticks booked where, kept one counter period back so that a counter step's
+        #: jump can be booked over the period it closes.
+        self._recent: deque[_Booked] = deque()
         #: When the counter last stepped: a step closes the time since then, at most a period.
         self._last_step_t = -math.inf
         self._lock = threading.Lock()  # serialises tick() callers, never taken by the hot path
@@ -205,9 +455,9 @@ class PhaseEnergyAccount:
         if t is None:
             t = self.clock()
         if self.per_request:
-            self._events.append((t, phase, req_tokens, finished, steady, req_ctx))
+            self._events.append(StepEvent(t, phase, req_tokens, finished, steady, req_ctx))
         else:
-            self._events.append((t, phase, None, None, steady, None))
+            self._events.append(StepEvent(t, phase, None, None, steady, None))
         self.steps[phase] += 1
         tokens = self.tokens
         tokens["prefill"] += prefill_tokens
@@ -221,11 +471,11 @@ class PhaseEnergyAccount:
         """Requests reported finished by a step that schedules no work (vLLM sends one as a batch
         drains), at ``t`` (now if ``None``)."""
         if self.per_request and finished:
-            self._events.append((self.clock() if t is None else t, "", None, finished, False, None))
+            self._events.append(StepEvent(self.clock() if t is None else t, "", None, finished, False, None))
 
     def on_step_end(self, t: float | None = None) -> None:
         """The current step's host work ended at ``t`` (now if ``None``; its GPU work may still run)."""
-        self._events.append((self.clock() if t is None else t, None, None, None, False, None))
+        self._events.append(StepEvent(self.clock() if t is None else t, None, None, None, False, None))
 
     # -- background ----------------------------------------------------------------------------
     def tick(self) -> None:
@@ -234,256 +484,178 @@ class PhaseEnergyAccount:
             self.feed()
         with self._lock:
             t_now = self.clock()
-            # Pieces of the interval: a step's own time (busy), the gap after a step's end (quiet, in
-            # the step's phase; it goes to the step's requests, the tail or stays pending) and idle.
-            busy: list[tuple[float, str, dict | None, dict | None, bool]] = []
-            gaps: list[tuple[float, str, dict | None, dict | None, bool, str]] = []
-            idle = [0.0, 0.0]  # idle seconds; of them, seconds the API servers had requests in flight
-            resolved: list[tuple[dict | None, dict | None]] = []  # pending gaps that went to their step
-            tail_pending = False  # the pending gap turned out to be a tail
-            finished: list = []
-            fe_busy = self.busy  # the API servers' in-flight time inside [a, b] (starvation.py)
-
-            def add_idle(a: float, b: float) -> None:
-                if b > a:
-                    idle[0] += b - a
-                    if fe_busy is not None:
-                        idle[1] += fe_busy(a, b)
-
-            t, phase, end_t, req, ctx, steady, drained = self._state
-            events, idle_after_s = self._events, self.idle_after_s
-            pop = events.popleft
-            while events:
-                te, ev, ev_req, ev_fin, ev_steady, ev_ctx = pop()
-                if te < t:  # noqa: PLR1730 - te = max(te, t) without the call
-                    te = t
-                if ev is None:
-                    end_t = te
-                    continue
-                if ev == "":  # finished ids only: no new step; the batch drained
-                    finished.extend(ev_fin)
-                    if phase != "idle" and end_t is not None:
-                        drained = True
-                        tail_pending = tail_pending or self._pending_j > 0
-                    continue
-                if phase == "idle":
-                    add_idle(t, te)
-                elif end_t is None:
-                    if te > t:
-                        busy.append((te - t, phase, req, ctx, steady))
-                else:
-                    g0 = end_t if end_t > t else t
-                    if g0 > t:
-                        busy.append((g0 - t, phase, req, ctx, steady))
-                    if te - end_t >= idle_after_s:
-                        add_idle(g0, te)
-                        tail_pending = tail_pending or self._pending_j > 0
-                    else:
-                        if not drained and req and ev_fin and not req.keys() - set(ev_fin):
-                            # Every request of the step before the gap finished in it (vLLM reports
-                            # them with the next step): the gap after their last step is no one's.
-                            drained = True
-                        to = "tail" if drained else "req"
-                        if te > g0:
-                            if to == "req" and self.gpu_runs_ahead:
-                                busy.append((te - g0, phase, req, ctx, steady))
-                            else:
-                                gaps.append((te - g0, phase, req, ctx, steady, to))
-                        if self._pending_j > 0 and not resolved and not tail_pending:
-                            if drained:
-                                tail_pending = True
-                            else:
-                                resolved.append((req, ctx))
-                t, phase, end_t, req, ctx, steady, drained = te, ev, None, ev_req, ev_ctx, ev_steady, False
-                if ev_fin:
-                    finished.extend(ev_fin)
-            # Close the interval at t_now.
-            if phase == "idle":
-                add_idle(t, t_now)
-            elif end_t is None:
-                if t_now > t:
-                    busy.append((t_now - t, phase, req, ctx, steady))
-            else:
-                g0 = end_t if end_t > t else t
-                if g0 > t:
-                    busy.append((g0 - t, phase, req, ctx, steady))
-                if t_now - end_t >= idle_after_s:
-                    add_idle(g0, t_now)  # time after a long-finished step is idle from here on
-                    tail_pending = tail_pending or self._pending_j > 0
-                    phase, end_t, req, ctx, steady, drained = "idle", None, None, None, False, False
-                elif t_now > g0:
-                    gaps.append((t_now - g0, phase, req, ctx, steady, "tail" if drained else "pending"))
-            idle_s, idle_busy_s = idle
-            quiet_s = idle_s + sum(g[0] for g in gaps)
-            busy_s = sum(b[0] for b in busy)
-            if idle_s > 0:
-                self.meter.on_idle(idle_s)  # a simulated meter adds idle power for it
+            walk = _IntervalWalk(self._state, self.idle_after_s, self.gpu_runs_ahead, self._pending_j > 0, self.busy)
+            pieces = walk.walk(self._events, t_now)
+            if pieces.idle_s > 0:
+                self.meter.on_idle(pieces.idle_s)  # a simulated meter adds idle power for it
             e_now = self.meter.energy_j() if self.available else None
             if e_now is None:
-                # Meter unavailable (fault): nothing more is attributed; requests that finish from
-                # now on get None, never a partial figure.
-                self.available = False
-                self._unknown.update(self.request_j)
-                self.request_j.clear()
-                for piece in (*busy, *gaps):
-                    if piece[2]:
-                        self._unknown.update(piece[2])
-                for rid in finished:
-                    if rid in self._unknown:
-                        self._unknown.discard(rid)
-                        if self.on_request_done is not None:
-                            self.on_request_done(rid, None)
-                self._t = t_now
-                self._state = (t_now, phase, end_t, req, ctx, steady, drained)
+                self._stop_attribution(pieces, t_now, walk.cursor(t_now))
                 return
-            d_e = e_now - self._e
-            # A counter step's jump belongs to the ~100 ms period it closes, not to this (often
-            # ~16 ms) tick: it is set aside and booked back over that period's ticks below.
-            drain = getattr(self.meter, "drain_counter_steps", None)  # meters without a stepping counter: none
-            period_s = getattr(self.meter, "counter_period_s", 0.0)
-            if not 0.0 < period_s < math.inf:  # no period to book over (and none to keep ticks for)
-                period_s = 0.0
-            steps = []  # (start of the time the step closes, the step)
-            for c in drain() if drain else ():
-                # A step after the read that saw it, or not a number, is no step of this counter.
-                if period_s and c.t_s <= t_now and math.isfinite(c.jump_j):
-                    t0 = max(c.t_s - period_s, self._last_step_t)
-                    if self._recent_overlap(t0, c.t_s) > 0:
-                        steps.append((t0, c))
-                    self._last_step_t = max(self._last_step_t, c.t_s)
-            # The jumps a meter reports lie within what its reads returned (CounterStep): more than
-            # the tick saw, and they are not the counter's; the tick keeps what it saw.
-            if sum(c.jump_j for _, c in steps if c.jump_j > 0) > d_e:
-                steps = []
-            back_j = sum(c.jump_j for _, c in steps)
-            book: dict = {}
-            idle_j = self._price(d_e - back_j, t_now - self._t, busy, gaps, idle_s, busy_s, quiet_s, resolved, tail_pending, phase, book)
-            if fe_busy is not None:
-                self.busy_s += fe_busy(self._t, t_now)
-                if idle_busy_s > 0 and idle_s > 0:
-                    book["idle_busy"] = idle_j * idle_busy_s / idle_s
-                    self.idle_busy_j += book["idle_busy"]
-                    self.idle_busy_s += idle_busy_s
-            self._recent.append((self._t, t_now, book))
-            for t0, c in steps:
-                idle_j += self._book_back(t0, c.t_s, c.jump_j, phase, book)
-            while len(self._recent) > 1 and self._recent[0][1] < t_now - 2 * period_s:
-                self._recent.popleft()
-            done = []
-            for rid in finished:
-                j = self.request_j.pop(rid, None)
-                if j is not None:
-                    done.append(rid)
-                    self.finished_request_j += j
-                    self.finished_requests += 1
-                    if self.on_request_done is not None:
-                        self.on_request_done(rid, j)
-            if self.on_tick is not None:
-                self.on_tick(TickRecord(self._t, t_now, d_e, busy_s, quiet_s - idle_s, idle_s, idle_j, done, back_j))
-            self._t, self._e = t_now, e_now
-            self._state = (t_now, phase, end_t, req, ctx, steady, drained)
-            self._window.append((t_now, self.total_j(), self.tokens["prefill"], self.tokens["decode"]))
-            while len(self._window) > 2 and t_now - self._window[1][0] >= self.window_s:
+            self._attribute(pieces, t_now, e_now)
+            self._state = walk.cursor(t_now)
+            self._window.append(_WindowSample(t_now, self.total_j(), self.tokens["prefill"], self.tokens["decode"]))
+            while len(self._window) > 2 and t_now - self._window[1].t_s >= self.window_s:
                 self._window.popleft()
 
-    def _price(
-        self,
-        d_e: float,
-        span_s: float,
-        busy: list,
-        gaps: list,
-        idle_s: float,
-        busy_s: float,
-        quiet_s: float,
-        resolved: list,
-        tail_pending: bool,
-        phase: str,
-        book: dict,
-    ) -> float:
-        """Split ``d_e`` joules over the interval's pieces (module docstring: quiet time at the
-        idle power, steps the rest by time) and book phases, steady state, requests and the tail;
-        ``book`` gets what went where (phases by name, requests by ``("r", id)``, ``"tail"``,
-        ``"pending"``, ``"steady"``, ``"idle_busy"``). Returns the joules booked as idle."""
-        if busy_s + quiet_s <= 0:
-            return self._book_lump(d_e, phase, book)
+    def _stop_attribution(self, pieces: TickPieces, t_now: float, state: _Cursor) -> None:
+        """The meter became unavailable (a fault): nothing more is attributed; requests that finish
+        from now on get None, never a partial figure."""
+        self.available = False
+        self._unknown.update(self.request_j)
+        self.request_j.clear()
+        for piece in (*pieces.busy, *pieces.gaps):
+            if piece.req_tokens:
+                self._unknown.update(piece.req_tokens)
+        for rid in pieces.finished:
+            if rid in self._unknown:
+                self._unknown.discard(rid)
+                if self.on_request_done is not None:
+                    self.on_request_done(rid, None)
+        self._t = t_now
+        self._state = state
+
+    def _attribute(self, pieces: TickPieces, t_now: float, e_now: float) -> None:
+        """Split the meter's joules since the last tick over ``pieces``, book the counter steps back
+        over the periods they close, and report the requests the tick made final."""
+        d_e = e_now - self._e
+        period_s = getattr(self.meter, "counter_period_s", 0.0)
+        if not 0.0 < period_s < math.inf:  # no period to book over (and none to keep ticks for)
+            period_s = 0.0
+        steps = self._period_steps(t_now, d_e, period_s)
+        back_j = sum(p.step.jump_j for p in steps)
+        book: dict = {}
+        idle_j = self._price(pieces, energy_j=d_e - back_j, span_s=t_now - self._t, book=book)
+        fe_busy = self.busy
+        if fe_busy is not None:
+            self.busy_s += fe_busy(self._t, t_now)
+            if pieces.idle_busy_s > 0 and pieces.idle_s > 0:
+                book["idle_busy"] = idle_j * pieces.idle_busy_s / pieces.idle_s
+                self.idle_busy_j += book["idle_busy"]
+                self.idle_busy_s += pieces.idle_busy_s
+        self._recent.append(_Booked(self._t, t_now, book))
+        for p in steps:
+            idle_j += self._book_back(p.t0_s, p.step.t_s, p.step.jump_j, pieces.phase, book)
+        while len(self._recent) > 1 and self._recent[0].t1_s < t_now - 2 * period_s:
+            self._recent.popleft()
+        done = self._finish_requests(pieces.finished)
+        if self.on_tick is not None:
+            gap_s = pieces.quiet_s - pieces.idle_s
+            self.on_tick(TickRecord(self._t, t_now, d_e, pieces.busy_s, gap_s, pieces.idle_s, idle_j, done, back_j))
+        self._t, self._e = t_now, e_now
+
+    def _period_steps(self, t_now: float, d_e: float, period_s: float) -> list[_PeriodStep]:
+        """The counter steps to book back: a counter step's jump belongs to the ~100 ms period it
+        closes, not to this (often ~16 ms) tick, so it is set aside and booked over that period's
+        ticks (:meth:`_book_back`)."""
+        drain = getattr(self.meter, "drain_counter_steps", None)  # meters without a stepping counter: none
+        steps = []
+        for c in drain() if drain else ():
+            # A step after the read that saw it, or not a number, is no step of this counter.
+            if period_s and c.t_s <= t_now and math.isfinite(c.jump_j):
+                t0 = max(c.t_s - period_s, self._last_step_t)
+                if self._recent_overlap(t0, c.t_s) > 0:
+                    steps.append(_PeriodStep(t0, c))
+                self._last_step_t = max(self._last_step_t, c.t_s)
+        # The jumps a meter reports lie within what its reads returned (CounterStep): more than
+        # the tick saw, and they are not the counter's; the tick keeps what it saw.
+        if sum(p.step.jump_j for p in steps if p.step.jump_j > 0) > d_e:
+            return []
+        return steps
+
+    def _finish_requests(self, finished: list) -> list:
+        """Report the requests in ``finished`` still in flight with their final joules; returns their ids."""
+        done = []
+        for rid in finished:
+            j = self.request_j.pop(rid, None)
+            if j is not None:
+                done.append(rid)
+                self.finished_request_j += j
+                self.finished_requests += 1
+                if self.on_request_done is not None:
+                    self.on_request_done(rid, j)
+        return done
+
+    def _price(self, pieces: TickPieces, *, energy_j: float, span_s: float, book: dict) -> float:
+        """Split ``energy_j`` joules over the interval's ``pieces`` (``span_s`` long; module
+        docstring: quiet time at the idle power, steps the rest by time) and book phases, steady
+        state, requests and the tail; ``book`` gets what went where (phases by name, requests by
+        ``("r", id)``, ``"tail"``, ``"pending"``, ``"steady"``, ``"idle_busy"``). Returns the
+        joules booked as idle."""
+        if pieces.busy_s + pieces.quiet_s <= 0:
+            return self._book_lump(energy_j, pieces.phase, book)
+        rates = self._rates(pieces, energy_j, span_s)
+        idle_s = pieces.idle_s
+        if idle_s > 0:
+            self.energy_j["idle"] += rates.quiet_w * idle_s
+            self.time_s["idle"] += idle_s
+            _add(book, "idle", rates.quiet_w * idle_s)
+        weights = _StepWeights(self.cost)  # a step's busy piece and its gap share one weighting
+        if self.per_request:
+            self._settle_pending(pieces, weights)
+        for seconds, ph, req, ctx, steady in pieces.busy:
+            j = rates.busy_w * seconds
+            self._book_phase(ph, seconds, j, steady, book)
+            if self.per_request and not self._share(self.request_j, j, weights(req, ctx), book):
+                self.tail_j += j
+                _add(book, "tail", j)
+        for seconds, ph, req, ctx, steady, to in pieces.gaps:
+            j = rates.gap_w * seconds
+            self._book_phase(ph, seconds, j, steady, book)
+            if not self.per_request:
+                continue
+            if to == "pending":
+                self._pending_j += j
+                _add(book, "pending", j)
+            elif to == "tail" or not self._share(self.request_j, j, weights(req, ctx), book):
+                self.tail_j += j
+                _add(book, "tail", j)
+        return rates.quiet_w * idle_s if idle_s > 0 else 0.0
+
+    def _rates(self, pieces: TickPieces, d_e: float, span_s: float) -> _Rates:
+        """The tick's prices: quiet time at the idle power (never more than the tick's joules),
+        the steps the rest by time; an interval of idle only updates the idle power."""
         idle_w = self.idle_power_w
+        idle_s, busy_s, quiet_s = pieces.idle_s, pieces.busy_s, pieces.quiet_s
         gap_s = quiet_s - idle_s
         # Quiet time priced at the idle power: idle, and the gaps after steps where the meter's GPU
         # draws power there (a simulated GPU does not: its steps cost their modelled work only).
         priced_s = quiet_s if getattr(self.meter, "powered_between_steps", True) else idle_s
         if busy_s > 0 and priced_s > 0 and idle_w is not None:
-            quiet_rate = min(idle_w, d_e / priced_s) if d_e > 0 else d_e / (busy_s + priced_s)
-            busy_rate = (d_e - quiet_rate * priced_s) / busy_s
+            quiet_w = min(idle_w, d_e / priced_s) if d_e > 0 else d_e / (busy_s + priced_s)
+            busy_w = (d_e - quiet_w * priced_s) / busy_s
         elif busy_s + priced_s > 0:
-            quiet_rate = busy_rate = d_e / (busy_s + priced_s)
+            quiet_w = busy_w = d_e / (busy_s + priced_s)
             if busy_s == 0 and gap_s <= 0 and idle_s >= _IDLE_POWER_MIN_S and span_s > 0:
                 # An interval of idle only: the counter's idle power, for the edges of later intervals.
                 w = d_e / idle_s
                 self.idle_power_w = w if idle_w is None else idle_w + _IDLE_POWER_EMA * (w - idle_w)
         else:  # only gaps, on a meter that does not price them: whatever it reports is theirs
-            quiet_rate = busy_rate = 0.0
-        gap_rate = quiet_rate if priced_s == quiet_s else (d_e / gap_s if busy_s + priced_s <= 0 else 0.0)
-        energy, time_s, acc = self.energy_j, self.time_s, self.request_j
+            quiet_w = busy_w = 0.0
+        gap_w = quiet_w if priced_s == quiet_s else (d_e / gap_s if busy_s + priced_s <= 0 else 0.0)
+        return _Rates(quiet_w, busy_w, gap_w)
 
-        def add(key: Any, j: float) -> None:
-            book[key] = book.get(key, 0.0) + j
-
-        if idle_s > 0:
-            energy["idle"] += quiet_rate * idle_s
-            time_s["idle"] += idle_s
-            add("idle", quiet_rate * idle_s)
-        per_request = self.per_request
-        cache: dict[int, Any] = {}  # a step's busy piece and its gap share one weighting
-
-        def weights(req: dict | None, ctx: dict | None) -> Any:
-            if not req:
-                return None
-            w = cache.get(id(req))
-            if w is None:
-                w = cache[id(req)] = step_weights(self.cost, req, ctx)
-            return w
-
-        if per_request:
-            # A gap left pending by an earlier interval is settled by what followed it in this one
-            # (energy already booked, so not a booking of this tick); before this interval's own
-            # open gap joins the pending joules, which is not that gap's.
-            for req, ctx in resolved:
-                j, self._pending_j = self._pending_j, 0.0
-                if not self._share(acc, j, weights(req, ctx)):
-                    self.tail_j += j
-            if tail_pending:
-                self.tail_j += self._pending_j
-                self._pending_j = 0.0
-        for seconds, ph, req, ctx, steady in busy:
-            j = busy_rate * seconds
-            energy[ph] += j
-            time_s[ph] += seconds
-            add(ph, j)
-            if steady:
-                self.steady_j += j
-                self.steady_s += seconds
-                add("steady", j)
-            if per_request and not self._share(acc, j, weights(req, ctx), book):
+    def _settle_pending(self, pieces: TickPieces, weights: _StepWeights) -> None:
+        """A gap left pending by an earlier interval is settled by what followed it in this one
+        (energy already booked, so not a booking of this tick); before this interval's own open
+        gap joins the pending joules, which is not that gap's."""
+        for req, ctx in pieces.resolved:
+            j, self._pending_j = self._pending_j, 0.0
+            if not self._share(self.request_j, j, weights(req, ctx)):
                 self.tail_j += j
-                add("tail", j)
-        for seconds, ph, req, ctx, steady, to in gaps:
-            j = gap_rate * seconds
-            energy[ph] += j
-            time_s[ph] += seconds
-            add(ph, j)
-            if steady:
-                self.steady_j += j
-                self.steady_s += seconds
-                add("steady", j)
-            if not per_request:
-                continue
-            if to == "pending":
-                self._pending_j += j
-                add("pending", j)
-            elif to == "tail" or not self._share(acc, j, weights(req, ctx), book):
-                self.tail_j += j
-                add("tail", j)
-        return quiet_rate * idle_s if idle_s > 0 else 0.0
+        if pieces.tail_pending:
+            self.tail_j += self._pending_j
+            self._pending_j = 0.0
+
+    def _book_phase(self, phase: str, seconds: float, joules: float, steady: bool, book: dict) -> None:
+        """A piece's ``joules`` and ``seconds`` to its ``phase`` (and to steady state)."""
+        self.energy_j[phase] += joules
+        self.time_s[phase] += seconds
+        _add(book, phase, joules)
+        if steady:
+            self.steady_j += joules
+            self.steady_s += seconds
+            _add(book, "steady", joules)
 
     @staticmethod
     def _share(acc: dict[str, float], joules: float, weights: Any, book: dict | None = None) -> bool:
