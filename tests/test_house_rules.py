@@ -28,11 +28,7 @@ FORBIDDEN_IMPORTS = (
 
 # Violations still being fixed, as "path:qualified function" and "path -> name" strings. Remove an
 # entry once it is fixed (test_pending_violations_still_exist fails until then); never add one.
-PENDING_LONG_FUNCTIONS: set[str] = {
-    # The energy account: its tuples become named records.
-    "vllm_powersave/energy/account.py:PhaseEnergyAccount._price",
-    "vllm_powersave/energy/account.py:PhaseEnergyAccount.tick",
-}
+PENDING_LONG_FUNCTIONS: set[str] = set()  # none left: the energy account passes named records
 PENDING_PRIVATE_REACHES: set[str] = set()  # none left: benchmarks/hook_overhead.py uses the runtime's public seams
 PENDING_IMPORT_EDGES: set[str] = set()  # none left: runtime/ and energy/ read sim/, and trace replay is in tune/
 
