@@ -61,6 +61,22 @@ class CounterStep(NamedTuple):
     jump_j: float
 
 
+class _Bracket(NamedTuple):
+    """Where a counter step was seen: after the read at ``lo_s`` and at or before the read at
+    ``hi_s`` (the meter's clock, s)."""
+
+    lo_s: float
+    hi_s: float
+
+    @property
+    def mid_s(self) -> float:
+        return (self.lo_s + self.hi_s) / 2
+
+    @property
+    def width_s(self) -> float:
+        return self.hi_s - self.lo_s
+
+
 class EnergyMeter(ABC):
     """Cumulative energy of one GPU since the meter was created."""
 
@@ -257,7 +273,7 @@ class NvmlEnergyMeter(EnergyMeter):
         self._last_sync_w = 0.0  # the width of that sync's step bracket, s
         #: How far the period may be off (s): 1 % for the nominal one, then what syncs measured.
         self.period_sigma_s = 0.01 * counter_period_s
-        self._bracket = (self._t_read - self.period, self._t_read)
+        self._bracket = _Bracket(self._t_read - self.period, self._t_read)
         self.sync_every_s = 30.0
         self.sync_due = self._t_read
         self.phase_losses = 0
@@ -309,7 +325,7 @@ class NvmlEnergyMeter(EnergyMeter):
         """Keep the bracket of the last step and check the learnt phase against this pair of reads."""
         T = self.period
         if changed:
-            self._bracket = (max(t_prev, t - T), t)
+            self._bracket = _Bracket(max(t_prev, t - T), t)
         if self._phase_t is None:
             return
         k_prev, k_now = self._period_index(t_prev), self._period_index(t)
@@ -373,7 +389,7 @@ class NvmlEnergyMeter(EnergyMeter):
         if self._phase_t is not None:  # the phase held until this sync
             self._losses_in_a_row = 0
         T = self.period
-        steps: list[tuple[float, float]] = []  # (the middle of a step's bracket, its width), s
+        steps: list[_Bracket] = []  # the polls that saw the counter step
         try:
             c_prev, t_prev = self.gpu.total_energy_mj(), self.clock()
             deadline = t_prev + 2.5 * T
@@ -382,7 +398,7 @@ class NvmlEnergyMeter(EnergyMeter):
                 sleep(poll_s)
                 c, t = self.gpu.total_energy_mj(), self.clock()
                 if c != c_prev:
-                    steps.append(((t_prev + t) / 2, t - t_prev))
+                    steps.append(_Bracket(t_prev, t))
                 c_prev, t_prev = c, t
         except Exception as exc:
             log.debug("powersave: counter phase sync failed on GPU %s: %s", self.gpu_id, exc)
@@ -396,10 +412,10 @@ class NvmlEnergyMeter(EnergyMeter):
         # what is known (period_sigma_s), and the next sync comes while the phase can have
         # drifted at most a quarter period, so that the periods between two syncs are counted
         # right and the period is measured again over that longer baseline.
-        (t_step, w_step) = steps[-1]
-        if len(steps) == 2 and 0.5 * T < t_step - steps[0][0] < 2.0 * T and (w_step + steps[0][1]) / 2 < self.period_sigma_s:
-            T = self.period = t_step - steps[0][0]
-            self.period_sigma_s = (w_step + steps[0][1]) / 2
+        first, t_step, w_step = steps[0], steps[-1].mid_s, steps[-1].width_s
+        if len(steps) == 2 and 0.5 * T < t_step - first.mid_s < 2.0 * T and (w_step + first.width_s) / 2 < self.period_sigma_s:
+            T = self.period = t_step - first.mid_s
+            self.period_sigma_s = (w_step + first.width_s) / 2
         elif self._last_sync_t is not None:
             n = round((t_step - self._last_sync_t) / T)
             sigma = (w_step + self._last_sync_w) / 2 / max(n, 1)
