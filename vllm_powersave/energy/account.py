@@ -784,7 +784,7 @@ class PhaseEnergyAccount:
 
     @property
     def current_phase(self) -> str:
-        return self._state[1]
+        return self._state.phase
 
     @property
     def pending_j(self) -> float:
