@@ -92,7 +92,7 @@ class TickRecord(NamedTuple):
 
 
 class StepEvent(NamedTuple):
-    """One event of the step hook's stream (appended on the step path, so a tuple): a step of
+    """One event of the step hook's stream (appended per step, so a tuple): a step of
     ``phase`` starts at ``t_s``; ``phase`` ``None``: the current step's host work ended;
     ``phase`` ``""``: requests finished with no step (the batch drained)."""
 
@@ -128,6 +128,13 @@ class StepPiece(NamedTuple):
     steady: bool
 
 
+class StepRequests(NamedTuple):
+    """A step's requests: scheduled tokens and computed context per request id."""
+
+    req_tokens: dict | None
+    req_ctx: dict | None
+
+
 class GapPiece(NamedTuple):
     """The gap after a step's end inside a tick (quiet time in the step's phase); ``to``: whose
     joules they are, ``"req"`` (the step's requests), ``"tail"`` or ``"pending"`` (still open)."""
@@ -144,7 +151,7 @@ class GapPiece(NamedTuple):
 class TickPieces:
     """A tick's interval cut into pieces (module docstring), what :meth:`PhaseEnergyAccount._price`
     splits the joules over. ``idle_busy_s``: of ``idle_s``, the seconds the API servers had
-    requests in flight; ``resolved``: ``(req_tokens, req_ctx)`` of the step a gap left pending
+    requests in flight; ``resolved``: the requests of the step a gap left pending
     by an earlier tick turned out to belong to; ``tail_pending``: that gap turned out to be a
     tail; ``finished``: the requests reported finished; ``phase``: the phase owning the time at
     the tick's end."""
@@ -155,7 +162,7 @@ class TickPieces:
     idle_busy_s: float
     busy_s: float
     quiet_s: float  # idle and gaps
-    resolved: list[tuple[dict | None, dict | None]]
+    resolved: list[StepRequests]
     tail_pending: bool
     finished: list
     phase: str
@@ -178,6 +185,8 @@ class _Booked(NamedTuple):
 
 
 class _WindowSample(NamedTuple):
+    """The account's cumulative joules and tokens at a tick, for :meth:`PhaseEnergyAccount.window`."""
+
     t_s: float
     energy_j: float
     prefill_tokens: int
@@ -237,7 +246,7 @@ class _IntervalWalk:
         self.gaps: list[GapPiece] = []
         self.idle_s = 0.0
         self.idle_busy_s = 0.0  # of idle_s, seconds the API servers had requests in flight
-        self.resolved: list[tuple[dict | None, dict | None]] = []  # pending gaps that went to their step
+        self.resolved: list[StepRequests] = []  # pending gaps that went to their step
         self.tail_pending = False  # the pending gap turned out to be a tail
         self.finished: list = []
 
@@ -321,7 +330,7 @@ class _IntervalWalk:
                 if self.drained:
                     self.tail_pending = True
                 else:
-                    self.resolved.append((req, self.ctx))
+                    self.resolved.append(StepRequests(req, self.ctx))
 
     def _close(self, t_now: float) -> None:
         """Cut the time from the cursor to the tick at ``t_now``."""
