@@ -96,7 +96,7 @@ def test_real_helper_holds_and_releases_a_context_on_the_fake_driver(fake_cuda):
         assert "cuDevicePrimaryCtxRetain" in _calls(fake_cuda) and "cuDevicePrimaryCtxRelease_v2" not in _calls(fake_cuda)
         assert h.set(False) >= 0.0 and not h.held
         assert _calls(fake_cuda)[-1] == "cuDevicePrimaryCtxRelease_v2"
-        pid = h._proc.pid
+        pid = h.pid
     finally:
         h.close()
     assert _gone(pid)
@@ -113,16 +113,16 @@ def test_helper_killed_while_holding_is_noticed_and_restarted_then_given_up(fake
         with caplog.at_level(logging.WARNING, logger="vllm_powersave"):
             ctl.on_busy()
             _wait_for(lambda: ctl.held, "first hold")
-            seen = {h._proc.pid}
+            seen = {h.pid}
             for n in range(1, BoostController.MAX_RESTARTS + 1):
-                os.kill(h._proc.pid, signal.SIGKILL)
+                os.kill(h.pid, signal.SIGKILL)
                 _wait_for(lambda: not h.alive(), "helper dead")
                 ctl.tick()  # the publisher's periodic tick
                 _wait_for(lambda n=n: ctl.restarts == n and ctl.held and h.alive(), f"restart {n}")
-                assert h._proc.pid not in seen and ctl.snapshot()["held"] is True
-                seen.add(h._proc.pid)
+                assert h.pid not in seen and ctl.snapshot()["held"] is True
+                seen.add(h.pid)
             assert _calls(fake_cuda).count("cuDevicePrimaryCtxRetain") == 1 + BoostController.MAX_RESTARTS
-            os.kill(h._proc.pid, signal.SIGKILL)
+            os.kill(h.pid, signal.SIGKILL)
             _wait_for(lambda: not h.alive(), "helper dead")
             ctl.tick()
             _wait_for(lambda: ctl.disabled_reason is not None, "given up")
@@ -141,7 +141,7 @@ def test_hanging_helper_times_out_is_killed_and_stays_off(fake_cuda, monkeypatch
     h = BoostHolder("GPU-fake", timeout_s=1.0)
     with pytest.raises(BoostUnavailable, match="TimeoutError"):
         h.set(True)
-    assert not h.held and h._proc is None and h.broken
+    assert not h.held and h.pid is None and h.broken
     pids = [int(line.split()[0]) for line in fake_cuda.read_text().splitlines()]
     assert pids and all(_gone(p) for p in set(pids))
     with pytest.raises(BoostUnavailable):
@@ -187,7 +187,7 @@ PARENT = textwrap.dedent("""
         if child == 0:
             time.sleep(120)
             os._exit(0)
-    print(h._proc.pid, child, flush=True)
+    print(h.pid, child, flush=True)
     time.sleep(120)
 """)
 
@@ -234,7 +234,7 @@ def test_garbage_answers_break_the_holder_cleanly(answer):
     h = ScriptHolder(f"import sys\nsys.stdin.readline()\nprint({answer!r}, flush=True)\nsys.stdin.readline()\n")
     with pytest.raises(BoostUnavailable, match="boost helper"):
         h.set(True)
-    assert not h.held and h.broken and h._proc is None
+    assert not h.held and h.broken and h.pid is None
     h.close()
 
 
@@ -259,11 +259,11 @@ def test_thousands_of_busy_idle_flips_end_consistent():
         stop.set()
         th.join()
         ctl.on_busy()  # the engine is busy at the end
-        _wait_for(lambda: ctl.held and not ctl._ev.is_set(), "held at the end")
+        _wait_for(lambda: ctl.held and not ctl.pending, "held at the end")
         assert h.held and h.started == 1 and ctl.switches == h.switches and ctl.switches % 2 == 1
         t[0] += 5.0
         ctl.tick()
-        _wait_for(lambda: not ctl.held and not ctl._ev.is_set(), "released after the dwell")
+        _wait_for(lambda: not ctl.held and not ctl.pending, "released after the dwell")
         assert not h.held and ctl.switches == h.switches and ctl.disabled_reason is None
     finally:
         stop.set()
@@ -277,13 +277,13 @@ def test_step_racing_a_release_keeps_the_boost():
     ctl = BoostController(h, release_after_s=1.0, clock=lambda: t[0])
     try:
         ctl.on_busy()
-        _wait_for(lambda: ctl.held and not ctl._ev.is_set(), "held")
+        _wait_for(lambda: ctl.held and not ctl.pending, "held")
         ctl._ev.clear()
         t[0] += 2.0
         ctl.want = False  # what tick() writes ...
         ctl.last_busy = t[0]  # ... while a step lands (on_busy sees want still True: no event)
         ctl._ev.set()
-        _wait_for(lambda: ctl.want and not ctl._ev.is_set(), "the loop re-checked the dwell")
+        _wait_for(lambda: ctl.want and not ctl.pending, "the loop re-checked the dwell")
         assert ctl.held and h.held and h.switches == 1
     finally:
         ctl.close()
@@ -327,4 +327,4 @@ def test_close_while_a_helper_is_being_started_leaves_no_helper_behind():
     with pytest.raises(BoostUnavailable, match="closed"):
         h.set(True)
     started[0].wait(timeout=10)
-    assert started[0].returncode is not None and not h.held and h._proc is None
+    assert started[0].returncode is not None and not h.held and h.pid is None

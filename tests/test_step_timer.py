@@ -103,7 +103,7 @@ def test_a_step_timer_fault_turns_only_the_closed_loop_off_and_steps_stay_metere
         rt.publish()
         lines = [json.loads(x) for x in (tmp_path / "trace-rank0.jsonl").read_text().splitlines()]
         assert len([x for x in lines if "t" in x]) == 30  # every step traced (step lines, not decisions or ticks)
-        assert rt._closed_loop is False
+        assert rt.step_path.timing.active is False
         assert rt.clocks.target_sm_clock_mhz is None  # the decode clock stays at the default
         sv = rt.snapshot()["savings"]["clocks"]
         assert sv["state"] == "failed" and "step timer fault" in sv["why"]
@@ -123,7 +123,7 @@ def test_a_gpu_without_cuda_event_timing_serves_with_the_closed_loop_off_and_one
             rt.on_step_start(_decode(8))
             rt.on_step_end()
         rt.publish()
-        assert rt._closed_loop is False and rt.step_time_source == "engine_wall"
+        assert rt.step_path.timing.active is False and rt.step_time_source == "engine_wall"
         assert not _decisions(tmp_path)  # no decision from launch times
         assert rt.snapshot()["savings"]["clocks"]["state"] == "failed"
         warnings = [r for r in caplog.records if r.levelname == "WARNING" and "CUDA events" in r.getMessage()]
@@ -145,7 +145,7 @@ def test_under_the_simulated_clock_the_loop_learns_the_simulators_step_time(monk
     )
     rt = rt_mod.WorkerRuntime(runner, settings)
     try:
-        assert isinstance(rt._step_timer, SimulatedStepTimer) and rt.step_time_source == "simulated"
+        assert isinstance(rt.step_path.timing.timer, SimulatedStepTimer) and rt.step_time_source == "simulated"
         for _ in range(60):
             rt.on_step_start(_decode(32))
             rt.on_step_end()
@@ -180,7 +180,7 @@ def test_a_closed_loop_fault_also_stops_the_step_timer(monkeypatch, tmp_path):
             rt.on_step_start(_decode(8))
             rt.on_step_end()
         rt.drain_steps()
-        assert rt._closed_loop is False
+        assert rt.step_path.timing.active is False
         started = timer.started
         for _ in range(50):
             rt.on_step_start(_decode(8))

@@ -151,25 +151,22 @@ def test_gpu_index_matched_by_pci_address(tmp_path):
 
 
 def test_runtime_builds_the_zeusd_backend_or_falls_back_with_one_warning(tmp_path, monkeypatch, caplog):
-    from types import SimpleNamespace
-
     from vllm_powersave.clocks import DryRunClockBackend
-    from vllm_powersave.runtime import WorkerRuntime
+    from vllm_powersave.runtime.build import zeusd_backend
     from vllm_powersave.settings import load_settings as load
 
     monkeypatch.delenv("ZEUSD_SOCK_PATH", raising=False)
-    me = SimpleNamespace(device_index=0)
     nvml = FakeNvml()
     sock = str(tmp_path / "zeusd.sock")
     with caplog.at_level(logging.WARNING, logger="vllm.powersave"):
-        b = WorkerRuntime._zeusd_backend(me, load({"clocks": {"backend": "zeusd"}}, env={}), NvmlGpu(nvml, "h0"))
+        b = zeusd_backend(load({"clocks": {"backend": "zeusd"}}, env={}), NvmlGpu(nvml, "h0"), 0)
     assert isinstance(b, DryRunClockBackend) and "ZEUSD_SOCK_PATH" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="vllm.powersave"):
-        b = WorkerRuntime._zeusd_backend(me, load({"clocks": {"backend": "zeusd", "zeusd_socket": sock}}, env={}), NvmlGpu(nvml, "h0"))
+        b = zeusd_backend(load({"clocks": {"backend": "zeusd", "zeusd_socket": sock}}, env={}), NvmlGpu(nvml, "h0"), 0)
     assert isinstance(b, DryRunClockBackend) and len([r for r in caplog.records if "dry-run" in r.getMessage()]) == 1
     monkeypatch.setenv("ZEUSD_SOCK_PATH", sock)
     with FakeZeusd(sock, [FakeNvml(), FakeNvml()], pci=["0000:01:00.0", "0000:41:00.0"]):
-        b = WorkerRuntime._zeusd_backend(me, load({"clocks": {"backend": "zeusd"}}, env={}), NvmlGpu(nvml, "h0"))
+        b = zeusd_backend(load({"clocks": {"backend": "zeusd"}}, env={}), NvmlGpu(nvml, "h0"), 0)
     assert isinstance(b, ZeusdClockBackend) and b.gpu_index == 1  # matched by PCI address, not by CUDA index
     assert b.supported_sm_clocks() == (345, 990, 1200, 1500, 1980)  # read locally with NVML

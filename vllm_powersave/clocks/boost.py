@@ -82,6 +82,12 @@ class BoostHolder:
             bufsize=1,
         )
 
+    @property
+    def pid(self) -> int | None:
+        """The helper process's PID, or None before it starts and after close (supervision, tests)."""
+        p = self._proc
+        return None if p is None else p.pid
+
     def alive(self) -> bool:
         """Whether a helper process is running (a held boost lasts exactly as long as it does)."""
         p = self._proc
@@ -203,6 +209,11 @@ class BoostController:
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="powersave-boost", daemon=True)
         self._thread.start()
+
+    @property
+    def pending(self) -> bool:
+        """A hold or release was asked for and the background loop has not taken it up yet."""
+        return self._ev.is_set()
 
     # -- hot path ------------------------------------------------------------------------------
     def on_busy(self, now: float | None = None) -> None:

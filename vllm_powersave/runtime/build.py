@@ -470,19 +470,6 @@ class WorkerRuntime:
         """Whether finished steps still feed the closed-loop decode clock."""
         return self.step_path.timing.active
 
-    # Read-only names of the mixin runtime, still read by tests/test_step_timer.py.
-    @property
-    def _closed_loop(self) -> bool:
-        return self.step_path.timing.active
-
-    @property
-    def _step_timer(self) -> Any:
-        return self.step_path.timing.timer
-
-    def _zeusd_backend(self, settings: PowersaveSettings, gpu: NvmlGpu | None) -> ClockBackend:
-        """:func:`zeusd_backend` for this worker's CUDA device (tests/test_zeusd.py calls it unbound)."""
-        return zeusd_backend(settings, gpu, self.device_index)
-
     # -- the publisher's side ----------------------------------------------------------------------
     def drain_steps(self, final: bool = False) -> None:
         self.drain.drain_steps(final)
