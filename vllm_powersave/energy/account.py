@@ -361,7 +361,7 @@ class PhaseEnergyAccount:
         idle_after_s: seconds without a step after which time counts as idle.
         clock: monotonic seconds (tests inject one).
         feed: called at the start of each :meth:`tick`, before the lock, to deliver pending step
-            events (the worker runtime batches the step hook's records, ``WorkerRuntime.drain_steps``).
+            events (the worker runtime batches the step hook's records, ``runtime/drain.py`` ``StepDrain.drain_steps``).
         cost: the model whose request costs split a step's energy (per-request energy; without it,
             or for a step without request contexts, the split is by scheduled tokens).
         on_tick: called with a :class:`TickRecord` after each attributed tick, on the ticking
