@@ -7,6 +7,7 @@ are returned as ``RequestOutput(success=False, error=...)`` so a run keeps going
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +45,13 @@ class RequestOutput:
     endpoint: int = 0
     #: Seconds between the request's scheduled arrival and its start (waiting for a concurrency slot).
     queue_time: float = 0.0
+    #: The request's joules as vllm-powersave reports them inside ``usage`` (``energy_j``, with
+    #: ``per_request_energy`` on; ``docs/request-energy.md``): None when absent or not yet known.
+    energy_j: float | None = None
+    #: ``usage.energy_status`` (``complete`` | ``pending`` | ``unavailable``); None when the server sent none.
+    energy_status: str | None = None
+    #: ``usage.energy_source`` (``measured`` | ``simulated``).
+    energy_source: str | None = None
 
     @property
     def output_tokens_source(self) -> str:
@@ -128,6 +136,20 @@ def _apply_usage(out: RequestOutput, usage: Any) -> None:
             out.usage_reported = True
         if isinstance(pt, int):
             out.prompt_tokens = pt
+        _apply_energy(out, usage)
+
+
+def _apply_energy(out: RequestOutput, usage: dict[str, Any]) -> None:
+    """vllm-powersave's per-request energy keys inside ``usage`` (``docs/request-energy.md``)."""
+    status = usage.get("energy_status")
+    if not isinstance(status, str):
+        return
+    j = usage.get("energy_j")
+    ok = isinstance(j, (int, float)) and not isinstance(j, bool) and math.isfinite(j) and j >= 0
+    src = usage.get("energy_source")
+    out.energy_status = status[:32]
+    out.energy_j = float(j) if ok and status == "complete" else None
+    out.energy_source = src[:32] if isinstance(src, str) else None
 
 
 async def send_request(

@@ -96,7 +96,30 @@ def calculate_metrics(
     m |= summarize_ms("tpot", tpots, percentiles)
     m |= summarize_ms("itl", [x for _, o in ok for x in o.itl], percentiles)
     m |= summarize_ms("e2el", [o.latency for _, o in ok], percentiles)
+    m |= request_energy_metrics(outputs)
     return m
+
+
+def request_energy_metrics(outputs: Sequence[RequestOutput]) -> dict[str, Any]:
+    """Per-request joules the server reported inside ``usage`` (vllm-powersave with
+    ``per_request_energy``); empty when no request carried them.
+
+    ``request_energy_j`` and ``request_energy_statuses`` are per request, in the order of the other
+    per-request arrays (None where absent). Mean and total cover completed requests with a figure;
+    ``request_energy_reported`` counts them, so a pending figure shows as a shortfall, not a zero.
+    """
+    if not any(o.energy_status is not None for o in outputs):
+        return {}
+    figures = [o.energy_j for o in outputs if o.success and o.energy_j is not None]
+    sources = sorted({o.energy_source for o in outputs if o.energy_j is not None and o.energy_source})
+    return {
+        "request_energy_j": [o.energy_j for o in outputs],
+        "request_energy_statuses": [o.energy_status for o in outputs],
+        "request_energy_reported": len(figures),
+        "mean_request_energy_j": statistics.fmean(figures) if figures else None,
+        "total_request_energy_j": sum(figures) if figures else None,
+        "request_energy_source": ",".join(sources) or None,
+    }
 
 
 def method_metrics(outputs: Sequence[RequestOutput], stream: bool) -> dict[str, Any]:

@@ -128,10 +128,31 @@ def _summary_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
                     + (f", {_num(100.0 * share, 1)} % of busy time" if share is not None else ""),
                 )
             )
+    rows += _request_energy_rows(result)
     rows += _steady_rows(result)
     if result.get("timed_out"):
         rows.append(("Note", f"global --timeout of {_num(result.get('timeout_s'), 0)} s reached"))
     return rows
+
+
+def _request_energy(result: dict[str, Any]) -> str:
+    """Mean per-request joules the server reported in ``usage``, with how many requests had one."""
+    if "request_energy_reported" not in result:
+        return "n/a"
+    n, done = result.get("request_energy_reported"), result.get("completed")
+    src = result.get("request_energy_source") or "?"
+    return f"{_num(result.get('mean_request_energy_j'), 4)} ({src}; {n} of {done} requests)"
+
+
+def _request_energy_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
+    """Per-request joules from the server (only when some request carried them)."""
+    if "request_energy_reported" not in result:
+        return []
+    src = result.get("request_energy_source") or "?"
+    return [
+        ("Per-request energy, mean (J)", _request_energy(result)),
+        ("Per-request energy, total (J)", f"{_num(result.get('total_request_energy_j'), 2)} ({src})"),
+    ]
 
 
 def _method_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
@@ -296,6 +317,8 @@ def compare_table(results: dict[str, dict[str, Any]], steady_state: bool = True)
     add("J / output token, active phases only", lambda r: _energy(r, "gpu_active_energy_per_output_token_j"))
     add("Output tokens / J", lambda r: _energy(r, "output_tokens_per_joule"))
     add("Total tokens / J", lambda r: _energy(r, "total_tokens_per_joule"))
+    if any("request_energy_reported" in r for r in results.values()):
+        add("Per-request energy, mean (J)", _request_energy)
     add("Energy source", lambda r: r.get("energy_source") or "none")
     if steady_state and any(steady_state_unusable(r) is None for r in results.values()):
 
