@@ -18,7 +18,15 @@ API server and returns the figures two ways that OpenAI clients ignore safely:
   file write. The middleware holds the finished response for at most ``response_wait_ms``
   (settings, default 200 ms) waiting for every rank's line; past that the response goes out with
   ``status: pending`` and no figure (never a partial sum over some ranks). Streaming responses
-  send their headers before the request finishes and get nothing added.
+  send their headers before the request finishes and get no headers.
+
+* **In-band, inside ``usage``** (``energy_j``: joules or null, ``energy_status``: the header's
+  status, ``energy_source``, ``energy_method``; null where the header is left out): in the body of
+  a non-streaming completion (same wait as the headers), and in the final usage chunk of a stream
+  (``stream_options: {"include_usage": true}``: the chunk with ``"choices": []``). Chunks before
+  it pass through at once and untouched; only the usage chunk waits, at most
+  ``response_wait_ms``, then goes out with ``pending`` and null. OpenAI's ``CompletionUsage``
+  keeps unknown keys, and clients that read ``completion_tokens`` ignore them.
 
 * **A read-only route** ``GET /powersave/requests/{id}[?wait_ms=N]``, ``id`` being the ``id`` of
   the OpenAI response (``cmpl-...``, ``chatcmpl-...``). 200 with JSON (``energy_j``,
@@ -316,8 +324,87 @@ def energy_headers(res: dict[str, Any] | None) -> list[tuple[bytes, bytes]]:
     return out
 
 
+def energy_usage_fields(res: dict[str, Any] | None) -> dict[str, Any]:
+    """The ``energy_*`` keys added inside ``usage`` (the headers' vocabulary; null where a header is left out)."""
+    if res is None or res["status"] == "partial":
+        return {"energy_j": None, "energy_status": "pending", "energy_source": None, "energy_method": None}
+    return {
+        "energy_j": res["energy_j"] if res["status"] == "complete" else None,
+        "energy_status": res["status"],
+        "energy_source": res["source"] or None,
+        "energy_method": res["method"] or None,
+    }
+
+
+#: A JSON document's ``"usage": {`` key. Inside a JSON string a quote is escaped (``\"``), so
+#: generated text cannot fake it; a nested ``usage`` key is caught by comparing with the parsed body.
+_USAGE_KEY = re.compile(r'"usage"\s*:\s*\{')
+#: The final usage chunk of a stream carries no choice (``"choices":[]``, vLLM's compact pydantic
+#: JSON; spaces allowed). With ``continuous_usage_stats`` every token chunk also has a ``usage``,
+#: but never empty choices.
+_EMPTY_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]')
+
+
+def add_to_usage(doc: str, obj: dict[str, Any], fields: dict[str, Any]) -> str | None:
+    """``doc`` (the JSON text of ``obj``) with ``fields`` added inside its top-level ``usage``;
+    None when it has no ``usage`` object.
+
+    The keys are spliced in before ``usage``'s closing brace, so the rest of the body keeps its
+    bytes (a body with prompt logprobs can be megabytes); where the text cannot be matched to the
+    parsed ``usage`` (a nested key of that name, or the keys already there) the body is
+    serialised again.
+    """
+    usage = obj.get("usage")
+    if not isinstance(usage, dict):
+        return None
+    m = None
+    for m in _USAGE_KEY.finditer(doc):
+        pass
+    if m is not None and not any(k in usage for k in fields):
+        found, end = json.JSONDecoder().raw_decode(doc, m.end() - 1)
+        if found == usage:
+            extra = json.dumps(fields, separators=(",", ":"))[1:-1]
+            return doc[: end - 1] + ("," if usage else "") + extra + doc[end - 1 :]
+    return json.dumps({**obj, "usage": {**usage, **fields}}, separators=(",", ":"), ensure_ascii=False)
+
+
+def find_usage_event(body: bytes) -> tuple[list[bytes], int, str, dict[str, Any]] | None:
+    """The final usage chunk in one ASGI body message of an SSE stream, or None.
+
+    Returns the message split into events, the event's index, its JSON text and the parsed chunk.
+    Every token chunk passes through this, so the test is two byte searches; only a message that
+    holds ``"usage"`` next to empty ``choices`` is parsed (not each chunk: a chunk's JSON parse
+    costs more than the search, on the API server's event loop, for every token).
+    """
+    if b'"usage"' not in body or not _EMPTY_CHOICES.search(body):
+        return None
+    events = body.split(b"\n\n")
+    for i, ev in enumerate(events):
+        if not ev.startswith(b"data:") or b'"usage"' not in ev or b"\n" in ev:
+            continue
+        doc = ev[len(b"data:") :].decode("utf-8")
+        obj = json.loads(doc)
+        if isinstance(obj, dict) and obj.get("choices") == [] and isinstance(obj.get("usage"), dict) and isinstance(obj.get("id"), str):
+            return events, i, doc, obj
+    return None
+
+
+def _response_mode(start: dict) -> str:
+    """``json`` (a non-streaming body to hold), ``stream`` (SSE to watch) or ``pass`` (untouched)."""
+    headers = dict(start.get("headers") or [])
+    if start.get("status") != 200 or b"content-encoding" in headers:
+        return "pass"  # errors, and bodies we could not read, go out untouched
+    ctype = headers.get(b"content-type", b"")
+    if ctype.startswith(b"application/json"):
+        return "json"
+    if ctype.startswith(b"text/event-stream") and b"content-length" not in headers:
+        return "stream"
+    return "pass"
+
+
 class RequestEnergyMiddleware:
-    """Pure ASGI middleware: energy headers on finished non-streaming completions, and the route.
+    """Pure ASGI middleware: energy headers and ``usage`` keys on finished non-streaming
+    completions, ``usage`` keys in a stream's final usage chunk, and the route.
 
     Fails open: any error inside it sends the response unchanged.
     """
@@ -343,27 +430,24 @@ class RequestEnergyMiddleware:
         if method != "POST" or path not in COMPLETION_PATHS:
             await self.app(scope, receive, send)
             return
-        await self._with_headers(scope, receive, send)
+        await self._with_energy(scope, receive, send)
 
-    async def _with_headers(self, scope: dict, receive: Any, send: Any) -> None:
+    async def _with_energy(self, scope: dict, receive: Any, send: Any) -> None:
         start: dict | None = None
         body: list[bytes] = []
-        passthrough = False
+        mode = "pass"
 
         async def capture(message: dict) -> None:
-            nonlocal start, passthrough
-            if passthrough:
-                await send(message)
-                return
-            if message["type"] == "http.response.start":
-                ctype = dict(message.get("headers") or []).get(b"content-type", b"")
-                if message.get("status") != 200 or not ctype.startswith(b"application/json"):
-                    passthrough = True  # streams and errors go out untouched
-                    await send(message)
+            nonlocal start, mode
+            kind = message["type"]
+            if kind == "http.response.start":
+                mode = _response_mode(message)
+                if mode == "json":
+                    start = message
                     return
-                start = message
-                return
-            if message["type"] == "http.response.body" and start is not None:
+            elif kind == "http.response.body" and mode == "stream":
+                message = await self._stream_body(message)
+            elif kind == "http.response.body" and mode == "json" and start is not None:
                 body.append(message.get("body", b""))
                 if message.get("more_body", False):
                     return
@@ -373,17 +457,43 @@ class RequestEnergyMiddleware:
 
         await self.app(scope, receive, capture)
 
+    async def _stream_body(self, message: dict) -> dict:
+        """One body message of a stream: untouched, unless it holds the final usage chunk, which
+        gets the figure (waiting at most ``wait_s`` for it)."""
+        try:
+            found = find_usage_event(message.get("body", b""))
+            if found is None:
+                return message
+            events, i, doc, obj = found
+            res = await self.index.wait(obj["id"], self.wait_s)
+            new = add_to_usage(doc, obj, energy_usage_fields(res))
+            if new is None:
+                return message
+            events[i] = b"data:" + new.encode("utf-8")
+            return {**message, "body": b"\n\n".join(events)}
+        except Exception as exc:  # fail open: the chunk goes out as the app wrote it
+            log.debug("powersave: energy in the usage chunk skipped: %s", exc)
+            return message
+
     async def _finish(self, start: dict, payload: bytes, send: Any) -> None:
         headers = list(start.get("headers") or [])
+        out = payload
         try:
-            rid = json.loads(payload).get("id")
+            obj = json.loads(payload)
+            rid = obj.get("id")
             if isinstance(rid, str) and rid:
                 res = await self.index.wait(rid, self.wait_s)
-                headers += energy_headers(res)
+                more = energy_headers(res)
+                doc = add_to_usage(payload.decode("utf-8"), obj, energy_usage_fields(res))
+                body = doc.encode("utf-8") if doc is not None else payload
+                if len(body) != len(payload):
+                    headers = [(k, str(len(body)).encode() if k.lower() == b"content-length" else v) for k, v in headers]
+                headers, out = headers + more, body
         except Exception as exc:  # fail open: the client gets its response either way
             log.debug("powersave: energy header skipped: %s", exc)
+            headers, out = list(start.get("headers") or []), payload
         await send({**start, "headers": headers})
-        await send({"type": "http.response.body", "body": payload, "more_body": False})
+        await send({"type": "http.response.body", "body": out, "more_body": False})
 
     async def _route(self, scope: dict, rest: str, send: Any) -> None:
         rid = unquote(rest.strip("/"))
