@@ -233,3 +233,74 @@ def test_api_servers_with_an_explicit_stats_dir_log_no_second_start_line(tmp_pat
     child = subprocess.run([sys.executable, "-c", EXPLICIT, str(tmp_path)], capture_output=True, text=True, env=env, timeout=300)
     assert child.returncode == 0, child.stderr[-3000:]
     assert not [x for x in (child.stdout + child.stderr).splitlines() if "powersave: savings:" in x]
+
+
+def _lose(monkeypatch, owner, *attrs):
+    """A vLLM drift: ``attrs`` gone from ``owner`` (as in tests/test_drift.py), in a fresh plugin state."""
+    monkeypatch.setattr(vllm_compat, "_DISABLED", {})
+    monkeypatch.setattr(vllm_compat, "_PATCHED", set())
+    monkeypatch.setattr(vllm_compat, "_INSTALLED", set())
+    for attr in attrs:
+        for cls in owner.__mro__:
+            if attr in vars(cls) and cls is not object:
+                monkeypatch.delattr(cls, attr)
+
+
+def _scraped_states(tmp_path, snap, saving):
+    import json
+
+    from tests.fakes import metrics_text
+
+    (tmp_path / "rank0.json").write_text(json.dumps(snap))
+    text = metrics_text(tmp_path)
+    return [ln for ln in text.splitlines() if ln.startswith("powersave_saving_state{") and f'saving="{saving}"' in ln]
+
+
+def test_chunking_reports_off_with_the_drift_reason_when_the_lm_head_hook_is_lost(monkeypatch, tmp_path):
+    pytest.importorskip("vllm")
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+
+    _lose(monkeypatch, LogitsProcessor, "_apply_head", "_get_logits")
+    assert vllm_compat.register_logits_processor(lambda h: 0, lambda *a: None) is False
+    assert "lm_head" in vllm_compat.disabled_features()
+    rt = _runtime(monkeypatch, tmp_path, YES, extra={"chunking": {"table": [{"min_rows": 64, "chunks": 2}]}})
+    try:
+        snap = rt.snapshot()
+    finally:
+        rt.close()
+    ch = snap["savings"]["chunking"]
+    assert ch["state"] == "off" and "vLLM drift" in ch["why"] and "_apply_head" in ch["why"], ch
+    lines = _scraped_states(tmp_path, snap, "chunking")
+    assert len(lines) == 1 and 'state="off"' in lines[0], lines
+    # The same table without the drift: on.
+    assert (
+        savings_state(load_settings({"chunking": {"table": [{"min_rows": 64, "chunks": 2}]}}, env={}), choose(perm=YES), None, False)[
+            "chunking"
+        ]["state"]
+        == "on"
+    )
+
+
+def test_clocks_report_off_when_no_step_hook_is_installed(monkeypatch, tmp_path):
+    pytest.importorskip("vllm")
+    import importlib
+
+    _lose(monkeypatch, importlib.import_module("vllm.v1.worker.gpu_model_runner").GPUModelRunner, "execute_model")
+    try:  # the V2 runner where this build has it (its module needs Triton)
+        _lose(monkeypatch, importlib.import_module("vllm.v1.worker.gpu.model_runner").GPUModelRunner, "execute_model")
+    except ImportError:
+        pass
+    vllm_compat.install_step_hooks(lambda r, so: None, lambda r: None)
+    assert "step_v1" in vllm_compat.disabled_features() and not vllm_compat.installed_features()
+    rt = _runtime(monkeypatch, tmp_path, YES)
+    try:
+        snap = rt.snapshot()
+    finally:
+        rt.close()
+    cl = snap["savings"]["clocks"]
+    assert cl["state"] == "off" and "execute_model" in cl["why"], cl
+    lines = _scraped_states(tmp_path, snap, "clocks")
+    assert len(lines) == 1 and 'state="off"' in lines[0], lines
+    # One runner's hook lost while the other's is in place: clocks still act there.
+    st = savings_state(load_settings({}, env={}), choose(perm=YES), None, True, lost={"step_v1": "x"}, installed={"step_v2"})
+    assert st["clocks"]["state"] != "off"

@@ -23,6 +23,22 @@ PERF_BOOST_IDLE_SAVING = 1 - 77.4 / 119.6
 PERF_BOOST_BASIS = "idle power, measured -35 % on H200"
 
 
+#: Features (``vllm_compat.FEATURES``) without which the clock controller never acts: the runners'
+#: step hooks. Either runner's suffices; clocks are off only when none is installed.
+STEP_FEATURES = ("step_v1", "step_v2")
+
+
+def _lost_why(lost: dict[str, str], features: tuple[str, ...], installed: set[str] | None = None) -> str | None:
+    """The drift reason when every one of ``features`` is lost (``installed``: none of them is in
+    place either), else ``None``."""
+    hit = [f for f in features if f in lost]
+    if not hit or (installed is not None and installed & set(features)):
+        return None
+    if installed is None and len(hit) < len(features):
+        return None
+    return "hook lost to vLLM drift: " + "; ".join(f"{f}: {lost[f]}" for f in hit)
+
+
 def savings_state(
     settings: Any,
     clock_choice: Any,
@@ -30,14 +46,19 @@ def savings_state(
     on_gpu: bool,
     clock_disabled: str | None = None,
     clock_kind: str | None = None,
+    lost: dict[str, str] | None = None,
+    installed: set[str] | None = None,
 ) -> dict[str, dict[str, str]]:
     """``{saving: {"state", "basis", "why"}}`` for ``perf_boost``, ``clocks`` and ``chunking``.
 
     ``boost``: the booster's snapshot (``disabled`` set when its helper failed) or ``None``;
     ``clock_disabled``: the clock controller's ``disabled_reason`` (a backend that faulted);
     ``clock_kind``: the controller's backend now (``dry-run`` after a refused set: nvml
-    NoPermission, zeusd 401/403/404).
+    NoPermission, zeusd 401/403/404); ``lost``: features whose hook is missing in this process,
+    with why (``vllm_compat.disabled_features()``): chunking is ``off`` without its ``lm_head``
+    hook, clocks ``off`` without a step hook (``installed``: ``vllm_compat.installed_features()``).
     """
+    lost = lost or {}
     out: dict[str, dict[str, str]] = {}
     mode = settings.cuda_perf_boost
     if getattr(settings, "savings", "auto") == "off":
@@ -52,8 +73,11 @@ def savings_state(
         out["perf_boost"] = {"state": "failed", "basis": "", "why": f"boost helper: {boost['disabled']}: engine unboosted"}
     else:
         out["perf_boost"] = {"state": mode, "basis": "measured", "why": PERF_BOOST_BASIS}
+    clock_lost = _lost_why(lost, STEP_FEATURES, installed)
     if clock_choice.controller == "off":
         out["clocks"] = {"state": "off", "basis": "", "why": clock_choice.reason}
+    elif clock_lost:
+        out["clocks"] = {"state": "off", "basis": "", "why": clock_lost}
     elif clock_disabled:
         out["clocks"] = {"state": "failed", "basis": "", "why": clock_disabled}
     elif clock_kind == "dry-run" and clock_choice.backend in ("nvml", "zeusd"):
@@ -65,6 +89,8 @@ def savings_state(
     c = settings.chunking
     if not c.enabled:
         out["chunking"] = {"state": "off", "basis": "", "why": "chunking.enabled false"}
+    elif "lm_head" in lost:
+        out["chunking"] = {"state": "off", "basis": "", "why": _lost_why(lost, ("lm_head",)) or "lm_head hook missing"}
     elif not any(r.chunks > 1 for r in c.table):
         out["chunking"] = {"state": "off", "basis": "", "why": "no table"}
     else:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .. import envs, ray_relay
+from .. import envs, ray_relay, vllm_compat
 from ..clocks import ClockController
 from ..clocks.boost import BoostController
 from ..clocks.mode import ClockChoice
@@ -111,6 +111,8 @@ class Publisher:
             self.ident.on_gpu,
             self.clocks.disabled_reason or (f"closed loop off: {off}" if off else None),
             self.clocks.backend.kind,
+            vllm_compat.disabled_features(),
+            vllm_compat.installed_features(),
         )
 
     def starvation_snapshot(self) -> dict[str, Any]:
