@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from vllm_powersave.chunking.measure import LiveTensorBytes
 from vllm_powersave.chunking.policy import ChunkPolicy, apply_chunked
 from vllm_powersave.settings import load_settings
 
@@ -99,62 +100,6 @@ def test_vllm_logits_processor_replacement_matches_unchunked():
                 assert torch.equal(out.argmax(-1), ref.argmax(-1))
     # 2 dtypes x 2 row counts x (1 + 3 chunk counts) calls asked; only the split ones reach chunked()
     assert n["asked"] == 16 and n["calls"] == 12
-
-
-class LiveTensorBytes:
-    """Peak bytes of tensor storage allocated by torch ops inside the ``with`` block (CPU).
-
-    torch has no allocator statistics for CPU memory, so every op is observed through a
-    ``TorchDispatchMode``: an op output whose storage is not one of the op's inputs' is a new
-    allocation, freed when the last tensor seen on it is collected. Workspace that a kernel
-    allocates and frees inside one op (oneDNN scratch) is not seen, in either arm alike.
-    """
-
-    def __init__(self):
-        self.now = self.peak = 0
-        self._refs = {}  # storage data_ptr -> [tensor references, bytes]
-
-    def __enter__(self):
-        import weakref
-
-        from torch.utils._python_dispatch import TorchDispatchMode
-        from torch.utils._pytree import tree_flatten
-
-        tracker = self
-
-        def release(key):
-            ref = tracker._refs[key]
-            ref[0] -= 1
-            if ref[0] == 0:
-                tracker.now -= ref[1]
-                del tracker._refs[key]
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
-                out = func(*args, **(kwargs or {}))
-                for t in tree_flatten(out)[0]:
-                    if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
-                        continue
-                    st = t.untyped_storage()
-                    key = st.data_ptr()
-                    if key in tracker._refs:
-                        tracker._refs[key][0] += 1
-                    elif key in inputs or st.nbytes() == 0:
-                        continue  # a view or an out= argument of something allocated before
-                    else:
-                        tracker._refs[key] = [1, st.nbytes()]
-                        tracker.now += st.nbytes()
-                        tracker.peak = max(tracker.peak, tracker.now)
-                    weakref.finalize(t, release, key)
-                return out
-
-        self._mode = Mode()
-        self._mode.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._mode.__exit__(*exc)
 
 
 def test_live_tensor_bytes_sees_a_block_result_held_beside_the_output():

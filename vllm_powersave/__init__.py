@@ -82,9 +82,25 @@ def activate() -> None:
 
     if lm_head_hook_needed():
         vllm_compat.register_logits_processor(runtime.head_chunks, runtime.chunked_head)
+    if prompt_logprob_hook_needed():
+        from .chunking.apply import chunked_logprobs
+
+        vllm_compat.install_prompt_logprobs(runtime.logprob_chunk_rows, chunked_logprobs)
     vllm_compat.install_step_hooks(runtime.on_step_start, runtime.on_step_end)
     # EngineCore side: look-ahead facts stamped on each SchedulerOutput, arrival ramp.
     vllm_compat.install_scheduler_hooks(runtime.on_arrival)
+
+
+def prompt_logprob_hook_needed(env: dict[str, str] | None = None) -> bool:
+    """Whether prompt logprobs may run in blocks here: chunking enabled (a table rule, or free
+    memory on a GPU, sizes the blocks: chunking/policy.py). A step without prompt logprobs pays one
+    attribute read for the hook. Unreadable settings keep it."""
+    from .settings import settings_from_env
+
+    try:
+        return bool(settings_from_env(env).chunking.enabled)
+    except Exception:
+        return True
 
 
 def lm_head_hook_needed(env: dict[str, str] | None = None) -> bool:

@@ -55,6 +55,13 @@ class ChunkingSettings(_Strict):
     enabled: bool = True
     #: Rules keyed on the rows reaching the LM head; empty: one chunk (vLLM's own call) everywhere.
     table: tuple[ChunkRule, ...] = ()
+    #: Prompt logprobs with no table rule for their rows, on a GPU: rows per chunk are sized so that
+    #: one chunk's temporaries (its logits, vLLM's float32 log-softmax and upcast, the rank
+    #: comparison: ``vocab x (dtype bytes + 12)`` per row) take at most this share of free device
+    #: memory (``torch.cuda.mem_get_info`` plus what torch's allocator holds unused), never fewer
+    #: than 16 rows; all rows in one chunk where they fit. On CPU the table alone decides.
+    #: See ``vllm_powersave/chunking/policy.py``.
+    free_memory_share: float = Field(default=0.5, gt=0.0, le=1.0, allow_inf_nan=False)
 
     @field_validator("table")
     @classmethod

@@ -25,6 +25,10 @@ Touch points (module: symbol):
   ``/metrics`` with ``PROMETHEUS_MULTIPROC_DIR`` (several API servers): prometheus_client's
   ``MultiProcessCollector.__init__``, which vLLM's registries are built with;
 * runner ``scheduler_config.max_num_seqs`` (steady-state batch size);
+* V1 prompt logprobs: ``GPUModelRunner._get_prompt_logprobs_dict`` (wrapped; inside it the
+  runner's ``model`` and ``sampler`` are stood in for, see :func:`install_prompt_logprobs`),
+  ``num_prompt_logprobs``, ``model_config.get_vocab_size()``, ``model.compute_logits`` and
+  ``vllm.v1.sample.sampler.Sampler.compute_logprobs`` / ``gather_logprobs`` (called per block);
 * ``vllm.v1.worker.gpu_model_runner.GPUModelRunner`` (V1, also the CPU runner's base) and
   ``vllm.v1.worker.gpu.model_runner.GPUModelRunner`` (V2): ``execute_model``, ``sample_tokens``;
 * ``SchedulerOutput`` fields read: ``scheduled_new_reqs``, ``scheduled_cached_reqs``
@@ -130,12 +134,14 @@ class Hook(NamedTuple):
 _LP = "vllm.model_executor.layers.logits_processor"
 _V1, _V2 = "vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu.model_runner"
 _SCHED = "vllm.v1.core.sched.scheduler"
+_SAMPLER = "vllm.v1.sample.sampler"
 
 #: What each feature is, as the drift warning names it.
 FEATURES: dict[str, str] = {
     "cli_flag": "the --plugin flag (VLLM_PLUGINS=powersave still enables the plugin)",
     "settings": "the start-up settings check (--additional-config 'powersave', the /metrics collector, per-request energy)",
     "lm_head": "LM-head chunking and the lm_head clock group",
+    "prompt_logprobs": "prompt-logprob chunking (peak memory bounded by the chunk)",
     "step_v1": "the V1 runner's step hook (energy metering, clock control, per-request energy, step trace)",
     "step_v2": "the V2 runner's step hook (energy metering, clock control, per-request energy, step trace)",
     "arrival": "the arrival ramp (clocks up when a request arrives)",
@@ -152,6 +158,9 @@ HOOKS: tuple[Hook, ...] = (
     Hook("lm_head", _LP, "LogitsProcessor", "register_oot", ("", "")),
     Hook("lm_head", _LP, "LogitsProcessor", "_apply_head", ("", "lm_head", "hidden_states", "embedding_bias"), group="head"),
     Hook("lm_head", _LP, "LogitsProcessor", "_get_logits", ("", "hidden_states", "lm_head", "embedding_bias"), group="head"),
+    Hook("prompt_logprobs", _V1, "GPUModelRunner", "_get_prompt_logprobs_dict", ("", "hidden_states", "num_scheduled_tokens")),
+    Hook("prompt_logprobs", _SAMPLER, "Sampler", "compute_logprobs", ("logits",)),
+    Hook("prompt_logprobs", _SAMPLER, "Sampler", "gather_logprobs", ("logprobs", "num_logprobs", "token_ids")),
     Hook("step_v1", _V1, "GPUModelRunner", "execute_model", ("", "scheduler_output")),
     Hook("step_v1", _V1, "GPUModelRunner", "sample_tokens", ("",)),
     Hook("step_v2", _V2, "GPUModelRunner", "execute_model", ("", "scheduler_output"), optional=True),
@@ -264,7 +273,8 @@ def _drift_off(feature: str, reason: str) -> None:
 
 
 def disabled_features() -> dict[str, str]:
-    """Features turned off by vLLM drift in this process, with the reason (a copy)."""
+    """Features turned off in this process because a hook they need is missing (vLLM drift, or a
+    hook another plugin holds), with the reason (a copy)."""
     return dict(_DISABLED)
 
 
@@ -548,6 +558,7 @@ def register_logits_processor(chunks: Callable[[Any], int], chunked: Callable[..
         LogitsProcessor.register_oot(PowersaveLogitsProcessor)
     except AssertionError as exc:  # vLLM asserts one out-of-tree class per name: another plugin's is there
         log.warning("powersave: an out-of-tree LogitsProcessor is already registered (%s); LM-head chunking is off", exc)
+        _DISABLED.setdefault("lm_head", f"another out-of-tree LogitsProcessor is registered ({exc})")
         return False
     _PATCHED.add("logits_processor")
     _INSTALLED.add("lm_head")
@@ -598,6 +609,122 @@ def _tp_world_size() -> int:
         return int(get_tensor_model_parallel_world_size())
     except Exception:
         return 0
+
+
+# --------------------------------------------------------------------------------------------
+# Prompt logprobs (V1 runner)
+# --------------------------------------------------------------------------------------------
+class _LazyLogits:
+    """What the stood-in ``model.compute_logits`` returns inside ``_get_prompt_logprobs_dict``:
+    the hidden rows, not yet through the head. ``.to(torch.float32)`` (vLLM's raw-logit modes)
+    and the stood-in sampler's ``compute_logprobs`` keep it lazy; any other use computes the
+    whole logits (vLLM's own path, unbounded but correct)."""
+
+    def __init__(self, model: Any, hidden: Any, raw: bool | None = None) -> None:
+        self.model, self.hidden, self.raw = model, hidden, raw  # raw: None logits, True fp32 logits, False logprobs
+
+    def whole(self) -> Any:
+        return self.model.compute_logits(self.hidden)
+
+    def to(self, *args: Any, **kwargs: Any) -> Any:
+        import torch
+
+        if self.raw is None and not kwargs and len(args) == 1 and args[0] is torch.float32:
+            return _LazyLogits(self.model, self.hidden, raw=True)
+        return self.whole().to(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.whole(), name)
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        def real(a: Any) -> Any:
+            return a.whole() if isinstance(a, _LazyLogits) else a
+
+        return func(*[real(a) for a in args], **{k: real(v) for k, v in (kwargs or {}).items()})
+
+
+class _StandIn:
+    """Delegates every attribute to ``inner`` but the ones set on the instance."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def _plp_stand_ins(runner: Any, plan: Callable[[int, int, Any, Any], int], chunked: Callable[..., Any]) -> tuple[Any, Any]:
+    """``(model, sampler)`` stand-ins: ``compute_logits`` defers, ``gather_logprobs`` of deferred
+    scores runs ``chunked`` over blocks of ``plan(rows, vocab, dtype, device)`` rows."""
+    import torch
+
+    model, sampler = runner.model, runner.sampler
+    vocab = int(runner.model_config.get_vocab_size())
+    m, smp = _StandIn(model), _StandIn(sampler)
+    m.compute_logits = lambda h, *a, **k: _LazyLogits(model, h) if not a and not k else model.compute_logits(h, *a, **k)
+
+    def compute_logprobs(logits: Any, *a: Any, **k: Any) -> Any:
+        if isinstance(logits, _LazyLogits) and logits.raw is None and not a and not k:
+            return _LazyLogits(model, logits.hidden, raw=False)
+        return sampler.compute_logprobs(logits.whole() if isinstance(logits, _LazyLogits) else logits, *a, **k)
+
+    def gather_logprobs(scores: Any, num_logprobs: int, token_ids: Any, *a: Any, **k: Any) -> Any:
+        if not isinstance(scores, _LazyLogits) or scores.raw is None or a or k:
+            real = scores.whole() if isinstance(scores, _LazyLogits) else scores
+            return sampler.gather_logprobs(real, num_logprobs, token_ids, *a, **k)
+        h = scores.hidden
+        to_scores = (lambda x: x.to(torch.float32)) if scores.raw else sampler.compute_logprobs
+        try:
+            step = plan(int(h.shape[0]), vocab, h.dtype, h.device)
+            return chunked(model.compute_logits, to_scores, sampler.gather_logprobs, h, num_logprobs, token_ids, step)
+        except Exception as exc:
+            if "OutOfMemory" in type(exc).__name__:
+                raise
+            fault_once("prompt_logprobs.chunked", exc, "chunked prompt logprobs", "this call runs unchunked")
+            return sampler.gather_logprobs(to_scores(model.compute_logits(h)), num_logprobs, token_ids)
+
+    smp.compute_logprobs, smp.gather_logprobs = compute_logprobs, gather_logprobs
+    return m, smp
+
+
+def install_prompt_logprobs(plan: Callable[[int, int, Any, Any], int], chunked: Callable[..., Any]) -> bool:
+    """Compute the V1 runner's prompt logprobs in row blocks, so that their full ``[rows, vocab]``
+    logits and float32 log-softmax never exist (vLLM computes both for every prompt position of a
+    request with ``prompt_logprobs``: ``_get_prompt_logprobs_dict``).
+
+    While ``_get_prompt_logprobs_dict`` runs with a request that asked for them, the runner's
+    ``model`` and ``sampler`` are stand-ins: ``compute_logits`` returns the hidden rows unevaluated
+    and ``gather_logprobs`` calls ``chunked(compute_logits, compute_logprobs, gather_logprobs,
+    hidden, k, token_ids, plan(rows, vocab, dtype, device))`` (vLLM's own three functions, per
+    block: :func:`~vllm_powersave.chunking.apply.chunked_logprobs`). vLLM's loop, its bookkeeping
+    and its copies stay its own. Steps without prompt logprobs call vLLM's method directly. Returns
+    whether it was installed now (one warning and vLLM unchanged if an attribute drifted).
+    """
+    if "v1.prompt_logprobs" in _PATCHED or require("prompt_logprobs") is None:
+        return False
+    cls = getattr(importlib.import_module(_V1), "GPUModelRunner")
+
+    def make(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def _get_prompt_logprobs_dict(self: Any, hidden_states: Any, num_scheduled_tokens: Any, *args: Any, **kwargs: Any) -> Any:
+            if not getattr(self, "num_prompt_logprobs", None):
+                return orig(self, hidden_states, num_scheduled_tokens, *args, **kwargs)
+            model, sampler = self.model, self.sampler
+            try:
+                self.model, self.sampler = _plp_stand_ins(self, plan, chunked)
+            except Exception as exc:
+                fault_once("prompt_logprobs.setup", exc, "prompt-logprob chunking", "this step runs vLLM's own path")
+                self.model, self.sampler = model, sampler
+            try:
+                return orig(self, hidden_states, num_scheduled_tokens, *args, **kwargs)
+            finally:
+                self.model, self.sampler = model, sampler
+
+        return _get_prompt_logprobs_dict
+
+    _patch(cls, "_get_prompt_logprobs_dict", "v1.prompt_logprobs", make)
+    _INSTALLED.add("prompt_logprobs")
+    return True
 
 
 # --------------------------------------------------------------------------------------------

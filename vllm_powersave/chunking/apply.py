@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -48,3 +49,49 @@ def apply_chunked(
             torch.addmm(bias, h, wt, out=out[n : n + k])
         n += k
     return out
+
+
+def chunked_logprobs(
+    logits_fn: Callable[[torch.Tensor], torch.Tensor],
+    scores_fn: Callable[[torch.Tensor], torch.Tensor],
+    gather_fn: Callable[[torch.Tensor, int, torch.Tensor], Any],
+    hidden_states: torch.Tensor,
+    num_logprobs: int,
+    token_ids: torch.Tensor,
+    rows_per_chunk: int,
+) -> Any:
+    """``gather_fn(scores_fn(logits_fn(hidden_states)), num_logprobs, token_ids)``, computed over
+    row blocks of at most ``rows_per_chunk`` rows, so that no ``[rows, vocab]`` tensor exists.
+
+    Args:
+        logits_fn: ``[n, hidden]`` -> ``[n, vocab]`` logits (vLLM's ``compute_logits``).
+        scores_fn: logits -> float32 scores of the same shape (vLLM's ``compute_logprobs``, a
+            log-softmax; or ``.to(float32)`` for raw-logit modes).
+        gather_fn: ``(scores, k, token_ids)`` -> a tuple (vLLM's ``LogprobsTensors``) whose tensors
+            have one row per scored row (vLLM's ``gather_logprobs``: top-k ids and logprobs, the
+            token's rank); ``None`` fields are passed through.
+        hidden_states: ``[rows, hidden]``; ``token_ids``: ``[rows]`` (the token scored per row).
+        rows_per_chunk: rows per block; ``>= rows`` makes one call on the whole input.
+
+    Returns:
+        What ``gather_fn`` returns for the whole input (same type), each block's rows written into
+        one preallocated output per field: the peak is one block's logits and scores plus the
+        small ``[rows, k + 1]`` results. Every op here is row-wise (log-softmax over the vocabulary,
+        top-k, gather, rank count), so each row's result is the unchunked one's up to the GEMM's
+        rounding for another row count.
+    """
+    rows = int(hidden_states.shape[0])
+    step = max(1, int(rows_per_chunk))
+    if step >= rows:
+        return gather_fn(scores_fn(logits_fn(hidden_states)), num_logprobs, token_ids)
+    out: list[Any] | None = None
+    part: Any = None
+    for s in range(0, rows, step):
+        e = min(rows, s + step)
+        part = gather_fn(scores_fn(logits_fn(hidden_states[s:e])), num_logprobs, token_ids[s:e])
+        if out is None:
+            out = [t.new_empty((rows, *t.shape[1:])) if isinstance(t, torch.Tensor) else t for t in part]
+        for dst, src in zip(out, part):
+            if isinstance(dst, torch.Tensor):
+                dst[s:e].copy_(src)
+    return part._make(out) if hasattr(part, "_make") else type(part)(out)

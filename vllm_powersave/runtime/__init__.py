@@ -24,7 +24,7 @@ import threading
 from typing import Any
 
 from .. import ray_relay, vllm_compat
-from ..chunking.policy import ChunkPolicy, apply_chunked
+from ..chunking.policy import ChunkPolicy, apply_chunked, free_device_bytes
 from ..clocks.regime import RegimeFilter, clock_phase, own_phase
 from ..envs import ENV_FORCE_DRY_RUN
 from ..settings import settings_from_env
@@ -42,6 +42,7 @@ __all__ = [
     "chunked_head",
     "clock_phase",
     "head_chunks",
+    "logprob_chunk_rows",
     "install_runtime",
     "on_arrival",
     "on_step_end",
@@ -114,6 +115,20 @@ def head_chunks(hidden_states: Any) -> int:
     except Exception as exc:
         _head_fault("policy", exc)
         return 0
+
+
+def logprob_chunk_rows(rows: int, vocab: int, dtype: Any, device: Any) -> int:
+    """Prompt-logprob hook: rows per block for ``rows`` prompt positions over a ``vocab``-entry
+    head (:meth:`~vllm_powersave.chunking.policy.ChunkPolicy.logprob_chunk_rows`, free memory read
+    on a GPU only where no table rule applies). Fails open: ``rows`` (one block, vLLM's own)."""
+    try:
+        policy = _POLICY if _POLICY is not None else chunk_policy()
+        free = None if policy.has_rule(rows) else free_device_bytes(device)
+        elt = int(getattr(dtype, "itemsize", 2))
+        return policy.logprob_chunk_rows(rows, vocab, elt, free)
+    except Exception as exc:
+        _head_fault("prompt logprobs", exc)
+        return rows
 
 
 def chunked_head(head: Any, hidden_states: Any, n: int | None = None, gemm: Any = None) -> Any:
