@@ -865,7 +865,7 @@ def test_counter_steps_booked_back_never_lower_a_published_counter_under_steady_
     _, _, acc = serve_through_the_counter(
         seed, n_requests=240, batch=60, on_tick=lambda rec, a: ticks.append((rec, published(a), min(a.request_j.values(), default=0.0)))
     )
-    assert sum(1 for rec, _, _ in ticks if rec.booked_back_j < 0) > 10  # negative jumps were booked
+    assert sum(1 for rec, _, _ in ticks if rec.booked_back_j < 0) > 5  # negative jumps were booked
     drops = [(rec.t1_s, k, b[k] - a[k]) for (_, a, _), (rec, b, _) in zip(ticks, ticks[1:]) for k in a if b[k] < a[k] - 1e-9]
     assert not drops, drops[:5]
     assert min(p["tail"] for _, p, _ in ticks) >= 0.0 and min(m for _, _, m in ticks) >= 0.0

@@ -166,6 +166,9 @@ class TickPieces:
     tail_pending: bool
     finished: list
     phase: str
+    #: When the GPU had work: ``(start, end)`` of each busy piece and of each gap between two
+    #: steps while serving (the steps' clock, s).
+    busy_spans: tuple = ()
 
 
 class _Rates(NamedTuple):
@@ -182,6 +185,7 @@ class _Booked(NamedTuple):
     t0_s: float
     t1_s: float
     book: dict
+    busy_spans: tuple = ()
 
 
 class _WindowSample(NamedTuple):
@@ -198,6 +202,11 @@ class _PeriodStep(NamedTuple):
 
     t0_s: float
     step: CounterStep
+
+
+def _overlap(a: float, b: float, lo: float, hi: float) -> float:
+    """Seconds of ``[a, b]`` inside ``[lo, hi]``."""
+    return max(0.0, min(b, hi) - max(a, lo))
 
 
 def _add(book: dict, key: Any, joules: float) -> None:
@@ -234,7 +243,7 @@ class _IntervalWalk:
     __slots__ = (
         "t", "phase", "end_t", "req", "ctx", "steady", "drained",
         "idle_after_s", "gpu_runs_ahead", "pending", "fe_busy",
-        "busy", "gaps", "idle_s", "idle_busy_s", "resolved", "tail_pending", "finished",
+        "busy", "gaps", "idle_s", "idle_busy_s", "resolved", "tail_pending", "finished", "spans",
     )  # fmt: skip
 
     def __init__(
@@ -249,6 +258,7 @@ class _IntervalWalk:
         self.resolved: list[StepRequests] = []  # pending gaps that went to their step
         self.tail_pending = False  # the pending gap turned out to be a tail
         self.finished: list = []
+        self.spans: list[tuple[float, float]] = []  # TickPieces.busy_spans
 
     def walk(self, events: deque[StepEvent], t_now: float) -> TickPieces:
         """Consume ``events`` and close the interval at ``t_now``."""
@@ -284,6 +294,7 @@ class _IntervalWalk:
             self.tail_pending,
             self.finished,
             self.phase,
+            tuple(self.spans),
         )
 
     def cursor(self, t_now: float) -> _Cursor:
@@ -296,7 +307,8 @@ class _IntervalWalk:
             if self.fe_busy is not None:
                 self.idle_busy_s += self.fe_busy(a, b)
 
-    def _busy(self, seconds: float) -> None:
+    def _busy(self, seconds: float, end: float) -> None:
+        self.spans.append((end - seconds, end))
         self.busy.append(StepPiece(seconds, self.phase, self.req, self.ctx, self.steady))
 
     def _to_step(self, te: float, ev_fin: object) -> None:
@@ -307,11 +319,11 @@ class _IntervalWalk:
             self._idle(t, te)
         elif end_t is None:
             if te > t:
-                self._busy(te - t)
+                self._busy(te - t, te)
         else:
             g0 = end_t if end_t > t else t
             if g0 > t:
-                self._busy(g0 - t)
+                self._busy(g0 - t, g0)
             if te - end_t >= self.idle_after_s:
                 self._idle(g0, te)
                 self.tail_pending = self.tail_pending or self.pending
@@ -323,9 +335,11 @@ class _IntervalWalk:
             to = "tail" if self.drained else "req"
             if te > g0:
                 if to == "req" and self.gpu_runs_ahead:
-                    self._busy(te - g0)
+                    self._busy(te - g0, te)
                 else:
                     self.gaps.append(GapPiece(te - g0, self.phase, req, self.ctx, self.steady, to))
+                    if to == "req":  # a host gap between steps while serving: the GPU's load goes on
+                        self.spans.append((g0, te))
             if self.pending and not self.resolved and not self.tail_pending:
                 if self.drained:
                     self.tail_pending = True
@@ -339,11 +353,11 @@ class _IntervalWalk:
             self._idle(t, t_now)
         elif end_t is None:
             if t_now > t:
-                self._busy(t_now - t)
+                self._busy(t_now - t, t_now)
         else:
             g0 = end_t if end_t > t else t
             if g0 > t:
-                self._busy(g0 - t)
+                self._busy(g0 - t, g0)
             if t_now - end_t >= self.idle_after_s:
                 self._idle(g0, t_now)  # time after a long-finished step is idle from here on
                 self.tail_pending = self.tail_pending or self.pending
@@ -351,6 +365,8 @@ class _IntervalWalk:
             elif t_now > g0:
                 to = "tail" if self.drained else "pending"
                 self.gaps.append(GapPiece(t_now - g0, self.phase, self.req, self.ctx, self.steady, to))
+                if to == "pending" and self.gpu_runs_ahead:  # the GPU may still run the step launched last
+                    self.spans.append((g0, t_now))
 
 
 class PhaseEnergyAccount:
@@ -497,6 +513,7 @@ class PhaseEnergyAccount:
             pieces = walk.walk(self._events, t_now)
             if pieces.idle_s > 0:
                 self.meter.on_idle(pieces.idle_s)  # a simulated meter adds idle power for it
+            self._hint_load(walk, t_now)
             e_now = self.meter.energy_j() if self.available else None
             if e_now is None:
                 self._stop_attribution(pieces, t_now, walk.cursor(t_now))
@@ -506,6 +523,21 @@ class PhaseEnergyAccount:
             self._window.append(_WindowSample(t_now, self.total_j(), self.tokens["prefill"], self.tokens["decode"]))
             while len(self._window) > 2 and t_now - self._window[1].t_s >= self.window_s:
                 self._window.popleft()
+
+    def _hint_load(self, walk: _IntervalWalk, t_now: float) -> None:
+        """Tell the meter when the steps ran over the last counter periods, and the idle power
+        (where measured): a counter extended past its last step at the last step's power, or at
+        an instant reading that lags the power by tens of ms (docs/results/h200-energy-meter.md
+        (c)), books the idle beside a short burst as the burst's, and the correction comes with
+        a later read, after the burst. The gaps between steps while serving count as work, and so
+        does the open gap after the last step under ``gpu_runs_ahead`` (the GPU may still run it)."""
+        hint = getattr(self.meter, "hint_load", None)
+        if hint is None:
+            return
+        spans = [s for r in self._recent for s in r.busy_spans]
+        # A step still running at the tick runs on through the meter's read (end: inf).
+        spans.extend((a, math.inf if b >= t_now else b) for a, b in walk.spans)
+        hint(spans, self.idle_power_w)
 
     def _stop_attribution(self, pieces: TickPieces, t_now: float, state: _Cursor) -> None:
         """The meter became unavailable (a fault): nothing more is attributed; requests that finish
@@ -531,7 +563,7 @@ class PhaseEnergyAccount:
         period_s = getattr(self.meter, "counter_period_s", 0.0)
         if not 0.0 < period_s < math.inf:  # no period to book over (and none to keep ticks for)
             period_s = 0.0
-        steps = self._period_steps(t_now, d_e, period_s)
+        steps = self._period_steps(t_now, d_e, period_s, pieces.busy_spans)
         back_j = sum(p.step.jump_j for p in steps)
         book: dict = {}
         idle_j = self._price(pieces, energy_j=d_e - back_j, span_s=t_now - self._t, book=book)
@@ -542,7 +574,7 @@ class PhaseEnergyAccount:
                 book["idle_busy"] = idle_j * pieces.idle_busy_s / pieces.idle_s
                 self.idle_busy_j += book["idle_busy"]
                 self.idle_busy_s += pieces.idle_busy_s
-        self._recent.append(_Booked(self._t, t_now, book))
+        self._recent.append(_Booked(self._t, t_now, book, pieces.busy_spans))
         for p in steps:
             idle_j += self._book_back(p.t0_s, p.step.t_s, p.step.jump_j, pieces.phase, book)
         while len(self._recent) > 1 and self._recent[0].t1_s < t_now - 2 * period_s:
@@ -553,24 +585,54 @@ class PhaseEnergyAccount:
             self.on_tick(TickRecord(self._t, t_now, d_e, pieces.busy_s, gap_s, pieces.idle_s, idle_j, done, back_j))
         self._t, self._e = t_now, e_now
 
-    def _period_steps(self, t_now: float, d_e: float, period_s: float) -> list[_PeriodStep]:
+    def _period_steps(self, t_now: float, d_e: float, period_s: float, spans: tuple) -> list[_PeriodStep]:
         """The counter steps to book back: a counter step's jump belongs to the ~100 ms period it
         closes, not to this (often ~16 ms) tick, so it is set aside and booked over that period's
-        ticks (:meth:`_book_back`)."""
+        ticks (:meth:`_book_back`). A read that saw several steps at once (ticks further apart
+        than a period) corrects the earlier ticks' part of the span instead (:meth:`_span_step`);
+        ``spans``: this tick's busy pieces."""
         drain = getattr(self.meter, "drain_counter_steps", None)  # meters without a stepping counter: none
         steps = []
         for c in drain() if drain else ():
             # A step after the read that saw it, or not a number, is no step of this counter.
             if period_s and c.t_s <= t_now and math.isfinite(c.jump_j):
-                t0 = max(c.t_s - period_s, self._last_step_t)
-                if self._recent_overlap(t0, c.t_s) > 0:
-                    steps.append(_PeriodStep(t0, c))
+                span = self._span_step(c, period_s, spans)
+                if span is not None:
+                    if self._recent_overlap(span.t0_s, span.step.t_s) > 0:
+                        steps.append(span)
+                else:
+                    t0 = max(c.t_s - period_s, self._last_step_t)
+                    if self._recent_overlap(t0, c.t_s) > 0:
+                        steps.append(_PeriodStep(t0, c))
                 self._last_step_t = max(self._last_step_t, c.t_s)
         # The jumps a meter reports lie within what its reads returned (CounterStep): more than
         # the tick saw, and they are not the counter's; the tick keeps what it saw.
         if sum(p.step.jump_j for p in steps if p.step.jump_j > 0) > d_e:
             return []
         return steps
+
+    def _span_step(self, c: CounterStep, period_s: float, spans: tuple) -> _PeriodStep | None:
+        """A read that saw more than one counter step: the counter drew ``c.span_j`` over
+        ``[c.span_t0_s, c.t_s]``, of which the earlier ticks (up to ``c.read_t0_s``) were given
+        ``c.ext_j`` by the meter's extension. The span's joules are split like a tick's (quiet
+        time at the idle power, the steps' time the rest), by when the steps ran, and the earlier
+        part's difference is booked back over it. (The jump, which measures the whole read gap
+        against the previous read's rate, would land in this tick: after a short burst, often a
+        tick of idle only, which then took the burst's missing joules: docs/request-energy.md.)
+        ``None`` where the step is a single period's (booked over that period) or not placed."""
+        a, d_j, tp, ext_j = c.span_t0_s, c.span_j, c.read_t0_s, c.ext_j
+        if a is None or d_j is None or tp is None or ext_j is None or not a <= tp <= c.t_s or c.t_s - a <= 1.5 * period_s:
+            return None
+        b1 = sum(_overlap(x, y, a, tp) for r in self._recent for x, y in r.busy_spans)
+        b2 = sum(_overlap(x, y, tp, c.t_s) for x, y in spans)
+        q1, q2 = max(0.0, tp - a - b1), max(0.0, c.t_s - tp - b2)
+        idle_w = self.idle_power_w
+        if b1 + b2 <= 0 or idle_w is None:
+            e1 = d_j * (tp - a) / (c.t_s - a)
+        else:
+            quiet_w = min(idle_w, max(d_j, 0.0) / (q1 + q2)) if q1 + q2 > 0 else 0.0
+            e1 = quiet_w * q1 + (d_j - quiet_w * (q1 + q2)) / (b1 + b2) * b1
+        return _PeriodStep(a, CounterStep(tp, e1 - ext_j))
 
     def _finish_requests(self, finished: list) -> list:
         """Report the requests in ``finished`` still in flight with their final joules; returns their ids."""
@@ -696,7 +758,7 @@ class PhaseEnergyAccount:
     def _in_period(self, t0: float, t1: float):
         """``(share, bookings)`` of each kept tick that overlaps ``[t0, t1]``: the share of its
         span inside, by which its bookings count there (pro rata by time)."""
-        for a, b, book in self._recent:
+        for a, b, book, _ in self._recent:
             cut = min(b, t1) - max(a, t0)
             if cut > 0 and b > a:
                 yield cut / (b - a), book

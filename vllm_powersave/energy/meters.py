@@ -55,10 +55,19 @@ MAX_PLAUSIBLE_W = 5000.0
 class CounterStep(NamedTuple):
     """The counter stepped at ``t_s`` (the meter's clock), and the returned energy jumped by
     ``jump_j`` beyond what the previous read's rate predicted: the part of the period that ends at
-    ``t_s`` which interpolation had not seen (negative where it had over-estimated)."""
+    ``t_s`` which interpolation had not seen (negative where it had over-estimated).
+
+    What the counter says exactly, for a caller that knows when the load changed: it drew
+    ``span_j`` joules from its step at ``span_t0_s`` (the last one the previous read, at
+    ``read_t0_s``, had seen) to ``t_s``; of that span, the reads up to ``read_t0_s`` had returned
+    ``ext_j`` joules (their extension past ``span_t0_s``)."""
 
     t_s: float
     jump_j: float
+    span_t0_s: float | None = None
+    span_j: float | None = None
+    read_t0_s: float | None = None
+    ext_j: float | None = None
 
 
 class _Bracket(NamedTuple):
@@ -116,6 +125,12 @@ class EnergyMeter(ABC):
 
     def on_idle(self, seconds: float) -> None:  # noqa: B027 - optional hook
         """Told that the engine was idle for ``seconds``; only a simulated meter needs this."""
+
+    def hint_load(self, busy_spans: list[tuple[float, float]], quiet_w: float | None) -> None:  # noqa: B027 - optional hook
+        """Told, before a read, when work ran on the GPU lately: ``(start, end)`` spans (the
+        meter's clock; ``end`` inf: work runs now), and what the GPU draws
+        without work (W; ``None``: unknown). Only a meter that extends a stepping counter between
+        its steps needs this."""
 
     def idle_power_w(self) -> float | None:
         """The GPU's idle power (W) where the meter knows it without measuring; ``None`` for a
@@ -281,12 +296,15 @@ class NvmlEnergyMeter(EnergyMeter):
         self._power: float | None = None
         self._t_power = -1.0
         self._step_avg_w: float | None = None  # the counter's last step: its energy / its period
+        self._load: tuple[list[tuple[float, float]], float] | None = None  # hint_load's, for the next read
         self._offset_j = 0.0
         self._offset_j = self._estimate_j(self._t_read, self._read_power())
         self._reported = 0.0
         # The last returned read: its time and the rate (W) it extended the counter with; a step's
         # jump is measured against that rate continued (CounterStep). Bounded: an account drains it.
         self._t_out, self._rate_w = self._t_read, self._rate(self._power)
+        # The counter at that read (J, as returned) and its last step then (CounterStep's span).
+        self._c_out_j, self._t_u_out = self._acc_mj / 1000.0 - self._offset_j, self._t_read - self._since_update(self._t_read)
         self._counter_steps: deque[CounterStep] = deque(maxlen=256)
 
     # -- internals ---------------------------------------------------------------------------
@@ -304,7 +322,17 @@ class NvmlEnergyMeter(EnergyMeter):
         return max(0.0, self._interp_power_w(p)) if self.interpolate and p is not None else 0.0
 
     def _estimate_j(self, t: float, p: float | None) -> float:
-        return (self._acc_mj / 1000.0 + self._since_update(t) * self._rate(p)) - self._offset_j
+        since = self._since_update(t)
+        load = self._load
+        if load is None:
+            return (self._acc_mj / 1000.0 + since * self._rate(p)) - self._offset_j
+        # Where no work ran (hint_load), the extension is drawn at the quiet power the caller
+        # measured, not at the last step's or the instant power, which lags the load by tens of
+        # ms (docs/results/h200-energy-meter.md (c)): a burst starting or ending inside the
+        # counter's period would otherwise spread its power over the idle beside it.
+        t_u = t - since
+        busy_s = min(since, sum(max(0.0, min(b, t) - max(a, t_u)) for a, b in load[0]))
+        return (self._acc_mj / 1000.0 + busy_s * self._rate(p) + (since - busy_s) * load[1]) - self._offset_j
 
     def _interp_power_w(self, p: float) -> float:
         """The power to extend the counter's last step with: the average of that step, unless the
@@ -468,7 +496,9 @@ class NvmlEnergyMeter(EnergyMeter):
             if d > 0:
                 # The steps between the two reads: by the learnt phase, else by the elapsed time.
                 steps = self._steps_between(self._t_read, t)
-                self._step_avg_w = d / 1000.0 / (steps * self.period)
+                # Only a single period's: an average over several spans whatever load changes lay
+                # between the reads (a burst and the idle after it), which is no guess for the next.
+                self._step_avg_w = d / 1000.0 / (steps * self.period) if steps == 1 else None
         self._observe_update(self._t_read, t, now_mj != self._last_mj)
         self._last_mj, self._t_read = now_mj, t
 
@@ -489,15 +519,25 @@ class NvmlEnergyMeter(EnergyMeter):
             self._step(now, t)
             before = self._reported
             self._reported = max(before, self._estimate_j(t, p))
+            c_j, t_u = self._acc_mj / 1000.0 - self._offset_j, t - self._since_update(t)
             if stepped and self._phase_t is not None:  # only where it is known when the counter steps
                 predicted = before + self._rate_w * max(0.0, t - self._t_out)
-                self._counter_steps.append(CounterStep(t - self._since_update(t), self._reported - predicted))
-            self._t_out, self._rate_w = t, self._rate(p)
+                span = (self._t_u_out, c_j - self._c_out_j, self._t_out, before - self._c_out_j)
+                self._counter_steps.append(CounterStep(t_u, self._reported - predicted, *span))
+            load, self._load = self._load, None
+            busy_now = load is None or any(b == math.inf for _, b in load[0])
+            self._t_out, self._rate_w = t, self._rate(p) if busy_now else load[1]  # type: ignore[index]
+            self._c_out_j, self._t_u_out = c_j, t_u
             return self._reported
 
     @property
     def counter_period_s(self) -> float:
         return self.period
+
+    def hint_load(self, busy_spans: list[tuple[float, float]], quiet_w: float | None) -> None:
+        with self._lock:
+            ok = quiet_w is not None and self.interpolate and math.isfinite(quiet_w) and quiet_w >= 0
+            self._load = (list(busy_spans), quiet_w) if ok else None  # type: ignore[assignment]
 
     def drain_counter_steps(self) -> list[CounterStep]:
         with self._lock:
