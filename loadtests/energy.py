@@ -197,6 +197,7 @@ _KEEP_PREFIXES = (
     "vllm:num_requests_running",
     "powersave_idle_while_busy_",
     "powersave_frontend_busy_seconds",
+    "powersave_energy_crosscheck_ratio",
 )
 #: Starvation counters (summed over GPUs) -> Scrape/Sample field.
 _STARVATION = {
@@ -230,6 +231,8 @@ class Scrape:
     idle_while_busy_j: float | None = None  # summed over GPUs; None = not published
     idle_while_busy_s: float | None = None
     frontend_busy_s: float | None = None
+    # The plugin's counter-vs-power-integral check, last completed window, by GPU (None: not published)
+    energy_crosscheck_ratio: dict[str, float] | None = None
 
 
 def parse_scrape(text: str) -> Scrape:
@@ -243,6 +246,7 @@ def parse_scrape(text: str) -> Scrape:
     sources: set[str] = set()
     running: list[float] = []
     starv: dict[str, float] = {}
+    cross: dict[str, float] = {}
     try:
         for fam in text_string_to_metric_families(filter_metrics_text(text)):
             for smp in fam.samples:
@@ -261,6 +265,8 @@ def parse_scrape(text: str) -> Scrape:
                 elif smp.name in _STARVATION:
                     key = _STARVATION[smp.name]
                     starv[key] = starv.get(key, 0.0) + float(smp.value)
+                elif smp.name == "powersave_energy_crosscheck_ratio":
+                    cross[smp.labels.get("gpu", "")] = float(smp.value)
     except Exception:  # the parser raises bare ValueError/TypeError variants on bad input
         return Scrape()
     out.counters = counters or None
@@ -268,6 +274,7 @@ def parse_scrape(text: str) -> Scrape:
     out.sm_clock_mhz = sum(clock) / len(clock) if clock else None
     out.gauge_source = ("measured" if sources == {"measured"} else "simulated") if sources else None
     out.running = sum(running) if running else None
+    out.energy_crosscheck_ratio = cross or None
     for key, v in starv.items():
         setattr(out, key, v)
     return out

@@ -177,6 +177,7 @@ def test_a_full_snapshot_fills_every_family_of_the_table(tmp_path):
         "counter_resets": 1,
         "counter_wraps": 2,
         "meter_faults": 3,
+        "energy_crosscheck_ratio": 1.01,
         "lm_head_calls": {"1": 10},
         "cuda_perf_boost": "auto",
         "cuda_boost": {"held": True, "switches": 7},

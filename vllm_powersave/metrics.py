@@ -232,6 +232,13 @@ FAMILIES: tuple[FamilySpec, ...] = (
     FamilySpec("powersave_energy_counter_wraps", _C, "NVML energy counter wrapped (delta kept)", "count", ("gpu",)),
     FamilySpec("powersave_meter_faults", _C, "Failed NVML reads of the meter (the first one is logged)", "count", ("gpu",)),
     FamilySpec(
+        "powersave_energy_crosscheck_ratio",
+        _G,
+        "NVML energy counter over the integral of instant power, last completed window of >= 30 s (1 = agree)",
+        "ratio",
+        ("gpu",),
+    ),
+    FamilySpec(
         "powersave_tokens_per_joule",
         _G,
         "Engine tokens per joule (all GPUs): sliding window, steady state, whole run",
@@ -404,6 +411,8 @@ def _add_rank(sc: _Scrape, s: WorkerSnapshot) -> bool:
     sc.add("energy_counter_resets", [r.gpu], float(s.get("counter_resets", 0)))
     sc.add("energy_counter_wraps", [r.gpu], float(s.get("counter_wraps", 0)))
     sc.add("meter_faults", [r.gpu], float(s.get("meter_faults", 0)))
+    if r.ok and s.get("energy_crosscheck_ratio") is not None:
+        sc.add("energy_crosscheck_ratio", [r.gpu], float(s["energy_crosscheck_ratio"]))
     if r.ok:
         _add_rank_energy(sc, r, s)
     _add_rank_steps_and_clocks(sc, r, s)

@@ -88,6 +88,9 @@ class WorkerSnapshot(TypedDict, total=False):
     counter_period_s: float  # the counter's step period as learnt (0 for meters without steps)
     counter_phase_losses: int  # reads that contradicted the learnt phase (energy/meters.py)
     meter_faults: int
+    # the counter over the integral of instant power, last completed window (energy/crosscheck.py)
+    energy_crosscheck_ratio: float
+    energy_crosscheck_window_s: float
     energy_j: dict[str, float]  # by phase
     time_s: dict[str, float]  # by phase
     steps: dict[str, int]  # by phase
@@ -153,6 +156,7 @@ NONNEG_KEYS: tuple[str, ...] = (
     "idle_while_busy_s",
     "frontend_busy_s",
     "request_energy_j_tail",
+    "energy_crosscheck_ratio",
 )
 #: Keys whose values are ``{label: count or J}`` dicts of counters.
 COUNTER_DICT_KEYS: tuple[str, ...] = ("energy_j", "time_s", "steps", "tokens", "lm_head_calls")

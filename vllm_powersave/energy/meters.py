@@ -39,6 +39,7 @@ from typing import NamedTuple
 
 from ..device import GpuError, GpuMigError, GpuNotSupportedError, NvmlGpu
 from ..sim.gpu import SimulatedGpu
+from .crosscheck import EnergyCrossCheck
 
 log = logging.getLogger("vllm.powersave.energy")
 
@@ -149,6 +150,12 @@ class EnergyMeter(ABC):
         """The counter steps seen by reads since the last call (oldest first); none for meters
         without a stepping counter."""
         return []
+
+    @property
+    def crosscheck(self) -> EnergyCrossCheck | None:
+        """The counter against the integral of instant power (:mod:`.crosscheck`); ``None`` for
+        meters whose energy is not a counter (power sampling is that integral; the model)."""
+        return None
 
 
 class _NvmlReader:
@@ -306,6 +313,7 @@ class NvmlEnergyMeter(EnergyMeter):
         # The counter at that read (J, as returned) and its last step then (CounterStep's span).
         self._c_out_j, self._t_u_out = self._acc_mj / 1000.0 - self._offset_j, self._t_read - self._since_update(self._t_read)
         self._counter_steps: deque[CounterStep] = deque(maxlen=256)
+        self._crosscheck = EnergyCrossCheck(self.gpu_id, clock=clock)
 
     # -- internals ---------------------------------------------------------------------------
     def _read_power(self) -> float | None:
@@ -528,11 +536,17 @@ class NvmlEnergyMeter(EnergyMeter):
             busy_now = load is None or any(b == math.inf for _, b in load[0])
             self._t_out, self._rate_w = t, self._rate(p) if busy_now else load[1]  # type: ignore[index]
             self._c_out_j, self._t_u_out = c_j, t_u
+            if self.interpolate:  # the power read with the counter: no read of its own
+                self._crosscheck.add(t, self._reported, p)
             return self._reported
 
     @property
     def counter_period_s(self) -> float:
         return self.period
+
+    @property
+    def crosscheck(self) -> EnergyCrossCheck:
+        return self._crosscheck
 
     def hint_load(self, busy_spans: list[tuple[float, float]], quiet_w: float | None) -> None:
         with self._lock:

@@ -142,6 +142,7 @@ class Publisher:
             "counter_period_s": m.counter_period_s,
             "counter_phase_losses": m.phase_losses,
             "meter_faults": m.faults,
+            **_crosscheck_fields(m),
             "steps": dict(acc.steps),
             "tokens": dict(acc.tokens),
             "requests_finished": acc.finished_requests,
@@ -375,3 +376,11 @@ class Publisher:
                 log.warning("powersave: %s failed (%s: %s); continuing the shutdown", what, type(exc).__name__, exc)
         if self.meter is not None:
             self.meter.close()
+
+
+def _crosscheck_fields(m: Any) -> dict[str, float]:
+    """The counter over the integral of instant power, last completed window (energy/crosscheck.py)."""
+    cc = getattr(m, "crosscheck", None)
+    if cc is None or cc.ratio is None:
+        return {}
+    return {"energy_crosscheck_ratio": cc.ratio, "energy_crosscheck_window_s": cc.window_s}
