@@ -287,9 +287,10 @@ class EnergySettings(_Strict):
     #: Steady state = steps whose running batch has at least this many requests (ML.ENERGY's
     #: window); default: the engine's max_num_seqs.
     steady_batch: int | None = Field(default=None, ge=1)
-    #: With per_request_energy: how long a non-streaming completion waits for its energy before it
-    #: is sent without the x-powersave-energy-j header (ms; 0 = never wait). GET
-    #: /powersave/requests/{id} serves the figure afterwards either way.
+    #: With per_request_energy: how long a non-streaming completion, or the final usage chunk of a
+    #: stream (``stream_options.include_usage``), waits for its energy before it is sent without it
+    #: (``usage.energy_status`` "pending", no x-powersave-energy-j header; ms; 0 = never wait).
+    #: Token chunks never wait. GET /powersave/requests/{id} serves the figure afterwards either way.
     response_wait_ms: float = Field(default=200.0, ge=0.0, le=10_000.0, allow_inf_nan=False)
     #: Front-end starvation (``starvation.py``): warn when the GPU sat idle for more than this share
     #: of the time the API server had requests in flight (1 = never warn). The issue's H200 run:
