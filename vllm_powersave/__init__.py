@@ -203,20 +203,35 @@ def _stop_startup(err: Exception) -> None:
     raise err
 
 
-def _on_serve_args(args: object) -> None:
-    """``vllm serve``, before it picks its API-server count: size the pool (frontend.py)."""
-    from . import frontend, vllm_compat
+def _plugin_settings(args: object):  # type: ignore[no-untyped-def]
+    """The validated settings where the plugin is on for this server (``--additional-config``'s
+    ``powersave`` or the environment), else None; a bad setting stops the start with one line."""
+    from . import vllm_compat
     from .settings import SettingsError, load_settings
 
     inline = vllm_compat.additional_config(args).get("powersave")
     if inline is None and not enabled_by_env():
-        return
+        return None
     try:
-        settings = load_settings(inline if inline is not None else {})
+        return load_settings(inline if inline is not None else {})
     except SettingsError as err:
         _stop_startup(err)
-    gpu = _server_facts(args, settings).get("gpu_name")
-    on_gpu = bool(gpu) and "simulated" not in str(gpu) and settings.clocks.backend != "simulated"
+
+
+def _real_gpu(gpu_name: object, settings: object) -> bool:
+    """A GPU that is not the simulated one (savings that act on hardware can act)."""
+    clocks = getattr(settings, "clocks", None)
+    return bool(gpu_name) and "simulated" not in str(gpu_name) and getattr(clocks, "backend", None) != "simulated"
+
+
+def _on_serve_args(args: object) -> None:
+    """``vllm serve``, before it picks its API-server count: size the pool (frontend.py)."""
+    from . import frontend, vllm_compat
+
+    settings = _plugin_settings(args)
+    if settings is None:
+        return
+    on_gpu = _real_gpu(_server_facts(args, settings).get("gpu_name"), settings)
     choice = frontend.choose(settings.api_server_count, vllm_compat.serve_facts(args), frontend.usable_cores(), on_gpu)
     if choice.changed:
         vllm_compat.set_api_server_count(args, choice.count)
@@ -227,15 +242,11 @@ def _on_engine_args(engine_args: object) -> None:
     """Before vLLM builds its config: validate settings, export them, start the metrics collector."""
     from . import vllm_compat
     from .envs import ENV_SETTINGS_JSON
-    from .settings import SettingsError, load_settings
+    from .settings import SettingsError
 
-    inline = vllm_compat.additional_config(engine_args).get("powersave")
-    if inline is None and not enabled_by_env():
+    settings = _plugin_settings(engine_args)
+    if settings is None:
         return
-    try:
-        settings = load_settings(inline if inline is not None else {})
-    except SettingsError as err:
-        _stop_startup(err)
     from .settings import check_tuned_for
 
     facts = _server_facts(engine_args, settings)
@@ -279,6 +290,4 @@ def _on_engine_args(engine_args: object) -> None:
         os.environ[envs.ENV_STARTED_BY] = str(os.getpid())
         from .savings import startup_line
 
-        gpu = facts.get("gpu_name")
-        on_gpu = bool(gpu) and "simulated" not in str(gpu) and settings.clocks.backend != "simulated"
-        log.info("%s", startup_line(settings, on_gpu, frontend=_STATE.get("frontend")))
+        log.info("%s", startup_line(settings, _real_gpu(facts.get("gpu_name"), settings), frontend=_STATE.get("frontend")))
