@@ -259,7 +259,7 @@ class RecordingIndex:
         self.waits: list[float] = []
         self.gate = gate
 
-    async def wait(self, rid, timeout_s):
+    async def wait(self, rid, timeout_s, parts=0):
         self.waits.append(timeout_s)
         if self.gate is not None and timeout_s > 0:
             await self.gate.wait()

@@ -158,7 +158,7 @@ class GatedIndex:
         self.sent = sent
         self.sent_at_wait: list[bytes] | None = None
 
-    async def wait(self, rid: str, timeout_s: float):
+    async def wait(self, rid: str, timeout_s: float, parts: int = 0):
         self.sent_at_wait = list(self.sent)
         try:
             await asyncio.wait_for(self.ready.wait(), timeout_s)

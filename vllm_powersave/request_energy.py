@@ -240,8 +240,12 @@ class RequestEnergyIndex:
                             del self._keys[k]
         self._records[rid][rank] = self._clean(rec)
 
-    def lookup(self, response_id: str) -> dict[str, Any] | None:
+    def lookup(self, response_id: str, parts: int = 0) -> dict[str, Any] | None:
         """Energy of one OpenAI response id, or ``None`` if no line names it yet.
+
+        ``parts``: internal requests the response is known to have run (its choices, one per
+        prompt and ``n`` sample); fewer recorded ones leave the status ``partial``, as the parts
+        of an ``n > 1`` response finish and are recorded one at a time.
 
         ``status``: ``complete`` (every part reported by every rank), ``partial`` (some lines
         missing: ``energy_j`` is then ``None``), ``unavailable`` (a rank's meter was unavailable).
@@ -276,7 +280,7 @@ class RequestEnergyIndex:
                 gpus[gpu] = gpus.get(gpu, 0.0) + float(j)
                 total += float(j)
         expected = max(self._ranks, max(reported, default=0), 1)
-        complete = all(n >= (max(e, 1) if e is not None else expected) for n, e in zip(reported, expect_each))
+        complete = len(ids) >= parts and all(n >= (max(e, 1) if e is not None else expected) for n, e in zip(reported, expect_each))
         status = "unavailable" if unavailable else ("complete" if complete else "partial")
         return {
             "id": response_id,
@@ -290,7 +294,9 @@ class RequestEnergyIndex:
             "ranks_reported": min(reported, default=0),
         }
 
-    async def wait(self, response_id: str, timeout_s: float, poll_s: float = 0.005, max_poll_s: float = 0.1) -> dict[str, Any] | None:
+    async def wait(
+        self, response_id: str, timeout_s: float, poll_s: float = 0.005, max_poll_s: float = 0.1, parts: int = 0
+    ) -> dict[str, Any] | None:
         """:meth:`lookup` until the status is final (complete/unavailable) or ``timeout_s`` passed.
 
         Polls every ``poll_s``, doubling up to ``max_poll_s``: figures normally arrive within a few
@@ -304,7 +310,7 @@ class RequestEnergyIndex:
             # must be found); repeated polls of concurrent waiters share reads.
             self.refresh(min_interval_s=0.0 if first else poll_s / 2)
             first = False
-            res = self.lookup(response_id)
+            res = self.lookup(response_id, parts)
             left = deadline - time.monotonic()
             if (res is not None and res["status"] != "partial") or left <= 0:
                 return res
@@ -436,6 +442,7 @@ class RequestEnergyMiddleware:
         start: dict | None = None
         body: list[bytes] = []
         mode = "pass"
+        finished = [0]  # choices of a stream that reported a finish reason: its parts
 
         async def capture(message: dict) -> None:
             nonlocal start, mode
@@ -446,7 +453,7 @@ class RequestEnergyMiddleware:
                     start = message
                     return
             elif kind == "http.response.body" and mode == "stream":
-                message = await self._stream_body(message)
+                message = await self._stream_body(message, finished)
             elif kind == "http.response.body" and mode == "json" and start is not None:
                 body.append(message.get("body", b""))
                 if message.get("more_body", False):
@@ -457,15 +464,18 @@ class RequestEnergyMiddleware:
 
         await self.app(scope, receive, capture)
 
-    async def _stream_body(self, message: dict) -> dict:
+    async def _stream_body(self, message: dict, finished: list[int]) -> dict:
         """One body message of a stream: untouched, unless it holds the final usage chunk, which
-        gets the figure (waiting at most ``wait_s`` for it)."""
+        gets the figure (waiting at most ``wait_s`` for it). ``finished`` counts the choices that
+        ended so far (a byte count of non-null finish reasons): the parts the figure must cover."""
         try:
-            found = find_usage_event(message.get("body", b""))
+            raw = message.get("body", b"")
+            finished[0] += raw.count(b'"finish_reason":"')
+            found = find_usage_event(raw)
             if found is None:
                 return message
             events, i, doc, obj = found
-            res = await self.index.wait(obj["id"], self.wait_s)
+            res = await self.index.wait(obj["id"], self.wait_s, parts=finished[0])
             new = add_to_usage(doc, obj, energy_usage_fields(res))
             if new is None:
                 return message
@@ -482,7 +492,8 @@ class RequestEnergyMiddleware:
             obj = json.loads(payload)
             rid = obj.get("id")
             if isinstance(rid, str) and rid:
-                res = await self.index.wait(rid, self.wait_s)
+                choices = obj.get("choices")
+                res = await self.index.wait(rid, self.wait_s, parts=len(choices) if isinstance(choices, list) else 0)
                 more = energy_headers(res)
                 doc = add_to_usage(payload.decode("utf-8"), obj, energy_usage_fields(res))
                 body = doc.encode("utf-8") if doc is not None else payload
