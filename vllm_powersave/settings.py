@@ -438,6 +438,25 @@ def _one_line(err: ValidationError) -> str:
     return f"powersave setting '{loc}' = {_short(first.get('input'))}: {msg}{more}"
 
 
+def _yaml12_loader() -> type:
+    """PyYAML's SafeLoader with YAML 1.2's booleans: only true/false. Under YAML 1.1 a bare
+    ``off``/``on``/``yes``/``no`` is a boolean, so ``savings: off`` would reach the settings as
+    ``False`` while every mode field here takes the string (docs/settings.md spells them bare)."""
+    import re
+
+    import yaml
+
+    class Yaml12Loader(yaml.SafeLoader):
+        pass
+
+    Yaml12Loader.yaml_implicit_resolvers = {
+        first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:bool"]
+        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+    }
+    Yaml12Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+    return Yaml12Loader
+
+
 def _read_file(path: str, field: str) -> dict[str, Any]:
     p = Path(path)
     if p.is_dir():
@@ -452,7 +471,7 @@ def _read_file(path: str, field: str) -> dict[str, Any]:
         if p.suffix.lower() in (".yaml", ".yml"):
             import yaml
 
-            data = yaml.safe_load(text)
+            data = yaml.load(text, Loader=_yaml12_loader())  # a SafeLoader subclass: no arbitrary objects
         else:
             data = json.loads(text)
     except Exception as exc:  # parse errors differ per format; keep the first line only
