@@ -232,7 +232,8 @@ def test_api_servers_with_an_explicit_stats_dir_log_no_second_start_line(tmp_pat
     env["POWERSAVE_STARTED_BY"] = "1"  # PID 1 logged it: this process is one of its API servers
     child = subprocess.run([sys.executable, "-c", EXPLICIT, str(tmp_path)], capture_output=True, text=True, env=env, timeout=300)
     assert child.returncode == 0, child.stderr[-3000:]
-    assert not [x for x in (child.stdout + child.stderr).splitlines() if "powersave: savings:" in x]
+    assert not [x for x in (child.stdout + child.stderr).splitlines() if "powersave: savings:" in x or "enabled; settings" in x]
+    assert sum("enabled; settings" in x for x in (first.stdout + first.stderr).splitlines()) == 1
 
 
 def _lose(monkeypatch, owner, *attrs):

@@ -285,7 +285,12 @@ def _on_engine_args(engine_args: object) -> None:
 
         middleware.append(request_energy.configure(settings.stats_dir, settings.energy.response_wait_ms / 1000.0))
     vllm_compat.install_app_hook(middleware)
-    log.info("powersave: enabled; settings %s", json.dumps(settings.model_dump(mode="json"), sort_keys=True))
+    # The settings once per server: the API servers of --api-server-count N run the same ones.
+    log.log(
+        logging.INFO if first_api_server else logging.DEBUG,
+        "powersave: enabled; settings %s",
+        json.dumps(settings.model_dump(mode="json"), sort_keys=True),
+    )
     if first_api_server:  # one line per server: which savings run, and why
         os.environ[envs.ENV_STARTED_BY] = str(os.getpid())
         from .savings import startup_line
