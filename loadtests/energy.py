@@ -68,6 +68,9 @@ class EnergyReading:
     idle_while_busy_j: float | None = None
     idle_while_busy_s: float | None = None
     frontend_busy_s: float | None = None
+    # The server's counter-vs-power-integral ratio by GPU at the window's end (the plugin's
+    # powersave_energy_crosscheck_ratio gauge; docs/metrics.md); None where it publishes none.
+    energy_crosscheck_ratio: dict[str, float] | None = None
     # How far ``window_s`` may be off the span the counters cover (s): half the span of the first
     # and of the last counter read (a zeusd round trip, or an NVML read aligned on a counter update
     # from the last poll that saw the old value; 0 for server metrics). A stalled client makes it large.
@@ -299,6 +302,7 @@ class Sample:
     idle_while_busy_j: float | None = None  # cumulative starvation counters (server metrics), J / s
     idle_while_busy_s: float | None = None
     frontend_busy_s: float | None = None
+    energy_crosscheck_ratio: dict[str, float] | None = None  # server gauge by GPU, when published
     read_s: float = 0.0  # span in which the counters were read (s): zeusd round trip, aligned NVML read; ``t`` is its midpoint
 
 
@@ -418,6 +422,7 @@ class EnergyMeter:
             idle_while_busy_j=sc.idle_while_busy_j,
             idle_while_busy_s=sc.idle_while_busy_s,
             frontend_busy_s=sc.frontend_busy_s,
+            energy_crosscheck_ratio=sc.energy_crosscheck_ratio,
         )
 
     @staticmethod
@@ -434,6 +439,7 @@ class EnergyMeter:
             idle_while_busy_j=sc.idle_while_busy_j,
             idle_while_busy_s=sc.idle_while_busy_s,
             frontend_busy_s=sc.frontend_busy_s,
+            energy_crosscheck_ratio=sc.energy_crosscheck_ratio,
         )
 
     async def start(self) -> None:
@@ -592,6 +598,8 @@ class EnergyMeter:
 def starvation_over(samples: list[Sample], r: EnergyReading) -> None:
     """Fill ``r``'s idle-while-busy figures from the first to the last reading that has them
     (the series appear once the server's API process has written its busy file)."""
+    ratios = [s.energy_crosscheck_ratio for s in samples if s.energy_crosscheck_ratio]
+    r.energy_crosscheck_ratio = dict(ratios[-1]) if ratios else None  # a gauge: its last value
     have = [s for s in samples if s.idle_while_busy_j is not None]
     if len(have) < 2:
         return

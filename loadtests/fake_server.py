@@ -78,6 +78,7 @@ class FakeServer:
         self.last_event = "idle"
         self.payloads: list[dict[str, Any]] = []
         self.metrics_scrapes = 0
+        self.crosscheck_ratio: float | None = None  # set: published as powersave_energy_crosscheck_ratio{gpu="0"}
         self.finished = 0  # requests whose handler returned (each books STARVED_J of starvation)
         self.inflight = 0
         self.max_inflight = 0
@@ -176,6 +177,11 @@ class FakeServer:
             "# TYPE powersave_frontend_busy_seconds counter",
             f'powersave_frontend_busy_seconds_total{{gpu="0"}} {10 * STARVED_S * self.finished!r}',
         ]
+        if self.crosscheck_ratio is not None:
+            lines += [
+                "# TYPE powersave_energy_crosscheck_ratio gauge",
+                f'powersave_energy_crosscheck_ratio{{gpu="0"}} {self.crosscheck_ratio!r}',
+            ]
         lines += ["# TYPE powersave_steps counter"]
         lines += [f'powersave_steps_total{{gpu="0",phase="{p}"}} {float(n)}' for p, n in self.steps.items()]
         lines += [

@@ -206,6 +206,8 @@ def energy_metrics(reading: EnergyReading, total_input_tokens: int, total_output
         # Front-end starvation (the plugin's counters): idle GPU energy and time while requests were
         # in flight at the server, and their share of the server's busy time.
         "gpu_idle_while_busy_energy_j": reading.idle_while_busy_j,
+        # The server's own check of its energy counter against the power integral, by GPU.
+        "energy_crosscheck_ratio": reading.energy_crosscheck_ratio,
         "gpu_idle_while_busy_s": reading.idle_while_busy_s,
         "frontend_busy_s": reading.frontend_busy_s,
         "idle_while_busy_share": (

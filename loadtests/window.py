@@ -98,6 +98,10 @@ def sum_readings(readings: Sequence[EnergyReading | None]) -> EnergyReading | No
         idle_while_busy_j=_sum_or_none([r.idle_while_busy_j for r in rs]),
         idle_while_busy_s=_sum_or_none([r.idle_while_busy_s for r in rs]),
         frontend_busy_s=_sum_or_none([r.frontend_busy_s for r in rs]),
+        energy_crosscheck_ratio={
+            (f"{i}/{g}" if len(rs) > 1 else g): v for i, r in enumerate(rs) for g, v in (r.energy_crosscheck_ratio or {}).items()
+        }
+        or None,
     )
 
 

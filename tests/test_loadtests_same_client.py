@@ -80,3 +80,16 @@ def test_metrics_interval_must_not_be_negative():
 
     with pytest.raises(ConfigError, match="metrics_interval_s"):
         BenchConfig(base_url="http://127.0.0.1:1", metrics_interval_s=-1)
+
+
+@pytest.mark.parametrize("source", ["nvml", "server"])
+def test_the_servers_energy_crosscheck_reaches_the_result(server_factory, nvml, source):
+    srv = server_factory(first_delay=0.01, itl_delay=0.01)
+    srv.crosscheck_ratio = 1.02
+    res = run(_cfg(srv.url, energy=source))
+    assert res["energy_crosscheck_ratio"] == {"0": 1.02}
+
+
+def test_a_server_without_the_crosscheck_gauge_has_none(server_factory, nvml):
+    srv = server_factory(first_delay=0.01, itl_delay=0.01, powersave=False)
+    assert run(_cfg(srv.url, energy="nvml"))["energy_crosscheck_ratio"] is None
