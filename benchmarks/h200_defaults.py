@@ -28,7 +28,7 @@ from typing import Any
 from .lib import load
 from .lib.device import T0, make_model, require_dry_run, write_json_atomic
 from .lib.device import log as _log
-from .lib.serve import metrics_text, start_server, stop, wait_healthy
+from .lib.serve import SERVER_ENV, metrics_text, start_server, stop, wait_healthy
 
 log = functools.partial(_log, tag="defaults")
 
@@ -62,8 +62,6 @@ ADVISE_CMDS = (
 #: The servers tarball stays below this; step traces are dropped (largest first, noted) beyond it.
 TAR_MAX_BYTES = 16 * 1024 * 1024
 #: No FlashInfer in the bundle (the bundle's vLLM needs this), offline; start_server turns NVLink multicast off.
-SERVER_ENV = dict(VLLM_USE_FLASHINFER_SAMPLER="0", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-SERVER_ENV.update(TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
 #: Options recorded as given in the raw file's ``method``, in this order.
 METHOD_OPTIONS = ("sat_concurrency", "window_s", "idle_s", "settle_s", "gap_s", "input_len", "output_len", "segments", "segments_last")
 #: --defaults-observe items: the plugin settings they turn on.

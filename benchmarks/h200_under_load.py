@@ -33,9 +33,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from vllm_powersave.serving import api_servers_in_log
+
 from .lib import load
 from .lib.device import log, make_model, require_dry_run, utc_now, write_json_atomic
-from .lib.serve import NO_MULTICAST, check_port_free, stop, tcp_listeners, wait_healthy
+from .lib.serve import NO_MULTICAST, SERVER_ENV, check_port_free, stop, tcp_listeners, wait_healthy
 
 #: Load points (the issue's saturation points): closed loop at a concurrency, streamed.
 POINTS = {
@@ -44,10 +46,6 @@ POINTS = {
 }
 #: Arms: extra ``vllm serve`` flags; stock has no plugin on its path at all.
 ARMS = {"stock": [], "defaults": ["--plugin", "powersave"]}
-SERVER_ENV = dict(VLLM_USE_FLASHINFER_SAMPLER="0", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-SERVER_ENV.update(TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
-#: uvicorn logs this once per API-server process (vLLM 0.25 and 0.32).
-API_SERVER_LINE = re.compile(r"Started server process \[\d+\]")
 FRONT_END_LINE = re.compile(r"front end (\d+) API servers?|front end vLLM's choice \(([^)]*)\)")
 
 
@@ -63,10 +61,7 @@ class Arm:
 
     def api_servers(self) -> int | None:
         """API-server processes the server started, counted in its log."""
-        try:
-            return len(API_SERVER_LINE.findall(self.log_path.read_text(errors="replace"))) or None
-        except OSError:
-            return None
+        return api_servers_in_log(self.log_path)
 
     def front_end_line(self) -> str | None:
         """The plugin's start-line clause on the front end, where it logged one."""

@@ -18,6 +18,18 @@ class ServerError(RuntimeError):
     """The server did not come up; the message is one line and names the log file."""
 
 
+#: uvicorn logs this once per API-server process (vLLM 0.25 and 0.32).
+API_SERVER_STARTED = re.compile(r"Started server process \[\d+\]")
+
+
+def api_servers_in_log(log_path: str | Path) -> int | None:
+    """API-server processes a ``vllm serve`` log shows started; None before any or without a log."""
+    try:
+        return len(API_SERVER_STARTED.findall(Path(log_path).read_text(errors="replace"))) or None
+    except OSError:
+        return None
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -138,13 +150,8 @@ class VllmServer:
         return "\n".join(lines[-n:])
 
     def api_server_count(self) -> int | None:
-        """API-server processes this server started: uvicorn logs ``Started server process [pid]``
-        once per process (vLLM 0.25 and 0.32); None before any started or without a log."""
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError:
-            return None
-        return len(re.findall(r"Started server process \[\d+\]", text)) or None
+        """API-server processes this server started (:func:`api_servers_in_log`)."""
+        return api_servers_in_log(self.log_path)
 
     def stop(self, timeout_s: float = 30.0) -> int | None:
         """SIGINT (vLLM's graceful shutdown), then SIGTERM, then SIGKILL, to the process group."""

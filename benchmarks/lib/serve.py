@@ -19,6 +19,10 @@ from .device import log
 
 # NVLink multicast stays off (a program using it can take a shared host's GPUs out of service);
 # vLLM's symmetric-memory all-reduce would use it on Hopper, so that path is off too.
+#: The environment of every vLLM server on the GPU machine: the bundle has no FlashInfer, nothing
+#: may reach the network, tokenizers stay single-threaded beside the server's own pool.
+SERVER_ENV = dict(VLLM_USE_FLASHINFER_SAMPLER="0", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+SERVER_ENV.update(TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
 NO_MULTICAST = dict(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1", VLLM_ALLREDUCE_USE_SYMM_MEM="0")
 
 
