@@ -352,6 +352,18 @@ class ZeusdEnergy:
         """Nothing to release: the client keeps no connection between requests."""
 
 
+def _frontend_fields(sc: Scrape) -> dict:
+    """The server's own figures a :class:`Sample` carries from a scrape, whatever the energy
+    source: requests running, the starvation counters and the energy cross-check."""
+    return dict(
+        running=sc.running,
+        idle_while_busy_j=sc.idle_while_busy_j,
+        idle_while_busy_s=sc.idle_while_busy_s,
+        frontend_busy_s=sc.frontend_busy_s,
+        energy_crosscheck_ratio=sc.energy_crosscheck_ratio,
+    )
+
+
 class EnergyMeter:
     """Brackets the measured window: :meth:`start` before load, :meth:`sample` during, :meth:`stop` after.
 
@@ -414,16 +426,7 @@ class EnergyMeter:
         ``sc`` is given or ``scrape`` is False, so that both arms of a comparison load the server alike."""
         if sc is None and scrape and self._base_url:
             _, sc = await self._scrape()
-        if sc is None:
-            return sample
-        return replace(
-            sample,
-            running=sc.running,
-            idle_while_busy_j=sc.idle_while_busy_j,
-            idle_while_busy_s=sc.idle_while_busy_s,
-            frontend_busy_s=sc.frontend_busy_s,
-            energy_crosscheck_ratio=sc.energy_crosscheck_ratio,
-        )
+        return sample if sc is None else replace(sample, **_frontend_fields(sc))
 
     @staticmethod
     def _from_scrape(t: float, sc: Scrape | None) -> Sample:
@@ -435,11 +438,7 @@ class EnergyMeter:
             power_w=sc.power_w,
             sm_clock_mhz=sc.sm_clock_mhz,
             gauge_source=sc.gauge_source,
-            running=sc.running,
-            idle_while_busy_j=sc.idle_while_busy_j,
-            idle_while_busy_s=sc.idle_while_busy_s,
-            frontend_busy_s=sc.frontend_busy_s,
-            energy_crosscheck_ratio=sc.energy_crosscheck_ratio,
+            **_frontend_fields(sc),
         )
 
     async def start(self) -> None:
