@@ -25,7 +25,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from benchmarks.lib.stats import mean_ci95
+from benchmarks.lib.stats import mean_ci
 
 ARMS = ("stock", "defaults")
 SCRIPTS = ["benchmarks/h200_defaults.py", "benchmarks/h200_defaults_record.py"]
@@ -39,15 +39,6 @@ ENERGY_WINDOWS = {
     True: "fixed span (>= --window-s from the first arrival, idle tail included)",
     False: "harness window (first request to last completion)",
 }
-
-
-def mean_ci(xs: list[float]) -> tuple[float | None, list[float] | None]:
-    """Mean and t-based 95 % interval of the finite values (lib.stats); no interval below 2."""
-    xs = [x for x in xs if x is not None and math.isfinite(x)]
-    if len(xs) < 2:
-        return (xs[0] if xs else None), None
-    m, lo, hi = mean_ci95(xs)
-    return m, [lo, hi]
 
 
 def r(x: Any, nd: int = 4) -> Any:

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from pathlib import Path
 from typing import Any
 
-from benchmarks.lib.stats import mean_ci95
+from benchmarks.lib import stats
 
 #: Record name of each load point of the raw files, with its kind and closed-loop concurrency.
 LOADS = {
@@ -47,12 +46,9 @@ def pair_figures(p: dict) -> dict[str, float | None]:
 
 
 def mean_ci(xs: list[float | None], nd: int = 4) -> dict[str, Any]:
-    """``{"mean", "ci95"}`` over the finite values (no interval below 2 values)."""
-    v = [x for x in xs if isinstance(x, (int, float)) and math.isfinite(x)]
-    if len(v) < 2:
-        return {"mean": round(v[0], nd) if v else None, "ci95": None}
-    m, lo, hi = mean_ci95(v)
-    return {"mean": round(m, nd), "ci95": [round(lo, nd), round(hi, nd)]}
+    """``{"mean", "ci95"}`` over the finite values, rounded (no interval below 2 values)."""
+    m, ci = stats.mean_ci(xs)
+    return {"mean": None if m is None else round(m, nd), "ci95": None if ci is None else [round(x, nd) for x in ci]}
 
 
 def _arm_mean(pairs: list[dict], arm: str, key: str) -> float | None:

@@ -3,6 +3,17 @@
 
 from __future__ import annotations
 
+import math
+
 from vllm_powersave.intervals import T975, mean_ci95, t975
 
-__all__ = ["T975", "mean_ci95", "t975"]
+__all__ = ["T975", "mean_ci", "mean_ci95", "t975"]
+
+
+def mean_ci(xs: list[float | None]) -> tuple[float | None, list[float] | None]:
+    """Mean and t-based 95 % interval of the finite values; no interval below 2 (a record's field)."""
+    v = [x for x in xs if isinstance(x, (int, float)) and math.isfinite(x)]
+    if len(v) < 2:
+        return (v[0] if v else None), None
+    m, lo, hi = mean_ci95(v)
+    return m, [lo, hi]
