@@ -26,8 +26,9 @@ __version__ = "0.1.0"
 
 log = logging.getLogger("vllm.powersave")
 
-#: Process state: hooks registered / active, and the API-server pool chosen under `vllm serve`.
-_STATE: dict[str, object] = {"registered": False, "active": False, "frontend": None}
+#: Process state: hooks registered / active, and under `vllm serve` the API-server pool chosen and
+#: the server's facts (GPU, driver, vLLM, model) read for it.
+_STATE: dict[str, object] = {"registered": False, "active": False, "frontend": None, "server_facts": None}
 
 
 def enabled_by_env(env: dict[str, str] | None = None) -> bool:
@@ -231,7 +232,8 @@ def _on_serve_args(args: object) -> None:
     settings = _plugin_settings(args)
     if settings is None:
         return
-    on_gpu = _real_gpu(_server_facts(args, settings).get("gpu_name"), settings)
+    facts = _STATE["server_facts"] = _server_facts(args, settings)  # the engine-args hook reuses them
+    on_gpu = _real_gpu(facts.get("gpu_name"), settings)
     choice = frontend.choose(settings.api_server_count, vllm_compat.serve_facts(args), frontend.usable_cores(), on_gpu)
     if choice.changed:
         vllm_compat.set_api_server_count(args, choice.count)
@@ -249,7 +251,8 @@ def _on_engine_args(engine_args: object) -> None:
         return
     from .settings import check_tuned_for
 
-    facts = _server_facts(engine_args, settings)
+    # Under `vllm serve` the serve hook read them already in this process (NVML opened once).
+    facts = _STATE.get("server_facts") or _server_facts(engine_args, settings)
     mismatches = check_tuned_for(settings.tuned_for, facts)
     if mismatches and settings.tuned_for is not None and settings.tuned_for.allow_mismatch:
         for m in mismatches:
