@@ -8,7 +8,8 @@ import statistics
 import pytest
 
 from loadtests.report import compare_table
-from vllm_powersave.compare_report import API_SERVER_ADVICE, mean_ci95, savings_section, steady_state_section, t975
+from vllm_powersave.compare_report import API_SERVER_ADVICE, mean_ci95, savings_section, steady_state_section
+from vllm_powersave.intervals import t975
 
 INF = math.inf
 

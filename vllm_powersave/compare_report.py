@@ -15,7 +15,6 @@ from typing import Any
 
 from . import intervals
 from .advise import MIN_STARVATION_SHARE
-from .intervals import t975  # noqa: F401 - the report's interval, re-exported for its readers
 from .savings import PERF_BOOST_IDLE_SAVING
 
 #: Front-end starvation above this share of the busy time earns the API-server advice (as do
