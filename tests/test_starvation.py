@@ -233,3 +233,13 @@ def test_worker_books_idle_while_the_api_server_holds_requests_and_not_after(mon
         assert "powersave_idle_while_busy_energy_joules_total{" in metrics_text(tmp_path)
     finally:
         rt.close()
+
+
+def test_starvation_watch_off_leaves_the_middleware_out_and_keeps_request_energy():
+    from vllm_powersave import api_server_middleware
+    from vllm_powersave.settings import load_settings
+
+    on = api_server_middleware(load_settings({}, env={}))
+    off = api_server_middleware(load_settings({"energy": {"starvation_watch": False}, "per_request_energy": True}, env={}))
+    assert on == ["vllm_powersave.starvation.FrontendBusyMiddleware"]
+    assert off and all("starvation" not in m for m in off)

@@ -124,6 +124,20 @@ def lm_head_hook_needed(env: dict[str, str] | None = None) -> bool:
     return any("lm_head" in (preset.groups or {}) for preset in s.clocks.presets.values())
 
 
+def api_server_middleware(settings: object) -> list[str]:  # settings: PowersaveSettings
+    """Import paths of the ASGI middlewares each API server adds (configured for ``settings``): the
+    starvation watch, which counts requests in flight (``starvation.py``), unless
+    ``energy.starvation_watch`` is off, and in-band request energy with ``per_request_energy``."""
+    from . import starvation
+
+    middleware = [starvation.configure(settings.stats_dir)] if settings.energy.starvation_watch else []
+    if settings.per_request_energy:
+        from . import request_energy
+
+        middleware.append(request_energy.configure(settings.stats_dir, settings.energy.response_wait_ms / 1000.0))
+    return middleware
+
+
 def _server_facts(engine_args: object, settings: object) -> dict:
     """GPU name and driver (NVML, read-only; no CUDA), vLLM version and model of this server."""
     from . import vllm_compat
@@ -279,15 +293,8 @@ def _on_engine_args(engine_args: object) -> None:
     from .metrics import register_collector
 
     register_collector(settings.stats_dir, __version__)
-    from . import starvation
-
-    # Front-end starvation: every API-server process counts its requests in flight (starvation.py).
-    middleware = [starvation.configure(settings.stats_dir)]
-    if settings.per_request_energy:
-        from . import request_energy
-
-        middleware.append(request_energy.configure(settings.stats_dir, settings.energy.response_wait_ms / 1000.0))
-    vllm_compat.install_app_hook(middleware)
+    if middleware := api_server_middleware(settings):
+        vllm_compat.install_app_hook(middleware)
     # The settings once per server: the API servers of --api-server-count N run the same ones.
     log.log(
         logging.INFO if first_api_server else logging.DEBUG,

@@ -292,6 +292,10 @@ class EnergySettings(_Strict):
     #: (``usage.energy_status`` "pending", no x-powersave-energy-j header; ms; 0 = never wait).
     #: Token chunks never wait. GET /powersave/requests/{id} serves the figure afterwards either way.
     response_wait_ms: float = Field(default=200.0, ge=0.0, le=10_000.0, allow_inf_nan=False)
+    #: Front-end starvation watch (``starvation.py``): each API server counts its requests in flight
+    #: through an ASGI middleware, which the starvation figures and warning need. False leaves the
+    #: middleware out (the figures stay at 0), e.g. to measure what it costs a saturated API server.
+    starvation_watch: bool = True
     #: Front-end starvation (``starvation.py``): warn when the GPU sat idle for more than this share
     #: of the time the API server had requests in flight (1 = never warn). The issue's H200 run:
     #: 9 % of the run's energy idle at concurrency 64 with one API server, gone with four.
