@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vllm_powersave.serving import api_servers_in_log
+
 from .lib import load
 from .lib.device import T0, make_model, require_dry_run, write_json_atomic
 from .lib.device import log as _log
@@ -432,6 +434,7 @@ def run_server(ns: argparse.Namespace, model: Path, server: dict, sampler: load.
     try:
         wait_healthy({label: (p, s.port)}, ns.start_timeout_s, logs={label: s.log_path})
         srv["startup_s"] = round(time.monotonic() - t_start, 1)
+        srv["api_servers"] = api_servers_in_log(s.log_path)
         log(f"[{label}] healthy after {srv['startup_s']} s")
         s.harness("warm", num_prompts=ns.warm_n, max_concurrency=ns.warm_n, output_len=16, energy="none")
         s.harness("warm1", num_prompts=4, max_concurrency=1, output_len=16, energy="none")

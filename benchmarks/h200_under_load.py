@@ -16,9 +16,15 @@ by the local NVML counter and scrapes ``/metrics`` at its edges alike (loadtests
 job stopped at its time limit keeps what it measured; ``h200_under_load_record.py`` builds the
 record from one or more such files.
 
+Ablations (``--arms stock,defaults-1api,meter-only,no-watch-1api``): each arm after the first is
+paired with the first in the same ABBA order, all servers side by side (0.88 of the GPU's memory
+split evenly); the arms are :data:`ABLATIONS`, the defaults with one part taken away.
+
 Run on the GPU machine (refuses to start without ``POWERSAVE_FORCE_DRY_RUN=1``)::
 
     POWERSAVE_FORCE_DRY_RUN=1 python3 -m benchmarks.h200_under_load --points c64 --pairs 6 --budget-s 560
+    POWERSAVE_FORCE_DRY_RUN=1 python3 -m benchmarks.h200_under_load --points c256 --pairs 4 \
+        --arms stock,defaults-1api,meter-only,no-watch-1api
 """
 
 from __future__ import annotations
@@ -46,6 +52,18 @@ POINTS = {
 }
 #: Arms: extra ``vllm serve`` flags; stock has no plugin on its path at all.
 ARMS = {"stock": [], "defaults": ["--plugin", "powersave"]}
+#: Ablations of the defaults where one API server is the limit (docs/under-load.md): each arm runs
+#: ``--plugin powersave`` with these settings (its POWERSAVE_CONFIG file) and is paired with the
+#: first arm of ``--arms``, normally stock. "1api": the plugin's API-server pool off.
+ABLATIONS = {
+    "defaults-1api": {"api_server_count": 1},
+    "meter-only": {"savings": "off"},
+    "boost-only-1api": {"api_server_count": 1, "cuda_perf_boost": "on", "clocks": {"mode": "off"}, "chunking": {"enabled": False}},
+    "no-clocks-1api": {"api_server_count": 1, "clocks": {"mode": "off"}},
+    "no-watch-1api": {"api_server_count": 1, "energy": {"starvation_watch": False}},
+}
+for _name in ABLATIONS:
+    ARMS[_name] = ARMS["defaults"]
 FRONT_END_LINE = re.compile(r"front end (\d+) API servers?|front end vLLM's choice \(([^)]*)\)")
 
 
@@ -79,12 +97,23 @@ def serve_cmd(model: Path, port: int, extra: list[str], serve_args: str) -> list
     return cmd
 
 
+def arm_env(ns: argparse.Namespace, label: str) -> dict[str, str]:
+    """The server environment of arm ``label``: stock without the plugin on its path; an ablation
+    with its settings in a POWERSAVE_CONFIG file (written to ``--workdir``)."""
+    site = ns.stock_site if label == "stock" else f"{ns.plugin_site}:{ns.stock_site}"
+    env = {**SERVER_ENV, **NO_MULTICAST, "PYTHONPATH": site}
+    if label in ABLATIONS:
+        cfg = Path(ns.workdir) / f"powersave-{label}.json"
+        cfg.write_text(json.dumps({"powersave": ABLATIONS[label]}))
+        env["POWERSAVE_CONFIG"] = str(cfg)
+    return env
+
+
 def start_arm(ns: argparse.Namespace, arm: Arm, model: Path) -> None:
     """Start ``arm``'s server (refused if its port is taken) in its own session, logging to its file."""
     check_port_free(arm.port)
-    site = ns.stock_site if arm.label == "stock" else f"{ns.plugin_site}:{ns.stock_site}"
-    env = {**os.environ, **SERVER_ENV, **NO_MULTICAST, "PYTHONPATH": site}
-    cmd = serve_cmd(model, arm.port, ARMS[arm.label], ns.serve_args)
+    env = {**os.environ, **arm_env(ns, arm.label)}
+    cmd = serve_cmd(model, arm.port, ARMS[arm.label], f"{ns.serve_args} --gpu-memory-utilization {gpu_share(ns)}")
     with open(arm.log_path, "wb") as logf:
         logf.write((" ".join(cmd) + "\n").encode())
         arm.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -110,16 +139,32 @@ def run_one(ns: argparse.Namespace, arm: Arm, point: str, seed: int) -> dict:
     return out
 
 
+def gpu_share(ns: argparse.Namespace) -> float:
+    """Each server's ``--gpu-memory-utilization``: ``--gpu-share``, else 0.42 for two servers and
+    0.88 split evenly for more (a 7B shape needs ~15 GiB of weights, well inside 0.2 of an H200)."""
+    return ns.gpu_share or min(0.42, round(0.88 / len(ns.arms.split(",")), 2))
+
+
+def pair_schedule(arms: list[str], pairs: int) -> list[tuple[int, str, tuple[str, str]]]:
+    """(pair number, variant, run order) in run order: each variant of ``arms[1:]`` against
+    ``arms[0]``, round by round, ABBA within each variant (reference first in odd pairs)."""
+    ref, out = arms[0], []
+    for i in range(pairs):
+        for v in arms[1:]:
+            out.append((i + 1, v, (ref, v) if i % 2 == 0 else (v, ref)))
+    return out
+
+
 def run_pairs(ns: argparse.Namespace, arms: dict[str, Arm], record: dict, save) -> None:
     """Adjacent pairs in ABBA order at each point until ``--pairs`` or the time budget runs out."""
     for point in ns.points.split(","):
         est_s = 60.0
-        for i in range(ns.pairs):
+        ref = ns.arms.split(",")[0]
+        for n, variant, order in pair_schedule(ns.arms.split(","), ns.pairs):
             if time.monotonic() - T_START + 2 * est_s + 10 > ns.budget_s:
-                log(f"{point}: pair {i + 1} skipped: {2 * est_s:.0f} s would pass the budget")
+                log(f"{point}: pair {n} ({variant}) and later skipped: {2 * est_s:.0f} s would pass the budget")
                 break
-            order = ("stock", "defaults") if i % 2 == 0 else ("defaults", "stock")
-            pair = {"point": point, "pair": i + 1, "order": list(order), "seed": 1000 + i}
+            pair = {"point": point, "pair": n, "arms": [ref, variant], "order": list(order), "seed": 1000 + n - 1}
             t0 = time.monotonic()
             for label in order:
                 pair[label] = run_one(ns, arms[label], point, pair["seed"])
@@ -130,7 +175,8 @@ def run_pairs(ns: argparse.Namespace, arms: dict[str, Arm], record: dict, save) 
 
 def bring_up(ns: argparse.Namespace, model: Path) -> dict[str, Arm]:
     """Both servers, one after the other (vLLM checks free memory at start), or the ones already up."""
-    arms = {label: Arm(label, ns.port + k, Path(ns.workdir) / f"server-{label}.log") for k, label in enumerate(ARMS)}
+    labels = ns.arms.split(",")
+    arms = {label: Arm(label, ns.port + k, Path(ns.workdir) / f"server-{label}.log") for k, label in enumerate(labels)}
     for arm in arms.values():
         if tcp_listeners(arm.port) > 0:
             log(f"[{arm.label}] reusing the server on port {arm.port}")
@@ -147,7 +193,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--shape", default="qwen2.5-7b")
     ap.add_argument("--shapes-dir", default=".gpu-bundle/shapes")
     ap.add_argument("--tok-dir", default="/tmp/model_cfg")
-    ap.add_argument("--serve-args", default="--max-model-len 2048 --max-num-seqs 256 --gpu-memory-utilization 0.42")
+    ap.add_argument("--arms", default="stock,defaults", help=f"reference arm first, then the arms paired with it: {', '.join(ARMS)}")
+    ap.add_argument("--serve-args", default="--max-model-len 2048 --max-num-seqs 256")
+    ap.add_argument("--gpu-share", type=float, default=None, help="--gpu-memory-utilization of each server (default: see gpu_share)")
     ap.add_argument("--port", type=int, default=8300)
     ap.add_argument("--plugin-site", default="/tmp/psite")
     ap.add_argument("--stock-site", default="/tmp/site")
@@ -169,14 +217,22 @@ def main(argv: list[str] | None = None) -> int:
     if bad := [p for p in ns.points.split(",") if p not in POINTS]:
         print(f"error: --points: unknown point {bad[0]!r} ({', '.join(POINTS)})", file=sys.stderr)
         return 2
+    labels = ns.arms.split(",")
+    if bad := [a for a in labels if a not in ARMS]:
+        print(f"error: --arms: unknown arm {bad[0]!r} ({', '.join(ARMS)})", file=sys.stderr)
+        return 2
+    if len(set(labels)) != len(labels) or len(labels) < 2:
+        print(f"error: --arms: {ns.arms!r}: give two or more different arms, the reference first", file=sys.stderr)
+        return 2
     sys.path[:0] = [ns.plugin_site]
     Path(ns.workdir).mkdir(parents=True, exist_ok=True)
     tag = ns.tag or time.strftime("%m%d%H%M%S", time.gmtime())
     out = Path(ns.out) / f"under-load-{tag}.json"
     Path(ns.out).mkdir(parents=True, exist_ok=True)
     model = make_model(ns.shape, Path(ns.shapes_dir), Path(ns.tok_dir))
-    record = {"tag": tag, "started_utc": utc_now(), "device": load.device_facts(0), "shape": ns.shape, "serve_args": ns.serve_args}
-    record.update(points={p: POINTS[p] for p in ns.points.split(",")}, pairs=[])
+    record = {"tag": tag, "started_utc": utc_now(), "device": load.device_facts(0), "shape": ns.shape}
+    record["serve_args"] = f"{ns.serve_args} --gpu-memory-utilization {gpu_share(ns)}"
+    record.update(points={p: POINTS[p] for p in ns.points.split(",")}, arms={a: ABLATIONS.get(a) for a in labels}, pairs=[])
     arms = bring_up(ns, model)
     record["front_end"] = {k: {"api_servers": a.api_servers(), "start_line": a.front_end_line()} for k, a in arms.items()}
     log(f"front end: {json.dumps(record['front_end'])}")
@@ -190,9 +246,9 @@ def main(argv: list[str] | None = None) -> int:
                 if a.proc is not None:
                     stop(a.proc)
     for p in record["pairs"]:
-        s, d = p["stock"], p["defaults"]
-        ratio = (d.get("output_throughput") or 0) / (s.get("output_throughput") or 1)
-        log(f"{p['point']} pair {p['pair']} {'/'.join(p['order'])}: throughput x{ratio:.3f}", tag="sum")
+        a, b = (p[x] for x in p["arms"])
+        ratio = (b.get("output_throughput") or 0) / (a.get("output_throughput") or 1)
+        log(f"{p['point']} pair {p['pair']} {'/'.join(p['order'])}: {p['arms'][1]} throughput x{ratio:.3f}", tag="sum")
     return 0
 
 

@@ -1,10 +1,12 @@
 """The under-load record from ``benchmarks/h200_under_load.py`` raw files: stock vs the plugin's defaults.
 
-``python -m benchmarks.h200_under_load_record RAW.json... [--out-dir docs/results] [--lease NAME=FILE]``
+``python -m benchmarks.h200_under_load_record [NAME=]RAW.json... [--rates [NAME=]DEFAULTS.json...] [--out-dir docs/results]``
 writes ``h200-under-load.{json,md,png}``. Each pair's ratios are defaults / stock (throughput, J per
 output token, p99 TPOT) and its TTFT figure is the p50 difference (ms); a load's figure is the mean
 over its pairs with a Student-t 95 % interval (lib.stats). Pairs are kept as the raw files hold them
-(ABBA order inside each file); ``--lease`` names the device lease each file ran in.
+(ABBA order inside each file); NAME names the device lease each file ran in. Pairs of other arms
+than stock and defaults (``--arms`` ablations) go to ``ablations``; ``--rates`` files add the
+Poisson-rate loads.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from benchmarks import h200_defaults_record as defaults_record
 from benchmarks.lib import stats
 
 #: Record name of each load point of the raw files, with its kind and closed-loop concurrency.
@@ -33,9 +36,16 @@ def _ratio(d: dict, s: dict, key: str) -> float | None:
     return a / b if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else None
 
 
+def arms_of(p: dict) -> tuple[str, str]:
+    """(reference, variant) of a pair; files from before ``--arms`` hold stock and defaults."""
+    ref, variant = p.get("arms") or ("stock", "defaults")
+    return ref, variant
+
+
 def pair_figures(p: dict) -> dict[str, float | None]:
-    """One pair's figures: defaults over stock, and the p50 TTFT difference (defaults - stock, ms)."""
-    s, d = p["stock"], p["defaults"]
+    """One pair's figures: variant (defaults) over reference (stock), and the p50 TTFT difference
+    (variant - reference, ms)."""
+    s, d = (p[a] for a in arms_of(p))
     ttft = d.get("median_ttft_ms"), s.get("median_ttft_ms")
     return {
         "throughput_ratio": _ratio(d, s, "output_throughput"),
@@ -56,19 +66,22 @@ def _arm_mean(pairs: list[dict], arm: str, key: str) -> float | None:
 
 
 def load_entry(point: str, pairs: list[dict]) -> dict:
-    """One ``loads`` entry: the issue's fields, each arm's means, and the pairs themselves."""
+    """One ``loads`` (or ``ablations``) entry: the issue's fields, each arm's means, and the pairs."""
     figs = [pair_figures(p) for p in pairs]
+    ref, variant = arms_of(pairs[0])
     entry: dict[str, Any] = {**LOADS[point], "pairs": len(pairs)}
-    entry["api_server_count_stock"] = max((p["stock"].get("api_servers") or 1 for p in pairs), default=1)
-    entry["api_server_count_defaults"] = max((p["defaults"].get("api_servers") or 1 for p in pairs), default=1)
+    if (ref, variant) != ("stock", "defaults"):
+        entry.update(name=f"{LOADS[point]['name']}-{variant}", reference=ref, variant=variant, settings=pairs[0].get("settings"))
+    entry["api_server_count_stock"] = max((p[ref].get("api_servers") or 1 for p in pairs), default=1)
+    entry["api_server_count_defaults"] = max((p[variant].get("api_servers") or 1 for p in pairs), default=1)
     for k in ("throughput_ratio", "j_per_out_token_ratio", "p99_tpot_ratio"):
         entry[k] = mean_ci([f[k] for f in figs])
     entry["p50_ttft_delta_ms"] = mean_ci([f["p50_ttft_delta_ms"] for f in figs], 2)
     # Stock vLLM publishes no starvation counter (the plugin's powersave_idle_while_busy_*): null.
-    entry["starvation_j"] = {arm: _arm_mean(pairs, arm, "idle_while_busy_j") for arm in ("stock", "defaults")}
+    entry["starvation_j"] = {arm: _arm_mean(pairs, arm, "idle_while_busy_j") for arm in (ref, variant)}
     entry["arms"] = {
         arm: {k: _arm_mean(pairs, arm, k) for k in ("output_throughput", "gpu_energy_per_output_token_j", "p99_tpot_ms", "median_itl_ms")}
-        for arm in ("stock", "defaults")
+        for arm in (ref, variant)
     }
     entry["pair_list"] = [
         {
@@ -86,14 +99,20 @@ def _r(x: Any) -> Any:
     return round(x, 4) if isinstance(x, float) else x
 
 
-def build(raws: list[dict]) -> dict:
-    """The record from raw files (each with its ``lease`` name set)."""
-    by_point: dict[str, list[dict]] = {}
+def build(raws: list[dict], rate_raws: list[dict] | None = None) -> dict:
+    """The record from raw files (each with its ``lease`` name set): ``raws`` of this job, and
+    ``rate_raws`` of ``h200_defaults.py`` (Poisson rates, one server at a time)."""
+    by_point: dict[tuple[str, str, str], list[dict]] = {}
     for raw in raws:
         for p in raw["pairs"]:
-            if p.get("stock") and p.get("defaults"):
-                by_point.setdefault(p["point"], []).append({**p, "lease": raw.get("lease")})
+            ref, variant = arms_of(p)
+            if p.get(ref) and p.get(variant):
+                settings = (raw.get("arms") or {}).get(variant)
+                by_point.setdefault((p["point"], ref, variant), []).append({**p, "lease": raw.get("lease"), "settings": settings})
     dev = next((r.get("device") for r in raws if r.get("device")), {})
+    main_loads = [load_entry(k[0], ps) for k, ps in by_point.items() if k[1:] == ("stock", "defaults")]
+    rate_loads = rate_entries(rate_raws or [])
+    measured_rates = {f"rate {e['rate']:g} req/s" for e in rate_loads}
     return {
         "name": "h200-under-load",
         "measured": True,
@@ -106,9 +125,50 @@ def build(raws: list[dict]) -> dict:
             {"lease": r.get("lease"), "tag": r.get("tag"), "started_utc": r.get("started_utc"), "ended_utc": r.get("ended_utc")}
             for r in raws
         ],
-        "loads": [load_entry(pt, ps) for pt, ps in by_point.items()],
-        "not_yet_measured": PLANNED,
+        "loads": main_loads + rate_loads,
+        "ablations": [load_entry(k[0], ps) for k, ps in by_point.items() if k[1:] != ("stock", "defaults")],
+        "not_yet_measured": [x for x in PLANNED if x not in measured_rates],
     }
+
+
+def rate_entries(rate_raws: list[dict]) -> list[dict]:
+    """``loads`` entries of kind ``rate`` from ``h200_defaults.py`` raw files (each with ``lease``
+    and ``_file`` set): that job's adjacent stock/defaults servers and its per-rate pair figures
+    (``h200_defaults_record``), under this record's names. J per output token is the inverse of
+    its tokens per joule (over its fixed span where both arms have one)."""
+    pairs = defaults_record.pair_servers(rate_raws)
+    lease_of = {r["_file"]: r.get("lease") for r in rate_raws}
+    for p in pairs:
+        p["lease"] = "+".join(dict.fromkeys(str(lease_of.get(f)) for f in p["file"].split("+")))
+    rates = sorted(
+        {w["request_rate"] for p in pairs for a in ("stock", "defaults") for w in p[a]["windows"] if w["request_rate"] != "sat"}, key=float
+    )
+    out = []
+    for rate in rates:
+        both = [(p, f) for p in pairs if (f := defaults_record.pair_figures(p, rate)) is not None]
+        if not both:
+            continue
+        figs = [f for _, f in both]
+        entry: dict[str, Any] = {"name": f"rate-{float(rate):g}", "kind": "rate", "rate": float(rate), "pairs": len(figs)}
+        entry["api_server_count_stock"] = max((p["stock"].get("api_servers") or 1 for p, _ in both), default=1)
+        entry["api_server_count_defaults"] = max((p["defaults"].get("api_servers") or 1 for p, _ in both), default=1)
+        entry["throughput_ratio"] = mean_ci([f.get("thr") for f in figs])
+        entry["j_per_out_token_ratio"] = mean_ci([1.0 / f["tokj"] if f.get("tokj") else None for f in figs])
+        entry["p99_tpot_ratio"] = mean_ci([f.get("tpot") for f in figs])
+        entry["p50_ttft_delta_ms"] = mean_ci([f.get("ttft_d") for f in figs], 2)
+        entry["starvation_j"] = {"stock": None, "defaults": None}  # rate windows read no starvation counter
+        entry["energy_window"] = "fixed span" if all(f.get("span") for f in figs) else "harness window"
+        entry["pair_list"] = [
+            {
+                "lease": p.get("lease"),
+                "file": p["file"],
+                "order": p["order"].split(","),
+                **{k: _r(f.get(k)) for k in ("thr", "tokj", "tpot", "ttft_d")},
+            }
+            for p, f in both
+        ]
+        out.append(entry)
+    return out
 
 
 def product_compare(cmp: dict, lease: str) -> dict:
@@ -158,9 +218,20 @@ def markdown(rec: dict, png: str | None) -> str:
         "|---|---|---|---|---|---|---|---|",
         *rows,
         "",
-        f"Not yet measured here: {', '.join(rec['not_yet_measured'])} (one server at a time, `benchmarks/h200_defaults.py`).",
+        f"Not yet measured here: {', '.join(rec['not_yet_measured']) or 'nothing'} (one server at a time, `benchmarks/h200_defaults.py`).",
         "Raw per-pair figures: `pair_list` in the JSON twin. How to rerun: docs/benchmarks.md.",
     ]
+    if rec.get("ablations"):
+        lines += ["", "Ablations: each arm over its reference (first column of the pair), same ABBA pairs (measured).", ""]
+        lines += [
+            "| load | arm / reference | settings | pairs | throughput | J per output token | p99 TPOT | p50 TTFT Δ ms |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {e['name']} | {e['variant']} / {e['reference']} | `{json.dumps(e.get('settings'))}` | {e['pairs']} | {_fmt(e['throughput_ratio'])} | "
+            f"{_fmt(e['j_per_out_token_ratio'])} | {_fmt(e['p99_tpot_ratio'])} | {_fmt(e['p50_ttft_delta_ms'], 1)} |"
+            for e in rec["ablations"]
+        ]
     if pc := rec.get("product_compare"):
         lines += [
             "",
@@ -215,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("raw", nargs="+", help="raw files of h200_under_load.py; NAME=FILE names the lease it ran in")
     ap.add_argument("--out-dir", default="docs/results")
+    ap.add_argument("--rates", nargs="*", default=[], help="NAME=FILE: raw files of h200_defaults.py (Poisson rates)")
     ap.add_argument("--compare", default=None, help="NAME=FILE: a comparison.json of vllm-powersave compare at c64 (one pair)")
     ns = ap.parse_args(argv)
     raws = []
@@ -222,7 +294,12 @@ def main(argv: list[str] | None = None) -> int:
         lease, _, path = arg.rpartition("=")
         raw = json.loads(Path(path).read_text())
         raws.append({**raw, "lease": lease or raw.get("tag")})
-    rec = build(raws)
+    rate_raws = []
+    for arg in ns.rates:
+        lease, _, path = arg.rpartition("=")
+        raw = defaults_record.load(path)
+        rate_raws.append({**raw, "lease": lease or raw.get("tag")})
+    rec = build(raws, rate_raws)
     if ns.compare:
         lease, _, path = ns.compare.rpartition("=")
         rec["product_compare"] = product_compare(json.loads(Path(path).read_text()), lease)

@@ -83,3 +83,80 @@ def test_the_markdown_twin_says_measured_names_leases_and_what_is_not_yet_measur
     r = rec.build([{**_raw(pairs), "lease": "lease-A"}])
     md = rec.markdown(r, None)
     assert "(measured)" in md and "lease-A" in md and "1.200 (one pair)" in md and "rate 0.5 req/s" in md
+
+
+def test_every_ablation_arm_is_a_valid_settings_file_run_with_the_plugin(tmp_path):
+    from vllm_powersave.settings import load_settings
+
+    ns = job.parse_args(["--workdir", str(tmp_path)])
+    for label, settings in job.ABLATIONS.items():
+        env = job.arm_env(ns, label)
+        assert job.ARMS[label] == ["--plugin", "powersave"] and env["PYTHONPATH"].startswith(ns.plugin_site)
+        loaded = load_settings({}, env={"POWERSAVE_CONFIG": env["POWERSAVE_CONFIG"]})
+        assert loaded.model_dump(include=set(settings)) == load_settings(settings, env={}).model_dump(include=set(settings))
+    assert "POWERSAVE_CONFIG" not in job.arm_env(ns, "stock") and job.arm_env(ns, "stock")["PYTHONPATH"] == ns.stock_site
+    assert "POWERSAVE_CONFIG" not in job.arm_env(ns, "defaults")
+
+
+def test_each_variant_pairs_with_the_reference_in_abba_order():
+    sched = job.pair_schedule(["stock", "meter-only", "no-watch-1api"], 2)
+    assert sched == [
+        (1, "meter-only", ("stock", "meter-only")),
+        (1, "no-watch-1api", ("stock", "no-watch-1api")),
+        (2, "meter-only", ("meter-only", "stock")),
+        (2, "no-watch-1api", ("no-watch-1api", "stock")),
+    ]
+
+
+def test_more_servers_side_by_side_split_the_gpu_memory():
+    assert job.gpu_share(job.parse_args([])) == 0.42
+    assert job.gpu_share(job.parse_args(["--arms", "stock,defaults-1api,meter-only,no-watch-1api"])) == 0.22
+    assert job.gpu_share(job.parse_args(["--arms", "stock,meter-only", "--gpu-share", "0.3"])) == 0.3
+
+
+@pytest.mark.parametrize("arms", ["stock,nope", "stock", "stock,stock"])
+def test_bad_arms_stop_the_job_with_one_line_naming_the_value(monkeypatch, capsys, arms):
+    monkeypatch.setenv("POWERSAVE_FORCE_DRY_RUN", "1")
+    assert job.main(["--arms", arms]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --arms:")
+
+
+def test_ablation_pairs_go_to_their_own_entries_not_to_the_loads():
+    pairs = [
+        {"point": "c256", "pair": i + 1, "arms": ["stock", "meter-only"], "order": ["stock", "meter-only"][:: 1 if i % 2 == 0 else -1],
+         "stock": _run(4000.0, 0.20, 12.0, 100.0, 1), "meter-only": _run(3960.0, 0.20, 12.0, 100.0, 1)}
+        for i in range(3)
+    ]  # fmt: skip
+    r = rec.build([{**_raw(pairs), "arms": {"stock": None, "meter-only": {"savings": "off"}}, "lease": "L"}])
+    assert r["loads"] == []
+    (a,) = r["ablations"]
+    assert (a["name"], a["variant"], a["reference"], a["pairs"]) == ("c256-streamed-128-128-meter-only", "meter-only", "stock", 3)
+    assert a["settings"] == {"savings": "off"} and a["throughput_ratio"]["mean"] == pytest.approx(0.99)
+    assert "meter-only / stock" in rec.markdown(r, None)
+
+
+def _window(rate, tps, tokj, ttft, tpot):
+    return {"request_rate": rate, "completed": 10, "output_throughput": tps, "median_ttft_ms": ttft, "p99_tpot_ms": tpot,
+            "span": {"energy_j": 100.0, "out_tok_per_j": tokj, "avg_power_w": 100.0, "gpu_idle_share": 0.5, "seconds": 15.0}}  # fmt: skip
+
+
+def _server(arm, pos, tokj):
+    return {"arm": arm, "pos": pos, "label": f"{arm}{pos}", "api_servers": 4 if arm == "defaults" else 1,
+            "idle": {"avg_power_w": 80.0 if arm == "defaults" else 130.0},
+            "windows": [_window("0.5", 64.0, tokj, 30.0, 8.0), _window("sat", 6000.0, 9.0, 90.0, 11.0)]}  # fmt: skip
+
+
+def test_poisson_rates_from_the_one_server_job_become_rate_loads_with_the_issues_fields():
+    raws = [
+        {"_file": "defaults-A.json", "gpu": 0, "lease": "L2", "servers": [_server("stock", 0, 1.0), _server("defaults", 1, 1.25)]},
+        {"_file": "defaults-B.json", "gpu": 0, "lease": "L3", "servers": [_server("defaults", 0, 1.25), _server("stock", 1, 1.0)]},
+    ]
+    r = rec.build([], raws)
+    (e,) = r["loads"]
+    assert (e["name"], e["kind"], e["rate"], e["pairs"]) == ("rate-0.5", "rate", 0.5, 2)
+    assert (e["api_server_count_stock"], e["api_server_count_defaults"]) == (1, 4)
+    assert e["j_per_out_token_ratio"]["mean"] == pytest.approx(0.8) and e["throughput_ratio"]["mean"] == pytest.approx(1.0)
+    assert e["p50_ttft_delta_ms"]["mean"] == 0.0 and e["starvation_j"] == {"stock": None, "defaults": None}
+    assert [p["lease"] for p in e["pair_list"]] == ["L2", "L3"]
+    assert "rate 0.5 req/s" not in r["not_yet_measured"] and "rate 2 req/s" in r["not_yet_measured"]
