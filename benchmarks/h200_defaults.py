@@ -168,8 +168,8 @@ class Server:
         )
         return w
 
-    def request_energy(self) -> dict:
-        """``--reqe-n`` requests of identical length at a steady batch: the plugin's per-request figures
+    def request_energy(self, shape: "ReqeShape") -> dict:
+        """``shape.n`` requests of identical length at a steady batch: the plugin's per-request figures
         (its lines in stats_dir) against the NVML counter over the same span (snapshot to snapshot)."""
         ns, stats_dir = self.ns, self.stats_dir
         time.sleep(ns.settle_s)
@@ -182,12 +182,10 @@ class Server:
         # concurrency keeps that: a start per finish re-synchronises starts with finishes, and the
         # waves came back within 2 s on the H200 (h200-request-energy.md, run I). Open-loop starts at
         # a constant rate have no such feedback: the batch settles at rate x lifetime (Little's law).
-        rate = math.inf if ns.reqe_rate == "inf" else ns.reqe_conc / ((ns.reqe_out * ns.reqe_tpot_ms + 50.0) / 1e3)
-        if ns.reqe_rate not in ("inf", "auto"):
-            rate = float(ns.reqe_rate)
+        rate = shape.start_rate(ns.reqe_conc, ns.reqe_tpot_ms)
         waves = math.isinf(rate)
         cap = ns.reqe_conc if waves or ns.reqe_cap else None
-        reqe = dict(num_prompts=ns.reqe_n, max_concurrency=cap, input_len=ns.reqe_in, output_len=ns.reqe_out)
+        reqe = dict(num_prompts=shape.n, max_concurrency=cap, input_len=shape.input_len, output_len=shape.output_len)
         t_offs = {f.name: f.stat().st_size for f in stats_dir.glob(TRACE_LINES)}
         # Not streamed by default: at ~80 req/s x 96 tokens one client process lags behind its own
         # schedule (loadtests' loop-lag check), and its bunched starts unsteady the batch (run J).
@@ -196,8 +194,8 @@ class Server:
         wall1, perf1 = time.time(), time.perf_counter()
         snap1 = load.wait_snapshot_after(stats_dir, wall1)
         m1, _ = load.scrape(self.port)
-        seg: dict = dict(n=ns.reqe_n, concurrency=ns.reqe_conc, cap=cap, stream=ns.reqe_stream, input_len=ns.reqe_in)
-        seg.update(output_len=ns.reqe_out, request_rate=None if waves else round(rate, 2))
+        seg: dict = dict(n=shape.n, concurrency=ns.reqe_conc, cap=cap, stream=ns.reqe_stream, input_len=shape.input_len)
+        seg.update(output_len=shape.output_len, request_rate=None if waves else round(rate, 2))
         closed = "then one start per finish" if cap else "open loop (no cap)"
         seg["arrivals"] = "all at once (waves)" if waves else f"constant rate, {closed}"
         seg["batch_p5_p50_p95"] = batch_spread(load.new_lines(stats_dir, TRACE_LINES, t_offs))
@@ -303,6 +301,44 @@ class Server:
         return {"attempts": attempts, "ok": ok is not None, "output": ok["stdout"] if ok else None, "fix_args": fix}
 
 
+@dataclass(frozen=True)
+class ReqeShape:
+    """One request-energy run: ``n`` identical requests of ``input_len`` / ``output_len`` tokens,
+    started at ``rate`` (req/s; ``auto``: the target batch over a request's lifetime; ``inf``: all at once)."""
+
+    input_len: int
+    output_len: int
+    rate: str
+    n: int
+
+    def start_rate(self, target_batch: int, tpot_ms: float) -> float:
+        if self.rate == "inf":
+            return math.inf
+        if self.rate == "auto":
+            return target_batch / ((self.output_len * tpot_ms + 50.0) / 1e3)
+        return float(self.rate)
+
+
+def reqe_shapes(ns: argparse.Namespace) -> list[ReqeShape]:
+    """``--reqe-shapes IN:OUT:RATE:N,...``, or the one shape of --reqe-in/--reqe-out/--reqe-rate/--reqe-n.
+    Raises ValueError with one line naming the bad item."""
+    if not ns.reqe_shapes:
+        return [ReqeShape(ns.reqe_in, ns.reqe_out, ns.reqe_rate, ns.reqe_n)]
+    out = []
+    for item in ns.reqe_shapes.split(","):
+        parts = item.split(":")
+        try:
+            shape = ReqeShape(int(parts[0]), int(parts[1]), parts[2], int(parts[3]))
+            ok = len(parts) == 4 and min(shape.input_len, shape.output_len, shape.n) > 0
+            ok = ok and (shape.rate in ("auto", "inf") or 0 < float(shape.rate) < math.inf)
+        except (ValueError, IndexError):
+            ok = False
+        if not ok:
+            raise ValueError(f"--reqe-shapes: {item!r} is not IN:OUT:RATE:N (positive integers; RATE req/s, auto or inf)")
+        out.append(shape)
+    return out
+
+
 # --- plan and budget ---------------------------------------------------------------------------------
 def drain_s(ns: argparse.Namespace, sat: bool = True) -> float:
     """A request started at a window's end finishes in about this: output_len decode steps of
@@ -314,7 +350,11 @@ def seg_costs(ns: argparse.Namespace) -> dict[str, float]:
     """Estimated wall time of each segment (s), for the plan and the budget checks. ``rate``: one
     Poisson window (gap + window + drain + harness start), ``sat``: the closed-loop window."""
     fix = ns.settle_s + ns.starv_window_s + drain_s(ns) + 2.0
-    reqe = 2 * ns.settle_s + -(-ns.reqe_n // ns.reqe_conc) * (ns.reqe_out * ns.tpot_est_ms / 1000.0 + 0.3) + 3.0
+    reqe = 0.0
+    for sh in reqe_shapes(ns):  # the starts at their rate (or in waves of the target batch), then each request's lifetime
+        rate = sh.start_rate(ns.reqe_conc, ns.reqe_tpot_ms)
+        starts_s = sh.n / rate if math.isfinite(rate) else -(-sh.n // ns.reqe_conc) * (sh.output_len * ns.tpot_est_ms / 1000.0 + 0.3)
+        reqe += 2 * ns.settle_s + starts_s + sh.output_len * ns.tpot_est_ms / 1000.0 + 3.0
     c = dict(warm=4.0, idle=ns.settle_s + ns.idle_s + 0.5, rate=ns.gap_s + ns.window_s + drain_s(ns, sat=False) + 0.5)
     c.update(sat=ns.gap_s + ns.window_s + drain_s(ns) + 0.5, reqenergy=reqe)
     c["release"] = ns.settle_s + (ns.release_n + 1) * ns.release_gap_s + 2.0
@@ -407,10 +447,14 @@ def run_segments(s: Server, srv: dict, segs: list[str], result: dict, save: Any)
         time.sleep(ns.gap_s)
         srv["windows"].append(s.load_window(rate, seed=100 + k, idle_w=idle_w))
         save()
-    for seg, what, run in (("reqenergy", "request-energy", s.request_energy), ("release", "release", lambda: s.release(idle_w))):
-        if seg in segs and fits(seg, f"{what} segment"):
-            srv[seg] = run()
+    if "reqenergy" in segs and fits("reqenergy", "request-energy segment"):
+        srv["reqenergy_runs"] = []
+        for shape in reqe_shapes(ns):
+            srv["reqenergy_runs"].append(s.request_energy(shape))
             save()
+    if "release" in segs and fits("release", "release segment"):
+        srv["release"] = s.release(idle_w)
+        save()
     if "starvation" in segs and fits("starvation", "starvation segment"):
         srv["starvation"] = s.starvation()
         if srv["starvation"]["advise"]["fix_args"]:
@@ -486,8 +530,12 @@ def print_summary(result: dict) -> None:
             for w in s["windows"]
         ]
         print(f"{s['label']:<12}{s.get('startup_s', '-')!s:>8}{idle if idle is None else round(idle, 1)!s:>8}  " + " ; ".join(cells))
-        if js := sorted(x["energy_j"] for x in (s.get("reqenergy") or {}).get("lines", []) if isinstance(x.get("energy_j"), (int, float))):
-            print(f"{pad}request energy: {len(js)} lines, median {js[len(js) // 2]:.3f} J, max {js[-1]:.3f} J, sum {sum(js):.1f} J")
+        for run in s.get("reqenergy_runs") or []:
+            if js := sorted(x["energy_j"] for x in run.get("lines", []) if isinstance(x.get("energy_j"), (int, float))):
+                shape = f"{run['input_len']}/{run['output_len']}"
+                print(
+                    f"{pad}request energy {shape}: {len(js)} lines, median {js[len(js) // 2]:.3f} J, max {js[-1]:.3f} J, sum {sum(js):.1f} J"
+                )
         for n in s["notes"]:
             print(f"{pad}note: {n}")
 
@@ -510,6 +558,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--gap-s", type=float, default=1.0, help="quiet time before each rate window")
     ap.add_argument("--segments", default="idle,sweep", help="idle, sweep (any server); reqenergy, release, starvation (defaults servers)")
     ap.add_argument("--segments-last", default="", help="extra segments of the last defaults server of --order only, e.g. reqenergy")
+    ap.add_argument("--reqe-shapes", default="", help="request-energy runs IN:OUT:RATE:N,... (default: one of --reqe-in/out/rate/n)")
     ap.add_argument("--reqe-rate", default="auto", help="start rate (req/s): auto = --reqe-conc per request lifetime, inf = all at once")
     ap.add_argument("--reqe-tpot-ms", type=float, default=5.5, help="decode step for --reqe-rate auto (7B, H200: h200-step-timer.md)")
     ap.add_argument("--reqe-conc", type=int, default=48, help="target batch: sets the auto rate (and the cap with --reqe-cap)")
@@ -552,6 +601,11 @@ def main(argv: list[str] | None = None) -> int:
     if bad := [x for x in (ns.segments + "," + ns.segments_last).split(",") if x and x not in SEGMENTS]:
         print(f"error: --segments: unknown segment {bad[0]!r} ({', '.join(SEGMENTS)})", file=sys.stderr)
         return 2
+    try:
+        reqe_shapes(ns)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     pl = plan(ns, order)
     total = sum(x["total_s"] for x in pl)
     for x in pl:
@@ -583,7 +637,7 @@ def main(argv: list[str] | None = None) -> int:
     method["energy"] = f"loadtests energy={ns.energy} per load window (counter); sampler: " + sampler.note
     method["gpu_idle_share"] = "share of 10 Hz samples with NVML utilisation 0 % inside the load window"
     method["clocks"] = "never changed (POWERSAVE_FORCE_DRY_RUN=1)"
-    method["reqenergy"] = {"n": ns.reqe_n, "concurrency": ns.reqe_conc, "input_len": ns.reqe_in, "output_len": ns.reqe_out}
+    method["reqenergy"] = {"concurrency": ns.reqe_conc, "shapes": [vars(x) for x in reqe_shapes(ns)]}
     method["starvation"] = dict(
         concurrency=ns.starv_conc, window_s=ns.starv_window_s, fix_args_default=ns.fix_args, metrics=STARVATION_METRICS
     )

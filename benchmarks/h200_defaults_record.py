@@ -234,10 +234,16 @@ def spread(v: list[float]) -> dict | None:
     return {"n": len(v), "median_j": r(med), **{f"{k}_over_median": r(x / med) for k, x in over}}
 
 
+def reqe_runs(s: dict) -> list[dict]:
+    """A server's request-energy runs: ``reqenergy_runs`` (one per --reqe-shapes item), or the one
+    ``reqenergy`` of files written before that option."""
+    return list(s.get("reqenergy_runs") or ([s["reqenergy"]] if s.get("reqenergy") else []))
+
+
 def request_energy(raws: list[dict], drop: float) -> dict:
     segs = []
-    for raw, s in ((raw, s) for raw in raws for s in raw["servers"] if s.get("reqenergy")):
-        seg, lines = s["reqenergy"], s["reqenergy"]["lines"]
+    for raw, s, seg in ((raw, s, seg) for raw in raws for s in raw["servers"] for seg in reqe_runs(s)):
+        lines = seg["lines"]
         js = [x["energy_j"] for x in lines if isinstance(x.get("energy_j"), (int, float))]
         k = int(len(js) * drop)
         extra: dict[str, float] = {}
@@ -249,7 +255,12 @@ def request_energy(raws: list[dict], drop: float) -> dict:
         req_sum, idle_j, counter, tail_j = sum(js), phases.get("idle"), seg.get("counter_j"), seg.get("tail_j")
         harness_j = seg.get("counter_harness_window_j")  # NVML counter, first request to last completion
         o = {"file": raw["_file"], "server": s["label"], "device": raw["device"].get("name"), "date_utc": raw.get("date_utc")}
-        o.update(n_requests=seg["n"], lines=len(lines), with_energy=len(js), **pick(seg, "concurrency input_len output_len prompts"))
+        o.update(
+            n_requests=seg["n"],
+            lines=len(lines),
+            with_energy=len(js),
+            **pick(seg, "concurrency input_len output_len request_rate batch_p5_p50_p95 prompts"),
+        )
         o.update({key: next((x.get(key) for x in lines), None) for key in ("source", "method")})
         o["steady_rule"] = f"lines in finish order, first and last {drop:.0%} dropped"
         o.update(steady=spread(js[k : len(js) - k] if len(js) > 2 * k else js), all=spread(js), requests_sum_j=r(req_sum, 3))
@@ -266,8 +277,26 @@ def request_energy(raws: list[dict], drop: float) -> dict:
             "note": "idle_j: the plugin's idle phase over the span; tail_j: non-idle energy charged to no request (snapshot "
             "request_energy_j_tail delta; tail_j_metrics: powersave_request_tail_energy_joules_total delta); *_j: per-request parts summed",
         }
+        o["checks"] = reqe_checks(o)
         segs.append({**o, "harness_out_tok_s": seg["harness"].get("output_throughput"), "span_s": r(seg.get("span_s"), 3)})
     return {"segments": segs}
+
+
+def reqe_checks(o: dict) -> dict[str, bool | None]:
+    """The request-energy targets (docs/request-energy.md): the steady spread around the median, and
+    requests + idle + tail against the counter within 1 % (None where a figure is missing)."""
+    st, total = o.get("steady") or {}, o.get("requests_plus_idle_plus_tail_over_counter")
+
+    def at_most(x: Any, bound: float) -> bool | None:
+        return None if x is None else x <= bound
+
+    p5 = st.get("p5_over_median")
+    return {
+        "p5_ge_0_90": None if p5 is None else p5 >= 0.90,
+        "p95_le_1_10": at_most(st.get("p95_over_median"), 1.10),
+        "max_le_1_30": at_most(st.get("max_over_median"), 1.30),
+        "sum_within_1pct": None if total is None else abs(total - 1.0) <= 0.01,
+    }
 
 
 def plot(rates: list[dict], path: Path, title: str) -> bool:
@@ -402,37 +431,46 @@ def request_energy_md(reqe: dict, title: str, drop: float) -> list[str]:
         st = s["steady"] or {}
         other = {k: v for k, v in s["tail_idle_split"].items() if k not in ("idle_j", "note") and v is not None}
         md.append(
-            f"| {s['file']} {s['server']} | {s['source']} / {s['method']} | {st.get('n')} | {fmt(st.get('median_j'))} | {fmt(st.get('p5_over_median'))} / 1 / "
+            f"| {s['file']} {s['server']} {s.get('input_len')}/{s.get('output_len')} @ {s.get('request_rate')} req/s | {s['source']} / {s['method']} | {st.get('n')} | {fmt(st.get('median_j'))} | {fmt(st.get('p5_over_median'))} / 1 / "
             f"{fmt(st.get('p95_over_median'))} / {fmt(st.get('max_over_median'))} | {fmt(s['requests_plus_idle_over_counter'], 4)} | "
             f"{fmt(s['requests_sum_j'], 1)} | {fmt(s['idle_j'], 1)} | {fmt(s['counter_j'], 1)} | {json.dumps(other) if other else '–'} |"
         )
     return md
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("raw", nargs="+")
     ap.add_argument("--out-dir", default="docs/results")
     ap.add_argument("--name", default="h200-defaults")
     ap.add_argument("--reqe-name", default="h200-request-energy")
+    ap.add_argument("--reqe-only", action="store_true", help="write only the request-energy record, its older segments kept before the new")
     ap.add_argument("--steady-drop", type=float, default=0.2, help="share of request lines dropped at each end (480 -> middle 288)")
-    ns = ap.parse_args()
+    ns = ap.parse_args(argv)
     raws = [load(p) for p in ns.raw]
     out = Path(ns.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    rec = defaults_record(raws)
-    label = "measured" if rec["measured"] else "NOT measured: no NVML (CPU smoke test), energy null"
-    png = out / f"{ns.name}.png"
-    has_png = plot(rec["rates"], png, f"{', '.join(rec['devices'])}: --plugin powersave defaults vs stock ({rec['pairs']} pairs)")
-    write(out / f"{ns.name}.json", rec, defaults_md(rec, label, png.name if has_png else None))
-    common = {"devices": rec["devices"], "scripts": SCRIPTS, "recorded_utc": rec["recorded_utc"]}
+    measured = all(x.get("measured") for x in raws)
+    label = "measured" if measured else "NOT measured: no NVML (CPU smoke test), energy null"
+    if not ns.reqe_only:
+        rec = defaults_record(raws)
+        png = out / f"{ns.name}.png"
+        has_png = plot(rec["rates"], png, f"{', '.join(rec['devices'])}: --plugin powersave defaults vs stock ({rec['pairs']} pairs)")
+        write(out / f"{ns.name}.json", rec, defaults_md(rec, label, png.name if has_png else None))
+        print(f"wrote {out}/{ns.name}.json/.md{'/.png' if has_png else ''} ({rec['pairs']} pairs)")
+    devices = sorted({x["device"].get("name", "?") for x in raws})
+    common = {"devices": devices, "scripts": SCRIPTS, "recorded_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     reqe = request_energy(raws, ns.steady_drop)
-    sim = any(seg["source"] == "simulated" for seg in reqe["segments"])
-    reqe.update(what=REQE_WHAT, measured=rec["measured"] and not sim, simulated=sim, **common)
+    older = out / f"{ns.reqe_name}.json"
+    if ns.reqe_only and older.exists():  # newest last; a file rebuilt replaces its own older segments
+        files = {seg["file"] for seg in reqe["segments"]}
+        kept = [seg for seg in json.loads(older.read_text()).get("segments", []) if seg.get("file") not in files]
+        reqe["segments"] = kept + reqe["segments"]
+    sim = any(seg.get("source") == "simulated" for seg in reqe["segments"])
+    reqe.update(what=REQE_WHAT, measured=measured and not sim, simulated=sim, **common)
     md = request_energy_md(reqe, f"{'simulated per-request figures; ' if sim else ''}{label}", ns.steady_drop)
     write(out / f"{ns.reqe_name}.json", reqe, md)
-    print(f"wrote {out}/{ns.name}.json/.md{'/.png' if has_png else ''} ({rec['pairs']} pairs)", end=" ")
-    print(f"and {out}/{ns.reqe_name}.json/.md ({len(reqe['segments'])} segment(s))")
+    print(f"wrote {out}/{ns.reqe_name}.json/.md ({len(reqe['segments'])} segment(s))")
     return 0
 
 

@@ -157,3 +157,50 @@ def test_fixed_span_figures_win_over_the_harness_window_when_both_arms_have_them
     wd2 = {k: v for k, v in wd.items() if k != "span"}
     row = rec.rates_block(rec.pair_servers([raw([server("stock", 120.0, [ws]), server("defaults", 80.0, [wd2])])]))[0]
     assert row["out_tok_per_j_ratio"] == 1.0 and row["energy_window"].startswith("harness")
+
+
+def _reqe_run(inp, out, rate, js, idle_j, tail_j, counter_j):
+    lines = [{"request_id": f"r{i}", "energy_j": j, "source": "measured", "method": "energy-counter"} for i, j in enumerate(js)]
+    return {"n": len(js), "concurrency": 16, "input_len": inp, "output_len": out, "request_rate": rate, "lines": lines,
+            "plugin_energy_j_by_phase": {"idle": idle_j, "decode": 1.0}, "counter_j": counter_j, "tail_j": tail_j, "harness": {}}  # fmt: skip
+
+
+def test_several_request_energy_shapes_of_one_server_are_one_segment_each_with_their_checks():
+    good = _reqe_run(256, 64, 40.0, [1.0] * 10, idle_j=5.0, tail_j=1.0, counter_j=16.0)  # (10 + 5 + 1) / 16 = 1.0
+    spread = _reqe_run(1024, 32, 10.0, [1.0] * 8 + [0.5, 2.0], idle_j=5.0, tail_j=0.0, counter_j=20.0)  # 15.5 / 20: 22 % short
+    d = server("defaults", 80, [], reqenergy_runs=[good, spread])
+    segs = rec.request_energy([raw([d])], drop=0.0)["segments"]
+    assert [(s["input_len"], s["output_len"], s["request_rate"]) for s in segs] == [(256, 64, 40.0), (1024, 32, 10.0)]
+    assert segs[0]["checks"] == {"p5_ge_0_90": True, "p95_le_1_10": True, "max_le_1_30": True, "sum_within_1pct": True}
+    assert segs[1]["checks"]["max_le_1_30"] is False and segs[1]["checks"]["sum_within_1pct"] is False
+
+
+def test_request_energy_only_keeps_the_older_segments_before_the_new(tmp_path):
+    run = _reqe_run(128, 256, 8.0, [2.0] * 5, 1.0, 0.0, 11.0)
+    (old := tmp_path / "old.json").write_text(json.dumps(raw([server("defaults", 80, [], reqenergy_runs=[run])], name="x")))
+    rec.main([str(old), "--out-dir", str(tmp_path), "--reqe-only", "--steady-drop", "0"])
+    f = tmp_path / "new.json"
+    f.write_text(
+        json.dumps(raw([server("defaults", 80, [], reqenergy_runs=[_reqe_run(128, 256, 8.0, [2.0] * 5, 1.0, 0.0, 11.0)])], name="x"))
+    )
+    rec.main([str(f), "--out-dir", str(tmp_path), "--reqe-only", "--steady-drop", "0"])
+    segs = json.loads((tmp_path / "h200-request-energy.json").read_text())["segments"]
+    assert [s["file"] for s in segs] == ["old.json", "new.json"] and not (tmp_path / "h200-defaults.json").exists()
+    rec.main([str(f), "--out-dir", str(tmp_path), "--reqe-only", "--steady-drop", "0"])  # rebuilt: replaces its own
+    assert [s["file"] for s in json.loads((tmp_path / "h200-request-energy.json").read_text())["segments"]] == ["old.json", "new.json"]
+
+
+def test_request_energy_shapes_parse_or_name_the_bad_item():
+    import argparse
+
+    import pytest
+
+    from benchmarks import h200_defaults as job
+
+    ns = argparse.Namespace(reqe_shapes="256:64:40:480,128:256:auto:160", reqe_in=1, reqe_out=1, reqe_rate="auto", reqe_n=1)
+    a, b = job.reqe_shapes(ns)
+    assert (a.input_len, a.output_len, a.start_rate(48, 5.5), a.n) == (256, 64, 40.0, 480)
+    assert b.start_rate(48, 5.5) == pytest.approx(48 / ((256 * 5.5 + 50) / 1e3))
+    for bad in ("256:64:40", "256:0:40:10", "256:64:fast:10", "256:64:-1:10"):
+        with pytest.raises(ValueError, match=f"--reqe-shapes: '{bad}'"):
+            job.reqe_shapes(argparse.Namespace(**{**vars(ns), "reqe_shapes": bad}))
