@@ -1,4 +1,4 @@
-"""``vllm-powersave`` command line: make-model, compare (the main job), advise, reset-clocks, tune."""
+"""``vllm-powersave`` command line: make-model, compare (the main job), advise, reset-clocks, tune, tune-serving."""
 
 from __future__ import annotations
 
@@ -478,6 +478,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .tune.cli import add_parser as _add_tune_parser
 
     _add_tune_parser(sub)
+    from .serving_tune.command import add_parser as _add_tune_serving_parser
+
+    _add_tune_serving_parser(sub)
     return p
 
 

@@ -1,0 +1,225 @@
+"""The search space: settings that need no privilege, each a ``vllm serve`` flag or a plugin setting.
+
+A configuration is one value per searched setting; a setting left out of the space keeps vLLM's
+(or the plugin's) default and is not passed at all. The space is a grid (every combination of the
+listed values), capped at ``max_configs`` by a seeded sample that always keeps the first value of
+every setting together (the first listed configuration). Settings that cannot act on this machine
+are skipped with a stated reason (:func:`applicable`): without a GPU there are no CUDA graphs, no
+CUDA perf boost and no clock to set; without clock permission (or under
+``POWERSAVE_FORCE_DRY_RUN=1``) the closed-loop budget would be predicted only, never measured.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+#: The searchable settings, in the order a configuration names them.
+SETTINGS = (
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "api_server_count",
+    "async_scheduling",
+    "cudagraph_capture_sizes",
+    "cuda_perf_boost",
+    "closed_loop_budget_pct",
+)
+#: Settings that are plugin settings (``--additional-config``), not ``vllm serve`` flags.
+PLUGIN_SETTINGS = ("cuda_perf_boost", "closed_loop_budget_pct")
+#: Settings that set GPU clocks (skipped where clocks may not be set).
+CLOCK_SETTINGS = ("closed_loop_budget_pct",)
+#: Settings that need a CUDA GPU to act at all.
+GPU_SETTINGS = ("cudagraph_capture_sizes", "cuda_perf_boost", "closed_loop_budget_pct")
+
+
+class SpaceError(ValueError):
+    """A space that cannot be searched; the message is one line naming the field and the value."""
+
+
+class SpaceSpec(BaseModel):
+    """The values to try per setting (``--space FILE`` or the flags); ``None``: not searched."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_num_seqs: list[int] | None = Field(default=None, min_length=1)
+    max_num_batched_tokens: list[int] | None = Field(default=None, min_length=1)
+    api_server_count: list[int] | None = Field(default=None, min_length=1)
+    async_scheduling: list[bool] | None = Field(default=None, min_length=1)
+    #: Each value is one list of batch sizes vLLM captures CUDA graphs for.
+    cudagraph_capture_sizes: list[list[int]] | None = Field(default=None, min_length=1)
+    cuda_perf_boost: list[Literal["on", "off", "auto"]] | None = Field(default=None, min_length=1)
+    #: Closed-loop decode clock's slowdown budget, percent; ``null`` is the closed loop off.
+    closed_loop_budget_pct: list[float | None] | None = Field(default=None, min_length=1)
+
+    def searched(self) -> dict[str, list[Any]]:
+        """``setting -> values`` of the settings in the space, in :data:`SETTINGS` order."""
+        return {k: list(v) for k in SETTINGS if (v := getattr(self, k)) is not None}
+
+
+#: Bounds checked before anything starts (vLLM checks the rest and may refuse a configuration).
+_BOUNDS: dict[str, tuple[float, float]] = {
+    "max_num_seqs": (1, 65536),
+    "max_num_batched_tokens": (1, 10_000_000),
+    "api_server_count": (1, 64),
+    "closed_loop_budget_pct": (0.0, 100.0),
+}
+
+
+def parse_space(data: dict[str, Any], where: str) -> SpaceSpec:
+    """A :class:`SpaceSpec` from a mapping; :class:`SpaceError` (one line: where, field, value) otherwise."""
+    try:
+        spec = SpaceSpec.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = ".".join(str(p) for p in err["loc"][:1]) or "space"
+        value = data.get(field) if isinstance(data, dict) else data
+        raise SpaceError(f"{where}: field {field!r} = {value!r}: {err['msg']}") from None
+    for name, values in spec.searched().items():
+        lo, hi = _BOUNDS.get(name, (None, None))
+        for v in values:
+            items = v if isinstance(v, list) else [v]
+            if name == "cudagraph_capture_sizes" and (not items or any(x < 1 for x in items)):
+                raise SpaceError(f"{where}: field {name!r} = {v!r}: each value is a non-empty list of batch sizes >= 1")
+            if lo is not None and v is not None and not lo <= v <= hi:
+                raise SpaceError(f"{where}: field {name!r} = {v!r}: must be in [{lo:g}, {hi:g}]")
+        if len({json.dumps(v) for v in values}) != len(values):
+            raise SpaceError(f"{where}: field {name!r} = {values!r}: a value is listed twice")
+    return spec
+
+
+def load_space_file(path: str | Path) -> SpaceSpec:
+    """The space of a YAML or JSON file (a mapping of setting -> list of values)."""
+    where = f"--space {path}"
+    try:
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise SpaceError(f"{where}: cannot read: {' '.join(str(e).split())[:200]}") from None
+    if not isinstance(data, dict) or not data:
+        raise SpaceError(f"{where}: expected a mapping of setting -> list of values, got {type(data).__name__}")
+    return parse_space(data, where)
+
+
+def default_space(gpu: bool) -> SpaceSpec:
+    """The space searched when none is given: batch limits on any machine, the front end, async
+    scheduling and the plugin's savings on a GPU."""
+    if not gpu:
+        return SpaceSpec(max_num_seqs=[64, 8], max_num_batched_tokens=[4096, 1024])
+    return SpaceSpec(
+        max_num_seqs=[256, 128, 512],
+        max_num_batched_tokens=[8192, 2048, 16384],
+        api_server_count=[1, 4],
+        async_scheduling=[False, True],
+        cuda_perf_boost=["on", "auto"],
+        closed_loop_budget_pct=[None, 1.0],
+    )
+
+
+@dataclass(frozen=True)
+class MachineFacts:
+    """What decides which settings can act here."""
+
+    gpu: bool
+    clocks_settable: bool
+    clocks_reason: str
+
+
+def applicable(spec: SpaceSpec, facts: MachineFacts) -> tuple[dict[str, list[Any]], dict[str, str]]:
+    """``(setting -> values that can act here, setting -> why it was skipped)``."""
+    keep, skipped = {}, {}
+    for name, values in spec.searched().items():
+        if not facts.gpu and name in GPU_SETTINGS:
+            skipped[name] = {
+                "cudagraph_capture_sizes": "no GPU: the CPU build serves eagerly, no CUDA graphs are captured",
+                "cuda_perf_boost": "no GPU: there is no CUDA context to boost",
+                "closed_loop_budget_pct": "no GPU: clocks cannot be set here, a budget's effect would be predicted only",
+            }[name]
+        elif name in CLOCK_SETTINGS and not facts.clocks_settable:
+            skipped[name] = f"clocks may not be set here ({facts.clocks_reason}): its effect would be predicted only, not measured"
+        else:
+            keep[name] = values
+    return keep, skipped
+
+
+@dataclass(frozen=True)
+class Config:
+    """One configuration: ``(setting, value)`` pairs in :data:`SETTINGS` order; empty: vLLM's defaults."""
+
+    items: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def key(self) -> str:
+        """A stable name, e.g. ``max_num_seqs=8,async_scheduling=true`` (``defaults`` when empty)."""
+        return ",".join(f"{k}={_fmt(v)}" for k, v in self.items) or "defaults"
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.items)
+
+    def serve_flags(self) -> list[str]:
+        """The ``vllm serve`` flags of this configuration (plugin settings excluded)."""
+        out: list[str] = []
+        for k, v in self.items:
+            if k in PLUGIN_SETTINGS:
+                continue
+            if k == "async_scheduling":
+                out.append("--async-scheduling" if v else "--no-async-scheduling")
+            elif k == "cudagraph_capture_sizes":
+                out += ["--cudagraph-capture-sizes", *map(str, v)]
+            else:
+                out += ["--" + k.replace("_", "-"), str(v)]
+        return out
+
+    def plugin_settings(self) -> dict[str, Any]:
+        """The ``powersave`` settings this configuration sets; empty: the plugin is not needed."""
+        d = self.as_dict()
+        out: dict[str, Any] = {}
+        if "cuda_perf_boost" in d:
+            out["cuda_perf_boost"] = d["cuda_perf_boost"]
+        if "closed_loop_budget_pct" in d:
+            budget = d["closed_loop_budget_pct"]
+            out["clocks"] = {"mode": "off"} if budget is None else {"mode": "closed_loop", "closed_loop": {"slowdown_budget_pct": budget}}
+        if out and "api_server_count" not in d:
+            out["api_server_count"] = "vllm"  # the plugin would size the front end itself: keep vLLM's count
+        return out
+
+
+def override(base_args: list[str] | tuple[str, ...], flags: list[str]) -> list[str]:
+    """``base_args`` without the flags ``flags`` sets again (and their values), then ``flags``: one
+    value per setting on the command line, the configuration's."""
+    names = {f for f in flags if f.startswith("--")}
+    names |= {"--async-scheduling", "--no-async-scheduling"} if names & {"--async-scheduling", "--no-async-scheduling"} else set()
+    out, skip = [], False
+    for a in base_args:
+        if skip and not a.startswith("--"):
+            continue
+        skip = a.split("=", 1)[0] in names
+        if not skip:
+            out.append(a)
+    return out + list(flags)
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if v is None:
+        return "off"
+    if isinstance(v, list):
+        return ":".join(map(str, v))
+    return f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def configurations(values: dict[str, list[Any]], max_configs: int, seed: int = 0) -> list[Config]:
+    """The grid of ``values``, capped at ``max_configs``: the first configuration (each setting's
+    first value) always, the rest a seeded sample in grid order."""
+    names = [k for k in SETTINGS if k in values]
+    grid = [Config(tuple(zip(names, combo))) for combo in itertools.product(*(values[k] for k in names))]
+    if len(grid) <= max_configs:
+        return grid
+    rest = sorted(random.Random(seed).sample(range(1, len(grid)), max_configs - 1))
+    return [grid[0]] + [grid[i] for i in rest]
