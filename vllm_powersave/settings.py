@@ -141,10 +141,10 @@ class ClosedLoopSettings(_Strict):
     ref_steps: int = Field(default=6, ge=2, le=10_000)
     #: Steps measured at a candidate clock, at least (a probe stops early once it is significantly
     #: over the target). Windows grow with the measured step noise so that the noise margin takes
-    #: at most half the budget, up to ``probe_steps_max``; a bucket whose noise needs more keeps
-    #: the default clock (recorded), since its target could not be told from noise.
+    #: at most 1/2.5 of the room below the target, up to ``probe_steps_max``; a bucket whose noise
+    #: needs more keeps the default clock (recorded) and retries later (``retry_after_s``).
     probe_steps: int = Field(default=16, ge=3, le=10_000)
-    probe_steps_max: int = Field(default=256, ge=3, le=100_000)
+    probe_steps_max: int = Field(default=2048, ge=3, le=100_000)
     #: Candidate clocks probed per bucket per search, at most. The search starts at the clock a
     #: neighbouring bucket holds (else half-way down), bisects, never probes below
     #: ``max_step_down`` x the lowest clock known to pass (a failed probe costs at most one such
@@ -152,11 +152,17 @@ class ClosedLoopSettings(_Strict):
     max_probes_per_bucket: int = Field(default=6, ge=1, le=64)
     max_step_down: float = Field(default=0.7, gt=0.0, lt=1.0, allow_inf_nan=False)
     resolution_mhz: int = Field(default=60, ge=1, le=5000)
-    #: A held clock whose last ``backoff_steps`` measured steps have a median over the target (plus
-    #: the noise margin) is given up at once for the default clock; the bucket then searches again
-    #: above it. Bounds the steps a violation lasts, plus one switch latency. Violations smaller than
-    #: that window's noise margin are caught by a second window of the probe's length.
+    #: A held clock is given up at once for the default clock when all but one of its last
+    #: ``backoff_steps`` measured steps are clearly over the target (each above it by ``noise_z``
+    #: of the measured spread: a few slow outlier steps never fire it), or when the one test
+    #: (median + noise margin within the target) fails on a probe-length window. The default-clock
+    #: steps that follow re-check the held clock against the default clock: it is kept if it
+    #: passes (the GPU, not the clock, changed), else the bucket searches again above it.
     backoff_steps: int = Field(default=6, ge=1, le=1000)
+    #: A held clock is also re-checked against the default clock after this many measured steps
+    #: at it (one reference window of default-clock steps, then the same test), so that a change
+    #: of the default clock's own step time (thermals, another tenant) is tracked.
+    ref_every_steps: int = Field(default=512, ge=16, le=1_000_000)
     #: Lowest SM clock the loop may probe, MHz (``None``: the GPU's lowest supported clock).
     min_sm_clock_mhz: int | None = Field(default=None, ge=100, le=5000)
     #: Decode batch-size buckets (lower edges, requests). A step belongs to the highest edge <= its batch.
@@ -172,9 +178,21 @@ class ClosedLoopSettings(_Strict):
     #: this factor (the batch mix changed; smaller moves only refresh the baseline: step times are
     #: compared through a fit in the context, so the clock found stays valid).
     reprobe_ctx_factor: float = Field(default=4.0, ge=1.0, le=100.0, allow_inf_nan=False)
-    #: Re-probe a bucket whose last search ended this long ago, s (0: never): the GPU or the load may
-    #: have changed (temperature, co-located work).
+    #: A bucket that holds the default clock (step noise too high, no clock left, SLO unattainable)
+    #: searches again after ``retry_after_s``, and a bucket holding a lower clock tries the next
+    #: clock one ``resolution_mhz`` below it then; each retry that finds nothing doubles the wait,
+    #: up to ``reprobe_after_s`` (0: never retry). Seconds.
+    retry_after_s: float = Field(default=20.0, gt=0.0, le=86_400.0, allow_inf_nan=False)
     reprobe_after_s: float = Field(default=600.0, ge=0.0, le=86_400.0, allow_inf_nan=False)
+    #: Read-back: a clock switch counts only once the applied SM clock read back from the GPU
+    #: (``nvmlDeviceGetClockInfo``, no privilege needed) shows it; a switch not seen within
+    #: ``switch_confirm_ms`` is sent again, at most ``switch_retries`` times, then the closed loop
+    #: turns off (one warning) and the default clock is requested. Steps are measurements at a
+    #: clock only after its read-back; while holding, the clock is read back every
+    #: ``readback_every_steps`` steps (a clock reset under us is noticed and re-sent).
+    switch_confirm_ms: float = Field(default=150.0, gt=0.0, le=60_000.0, allow_inf_nan=False)
+    switch_retries: int = Field(default=2, ge=0, le=100)
+    readback_every_steps: int = Field(default=16, ge=1, le=100_000)
 
     @field_validator("batch_buckets")
     @classmethod
