@@ -70,7 +70,7 @@ METHOD_OPTIONS = ("sat_concurrency", "window_s", "idle_s", "settle_s", "gap_s", 
 OBSERVE = {"trace": "trace_steps", "reqenergy": "per_request_energy"}
 #: Arms of --order; segments of --segments / --segments-last.
 ARMS = ("stock", "defaults", "fix")
-SEGMENTS = ("idle", "sweep", "reqenergy", "release", "starvation")
+SEGMENTS = ("idle", "sweep", "reqenergy", "bursts", "release", "starvation")
 
 
 # --- the plugin's figures: /metrics and stats_dir ----------------------------------------------------
@@ -219,6 +219,38 @@ class Server:
         log(f"[{self.label}] request energy: {len(seg['lines'])} lines, counter {seg['counter_j']} J, plugin {phases}")
         return seg
 
+    def bursts(self, idle_w: float | None) -> dict:
+        """``--burst-n`` short prefill bursts between idle spells (``--burst-conc`` prompts of
+        ``--burst-in`` tokens, one output token each): per burst, the plugin's busy (non-idle phase)
+        and idle joules between two of its snapshots against the NVML counter over the same span.
+        The burst's true energy is the counter's less the server's idle power over the rest of the
+        span (harness window: first request to last completion); and the cross-check gauge after."""
+        ns, runs = self.ns, []
+        for i in range(ns.burst_n):
+            time.sleep(ns.burst_gap_s)
+            wall0, perf0 = time.time(), time.perf_counter()
+            snap0 = load.wait_snapshot_after(self.stats_dir, wall0)
+            h = self.harness(f"burst{i}", num_prompts=ns.burst_conc, max_concurrency=ns.burst_conc, input_len=ns.burst_in, output_len=1)
+            time.sleep(1.0)  # the counter's next steps and the plugin's idle detection land inside the span
+            wall1, perf1 = time.time(), time.perf_counter()
+            snap1 = load.wait_snapshot_after(self.stats_dir, wall1)
+            e0, e1 = snap_energy(snap0), snap_energy(snap1)
+            if e0 is None or e1 is None:
+                runs.append({"note": "no plugin snapshot with energy_j"})
+                continue
+            t_a, t_b = perf0 + (snap0.get("t", wall0) - wall0), perf1 + (snap1.get("t", wall1) - wall1)
+            phases = {k: e1[k] - e0.get(k, 0.0) for k in e1}
+            busy_s, counter_j = h["res"].get("duration"), self.sampler.energy_between(t_a, t_b)
+            truth = None if None in (busy_s, counter_j, idle_w) else counter_j - idle_w * max(0.0, (t_b - t_a) - busy_s)
+            busy_j = sum(v for k, v in phases.items() if k != "idle")
+            runs.append(dict(span_s=t_b - t_a, busy_s=busy_s, counter_j=counter_j, plugin_phases_j=phases, true_busy_j=truth))
+            runs[-1]["busy_over_truth"] = busy_j / truth if truth else None
+        m, _ = load.scrape(self.port)
+        cross = {k: v for k, v in m.items() if k.startswith("powersave_energy_crosscheck")}
+        ratios = sorted(r["busy_over_truth"] for r in runs if r.get("busy_over_truth") is not None)
+        log(f"[{self.label}] bursts: busy / truth {[round(x, 3) for x in ratios]}, cross-check {cross}")
+        return {"n": ns.burst_n, "conc": ns.burst_conc, "input_len": ns.burst_in, "idle_w": idle_w, "runs": runs, "crosscheck": cross}
+
     def release(self, idle_w: float | None) -> dict:
         """Short requests ``--release-gap-s`` apart: each perf-boost release in the trace, and how long the GPU
         then took to fall below idle_w + LOW_POWER_MARGIN_W and to the idle SM clock (10 Hz samples)."""
@@ -358,6 +390,7 @@ def seg_costs(ns: argparse.Namespace) -> dict[str, float]:
     c = dict(warm=4.0, idle=ns.settle_s + ns.idle_s + 0.5, rate=ns.gap_s + ns.window_s + drain_s(ns, sat=False) + 0.5)
     c.update(sat=ns.gap_s + ns.window_s + drain_s(ns) + 0.5, reqenergy=reqe)
     c["release"] = ns.settle_s + (ns.release_n + 1) * ns.release_gap_s + 2.0
+    c["bursts"] = ns.burst_n * (ns.burst_gap_s + 2 * 2.0 + 1.5)  # gap, up to two snapshot periods, the burst and its tail
     return c | dict(starvation=fix + 10.0, fix=fix, stop=ns.stop_est_s)  # starvation: + advise (up to 3 CLI runs)
 
 
@@ -452,6 +485,9 @@ def run_segments(s: Server, srv: dict, segs: list[str], result: dict, save: Any)
         for shape in reqe_shapes(ns):
             srv["reqenergy_runs"].append(s.request_energy(shape))
             save()
+    if "bursts" in segs and fits("bursts", "bursts segment"):
+        srv["bursts"] = s.bursts(idle_w)
+        save()
     if "release" in segs and fits("release", "release segment"):
         srv["release"] = s.release(idle_w)
         save()
@@ -564,6 +600,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--reqe-conc", type=int, default=48, help="target batch: sets the auto rate (and the cap with --reqe-cap)")
     ap.add_argument("--reqe-stream", action="store_true", help="stream the request-energy requests (default: one response each)")
     ap.add_argument("--reqe-cap", action="store_true", help="also cap concurrency at --reqe-conc (one start per finish)")
+    ap.add_argument("--burst-n", type=int, default=10, help="bursts segment: prefill bursts between idle spells")
+    ap.add_argument("--burst-gap-s", type=float, default=2.0, help="bursts segment: idle before each burst (s)")
+    ap.add_argument("--burst-conc", type=int, default=4, help="bursts segment: prompts per burst, started together")
+    ap.add_argument("--burst-in", type=int, default=1900, help="bursts segment: prompt tokens (one output token each)")
     ap.add_argument("--release-n", type=int, default=8, help="release segment: requests, one at a time")
     ap.add_argument("--release-gap-s", type=float, default=4.0, help="release segment: seconds between request starts")
     ap.add_argument("--release-idle-mhz", type=int, default=400, help="release segment: SM clock counted as idle (H200: 345)")

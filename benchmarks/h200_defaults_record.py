@@ -279,7 +279,25 @@ def request_energy(raws: list[dict], drop: float) -> dict:
         }
         o["checks"] = reqe_checks(o)
         segs.append({**o, "harness_out_tok_s": seg["harness"].get("output_throughput"), "span_s": r(seg.get("span_s"), 3)})
-    return {"segments": segs}
+    return {"segments": segs, "bursts": bursts_block(raws)}
+
+
+def bursts_block(raws: list[dict]) -> list[dict]:
+    """Per server with a ``bursts`` segment: the plugin's busy joules of each prefill burst over the
+    counter's (less idle power outside the burst), their spread, and the cross-check gauge."""
+    out = []
+    for raw, s in ((raw, s) for raw in raws for s in raw["servers"] if s.get("bursts")):
+        b = s["bursts"]
+        ratios = [x["busy_over_truth"] for x in b["runs"] if x.get("busy_over_truth") is not None]
+        o = {"file": raw["_file"], "server": s["label"], "date_utc": raw.get("date_utc"), **pick(b, "n conc input_len idle_w")}
+        o.update(busy_over_truth=spread_plain(ratios), crosscheck=b.get("crosscheck"))
+        o["within_5pct"] = None if not ratios else all(abs(x - 1.0) <= 0.05 for x in ratios)
+        out.append(o)
+    return out
+
+
+def spread_plain(v: list[float]) -> dict | None:
+    return {"n": len(v), "median": r(statistics.median(v)), "min": r(min(v)), "max": r(max(v))} if v else None
 
 
 def reqe_checks(o: dict) -> dict[str, bool | None]:
@@ -435,6 +453,12 @@ def request_energy_md(reqe: dict, title: str, drop: float) -> list[str]:
             f"{fmt(st.get('p95_over_median'))} / {fmt(st.get('max_over_median'))} | {fmt(s['requests_plus_idle_over_counter'], 4)} | "
             f"{fmt(s['requests_sum_j'], 1)} | {fmt(s['idle_j'], 1)} | {fmt(s['counter_j'], 1)} | {json.dumps(other) if other else '–'} |"
         )
+    for b in reqe.get("bursts") or []:
+        md.append(
+            f"\nPrefill bursts between idle spells ({b['file']} {b['server']}: {b['n']} bursts of {b['conc']} x {b['input_len']} "
+            f"prompt tokens): the plugin's busy J over the counter's (less idle power outside the burst) {json.dumps(b['busy_over_truth'])}; "
+            f"all within 5 %: {b['within_5pct']}; cross-check gauge {json.dumps(b['crosscheck'])}."
+        )
     return md
 
 
@@ -466,6 +490,8 @@ def main(argv: list[str] | None = None) -> int:
         files = {seg["file"] for seg in reqe["segments"]}
         kept = [seg for seg in json.loads(older.read_text()).get("segments", []) if seg.get("file") not in files]
         reqe["segments"] = kept + reqe["segments"]
+        files = {b["file"] for b in reqe["bursts"]}
+        reqe["bursts"] = [b for b in json.loads(older.read_text()).get("bursts", []) if b.get("file") not in files] + reqe["bursts"]
     sim = any(seg.get("source") == "simulated" for seg in reqe["segments"])
     reqe.update(what=REQE_WHAT, measured=measured and not sim, simulated=sim, **common)
     md = request_energy_md(reqe, f"{'simulated per-request figures; ' if sim else ''}{label}", ns.steady_drop)

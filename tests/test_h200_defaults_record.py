@@ -204,3 +204,19 @@ def test_request_energy_shapes_parse_or_name_the_bad_item():
     for bad in ("256:64:40", "256:0:40:10", "256:64:fast:10", "256:64:-1:10"):
         with pytest.raises(ValueError, match=f"--reqe-shapes: '{bad}'"):
             job.reqe_shapes(argparse.Namespace(**{**vars(ns), "reqe_shapes": bad}))
+
+
+def test_bursts_give_the_busy_over_truth_spread_and_whether_each_is_within_5pct():
+    runs = [{"busy_over_truth": x} for x in (0.97, 1.02, 1.04)] + [{"note": "no plugin snapshot with energy_j"}]
+    b = {
+        "n": 4,
+        "conc": 4,
+        "input_len": 1900,
+        "idle_w": 80.0,
+        "runs": runs,
+        "crosscheck": {'powersave_energy_crosscheck_ratio{gpu="0"}': 1.01},
+    }
+    (o,) = rec.bursts_block([raw([server("defaults", 80, [], bursts=b)])])
+    assert o["busy_over_truth"] == {"n": 3, "median": 1.02, "min": 0.97, "max": 1.04} and o["within_5pct"] is True
+    runs.append({"busy_over_truth": 0.8})
+    assert rec.bursts_block([raw([server("defaults", 80, [], bursts=b)])])[0]["within_5pct"] is False
