@@ -95,6 +95,15 @@ class ClockBackend(ABC):
             ClockPermissionError, ClockError: the GPU may still be locked.
         """
 
+    def read_sm_clock_mhz(self) -> int | None:
+        """The SM clock the GPU runs now, read back (MHz), or ``None`` where it cannot be read.
+
+        A read needs no privilege (``nvmlDeviceGetClockInfo``). The closed loop counts a step as
+        run at a clock only once this read shows the clock (clocks/controller.py); a backend
+        that cannot read never confirms a switch, so the loop turns off rather than trust it.
+        """
+        return None
+
     def snap(self, mhz: int) -> int:
         """The highest supported SM clock not above ``mhz`` (the lowest if none is)."""
         return _snap(self.supported_sm_clocks(), mhz)
@@ -121,15 +130,23 @@ class DryRunClockBackend(ClockBackend):
     def __init__(self, supported: tuple[int, ...] | None = None) -> None:
         self._supported = tuple(sorted(supported)) if supported else tuple(range(345, 1981, 15))
         self.calls: deque[tuple[str, int | None, int | None]] = deque(maxlen=4096)
+        self.recorded_mhz: int | None = None  # the clock last recorded (``None``: default)
 
     def supported_sm_clocks(self) -> tuple[int, ...]:
         return self._supported
 
     def set_clocks(self, sm_clock_mhz: int, mem_clock_mhz: int | None = None) -> None:
         self.calls.append(("set", sm_clock_mhz, mem_clock_mhz))
+        self.recorded_mhz = int(sm_clock_mhz)
 
     def reset(self) -> None:
         self.calls.append(("reset", None, None))
+        self.recorded_mhz = None
+
+    def read_sm_clock_mhz(self) -> int | None:
+        """The clock last *recorded* (a prediction: nothing was applied; ``kind`` says dry-run),
+        the supported maximum after a reset."""
+        return self.recorded_mhz if self.recorded_mhz is not None else self._supported[-1]
 
 
 class SimulatedClockBackend(ClockBackend):
@@ -148,6 +165,10 @@ class SimulatedClockBackend(ClockBackend):
 
     def reset(self) -> None:
         self.gpu.set_sm_clock(None)
+
+    def read_sm_clock_mhz(self) -> int | None:
+        """The simulated GPU's actual SM clock (simulated)."""
+        return int(self.gpu.sm_clock_mhz)
 
 
 def _clock_error(what: str, exc: GpuError) -> ClockError:
@@ -202,6 +223,13 @@ class NvmlClockBackend(ClockBackend):
             self.mem_may_be_locked = False
             log.warning("powersave: this GPU does not support memory-clock locks; memory clock presets are ignored (SM clocks only)")
 
+    def read_sm_clock_mhz(self) -> int | None:
+        """``nvmlDeviceGetClockInfo(NVML_CLOCK_SM)``; ``None`` where the read fails."""
+        try:
+            return self.gpu.sm_clock_mhz()
+        except GpuError:
+            return None
+
     def reset(self) -> None:
         self._call("nvmlDeviceResetGpuLockedClocks", self.gpu.reset_sm_clocks)
         self.locked = False
@@ -237,6 +265,8 @@ class ZeusdClockBackend(ClockBackend):
         token: JWT (``$ZEUSD_TOKEN``) or ``None``.
         supported: supported SM clocks (MHz), read locally with NVML (no privilege needed).
         timeout_s: per-request timeout (s).
+        reader: the same GPU through NVML, for reading the applied clock back (no privilege
+            needed); ``None``: no read-back (the closed loop then turns off, one warning).
     """
 
     kind = "real"
@@ -249,7 +279,9 @@ class ZeusdClockBackend(ClockBackend):
         supported: tuple[int, ...] | None = None,
         supported_mem: tuple[int, ...] | None = None,
         timeout_s: float = 5.0,
+        reader: NvmlGpu | None = None,
     ) -> None:
+        self.reader = reader
         self.socket_path = socket_path
         self.gpu_index = int(gpu_index)
         self.client = ZeusdClient(socket_path, token, timeout_s)
@@ -286,6 +318,14 @@ class ZeusdClockBackend(ClockBackend):
 
     def supported_mem_clocks(self) -> tuple[int, ...]:
         return self._supported_mem
+
+    def read_sm_clock_mhz(self) -> int | None:
+        if self.reader is None:
+            return None
+        try:
+            return self.reader.sm_clock_mhz()
+        except GpuError:
+            return None
 
     def set_clocks(self, sm_clock_mhz: int, mem_clock_mhz: int | None = None) -> None:
         self._do(self.client.lock_sm_clocks_mhz, int(sm_clock_mhz), int(sm_clock_mhz))

@@ -192,15 +192,29 @@ class _Bucket:
 
 
 def _fit_line(pts: list[StepSample] | deque[StepSample], slope_hint: float = 0.0) -> LineFit:
-    """Step ms = a + b * ctx (robust), the relative residual spread and the context range."""
+    """Step ms = a + b * ctx (robust), the relative residual spread and the context range. The
+    slope is fitted by least squares, then once more without the steps whose residual is beyond
+    4 robust sigmas (a few slow outlier steps would otherwise tilt it)."""
     xs = [c for c, _ in pts]
     ys = [m for _, m in pts]
+    a, slope, sigma = _fit_pass(xs, ys, slope_hint)
+    if len(xs) >= 8 and sigma > 0:
+        keep = [i for i, (x, y) in enumerate(zip(xs, ys)) if abs(y / (a + slope * x) - 1.0) <= 4 * sigma]
+        if 4 <= len(keep) < len(xs):
+            _, slope2, _ = _fit_pass([xs[i] for i in keep], [ys[i] for i in keep], slope_hint)
+            a, slope, sigma = _fit_pass(xs, ys, slope2, fixed=True)
+    return LineFit(a, slope, sigma, min(xs), max(xs), len(xs))
+
+
+def _fit_pass(xs: list[float], ys: list[float], slope_hint: float, fixed: bool = False) -> tuple[float, float, float]:
+    """One fit: the slope (least squares, or ``slope_hint`` where ``fixed`` or the context moved
+    too little), the median offset, and the robust relative residual spread (1.4826 MAD)."""
     n = len(xs)
     mx = statistics.fmean(xs)
     sxx = sum((x - mx) ** 2 for x in xs)
     slope = slope_hint
     # A slope is only estimated where the context moved enough to tell it from noise.
-    if n >= 4 and mx > 0 and sxx > (0.01 * mx) ** 2 * n:
+    if not fixed and n >= 4 and mx > 0 and sxx > (0.01 * mx) ** 2 * n:
         my = statistics.fmean(ys)
         slope = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx)  # more context never makes a step faster
     a = statistics.median(y - slope * x for x, y in zip(xs, ys))
@@ -208,8 +222,7 @@ def _fit_line(pts: list[StepSample] | deque[StepSample], slope_hint: float = 0.0
         a, slope = statistics.median(ys), 0.0
     rel = [y / (a + slope * x) - 1.0 for x, y in zip(xs, ys)]
     med = statistics.median(rel)
-    sigma = 1.4826 * statistics.median(abs(r - med) for r in rel)
-    return LineFit(a, slope, sigma, min(xs), max(xs), n)
+    return a, slope, 1.4826 * statistics.median(abs(r - med) for r in rel)
 
 
 class DecodeClockTuner:
@@ -243,6 +256,8 @@ class DecodeClockTuner:
         self.n_records = 0
         #: Why the loop was turned off for good (:meth:`turn_off`), ``None`` while it runs.
         self.off_reason: str | None = None
+        #: The SM clock last read back from the GPU by the controller (MHz; ``None``: unread).
+        self.read_back_mhz: int | None = None
         #: Set by the controller: nothing is ever applied (dry-run), so a probe that got no step at
         #: its clock is over after its wait; elsewhere it waits on (the clock was kept up by
         #: compute-bound steps and the dwell, not refused).
@@ -349,6 +364,7 @@ class DecodeClockTuner:
             "checks_total": self.n_checks,
             "decisions_total": self.n_records,
             "off_reason": self.off_reason,
+            "read_back_mhz": self.read_back_mhz,
             "buckets": {},
         }
         for e, b in sorted(self.buckets.items()):
@@ -583,10 +599,12 @@ class DecodeClockTuner:
         n, med, margin = test.n_steps, test.ratio, test.margin
         want = self.cands[b.probe]
         if early:
-            # Looked at every 4 steps: one more standard error against repeated looks; the
-            # reference before the probe alone extrapolates the context trend (the closing window
-            # then corrects it for the final verdict).
-            if not (med - self._margin(b, n, len(ref), extra_z=1.0) > b.target):
+            # Stopped as soon as the probe can no longer pass the final test: its median, less the
+            # noise it still carries (one more standard error against the repeated looks every 4
+            # steps), above what the full window's test would allow. The reference before the
+            # probe alone extrapolates the context trend (the closing window corrects it).
+            final = self._margin(b, max(n, b.n_win), len(ref) + self._ref_n(b))
+            if not (med - (self._margin(b, n, len(ref), extra_z=1.0) - self._margin0) > b.target - final):
                 return
             verdict = "reject"
         else:

@@ -56,9 +56,9 @@ from .leases import LeaseStore
 
 log = logging.getLogger("vllm.powersave.clocks")
 
-#: Time from a switch decision to the backend call on the apply thread (s), added to the switch
-#: latency when deciding which clock a measured step ran at.
-_APPLY_SLACK_S = 0.002
+#: A locked clock read back within this of the request counts as applied (MHz): one supported
+#: step of the H200's SM clock table is ~15 MHz (docs/h200-facts.md).
+_READBACK_TOL_MHZ = 20
 
 
 def _rank(p: ClockPreset) -> float:
@@ -167,8 +167,16 @@ class ClockController:
         self._same = {p: t == self.current for p, t in self._all_targets.items()}
         self._same_for = self.current  # the preset object _same was computed against (presets are frozen)
         self.last_change_s = -1e18
-        # Recent switches (decision time s, SM MHz or None): which clock a measured step ran at.
-        self._switch_log: deque[tuple[float, int | None]] = deque(maxlen=64)
+        # What the GPU was confirmed to run, from when (s, same clock as on_phase's now): the SM
+        # clock read back (None: the default), or UNKNOWN from a switch until its read-back.
+        self._clock_log: deque[tuple[float, int | None]] = deque([(-float("inf"), None)], maxlen=64)
+        self._confirmed = True  # the last switch was read back
+        self._sent_s = -float("inf")  # when the current target was (re)sent
+        self._attempts = 0  # re-sends of the current target
+        self._last_lock_mhz: int | None = None  # the last SM clock locked (a reset must read above it)
+        self._steps_since_read = 0
+        #: Why the closed loop turned off after a switch never read back (one warning), else None.
+        self.readback_off: str | None = None
         self.closed_loop: DecodeClockTuner | None = None
         self._init_closed_loop(settings)
         self._down_since: float | None = None
@@ -218,22 +226,95 @@ class ClockController:
     def closed_loop_active(self) -> bool:
         """Whether the closed loop still learns: it exists (not overridden by a static decode
         preset), and clock control is neither disabled after a fault nor closed."""
-        return self.closed_loop is not None and self.disabled_reason is None and not self._closed
+        return self.closed_loop is not None and self.disabled_reason is None and self.readback_off is None and not self._closed
 
     def ran_at(self, start_s: float, end_s: float) -> int | None:
         """The SM clock (MHz, ``None``: default) a step spanning ``[start_s, end_s]`` ran at
-        throughout, or ``UNKNOWN`` if a switch may have landed inside it (decided at ``t``, in
-        effect from ``t + switch latency``). Dry-run never changes the GPU: always the default."""
+        throughout, or ``UNKNOWN``: a switch was requested before it and not yet read back, or
+        anything changed inside it. Only read-back clocks count (:meth:`_read_back`), never what
+        was asked for. Dry-run never changes the GPU: always the default."""
         if self.backend.kind == "dry-run":
             return None
-        lat = self.settings.switch_latency_ms / 1000.0 + _APPLY_SLACK_S
-        clock: int | None = None
-        for t, f in tuple(self._switch_log):  # a copy: on_phase may append from the engine thread
-            if t + lat <= start_s:
+        clock: int | None = UNKNOWN
+        for t, f in tuple(self._clock_log):  # a copy: on_phase may append from the engine thread
+            if t <= start_s:
                 clock = f
-            elif t + lat - _APPLY_SLACK_S < end_s:
+            elif t < end_s:
                 return UNKNOWN
         return clock
+
+    def _landed(self, want: int | None, read: int | None) -> bool:
+        """Whether the read-back clock shows the requested one: a lock within
+        ``_READBACK_TOL_MHZ``; a reset above the clock last locked (the default is the driver's
+        choice, but never the lock it replaced)."""
+        if read is None:
+            return False
+        if want is not None:
+            return abs(read - want) <= _READBACK_TOL_MHZ
+        return self._last_lock_mhz is None or read > self._last_lock_mhz + _READBACK_TOL_MHZ
+
+    def _read_back(self, now_s: float) -> None:
+        """Read the applied SM clock back after a switch (each step until it shows) and every
+        ``readback_every_steps`` steps while holding; a switch not shown within
+        ``switch_confirm_ms`` is re-sent, at most ``switch_retries`` times, then the closed loop
+        turns off (:meth:`_readback_failed`)."""
+        cl = self.settings.closed_loop
+        if self._confirmed and self._steps_since_read + 1 < cl.readback_every_steps:
+            self._steps_since_read += 1
+            return
+        self._steps_since_read = 0
+        want = self.current.sm_clock_mhz
+        read = self.backend.read_sm_clock_mhz()
+        # Under a background apply thread the read happens now, possibly after the step's end.
+        t = max(now_s, self.clock()) if self._thread is not None else now_s
+        if self.closed_loop is not None:
+            self.closed_loop.read_back_mhz = read
+        if self._landed(want, read):
+            if not self._confirmed:
+                self._clock_log.append((t, want))
+                self._confirmed, self._attempts = True, 0
+            return
+        if self._confirmed:  # it was there and is not any more (a reset under us): re-send now
+            self._clock_log.append((t, UNKNOWN))
+            self._confirmed, self._sent_s = False, -float("inf")
+        if now_s - self._sent_s <= cl.switch_confirm_ms / 1000.0:
+            return
+        self._attempts += 1
+        if self._attempts > cl.switch_retries:
+            self._readback_failed(now_s, want, read)
+            return
+        self._resend(now_s)
+
+    def _resend(self, now_s: float) -> None:
+        """Send the current target again (a switch that did not show in the read-back)."""
+        self._sent_s = now_s
+        target = self.current
+        if self._thread is None:
+            self._apply("resend", target)
+        else:
+            with self._cv:
+                self._pending = ("resend", target, None)
+                self._cv.notify()
+
+    def _readback_failed(self, now_s: float, want: int | None, read: int | None) -> None:
+        """A switch never read back: the closed loop off for good (one warning), its held clocks
+        forgotten (no saving is reported for a clock never confirmed), the default decode clock."""
+        cl = self.settings.closed_loop
+        self.readback_off = (
+            f"SM clock {want or 'default'} MHz requested, {read if read is not None else 'nothing'} read back "
+            f"after {cl.switch_retries + 1} tries of {cl.switch_confirm_ms:g} ms"
+        )
+        log.warning(
+            "powersave: closed-loop decode clock off for GPU %s (%s backend): %s; decode runs at the default clock",
+            self.gpu_id,
+            self.backend.kind,
+            self.readback_off,
+        )
+        if self.closed_loop is not None:
+            self.closed_loop.turn_off(now_s, f"read-back: {self.readback_off}")
+        self._retarget("decode", self.presets.get("decode") or ClockPreset())
+        if want is None:
+            self._resend(now_s)  # a reset that did not show: one more try; leases and close() stay in charge
 
     def observe_decode_step(
         self,
@@ -266,8 +347,12 @@ class ClockController:
         tuner = self.closed_loop
         if tuner is None or not self.closed_loop_active:
             return None
-        ran = self.ran_at(*span_s) if span_s is not None else self.ran_at(now_s - step_ms / 1000.0, now_s)
         tuner.dry_run = self.backend.kind == "dry-run"  # also after a permission fallback
+        if not tuner.dry_run:
+            self._read_back(now_s)
+            if not self.closed_loop_active:
+                return None
+        ran = self.ran_at(*span_s) if span_s is not None else self.ran_at(now_s - step_ms / 1000.0, now_s)
         mhz = tuner.observe(now_s, batch, step_ms, ran, ctx_tokens, memory_bound, tokens)
         if memory_bound:
             target = self._all_targets["decode"]
@@ -458,7 +543,10 @@ class ClockController:
         self._same = {p: t is target or t == target for p, t in self._all_targets.items()}
         self._same_for = target
         self.last_change_s = self.clock() if now is None else now
-        self._switch_log.append((self.last_change_s, target.sm_clock_mhz))
+        self._clock_log.append((self.last_change_s, UNKNOWN))  # until read back (observe_decode_step)
+        self._confirmed, self._sent_s, self._attempts = False, self.last_change_s, 0
+        if target.sm_clock_mhz is not None:
+            self._last_lock_mhz = target.sm_clock_mhz
         self.decisions.append(ClockChange(self.last_change_s, phase, target.sm_clock_mhz, target.mem_clock_mhz))
         self.n_changes += 1
         if self._thread is None:

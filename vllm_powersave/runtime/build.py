@@ -228,7 +228,7 @@ def zeusd_backend(settings: PowersaveSettings, gpu: NvmlGpu | None, device_index
         return DryRunClockBackend(supported)
     except Exception as exc:
         log.warning("powersave: zeusd: cannot map this GPU to a zeusd index (%s); using the CUDA device index", exc)
-    return ZeusdClockBackend(sock, int(index if index is not None else device_index), token, supported, mem)
+    return ZeusdClockBackend(sock, int(index if index is not None else device_index), token, supported, mem, reader=gpu)
 
 
 def step_timing(clocks: ClockController, metering: Metering, ident: WorkerIdentity) -> StepTiming:

@@ -6,11 +6,16 @@ the same trace, so differences in time and energy come from the clocks alone. It
 tuner rather than in ``sim/`` because it drives ``clocks/``, which sits above the simulator
 (docs/design.md, "Layering").
 
-* :func:`replay`: drives a :class:`~vllm_powersave.clocks.ClockController` (its dwell, leases
-  and closed loop) whose clock requests take effect one switch latency later
-  (:class:`LaggedBackend`); each step's time and energy come from the simulated GPU at the clock(s)
-  in effect while it runs; the step time the controller *measures* carries multiplicative noise
-  (host jitter), the same draw for every strategy.
+* :func:`replay`: drives a :class:`~vllm_powersave.clocks.ClockController` (its dwell, leases,
+  read-back and closed loop) whose clock requests take effect one switch latency later
+  (:class:`LaggedBackend`, which reads back the clock actually in effect); each step's time and
+  energy come from the simulated GPU at the clock(s) in effect while it runs; the step time the
+  controller *measures* carries multiplicative noise (host jitter), the same draw for every
+  strategy. Idle gaps go through ``idle_begin`` every ``energy.tick_s`` (0.25 s) as the
+  runtime's publisher calls it, so an idle preset's dwell passes as it does when serving. A
+  :class:`~vllm_powersave.sim.scenarios.Scenario` makes the GPU drift, the clock misbehave or
+  the measurement lie; each step is judged against the noise-free stock-clock step on the same
+  GPU state.
 * :func:`compare`: a replay's figures against the stock replay of the same trace.
 """
 
@@ -19,14 +24,18 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..clocks.backends import ClockBackend
 from ..clocks.controller import ClockController
 from ..settings import ClockSettings
 from ..sim.gpu import GpuSpec
+from ..sim.scenarios import FaultyLaggedClock, Scenario
 from ..sim.trace import LaggedClock, Step, StepCost, Trace, idle_energy_j, memory_bound, run_at_clocks
+
+#: The runtime's publisher calls ``idle_begin`` about this often while no step runs (s).
+_IDLE_TICK_S = 0.25
 
 
 class LaggedBackend(ClockBackend):
@@ -49,6 +58,11 @@ class LaggedBackend(ClockBackend):
         self.locked = False
         self.clock.request(self.now[0], None)
 
+    def read_sm_clock_mhz(self) -> int | None:
+        """The clock in effect now on the simulated GPU (simulated)."""
+        f = self.clock.at(self.now[0])
+        return self.spec.f_max_mhz if f is None else f
+
 
 @dataclass
 class _ReplayRun:
@@ -63,7 +77,21 @@ class _ReplayRun:
     noise_sigma: float
     limit: float  # a decode step is in budget at most this times its stock-clock time
     out: dict[str, Any]
+    scenario: Scenario | None = None
+    shape: str = "qwen2.5-7b"
+    costs: dict[GpuSpec, StepCost] = field(default_factory=dict)  # per GPU state (drift)
     t: float = 0.0
+
+    def cost_at(self, t: float) -> tuple[StepCost, float]:
+        """The step prices of the GPU state at ``t`` and the time factor on them (drift)."""
+        if self.scenario is None:
+            return self.cost, 1.0
+        d = self.scenario.drift
+        spec = d.spec_at(self.spec, t)
+        cost = self.costs.get(spec)
+        if cost is None:
+            cost = self.costs[spec] = StepCost(spec, self.shape)
+        return cost, d.time_factor(t)
 
 
 def _new_totals() -> dict[str, Any]:
@@ -82,20 +110,25 @@ def _new_totals() -> dict[str, Any]:
 
 
 def _replay_idle(run: _ReplayRun, idle_s: float) -> None:
-    """An idle gap: the runtime reports idle after 0.25 s without a step (``energy.idle_after_s``)."""
+    """An idle gap: the runtime reports idle after 0.25 s without a step (``energy.idle_after_s``),
+    then its publisher calls ``idle_begin`` again every tick until a step comes (so the idle
+    preset's dwell can pass)."""
     t = run.t
     end = t + idle_s
-    run.now[0] = t + 0.25 if idle_s > 0.25 else t
-    if idle_s > 0.25:
-        run.ctl.on_phase("idle", run.now[0])
+    tick = t + 0.25
+    while tick < end:
+        run.now[0] = tick
+        run.ctl.idle_begin(tick)
+        tick += _IDLE_TICK_S
+    run.now[0] = max(t, min(end, run.now[0]))
     run.out["idle_j"] += idle_energy_j(run.spec, run.clock, t, end)
     run.t = max(t, end)
 
 
-def _book_decode_step(run: _ReplayRun, s: Step, true_s: float, e: float, f_time: dict[int, float]) -> None:
-    """A memory-bound step's energy, and its time against the same step at the stock clock."""
+def _book_decode_step(run: _ReplayRun, s: Step, true_s: float, e: float, f_time: dict[int, float], stock_s: float) -> None:
+    """A memory-bound step's energy, and its time against the same step at the stock clock on
+    the same GPU state (``stock_s``, noise-free)."""
     out = run.out
-    stock_s = run.cost.at(s, run.spec.f_max_mhz)[0]
     slow = true_s / stock_s
     out["decode_j"] += e
     out["decode_s"] += true_s
@@ -112,17 +145,22 @@ def _replay_step(run: _ReplayRun, s: Step, mb_tokens: int, on_step: Callable[[Cl
     mb = memory_bound(s, mb_tokens)
     phase = "decode" if mb else ("prefill" if s.phase == "prefill" else "mixed")
     run.now[0] = start = run.t
-    ctl.on_phase(phase, start)
-    t, e, f_time = run_at_clocks(run.clock, start, lambda f: run.cost.at(s, f), spec.f_max_mhz)
+    ctl.on_step(phase, start, start, None)  # the step hook: leaves idle (idle_end) where idle_begin ran
+    cost, k = run.cost_at(start)
+    t, e, f_time = run_at_clocks(run.clock, start, lambda f: _scaled(cost.at(s, f), k), spec.f_max_mhz)
     true_s = t - start
     noise = math.exp(run.rng.gauss(0.0, run.noise_sigma)) if run.noise_sigma > 0 else 1.0
+    sc = run.scenario
+    if sc is not None and sc.outlier_share > 0 and run.rng.random() < sc.outlier_share:
+        noise *= sc.outlier_factor  # a host hiccup in the measurement, not in the GPU's time
     out["busy_s"] += true_s
     out["out_tokens"] += s.out_tokens
     if mb:
-        _book_decode_step(run, s, true_s, e, f_time)
+        _book_decode_step(run, s, true_s, e, f_time, cost.at(s, spec.f_max_mhz)[0] * k)
     else:
         out["other_j"] += e
-    # The engine thread's wall time of the step, as the controller would measure it.
+    # The engine thread's wall time of the step, as the controller would measure it (read back at its end).
+    run.now[0] = t
     ctl.observe_decode_step(t, s.decode, true_s * noise * 1e3, mb, s.ctx, s.tokens)
     if on_step is not None:
         on_step(ctl, t)
@@ -130,6 +168,10 @@ def _replay_step(run: _ReplayRun, s: Step, mb_tokens: int, on_step: Callable[[Cl
         out["other_j"] += idle_energy_j(spec, run.clock, t, t + s.host_gap_s)
         t += s.host_gap_s
     run.t = t
+
+
+def _scaled(price: tuple[float, float], k: float) -> tuple[float, float]:
+    return (price[0] * k, price[1] * k) if k != 1.0 else price
 
 
 def replay(
@@ -143,18 +185,32 @@ def replay(
     shape: str = "qwen2.5-7b",
     on_step: Callable[[ClockController, float], None] | None = None,
     close: bool = True,
+    scenario: Scenario | None = None,
 ) -> dict[str, Any]:
     """Replay ``trace`` under ``settings`` on GPU ``spec``; returns totals and per-decode-step facts.
 
     Decode steps (:func:`~vllm_powersave.sim.trace.memory_bound`) are judged against the same step
-    at the stock clock on the same GPU: in budget if their time (noise-free) is at most
-    ``1 + budget_pct / 100`` times it. Everything returned is simulated.
+    at the stock clock on the same GPU (and GPU state, under a ``scenario``'s drift): in budget if
+    their time (noise-free) is at most ``1 + budget_pct / 100`` times it. Everything returned is
+    simulated.
     """
-    clock = LaggedClock(settings.switch_latency_ms / 1000.0)
+    lat = settings.switch_latency_ms / 1000.0
+    faults = scenario.faults if scenario is not None else None
+    clock = LaggedClock(lat) if faults is None else FaultyLaggedClock(lat, faults)
     now = [0.0]
     ctl = ClockController(LaggedBackend(spec, clock, now), settings, asynchronous=False, clock=lambda: now[0], watchdog=False)
     run = _ReplayRun(
-        spec, StepCost(spec, shape), clock, now, ctl, random.Random(noise_seed), noise_sigma, 1.0 + budget_pct / 100.0, _new_totals()
+        spec,
+        StepCost(spec, shape),
+        clock,
+        now,
+        ctl,
+        random.Random(noise_seed),
+        noise_sigma,
+        1.0 + budget_pct / 100.0,
+        _new_totals(),
+        scenario,
+        shape,
     )
     for kind, ev in trace.events:
         if kind == "idle":
@@ -164,6 +220,7 @@ def replay(
     out = run.out
     out["wall_s"] = run.t
     out["switches"] = ctl.n_changes
+    out["readback_off"] = ctl.readback_off
     out["closed_loop"] = ctl.closed_loop.snapshot() if ctl.closed_loop is not None else None
     out["records"] = list(ctl.closed_loop.records) if ctl.closed_loop is not None else []
     out["controller"] = ctl
