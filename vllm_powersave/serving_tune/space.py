@@ -74,6 +74,9 @@ _BOUNDS: dict[str, tuple[float, float]] = {
 
 def parse_space(data: dict[str, Any], where: str) -> SpaceSpec:
     """A :class:`SpaceSpec` from a mapping; :class:`SpaceError` (one line: where, field, value) otherwise."""
+    boost = data.get("cuda_perf_boost") if isinstance(data, dict) else None
+    if isinstance(boost, list):  # YAML 1.1 reads bare on/off as booleans: the setting's values are the words
+        data = {**data, "cuda_perf_boost": [{True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v for v in boost]}
     try:
         spec = SpaceSpec.model_validate(data)
     except ValidationError as e:

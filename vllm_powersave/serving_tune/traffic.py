@@ -166,6 +166,8 @@ def parse_trace(path: str | Path) -> tuple[TraceRow, ...]:
         raise TrafficError(f"--trace {p}: cannot read: {type(e).__name__}: {' '.join(str(e).split())}") from None
     rows: list[TraceRow] = []
     first = next((ln for ln in text.splitlines() if ln.strip()), "")
+    if not first:
+        raise TrafficError(f"--trace {p}: no requests in the file")
     if first.lstrip().startswith("{"):
         for i, line in enumerate(text.splitlines(), start=1):
             if not line.strip():

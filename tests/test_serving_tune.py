@@ -1,0 +1,421 @@
+"""`vllm-powersave tune-serving` without a server: the space, traces, SLO judging, the search, the
+state file, and the driver end to end against a fake measurer (resume, refusals, an unmeetable SLO)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from vllm_powersave.serving_tune import run as ts_run
+from vllm_powersave.serving_tune.measure import ServePlan
+from vllm_powersave.serving_tune.search import Budget, CostModel, Round, Scored, next_round, rank
+from vllm_powersave.serving_tune.slo import Slo, SloError, Verdict, attainment_of, judge, wilson_ci95
+from vllm_powersave.serving_tune.space import (
+    Config,
+    MachineFacts,
+    SpaceError,
+    SpaceSpec,
+    applicable,
+    configurations,
+    default_space,
+    override,
+    parse_space,
+)
+from vllm_powersave.serving_tune.state import Figures, Measurement, StateError, StateFile
+from vllm_powersave.serving_tune.traffic import LengthRange, Traffic, TrafficError, parse_length_range, parse_trace, poisson_rows
+
+# --- space -----------------------------------------------------------------------------------------
+
+
+def test_a_grid_is_capped_by_a_seeded_sample_that_keeps_the_first_configuration():
+    values = {"max_num_seqs": [256, 128, 512], "async_scheduling": [False, True], "api_server_count": [1, 4]}
+    full = configurations(values, 100)
+    assert len(full) == 12 and full[0].key == "max_num_seqs=256,api_server_count=1,async_scheduling=false"
+    capped = configurations(values, 5, seed=3)
+    assert len(capped) == 5 and capped[0] == full[0] and len({c.key for c in capped}) == 5
+    assert capped == configurations(values, 5, seed=3)  # deterministic: a resumed search plans the same
+
+
+def test_a_configuration_becomes_serve_flags_and_plugin_settings():
+    c = Config((("max_num_seqs", 8), ("async_scheduling", True), ("cudagraph_capture_sizes", [1, 2, 4]), ("cuda_perf_boost", "auto")))
+    assert c.serve_flags() == ["--max-num-seqs", "8", "--async-scheduling", "--cudagraph-capture-sizes", "1", "2", "4"]
+    # The plugin alone would size the front end: a configuration that does not set it keeps vLLM's count.
+    assert c.plugin_settings() == {"cuda_perf_boost": "auto", "api_server_count": "vllm"}
+    loop = Config((("closed_loop_budget_pct", 1.0), ("api_server_count", 2)))
+    assert loop.plugin_settings() == {"clocks": {"mode": "closed_loop", "closed_loop": {"slowdown_budget_pct": 1.0}}}
+    assert Config((("closed_loop_budget_pct", None),)).key == "closed_loop_budget_pct=off"
+    assert Config().key == "defaults" and Config().serve_flags() == [] and Config().plugin_settings() == {}
+
+
+def test_a_configuration_flag_replaces_the_base_arguments_value():
+    base = ["--host", "127.0.0.1", "--max-num-seqs", "64", "--enforce-eager", "--async-scheduling"]
+    assert override(base, ["--max-num-seqs", "8", "--no-async-scheduling"]) == [
+        "--host",
+        "127.0.0.1",
+        "--enforce-eager",
+        "--max-num-seqs",
+        "8",
+        "--no-async-scheduling",
+    ]
+    assert override(["--max-num-seqs=64", "--dtype", "bfloat16"], ["--max-num-seqs", "8"]) == ["--dtype", "bfloat16", "--max-num-seqs", "8"]
+
+
+def test_settings_that_cannot_act_here_are_skipped_with_a_reason():
+    spec = default_space(gpu=True)
+    keep, skipped = applicable(spec, MachineFacts(gpu=False, clocks_settable=False, clocks_reason="no GPU"))
+    assert set(skipped) == {"cuda_perf_boost", "closed_loop_budget_pct"} and "no GPU" in skipped["cuda_perf_boost"]
+    assert "max_num_seqs" in keep and "cuda_perf_boost" not in keep
+    keep, skipped = applicable(spec, MachineFacts(gpu=True, clocks_settable=False, clocks_reason="POWERSAVE_FORCE_DRY_RUN=1"))
+    assert list(skipped) == ["closed_loop_budget_pct"] and "POWERSAVE_FORCE_DRY_RUN=1" in skipped["closed_loop_budget_pct"]
+    assert "predicted only" in skipped["closed_loop_budget_pct"] and keep["cuda_perf_boost"] == ["on", "auto"]
+
+
+@pytest.mark.parametrize(
+    "data, needle",
+    [
+        ({"max_num_seqs": [0]}, "field 'max_num_seqs' = 0: must be in [1, 65536]"),
+        ({"max_num_seqs": "eight"}, "field 'max_num_seqs' = 'eight'"),
+        ({"async_scheduling": [True, True]}, "a value is listed twice"),
+        ({"turbo": [1]}, "field 'turbo' = [1]"),
+        ({"cudagraph_capture_sizes": [[]]}, "non-empty list of batch sizes"),
+        ({"cuda_perf_boost": ["max"]}, "field 'cuda_perf_boost'"),
+    ],
+)
+def test_a_bad_space_is_one_line_naming_the_field_and_value(data, needle):
+    with pytest.raises(SpaceError) as err:
+        parse_space(data, "--space s.yaml")
+    assert needle in str(err.value) and str(err.value).startswith("--space s.yaml: ") and "\n" not in str(err.value)
+
+
+# --- traffic ---------------------------------------------------------------------------------------
+
+
+def test_traces_parse_from_json_lines_and_csv_sorted_from_zero(tmp_path):
+    j = tmp_path / "t.jsonl"
+    j.write_text('{"arrival_s": 10.5, "input_len": 64, "output_len": 16}\n\n{"arrival_s": 10.0, "input_len": 32, "output_len": 8}\n')
+    rows = parse_trace(j)
+    assert [(r.arrival_s, r.input_len, r.output_len) for r in rows] == [(0.0, 32, 8), (0.5, 64, 16)]
+    c = tmp_path / "t.csv"
+    c.write_text("arrival_s,input_len,output_len\n0.0,100,20\n1.25,200,40\n")
+    assert [(r.arrival_s, r.input_len) for r in parse_trace(c)] == [(0.0, 100), (1.25, 200)]
+    t = Traffic("trace", trace=parse_trace(c), trace_path=str(c))
+    assert len(t.rows(1.0, 0)) == 1 and len(t.rows(10.0, 0)) == 2 and len(t.rows(0.0, 0)) == 1  # at least one request
+
+
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        (
+            '{"arrival_s": 0, "input_len": 4, "output_len": 4}\n{"arrival_s": 1, "input_len": -4, "output_len": 4}\n',
+            "line 2: field 'input_len' = -4",
+        ),
+        ('{"arrival_s": "soon", "input_len": 4, "output_len": 4}\n', "line 1: field 'arrival_s' = 'soon'"),
+        ('{"arrival_s": 0, "input_len": 4}\n', "line 1: field 'output_len' is missing"),
+        ('{"arrival_s": 0, "input_len": 4, "output_len": 4}\n{oops\n', "line 2: not JSON"),
+        ("time,in,out\n0,1,1\n", "line 1: header = 'time,in,out'"),
+        ("arrival_s,input_len,output_len\n0,12,x\n", "line 2: field 'output_len' = 'x'"),
+        ("", "no requests"),
+    ],
+)
+def test_a_trace_that_does_not_parse_is_one_line_naming_line_field_and_value(tmp_path, text, needle):
+    p = tmp_path / "bad.trace"
+    p.write_text(text)
+    with pytest.raises(TrafficError) as err:
+        parse_trace(p)
+    assert needle in str(err.value) and str(err.value).startswith(f"--trace {p}") and "\n" not in str(err.value)
+
+
+def test_poisson_windows_are_seeded_and_within_the_window():
+    a = poisson_rows(4.0, 10.0, LengthRange(128, 1024), LengthRange(32, 512), seed=7)
+    assert a == poisson_rows(4.0, 10.0, LengthRange(128, 1024), LengthRange(32, 512), seed=7)
+    assert a != poisson_rows(4.0, 10.0, LengthRange(128, 1024), LengthRange(32, 512), seed=8)
+    assert a[0].arrival_s == 0.0 and all(r.arrival_s < 10.0 for r in a)
+    assert all(128 <= r.input_len <= 1024 and 32 <= r.output_len <= 512 for r in a)
+    assert parse_length_range("256", "--input-len") == LengthRange(256, 256)
+    for bad in ("0:10", "10:5", "a:b", "1:2:3"):
+        with pytest.raises(TrafficError, match=f"--input-len = '{bad}'"):
+            parse_length_range(bad, "--input-len")
+
+
+# --- SLO -------------------------------------------------------------------------------------------
+
+
+def test_attainment_counts_failed_and_late_requests_against_the_slo():
+    slo = Slo(ttft_ms=100, tpot_ms=10, attainment=0.9)
+    # 4 requests: on time; late first token; slow decode ((0.5 - 0.05) / 9 = 50 ms per token); failed.
+    result = {
+        "ttfts": [0.05, 0.2, 0.05, 0.0],
+        "latencies": [0.1, 0.3, 0.5, 0.0],
+        "output_lens": [10, 10, 10, 0],
+        "errors": ["", "", "", "timeout"],
+    }
+    assert attainment_of(result, slo) == (1, 4)
+    v = judge(1, 4, {"ttft": 150.0, "tpot": 40.0, "itl": 5.0}, slo)
+    assert not v.met and v.shortfall_pts == pytest.approx(65.0)
+    assert v.misses[0] == "attainment 25.0 % vs 90 % (65.0 points short)"
+    assert "p99 TPOT 40.0 ms vs 10 ms (+300 %)" in v.misses and v.worst_over == pytest.approx(3.0)
+    assert judge(99, 100, {"ttft": 1.0, "tpot": 1.0, "itl": 1.0}, Slo(ttft_ms=100, attainment=0.99)).met
+    # ITL is judged on the window's p99.
+    assert not judge(10, 10, {"itl": 30.0}, Slo(itl_ms=20)).met and judge(10, 10, {"itl": 19.0}, Slo(itl_ms=20)).met
+    assert not judge(0, 0, {}, Slo()).met
+
+
+def test_slo_targets_out_of_range_are_refused_naming_the_flag():
+    with pytest.raises(SloError, match=r"--slo-tpot-ms = -1: must be a positive number of ms"):
+        Slo(tpot_ms=-1)
+    with pytest.raises(SloError, match=r"--slo-attainment = 1.5"):
+        Slo(attainment=1.5)
+
+
+def test_wilson_interval_of_a_share():
+    lo, hi = wilson_ci95(30, 30)
+    assert hi == 1.0 and 0.88 < lo < 0.89
+    assert wilson_ci95(0, 0) is None
+
+
+# --- search ----------------------------------------------------------------------------------------
+
+
+def _scored(key, tpj, met, shortfall=0.0, over=0.0):
+    return Scored(key, 0, tpj, Verdict(met, 1.0 if met else 0.5, shortfall, over))
+
+
+def test_ranking_puts_slo_met_by_tokens_per_joule_first_then_the_closest():
+    ranked = rank([_scored("a", 5.0, False, 1.0), _scored("b", 2.0, True), _scored("c", 3.0, True), _scored("d", 9.0, False, 0.5)])
+    assert [s.key for s in ranked] == ["c", "b", "d", "a"]
+
+
+def test_successive_halving_keeps_the_best_half_with_a_longer_window():
+    r0 = Round(0, ("a", "b", "c", "d", "e"), 10.0, 0)
+    scored = [_scored(k, v, True) for k, v in zip(r0.keys, [1.0, 5.0, 3.0, 4.0, 2.0])]
+    r1 = next_round(r0, scored, eta=2)
+    assert r1 == Round(1, ("b", "d", "c"), 20.0, 1)
+    r2 = next_round(r1, scored[1:4], eta=2)
+    assert r2 == Round(2, ("b", "d"), 40.0, 2)
+    assert next_round(r2, scored[1:2] + scored[3:4], eta=2) is None  # one left: the winner
+    assert ts_run.planned_steps(5, 2, 3) == 5 + 3 + 2 + 6
+
+
+def test_the_budget_leaves_room_for_the_final_pairs():
+    cost = CostModel(start_s=60.0, overhead_s=10.0)
+    assert cost.measurement_s(30.0, restart=True) == 100.0 and cost.measurement_s(30.0, restart=False) == 40.0
+    assert cost.pairs_s(3, 30.0) == 6 * 40.0 + 4 * 60.0
+    b = Budget(total_s=450.0, spent_before_s=100.0)  # 100 s went to an earlier run of the search
+    assert b.allows(100.0, cost.pairs_s(3, 30.0)) is False and b.allows(10.0, 300.0) is True
+    assert b.pairs_that_fit(3, 30.0, cost) == 2 and Budget(1.0).pairs_that_fit(3, 30.0, cost) == 1
+
+
+# --- state -----------------------------------------------------------------------------------------
+
+
+def _figs(tpj=1.0, good=10, sent=10, tpot=5.0):
+    return Figures(tpj, "simulated", 100.0, 50.0, 20.0, tpot, 6.0, good, sent, sent, 0, 3.0)
+
+
+def test_the_state_file_refuses_another_search_and_drops_a_cut_last_line(tmp_path, capsys):
+    path = tmp_path / "state.jsonl"
+    st = StateFile(path, {"window_s": 3.0, "configs": ["a"]})
+    assert st.open() == 0
+    m = Measurement("search/r0/a", "search", "a", 3.0, 0, _figs(), 12.0, True, "now", round=0)
+    st.add(m)
+    with open(path, "a") as f:
+        f.write('{"kind": "measurement", "step": "search/r0/b", "fig')  # killed mid-write
+    again = StateFile(path, {"window_s": 3.0, "configs": ["a"]})
+    assert again.open() == 1 and again.measurements["search/r0/a"] == m and again.spent_s() == 12.0
+    assert "line 3 is incomplete" in capsys.readouterr().err
+    assert path.read_text().count("\n") == 2  # the cut line is gone, the finished one kept
+    with pytest.raises(StateError, match=r"holds another search: 'window_s' = 3.0 there, 5.0 now"):
+        StateFile(path, {"window_s": 5.0, "configs": ["a"]}).open()
+
+
+# --- the driver, against a fake measurer -------------------------------------------------------------
+
+
+class FakeMeasurer:
+    """Stands in for the server: each configuration's figures from a table; counts every window."""
+
+    table: dict = {}
+    refuse: set = set()
+    calls: list = []
+
+    def __init__(self, plan, traffic, slo):
+        self.serving = None
+
+    def needs_restart(self, config):
+        return self.serving != config.key
+
+    def measure(self, config, window_s, seed, label):
+        from vllm_powersave.serving_tune.measure import Refused
+
+        if config.key in self.refuse:
+            raise Refused("ValueError: max_num_batched_tokens (16) is smaller than max_model_len (1024)")
+        FakeMeasurer.calls.append((config.key, window_s, seed))
+        restarted = self.needs_restart(config)
+        self.serving = config.key
+        return FakeMeasurer.table[config.key], restarted
+
+    def close(self):
+        self.serving = None
+
+
+def _opts(tmp_path, keys_values, slo=None, **kw):
+    configs = tuple(Config((("max_num_seqs", v),)) for v in keys_values)
+    plan = ServePlan(model=tmp_path / "m", base_args=("--max-num-seqs", "64"), gpu=False, out_dir=tmp_path / "out")
+    return ts_run.TuneServingOptions(
+        plan=plan,
+        traffic=Traffic("saturation", concurrency=4),
+        slo=slo or Slo(tpot_ms=10.0),
+        configs=configs,
+        space={"max_num_seqs": list(keys_values)},
+        skipped={"cuda_perf_boost": "no GPU: there is no CUDA context to boost"},
+        window_s=2.0,
+        pairs=2,
+        progress=False,
+        **kw,
+    )
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    FakeMeasurer.calls = []
+    FakeMeasurer.refuse = set()
+    FakeMeasurer.table = {
+        "max_num_seqs=2": _figs(tpj=1.0),
+        "max_num_seqs=8": _figs(tpj=3.0),
+        "max_num_seqs=32": _figs(tpj=5.0, good=5, tpot=30.0),  # most tokens per joule, misses the SLO
+        "max_num_seqs=16": _figs(tpj=2.0),
+        "defaults": _figs(tpj=2.5),
+    }
+    monkeypatch.setattr(ts_run, "Measurer", FakeMeasurer)
+    return FakeMeasurer
+
+
+def test_the_search_picks_the_most_tokens_per_joule_that_meets_the_slo_and_pairs_it_abba(tmp_path, fake, capsys):
+    rc = ts_run.execute(_opts(tmp_path, [2, 8, 32, 16]))
+    assert rc == 0
+    search = [c for c in fake.calls if c[1] == 2.0][:4]
+    assert [c[0] for c in search] == ["max_num_seqs=2", "max_num_seqs=8", "max_num_seqs=32", "max_num_seqs=16"]
+    assert ("max_num_seqs=8", 4.0, 1) in fake.calls and ("max_num_seqs=16", 4.0, 1) in fake.calls  # round 1: the best 2, twice as long
+    finals = [c[0] for c in fake.calls if c[2] >= 1000]
+    assert finals == ["max_num_seqs=8", "defaults", "defaults", "max_num_seqs=8"]  # ABBA
+    rec = json.loads((tmp_path / "out" / "tune-serving.json").read_text())
+    assert rec["status"] == "done" and rec["winner"]["key"] == "max_num_seqs=8" and rec["energy_label"] == "simulated"
+    assert rec["final"]["tok_per_j_ratio"] == {"mean": 1.2, "ci95": [1.2, 1.2]}
+    assert rec["final"]["slo_attainment"]["defaults"]["windows_meeting_slo"] == 2
+    assert rec["winner"]["command"] == "vllm serve " + str(tmp_path / "m") + " --max-num-seqs 8"
+    assert (tmp_path / "out" / "winner-command.txt").read_text().strip() == rec["winner"]["command"]
+    assert (tmp_path / "out" / "pareto.png").stat().st_size > 0
+    md = (tmp_path / "out" / "tune-serving.md").read_text()
+    assert "Energy SIMULATED" in md and "Skipped `cuda_perf_boost`: no GPU" in md and "| `max_num_seqs=32` | r0 |" in md
+    out = capsys.readouterr().out
+    assert "tok/J (simulated)" in out and rec["winner"]["command"] in out
+
+
+def test_a_stopped_search_resumes_without_measuring_anything_again(tmp_path, fake, capsys):
+    assert ts_run.execute(_opts(tmp_path, [2, 8], stop_after=1)) == ts_run.EXIT_STOPPED
+    assert fake.calls == [("max_num_seqs=2", 2.0, 0)]
+    assert "rerun the same command to resume" in capsys.readouterr().out
+    rec = json.loads((tmp_path / "out" / "tune-serving.json").read_text())
+    assert rec["status"] == "stopped" and len(rec["configurations"][0]["windows"]) == 1  # the partial report keeps it
+    fake.calls = []
+    assert ts_run.execute(_opts(tmp_path, [2, 8])) == 0
+    assert ("max_num_seqs=2", 2.0, 0) not in fake.calls and fake.calls[0] == ("max_num_seqs=8", 2.0, 0)
+    assert "resuming: 1 finished step(s)" in capsys.readouterr().out
+    steps = [json.loads(x)["step"] for x in (tmp_path / "out" / "state.jsonl").read_text().splitlines()[1:]]
+    assert len(steps) == len(set(steps)) == 2 + 4
+    fake.calls = []
+    assert ts_run.execute(_opts(tmp_path, [2, 8])) == 0 and fake.calls == []  # all done: nothing measured again
+
+
+def test_an_unmeetable_slo_ends_with_the_closest_configuration_and_its_miss(tmp_path, fake, capsys):
+    rc = ts_run.execute(_opts(tmp_path, [2, 8, 32], slo=Slo(tpot_ms=10.0, itl_ms=1.0)))  # every window's p99 ITL is 6 ms
+    assert rc == ts_run.EXIT_SLO_UNMET
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error:")]
+    assert len(err) == 1 and "no configuration met the SLO" in err[0] and "the closest, max_num_seqs=8, misses by" in err[0]
+    assert err[0].endswith("misses by p99 ITL 6.0 ms vs 1 ms (+500 %)")  # 32 has more tokens per joule but misses more
+    rec = json.loads((tmp_path / "out" / "tune-serving.json").read_text())
+    assert rec["status"] == "slo_unmet" and rec["closest"]["key"] == "max_num_seqs=8" and "final" not in rec
+    assert not [c for c in fake.calls if c[2] >= 1000]  # no pairs for a configuration that misses
+
+
+def test_a_configuration_vllm_refuses_is_one_line_and_the_rest_is_measured(tmp_path, fake, capsys):
+    fake.refuse = {"max_num_seqs=8"}
+    assert ts_run.execute(_opts(tmp_path, [2, 8, 16])) == 0
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error:")]
+    assert err == [
+        "error: vllm serve refused configuration max_num_seqs=8: ValueError: max_num_batched_tokens (16) is smaller than "
+        "max_model_len (1024) (skipped; nothing measured is lost)"
+    ]
+    rec = json.loads((tmp_path / "out" / "tune-serving.json").read_text())
+    assert rec["winner"]["key"] == "max_num_seqs=16"  # 2 and 16 meet the SLO, 16 has the more tokens per joule
+    assert rec["configurations"][1]["refused_by_vllm"].startswith("ValueError")
+
+
+def test_an_interrupt_keeps_every_finished_measurement(tmp_path, fake, monkeypatch, capsys):
+    real = FakeMeasurer.measure
+
+    def measure(self, config, *a):
+        if config.key == "max_num_seqs=8":
+            raise KeyboardInterrupt
+        return real(self, config, *a)
+
+    monkeypatch.setattr(FakeMeasurer, "measure", measure)
+    assert ts_run.execute(_opts(tmp_path, [2, 8])) == ts_run.EXIT_STOPPED
+    assert "interrupted: every finished measurement is in" in capsys.readouterr().out
+    lines = (tmp_path / "out" / "state.jsonl").read_text().splitlines()
+    assert len(lines) == 2 and json.loads(lines[1])["key"] == "max_num_seqs=2"
+
+
+# --- the command's bad inputs ----------------------------------------------------------------------
+
+
+def _cli(argv, capsys):
+    from vllm_powersave.cli import main
+
+    rc = main(argv)
+    cap = capsys.readouterr()
+    return rc, cap.out, cap.err
+
+
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        (["--max-num-seqs", "0,8"], "error: space flags: field 'max_num_seqs' = 0: must be in [1, 65536]"),
+        (["--slo-tpot-ms", "-5"], "error: --slo-tpot-ms = -5.0: must be a positive number of ms"),
+        (["--window-s", "0"], "error: --window-s = 0.0: out of range"),
+        (["--input-len", "9:3"], "error: --input-len = '9:3'"),
+        (["--cuda-perf-boost", "auto,off"], "error: the space has no setting that can act on this machine: cuda_perf_boost: no GPU"),
+    ],
+)
+def test_bad_command_input_is_one_line_before_anything_starts(tiny_config, tmp_path, capsys, extra, needle):
+    base = ["tune-serving", "--model", str(tiny_config), "--concurrency", "4", "--out", str(tmp_path / "o")]
+    rc, _, err = _cli(base + extra, capsys)
+    assert rc == 2 and err.strip().splitlines() == [err.strip()] and err.startswith(needle)
+    assert not (tmp_path / "o").exists()  # nothing started, nothing written
+
+
+def test_a_bad_trace_file_through_the_command(tiny_config, tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"arrival_s": 0, "input_len": 8, "output_len": 0}\n')
+    rc, _, err = _cli(["tune-serving", "--model", str(tiny_config), "--trace", str(trace), "--out", str(tmp_path / "o")], capsys)
+    assert rc == 2 and err.strip() == f"error: --trace {trace}: line 1: field 'output_len' = 0: must be an integer number of tokens >= 1"
+
+
+def test_a_space_file_restricts_the_search(tiny_config, tmp_path):
+    from vllm_powersave.cli import build_parser
+    from vllm_powersave.serving_tune.command import options_from
+
+    space = tmp_path / "space.yaml"
+    space.write_text("max_num_seqs: [4, 16]\nasync_scheduling: [off]\n")
+    ns = build_parser().parse_args(
+        ["tune-serving", "--model", str(tiny_config), "--rate", "2", "--space", str(space), "--out", str(tmp_path)]
+    )
+    opts = options_from(ns)
+    assert [c.key for c in opts.configs] == ["max_num_seqs=4,async_scheduling=false", "max_num_seqs=16,async_scheduling=false"]
+    assert opts.traffic.kind == "poisson" and opts.traffic.rate_rps == 2.0
+    ns = build_parser().parse_args(
+        ["tune-serving", "--model", str(tiny_config), "--rate", "2", "--space", str(space), "--max-num-seqs", "2", "--out", str(tmp_path)]
+    )
+    assert [c.key for c in options_from(ns).configs] == ["max_num_seqs=2,async_scheduling=false"]  # a flag overrides the file's list
+    assert isinstance(SpaceSpec().searched(), dict)
