@@ -22,7 +22,7 @@ import random
 from dataclasses import dataclass, field, replace
 
 from .gpu import GpuSpec
-from .trace import LaggedClock
+from .trace import LaggedClock, Step, StepCost, Trace
 
 #: Knee positions are priced on a 5 MHz grid, so that drifting states share cached step prices.
 _KNEE_GRID_MHZ = 5
@@ -135,4 +135,32 @@ class Scenario:
     outlier_factor: float = 3.0
 
 
-__all__ = ["ClockFaults", "FaultyLaggedClock", "GpuDrift", "Scenario"]
+__all__ = ["ClockFaults", "FaultyLaggedClock", "GpuDrift", "Scenario", "decode_trace"]
+
+
+def decode_trace(
+    duration_s: float,
+    seed: int,
+    spec: GpuSpec,
+    batches: tuple[int, ...],
+    run_steps: tuple[int, int] = (20, 200),
+    ctx_per_req: tuple[int, int] = (500, 3000),
+    shape: str = "qwen2.5-7b",
+) -> Trace:
+    """Decode-only serving whose batch jumps between ``batches`` every ``run_steps`` steps
+    (uniform), each request holding ``ctx_per_req`` KV tokens, growing one per step. Simulated:
+    e.g. large batches near the compute ridge, or bursty batch-bucket changes."""
+    rng = random.Random(seed)
+    cost = StepCost(spec, shape)
+    events: list = []
+    t = 0.0
+    while t < duration_s:
+        batch = rng.choice(batches)
+        ctx = batch * rng.randint(*ctx_per_req)
+        for _ in range(rng.randint(*run_steps)):
+            s = Step(0, batch, ctx, batch, 0.0005)
+            events.append(("step", s))
+            t += cost.at(s, spec.f_max_mhz)[0] + s.host_gap_s
+            ctx += batch
+    note = f"decode-only, batch jumping between {list(batches)} every {run_steps[0]}-{run_steps[1]} steps, {duration_s:.0f} s (simulated)"
+    return Trace(f"decode-seed{seed}", events, [note])
