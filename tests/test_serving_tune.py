@@ -59,6 +59,7 @@ def test_a_configuration_flag_replaces_the_base_arguments_value():
         "--no-async-scheduling",
     ]
     assert override(["--max-num-seqs=64", "--dtype", "bfloat16"], ["--max-num-seqs", "8"]) == ["--dtype", "bfloat16", "--max-num-seqs", "8"]
+    assert override(["--max-model-len", "1024", "--host", "h"], ["--max-model-len=2048"]) == ["--host", "h", "--max-model-len=2048"]
 
 
 def test_settings_that_cannot_act_here_are_skipped_with_a_reason():

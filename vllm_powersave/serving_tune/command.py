@@ -7,7 +7,18 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .space import SETTINGS, MachineFacts, SpaceError, SpaceSpec, applicable, configurations, default_space, load_space_file, parse_space
+from .space import (
+    SETTINGS,
+    MachineFacts,
+    SpaceError,
+    SpaceSpec,
+    applicable,
+    configurations,
+    default_space,
+    load_space_file,
+    override,
+    parse_space,
+)
 
 #: Flags that list a setting's values (comma-separated; cudagraph sizes: ';'-separated lists of ' '-separated sizes).
 SPACE_FLAGS = {name: "--" + name.replace("_", "-") for name in SETTINGS}
@@ -158,7 +169,7 @@ def options_from(ns: argparse.Namespace) -> Any:
     model = _model(ns)
     plan = ServePlan(
         model=model,
-        base_args=tuple(default_serve_args(str(model))[1:] + list(ns.serve_arg or [])),
+        base_args=tuple(override(default_serve_args(str(model))[1:], list(ns.serve_arg or []))),
         gpu=gpu,
         out_dir=Path(ns.out),
         sim_shape=None if ns.sim_shape == "served" else ns.sim_shape,

@@ -195,7 +195,7 @@ class Config:
 def override(base_args: list[str] | tuple[str, ...], flags: list[str]) -> list[str]:
     """``base_args`` without the flags ``flags`` sets again (and their values), then ``flags``: one
     value per setting on the command line, the configuration's."""
-    names = {f for f in flags if f.startswith("--")}
+    names = {f.split("=", 1)[0] for f in flags if f.startswith("--")}
     names |= {"--async-scheduling", "--no-async-scheduling"} if names & {"--async-scheduling", "--no-async-scheduling"} else set()
     out, skip = [], False
     for a in base_args:
