@@ -1,0 +1,177 @@
+"""``vllm-powersave tune-serving`` on the H200 at the issue's two loads (docs/tune-serving.md).
+
+Loads (issue 32, "Must show"):
+
+* ``rate4``: Poisson 4 req/s, input uniform 128-1024 and output uniform 32-512 tokens (independent
+  integer draws), streamed; SLO 99 % of requests with TTFT <= 2000 ms and TPOT <= 50 ms.
+* ``c128``: saturation, 128 concurrent streams, input 512 and output 256 tokens; SLO 99 % of
+  requests with TTFT <= 20000 ms and TPOT <= 60 ms.
+
+Each load is one ``tune-serving`` search (its space below, 20 s first windows, successive halving
+with eta 2, at most 4 configurations) and 3 ABBA pairs of the winner against vLLM's defaults, in a
+budget of 20 minutes of GPU time per load (``--budget-min 20``). The command runs from the plugin's
+site (``--plugin-site`` before ``--stock-site`` on PYTHONPATH): the defaults arm is vLLM with the
+plugin importable but not enabled, which changes nothing but accepting ``--plugin``; configurations
+with ``cuda_perf_boost`` load it. Energy: the local NVML counter for every window (measured). Clocks
+are never set on a shared GPU: this script refuses to start without ``POWERSAVE_FORCE_DRY_RUN=1``,
+which also makes tune-serving skip the closed-loop budget (stated in the report).
+
+A device call is limited (about 10 minutes): ``--call-budget-s`` interrupts the search in time
+(SIGINT: the server is stopped, every finished window is in ``state.jsonl``) and a later call with
+``--resume-from`` the earlier call's output continues where it stopped, nothing measured twice.
+A load takes about 20 minutes in all: 2-3 calls. Outputs: ``$OUT/ts-<load>/`` (tune-serving's
+files); ``h200_tune_serving_record.py`` builds ``docs/results/h200-tune-serving.{json,md,png}``.
+
+Run on the GPU machine::
+
+    POWERSAVE_FORCE_DRY_RUN=1 python3 -m benchmarks.h200_tune_serving --load rate4 --call-budget-s 560
+    POWERSAVE_FORCE_DRY_RUN=1 python3 -m benchmarks.h200_tune_serving --load rate4 --resume-from runs/h200-ts/ts-rate4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .lib.device import log, make_model, require_dry_run, utc_now, write_json_atomic
+from .lib.serve import NO_MULTICAST, SERVER_ENV
+
+#: The loads: tune-serving's traffic and SLO flags, and the space searched (YAML written per load).
+LOADS = {
+    "rate4": {
+        "traffic": ["--rate", "4", "--input-len", "128:1024", "--output-len", "32:512"],
+        "slo": ["--slo-ttft-ms", "2000", "--slo-tpot-ms", "50", "--slo-attainment", "0.99"],
+        "space": {
+            "cuda_perf_boost": ["on", "auto"],
+            "max_num_batched_tokens": [8192, 2048],
+            "async_scheduling": [False, True],
+        },
+    },
+    "c128": {
+        "traffic": ["--concurrency", "128", "--input-len", "512", "--output-len", "256"],
+        "slo": ["--slo-ttft-ms", "20000", "--slo-tpot-ms", "60", "--slo-attainment", "0.99"],
+        "space": {
+            "api_server_count": [1, 4],
+            "max_num_seqs": [256, 128],
+            "async_scheduling": [False, True],
+            "cuda_perf_boost": ["on", "auto"],
+        },
+    },
+}
+#: Search flags common to both loads (see the module docstring).
+SEARCH = ["--window-s", "20", "--eta", "2", "--max-configs", "4", "--pairs", "3", "--budget-min", "20", "--warmups", "8"]
+
+
+def tune_cmd(ns: argparse.Namespace, load: str, model: Path, out: Path, space: Path) -> list[str]:
+    """The ``vllm-powersave tune-serving`` command of one load."""
+    spec = LOADS[load]
+    serve = [f"--serve-arg={a}" for a in ("--max-model-len", "2048", "--load-format", "dummy", *ns.serve_args.split())]
+    return [
+        sys.executable,
+        "-m",
+        "vllm_powersave.cli",
+        "tune-serving",
+        "--model",
+        str(model),
+        "--out",
+        str(out),
+        "--space",
+        str(space),
+        *spec["traffic"],
+        *spec["slo"],
+        *SEARCH,
+        *serve,
+        "--startup-timeout",
+        str(ns.start_timeout_s),
+        "--no-progress",
+    ]
+
+
+def write_space(load: str, path: Path) -> Path:
+    """The load's space as a YAML file (JSON is YAML)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(LOADS[load]["space"]) + "\n")
+    return path
+
+
+def resume(from_dir: Path | None, out: Path) -> int:
+    """Copy an earlier call's ``state.jsonl`` into ``out``; the lines it holds (0: a fresh search)."""
+    if from_dir is None:
+        return 0
+    src = from_dir / "state.jsonl"
+    if not src.is_file():
+        raise SystemExit(f"error: --resume-from {from_dir}: no state.jsonl there")
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("state.jsonl", "calls.json"):  # the finished windows, and the earlier calls' wall times
+        if (from_dir / name).is_file() and (from_dir / name).resolve() != (out / name).resolve():
+            shutil.copy(from_dir / name, out / name)
+    return len(src.read_text().splitlines())
+
+
+def run_call(cmd: list[str], env: dict[str, str], budget_s: float, log_path: Path) -> int:
+    """Run tune-serving until it ends or ``budget_s`` passes (then SIGINT: it stops its server and keeps its state)."""
+    with open(log_path, "ab") as logf:
+        logf.write((" ".join(cmd) + "\n").encode())
+        p = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env)
+        try:
+            return p.wait(timeout=budget_s)
+        except subprocess.TimeoutExpired:
+            log(f"call budget {budget_s:.0f} s reached: interrupting (state kept; resume with --resume-from)")
+            p.send_signal(signal.SIGINT)
+            try:
+                return p.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                return p.wait()
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--load", required=True, choices=sorted(LOADS))
+    ap.add_argument("--shape", default="qwen2.5-7b")
+    ap.add_argument("--shapes-dir", default=".gpu-bundle/shapes")
+    ap.add_argument("--tok-dir", default="/tmp/model_cfg")
+    ap.add_argument("--serve-args", default="--gpu-memory-utilization 0.9", help="more vllm serve arguments for every server")
+    ap.add_argument("--plugin-site", default="/tmp/psite")
+    ap.add_argument("--stock-site", default="/tmp/site")
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
+    ap.add_argument("--resume-from", type=Path, default=None, help="an earlier call's ts-<load> directory")
+    ap.add_argument("--call-budget-s", type=float, default=560.0, help="interrupt the search after this many s (device call limit)")
+    ap.add_argument("--start-timeout-s", type=float, default=600.0)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    require_dry_run()  # first: nothing may touch a GPU before this
+    ns = parse_args(argv)
+    out = Path(ns.out) / f"ts-{ns.load}"
+    found = resume(ns.resume_from, out)
+    model = make_model(ns.shape, Path(ns.shapes_dir), Path(ns.tok_dir))
+    space = write_space(ns.load, out / "space.yaml")
+    site = ":".join(p for p in (ns.plugin_site, ns.stock_site) if p)
+    env = {**os.environ, **SERVER_ENV, **NO_MULTICAST, **({"PYTHONPATH": site} if site else {})}
+    cmd = tune_cmd(ns, ns.load, model, out, space)
+    log(
+        f"{ns.load}: tune-serving ({'resuming from ' + str(found) + ' state lines' if found else 'fresh'}), call budget {ns.call_budget_s:.0f} s"
+    )
+    t0 = time.monotonic()
+    rc = run_call(cmd, env, ns.call_budget_s, out / "tune-serving.log")
+    calls = out / "calls.json"
+    prior = json.loads(calls.read_text()) if calls.exists() else []
+    prior.append({"load": ns.load, "started_utc": utc_now(), "wall_s": round(time.monotonic() - t0, 1), "exit": rc, "shape": ns.shape})
+    write_json_atomic(calls, prior, indent=1)
+    log(
+        f"{ns.load}: tune-serving exit {rc} ({'done' if rc == 0 else 'rerun with --resume-from ' + str(out) if rc == 3 else 'see the log'})"
+    )
+    return 0 if rc in (0, 3, 4) else rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""benchmarks/h200_tune_serving*.py: the dry-run guard, the command it runs per load (which the real
+parser and space reader accept), resuming from an earlier call, and the record's per-load fields."""
+
+import json
+
+import pytest
+
+from benchmarks import h200_tune_serving as job
+from benchmarks import h200_tune_serving_record as rec
+
+pytestmark = pytest.mark.bench
+
+
+def test_the_job_refuses_to_start_without_the_dry_run_guard(monkeypatch, capsys):
+    monkeypatch.delenv("POWERSAVE_FORCE_DRY_RUN", raising=False)
+    with pytest.raises(SystemExit) as exc:
+        job.main(["--load", "rate4"])
+    assert exc.value.code == 2 and "POWERSAVE_FORCE_DRY_RUN=1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("load", sorted(job.LOADS))
+def test_each_load_is_a_tune_serving_command_the_parser_and_space_reader_accept(load, tmp_path):
+    from vllm_powersave.cli import build_parser
+    from vllm_powersave.serving_tune.space import load_space_file
+
+    ns = job.parse_args(["--load", load])
+    space = job.write_space(load, tmp_path / "space.yaml")
+    cmd = job.tune_cmd(ns, load, tmp_path / "model", tmp_path / "out", space)
+    assert cmd[1:4] == ["-m", "vllm_powersave.cli", "tune-serving"]
+    parsed = build_parser().parse_args(cmd[3:])
+    assert parsed.budget_min == 20.0 and parsed.pairs == 3 and parsed.space == str(space)
+    assert parsed.serve_arg[:4] == ["--max-model-len", "2048", "--load-format", "dummy"]
+    assert load_space_file(space).searched() == job.LOADS[load]["space"]
+    if load == "rate4":
+        assert (parsed.rate, parsed.input_len, parsed.output_len) == (4.0, "128:1024", "32:512")
+    else:
+        assert (parsed.concurrency, parsed.rate) == (128, None)
+
+
+def test_a_later_call_resumes_from_the_earlier_calls_state(tmp_path):
+    earlier = tmp_path / "call1"
+    earlier.mkdir()
+    (earlier / "state.jsonl").write_text('{"kind": "header"}\n{"kind": "measurement"}\n')
+    (earlier / "calls.json").write_text("[]")
+    assert job.resume(earlier, tmp_path / "call2") == 2
+    assert (tmp_path / "call2" / "state.jsonl").read_text() == (earlier / "state.jsonl").read_text()
+    assert job.resume(None, tmp_path / "x") == 0
+    with pytest.raises(SystemExit, match="no state.jsonl"):
+        job.resume(tmp_path / "nothing", tmp_path / "y")
+
+
+def _ts(ratio, att_w, att_d, wall_s, pairs=3):
+    window = {"p99_tpot_ms": 30.0, "output_tokens_per_joule": 5.0, "slo_met": True}
+    return {
+        "status": "done",
+        "energy_label": "measured",
+        "traffic": {"description": "Poisson arrivals at 4 req/s"},
+        "slo": {"description": "99 % of requests with TPOT <= 50 ms", "tpot_ms": 50.0},
+        "search": {"wall_time_s": wall_s},
+        "winner": {"key": "cuda_perf_boost=auto", "command": "vllm serve m --plugin powersave"},
+        "configurations": [{"key": "cuda_perf_boost=auto", "windows": [window]}, {"key": "cuda_perf_boost=on", "windows": [window]}],
+        "final": {
+            "pairs": pairs,
+            "tok_per_j_ratio": {"mean": ratio, "ci95": [ratio - 0.02, ratio + 0.02]},
+            "slo_attainment": {"winner": {"mean": att_w, "ci95": None}, "defaults": {"mean": att_d, "ci95": None}},
+        },
+    }
+
+
+def test_the_record_has_the_issues_fields_per_load_and_judges_the_goal(tmp_path):
+    for load, ts in (("rate4", _ts(1.12, 1.0, 0.99, 1100.0)), ("c128", _ts(1.05, 0.98, 0.99, 1300.0, pairs=2))):
+        (tmp_path / load).mkdir()
+        (tmp_path / load / "tune-serving.json").write_text(json.dumps(ts))
+        (tmp_path / load / "calls.json").write_text(json.dumps([{"wall_s": 500}, {"wall_s": 600}]))
+    r, raw = rec.build({"rate4": tmp_path / "rate4", "c128": tmp_path / "c128"}, "NVIDIA H200")
+    a, b = r["loads"]
+    assert r["energy"] == "measured" and a["tok_per_j_ratio"]["mean"] == 1.12 and a["device_calls"] == 2
+    assert a["goal"] == {
+        "tok_per_j_ratio_ge_1_10": True,
+        "slo_attainment_not_worse": True,
+        "tuning_within_20_min": True,
+        "three_pairs": True,
+    }
+    assert b["goal"] == {
+        "tok_per_j_ratio_ge_1_10": False,
+        "slo_attainment_not_worse": False,
+        "tuning_within_20_min": False,
+        "three_pairs": False,
+    }
+    md = rec.markdown(r)
+    assert "| 1.120 (1.100–1.140) (measured) |" in md and md.count("| yes |") == 1 and md.count("| no |") == 1
+    assert rec.plot(raw, tmp_path / "p.png") and (tmp_path / "p.png").stat().st_size > 0
