@@ -89,6 +89,22 @@ def test_a_bad_space_is_one_line_naming_the_field_and_value(data, needle):
     assert needle in str(err.value) and str(err.value).startswith("--space s.yaml: ") and "\n" not in str(err.value)
 
 
+def test_a_refusal_is_the_servers_own_error_line():
+    from vllm_powersave.serving_tune.measure import refusal_reason
+
+    log = (
+        "INFO starting\nTraceback (most recent call last):\n  File x\n"
+        "pydantic_core._pydantic_core.ValidationError: 1 validation error for SchedulerConfig\n"
+        "  Value error, max_num_batched_tokens (16) must be greater than or equal to max_num_seqs (64). [type=value_error, input_value=1]\n"
+        "    For further information visit https://errors.pydantic.dev\n"
+    )
+    assert refusal_reason(log) == (
+        "ValidationError: 1 validation error for SchedulerConfig: max_num_batched_tokens (16) must be greater than or equal to max_num_seqs (64)."
+    )
+    assert refusal_reason("a\nerror: unrecognized arguments: --bogus\n") == "error: unrecognized arguments: --bogus"
+    assert refusal_reason("just a line\n") == "just a line" and refusal_reason("") == "(empty log)"
+
+
 # --- traffic ---------------------------------------------------------------------------------------
 
 

@@ -66,8 +66,13 @@ _REASON = re.compile(r"(\b\w*(Error|Exception)\b: .+|^error: .+)")
 def refusal_reason(log_text: str) -> str:
     """The last error line of a server log, else its last line, cut to 300 characters."""
     lines = [ln.strip() for ln in log_text.splitlines() if ln.strip()]
-    found = [m.group(1) for ln in lines if (m := _REASON.search(ln))]
-    return ((found or lines or ["(empty log)"])[-1])[:300]
+    found = [(i, m.group(1)) for i, ln in enumerate(lines) if (m := _REASON.search(ln))]
+    if not found:
+        return (lines or ["(empty log)"])[-1][:300]
+    i, reason = found[-1]
+    if "validation error" in reason and i + 1 < len(lines):  # pydantic: the field's message is on the next line
+        reason += ": " + lines[i + 1].split(" [type=")[0].removeprefix("Value error, ")
+    return reason[:300]
 
 
 class Measurer:
