@@ -436,3 +436,27 @@ def test_a_space_file_restricts_the_search(tiny_config, tmp_path):
     )
     assert [c.key for c in options_from(ns).configs] == ["max_num_seqs=2,async_scheduling=false"]  # a flag overrides the file's list
     assert isinstance(SpaceSpec().searched(), dict)
+
+
+def test_an_interrupt_during_server_start_up_stops_that_server(tmp_path, monkeypatch):
+    from vllm_powersave import serving
+    from vllm_powersave.serving_tune.measure import Measurer
+
+    stopped = []
+
+    class StartInterrupted:
+        def __init__(self, args, **kw):
+            self.args = args
+
+        def start(self):
+            raise KeyboardInterrupt
+
+        def stop(self):
+            stopped.append(self.args)
+
+    monkeypatch.setattr(serving, "VllmServer", StartInterrupted)
+    plan = ServePlan(model=tmp_path / "m", base_args=(), gpu=True, out_dir=tmp_path / "out")
+    m = Measurer(plan, Traffic("saturation", concurrency=1), Slo())
+    with pytest.raises(KeyboardInterrupt):
+        m.measure(Config((("max_num_seqs", 4),)), 1.0, 0, "w")
+    assert stopped == [[str(tmp_path / "m"), "--max-num-seqs", "4"]] and m.needs_restart(Config((("max_num_seqs", 4),)))

@@ -102,7 +102,10 @@ class Measurer:
         server = VllmServer(args, log_path=log, startup_timeout_s=self.plan.startup_timeout_s)
         try:
             server.start()
-        except ServerError as err:
+        except BaseException as err:  # an interrupt during start-up must not leave the server running
+            server.stop()
+            if not isinstance(err, ServerError):
+                raise
             try:
                 text = log.read_text(errors="replace")
             except OSError:
