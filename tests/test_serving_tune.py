@@ -460,3 +460,17 @@ def test_an_interrupt_during_server_start_up_stops_that_server(tmp_path, monkeyp
     with pytest.raises(KeyboardInterrupt):
         m.measure(Config((("max_num_seqs", 4),)), 1.0, 0, "w")
     assert stopped == [[str(tmp_path / "m"), "--max-num-seqs", "4"]] and m.needs_restart(Config((("max_num_seqs", 4),)))
+
+
+def test_the_best_so_far_follows_the_ranking_and_says_simulated(tmp_path, fake):
+    s = ts_run.Session(_opts(tmp_path, [2, 32, 8]))
+    s.start(ts_run.planned_steps(3, 2, 2))
+    seen = []
+    s.note_best = lambda text: seen.append(text)  # what the progress bar's postfix shows
+    ts_run.run_search(s)
+    s.close()
+    assert seen[:3] == [
+        "max_num_seqs=2 1 tok/J (simulated)",
+        "max_num_seqs=2 1 tok/J (simulated)",  # 32 has more tokens per joule but misses the SLO
+        "max_num_seqs=8 3 tok/J (simulated)",
+    ]

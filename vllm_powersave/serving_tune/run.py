@@ -138,8 +138,15 @@ class Session:
         self.new_steps += 1
         self._learn(wall, window_s, restarted)
         self._tick()
-        print(step_line(m, verdict_of(m, self.opts.slo)), flush=True)
+        self.say(step_line(m, verdict_of(m, self.opts.slo)))
         return m
+
+    def say(self, line: str) -> None:
+        """A log line on stdout, above the progress bar where there is one."""
+        if self._bar is not None and not self._bar.disable:
+            self._bar.write(line, file=sys.stdout)
+        else:
+            print(line, flush=True)
 
     def _learn(self, wall_s: float, window_s: float, restarted: bool) -> None:
         extra = max(0.0, wall_s - window_s)
