@@ -24,6 +24,9 @@ FORBIDDEN_IMPORTS = (
     ("vllm_powersave/energy", "vllm_powersave.tune"),
     ("vllm_powersave/energy", "vllm_powersave.modelgen"),
     ("vllm_powersave/sim", "vllm_powersave.clocks"),
+    ("vllm_powersave/runtime", "vllm_powersave.serving_tune"),
+    ("vllm_powersave/energy", "vllm_powersave.serving_tune"),
+    ("vllm_powersave/clocks", "vllm_powersave.serving_tune"),
 )
 
 # Violations still being fixed, as "path:qualified function" and "path -> name" strings. Remove an
