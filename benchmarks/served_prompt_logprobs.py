@@ -10,7 +10,7 @@ warm-up and then ``--requests`` completions of ``--prompt-tokens`` token ids wit
 the first line of any error, the seconds taken and whether every position got its logprobs; then
 whether the server still answers ``/health``, and its peak memory:
 
-* GPU: the peak of ``nvmlDeviceGetMemoryInfo.used`` sampled at 20 Hz while the requests ran, over
+* GPU: the peak of NVML's used memory (``NvmlGpu.memory_used_bytes``) sampled at 20 Hz while the requests ran, over
   its value before them (read-only NVML; no setting is changed);
 * CPU: the model process's ``VmHWM`` (peak resident set) after the requests, over its value after
   the warm-up (torch keeps no CPU allocator statistics).
@@ -77,25 +77,23 @@ class ArmRun:
 class GpuMemorySampler:
     """Peak ``used`` memory of one GPU at 20 Hz while running (NVML reads only); unavailable off a GPU."""
 
-    def __init__(self, index: int) -> None:
+    def __init__(self, index: int, nvml: object = None) -> None:
         self.peak_b = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         try:
-            import pynvml
+            from vllm_powersave.device import NvmlGpu
 
-            pynvml.nvmlInit()
-            self._handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-            self._read = lambda: int(pynvml.nvmlDeviceGetMemoryInfo(self._handle).used)
-        except Exception:
-            self._read = None
+            self._gpu: object | None = NvmlGpu.from_index(index, nvml)
+        except Exception:  # no NVML here (a CPU run): peak memory comes from the model process
+            self._gpu = None
 
     @property
     def available(self) -> bool:
-        return self._read is not None
+        return self._gpu is not None
 
     def used_b(self) -> int:
-        return self._read()
+        return self._gpu.memory_used_bytes()
 
     def start(self) -> None:
         self.peak_b, self._stop = self.used_b(), threading.Event()

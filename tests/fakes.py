@@ -15,6 +15,7 @@ import threading
 import time
 import urllib.parse
 from pathlib import Path
+from types import SimpleNamespace
 
 
 class NVMLError(Exception):
@@ -154,6 +155,11 @@ class FakeNvml:
 
     def nvmlDeviceGetPowerUsage(self, h):
         return self.power_mw
+
+    def nvmlDeviceGetMemoryInfo(self, h):
+        return SimpleNamespace(total=143771 << 20, used=self.memory_used_b, free=(143771 << 20) - self.memory_used_b)
+
+    memory_used_b = 600 << 20
 
     def nvmlDeviceGetClockInfo(self, h, kind):
         if kind == 2:  # NVML_CLOCK_MEM

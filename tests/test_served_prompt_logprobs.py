@@ -61,3 +61,20 @@ def test_the_record_shows_which_arm_failed_and_each_peak(tmp_path):
     assert rec["all_requests_ok"] == {"stock": [False], "plugin": [True]} and rec["measured"] is True
     assert "| t/0 | stock |" in md and "0/1" in md and "| 1400 |" in md and "engine died" in md
     json.dumps(rec)
+
+
+def test_gpu_peak_memory_is_sampled_through_the_device_layer():
+    from fakes import FakeNvmlDevices
+
+    nvml = FakeNvmlDevices()
+    gpu = job.GpuMemorySampler(0, nvml)
+    assert gpu.available and gpu.used_b() == 600 << 20
+    gpu.start()
+    nvml.memory_used_b = 5000 << 20
+    import time
+
+    deadline = time.monotonic() + 5
+    while gpu.peak_b < 5000 << 20 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert gpu.stop() == 5000 << 20
+    assert not job.GpuMemorySampler(0, object()).available  # no NVML: the CPU path

@@ -341,6 +341,11 @@ class NvmlGpu:
     def sm_clock_mhz(self) -> int:
         return int(self._call("nvmlDeviceGetClockInfo", self._const("NVML_CLOCK_SM", NVML_CLOCK_SM), handle=self._chip()))
 
+    def memory_used_bytes(self) -> int:
+        """Device memory in use by every process on this GPU (``nvmlDeviceGetMemoryInfo``; on a MIG
+        device, that instance's)."""
+        return int(self._call("nvmlDeviceGetMemoryInfo").used)
+
     def utilization_gpu_pct(self) -> int:
         """Share of the last sample period in which a kernel ran (NVML's coarse GPU utilisation, %)."""
         return int(self._call("nvmlDeviceGetUtilizationRates", handle=self._chip()).gpu)
