@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.lib.device import utc_now
+from benchmarks.lib.device import utc_now, write_record
 from vllm_powersave.settings import load_settings
 from vllm_powersave.sim.gpu import H200, StepWork, simulate_step
 from vllm_powersave.sim.scenarios import ClockFaults, GpuDrift, Scenario, decode_trace
@@ -134,6 +134,7 @@ def run_one(case: Case, seed: int, decode_mhz: int | None = None) -> dict[str, A
     base = replay(trace, H200, stock, noise_sigma=noise, noise_seed=seed, budget_pct=BUDGET_PCT, scenario=sc)
     r = replay(trace, H200, _settings(case, decode_mhz), noise_sigma=noise, noise_seed=seed, budget_pct=BUDGET_PCT, scenario=sc)
     out = {"seed": seed, "noise_sigma": noise, "outlier_share": sc.outlier_share, **compare(base, r)}
+    out.update(oob_causes=r["oob_causes"], phase_steps=r["phase_steps"])
     cl = r["closed_loop"]
     if cl is not None:
         held = {str(k): b["held_mhz"] for k, b in cl["buckets"].items()}
@@ -198,7 +199,18 @@ def summarize(case: Case, runs: list[dict[str, Any]], orc: dict[str, Any] | None
         checks["no_held_clock_below_default"] = not held_low
         checks["no_saving"] = entry["decode_energy_ratio"]["median"] >= 0.99
     entry["checks"] = checks
+    entry["out_of_budget_causes"] = _summed([r.get("oob_causes") or {} for r in runs])
+    entry["decode_steps_by_loop_phase"] = _summed([r.get("phase_steps") or {} for r in runs])
     return entry
+
+
+def _summed(counts: list[dict[str, int]]) -> dict[str, int]:
+    """Counts summed over seeds, largest first."""
+    tot: dict[str, int] = {}
+    for c in counts:
+        for k, v in c.items():
+            tot[k] = tot.get(k, 0) + v
+    return dict(sorted(tot.items(), key=lambda kv: -kv[1]))
 
 
 def run(seeds: int, jobs: int, only: list[str] | None) -> dict[str, Any]:
@@ -244,6 +256,24 @@ def markdown(o: dict[str, Any]) -> str:
             f"| {s['name']} | {s['what']} | {s['seeds']} | {100 * s['in_budget']['min']:.2f} % | {100 * s['in_budget']['median']:.2f} % | "
             f"{s['decode_energy_ratio']['median']:.3f} | {orc} | {checks} |"
         )
+    L += [
+        "\n## Out-of-budget decode steps by cause (simulated, summed over seeds)\n",
+        "Cause of each decode step over the budget: `after_idle` (started at the idle clock before the raise landed), "
+        "`raise_pending` (started below the clock asked for: a raise still landing or lost), `switch_in_step` (a switch "
+        "landed inside it), `mixed` (prompt tokens rode along), else what the loop's clock was for: `probe`, `step_down` "
+        "(a retry below the held clock), `held` (a held clock before a drift was caught), `reference`/`baseline` "
+        "(default-clock windows), `other_bucket` (the batch left the active bucket fewer than `bucket_dwell_steps` ago). "
+        "Decode steps by phase: the share of decode steps run for each (reference windows cost energy).\n",
+        "| scenario | out of budget | causes | decode steps by loop phase |",
+        "|---|---|---|---|",
+    ]
+    for s in o["scenarios"]:
+        c, p = s["out_of_budget_causes"], s["decode_steps_by_loop_phase"]
+        n = sum(p.values()) or 1
+        L.append(
+            f"| {s['name']} | {sum(c.values())} of {n} | {', '.join(f'{k} {v}' for k, v in c.items()) or '-'} | "
+            f"{', '.join(f'{k} {100 * v / n:.1f} %' for k, v in p.items())} |"
+        )
     return "\n".join(L) + "\n"
 
 
@@ -258,10 +288,8 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --seeds and --jobs must be >= 1", file=sys.stderr)
         return 2
     o = run(ns.seeds, ns.jobs, ns.only)
-    out = Path(ns.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "sim-closed-loop-adversarial.json").write_text(json.dumps(o, indent=1) + "\n")
-    (out / "sim-closed-loop-adversarial.md").write_text(markdown(o))
+    # The hand-written reading stays across reruns.
+    write_record(Path(ns.out), "sim-closed-loop-adversarial", o, markdown(o), keep_from="\n## Reading")
     print(markdown(o))
     return 0
 

@@ -199,3 +199,24 @@ def test_replay_applies_the_idle_preset_in_an_idle_gap():
     assert ("idle", 345) in changes
     stock = replay(trace, H200, load_settings({"clocks": {"backend": "simulated"}}, env={}).clocks)
     assert out["idle_j"] < 0.9 * stock["idle_j"]
+
+
+def test_replay_names_a_cause_for_every_out_of_budget_decode_step():
+    # Simulated: the closed loop on a 6 s decode trace with 80 ms switches (6 ms configured): every
+    # decode step over the budget is counted under exactly one cause, and the phases cover all steps.
+    from vllm_powersave.sim.scenarios import ClockFaults, Scenario, decode_trace
+
+    trace = decode_trace(6.0, 3, H200, (8, 64))
+    s = load_settings(
+        {"clocks": {"backend": "simulated", "min_dwell_ms": 20, "closed_loop": {"enabled": True, "probe_steps": 16}}}, env={}
+    ).clocks
+    out = replay(trace, H200, s, noise_sigma=0.01, scenario=Scenario("slow", faults=ClockFaults(latency_s=0.08)))
+    assert sum(out["oob_causes"].values()) == out["decode_steps"] - out["decode_in_budget"] > 0
+    assert sum(out["phase_steps"].values()) == out["decode_steps"]
+    assert set(out["oob_causes"]) <= {"after_idle", "raise_pending", "switch_in_step", "mixed", "probe", "step_down", "held"} | {
+        "reference",
+        "baseline",
+        "other_bucket",
+        "default",
+        "off",
+    }

@@ -288,6 +288,25 @@ class DecodeClockTuner:
             return self.cands[b.probe]
         return None if b.held >= len(self.cands) else self.cands[b.held]
 
+    def phase_of(self, batch: int) -> str:
+        """What the clock a decode step of ``batch`` gets now is for (diagnostics, e.g. the
+        replay's out-of-budget causes): ``off``; ``other_bucket`` (the active bucket's clock: the
+        batch left it fewer than ``bucket_dwell_steps`` steps ago); ``baseline`` or ``reference``
+        (default-clock windows: a search's or a re-check's); ``probe``; ``step_down`` (a retry's
+        probe below the held clock); ``held`` (a clock below the default); ``default``."""
+        if self.off_reason is not None or self.active is None:
+            return "off"
+        if self.bucket_of(batch) != self.active:
+            return "other_bucket"
+        b = self.buckets.get(self.active)
+        if b is None or b.state == "baseline":
+            return "baseline"
+        if b.state in ("ref", "check"):
+            return "reference"
+        if b.state == "probe":
+            return "step_down" if b.lowering_from is not None else "probe"
+        return "default" if b.held >= len(self.cands) else "held"
+
     def turn_off(self, now_s: float, reason: str) -> None:
         """Stop for good (a clock switch was never confirmed): every bucket holds the default
         clock, and no held clock (so no saving) is reported any more."""

@@ -106,6 +106,8 @@ def _new_totals() -> dict[str, Any]:
         "out_tokens": 0,
         "worst_slowdown": 0.0,
         "clock_mhz_steps": {},
+        "oob_causes": {},  # out-of-budget decode steps by cause (:func:`_oob_cause`)
+        "phase_steps": {},  # decode steps by what the closed loop's clock was for (DecodeClockTuner.phase_of)
     }
 
 
@@ -125,15 +127,42 @@ def _replay_idle(run: _ReplayRun, idle_s: float) -> None:
     run.t = max(t, end)
 
 
-def _book_decode_step(run: _ReplayRun, s: Step, true_s: float, e: float, f_time: dict[int, float], stock_s: float) -> None:
+def _oob_cause(run: _ReplayRun, s: Step, f_time: dict[int, float], phase: str, f_start: int) -> str:
+    """Why a decode step ran out of budget: ``after_idle`` (it started at the idle clock, before
+    the raise landed), ``raise_pending`` (it started below the clock asked for: a raise still
+    landing, or lost), ``switch_in_step`` (a switch landed inside it), ``mixed`` (prompt tokens rode along), else what the closed loop's clock
+    was for (:meth:`~vllm_powersave.clocks.closed_loop.DecodeClockTuner.phase_of`: ``probe``,
+    ``step_down``, ``held``, ``reference``, ``other_bucket``, ...)."""
+    idle = run.ctl.presets.get("idle")
+    want = run.ctl.current.sm_clock_mhz or run.spec.f_max_mhz
+    if idle is not None and idle.sm_clock_mhz == f_start and want != f_start:
+        return "after_idle"
+    if f_start < want:
+        return "raise_pending"
+    if len(f_time) > 1 or f_start != want:
+        return "switch_in_step"
+    if s.tokens != s.decode:
+        return "mixed"
+    return phase
+
+
+def _book_decode_step(
+    run: _ReplayRun, s: Step, true_s: float, e: float, f_time: dict[int, float], stock_s: float, why: tuple[str, int]
+) -> None:
     """A memory-bound step's energy, and its time against the same step at the stock clock on
-    the same GPU state (``stock_s``, noise-free)."""
+    the same GPU state (``stock_s``, noise-free); ``why``: what the loop's clock was for and the
+    clock in effect at the step's start (for an out-of-budget step's cause)."""
     out = run.out
     slow = true_s / stock_s
     out["decode_j"] += e
     out["decode_s"] += true_s
     out["decode_steps"] += 1
-    out["decode_in_budget"] += slow <= run.limit + 1e-9
+    out["phase_steps"][why[0]] = out["phase_steps"].get(why[0], 0) + 1
+    ok = slow <= run.limit + 1e-9
+    out["decode_in_budget"] += ok
+    if not ok:
+        cause = _oob_cause(run, s, f_time, *why)
+        out["oob_causes"][cause] = out["oob_causes"].get(cause, 0) + 1
     out["worst_slowdown"] = max(out["worst_slowdown"], slow - 1)
     fmain = max(f_time, key=f_time.__getitem__)
     out["clock_mhz_steps"][fmain] = out["clock_mhz_steps"].get(fmain, 0) + 1
@@ -147,6 +176,8 @@ def _replay_step(run: _ReplayRun, s: Step, mb_tokens: int, on_step: Callable[[Cl
     run.now[0] = start = run.t
     ctl.on_step(phase, start, start, None)  # the step hook: leaves idle (idle_end) where idle_begin ran
     cost, k = run.cost_at(start)
+    f_start = run.clock.at(start) or spec.f_max_mhz
+    phase_of = ctl.closed_loop.phase_of(s.decode) if ctl.closed_loop is not None and ctl.closed_loop_active else "off"
     t, e, f_time = run_at_clocks(run.clock, start, lambda f: _scaled(cost.at(s, f), k), spec.f_max_mhz)
     true_s = t - start
     noise = math.exp(run.rng.gauss(0.0, run.noise_sigma)) if run.noise_sigma > 0 else 1.0
@@ -156,7 +187,7 @@ def _replay_step(run: _ReplayRun, s: Step, mb_tokens: int, on_step: Callable[[Cl
     out["busy_s"] += true_s
     out["out_tokens"] += s.out_tokens
     if mb:
-        _book_decode_step(run, s, true_s, e, f_time, cost.at(s, spec.f_max_mhz)[0] * k)
+        _book_decode_step(run, s, true_s, e, f_time, cost.at(s, spec.f_max_mhz)[0] * k, (phase_of, f_start))
     else:
         out["other_j"] += e
     # The engine thread's wall time of the step, as the controller would measure it (read back at its end).
