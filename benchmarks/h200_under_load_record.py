@@ -6,7 +6,8 @@ output token, p99 TPOT) and its TTFT figure is the p50 difference (ms); a load's
 over its pairs with a Student-t 95 % interval (lib.stats). Pairs are kept as the raw files hold them
 (ABBA order inside each file); NAME names the device lease each file ran in. Pairs of other arms
 than stock and defaults (``--arms`` ablations) go to ``ablations``; ``--rates`` files add the
-Poisson-rate loads.
+Poisson-rate loads; ``--merge`` keeps what the committed record holds and these files do not rebuild
+(raw files stay out of git, so a later lease adds to the record this way).
 """
 
 from __future__ import annotations
@@ -171,6 +172,24 @@ def rate_entries(rate_raws: list[dict]) -> list[dict]:
     return out
 
 
+def merge(old: dict, new: dict) -> dict:
+    """``new`` with what of ``old`` it does not rebuild: loads and ablations by name, runs by lease
+    and tag, the product comparison; ``not_yet_measured`` less what either measured. Raw files stay
+    out of git, so a later lease adds to the committed record this way."""
+    out = dict(new)
+    for key in ("loads", "ablations"):
+        names = {e["name"] for e in new.get(key, [])}
+        out[key] = [e for e in old.get(key, []) if e["name"] not in names] + new.get(key, [])
+    seen = {(r.get("lease"), r.get("tag")) for r in new["runs"]}
+    out["runs"] = [r for r in old.get("runs", []) if (r.get("lease"), r.get("tag")) not in seen] + new["runs"]
+    out["product_compare"] = new.get("product_compare") or old.get("product_compare")
+    for k in ("device", "shape", "serve_args"):
+        out[k] = new.get(k) or old.get(k)
+    measured = {f"rate {e['rate']:g} req/s" for e in out["loads"] if e.get("kind") == "rate"}
+    out["not_yet_measured"] = [x for x in PLANNED if x not in measured]
+    return {k: v for k, v in out.items() if v is not None}
+
+
 def product_compare(cmp: dict, lease: str) -> dict:
     """The product's own ``vllm-powersave compare`` (one adjacent off/on pair): its ratios, as a check
     that the benchmark's side-by-side servers measure what a user's run measures."""
@@ -284,7 +303,10 @@ def plot(rec: dict, path: Path) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("raw", nargs="+", help="raw files of h200_under_load.py; NAME=FILE names the lease it ran in")
+    ap.add_argument("raw", nargs="*", help="raw files of h200_under_load.py; NAME=FILE names the lease it ran in")
+    ap.add_argument(
+        "--merge", action="store_true", help="keep the existing record's loads, ablations and runs that these files do not rebuild"
+    )
     ap.add_argument("--out-dir", default="docs/results")
     ap.add_argument("--rates", nargs="*", default=[], help="NAME=FILE: raw files of h200_defaults.py (Poisson rates)")
     ap.add_argument("--compare", default=None, help="NAME=FILE: a comparison.json of vllm-powersave compare at c64 (one pair)")
@@ -305,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
         rec["product_compare"] = product_compare(json.loads(Path(path).read_text()), lease)
     out = Path(ns.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if ns.merge and (old := out / "h200-under-load.json").exists():
+        rec = merge(json.loads(old.read_text()), rec)
     (out / "h200-under-load.json").write_text(json.dumps(rec, indent=1) + "\n")
     png = "h200-under-load.png" if plot(rec, out / "h200-under-load.png") else None
     twin = out / "h200-under-load.md"

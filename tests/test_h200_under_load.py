@@ -160,3 +160,19 @@ def test_poisson_rates_from_the_one_server_job_become_rate_loads_with_the_issues
     assert e["p50_ttft_delta_ms"]["mean"] == 0.0 and e["starvation_j"] == {"stock": None, "defaults": None}
     assert [p["lease"] for p in e["pair_list"]] == ["L2", "L3"]
     assert "rate 0.5 req/s" not in r["not_yet_measured"] and "rate 2 req/s" in r["not_yet_measured"]
+
+
+def test_a_later_lease_adds_its_loads_to_the_committed_record_without_the_old_raw_files():
+    c64 = [
+        {"point": "c64", "pair": 1, "order": ["stock", "defaults"], "stock": _run(7000.0, 0.09, 8.0, 50.0, 1), "defaults": _run(7150.0, 0.088, 8.0, 40.0, 4)}
+    ]  # fmt: skip
+    old = rec.build([{**_raw(c64), "lease": "lease-1"}])
+    raws = [
+        {"_file": "defaults-A.json", "gpu": 0, "lease": "lease-2", "servers": [_server("stock", 0, 1.0), _server("defaults", 1, 1.25)]}
+    ]  # fmt: skip
+    merged = rec.merge(old, rec.build([], raws))
+    assert [e["name"] for e in merged["loads"]] == ["c64-streamed-512-256", "rate-0.5"]
+    assert [r["lease"] for r in merged["runs"]] == ["lease-1"] and merged["shape"] == "qwen2.5-7b"
+    assert "rate 0.5 req/s" not in merged["not_yet_measured"]
+    again = rec.merge(merged, rec.build([{**_raw(c64), "lease": "lease-1"}]))  # a rebuilt load replaces its old entry
+    assert [e["name"] for e in again["loads"]] == ["rate-0.5", "c64-streamed-512-256"]
