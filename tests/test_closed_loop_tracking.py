@@ -220,3 +220,17 @@ def test_replay_names_a_cause_for_every_out_of_budget_decode_step():
         "default",
         "off",
     }
+
+
+
+def test_a_batch_entering_a_bucket_with_a_higher_clock_gets_it_at_once():
+    # Bucket 64 holds a low clock; a batch of 8 (bucket 8, still at its baseline: the default
+    # clock) gets the default from its first step's decision on, not after bucket_dwell_steps.
+    tuner = DecodeClockTuner(_loop_settings(bucket_dwell_steps=8), H200.sm_clocks_mhz)
+    d = Decode(tuner).run(4000)
+    assert d.clock is not None
+    d.run(1, batch=8)
+    assert d.clock is None
+    assert tuner.active == 64  # the active bucket changes only after the dwell
+    d.run(1, batch=64)
+    assert d.clock is not None  # back in the active bucket: its clock again

@@ -350,7 +350,7 @@ class DecodeClockTuner:
         edge = self.bucket_of(batch)
         self._choose_bucket(now_s, edge, batch)
         if tokens is not None and tokens != batch:
-            return self.clock_for(self.active)  # not a measurement, and no sign that a probe clock did not take
+            return self._clock_now()  # not a measurement, and no sign that a probe clock did not take
         if ran_at_mhz == self.default_mhz:
             ran_at_mhz = None
         b = self._bucket(edge)
@@ -358,7 +358,7 @@ class DecodeClockTuner:
             # Free baseline data for a bucket that is not driving the clock.
             if ran_at_mhz is None and b.state == "baseline":
                 self._baseline_sample(now_s, b, batch, step_ms, ctx)
-            return self.clock_for(self.active)
+            return self._clock_now()
         if b.state == "baseline":
             if ran_at_mhz is None:
                 self._baseline_sample(now_s, b, batch, step_ms, ctx)
@@ -372,7 +372,18 @@ class DecodeClockTuner:
                 self._check_sample(now_s, b, batch, step_ms, ctx)
         else:
             self._hold_sample(now_s, b, batch, step_ms, ran_at_mhz, ctx)
-        return self.clock_for(self.active)
+        return self._clock_now()
+
+    def _clock_now(self) -> int | None:
+        """The clock for the next decode steps: the active bucket's, or at once the higher one of
+        a bucket the batch has just moved into (raising is safe; lowering waits for
+        ``bucket_dwell_steps``, so a brief visit neither restarts a search nor runs a large batch
+        at a small batch's clock)."""
+        f = self.clock_for(self.active)
+        if self._pending is None or f is None:
+            return f
+        g = self.clock_for(self._pending) if self._pending in self.buckets else None
+        return None if g is None else max(f, g)
 
     def snapshot(self) -> dict[str, Any]:
         """Figures for ``/metrics`` and reports: per bucket its state and clock; counters."""
