@@ -234,3 +234,17 @@ def test_a_batch_entering_a_bucket_with_a_higher_clock_gets_it_at_once():
     assert tuner.active == 64  # the active bucket changes only after the dwell
     d.run(1, batch=64)
     assert d.clock is not None  # back in the active bucket: its clock again
+
+
+def test_a_search_above_a_failed_clock_does_not_restart_the_retry_schedule():
+    # A knee that keeps rising: every back-off finds a clock above the failed one, which is no
+    # saving; the retries one step down must keep doubling their wait, not restart at 5 s.
+    tuner = DecodeClockTuner(_loop_settings(retry_after_s=5.0), H200.sm_clocks_mhz)
+    d = Decode(tuner, knee_mhz=780.0).run(3000)
+    for _ in range(12):  # ~12 x 10 s, the knee 30 MHz higher every ~10 s
+        d.run(1000)
+        d.knee += 30.0
+    retries = [r.t_s for r in tuner.records if r.event == "retry"]
+    assert "backoff" in d.events() and len(retries) >= 3
+    gaps = [b - a for a, b in zip(retries, retries[1:])]
+    assert all(g2 > 1.5 * g1 for g1, g2 in zip(gaps, gaps[1:])), gaps

@@ -586,7 +586,9 @@ class DecodeClockTuner:
             self._schedule_retry(now_s, b, found=b.hi < b.lowering_from)
             b.lowering_from = None
         else:
-            self._schedule_retry(now_s, b, found=b.hi < len(self.cands))
+            # A search above a clock that failed (b.floor > 0) found no saving: the wait goes on
+            # doubling, so a GPU drifting upward is not probed below its clock every retry_after_s.
+            self._schedule_retry(now_s, b, found=b.hi < len(self.cands) and b.floor == 0)
         self._emit(now_s, "hold", b.edge, batch, b=b, reason=f"lowest clock meeting the target after {b.probes} probes")
 
     def _next_probe(self, now_s: float, b: _Bucket, batch: int, prior: int | None = None) -> None:
