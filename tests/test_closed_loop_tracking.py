@@ -223,6 +223,31 @@ def test_replay_names_a_cause_for_every_out_of_budget_decode_step():
 
 
 
+def _held_after_recheck(d, steps=20_000):
+    """Run ``d`` until its tuner has just re-checked a held clock (a fresh held window)."""
+    for _ in range(steps):
+        d.run(1)
+        if d.tuner.last is not None and d.tuner.last.event == "recheck":
+            return d
+    raise AssertionError("no re-check")
+
+
+def test_a_drift_right_after_a_recheck_is_caught_by_a_cusum_within_tens_of_steps():
+    # The held window is empty after a re-check; a clock 2 % over from then on is caught by the
+    # CUSUM of the held steps, not only once a probe-length window has filled (~120 steps).
+    tuner = DecodeClockTuner(_loop_settings(), H200.sm_clocks_mhz)
+    d = _held_after_recheck(Decode(tuner, noise=0.01, seed=5).run(3000))
+    held = d.clock
+    assert held is not None
+    d.knee = held * 1.02
+    n = 0
+    while tuner.last.event != "violation":
+        d.run(1)
+        n += 1
+        assert n <= 40, "drift not caught within 40 steps"
+    assert "CUSUM" in tuner.last.reason
+
+
 def test_a_batch_entering_a_bucket_with_a_higher_clock_gets_it_at_once():
     # Bucket 64 holds a low clock; a batch of 8 (bucket 8, still at its baseline: the default
     # clock) gets the default from its first step's decision on, not after bucket_dwell_steps.

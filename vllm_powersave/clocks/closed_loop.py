@@ -58,6 +58,15 @@ UNKNOWN = -1
 _MEDIAN_SE = math.sqrt(math.pi / 2)
 #: A probe is cut short after this many steps if it is clearly over the target.
 _EARLY_STEPS = 3
+#: Page's CUSUM on the held clock (:meth:`DecodeClockTuner._held_failed`): each step adds its
+#: ratio's excess over the target in single-step spreads, clipped to +-``_CUSUM_CLIP`` (a 3x outlier
+#: step adds no more than that), and the sum (floored at 0) raises a suspicion above ``_CUSUM_H``.
+#: A clock accepted by the one test sits at least its margin (~0.5 spread at 1 % noise) under the
+#: target: false alarms every ~e^(2 x 0.5 x 10) / 0.5 ~ 44,000 steps (Siegmund's approximation),
+#: each costing one reference window; a clock 1 spread over the target is caught in ~10 steps,
+#: 0.3 spread over in ~33 (Page 1954, Biometrika 41:100).
+_CUSUM_CLIP = 2.5
+_CUSUM_H = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +162,7 @@ class Suspicion:
 
     why: str
     guard: list[StepSample] | None
+    last_n: int | None = None  # only the last n held steps are re-tested (after a change point)
 
 
 class _Bucket:
@@ -177,6 +187,8 @@ class _Bucket:
         self.probes = 0
         self.window: deque[StepSample] = deque()  # steps at the held clock (a probe-length window)
         self.short_ms: deque[float] = deque()  # their step times (TPOT SLO check)
+        self.cusum = 0.0  # Page's CUSUM of the held steps' excess over the target (in spreads)
+        self.cusum_n = 0  # held steps since it was last 0 (the change point's estimate)
         self.n_win = 0  # probe and reference window length for this bucket's noise
         self.n_held = 0  # measured steps at the held clock (paces the long-window check)
         self.since_check = 0  # measured held steps since the last reference window
@@ -521,6 +533,7 @@ class DecodeClockTuner:
         b.window = deque(maxlen=max(b.n_win, k))
         b.short_ms = deque(maxlen=k)
         b.since_check = 0
+        b.cusum, b.cusum_n = 0.0, 0
 
     def _ref_n(self, b: _Bucket) -> int:
         """Default-clock steps after each probe: half a window (with the one before, a full one)."""
@@ -733,6 +746,9 @@ class DecodeClockTuner:
             b.short_ms.append(step_ms)
         b.n_held += 1
         b.since_check += 1
+        x = (r - b.target + self._margin0) / max(b.fit.sigma, 1e-3)
+        b.cusum = max(0.0, b.cusum + min(_CUSUM_CLIP, max(-_CUSUM_CLIP, x)))
+        b.cusum_n = b.cusum_n + 1 if b.cusum > 0 else 0
         sus = self._held_failed(b)
         if sus is not None:
             self._violation(now_s, b, batch, ran_at, step_ms, base, held, sus)
@@ -812,6 +828,10 @@ class DecodeClockTuner:
         last = list(b.window)[-k:]
         if self._clearly_over(b, last, b.fit):
             return Suspicion(f"{max(1, k - 1)} of the last {k} steps clearly over the target", last)
+        if b.cusum > _CUSUM_H:
+            # The re-check tests the steps since the CUSUM last stood at 0 (after the change).
+            n = max(k, b.cusum_n)
+            return Suspicion(f"CUSUM of the last {n} held steps' excess over the target {b.cusum:.1f} spreads", None, n)
         slo = self.s.tpot_slo_ms
         if slo is not None and len(b.short_ms) >= k and statistics.median(b.short_ms) > slo:
             return Suspicion(f"median of the last {k} steps over the TPOT SLO {slo:g} ms", None)
@@ -838,7 +858,8 @@ class DecodeClockTuner:
             b=b,
             reason=f"{sus.why} at {held} MHz: default clock now, then re-checked against it",
         )
-        self._start_check(b, list(b.window), sus.guard)
+        tested = list(b.window)
+        self._start_check(b, tested[-sus.last_n :] if sus.last_n else tested, sus.guard)
 
     def _start_check(self, b: _Bucket, tested: list[StepSample], guard: list[StepSample] | None = None) -> None:
         b.state, b.ref_cur, b.check, b.check_guard = "check", [], tested, guard
