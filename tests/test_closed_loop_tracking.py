@@ -222,7 +222,6 @@ def test_replay_names_a_cause_for_every_out_of_budget_decode_step():
     }
 
 
-
 def _held_after_recheck(d, steps=20_000):
     """Run ``d`` until its tuner has just re-checked a held clock (a fresh held window)."""
     for _ in range(steps):
@@ -273,3 +272,15 @@ def test_a_search_above_a_failed_clock_does_not_restart_the_retry_schedule():
     assert "backoff" in d.events() and len(retries) >= 3
     gaps = [b - a for a, b in zip(retries, retries[1:])]
     assert all(g2 > 1.5 * g1 for g1, g2 in zip(gaps, gaps[1:])), gaps
+
+
+def test_scheduled_rechecks_of_a_clock_that_keeps_passing_are_spaced_by_doubling():
+    # Each default-clock reference window costs energy; a held clock that passes every scheduled
+    # re-check is re-checked after 512, 1024, 2048, ... held steps, not every 512.
+    tuner = DecodeClockTuner(_loop_settings(rebaseline_s=0.0, ref_every_steps=512), H200.sm_clocks_mhz)
+    d = Decode(tuner, noise=0.005, seed=3).run(4000)
+    assert d.clock is not None
+    n0 = sum(r.event == "recheck" for r in tuner.records)
+    d.run(20_000)
+    assert "backoff" not in d.events()
+    assert sum(r.event == "recheck" for r in tuner.records) - n0 <= 8

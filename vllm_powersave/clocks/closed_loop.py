@@ -192,6 +192,8 @@ class _Bucket:
         self.n_win = 0  # probe and reference window length for this bucket's noise
         self.n_held = 0  # measured steps at the held clock (paces the long-window check)
         self.since_check = 0  # measured held steps since the last reference window
+        self.check_every = 0  # held steps between scheduled re-checks (0: ref_every_steps)
+        self.check_scheduled = False  # the running re-check is a scheduled one
         self.check: list[StepSample] = []  # the held steps a running re-check tests
         self.after_baseline = "search"  # or "hold" (a refresh)
         self.t_baselined = -math.inf
@@ -753,8 +755,9 @@ class DecodeClockTuner:
         if sus is not None:
             self._violation(now_s, b, batch, ran_at, step_ms, base, held, sus)
             return
-        if b.since_check >= s.ref_every_steps or (s.rebaseline_s and now_s - b.t_baselined > s.rebaseline_s):
+        if b.since_check >= (b.check_every or s.ref_every_steps) or (s.rebaseline_s and now_s - b.t_baselined > s.rebaseline_s):
             self._start_check(b, list(b.window))  # scheduled: the default clock measured again, then the same test
+            b.check_scheduled = True
             return
         self._step(now_s, b, batch, ran_at, step_ms, r, None, base)
 
@@ -863,6 +866,7 @@ class DecodeClockTuner:
 
     def _start_check(self, b: _Bucket, tested: list[StepSample], guard: list[StepSample] | None = None) -> None:
         b.state, b.ref_cur, b.check, b.check_guard = "check", [], tested, guard
+        b.check_scheduled = False
         self.n_checks += 1
 
     def _check_sample(self, now_s: float, b: _Bucket, batch: int, step_ms: float, ctx: float) -> None:
@@ -901,6 +905,10 @@ class DecodeClockTuner:
             return
         b.state = "hold"
         self._clear_windows(b)
+        # Each scheduled re-check that passes doubles the held steps to the next one (the CUSUM
+        # and window tests watch the held clock between them; rebaseline_s still bounds the time).
+        every = b.check_every or self.s.ref_every_steps
+        b.check_every = 2 * every if b.check_scheduled else every
         if test is not None:
             self._emit(
                 now_s,
@@ -918,6 +926,7 @@ class DecodeClockTuner:
         ``resolution_mhz`` higher (the default clock where nothing is left or the noise grew past
         what the windows resolve)."""
         self.n_backoffs += 1
+        b.check_every = 0  # the GPU changed: scheduled re-checks every ref_every_steps again
         b.lowering_from = None
         b.floor = min(len(self.cands), b.held + 1)
         self._emit(
