@@ -474,3 +474,136 @@ def test_the_best_so_far_follows_the_ranking_and_says_simulated(tmp_path, fake):
         "max_num_seqs=2 1 tok/J (simulated)",  # 32 has more tokens per joule but misses the SLO
         "max_num_seqs=8 3 tok/J (simulated)",
     ]
+
+
+# --- attacks found in review: each fails without its fix ----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        (["--window-s", "inf"], "error: --window-s = inf: out of range"),
+        (["--budget-min", "inf"], "error: --budget-min = inf: out of range"),
+        (["--startup-timeout", "-1"], "error: --startup-timeout = -1.0: out of range"),
+        (["--max-num-seqs", "[,64"], "error: --max-num-seqs = '[,64': not a list of values"),
+        (["--max-num-seqs", "true"], "error: space flags: field 'max_num_seqs' = [True]: Input should be a valid integer"),
+    ],
+)
+def test_infinite_numbers_unparsable_flags_and_booleans_as_counts_are_one_line(tiny_config, tmp_path, capsys, extra, needle):
+    base = ["tune-serving", "--model", str(tiny_config), "--concurrency", "4", "--out", str(tmp_path / "o")]
+    rc, _, err = _cli(base + extra, capsys)
+    assert rc == 2 and err.strip().splitlines() == [err.strip()] and err.startswith(needle)
+
+
+def test_an_infinite_rate_and_an_out_that_is_a_file_are_one_line(tiny_config, tmp_path, capsys):
+    rc, _, err = _cli(["tune-serving", "--model", str(tiny_config), "--rate", "inf", "--out", str(tmp_path / "o")], capsys)
+    assert rc == 2 and err.strip() == "error: --rate = inf: out of range (see --help)"  # an infinite rate never ends a window
+    (tmp_path / "f").write_text("")
+    for out in (tmp_path / "f", tmp_path / "f" / "sub"):
+        rc, _, err = _cli(["tune-serving", "--model", str(tiny_config), "--rate", "1", "--out", str(out)], capsys)
+        assert rc == 2 and err.strip() == f"error: --out = {str(out)!r}: not a directory (it or a folder above it is a file)"
+
+
+def test_a_trace_row_with_more_fields_than_the_header_is_refused(tmp_path):
+    trace = tmp_path / "t.csv"
+    trace.write_text("arrival_s,input_len,output_len\n0,5,4,9\n")
+    with pytest.raises(TrafficError, match=r"line 2: 4 fields, expected 3"):
+        parse_trace(trace)
+
+
+def test_an_edited_trace_file_is_another_search(tmp_path):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"arrival_s": 0, "input_len": 5, "output_len": 4}\n')
+    a = Traffic("trace", trace=parse_trace(trace), trace_path=str(trace)).identity()
+    trace.write_text('{"arrival_s": 0, "input_len": 500, "output_len": 4}\n')  # same path, same row count
+    b = Traffic("trace", trace=parse_trace(trace), trace_path=str(trace)).identity()
+    assert a != b
+    StateFile(tmp_path / "s.jsonl", {"traffic": a}).open()
+    with pytest.raises(StateError, match=r"holds another search: 'traffic.trace_sha256' = "):
+        StateFile(tmp_path / "s.jsonl", {"traffic": b}).open()
+
+
+def test_a_last_state_line_whose_newline_was_cut_is_kept_and_the_next_line_starts_fresh(tmp_path):
+    path = tmp_path / "state.jsonl"
+    st = StateFile(path, {"configs": ["a"]})
+    st.open()
+    st.add(Measurement("search/r0/a", "search", "a", 3.0, 0, _figs(), 12.0, True, "now", round=0))
+    path.write_text(path.read_text()[:-1])  # killed between the line and its newline
+    again = StateFile(path, {"configs": ["a"]})
+    assert again.open() == 1
+    again.add(Measurement("search/r0/b", "search", "b", 3.0, 0, _figs(), 12.0, True, "now", round=0))
+    third = StateFile(path, {"configs": ["a"]})
+    assert third.open() == 2 and set(third.measurements) == {"search/r0/a", "search/r0/b"}
+
+
+def test_a_second_run_on_the_same_out_is_refused_while_the_first_holds_it(tmp_path):
+    first = StateFile(tmp_path / "state.jsonl", {})
+    first.lock()
+    with pytest.raises(StateError, match="another tune-serving is running with this --out"):
+        StateFile(tmp_path / "state.jsonl", {}).lock()
+    first.unlock()
+    StateFile(tmp_path / "state.jsonl", {}).lock()
+
+
+def test_a_server_that_does_not_answer_in_time_is_a_failure_not_a_recorded_refusal(tmp_path, monkeypatch):
+    from vllm_powersave import serving
+    from vllm_powersave.serving_tune.measure import MeasureError, Measurer
+
+    class Slow:
+        def __init__(self, args, **kw):
+            pass
+
+        def start(self):
+            raise serving.ServerError("vllm serve did not become healthy within 60 s (log: x)")
+
+        def stop(self):
+            pass
+
+    monkeypatch.setattr(serving, "VllmServer", Slow)
+    plan = ServePlan(model=tmp_path / "m", base_args=(), gpu=True, out_dir=tmp_path / "out")
+    with pytest.raises(MeasureError, match=r"did not become healthy within 60 s \(log: x\); nothing is recorded for max_num_seqs=4"):
+        Measurer(plan, Traffic("saturation", concurrency=1), Slo()).measure(Config((("max_num_seqs", 4),)), 1.0, 0, "w")
+
+
+def test_sigterm_stops_the_search_like_an_interrupt_and_keeps_every_measurement(tmp_path, fake, monkeypatch, capsys):
+    import os
+    import signal
+
+    real = FakeMeasurer.measure
+
+    def measure(self, config, *a):
+        if config.key == "max_num_seqs=8":
+            os.kill(os.getpid(), signal.SIGTERM)  # `timeout`, a scheduler, a closed terminal
+        return real(self, config, *a)
+
+    monkeypatch.setattr(FakeMeasurer, "measure", measure)
+    assert ts_run.execute(_opts(tmp_path, [2, 8])) == ts_run.EXIT_STOPPED
+    assert "interrupted: every finished measurement is in" in capsys.readouterr().out
+    lines = (tmp_path / "out" / "state.jsonl").read_text().splitlines()
+    assert len(lines) == 2 and json.loads(lines[1])["key"] == "max_num_seqs=2"
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # restored
+
+
+def test_a_server_left_running_by_a_killed_run_is_stopped_on_resume(tmp_path):
+    import subprocess
+
+    from vllm_powersave.serving_tune.measure import leftover_servers, stop_leftover_servers
+
+    logs = tmp_path / "servers"
+    logs.mkdir()
+    with open(logs / "server-001-x.log", "wb") as log:  # what a `kill -9` of tune-serving leaves: its server, still logging
+        proc = subprocess.Popen(["sleep", "60"], stdout=log, start_new_session=True)
+    try:
+        assert leftover_servers(logs) == [proc.pid]
+        assert stop_leftover_servers(logs) == [proc.pid]
+        assert proc.wait(5) is not None and leftover_servers(logs) == []
+    finally:
+        proc.kill()
+
+
+def test_a_budget_too_small_for_one_window_names_budget_min(tmp_path, fake, capsys):
+    rc = ts_run.execute(_opts(tmp_path, [2, 8], budget_s=6.0))
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error:")]
+    assert rc == 2 and fake.calls == []
+    assert len(err) == 1 and err[0].startswith("error: --budget-min = 0.1: too small: one 2 s window and the final pairs need about")
+    assert json.loads((tmp_path / "out" / "tune-serving.json").read_text())["status"] == "budget_too_small"

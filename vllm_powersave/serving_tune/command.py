@@ -85,6 +85,8 @@ def _flag_values(name: str, text: str) -> list[Any]:
 
 def space_of(ns: argparse.Namespace, gpu: bool) -> SpaceSpec:
     """The space: --space, overridden per setting by its flag; the built-in one when neither is given."""
+    import yaml
+
     spec = load_space_file(ns.space) if ns.space else None
     flags = {n: getattr(ns, f"space_{n}") for n in SETTINGS if getattr(ns, f"space_{n}") is not None}
     if not flags:
@@ -93,7 +95,7 @@ def space_of(ns: argparse.Namespace, gpu: bool) -> SpaceSpec:
     for name, text in flags.items():
         try:
             data[name] = _flag_values(name, text)
-        except ValueError:
+        except (ValueError, yaml.YAMLError):
             raise SpaceError(f"{SPACE_FLAGS[name]} = {text!r}: not a list of values") from None
     return parse_space(data, "space flags")
 
@@ -114,14 +116,20 @@ def _model(ns: argparse.Namespace) -> Path:
 
 
 def _check_numbers(ns: argparse.Namespace) -> None:
+    import math
+
+    def positive(v: float | None) -> bool:  # NaN and infinity are refused too (an infinite rate never ends a window)
+        return v is None or (math.isfinite(v) and v > 0)
+
     checks = [
-        ("--window-s", ns.window_s, ns.window_s > 0),
+        ("--window-s", ns.window_s, positive(ns.window_s)),
         ("--eta", ns.eta, ns.eta >= 2),
         ("--pairs", ns.pairs, ns.pairs >= 1),
-        ("--budget-min", ns.budget_min, ns.budget_min > 0),
+        ("--budget-min", ns.budget_min, positive(ns.budget_min)),
         ("--max-configs", ns.max_configs, ns.max_configs >= 1),
         ("--warmups", ns.warmups, ns.warmups >= 0),
-        ("--rate", ns.rate, ns.rate is None or ns.rate > 0),
+        ("--startup-timeout", ns.startup_timeout, positive(ns.startup_timeout)),
+        ("--rate", ns.rate, positive(ns.rate)),
         ("--concurrency", ns.concurrency, ns.concurrency is None or ns.concurrency >= 1),
         ("--stop-after", ns.stop_after, ns.stop_after is None or ns.stop_after >= 0),
     ]
@@ -154,6 +162,9 @@ def options_from(ns: argparse.Namespace) -> Any:
     from .traffic import Traffic, parse_length_range, parse_trace
 
     _check_numbers(ns)
+    out = Path(ns.out)
+    if any(p.exists() and not p.is_dir() for p in (out, *out.parents)):
+        raise ValueError(f"--out = {ns.out!r}: not a directory (it or a folder above it is a file)")
     gpu = not cpu_only()
     slo = Slo(ns.slo_ttft_ms, ns.slo_tpot_ms, ns.slo_itl_ms, ns.slo_attainment)
     lens = dict(input_len=parse_length_range(ns.input_len, "--input-len"), output_len=parse_length_range(ns.output_len, "--output-len"))

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,7 +112,9 @@ class Measurer:
                 text = log.read_text(errors="replace")
             except OSError:
                 text = str(err)
-            raise Refused(refusal_reason(text) if "exited" in str(err) else str(err)) from None
+            if "exited" not in str(err):  # no answer in time (a busy machine, a short --startup-timeout): not a refusal
+                raise MeasureError(f"{err}; nothing is recorded for {config.key}: rerun to try it again") from None
+            raise Refused(refusal_reason(text)) from None
         self._server, self._args = server, args
         return True
 
@@ -157,6 +161,40 @@ class Measurer:
         if self._server is not None:
             self._server.stop()
         self._server, self._args = None, None
+
+
+def leftover_servers(log_dir: Path) -> list[int]:
+    """Process groups of servers whose output still goes to a log in ``log_dir``: servers an earlier
+    run of this search started and could not stop (it was killed with SIGKILL). Linux ``/proc`` only."""
+    proc, own = Path("/proc"), os.getpgid(0)
+    if not proc.is_dir() or not log_dir.is_dir():
+        return []
+    logs = str(log_dir.resolve()) + os.sep
+    groups: set[int] = set()
+    for d in proc.iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            if os.readlink(d / "fd" / "1").startswith(logs):
+                groups.add(os.getpgid(int(d.name)))
+        except OSError:  # gone, or not ours to read
+            continue
+    return sorted(groups - {own})
+
+
+def stop_leftover_servers(log_dir: Path, grace_s: float = 10.0) -> list[int]:
+    """Stop (SIGTERM, then SIGKILL) every :func:`leftover_servers` group; the groups stopped."""
+    groups = leftover_servers(log_dir)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for g in groups:
+            try:
+                os.killpg(g, sig)
+            except OSError:
+                pass
+        deadline = time.monotonic() + grace_s
+        while sig == signal.SIGTERM and time.monotonic() < deadline and leftover_servers(log_dir):
+            time.sleep(0.2)
+    return groups
 
 
 def figures_of(result: dict[str, Any], slo: Slo) -> Figures:

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .measure import MeasureError, Measurer, Refused, ServePlan, utc_now
+from .measure import MeasureError, Measurer, Refused, ServePlan, stop_leftover_servers, utc_now
 from .search import Budget, CostModel, Round, Scored, first_round, next_round, rank, survivors
 from .slo import Slo, Verdict, judge
 from .space import Config
@@ -87,6 +87,9 @@ class Session:
         self._bar: Any = None
 
     def start(self, planned_steps: int) -> int:
+        self.state.lock()
+        for group in stop_leftover_servers(self.opts.plan.out_dir / "servers"):
+            print(f"[tune-serving] stopped vllm serve process group {group}, left running by a killed earlier run", flush=True)
         found = self.state.open()
         self.budget = Budget(self.opts.budget_s, self.state.spent_s())
         if self.opts.progress:
@@ -97,6 +100,7 @@ class Session:
 
     def close(self) -> None:
         self.measurer.close()
+        self.state.unlock()
         if self._bar is not None:
             self._bar.close()
 
@@ -182,6 +186,7 @@ class SearchOutcome:
     unmeasured: list[str] = field(default_factory=list)
     budget_stopped: bool = False
     last_window_s: float = 0.0
+    needed_s: float = 0.0  # where the budget stopped the search: the next window and the final pairs, estimated
 
 
 def planned_steps(n: int, eta: int, pairs: int) -> int:
@@ -206,7 +211,7 @@ def run_search(s: Session) -> SearchOutcome:
         for key in rnd.keys:
             step_id = f"search/r{rnd.index}/{key}"
             if step_id not in s.state.measurements and not s.budget.allows(s.step_cost_s(by_key[key], rnd.window_s), reserve):
-                out.budget_stopped = True
+                out.budget_stopped, out.needed_s = True, s.step_cost_s(by_key[key], rnd.window_s) + reserve
                 out.unmeasured = [k for k in rnd.keys if f"search/r{rnd.index}/{k}" not in s.state.measurements and k not in latest]
                 break
             m = s.step(step_id, by_key[key], rnd.window_s, rnd.seed, phase="search", round=rnd.index)
@@ -258,15 +263,40 @@ def finish(s: Session, outcome: SearchOutcome, winner: Config | None, pairs: lis
     return rec
 
 
+def _terminate_as_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt  # SIGTERM/SIGHUP (timeout, a closed terminal, a scheduler): stop the server, keep the state
+
+
 def execute(opts: TuneServingOptions) -> int:
     """Run (or resume) the search and the final pairs, then write the report; the exit status."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return _execute(opts)
+    old = {sig: signal.signal(sig, _terminate_as_interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        return _execute(opts)
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
+def _execute(opts: TuneServingOptions) -> int:
     s = Session(opts)
     outcome, pairs, winner, status, rc = SearchOutcome(), [], None, "stopped", EXIT_STOPPED
     try:
         if found := s.start(planned_steps(len(opts.configs), opts.eta, opts.pairs)):
             print(f"[tune-serving] resuming: {found} finished step(s) in {s.state.path} are reused, none is measured again", flush=True)
         outcome = run_search(s)
-        if not outcome.ranking:
+        if not outcome.ranking and outcome.budget_stopped:
+            print(
+                f"error: --budget-min = {opts.budget_s / 60.0:g}: too small: one {outcome.last_window_s:g} s window and the final "
+                f"pairs need about {outcome.needed_s / 60.0:.1f} min (raise --budget-min or lower --window-s/--pairs)",
+                file=sys.stderr,
+            )
+            status, rc = "budget_too_small", 2
+        elif not outcome.ranking:
             print("error: vllm serve refused every configuration of the space (reasons in the report)", file=sys.stderr)
             status, rc = "refused", 2
         else:

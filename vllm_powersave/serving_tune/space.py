@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 #: The searchable settings, in the order a configuration names them.
 SETTINGS = (
@@ -44,16 +44,17 @@ class SpaceError(ValueError):
 
 
 class SpaceSpec(BaseModel):
-    """The values to try per setting (``--space FILE`` or the flags); ``None``: not searched."""
+    """The values to try per setting (``--space FILE`` or the flags); ``None``: not searched. Counts
+    are strict integers: ``true`` or ``"8"`` is refused, not read as 1 or 8."""
 
     model_config = ConfigDict(extra="forbid")
 
-    max_num_seqs: list[int] | None = Field(default=None, min_length=1)
-    max_num_batched_tokens: list[int] | None = Field(default=None, min_length=1)
-    api_server_count: list[int] | None = Field(default=None, min_length=1)
+    max_num_seqs: list[StrictInt] | None = Field(default=None, min_length=1)
+    max_num_batched_tokens: list[StrictInt] | None = Field(default=None, min_length=1)
+    api_server_count: list[StrictInt] | None = Field(default=None, min_length=1)
     async_scheduling: list[bool] | None = Field(default=None, min_length=1)
     #: Each value is one list of batch sizes vLLM captures CUDA graphs for.
-    cudagraph_capture_sizes: list[list[int]] | None = Field(default=None, min_length=1)
+    cudagraph_capture_sizes: list[list[StrictInt]] | None = Field(default=None, min_length=1)
     cuda_perf_boost: list[Literal["on", "off", "auto"]] | None = Field(default=None, min_length=1)
     #: Closed-loop decode clock's slowdown budget, percent; ``null`` is the closed loop off.
     closed_loop_budget_pct: list[float | None] | None = Field(default=None, min_length=1)

@@ -91,6 +91,28 @@ class StateFile:
         self.header = header
         self.measurements: dict[str, Measurement] = {}
         self.rejections: dict[str, Rejection] = {}
+        self._lock: Any = None
+
+    def lock(self) -> None:
+        """Hold ``state.lock`` next to the state until :meth:`unlock`: a second run on the same
+        ``--out`` is refused (it would interleave lines and stop the first run's server)."""
+        import fcntl
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(self.path.with_name("state.lock"), "w")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.close()
+            raise StateError(
+                f"{self.path.parent}: another tune-serving is running with this --out: wait for it, or use another --out"
+            ) from None
+        self._lock = f
+
+    def unlock(self) -> None:
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
 
     def open(self) -> int:
         """Read what an earlier run left (refusing another search's file), or start the file; the
@@ -99,10 +121,14 @@ class StateFile:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._append({"kind": "header", "search": self.header})
             return 0
-        lines = self.path.read_text(encoding="utf-8").splitlines()
+        text = self.path.read_text(encoding="utf-8")
+        lines = text.splitlines()
         try:
             first = json.loads(lines[0])
         except json.JSONDecodeError:
+            if len(lines) == 1 and not text.endswith("\n"):  # the header's own write was cut short: nothing was measured
+                self.path.write_text("", encoding="utf-8")
+                return self.open()
             raise StateError(f"{self.path}: line 1 is not a tune-serving header: use another --out") from None
         if not isinstance(first, dict) or first.get("kind") != "header":
             raise StateError(f"{self.path}: line 1 is not a tune-serving header: use another --out")
@@ -123,22 +149,32 @@ class StateFile:
                 self.measurements[m.step] = m
             elif obj.get("kind") == "rejection":
                 self.rejections[obj["key"]] = Rejection(obj["key"], obj["reason"], obj.get("wall_s", 0.0))
+        else:
+            if not text.endswith("\n"):  # a whole last line whose newline was cut: the next line must not join it
+                self._append_raw("\n")
         return len(self.measurements) + len(self.rejections)
 
     def _check_same_search(self, old: dict[str, Any]) -> None:
         for k in sorted(set(old) | set(self.header)):
-            if old.get(k) != self.header.get(k):
+            was, now = old.get(k), self.header.get(k)
+            if was != now:
+                if isinstance(was, dict) and isinstance(now, dict):  # name the sub-field, e.g. 'traffic.trace_sha256'
+                    sub = next(j for j in sorted(set(was) | set(now)) if was.get(j) != now.get(j))
+                    k, was, now = f"{k}.{sub}", was.get(sub), now.get(sub)
                 raise StateError(
-                    f"{self.path} holds another search: {k!r} = {json.dumps(old.get(k))[:120]} there, "
-                    f"{json.dumps(self.header.get(k))[:120]} now: rerun with the same arguments, or use another --out"
+                    f"{self.path} holds another search: {k!r} = {json.dumps(was)[:120]} there, "
+                    f"{json.dumps(now)[:120]} now: rerun with the same arguments, or use another --out"
                 )
 
     def _truncate_last(self, kept: list[str]) -> None:
         self.path.write_text("\n".join(kept) + "\n", encoding="utf-8")
 
     def _append(self, obj: dict[str, Any]) -> None:
+        self._append_raw(json.dumps(obj) + "\n")
+
+    def _append_raw(self, text: str) -> None:
         with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(obj) + "\n")
+            f.write(text)
             f.flush()
             os.fsync(f.fileno())
 

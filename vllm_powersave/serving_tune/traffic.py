@@ -100,6 +100,7 @@ class Traffic:
             "output_len": [self.output_len.lo, self.output_len.hi],
             "trace_rows": len(self.trace),
             "trace_path": self.trace_path,
+            "trace_sha256": trace_digest(self.trace) if self.kind == "trace" else None,
         }
 
     def rows(self, window_s: float, seed: int) -> list[TraceRow]:
@@ -110,6 +111,13 @@ class Traffic:
         if self.kind == "poisson":
             return poisson_rows(float(self.rate_rps or 1.0), window_s, self.input_len, self.output_len, seed)
         return []
+
+
+def trace_digest(rows: tuple[TraceRow, ...]) -> str:
+    """A digest of a trace's requests: a rerun against an edited trace file is another search."""
+    import hashlib
+
+    return hashlib.sha256(json.dumps([[r.arrival_s, r.input_len, r.output_len] for r in rows]).encode()).hexdigest()[:16]
 
 
 def poisson_rows(rate_rps: float, window_s: float, input_len: LengthRange, output_len: LengthRange, seed: int) -> list[TraceRow]:
@@ -184,6 +192,8 @@ def parse_trace(path: str | Path) -> tuple[TraceRow, ...]:
         if [h.strip() for h in reader.fieldnames or []] != list(TRACE_FIELDS):
             raise TrafficError(f"--trace {p}: line 1: header = {first.strip()[:80]!r}: expected {','.join(TRACE_FIELDS)} (or JSON lines)")
         for i, rec in enumerate(reader, start=2):
+            if None in rec:  # DictReader files the fields past the header's under None
+                raise TrafficError(f"--trace {p}: line {i}: {len(TRACE_FIELDS) + len(rec[None])} fields, expected {len(TRACE_FIELDS)}")
             rows.append(_row({k.strip(): (v or "").strip() for k, v in rec.items() if k}, f"--trace {p}: line {i}"))
     if not rows:
         raise TrafficError(f"--trace {p}: no requests in the file")
