@@ -19,9 +19,10 @@ This tuner measures instead, while serving, the way VoltanaLLM (arXiv:2509.04827
    each probe is bracketed by default-clock reference windows. A probe clearly over the target
    (the same test with one more standard error, looked at every 4 steps) stops early.
 4. **Hold and track.** The lowest passing clock. Its last probe-length window is re-tested every
-   4 steps against the default-clock fit; every ``ref_every_steps`` held steps (or
-   ``rebaseline_s``) a reference window re-measures the default clock and the held clock is
-   re-tested against it. A failed test, or all but one of the last ``backoff_steps`` steps each
+   4 steps against the default-clock fit, and Page's CUSUM of each held step's excess over the
+   target catches a drift within tens of steps; after ``ref_every_steps`` held steps (doubling
+   while re-checks pass) or ``rebaseline_s`` a reference window re-measures the default clock
+   and the held clock is re-tested against it. A failed test, or all but one of the last ``backoff_steps`` steps each
    clearly over the target, requests the default clock at once; the reference window that
    follows decides: passes (the GPU, not the clock, changed: a co-tenant, thermals) -> the clock
    is held again; fails -> a search above it, starting one ``resolution_mhz`` higher.
