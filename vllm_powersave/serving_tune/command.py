@@ -140,14 +140,12 @@ def _check_numbers(ns: argparse.Namespace) -> None:
 
 def machine_facts(gpu: bool) -> MachineFacts:
     """Whether clocks may be set here (a GPU, permission, and no POWERSAVE_FORCE_DRY_RUN=1)."""
-    import os
-
     from ..clocks.mode import clock_permission
-    from ..envs import ENV_FORCE_DRY_RUN
+    from ..envs import ENV_FORCE_DRY_RUN, force_dry_run
 
     if not gpu:
         return MachineFacts(False, False, "no GPU")
-    if os.environ.get(ENV_FORCE_DRY_RUN) == "1":
+    if force_dry_run():
         return MachineFacts(True, False, f"{ENV_FORCE_DRY_RUN}=1")
     ok, why = clock_permission()
     return MachineFacts(True, ok, why)
