@@ -607,3 +607,19 @@ def test_a_budget_too_small_for_one_window_names_budget_min(tmp_path, fake, caps
     assert rc == 2 and fake.calls == []
     assert len(err) == 1 and err[0].startswith("error: --budget-min = 0.1: too small: one 2 s window and the final pairs need about")
     assert json.loads((tmp_path / "out" / "tune-serving.json").read_text())["status"] == "budget_too_small"
+
+
+@pytest.mark.parametrize(
+    ("ratio", "winner_met", "defaults_met", "starts"),
+    [
+        ({"mean": 1.12, "ci95": [1.05, 1.19]}, 3, 3, "winner saves"),
+        ({"mean": 1.01, "ci95": [0.97, 1.05]}, 3, 3, "no difference shown"),
+        ({"mean": 0.9, "ci95": [0.85, 0.95]}, 3, 3, "keep vLLM's defaults"),
+        ({"mean": 1.12, "ci95": [1.05, 1.19]}, 2, 3, "keep vLLM's defaults: the winner met the SLO in fewer"),
+        ({"mean": 1.12, "ci95": None}, 1, 1, "undecided"),
+    ],
+)
+def test_the_final_pairs_call_a_saving_only_when_the_interval_clears_1_at_equal_slo(ratio, winner_met, defaults_met, starts):
+    from vllm_powersave.serving_tune.report import pair_verdict
+
+    assert pair_verdict(ratio, winner_met, defaults_met).startswith(starts)

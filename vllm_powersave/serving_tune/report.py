@@ -74,10 +74,12 @@ def final_section(pairs: list[dict[str, Measurement]], verdict_of: Any) -> dict[
 
     att = {arm: [verdict_of(p[arm]).attainment for p in pairs] for arm in ("winner", "defaults")}
     met = {arm: [verdict_of(p[arm]).met for p in pairs] for arm in ("winner", "defaults")}
+    tpj = mean_ci([ratio(p, "output_tokens_per_joule") for p in pairs])
     return {
         "pairs": len(pairs),
         "order": ["winner,defaults" if i % 2 == 0 else "defaults,winner" for i in range(len(pairs))],
-        "tok_per_j_ratio": mean_ci([ratio(p, "output_tokens_per_joule") for p in pairs]),
+        "tok_per_j_ratio": tpj,
+        "verdict": pair_verdict(tpj, sum(met["winner"]), sum(met["defaults"])),
         "throughput_ratio": mean_ci([ratio(p, "output_throughput") for p in pairs]),
         "p99_tpot_ratio": mean_ci([ratio(p, "p99_tpot_ms") for p in pairs]),
         "slo_attainment": {
@@ -92,6 +94,22 @@ def final_section(pairs: list[dict[str, Measurement]], verdict_of: Any) -> dict[
         },
         "pair_list": [{arm: window_entry(p[arm], verdict_of(p[arm])) for arm in ("winner", "defaults")} for p in pairs],
     }
+
+
+def pair_verdict(tok_per_j_ratio: dict[str, Any], winner_met: int, defaults_met: int) -> str:
+    """What the final pairs say: the winner saves only where the whole 95 % interval of its tokens
+    per joule over the defaults' lies above 1 and it met the SLO in as many windows; a search
+    window is one sample, so a ranking inside the noise is not a saving (docs/tune-serving.md)."""
+    ci = tok_per_j_ratio.get("ci95")
+    if tok_per_j_ratio.get("mean") is None or ci is None:
+        return "undecided: fewer than 2 pairs with an energy figure"
+    if winner_met < defaults_met:
+        return "keep vLLM's defaults: the winner met the SLO in fewer windows"
+    if ci[0] > 1.0:
+        return "winner saves: tokens per joule above the defaults' over the whole 95 % interval"
+    if ci[1] < 1.0:
+        return "keep vLLM's defaults: the winner's tokens per joule is lower over the whole 95 % interval"
+    return "no difference shown: the 95 % interval of tokens per joule contains 1 (keep vLLM's defaults or run more pairs)"
 
 
 def write_report(out_dir: Path, record: dict[str, Any]) -> list[Path]:

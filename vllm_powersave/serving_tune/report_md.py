@@ -58,7 +58,7 @@ def final_lines(r: dict[str, Any]) -> list[str]:
     lines = [
         f"## Winner vs vLLM's defaults: {f['pairs']} pair(s) in ABBA order",
         "",
-        f"- tokens per joule, winner / defaults: **{_mci(f['tok_per_j_ratio'])}** ({label})",
+        f"- tokens per joule, winner / defaults: **{_mci(f['tok_per_j_ratio'])}** ({label}); verdict: **{f.get('verdict', 'n/a')}**",
         f"- output throughput ratio: {_mci(f['throughput_ratio'])} (measured); p99 TPOT ratio: {_mci(f['p99_tpot_ratio'])} (measured)",
         f"- SLO attainment, winner: {_mci(a['winner'])} ({a['winner']['windows_meeting_slo']} of {a['winner']['windows']} windows met the SLO); "
         f"defaults: {_mci(a['defaults'])} ({a['defaults']['windows_meeting_slo']} of {a['defaults']['windows']})",

@@ -332,6 +332,7 @@ def _execute(opts: TuneServingOptions) -> int:
             f"[tune-serving] winner {winner.key if winner else ''}: tokens per joule x{_ratio_text(f['tok_per_j_ratio'])} vs vLLM's defaults "
             f"({rec['energy_label']}, {f['pairs']} pair(s)); SLO attainment {_att(f['slo_attainment']['winner'])} vs {_att(f['slo_attainment']['defaults'])}"
         )
+        print(f"[tune-serving] verdict: {f['verdict']}")
         print(rec["winner"]["command"])
     return rc
 
