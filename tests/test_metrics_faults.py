@@ -181,7 +181,12 @@ def test_a_full_snapshot_fills_every_family_of_the_table(tmp_path):
         "lm_head_calls": {"1": 10},
         "cuda_perf_boost": "auto",
         "cuda_boost": {"held": True, "switches": 7},
-        "closed_loop": {"step_time_source": "simulated", "probes_total": 5, "buckets": {"8": {"state": "hold", "baseline_ms": 12.5}}},
+        "closed_loop": {
+            "step_time_source": "simulated",
+            "probes_total": 5,
+            "read_back_mhz": 1200,
+            "buckets": {"8": {"state": "hold", "baseline_ms": 12.5}},
+        },
         "idle_while_busy_j": 3.25,
         "idle_while_busy_s": 0.5,
         "frontend_busy_s": 4.0,
@@ -194,3 +199,11 @@ def test_a_full_snapshot_fills_every_family_of_the_table(tmp_path):
     exposed = {fam.name for fam in text_string_to_metric_families(scrape(tmp_path)) if fam.samples}
     assert exposed >= {f.name for f in metrics.FAMILIES}
     assert len(metrics.FAMILIES) == len({f.name for f in metrics.FAMILIES})
+
+
+def test_metrics_export_the_read_back_sm_clock_and_unconfirmed_switches(tmp_path):
+    snap = {**GOOD, "closed_loop": {"buckets": {}, "read_back_mhz": 1035, "unconfirmed_switches": 3}}
+    (tmp_path / "rank0.json").write_text(json.dumps(snap))
+    got = samples(scrape(tmp_path))
+    assert got[("powersave_closed_loop_read_back_sm_clock_mhz", (("backend", "simulated"), ("gpu", "GPU-a")))] == 1035.0
+    assert got[("powersave_closed_loop_unconfirmed_switches_total", (("gpu", "GPU-a"),))] == 3.0

@@ -315,6 +315,20 @@ FAMILIES: tuple[FamilySpec, ...] = (
         "count",
         ("gpu",),
     ),
+    FamilySpec(
+        "powersave_closed_loop_read_back_sm_clock_mhz",
+        _G,
+        "Closed-loop decode clock: the SM clock last read back from the GPU (MHz; NVML, or the simulated GPU's)",
+        "MHz",
+        ("gpu", "backend"),
+    ),
+    FamilySpec(
+        "powersave_closed_loop_unconfirmed_switches",
+        _C,
+        "Closed-loop decode clock: clock switches not read back within switch_confirm_ms (each re-sent, or the loop turned off)",
+        "count",
+        ("gpu",),
+    ),
 )
 
 
@@ -500,6 +514,9 @@ def _add_closed_loop(sc: _Scrape, r: _Rank, cl: dict[str, Any]) -> None:
     sc.add("closed_loop_probes", [r.gpu], float(cl.get("probes_total") or 0))
     sc.add("closed_loop_backoffs", [r.gpu], float(cl.get("backoffs_total") or 0))
     sc.add("closed_loop_decisions", [r.gpu], float(cl.get("decisions_total") or 0))
+    if isinstance(cl.get("read_back_mhz"), int | float):
+        sc.add("closed_loop_read_back_sm_clock_mhz", [r.gpu, r.backend], float(cl["read_back_mhz"]))
+    sc.add("closed_loop_unconfirmed_switches", [r.gpu], float(cl.get("unconfirmed_switches") or 0))
 
 
 def _add_engine(sc: _Scrape) -> None:

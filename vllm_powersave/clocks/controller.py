@@ -175,6 +175,8 @@ class ClockController:
         self._attempts = 0  # re-sends of the current target
         self._last_lock_mhz: int | None = None  # the last SM clock locked (a reset must read above it)
         self._steps_since_read = 0
+        #: Clock switches not read back within switch_confirm_ms (re-sent, or the loop turned off).
+        self.n_unconfirmed = 0
         #: Why the closed loop turned off after a switch never read back (one warning), else None.
         self.readback_off: str | None = None
         self.closed_loop: DecodeClockTuner | None = None
@@ -280,6 +282,7 @@ class ClockController:
         if now_s - self._sent_s <= cl.switch_confirm_ms / 1000.0:
             return
         self._attempts += 1
+        self.n_unconfirmed += 1
         if self._attempts > cl.switch_retries:
             self._readback_failed(now_s, want, read)
             return

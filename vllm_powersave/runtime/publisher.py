@@ -216,7 +216,12 @@ class Publisher:
             "transport": ray_relay.describe(self.relay),
             "clock_mode": self.clock_choice.controller,
             "closed_loop": (
-                {**self.clocks.closed_loop.snapshot(), "step_time_source": self.timing.source, "active": self.timing.active}
+                {
+                    **self.clocks.closed_loop.snapshot(),
+                    "unconfirmed_switches": self.clocks.n_unconfirmed,
+                    "step_time_source": self.timing.source,
+                    "active": self.timing.active,
+                }
                 if self.clocks.closed_loop is not None
                 else None
             ),
