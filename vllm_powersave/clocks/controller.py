@@ -126,6 +126,9 @@ class ClockController:
         host_ahead_steps: 1 under vLLM's async scheduling (host one step ahead of the GPU), else 0.
     """
 
+    #: Clock switches not read back within switch_confirm_ms (re-sent, or the loop turned off).
+    n_unconfirmed: int = 0
+
     def __init__(
         self,
         backend: ClockBackend,
@@ -175,8 +178,6 @@ class ClockController:
         self._attempts = 0  # re-sends of the current target
         self._last_lock_mhz: int | None = None  # the last SM clock locked (a reset must read above it)
         self._steps_since_read = 0
-        #: Clock switches not read back within switch_confirm_ms (re-sent, or the loop turned off).
-        self.n_unconfirmed = 0
         #: Why the closed loop turned off after a switch never read back (one warning), else None.
         self.readback_off: str | None = None
         self.closed_loop: DecodeClockTuner | None = None
