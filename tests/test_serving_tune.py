@@ -378,7 +378,6 @@ def test_an_interrupt_keeps_every_finished_measurement(tmp_path, fake, monkeypat
         return real(self, config, *a)
 
     monkeypatch.setattr(FakeMeasurer, "measure", measure)
-    before = signal.getsignal(signal.SIGTERM)  # an earlier test in this process may have set one (vLLM's engine does)
     assert ts_run.execute(_opts(tmp_path, [2, 8])) == ts_run.EXIT_STOPPED
     assert "interrupted: every finished measurement is in" in capsys.readouterr().out
     lines = (tmp_path / "out" / "state.jsonl").read_text().splitlines()
@@ -578,6 +577,7 @@ def test_sigterm_stops_the_search_like_an_interrupt_and_keeps_every_measurement(
         return real(self, config, *a)
 
     monkeypatch.setattr(FakeMeasurer, "measure", measure)
+    before = signal.getsignal(signal.SIGTERM)  # an earlier test in this process may have set one (vLLM's engine does)
     assert ts_run.execute(_opts(tmp_path, [2, 8])) == ts_run.EXIT_STOPPED
     assert "interrupted: every finished measurement is in" in capsys.readouterr().out
     lines = (tmp_path / "out" / "state.jsonl").read_text().splitlines()
