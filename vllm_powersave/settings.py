@@ -133,6 +133,13 @@ class ClosedLoopSettings(_Strict):
     margin_pct: float = Field(default=0.2, ge=0.0, le=50.0, allow_inf_nan=False)
     #: How many standard errors of the measured spread a candidate must keep below the target.
     noise_z: float = Field(default=2.0, ge=0.0, le=10.0, allow_inf_nan=False)
+    #: Sequential probe test (Wald's SPRT, docs/closed-loop.md "How it decides" step 3): a probe
+    #: is stopped as over the target once the evidence says so. ``sprt_alpha``: the chance that a
+    #: clock with no slowdown beyond ``margin_pct`` is stopped (type I); ``sprt_beta``: the chance
+    #: that a clock at the target is not stopped early (type II; the full-window test still
+    #: rejects it). Fractions.
+    sprt_alpha: float = Field(default=0.005, gt=0.0, le=0.2, allow_inf_nan=False)
+    sprt_beta: float = Field(default=0.02, gt=0.0, le=0.5, allow_inf_nan=False)
     #: Default-clock steps measured per bucket before probing (and at each re-baseline).
     baseline_steps: int = Field(default=12, ge=3, le=10_000)
     #: Default-clock steps measured after each probe: every probe is compared with the default
