@@ -30,7 +30,8 @@ This tuner measures instead, while serving, the way VoltanaLLM (arXiv:2509.04827
 5. **Retry.** A bucket holding the default clock (noise too high, nothing passed, SLO out of
    reach) searches again after ``retry_after_s``, and a bucket holding a lower clock tries one
    ``resolution_mhz`` below it then (the knee may have moved down); each retry that finds nothing
-   doubles the wait, up to ``reprobe_after_s``. A context far outside the fit re-probes;
+   doubles the wait, up to ``reprobe_after_s``. Slow switches (the latency the controller
+   learns from read-back) stretch the waits and raise a probe's clock ahead of its verdict. A context far outside the fit re-probes;
    :meth:`DecodeClockTuner.reset` (model changed) starts over.
 
 Only memory-bound decode steps are tuned: compute-bound steps keep the default clock. Only steps
@@ -208,6 +209,7 @@ class _Bucket:
         self.sprt = 0.0  # the running probe's log-likelihood ratio, over the target vs no slowdown
         self.sprt_open = True  # neither of its bounds crossed yet
         self.sprt_line: LineFit | None = None  # the default clock it is measured against
+        self.raising = False  # the default clock asked for ahead of the test (slow switches)
 
 
 def _fit_line(pts: list[StepSample] | deque[StepSample], slope_hint: float = 0.0) -> LineFit:
@@ -281,6 +283,8 @@ class DecodeClockTuner:
         #: its clock is over after its wait; elsewhere it waits on (the clock was kept up by
         #: compute-bound steps and the dwell, not refused).
         self.dry_run = False
+        #: The switch latency learned by the controller from read-back (s; ``None``: not yet).
+        self.switch_latency_s: float | None = None
         self._budget = settings.slowdown_budget_pct / 100.0
         self._margin0 = settings.margin_pct / 100.0
 
@@ -304,7 +308,7 @@ class DecodeClockTuner:
         if b is None or b.state in ("baseline", "ref", "check") or self.off_reason is not None:
             return None
         if b.state == "probe" and b.probe is not None:
-            return self.cands[b.probe]
+            return None if b.raising else self.cands[b.probe]
         return None if b.held >= len(self.cands) else self.cands[b.held]
 
     def phase_of(self, batch: int) -> str:
@@ -414,6 +418,7 @@ class DecodeClockTuner:
             "decisions_total": self.n_records,
             "off_reason": self.off_reason,
             "read_back_mhz": self.read_back_mhz,
+            "switch_latency_ms": None if self.switch_latency_s is None else round(1e3 * self.switch_latency_s, 3),
             "buckets": {},
         }
         for e, b in sorted(self.buckets.items()):
@@ -454,7 +459,7 @@ class DecodeClockTuner:
             b = self._bucket(edge)
             if b.state == "probe":
                 # Its reference window is stale: measure the default clock again, then this probe.
-                b.state, b.samples, b.ref_cur, b.decided = "ref", [], [], False
+                b.state, b.samples, b.ref_cur, b.decided, b.raising = "ref", [], [], False, False
                 b.ref_prev = []
             self._emit(
                 now_s, "bucket", edge, batch, b=b, reason=f"batch stayed in bucket {edge} for {self.s.bucket_dwell_steps} steps (was {old})"
@@ -580,7 +585,24 @@ class DecodeClockTuner:
             return
         first = min(s.retry_after_s, s.reprobe_after_s)
         b.retry_wait_s = first if found or b.retry_wait_s <= 0 else min(2.0 * b.retry_wait_s, s.reprobe_after_s)
-        b.t_retry = now_s + b.retry_wait_s
+        b.t_retry = now_s + min(s.reprobe_after_s, b.retry_wait_s * self._lag_factor(b))
+
+    def _lag_steps(self, b: _Bucket) -> float:
+        """Decode steps of this bucket that still run at a clock after the raise away from it
+        was asked for: the learned switch latency in step times, less the step in which its
+        read-back came (the latency is measured to that step's end)."""
+        if self.switch_latency_s is None or b.fit is None:
+            return 0.0
+        step_s = max(b.fit.mid_ms(), 1e-3) / 1e3
+        return max(0.0, self.switch_latency_s / step_s - 1.0)
+
+    def _lag_factor(self, b: _Bucket) -> float:
+        """How much slower switches stretch the retry schedule (docs/closed-loop.md, step 5): a
+        lowering that fails costs the steps the sequential test needs to stop it (at least
+        ``_EARLY_STEPS``) plus :meth:`_lag_steps` at the failed clock; the schedule is set for a
+        switch that lands within one step, so its waits grow by ``(_EARLY_STEPS + lag) /
+        (_EARLY_STEPS + 1)`` (1 up to a lag of one step)."""
+        return max(1.0, (_EARLY_STEPS + self._lag_steps(b)) / (_EARLY_STEPS + 1.0))
 
     def _prior(self, b: _Bucket) -> int | None:
         """Candidate index a neighbouring bucket holds (searched), nearest batch first."""
@@ -630,7 +652,7 @@ class DecodeClockTuner:
             while idx < b.hi - 1 and c[idx] < floor_mhz:
                 idx += 1
         b.probe = idx
-        b.samples, b.waited, b.decided = [], 0, False
+        b.samples, b.waited, b.decided, b.raising = [], 0, False, False
         b.probes += 1
         self.n_probes += 1
         self._emit(
@@ -677,6 +699,8 @@ class DecodeClockTuner:
         assert b.probe is not None
         want = self.cands[b.probe]
         if ran_at != want:
+            if b.raising and ran_at is None:
+                b.raising = False  # the early raise landed before the test decided: probe on
             b.waited += 1
             if b.waited > 3 * self.s.probe_steps + 10:
                 if not self.dry_run:
@@ -700,6 +724,7 @@ class DecodeClockTuner:
         n = len(b.samples)
         if b.ref_prev and self._sprt_over(b, ctx, step_ms) and n >= _EARLY_STEPS:
             self._verdict(now_s, b, batch, b.ref_prev, early=True)
+        b.raising = b.sprt_open and not b.decided and b.sprt >= self._raise_at(b)
         if b.decided or n >= b.n_win:
             b.state, b.ref_cur = "ref", []  # back to the default clock for the closing reference window
             return
@@ -744,6 +769,22 @@ class DecodeClockTuner:
     def _sprt_a(self) -> float:
         """The sequential test's upper (reject) bound, ``ln((1 - beta) / alpha)``."""
         return math.log((1.0 - self.s.sprt_beta) / self.s.sprt_alpha)
+
+    def _raise_at(self, b: _Bucket) -> float:
+        """Where a probe's sequential test asks for the default clock ahead of its verdict when
+        switches are slow (docs/closed-loop.md, step 3): at ``A - lag x KL``, ``KL = (d /
+        sigma)^2 / 2`` being what a step at the target adds on average and ``lag`` the steps
+        still run at the probe clock until a raise lands (:meth:`_lag_steps`), but never below
+        ``A / 2``. The steps run while it lands still count (read back at the probe clock), and
+        only ``A`` rejects: a raise that lands first is undone and the probe goes on, so the
+        error rates are the test's. Inf (never) under a lag of less than one step."""
+        lag = self._lag_steps(b)
+        d = b.target - 1.0 - self._margin0
+        if lag < 1.0 or b.fit is None or d <= 0:
+            return math.inf
+        a = self._sprt_a()
+        kl = 0.5 * (d / max(b.fit.sigma, 1e-3)) ** 2
+        return max(a / 2, a - lag * kl)
 
     def _ref_sample(self, now_s: float, b: _Bucket, batch: int, step_ms: float, ctx: float) -> None:
         sample = StepSample(ctx, step_ms)

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import math
 import os
 import threading
 import time
@@ -59,6 +60,32 @@ log = logging.getLogger("vllm.powersave.clocks")
 #: A locked clock read back within this of the request counts as applied (MHz): one supported
 #: step of the H200's SM clock table is ~15 MHz (docs/h200-facts.md).
 _READBACK_TOL_MHZ = 20
+
+
+class SwitchWatch:
+    """The clock switch awaiting its read-back, and the switch latency learned from read-back
+    (owned by :class:`ClockController`; docs/closed-loop.md, "Read-back")."""
+
+    def __init__(self) -> None:
+        # Request to the read-back that showed it (s), over recent switches that landed at the
+        # first try (a resent one measures a loss, not a lag).
+        self.times: deque[float] = deque(maxlen=32)
+        self.t: float | None = None  # when the switch now awaiting its read-back was requested
+        self.from_mhz: int | None = UNKNOWN  # the lock read back before it (UNKNOWN: none)
+        # (switch time, read time): the lock before that switch was still read back then.
+        self.seen_until: tuple[float, float] | None = None
+        #: The learned switch latency (s; ``None``: fewer than 4 switches yet).
+        self.estimate_s: float | None = None
+
+    def learn(self, lag_s: float) -> float | None:
+        """One switch's time from request to the read-back that showed it; returns the estimate:
+        the 90th percentile (nearest rank) of the last 32, once 4 are in. A robust upper value: a
+        read-back comes at a step's end, so each time is rounded up to it."""
+        self.times.append(max(0.0, lag_s))
+        if len(self.times) >= 4:
+            ordered = sorted(self.times)
+            self.estimate_s = ordered[min(len(ordered) - 1, math.ceil(0.9 * len(ordered)) - 1)]
+        return self.estimate_s
 
 
 def _rank(p: ClockPreset) -> float:
@@ -211,6 +238,7 @@ class ClockController:
         atexit.register(self.close)
 
     def _init_closed_loop(self, settings: ClockSettings) -> None:
+        self._sw = SwitchWatch()  # the switch awaiting its read-back, and the latency learned
         cl = settings.closed_loop
         if not cl.enabled or self.disabled_reason is not None:
             return
@@ -239,7 +267,10 @@ class ClockController:
         if self.backend.kind == "dry-run":
             return None
         clock: int | None = UNKNOWN
+        seen = self._sw.seen_until
         for t, f in tuple(self._clock_log):  # a copy: on_phase may append from the engine thread
+            if seen is not None and t == seen[0] and f == UNKNOWN and end_s <= seen[1]:
+                continue  # that switch had not landed by the step's end: the old lock still read back
             if t <= start_s:
                 clock = f
             elif t < end_s:
@@ -275,11 +306,16 @@ class ClockController:
         if self._landed(want, read):
             if not self._confirmed:
                 self._clock_log.append((t, want))
-                self._confirmed, self._attempts = True, 0
+                if self._sw.t is not None and self._attempts == 0:
+                    self._learn_latency(t - self._sw.t)
+                self._confirmed, self._attempts, self._sw.t = True, 0, None
             return
         if self._confirmed:  # it was there and is not any more (a reset under us): re-send now
             self._clock_log.append((t, UNKNOWN))
-            self._confirmed, self._sent_s = False, -float("inf")
+            self._confirmed, self._sent_s, self._sw.t = False, -float("inf"), None
+        elif self._sw.t is not None and self._sw.from_mhz not in (None, UNKNOWN) and read is not None:
+            if abs(read - self._sw.from_mhz) <= _READBACK_TOL_MHZ:
+                self._sw.seen_until = (self._sw.t, t)  # still the lock before: steps up to now ran at it
         if now_s - self._sent_s <= cl.switch_confirm_ms / 1000.0:
             return
         self._attempts += 1
@@ -288,6 +324,17 @@ class ClockController:
             self._readback_failed(now_s, want, read)
             return
         self._resend(now_s)
+
+    @property
+    def switch_latency_s(self) -> float | None:
+        """The switch latency learned from read-back (s; :class:`SwitchWatch`), ``None`` until 4
+        switches were read back."""
+        return self._sw.estimate_s
+
+    def _learn_latency(self, lag_s: float) -> None:
+        est = self._sw.learn(lag_s)
+        if self.closed_loop is not None:
+            self.closed_loop.switch_latency_s = est
 
     def _resend(self, now_s: float) -> None:
         """Send the current target again (a switch that did not show in the read-back)."""
@@ -547,8 +594,10 @@ class ClockController:
         self._same = {p: t is target or t == target for p, t in self._all_targets.items()}
         self._same_for = target
         self.last_change_s = self.clock() if now is None else now
+        self._sw.from_mhz = self._clock_log[-1][1] if self._confirmed else UNKNOWN
         self._clock_log.append((self.last_change_s, UNKNOWN))  # until read back (observe_decode_step)
         self._confirmed, self._sent_s, self._attempts = False, self.last_change_s, 0
+        self._sw.t = self.last_change_s
         if target.sm_clock_mhz is not None:
             self._last_lock_mhz = target.sm_clock_mhz
         self.decisions.append(ClockChange(self.last_change_s, phase, target.sm_clock_mhz, target.mem_clock_mhz))
