@@ -18,7 +18,7 @@ from .config import BenchConfig
 from .datasets import RequestInput, load_trace, random_requests, sample_requests
 from .energy import METRIC, EnergyMeter, EnergyReading
 from .errors import LoadTestError, ServerUnreachableError
-from .looplag import LoopLagProbe, loop_lag_metrics
+from .looplag import LoopLagProbe, loop_lag_metrics, runqueue_wait_s
 from .metrics import calculate_metrics, energy_metrics, method_metrics, peak_metrics, percentile_key
 from .shapes import arrival_offsets, ramp_offsets
 from .window import steady_state, sum_readings, timeline
@@ -351,6 +351,8 @@ class _Measured(NamedTuple):
     readings: list[EnergyReading]  # per meter
     loop_lags_s: list[float]  # the client loop's lag probe samples
     lag_probe_period_s: float
+    client_cpu_s: float  # the loop thread's CPU time over the timed load
+    client_wait_s: float | None  # the loop thread's time waiting for a CPU over it (Linux schedstat)
 
 
 async def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
@@ -366,9 +368,11 @@ async def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
     m = calculate_metrics(measured.reqs, outputs, measured.duration_s, cfg.percentiles, cfg.goodput or None)
     e = energy_metrics(reading, m["total_input_tokens"], m["total_output_tokens"])
     how = method_metrics(outputs, cfg.stream)
-    lag = loop_lag_metrics(
-        measured.loop_lags_s, measured.lag_probe_period_s, m["median_itl_ms"] if cfg.stream else None, m["median_ttft_ms"]
-    )
+    dur = measured.duration_s
+    cpu_share = measured.client_cpu_s / dur if dur > 0 else None
+    wait_share = measured.client_wait_s / dur if dur > 0 and measured.client_wait_s is not None else None
+    itl = m["median_itl_ms"] if cfg.stream else None
+    lag = loop_lag_metrics(measured.loop_lags_s, measured.lag_probe_period_s, itl, m["median_ttft_ms"], cpu_share, wait_share)
     how["methods"]["client_loop_lag"] = (
         f"a probe thread posts a callback into the client's event loop every {measured.lag_probe_period_s * 1000:g} ms; lag = its "
         f"wait; client is the bottleneck when p99 lag > {lag['client_bottleneck_threshold_ms']:.2f} ms "
@@ -446,7 +450,7 @@ async def _measure(cfg: BenchConfig, work: _Workload, deadline: float) -> _Measu
         progress = _Progress(len(work.reqs), cfg.progress, cfg.label or "requests")
         probe = LoopLagProbe()
         probe.start()
-        t0 = time.perf_counter()
+        t0, cpu0, wait0 = time.perf_counter(), time.thread_time(), runqueue_wait_s()
         try:
             outputs, duration, timed_out, sent = await run_load(
                 session,
@@ -461,7 +465,7 @@ async def _measure(cfg: BenchConfig, work: _Workload, deadline: float) -> _Measu
                 progress=progress,
             )
         finally:
-            lags = probe.stop()
+            lags, client_cpu_s, wait1 = probe.stop(), time.thread_time() - cpu0, runqueue_wait_s()
             progress.close()
             stop.set()
             if sampler is not None:
@@ -482,6 +486,8 @@ async def _measure(cfg: BenchConfig, work: _Workload, deadline: float) -> _Measu
         readings=readings,
         loop_lags_s=lags,
         lag_probe_period_s=probe.period_s,
+        client_cpu_s=client_cpu_s,
+        client_wait_s=None if wait0 is None or wait1 is None else wait1 - wait0,
     )
 
 
