@@ -238,3 +238,10 @@ def test_on_a_gpu_both_arms_take_energy_from_one_source_and_name_their_api_serve
     (out,) = (tmp_path / "runs").iterdir()
     results = json.loads((out / "comparison.json").read_text())["results"]
     assert {k: r["api_server_count"] for k, r in results.items()} == {"off": 1, "on": 4}
+
+
+def test_the_advise_hint_names_one_result_file_a_shell_can_pass():
+    runs = [("off", INF, _stock(run_index=1)), ("on", INF, _defaults(run_index=2)), ("on", INF, _defaults(run_index=3))]
+    sec = _section(savings_section(runs, gpu=True), "saturation")
+    hint = [ln for ln in sec if "vllm-powersave advise" in ln]
+    assert hint == ["- `vllm-powersave advise --result result-on-2.json` says what to change"]

@@ -142,7 +142,10 @@ def _starvation_lines(off: list[dict], on: list[dict], gpu: bool, src: str) -> l
     if gpu and material:
         lines.append(f"- advice: {API_SERVER_ADVICE}")
     if any(x.get("gpu_idle_while_busy_energy_j") is not None for x in off + on):
-        lines.append("- `vllm-powersave advise --result result-on-*.json` says what to change")
+        # One file: advise reads one run's result (a shell glob would pass it several).
+        n = next((x["run_index"] for x in on if isinstance(x.get("run_index"), int)), None)
+        name = f"result-on-{n}.json" if n is not None else "result-on-N.json (one run's file)"
+        lines.append(f"- `vllm-powersave advise --result {name}` says what to change")
     return lines
 
 
