@@ -624,3 +624,40 @@ def test_the_final_pairs_call_a_saving_only_when_the_interval_clears_1_at_equal_
     from vllm_powersave.serving_tune.report import pair_verdict
 
     assert pair_verdict(ratio, winner_met, defaults_met).startswith(starts)
+
+
+def test_the_winner_command_leaves_out_the_harness_only_flags():
+    from vllm_powersave.serving_tune.report import drop_flags
+
+    args = [
+        "--host",
+        "127.0.0.1",
+        "--max-model-len",
+        "1024",
+        "--served-model-name",
+        "model",
+        "--port=8000",
+        "--enforce-eager",
+        "--max-num-seqs",
+        "8",
+    ]
+    assert drop_flags(args, ("--host", "--port", "--served-model-name")) == [
+        "--max-model-len",
+        "1024",
+        "--enforce-eager",
+        "--max-num-seqs",
+        "8",
+    ]
+
+
+def test_a_final_pair_line_names_the_arm_once_and_the_winner_its_configuration():
+    from vllm_powersave.serving_tune.run import step_line
+
+    fig = Figures(0.3, "simulated", 100.0, 10.0, 5.0, 2.0, 2.0, good=4, sent=4, completed=4, failed=0, duration_s=4.0)
+    verdict = Verdict(met=True, attainment=1.0, shortfall_pts=0.0, worst_over=0.0)
+
+    def m(key: str, arm: str) -> Measurement:
+        return Measurement(f"final/p1/{arm}", "final", key, 4.0, 1, fig, 5.0, False, "2026-12-04T00:00:00Z", pair=1, arm=arm)
+
+    assert "pair 1 defaults: " in step_line(m("defaults", "defaults"), verdict)
+    assert "pair 1 winner (max_num_seqs=8): " in step_line(m("max_num_seqs=8", "winner"), verdict)

@@ -37,9 +37,29 @@ def mean_ci(xs: list[float | None], nd: int = 4) -> dict[str, Any]:
     return {"mean": round(m, nd), "ci95": [round(lo, nd), round(hi, nd)]}
 
 
+#: Flags the harness sets for its own servers (loopback, the model name its client asks for), which
+#: an operator's server would not copy.
+HARNESS_ONLY_FLAGS = ("--host", "--port", "--served-model-name")
+
+
+def drop_flags(args: list[str], names: tuple[str, ...]) -> list[str]:
+    """``args`` without the flags ``names`` and their values (``--flag value`` or ``--flag=value``)."""
+    out, skip = [], False
+    for a in args:
+        if skip and not a.startswith("--"):
+            skip = False
+            continue
+        skip = a.split("=", 1)[0] in names and "=" not in a
+        if a.split("=", 1)[0] not in names:
+            out.append(a)
+    return out
+
+
 def winner_command(plan: ServePlan, config: Config) -> str:
-    """The ``vllm serve`` command line of ``config`` as a user would run it (no measuring meter)."""
-    args = ["vllm", "serve", str(plan.model), *override(plan.base_args, config.serve_flags())]
+    """The ``vllm serve`` command line of ``config`` as a user would run it (no measuring meter, no
+    harness-only flags)."""
+    served = drop_flags(override(plan.base_args, config.serve_flags()), HARNESS_ONLY_FLAGS)
+    args = ["vllm", "serve", str(plan.model), *served]
     plugin = config.plugin_settings()
     if plugin and plan.gpu:
         args += ["--plugin", "powersave", "--additional-config", json.dumps({"powersave": plugin})]
