@@ -163,12 +163,12 @@ class Session:
 def step_line(m: Measurement, v: Verdict) -> str:
     """One log line per finished window, every energy figure labelled."""
     f = m.figures
-    where = f"search r{m.round}" if m.phase == "search" else f"pair {m.pair} {m.arm}"
+    where = f"search r{m.round} {m.key}" if m.phase == "search" else f"pair {m.pair} {m.arm}" + ("" if m.key == m.arm else f" ({m.key})")
     tpj = f"{f.output_tokens_per_joule:.4g} tok/J ({energy_label(f.energy_source)})" if f.output_tokens_per_joule else "tok/J n/a"
     lat = f"p99 TTFT {_ms(f.p99_ttft_ms)}, p99 TPOT {_ms(f.p99_tpot_ms)}, p99 ITL {_ms(f.p99_itl_ms)} (measured)"
     slo = "SLO met" if v.met else "SLO missed: " + "; ".join(v.misses)
     tput = f"{f.output_throughput:.1f} tok/s" if f.output_throughput is not None else "tok/s n/a"
-    return f"[tune-serving] {where} {m.key}: {tpj}, {tput}, {lat}, attainment {100 * v.attainment:.1f} % ({slo})" + (
+    return f"[tune-serving] {where}: {tpj}, {tput}, {lat}, attainment {100 * v.attainment:.1f} % ({slo})" + (
         " [server started]" if m.restarted else ""
     )
 
