@@ -125,3 +125,50 @@ def test_a_probe_asks_for_the_default_clock_ahead_of_its_verdict_when_switches_a
             ahead += 1
     assert ahead >= 1
     assert "reject" in d.events() and tuner.snapshot()["buckets"][64]["held_mhz"] is not None
+
+
+class Cotenant(Decode):
+    """Every step 30 % slower while the tuner measures the default clock after its first probe
+    (another job on the GPU then: the second probe's reference), and not after."""
+
+    def run(self, steps, batch=64):
+        for _ in range(steps):
+            b = self.tuner.buckets.get(64)
+            slow = b is not None and b.state == "ref" and b.probes == 1
+            f = self.clock or F_MAX
+            true_ms = (10.0 + 1e-5 * self.ctx) * max(1.0, self.knee / f) * (1.3 if slow else 1.0)
+            ms = true_ms * (self.rng.gauss(1.0, self.noise) if self.noise else 1.0)
+            self.t += true_ms / 1e3
+            self.clock = self.tuner.observe(self.t, batch, ms, self.clock, self.ctx)
+            self.ctx += batch / 8
+        return self
+
+
+def test_a_probe_faster_than_its_reference_measures_the_default_clock_again():
+    # The reference before a probe was taken under another tenant: the probe's steps look 23 %
+    # faster than the default clock, which a lower clock never is. The mirror sequential test
+    # calls the reference stale and measures it again before the probe goes on.
+    tuner = DecodeClockTuner(_loop_settings(), H200.sm_clocks_mhz)
+    Cotenant(tuner, noise=0.01, seed=1).run(4000)
+    stale = [r for r in tuner.records if r.event == "rebaseline" and "faster than the default clock" in r.reason]
+    assert stale
+    assert tuner.snapshot()["buckets"][64]["held_mhz"] is not None
+
+
+def test_a_probe_that_turns_slow_midway_is_still_stopped_by_the_sequential_test():
+    # The probe clock is fine for 30 steps (the test sits at its floor), then 5 % slow (the GPU
+    # changed under it): the floored test still stops it within tens of steps, not after the
+    # full window (~120 steps at 1 % noise).
+    tuner = DecodeClockTuner(_loop_settings(), H200.sm_clocks_mhz)
+    d = Decode(tuner, knee_mhz=200.0, noise=0.01, seed=5)
+    changed_at = None
+    for i in range(20_000):
+        d.run(1)
+        b = tuner.buckets.get(64)
+        if changed_at is None and b is not None and b.state == "probe" and b.probes >= 2 and len(b.samples) == 30:
+            d.knee, changed_at, probe = tuner.cands[b.probe] * 1.05, i, tuner.cands[b.probe]
+        if changed_at is not None and tuner.last.event in ("reject", "accept"):
+            break
+    assert changed_at is not None
+    assert tuner.last.event == "reject" and tuner.last.ran_at_mhz == probe
+    assert i - changed_at <= 30, i - changed_at

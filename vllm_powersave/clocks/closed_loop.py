@@ -207,7 +207,8 @@ class _Bucket:
         self.check_guard: list[StepSample] | None = None  # steps that fired a large-violation alarm
         self.next_prior: int | None = None  # where the search goes next if its current probe fails
         self.sprt = 0.0  # the running probe's log-likelihood ratio, over the target vs no slowdown
-        self.sprt_open = True  # neither of its bounds crossed yet
+        self.sprt_fast = 0.0  # the same, faster than the default clock by as much vs no slowdown
+        self.stale = 0  # references the running probe found stale and measured again
         self.sprt_line: LineFit | None = None  # the default clock it is measured against
         self.raising = False  # the default clock asked for ahead of the test (slow switches)
 
@@ -652,7 +653,7 @@ class DecodeClockTuner:
             while idx < b.hi - 1 and c[idx] < floor_mhz:
                 idx += 1
         b.probe = idx
-        b.samples, b.waited, b.decided, b.raising = [], 0, False, False
+        b.samples, b.waited, b.decided, b.raising, b.stale = [], 0, False, False, 0
         b.probes += 1
         self.n_probes += 1
         self._emit(
@@ -724,7 +725,15 @@ class DecodeClockTuner:
         n = len(b.samples)
         if b.ref_prev and self._sprt_over(b, ctx, step_ms) and n >= _EARLY_STEPS:
             self._verdict(now_s, b, batch, b.ref_prev, early=True)
-        b.raising = b.sprt_open and not b.decided and b.sprt >= self._raise_at(b)
+        elif n >= _EARLY_STEPS and b.sprt_fast >= self._sprt_a() and b.stale < 2:
+            # Faster than the default clock measured before it: that reference is stale (the GPU
+            # was slower then), so measure the default clock again, then this probe from its start.
+            # At most twice per probe; then its full window against both references decides.
+            b.state, b.samples, b.ref_cur, b.ref_prev, b.raising = "ref", [], [], [], False
+            b.stale += 1
+            self._emit(now_s, "rebaseline", b.edge, batch, b=b, reason=f"steps at {want} MHz faster than the default clock before them")
+            return
+        b.raising = not b.decided and b.sprt >= self._raise_at(b)
         if b.decided or n >= b.n_win:
             b.state, b.ref_cur = "ref", []  # back to the default clock for the closing reference window
             return
@@ -736,13 +745,15 @@ class DecodeClockTuner:
         ``1 + margin_pct``); H1: its slowdown is at the target; the gap ``d`` between them is the
         room the one test's window is sized for. Each step adds ``d / sigma`` times its ratio's
         distance from the midpoint, in single-step spreads ``sigma`` (clipped to +-``_CUSUM_CLIP``:
-        an outlier step adds no more). Stop (reject) at ``A = ln((1 - beta) / alpha)``; below
-        ``B = ln(beta / (1 - alpha))`` it looks no more and the full window's one test decides.
-        Error rates (Wald 1945, normal noise): a clock with no slowdown is stopped with
-        probability at most ``alpha / (1 - beta)`` (0.51 % at the defaults), a clock at the
-        target runs on to the full window with probability at most ``beta / (1 - alpha)`` (2 %
-        with an exact reference, ~12 % after a 61-step one, simulated; the one test rejects it
-        there with probability 1 - Phi(-noise_z)). The ratios are
+        an outlier step adds no more). Stop (reject) at ``A = ln((1 - beta) / alpha)``; the sum
+        is floored at ``B = ln(beta / (1 - alpha))`` (where Wald's test would accept H0) and
+        watched to the end of the window, where the one test decides. Error rates (Wald 1945,
+        normal noise): Wald's bounds, ``alpha / (1 - beta)`` (0.51 % at the defaults) for
+        stopping a clock with no slowdown and ``beta / (1 - alpha)`` (2 %) for a clock at the
+        target running on, hold for the unfloored test; with the floor, simulated at 1 % noise
+        over 122-step windows after a 61-step reference: 0.5 % of clocks with no slowdown beyond
+        ``margin_pct`` stopped, 5.5 % of clocks at the target run on (where the one test still
+        rejects them with probability 1 - Phi(-noise_z)). The ratios are
         against the reference window before the probe, whose own error (variance ``se_ref^2``,
         shared by every step) is paid for by raising the midpoint by ``A se_ref^2 / d``: for a
         Brownian walk the chance of crossing ``A`` then stays at its nominal bound averaged over
@@ -750,20 +761,27 @@ class DecodeClockTuner:
         fit = b.fit
         assert fit is not None
         if len(b.samples) == 1:  # a new probe (or one resumed): a fresh test
-            b.sprt, b.sprt_open = 0.0, True
+            b.sprt = b.sprt_fast = 0.0
             b.sprt_line = _fit_line(b.ref_prev, fit.ms_per_ctx_token) if len(b.ref_prev) >= 2 else fit
         d = b.target - 1.0 - self._margin0
-        if not b.sprt_open or d <= 0 or b.sprt_line is None:
+        if d <= 0 or b.sprt_line is None:
             return False
         s = self.s
         a = self._sprt_a()
         sigma = max(fit.sigma, 1e-3)
         se_ref2 = (_MEDIAN_SE * sigma) ** 2 / len(b.ref_prev)
         mid = 1.0 + self._margin0 + d / 2 + a * se_ref2 / d
-        x = (step_ms / b.sprt_line.ms_at(ctx) - mid) / sigma
+        r = step_ms / b.sprt_line.ms_at(ctx)
+        x = (r - mid) / sigma
         b.sprt += d / sigma * min(_CUSUM_CLIP, max(-_CUSUM_CLIP, x))
-        if b.sprt <= math.log(s.sprt_beta / (1.0 - s.sprt_alpha)):
-            b.sprt_open = False
+        # Floored at B rather than stopping there: a clock that changes during the probe (another
+        # tenant, thermals) is still caught, and the walk never carries more than |B| of credit.
+        floor = math.log(s.sprt_beta / (1.0 - s.sprt_alpha))
+        b.sprt = max(floor, b.sprt)
+        # The mirror test, steps faster than the default by d (a lower clock never is): the
+        # reference is stale (measured under another tenant), see _probe_sample.
+        x_fast = (1.0 - d / 2 - a * se_ref2 / d - r) / sigma
+        b.sprt_fast = max(floor, b.sprt_fast + d / sigma * min(_CUSUM_CLIP, max(-_CUSUM_CLIP, x_fast)))
         return b.sprt >= a
 
     def _sprt_a(self) -> float:
@@ -777,10 +795,10 @@ class DecodeClockTuner:
         still run at the probe clock until a raise lands (:meth:`_lag_steps`), but never below
         ``A / 2``. The steps run while it lands still count (read back at the probe clock), and
         only ``A`` rejects: a raise that lands first is undone and the probe goes on, so the
-        error rates are the test's. Inf (never) under a lag of less than one step."""
+        error rates are the test's. Inf (never) under a lag of less than two steps."""
         lag = self._lag_steps(b)
         d = b.target - 1.0 - self._margin0
-        if lag < 1.0 or b.fit is None or d <= 0:
+        if lag < 2.0 or b.fit is None or d <= 0:
             return math.inf
         a = self._sprt_a()
         kl = 0.5 * (d / max(b.fit.sigma, 1e-3)) ** 2
