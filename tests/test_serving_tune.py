@@ -661,3 +661,10 @@ def test_a_final_pair_line_names_the_arm_once_and_the_winner_its_configuration()
 
     assert "pair 1 defaults: " in step_line(m("defaults", "defaults"), verdict)
     assert "pair 1 winner (max_num_seqs=8): " in step_line(m("max_num_seqs=8", "winner"), verdict)
+
+
+def test_the_summary_shows_attainment_in_per_cent_as_the_tables_do():
+    from vllm_powersave.serving_tune.report_md import _pct
+
+    assert _pct({"mean": 0.995, "ci95": [0.99, 1.0]}) == "99.5 % (95 % CI 99.0–100.0 %)"
+    assert _pct({"mean": 1.0, "ci95": None}) == "100.0 %" and _pct(None) == "n/a"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import textwrap
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -202,7 +203,7 @@ def pareto_plot(record: dict[str, Any], path: Path) -> bool:
         ax.axvline(slo["tpot_ms"], color="red", linestyle=":", label=f"SLO p99 TPOT {slo['tpot_ms']:g} ms")
     ax.set_xlabel("p99 TPOT, ms (measured)")
     ax.set_ylabel(f"output tokens per joule ({label})")
-    ax.set_title(f"tune-serving: {record['traffic']['description'][:70]}", fontsize=8)
+    ax.set_title("\n".join(textwrap.wrap(f"tune-serving: {record['traffic']['description']}", 90)), fontsize=8)
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

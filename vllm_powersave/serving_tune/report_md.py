@@ -16,6 +16,14 @@ def _mci(d: dict[str, Any] | None, fmt: str = ".3f") -> str:
     return f"{d['mean']:{fmt}}" + (f" (95 % CI {ci[0]:{fmt}}–{ci[1]:{fmt}})" if ci else " (one value: no interval)")
 
 
+def _pct(d: dict[str, Any] | None) -> str:
+    """An attainment ``{"mean", "ci95"}`` (shares) in per cent, as the tables show it."""
+    if not d or d.get("mean") is None:
+        return "n/a"
+    ci = d.get("ci95")
+    return f"{100 * d['mean']:.1f} %" + (f" (95 % CI {100 * ci[0]:.1f}–{100 * ci[1]:.1f} %)" if ci else "")
+
+
 def header_lines(r: dict[str, Any]) -> list[str]:
     s = r["search"]
     lines = [
@@ -60,8 +68,8 @@ def final_lines(r: dict[str, Any]) -> list[str]:
         "",
         f"- tokens per joule, winner / defaults: **{_mci(f['tok_per_j_ratio'])}** ({label}); verdict: **{f.get('verdict', 'n/a')}**",
         f"- output throughput ratio: {_mci(f['throughput_ratio'])} (measured); p99 TPOT ratio: {_mci(f['p99_tpot_ratio'])} (measured)",
-        f"- SLO attainment, winner: {_mci(a['winner'])} ({a['winner']['windows_meeting_slo']} of {a['winner']['windows']} windows met the SLO); "
-        f"defaults: {_mci(a['defaults'])} ({a['defaults']['windows_meeting_slo']} of {a['defaults']['windows']})",
+        f"- SLO attainment, winner: {_pct(a['winner'])} ({a['winner']['windows_meeting_slo']} of {a['winner']['windows']} windows met the SLO); "
+        f"defaults: {_pct(a['defaults'])} ({a['defaults']['windows_meeting_slo']} of {a['defaults']['windows']})",
         "",
         "| pair | arm | tok/J | tok/s | p99 TTFT ms | p99 TPOT ms | p99 ITL ms | attainment | SLO |",
         "|---|---|---|---|---|---|---|---|---|",
