@@ -291,3 +291,21 @@ def test_tpot_slo_target_keeps_decode_steps_under_the_slo(tmp_path):
     assert b["state"] in HOLDING and b["held_mhz"] is not None and b["held_mhz"] < _lowest_ok(gpu)  # the SLO allows more than 1 %
     assert sum(late) / len(late) <= 0.01
     ctl.close()
+
+
+def test_a_loop_stopped_by_a_fault_leaves_no_clock_of_its_own_applied(tmp_path):
+    nvml = H200Nvml()
+    ctl = ClockController(NvmlClockBackend(NvmlGpu(nvml, "h0")), _settings(tmp_path), gpu_id="GPU-f", asynchronous=False, watchdog=False)
+    gpu = Gpu(nvml, 780, noise=0.01, seed=3)
+    t, ctx = _drive(ctl, gpu, 12_000, 0.0, 30_000)
+    for _ in range(100):  # until the held clock is the one applied (not a reference window's default)
+        if nvml.locked is not None:
+            break
+        t, ctx = _drive(ctl, gpu, 10, t, ctx)
+    held = ctl.closed_loop.snapshot()["buckets"][64]["held_mhz"]
+    assert held is not None and nvml.locked is not None  # a lower clock is held and applied
+    ctl.stop_closed_loop(t, "fault (RuntimeError)")  # what the drain does when feeding the loop fails
+    ctl.on_phase("decode", t + 2.0)
+    assert nvml.locked is None  # decode back at the driver's default: nothing tracks a lower clock now
+    assert ctl.closed_loop.snapshot()["buckets"][64]["held_mhz"] is None
+    ctl.close()

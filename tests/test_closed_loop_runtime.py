@@ -88,5 +88,6 @@ def test_a_fault_in_the_closed_loop_turns_only_it_off(monkeypatch, tmp_path):
         lines = (tmp_path / "trace-rank0.jsonl").read_text().splitlines()
         assert len([x for x in lines if "t" in json.loads(x)]) == 10  # steps still traced
         assert rt.closed_loop_active is False
+        assert rt.clocks.closed_loop.off_reason == "fault (RuntimeError)"  # the loop's own clocks dropped too
     finally:
         rt.close()

@@ -367,6 +367,14 @@ class ClockController:
         if want is None:
             self._resend(now_s)  # a reset that did not show: one more try; leases and close() stay in charge
 
+    def stop_closed_loop(self, now_s: float, reason: str) -> None:
+        """The closed loop off for good after a fault outside the controller (e.g. feeding it): its
+        held clocks forgotten, and the decode target back to the static preset or the default, so
+        no clock chosen by a loop that no longer tracks it stays applied."""
+        if self.closed_loop is not None:
+            self.closed_loop.turn_off(now_s, reason)
+        self._retarget("decode", self.presets.get("decode") or ClockPreset())
+
     def observe_decode_step(
         self,
         now_s: float,

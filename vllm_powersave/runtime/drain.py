@@ -161,7 +161,11 @@ class StepDrain:
             )
         except Exception as exc:
             self.timing.turn_off(f"fault ({type(exc).__name__})")
-            vllm_compat.fault_once("closed_loop", exc, "feeding the closed-loop decode clock", "the decode clock stays at its default")
+            try:  # the loop's last clock must not stay applied once nothing tracks it
+                self.clocks.stop_closed_loop(t_end, f"fault ({type(exc).__name__})")
+            except Exception:
+                pass
+            vllm_compat.fault_once("closed_loop", exc, "feeding the closed-loop decode clock", "the decode clock goes back to its default")
 
     def _step_fed(self, rec: StepRecord, acc: PhaseEnergyAccount | None, plp: Any, sim: SimulatedGpu | None, want_rows: bool) -> None:
         """One record's start: prompt-logprob rows, the account's step, the simulator's work."""
