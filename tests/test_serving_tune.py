@@ -668,3 +668,32 @@ def test_the_summary_shows_attainment_in_per_cent_as_the_tables_do():
 
     assert _pct({"mean": 0.995, "ci95": [0.99, 1.0]}) == "99.5 % (95 % CI 99.0–100.0 %)"
     assert _pct({"mean": 1.0, "ci95": None}) == "100.0 %" and _pct(None) == "n/a"
+
+
+def test_traffic_longer_than_the_servers_max_model_len_is_refused_before_anything_starts(tiny_config, tmp_path, capsys):
+    args = ["tune-serving", "--model", str(tiny_config), "--rate", "2", "--max-num-seqs", "2,8", "--out", str(tmp_path / "o")]
+    args += ["--serve-arg=--max-model-len", "--serve-arg=1024"]  # the user's own limit: kept, and checked
+    rc, _, err = _cli([*args, "--input-len", "900:1000", "--output-len", "100"], capsys)
+    assert rc == 2 and err.strip().splitlines() == [
+        "error: --input-len/--output-len: the longest request needs 1100 tokens, over the servers' --max-model-len 1024 "
+        "(raise it with --serve-arg)"
+    ]
+    assert not (tmp_path / "o" / "state.jsonl").exists()
+
+
+def test_a_csv_trace_with_a_byte_order_mark_parses(tmp_path):
+    trace = tmp_path / "t.csv"
+    trace.write_bytes("\ufeffarrival_s,input_len,output_len\n0.5,16,8\n0.0,32,4\n".encode())
+    rows = parse_trace(trace)
+    assert [(r.arrival_s, r.input_len, r.output_len) for r in rows] == [(0.0, 32, 4), (0.5, 16, 8)]
+
+
+def test_without_a_user_limit_max_model_len_is_raised_to_fit_the_longest_request(tiny_config, tmp_path):
+    from vllm_powersave.cli import build_parser
+    from vllm_powersave.serving_tune.command import options_from
+
+    ns = build_parser().parse_args(
+        ["tune-serving", "--model", str(tiny_config), "--rate", "2", "--max-num-seqs", "2,8", "--out", str(tmp_path)]
+    )
+    args = list(options_from(ns).plan.base_args)  # default traffic: input up to 1024, output up to 512
+    assert args.count("--max-model-len") == 1 and args[args.index("--max-model-len") + 1] == "1536"

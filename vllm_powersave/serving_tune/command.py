@@ -151,6 +151,38 @@ def machine_facts(gpu: bool) -> MachineFacts:
     return MachineFacts(True, ok, why)
 
 
+def _fit_max_model_len(args: list[str], user_args: list[str] | None, traffic: Any) -> list[str]:
+    """``args`` with ``--max-model-len`` raised to fit the traffic's longest request (rounded up to
+    256 tokens) unless the user set it with ``--serve-arg``: the default (1024) would fail every
+    longer request, and both arms run with the same value."""
+    if any(a.split("=", 1)[0] == "--max-model-len" for a in user_args or []):
+        return args
+    need = -(-traffic.longest_request_tokens() // 256) * 256
+    current = next((args[i + 1] for i, a in enumerate(args[:-1]) if a == "--max-model-len"), None)
+    if current is not None and current.isdigit() and int(current) >= need:
+        return args
+    return override(args, ["--max-model-len", str(need)])
+
+
+def _check_fits(traffic: Any, serve_args: tuple[str, ...], flag: str) -> None:
+    """Refuse traffic whose longest request cannot fit the servers' ``--max-model-len`` (every
+    such request would fail and count against the SLO); silent where the flag is not given."""
+    args = list(serve_args)
+    limit = None
+    for i, a in enumerate(args):
+        if a.startswith("--max-model-len="):
+            limit = a.split("=", 1)[1]
+        elif a == "--max-model-len" and i + 1 < len(args):
+            limit = args[i + 1]
+    if limit is None or not str(limit).isdigit():
+        return
+    need = traffic.longest_request_tokens()
+    if need > int(limit):
+        raise ValueError(
+            f"{flag}: the longest request needs {need} tokens, over the servers' --max-model-len {limit} (raise it with --serve-arg)"
+        )
+
+
 def options_from(ns: argparse.Namespace) -> Any:
     """Every input checked (one ``ValueError`` line naming the flag and value) before anything starts."""
     from ..serving import cpu_only, default_serve_args
@@ -178,13 +210,14 @@ def options_from(ns: argparse.Namespace) -> Any:
     model = _model(ns)
     plan = ServePlan(
         model=model,
-        base_args=tuple(override(default_serve_args(str(model))[1:], list(ns.serve_arg or []))),
+        base_args=tuple(_fit_max_model_len(override(default_serve_args(str(model))[1:], list(ns.serve_arg or [])), ns.serve_arg, traffic)),
         gpu=gpu,
         out_dir=Path(ns.out),
         sim_shape=None if ns.sim_shape == "served" else ns.sim_shape,
         startup_timeout_s=ns.startup_timeout,
         warmups=ns.warmups,
     )
+    _check_fits(traffic, plan.base_args, "--trace" if ns.trace is not None else "--input-len/--output-len")
     configs = tuple(configurations(values, ns.max_configs, ns.seed))
     return TuneServingOptions(
         plan=plan,

@@ -81,6 +81,13 @@ class Traffic:
     trace: tuple[TraceRow, ...] = ()
     trace_path: str | None = None
 
+    def longest_request_tokens(self) -> int:
+        """The most tokens one request may need (prompt + output): the trace's largest, or the
+        length ranges' upper ends."""
+        if self.kind == "trace" and self.trace:
+            return max(r.input_len + r.output_len for r in self.trace)
+        return self.input_len.hi + self.output_len.hi
+
     def describe(self) -> str:
         lengths = f"input {self.input_len.describe()} tokens, output {self.output_len.describe()} tokens (independent draws)"
         if self.kind == "poisson":
@@ -169,7 +176,7 @@ def parse_trace(path: str | Path) -> tuple[TraceRow, ...]:
     and shifted so the first arrives at 0; :class:`TrafficError` (one line) for anything else."""
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
+        text = p.read_text(encoding="utf-8-sig")  # a byte-order mark (spreadsheet CSV export) is not a field
     except (OSError, UnicodeDecodeError) as e:
         raise TrafficError(f"--trace {p}: cannot read: {type(e).__name__}: {' '.join(str(e).split())}") from None
     rows: list[TraceRow] = []
