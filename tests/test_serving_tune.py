@@ -627,7 +627,7 @@ def test_the_final_pairs_call_a_saving_only_when_the_interval_clears_1_at_equal_
 
 
 def test_the_winner_command_leaves_out_the_harness_only_flags():
-    from vllm_powersave.serving_tune.report import drop_flags
+    from vllm_powersave.serving_tune.space import drop_flags
 
     args = [
         "--host",

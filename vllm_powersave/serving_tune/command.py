@@ -151,6 +151,17 @@ def machine_facts(gpu: bool) -> MachineFacts:
     return MachineFacts(True, ok, why)
 
 
+def _max_model_len(args: list[str] | tuple[str, ...]) -> int | None:
+    """The ``--max-model-len`` that ``args`` set (``--flag N`` or ``--flag=N``; the last wins), if any."""
+    value = None
+    for i, a in enumerate(args):
+        if a.startswith("--max-model-len="):
+            value = a.split("=", 1)[1]
+        elif a == "--max-model-len" and i + 1 < len(args):
+            value = args[i + 1]
+    return int(value) if value is not None and value.isdigit() else None
+
+
 def _fit_max_model_len(args: list[str], user_args: list[str] | None, traffic: Any) -> list[str]:
     """``args`` with ``--max-model-len`` raised to fit the traffic's longest request (rounded up to
     256 tokens) unless the user set it with ``--serve-arg``: the default (1024) would fail every
@@ -158,8 +169,8 @@ def _fit_max_model_len(args: list[str], user_args: list[str] | None, traffic: An
     if any(a.split("=", 1)[0] == "--max-model-len" for a in user_args or []):
         return args
     need = -(-traffic.longest_request_tokens() // 256) * 256
-    current = next((args[i + 1] for i, a in enumerate(args[:-1]) if a == "--max-model-len"), None)
-    if current is not None and current.isdigit() and int(current) >= need:
+    current = _max_model_len(args)
+    if current is not None and current >= need:
         return args
     return override(args, ["--max-model-len", str(need)])
 
@@ -167,17 +178,9 @@ def _fit_max_model_len(args: list[str], user_args: list[str] | None, traffic: An
 def _check_fits(traffic: Any, serve_args: tuple[str, ...], flag: str) -> None:
     """Refuse traffic whose longest request cannot fit the servers' ``--max-model-len`` (every
     such request would fail and count against the SLO); silent where the flag is not given."""
-    args = list(serve_args)
-    limit = None
-    for i, a in enumerate(args):
-        if a.startswith("--max-model-len="):
-            limit = a.split("=", 1)[1]
-        elif a == "--max-model-len" and i + 1 < len(args):
-            limit = args[i + 1]
-    if limit is None or not str(limit).isdigit():
-        return
+    limit = _max_model_len(serve_args)
     need = traffic.longest_request_tokens()
-    if need > int(limit):
+    if limit is not None and need > limit:
         raise ValueError(
             f"{flag}: the longest request needs {need} tokens, over the servers' --max-model-len {limit} (raise it with --serve-arg)"
         )

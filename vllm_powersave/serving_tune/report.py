@@ -17,7 +17,7 @@ from typing import Any
 from ..intervals import mean_ci95
 from .measure import ServePlan
 from .slo import wilson_ci95
-from .space import Config, override
+from .space import Config, drop_flags, override
 from .state import Measurement
 
 SIM_NOTE = (
@@ -41,19 +41,6 @@ def mean_ci(xs: list[float | None], nd: int = 4) -> dict[str, Any]:
 #: Flags the harness sets for its own servers (loopback, the model name its client asks for), which
 #: an operator's server would not copy.
 HARNESS_ONLY_FLAGS = ("--host", "--port", "--served-model-name")
-
-
-def drop_flags(args: list[str], names: tuple[str, ...]) -> list[str]:
-    """``args`` without the flags ``names`` and their values (``--flag value`` or ``--flag=value``)."""
-    out, skip = [], False
-    for a in args:
-        if skip and not a.startswith("--"):
-            skip = False
-            continue
-        skip = a.split("=", 1)[0] in names and "=" not in a
-        if a.split("=", 1)[0] not in names:
-            out.append(a)
-    return out
 
 
 def winner_command(plan: ServePlan, config: Config) -> str:

@@ -193,19 +193,26 @@ class Config:
         return out
 
 
+def drop_flags(args: list[str] | tuple[str, ...], names: set[str] | tuple[str, ...]) -> list[str]:
+    """``args`` without the flags ``names`` and their values (``--flag value`` or ``--flag=value``)."""
+    out, skip = [], False
+    for a in args:
+        if skip and not a.startswith("--"):
+            skip = False
+            continue
+        name = a.split("=", 1)[0]
+        skip = name in names and "=" not in a
+        if name not in names:
+            out.append(a)
+    return out
+
+
 def override(base_args: list[str] | tuple[str, ...], flags: list[str]) -> list[str]:
     """``base_args`` without the flags ``flags`` sets again (and their values), then ``flags``: one
     value per setting on the command line, the configuration's."""
     names = {f.split("=", 1)[0] for f in flags if f.startswith("--")}
     names |= {"--async-scheduling", "--no-async-scheduling"} if names & {"--async-scheduling", "--no-async-scheduling"} else set()
-    out, skip = [], False
-    for a in base_args:
-        if skip and not a.startswith("--"):
-            continue
-        skip = a.split("=", 1)[0] in names
-        if not skip:
-            out.append(a)
-    return out + list(flags)
+    return drop_flags(base_args, names) + list(flags)
 
 
 def _fmt(v: Any) -> str:
