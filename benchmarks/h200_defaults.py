@@ -84,6 +84,27 @@ def starvation_figures(d: dict[str, float]) -> dict:
     return {**out, "idle_while_busy_share_of_busy": (s_ / busy) if s_ is not None and busy else None}
 
 
+@dataclass(frozen=True)
+class SnapMark:
+    """The plugin's first snapshot written after a moment (``wall``/``perf``: that moment on the
+    wall clock and on perf_counter)."""
+
+    wall: float
+    perf: float
+    snap: dict | None
+
+    @property
+    def perf_t(self) -> float:
+        """The snapshot's own time ('t', wall clock) on perf_counter, where the sampler's counter lives."""
+        return self.perf + ((self.snap or {}).get("t", self.wall) - self.wall)
+
+
+def snap_between(m0: SnapMark, m1: SnapMark) -> dict | None:
+    """The plugin's joules by phase from ``m0``'s snapshot to ``m1``'s; None without energy in both."""
+    e0, e1 = snap_energy(m0.snap), snap_energy(m1.snap)
+    return None if e0 is None or e1 is None else {k: e1[k] - e0.get(k, 0.0) for k in e1}
+
+
 def snap_energy(snap: dict | None) -> dict | None:
     if not snap or not isinstance(snap.get("energy_j"), dict):
         return None
@@ -147,6 +168,11 @@ class Server:
         """One loadtests run against this server (``kw`` over :attr:`base`)."""
         return load.run_window(self.port, f"{self.label}-{name}", **{**self.base, **kw})
 
+    def mark(self) -> SnapMark:
+        """Now, and the plugin's first snapshot after it."""
+        wall, perf = time.time(), time.perf_counter()
+        return SnapMark(wall, perf, load.wait_snapshot_after(self.stats_dir, wall))
+
     def idle(self) -> dict:
         time.sleep(self.ns.settle_s)
         t0 = time.perf_counter()
@@ -175,8 +201,7 @@ class Server:
         time.sleep(ns.settle_s)
         offs = {f.name: f.stat().st_size for f in stats_dir.glob(REQUEST_LINES)}
         m0, _ = load.scrape(self.port)
-        wall0, perf0 = time.time(), time.perf_counter()
-        snap0 = load.wait_snapshot_after(stats_dir, wall0)
+        mark0 = self.mark()
         # Identical requests started together finish together: the batch then runs in waves that ramp
         # up and drain, and the first and last of each wave share steps with few others. A cap on
         # concurrency keeps that: a start per finish re-synchronises starts with finishes, and the
@@ -191,8 +216,7 @@ class Server:
         # schedule (loadtests' loop-lag check), and its bunched starts unsteady the batch (run J).
         h = self.harness("reqe", **reqe, seed=7, request_rate=rate, arrival="constant", stream=ns.reqe_stream)
         time.sleep(ns.settle_s)  # every request's line written, the engine idle again
-        wall1, perf1 = time.time(), time.perf_counter()
-        snap1 = load.wait_snapshot_after(stats_dir, wall1)
+        mark1 = self.mark()
         m1, _ = load.scrape(self.port)
         seg: dict = dict(n=shape.n, concurrency=ns.reqe_conc, cap=cap, stream=ns.reqe_stream, input_len=shape.input_len)
         seg.update(output_len=shape.output_len, request_rate=None if waves else round(rate, 2))
@@ -201,19 +225,18 @@ class Server:
         seg["batch_p5_p50_p95"] = batch_spread(load.new_lines(stats_dir, TRACE_LINES, t_offs))
         seg["prompts"] = "random tokens of equal length, distinct per request (no prefix-cache hits), ignore_eos"
         seg.update(harness=load.summary(h["res"]), lines=load.new_lines(stats_dir, REQUEST_LINES, offs))
-        seg["snapshot_fields"] = sorted(snap1) if snap1 else None
-        e0, e1 = snap_energy(snap0), snap_energy(snap1)
-        if e0 is not None and e1 is not None:
-            seg["plugin_energy_j_by_phase"] = {k: e1[k] - e0.get(k, 0.0) for k in e1}
+        seg["snapshot_fields"] = sorted(mark1.snap) if mark1.snap else None
+        if (phases := snap_between(mark0, mark1)) is not None:
+            seg["plugin_energy_j_by_phase"] = phases
             # The counter over the snapshots' own span: their 't' is wall time, mapped onto perf_counter.
-            t_a, t_b = perf0 + (snap0.get("t", wall0) - wall0), perf1 + (snap1.get("t", wall1) - wall1)
+            t_a, t_b = mark0.perf_t, mark1.perf_t
             seg.update(counter_j=self.sampler.energy_between(t_a, t_b), span_s=t_b - t_a)
         else:
             seg.update(plugin_energy_j_by_phase=None, counter_j=None, note="no plugin snapshot with energy_j in stats_dir")
         seg["counter_harness_window_j"] = h["res"].get("gpu_energy_j")
         # Non-idle energy charged to no request over the segment (after a batch's last step until idle
         # is detected): the snapshot's field and the /metrics counter, each as a delta.
-        seg["tail_j"] = load.diff((snap0 or {}).get(REQUEST_TAIL_SNAPSHOT), (snap1 or {}).get(REQUEST_TAIL_SNAPSHOT))
+        seg["tail_j"] = load.diff((mark0.snap or {}).get(REQUEST_TAIL_SNAPSHOT), (mark1.snap or {}).get(REQUEST_TAIL_SNAPSHOT))
         seg["tail_j_metrics"] = load.diff(load.series_sum(m0, REQUEST_TAIL_METRIC), load.series_sum(m1, REQUEST_TAIL_METRIC))
         phases = seg["plugin_energy_j_by_phase"]
         log(f"[{self.label}] request energy: {len(seg['lines'])} lines, counter {seg['counter_j']} J, plugin {phases}")
@@ -228,18 +251,14 @@ class Server:
         ns, runs = self.ns, []
         for i in range(ns.burst_n):
             time.sleep(ns.burst_gap_s)
-            wall0, perf0 = time.time(), time.perf_counter()
-            snap0 = load.wait_snapshot_after(self.stats_dir, wall0)
+            mark0 = self.mark()
             h = self.harness(f"burst{i}", num_prompts=ns.burst_conc, max_concurrency=ns.burst_conc, input_len=ns.burst_in, output_len=1)
             time.sleep(1.0)  # the counter's next steps and the plugin's idle detection land inside the span
-            wall1, perf1 = time.time(), time.perf_counter()
-            snap1 = load.wait_snapshot_after(self.stats_dir, wall1)
-            e0, e1 = snap_energy(snap0), snap_energy(snap1)
-            if e0 is None or e1 is None:
+            mark1 = self.mark()
+            if (phases := snap_between(mark0, mark1)) is None:
                 runs.append({"note": "no plugin snapshot with energy_j"})
                 continue
-            t_a, t_b = perf0 + (snap0.get("t", wall0) - wall0), perf1 + (snap1.get("t", wall1) - wall1)
-            phases = {k: e1[k] - e0.get(k, 0.0) for k in e1}
+            t_a, t_b = mark0.perf_t, mark1.perf_t
             busy_s, counter_j = h["res"].get("duration"), self.sampler.energy_between(t_a, t_b)
             truth = None if None in (busy_s, counter_j, idle_w) else counter_j - idle_w * max(0.0, (t_b - t_a) - busy_s)
             busy_j = sum(v for k, v in phases.items() if k != "idle")

@@ -220,3 +220,13 @@ def test_bursts_give_the_busy_over_truth_spread_and_whether_each_is_within_5pct(
     assert o["busy_over_truth"] == {"n": 3, "median": 1.02, "min": 0.97, "max": 1.04} and o["within_5pct"] is True
     runs.append({"busy_over_truth": 0.8})
     assert rec.bursts_block([raw([server("defaults", 80, [], bursts=b)])])[0]["within_5pct"] is False
+
+
+def test_a_snapshot_span_is_read_on_perf_counter_and_diffed_by_phase():
+    from benchmarks.h200_defaults import SnapMark, snap_between
+
+    m0 = SnapMark(wall=1000.0, perf=50.0, snap={"t": 1000.4, "energy_j": {"idle": 10.0, "decode": 5.0}})
+    m1 = SnapMark(wall=1010.0, perf=60.0, snap={"t": 1011.0, "energy_j": {"idle": 12.0, "decode": 9.0, "prefill": 1.0}})
+    assert abs(m0.perf_t - 50.4) < 1e-9 and m1.perf_t == 61.0
+    assert snap_between(m0, m1) == {"idle": 2.0, "decode": 4.0, "prefill": 1.0}
+    assert snap_between(m0, SnapMark(1010.0, 60.0, None)) is None and SnapMark(1.0, 2.0, None).perf_t == 2.0
