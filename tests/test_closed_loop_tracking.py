@@ -284,3 +284,31 @@ def test_scheduled_rechecks_of_a_clock_that_keeps_passing_are_spaced_by_doubling
     d.run(20_000)
     assert "backoff" not in d.events()
     assert sum(r.event == "recheck" for r in tuner.records) - n0 <= 8
+
+
+def test_a_reset_after_a_lock_near_the_top_clock_counts_as_read_back(tmp_path):
+    # A lock within the read-back tolerance of the top clock (1965 of 1980 MHz), then the default:
+    # the reset reads back 1980, not "above 1965 + tolerance", and must still count as landed.
+    nvml = LaggingNvml()
+    s = load_settings(
+        {
+            "clocks": {
+                "backend": "nvml",
+                "min_dwell_ms": 0,
+                "lease_dir": str(tmp_path / "l"),
+                "presets": {"prefill": {"sm_clock_mhz": 1965}},
+                "closed_loop": {"enabled": True},
+            }
+        },
+        env={},
+    ).clocks
+    ctl = ClockController(NvmlClockBackend(NvmlGpu(nvml, "h0")), s, gpu_id="GPU-r", asynchronous=False, watchdog=False)
+    ctl.on_phase("prefill", 0.0)
+    assert nvml.locked == (1965, 1965)
+    t = 0.02
+    for _ in range(200):  # 2 s of decode steps: far past switch_confirm_ms x (switch_retries + 1)
+        ctl.on_phase("decode", t)
+        t += 0.01
+        ctl.observe_decode_step(t, 64, 10.0, True, 30_000.0)
+    assert ctl.readback_off is None and ctl.closed_loop.off_reason is None
+    ctl.close()

@@ -204,6 +204,7 @@ class ClockController:
         self._sent_s = -float("inf")  # when the current target was (re)sent
         self._attempts = 0  # re-sends of the current target
         self._last_lock_mhz: int | None = None  # the last SM clock locked (a reset must read above it)
+        self._top_mhz: float = math.inf  # the top supported SM clock (known once the closed loop is built)
         self._steps_since_read = 0
         #: Why the closed loop turned off after a switch never read back (one warning), else None.
         self.readback_off: str | None = None
@@ -250,6 +251,7 @@ class ClockController:
             return
         try:
             self.closed_loop = DecodeClockTuner(cl, self.backend.supported_sm_clocks())
+            self._top_mhz = self.closed_loop.default_mhz
         except Exception as exc:  # a backend that cannot list clocks: the loop stays off, serving goes on
             log.error("powersave: closed-loop decode clock off for GPU %s: %s", self.gpu_id, exc)
 
@@ -280,12 +282,14 @@ class ClockController:
     def _landed(self, want: int | None, read: int | None) -> bool:
         """Whether the read-back clock shows the requested one: a lock within
         ``_READBACK_TOL_MHZ``; a reset above the clock last locked (the default is the driver's
-        choice, but never the lock it replaced)."""
+        choice, but never the lock it replaced), or at the top supported clock (a lock within
+        the tolerance of the top cannot be told from the reset, and costs nothing to miss)."""
         if read is None:
             return False
         if want is not None:
             return abs(read - want) <= _READBACK_TOL_MHZ
-        return self._last_lock_mhz is None or read > self._last_lock_mhz + _READBACK_TOL_MHZ
+        last = self._last_lock_mhz
+        return last is None or read > last + _READBACK_TOL_MHZ or read >= self._top_mhz - _READBACK_TOL_MHZ
 
     def _read_back(self, now_s: float) -> None:
         """Read the applied SM clock back after a switch (each step until it shows) and every
