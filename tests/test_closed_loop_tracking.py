@@ -312,3 +312,47 @@ def test_a_reset_after_a_lock_near_the_top_clock_counts_as_read_back(tmp_path):
         ctl.observe_decode_step(t, 64, 10.0, True, 30_000.0)
     assert ctl.readback_off is None and ctl.closed_loop.off_reason is None
     ctl.close()
+
+
+class DroppingNvml(LaggingNvml):
+    """:class:`LaggingNvml` that loses the next ``drop_resets`` resets."""
+
+    drop_resets = 0
+
+    def nvmlDeviceResetGpuLockedClocks(self, h):
+        if self.drop_resets > 0:
+            self.drop_resets -= 1
+            return
+        super().nvmlDeviceResetGpuLockedClocks(h)
+
+
+def test_a_reset_lost_after_the_loop_turned_off_is_sent_again(tmp_path):
+    # The loop turned off (locks ignored: never read back); later a lock does apply (the idle
+    # preset) and the reset back to the default for decode is lost: decode must not stay at the
+    # idle clock until the next phase change, so read-back keeps watching resets.
+    nvml = DroppingNvml(ignore=True)
+    s = load_settings(
+        {
+            "clocks": {
+                "backend": "nvml",
+                "min_dwell_ms": 0,
+                "lease_dir": str(tmp_path / "l"),
+                "presets": {"idle": {"sm_clock_mhz": 345}},
+                "closed_loop": {"enabled": True},
+            }
+        },
+        env={},
+    ).clocks
+    ctl = ClockController(NvmlClockBackend(NvmlGpu(nvml, "h0")), s, gpu_id="GPU-r", asynchronous=False, watchdog=False)
+    t = _drive(ctl, nvml, 4000)
+    assert ctl.readback_off is not None
+    nvml.ignore = False
+    ctl.on_phase("idle", t)
+    assert nvml.locked == (345, 345)
+    nvml.drop_resets = 1
+    ctl.on_phase("decode", t + 0.01)
+    assert nvml.locked == (345, 345)  # the reset was lost
+    for i in range(100):  # 1 s of decode steps
+        ctl.observe_decode_step(t + 0.02 + 0.01 * i, 64, 10.0, True, 30_000.0)
+    assert nvml.locked is None
+    ctl.close()

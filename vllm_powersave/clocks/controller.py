@@ -197,8 +197,7 @@ class ClockController:
         self._same = {p: t == self.current for p, t in self._all_targets.items()}
         self._same_for = self.current  # the preset object _same was computed against (presets are frozen)
         self.last_change_s = -1e18
-        # What the GPU was confirmed to run, from when (s, same clock as on_phase's now): the SM
-        # clock read back (None: the default), or UNKNOWN from a switch until its read-back.
+        # (from s, SM clock read back: None the default, UNKNOWN from a switch until its read-back)
         self._clock_log: deque[tuple[float, int | None]] = deque([(-float("inf"), None)], maxlen=64)
         self._confirmed = True  # the last switch was read back
         self._sent_s = -float("inf")  # when the current target was (re)sent
@@ -291,6 +290,18 @@ class ClockController:
         last = self._last_lock_mhz
         return last is None or read > last + _READBACK_TOL_MHZ or read >= self._top_mhz - _READBACK_TOL_MHZ
 
+    def _resets_watched(self) -> bool:
+        """Whether read-back still watches a reset after the closed loop turned off for a switch
+        never read back: a lost reset would otherwise leave decode at the last lock (the idle
+        preset's clock, say) until the next phase change. Locks are not watched then."""
+        return (
+            self.readback_off is not None
+            and self.current.sm_clock_mhz is None
+            and self.backend.kind != "dry-run"
+            and self.disabled_reason is None
+            and not self._closed
+        )
+
     def _read_back(self, now_s: float) -> None:
         """Read the applied SM clock back after a switch (each step until it shows) and every
         ``readback_every_steps`` steps while holding; a switch not shown within
@@ -325,8 +336,10 @@ class ClockController:
         self._attempts += 1
         self.n_unconfirmed += 1
         if self._attempts > cl.switch_retries:
-            self._readback_failed(now_s, want, read)
-            return
+            if self.readback_off is None:
+                self._readback_failed(now_s, want, read)
+                return
+            self._attempts = 0  # the loop is off already: a lost reset is sent again every so often
         self._resend(now_s)
 
     @property
@@ -409,6 +422,8 @@ class ClockController:
         """
         tuner = self.closed_loop
         if tuner is None or not self.closed_loop_active:
+            if self._resets_watched():
+                self._read_back(now_s)  # a reset lost after the loop turned off is still sent again
             return None
         tuner.dry_run = self.backend.kind == "dry-run"  # also after a permission fallback
         if not tuner.dry_run:
