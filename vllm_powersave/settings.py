@@ -167,9 +167,12 @@ class ClosedLoopSettings(_Strict):
     #: passes (the GPU, not the clock, changed), else the bucket searches again above it.
     backoff_steps: int = Field(default=6, ge=1, le=1000)
     #: A held clock is also re-checked against the default clock after this many measured steps
-    #: at it (one reference window of default-clock steps, then the same test), so that a change
-    #: of the default clock's own step time (thermals, another tenant) is tracked.
-    ref_every_steps: int = Field(default=512, ge=16, le=1_000_000)
+    #: at it (one reference window of default-clock steps, then the same test; doubling while the
+    #: re-checks pass), so that a change of the default clock's own step time is tracked. Two
+    #: CUSUMs watch the held steps between re-checks (slower than the target: a violation;
+    #: faster than the default clock: the fit is stale), so these can be rare: each costs a
+    #: window of default-clock steps (docs/results/sim-closed-loop-adversarial.md).
+    ref_every_steps: int = Field(default=2048, ge=16, le=1_000_000)
     #: Lowest SM clock the loop may probe, MHz (``None``: the GPU's lowest supported clock).
     min_sm_clock_mhz: int | None = Field(default=None, ge=100, le=5000)
     #: Decode batch-size buckets (lower edges, requests). A step belongs to the highest edge <= its batch.
@@ -179,7 +182,7 @@ class ClosedLoopSettings(_Strict):
     #: Re-measure the default-clock baseline of a held bucket this often, s (0: never), and whenever
     #: the decode context leaves the measured range by more than ``rebaseline_ctx_pct``: catches
     #: drift (context growth, thermals) that the per-step check cannot tell from a clock effect.
-    rebaseline_s: float = Field(default=30.0, ge=0.0, le=86_400.0, allow_inf_nan=False)
+    rebaseline_s: float = Field(default=120.0, ge=0.0, le=86_400.0, allow_inf_nan=False)
     rebaseline_ctx_pct: float = Field(default=25.0, ge=0.0, le=1000.0, allow_inf_nan=False)
     #: Re-probe a bucket when its decode context (KV tokens) leaves the measured range by more than
     #: this factor (the batch mix changed; smaller moves only refresh the baseline: step times are

@@ -26,7 +26,12 @@ This tuner measures instead, while serving, the way VoltanaLLM (arXiv:2509.04827
    and the held clock is re-tested against it. A failed test, or all but one of the last ``backoff_steps`` steps each
    clearly over the target, requests the default clock at once; the reference window that
    follows decides: passes (the GPU, not the clock, changed: a co-tenant, thermals) -> the clock
-   is held again; fails -> a search above it, starting one ``resolution_mhz`` higher.
+   is held again; fails -> a search above it, starting one ``resolution_mhz`` higher (at the
+   held clock itself where only a short window's margin failed). A second CUSUM, of held steps
+   faster than the fit, finds the fit stale (the GPU sped up) and re-checks at once.
+   Reference windows that straddle a GPU change are measured again, and a fit takes its level
+   from a fresh window whose level moved, so one fit never spans two GPU states
+   (docs/closed-loop.md, "When the whole GPU changes speed").
 5. **Retry.** A bucket holding the default clock (noise too high, nothing passed, SLO out of
    reach) searches again after ``retry_after_s``, and a bucket holding a lower clock tries one
    ``resolution_mhz`` below it then (the knee may have moved down); each retry that finds nothing
@@ -62,14 +67,30 @@ _MEDIAN_SE = math.sqrt(math.pi / 2)
 #: A probe is cut short (:meth:`DecodeClockTuner._sprt_over`) no earlier than after this many steps.
 _EARLY_STEPS = 3
 #: Page's CUSUM on the held clock (:meth:`DecodeClockTuner._held_failed`): each step adds its
-#: ratio's excess over the target in single-step spreads, clipped to +-``_CUSUM_CLIP`` (a 3x outlier
-#: step adds no more than that), and the sum (floored at 0) raises a suspicion above ``_CUSUM_H``.
+#: ratio's excess over the target in single-step spreads, clipped to ``+_HELD_CLIP`` and
+#: ``-_CUSUM_CLIP`` (a 3x outlier step adds no more than 1.5: at 5 % outlier steps, 2.5 let
+#: ~2 false alarms a minute through on the simulated H200, each a violation and a reference
+#: window; docs/results/sim-closed-loop-adversarial.md), and the sum (floored at 0) raises a
+#: suspicion above ``_CUSUM_H``.
 #: A clock accepted by the one test sits at least its margin (~0.5 spread at 1 % noise) under the
 #: target: false alarms every ~e^(2 x 0.5 x 10) / 0.5 ~ 44,000 steps (Siegmund's approximation),
 #: each costing one reference window; a clock 1 spread over the target is caught in ~10 steps,
 #: 0.3 spread over in ~33 (Page 1954, Biometrika 41:100).
 _CUSUM_CLIP = 2.5
+_HELD_CLIP = 1.5
 _CUSUM_H = 10.0
+#: A fresh reference window whose level differs from the steps before it by more than this many
+#: standard errors (plus ``margin_pct``) is a changed GPU (:meth:`DecodeClockTuner._refit`): a
+#: false call at 4 standard errors is ~6e-5 per window under normal noise.
+_SHIFT_Z = 4.0
+#: A reference window whose own spread is this many times the bucket's straddled a GPU change
+#: (:meth:`DecodeClockTuner._straddled`): at 1 % noise and 50-step windows the robust spread of a
+#: clean window exceeds 2x the true one with probability < 1e-6.
+_MIXED_X = 3.0
+_MAX_REDO = 4
+#: A probe resumes where it was when its bucket comes back within this many seconds (a decode
+#: batch that swings between sizes); after longer, its reference window is measured again.
+_RESUME_S = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,6 +213,8 @@ class _Bucket:
         self.short_ms: deque[float] = deque()  # their step times (TPOT SLO check)
         self.cusum = 0.0  # Page's CUSUM of the held steps' excess over the target (in spreads)
         self.cusum_n = 0  # held steps since it was last 0 (the change point's estimate)
+        self.fast = 0.0  # the same for held steps faster than the default clock's fit (a stale fit)
+        self.fast_n = 0
         self.n_win = 0  # probe and reference window length for this bucket's noise
         self.n_held = 0  # measured steps at the held clock (paces the long-window check)
         self.since_check = 0  # measured held steps since the last reference window
@@ -209,6 +232,13 @@ class _Bucket:
         self.sprt = 0.0  # the running probe's log-likelihood ratio, over the target vs no slowdown
         self.sprt_fast = 0.0  # the same, faster than the default clock by as much vs no slowdown
         self.stale = 0  # references the running probe found stale and measured again
+        self.redo = 0  # reference windows measured again in a row (they straddled a GPU change)
+        self.noise: deque[float] = deque(maxlen=5)  # own spreads of the last clean reference windows
+        self.early_reject = False  # the probe awaiting its closing reference was stopped early
+        self.t_left = -math.inf  # when the batch last left this bucket
+        self.from_prior = False  # the running probe is at a prior (a clock known to pass nearby)
+        self.lo_before = 0  # the search interval's lower end before the last verdict
+        self.voided: int | None = None  # the last clock whose early stop was voided (probed again)
         self.sprt_line: LineFit | None = None  # the default clock it is measured against
         self.raising = False  # the default clock asked for ahead of the test (slow switches)
 
@@ -457,9 +487,12 @@ class DecodeClockTuner:
         if self._pending_n >= self.s.bucket_dwell_steps:
             old, self.active = self.active, edge
             self._pending, self._pending_n = None, 0
+            if old is not None and old in self.buckets:
+                self.buckets[old].t_left = now_s
             b = self._bucket(edge)
-            if b.state == "probe":
-                # Its reference window is stale: measure the default clock again, then this probe.
+            if b.state == "probe" and now_s - b.t_left > _RESUME_S:
+                # Away longer than _RESUME_S: its reference window may be stale (the GPU may have
+                # changed meanwhile), so the default clock is measured again, then this probe.
                 b.state, b.samples, b.ref_cur, b.decided, b.raising = "ref", [], [], False, False
                 b.ref_prev = []
             self._emit(
@@ -476,17 +509,71 @@ class DecodeClockTuner:
         z = self.s.noise_z + extra_z
         return self._margin0 + z * _MEDIAN_SE * sigma * math.sqrt(1.0 / max(1, n) + 1.0 / max(1, n_base))
 
-    def _refit(self, b: _Bucket) -> None:
+    def _refit(self, b: _Bucket, fresh: list[StepSample] | None = None) -> None:
         """The default-clock fit from the most recent default-clock steps (older ones may predate a
-        change of the GPU: thermals, another tenant)."""
+        change of the GPU: thermals, another tenant). ``fresh``: the reference window just
+        measured; where its level differs from the kept steps' beyond their noise (the GPU
+        changed between them), the level comes from it alone, so that a fit never averages two
+        GPU states (its spread would then be the gap between them, not the step noise)."""
         keep = max(self.s.baseline_steps, 4 * self._ref_n(b))
         pts = list(b.base)
         # The slope from every kept step (the widest context range), the level from the recent ones.
         slope = _fit_line(pts).ms_per_ctx_token if len(pts) > keep else 0.0
-        b.fit = _fit_line(pts[-keep:], slope)
+        fit = _fit_line(pts[-keep:], slope)
+        if fresh and len(fresh) >= self.s.ref_steps and len(pts) > len(fresh):
+            older = pts[-keep : -len(fresh)] or pts[: -len(fresh)]
+            if self._shifted(older, fresh, slope):
+                # The level, spread and context range from the fresh window alone (its range
+                # is narrow, so a context that moves on soon brings a re-check); the slope from
+                # all kept steps (a shift moves the level, not the slope).
+                fit = _fit_line(fresh, slope)
+        b.fit = fit
         if self.s.tpot_slo_ms is not None and b.t_baselined > -math.inf:
             # An absolute SLO is a ratio target that tightens as the context (step time) grows.
             b.target = self.s.tpot_slo_ms / b.fit.ms_at(b.fit.ctx_hi)
+
+    def _noise(self, b: _Bucket) -> float:
+        """The bucket's step noise (relative robust sigma): the median own spread of its last clean
+        reference windows, so that a fit across a GPU change (two levels) never passes for noise."""
+        if b.noise:
+            return statistics.median(b.noise)
+        return b.fit.sigma if b.fit else 0.0
+
+    def _straddled(self, b: _Bucket, fresh: list[StepSample]) -> bool:
+        """Whether a just-measured reference window straddled a change of the GPU (another tenant
+        came or went in it): its own spread over ``_MIXED_X`` times the bucket's noise. Such a
+        window is dropped and measured again (at most ``_MAX_REDO`` times in a row; then the
+        noise is taken as real), so that one badly timed window neither parks the bucket as too
+        noisy nor decides a test. Clean windows update the noise (:meth:`_noise`)."""
+        if b.fit is None or len(fresh) < 8:
+            return False
+        own = _fit_line(fresh, b.fit.ms_per_ctx_token).sigma
+        if own <= _MIXED_X * max(self._noise(b), 1e-3) or b.redo >= _MAX_REDO:
+            b.redo = 0
+            b.noise.append(own)
+            return False
+        b.redo += 1
+        for _ in range(min(len(fresh), len(b.base))):
+            b.base.pop()  # its steps were the last ones appended
+        fresh.clear()
+        return True
+
+    def _shifted(self, older: list[StepSample], fresh: list[StepSample], slope: float) -> bool:
+        """Whether the default clock changed between ``older`` and ``fresh`` steps (the GPU changed:
+        another tenant, thermals): their levels differ beyond their noise (``margin_pct`` +
+        ``_SHIFT_Z`` standard errors, where their contexts are near enough to compare levels), or
+        one fit over both spreads ``_MIXED_X`` times as wide as ``fresh`` alone."""
+        if len(older) < 2 or len(fresh) < 8:
+            return False
+        new, old = _fit_line(fresh, slope), _fit_line(older, slope)
+        if _fit_line(older + fresh, slope).sigma > _MIXED_X * max(new.sigma, 1e-3):
+            return True
+        mid = (new.ctx_lo + new.ctx_hi) / 2
+        if not 0.95 * old.ctx_lo <= mid <= 1.05 * old.ctx_hi:
+            return False  # too far apart in context to tell a change from the slope's error
+        sigma = max(min(new.sigma, old.sigma), 1e-3)
+        se = _MEDIAN_SE * sigma * math.sqrt(1.0 / new.n_steps + 1.0 / old.n_steps)
+        return abs(new.ms_at(mid) / old.ms_at(mid) - 1.0) > self._margin0 + _SHIFT_Z * se
 
     def _test(self, b: _Bucket, samples: list[StepSample], line: LineFit, n_ref: int, extra_z: float = 0.0) -> Verdict:
         """The one test (module docstring, step 2): ``samples`` at one clock against ``line``,
@@ -547,6 +634,7 @@ class DecodeClockTuner:
         b.short_ms = deque(maxlen=k)
         b.since_check = 0
         b.cusum, b.cusum_n = 0.0, 0
+        b.fast, b.fast_n = 0.0, 0
 
     def _ref_n(self, b: _Bucket) -> int:
         """Default-clock steps after each probe: half a window (with the one before, a full one)."""
@@ -558,7 +646,8 @@ class DecodeClockTuner:
         room = b.target - 1.0 - self._margin0
         if room <= 0:
             return 0
-        sigma = b.fit.sigma if b.fit else 0.0
+        # A spread beyond _MIXED_X x the bucket's noise is two GPU states in one fit, not noise.
+        sigma = min(b.fit.sigma, _MIXED_X * self._noise(b)) if b.fit else 0.0
         # Margin <= room / 2.5: a clock with no slowdown then fails the test only beyond 2.5 z
         # standard errors (0.6 % of tests at z = 2).
         need = math.ceil(2.0 * (self.s.noise_z * _MEDIAN_SE * sigma / (room / 2.5)) ** 2)
@@ -622,7 +711,7 @@ class DecodeClockTuner:
         return len(self.cands)
 
     def _search_done(self, now_s: float, b: _Bucket, batch: int) -> None:
-        b.state, b.held, b.probe, b.next_prior = "hold", b.hi, None, None
+        b.state, b.held, b.probe, b.next_prior, b.voided = "hold", b.hi, None, None, None
         b.t_searched = now_s
         self._clear_windows(b)
         if b.lowering_from is not None:  # a retry below the held clock
@@ -642,8 +731,10 @@ class DecodeClockTuner:
             self._search_done(now_s, b, batch)
             return
         b.state = "probe"
+        given = prior is not None  # by the caller (a neighbour's or the held clock), not chained
         if prior is None:
             prior, b.next_prior = b.next_prior, None
+        b.from_prior = given and b.lo <= prior < b.hi
         if prior is not None and b.lo <= prior < b.hi:
             idx = prior  # a neighbouring bucket passed there on this GPU, or one step from the held clock
         else:
@@ -691,10 +782,33 @@ class DecodeClockTuner:
             reason=f"median of {n} steps at {want} MHz against {len(ref)} default-clock steps around them"
             + (f" (stopped early: sequential test {b.sprt:.1f})" if early else ""),
         )
+        b.early_reject = early
+        b.lo_before = b.lo
+        if verdict == "accept" and b.from_prior:
+            # A clock known to pass nearby (a neighbouring bucket, or the held one) passed here
+            # too: the knee is likely close below it, so one resolution_mhz lower is tried next
+            # rather than a bisection step far below (each failed probe costs the steps a raise
+            # takes to land).
+            b.next_prior = self._index_near(want - self.s.resolution_mhz)
         if verdict == "accept":
             b.hi = b.probe
         else:
             b.lo = b.probe + 1
+
+    def _early_reject_void(self, b: _Bucket) -> bool:
+        """Whether a probe the sequential test stopped early is to be probed again, judged once its
+        closing reference window is in: the GPU is slower now than in the reference before it
+        (the slowdown may have been the GPU's, not the clock's), or its steps pass the one test
+        against both reference windows (the reference before it was too short to stop on: the
+        first one after a baseline)."""
+        assert b.fit is not None
+        slope = b.fit.ms_per_ctx_token
+        if not b.samples:
+            return False
+        if self._shifted(b.ref_prev, b.ref_cur, slope) and _fit_line(b.ref_cur, slope).mid_ms() > _fit_line(b.ref_prev, slope).mid_ms():
+            return True
+        ref = b.ref_prev + b.ref_cur
+        return self._test(b, b.samples, _fit_line(ref, slope), len(ref)).passes
 
     def _probe_sample(self, now_s: float, b: _Bucket, batch: int, step_ms: float, ran_at: int | None, ctx: float) -> None:
         assert b.probe is not None
@@ -808,9 +922,13 @@ class DecodeClockTuner:
         sample = StepSample(ctx, step_ms)
         b.ref_cur.append(sample)
         b.base.append(sample)
-        if len(b.ref_cur) < self._ref_n(b):
+        if len(b.ref_cur) < self._ref_n(b) or self._straddled(b, b.ref_cur):
             return
-        self._refit(b)
+        if b.early_reject and b.probe is not None and b.probe != b.voided and self._early_reject_void(b):
+            b.lo = min(b.lo, b.lo_before)  # the search interval as it was before that reject
+            b.next_prior = b.voided = b.probe  # probed again once; a second early stop stands
+        b.early_reject = False
+        self._refit(b, b.ref_cur)
         n_win = self._window(b)
         if n_win <= 0:  # the noise grew past what the windows can resolve: keep what passed so far
             b.lo = b.hi
@@ -844,11 +962,18 @@ class DecodeClockTuner:
         b.n_held += 1
         b.since_check += 1
         x = (r - b.target + self._margin0) / max(b.fit.sigma, 1e-3)
-        b.cusum = max(0.0, b.cusum + min(_CUSUM_CLIP, max(-_CUSUM_CLIP, x)))
+        b.cusum = max(0.0, b.cusum + min(_HELD_CLIP, max(-_CUSUM_CLIP, x)))
         b.cusum_n = b.cusum_n + 1 if b.cusum > 0 else 0
         sus = self._held_failed(b)
         if sus is not None:
             self._violation(now_s, b, batch, ran_at, step_ms, base, held, sus)
+            return
+        if self._fit_stale(b, r):
+            # Held steps faster than the default clock's fit: the GPU sped up (a tenant left), so the
+            # fit is stale and the CUSUM above would be blind by as much; measure the default again.
+            n = max(s.backoff_steps, b.fast_n)
+            self._start_check(b, list(b.window)[-n:])
+            b.check_scheduled = True
             return
         if b.since_check >= (b.check_every or s.ref_every_steps) or (s.rebaseline_s and now_s - b.t_baselined > s.rebaseline_s):
             self._start_check(b, list(b.window))  # scheduled: the default clock measured again, then the same test
@@ -915,6 +1040,18 @@ class DecodeClockTuner:
         ratios = sorted(ms / line.ms_at(c) for c, ms in samples)
         return ratios[1 if k > 1 else 0] > b.target + one
 
+    def _fit_stale(self, b: _Bucket, ratio: float) -> bool:
+        """Page's CUSUM of held steps faster than the default-clock fit (the mirror of the one in
+        :meth:`_held_failed`): a clock below the default is never faster than the default clock
+        on the same GPU, so steps faster than ``1 - d`` (``d`` the room to the target) in
+        single-step spreads, summed past ``_CUSUM_H``, say the GPU sped up since the fit."""
+        assert b.fit is not None
+        d = max(b.target - 1.0 - self._margin0, 0.0)
+        x = (1.0 - d - ratio) / max(b.fit.sigma, 1e-3)
+        b.fast = max(0.0, b.fast + min(_CUSUM_CLIP, max(-_CUSUM_CLIP, x)))
+        b.fast_n = b.fast_n + 1 if b.fast > 0 else 0
+        return b.fast > _CUSUM_H
+
     def _held_failed(self, b: _Bucket) -> Suspicion | None:
         """Why the held clock must be re-checked now, or ``None``: :meth:`_clearly_over` on the
         last ``backoff_steps`` steps (tested every step), or the test's point estimate plus its
@@ -968,7 +1105,7 @@ class DecodeClockTuner:
         sample = StepSample(ctx, step_ms)
         b.ref_cur.append(sample)
         b.base.append(sample)
-        if len(b.ref_cur) < self._ref_n(b):
+        if len(b.ref_cur) < self._ref_n(b) or self._straddled(b, b.ref_cur):
             return
         self._check_done(now_s, b, batch)
 
@@ -979,9 +1116,14 @@ class DecodeClockTuner:
         held again (or, for a due retry, one step lower is tried); fails: a search above the
         held clock, from one ``resolution_mhz`` higher."""
         assert b.fit is not None
+        # The reference windows before and after the held steps, unless the GPU changed between
+        # them (then only the one after: a line through two GPU states fits neither).
+        slope = b.fit.ms_per_ctx_token
         ref = b.ref_prev + b.ref_cur
-        line = _fit_line(ref, b.fit.ms_per_ctx_token)
-        self._refit(b)
+        if self._shifted(b.ref_prev, b.ref_cur, slope):
+            ref = list(b.ref_cur)
+        line = _fit_line(ref, slope)
+        self._refit(b, b.ref_cur)
         b.t_baselined = now_s
         b.ref_prev, b.ref_cur = b.ref_cur, []
         held_mhz = self.cands[b.held] if b.held < len(self.cands) else self.default_mhz
@@ -1023,7 +1165,12 @@ class DecodeClockTuner:
         self.n_backoffs += 1
         b.check_every = 0  # the GPU changed: scheduled re-checks every ref_every_steps again
         b.lowering_from = None
-        b.floor = min(len(self.cands), b.held + 1)
+        # Over the target on the point estimate: the search starts above the held clock. Within
+        # it, and failed only on the margin of a short window (a suspicion's last steps): the
+        # held clock is probed again first, by the sequential test against the fresh reference,
+        # so that noise alone never ratchets a bucket upward.
+        unproven = test is not None and test.ratio + self._margin0 <= b.target
+        b.floor = min(len(self.cands), b.held + (0 if unproven else 1))
         self._emit(
             now_s,
             "backoff",
@@ -1039,7 +1186,7 @@ class DecodeClockTuner:
             self._search_done(now_s, b, batch)
             return
         b.lo, b.hi, b.probes = b.floor, len(self.cands), 0
-        self._next_probe(now_s, b, batch, prior=self._index_near(held_mhz + self.s.resolution_mhz))
+        self._next_probe(now_s, b, batch, prior=b.held if unproven else self._index_near(held_mhz + self.s.resolution_mhz))
 
     def _step(
         self,
