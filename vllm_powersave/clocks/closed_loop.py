@@ -239,6 +239,7 @@ class _Bucket:
         self.from_prior = False  # the running probe is at a prior (a clock known to pass nearby)
         self.lo_before = 0  # the search interval's lower end before the last verdict
         self.voided: int | None = None  # the last clock whose early stop was voided (probed again)
+        self.start_at: int | None = None  # where the next search starts (the clock held before a re-probe)
         self.sprt_line: LineFit | None = None  # the default clock it is measured against
         self.raising = False  # the default clock asked for ahead of the test (slow switches)
 
@@ -626,7 +627,8 @@ class DecodeClockTuner:
             )
             return
         b.lo, b.hi, b.probes = b.floor, len(self.cands), 0
-        self._next_probe(now_s, b, batch, prior=self._prior(b))
+        prior, b.start_at = (b.start_at if b.start_at is not None else self._prior(b)), None
+        self._next_probe(now_s, b, batch, prior=prior)
 
     def _clear_windows(self, b: _Bucket) -> None:
         k = self.s.backoff_steps
@@ -663,6 +665,9 @@ class DecodeClockTuner:
         b.after_baseline = "search" if search else "hold"
         b.probe, b.samples, b.waited, b.ref_cur = None, [], 0, []
         if search:
+            # A re-probe (the batch mix changed) starts its search at the clock held so far: the
+            # memory-bound knee is the GPU's, so it is likely near (then one step lower is tried).
+            b.start_at = b.held if event == "reprobe" and b.held < len(self.cands) else None
             b.held = len(self.cands)
         self._emit(now_s, event, b.edge, batch, b=b, reason=reason)
 
@@ -935,9 +940,23 @@ class DecodeClockTuner:
         else:
             b.n_win = n_win
         if b.probe is not None and not b.decided:
+            if b.samples and b.stale < 2 and self._shifted(b.ref_prev, b.ref_cur, b.fit.ms_per_ctx_token):
+                # The default clock changed between the windows around the probe (another tenant
+                # came or went): its steps cannot be told apart from the change, so it runs again
+                # after this fresh reference (at most twice per probe, as the mirror test).
+                b.stale += 1
+                b.samples = []
+                self._emit(
+                    now_s,
+                    "rebaseline",
+                    b.edge,
+                    batch,
+                    b=b,
+                    reason=f"the default clock changed around the probe at {self.cands[b.probe]} MHz",
+                )
             if b.samples:
                 self._verdict(now_s, b, batch, b.ref_prev + b.ref_cur, early=False)
-            else:  # resumed after a bucket change: probe again with this fresh reference
+            else:  # resumed after a bucket change, or the GPU changed: probe again with this fresh reference
                 b.ref_prev, b.ref_cur = b.ref_cur, []
                 b.state, b.waited = "probe", 0
                 return
