@@ -91,6 +91,8 @@ _MAX_REDO = 4
 #: A probe resumes where it was when its bucket comes back within this many seconds (a decode
 #: batch that swings between sizes); after longer, its reference window is measured again.
 _RESUME_S = 2.0
+#: Floor of a predicted default-clock step time (ms), far below any real decode step.
+_MIN_PREDICTED_MS = 1e-6
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,8 +160,11 @@ class LineFit:
     n_steps: int
 
     def ms_at(self, ctx_tokens: float) -> float:
-        """Predicted default-clock step time (ms) at ``ctx_tokens`` of decode context."""
-        return self.a_ms + self.ms_per_ctx_token * ctx_tokens
+        """Predicted default-clock step time (ms) at ``ctx_tokens`` of decode context, never below
+        ``_MIN_PREDICTED_MS``: a line extrapolated far from its range (a slope fitted on a short
+        window) can reach 0 or below, and a step measured against it must then look slow (a
+        failed test, the safe side), never divide by zero or pass on a negative ratio."""
+        return max(self.a_ms + self.ms_per_ctx_token * ctx_tokens, _MIN_PREDICTED_MS)
 
     def mid_ms(self) -> float:
         """Predicted step time (ms) at the middle of the context range the line was fitted over."""
