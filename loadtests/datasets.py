@@ -135,15 +135,22 @@ def _read_text(p: Path, where: str) -> str:
 
 def _jsonl_objects(p: Path, where: str) -> Iterator[tuple[int, dict[str, Any]]]:
     """``(line number, object)`` for each non-blank line; one-line :class:`DatasetError` otherwise."""
-    for lineno, line in enumerate(_read_text(p, where).splitlines(), start=1):
+    yield from jsonl_objects(_read_text(p, where), where)
+
+
+def jsonl_objects(text: str, where: str, error: type[Exception] = DatasetError) -> Iterator[tuple[int, dict[str, Any]]]:
+    """``(line number, object)`` for each non-blank line of JSON-lines ``text``; a line that is not
+    a JSON object raises ``error`` with one line naming ``where`` and the line number (shared
+    with ``vllm-powersave tune-serving``'s trace reader)."""
+    for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
-            raise DatasetError(f"{where}: line {lineno}: invalid JSON ({e.msg})") from None
+            raise error(f"{where}: line {lineno}: invalid JSON ({e.msg})") from None
         if not isinstance(obj, dict):
-            raise DatasetError(f"{where}: line {lineno}: expected a JSON object")
+            raise error(f"{where}: line {lineno}: expected a JSON object")
         yield lineno, obj
 
 

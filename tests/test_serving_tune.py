@@ -129,7 +129,7 @@ def test_traces_parse_from_json_lines_and_csv_sorted_from_zero(tmp_path):
         ),
         ('{"arrival_s": "soon", "input_len": 4, "output_len": 4}\n', "line 1: field 'arrival_s' = 'soon'"),
         ('{"arrival_s": 0, "input_len": 4}\n', "line 1: field 'output_len' is missing"),
-        ('{"arrival_s": 0, "input_len": 4, "output_len": 4}\n{oops\n', "line 2: not JSON"),
+        ('{"arrival_s": 0, "input_len": 4, "output_len": 4}\n{oops\n', "line 2: invalid JSON"),
         ("time,in,out\n0,1,1\n", "line 1: header = 'time,in,out'"),
         ("arrival_s,input_len,output_len\n0,12,x\n", "line 2: field 'output_len' = 'x'"),
         ("", "no requests"),

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from loadtests.datasets import WORDS
+from loadtests.datasets import WORDS, jsonl_objects
 
 TRACE_FIELDS = ("arrival_s", "input_len", "output_len")
 
@@ -184,15 +184,7 @@ def parse_trace(path: str | Path) -> tuple[TraceRow, ...]:
     if not first:
         raise TrafficError(f"--trace {p}: no requests in the file")
     if first.lstrip().startswith("{"):
-        for i, line in enumerate(text.splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise TrafficError(f"--trace {p}: line {i}: not JSON ({e.msg})") from None
-            if not isinstance(obj, dict):
-                raise TrafficError(f"--trace {p}: line {i}: expected a JSON object, got {line.strip()[:60]!r}")
+        for i, obj in jsonl_objects(text, f"--trace {p}", TrafficError):
             rows.append(_row(obj, f"--trace {p}: line {i}"))
     else:
         reader = csv.DictReader(io.StringIO(text))
