@@ -197,13 +197,13 @@ class ClockController:
         self._same = {p: t == self.current for p, t in self._all_targets.items()}
         self._same_for = self.current  # the preset object _same was computed against (presets are frozen)
         self.last_change_s = -1e18
-        # (from s, SM clock read back: None the default, UNKNOWN from a switch until its read-back)
+        # What the GPU was confirmed to run, from when (s, same clock as on_phase's now): the SM
+        # clock read back (None: the default), or UNKNOWN from a switch until its read-back.
         self._clock_log: deque[tuple[float, int | None]] = deque([(-float("inf"), None)], maxlen=64)
         self._confirmed = True  # the last switch was read back
         self._sent_s = -float("inf")  # when the current target was (re)sent
         self._attempts = 0  # re-sends of the current target
         self._last_lock_mhz: int | None = None  # the last SM clock locked (a reset must read above it)
-        self._top_mhz: float = math.inf  # the top supported SM clock (known once the closed loop is built)
         self._steps_since_read = 0
         #: Why the closed loop turned off after a switch never read back (one warning), else None.
         self.readback_off: str | None = None
@@ -250,7 +250,6 @@ class ClockController:
             return
         try:
             self.closed_loop = DecodeClockTuner(cl, self.backend.supported_sm_clocks())
-            self._top_mhz = self.closed_loop.default_mhz
         except Exception as exc:  # a backend that cannot list clocks: the loop stays off, serving goes on
             log.error("powersave: closed-loop decode clock off for GPU %s: %s", self.gpu_id, exc)
 
@@ -288,7 +287,8 @@ class ClockController:
         if want is not None:
             return abs(read - want) <= _READBACK_TOL_MHZ
         last = self._last_lock_mhz
-        return last is None or read > last + _READBACK_TOL_MHZ or read >= self._top_mhz - _READBACK_TOL_MHZ
+        top = self.closed_loop.default_mhz if self.closed_loop is not None else math.inf
+        return last is None or read > last + _READBACK_TOL_MHZ or read >= top - _READBACK_TOL_MHZ
 
     def _resets_watched(self) -> bool:
         """Whether read-back still watches a reset after the closed loop turned off for a switch
