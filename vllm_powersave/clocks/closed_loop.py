@@ -249,6 +249,13 @@ class _Bucket:
         self.raising = False  # the default clock asked for ahead of the test (slow switches)
 
 
+def _page_step(total: float, n: int, x: float, up_clip: float) -> tuple[float, int]:
+    """One step of Page's CUSUM: ``x`` (in single-step spreads) clipped to ``[-_CUSUM_CLIP,
+    up_clip]`` added to ``total``, floored at 0; with ``n``, the steps since it last stood at 0."""
+    total = max(0.0, total + min(up_clip, max(-_CUSUM_CLIP, x)))
+    return total, n + 1 if total > 0 else 0
+
+
 def _fit_line(pts: list[StepSample] | deque[StepSample], slope_hint: float = 0.0) -> LineFit:
     """Step ms = a + b * ctx (robust), the relative residual spread and the context range. The
     slope is fitted by least squares, then once more without the steps whose residual is beyond
@@ -744,8 +751,9 @@ class DecodeClockTuner:
         given = prior is not None  # by the caller (a neighbour's or the held clock), not chained
         if prior is None:
             prior, b.next_prior = b.next_prior, None
-        b.from_prior = given and b.lo <= prior < b.hi
-        if prior is not None and b.lo <= prior < b.hi:
+        in_range = prior is not None and b.lo <= prior < b.hi
+        b.from_prior = given and in_range
+        if in_range:
             idx = prior  # a neighbouring bucket passed there on this GPU, or one step from the held clock
         else:
             idx = (b.lo + b.hi - 1) // 2  # lower middle: hi is known good
@@ -986,8 +994,7 @@ class DecodeClockTuner:
         b.n_held += 1
         b.since_check += 1
         x = (r - b.target + self._margin0) / max(b.fit.sigma, 1e-3)
-        b.cusum = max(0.0, b.cusum + min(_HELD_CLIP, max(-_CUSUM_CLIP, x)))
-        b.cusum_n = b.cusum_n + 1 if b.cusum > 0 else 0
+        b.cusum, b.cusum_n = _page_step(b.cusum, b.cusum_n, x, _HELD_CLIP)
         sus = self._held_failed(b)
         if sus is not None:
             self._violation(now_s, b, batch, ran_at, step_ms, base, held, sus)
@@ -1072,8 +1079,7 @@ class DecodeClockTuner:
         assert b.fit is not None
         d = max(b.target - 1.0 - self._margin0, 0.0)
         x = (1.0 - d - ratio) / max(b.fit.sigma, 1e-3)
-        b.fast = max(0.0, b.fast + min(_CUSUM_CLIP, max(-_CUSUM_CLIP, x)))
-        b.fast_n = b.fast_n + 1 if b.fast > 0 else 0
+        b.fast, b.fast_n = _page_step(b.fast, b.fast_n, x, _CUSUM_CLIP)
         return b.fast > _CUSUM_H
 
     def _held_failed(self, b: _Bucket) -> Suspicion | None:
