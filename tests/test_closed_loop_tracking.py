@@ -118,11 +118,9 @@ class LaggingNvml(FakeNvml):
         return super().nvmlDeviceGetClockInfo(h, kind)
 
 
-def _controller(tmp_path, nvml):
-    s = load_settings(
-        {"clocks": {"backend": "nvml", "min_dwell_ms": 0, "lease_dir": str(tmp_path / "l"), "closed_loop": {"enabled": True}}},
-        env={},
-    ).clocks
+def _controller(tmp_path, nvml, presets=None):
+    clocks = {"backend": "nvml", "min_dwell_ms": 0, "lease_dir": str(tmp_path / "l"), "closed_loop": {"enabled": True}}
+    s = load_settings({"clocks": {**clocks, "presets": presets or {}}}, env={}).clocks
     return ClockController(NvmlClockBackend(NvmlGpu(nvml, "h0")), s, gpu_id="GPU-r", asynchronous=False, watchdog=False)
 
 
@@ -290,19 +288,7 @@ def test_a_reset_after_a_lock_near_the_top_clock_counts_as_read_back(tmp_path):
     # A lock within the read-back tolerance of the top clock (1965 of 1980 MHz), then the default:
     # the reset reads back 1980, not "above 1965 + tolerance", and must still count as landed.
     nvml = LaggingNvml()
-    s = load_settings(
-        {
-            "clocks": {
-                "backend": "nvml",
-                "min_dwell_ms": 0,
-                "lease_dir": str(tmp_path / "l"),
-                "presets": {"prefill": {"sm_clock_mhz": 1965}},
-                "closed_loop": {"enabled": True},
-            }
-        },
-        env={},
-    ).clocks
-    ctl = ClockController(NvmlClockBackend(NvmlGpu(nvml, "h0")), s, gpu_id="GPU-r", asynchronous=False, watchdog=False)
+    ctl = _controller(tmp_path, nvml, presets={"prefill": {"sm_clock_mhz": 1965}})
     ctl.on_phase("prefill", 0.0)
     assert nvml.locked == (1965, 1965)
     t = 0.02
@@ -314,10 +300,18 @@ def test_a_reset_after_a_lock_near_the_top_clock_counts_as_read_back(tmp_path):
     ctl.close()
 
 
-class DroppingNvml(LaggingNvml):
-    """:class:`LaggingNvml` that loses the next ``drop_resets`` resets."""
+class LossyNvml(LaggingNvml):
+    """:class:`LaggingNvml` that loses the next ``lose_locks`` locks and ``drop_resets`` resets."""
 
+    lose_locks = 0
     drop_resets = 0
+
+    def nvmlDeviceSetGpuLockedClocks(self, h, lo, hi):
+        if self.lose_locks > 0:
+            self.lose_locks -= 1
+            self.reads_since_set = 0
+            return
+        super().nvmlDeviceSetGpuLockedClocks(h, lo, hi)
 
     def nvmlDeviceResetGpuLockedClocks(self, h):
         if self.drop_resets > 0:
@@ -330,20 +324,8 @@ def test_a_reset_lost_after_the_loop_turned_off_is_sent_again(tmp_path):
     # The loop turned off (locks ignored: never read back); later a lock does apply (the idle
     # preset) and the reset back to the default for decode is lost: decode must not stay at the
     # idle clock until the next phase change, so read-back keeps watching resets.
-    nvml = DroppingNvml(ignore=True)
-    s = load_settings(
-        {
-            "clocks": {
-                "backend": "nvml",
-                "min_dwell_ms": 0,
-                "lease_dir": str(tmp_path / "l"),
-                "presets": {"idle": {"sm_clock_mhz": 345}},
-                "closed_loop": {"enabled": True},
-            }
-        },
-        env={},
-    ).clocks
-    ctl = ClockController(NvmlClockBackend(NvmlGpu(nvml, "h0")), s, gpu_id="GPU-r", asynchronous=False, watchdog=False)
+    nvml = LossyNvml(ignore=True)
+    ctl = _controller(tmp_path, nvml, presets={"idle": {"sm_clock_mhz": 345}})
     t = _drive(ctl, nvml, 4000)
     assert ctl.readback_off is not None
     nvml.ignore = False
@@ -358,24 +340,11 @@ def test_a_reset_lost_after_the_loop_turned_off_is_sent_again(tmp_path):
     ctl.close()
 
 
-class LosingNvml(LaggingNvml):
-    """:class:`LaggingNvml` that loses the next ``lose_locks`` lock requests."""
-
-    lose_locks = 0
-
-    def nvmlDeviceSetGpuLockedClocks(self, h, lo, hi):
-        if self.lose_locks > 0:
-            self.lose_locks -= 1
-            self.reads_since_set = 0
-            return
-        super().nvmlDeviceSetGpuLockedClocks(h, lo, hi)
-
-
 def test_a_switch_lost_three_times_in_a_row_is_still_confirmed_by_a_later_try(tmp_path):
     # A driver that loses 5 % of sets loses three sends of one switch in a row about once in
     # 8,000 switches (within half an hour of serving); the default re-sends (4) ride that out, and
     # the loop stays on. One that applies nothing still turns the loop off (the test above).
-    nvml = LosingNvml()
+    nvml = LossyNvml()
     ctl = _controller(tmp_path, nvml)
     t = _drive(ctl, nvml, 300)  # the loop is probing: locks are being sent
     nvml.lose_locks = 3
