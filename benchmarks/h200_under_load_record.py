@@ -84,9 +84,11 @@ def load_entry(point: str, pairs: list[dict]) -> dict:
         arm: {k: _arm_mean(pairs, arm, k) for k in ("output_throughput", "gpu_energy_per_output_token_j", "p99_tpot_ms", "median_itl_ms")}
         for arm in (ref, variant)
     }
+    entry["device"] = _devices(pairs)
     entry["pair_list"] = [
         {
             "lease": p.get("lease"),
+            "device": p.get("device"),
             "order": p["order"],
             "started_utc": p[p["order"][0]].get("started_utc"),
             **{k: _r(v) for k, v in f.items()},
@@ -94,6 +96,12 @@ def load_entry(point: str, pairs: list[dict]) -> dict:
         for p, f in zip(pairs, figs)
     ]
     return entry
+
+
+def _devices(pairs: list[dict]) -> str | None:
+    """The device names the pairs ran on, joined (one name where all ran on one kind)."""
+    names = [str(p["device"]) for p in pairs if p.get("device")]
+    return " + ".join(dict.fromkeys(names)) or None
 
 
 def _r(x: Any) -> Any:
@@ -109,7 +117,9 @@ def build(raws: list[dict], rate_raws: list[dict] | None = None) -> dict:
             ref, variant = arms_of(p)
             if p.get(ref) and p.get(variant):
                 settings = (raw.get("arms") or {}).get(variant)
-                by_point.setdefault((p["point"], ref, variant), []).append({**p, "lease": raw.get("lease"), "settings": settings})
+                by_point.setdefault((p["point"], ref, variant), []).append(
+                    {**p, "lease": raw.get("lease"), "settings": settings, "device": (raw.get("device") or {}).get("name")}
+                )
     dev = next((r.get("device") for r in raws if r.get("device")), {})
     main_loads = [load_entry(k[0], ps) for k, ps in by_point.items() if k[1:] == ("stock", "defaults")]
     rate_loads = rate_entries(rate_raws or [])
@@ -117,14 +127,21 @@ def build(raws: list[dict], rate_raws: list[dict] | None = None) -> dict:
     return {
         "name": "h200-under-load",
         "measured": True,
-        "what": "stock vLLM 0.25 vs vllm serve --plugin powersave (defaults), side by side on one H200, through the OpenAI "
-        "server and loadtests (streamed, local NVML counter, /metrics scraped at the window edges for both arms)",
+        "what": "stock vLLM 0.25 vs vllm serve --plugin powersave (defaults), side by side on one GPU at a time (each load "
+        "names its device), through the OpenAI server and loadtests (streamed, local NVML counter, /metrics scraped at the "
+        "window edges for both arms)",
         "device": dev,
         "shape": raws[0].get("shape") if raws else None,
         "serve_args": raws[0].get("serve_args") if raws else None,
         "runs": [
-            {"lease": r.get("lease"), "tag": r.get("tag"), "started_utc": r.get("started_utc"), "ended_utc": r.get("ended_utc")}
-            for r in raws
+            {
+                "lease": r.get("lease"),
+                "tag": r.get("tag"),
+                "started_utc": r.get("started_utc") or r.get("date_utc"),
+                "ended_utc": r.get("ended_utc"),
+                "device": (r.get("device") or {}).get("name"),
+            }
+            for r in [*raws, *(rate_raws or [])]
         ],
         "loads": main_loads + rate_loads,
         "ablations": [load_entry(k[0], ps) for k, ps in by_point.items() if k[1:] != ("stock", "defaults")],
@@ -138,9 +155,11 @@ def rate_entries(rate_raws: list[dict]) -> list[dict]:
     (``h200_defaults_record``), under this record's names. J per output token is the inverse of
     its tokens per joule (over its fixed span where both arms have one)."""
     pairs = defaults_record.pair_servers(rate_raws)
-    lease_of = {r["_file"]: r.get("lease") for r in rate_raws}
+    by_file = {r["_file"]: r for r in rate_raws}
     for p in pairs:
-        p["lease"] = "+".join(dict.fromkeys(str(lease_of.get(f)) for f in p["file"].split("+")))
+        raws_of = [by_file.get(f) or {} for f in p["file"].split("+")]
+        p["lease"] = "+".join(dict.fromkeys(str(r.get("lease")) for r in raws_of))
+        p["device"] = "+".join(dict.fromkeys(str((r.get("device") or {}).get("name")) for r in raws_of))
     rates = sorted(
         {w["request_rate"] for p in pairs for a in ("stock", "defaults") for w in p[a]["windows"] if w["request_rate"] != "sat"}, key=float
     )
@@ -159,9 +178,16 @@ def rate_entries(rate_raws: list[dict]) -> list[dict]:
         entry["p50_ttft_delta_ms"] = mean_ci([f.get("ttft_d") for f in figs], 2)
         entry["starvation_j"] = {"stock": None, "defaults": None}  # rate windows read no starvation counter
         entry["energy_window"] = "fixed span" if all(f.get("span") for f in figs) else "harness window"
+        entry["device"] = _devices([p for p, _ in both])
+        methods = [(by_file.get(p["file"].split("+")[0]) or {}).get("method") or {} for p, _ in both]
+        entry["serve_args"] = next((m.get("serve_args") for m in methods if m.get("serve_args")), None)
+        # The defaults arm of h200_defaults.py may turn on observation settings (step trace,
+        # per-request energy) beside the defaults: the record says which, since they are not free.
+        entry["defaults_observe"] = sorted({m.get("defaults_observe") or "none" for m in methods})
         entry["pair_list"] = [
             {
                 "lease": p.get("lease"),
+                "device": p.get("device"),
                 "file": p["file"],
                 "order": p["order"].split(","),
                 **{k: _r(f.get(k)) for k in ("thr", "tokj", "tpot", "ttft_d")},
@@ -177,11 +203,14 @@ def merge(old: dict, new: dict) -> dict:
     and tag, the product comparison; ``not_yet_measured`` less what either measured. Raw files stay
     out of git, so a later lease adds to the committed record this way."""
     out = dict(new)
+    old_dev = (old.get("device") or {}).get("name")
     for key in ("loads", "ablations"):
         names = {e["name"] for e in new.get(key, [])}
-        out[key] = [e for e in old.get(key, []) if e["name"] not in names] + new.get(key, [])
+        kept = [{**e, "device": e.get("device") or old_dev} for e in old.get(key, []) if e["name"] not in names]
+        out[key] = kept + new.get(key, [])
     seen = {(r.get("lease"), r.get("tag")) for r in new["runs"]}
-    out["runs"] = [r for r in old.get("runs", []) if (r.get("lease"), r.get("tag")) not in seen] + new["runs"]
+    kept_runs = [{**r, "device": r.get("device") or old_dev} for r in old.get("runs", []) if (r.get("lease"), r.get("tag")) not in seen]
+    out["runs"] = kept_runs + new["runs"]
     out["product_compare"] = new.get("product_compare") or old.get("product_compare")
     for k in ("device", "shape", "serve_args"):
         out[k] = new.get(k) or old.get(k)
@@ -215,28 +244,48 @@ def _fmt(ci: dict, nd: int = 3) -> str:
     return f"{ci['mean']:.{nd}f} ({ci['ci95'][0]:.{nd}f}–{ci['ci95'][1]:.{nd}f})"
 
 
+def _rate_notes(rec: dict) -> list[str]:
+    """One line on how the rate loads ran: serve flags and any observation settings of the defaults arm."""
+    rates = [e for e in rec["loads"] if e.get("kind") == "rate" and "defaults_observe" in e]
+    if not rates:
+        return []
+    observe = sorted({x for e in rates for x in e["defaults_observe"]})
+    serve = sorted({str(e.get("serve_args")) for e in rates})
+    return [
+        f"Rate loads: `benchmarks/h200_defaults.py`, one server at a time, serve flags `{'`, `'.join(serve)}`; the defaults "
+        f"arm's observation settings: {', '.join(observe)} (`--defaults-observe`; trace = step trace, reqenergy = per-request energy).",
+        "",
+    ]
+
+
 def markdown(rec: dict, png: str | None) -> str:
     rows = [
-        f"| {e['name']} | {e['pairs']} | {e['api_server_count_stock']} / {e['api_server_count_defaults']} | {_fmt(e['throughput_ratio'])} | "
+        f"| {e['name']} | {e.get('device') or '?'} | {e['pairs']} | {e['api_server_count_stock']} / {e['api_server_count_defaults']} | {_fmt(e['throughput_ratio'])} | "
         f"{_fmt(e['j_per_out_token_ratio'])} | {_fmt(e['p99_tpot_ratio'])} | {_fmt(e['p50_ttft_delta_ms'], 1)} | "
         f"{e['starvation_j']['defaults'] if e['starvation_j']['defaults'] is not None else 'n/a'} |"
         for e in rec["loads"]
     ]
-    runs = "; ".join(f"{r['lease']}: {r['started_utc']} to {r['ended_utc']}" for r in rec["runs"])
+    runs = "; ".join(
+        f"{r['lease']} ({r.get('device') or '?'}): {r['started_utc']}" + (f" to {r['ended_utc']}" if r.get("ended_utc") else "")
+        for r in rec["runs"]
+    )
+    devices = ", ".join(dict.fromkeys(str(e.get("device")) for e in rec["loads"] if e.get("device"))) or rec["device"].get("name", "?")
     lines = [
-        "# H200 under load: stock vLLM vs the plugin's defaults (measured)",
+        "# Under load on Hopper GPUs: stock vLLM vs the plugin's defaults (measured)",
         "",
         f"What ran: {rec['what']}. Model: {rec['shape']} shape, dummy weights; serve flags `{rec['serve_args']}`. "
-        f"Device: {rec['device'].get('name', '?')}. Leases and times (UTC): {runs}. Clocks were never changed "
+        f"Devices: {devices} (each load's in its row; compare ratios within a load, not across devices). "
+        f"Leases and times (UTC): {runs}. Clocks were never changed "
         "(POWERSAVE_FORCE_DRY_RUN=1: the closed loop ran dry).",
         "",
         "Ratios are defaults / stock per adjacent pair (ABBA order), mean and Student-t 95 % interval over pairs; "
         "TTFT is the p50 difference in ms. Starvation: the plugin's idle-while-busy joules per run (stock publishes none).",
         "",
-        "| load | pairs | API servers stock / defaults | throughput | J per output token | p99 TPOT | p50 TTFT Δ ms | starvation J (defaults) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| load | device | pairs | API servers stock / defaults | throughput | J per output token | p99 TPOT | p50 TTFT Δ ms | starvation J (defaults) |",
+        "|---|---|---|---|---|---|---|---|---|",
         *rows,
         "",
+        *_rate_notes(rec),
         f"Not yet measured here: {', '.join(rec['not_yet_measured']) or 'nothing'} (one server at a time, `benchmarks/h200_defaults.py`).",
         "Raw per-pair figures: `pair_list` in the JSON twin. How to rerun: docs/benchmarks.md.",
     ]

@@ -148,12 +148,19 @@ def _server(arm, pos, tokj):
 
 
 def test_poisson_rates_from_the_one_server_job_become_rate_loads_with_the_issues_fields():
+    h100, method = {"name": "NVIDIA H100 80GB HBM3"}, {"serve_args": "--max-num-seqs 256", "defaults_observe": "trace,reqenergy"}
     raws = [
-        {"_file": "defaults-A.json", "gpu": 0, "lease": "L2", "servers": [_server("stock", 0, 1.0), _server("defaults", 1, 1.25)]},
-        {"_file": "defaults-B.json", "gpu": 0, "lease": "L3", "servers": [_server("defaults", 0, 1.25), _server("stock", 1, 1.0)]},
-    ]
+        {"_file": "defaults-A.json", "gpu": 0, "lease": "L2", "device": h100, "method": method, "date_utc": "2026-12-05T21:25:47Z",
+         "servers": [_server("stock", 0, 1.0), _server("defaults", 1, 1.25)]},
+        {"_file": "defaults-B.json", "gpu": 0, "lease": "L3", "device": h100, "method": method,
+         "servers": [_server("defaults", 0, 1.25), _server("stock", 1, 1.0)]},
+    ]  # fmt: skip
     r = rec.build([], raws)
     (e,) = r["loads"]
+    assert e["device"] == "NVIDIA H100 80GB HBM3" and [p["device"] for p in e["pair_list"]] == [h100["name"]] * 2
+    assert e["defaults_observe"] == ["trace,reqenergy"] and e["serve_args"] == "--max-num-seqs 256"
+    assert [(x["lease"], x["device"], x["started_utc"]) for x in r["runs"]][0] == ("L2", h100["name"], "2026-12-05T21:25:47Z")
+    assert "H100" in rec.markdown(r, None) and "trace,reqenergy" in rec.markdown(r, None)
     assert (e["name"], e["kind"], e["rate"], e["pairs"]) == ("rate-0.5", "rate", 0.5, 2)
     assert (e["api_server_count_stock"], e["api_server_count_defaults"]) == (1, 4)
     assert e["j_per_out_token_ratio"]["mean"] == pytest.approx(0.8) and e["throughput_ratio"]["mean"] == pytest.approx(1.0)
@@ -170,9 +177,11 @@ def test_a_later_lease_adds_its_loads_to_the_committed_record_without_the_old_ra
     raws = [
         {"_file": "defaults-A.json", "gpu": 0, "lease": "lease-2", "servers": [_server("stock", 0, 1.0), _server("defaults", 1, 1.25)]}
     ]  # fmt: skip
+    old["device"] = {"name": "NVIDIA H200"}
     merged = rec.merge(old, rec.build([], raws))
     assert [e["name"] for e in merged["loads"]] == ["c64-streamed-512-256", "rate-0.5"]
-    assert [r["lease"] for r in merged["runs"]] == ["lease-1"] and merged["shape"] == "qwen2.5-7b"
+    assert merged["loads"][0]["device"] == "NVIDIA H200"  # an older load keeps the device it ran on
+    assert [r["lease"] for r in merged["runs"]] == ["lease-1", "lease-2"] and merged["shape"] == "qwen2.5-7b"
     assert "rate 0.5 req/s" not in merged["not_yet_measured"]
     again = rec.merge(merged, rec.build([{**_raw(c64), "lease": "lease-1"}]))  # a rebuilt load replaces its old entry
     assert [e["name"] for e in again["loads"]] == ["rate-0.5", "c64-streamed-512-256"]
