@@ -25,9 +25,10 @@ class DriftingCounterGpu(CounterGpu):
         return int(7_000_000 + (super().raw_mj() - 7_000_000) * self.scale)
 
 
-def serve(gpu, clock, seconds, seed=0):
-    """Read the meter as the publisher does: a tick every 0.1-0.25 s, flushes 10-30 ms apart
-    while the load is high, the counter's phase synced when due. Returns the meter."""
+def serve(gpu, clock, seconds, seed=0, flush_at=None):
+    """Read the meter as the publisher does: a periodic tick every 0.1-0.25 s (which feeds the
+    cross-check), flushes 10-30 ms apart while the load is high (at ``flush_at(t)`` where given:
+    requests finish at step ends), the counter's phase synced when due. Returns the meter."""
     rng = random.Random(seed)
     clock.t = 0.5
     meter = NvmlEnergyMeter(NvmlGpu(gpu, 0, "GPU-x"), clock=clock)
@@ -37,11 +38,42 @@ def serve(gpu, clock, seconds, seed=0):
 
     while clock.t < seconds:
         busy = gpu.power_at(clock.t) > 200
-        clock.t += rng.uniform(0.01, 0.03) if busy and rng.random() < 0.7 else rng.uniform(0.1, 0.25)
+        flush = busy and rng.random() < 0.7
+        clock.t += rng.uniform(0.01, 0.03) if flush else rng.uniform(0.1, 0.25)
+        if flush and flush_at is not None:
+            clock.t = flush_at(clock.t)
         if clock.t >= meter.sync_due:
             meter.sync_counter_phase(sleep=sleep)
         meter.energy_j()
+        if not flush:
+            meter.crosscheck_sample()
     return meter
+
+
+class SteppingGpu(CounterGpu):
+    """Under load, each 16 ms step draws ``high_w`` for 12 ms and ``low_w`` for its last 4 ms
+    (the host's turn between steps); idle draws 80 W."""
+
+    STEP_S, LOW_S = 0.016, 0.004
+
+    def __init__(self, clock, busy_until_s, high_w=700.0, low_w=150.0):
+        self.high_w, self.low_w = high_w, low_w
+        k = int(busy_until_s / self.STEP_S)
+        segs = [(0.0, 80.0)] + [seg for i in range(1, k) for seg in self._step(i, high_w, low_w)] + [(k * self.STEP_S, 80.0)]
+        super().__init__(clock, segs)
+
+    def _step(self, i, high_w, low_w):
+        t0 = i * self.STEP_S
+        return [(t0, high_w), (t0 + self.STEP_S - self.LOW_S, low_w)]
+
+    def power_at(self, t):
+        if t < self.STEP_S or t >= self.segments[-1][0]:
+            return 80.0
+        return self.low_w if t % self.STEP_S >= self.STEP_S - self.LOW_S else self.high_w
+
+    def step_end(self, t):
+        """The low spell of the step ``t`` falls in: where a request's finish is seen."""
+        return t - t % self.STEP_S + self.STEP_S - self.LOW_S / 2
 
 
 def load_trace(seed, seconds):
@@ -74,6 +106,39 @@ def test_a_drifting_counter_reads_off_and_warns_exactly_once(caplog):
     assert 1.0 + CROSSCHECK_BOUND < cc.ratio
 
 
+def test_reads_that_requests_finishes_trigger_at_step_ends_do_not_bias_the_ratio(caplog):
+    """Finishes are seen at step ends, where power dips; an integral over those reads reads the
+    counter high (1.127 x on an H100, docs/results/h200-request-energy.md). Only the periodic
+    tick's reads, at no fixed phase of a step, feed the cross-check."""
+    clock = Clock()
+    gpu = SteppingGpu(clock, busy_until_s=100.0)
+    meter = serve(gpu, clock, 100.0, seed=3, flush_at=gpu.step_end)
+    cc = meter.crosscheck
+    assert cc.windows >= 2 and cc.ratio == pytest.approx(1.0, abs=0.05)
+    assert cc.warnings == 0 and not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_one_window_off_by_sampling_error_alone_warns_nothing(caplog):
+    from vllm_powersave.energy.crosscheck import EnergyCrossCheck
+
+    cc, state = EnergyCrossCheck("GPU-s", clock=lambda: 0.0), {"t": 0.0, "j": 0.0}
+
+    def window(ratio, power_w=400.0):
+        """30 s of readings every 0.5 s at ``power_w``, the counter growing ``ratio`` x as fast."""
+        for _ in range(61):
+            cc.add(state["t"], state["j"], power_w)
+            state["t"] += 0.5
+            state["j"] += ratio * power_w * 0.5
+        state["t"] -= 0.5  # the window's last reading opens the next
+        state["j"] -= ratio * power_w * 0.5
+
+    for ratio in (1.0, 1.07, 0.99, 0.93, 1.02, 1.06):  # off once at a time, either side
+        window(ratio)
+    assert cc.windows == 6 and cc.warnings == 0 and not caplog.records
+    window(1.08)  # a second window in a row above the bound
+    assert cc.ratio == pytest.approx(1.08) and cc.warnings == 1
+
+
 def test_no_power_reading_no_ratio():
     """Without instant power (every power read failing) there is nothing to integrate: no ratio,
     no warning, and the counter still serves."""
@@ -84,6 +149,7 @@ def test_no_power_reading_no_ratio():
         clock.t += 0.25
         nvml.energy_mj[0] += 75_000
         assert meter.energy_j() is not None
+        meter.crosscheck_sample()
     assert meter.crosscheck.ratio is None and meter.crosscheck.warnings == 0
 
 

@@ -8,7 +8,10 @@ power with every counter read anyway (to extend the counter between its steps), 
 those readings: no NVML read is added. Each completed window of at least
 :data:`CROSSCHECK_WINDOW_S` publishes ``counter J / power-integral J``
 (``powersave_energy_crosscheck_ratio``), and a ratio off 1 by more than
-:data:`CROSSCHECK_BOUND` logs one warning, then at most one per :data:`CROSSCHECK_WARN_EVERY_S`.
+:data:`CROSSCHECK_BOUND` in two windows in a row, on the same side, logs one warning, then at most
+one per :data:`CROSSCHECK_WARN_EVERY_S`. Only the publisher's periodic reads feed it: reads that
+requests' finishes trigger fall at step ends, where power dips, and biased the integral so that
+the counter read 1.127 x it on an H100 (docs/results/h200-request-energy.md).
 
 The bound: 5 %, six times the worst disagreement measured on the H200 (0.8 %), because the
 power readings here are the ticks' (every 0.25 s, and at request finishes), not the 190 Hz of that
@@ -59,6 +62,7 @@ class EnergyCrossCheck:
         self.windows = 0
         self.warnings = 0
         self._last_warn: float | None = None
+        self._off_side = 0  # the last window: 0 within the bound, +1 above, -1 below
         self._start: tuple[float, float] | None = None  # (t, counter J) at the window's start
         self._last: tuple[float, float] | None = None  # (t, W) of the last reading
         self._integral_j = 0.0
@@ -87,7 +91,12 @@ class EnergyCrossCheck:
     def _judge(self, ratio: float, span_s: float) -> None:
         self.ratio, self.window_s = ratio, span_s
         self.windows += 1
-        if abs(ratio - 1.0) <= self.bound:
+        side = 0 if abs(ratio - 1.0) <= self.bound else (1 if ratio > 1.0 else -1)
+        last_side, self._off_side = self._off_side, side
+        # A counter that drifts stays off window after window; the sampling error of ~120 readings
+        # of a swinging load does not (a few per cent either way, tests/test_energy_crosscheck.py).
+        # So one window off warns nothing; two in a row on the same side do.
+        if side == 0 or side != last_side:
             return
         now = self.clock()
         if self._last_warn is not None and now - self._last_warn < self.warn_every_s:

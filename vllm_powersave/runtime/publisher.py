@@ -341,6 +341,8 @@ class Publisher:
                 if self.account is not None and now - self._last_tick >= self.settings.energy.tick_s:
                     self._last_tick = now
                     self.account.tick()
+                    if (sample := getattr(self.meter, "crosscheck_sample", None)) is not None:
+                        sample()  # periodic reads only: energy/meters.py says why
                 if self.boost is not None:
                     self.boost.tick()
                 if self.starvation is not None and self.account is not None and self.frontend is not None and self.frontend.available:
