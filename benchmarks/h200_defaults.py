@@ -71,6 +71,8 @@ OBSERVE = {"trace": "trace_steps", "reqenergy": "per_request_energy"}
 #: Arms of --order; segments of --segments / --segments-last.
 ARMS = ("stock", "defaults", "fix")
 SEGMENTS = ("idle", "sweep", "reqenergy", "bursts", "release", "starvation")
+#: Bursts segment: the null request's prompt tokens, and the first burst's seed (one per burst).
+NULL_PROMPT_TOKENS, BURST_SEED = 8, 1000
 
 
 # --- the plugin's figures: /metrics and stats_dir ----------------------------------------------------
@@ -103,6 +105,23 @@ def snap_between(m0: SnapMark, m1: SnapMark) -> dict | None:
     """The plugin's joules by phase from ``m0``'s snapshot to ``m1``'s; None without energy in both."""
     e0, e1 = snap_energy(m0.snap), snap_energy(m1.snap)
     return None if e0 is None or e1 is None else {k: e1[k] - e0.get(k, 0.0) for k in e1}
+
+
+def burst_pair_figures(burst: dict, null: dict, idle_w: float | None) -> dict:
+    """A burst span against its null-request span (each ``{span_s, busy_s, counter_j,
+    plugin_phases_j}``). The burst's true energy is the counter's difference between the spans
+    (their small length difference at ``idle_w``): the tail above deep idle that follows any
+    request cancels. The plugin's is its busy (non-idle) joules' difference. Also each span's
+    joules above deep idle that the plugin booked as idle (``idle_above_deep_j``)."""
+    out: dict[str, Any] = {"burst": burst, "null": null, "true_busy_j": None, "plugin_busy_j": None, "busy_over_truth": None}
+    if None in (burst["counter_j"], null["counter_j"], burst["plugin_phases_j"], null["plugin_phases_j"], idle_w):
+        return {**out, "note": "a span without counter or plugin energy"}
+    busy = {k: sum(v for p, v in x["plugin_phases_j"].items() if p != "idle") for k, x in (("burst", burst), ("null", null))}
+    truth = burst["counter_j"] - null["counter_j"] - idle_w * (burst["span_s"] - null["span_s"])
+    plugin = busy["burst"] - busy["null"]
+    out.update(true_busy_j=truth, plugin_busy_j=plugin, busy_over_truth=plugin / truth if truth > 0 else None)
+    out["idle_above_deep_j"] = {k: x["counter_j"] - idle_w * x["span_s"] - busy[k] for k, x in (("burst", burst), ("null", null))}
+    return out
 
 
 def snap_energy(snap: dict | None) -> dict | None:
@@ -243,32 +262,44 @@ class Server:
         return seg
 
     def bursts(self, idle_w: float | None) -> dict:
-        """``--burst-n`` short prefill bursts between idle spells (``--burst-conc`` prompts of
-        ``--burst-in`` tokens, one output token each): per burst, the plugin's busy (non-idle phase)
-        and idle joules between two of its snapshots against the NVML counter over the same span.
-        The burst's true energy is the counter's less the server's idle power over the rest of the
-        span (harness window: first request to last completion); and the cross-check gauge after."""
+        """``--burst-n`` pairs of spans, each a short prefill burst (``--burst-conc`` distinct prompts
+        of ``--burst-in`` tokens, one output token each) and a null request (``NULL_PROMPT_TOKENS``
+        tokens, one output), in alternating order, each span ``--burst-span-s`` long from one idle
+        spell into the next. After any request the GPU draws above its deep-idle power for a while
+        (clocks fall back, perf boost releases), which the plugin books as idle; the null span holds
+        that tail too, so the burst's own energy is the counter's difference between the two spans,
+        set against the plugin's busy-joule difference (:func:`burst_pair_figures`). Each burst
+        has its own seed: the same prompt twice would hit the prefix cache."""
         ns, runs = self.ns, []
         for i in range(ns.burst_n):
-            time.sleep(ns.burst_gap_s)
-            mark0 = self.mark()
-            h = self.harness(f"burst{i}", num_prompts=ns.burst_conc, max_concurrency=ns.burst_conc, input_len=ns.burst_in, output_len=1)
-            time.sleep(1.0)  # the counter's next steps and the plugin's idle detection land inside the span
-            mark1 = self.mark()
-            if (phases := snap_between(mark0, mark1)) is None:
-                runs.append({"note": "no plugin snapshot with energy_j"})
-                continue
-            t_a, t_b = mark0.perf_t, mark1.perf_t
-            busy_s, counter_j = h["res"].get("duration"), self.sampler.energy_between(t_a, t_b)
-            truth = None if None in (busy_s, counter_j, idle_w) else counter_j - idle_w * max(0.0, (t_b - t_a) - busy_s)
-            busy_j = sum(v for k, v in phases.items() if k != "idle")
-            runs.append(dict(span_s=t_b - t_a, busy_s=busy_s, counter_j=counter_j, plugin_phases_j=phases, true_busy_j=truth))
-            runs[-1]["busy_over_truth"] = busy_j / truth if truth else None
+            order = ("null", "burst") if i % 2 == 0 else ("burst", "null")
+            spans = {kind: self._burst_span(kind, BURST_SEED + i) for kind in order}
+            runs.append({"order": list(order), **burst_pair_figures(spans["burst"], spans["null"], idle_w)})
         m, _ = load.scrape(self.port)
         cross = {k: v for k, v in m.items() if k.startswith("powersave_energy_crosscheck")}
         ratios = sorted(r["busy_over_truth"] for r in runs if r.get("busy_over_truth") is not None)
         log(f"[{self.label}] bursts: busy / truth {[round(x, 3) for x in ratios]}, cross-check {cross}")
-        return {"n": ns.burst_n, "conc": ns.burst_conc, "input_len": ns.burst_in, "idle_w": idle_w, "runs": runs, "crosscheck": cross}
+        out = {"n": ns.burst_n, "conc": ns.burst_conc, "input_len": ns.burst_in, "idle_w": idle_w, "span_s": ns.burst_span_s}
+        return {**out, "method": "null-request control", "runs": runs, "crosscheck": cross}
+
+    def _burst_span(self, kind: str, seed: int) -> dict:
+        """One span of ``--burst-span-s`` from the moment before its request: the counter's joules,
+        the plugin's by phase between its snapshots, and the request's harness duration."""
+        ns = self.ns
+        time.sleep(ns.burst_gap_s)
+        mark0 = self.mark()
+        shape = dict(num_prompts=ns.burst_conc, max_concurrency=ns.burst_conc, input_len=ns.burst_in)
+        if kind == "null":
+            shape = dict(num_prompts=1, max_concurrency=1, input_len=NULL_PROMPT_TOKENS)
+        h = self.harness(f"{kind}{seed}", output_len=1, seed=seed, **shape)
+        time.sleep(max(0.0, mark0.perf + ns.burst_span_s - time.perf_counter()))
+        mark1 = self.mark()
+        return {
+            "span_s": mark1.perf - mark0.perf,
+            "busy_s": h["res"].get("duration"),
+            "counter_j": self.sampler.energy_between(mark0.perf, mark1.perf),
+            "plugin_phases_j": snap_between(mark0, mark1),
+        }
 
     def release(self, idle_w: float | None) -> dict:
         """Short requests ``--release-gap-s`` apart: each perf-boost release in the trace, and how long the GPU
@@ -409,7 +440,7 @@ def seg_costs(ns: argparse.Namespace) -> dict[str, float]:
     c = dict(warm=4.0, idle=ns.settle_s + ns.idle_s + 0.5, rate=ns.gap_s + ns.window_s + drain_s(ns, sat=False) + 0.5)
     c.update(sat=ns.gap_s + ns.window_s + drain_s(ns) + 0.5, reqenergy=reqe)
     c["release"] = ns.settle_s + (ns.release_n + 1) * ns.release_gap_s + 2.0
-    c["bursts"] = ns.burst_n * (ns.burst_gap_s + 2 * 2.0 + 1.5)  # gap, up to two snapshot periods, the burst and its tail
+    c["bursts"] = ns.burst_n * 2 * (ns.burst_gap_s + ns.burst_span_s + 0.5)  # per pair: two spans, each after a gap, a snapshot wait
     return c | dict(starvation=fix + 10.0, fix=fix, stop=ns.stop_est_s)  # starvation: + advise (up to 3 CLI runs)
 
 
@@ -619,10 +650,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--reqe-conc", type=int, default=48, help="target batch: sets the auto rate (and the cap with --reqe-cap)")
     ap.add_argument("--reqe-stream", action="store_true", help="stream the request-energy requests (default: one response each)")
     ap.add_argument("--reqe-cap", action="store_true", help="also cap concurrency at --reqe-conc (one start per finish)")
-    ap.add_argument("--burst-n", type=int, default=10, help="bursts segment: prefill bursts between idle spells")
+    ap.add_argument("--burst-n", type=int, default=6, help="bursts segment: pairs of a prefill burst and a null request")
     ap.add_argument("--burst-gap-s", type=float, default=2.0, help="bursts segment: idle before each burst (s)")
     ap.add_argument("--burst-conc", type=int, default=4, help="bursts segment: prompts per burst, started together")
     ap.add_argument("--burst-in", type=int, default=1900, help="bursts segment: prompt tokens (one output token each)")
+    ap.add_argument(
+        "--burst-span-s", type=float, default=3.0, help="bursts segment: each span, from before its request into the next idle spell (s)"
+    )
     ap.add_argument("--release-n", type=int, default=8, help="release segment: requests, one at a time")
     ap.add_argument("--release-gap-s", type=float, default=4.0, help="release segment: seconds between request starts")
     ap.add_argument("--release-idle-mhz", type=int, default=400, help="release segment: SM clock counted as idle (H200: 345)")

@@ -30,6 +30,14 @@ from benchmarks.lib.stats import mean_ci
 ARMS = ("stock", "defaults")
 SCRIPTS = ["benchmarks/h200_defaults.py", "benchmarks/h200_defaults_record.py"]
 REQE_WHAT = "identical-length requests at a steady batch: the plugin's per-request energy"
+#: How a bursts segment's truth was taken, by its method.
+BURST_TRUTH = {
+    "deep-idle baseline": "truth: the counter less deep-idle power outside the burst, which charges the burst with the GPU's "
+    "tail above idle after it",
+    "null-request control": "truth: the counter's difference between the burst's span and a null request's, so that tail cancels",
+}
+#: The request-energy twin keeps what is written by hand from this heading on (runs, findings).
+REQE_KEEP_FROM = "## Runs"
 #: A load window's throughput, energy and power figures under the record's names (:func:`pick`).
 WINDOW = "out_tok_s=output_throughput out_tok_per_j=output_tokens_per_joule avg_w=gpu_avg_power_w gpu_idle_share=sampler.gpu_idle_share"
 #: Per-pair figures of a rate (``per_pair``): defaults / stock tok/J and throughput, p50 TTFT delta, p99 TPOT
@@ -290,6 +298,7 @@ def bursts_block(raws: list[dict]) -> list[dict]:
         b = s["bursts"]
         ratios = [x["busy_over_truth"] for x in b["runs"] if x.get("busy_over_truth") is not None]
         o = {"file": raw["_file"], "server": s["label"], "date_utc": raw.get("date_utc"), **pick(b, "n conc input_len idle_w")}
+        o["method"] = b.get("method") or "deep-idle baseline"  # before the null-request control: idle power outside the burst
         o.update(busy_over_truth=spread_plain(ratios), crosscheck=b.get("crosscheck"))
         o["within_5pct"] = None if not ratios else all(abs(x - 1.0) <= 0.05 for x in ratios)
         out.append(o)
@@ -360,10 +369,13 @@ def fmt(x: Any, nd: int = 3) -> str:
     return f"{x:.{nd}f}" if isinstance(x, float) else str(x)
 
 
-def write(path: Path, rec: dict, md: list[str]) -> None:
-    """The record ``path`` (JSON) and its Markdown twin beside it."""
+def write(path: Path, rec: dict, md: list[str], keep_from: str | None = None) -> None:
+    """The record ``path`` (JSON) and its Markdown twin beside it; the twin's hand-written part,
+    from the heading ``keep_from`` on, survives a rebuild."""
     path.write_text(json.dumps(rec, indent=1))
-    path.with_suffix(".md").write_text("\n".join(md) + "\n")
+    twin = path.with_suffix(".md")
+    kept = "".join(twin.read_text().partition(keep_from)[1:]) if keep_from and twin.exists() else ""
+    twin.write_text("\n".join(md) + "\n" + ("\n" + kept if kept else ""))
 
 
 def defaults_record(raws: list[dict]) -> dict:
@@ -456,7 +468,7 @@ def request_energy_md(reqe: dict, title: str, drop: float) -> list[str]:
     for b in reqe.get("bursts") or []:
         md.append(
             f"\nPrefill bursts between idle spells ({b['file']} {b['server']}: {b['n']} bursts of {b['conc']} x {b['input_len']} "
-            f"prompt tokens): the plugin's busy J over the counter's (less idle power outside the burst) {json.dumps(b['busy_over_truth'])}; "
+            f"prompt tokens; {BURST_TRUTH[b.get('method', 'deep-idle baseline')]}): the plugin's busy J over the truth {json.dumps(b['busy_over_truth'])}; "
             f"all within 5 %: {b['within_5pct']}; cross-check gauge {json.dumps(b['crosscheck'])}."
         )
     return md
@@ -495,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
     sim = any(seg.get("source") == "simulated" for seg in reqe["segments"])
     reqe.update(what=REQE_WHAT, measured=measured and not sim, simulated=sim, **common)
     md = request_energy_md(reqe, f"{'simulated per-request figures; ' if sim else ''}{label}", ns.steady_drop)
-    write(out / f"{ns.reqe_name}.json", reqe, md)
+    write(out / f"{ns.reqe_name}.json", reqe, md, keep_from=REQE_KEEP_FROM)
     print(f"wrote {out}/{ns.reqe_name}.json/.md ({len(reqe['segments'])} segment(s))")
     return 0
 

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from benchmarks import h200_defaults_record as rec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -190,10 +192,20 @@ def test_request_energy_only_keeps_the_older_segments_before_the_new(tmp_path):
     assert [s["file"] for s in json.loads((tmp_path / "h200-request-energy.json").read_text())["segments"]] == ["old.json", "new.json"]
 
 
+def test_the_request_energy_twin_keeps_its_hand_written_runs_and_findings(tmp_path):
+    run = _reqe_run(128, 256, 8.0, [2.0] * 5, 1.0, 0.0, 11.0)
+    (f := tmp_path / "a.json").write_text(json.dumps(raw([server("defaults", 80, [], reqenergy_runs=[run])], name="x")))
+    rec.main([str(f), "--out-dir", str(tmp_path), "--reqe-only", "--steady-drop", "0"])
+    twin = tmp_path / "h200-request-energy.md"
+    twin.write_text(twin.read_text() + "\n## Runs\n\nwritten by hand\n")
+    rec.main([str(f), "--out-dir", str(tmp_path), "--reqe-only", "--steady-drop", "0"])
+    text = twin.read_text()
+    assert text.count("written by hand") == 1 and text.index("| run |") < text.index("## Runs")
+
+
 def test_request_energy_shapes_parse_or_name_the_bad_item():
     import argparse
 
-    import pytest
 
     from benchmarks import h200_defaults as job
 
@@ -230,3 +242,53 @@ def test_a_snapshot_span_is_read_on_perf_counter_and_diffed_by_phase():
     assert abs(m0.perf_t - 50.4) < 1e-9 and m1.perf_t == 61.0
     assert snap_between(m0, m1) == {"idle": 2.0, "decode": 4.0, "prefill": 1.0}
     assert snap_between(m0, SnapMark(1010.0, 60.0, None)) is None and SnapMark(1.0, 2.0, None).perf_t == 2.0
+
+
+def _span(span_s, busy_j, tail_j, idle_w=70.0):
+    """A span at ``idle_w`` with ``busy_j`` of work and ``tail_j`` above deep idle after it,
+    which the plugin books as idle."""
+    return {"span_s": span_s, "busy_s": 0.1, "counter_j": idle_w * span_s + busy_j + tail_j,
+            "plugin_phases_j": {"prefill": busy_j, "decode": 0.0, "idle": idle_w * span_s + tail_j}}  # fmt: skip
+
+
+def test_a_burst_is_judged_against_a_null_request_so_the_tail_after_any_request_cancels():
+    from benchmarks.h200_defaults import burst_pair_figures
+
+    f = burst_pair_figures(_span(3.0, 150.0, 35.0), _span(3.02, 5.0, 35.0), 70.0)
+    assert f["true_busy_j"] == pytest.approx(145.0) and f["busy_over_truth"] == pytest.approx(1.0)
+    assert f["idle_above_deep_j"] == {"burst": pytest.approx(35.0), "null": pytest.approx(35.0)}
+    # Against deep idle alone, the tail would count as the burst's: 150 / 185, the H100's first reading.
+    assert 150.0 / (150.0 + 35.0) < 0.95
+    under = burst_pair_figures(_span(3.0, 120.0, 65.0), _span(3.0, 5.0, 35.0), 70.0)  # the plugin books 30 J of it as idle
+    assert under["busy_over_truth"] == pytest.approx(115.0 / 145.0)
+    missing = burst_pair_figures({**_span(3.0, 150.0, 35.0), "counter_j": None}, _span(3.0, 5.0, 35.0), 70.0)
+    assert missing["busy_over_truth"] is None and "note" in missing
+
+
+def test_every_burst_and_null_request_has_its_own_seed_in_alternating_order(monkeypatch):
+    import argparse
+    import time
+
+    from benchmarks import h200_defaults as job
+
+    calls = []
+
+    class FakeSampler:
+        def energy_between(self, t_a, t_b):
+            return 70.0 * (t_b - t_a)
+
+    class FakeServer(job.Server):
+        def harness(self, name, **kw):
+            calls.append((name, kw["seed"], kw["num_prompts"], kw["input_len"]))
+            return {"res": {"duration": 0.001}}
+
+        def mark(self):
+            return job.SnapMark(time.time(), time.perf_counter(), {"energy_j": {"prefill": 0.0, "idle": 0.0}})
+
+    monkeypatch.setattr(job.load, "scrape", lambda port: ({}, ""))
+    ns = argparse.Namespace(burst_n=3, burst_gap_s=0.0, burst_span_s=0.001, burst_conc=4, burst_in=1900)
+    out = FakeServer(ns, FakeSampler(), 0, "d0", None, None).bursts(70.0)
+    assert [c[0][:4] for c in calls] == ["null", "burs", "burs", "null", "null", "burs"]
+    seeds = [c[1] for c in calls if c[0].startswith("burst")]
+    assert len(set(seeds)) == 3 and all(c[2:] == (4, 1900) for c in calls if c[0].startswith("burst"))
+    assert out["method"] == "null-request control" and [r["order"] for r in out["runs"]][:2] == [["null", "burst"], ["burst", "null"]]
