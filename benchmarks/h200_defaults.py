@@ -476,6 +476,26 @@ def first_need_s(ns: argparse.Namespace, server: dict) -> float:
     return server["est_s"]["start"] + c["warm"] + (c[first] if first else 0.0) + c["stop"]
 
 
+def defaults_settings(text: str) -> dict:
+    """``--defaults-settings``: a JSON object of plugin settings, checked by the plugin's own model
+    where it is importable (the run stops on a bad one before any server starts)."""
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a JSON object: {text!r}") from None
+    if not isinstance(obj, dict):
+        raise argparse.ArgumentTypeError(f"not a JSON object: {text!r}")
+    try:
+        from vllm_powersave.settings import SettingsError, load_settings
+    except ImportError:  # the plugin is not on this path: its server checks them at start
+        return obj
+    try:
+        load_settings(obj, env={})
+    except SettingsError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return obj
+
+
 def left_s(ns: argparse.Namespace) -> float:
     """What is left of --budget-s (s since the script started)."""
     return ns.budget_s - (time.monotonic() - T0)
@@ -493,6 +513,10 @@ def launch(ns: argparse.Namespace, s: Server, srv: dict, advised_fix: str | None
     if ns.defaults_observe != "none":  # observation only: no saving setting, --additional-config stays empty
         settings.update(stats_dir=str(s.stats_dir), **{OBSERVE[x]: True for x in ns.defaults_observe.split(",") if x in OBSERVE})
         s.stats_dir.mkdir(parents=True, exist_ok=True)
+    if ns.defaults_settings:  # an ablation: the defaults less (or plus) these settings
+        srv["ablation_settings"] = dict(ns.defaults_settings)
+        settings.update(ns.defaults_settings)
+    if settings:
         (cfg_f := s.workdir / f"powersave-{s.label}.json").write_text(json.dumps({"powersave": settings}))
         env["POWERSAVE_CONFIG"] = str(cfg_f)
     extra = ["--plugin", "powersave"]
@@ -663,6 +687,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--fix-args", default="--api-server-count 4", help="fix arm's serve flags when advise names none")
     ap.add_argument("--advise-cmd", default=None, help="one advise command template ({py} {url} {metrics} {report})")
     ap.add_argument("--defaults-observe", default="trace,reqenergy", help="defaults arm's observation settings: trace, reqenergy, none")
+    ap.add_argument(
+        "--defaults-settings",
+        type=defaults_settings,
+        default={},
+        help="plugin settings (a JSON object) the defaults arm runs with beside its observation settings, for ablations, "
+        'e.g. \'{"cuda_perf_boost": "off"}\'',
+    )
     ap.add_argument("--serve-args", default="--max-num-seqs 256 --gpu-memory-utilization 0.85", help="vllm serve flags of every server")
     ap.add_argument("--energy", default="nvml", help="loadtests energy source (nvml; none on a CPU smoke test)")
     ap.add_argument("--budget-s", type=float, default=550.0, help="start nothing that cannot end by this (s since start)")
@@ -724,7 +755,7 @@ def main(argv: list[str] | None = None) -> int:
         "finite rates: energy, idle share and tok/J also over a fixed span of >= window_s from the "
         "first arrival (idle tail included; 'span'), from the 10 Hz sampler"
     )
-    method.update(serve_args=ns.serve_args, defaults_observe=ns.defaults_observe)
+    method.update(serve_args=ns.serve_args, defaults_observe=ns.defaults_observe, defaults_settings=ns.defaults_settings)
     method["stock"] = "PYTHONPATH without the plugin (--stock-site), else VLLM_PLUGINS= (empty)"
     method["defaults"] = "--plugin powersave; observation settings only via $POWERSAVE_CONFIG"
     method["energy"] = f"loadtests energy={ns.energy} per load window (counter); sampler: " + sampler.note

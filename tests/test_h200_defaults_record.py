@@ -206,7 +206,6 @@ def test_the_request_energy_twin_keeps_its_hand_written_runs_and_findings(tmp_pa
 def test_request_energy_shapes_parse_or_name_the_bad_item():
     import argparse
 
-
     from benchmarks import h200_defaults as job
 
     ns = argparse.Namespace(reqe_shapes="256:64:40:480,128:256:auto:160", reqe_in=1, reqe_out=1, reqe_rate="auto", reqe_n=1)
@@ -292,3 +291,20 @@ def test_every_burst_and_null_request_has_its_own_seed_in_alternating_order(monk
     seeds = [c[1] for c in calls if c[0].startswith("burst")]
     assert len(set(seeds)) == 3 and all(c[2:] == (4, 1900) for c in calls if c[0].startswith("burst"))
     assert out["method"] == "null-request control" and [r["order"] for r in out["runs"]][:2] == [["null", "burst"], ["burst", "null"]]
+
+
+def test_an_ablation_runs_the_defaults_arm_with_its_settings_and_refuses_a_bad_one(tmp_path):
+    import argparse
+
+    from benchmarks import h200_defaults as job
+
+    ns = job.parse_args(["--defaults-settings", '{"cuda_perf_boost": "on"}', "--defaults-observe", "none", "--gpu", "0"])
+    s = job.Server(ns, None, 0, "defaults1", tmp_path, tmp_path / "stats")
+    srv = {"arm": "defaults"}
+    _, extra, env = job.launch(ns, s, srv, None)
+    assert json.loads(Path(env["POWERSAVE_CONFIG"]).read_text()) == {"powersave": {"cuda_perf_boost": "on"}}
+    assert srv["ablation_settings"] == {"cuda_perf_boost": "on"} and extra == ["--plugin", "powersave"]
+    assert "POWERSAVE_CONFIG" not in job.launch(job.parse_args([]), s, {"arm": "stock"}, None)[2]
+    for bad, why in (('{"cuda_perf_boost": "sometimes"}', "cuda_perf_boost"), ("[1]", "not a JSON object")):
+        with pytest.raises(argparse.ArgumentTypeError, match=why):
+            job.defaults_settings(bad)
