@@ -2,7 +2,6 @@
 tenant leaving), when the batch swings between buckets, and when a neighbour's clock is known
 (everything on the GPU side here is simulated)."""
 
-import pytest
 from test_closed_loop_tracking import F_MAX, Decode, _loop_settings
 
 from vllm_powersave.clocks.closed_loop import DecodeClockTuner
@@ -143,38 +142,3 @@ def test_a_search_after_the_batch_mix_changed_starts_at_the_clock_held_before():
     new = list(tuner.records)[n0:]
     assert [r.event for r in new][0] == "reprobe"
     assert next(r.sm_clock_mhz for r in new if r.event == "probe") == held
-
-
-def test_a_tenant_leaving_re_anchors_the_fit_without_a_back_off():
-    # Held steps faster than the fit are no violation: the default clock is measured again and
-    # the same clock held, with no back-off and no search (a 6-step test of the few steps since
-    # the speed-up failed on its margin alone, and each tenant leaving cost a search).
-    for seed in (0, 1, 2):
-        tuner = DecodeClockTuner(_loop_settings(), H200.sm_clocks_mhz)
-        d = SharedGpu(tuner, noise=0.01, seed=seed, period_s=1e9, busy_s=1e9).run(5000)  # busy throughout
-        held, backoffs = d.clock, tuner.snapshot()["backoffs_total"]
-        assert held is not None
-        d.busy_s, t_left = 0.0, d.t  # the other job is gone
-        d.run(400)
-        snap = tuner.snapshot()
-        after = [r.event for r in tuner.records if r.t_s > t_left]
-        assert "rebaseline" in after and "backoff" not in after, after
-        assert snap["backoffs_total"] == backoffs
-        assert snap["buckets"][64]["held_mhz"] <= held and snap["buckets"][64]["state"] == "hold"
-
-
-def test_after_the_whole_gpu_slows_the_line_is_scaled_over_the_range_measured_before():
-    # A short reference window sees the GPU 30 % slower (another tenant) at the newest context
-    # only. A GPU-wide change scales the whole step, so the line is the old one times that
-    # factor over both ranges: a context that grows on does not bring the bucket back to the
-    # default clock every 5 % of context (in the simulated co-tenant scenario these checks were
-    # a third of its default-clock steps, docs/closed-loop.md).
-    from vllm_powersave.clocks.closed_loop import LineFit, StepSample, _fit_line, _rescaled
-
-    old = LineFit(10.0, 1e-4, 0.01, 1_000.0, 50_000.0, 500)
-    fresh = _fit_line([StepSample(c, 1.3 * old.ms_at(c)) for c in range(50_000, 50_400, 20)], old.ms_per_ctx_token)
-    line = _rescaled(old, fresh)
-    assert (line.ctx_lo, line.ctx_hi) == (1_000.0, 50_380.0)
-    for ctx in (1_000.0, 25_000.0, 50_380.0):
-        assert line.ms_at(ctx) == pytest.approx(1.3 * old.ms_at(ctx), rel=1e-3)
-    assert line.sigma == fresh.sigma and line.n_steps == fresh.n_steps

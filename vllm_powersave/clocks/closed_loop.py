@@ -271,17 +271,6 @@ def _fit_line(pts: list[StepSample] | deque[StepSample], slope_hint: float = 0.0
     return LineFit(a, slope, sigma, min(xs), max(xs), len(xs))
 
 
-def _rescaled(old: LineFit, fresh: LineFit) -> LineFit:
-    """The default-clock line after a change of the whole GPU (another tenant, thermals) seen by
-    a short ``fresh`` window: ``old``'s line times the factor between the two at ``fresh``'s
-    middle, over both context ranges, with ``fresh``'s spread. A GPU-wide change scales the
-    whole step (weights and KV reads alike), so the slope scales with the level."""
-    mid = (fresh.ctx_lo + fresh.ctx_hi) / 2
-    k = fresh.ms_at(mid) / old.ms_at(mid)
-    lo, hi = min(old.ctx_lo, fresh.ctx_lo), max(old.ctx_hi, fresh.ctx_hi)
-    return LineFit(old.a_ms * k, old.ms_per_ctx_token * k, fresh.sigma, lo, hi, fresh.n_steps)
-
-
 def _fit_pass(xs: list[float], ys: list[float], slope_hint: float, fixed: bool = False) -> tuple[float, float, float]:
     """One fit: the slope (least squares, or ``slope_hint`` where ``fixed`` or the context moved
     too little), the median offset, and the robust relative residual spread (1.4826 MAD)."""
@@ -547,7 +536,10 @@ class DecodeClockTuner:
         if fresh and len(fresh) >= self.s.ref_steps and len(pts) > len(fresh):
             older = pts[-keep : -len(fresh)] or pts[: -len(fresh)]
             if self._shifted(older, fresh, slope):
-                fit = _rescaled(_fit_line(older, slope), _fit_line(fresh, slope))
+                # The level, spread and context range from the fresh window alone (its range
+                # is narrow, so a context that moves on soon brings a re-check); the slope from
+                # all kept steps (a shift moves the level, not the slope).
+                fit = _fit_line(fresh, slope)
         b.fit = fit
         if self.s.tpot_slo_ms is not None and b.t_baselined > -math.inf:
             # An absolute SLO is a ratio target that tightens as the context (step time) grows.
@@ -1010,12 +1002,8 @@ class DecodeClockTuner:
         if self._fit_stale(b, r):
             # Held steps faster than the default clock's fit: the GPU sped up (a tenant left), so the
             # fit is stale and the CUSUM above would be blind by as much; measure the default again.
-            # Nothing to test: steps faster than the fit are no violation, and the few since the
-            # speed-up would fail on their margin alone (a back-off and a search each time a
-            # tenant leaves). The fit is re-anchored; the CUSUM then watches the held clock.
-            why = f"steps at {held} MHz faster than the default clock's fit: the GPU sped up, the default clock measured again"
-            self._emit(now_s, "rebaseline", b.edge, batch, ran_at=ran_at, step_ms=step_ms, base=base, b=b, reason=why)
-            self._start_check(b, [])
+            n = max(s.backoff_steps, b.fast_n)
+            self._start_check(b, list(b.window)[-n:])
             b.check_scheduled = True
             return
         if b.since_check >= (b.check_every or s.ref_every_steps) or (s.rebaseline_s and now_s - b.t_baselined > s.rebaseline_s):
