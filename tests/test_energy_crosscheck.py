@@ -139,6 +139,32 @@ def test_one_window_off_by_sampling_error_alone_warns_nothing(caplog):
     assert cc.ratio == pytest.approx(1.08) and cc.warnings == 1
 
 
+def test_two_windows_off_count_only_without_a_break_between_them(caplog):
+    from vllm_powersave.energy.crosscheck import EnergyCrossCheck
+
+    cc = EnergyCrossCheck("GPU-b", clock=lambda: 0.0)
+
+    def window(t0, ratio, n=61, dt=0.5, power_w=400.0):
+        for i in range(n):
+            cc.add(t0 + i * dt, ratio * power_w * i * dt, power_w)
+
+    window(0.0, 1.08)
+    cc.add(31.0, 0.0, None)  # a power read failed
+    window(100.0, 1.08)  # off again on the same side, but after a break
+    assert cc.windows == 2 and cc.warnings == 0 and not caplog.records
+
+
+def test_a_long_tick_period_still_gets_a_ratio():
+    # Ticks every 2 s: a 30 s window holds 15 readings, fewer than a judgement needs; the window
+    # grows until it has them instead of being dropped (the ratio would never be published).
+    from vllm_powersave.energy.crosscheck import CROSSCHECK_MIN_READINGS, EnergyCrossCheck
+
+    cc = EnergyCrossCheck("GPU-t", clock=lambda: 0.0)
+    for i in range(3 * CROSSCHECK_MIN_READINGS):
+        cc.add(2.0 * i, 300.0 * 2.0 * i, 300.0)
+    assert cc.windows >= 2 and cc.ratio == pytest.approx(1.0) and cc.window_s >= 2.0 * CROSSCHECK_MIN_READINGS
+
+
 def test_no_power_reading_no_ratio():
     """Without instant power (every power read failing) there is nothing to integrate: no ratio,
     no warning, and the counter still serves."""

@@ -69,7 +69,11 @@ class EnergyCrossCheck:
         self._readings = 0
 
     def add(self, t: float, counter_j: float, power_w: float | None) -> None:
-        if power_w is None or self._last is None or self._start is None or t < self._last[0]:
+        broken = power_w is None or self._last is None or self._start is None or t < self._last[0]
+        if broken or t - self._last[0] > self.window_min_s:  # type: ignore[index]
+            # A fault, a clock going back or a gap longer than a window: the integral starts
+            # again, and two windows off count as "in a row" only without such a break between.
+            self._off_side = 0
             self._restart(t, counter_j, power_w)
             return
         t0, p0 = self._last
@@ -77,9 +81,9 @@ class EnergyCrossCheck:
         self._last = (t, power_w)
         self._readings += 1
         span = t - self._start[0]
-        if span < self.window_min_s:
-            return
-        if self._readings >= CROSSCHECK_MIN_READINGS and self._integral_j > 0:
+        if span < self.window_min_s or self._readings < CROSSCHECK_MIN_READINGS:
+            return  # a window with too few readings (a long tick period) grows until it has them
+        if self._integral_j > 0:
             self._judge((counter_j - self._start[1]) / self._integral_j, span)
         self._restart(t, counter_j, power_w)
 
