@@ -262,6 +262,9 @@ def test_a_burst_is_judged_against_a_null_request_so_the_tail_after_any_request_
     assert under["busy_over_truth"] == pytest.approx(115.0 / 145.0)
     missing = burst_pair_figures({**_span(3.0, 150.0, 35.0), "counter_j": None}, _span(3.0, 5.0, 35.0), 70.0)
     assert missing["busy_over_truth"] is None and "note" in missing
+    for tiny in (5.001, 4.0):  # truth 0.001 J, then -1 J: no ratio, a note
+        f = burst_pair_figures(_span(3.0, tiny, 35.0), _span(3.0, 5.0, 35.0), 70.0)
+        assert f["busy_over_truth"] is None and "not judged" in f["note"]
 
 
 def test_every_burst_and_null_request_has_its_own_seed_in_alternating_order(monkeypatch):
@@ -305,6 +308,9 @@ def test_an_ablation_runs_the_defaults_arm_with_its_settings_and_refuses_a_bad_o
     assert json.loads(Path(env["POWERSAVE_CONFIG"]).read_text()) == {"powersave": {"cuda_perf_boost": "on"}}
     assert srv["ablation_settings"] == {"cuda_perf_boost": "on"} and extra == ["--plugin", "powersave"]
     assert "POWERSAVE_CONFIG" not in job.launch(job.parse_args([]), s, {"arm": "stock"}, None)[2]
+    fix = {"arm": "fix"}
+    job.launch(ns, s, fix, None)  # the fix arm keeps its serve flags alone: no ablation settings
+    assert "ablation_settings" not in fix
     for bad, why in (('{"cuda_perf_boost": "sometimes"}', "cuda_perf_boost"), ("[1]", "not a JSON object")):
         with pytest.raises(argparse.ArgumentTypeError, match=why):
             job.defaults_settings(bad)
