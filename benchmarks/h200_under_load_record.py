@@ -154,12 +154,16 @@ def rate_entries(rate_raws: list[dict]) -> list[dict]:
     and ``_file`` set): that job's adjacent stock/defaults servers and its per-rate pair figures
     (``h200_defaults_record``), under this record's names. J per output token is the inverse of
     its tokens per joule (over its fixed span where both arms have one)."""
-    pairs = defaults_record.pair_servers(rate_raws)
     by_file = {r["_file"]: r for r in rate_raws}
-    for p in pairs:
+    pairs = []
+    for p in defaults_record.pair_servers(rate_raws):
         raws_of = [by_file.get(f) or {} for f in p["file"].split("+")]
+        devices = list(dict.fromkeys(name for r in raws_of if (name := (r.get("device") or {}).get("name"))))
+        if len(devices) > 1:
+            continue  # a stock server on one GPU against a defaults server on another is no pair
         p["lease"] = "+".join(dict.fromkeys(str(r.get("lease")) for r in raws_of))
-        p["device"] = "+".join(dict.fromkeys(str((r.get("device") or {}).get("name")) for r in raws_of))
+        p["device"] = devices[0] if devices else None
+        pairs.append(p)
     rates = sorted(
         {w["request_rate"] for p in pairs for a in ("stock", "defaults") for w in p[a]["windows"] if w["request_rate"] != "sat"}, key=float
     )
@@ -250,7 +254,7 @@ def _rate_notes(rec: dict) -> list[str]:
     if not rates:
         return []
     observe = sorted({x for e in rates for x in e["defaults_observe"]})
-    serve = sorted({str(e.get("serve_args")) for e in rates})
+    serve = sorted({str(e.get("serve_args") or "?") for e in rates})
     return [
         f"Rate loads: `benchmarks/h200_defaults.py`, one server at a time, serve flags `{'`, `'.join(serve)}`; the defaults "
         f"arm's observation settings: {', '.join(observe)} (`--defaults-observe`; trace = step trace, reqenergy = per-request energy).",
@@ -266,14 +270,14 @@ def markdown(rec: dict, png: str | None) -> str:
         for e in rec["loads"]
     ]
     runs = "; ".join(
-        f"{r['lease']} ({r.get('device') or '?'}): {r['started_utc']}" + (f" to {r['ended_utc']}" if r.get("ended_utc") else "")
+        f"{r['lease']} ({r.get('device') or '?'}): {r.get('started_utc') or '?'}" + (f" to {r['ended_utc']}" if r.get("ended_utc") else "")
         for r in rec["runs"]
     )
     devices = ", ".join(dict.fromkeys(str(e.get("device")) for e in rec["loads"] if e.get("device"))) or rec["device"].get("name", "?")
     lines = [
         "# Under load on Hopper GPUs: stock vLLM vs the plugin's defaults (measured)",
         "",
-        f"What ran: {rec['what']}. Model: {rec['shape']} shape, dummy weights; serve flags `{rec['serve_args']}`. "
+        f"What ran: {rec['what']}. Model: {rec.get('shape') or '?'} shape, dummy weights; serve flags `{rec.get('serve_args') or '?'}`. "
         f"Devices: {devices} (each load's in its row; compare ratios within a load, not across devices). "
         f"Leases and times (UTC): {runs}. Clocks were never changed "
         "(POWERSAVE_FORCE_DRY_RUN=1: the closed loop ran dry).",

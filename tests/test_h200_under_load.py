@@ -185,3 +185,17 @@ def test_a_later_lease_adds_its_loads_to_the_committed_record_without_the_old_ra
     assert "rate 0.5 req/s" not in merged["not_yet_measured"]
     again = rec.merge(merged, rec.build([{**_raw(c64), "lease": "lease-1"}]))  # a rebuilt load replaces its old entry
     assert [e["name"] for e in again["loads"]] == ["rate-0.5", "c64-streamed-512-256"]
+
+
+def test_a_pair_across_two_gpus_is_refused_and_a_rates_only_record_merges_and_prints():
+    h100, h200 = {"name": "NVIDIA H100 80GB HBM3"}, {"name": "NVIDIA H200"}
+    raws = [
+        {"_file": "defaults-A.json", "gpu": 0, "lease": "L1", "device": h100, "servers": [_server("stock", 0, 1.0)]},
+        {"_file": "defaults-B.json", "gpu": 0, "lease": "L2", "device": h200, "servers": [_server("defaults", 0, 1.25)]},
+    ]
+    assert rec.build([], raws)["loads"] == []  # stock on the H100, defaults on the H200: no pair
+    nameless = [{"_file": "defaults-C.json", "gpu": 0, "lease": "L3", "servers": [_server("stock", 0, 1.0), _server("defaults", 1, 1.25)]}]
+    r = rec.build([], nameless)
+    assert r["loads"][0]["device"] is None and "None" not in rec.markdown(r, None)
+    merged = rec.merge(r, rec.build([], nameless))
+    assert "rate-0.5" in rec.markdown(merged, None)
