@@ -244,4 +244,4 @@ def test_the_advise_hint_names_one_result_file_a_shell_can_pass():
     runs = [("off", INF, _stock(run_index=1)), ("on", INF, _defaults(run_index=2)), ("on", INF, _defaults(run_index=3))]
     sec = _section(savings_section(runs, gpu=True), "saturation")
     hint = [ln for ln in sec if "vllm-powersave advise" in ln]
-    assert hint == ["- `vllm-powersave advise --result result-on-2.json` says what to change"]
+    assert hint == ["- `vllm-powersave advise --result result-on-2.json` (a file in this run's folder) says what to change"]

@@ -95,7 +95,7 @@ def _perf_boost_line(off: list[dict], src: str) -> str:
     if idle is not None and total:
         return (
             f"- perf boost auto: stock idled {idle:.0f} J ({100 * idle / total:.1f} % of its energy, {src}); at "
-            f"-35 % idle power (measured on the H200) that is {100 * PERF_BOOST_IDLE_SAVING * idle / total:.1f} % "
+            f"-35 % idle power (perf boost alone, measured on the H200: docs/results/h200-perf-boost.md) that is {100 * PERF_BOOST_IDLE_SAVING * idle / total:.1f} % "
             f"of stock's energy (predicted)"
         )
     return (
@@ -145,7 +145,7 @@ def _starvation_lines(off: list[dict], on: list[dict], gpu: bool, src: str) -> l
         # One file: advise reads one run's result (a shell glob would pass it several).
         n = next((x["run_index"] for x in on if isinstance(x.get("run_index"), int)), None)
         name = f"result-on-{n}.json" if n is not None else "result-on-N.json (one run's file)"
-        lines.append(f"- `vllm-powersave advise --result {name}` says what to change")
+        lines.append(f"- `vllm-powersave advise --result {name}` (a file in this run's folder) says what to change")
     return lines
 
 
