@@ -86,6 +86,11 @@ CASES = [
         "another job on the GPU 5 s of every 20 s: every step (stock too) 30 % longer",
         Scenario("cotenant", GpuDrift(cotenant_every_s=20.0, cotenant_for_s=5.0, cotenant_factor=1.3)),
     ),
+    Case(
+        "drifting_knee_cotenant",
+        "knee 780 -> 1200 MHz over the first 300 s while another job takes the GPU 5 s of every 20 s (+30 %)",
+        Scenario("drift_cotenant", GpuDrift(780, 1200, 0.0, 300.0, cotenant_every_s=20.0, cotenant_for_s=5.0, cotenant_factor=1.3)),
+    ),
     Case("bursty_buckets", "decode batch jumping between 4, 24, 48, 100, 200 every 20-200 steps", Scenario("bursty"), trace="bursty"),
     Case(
         "impossible_slo",
