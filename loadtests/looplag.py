@@ -133,6 +133,7 @@ def loop_lag_metrics(
         "client_loop_lag_p99_ms": p99,
         "client_loop_lag_max_ms": max(ms) if ms else None,
         "client_bottleneck": flagged,
+        "client_cpu_contended": contended,
         "client_bottleneck_threshold_ms": threshold,
         "client_bottleneck_note": note,
         "client_cpu_share": client_cpu_share,

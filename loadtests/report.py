@@ -44,6 +44,14 @@ def steady_state_unusable(result: dict[str, Any]) -> str | None:
     return None
 
 
+def _lag_tag(r: dict) -> str:
+    """The lag cell's reading: over the threshold from the client's own load, or from other
+    processes taking the CPU (loadtests/looplag.py); nothing within it."""
+    if r.get("client_bottleneck"):
+        return " (client is the bottleneck)"
+    return " (host CPU contention)" if r.get("client_cpu_contended") else ""
+
+
 def _num(v: Any, digits: int = 2) -> str:
     if v is None:
         return "n/a"
@@ -303,7 +311,7 @@ def compare_table(results: dict[str, dict[str, Any]], steady_state: bool = True)
     add("Output tokens from", lambda r: str(r.get("output_tokens_source") or "n/a"))
     add(
         "Client loop lag p99 (ms)",
-        lambda r: _num(r.get("client_loop_lag_p99_ms")) + (" (client is the bottleneck)" if r.get("client_bottleneck") else ""),
+        lambda r: _num(r.get("client_loop_lag_p99_ms")) + _lag_tag(r),
     )
     add("GPU avg power (W)", lambda r: _energy(r, "gpu_avg_power_w", 1))
     add("J / output token", lambda r: _energy(r, "gpu_energy_per_output_token_j"))

@@ -380,6 +380,8 @@ async def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
     )
     if lag["client_bottleneck"]:
         print(f"warning: {lag['client_bottleneck_note']}", file=sys.stderr)
+    elif lag["client_cpu_contended"]:  # over the threshold too, for another cause: said as loudly
+        print(f"note: {lag['client_bottleneck_note']}", file=sys.stderr)
     batch = cfg.steady_state_batch or cfg.max_concurrency
     ss = steady_state(outputs, batch, measured.meters, measured.t0)
     ep_rows = _endpoint_rows(cfg, measured, reading, batch)

@@ -305,6 +305,13 @@ def test_a_lag_from_other_processes_taking_the_cpu_is_noted_not_called_a_client_
     shared = loop_lag_metrics(lags, 0.01, median_itl_ms=20.0, median_ttft_ms=100.0, client_cpu_share=0.05, client_wait_share=0.2)
     assert shared["client_bottleneck"] is False and "other processes on this host" in shared["client_bottleneck_note"]
     assert shared["client_cpu_share"] == 0.05 and shared["client_cpu_wait_share"] == 0.2
+    assert shared["client_cpu_contended"] is True and busy["client_cpu_contended"] is False
+    from loadtests.report import _lag_tag
+
+    # The report marks both runs over the threshold, each with its cause (a run over it for host
+    # contention read as if it were fine beside runs marked "client is the bottleneck").
+    assert _lag_tag(busy) == " (client is the bottleneck)" and _lag_tag(shared) == " (host CPU contention)"
+    assert _lag_tag(loop_lag_metrics([0.001] * 100, 0.01, 20.0, 100.0, 0.05, 0.2)) == ""
 
 
 def test_the_loop_threads_run_queue_wait_is_read_where_linux_gives_it() -> None:
