@@ -600,6 +600,12 @@ def starvation_over(samples: list[Sample], r: EnergyReading) -> None:
     ratios = [s.energy_crosscheck_ratio for s in samples if s.energy_crosscheck_ratio]
     r.energy_crosscheck_ratio = dict(ratios[-1]) if ratios else None  # a gauge: its last value
     have = [s for s in samples if s.idle_while_busy_j is not None]
+    if have and samples[0].counters is not None and samples[0].idle_while_busy_j is None:
+        # The server's metrics were read at the start but had no starvation series yet: the
+        # worker publishes them once it has read an API server's busy file, and until then it
+        # books nothing as idle-while-busy, so the counters stood at 0 (a saturation window that
+        # opens on a fresh server otherwise read n/a beside runs that read 0).
+        have.insert(0, Sample(t=samples[0].t, idle_while_busy_j=0.0, idle_while_busy_s=0.0, frontend_busy_s=0.0))
     if len(have) < 2:
         return
     a, b = have[0], have[-1]

@@ -190,6 +190,18 @@ def test_loadtests_report_reads_idle_while_busy_from_the_server_metrics():
     assert "| GPU idle share of busy time (%) | 3.3 | n/a |" in table
 
 
+def test_a_window_that_opens_before_the_starvation_series_exist_counts_from_zero():
+    from loadtests.energy import EnergyReading, Sample, starvation_over
+
+    end = Sample(t=9, counters={(): 1.0}, idle_while_busy_j=12.0, idle_while_busy_s=0.5, frontend_busy_s=8.0)
+    r = EnergyReading(energy_j=500.0, source="measured")
+    starvation_over([Sample(t=0, counters={(): 0.0}), end], r)  # metrics read at the start, no series yet
+    assert (r.idle_while_busy_j, r.idle_while_busy_s, r.frontend_busy_s) == (12.0, 0.5, 8.0)
+    failed = EnergyReading(energy_j=500.0, source="measured")
+    starvation_over([Sample(t=0, counters=None), end], failed)  # the first read failed: unknown, not 0
+    assert failed.idle_while_busy_j is None
+
+
 def test_worker_books_idle_while_the_api_server_holds_requests_and_not_after(monkeypatch, tmp_path):
     import time
     from types import SimpleNamespace
