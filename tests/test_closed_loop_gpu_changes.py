@@ -142,18 +142,3 @@ def test_a_search_after_the_batch_mix_changed_starts_at_the_clock_held_before():
     new = list(tuner.records)[n0:]
     assert [r.event for r in new][0] == "reprobe"
     assert next(r.sm_clock_mhz for r in new if r.event == "probe") == held
-
-
-def test_a_knee_drifting_up_while_another_job_comes_and_goes_keeps_the_budget():
-    # The knee rises 780 -> 1300 MHz over 300 s while another job slows the GPU 30 % for 5 s of
-    # every 20 s. A re-check that fails with its point estimate in the upper half of its margin
-    # band is taken as a real failure (the knee passed the held clock): the search goes one step
-    # up rather than re-probing the held clock, whose probe ran a whole window just over the
-    # budget before it was rejected (98.5-99.4 % in budget on these seeds before).
-    for seed in (0, 2, 3, 9):
-        tuner = DecodeClockTuner(_loop_settings(), H200.sm_clocks_mhz)
-        d = SharedGpu(tuner, noise=0.01, seed=seed)
-        while len(d.log) < 30_000:
-            d.knee = 780.0 + 520.0 * min(1.0, d.t / 300.0)
-            d.run(50)
-        assert sum(s <= 0.01 for s, _ in d.log) / len(d.log) >= 0.995, seed

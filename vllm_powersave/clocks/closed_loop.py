@@ -1195,13 +1195,11 @@ class DecodeClockTuner:
         self.n_backoffs += 1
         b.check_every = 0  # the GPU changed: scheduled re-checks every ref_every_steps again
         b.lowering_from = None
-        # Over the target on the point estimate plus half the test's margin: the search starts
-        # above the held clock. Within it by more, failed only on the margin of a short window (a
-        # suspicion's last steps): the held clock is probed again first, by the sequential test
-        # against the fresh reference, so that noise alone never ratchets a bucket upward. The
-        # half margin catches a knee that drifted just past the held clock, whose re-probe ran a
-        # whole window just over the budget (docs/closed-loop.md, step 4).
-        unproven = test is not None and test.ratio + self._margin0 + 0.5 * test.margin <= b.target
+        # Over the target on the point estimate: the search starts above the held clock. Within
+        # it, and failed only on the margin of a short window (a suspicion's last steps): the
+        # held clock is probed again first, by the sequential test against the fresh reference,
+        # so that noise alone never ratchets a bucket upward.
+        unproven = test is not None and test.ratio + self._margin0 <= b.target
         b.floor = min(len(self.cands), b.held + (0 if unproven else 1))
         self._emit(
             now_s,
