@@ -51,6 +51,10 @@ def test_a_lagging_client_is_named_first_and_the_api_server_fix_loses_its_estima
     # A client that kept up changes nothing.
     calm = advise(facts_from_result({**r, "client_bottleneck": False}))
     assert calm[0].key == "api_servers" and "client" not in [x.key for x in calm]
+    # Lag from other processes taking the CPU: the API-server advice says the host is short of cores.
+    shared = advise(facts_from_result({**r, "client_bottleneck": False, "client_cpu_contended": True}))
+    assert shared[0].key == "api_servers" and "more cores first" in shared[0].action
+    assert "more cores" not in calm[0].action
 
 
 def test_no_starvation_no_api_server_advice():

@@ -41,7 +41,7 @@ MIN_STEADY_SHARE = 0.5
 
 
 #: A run's own load-generator check (loadtests), taken from the last --result only.
-CLIENT_KEYS = ("client_bottleneck", "client_loop_lag_p99_ms", "client_loop_lag_max_ms")
+CLIENT_KEYS = ("client_bottleneck", "client_loop_lag_p99_ms", "client_loop_lag_max_ms", "client_cpu_contended")
 #: Every loadtests result has these (loadtests/runner.py); a file with neither is something else
 #: (a comparison.json, a settings file) and its figures would be read as absent, not refused.
 RESULT_KEYS = ("completed", "output_throughput")
@@ -90,7 +90,7 @@ def load_result(path: str) -> dict[str, Any]:
     v = data.get("client_bottleneck")
     if v is not None and not isinstance(v, bool):
         raise AdviseError(f"--result = {path!r}: client_bottleneck = {v!r}: not true/false")
-    for k in CLIENT_KEYS[1:]:  # the lag figures
+    for k in CLIENT_KEYS[1:3]:  # the lag figures
         v = data.get(k)
         if v is not None and (_num(v) is None or v < 0):
             raise AdviseError(f"--result = {path!r}: {k} = {v!r}: not a number >= 0")
@@ -244,11 +244,15 @@ def advise(facts: dict[str, Any]) -> list[Recommendation]:
                     iwb_j / e,
                 )
             )
+        # Lag from other processes taking the CPU (loadtests/looplag.py): this host is short of
+        # cores, and more API servers are more processes on it.
+        contended = facts.get("client_cpu_contended") is True
         out.append(
             Recommendation(
                 "api_servers",
                 f"Run more API servers: --api-server-count {suggested_api_servers(n)}"
-                + (" (only if the idle-while-busy time stays with an unhurried client)" if client else ""),
+                + (" (only if the idle-while-busy time stays with an unhurried client)" if client else "")
+                + (" (the client waited for a CPU in this run: give the server more cores first)" if contended else ""),
                 f"{seen} (the engine waited on the front end; H200, 1 -> 4 API servers: -8.6 % J/token, +54 % throughput, measured)",
                 src,
                 "predicted",

@@ -22,7 +22,7 @@ SUMMARY_KEYS = tuple(
     "median_e2el_ms gpu_energy_j gpu_avg_power_w gpu_energy_per_output_token_j output_tokens_per_joule total_tokens_per_joule "
     "energy_source energy_window_s energy_window_edge_s energy_note steady_state_duration_s steady_state_output_tokens_per_joule "
     # the harness's own client check, kept so that its threshold can be judged against GPU runs
-    "client_loop_lag_p99_ms client_bottleneck_threshold_ms client_bottleneck".split()
+    "client_loop_lag_p99_ms client_bottleneck_threshold_ms client_bottleneck client_cpu_contended".split()
 )
 #: A sample counts as low power below the server's idle power plus this (a cross-check of the idle share).
 LOW_POWER_MARGIN_W = 15.0
