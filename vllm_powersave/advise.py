@@ -210,6 +210,16 @@ def _num(v: Any) -> float | None:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
 
 
+def _api_server_caveat(facts: dict[str, Any], client: bool) -> str:
+    """What the API-server advice rests on in this run: a lagging client, or lag from other
+    processes taking the CPU (loadtests/looplag.py), where more API servers are more processes on
+    a host already short of cores."""
+    out = " (only if the idle-while-busy time stays with an unhurried client)" if client else ""
+    if facts.get("client_cpu_contended") is True:
+        out += " (the client waited for a CPU in this run: give the server more cores first)"
+    return out
+
+
 def advise(facts: dict[str, Any]) -> list[Recommendation]:
     """Ranked recommendations from merged facts (result first, metrics filling gaps)."""
     out: list[Recommendation] = []
@@ -244,15 +254,10 @@ def advise(facts: dict[str, Any]) -> list[Recommendation]:
                     iwb_j / e,
                 )
             )
-        # Lag from other processes taking the CPU (loadtests/looplag.py): this host is short of
-        # cores, and more API servers are more processes on it.
-        contended = facts.get("client_cpu_contended") is True
         out.append(
             Recommendation(
                 "api_servers",
-                f"Run more API servers: --api-server-count {suggested_api_servers(n)}"
-                + (" (only if the idle-while-busy time stays with an unhurried client)" if client else "")
-                + (" (the client waited for a CPU in this run: give the server more cores first)" if contended else ""),
+                f"Run more API servers: --api-server-count {suggested_api_servers(n)}" + _api_server_caveat(facts, client),
                 f"{seen} (the engine waited on the front end; H200, 1 -> 4 API servers: -8.6 % J/token, +54 % throughput, measured)",
                 src,
                 "predicted",
