@@ -25,6 +25,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from benchmarks.lib.device import write_record
 from benchmarks.lib.stats import mean_ci
 
 ARMS = ("stock", "defaults")
@@ -371,11 +372,9 @@ def fmt(x: Any, nd: int = 3) -> str:
 
 def write(path: Path, rec: dict, md: list[str], keep_from: str | None = None) -> None:
     """The record ``path`` (JSON) and its Markdown twin beside it; the twin's hand-written part,
-    from the heading ``keep_from`` on, survives a rebuild."""
-    path.write_text(json.dumps(rec, indent=1))
-    twin = path.with_suffix(".md")
-    kept = "".join(twin.read_text().partition(keep_from)[1:]) if keep_from and twin.exists() else ""
-    twin.write_text("\n".join(md) + "\n" + ("\n" + kept if kept else ""))
+    from the heading ``keep_from`` on, survives a rebuild (:func:`benchmarks.lib.device.write_record`)."""
+    text = "\n".join(md) + "\n"
+    write_record(path.parent, path.stem, rec, text + "\n" if keep_from else text, keep_from)
 
 
 def defaults_record(raws: list[dict]) -> dict:
