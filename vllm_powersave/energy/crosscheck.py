@@ -14,7 +14,7 @@ requests' finishes trigger fall at step ends, where power dips, and biased the i
 the counter read 1.127 x it on an H100 (docs/results/h200-request-energy.md).
 
 The bound: 5 %, six times the worst disagreement measured on the H200 (0.8 %), because the
-power readings here are the ticks' (every 0.25 s, and at request finishes), not the 190 Hz of that
+power readings here are the periodic ticks' (every 0.25 s), not the 190 Hz of that
 measurement, and instant power swings with each kernel under a batch (16 ms ticks read 0 to
 1,270 W on the H200, docs/results/h200-request-energy.md). Over 30 s the sampling error of ~120
 readings of such a swing is a few per cent at most; the window is 30 s so that a short burst's
@@ -69,6 +69,8 @@ class EnergyCrossCheck:
         self._readings = 0
 
     def add(self, t: float, counter_j: float, power_w: float | None) -> None:
+        if self._last is not None and t == self._last[0] and power_w is not None:
+            return  # the same read handed on again (no newer one since): nothing to add
         broken = power_w is None or self._last is None or self._start is None or t < self._last[0]
         if broken or t - self._last[0] > self.window_min_s:  # type: ignore[index]
             # A fault, a clock going back or a gap longer than a window: the integral starts

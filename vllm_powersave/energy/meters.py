@@ -320,7 +320,6 @@ class NvmlEnergyMeter(EnergyMeter):
         self._crosscheck = EnergyCrossCheck(self.gpu_id, clock=clock)
         # The last read (time, J returned, W read with it), which crosscheck_sample hands on.
         self._last_read: tuple[float, float, float | None] | None = None
-        self._t_crosschecked = -math.inf
 
     # -- internals ---------------------------------------------------------------------------
     def _read_power(self) -> float | None:
@@ -552,11 +551,8 @@ class NvmlEnergyMeter(EnergyMeter):
         trigger land at step ends, where power under a batch dips, and an integral of those alone
         read 1.127 x low on an H100 over 30 s (docs/results/h200-request-energy.md)."""
         with self._lock:
-            if not self.interpolate or self._last_read is None or self._last_read[0] <= self._t_crosschecked:
-                return
-            t, j, p = self._last_read
-            self._t_crosschecked = t
-            self._crosscheck.add(t, j, p)
+            if self.interpolate and self._last_read is not None:
+                self._crosscheck.add(*self._last_read)  # a read handed on twice counts once (EnergyCrossCheck.add)
 
     @property
     def counter_period_s(self) -> float:
