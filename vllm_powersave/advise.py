@@ -41,7 +41,8 @@ MIN_STEADY_SHARE = 0.5
 
 
 #: A run's own load-generator check (loadtests), taken from the last --result only.
-CLIENT_KEYS = ("client_bottleneck", "client_loop_lag_p99_ms", "client_loop_lag_max_ms", "client_cpu_contended")
+LAG_KEYS = ("client_loop_lag_p99_ms", "client_loop_lag_max_ms")
+CLIENT_KEYS = ("client_bottleneck", *LAG_KEYS, "client_cpu_contended")
 #: Every loadtests result has these (loadtests/runner.py); a file with neither is something else
 #: (a comparison.json, a settings file) and its figures would be read as absent, not refused.
 RESULT_KEYS = ("completed", "output_throughput")
@@ -90,7 +91,7 @@ def load_result(path: str) -> dict[str, Any]:
     v = data.get("client_bottleneck")
     if v is not None and not isinstance(v, bool):
         raise AdviseError(f"--result = {path!r}: client_bottleneck = {v!r}: not true/false")
-    for k in CLIENT_KEYS[1:3]:  # the lag figures
+    for k in LAG_KEYS:
         v = data.get(k)
         if v is not None and (_num(v) is None or v < 0):
             raise AdviseError(f"--result = {path!r}: {k} = {v!r}: not a number >= 0")
