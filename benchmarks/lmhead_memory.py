@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.lib.device import utc_now  # noqa: E402
+from benchmarks.lib.device import require_dry_run, utc_now  # noqa: E402
 from vllm_powersave.chunking.apply import apply_chunked, chunked_logprobs  # noqa: E402
 from vllm_powersave.chunking.measure import LiveTensorBytes  # noqa: E402
 
@@ -103,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, help="write the rows and the run's facts as JSON")
     a = ap.parse_args(argv)
     device = torch.device(a.device)
+    if device.type == "cuda":
+        require_dry_run()  # on a lent GPU, as every device script: nothing the plugin imports may set a clock
     rows = measure(a.rows, a.vocab, a.hidden, a.chunks, getattr(torch, a.dtype), device, a.logprobs)
     how = "torch.cuda.max_memory_allocated" if device.type == "cuda" else "live tensor bytes (chunking/measure.py LiveTensorBytes)"
     print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else platform.processor() or 'cpu'}), "
