@@ -19,6 +19,7 @@ from typing import Any
 
 from benchmarks import h200_defaults_record as defaults_record
 from benchmarks.lib import stats
+from benchmarks.lib.device import write_record
 
 #: Record name of each load point of the raw files, with its kind and closed-loop concurrency.
 LOADS = {
@@ -382,11 +383,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     if ns.merge and (old := out / "h200-under-load.json").exists():
         rec = merge(json.loads(old.read_text()), rec)
-    (out / "h200-under-load.json").write_text(json.dumps(rec, indent=1) + "\n")
     png = "h200-under-load.png" if plot(rec, out / "h200-under-load.png") else None
-    twin = out / "h200-under-load.md"
-    kept = "".join(twin.read_text().partition(KEEP_FROM)[1:]) if twin.exists() else ""  # the hand-written reading
-    twin.write_text(markdown(rec, png) + ("\n" + kept if kept else ""))
+    write_record(out, "h200-under-load", rec, markdown(rec, png) + "\n", keep_from=KEEP_FROM)  # keeps the hand-written reading
     print(markdown(rec, png))
     return 0
 
