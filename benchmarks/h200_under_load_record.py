@@ -123,7 +123,7 @@ def build(raws: list[dict], rate_raws: list[dict] | None = None) -> dict:
                 )
     dev = next((r.get("device") for r in raws if r.get("device")), {})
     main_loads = [load_entry(k[0], ps) for k, ps in by_point.items() if k[1:] == ("stock", "defaults")]
-    rate_loads = rate_entries(rate_raws or [])
+    rate_loads, rate_ablations = rate_loads_and_ablations(rate_raws or [])
     measured_rates = {f"rate {e['rate']:g} req/s" for e in rate_loads}
     return {
         "name": "h200-under-load",
@@ -145,9 +145,27 @@ def build(raws: list[dict], rate_raws: list[dict] | None = None) -> dict:
             for r in [*raws, *(rate_raws or [])]
         ],
         "loads": main_loads + rate_loads,
-        "ablations": [load_entry(k[0], ps) for k, ps in by_point.items() if k[1:] != ("stock", "defaults")],
+        "ablations": [load_entry(k[0], ps) for k, ps in by_point.items() if k[1:] != ("stock", "defaults")] + rate_ablations,
         "not_yet_measured": [x for x in PLANNED if x not in measured_rates],
     }
+
+
+def rate_loads_and_ablations(rate_raws: list[dict]) -> tuple[list[dict], list[dict]]:
+    """Rate ``loads`` from the files whose defaults arm ran the product's defaults, and rate
+    ``ablations`` (one entry per rate and ``--defaults-settings`` object) from the files whose
+    defaults arm ran with settings on top: an ablation is never averaged into a load."""
+    groups: dict[str, list[dict]] = {}
+    for raw in rate_raws:
+        settings = (raw.get("method") or {}).get("defaults_settings") or {}
+        groups.setdefault(json.dumps(settings, sort_keys=True) if settings else "", []).append(raw)
+    loads = rate_entries(groups.pop("", []))
+    ablations = []
+    for key, raws in groups.items():
+        settings = json.loads(key)
+        slug = ",".join(f"{k}={v}" for k, v in sorted(settings.items()))
+        for e in rate_entries(raws):
+            ablations.append({**e, "name": f"{e['name']}-{slug}", "reference": "stock", "variant": "defaults", "settings": settings})
+    return loads, ablations
 
 
 def rate_entries(rate_raws: list[dict]) -> list[dict]:

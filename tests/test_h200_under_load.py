@@ -199,3 +199,18 @@ def test_a_pair_across_two_gpus_is_refused_and_a_rates_only_record_merges_and_pr
     assert r["loads"][0]["device"] is None and "None" not in rec.markdown(r, None)
     merged = rec.merge(r, rec.build([], nameless))
     assert "rate-0.5" in rec.markdown(merged, None)
+
+
+def test_a_rate_run_with_defaults_settings_is_an_ablation_not_averaged_into_the_rate_load():
+    plain, boost_on = {"defaults_observe": "none"}, {"defaults_observe": "none", "defaults_settings": {"cuda_perf_boost": "on"}}
+    raws = [
+        {"_file": "defaults-A.json", "gpu": 0, "lease": "L1", "method": plain, "servers": [_server("stock", 0, 1.0), _server("defaults", 1, 1.25)]},
+        {"_file": "defaults-B.json", "gpu": 0, "lease": "L1", "method": boost_on, "servers": [_server("stock", 0, 1.0), _server("defaults", 1, 0.5)]},
+    ]  # fmt: skip
+    r = rec.build([], raws)
+    (load,) = [e for e in r["loads"] if e["name"] == "rate-0.5"]
+    assert load["pairs"] == 1 and load["j_per_out_token_ratio"]["mean"] == pytest.approx(0.8)
+    (abl,) = r["ablations"]
+    assert abl["name"] == "rate-0.5-cuda_perf_boost=on" and abl["settings"] == {"cuda_perf_boost": "on"}
+    assert abl["pairs"] == 1 and abl["j_per_out_token_ratio"]["mean"] == pytest.approx(2.0)
+    assert "rate-0.5-cuda_perf_boost=on" in rec.markdown(r, None) and '{"cuda_perf_boost": "on"}' in rec.markdown(r, None)
