@@ -69,7 +69,7 @@ METHOD_OPTIONS = ("sat_concurrency", "window_s", "idle_s", "settle_s", "gap_s", 
 #: --defaults-observe items: the plugin settings they turn on.
 OBSERVE = {"trace": "trace_steps", "reqenergy": "per_request_energy"}
 #: Arms of --order; segments of --segments / --segments-last.
-ARMS = ("stock", "defaults", "fix")
+ARMS = ("stock", "defaults", "fix", "ablation")
 SEGMENTS = ("idle", "sweep", "reqenergy", "bursts", "release", "starvation")
 #: Bursts segment: the null request's prompt tokens, and the first burst's seed (one per burst).
 NULL_PROMPT_TOKENS, BURST_SEED = 8, 1000
@@ -461,7 +461,7 @@ def server_segments(ns: argparse.Namespace, order: list[str], pos: int) -> list[
     segs = [x for x in ns.segments.split(",") if x]
     if arm == "defaults" and pos == max(i for i, a in enumerate(order) if a == "defaults"):
         segs += [x for x in ns.segments_last.split(",") if x and x not in segs]
-    return [x for x in segs if x in ("idle", "sweep")] if arm == "stock" else segs
+    return [x for x in segs if x in ("idle", "sweep")] if arm in ("stock", "ablation") else segs
 
 
 def plan(ns: argparse.Namespace, order: list[str]) -> list[dict]:
@@ -502,6 +502,27 @@ def defaults_settings(text: str) -> dict:
     return obj
 
 
+def ablation_arm(ns: argparse.Namespace) -> str:
+    """The arm that runs with --defaults-settings: ``ablation`` where the order has one (the
+    defaults arm then runs the product's defaults beside it, on the same machine), else ``defaults``."""
+    return "ablation" if "ablation" in (a.strip() for a in ns.order.split(",")) else "defaults"
+
+
+def check_args(ns: argparse.Namespace, order: list[str]) -> str | None:
+    """One line naming the option and value that cannot run, or None."""
+    if bad := [a for a in order if a not in ARMS]:
+        return f"--order: unknown arm {bad[0]!r} ({', '.join(ARMS)})"
+    if "ablation" in order and not ns.defaults_settings:
+        return "--order: the ablation arm needs --defaults-settings (the settings it runs with)"
+    if bad := [x for x in (ns.segments + "," + ns.segments_last).split(",") if x and x not in SEGMENTS]:
+        return f"--segments: unknown segment {bad[0]!r} ({', '.join(SEGMENTS)})"
+    try:
+        reqe_shapes(ns)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 def left_s(ns: argparse.Namespace) -> float:
     """What is left of --budget-s (s since the script started)."""
     return ns.budget_s - (time.monotonic() - T0)
@@ -519,7 +540,7 @@ def launch(ns: argparse.Namespace, s: Server, srv: dict, advised_fix: str | None
     if ns.defaults_observe != "none":  # observation only: no saving setting, --additional-config stays empty
         settings.update(stats_dir=str(s.stats_dir), **{OBSERVE[x]: True for x in ns.defaults_observe.split(",") if x in OBSERVE})
         s.stats_dir.mkdir(parents=True, exist_ok=True)
-    if ns.defaults_settings and srv["arm"] == "defaults":  # an ablation of the defaults arm only (fix keeps its flags alone)
+    if ns.defaults_settings and srv["arm"] == ablation_arm(ns):  # fix keeps its flags alone
         srv["ablation_settings"] = dict(ns.defaults_settings)
         settings.update(ns.defaults_settings)
     if settings:
@@ -664,7 +685,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     plain.update(tok_dir="/tmp/model_cfg", stats_root="/tmp/powersave-defaults", out=os.environ.get("OUT", "/tmp/out"))
     for name, default in plain.items():
         ap.add_argument("--" + name.replace("_", "-"), type=type(default), default=default)
-    ap.add_argument("--order", default="stock,defaults", help="arms in server order: stock, defaults, fix")
+    ap.add_argument(
+        "--order", default="stock,defaults", help="arms in server order: stock, defaults, fix, ablation (defaults + --defaults-settings)"
+    )
     ap.add_argument("--gpu", type=int, default=0, help="NVML / CUDA index (PCI bus order)")
     ap.add_argument("--model-dir", default=None, help="use this model directory instead of building one from --shape")
     ap.add_argument("--rates", default="0.2,1,4,sat", help="Poisson request rates (req/s); 'sat' = closed loop at --sat-concurrency")
@@ -725,16 +748,8 @@ def main(argv: list[str] | None = None) -> int:
     if ns.plugin_site:
         sys.path[:0] = [ns.plugin_site]
     order = [a.strip() for a in ns.order.split(",") if a.strip()]
-    if bad := [a for a in order if a not in ARMS]:
-        print(f"error: --order: unknown arm {bad[0]!r} ({', '.join(ARMS)})", file=sys.stderr)
-        return 2
-    if bad := [x for x in (ns.segments + "," + ns.segments_last).split(",") if x and x not in SEGMENTS]:
-        print(f"error: --segments: unknown segment {bad[0]!r} ({', '.join(SEGMENTS)})", file=sys.stderr)
-        return 2
-    try:
-        reqe_shapes(ns)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    if err := check_args(ns, order):
+        print(f"error: {err}", file=sys.stderr)
         return 2
     pl = plan(ns, order)
     total = sum(x["total_s"] for x in pl)
@@ -764,8 +779,12 @@ def main(argv: list[str] | None = None) -> int:
     method.update(serve_args=ns.serve_args, defaults_observe=ns.defaults_observe, defaults_settings=ns.defaults_settings)
     method["stock"] = "PYTHONPATH without the plugin (--stock-site), else VLLM_PLUGINS= (empty)"
     method["defaults"] = "--plugin powersave; observation settings via $POWERSAVE_CONFIG" + (
-        f", and for this ablation {json.dumps(ns.defaults_settings)}" if ns.defaults_settings else " only"
+        f", and for this ablation {json.dumps(ns.defaults_settings)}"
+        if ns.defaults_settings and ablation_arm(ns) == "defaults"
+        else " only"
     )
+    if ablation_arm(ns) == "ablation":
+        method["ablation"] = f"the defaults arm's set-up plus {json.dumps(ns.defaults_settings)}; segments as stock's (idle, sweep)"
     method["energy"] = f"loadtests energy={ns.energy} per load window (counter); sampler: " + sampler.note
     method["gpu_idle_share"] = "share of 10 Hz samples with NVML utilisation 0 % inside the load window"
     method["clocks"] = "never changed (POWERSAVE_FORCE_DRY_RUN=1)"

@@ -155,7 +155,7 @@ def rate_loads_and_ablations(rate_raws: list[dict]) -> tuple[list[dict], list[di
     ``ablations`` (one entry per rate and ``--defaults-settings`` object) from the files whose
     defaults arm ran with settings on top: an ablation is never averaged into a load."""
     groups: dict[str, list[dict]] = {}
-    for raw in rate_raws:
+    for raw in (part for r in rate_raws for part in split_ablation_arm(r)):
         settings = (raw.get("method") or {}).get("defaults_settings") or {}
         groups.setdefault(json.dumps(settings, sort_keys=True) if settings else "", []).append(raw)
     loads = rate_entries(groups.pop("", []))
@@ -166,6 +166,20 @@ def rate_loads_and_ablations(rate_raws: list[dict]) -> tuple[list[dict], list[di
         for e in rate_entries(raws):
             ablations.append({**e, "name": f"{e['name']}-{slug}", "reference": "stock", "variant": "defaults", "settings": settings})
     return loads, ablations
+
+
+def split_ablation_arm(raw: dict) -> list[dict]:
+    """A file whose order ran an ``ablation`` arm beside plain ``defaults`` servers, as two files:
+    stock with the product's defaults, and stock with the ablation (its servers named defaults,
+    its settings as the file's ``defaults_settings``). Each pairs its servers with adjacent stock
+    ones; other files are returned as they are."""
+    servers = raw.get("servers") or []
+    if not any(s.get("arm") == "ablation" for s in servers):
+        return [raw]
+    method = raw.get("method") or {}
+    plain = {**raw, "method": {**method, "defaults_settings": {}}, "servers": [s for s in servers if s.get("arm") != "ablation"]}
+    abl_servers = [{**s, "arm": "defaults"} if s.get("arm") == "ablation" else s for s in servers if s.get("arm") != "defaults"]
+    return [plain, {**raw, "_file": f"{raw['_file']}#ablation", "servers": abl_servers}]
 
 
 def rate_entries(rate_raws: list[dict]) -> list[dict]:

@@ -314,3 +314,21 @@ def test_an_ablation_runs_the_defaults_arm_with_its_settings_and_refuses_a_bad_o
     for bad, why in (('{"cuda_perf_boost": "sometimes"}', "cuda_perf_boost"), ("[1]", "not a JSON object")):
         with pytest.raises(argparse.ArgumentTypeError, match=why):
             job.defaults_settings(bad)
+
+
+def test_an_ablation_arm_runs_beside_plain_defaults_in_one_order_and_needs_its_settings(tmp_path, monkeypatch, capsys):
+    from benchmarks import h200_defaults as job
+
+    args = ["--order", "stock,defaults,ablation,stock", "--defaults-settings", '{"cuda_perf_boost": "on"}', "--defaults-observe", "none"]
+    ns = job.parse_args([*args, "--gpu", "0"])
+    s = job.Server(ns, None, 0, "x", tmp_path, tmp_path / "stats")
+    plain, abl = {"arm": "defaults"}, {"arm": "ablation"}
+    assert "POWERSAVE_CONFIG" not in job.launch(ns, s, plain, None)[2]  # the product's defaults, untouched
+    _, extra, env = job.launch(ns, s, abl, None)
+    assert json.loads(Path(env["POWERSAVE_CONFIG"]).read_text()) == {"powersave": {"cuda_perf_boost": "on"}}
+    assert extra == ["--plugin", "powersave"] and abl["ablation_settings"] == {"cuda_perf_boost": "on"}
+    ns.segments = "idle,sweep,reqenergy"
+    assert job.server_segments(ns, ns.order.split(","), 2) == ["idle", "sweep"]  # measured like stock
+    monkeypatch.setenv("POWERSAVE_FORCE_DRY_RUN", "1")
+    assert job.main(["--order", "stock,ablation", "--plan-only"]) == 2
+    assert "ablation arm needs --defaults-settings" in capsys.readouterr().err

@@ -214,3 +214,19 @@ def test_a_rate_run_with_defaults_settings_is_an_ablation_not_averaged_into_the_
     assert abl["name"] == "rate-0.5-cuda_perf_boost=on" and abl["settings"] == {"cuda_perf_boost": "on"}
     assert abl["pairs"] == 1 and abl["j_per_out_token_ratio"]["mean"] == pytest.approx(2.0)
     assert "rate-0.5-cuda_perf_boost=on" in rec.markdown(r, None) and '{"cuda_perf_boost": "on"}' in rec.markdown(r, None)
+
+
+def test_an_ablation_arm_in_one_order_splits_into_the_rate_load_and_its_ablation():
+    method = {"defaults_observe": "none", "defaults_settings": {"cuda_perf_boost": "on"}}
+    servers = [
+        _server("stock", 0, 1.0),
+        _server("defaults", 1, 1.25),
+        {**_server("defaults", 2, 0.5), "arm": "ablation"},
+        _server("stock", 3, 1.0),
+    ]
+    r = rec.build([], [{"_file": "defaults-A.json", "gpu": 0, "lease": "L1", "method": method, "servers": servers}])
+    (load,) = r["loads"]
+    assert load["pairs"] == 1 and load["j_per_out_token_ratio"]["mean"] == pytest.approx(0.8)
+    (abl,) = r["ablations"]
+    assert abl["name"] == "rate-0.5-cuda_perf_boost=on" and abl["j_per_out_token_ratio"]["mean"] == pytest.approx(2.0)
+    assert abl["pair_list"][0]["order"] == ["stock", "defaults"] and [x["lease"] for x in r["runs"]] == ["L1"]
