@@ -170,15 +170,20 @@ def rate_loads_and_ablations(rate_raws: list[dict]) -> tuple[list[dict], list[di
 
 def split_ablation_arm(raw: dict) -> list[dict]:
     """A file whose order ran an ``ablation`` arm beside plain ``defaults`` servers, as two files:
-    stock with the product's defaults, and stock with the ablation (its servers named defaults,
-    its settings as the file's ``defaults_settings``). Each pairs its servers with adjacent stock
-    ones; other files are returned as they are."""
+    the defaults servers with the stock servers run next to them, and the ablation servers (named
+    defaults, their settings as the file's ``defaults_settings``) with theirs, so that each pair
+    stays adjacent in time (S D A S pairs S-D and A-S). Other files are returned as they are."""
     servers = raw.get("servers") or []
     if not any(s.get("arm") == "ablation" for s in servers):
         return [raw]
     method = raw.get("method") or {}
-    plain = {**raw, "method": {**method, "defaults_settings": {}}, "servers": [s for s in servers if s.get("arm") != "ablation"]}
-    abl_servers = [{**s, "arm": "defaults"} if s.get("arm") == "ablation" else s for s in servers if s.get("arm") != "defaults"]
+
+    def beside(arm: str) -> list[dict]:  # the arm's servers and the stock servers run next to one of them
+        near = {j for i, s in enumerate(servers) if s.get("arm") == arm for j in (i - 1, i + 1)}
+        return [s for i, s in enumerate(servers) if s.get("arm") == arm or (s.get("arm") == "stock" and i in near)]
+
+    plain = {**raw, "method": {**method, "defaults_settings": {}}, "servers": beside("defaults")}
+    abl_servers = [{**s, "arm": "defaults"} if s.get("arm") == "ablation" else s for s in beside("ablation")]
     return [plain, {**raw, "_file": f"{raw['_file']}#ablation", "servers": abl_servers}]
 
 

@@ -229,4 +229,4 @@ def test_an_ablation_arm_in_one_order_splits_into_the_rate_load_and_its_ablation
     assert load["pairs"] == 1 and load["j_per_out_token_ratio"]["mean"] == pytest.approx(0.8)
     (abl,) = r["ablations"]
     assert abl["name"] == "rate-0.5-cuda_perf_boost=on" and abl["j_per_out_token_ratio"]["mean"] == pytest.approx(2.0)
-    assert abl["pair_list"][0]["order"] == ["stock", "defaults"] and [x["lease"] for x in r["runs"]] == ["L1"]
+    assert abl["pair_list"][0]["order"] == ["defaults", "stock"] and [x["lease"] for x in r["runs"]] == ["L1"]
