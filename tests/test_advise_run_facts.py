@@ -90,3 +90,26 @@ def test_a_server_fact_of_the_wrong_kind_is_one_line(tmp_path, capsys, field, va
     p.write_text(json.dumps({**json.load(open(RESULT)), field: value}))
     assert main(["advise", "--result", str(p)]) == 2
     assert capsys.readouterr().err == f"error: --result = {str(p)!r}: {line}\n"
+
+
+def _busy_run(**fields) -> dict:
+    # A saturated run: of its 1,920 J idle, the fixture's 1,900 J were starvation (requests in
+    # flight), so 20 J of 22,000 (0.09 %) were quiet idle, which is all auto saves.
+    return {"energy_by_phase_j": {"prefill": 800.0, "decode": 18100.0, "mixed": 1180.0, "idle": 1920.0}, "gpu_energy_j": 22000.0, **fields}
+
+
+def test_advise_recommends_perf_boost_on_to_an_auto_run_that_hardly_idled(tmp_path, capsys):
+    (on,) = [r for r in _advise_json(tmp_path, capsys, **_busy_run(cuda_perf_boost="auto")) if r["key"] == "perf_boost_on"]
+    assert 'cuda_perf_boost: "on"' in on["action"] and on["effect"] == "predicted" and 0 < on["saving_share"] < 0.02
+    assert "h200-under-load.md" in on["measurement"] and "H100" in on["measurement"]
+
+
+@pytest.mark.parametrize("mode", ["on", "off", "auto,on", None])
+def test_perf_boost_on_is_advised_only_to_runs_that_ran_auto(tmp_path, capsys, mode):
+    fields = _busy_run() if mode is None else _busy_run(cuda_perf_boost=mode)
+    assert "perf_boost_on" not in [r["key"] for r in _advise_json(tmp_path, capsys, **fields)]
+
+
+def test_an_auto_run_with_idle_time_keeps_auto(tmp_path, capsys):
+    # The fixture idled 6,000 J of 22,159 (27 %): auto's idle saving is worth more there.
+    assert "perf_boost_on" not in [r["key"] for r in _advise_json(tmp_path, capsys, cuda_perf_boost="auto")]

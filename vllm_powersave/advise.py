@@ -16,6 +16,9 @@ Rules (the figures they rest on):
   ``auto`` cuts idle power by 35 % (119.6 -> 77.4 W, medians) (measured on the H200, docs/results/h200-perf-boost.md), so it
   would save 35 % of that idle energy here (predicted). Never for a server that ran auto or off;
   conditional, without an estimate, where neither /metrics nor the result says which it ran.
+* **Perf boost on**: a server that ran ``auto`` and spent under 1 % of its energy idle: ``on``
+  gained ~0.7 % tokens per joule over ``auto`` at 8 req/s on an H100 (GPU busy ~99 %; measured,
+  docs/results/h200-under-load.md), and auto's idle saving has nothing to save there (predicted).
 * **Batch limit**: most of the run at the batch limit (steady state) with requests waiting:
   raise ``--max-num-seqs`` (no estimate: depends on memory and model).
 * **Clocks**: clock decisions recorded but not applied (dry-run): give the server clock permission
@@ -31,7 +34,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .savings import PERF_BOOST_IDLE_SAVING
+from .savings import PERF_BOOST_IDLE_SAVING, PERF_BOOST_ON_BUSY_GAIN, PERF_BOOST_ON_MAX_IDLE_SHARE
 from .starvation import suggested_api_servers
 
 #: Below these shares of the run's energy a finding is not worth a recommendation.
@@ -265,9 +268,9 @@ def advise(facts: dict[str, Any]) -> list[Recommendation]:
                 None if client else iwb_j / e,
             )
         )
-    boost = _perf_boost(facts, e, iwb_j, src)
-    if boost is not None:
-        out.append(boost)
+    for boost in (_perf_boost(facts, e, iwb_j, src), _perf_boost_on(facts, e, iwb_j, src)):
+        if boost is not None:
+            out.append(boost)
     steady, dur = _num(facts.get("steady_s")), _num(facts.get("duration_s"))
     if steady is not None and dur and steady / dur >= MIN_STEADY_SHARE and (facts.get("waiting") or 0) > 0:
         out.append(
@@ -323,6 +326,29 @@ def _perf_boost(facts: dict[str, Any], e: float | None, iwb_j: float | None, src
         src,
         "predicted",
         PERF_BOOST_IDLE_SAVING * quiet / e if modes else None,
+    )
+
+
+def _perf_boost_on(facts: dict[str, Any], e: float | None, iwb_j: float | None, src: str) -> Recommendation | None:
+    """``cuda_perf_boost: "on"`` for a server that ran auto on every GPU and hardly idled: auto's
+    saving is idle power, and where the GPU is busy nearly all the time its arrangement (an
+    unboosted engine beside a boosting side context) cost a little more than CUDA's own boost."""
+    idle_j = _num((facts.get("energy_by_phase_j") or {}).get("idle"))
+    mode = facts.get("cuda_perf_boost")
+    if not e or idle_j is None or not isinstance(mode, str) or set(mode.split(",")) != {"auto"}:
+        return None
+    quiet = idle_j - (iwb_j or 0.0)
+    if quiet / e >= PERF_BOOST_ON_MAX_IDLE_SHARE:
+        return None
+    return Recommendation(
+        "perf_boost_on",
+        'If the server stays this busy, set cuda_perf_boost: "on" (auto saves idle power, and there was almost none)',
+        f"idle energy {max(quiet, 0.0):.0f} J, {100 * max(quiet, 0.0) / e:.2f} % of the run's energy; at 8 req/s on an H100 "
+        f"(GPU busy ~99 %) on gave ~{100 * PERF_BOOST_ON_BUSY_GAIN:.1f} % more tokens per joule than auto, 3 adjacent "
+        "comparisons (measured, docs/results/h200-under-load.md); none at 2 req/s",
+        src,
+        "predicted",
+        PERF_BOOST_ON_BUSY_GAIN,
     )
 
 

@@ -21,6 +21,13 @@ from typing import Any
 #: 77.4 W over 5 adjacent pairs (docs/results/h200-perf-boost.md).
 PERF_BOOST_IDLE_SAVING = 1 - 77.4 / 119.6
 PERF_BOOST_BASIS = "idle power, measured -35 % on H200"
+#: What cuda_perf_boost "on" gained over "auto" in tokens per joule where the GPU hardly idled:
+#: 8 req/s on an H100 (GPU busy ~99 %), 3 adjacent auto/on comparisons, -0.5 to -1.0 % each for
+#: auto; none at 2 req/s (docs/results/h200-under-load.md, ablations). Auto's side context
+#: holds the boost there, so what it costs is the arrangement, not a missing boost.
+PERF_BOOST_ON_BUSY_GAIN = 0.007
+#: Below this share of a run's energy spent idle, auto's idle saving has (almost) nothing to save.
+PERF_BOOST_ON_MAX_IDLE_SHARE = 0.01
 
 
 #: Features (``vllm_compat.FEATURES``) without which the clock controller never acts: the runners'

@@ -381,7 +381,9 @@ class PowersaveSettings(_Strict):
     #: record above has no memory figure); a CUDA context on Hopper is commonly 0.3-0.6 GiB, so
     #: budget ~0.5 GiB (estimate). Where the helper cannot start (no memory left for a context, no
     #: driver) the engine serves unboosted, with one warning, and ``/metrics`` says so
-    #: (``powersave_saving_state{saving="perf_boost",state="failed"}``).
+    #: (``powersave_saving_state{saving="perf_boost",state="failed"}``). On a GPU that is busy
+    #: nearly all the time "on" is the better choice: at 8 req/s on an H100 (busy ~99 %) it gave
+    #: ~0.7 % more tokens per joule than "auto" (docs/results/h200-under-load.md); ``advise`` says so.
     cuda_perf_boost: Literal["on", "off", "auto"] = "auto"
     #: "auto" only: seconds without an engine step before the side context is released (s).
     #: At least 0.25 s: one hold plus one release takes ~0.24 s on the H200 (171 + 71 ms), so a
