@@ -28,7 +28,8 @@ This tuner measures instead, while serving, the way VoltanaLLM (arXiv:2509.04827
    follows decides: passes (the GPU, not the clock, changed: a co-tenant, thermals) -> the clock
    is held again; fails -> a search above it, starting one ``resolution_mhz`` higher (at the
    held clock itself where only a short window's margin failed). A second CUSUM, of held steps
-   faster than the fit, finds the fit stale (the GPU sped up) and re-checks at once.
+   faster than the fit, finds the fit stale (the GPU sped up) and measures the default clock
+   again at once (a refresh: nothing is tested, the first CUSUM then watches on the fresh fit).
    Reference windows that straddle a GPU change are measured again, and a fit takes its level
    from a fresh window whose level moved, so one fit never spans two GPU states
    (docs/closed-loop.md, "When the whole GPU changes speed").
@@ -1002,9 +1003,10 @@ class DecodeClockTuner:
         if self._fit_stale(b, r):
             # Held steps faster than the default clock's fit: the GPU sped up (a tenant left), so the
             # fit is stale and the CUSUM above would be blind by as much; measure the default again.
-            n = max(s.backoff_steps, b.fast_n)
-            self._start_check(b, list(b.window)[-n:])
-            b.check_scheduled = True
+            # Nothing is tested: the few steps since the change failed the one test on their margin
+            # alone, and each tenant's departure probed the held clock again (co-tenant scenario,
+            # docs/results/sim-closed-loop-adversarial.md); the CUSUM watches it on the fresh fit.
+            self._start_check(b, [])
             return
         if b.since_check >= (b.check_every or s.ref_every_steps) or (s.rebaseline_s and now_s - b.t_baselined > s.rebaseline_s):
             self._start_check(b, list(b.window))  # scheduled: the default clock measured again, then the same test
