@@ -166,3 +166,49 @@ def test_a_tenant_leaving_remeasures_the_default_clock_without_a_backoff():
         events = [r.event for r in list(tuner.records)[n0:]]
         assert "backoff" not in events and "probe" not in events, (seed, events)
         assert d.clock == held
+
+
+def test_held_steps_of_the_gpu_state_before_a_change_are_judged_against_it():
+    # A re-check (no suspicion raised) whose reference window is measured just after the other
+    # job left: its held steps ran under the tenant, so against the fresh window alone they look
+    # 30 % slow; judged against the fit they were watched against, the clock is held on.
+    for seed in (1, 2, 3):
+        tuner, d = _held_under_a_tenant(seed)
+        held = d.clock
+        n0 = len(tuner.records)
+        while tuner.snapshot()["buckets"][64]["state"] != "check":
+            d.run(1)
+        assert all(r.event != "violation" for r in list(tuner.records)[n0:])  # a scheduled re-check
+        d.busy_s = 0.0
+        d.run(300)
+        events = [r.event for r in list(tuner.records)[n0:]]
+        assert "backoff" not in events, (seed, events)
+        assert d.clock == held
+
+
+def _fits_around_a_tenant_arriving(seed):
+    """The bucket's default-clock fit while holding alone, and after another job arrived and the
+    re-check it brought was done (the context moved on by ~8 tokens a step meanwhile)."""
+    tuner = DecodeClockTuner(_loop_settings(), H200.sm_clocks_mhz)
+    d = SharedGpu(tuner, noise=0.01, seed=seed, period_s=1e9, busy_s=0.0).run(6000)
+    while tuner.snapshot()["buckets"][64]["state"] != "hold" or d.clock is None:
+        d.run(1)
+    before = tuner.buckets[64].fit
+    d.busy_s = 1e9  # another job arrives and stays
+    while tuner.snapshot()["buckets"][64]["state"] == "hold":
+        d.run(1)
+    while tuner.snapshot()["buckets"][64]["state"] != "hold":
+        d.run(1)
+    return before, tuner.buckets[64].fit
+
+
+def test_a_gpu_change_after_the_context_moved_on_levels_the_fit_on_the_fresh_window():
+    # The reference window after the other job arrived lies beyond the context range of the steps
+    # before it: the change is still told apart from the context's growth (with a slope fitted on
+    # the steps before the change), so the fit's level comes from that window alone, and its slope
+    # does not absorb the tenant's +30 % (one fit over both states tilted it ten-fold).
+    for seed in (4, 5, 6):
+        before, after = _fits_around_a_tenant_arriving(seed)
+        mid = (after.ctx_lo + after.ctx_hi) / 2
+        assert 1.25 < after.ms_at(mid) / before.ms_at(mid) < 1.35, (seed, after, before)
+        assert after.ms_per_ctx_token < 2 * before.ms_per_ctx_token + 1e-9, (seed, after, before)

@@ -226,6 +226,7 @@ class _Bucket:
         self.since_check = 0  # measured held steps since the last reference window
         self.check_every = 0  # held steps between scheduled re-checks (0: ref_every_steps)
         self.check_scheduled = False  # the running re-check is a scheduled one
+        self.check_suspect = False  # the running re-check was raised by a suspicion (a violation)
         self.check: list[StepSample] = []  # the held steps a running re-check tests
         self.after_baseline = "search"  # or "hold" (a refresh)
         self.t_baselined = -math.inf
@@ -536,10 +537,14 @@ class DecodeClockTuner:
         fit = _fit_line(pts[-keep:], slope)
         if fresh and len(fresh) >= self.s.ref_steps and len(pts) > len(fresh):
             older = pts[-keep : -len(fresh)] or pts[: -len(fresh)]
+            # The slope from the steps before the fresh window: one fit over both GPU states,
+            # while the context only grows, tilts to absorb the change (ten-fold under a +30 %
+            # co-tenant: tests/test_closed_loop_gpu_changes.py), which then hides it.
+            slope = _fit_line(pts[: -len(fresh)]).ms_per_ctx_token
             if self._shifted(older, fresh, slope):
                 # The level, spread and context range from the fresh window alone (its range
                 # is narrow, so a context that moves on soon brings a re-check); the slope from
-                # all kept steps (a shift moves the level, not the slope).
+                # the kept steps before it (a shift moves the level, not the slope).
                 fit = _fit_line(fresh, slope)
         b.fit = fit
         if self.s.tpot_slo_ms is not None and b.t_baselined > -math.inf:
@@ -583,11 +588,18 @@ class DecodeClockTuner:
         if _fit_line(older + fresh, slope).sigma > _MIXED_X * max(new.sigma, 1e-3):
             return True
         mid = (new.ctx_lo + new.ctx_hi) / 2
-        if not 0.95 * old.ctx_lo <= mid <= 1.05 * old.ctx_hi:
-            return False  # too far apart in context to tell a change from the slope's error
         sigma = max(min(new.sigma, old.sigma), 1e-3)
-        se = _MEDIAN_SE * sigma * math.sqrt(1.0 / new.n_steps + 1.0 / old.n_steps)
-        return abs(new.ms_at(mid) / old.ms_at(mid) - 1.0) > self._margin0 + _SHIFT_Z * se
+        tol = self._margin0 + _SHIFT_Z * _MEDIAN_SE * sigma * math.sqrt(1.0 / new.n_steps + 1.0 / old.n_steps)
+        if 0.95 * old.ctx_lo <= mid <= 1.05 * old.ctx_hi:
+            return abs(new.ms_at(mid) / old.ms_at(mid) - 1.0) > tol
+        if slope <= 0:
+            return False  # too far apart in context, and no slope measured to bridge them
+        # Too far apart in context to trust the slope: a change only where no slope from 0 to
+        # twice the fitted one explains the gap (more context never makes a step faster). A
+        # re-check comes when the context has moved on, so it would otherwise miss every change.
+        ends = (old.mid_ms(), old.mid_ms() + 2.0 * slope * (mid - (old.ctx_lo + old.ctx_hi) / 2))
+        level = new.ms_at(mid)
+        return level > max(ends) * (1.0 + tol) or level < min(ends) * (1.0 - tol)
 
     def _test(self, b: _Bucket, samples: list[StepSample], line: LineFit, n_ref: int, extra_z: float = 0.0) -> Verdict:
         """The one test (module docstring, step 2): ``samples`` at one clock against ``line``,
@@ -1127,10 +1139,11 @@ class DecodeClockTuner:
         )
         tested = list(b.window)
         self._start_check(b, tested[-sus.last_n :] if sus.last_n else tested, sus.guard)
+        b.check_suspect = True
 
     def _start_check(self, b: _Bucket, tested: list[StepSample], guard: list[StepSample] | None = None) -> None:
         b.state, b.ref_cur, b.check, b.check_guard = "check", [], tested, guard
-        b.check_scheduled = False
+        b.check_scheduled = b.check_suspect = False
         self.n_checks += 1
 
     def _check_sample(self, now_s: float, b: _Bucket, batch: int, step_ms: float, ctx: float) -> None:
@@ -1152,15 +1165,23 @@ class DecodeClockTuner:
         # them (then only the one after: a line through two GPU states fits neither).
         slope = b.fit.ms_per_ctx_token
         ref = b.ref_prev + b.ref_cur
-        if self._shifted(b.ref_prev, b.ref_cur, slope):
+        shifted = self._shifted(b.ref_prev, b.ref_cur, slope)
+        if shifted:
             ref = list(b.ref_cur)
         line = _fit_line(ref, slope)
+        # After a change, held steps no suspicion fired on were watched against the fit before
+        # it and ran in its GPU state: against the window after it alone, a tenant's departure
+        # failed them by its own +30 % and ratcheted clocks up (co-tenant scenario,
+        # docs/results/sim-closed-loop-adversarial.md). Steps a CUSUM fired on are after its
+        # change point: judged against the window after it.
+        old_state = shifted and not b.check_suspect
+        test_line, n_ref = (b.fit, b.fit.n_steps) if old_state else (line, len(ref))
         self._refit(b, b.ref_cur)
         b.t_baselined = now_s
         b.ref_prev, b.ref_cur = b.ref_cur, []
         held_mhz = self.cands[b.held] if b.held < len(self.cands) else self.default_mhz
         n_win = self._window(b)
-        test = self._test(b, b.check, line, len(ref)) if b.check else None
+        test = self._test(b, b.check, test_line, n_ref) if b.check else None
         fails = self._clearly_over(b, b.check_guard, line) if b.check_guard else test is not None and not test.passes
         b.check, b.check_guard = [], None
         if n_win > 0:
