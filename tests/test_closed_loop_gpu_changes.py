@@ -212,3 +212,13 @@ def test_a_gpu_change_after_the_context_moved_on_levels_the_fit_on_the_fresh_win
         mid = (after.ctx_lo + after.ctx_hi) / 2
         assert 1.25 < after.ms_at(mid) / before.ms_at(mid) < 1.35, (seed, after, before)
         assert after.ms_per_ctx_token < 2 * before.ms_per_ctx_token + 1e-9, (seed, after, before)
+
+
+def test_a_fit_levelled_after_a_gpu_change_keeps_the_context_range_of_its_slope():
+    # After the other job arrives, the fit's level comes from the fresh window alone; its context
+    # range stays that of the steps its slope was fitted over, so a context that moves on by a few
+    # per cent does not bring a re-check (a reference window at the default clock) every time.
+    for seed in (4, 5, 6):
+        before, after = _fits_around_a_tenant_arriving(seed)
+        assert after.n_steps < before.n_steps  # levelled on the fresh window
+        assert after.ctx_hi - after.ctx_lo >= 0.5 * (before.ctx_hi - before.ctx_lo), (seed, after, before)

@@ -56,7 +56,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, NamedTuple
 
 from ..settings import ClosedLoopSettings
@@ -542,10 +542,12 @@ class DecodeClockTuner:
             # co-tenant: tests/test_closed_loop_gpu_changes.py), which then hides it.
             slope = _fit_line(pts[: -len(fresh)]).ms_per_ctx_token
             if self._shifted(older, fresh, slope):
-                # The level, spread and context range from the fresh window alone (its range
-                # is narrow, so a context that moves on soon brings a re-check); the slope from
-                # the kept steps before it (a shift moves the level, not the slope).
-                fit = _fit_line(fresh, slope)
+                # The level and spread from the fresh window alone; the slope from the kept steps
+                # before it (a shift moves the level, not the slope), and so the context range it
+                # may be extrapolated over: the fresh window's own brought a re-check every 5 %
+                # the context moved on (~150 in 600 s under a co-tenant, two thirds of its
+                # reference windows: docs/results/sim-closed-loop-adversarial.md).
+                fit = replace(_fit_line(fresh, slope), ctx_lo=fit.ctx_lo, ctx_hi=fit.ctx_hi)
         b.fit = fit
         if self.s.tpot_slo_ms is not None and b.t_baselined > -math.inf:
             # An absolute SLO is a ratio target that tightens as the context (step time) grows.
