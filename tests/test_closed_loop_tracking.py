@@ -352,3 +352,22 @@ def test_a_switch_lost_three_times_in_a_row_is_still_confirmed_by_a_later_try(tm
     assert nvml.lose_locks == 0  # the three were lost
     assert ctl.readback_off is None and ctl.closed_loop.off_reason is None
     ctl.close()
+
+
+def test_a_recheck_of_fewer_held_steps_than_a_window_neither_backs_off_nor_probes():
+    # The context jumps just after a re-check: the next re-check has only a few held steps, whose
+    # margin alone fails the one test although their median is within the target. Too few to
+    # decide: the clock is held on and re-checked once a window of held steps is in.
+    for seed in (0, 1, 3):
+        tuner = DecodeClockTuner(_loop_settings(), H200.sm_clocks_mhz)
+        d = Decode(tuner, noise=0.01, seed=seed).run(8000)
+        while not (tuner.snapshot()["buckets"][64]["state"] == "hold" and tuner.records[-1].event == "recheck"):
+            d.run(1)
+        held = d.clock
+        d.run(5)
+        d.ctx *= 1.2  # beyond the fit's reach: a re-check now
+        n0 = len(tuner.records)
+        d.run(300)
+        events = [r.event for r in list(tuner.records)[n0:]]
+        assert "backoff" not in events and "probe" not in events, (seed, events)
+        assert d.clock == held

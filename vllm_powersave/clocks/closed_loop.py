@@ -225,6 +225,7 @@ class _Bucket:
         self.n_held = 0  # measured steps at the held clock (paces the long-window check)
         self.since_check = 0  # measured held steps since the last reference window
         self.check_every = 0  # held steps between scheduled re-checks (0: ref_every_steps)
+        self.check_due = 0  # held steps to a re-check after one too short to decide (0: none)
         self.check_scheduled = False  # the running re-check is a scheduled one
         self.check_suspect = False  # the running re-check was raised by a suspicion (a violation)
         self.check: list[StepSample] = []  # the held steps a running re-check tests
@@ -1022,6 +1023,10 @@ class DecodeClockTuner:
             # docs/results/sim-closed-loop-adversarial.md); the CUSUM watches it on the fresh fit.
             self._start_check(b, [])
             return
+        if b.check_due and b.since_check >= b.check_due:
+            b.check_due = 0
+            self._start_check(b, list(b.window))  # a window after a re-check too short to decide
+            return
         if b.since_check >= (b.check_every or s.ref_every_steps) or (s.rebaseline_s and now_s - b.t_baselined > s.rebaseline_s):
             self._start_check(b, list(b.window))  # scheduled: the default clock measured again, then the same test
             b.check_scheduled = True
@@ -1188,6 +1193,16 @@ class DecodeClockTuner:
         b.check, b.check_guard = [], None
         if n_win > 0:
             b.n_win = n_win
+        if (
+            n_win > 0
+            and fails
+            and not b.check_suspect
+            and test is not None
+            and test.n_steps < b.n_win
+            and test.ratio + self._margin0 <= b.target
+        ):
+            self._undecided(now_s, b, batch, held_mhz, test)
+            return
         if fails or n_win <= 0:
             self._back_off(now_s, b, batch, held_mhz, test, len(ref))
             return
@@ -1212,6 +1227,19 @@ class DecodeClockTuner:
                 b=b,
                 reason=f"median of {test.n_steps} steps at {held_mhz} MHz within the target against {len(ref)} default-clock steps",
             )
+
+    def _undecided(self, now_s: float, b: _Bucket, batch: int, held_mhz: int, test: Verdict) -> None:
+        """A re-check no suspicion raised, of fewer held steps than a window, whose median is within
+        the target and only their margin failed: too few to decide either way (one soon after the
+        last, the context having moved on: most back-offs under a co-tenant, each probing the
+        held clock again; docs/results/sim-closed-loop-adversarial.md). The clock is held on and
+        re-checked once a window of held steps is in; the CUSUM watches it meanwhile. After a
+        suspicion, that is evidence of a drift, and :meth:`_back_off` probes the held clock again."""
+        b.state = "hold"
+        self._clear_windows(b)
+        b.check_due = b.n_win
+        reason = f"{test.n_steps} steps at {held_mhz} MHz within the target: too few to decide; re-checked after {b.n_win}"
+        self._emit(now_s, "recheck", b.edge, batch, ratio=test.ratio, margin=test.margin, b=b, reason=reason)
 
     def _back_off(self, now_s: float, b: _Bucket, batch: int, held_mhz: int, test: Verdict | None, n_ref: int) -> None:
         """The re-check failed: a search above the held clock, its first probe one
