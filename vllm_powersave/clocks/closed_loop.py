@@ -540,7 +540,7 @@ class DecodeClockTuner:
             older = pts[-keep : -len(fresh)] or pts[: -len(fresh)]
             # The slope from the steps before the fresh window: one fit over both GPU states,
             # while the context only grows, tilts to absorb the change (ten-fold under a +30 %
-            # co-tenant: tests/test_closed_loop_gpu_changes.py), which then hides it.
+            # co-tenant, docs/results/sim-closed-loop-adversarial.md), which then hides it.
             slope = _fit_line(pts[: -len(fresh)]).ms_per_ctx_token
             if self._shifted(older, fresh, slope):
                 # The level and spread from the fresh window alone; the slope from the kept steps
