@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import aiohttp
@@ -71,6 +72,9 @@ class EnergyReading:
     # The server's counter-vs-power-integral ratio by GPU at the window's end (the plugin's
     # powersave_energy_crosscheck_ratio gauge; docs/metrics.md); None where it publishes none.
     energy_crosscheck_ratio: dict[str, float] | None = None
+    # The plugin's powersave_info labels at the window's end (version, source, clock_backend,
+    # cuda_perf_boost): what the server ran with, so that ``advise`` knows its perf-boost mode.
+    powersave_info: dict[str, str] | None = None
     # How far ``window_s`` may be off the span the counters cover (s): half the span of the first
     # and of the last counter read (a zeusd round trip, or an NVML read aligned on a counter update
     # from the last poll that saw the old value; 0 for server metrics). A stalled client makes it large.
@@ -231,11 +235,22 @@ class Scrape:
     gauge_source: str | None = None  # "measured" | "simulated" (from the gauges' source label)
     running: float | None = None  # vllm:num_requests_running summed over engines
     plugin: bool = False  # powersave_info present
+    info: dict[str, str] | None = None  # powersave_info's labels (several engines: values joined by ",")
     idle_while_busy_j: float | None = None  # summed over GPUs; None = not published
     idle_while_busy_s: float | None = None
     frontend_busy_s: float | None = None
     # The plugin's counter-vs-power-integral check, last completed window, by GPU (None: not published)
     energy_crosscheck_ratio: dict[str, float] | None = None
+
+
+def join_info(infos: Sequence[dict[str, str] | None]) -> dict[str, str] | None:
+    """Several powersave_info label sets (engines, servers) as one: each label's distinct values,
+    sorted and joined by "," (``advise`` reads ``cuda_perf_boost: "auto,on"`` as mixed modes)."""
+    have = [i for i in infos if i]
+    if not have:
+        return None
+    keys = dict.fromkeys(k for i in have for k in i)
+    return {k: ",".join(sorted({i[k] for i in have if k in i})) for k in keys}
 
 
 def parse_scrape(text: str) -> Scrape:
@@ -250,6 +265,7 @@ def parse_scrape(text: str) -> Scrape:
     running: list[float] = []
     starv: dict[str, float] = {}
     cross: dict[str, float] = {}
+    info: list[dict[str, str]] = []
     try:
         for fam in text_string_to_metric_families(filter_metrics_text(text)):
             for smp in fam.samples:
@@ -265,6 +281,7 @@ def parse_scrape(text: str) -> Scrape:
                     running.append(float(smp.value))
                 elif smp.name == "powersave_info":
                     out.plugin = True
+                    info.append(dict(smp.labels))
                 elif smp.name in _STARVATION:
                     key = _STARVATION[smp.name]
                     starv[key] = starv.get(key, 0.0) + float(smp.value)
@@ -278,6 +295,7 @@ def parse_scrape(text: str) -> Scrape:
     out.gauge_source = ("measured" if sources == {"measured"} else "simulated") if sources else None
     out.running = sum(running) if running else None
     out.energy_crosscheck_ratio = cross or None
+    out.info = join_info(info)
     for key, v in starv.items():
         setattr(out, key, v)
     return out
@@ -303,6 +321,7 @@ class Sample:
     idle_while_busy_s: float | None = None
     frontend_busy_s: float | None = None
     energy_crosscheck_ratio: dict[str, float] | None = None  # server gauge by GPU, when published
+    powersave_info: dict[str, str] | None = None  # the plugin's powersave_info labels, when published
     read_s: float = 0.0  # span in which the counters were read (s): zeusd round trip, aligned NVML read; ``t`` is its midpoint
 
 
@@ -361,6 +380,7 @@ def _frontend_fields(sc: Scrape) -> dict:
         idle_while_busy_s=sc.idle_while_busy_s,
         frontend_busy_s=sc.frontend_busy_s,
         energy_crosscheck_ratio=sc.energy_crosscheck_ratio,
+        powersave_info=sc.info,
     )
 
 
@@ -599,6 +619,8 @@ def starvation_over(samples: list[Sample], r: EnergyReading) -> None:
     (the series appear once the server's API process has written its busy file)."""
     ratios = [s.energy_crosscheck_ratio for s in samples if s.energy_crosscheck_ratio]
     r.energy_crosscheck_ratio = dict(ratios[-1]) if ratios else None  # a gauge: its last value
+    infos = [s.powersave_info for s in samples if s.powersave_info]
+    r.powersave_info = dict(infos[-1]) if infos else None
     have = [s for s in samples if s.idle_while_busy_j is not None]
     if have and samples[0].counters is not None and samples[0].idle_while_busy_j is None:
         # The server's metrics were read at the start but had no starvation series yet: the

@@ -79,6 +79,7 @@ class FakeServer:
         self.payloads: list[dict[str, Any]] = []
         self.metrics_scrapes = 0
         self.crosscheck_ratio: float | None = None  # set: published as powersave_energy_crosscheck_ratio{gpu="0"}
+        self.info: dict[str, str] | None = None  # set: published as powersave_info{...} 1
         self.finished = 0  # requests whose handler returned (each books STARVED_J of starvation)
         self.inflight = 0
         self.max_inflight = 0
@@ -177,6 +178,9 @@ class FakeServer:
             "# TYPE powersave_frontend_busy_seconds counter",
             f'powersave_frontend_busy_seconds_total{{gpu="0"}} {10 * STARVED_S * self.finished!r}',
         ]
+        if self.info is not None:
+            labels = ",".join(f'{k}="{v}"' for k, v in self.info.items())
+            lines += ["# TYPE powersave_info gauge", f"powersave_info{{{labels}}} 1.0"]
         if self.crosscheck_ratio is not None:
             lines += [
                 "# TYPE powersave_energy_crosscheck_ratio gauge",

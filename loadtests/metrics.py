@@ -208,6 +208,8 @@ def energy_metrics(reading: EnergyReading, total_input_tokens: int, total_output
         "gpu_idle_while_busy_energy_j": reading.idle_while_busy_j,
         # The server's own check of its energy counter against the power integral, by GPU.
         "energy_crosscheck_ratio": reading.energy_crosscheck_ratio,
+        # What the server ran with (the plugin's powersave_info labels; advise reads cuda_perf_boost).
+        "powersave_info": reading.powersave_info,
         "gpu_idle_while_busy_s": reading.idle_while_busy_s,
         "frontend_busy_s": reading.frontend_busy_s,
         "idle_while_busy_share": (

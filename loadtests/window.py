@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .client import RequestOutput
-from .energy import EnergyMeter, EnergyReading, Sample, energy_between, energy_over
+from .energy import EnergyMeter, EnergyReading, Sample, energy_between, energy_over, join_info
 
 RULE = (
     "ML.ENERGY steady state: opens when B requests have their first token, closes when N - B - 1 "
@@ -102,6 +102,8 @@ def sum_readings(readings: Sequence[EnergyReading | None]) -> EnergyReading | No
             (f"{i}/{g}" if len(rs) > 1 else g): v for i, r in enumerate(rs) for g, v in (r.energy_crosscheck_ratio or {}).items()
         }
         or None,
+        # One server without the plugin's labels makes the fleet's modes unknown, not a partial list.
+        powersave_info=None if any(r.powersave_info is None for r in rs) else join_info([r.powersave_info for r in rs]),
     )
 
 

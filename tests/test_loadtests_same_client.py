@@ -93,3 +93,33 @@ def test_the_servers_energy_crosscheck_reaches_the_result(server_factory, nvml, 
 def test_a_server_without_the_crosscheck_gauge_has_none(server_factory, nvml):
     srv = server_factory(first_delay=0.01, itl_delay=0.01, powersave=False)
     assert run(_cfg(srv.url, energy="nvml"))["energy_crosscheck_ratio"] is None
+
+
+@pytest.mark.parametrize("source", ["nvml", "server"])
+def test_the_servers_perf_boost_mode_reaches_the_result_and_advise_reads_it(server_factory, nvml, source, tmp_path, capsys):
+    import json
+
+    from vllm_powersave.cli import main
+
+    srv = server_factory(first_delay=0.01, itl_delay=0.01)
+    srv.info = {"version": "0.1.0", "source": "measured", "clock_backend": "dry-run", "cuda_perf_boost": "auto"}
+    res = run(_cfg(srv.url, energy=source))
+    assert res["powersave_info"] == srv.info
+    (p := tmp_path / "r.json").write_text(json.dumps(res))
+    assert main(["advise", "--result", str(p), "--json"]) == 0
+    recs = json.loads(capsys.readouterr().out)["recommendations"]
+    assert not [r for r in recs if "perf-boost mode unknown" in r["measurement"]]  # the mode is known now
+    assert "perf_boost" not in [r["key"] for r in recs]  # a run on auto is never told to set auto
+
+
+def test_a_server_without_the_plugins_labels_has_no_info(server_factory, nvml):
+    srv = server_factory(first_delay=0.01, itl_delay=0.01, powersave=False)
+    assert run(_cfg(srv.url, energy="nvml"))["powersave_info"] is None
+
+
+def test_several_engines_labels_join_into_one_mode_list():
+    from loadtests.energy import join_info, parse_scrape
+
+    text = 'powersave_info{cuda_perf_boost="on",source="measured"} 1.0\npowersave_info{cuda_perf_boost="auto",source="measured"} 1.0\n'
+    assert parse_scrape(text).info == {"cuda_perf_boost": "auto,on", "source": "measured"}
+    assert join_info([None, {"cuda_perf_boost": "auto"}]) == {"cuda_perf_boost": "auto"} and join_info([None]) is None
