@@ -211,15 +211,25 @@ class Server:
 
     def load_window(self, rate: str, seed: int, idle_w: float | None) -> dict:
         ns = self.ns
+        b0 = self.boost_series()
         w = load.rate_window(
             self.port, f"{self.label}-r{rate}", self.sampler, rate, ns.window_s, ns.sat_concurrency, idle_w, seed=seed, **self.base
         )
+        # Perf boost auto's side context over the window: how often it switched and whether it
+        # held at the end (h200-under-load.md asks whether it let go under load). Stock: none.
+        b1 = self.boost_series()
+        if b1:
+            w["boost"] = {"switches": load.delta(b0, b1), "at_end": {k: v for k, v in b1.items() if "_held" in k}}
         log(
             f"[{self.label}] rate {rate}: {w.get('output_throughput') or 0:.0f} tok/s, {w.get('output_tokens_per_joule')} tok/J, "
             f"idle share {w['sampler'].get('gpu_idle_share')} (span {(w.get('span') or {}).get('gpu_idle_share')}), "
             f"TTFT p50 {w.get('median_ttft_ms')}, TPOT p99 {w.get('p99_tpot_ms')}"
         )
         return w
+
+    def boost_series(self) -> dict[str, float]:
+        """The plugin's ``powersave_cuda_boost_*`` series now ({} for stock, or a failed scrape)."""
+        return {k: v for k, v in load.scrape(self.port)[0].items() if k.startswith("powersave_cuda_boost")}
 
     def request_energy(self, shape: "ReqeShape") -> dict:
         """``shape.n`` requests of identical length at a steady batch: the plugin's per-request figures

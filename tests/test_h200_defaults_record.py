@@ -332,3 +332,26 @@ def test_an_ablation_arm_runs_beside_plain_defaults_in_one_order_and_needs_its_s
     monkeypatch.setenv("POWERSAVE_FORCE_DRY_RUN", "1")
     assert job.main(["--order", "stock,ablation", "--plan-only"]) == 2
     assert "ablation arm needs --defaults-settings" in capsys.readouterr().err
+
+
+def test_a_load_window_records_the_side_contexts_switches_and_hold_and_stock_none(monkeypatch):
+    import argparse
+
+    from benchmarks import h200_defaults as job
+
+    series = iter(
+        [
+            {'powersave_cuda_boost_switches_total{gpu="0"}': 3.0, 'powersave_cuda_boost_held{gpu="0"}': 0.0},
+            {'powersave_cuda_boost_switches_total{gpu="0"}': 4.0, 'powersave_cuda_boost_held{gpu="0"}': 1.0, "powersave_x": 1.0},
+        ]
+    )
+    monkeypatch.setattr(job.load, "scrape", lambda port: (next(series), ""))
+    monkeypatch.setattr(job.load, "rate_window", lambda *a, **kw: {"sampler": {}})
+    ns = argparse.Namespace(window_s=1.0, sat_concurrency=4, input_len=8, output_len=8, energy="none", gpu=0)
+    w = job.Server(ns, None, 0, "d1", None, None).load_window("8", 1, None)
+    assert w["boost"] == {
+        "switches": {'powersave_cuda_boost_switches_total{gpu="0"}': 1.0},
+        "at_end": {'powersave_cuda_boost_held{gpu="0"}': 1.0},
+    }
+    monkeypatch.setattr(job.load, "scrape", lambda port: ({}, "# scrape failed"))
+    assert "boost" not in job.Server(ns, None, 0, "s0", None, None).load_window("8", 1, None)
