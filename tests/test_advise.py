@@ -123,12 +123,31 @@ def test_a_result_with_a_client_figure_of_the_wrong_type_is_one_line(tmp_path, c
     assert err == f"error: --result = {str(bad)!r}: {field} = {value!r}: {why}"
 
 
-def test_a_later_result_without_the_client_check_does_not_inherit_an_earlier_flag(tmp_path):
+def test_each_result_is_its_own_run_and_does_not_inherit_another_runs_client_flag(tmp_path):
     base = json.load(open(RESULT))
     lagging, calm = tmp_path / "a.json", tmp_path / "b.json"
     lagging.write_text(json.dumps({**base, "client_bottleneck": True, "client_loop_lag_p99_ms": 9.0}))
     calm.write_text(json.dumps(base))  # an older loadtests result: no client check at all
-    keys = [r["key"] for r in json.loads(run([str(lagging), str(calm)], [], as_json=True))["recommendations"]]
-    assert "client" not in keys and keys[0] == "api_servers"
-    keys = [r["key"] for r in json.loads(run([str(calm), str(lagging)], [], as_json=True))["recommendations"]]
-    assert keys[0] == "client"
+    for order in ([lagging, calm], [calm, lagging]):
+        recs = json.loads(run([str(p) for p in order], [], as_json=True))["recommendations"]
+        by_run = {p: [r["key"] for r in recs if r["result"] == str(p)] for p in order}
+        assert by_run[lagging][0] == "client" and "client" not in by_run[calm] and by_run[calm][0] == "api_servers"
+    text = run([str(lagging), str(calm)], [])
+    assert text.index(f"== {lagging}") < text.index(f"== {calm}") and text.count("recommendation(s)") == 2
+
+
+def test_nothing_to_recommend_says_what_the_rules_saw(tmp_path):
+    quiet = tmp_path / "q.json"
+    quiet.write_text(
+        json.dumps(
+            {
+                **json.load(open(RESULT)),
+                "gpu_idle_while_busy_energy_j": 0.0,
+                "cuda_perf_boost": "auto",
+                "energy_by_phase_j": {"decode": 100.0},
+            }
+        )
+    )
+    text = run([str(quiet)], [])
+    assert text.startswith("vllm-powersave advise: nothing to recommend from these figures (perf boost already auto")
+    assert "front-end starvation 0.0 %" in text

@@ -353,28 +353,64 @@ def _perf_boost_on(facts: dict[str, Any], e: float | None, iwb_j: float | None, 
 
 
 def run(results: list[str], metrics: list[str], api_servers: int | None = None, as_json: bool = False) -> str:
-    """The report text (or JSON) for the given inputs; raises :class:`AdviseError` on bad input."""
+    """The report text (or JSON) for the given inputs; raises :class:`AdviseError` on bad input.
+    Each ``--result`` is its own run and gets its own advice (the server's ``/metrics`` fill the
+    gaps of each); every recommendation in the JSON names the result it came from."""
     if not results and not metrics:
         raise AdviseError("give --result FILE and/or --metrics URL|FILE")
     if api_servers is not None and api_servers < 1:
         raise AdviseError(f"--api-servers = {api_servers}: must be >= 1")
-    facts: dict[str, Any] = {"api_servers": 1}
+    base: dict[str, Any] = {"api_servers": 1}
     for m in metrics:
         for k, v in facts_from_metrics(load_metrics(m)).items():
-            facts.setdefault(k, v)
-    for r in results:  # the run's own window wins over the server's totals since start
-        f = facts_from_result(load_result(r))
-        # The client check belongs to the run it was made in: a later run without it must not
-        # inherit an earlier run's flag.
-        for k in CLIENT_KEYS:
-            facts.pop(k, None)
-        facts.update(f)
-    if api_servers is not None:  # the operator's word wins over the count a result carries
-        facts["api_servers"] = api_servers
-    recs = advise(facts)
+            base.setdefault(k, v)
+    loaded = [(r, facts_from_result(load_result(r))) for r in results]  # every file checked before any advice
+    runs: list[RunAdvice] = []
+    for path, f in loaded or [(None, {})]:
+        facts = {**base, **f}  # the run's own window wins over the server's totals since start
+        if api_servers is not None:  # the operator's word wins over the count a result carries
+            facts["api_servers"] = api_servers
+        runs.append(RunAdvice(path, advise(facts), facts))
     if as_json:
-        return json.dumps({"inputs": {"results": results, "metrics": metrics}, "recommendations": [asdict(r) for r in recs]}, indent=2)
-    if not recs:
-        return "vllm-powersave advise: nothing to recommend from these figures"
-    head = f"vllm-powersave advise: {len(recs)} recommendation(s), largest expected saving first"
-    return "\n".join([head, *(r.line(i) for i, r in enumerate(recs, start=1))])
+        recs = [{**asdict(r), "result": run_.result} for run_ in runs for r in run_.recommendations]
+        return json.dumps({"inputs": {"results": results, "metrics": metrics}, "recommendations": recs}, indent=2)
+    lines: list[str] = []
+    for run_ in runs:
+        if len(runs) > 1:
+            lines.append(f"== {run_.result}")
+        lines.append(run_.text())
+    return "\n".join(lines)
+
+
+@dataclass
+class RunAdvice:
+    """One run's advice: the result file it came from (None: /metrics only), the ranked
+    recommendations and the facts they were drawn from (for why there are none)."""
+
+    result: str | None
+    recommendations: list[Recommendation]
+    facts: dict[str, Any]
+
+    def text(self) -> str:
+        if not self.recommendations:
+            why = _nothing_because(self.facts)
+            return "vllm-powersave advise: nothing to recommend from these figures" + (f" ({why})" if why else "")
+        head = f"vllm-powersave advise: {len(self.recommendations)} recommendation(s), largest expected saving first"
+        return "\n".join([head, *(r.line(i) for i, r in enumerate(self.recommendations, start=1))])
+
+
+def _nothing_because(facts: dict[str, Any]) -> str:
+    """What the rules saw, where they found nothing: the perf-boost mode and the shares that stayed
+    below their thresholds."""
+    parts = []
+    mode = facts.get("cuda_perf_boost")
+    if isinstance(mode, str) and mode in ("auto", "off"):
+        parts.append(f"perf boost already {mode}")
+    e, iwb_j = _num(facts.get("energy_j")), _num(facts.get("idle_while_busy_j"))
+    if e and iwb_j is not None:
+        parts.append(f"front-end starvation {100 * iwb_j / e:.1f} % of the energy (advice from {100 * MIN_STARVATION_SHARE:.0f} %)")
+    idle_j = _num((facts.get("energy_by_phase_j") or {}).get("idle"))
+    if e and idle_j is not None and mode in (None, "on"):
+        quiet = max(idle_j - (iwb_j or 0.0), 0.0)
+        parts.append(f"idle {100 * quiet / e:.1f} % of the energy (advice from {100 * MIN_IDLE_SHARE:.0f} %)")
+    return "; ".join(parts)
