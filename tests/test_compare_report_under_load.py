@@ -245,3 +245,21 @@ def test_the_advise_hint_names_one_result_file_a_shell_can_pass():
     sec = _section(savings_section(runs, gpu=True), "saturation")
     hint = [ln for ln in sec if "vllm-powersave advise" in ln]
     assert hint == ["- `vllm-powersave advise --result result-on-2.json` (a file in this run's folder) says what to change"]
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--concurrency", "0"], "error: --concurrency = 0: must be >= 1"),
+        (["--num-prompts", "-3"], "error: --num-prompts = -3: must be >= 1"),
+        (["--output-len", "0"], "error: --output-len = 0: must be >= 1 token"),
+        (["--order", "off,maybe"], "error: --order must name off and on, e.g. 'off,on' or 'on,off,off,on' (got 'off,maybe')"),
+        (["--rate-window-s", "-5"], "error: --rate-window-s = -5: must be in (0, 3600] s"),
+    ],
+)
+def test_a_bad_compare_flag_is_one_line_before_any_model_folder_or_server(tmp_path, monkeypatch, capsys, flags, message):
+    from vllm_powersave import cli
+
+    monkeypatch.setattr(cli, "_compare_model", lambda ns: pytest.fail("a model was made before the flags were checked"))
+    assert cli.main(["compare", "--out", str(tmp_path / "runs"), *flags]) == 2
+    assert capsys.readouterr().err.strip() == message and not (tmp_path / "runs").exists()

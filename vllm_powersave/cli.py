@@ -112,26 +112,39 @@ def _read_snapshot(stats_dir: Path) -> WorkerSnapshot:
         return {}
 
 
+def _compare_arg_error(ns: argparse.Namespace, order: list[str], configs: dict) -> str | None:
+    """One line naming the compare flag and value that cannot run, or None."""
+    if not 0 < ns.rate_window_s <= 3600:
+        return f"--rate-window-s = {ns.rate_window_s:g}: must be in (0, 3600] s"
+    for flag, value in (("--concurrency", ns.concurrency), ("--num-prompts", ns.num_prompts)):
+        if value < 1:
+            return f"{flag} = {value}: must be >= 1"
+    for flag, value in (("--input-len", ns.input_len), ("--output-len", ns.output_len)):
+        if value < 1:
+            return f"{flag} = {value}: must be >= 1 token"
+    if sorted(set(order)) != sorted(configs):
+        return f"--order must name off and on, e.g. 'off,on' or 'on,off,off,on' (got {ns.order!r})"
+    return None
+
+
 def _cmd_compare(ns: argparse.Namespace) -> int:
     from .compare_report import parse_rates
     from .serving import cpu_only
 
     rates = parse_rates(ns.rates)
-    if not 0 < ns.rate_window_s <= 3600:
-        print(f"error: --rate-window-s = {ns.rate_window_s:g}: must be in (0, 3600] s", file=sys.stderr)
+    gpu = not cpu_only()
+    sim_shape = None if ns.sim_shape == "served" else ns.sim_shape
+    configs = {c[0]: c for c in _configs(gpu, ns.clock_backend, sim_shape)}
+    order = [x.strip() for x in ns.order.split(",") if x.strip()]
+    # Every flag checked before a model is made, a folder written or a server started.
+    if err := _compare_arg_error(ns, order, configs):
+        print(f"error: {err}", file=sys.stderr)
         return 2
     model = _compare_model(ns)
     if model is None:
         return 2
     out_dir = Path(ns.out) / time.strftime("compare-%Y%m%d-%H%M%S")
     out_dir.mkdir(parents=True, exist_ok=True)
-    gpu = not cpu_only()
-    sim_shape = None if ns.sim_shape == "served" else ns.sim_shape
-    configs = {c[0]: c for c in _configs(gpu, ns.clock_backend, sim_shape)}
-    order = [x.strip() for x in ns.order.split(",") if x.strip()]
-    if sorted(set(order)) != sorted(configs):
-        print(f"error: --order must name off and on, e.g. 'off,on' or 'on,off,off,on' (got {ns.order!r})", file=sys.stderr)
-        return 2
     # Runs are numbered from 1, as in the report's columns ("off (run 1)"), and so are their files.
     # Several rates: the ABBA order runs at each rate in turn (rate-major), numbering continues.
     plan = [(rate, label) for rate in rates for label in order]
