@@ -122,3 +122,23 @@ def test_tuned_for_mismatch_lines():
         "powersave setting 'tuned_for.vllm_version' = '0.25': this server has '0.32.0+cpu'",
     ]
     assert check_tuned_for(None, facts2) == []
+
+
+@pytest.mark.parametrize(
+    "inline, line",
+    [
+        (
+            {"boost_release_afterr_s": 1},
+            "powersave setting 'boost_release_afterr_s' = 1: unknown setting, did you mean 'boost_release_after_s'?",
+        ),
+        (
+            {"clocks": {"closed_loop": {"margin_pc": 1}}},
+            "powersave setting 'clocks.closed_loop.margin_pc' = 1: unknown setting, did you mean 'margin_pct'?",
+        ),
+        ({"zzz": 1}, "powersave setting 'zzz' = 1: unknown setting"),
+    ],
+)
+def test_an_unknown_setting_is_named_with_the_closest_real_one(inline, line):
+    with pytest.raises(SettingsError) as exc:
+        load_settings(inline, env={})
+    assert str(exc.value) == line

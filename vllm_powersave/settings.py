@@ -466,11 +466,27 @@ def _short(value: Any, limit: int = 120) -> str:
     return text if len(text) <= limit else text[: limit - 5] + "...'"
 
 
+def _did_you_mean(loc: list[str]) -> str:
+    """ ", did you mean 'x'?" for a misspelt key: the closest field name where the key stands."""
+    import difflib
+
+    model: Any = PowersaveSettings
+    for part in loc[:-1]:
+        field = model.model_fields.get(part) if isinstance(model, type) and issubclass(model, BaseModel) else None
+        model = field.annotation if field is not None else None
+    if not (isinstance(model, type) and issubclass(model, BaseModel)):
+        return ""
+    close = difflib.get_close_matches(loc[-1], list(model.model_fields), n=1)
+    return f", did you mean '{close[0]}'?" if close else ""
+
+
 def _one_line(err: ValidationError) -> str:
     first = err.errors()[0]
     loc = ".".join(str(p) for p in first["loc"] if p != "[key]")
     more = f" (+{err.error_count() - 1} more)" if err.error_count() > 1 else ""
     msg = first["msg"].removeprefix("Value error, ")
+    if first.get("type") == "extra_forbidden":  # pydantic's "Extra inputs are not permitted"
+        msg = "unknown setting" + _did_you_mean([str(p) for p in first["loc"]])
     if not loc:  # a rule across fields: the message names them
         return f"powersave settings: {msg}{more}"
     return f"powersave setting '{loc}' = {_short(first.get('input'))}: {msg}{more}"
