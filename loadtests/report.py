@@ -319,7 +319,7 @@ def compare_table(results: dict[str, dict[str, Any]], steady_state: bool = True)
     if any(r.get("gpu_idle_while_busy_energy_j") is not None for r in results.values()):
         add("of which idle while requests in flight (J total)", lambda r: _energy(r, "gpu_idle_while_busy_energy_j", 1))
         add(
-            "GPU idle share of busy time (%)",
+            "Engine idle while requests in flight (% of busy time, wall clock)",
             lambda r: _num(100.0 * r["idle_while_busy_share"], 1) if r.get("idle_while_busy_share") is not None else "n/a",
         )
     add("J / output token, active phases only", lambda r: _energy(r, "gpu_active_energy_per_output_token_j"))

@@ -187,7 +187,7 @@ def test_loadtests_report_reads_idle_while_busy_from_the_server_metrics():
     assert "idle while requests in flight (J)" in format_table(res)
     table = compare_table({"off": res, "on": {**res, "gpu_idle_while_busy_energy_j": None, "idle_while_busy_share": None}})
     assert "| of which idle while requests in flight (J total) | 30.0 (measured) |" in table
-    assert "| GPU idle share of busy time (%) | 3.3 | n/a |" in table
+    assert "| Engine idle while requests in flight (% of busy time, wall clock) | 3.3 | n/a |" in table
 
 
 def test_a_window_that_opens_before_the_starvation_series_exist_counts_from_zero():
