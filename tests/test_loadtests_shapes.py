@@ -574,6 +574,11 @@ def test_steady_state_bounds_ml_energy_rule() -> None:
     assert steady_state_bounds(outs, 4) == (4.5, finishes[2])  # 4th first token; N - B - 1 = 3rd finish
     assert steady_state_bounds(outs, 7) == "needs at least B + 2 requests (N = 8, B = 7)"
     assert "never filled" in steady_state_bounds(outs[:5] + [_out(0, 0, 1, ok=False)] * 5, 6)
+    # B = 5: the 5th first token (5.5 s) comes after the 2nd finish (N - B - 1 = 2): the batch never
+    # reached the cap, which the reason says in those words.
+    why = steady_state_bounds(outs, 5)
+    assert why.startswith("no steady state: 5 requests in flight (the concurrency cap) were never reached")
+    assert "(5 requests had a first token only at 5.500 s, 2 had already finished at 4.000 s)" in why
 
 
 def test_steady_state_window_energy_and_throughput(fake) -> None:
