@@ -113,3 +113,55 @@ def test_perf_boost_on_is_advised_only_to_runs_that_ran_auto(tmp_path, capsys, m
 def test_an_auto_run_with_idle_time_keeps_auto(tmp_path, capsys):
     # The fixture idled 6,000 J of 22,159 (27 %): auto's idle saving is worth more there.
     assert "perf_boost_on" not in [r["key"] for r in _advise_json(tmp_path, capsys, cuda_perf_boost="auto")]
+
+
+def test_a_gpu_still_pending_makes_the_mode_unknown_not_a_refusal(tmp_path, capsys):
+    recs = _advise_json(tmp_path, capsys, powersave_info={"cuda_perf_boost": "auto,pending"})
+    (boost,) = [r for r in recs if r["key"] == "perf_boost"]  # unknown on one GPU: the conditional advice
+    assert boost["action"].startswith("If this server ran with") and boost["saving_share"] is None
+
+
+@pytest.mark.parametrize(
+    "fields, why",
+    [
+        ({"gpu_energy_j": -22159.0}, "gpu_energy_j = -22159.0: not a number >= 0"),
+        ({"gpu_idle_while_busy_s": -4.3}, "gpu_idle_while_busy_s = -4.3: not a number >= 0"),
+        ({"energy_by_phase_j": {"idle": -5000.0}}, "energy_by_phase_j.idle = -5000.0: not a number >= 0"),
+        ({"energy_by_phase_j": {"idle": 1e6}}, "idle energy = 1000000.0: more than gpu_energy_j = 22159.0"),
+        ({"gpu_idle_while_busy_energy_j": 1e9}, "gpu_idle_while_busy_energy_j = 1000000000.0: more than gpu_energy_j = 22159.0"),
+        ({"gpu_energy_j": "22159"}, "gpu_energy_j = '22159': not a number >= 0"),
+    ],
+)
+def test_joules_and_seconds_that_cannot_be_are_refused_in_one_line(tmp_path, capsys, fields, why):
+    p = tmp_path / "r.json"
+    p.write_text(json.dumps({**json.load(open(RESULT)), **fields}))
+    assert main(["advise", "--result", str(p)]) == 2
+    assert capsys.readouterr().err.strip() == f"error: --result = {str(p)!r}: {why}"
+
+
+def test_metrics_from_several_engines_join_their_modes_whatever_the_order(tmp_path, capsys):
+    lines = ['powersave_info{cuda_perf_boost="on",version="1"} 1.0', 'powersave_info{cuda_perf_boost="auto",version="1"} 1.0']
+    outs = []
+    for order in (lines, lines[::-1]):
+        p = tmp_path / "m.txt"
+        p.write_text(open("tests/data/advise-metrics.txt").read().replace("powersave_info{", "powersave_infx{") + "\n".join(order) + "\n")
+        assert main(["advise", "--metrics", str(p), "--json"]) == 0
+        outs.append(sorted(r["key"] for r in json.loads(capsys.readouterr().out)["recommendations"]))
+    assert outs[0] == outs[1] and "perf_boost" not in outs[0]  # mixed modes: no blanket "set auto"
+
+
+def test_the_json_says_per_run_why_there_is_nothing(tmp_path, capsys):
+    p = tmp_path / "q.json"
+    p.write_text(
+        json.dumps(
+            {
+                **json.load(open(RESULT)),
+                "gpu_idle_while_busy_energy_j": 0.0,
+                "cuda_perf_boost": "auto",
+                "energy_by_phase_j": {"decode": 100.0},
+            }
+        )
+    )
+    assert main(["advise", "--result", str(p), "--json"]) == 0
+    (run,) = json.loads(capsys.readouterr().out)["runs"]
+    assert run["result"] == str(p) and run["recommendations"] == 0 and "perf boost already auto" in run["nothing_because"]

@@ -52,6 +52,18 @@ RESULT_KEYS = ("completed", "output_throughput")
 #: Where a result may carry the server's powersave_info labels (the perf-boost mode).
 INFO_KEYS = ("powersave_info", "server_info")
 BOOST_MODES = ("on", "off", "auto")
+#: A GPU whose worker has not published yet ("pending", metrics.py) or an engine without the label.
+UNKNOWN_MODES = ("pending", "")
+#: Result fields that are joules or seconds: a finite number >= 0 where present.
+NONNEGATIVE_KEYS = (
+    "gpu_energy_j",
+    "gpu_idle_energy_j",
+    "gpu_idle_while_busy_energy_j",
+    "gpu_idle_while_busy_s",
+    "frontend_busy_s",
+    "duration",
+    "steady_state_duration_s",
+)
 
 
 class AdviseError(ValueError):
@@ -82,7 +94,7 @@ def load_result(path: str) -> dict[str, Any]:
         raise AdviseError(f"--result = {path!r}: file not found")
     try:
         data = json.loads(p.read_text())
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:
         raise AdviseError(f"--result = {path!r}: not JSON ({str(exc).splitlines()[0][:80]})") from None
     if not isinstance(data, dict):
         raise AdviseError(f"--result = {path!r}: not a loadtests result (top level is {type(data).__name__})")
@@ -101,7 +113,23 @@ def load_result(path: str) -> dict[str, Any]:
     v = data.get("energy_by_phase_j")
     if v is not None and not isinstance(v, dict):
         raise AdviseError(f"--result = {path!r}: energy_by_phase_j = {str(v)[:60]!r}: not an object of joules by phase")
+    _check_amounts(path, data)
     return data
+
+
+def _check_amounts(path: str, data: dict[str, Any]) -> None:
+    """Joules and seconds must be finite and >= 0, and no part of the energy above the whole:
+    a share over 100 % would rank a fix by a saving no run can have."""
+    amounts = {k: data.get(k) for k in NONNEGATIVE_KEYS}
+    amounts.update({f"energy_by_phase_j.{ph}": v for ph, v in (data.get("energy_by_phase_j") or {}).items()})
+    for k, v in amounts.items():
+        if v is not None and (_num(v) is None or v < 0):
+            raise AdviseError(f"--result = {path!r}: {k} = {v!r}: not a number >= 0")
+    total = data.get("gpu_energy_j")
+    idle = (data.get("energy_by_phase_j") or {}).get("idle", data.get("gpu_idle_energy_j"))
+    for k, v in (("idle energy", idle), ("gpu_idle_while_busy_energy_j", data.get("gpu_idle_while_busy_energy_j"))):
+        if total is not None and v is not None and v > 1.01 * total:
+            raise AdviseError(f"--result = {path!r}: {k} = {v!r}: more than gpu_energy_j = {total!r}")
 
 
 def result_perf_boost(data: dict[str, Any]) -> tuple[str, Any] | None:
@@ -124,7 +152,7 @@ def _check_server_fields(path: str, data: dict[str, Any]) -> None:
     if boost is not None:
         field, v = boost
         modes = set(v.split(",")) if isinstance(v, str) else {None}
-        if v != "pending" and not modes <= set(BOOST_MODES):
+        if not modes <= {*BOOST_MODES, *UNKNOWN_MODES}:
             raise AdviseError(f"--result = {path!r}: {field} = {v!r}: not on, off or auto")
     n = data.get("api_server_count")
     if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
@@ -175,8 +203,9 @@ def facts_from_metrics(text: str) -> dict[str, Any]:
                 f["clock_changes"] = f.get("clock_changes", 0.0) + v
             elif n == "powersave_closed_loop_decisions_total":
                 f["closed_loop_decisions"] = f.get("closed_loop_decisions", 0.0) + v
-            elif n == "powersave_info":
-                f["cuda_perf_boost"] = lab.get("cuda_perf_boost")
+            elif n == "powersave_info":  # one line per engine: every engine's mode, as the harness joins them
+                modes = {*(f.get("cuda_perf_boost") or "").split(","), lab.get("cuda_perf_boost", "")} - {""} or {""}
+                f["cuda_perf_boost"] = ",".join(sorted(modes))
                 f["clock_backend"] = lab.get("clock_backend")
             elif n == "powersave_saving_state":
                 f.setdefault("savings", {})[lab.get("saving", "?")] = lab.get("state")
@@ -302,13 +331,20 @@ def advise(facts: dict[str, Any]) -> list[Recommendation]:
     return sorted(out, key=lambda r: (r.saving_share is None, -(r.saving_share or 0.0)))
 
 
+def _modes(mode: Any) -> set[str] | None:
+    """The perf-boost modes of a run's GPUs; None where any is unknown (pending, unlabelled)."""
+    if not isinstance(mode, str):
+        return None
+    modes = set(mode.split(","))
+    return None if modes & set(UNKNOWN_MODES) else modes
+
+
 def _perf_boost(facts: dict[str, Any], e: float | None, iwb_j: float | None, src: str) -> Recommendation | None:
     """``cuda_perf_boost: "auto"`` for a server that kept CUDA's boost on every GPU. Never for one
     that already ran auto or off; where the mode is unknown (a result without it, no /metrics),
     the advice is conditional and carries no estimate to rank by: the plugin's default is auto."""
     idle_j = _num((facts.get("energy_by_phase_j") or {}).get("idle"))
-    mode = facts.get("cuda_perf_boost")
-    modes = set(mode.split(",")) if isinstance(mode, str) and mode != "pending" else None
+    modes = _modes(facts.get("cuda_perf_boost"))
     if not e or idle_j is None or (modes is not None and modes != {"on"}):
         return None
     quiet = idle_j - (iwb_j or 0.0)
@@ -334,8 +370,7 @@ def _perf_boost_on(facts: dict[str, Any], e: float | None, iwb_j: float | None, 
     saving is idle power, and where the GPU is busy nearly all the time its arrangement (an
     unboosted engine beside a boosting side context) cost a little more than CUDA's own boost."""
     idle_j = _num((facts.get("energy_by_phase_j") or {}).get("idle"))
-    mode = facts.get("cuda_perf_boost")
-    if not e or idle_j is None or not isinstance(mode, str) or set(mode.split(",")) != {"auto"}:
+    if not e or idle_j is None or _modes(facts.get("cuda_perf_boost")) != {"auto"}:
         return None
     quiet = idle_j - (iwb_j or 0.0)
     if quiet / e >= PERF_BOOST_ON_MAX_IDLE_SHARE:
@@ -373,7 +408,15 @@ def run(results: list[str], metrics: list[str], api_servers: int | None = None, 
         runs.append(RunAdvice(path, advise(facts), facts))
     if as_json:
         recs = [{**asdict(r), "result": run_.result} for run_ in runs for r in run_.recommendations]
-        return json.dumps({"inputs": {"results": results, "metrics": metrics}, "recommendations": recs}, indent=2)
+        per_run = [
+            {
+                "result": x.result,
+                "recommendations": len(x.recommendations),
+                "nothing_because": None if x.recommendations else _nothing_because(x.facts),
+            }
+            for x in runs
+        ]
+        return json.dumps({"inputs": {"results": results, "metrics": metrics}, "runs": per_run, "recommendations": recs}, indent=2)
     lines: list[str] = []
     for run_ in runs:
         if len(runs) > 1:
@@ -403,14 +446,18 @@ def _nothing_because(facts: dict[str, Any]) -> str:
     """What the rules saw, where they found nothing: the perf-boost mode and the shares that stayed
     below their thresholds."""
     parts = []
-    mode = facts.get("cuda_perf_boost")
-    if isinstance(mode, str) and mode in ("auto", "off"):
-        parts.append(f"perf boost already {mode}")
+    modes = _modes(facts.get("cuda_perf_boost"))
+    if modes and "on" not in modes:
+        parts.append(f"perf boost already {','.join(sorted(modes))}")
     e, iwb_j = _num(facts.get("energy_j")), _num(facts.get("idle_while_busy_j"))
+    if not e:
+        parts.append("no usable energy total in these figures")
     if e and iwb_j is not None:
         parts.append(f"front-end starvation {100 * iwb_j / e:.1f} % of the energy (advice from {100 * MIN_STARVATION_SHARE:.0f} %)")
     idle_j = _num((facts.get("energy_by_phase_j") or {}).get("idle"))
-    if e and idle_j is not None and mode in (None, "on"):
+    if e and idle_j is not None:
         quiet = max(idle_j - (iwb_j or 0.0), 0.0)
-        parts.append(f"idle {100 * quiet / e:.1f} % of the energy (advice from {100 * MIN_IDLE_SHARE:.0f} %)")
+        cut = MIN_IDLE_SHARE if modes is None or "on" in modes else PERF_BOOST_ON_MAX_IDLE_SHARE
+        side = "from" if cut == MIN_IDLE_SHARE else "below"
+        parts.append(f"idle {100 * quiet / e:.1f} % of the energy (advice {side} {100 * cut:.0f} %)")
     return "; ".join(parts)
