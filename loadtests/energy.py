@@ -249,8 +249,9 @@ def join_info(infos: Sequence[dict[str, str] | None]) -> dict[str, str] | None:
     have = [i for i in infos if i]
     if not have:
         return None
-    keys = dict.fromkeys(k for i in have for k in i)
-    return {k: ",".join(sorted({i[k] for i in have if k in i})) for k in keys}
+    # A label one engine lacks is unknown for the whole set, not the others' value alone.
+    keys = [k for k in dict.fromkeys(k for i in have for k in i) if all(k in i for i in have)]
+    return {k: ",".join(sorted({str(i[k]) for i in have})) for k in keys}
 
 
 def parse_scrape(text: str) -> Scrape:

@@ -123,3 +123,10 @@ def test_several_engines_labels_join_into_one_mode_list():
     text = 'powersave_info{cuda_perf_boost="on",source="measured"} 1.0\npowersave_info{cuda_perf_boost="auto",source="measured"} 1.0\n'
     assert parse_scrape(text).info == {"cuda_perf_boost": "auto,on", "source": "measured"}
     assert join_info([None, {"cuda_perf_boost": "auto"}]) == {"cuda_perf_boost": "auto"} and join_info([None]) is None
+
+
+def test_an_engine_without_the_mode_label_makes_the_mode_unknown():
+    from loadtests.energy import parse_scrape
+
+    text = 'powersave_info{cuda_perf_boost="on",source="measured"} 1.0\npowersave_info{source="measured"} 1.0\n'
+    assert parse_scrape(text).info == {"source": "measured"}
