@@ -255,6 +255,8 @@ def test_the_advise_hint_names_one_result_file_a_shell_can_pass():
         (["--output-len", "0"], "error: --output-len = 0: must be >= 1 token"),
         (["--order", "off,maybe"], "error: --order must name off and on, e.g. 'off,on' or 'on,off,off,on' (got 'off,maybe')"),
         (["--rate-window-s", "-5"], "error: --rate-window-s = -5: must be in (0, 3600] s"),
+        (["--warmups", "-1"], "error: --warmups = -1: must be >= 0"),
+        (["--startup-timeout", "nan"], "error: --startup-timeout = nan: must be a number of seconds > 0"),
     ],
 )
 def test_a_bad_compare_flag_is_one_line_before_any_model_folder_or_server(tmp_path, monkeypatch, capsys, flags, message):

@@ -122,6 +122,15 @@ def _compare_arg_error(ns: argparse.Namespace, order: list[str], configs: dict) 
     for flag, value in (("--input-len", ns.input_len), ("--output-len", ns.output_len)):
         if value < 1:
             return f"{flag} = {value}: must be >= 1 token"
+    if ns.warmups < 0:
+        return f"--warmups = {ns.warmups}: must be >= 0"
+    if not 0 < ns.startup_timeout < float("inf"):  # also refuses nan
+        return f"--startup-timeout = {ns.startup_timeout:g}: must be a number of seconds > 0"
+    if ns.model is None:
+        from .sim.shapes import SHAPES
+
+        if ns.shape not in SHAPES:
+            return f"--shape = {ns.shape!r}: unknown shape ({', '.join(sorted(SHAPES))})"
     if sorted(set(order)) != sorted(configs):
         return f"--order must name off and on, e.g. 'off,on' or 'on,off,off,on' (got {ns.order!r})"
     return None
