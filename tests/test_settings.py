@@ -142,3 +142,26 @@ def test_an_unknown_setting_is_named_with_the_closest_real_one(inline, line):
     with pytest.raises(SettingsError) as exc:
         load_settings(inline, env={})
     assert str(exc.value) == line
+
+
+@pytest.mark.parametrize(
+    "inline, line",
+    [
+        (
+            {"cuda_perf_boost\nsavings": "on"},
+            "powersave setting 'cuda_perf_boost\\nsavings' = 'on': unknown setting, did you mean 'cuda_perf_boost'?",
+        ),
+        ({"": 1}, "powersave setting '' = 1: unknown setting"),
+        (
+            {"clocks.mode": "off"},
+            "powersave setting 'clocks.mode' = 'off': unknown setting (nested settings are objects: {'clocks': {'mode': ...}}, not 'clocks.mode')",
+        ),
+    ],
+)
+def test_an_odd_unknown_key_still_makes_one_line_that_names_it(inline, line):
+    with pytest.raises(SettingsError) as exc:
+        load_settings(inline, env={})
+    assert str(exc.value) == line and "\n" not in str(exc.value)
+    with pytest.raises(SettingsError) as exc:
+        load_settings({"x" * 5000: 1}, env={})
+    assert len(str(exc.value)) < 200

@@ -485,11 +485,15 @@ def _one_line(err: ValidationError) -> str:
     loc = ".".join(str(p) for p in first["loc"] if p != "[key]")
     more = f" (+{err.error_count() - 1} more)" if err.error_count() > 1 else ""
     msg = first["msg"].removeprefix("Value error, ")
-    if first.get("type") == "extra_forbidden":  # pydantic's "Extra inputs are not permitted"
-        msg = "unknown setting" + _did_you_mean([str(p) for p in first["loc"]])
-    if not loc:  # a rule across fields: the message names them
+    unknown = first.get("type") == "extra_forbidden"  # pydantic's "Extra inputs are not permitted"
+    if unknown:
+        key = str(first["loc"][-1]) if first["loc"] else ""
+        hint = " (nested settings are objects: {'clocks': {'mode': ...}}, not 'clocks.mode')" if "." in key else ""
+        msg = "unknown setting" + (hint or _did_you_mean([str(p) for p in first["loc"]]))
+    if not loc and not unknown:  # a rule across fields: the message names them
         return f"powersave settings: {msg}{more}"
-    return f"powersave setting '{loc}' = {_short(first.get('input'))}: {msg}{more}"
+    # repr, shortened: a key with a newline or of thousands of characters still makes one line.
+    return f"powersave setting {_short(loc)} = {_short(first.get('input'))}: {msg}{more}"
 
 
 def _yaml12_loader() -> type:
