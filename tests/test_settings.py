@@ -165,3 +165,23 @@ def test_an_odd_unknown_key_still_makes_one_line_that_names_it(inline, line):
     with pytest.raises(SettingsError) as exc:
         load_settings({"x" * 5000: 1}, env={})
     assert len(str(exc.value)) < 200
+
+
+@pytest.mark.parametrize(
+    "inline, line",
+    [
+        (
+            {"clocks": {"presets": {"decode": {"sm_clok_mhz": 700}}}},
+            "powersave setting 'clocks.presets.decode.sm_clok_mhz' = 700: unknown setting, did you mean 'sm_clock_mhz'?",
+        ),
+        ({"tuned_for": {"gpu_nam": "x"}}, "powersave setting 'tuned_for.gpu_nam' = 'x': unknown setting, did you mean 'gpu_name'?"),
+        (
+            {"chunking": {"table": [{"min_row": 1, "chunks": 2}]}},
+            "powersave setting 'chunking.table.0.min_row' = 1: unknown setting, did you mean 'min_rows'? (+1 more)",
+        ),
+    ],
+)
+def test_did_you_mean_reaches_settings_below_dicts_lists_and_optionals(inline, line):
+    with pytest.raises(SettingsError) as exc:
+        load_settings(inline, env={})
+    assert str(exc.value) == line

@@ -466,14 +466,35 @@ def _short(value: Any, limit: int = 120) -> str:
     return text if len(text) <= limit else text[: limit - 5] + "...'"
 
 
+def _model_in(tp: Any) -> Any:
+    """The settings model a field's annotation holds (through Optional, dict values and list
+    items), or None."""
+    import typing
+
+    if isinstance(tp, type) and issubclass(tp, BaseModel):
+        return tp
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) is dict and len(args) == 2:
+        return ("items", _model_in(args[1]))  # the next part of a location is a key
+    if typing.get_origin(tp) in (list, tuple) and args:
+        return ("items", _model_in(args[0]))  # ... or an index
+    found = [m for m in (_model_in(a) for a in args) if m is not None]
+    return found[0] if found else None
+
+
 def _did_you_mean(loc: list[str]) -> str:
     """ ", did you mean 'x'?" for a misspelt key: the closest field name where the key stands."""
     import difflib
 
     model: Any = PowersaveSettings
     for part in loc[:-1]:
-        field = model.model_fields.get(part) if isinstance(model, type) and issubclass(model, BaseModel) else None
-        model = field.annotation if field is not None else None
+        if isinstance(model, tuple):  # a dict key or a list index: step into the items' model
+            model = model[1]
+            continue
+        field = model.model_fields.get(part) if isinstance(model, type) else None
+        model = _model_in(field.annotation) if field is not None else None
+        if model is None:
+            return ""
     if not (isinstance(model, type) and issubclass(model, BaseModel)):
         return ""
     close = difflib.get_close_matches(loc[-1], list(model.model_fields), n=1)
@@ -481,7 +502,9 @@ def _did_you_mean(loc: list[str]) -> str:
 
 
 def _one_line(err: ValidationError) -> str:
-    first = err.errors()[0]
+    errors = err.errors()
+    # A misspelt key also makes its real one "missing": the unknown key is the one to name.
+    first = next((e for e in errors if e.get("type") == "extra_forbidden"), errors[0])
     loc = ".".join(str(p) for p in first["loc"] if p != "[key]")
     more = f" (+{err.error_count() - 1} more)" if err.error_count() > 1 else ""
     msg = first["msg"].removeprefix("Value error, ")
