@@ -151,3 +151,7 @@ def test_nothing_to_recommend_says_what_the_rules_saw(tmp_path):
     text = run([str(quiet)], [])
     assert text.startswith("vllm-powersave advise: nothing to recommend from these figures (perf boost already auto")
     assert "front-end starvation 0.0 %" in text
+
+
+def test_a_result_given_twice_is_one_run():
+    assert run([RESULT, RESULT], []) == run([RESULT], [])

@@ -399,6 +399,7 @@ def run(results: list[str], metrics: list[str], api_servers: int | None = None, 
     for m in metrics:
         for k, v in facts_from_metrics(load_metrics(m)).items():
             base.setdefault(k, v)
+    results = list(dict.fromkeys(results))  # a file given twice is one run
     loaded = [(r, facts_from_result(load_result(r))) for r in results]  # every file checked before any advice
     runs: list[RunAdvice] = []
     for path, f in loaded or [(None, {})]:
