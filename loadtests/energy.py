@@ -18,6 +18,7 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import aiohttp
 
@@ -254,10 +255,28 @@ def join_info(infos: Sequence[dict[str, str] | None]) -> dict[str, str] | None:
     return {k: ",".join(sorted({str(i[k]) for i in have})) for k in keys}
 
 
-def parse_scrape(text: str) -> Scrape:
-    """Parse a (filtered or full) ``/metrics`` text into a :class:`Scrape`; never raises."""
+def _samples(text: str) -> list[Any]:
+    """The samples of a /metrics text. Where the text does not parse as a whole, each line is
+    parsed alone and a malformed one is skipped: one bad line (a label the parser rejects) must
+    not cost the reading its energy counters."""
     from prometheus_client.parser import text_string_to_metric_families
 
+    try:
+        return [smp for fam in text_string_to_metric_families(text) for smp in fam.samples]
+    except Exception:  # the parser raises bare ValueError/TypeError variants on bad input
+        pass
+    out = []
+    for line in text.splitlines():
+        if line.strip() and not line.startswith("#"):
+            try:
+                out += [smp for fam in text_string_to_metric_families(line + "\n") for smp in fam.samples]
+            except Exception:
+                continue
+    return out
+
+
+def parse_scrape(text: str) -> Scrape:
+    """Parse a (filtered or full) ``/metrics`` text into a :class:`Scrape`; never raises."""
     out = Scrape()
     counters: dict[LabelKey, float] = {}
     power: list[float] = []
@@ -268,26 +287,25 @@ def parse_scrape(text: str) -> Scrape:
     cross: dict[str, float] = {}
     info: list[dict[str, str]] = []
     try:
-        for fam in text_string_to_metric_families(filter_metrics_text(text)):
-            for smp in fam.samples:
-                if smp.name in _SAMPLE_NAMES:
-                    counters[tuple(sorted(smp.labels.items()))] = float(smp.value)
-                elif smp.name == "powersave_gpu_power_watts":
-                    power.append(float(smp.value))
-                    sources.add(smp.labels.get("source", ""))
-                elif smp.name == "powersave_sm_clock_mhz":
-                    clock.append(float(smp.value))
-                    sources.add(smp.labels.get("source", ""))
-                elif smp.name == "vllm:num_requests_running":
-                    running.append(float(smp.value))
-                elif smp.name == "powersave_info":
-                    out.plugin = True
-                    info.append(dict(smp.labels))
-                elif smp.name in _STARVATION:
-                    key = _STARVATION[smp.name]
-                    starv[key] = starv.get(key, 0.0) + float(smp.value)
-                elif smp.name == "powersave_energy_crosscheck_ratio":
-                    cross[smp.labels.get("gpu", "")] = float(smp.value)
+        for smp in _samples(filter_metrics_text(text)):
+            if smp.name in _SAMPLE_NAMES:
+                counters[tuple(sorted(smp.labels.items()))] = float(smp.value)
+            elif smp.name == "powersave_gpu_power_watts":
+                power.append(float(smp.value))
+                sources.add(smp.labels.get("source", ""))
+            elif smp.name == "powersave_sm_clock_mhz":
+                clock.append(float(smp.value))
+                sources.add(smp.labels.get("source", ""))
+            elif smp.name == "vllm:num_requests_running":
+                running.append(float(smp.value))
+            elif smp.name == "powersave_info":
+                out.plugin = True
+                info.append(dict(smp.labels))
+            elif smp.name in _STARVATION:
+                key = _STARVATION[smp.name]
+                starv[key] = starv.get(key, 0.0) + float(smp.value)
+            elif smp.name == "powersave_energy_crosscheck_ratio":
+                cross[smp.labels.get("gpu", "")] = float(smp.value)
     except Exception:  # the parser raises bare ValueError/TypeError variants on bad input
         return Scrape()
     out.counters = counters or None

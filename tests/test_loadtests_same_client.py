@@ -130,3 +130,13 @@ def test_an_engine_without_the_mode_label_makes_the_mode_unknown():
 
     text = 'powersave_info{cuda_perf_boost="on",source="measured"} 1.0\npowersave_info{source="measured"} 1.0\n'
     assert parse_scrape(text).info == {"source": "measured"}
+
+
+def test_one_malformed_info_line_costs_that_line_not_the_energy_counters():
+    from loadtests.energy import parse_scrape
+
+    good = 'powersave_gpu_energy_joules_total{gpu="0",phase="decode",source="measured"} 12.5\n'
+    bad = 'powersave_info{cuda_perf_boost="on",cuda_perf_boost="auto"} 1.0\n'  # a duplicate label
+    sc = parse_scrape(good + bad)
+    assert sc.counters == {(("gpu", "0"), ("phase", "decode"), ("source", "measured")): 12.5} and sc.info is None
+    assert parse_scrape("not metrics at all {{{\n").counters is None  # still never raises
