@@ -43,7 +43,7 @@ MIN_IDLE_SHARE = 0.03
 MIN_STEADY_SHARE = 0.5
 
 
-#: A run's own load-generator check (loadtests), taken from the last --result only.
+#: A run's own load-generator check (loadtests): it belongs to the result it was made in.
 LAG_KEYS = ("client_loop_lag_p99_ms", "client_loop_lag_max_ms")
 CLIENT_KEYS = ("client_bottleneck", *LAG_KEYS, "client_cpu_contended")
 #: Every loadtests result has these (loadtests/runner.py); a file with neither is something else
@@ -106,10 +106,6 @@ def load_result(path: str) -> dict[str, Any]:
     v = data.get("client_bottleneck")
     if v is not None and not isinstance(v, bool):
         raise AdviseError(f"--result = {path!r}: client_bottleneck = {v!r}: not true/false")
-    for k in LAG_KEYS:
-        v = data.get(k)
-        if v is not None and (_num(v) is None or v < 0):
-            raise AdviseError(f"--result = {path!r}: {k} = {v!r}: not a number >= 0")
     v = data.get("energy_by_phase_j")
     if v is not None and not isinstance(v, dict):
         raise AdviseError(f"--result = {path!r}: energy_by_phase_j = {str(v)[:60]!r}: not an object of joules by phase")
@@ -118,9 +114,9 @@ def load_result(path: str) -> dict[str, Any]:
 
 
 def _check_amounts(path: str, data: dict[str, Any]) -> None:
-    """Joules and seconds must be finite and >= 0, and no part of the energy above the whole:
+    """Joules, seconds and the client's lag must be finite and >= 0, and no part of the energy above the whole:
     a share over 100 % would rank a fix by a saving no run can have."""
-    amounts = {k: data.get(k) for k in NONNEGATIVE_KEYS}
+    amounts = {k: data.get(k) for k in (*LAG_KEYS, *NONNEGATIVE_KEYS)}
     amounts.update({f"energy_by_phase_j.{ph}": v for ph, v in (data.get("energy_by_phase_j") or {}).items()})
     for k, v in amounts.items():
         if v is not None and (_num(v) is None or v < 0):
@@ -339,15 +335,21 @@ def _modes(mode: Any) -> set[str] | None:
     return None if modes & set(UNKNOWN_MODES) else modes
 
 
+def _quiet_idle_j(facts: dict[str, Any], iwb_j: float | None) -> float | None:
+    """Idle energy with no request in flight (J): what perf boost's modes act on, starvation being
+    the front end's. None where the run has no idle figure."""
+    idle_j = _num((facts.get("energy_by_phase_j") or {}).get("idle"))
+    return None if idle_j is None else max(idle_j - (iwb_j or 0.0), 0.0)
+
+
 def _perf_boost(facts: dict[str, Any], e: float | None, iwb_j: float | None, src: str) -> Recommendation | None:
     """``cuda_perf_boost: "auto"`` for a server that kept CUDA's boost on every GPU. Never for one
     that already ran auto or off; where the mode is unknown (a result without it, no /metrics),
     the advice is conditional and carries no estimate to rank by: the plugin's default is auto."""
-    idle_j = _num((facts.get("energy_by_phase_j") or {}).get("idle"))
+    quiet = _quiet_idle_j(facts, iwb_j)
     modes = _modes(facts.get("cuda_perf_boost"))
-    if not e or idle_j is None or (modes is not None and modes != {"on"}):
+    if not e or quiet is None or (modes is not None and modes != {"on"}):
         return None
-    quiet = idle_j - (iwb_j or 0.0)
     if quiet / e < MIN_IDLE_SHARE:
         return None
     action = 'Set cuda_perf_boost: "auto" (or drop a "savings: off"/"cuda_perf_boost: on" setting)'
@@ -369,16 +371,15 @@ def _perf_boost_on(facts: dict[str, Any], e: float | None, iwb_j: float | None, 
     """``cuda_perf_boost: "on"`` for a server that ran auto on every GPU and hardly idled: auto's
     saving is idle power, and where the GPU is busy nearly all the time its arrangement (an
     unboosted engine beside a boosting side context) cost a little more than CUDA's own boost."""
-    idle_j = _num((facts.get("energy_by_phase_j") or {}).get("idle"))
-    if not e or idle_j is None or _modes(facts.get("cuda_perf_boost")) != {"auto"}:
+    quiet = _quiet_idle_j(facts, iwb_j)
+    if not e or quiet is None or _modes(facts.get("cuda_perf_boost")) != {"auto"}:
         return None
-    quiet = idle_j - (iwb_j or 0.0)
     if quiet / e >= PERF_BOOST_ON_MAX_IDLE_SHARE:
         return None
     return Recommendation(
         "perf_boost_on",
         'If the server stays this busy, set cuda_perf_boost: "on" (auto saves idle power, and there was almost none)',
-        f"idle energy {max(quiet, 0.0):.0f} J, {100 * max(quiet, 0.0) / e:.2f} % of the run's energy; at 8 req/s on an H100 "
+        f"idle energy {quiet:.0f} J, {100 * quiet / e:.2f} % of the run's energy; at 8 req/s on an H100 "
         f"(GPU busy ~99 %) on gave ~{100 * PERF_BOOST_ON_BUSY_GAIN:.1f} % more tokens per joule than auto, 3 adjacent "
         "comparisons (measured, docs/results/h200-under-load.md); none at 2 req/s",
         src,
@@ -455,9 +456,8 @@ def _nothing_because(facts: dict[str, Any]) -> str:
         parts.append("no usable energy total in these figures")
     if e and iwb_j is not None:
         parts.append(f"front-end starvation {100 * iwb_j / e:.1f} % of the energy (advice from {100 * MIN_STARVATION_SHARE:.0f} %)")
-    idle_j = _num((facts.get("energy_by_phase_j") or {}).get("idle"))
-    if e and idle_j is not None:
-        quiet = max(idle_j - (iwb_j or 0.0), 0.0)
+    quiet = _quiet_idle_j(facts, iwb_j)
+    if e and quiet is not None:
         cut = MIN_IDLE_SHARE if modes is None or "on" in modes else PERF_BOOST_ON_MAX_IDLE_SHARE
         side = "from" if cut == MIN_IDLE_SHARE else "below"
         parts.append(f"idle {100 * quiet / e:.1f} % of the energy (advice {side} {100 * cut:.0f} %)")
