@@ -136,7 +136,7 @@ def test_each_result_is_its_own_run_and_does_not_inherit_another_runs_client_fla
     assert text.index(f"== {lagging}") < text.index(f"== {calm}") and text.count("recommendation(s)") == 2
 
 
-def test_nothing_to_recommend_says_what_the_rules_saw(tmp_path):
+def test_nothing_to_recommend_says_what_the_rules_saw_in_text_and_json(tmp_path):
     quiet = tmp_path / "q.json"
     quiet.write_text(
         json.dumps(
@@ -151,6 +151,8 @@ def test_nothing_to_recommend_says_what_the_rules_saw(tmp_path):
     text = run([str(quiet)], [])
     assert text.startswith("vllm-powersave advise: nothing to recommend from these figures (perf boost already auto")
     assert "front-end starvation 0.0 %" in text
+    (run_,) = json.loads(run([str(quiet)], [], as_json=True))["runs"]  # the JSON says it per run
+    assert run_["result"] == str(quiet) and run_["recommendations"] == 0 and "perf boost already auto" in run_["nothing_because"]
 
 
 def test_a_result_given_twice_is_one_run():

@@ -148,20 +148,3 @@ def test_metrics_from_several_engines_join_their_modes_whatever_the_order(tmp_pa
         assert main(["advise", "--metrics", str(p), "--json"]) == 0
         outs.append(sorted(r["key"] for r in json.loads(capsys.readouterr().out)["recommendations"]))
     assert outs[0] == outs[1] and "perf_boost" not in outs[0]  # mixed modes: no blanket "set auto"
-
-
-def test_the_json_says_per_run_why_there_is_nothing(tmp_path, capsys):
-    p = tmp_path / "q.json"
-    p.write_text(
-        json.dumps(
-            {
-                **json.load(open(RESULT)),
-                "gpu_idle_while_busy_energy_j": 0.0,
-                "cuda_perf_boost": "auto",
-                "energy_by_phase_j": {"decode": 100.0},
-            }
-        )
-    )
-    assert main(["advise", "--result", str(p), "--json"]) == 0
-    (run,) = json.loads(capsys.readouterr().out)["runs"]
-    assert run["result"] == str(p) and run["recommendations"] == 0 and "perf boost already auto" in run["nothing_because"]
