@@ -148,3 +148,15 @@ def test_metrics_from_several_engines_join_their_modes_whatever_the_order(tmp_pa
         assert main(["advise", "--metrics", str(p), "--json"]) == 0
         outs.append(sorted(r["key"] for r in json.loads(capsys.readouterr().out)["recommendations"]))
     assert outs[0] == outs[1] and "perf_boost" not in outs[0]  # mixed modes: no blanket "set auto"
+    from vllm_powersave.advise import facts_from_metrics
+
+    # The fixture's idle share is below the rule's threshold, so the keys alone cannot tell: the
+    # mode the facts carry must not depend on the line order either.
+    assert {facts_from_metrics("\n".join(o) + "\n")["cuda_perf_boost"] for o in (lines, lines[::-1])} == {"auto,on"}
+
+
+def test_an_engine_without_the_mode_label_in_metrics_makes_the_mode_unknown():
+    from vllm_powersave.advise import _modes, facts_from_metrics
+
+    text = 'powersave_info{cuda_perf_boost="on",version="1"} 1.0\npowersave_info{version="1"} 1.0\n'
+    assert facts_from_metrics(text)["cuda_perf_boost"] == ",on" and _modes(",on") is None

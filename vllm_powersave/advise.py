@@ -176,6 +176,7 @@ def facts_from_metrics(text: str) -> dict[str, Any]:
 
     f: dict[str, Any] = {"energy_by_phase_j": {}}
     sources: set[str] = set()
+    modes: set[str] = set()
     try:
         fams = list(text_string_to_metric_families(text))
     except Exception as exc:
@@ -199,14 +200,15 @@ def facts_from_metrics(text: str) -> dict[str, Any]:
                 f["clock_changes"] = f.get("clock_changes", 0.0) + v
             elif n == "powersave_closed_loop_decisions_total":
                 f["closed_loop_decisions"] = f.get("closed_loop_decisions", 0.0) + v
-            elif n == "powersave_info":  # one line per engine: every engine's mode, as the harness joins them
-                modes = {*(f.get("cuda_perf_boost") or "").split(","), lab.get("cuda_perf_boost", "")} - {""} or {""}
-                f["cuda_perf_boost"] = ",".join(sorted(modes))
+            elif n == "powersave_info":  # one line per engine
+                modes.add(lab.get("cuda_perf_boost", ""))  # "": an engine without the label (unknown)
                 f["clock_backend"] = lab.get("clock_backend")
             elif n == "powersave_saving_state":
                 f.setdefault("savings", {})[lab.get("saving", "?")] = lab.get("state")
             elif n == "vllm:num_requests_waiting":
                 f["waiting"] = f.get("waiting", 0.0) + v
+    if modes:  # every engine's mode, joined as the harness joins them (loadtests.energy.join_info)
+        f["cuda_perf_boost"] = ",".join(sorted(modes))
     if f["energy_by_phase_j"]:
         f["energy_j"] = sum(f["energy_by_phase_j"].values())
         f["time_s"] = None
