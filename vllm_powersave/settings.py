@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -466,36 +466,43 @@ def _short(value: Any, limit: int = 120) -> str:
     return text if len(text) <= limit else text[: limit - 5] + "...'"
 
 
-def _model_in(tp: Any) -> Any:
-    """The settings model a field's annotation holds (through Optional, dict values and list
-    items), or None."""
+class _Held(NamedTuple):
+    """The settings model a field's annotation holds, and how many key or index parts of an error
+    location stand between the field and that model's own fields (dict values, list items)."""
+
+    model: type[BaseModel]
+    containers: int
+
+
+def _model_in(tp: Any) -> _Held | None:
+    """The settings model in a field's annotation (through Optional, dict values and list items)."""
     import typing
 
     if isinstance(tp, type) and issubclass(tp, BaseModel):
-        return tp
-    args = typing.get_args(tp)
-    if typing.get_origin(tp) is dict and len(args) == 2:
-        return ("items", _model_in(args[1]))  # the next part of a location is a key
-    if typing.get_origin(tp) in (list, tuple) and args:
-        return ("items", _model_in(args[0]))  # ... or an index
-    found = [m for m in (_model_in(a) for a in args) if m is not None]
-    return found[0] if found else None
+        return _Held(tp, 0)
+    args, origin = typing.get_args(tp), typing.get_origin(tp)
+    inner = args[1] if origin is dict and len(args) == 2 else args[0] if origin in (list, tuple) and args else None
+    if inner is not None:
+        held = _model_in(inner)
+        return _Held(held.model, held.containers + 1) if held else None
+    return next((h for h in map(_model_in, args) if h is not None), None)
 
 
 def _did_you_mean(loc: list[str]) -> str:
     """ ", did you mean 'x'?" for a misspelt key: the closest field name where the key stands."""
     import difflib
 
-    model: Any = PowersaveSettings
+    model, skip = PowersaveSettings, 0
     for part in loc[:-1]:
-        if isinstance(model, tuple):  # a dict key or a list index: step into the items' model
-            model = model[1]
+        if skip:  # a dict key or a list index
+            skip -= 1
             continue
-        field = model.model_fields.get(part) if isinstance(model, type) else None
-        model = _model_in(field.annotation) if field is not None else None
-        if model is None:
+        field = model.model_fields.get(part)
+        held = _model_in(field.annotation) if field is not None else None
+        if held is None:
             return ""
-    if not (isinstance(model, type) and issubclass(model, BaseModel)):
+        model, skip = held
+    if skip:
         return ""
     close = difflib.get_close_matches(loc[-1], list(model.model_fields), n=1)
     return f", did you mean '{close[0]}'?" if close else ""
