@@ -49,9 +49,8 @@ LOADS = {
         "traffic": ["--rate", "4", "--input-len", "128:1024", "--output-len", "32:512"],
         "slo": ["--slo-ttft-ms", "2000", "--slo-tpot-ms", "50", "--slo-attainment", "0.99"],
         "space": {
-            "cuda_perf_boost": ["on", "auto"],
             "max_num_batched_tokens": [8192, 2048],
-            "async_scheduling": [False, True],
+            "cuda_perf_boost": ["on", "off", "auto"],
         },
     },
     "c128": {
@@ -59,9 +58,7 @@ LOADS = {
         "slo": ["--slo-ttft-ms", "20000", "--slo-tpot-ms", "60", "--slo-attainment", "0.99"],
         "space": {
             "api_server_count": [1, 4],
-            "max_num_seqs": [256, 128],
-            "async_scheduling": [False, True],
-            "cuda_perf_boost": ["on", "auto"],
+            "cuda_perf_boost": ["on", "off", "auto"],
         },
     },
 }

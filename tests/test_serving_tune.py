@@ -69,7 +69,7 @@ def test_settings_that_cannot_act_here_are_skipped_with_a_reason():
     assert "max_num_seqs" in keep and "cuda_perf_boost" not in keep
     keep, skipped = applicable(spec, MachineFacts(gpu=True, clocks_settable=False, clocks_reason="POWERSAVE_FORCE_DRY_RUN=1"))
     assert list(skipped) == ["closed_loop_budget_pct"] and "POWERSAVE_FORCE_DRY_RUN=1" in skipped["closed_loop_budget_pct"]
-    assert "predicted only" in skipped["closed_loop_budget_pct"] and keep["cuda_perf_boost"] == ["on", "auto"]
+    assert "predicted only" in skipped["closed_loop_budget_pct"] and keep["cuda_perf_boost"] == ["on", "auto", "off"]
 
 
 @pytest.mark.parametrize(

@@ -120,7 +120,7 @@ def default_space(gpu: bool) -> SpaceSpec:
         max_num_batched_tokens=[8192, 2048, 16384],
         api_server_count=[1, 4],
         async_scheduling=[False, True],
-        cuda_perf_boost=["on", "auto"],
+        cuda_perf_boost=["on", "auto", "off"],
         closed_loop_budget_pct=[None, 1.0],
     )
 
