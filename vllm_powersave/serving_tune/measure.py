@@ -218,6 +218,7 @@ def figures_of(result: dict[str, Any], slo: Slo) -> Figures:
         completed=int(result.get("completed") or 0),
         failed=int(result.get("failed") or 0),
         duration_s=num("duration"),
+        energy_note=None if num("output_tokens_per_joule") is not None else str(result.get("energy_note") or "no energy reading"),
     )
 
 

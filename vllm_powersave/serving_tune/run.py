@@ -17,7 +17,7 @@ from .measure import MeasureError, Measurer, Refused, ServePlan, stop_leftover_s
 from .search import Budget, CostModel, Round, Scored, first_round, next_round, rank, survivors
 from .slo import Slo, Verdict, judge
 from .space import Config
-from .state import STATE_NAME, Measurement, Rejection, StateFile
+from .state import STATE_NAME, Figures, Measurement, Rejection, StateFile
 from .traffic import Traffic
 
 EXIT_STOPPED = 3
@@ -130,7 +130,7 @@ class Session:
         started = utc_now()
         label = step_id.replace("/", "-").replace("=", "").replace(",", "_").replace(":", "-")[:120]
         try:
-            figs, restarted = self.measurer.measure(config, window_s, seed, label)
+            figs, restarted = self._measure_with_energy(config, window_s, seed, label)
         except Refused as err:
             rej = Rejection(config.key, str(err), time.monotonic() - t0)
             self.state.add(rej)
@@ -144,6 +144,19 @@ class Session:
         self._tick()
         self.say(step_line(m, verdict_of(m, self.opts.slo)))
         return m
+
+    def _measure_with_energy(self, config: Config, window_s: float, seed: int, label: str) -> tuple[Figures, bool]:
+        """One window; measured once more when it came back without an energy figure (a meter read
+        that failed at a window's edge on a loaded host), so that no pair loses its ratio to one
+        lost read. A second miss is kept as it is, and said."""
+        figs, restarted = self.measurer.measure(config, window_s, seed, label)
+        if figs.output_tokens_per_joule is not None or figs.sent == 0:
+            return figs, restarted
+        self.say(f"[tune-serving] {label}: no energy figure ({figs.energy_note}); measuring the window again")
+        again, restarted_again = self.measurer.measure(config, window_s, seed, label + "-again")
+        if again.output_tokens_per_joule is None:
+            self.say(f"[tune-serving] {label}: no energy figure again ({again.energy_note}); kept without one")
+        return again, restarted or restarted_again
 
     def say(self, line: str) -> None:
         """A log line on stdout, above the progress bar where there is one."""

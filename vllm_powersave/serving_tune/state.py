@@ -42,6 +42,8 @@ class Figures:
     completed: int
     failed: int
     duration_s: float | None
+    #: Why the window has no energy figure (the harness's note), when it has none.
+    energy_note: str | None = None
 
 
 @dataclass(frozen=True)
