@@ -84,9 +84,10 @@ def test_outlier_steps_neither_back_off_nor_end_the_search():
 
 
 def test_a_parked_bucket_retries_on_a_doubling_schedule():
-    # 4 % noise needs more than 64 steps per window: the bucket keeps the default clock, and
-    # searches again after 20 s, then 40 s, 80 s, ... instead of once after 600 s.
-    tuner = DecodeClockTuner(_loop_settings(probe_steps_max=64, retry_after_s=20.0), H200.sm_clocks_mhz)
+    # 4 % noise needs more than 64 steps per window: with knee mode off (tests/test_closed_loop_knee.py
+    # has it on) the bucket keeps the default clock, and searches again after 20 s, then 40 s,
+    # 80 s, ... instead of once after 600 s.
+    tuner = DecodeClockTuner(_loop_settings(probe_steps_max=64, retry_after_s=20.0, knee_locate=False), H200.sm_clocks_mhz)
     d = Decode(tuner, noise=0.04, seed=1).run(30_000)  # ~300 s
     retries = [r.t_s for r in tuner.records if r.event == "retry"]
     assert len(retries) >= 3

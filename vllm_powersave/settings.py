@@ -157,6 +157,16 @@ class ClosedLoopSettings(_Strict):
     #: ``max_step_down`` x the lowest clock known to pass (a failed probe costs at most one such
     #: step of slowdown), and stops once the interval is narrower than ``resolution_mhz``.
     max_probes_per_bucket: int = Field(default=6, ge=1, le=64)
+    #: Where the step noise needs longer windows than ``probe_steps_max`` to resolve the target,
+    #: locate the memory-bound knee instead (docs/closed-loop.md, "Noisy steps: locate the
+    #: knee"): ``knee_probe_steps`` steps at a clock with a large slowdown against
+    #: ``knee_ref_steps`` default-clock steps bound the knee from above (under a stated model of
+    #: its shape), and the bucket holds ``knee_margin_pct`` above that bound. ``False``: such a
+    #: bucket keeps the default clock and retries later (``retry_after_s``).
+    knee_locate: bool = True
+    knee_probe_steps: int = Field(default=48, ge=3, le=10_000)
+    knee_ref_steps: int = Field(default=192, ge=6, le=10_000)
+    knee_margin_pct: float = Field(default=5.0, ge=0.0, le=100.0, allow_inf_nan=False)
     max_step_down: float = Field(default=0.7, gt=0.0, lt=1.0, allow_inf_nan=False)
     resolution_mhz: int = Field(default=60, ge=1, le=5000)
     #: A held clock is given up at once for the default clock when all but one of its last

@@ -39,6 +39,11 @@ This tuner measures instead, while serving, the way VoltanaLLM (arXiv:2509.04827
    doubles the wait, up to ``reprobe_after_s``. Slow switches (the latency the controller
    learns from read-back) stretch the waits and raise a probe's clock ahead of its verdict. A context far outside the fit re-probes;
    :meth:`DecodeClockTuner.reset` (model changed) starts over.
+6. **Knee mode.** Where the step noise needs windows too long for the one test (over 512 steps),
+   a probe with a large slowdown bounds the memory-bound knee from above under a stated model of
+   its shape (below the knee the step time grows as 1/f), every bucket in knee mode holds
+   ``knee_margin_pct`` above the bound, a model-free CUSUM guards the held clock, and the knee is
+   located again on a schedule (docs/closed-loop.md, "Noisy steps: locate the knee").
 
 Only memory-bound decode steps are tuned: compute-bound steps keep the default clock. Only steps
 known to have run entirely at one clock count as measurements (the caller says which clock that
@@ -92,6 +97,33 @@ _MAX_REDO = 4
 #: A probe resumes where it was when its bucket comes back within this many seconds (a decode
 #: batch that swings between sizes); after longer, its reference window is measured again.
 _RESUME_S = 2.0
+#: Knee mode (docs/closed-loop.md, "Noisy steps: locate the knee"): a re-locate probes this far
+#: below the known bound (~12 % slowdown under the model: a short extrapolation), and a locate
+#: tries at most this many clocks down a staircase before it takes the bound it has.
+_KNEE_DEPTH = 0.12
+_KNEE_STAIRS = 5
+#: Knee mode where the one test's windows would be longer than this (and ``probe_steps_max``):
+#: 2 % noise at the 1 % budget. A search by windows of 512+ steps spends most of its steps on
+#: probes and default-clock references (3 % noise: ~90 % of decode steps, decode energy 0.90 on
+#: the simulated H200, docs/results/sim-closed-loop-adversarial.md).
+_KNEE_ABOVE_STEPS = 512
+#: Page's CUSUM threshold of knee mode's guards (log-likelihood units): with the default-clock
+#: fit's own error (~0.7 % from 192 steps at 8 % noise) a threshold of 10 fired every few
+#: thousand steps on a clock with no slowdown.
+_KNEE_GUARD_H = 20.0
+#: Default-clock steps a knee-mode bucket keeps for its fit's slope (several reference windows).
+_KNEE_BASE_STEPS = 1024
+#: Confirmed alarms (one candidate step each) a knee-mode bucket takes between scheduled
+#: re-locates before it gives the model up (:meth:`DecodeClockTuner._knee_refuted`).
+_KNEE_MAX_OFF = 2
+#: Knee mode's guard on a held clock (:meth:`DecodeClockTuner._knee_hold_sample`): Page's CUSUM
+#: of the log-likelihood ratio of a slowdown of this many times the room to the target against
+#: none. At 8 % noise a window cannot resolve the 1 % target itself, and a guard against it fired
+#: on the default-clock fit's own error (~0.7 % from a 192-step window) every few thousand steps.
+_KNEE_GUARD_X = 3.0
+#: Knee mode measures the default clock again where the decode context has moved beyond the fit's
+#: range by this share of the step time (the context part of the step, extrapolated).
+_KNEE_CTX_SHARE = 0.03
 #: Floor of a predicted default-clock step time (ms), far below any real decode step.
 _MIN_PREDICTED_MS = 1e-6
 
@@ -105,6 +137,7 @@ class ClosedLoopRecord:
     clock failed a test: default clock now, re-check), ``recheck`` (the re-check passed: held
     again), ``backoff`` (the re-check failed: search above), ``retry``, ``rebaseline``,
     ``reprobe``, ``reset``, ``off``, ``slo_unattainable``, ``bucket`` (active bucket changed),
+    ``locate`` (knee mode entered or left, or a knee bound measured),
     ``step`` (an ordinary measured step). Times in s (the caller's monotonic clock),
     step times in ms, clocks in MHz (``None``: driver default).
     """
@@ -195,6 +228,20 @@ class Suspicion:
     last_n: int | None = None  # only the last n held steps are re-tested (after a change point)
 
 
+@dataclass(frozen=True, slots=True)
+class KneeBound:
+    """An upper confidence bound on the memory-bound knee (docs/closed-loop.md, "Noisy steps:
+    locate the knee"): ``mhz`` from ``slowdown`` (median, with standard error ``se``) measured at
+    ``probe_mhz`` in bucket ``bucket`` at ``t_s``."""
+
+    mhz: float
+    probe_mhz: int
+    slowdown: float
+    se: float
+    t_s: float
+    bucket: int
+
+
 class _Bucket:
     """State of one batch-size bucket (owned by the tuner)."""
 
@@ -250,6 +297,16 @@ class _Bucket:
         self.start_at: int | None = None  # where the next search starts (the clock held before a re-probe)
         self.sprt_line: LineFit | None = None  # the default clock it is measured against
         self.raising = False  # the default clock asked for ahead of the test (slow switches)
+        # Knee mode (noise too high for the one test; docs/closed-loop.md, "Noisy steps"):
+        self.knee_mode = False
+        self.k_phase = ""  # what the running reference window is for: "locate" (then a probe) or "ref"
+        self.k_off = 0  # candidate steps held above the knee's bound (one per alarm the steps confirmed)
+        self.k_seen_t = -math.inf  # the located bound the held clock comes from (its time)
+        self.k_alarm = False  # an alarm since the last scheduled re-locate
+        self.k_tested: list[StepSample] = []  # held steps an alarm fired on, judged after the reference
+        self.k_bound = math.inf  # lowest knee bound of the running locate (its staircase)
+        self.k_stairs = 0  # probes of the running locate
+        self.k_refuted = False  # the knee model failed here (:meth:`DecodeClockTuner._knee_refuted`)
 
 
 def _page_step(total: float, n: int, x: float, up_clip: float) -> tuple[float, int]:
@@ -333,6 +390,11 @@ class DecodeClockTuner:
         #: The switch latency learned by the controller from read-back (s; ``None``: not yet).
         self.switch_latency_s: float | None = None
         self._budget = settings.slowdown_budget_pct / 100.0
+        #: The knee's last located bound (knee mode), shared by every bucket in knee mode, and when
+        #: it is located again (the schedule doubles while it stays put).
+        self.knee: KneeBound | None = None
+        self.knee_due_s = math.inf
+        self._knee_every_s = 0.0
         self._margin0 = settings.margin_pct / 100.0
 
     # -- public ------------------------------------------------------------------------------
@@ -390,6 +452,7 @@ class DecodeClockTuner:
     def reset(self, now_s: float, reason: str = "reset") -> None:
         """Forget every bucket (the model or the GPU changed): baselines and searches start over."""
         self.buckets.clear()
+        self.knee, self.knee_due_s, self._knee_every_s = None, math.inf, 0.0
         self.active, self._pending, self._pending_n = None, None, 0
         self._emit(now_s, "reset", None, 0, reason=reason)
 
@@ -436,7 +499,10 @@ class DecodeClockTuner:
             if ran_at_mhz is None:
                 self._ref_sample(now_s, b, batch, step_ms, ctx)
         elif b.state == "probe":
-            self._probe_sample(now_s, b, batch, step_ms, ran_at_mhz, ctx)
+            if b.knee_mode:
+                self._knee_probe_sample(now_s, b, batch, step_ms, ran_at_mhz, ctx)
+            else:
+                self._probe_sample(now_s, b, batch, step_ms, ran_at_mhz, ctx)
         elif b.state == "check":
             if ran_at_mhz is None:
                 self._check_sample(now_s, b, batch, step_ms, ctx)
@@ -511,6 +577,7 @@ class DecodeClockTuner:
                 # changed meanwhile), so the default clock is measured again, then this probe.
                 b.state, b.samples, b.ref_cur, b.decided, b.raising = "ref", [], [], False, False
                 b.ref_prev = []
+                b.k_phase = "locate"
             self._emit(
                 now_s, "bucket", edge, batch, b=b, reason=f"batch stayed in bucket {edge} for {self.s.bucket_dwell_steps} steps (was {old})"
             )
@@ -635,6 +702,9 @@ class DecodeClockTuner:
             b.state = "hold"
             self._clear_windows(b)
             return
+        if (b.knee_mode or self._need(b) > self._knee_above()) and b.floor < len(self.cands) and self._knee_ok(b):
+            self._knee_enter(now_s, b, batch)
+            return
         if b.n_win <= 0 or b.floor >= len(self.cands):
             b.state, b.held, b.probe = "hold", len(self.cands), None
             b.t_searched = now_s
@@ -660,33 +730,43 @@ class DecodeClockTuner:
 
     def _clear_windows(self, b: _Bucket) -> None:
         k = self.s.backoff_steps
-        b.window = deque(maxlen=max(b.n_win, k))
+        b.window = deque(maxlen=max(b.n_win, k, self.s.knee_ref_steps if b.knee_mode else 0))
         b.short_ms = deque(maxlen=k)
         b.since_check = 0
         b.cusum, b.cusum_n = 0.0, 0
         b.fast, b.fast_n = 0.0, 0
 
     def _ref_n(self, b: _Bucket) -> int:
-        """Default-clock steps after each probe: half a window (with the one before, a full one)."""
+        """Default-clock steps after each probe: half a window (with the one before, a full one);
+        ``knee_ref_steps`` in knee mode."""
+        if b.knee_mode:
+            return self.s.knee_ref_steps
         return max(self.s.ref_steps, b.n_win // 2)
 
     def _window(self, b: _Bucket) -> int:
         """Window length (steps) at which the noise margin takes at most 1/2.5 of the room to the
         target, at least ``probe_steps``; 0 if that needs more than ``probe_steps_max``."""
-        room = b.target - 1.0 - self._margin0
-        if room <= 0:
-            return 0
-        # A spread beyond _MIXED_X x the bucket's noise is two GPU states in one fit, not noise.
-        sigma = min(b.fit.sigma, _MIXED_X * self._noise(b)) if b.fit else 0.0
-        # Margin <= room / 2.5: a clock with no slowdown then fails the test only beyond 2.5 z
-        # standard errors (0.6 % of tests at z = 2).
-        need = math.ceil(2.0 * (self.s.noise_z * _MEDIAN_SE * sigma / (room / 2.5)) ** 2)
+        need = self._need(b)
         if need > self.s.probe_steps_max:
             return 0
         return max(self.s.probe_steps, self.s.ref_steps, need)
 
+    def _need(self, b: _Bucket, sigma: float | None = None) -> float:
+        """Steps per window the one test needs (:meth:`_window`) at the bucket's noise (or
+        ``sigma``); inf where there is no room below the target."""
+        room = b.target - 1.0 - self._margin0
+        if room <= 0:
+            return math.inf
+        if sigma is None:
+            # A spread beyond _MIXED_X x the bucket's noise is two GPU states in one fit, not noise.
+            sigma = min(b.fit.sigma, _MIXED_X * self._noise(b)) if b.fit else 0.0
+        # Margin <= room / 2.5: a clock with no slowdown then fails the test only beyond 2.5 z
+        # standard errors (0.6 % of tests at z = 2).
+        return math.ceil(2.0 * (self.s.noise_z * _MEDIAN_SE * sigma / (room / 2.5)) ** 2)
+
     def _restart(self, now_s: float, b: _Bucket, batch: int, event: str, reason: str, search: bool) -> None:
         b.state = "baseline"
+        b.k_tested = []  # knee mode stays: the noise is the host's, not the batch mix's
         b.need = self.s.baseline_steps
         if search and event == "reprobe":
             b.base.clear()
@@ -958,12 +1038,18 @@ class DecodeClockTuner:
         b.base.append(sample)
         if len(b.ref_cur) < self._ref_n(b) or self._straddled(b, b.ref_cur):
             return
+        if b.knee_mode:
+            self._knee_ref_done(now_s, b, batch)
+            return
         if b.early_reject and b.probe is not None and b.probe != b.voided and self._early_reject_void(b):
             b.lo = min(b.lo, b.lo_before)  # the search interval as it was before that reject
             b.next_prior = b.voided = b.probe  # probed again once; a second early stop stands
         b.early_reject = False
         self._refit(b, b.ref_cur)
         n_win = self._window(b)
+        if n_win <= 0 and b.floor < len(self.cands) and self._knee_ok(b):
+            self._knee_enter(now_s, b, batch)  # the noise grew past what the windows resolve
+            return
         if n_win <= 0:  # the noise grew past what the windows can resolve: keep what passed so far
             b.lo = b.hi
         else:
@@ -993,6 +1079,9 @@ class DecodeClockTuner:
         self._next_probe(now_s, b, batch)
 
     def _hold_sample(self, now_s: float, b: _Bucket, batch: int, step_ms: float, ran_at: int | None, ctx: float) -> None:
+        if b.knee_mode:
+            self._knee_hold_sample(now_s, b, batch, step_ms, ran_at, ctx)
+            return
         held = None if b.held >= len(self.cands) else self.cands[b.held]
         assert b.fit is not None
         if self._left_hold(now_s, b, batch, ctx, held) or ran_at != held:
@@ -1193,6 +1282,9 @@ class DecodeClockTuner:
         b.check, b.check_guard = [], None
         if n_win > 0:
             b.n_win = n_win
+        elif b.floor < len(self.cands) and self._knee_ok(b):
+            self._knee_enter(now_s, b, batch)  # the noise grew past what the windows resolve
+            return
         if (
             n_win > 0
             and fails
@@ -1270,6 +1362,253 @@ class DecodeClockTuner:
             return
         b.lo, b.hi, b.probes = b.floor, len(self.cands), 0
         self._next_probe(now_s, b, batch, prior=b.held if unproven else self._index_near(held_mhz + self.s.resolution_mhz))
+
+    # -- knee mode (docs/closed-loop.md, "Noisy steps: locate the knee") -------------------------
+    def _knee_ok(self, b: _Bucket) -> bool:
+        """Whether a bucket whose noise the one test cannot resolve locates the knee instead of
+        keeping the default clock: ``knee_locate``, a slowdown budget with room above the margin
+        (not an absolute SLO: the knee bounds a slowdown), and clocks are set (not dry-run)."""
+        room = b.target - 1.0 - self._margin0
+        return self.s.knee_locate and not b.k_refuted and self.s.tpot_slo_ms is None and room > 0 and not self.dry_run and bool(self.cands)
+
+    def _knee_above(self) -> int:
+        """Knee mode where the one test needs windows longer than this (steps)."""
+        return min(self.s.probe_steps_max, _KNEE_ABOVE_STEPS)
+
+    def _knee_enter(self, now_s: float, b: _Bucket, batch: int) -> None:
+        """Knee mode: a reference window of ``knee_ref_steps`` default-clock steps, then a locate
+        (where no bound is known yet) or the hold at the known bound."""
+        b.knee_mode, b.k_off, b.k_alarm, b.k_tested = True, 0, False, []
+        # The slope from several reference windows (a wider context range): at 8 % noise one
+        # window's slope is mostly noise, and extrapolated it fired the guards.
+        b.base = deque(b.base, maxlen=_KNEE_BASE_STEPS)
+        b.held, b.probe, b.t_retry, b.lowering_from = len(self.cands), None, math.inf, None
+        b.state, b.ref_cur, b.samples = "ref", [], []
+        b.k_phase = "enter"
+        sigma = b.fit.sigma if b.fit else 0.0
+        reason = f"step noise {100 * sigma:.2f} % needs more than {self.s.probe_steps_max} steps per window: locating the knee"
+        self._emit(now_s, "locate", b.edge, batch, b=b, reason=reason)
+
+    def _knee_ref_done(self, now_s: float, b: _Bucket, batch: int) -> None:
+        """A knee-mode reference window is in: the fit from it; the steps an alarm fired on against
+        it (their median over the target: the clock, not the GPU, is slow: one more candidate
+        step above the bound); then a locate probe or the hold."""
+        assert b.fit is not None
+        self._refit(b, b.ref_cur)
+        b.t_baselined = now_s
+        b.ref_prev, b.ref_cur = b.ref_cur, []
+        own = _fit_line(b.ref_prev, b.fit.ms_per_ctx_token).sigma  # this window's own spread
+        if b.k_phase == "enter" and self._need(b, own) <= self._knee_above():
+            self._knee_exit(now_s, b, batch)
+            return
+        if b.k_tested:
+            line = _fit_line(b.ref_prev, b.fit.ms_per_ctx_token)
+            med = statistics.median(ms / line.ms_at(c) for c, ms in b.k_tested)
+            se = _MEDIAN_SE * max(b.fit.sigma, 1e-3) * math.sqrt(1.0 / len(b.k_tested) + 1.0 / len(b.ref_prev))
+            b.k_tested = []
+            if med - self.s.noise_z * se > b.target:  # significantly over the target: the clock
+                b.k_off += 1
+                b.k_phase = "locate"
+            reason = f"alarm's steps {100 * (med - 1):+.2f} % (se {100 * se:.2f} %) against the fresh default clock"
+            if b.k_off > _KNEE_MAX_OFF:
+                self._knee_refuted(now_s, b, batch, reason)
+                return
+            self._emit(now_s, "recheck" if b.k_phase != "locate" else "backoff", b.edge, batch, ratio=med, b=b, reason=reason)
+        if b.k_phase in ("locate", "enter") and (self.knee is None or now_s >= self.knee_due_s) or b.k_phase == "locate":
+            b.k_bound, b.k_stairs = math.inf, 0
+            self._knee_probe(now_s, b, batch, self._knee_first_probe())
+        else:
+            self._knee_hold(now_s, b, batch)
+
+    def _knee_refuted(self, now_s: float, b: _Bucket, batch: int, why: str) -> None:
+        """More confirmed alarms than ``_KNEE_MAX_OFF`` between scheduled re-locates: the held
+        clock keeps failing above the bound, so the model (no slowdown above the knee) does not
+        fit this bucket (e.g. steps near the compute ridge slow at every clock). The bucket keeps
+        the default clock and retries by the one test only (knee mode off until a reset)."""
+        b.knee_mode, b.k_refuted, b.k_phase = False, True, ""
+        b.base = deque(b.base, maxlen=256)
+        b.state, b.held, b.probe = "hold", len(self.cands), None
+        b.t_searched = now_s
+        self._clear_windows(b)
+        self._schedule_retry(now_s, b, found=False)
+        self._emit(now_s, "locate", b.edge, batch, b=b, reason=f"{why}: the knee model does not fit, default clock kept")
+
+    def _knee_exit(self, now_s: float, b: _Bucket, batch: int) -> None:
+        """The reference window that opened knee mode says the noise is low enough for the one
+        test after all (the 12 baseline steps overstated it): the search instead."""
+        b.knee_mode, b.k_phase = False, ""
+        b.base = deque(b.base, maxlen=256)
+        b.n_win = self._window(b)
+        b.ref_prev = b.ref_prev[-self._ref_n(b) :]
+        b.lo, b.hi, b.probes = b.floor, len(self.cands), 0
+        self._emit(
+            now_s,
+            "locate",
+            b.edge,
+            batch,
+            b=b,
+            reason=f"step noise {100 * b.fit.sigma:.2f} % over {self.s.knee_ref_steps} steps: searching",
+        )
+        self._next_probe(now_s, b, batch, prior=self._prior(b))
+
+    def _knee_first_probe(self) -> int:
+        """First locate probe: ``_KNEE_DEPTH`` below the known bound (a slowdown of ~12 %: short
+        extrapolation), else ``max_step_down`` x the default clock (a staircase down from there)."""
+        f = self.knee.mhz / (1.0 + _KNEE_DEPTH) if self.knee is not None else self.s.max_step_down * self.default_mhz
+        return min(len(self.cands) - 1, self._index_near(f))
+
+    def _knee_probe(self, now_s: float, b: _Bucket, batch: int, idx: int) -> None:
+        b.state, b.probe = "probe", idx
+        b.samples, b.waited, b.decided, b.raising = [], 0, False, False
+        b.probes += 1
+        b.k_stairs += 1
+        self.n_probes += 1
+        self._emit(
+            now_s, "probe", b.edge, batch, b=b, reason=f"locating the knee: {self.s.knee_probe_steps} steps at {self.cands[idx]} MHz"
+        )
+
+    def _knee_probe_sample(self, now_s: float, b: _Bucket, batch: int, step_ms: float, ran_at: int | None, ctx: float) -> None:
+        assert b.probe is not None
+        if ran_at != self.cands[b.probe]:
+            b.waited += 1
+            if b.waited > 3 * self.s.probe_steps + 10:
+                b.waited = 0  # held up (dwell, compute-bound steps, read-back): keep asking
+            return
+        b.samples.append(StepSample(ctx, step_ms))
+        if len(b.samples) >= self.s.knee_probe_steps:
+            self._knee_located(now_s, b, batch)
+
+    def _knee_located(self, now_s: float, b: _Bucket, batch: int) -> None:
+        """The locate probe's verdict: its median slowdown ``s`` against the reference before it,
+        with standard error ``se``, bounds the knee from above by ``f_p (1 + s + noise_z se)``
+        (the model: below its knee a step's time grows as 1/f; above it, not at all). Without a
+        clear slowdown (``s - noise_z se <= 0``: the probe may be above the knee) the next probe
+        goes deeper, at most ``_KNEE_STAIRS`` probes per locate."""
+        assert b.fit is not None and b.probe is not None
+        fp = self.cands[b.probe]
+        line = _fit_line(b.ref_prev, b.fit.ms_per_ctx_token) if len(b.ref_prev) >= 2 else b.fit
+        ratios = [ms / line.ms_at(c) for c, ms in b.samples]
+        med = statistics.median(ratios)
+        own = 1.4826 * statistics.median(abs(r / med - 1.0) for r in ratios)
+        sigma = max(b.fit.sigma, own, 1e-3)
+        se = _MEDIAN_SE * sigma * med * math.sqrt(1.0 / len(ratios) + 1.0 / max(1, len(b.ref_prev)))
+        z = self.s.noise_z
+        b.k_bound = min(b.k_bound, fp * (1.0 + max(0.0, med - 1.0 + z * se)))
+        clear = med - 1.0 - z * se > 0
+        reason = f"median slowdown {100 * (med - 1):+.2f} % (se {100 * se:.2f} %) over {len(ratios)} steps at {fp} MHz: knee <= {b.k_bound:.0f} MHz"
+        self._emit(now_s, "locate", b.edge, batch, ran_at=fp, ratio=med, margin=z * se, b=b, reason=reason)
+        if not clear and b.probe > 0 and b.k_stairs < _KNEE_STAIRS:
+            step = self.s.max_step_down if self.knee is None else 1.0 / (1.0 + _KNEE_DEPTH)
+            self._knee_probe(now_s, b, batch, min(b.probe - 1, self._index_near(fp * step)))
+            return
+        old = self.knee
+        self.knee = KneeBound(b.k_bound, fp, med - 1.0, se, now_s, b.edge)
+        put = old is not None and abs(b.k_bound / old.mhz - 1.0) <= self.s.knee_margin_pct / 200.0
+        first = self.s.rebaseline_s or self.s.reprobe_after_s or math.inf
+        self._knee_every_s = min(2.0 * self._knee_every_s, self.s.reprobe_after_s or math.inf) if put else first
+        self.knee_due_s = now_s + self._knee_every_s
+        self._knee_hold(now_s, b, batch)
+
+    def _knee_hold(self, now_s: float, b: _Bucket, batch: int) -> None:
+        """Hold ``knee_margin_pct`` above the knee's bound (and ``k_off`` candidate steps more)."""
+        kb = self.knee
+        idx = len(self.cands) if kb is None else self._index_near(kb.mhz * (1.0 + self.s.knee_margin_pct / 100.0))
+        was = b.held
+        b.state, b.held, b.probe = "hold", min(len(self.cands), idx + b.k_off), None
+        b.k_seen_t = kb.t_s if kb is not None else now_s
+        b.t_searched, b.t_retry = now_s, math.inf
+        self._clear_windows(b)
+        held = "default" if b.held >= len(self.cands) else f"{self.cands[b.held]} MHz"
+        bound = "unknown" if kb is None else f"<= {kb.mhz:.0f} MHz (bucket {kb.bucket}, t {kb.t_s:.0f} s)"
+        reason = f"{held}: knee {bound} + {self.s.knee_margin_pct:g} % and {b.k_off} steps"
+        # The same clock again after a reference window that refreshed the fit: a re-check.
+        self._emit(now_s, "hold" if b.held != was or b.k_phase == "locate" else "recheck", b.edge, batch, b=b, reason=reason)
+
+    def _knee_leave_hold(self, now_s: float, b: _Bucket, batch: int, ctx: float) -> bool:
+        """Whether a knee-mode held bucket leaves plain holding at this step: the newer bound of
+        another bucket, the scheduled re-locate (the active bucket), a reference window where the
+        context left the fit's reach (the fit only: the held clock comes from the knee, which a
+        change of the batch mix does not move)."""
+        s = self.s
+        assert b.fit is not None
+        lo, hi = b.fit.ctx_lo, b.fit.ctx_hi
+        if self.knee is not None and self.knee.t_s > b.k_seen_t:
+            self._knee_hold(now_s, b, batch)
+            return True
+        if now_s >= self.knee_due_s:
+            self.knee_due_s = now_s + (s.rebaseline_s or math.inf)  # the fallback, should this bucket go idle
+            b.k_off = b.k_off if b.k_alarm else max(0, b.k_off - 1)
+            b.k_alarm = False
+            self._knee_ref(b, "locate", now_s, batch, f"the knee located again after {self._knee_every_s:.0f} s")
+            return True
+        # The default clock measured again where the context part of the step has moved beyond the
+        # fit's range by _KNEE_CTX_SHARE of the step (a re-check per 5 % of context, as outside
+        # knee mode, cost a third of the decode steps at the default clock in the noise scenario).
+        out = max(ctx - hi, lo - ctx, 0.0) * b.fit.ms_per_ctx_token
+        if out > _KNEE_CTX_SHARE * b.fit.ms_at(ctx):
+            self._knee_ref(b, "ref", now_s, batch, f"decode context {ctx:.0f} beyond the fit's {lo:.0f}..{hi:.0f}")
+            return True
+        return False
+
+    def _knee_ref(self, b: _Bucket, phase: str, now_s: float = 0.0, batch: int = 0, why: str = "") -> None:
+        """A reference window of default-clock steps in knee mode, then (``phase``) a locate, the
+        test of the steps an alarm fired on, or the hold (a refresh of the fit)."""
+        b.state, b.ref_cur, b.k_phase, b.probe = "ref", [], phase, None
+        self.n_checks += 1
+        if why:
+            self._emit(now_s, "rebaseline", b.edge, batch, b=b, reason=why)
+
+    def _knee_hold_sample(self, now_s: float, b: _Bucket, batch: int, step_ms: float, ran_at: int | None, ctx: float) -> None:
+        """A held step in knee mode: watched by Page's CUSUM of the log-likelihood ratio of a
+        slowdown at the target against none (each step adds ``d / sigma`` times its distance
+        from the midpoint in spreads: at 8 % noise far fewer false alarms than the spread-scaled
+        CUSUM of :meth:`_held_failed`), by :meth:`_clearly_over`, and by the mirror CUSUM of
+        :meth:`_fit_stale` (then the fit is measured again)."""
+        if self._knee_leave_hold(now_s, b, batch, ctx):
+            return
+        held = None if b.held >= len(self.cands) else self.cands[b.held]
+        assert b.fit is not None
+        base = self._predict(b, ctx)
+        r = step_ms / base
+        if ran_at != held:
+            return
+        if held is None:
+            b.base.append(StepSample(ctx, step_ms))
+            self._step(now_s, b, batch, ran_at, step_ms, r, None, base)
+            return
+        b.window.append(StepSample(ctx, step_ms))
+        b.n_held += 1
+        d = _KNEE_GUARD_X * (b.target - 1.0 - self._margin0)
+        sigma = max(b.fit.sigma, 1e-3)
+        x = (r - 1.0 - self._margin0 - d / 2) / sigma
+        b.cusum = max(0.0, b.cusum + d / sigma * min(_CUSUM_CLIP, max(-_CUSUM_CLIP, x)))
+        b.cusum_n = b.cusum_n + 1 if b.cusum > 0 else 0
+        # The mirror (steps faster than the fit by d/2 past its midpoint: the GPU sped up).
+        x_fast = (1.0 - d / 2 - r) / sigma
+        b.fast = max(0.0, b.fast + d / sigma * min(_CUSUM_CLIP, max(-_CUSUM_CLIP, x_fast)))
+        last = list(b.window)[-self.s.backoff_steps :]
+        if b.cusum > _KNEE_GUARD_H or self._clearly_over(b, last, b.fit):
+            n = max(self.s.backoff_steps, b.cusum_n)
+            b.k_tested, b.k_alarm = list(b.window)[-n:], True
+            med = statistics.median(ms / b.fit.ms_at(c) for c, ms in b.k_tested)
+            why = f"log-likelihood CUSUM {b.cusum:.1f} over the last {n} held steps (median {100 * (med - 1):+.2f} %)"
+            self._emit(
+                now_s,
+                "violation",
+                b.edge,
+                batch,
+                ran_at=ran_at,
+                step_ms=step_ms,
+                base=base,
+                b=b,
+                reason=f"{why} at {held} MHz: default clock now, then its steps tested against it",
+            )
+            self._knee_ref(b, "alarm")
+            return
+        if b.fast > _KNEE_GUARD_H:
+            self._knee_ref(b, "ref", now_s, batch, f"held steps at {held} MHz faster than the default-clock fit")
+            return
+        self._step(now_s, b, batch, ran_at, step_ms, r, None, base)
 
     def _step(
         self,
