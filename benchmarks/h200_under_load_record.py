@@ -193,8 +193,11 @@ def rate_entries(rate_raws: list[dict]) -> list[dict]:
     (``h200_defaults_record``), under this record's names. J per output token is the inverse of
     its tokens per joule (over its fixed span where both arms have one)."""
     by_file = {r["_file"]: r for r in rate_raws}
+    by_lease: dict[str, list[dict]] = {}
+    for r in rate_raws:  # servers of different leases never ran next to each other: pair within one
+        by_lease.setdefault(str(r.get("lease")), []).append(r)
     pairs = []
-    for p in defaults_record.pair_servers(rate_raws):
+    for p in (p for group in by_lease.values() for p in defaults_record.pair_servers(group)):
         raws_of = [by_file.get(f) or {} for f in p["file"].split("+")]
         devices = list(dict.fromkeys(name for r in raws_of if (name := (r.get("device") or {}).get("name"))))
         if len(devices) > 1:

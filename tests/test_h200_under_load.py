@@ -230,3 +230,15 @@ def test_an_ablation_arm_in_one_order_splits_into_the_rate_load_and_its_ablation
     (abl,) = r["ablations"]
     assert abl["name"] == "rate-0.5-cuda_perf_boost=on" and abl["j_per_out_token_ratio"]["mean"] == pytest.approx(2.0)
     assert abl["pair_list"][0]["order"] == ["defaults", "stock"] and [x["lease"] for x in r["runs"]] == ["L1"]
+
+
+def test_a_server_left_unpaired_at_a_leases_end_does_not_take_the_next_leases_stock():
+    h100, h200 = {"name": "NVIDIA H100 80GB HBM3"}, {"name": "NVIDIA H200"}
+    raws = [
+        {"_file": "defaults-A.json", "gpu": 0, "lease": "L1", "device": h100, "servers": [_server("stock", 0, 1.0), _server("defaults", 1, 1.25)]},
+        {"_file": "defaults-B.json", "gpu": 0, "lease": "L1", "device": h100, "servers": [_server("defaults", 0, 1.25)]},
+        {"_file": "defaults-C.json", "gpu": 0, "lease": "L2", "device": h200, "servers": [_server("stock", 0, 1.0), _server("defaults", 1, 1.25)]},
+    ]  # fmt: skip
+    (e,) = rec.build([], raws)["loads"]
+    assert [(p["lease"], p["device"]) for p in e["pair_list"]] == [("L1", h100["name"]), ("L2", h200["name"])]
+    assert e["device"] == "NVIDIA H100 80GB HBM3 + NVIDIA H200"
