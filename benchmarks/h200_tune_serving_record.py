@@ -50,8 +50,23 @@ def load_entry(load: str, ts: dict[str, Any], calls: list[dict[str, Any]]) -> di
         "slo_attainment": {"winner": att.get("winner"), "defaults": att.get("defaults")},
         "tuning_wall_time_s": wall_s,
         "device_calls": len(calls),
+        "calls_utc": [c.get("started_utc") for c in calls],
         "configurations": len(ts.get("configurations", [])),
         "skipped_settings": ts.get("skipped_settings", {}),
+        "search_windows": [
+            {
+                "key": c["key"],
+                "window_s": w.get("window_s"),
+                "tok_per_j": _r(w.get("output_tokens_per_joule")),
+                "energy": w.get("energy_label"),
+                "output_tok_s": _r(w.get("output_throughput"), 1),
+                "p99_tpot_ms": _r(w.get("p99_tpot_ms"), 2),
+                "p99_ttft_ms": _r(w.get("p99_ttft_ms"), 1),
+                "slo_met": w.get("slo_met"),
+            }
+            for c in ts.get("configurations", [])
+            for w in c.get("windows", [])
+        ],
         "goal": {
             "tok_per_j_ratio_ge_1_10": None if ratio.get("mean") is None else ratio["mean"] >= GOAL_RATIO,
             "slo_attainment_not_worse": None if w_att is None or d_att is None else w_att >= d_att,
@@ -59,6 +74,14 @@ def load_entry(load: str, ts: dict[str, Any], calls: list[dict[str, Any]]) -> di
             "three_pairs": final.get("pairs", 0) >= 3,
         },
     }
+
+
+def _r(x: Any, nd: int = 4) -> Any:
+    return round(x, nd) if isinstance(x, float) else x
+
+
+def _cell(v: Any) -> str:
+    return "n/a" if v is None else f"{v:g}" if isinstance(v, float) else str(v)
 
 
 def build(loads: dict[str, Path], device: str) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
@@ -97,15 +120,27 @@ def markdown(rec: dict[str, Any]) -> str:
     for e in rec["loads"]:
         a = e["slo_attainment"]
         goal = all(v for v in e["goal"].values() if v is not None) and None not in e["goal"].values()
+        verdict = ("yes" if goal else "no") if e["status"] == "done" else f"pending ({e['status']}: resume with --resume-from)"
+        winner = f"`{e['winner']}`" if e["status"] == "done" else f"best so far: `{e['winner']}`"
         wall = "n/a" if e["tuning_wall_time_s"] is None else f"{e['tuning_wall_time_s'] / 60:.1f} min ({e['device_calls']} calls)"
         lines.append(
-            f"| {e['traffic']} | {e['slo']} | `{e['winner']}` | {e['pairs']} | {_mci(e['tok_per_j_ratio'])} ({e['energy']}) | "
-            f"{_mci(a['winner'])} / {_mci(a['defaults'])} | {wall} | {'yes' if goal else 'no'} |"
+            f"| {e['traffic']} | {e['slo']} | {winner} | {e['pairs']} | {_mci(e['tok_per_j_ratio'])} ({e['energy']}) | "
+            f"{_mci(a['winner'])} / {_mci(a['defaults'])} | {wall} | {verdict} |"
         )
     lines += [""]
     for e in rec["loads"]:
         lines += [
-            f"- {e['load']}: `{e['command']}`" + (f"; closest misses: {'; '.join(e['closest_misses'])}" if e["closest_misses"] else "")
+            f"- {e['load']}: device calls ended (UTC) {', '.join(str(t) for t in e['calls_utc']) or 'n/a'}; `{e['command']}`"
+            + (f"; closest misses: {'; '.join(e['closest_misses'])}" if e["closest_misses"] else "")
+        ]
+    for e in rec["loads"]:
+        lines += ["", f"Search windows, {e['load']} (each a fresh server; tokens per joule {e['energy']}):", ""]
+        lines += ["| configuration | window s | tok/J | out tok/s | p99 TTFT ms | p99 TPOT ms | SLO |", "|---|---|---|---|---|---|---|"]
+        lines += [
+            f"| `{w['key']}` | {_cell(w['window_s'])} | {_cell(w['tok_per_j'])} | {_cell(w['output_tok_s'])} | "
+            f"{_cell(w['p99_ttft_ms'])} | {_cell(w['p99_tpot_ms'])} | "
+            f"{'met' if w['slo_met'] else 'missed'} |"
+            for w in e["search_windows"]
         ]
     lines += ["", "Plot: [h200-tune-serving.png](h200-tune-serving.png).", ""]
     return "\n".join(lines)

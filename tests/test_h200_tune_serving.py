@@ -90,3 +90,17 @@ def test_the_record_has_the_issues_fields_per_load_and_judges_the_goal(tmp_path)
     md = rec.markdown(r)
     assert "| 1.120 (1.100–1.140) (measured) |" in md and md.count("| yes |") == 1 and md.count("| no |") == 1
     assert rec.plot(raw, tmp_path / "p.png") and (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_a_stopped_search_is_recorded_as_pending_with_its_measured_windows(tmp_path):
+    ts = {**_ts(1.0, 1.0, 1.0, 540.0, pairs=0), "status": "stopped", "final": None}
+    ts["configurations"][0]["windows"][0] |= {"key": "x", "window_s": 20.0, "output_throughput": 1300.04, "energy_label": "measured"}
+    (tmp_path / "rate4").mkdir()
+    (tmp_path / "rate4" / "tune-serving.json").write_text(json.dumps(ts))
+    r, _ = rec.build({"rate4": tmp_path / "rate4"}, "NVIDIA H200")
+    (e,) = r["loads"]
+    assert e["status"] == "stopped" and e["pairs"] == 0 and e["tok_per_j_ratio"]["mean"] is None
+    assert [w["key"] for w in e["search_windows"]] == ["cuda_perf_boost=auto", "cuda_perf_boost=on"]
+    md = rec.markdown(r)
+    assert "pending (stopped: resume with --resume-from)" in md and "| no |" not in md and "| yes |" not in md
+    assert "best so far: `cuda_perf_boost=auto`" in md and "| `cuda_perf_boost=auto` | 20 | 5 | 1300 | n/a | 30 | met |" in md
