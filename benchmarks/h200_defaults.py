@@ -128,6 +128,15 @@ def burst_pair_figures(burst: dict, null: dict, idle_w: float | None) -> dict:
         # Under a few joules the difference is the counter's and sampler's error, not a burst.
         return {**out, "note": f"burst's true energy {truth:.1f} J below {MIN_BURST_TRUTH_J:g} J: not judged"}
     out["busy_over_truth"] = plugin / truth
+    # Phase energy is what the GPU draws while the phase's work runs, baseline included; its rest
+    # after the work is idle (docs/request-energy.md, short bursts). The difference above removes
+    # the idle power the burst's longer busy time displaced from the end of its span (the spans
+    # end at deep idle), and the null's own work (one 8-token step, ~1 J) is left out; the burst's
+    # own booking is set against it, not less the null's, which holds whatever part of the null's
+    # gap its ticks happened to book (docs/results/h200-request-energy.md).
+    phase_truth = truth + idle_w * ((burst["busy_s"] or 0.0) - (null["busy_s"] or 0.0))
+    out.update(true_phase_j=phase_truth, plugin_phase_j=busy["burst"], null_plugin_busy_j=busy["null"])
+    out["phase_over_truth"] = busy["burst"] / phase_truth
     out["idle_above_deep_j"] = {k: x["counter_j"] - idle_w * x["span_s"] - busy[k] for k, x in (("burst", burst), ("null", null))}
     return out
 

@@ -25,6 +25,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from benchmarks.h200_defaults import burst_pair_figures
 from benchmarks.lib.device import write_record
 from benchmarks.lib.stats import mean_ci
 
@@ -302,6 +303,14 @@ def bursts_block(raws: list[dict]) -> list[dict]:
         o["method"] = b.get("method") or "deep-idle baseline"  # before the null-request control: idle power outside the burst
         o.update(busy_over_truth=spread_plain(ratios), crosscheck=b.get("crosscheck"))
         o["within_5pct"] = None if not ratios else all(abs(x - 1.0) <= 0.05 for x in ratios)
+        if b.get("lease") or raw.get("_lease"):
+            o["lease"] = b.get("lease") or raw["_lease"]
+        # The phase-energy truth (burst_pair_figures): recomputed from the spans, so older raw files get it too.
+        pairs = [burst_pair_figures(x["burst"], x["null"], b.get("idle_w")) for x in b["runs"] if "burst" in x and "null" in x]
+        phase = [x["phase_over_truth"] for x in pairs if x.get("phase_over_truth") is not None]
+        o["phase_over_truth"] = spread_plain(phase)
+        o["phase_over_truth_runs"] = [r(x) for x in phase]
+        o["phase_within_5pct"] = None if not phase else all(abs(x - 1.0) <= 0.05 for x in phase)
         out.append(o)
     return out
 
@@ -468,7 +477,9 @@ def request_energy_md(reqe: dict, title: str, drop: float) -> list[str]:
         md.append(
             f"\nPrefill bursts between idle spells ({b['file']} {b['server']}: {b['n']} bursts of {b['conc']} x {b['input_len']} "
             f"prompt tokens; {BURST_TRUTH[b.get('method', 'deep-idle baseline')]}): the plugin's busy J over the truth {json.dumps(b['busy_over_truth'])}; "
-            f"all within 5 %: {b['within_5pct']}; cross-check gauge {json.dumps(b['crosscheck'])}."
+            f"all within 5 %: {b['within_5pct']}; against the phase-energy truth (the burst's own booking over the difference plus "
+            f"idle power x its extra busy time) {json.dumps(b.get('phase_over_truth'))}, all within 5 %: {b.get('phase_within_5pct')}; "
+            f"cross-check gauge {json.dumps(b['crosscheck'])}."
         )
     return md
 
@@ -481,8 +492,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reqe-name", default="h200-request-energy")
     ap.add_argument("--reqe-only", action="store_true", help="write only the request-energy record, its older segments kept before the new")
     ap.add_argument("--steady-drop", type=float, default=0.2, help="share of request lines dropped at each end (480 -> middle 288)")
+    ap.add_argument("--lease", help='the machine and lease the raw files came from, e.g. "H200, 2026-12-06 03:21Z"')
     ns = ap.parse_args(argv)
     raws = [load(p) for p in ns.raw]
+    for x in raws if ns.lease else ():
+        x["_lease"] = ns.lease
     out = Path(ns.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     measured = all(x.get("measured") for x in raws)

@@ -355,3 +355,17 @@ def test_a_load_window_records_the_side_contexts_switches_and_hold_and_stock_non
     }
     monkeypatch.setattr(job.load, "scrape", lambda port: ({}, "# scrape failed"))
     assert "boost" not in job.Server(ns, None, 0, "s0", None, None).load_window("8", 1, None)
+
+
+def test_a_bursts_phase_truth_adds_the_idle_power_its_longer_busy_time_displaced():
+    """The null-control difference removes the idle power the burst's extra busy time displaced
+    from the end of its span; phase energy includes the GPU's baseline while it works. The burst's
+    own booking is judged, not less the null's (which depends on where its ticks fell)."""
+    from benchmarks.h200_defaults import burst_pair_figures
+
+    burst, null = {**_span(3.0, 160.0, 35.0), "busy_s": 0.2}, {**_span(3.0, 25.0, 35.0), "busy_s": 0.05}
+    f = burst_pair_figures(burst, null, 80.0)
+    assert f["true_busy_j"] == pytest.approx(135.0)  # the old truth is kept for comparison
+    assert f["true_phase_j"] == pytest.approx(135.0 + 80.0 * 0.15)
+    assert f["plugin_phase_j"] == pytest.approx(160.0) and f["null_plugin_busy_j"] == pytest.approx(25.0)
+    assert f["phase_over_truth"] == pytest.approx(160.0 / 147.0)

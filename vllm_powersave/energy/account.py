@@ -71,6 +71,9 @@ from .request_cost import RequestCostModel, step_weights
 _IDLE_POWER_MIN_S = 0.02
 #: Weight of the newest idle interval in the idle power's moving average.
 _IDLE_POWER_EMA = 0.3
+#: Seconds after the last work from which the instant power reads the GPU's rest (it lags the
+#: power by tens of ms: docs/results/h200-energy-meter.md (c)).
+_REST_SETTLED_S = 0.15
 
 
 class TickRecord(NamedTuple):
@@ -273,8 +276,7 @@ class _IntervalWalk:
             if ev == "":  # finished ids only: no new step; the batch drained
                 self.finished.extend(ev_fin)  # type: ignore[arg-type]
                 if self.phase != "idle" and self.end_t is not None:
-                    self.drained = True
-                    self.tail_pending = self.tail_pending or self.pending
+                    self._to_rest(te)
                 continue
             self._to_step(te, ev_fin)
             self.t, self.phase, self.end_t, self.req, self.ctx, self.steady, self.drained = te, ev, None, ev_req, ev_ctx, ev_steady, False
@@ -310,6 +312,21 @@ class _IntervalWalk:
     def _busy(self, seconds: float, end: float) -> None:
         self.spans.append((end - seconds, end))
         self.busy.append(StepPiece(seconds, self.phase, self.req, self.ctx, self.steady))
+
+    def _to_rest(self, te: float) -> None:
+        """vLLM reported the batch drained at ``te`` (its empty step): the work ended there. Under
+        ``gpu_runs_ahead`` the gap from the last step's host end to ``te`` is that step's GPU
+        time (work for the meter's hint); either way its joules are the tail's, no request's, as
+        before. From ``te`` on the GPU
+        rests: idle, however much it still draws (perf boost held, clocks falling back:
+        docs/request-energy.md, "The gap after a step, and the tail")."""
+        self.drained = True
+        self.tail_pending = self.tail_pending or self.pending
+        n = len(self.gaps)
+        self._to_step(te, None)
+        if self.gpu_runs_ahead and len(self.gaps) > n:  # the meter's hint: the GPU worked there
+            self.spans.append((te - self.gaps[-1].seconds, te))
+        self.t, self.phase, self.end_t, self.req, self.ctx, self.steady, self.drained = te, "idle", None, None, None, False, False
 
     def _to_step(self, te: float, ev_fin: object) -> None:
         """Cut the time from the cursor to the start of the next step at ``te``, which reports
@@ -576,7 +593,11 @@ class PhaseEnergyAccount:
                 self.idle_busy_s += pieces.idle_busy_s
         self._recent.append(_Booked(self._t, t_now, book, pieces.busy_spans))
         for p in steps:
-            idle_j += self._book_back(p.t0_s, p.step.t_s, p.step.jump_j, pieces.phase, book)
+            rest_j = self._rest_excess_j(p, t_now, pieces.busy_spans)
+            if rest_j > 0:
+                self.energy_j["idle"] += rest_j
+                idle_j += rest_j
+            idle_j += self._book_back(p.t0_s, p.step.t_s, p.step.jump_j - rest_j, pieces.phase, book)
         while len(self._recent) > 1 and self._recent[0].t1_s < t_now - 2 * period_s:
             self._recent.popleft()
         done = self._finish_requests(pieces.finished)
@@ -623,16 +644,52 @@ class PhaseEnergyAccount:
         a, d_j, tp, ext_j = c.span_t0_s, c.span_j, c.read_t0_s, c.ext_j
         if a is None or d_j is None or tp is None or ext_j is None or not a <= tp <= c.t_s or c.t_s - a <= 1.5 * period_s:
             return None
-        b1 = sum(_overlap(x, y, a, tp) for r in self._recent for x, y in r.busy_spans)
+        old = [(x, y) for r in self._recent for x, y in r.busy_spans]
+        b1 = sum(_overlap(x, y, a, tp) for x, y in old)
         b2 = sum(_overlap(x, y, tp, c.t_s) for x, y in spans)
         q1, q2 = max(0.0, tp - a - b1), max(0.0, c.t_s - tp - b2)
         idle_w = self.idle_power_w
         if b1 + b2 <= 0 or idle_w is None:
-            e1 = d_j * (tp - a) / (c.t_s - a)
-        else:
-            quiet_w = min(idle_w, max(d_j, 0.0) / (q1 + q2)) if q1 + q2 > 0 else 0.0
-            e1 = quiet_w * q1 + (d_j - quiet_w * (q1 + q2)) / (b1 + b2) * b1
+            return _PeriodStep(a, CounterStep(tp, d_j * (tp - a) / (c.t_s - a) - ext_j))
+        # The GPU's rest after the work (perf boost held, clocks falling back) draws more than the
+        # idle power learnt before it; where the read comes long enough after the work for the
+        # instant power to have settled (it lags by tens of ms: docs/results/h200-energy-meter.md
+        # (c)), that reading prices the rest, else the steps would take its excess.
+        end = max((y for x, y in (*old, *spans) if x < c.t_s and y > a), default=a)
+        rest_w = self._rest_power_w(c.t_s - end, idle_w)
+        r1, r2 = max(0.0, tp - max(a, end)), max(0.0, c.t_s - max(tp, end))
+        quiet_j = idle_w * (q1 + q2 - r1 - r2) + rest_w * (r1 + r2)
+        if quiet_j > max(d_j, 0.0):  # never more than the span's joules
+            quiet_j, rest_w = min(idle_w, max(d_j, 0.0) / (q1 + q2)) * (q1 + q2) if q1 + q2 > 0 else 0.0, idle_w
+            r1 = r2 = 0.0
+        quiet_w = quiet_j / (q1 + q2) if q1 + q2 > 0 else 0.0
+        part1_quiet_j = quiet_w * q1 if r1 + r2 <= 0 else idle_w * (q1 - r1) + rest_w * r1
+        e1 = part1_quiet_j + (d_j - quiet_j) / (b1 + b2) * b1
         return _PeriodStep(a, CounterStep(tp, e1 - ext_j))
+
+    def _rest_excess_j(self, p: _PeriodStep, t_now: float, spans: tuple) -> float:
+        """Of a counter step's positive jump, what the GPU's rest after the work in its period
+        drew above the idle price the meter extended it with (:meth:`_rest_power_w`): idle's,
+        not the steps'. 0 where the period holds no work, or no rest after it."""
+        idle_w, jump_j = self.idle_power_w, p.step.jump_j
+        if idle_w is None or jump_j <= 0:
+            return 0.0
+        t0, t1 = p.t0_s, p.step.t_s
+        ends = [y for r in self._recent for x, y in r.busy_spans if x < t1 and y > t0]
+        ends += [y for x, y in spans if x < t1 and y > t0]
+        if not ends or max(ends) >= t1:
+            return 0.0
+        end = max(ends)
+        return min(jump_j, (self._rest_power_w(t_now - end, idle_w) - idle_w) * (t1 - max(t0, end)))
+
+    def _rest_power_w(self, after_s: float, idle_w: float) -> float:
+        """The GPU's power at rest ``after_s`` seconds after its last work: the instant reading
+        taken with the last energy read once it has settled (``_REST_SETTLED_S``), never below
+        the idle power; else the idle power."""
+        if after_s < _REST_SETTLED_S:
+            return idle_w
+        p = getattr(self.meter, "last_power_w", None)
+        return max(idle_w, p) if isinstance(p, float) and math.isfinite(p) else idle_w
 
     def _finish_requests(self, finished: list) -> list:
         """Report the requests in ``finished`` still in flight with their final joules; returns their ids."""

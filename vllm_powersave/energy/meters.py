@@ -573,6 +573,11 @@ class NvmlEnergyMeter(EnergyMeter):
             self._counter_steps.clear()
         return out
 
+    @property
+    def last_power_w(self) -> float | None:
+        """The instant power (W) read with the last energy read (no NVML read of its own)."""
+        return self._last_read[2] if self._last_read is not None else None
+
     def power_w(self) -> float | None:
         # The tick reads instant power with the counter; reuse a reading younger than 50 ms.
         if self._power is not None and self.clock() - self._t_power < 0.05:
