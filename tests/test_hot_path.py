@@ -366,9 +366,11 @@ class ReferenceAccount(PhaseEnergyAccount):
                     st[2] = te
                 elif ev == "":
                     finished.extend(ev_fin)
-                    if st[1] != "idle" and st[2] is not None:
+                    if st[1] != "idle" and st[2] is not None:  # drained: the time so far is the tail's, then idle
                         st[6] = True
                         settle = settle or ("tail" if self._pending_j > 0 else None)
+                        pieces += self._cut(st, te, False)[0]
+                        st = [te, "idle", None, None, None, False, False]
                 else:
                     cut, what = self._cut(st, te, False)
                     pieces += cut
