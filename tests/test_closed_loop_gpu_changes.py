@@ -222,3 +222,32 @@ def test_a_fit_levelled_after_a_gpu_change_keeps_the_context_range_of_its_slope(
         before, after = _fits_around_a_tenant_arriving(seed)
         assert after.n_steps < before.n_steps  # levelled on the fresh window
         assert after.ctx_hi - after.ctx_lo >= 0.5 * (before.ctx_hi - before.ctx_lo), (seed, after, before)
+
+
+def test_a_tenant_leaving_takes_back_the_fit_from_before_it_came_without_a_reference_window():
+    # Alone, then another job arrives (its re-check levels the fit on a fresh window, +30 %), then
+    # leaves: the held steps are back in the state before it came, so the fit from then is taken
+    # back within tens of steps, with no default-clock step (a reference window there only
+    # refreshed the fit: under the co-tenant ~4 % of decode steps, docs/results/
+    # sim-closed-loop-adversarial.md), and the clock is held on and watched against that fit.
+    for seed in (4, 5, 6):
+        tuner = DecodeClockTuner(_loop_settings(), H200.sm_clocks_mhz)
+        d = SharedGpu(tuner, noise=0.01, seed=seed, period_s=1e9, busy_s=0.0).run(6000)
+        while tuner.snapshot()["buckets"][64]["state"] != "hold" or d.clock is None:
+            d.run(1)
+        alone = tuner.buckets[64].fit
+        d.busy_s = 1e9  # another job arrives
+        while tuner.snapshot()["buckets"][64]["state"] == "hold":
+            d.run(1)
+        while tuner.snapshot()["buckets"][64]["state"] != "hold":
+            d.run(1)
+        held, shared = d.clock, tuner.buckets[64].fit
+        assert shared is not alone
+        d.busy_s = 0.0  # it leaves
+        states = []
+        for _ in range(60):
+            d.run(1)
+            states.append(tuner.snapshot()["buckets"][64]["state"])
+        assert "check" not in states, (seed, states)
+        assert tuner.buckets[64].fit is alone and d.clock == held, seed
+        assert any(r.event == "recheck" and "fit before the GPU slowed" in r.reason for r in tuner.records)
