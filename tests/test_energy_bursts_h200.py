@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import dataclass, replace
 
 import pytest
 from fakes import FakeNvmlDevices
@@ -27,8 +28,23 @@ from fakes import FakeNvmlDevices
 from vllm_powersave.device import NvmlGpu
 from vllm_powersave.energy import NvmlEnergyMeter, PhaseEnergyAccount
 
-IDLE_W, BURST_W, BOOSTED_W = 80.0, 650.0, 120.0
-RAMP_S, WORK_S, HOST_S, REST_S, LAG_S = 0.02, 0.2, 0.045, 1.8, 0.04
+
+@dataclass(frozen=True, slots=True)
+class BurstShape:
+    """A burst on the fake GPU and how the account sees it (module docstring)."""
+
+    idle_w: float = 80.0
+    burst_w: float = 650.0
+    boosted_w: float = 120.0
+    ramp_s: float = 0.02  # the burst's power rises with this time constant
+    work_s: float = 0.2  # GPU work of the burst
+    host_s: float = 0.045  # the host's two steps
+    rest_s: float = 1.8  # boosted rest after the work
+    lag_s: float = 0.04  # the instant power's first-order lag
+    tick_s: float = 0.25  # the account's tick (energy.tick_s)
+
+
+H200 = BurstShape()
 
 
 class Clock:
@@ -39,39 +55,40 @@ class Clock:
         return self.t
 
 
-def _ramp_j(a: float, t: float) -> float:
-    """Joules of the ramping burst power from ``a`` to ``t`` (t <= a + WORK_S)."""
+def _ramp_j(s: BurstShape, a: float, t: float) -> float:
+    """Joules of the ramping burst power from ``a`` to ``t`` (t <= a + work_s)."""
     x = max(0.0, t - a)
-    return IDLE_W * x + (BURST_W - IDLE_W) * (x - RAMP_S * (1 - math.exp(-x / RAMP_S)))
+    return s.idle_w * x + (s.burst_w - s.idle_w) * (x - s.ramp_s * (1 - math.exp(-x / s.ramp_s)))
 
 
 class BurstGpu(FakeNvmlDevices):
     """Bursts starting at ``starts``: exact energy (counter steps every 100 ms at ``phase``) and a
     lagging instant power."""
 
-    def __init__(self, clock: Clock, starts: list[float], phase: float) -> None:
+    def __init__(self, clock: Clock, starts: list[float], phase: float, shape: BurstShape = H200) -> None:
         super().__init__(uuids=("GPU-h",), energy_mj=0)
-        self.clock, self.starts, self.phase = clock, starts, phase
-        self._lag_t, self._lag_w = 0.0, IDLE_W
+        self.clock, self.starts, self.phase, self.s = clock, starts, phase, shape
+        self._lag_t, self._lag_w = 0.0, shape.idle_w
 
     def true_w(self, t: float) -> float:
+        s = self.s
         for a in reversed(self.starts):
             if t >= a:
-                if t < a + WORK_S:
-                    return IDLE_W + (BURST_W - IDLE_W) * (1 - math.exp(-(t - a) / RAMP_S))
-                return BOOSTED_W if t < a + WORK_S + REST_S else IDLE_W
-        return IDLE_W
+                if t < a + s.work_s:
+                    return s.idle_w + (s.burst_w - s.idle_w) * (1 - math.exp(-(t - a) / s.ramp_s))
+                return s.boosted_w if t < a + s.work_s + s.rest_s else s.idle_w
+        return s.idle_w
 
     def true_j(self, t: float) -> float:
-        j, prev_end = 0.0, 0.0
+        s, j, prev_end = self.s, 0.0, 0.0
         for a in self.starts:
             if t <= a:
                 break
-            j += IDLE_W * (a - prev_end) + _ramp_j(a, min(t, a + WORK_S))
-            e = a + WORK_S
-            j += BOOSTED_W * max(0.0, min(t, e + REST_S) - e) + IDLE_W * max(0.0, t - e - REST_S)
+            j += s.idle_w * (a - prev_end) + _ramp_j(s, a, min(t, a + s.work_s))
+            e = a + s.work_s
+            j += s.boosted_w * max(0.0, min(t, e + s.rest_s) - e) + s.idle_w * max(0.0, t - e - s.rest_s)
             prev_end = max(t, a)
-        return j + IDLE_W * max(0.0, t - prev_end)
+        return j + s.idle_w * max(0.0, t - prev_end)
 
     def nvmlDeviceGetTotalEnergyConsumption(self, h):
         self._hit("nvmlDeviceGetTotalEnergyConsumption")
@@ -82,18 +99,23 @@ class BurstGpu(FakeNvmlDevices):
         t = self.clock()
         while self._lag_t < t:  # first-order lag, 0.5 ms steps
             dt = min(0.0005, t - self._lag_t)
-            self._lag_w += (self.true_w(self._lag_t) - self._lag_w) * (1 - math.exp(-dt / LAG_S))
+            self._lag_w += (self.true_w(self._lag_t) - self._lag_w) * (1 - math.exp(-dt / self.s.lag_s))
             self._lag_t += dt
         self.power_mw = [int(self._lag_w * 1000)]
         return super().nvmlDeviceGetFieldValues(h, ids)
 
 
-def burst_ratios(seed: int) -> list[float]:
+def _chunks_s(shape: BurstShape) -> list[float]:
+    """When the host launches the steps after a burst's first two (from its start, s)."""
+    return [0.15 * j for j in range(1, 10) if 0.15 * (j + 1) < shape.work_s]
+
+
+def burst_ratios(seed: int, shape: BurstShape = H200) -> list[float]:
     """Bursts 5-5.3 s apart over 30 s, each with distinct requests; returns each burst's booked
     prefill over the exact energy of its work."""
     rng, clock = random.Random(seed), Clock()
     starts = [2.0 + 5 * i + rng.uniform(0, 0.3) for i in range(6)]
-    gpu = BurstGpu(clock, starts, phase=rng.uniform(0, 0.1))
+    gpu = BurstGpu(clock, starts, phase=rng.uniform(0, 0.1), shape=shape)
     clock.t = 0.5
     meter = NvmlEnergyMeter(NvmlGpu(gpu, 0, "GPU-h"), clock=clock)
     acc = PhaseEnergyAccount(meter, idle_after_s=0.25, clock=clock, per_request=True, gpu_runs_ahead=True)
@@ -101,15 +123,19 @@ def burst_ratios(seed: int) -> list[float]:
     for i, a in enumerate(starts):
         ids = [f"b{i}-{k}" for k in range(4)]
         events += [(a, "step", {ids[0]: 1900}), (a + 0.024, "end", None)]
-        events += [(a + 0.025, "step", {r: 1900 for r in ids[1:]}), (a + HOST_S, "end", None)]
-        events += [(a + WORK_S + 0.005, "fin", ids)]
+        events += [(a + 0.025, "step", {r: 1900 for r in ids[1:]}), (a + shape.host_s, "end", None)]
+        # Longer work is chunked prefill: a step every 0.15 s, so that no host gap reaches idle_after_s.
+        events += [(a + x, kind, arg) for x in _chunks_s(shape) for kind, arg in (("step", dict.fromkeys(ids, 512)),)]
+        events += [(a + x + 0.02, "end", None) for x in _chunks_s(shape)]
+        events += [(a + shape.work_s + 0.005, "fin", ids)]
+    events.sort(key=lambda e: e[0])
     flushes = sorted(t for t, kind, _ in events if kind == "fin")
 
     def sleep(s: float) -> None:
         clock.t += s
 
     seen = []  # (t, prefill J) at each tick
-    next_tick = clock.t + 0.25
+    next_tick = clock.t + shape.tick_s
     while clock.t < 31:
         clock.t = min([next_tick, *[f for f in flushes if f > clock.t]])
         if clock.t >= meter.sync_due:
@@ -125,28 +151,40 @@ def burst_ratios(seed: int) -> list[float]:
         acc.tick()
         seen.append((clock.t, acc.energy_j["prefill"]))
         if clock.t >= next_tick:
-            next_tick = clock.t + 0.25
+            next_tick = clock.t + shape.tick_s
     assert acc.total_j() == pytest.approx(meter.energy_j(), abs=1e-6)  # nothing lost or made up
     ratios = []
     for a in starts:
         before = [j for t, j in seen if t <= a][-1]
         after = [j for t, j in seen if t <= a + 4.5][-1]
-        ratios.append((after - before) / (gpu.true_j(a + WORK_S) - gpu.true_j(a)))
+        ratios.append((after - before) / (gpu.true_j(a + shape.work_s) - gpu.true_j(a)))
     return ratios
 
 
-def test_an_h200_shaped_burst_books_the_energy_of_its_work_within_8_percent():
-    """Before, the time after vLLM reported the batch drained stayed the last step's gap (up to
-    ``idle_after_s``, as a tail gap without work for the meter's hint), and the GPU's boosted
-    rest power above the learnt idle price went to the steps: bursts read 0.79-1.09 of the truth.
-    Now the rest after the drain is idle, and a read well after the work prices the rest at the
-    settled instant power: 0.978-1.069 over these 24 bursts."""
-    ratios = [x for seed in range(4) for x in burst_ratios(seed)]
-    assert max(abs(x - 1) for x in ratios) <= 0.08, (min(ratios), max(ratios))
-
-
-@pytest.mark.xfail(strict=True, reason="up to +6.9 %: the counter's extension at the burst's edges (open)")
 def test_an_h200_shaped_burst_books_the_energy_of_its_work_within_5_percent():
-    """The requirement's bound (docs/request-energy.md, short bursts)."""
+    """The requirement's bound (docs/request-energy.md, short bursts). Before, the GPU's rest after
+    a burst was priced at the idle power learnt before it unless a read came 0.15 s after the
+    work (and at the idle power whenever the rest price came out above the span's joules), and a
+    read at vLLM's drain extended the counter as if the work ran on: 24 bursts read 0.978-1.069.
+    Now the rest is priced at the instant reading and settled by the counter's next span of rest
+    only: 0.997-1.032."""
     ratios = [x for seed in range(4) for x in burst_ratios(seed)]
     assert max(abs(x - 1) for x in ratios) <= 0.05, (min(ratios), max(ratios))
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [replace(H200, lag_s=0.06), replace(H200, ramp_s=0.01), replace(H200, work_s=0.4), replace(H200, tick_s=0.5)],
+    ids=["lag-60ms", "ramp-10ms", "work-0.4s", "tick-0.5s"],
+)
+def test_other_burst_shapes_book_the_energy_of_their_work_within_5_percent(shape):
+    """Not tuned to the fake's numbers: a slower instant power, a faster ramp, a longer burst and
+    ticks twice as far apart read 0.997-1.032, 0.996-1.031, 1.001-1.015 and 0.984-1.016."""
+    ratios = [x for seed in range(4) for x in burst_ratios(seed, shape)]
+    assert max(abs(x - 1) for x in ratios) <= 0.05, (min(ratios), max(ratios))
+
+
+def test_a_burst_of_0_1_s_books_the_energy_of_its_work_within_10_percent():
+    """A 0.1 s burst is mostly edges: 1.002-1.090 (0.725-1.113 before). Open: the +9 %."""
+    ratios = [x for seed in range(4) for x in burst_ratios(seed, replace(H200, work_s=0.1))]
+    assert max(abs(x - 1) for x in ratios) <= 0.10, (min(ratios), max(ratios))

@@ -71,9 +71,8 @@ from .request_cost import RequestCostModel, step_weights
 _IDLE_POWER_MIN_S = 0.02
 #: Weight of the newest idle interval in the idle power's moving average.
 _IDLE_POWER_EMA = 0.3
-#: Seconds after the last work from which the instant power reads the GPU's rest (it lags the
-#: power by tens of ms: docs/results/h200-energy-meter.md (c)).
-_REST_SETTLED_S = 0.15
+#: Rest holds kept for the counter to settle (:class:`_RestHold`); a burst leaves one or two.
+_REST_HOLDS_MAX = 8
 
 
 class TickRecord(NamedTuple):
@@ -201,10 +200,71 @@ class _WindowSample(NamedTuple):
 
 
 class _PeriodStep(NamedTuple):
-    """A counter step and the start of the counter period it closes (its jump is booked there)."""
+    """A counter step and the start of the counter period it closes (its jump is booked there);
+    ``rest``: how the steps' part of it depends on the price of the rest after the work in it
+    (:class:`_SpanSplit`, where the step is a span's)."""
 
     t0_s: float
     step: CounterStep
+    rest: _SpanSplit | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _SpanSplit:
+    """A span's counter joules ``d_j`` split at the previous read: quiet seconds ``q1_s`` /
+    ``q2_s`` before / after it (of them ``r1_s`` / ``r2_s`` the GPU's rest after the work), the
+    steps' seconds ``b1_s`` / ``b2_s``; ``end_s``: when the work ended (:meth:`PhaseEnergyAccount._span_step`)."""
+
+    d_j: float
+    idle_w: float
+    q1_s: float
+    q2_s: float
+    r1_s: float
+    r2_s: float
+    b1_s: float
+    b2_s: float
+    end_s: float
+
+    def part1_j(self, rest_w: float) -> float:
+        """The joules of the part before the previous read, with the rest at ``rest_w``: quiet
+        time at the idle power, rest at ``rest_w`` (both scaled down alike to at most ``d_j``), the
+        steps the remainder by their time."""
+        idle_w, r_s = self.idle_w, self.r1_s + self.r2_s
+        quiet_j = idle_w * (self.q1_s + self.q2_s - r_s) + rest_w * r_s
+        k = min(1.0, max(self.d_j, 0.0) / quiet_j) if quiet_j > 0 else 1.0
+        part1_quiet_j = k * (idle_w * (self.q1_s - self.r1_s) + rest_w * self.r1_s)
+        return part1_quiet_j + (self.d_j - k * quiet_j) / (self.b1_s + self.b2_s) * self.b1_s
+
+
+@dataclass(frozen=True, slots=True)
+class _RestExcess:
+    """A single period's positive ``jump_j`` with ``rest_s`` seconds of the GPU's rest after the
+    work that ended at ``end_s``: the rest's excess over ``idle_w`` is idle's, the remainder the
+    steps' (:meth:`PhaseEnergyAccount._rest_excess_j`)."""
+
+    jump_j: float
+    idle_w: float
+    rest_s: float
+    end_s: float
+
+    def rest_j(self, rest_w: float) -> float:
+        return min(self.jump_j, max(0.0, rest_w - self.idle_w) * self.rest_s)
+
+
+@dataclass(slots=True)
+class _RestHold:
+    """The steps' part of a counter step whose rest after the work was priced at ``rest_w`` (the
+    instant reading, which lags the falling power: an upper bound, so the steps got at most
+    theirs): ``held_j`` is what they hold, ``parts`` (of which ``booked_j`` in phases) the
+    bookings of the period it was booked over. A later counter span of rest only measures the
+    rest, and the steps get what the lower price leaves them (docs/request-energy.md, short
+    bursts)."""
+
+    split: _SpanSplit | _RestExcess
+    rest_w: float
+    held_j: float
+    parts: dict
+    booked_j: float
 
 
 def _overlap(a: float, b: float, lo: float, hi: float) -> float:
@@ -470,6 +530,8 @@ class PhaseEnergyAccount:
         self._recent: deque[_Booked] = deque()
         #: When the counter last stepped: a step closes the time since then, at most a period.
         self._last_step_t = -math.inf
+        #: Steps whose rest after the work waits for the counter to measure it (_settle_rest).
+        self._holds: deque[_RestHold] = deque(maxlen=_REST_HOLDS_MAX)
         self._lock = threading.Lock()  # serialises tick() callers, never taken by the hot path
 
     # -- hot path (no meter access, no lock) ---------------------------------------------------
@@ -552,8 +614,10 @@ class PhaseEnergyAccount:
         if hint is None:
             return
         spans = [s for r in self._recent for s in r.busy_spans]
-        # A step still running at the tick runs on through the meter's read (end: inf).
-        spans.extend((a, math.inf if b >= t_now else b) for a, b in walk.spans)
+        # A step still running at the tick runs on through the meter's read (end: inf); work that
+        # vLLM reported drained at the tick has ended (the walk rests from there).
+        running = walk.phase != "idle"
+        spans.extend((a, math.inf if running and b >= t_now else b) for a, b in walk.spans)
         hint(spans, self.idle_power_w)
 
     def _stop_attribution(self, pieces: TickPieces, t_now: float, state: _Cursor) -> None:
@@ -580,10 +644,14 @@ class PhaseEnergyAccount:
         period_s = getattr(self.meter, "counter_period_s", 0.0)
         if not 0.0 < period_s < math.inf:  # no period to book over (and none to keep ticks for)
             period_s = 0.0
-        steps = self._period_steps(t_now, d_e, period_s, pieces.busy_spans)
+        drain = getattr(self.meter, "drain_counter_steps", None)  # meters without a stepping counter: none
+        drained = drain() if drain else []
+        steps = self._period_steps(t_now, d_e, period_s, pieces.busy_spans, drained)
         back_j = sum(p.step.jump_j for p in steps)
         book: dict = {}
         idle_j = self._price(pieces, energy_j=d_e - back_j, span_s=t_now - self._t, book=book)
+        if self._holds:
+            idle_j -= self._settle_rest(drained, pieces.busy_spans, book)
         fe_busy = self.busy
         if fe_busy is not None:
             self.busy_s += fe_busy(self._t, t_now)
@@ -593,11 +661,14 @@ class PhaseEnergyAccount:
                 self.idle_busy_s += pieces.idle_busy_s
         self._recent.append(_Booked(self._t, t_now, book, pieces.busy_spans))
         for p in steps:
-            rest_j = self._rest_excess_j(p, t_now, pieces.busy_spans)
+            rest = p.rest or self._rest_excess(p, pieces.busy_spans)
+            rest_j = rest.rest_j(self._rest_power_w(rest.idle_w)) if isinstance(rest, _RestExcess) else 0.0
             if rest_j > 0:
                 self.energy_j["idle"] += rest_j
                 idle_j += rest_j
             idle_j += self._book_back(p.t0_s, p.step.t_s, p.step.jump_j - rest_j, pieces.phase, book)
+            if rest is not None:
+                self._hold_rest(p, rest)
         while len(self._recent) > 1 and self._recent[0].t1_s < t_now - 2 * period_s:
             self._recent.popleft()
         done = self._finish_requests(pieces.finished)
@@ -606,15 +677,14 @@ class PhaseEnergyAccount:
             self.on_tick(TickRecord(self._t, t_now, d_e, pieces.busy_s, gap_s, pieces.idle_s, idle_j, done, back_j))
         self._t, self._e = t_now, e_now
 
-    def _period_steps(self, t_now: float, d_e: float, period_s: float, spans: tuple) -> list[_PeriodStep]:
+    def _period_steps(self, t_now: float, d_e: float, period_s: float, spans: tuple, drained: list) -> list[_PeriodStep]:
         """The counter steps to book back: a counter step's jump belongs to the ~100 ms period it
         closes, not to this (often ~16 ms) tick, so it is set aside and booked over that period's
         ticks (:meth:`_book_back`). A read that saw several steps at once (ticks further apart
         than a period) corrects the earlier ticks' part of the span instead (:meth:`_span_step`);
-        ``spans``: this tick's busy pieces."""
-        drain = getattr(self.meter, "drain_counter_steps", None)  # meters without a stepping counter: none
+        ``spans``: this tick's busy pieces; ``drained``: the meter's counter steps since the last tick."""
         steps = []
-        for c in drain() if drain else ():
+        for c in drained:
             # A step after the read that saw it, or not a number, is no step of this counter.
             if period_s and c.t_s <= t_now and math.isfinite(c.jump_j):
                 span = self._span_step(c, period_s, spans)
@@ -652,44 +722,83 @@ class PhaseEnergyAccount:
         if b1 + b2 <= 0 or idle_w is None:
             return _PeriodStep(a, CounterStep(tp, d_j * (tp - a) / (c.t_s - a) - ext_j))
         # The GPU's rest after the work (perf boost held, clocks falling back) draws more than the
-        # idle power learnt before it; where the read comes long enough after the work for the
-        # instant power to have settled (it lags by tens of ms: docs/results/h200-energy-meter.md
-        # (c)), that reading prices the rest, else the steps would take its excess.
+        # idle power learnt before it: the instant reading prices it (an upper bound while it
+        # lags the falling power; :class:`_RestHold` settles it once the counter measured the rest).
         end = max((y for x, y in (*old, *spans) if x < c.t_s and y > a), default=a)
-        rest_w = self._rest_power_w(c.t_s - end, idle_w)
         r1, r2 = max(0.0, tp - max(a, end)), max(0.0, c.t_s - max(tp, end))
-        quiet_j = idle_w * (q1 + q2 - r1 - r2) + rest_w * (r1 + r2)
-        if quiet_j > max(d_j, 0.0):  # never more than the span's joules
-            quiet_j, rest_w = min(idle_w, max(d_j, 0.0) / (q1 + q2)) * (q1 + q2) if q1 + q2 > 0 else 0.0, idle_w
-            r1 = r2 = 0.0
-        quiet_w = quiet_j / (q1 + q2) if q1 + q2 > 0 else 0.0
-        part1_quiet_j = quiet_w * q1 if r1 + r2 <= 0 else idle_w * (q1 - r1) + rest_w * r1
-        e1 = part1_quiet_j + (d_j - quiet_j) / (b1 + b2) * b1
-        return _PeriodStep(a, CounterStep(tp, e1 - ext_j))
+        split = _SpanSplit(d_j, idle_w, q1, q2, r1, r2, b1, b2, end)
+        return _PeriodStep(a, CounterStep(tp, split.part1_j(self._rest_power_w(idle_w)) - ext_j), split if r1 + r2 > 0 else None)
 
-    def _rest_excess_j(self, p: _PeriodStep, t_now: float, spans: tuple) -> float:
+    def _rest_excess(self, p: _PeriodStep, spans: tuple) -> _RestExcess | None:
         """Of a counter step's positive jump, what the GPU's rest after the work in its period
-        drew above the idle price the meter extended it with (:meth:`_rest_power_w`): idle's,
-        not the steps'. 0 where the period holds no work, or no rest after it."""
+        drew above the idle price the meter extended it with (:meth:`_rest_power_w`) is idle's,
+        not the steps'. ``None`` where the period holds no work, or no rest after it."""
         idle_w, jump_j = self.idle_power_w, p.step.jump_j
         if idle_w is None or jump_j <= 0:
-            return 0.0
+            return None
         t0, t1 = p.t0_s, p.step.t_s
         ends = [y for r in self._recent for x, y in r.busy_spans if x < t1 and y > t0]
         ends += [y for x, y in spans if x < t1 and y > t0]
         if not ends or max(ends) >= t1:
-            return 0.0
-        end = max(ends)
-        return min(jump_j, (self._rest_power_w(t_now - end, idle_w) - idle_w) * (t1 - max(t0, end)))
+            return None
+        return _RestExcess(jump_j, idle_w, t1 - max(t0, max(ends)), max(ends))
 
-    def _rest_power_w(self, after_s: float, idle_w: float) -> float:
-        """The GPU's power at rest ``after_s`` seconds after its last work: the instant reading
-        taken with the last energy read once it has settled (``_REST_SETTLED_S``), never below
-        the idle power; else the idle power."""
-        if after_s < _REST_SETTLED_S:
-            return idle_w
+    def _rest_power_w(self, idle_w: float) -> float:
+        """The GPU's power at rest after its work: the instant reading taken with the last energy
+        read, never below the idle power (it lags the power by tens of ms,
+        docs/results/h200-energy-meter.md (c): soon after the work it reads high)."""
         p = getattr(self.meter, "last_power_w", None)
         return max(idle_w, p) if isinstance(p, float) and math.isfinite(p) else idle_w
+
+    def _hold_rest(self, p: _PeriodStep, split: _SpanSplit | _RestExcess) -> None:
+        """Keep what the steps of ``p`` hold, for :meth:`_settle_rest`."""
+        rest_w = self._rest_power_w(split.idle_w)
+        if rest_w <= split.idle_w:
+            return
+        if isinstance(split, _SpanSplit):  # a negative part is not taken from them: they hold the extension
+            held_j = split.part1_j(rest_w) - min(p.step.jump_j, 0.0)
+        else:
+            held_j = split.jump_j - split.rest_j(rest_w)
+        parts, _ = self._period_parts(p.t0_s, p.step.t_s)
+        booked = sum(v for key, v in parts.items() if key in self.energy_j)
+        if booked > 0:
+            self._holds.append(_RestHold(split, rest_w, held_j, parts, booked))
+
+    def _settle_rest(self, drained: list, spans: tuple, book: dict) -> float:
+        """A counter span of rest only after a held step's work (:class:`_RestHold`) measures the
+        rest's power; where it is below the price the steps were given, they get what it leaves
+        them, out of this tick's idle (never more than it booked). Holds end there, or when new
+        work comes. Returns the joules moved."""
+        moved = 0.0
+        work = [(x, y) for r in self._recent for x, y in r.busy_spans] + list(spans)
+        for h in list(self._holds):
+            end = h.split.end_s
+            rest_w = None
+            for c in drained:
+                a, t1, j = c.span_t0_s, c.t_s, c.span_j
+                if a is None or j is None or a < end or t1 - a <= 0 or any(_overlap(x, y, a, t1) > 0 for x, y in work):
+                    continue
+                rest_w = j / (t1 - a)
+            if rest_w is None:
+                if any(y > end for _, y in spans):
+                    self._holds.remove(h)
+                continue
+            self._holds.remove(h)
+            if rest_w >= h.rest_w:
+                continue
+            if isinstance(h.split, _SpanSplit):
+                owed = h.split.part1_j(max(rest_w, h.split.idle_w)) - h.held_j
+            else:
+                owed = h.split.rest_j(h.rest_w) - h.split.rest_j(rest_w)
+            owed = min(owed, book.get("idle", 0.0))
+            if owed <= 0:
+                continue
+            for key, v in h.parts.items():
+                self._credit(key, owed * v / h.booked_j, pending_open=False)
+            self.energy_j["idle"] -= owed
+            book["idle"] -= owed
+            moved += owed
+        return moved
 
     def _finish_requests(self, finished: list) -> list:
         """Report the requests in ``finished`` still in flight with their final joules; returns their ids."""
@@ -850,6 +959,20 @@ class PhaseEnergyAccount:
         error on the H200: docs/results/h200-request-energy.md.) A request already reported
         cannot change: its part goes to the tail. A negative jump is :meth:`_take_back`'s.
         ``book``: this tick's bookings. Returns the joules booked as idle."""
+        parts, own = self._period_parts(t0, t1, book)
+        booked = sum(v for key, v in parts.items() if key in self.energy_j)
+        if booked <= 0:
+            return self._book_lump(jump_j, phase, {})
+        if jump_j < 0:
+            return self._take_back(jump_j, parts, booked, phase, book, own)
+        f = jump_j / booked
+        for key, v in parts.items():
+            self._credit(key, f * v, pending_open=False)  # an earlier tick's gap may be settled since
+        return f * parts.get("idle", 0.0)
+
+    def _period_parts(self, t0: float, t1: float, book: dict | None = None) -> tuple[dict, float]:
+        """What the kept ticks booked over ``[t0, t1]`` (pro rata by time), the steps' bookings
+        only where there are any, and the share of ``book`` (this tick's) inside."""
         parts: dict = {}
         own = 0.0  # the share of this tick's bookings in the period
         for k, booked_there in self._in_period(t0, t1):
@@ -863,15 +986,7 @@ class PhaseEnergyAccount:
         busy = {k: v for k, v in parts.items() if k not in ("idle", "idle_busy")}
         if any(v > 0 for k, v in busy.items() if k in self.energy_j):
             parts = busy
-        booked = sum(v for key, v in parts.items() if key in self.energy_j)
-        if booked <= 0:
-            return self._book_lump(jump_j, phase, {})
-        if jump_j < 0:
-            return self._take_back(jump_j, parts, booked, phase, book, own)
-        f = jump_j / booked
-        for key, v in parts.items():
-            self._credit(key, f * v, pending_open=False)  # an earlier tick's gap may be settled since
-        return f * parts.get("idle", 0.0)
+        return parts, own
 
     def _take_back(self, jump_j: float, parts: dict, booked: float, phase: str, book: dict, own: float) -> float:
         """A negative jump: the period drew ``-jump_j`` joules less than its ``parts`` (``booked``
