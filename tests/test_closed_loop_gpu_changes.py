@@ -224,30 +224,32 @@ def test_a_fit_levelled_after_a_gpu_change_keeps_the_context_range_of_its_slope(
         assert after.ctx_hi - after.ctx_lo >= 0.5 * (before.ctx_hi - before.ctx_lo), (seed, after, before)
 
 
-def test_a_tenant_leaving_takes_back_the_fit_from_before_it_came_without_a_reference_window():
-    # Alone, then another job arrives (its re-check levels the fit on a fresh window, +30 %), then
-    # leaves: the held steps are back in the state before it came, so the fit from then is taken
-    # back within tens of steps, with no default-clock step (a reference window there only
-    # refreshed the fit: under the co-tenant ~4 % of decode steps, docs/results/
-    # sim-closed-loop-adversarial.md), and the clock is held on and watched against that fit.
+class _FasterGpu(SharedGpu):
+    """The GPU's speed scaled by ``base`` as well (a light job present at the first fit leaves)."""
+
+    base = 1.0
+
+    def gpu_factor(self):
+        return self.base * super().gpu_factor()
+
+
+def test_a_gpu_faster_than_its_first_fit_while_the_knee_rises_is_caught_by_a_fresh_reference():
+    """Two changes at once can look like "back to the state before the tenant": the GPU ends 10 %
+    faster than at the first fit while the knee rises 10 % above the held clock, so held steps
+    match the first fit. Only a default-clock reference tells them apart; taking the old fit back
+    without one held a clock 10 % slow for 321-908 of the next 4,000 steps."""
     for seed in (4, 5, 6):
         tuner = DecodeClockTuner(_loop_settings(), H200.sm_clocks_mhz)
-        d = SharedGpu(tuner, noise=0.01, seed=seed, period_s=1e9, busy_s=0.0).run(6000)
+        d = _FasterGpu(tuner, noise=0.01, seed=seed, period_s=1e9, busy_s=0.0).run(6000)
         while tuner.snapshot()["buckets"][64]["state"] != "hold" or d.clock is None:
             d.run(1)
-        alone = tuner.buckets[64].fit
-        d.busy_s = 1e9  # another job arrives
+        d.busy_s = 1e9  # another job arrives ...
         while tuner.snapshot()["buckets"][64]["state"] == "hold":
             d.run(1)
         while tuner.snapshot()["buckets"][64]["state"] != "hold":
             d.run(1)
-        held, shared = d.clock, tuner.buckets[64].fit
-        assert shared is not alone
-        d.busy_s = 0.0  # it leaves
-        states = []
-        for _ in range(60):
-            d.run(1)
-            states.append(tuner.snapshot()["buckets"][64]["state"])
-        assert "check" not in states, (seed, states)
-        assert tuner.buckets[64].fit is alone and d.clock == held, seed
-        assert any(r.event == "recheck" and "fit before the GPU slowed" in r.reason for r in tuner.records)
+        d.busy_s, d.base, d.knee = 0.0, 1 / 1.10, d.clock * 1.10  # ... both leave; the knee moved up
+        n0 = len(d.log)
+        d.run(4000)
+        over = sum(1 for slowdown, _ in d.log[n0:] if slowdown > 0.01)
+        assert over < 100, (seed, over)

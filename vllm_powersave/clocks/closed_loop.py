@@ -29,9 +29,7 @@ This tuner measures instead, while serving, the way VoltanaLLM (arXiv:2509.04827
    is held again; fails -> a search above it, starting one ``resolution_mhz`` higher (at the
    held clock itself where only a short window's margin failed). A second CUSUM, of held steps
    faster than the fit, finds the fit stale (the GPU sped up) and measures the default clock
-   again at once (a refresh: nothing is tested, the first CUSUM then watches on the fresh fit),
-   or, where the GPU is back in the state before its last slowdown (a tenant left), takes back
-   the fit from then with no reference window.
+   again at once (a refresh: nothing is tested, the first CUSUM then watches on the fresh fit).
    Reference windows that straddle a GPU change are measured again, and a fit takes its level
    from a fresh window whose level moved, so one fit never spans two GPU states
    (docs/closed-loop.md, "When the whole GPU changes speed").
@@ -244,17 +242,6 @@ class KneeBound:
     bucket: int
 
 
-@dataclass(frozen=True, slots=True)
-class GpuState:
-    """A bucket's default-clock measurements before the GPU last slowed (another tenant came):
-    the fit, the default-clock steps it came from, and the reference window before the change.
-    Taken back when the GPU is back in that state (:meth:`DecodeClockTuner._back_to_before`)."""
-
-    fit: LineFit
-    base: list[StepSample]
-    ref_prev: list[StepSample]
-
-
 class _Bucket:
     """State of one batch-size bucket (owned by the tuner)."""
 
@@ -310,7 +297,6 @@ class _Bucket:
         self.start_at: int | None = None  # where the next search starts (the clock held before a re-probe)
         self.sprt_line: LineFit | None = None  # the default clock it is measured against
         self.raising = False  # the default clock asked for ahead of the test (slow switches)
-        self.before: GpuState | None = None  # the default clock before the GPU last slowed (another tenant came)
         # Knee mode (noise too high for the one test; docs/closed-loop.md, "Noisy steps"):
         self.knee_mode = False
         self.k_phase = ""  # what the running reference window is for: "locate" (then a probe) or "ref"
@@ -624,12 +610,6 @@ class DecodeClockTuner:
             # co-tenant, docs/results/sim-closed-loop-adversarial.md), which then hides it.
             slope = _fit_line(pts[: -len(fresh)]).ms_per_ctx_token
             if self._shifted(older, fresh, slope):
-                # Slower now: the fit before is kept, to come back to when the GPU speeds up again
-                # (:meth:`_back_to_before`); faster: that state is left behind.
-                new = _fit_line(fresh, slope)
-                mid = (new.ctx_lo + new.ctx_hi) / 2
-                up = b.fit is not None and new.ms_at(mid) > _fit_line(older, slope).ms_at(mid)
-                b.before = GpuState(b.fit, pts[: -len(fresh)], list(b.ref_prev)) if up and b.fit is not None else None
                 # The level and spread from the fresh window alone; the slope from the kept steps
                 # before it (a shift moves the level, not the slope), and so the context range it
                 # may be extrapolated over: the fresh window's own brought a re-check every 5 %
@@ -790,7 +770,6 @@ class DecodeClockTuner:
         b.need = self.s.baseline_steps
         if search and event == "reprobe":
             b.base.clear()
-            b.before = None
         b.after_baseline = "search" if search else "hold"
         b.probe, b.samples, b.waited, b.ref_cur = None, [], 0, []
         if search:
@@ -1125,7 +1104,7 @@ class DecodeClockTuner:
         if sus is not None:
             self._violation(now_s, b, batch, ran_at, step_ms, base, held, sus)
             return
-        if self._fit_stale(b, r) and not self._back_to_before(now_s, b, batch):
+        if self._fit_stale(b, r):
             # Held steps faster than the default clock's fit: the GPU sped up (a tenant left), so the
             # fit is stale and the CUSUM above would be blind by as much; measure the default again.
             # Nothing is tested: the few steps since the change failed the one test on their margin
@@ -1212,29 +1191,6 @@ class DecodeClockTuner:
         x = (1.0 - d - ratio) / max(b.fit.sigma, 1e-3)
         b.fast, b.fast_n = _page_step(b.fast, b.fast_n, x, _CUSUM_CLIP)
         return b.fast > _CUSUM_H
-
-    def _back_to_before(self, now_s: float, b: _Bucket, batch: int) -> bool:
-        """Whether held steps faster than the fit (:meth:`_fit_stale`: the GPU sped up) are back in
-        the GPU state before its last slowdown (another tenant left): their median against the fit
-        before it (``before``) is neither faster than ``1 - d`` nor over the target less
-        ``margin_pct``. That fit is then taken back with no reference window (True): the window
-        would only have refreshed the fit, testing nothing (docs/closed-loop.md, "When the whole
-        GPU changes speed"). Otherwise (False) the default clock is measured again."""
-        if b.before is None:
-            return False
-        prev = b.before.fit
-        steps = list(b.window)[-max(self.s.backoff_steps, b.fast_n) :]
-        med = statistics.median(ms / prev.ms_at(c) for c, ms in steps)
-        d = max(b.target - 1.0 - self._margin0, 0.0)
-        if not 1.0 - d <= med <= b.target - self._margin0:
-            return False
-        # The default-clock steps and reference measured in the slower state are dropped with it,
-        # so that no later fit spans both states.
-        b.fit, b.base, b.ref_prev, b.before = prev, deque(b.before.base, maxlen=b.base.maxlen), list(b.before.ref_prev), None
-        self._clear_windows(b)
-        reason = f"median of {len(steps)} held steps faster than the fit, {100 * (med - 1):+.2f} % against the fit before the GPU slowed: taken back"
-        self._emit(now_s, "recheck", b.edge, batch, ratio=med, b=b, reason=reason)
-        return True
 
     def _held_failed(self, b: _Bucket) -> Suspicion | None:
         """Why the held clock must be re-checked now, or ``None``: :meth:`_clearly_over` on the
