@@ -719,3 +719,11 @@ def test_a_window_without_an_energy_figure_is_measured_again_so_no_pair_loses_it
     assert rec["final"]["tok_per_j_ratio"] == {"mean": 1.2, "ci95": [1.2, 1.2]}  # both pairs kept their ratio
     finals = [c[0] for c in fake.calls if c[2] >= 1000]
     assert finals == ["max_num_seqs=8", "defaults", "defaults", "defaults", "max_num_seqs=8"]  # the one window twice
+
+
+def test_a_meter_that_never_gives_a_figure_is_not_measured_twice_per_window(tmp_path, fake, capsys):
+    for k in list(fake.table):  # e.g. NVML on a GPU without an energy counter: no figure, ever
+        fake.table[k] = dataclasses.replace(fake.table[k], output_tokens_per_joule=None, energy_note="no energy source")
+    ts_run.execute(_opts(tmp_path, [2, 8]))
+    assert len(fake.calls) == 6  # 2 search windows and 2 ABBA pairs, each once
+    assert "measuring the window again" not in capsys.readouterr().out

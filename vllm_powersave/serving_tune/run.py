@@ -130,7 +130,7 @@ class Session:
         started = utc_now()
         label = step_id.replace("/", "-").replace("=", "").replace(",", "_").replace(":", "-")[:120]
         try:
-            figs, restarted = self._measure_with_energy(config, window_s, seed, label)
+            figs, restarted, runs = self._measure_with_energy(config, window_s, seed, label)
         except Refused as err:
             rej = Rejection(config.key, str(err), time.monotonic() - t0)
             self.state.add(rej)
@@ -140,23 +140,26 @@ class Session:
         m = Measurement(step_id, where.pop("phase"), config.key, window_s, seed, figs, wall, restarted, started, **where)
         self.state.add(m)
         self.new_steps += 1
-        self._learn(wall, window_s, restarted)
+        self._learn(wall / runs, window_s, restarted)  # the cost model is per window
         self._tick()
         self.say(step_line(m, verdict_of(m, self.opts.slo)))
         return m
 
-    def _measure_with_energy(self, config: Config, window_s: float, seed: int, label: str) -> tuple[Figures, bool]:
-        """One window; measured once more when it came back without an energy figure (a meter read
-        that failed at a window's edge on a loaded host), so that no pair loses its ratio to one
-        lost read. A second miss is kept as it is, and said."""
+    def _measure_with_energy(self, config: Config, window_s: float, seed: int, label: str) -> tuple[Figures, bool, int]:
+        """One window, and how many times it ran: measured once more when it came back without an
+        energy figure although an earlier window of this search had one (a meter read that failed
+        at a window's edge on a loaded host), so that no pair loses its ratio to one lost read. A
+        meter that never gave a figure is not retried (every window would run twice); a second
+        miss is kept as it is, and said."""
         figs, restarted = self.measurer.measure(config, window_s, seed, label)
-        if figs.output_tokens_per_joule is not None or figs.sent == 0:
-            return figs, restarted
+        meter_works = any(m.figures.output_tokens_per_joule is not None for m in self.state.measurements.values())
+        if figs.output_tokens_per_joule is not None or figs.sent == 0 or not meter_works:
+            return figs, restarted, 1
         self.say(f"[tune-serving] {label}: no energy figure ({figs.energy_note}); measuring the window again")
         again, restarted_again = self.measurer.measure(config, window_s, seed, label + "-again")
         if again.output_tokens_per_joule is None:
             self.say(f"[tune-serving] {label}: no energy figure again ({again.energy_note}); kept without one")
-        return again, restarted or restarted_again
+        return again, restarted or restarted_again, 2
 
     def say(self, line: str) -> None:
         """A log line on stdout, above the progress bar where there is one."""
