@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.h200_defaults import burst_pair_figures
+from benchmarks.lib.cli import one_line_errors
 from benchmarks.lib.device import write_record
 from benchmarks.lib.stats import mean_ci
 
@@ -484,6 +485,7 @@ def request_energy_md(reqe: dict, title: str, drop: float) -> list[str]:
     return md
 
 
+@one_line_errors
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("raw", nargs="+")

@@ -17,6 +17,7 @@ from typing import Any
 
 from vllm_powersave.serving_tune.report import pareto_front, pareto_points
 
+from .lib.cli import one_line_errors
 from .lib.device import write_record
 
 NAME = "h200-tune-serving"
@@ -80,6 +81,14 @@ def _r(x: Any, nd: int = 4) -> Any:
     return round(x, nd) if isinstance(x, float) else x
 
 
+def _verdict(status: str, goal: bool) -> str:
+    """The goal column: met or not for a finished search, pending for one a resume continues
+    (``stopped``), and no, with why, for one that ended otherwise (``slo_unmet`` is final)."""
+    if status == "done":
+        return "yes" if goal else "no"
+    return "pending (stopped: resume with --resume-from)" if status == "stopped" else f"no ({status})"
+
+
 def _cell(v: Any) -> str:
     return "n/a" if v is None else f"{v:g}" if isinstance(v, float) else str(v)
 
@@ -120,8 +129,8 @@ def markdown(rec: dict[str, Any]) -> str:
     for e in rec["loads"]:
         a = e["slo_attainment"]
         goal = all(v for v in e["goal"].values() if v is not None) and None not in e["goal"].values()
-        verdict = ("yes" if goal else "no") if e["status"] == "done" else f"pending ({e['status']}: resume with --resume-from)"
-        winner = f"`{e['winner']}`" if e["status"] == "done" else f"best so far: `{e['winner']}`"
+        verdict = _verdict(e["status"], goal)
+        winner = "none" if e["winner"] is None else f"best so far: `{e['winner']}`" if e["status"] == "stopped" else f"`{e['winner']}`"
         wall = "n/a" if e["tuning_wall_time_s"] is None else f"{e['tuning_wall_time_s'] / 60:.1f} min ({e['device_calls']} calls)"
         lines.append(
             f"| {e['traffic']} | {e['slo']} | {winner} | {e['pairs']} | {_mci(e['tok_per_j_ratio'])} ({e['energy']}) | "
@@ -130,7 +139,8 @@ def markdown(rec: dict[str, Any]) -> str:
     lines += [""]
     for e in rec["loads"]:
         lines += [
-            f"- {e['load']}: device calls ended (UTC) {', '.join(str(t) for t in e['calls_utc']) or 'n/a'}; `{e['command']}`"
+            f"- {e['load']}: device calls ended (UTC) {', '.join(str(t) for t in e['calls_utc']) or 'n/a'}"
+            + (f"; `{e['command']}`" if e["command"] else "; no command yet")
             + (f"; closest misses: {'; '.join(e['closest_misses'])}" if e["closest_misses"] else "")
         ]
     for e in rec["loads"]:
@@ -173,13 +183,17 @@ def plot(raw: dict[str, dict[str, Any]], path: Path) -> bool:
     return True
 
 
+@one_line_errors
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--load", action="append", required=True, help="LOAD=DIR (a ts-<load> directory), repeatable")
     ap.add_argument("--out-dir", default="docs/results")
     ap.add_argument("--device", default="NVIDIA H200")
     ns = ap.parse_args(argv)
-    loads = dict((x.split("=", 1)[0], Path(x.split("=", 1)[1])) for x in ns.load)
+    bad = [x for x in ns.load if "=" not in x or not x.split("=", 1)[0]]
+    if bad:
+        ap.error(f"--load {bad[0]!r}: expected LOAD=DIR, e.g. rate4=runs/h200-ts/ts-rate4")
+    loads = {x.split("=", 1)[0]: Path(x.split("=", 1)[1]) for x in ns.load}
     rec, raw = build(loads, ns.device)
     out = Path(ns.out_dir)
     write_record(out, NAME, rec, markdown(rec), keep_from=KEEP_FROM)

@@ -19,6 +19,7 @@ from typing import Any
 
 from benchmarks import h200_defaults_record as defaults_record
 from benchmarks.lib import stats
+from benchmarks.lib.cli import one_line_errors
 from benchmarks.lib.device import write_record
 
 #: Record name of each load point of the raw files, with its kind and closed-loop concurrency.
@@ -395,6 +396,7 @@ def plot(rec: dict, path: Path) -> bool:
     return True
 
 
+@one_line_errors
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("raw", nargs="*", help="raw files of h200_under_load.py; NAME=FILE names the lease it ran in")

@@ -104,3 +104,16 @@ def test_a_stopped_search_is_recorded_as_pending_with_its_measured_windows(tmp_p
     md = rec.markdown(r)
     assert "pending (stopped: resume with --resume-from)" in md and "| no |" not in md and "| yes |" not in md
     assert "best so far: `cuda_perf_boost=auto`" in md and "| `cuda_perf_boost=auto` | 20 | 5 | 1300 | n/a | 30 | met |" in md
+
+
+@pytest.mark.parametrize("status, winner, verdict, shown", [
+    ("slo_unmet", "cuda_perf_boost=auto", "no (slo_unmet)", "| `cuda_perf_boost=auto` |"),
+    ("stopped", None, "pending (stopped: resume with --resume-from)", "| none |"),
+])  # fmt: skip
+def test_only_a_stopped_search_is_pending_and_a_missing_winner_reads_none(tmp_path, status, winner, verdict, shown):
+    ts = {**_ts(1.0, 1.0, 1.0, 540.0, pairs=0), "status": status, "final": None}
+    ts["winner"] = None if winner is None else {"key": winner, "command": "vllm serve m"}
+    (tmp_path / "rate4").mkdir()
+    (tmp_path / "rate4" / "tune-serving.json").write_text(json.dumps(ts))
+    md = rec.markdown(rec.build({"rate4": tmp_path / "rate4"}, "NVIDIA H200")[0])
+    assert f"| {verdict} |" in md and shown in md and "`None`" not in md
