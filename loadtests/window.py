@@ -58,7 +58,7 @@ def steady_state_bounds(outputs: Sequence[RequestOutput], batch: int) -> tuple[f
     t_open, t_close = first[batch - 1], done[k_end - 1]
     if t_close <= t_open:
         return (
-            f"no steady state: {batch} requests in flight (the concurrency cap) were never reached before the ramp-down "
+            f"{batch} requests in flight (the concurrency cap) were never reached before the ramp-down "
             f"({batch} requests had a first token only at {t_open:.3f} s, {k_end} had already finished at {t_close:.3f} s); "
             "at a low request rate the batch stays below the cap"
         )
