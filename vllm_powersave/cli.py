@@ -432,7 +432,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="vllm-powersave", description=__doc__)
+    p = _Parser(prog="vllm-powersave", description=__doc__.replace("``", ""))
     sub = p.add_subparsers(dest="cmd", required=True)
 
     m = sub.add_parser("make-model", help="write an offline Hugging Face model directory with random weights")

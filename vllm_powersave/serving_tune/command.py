@@ -48,7 +48,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     t.add_argument("--slo-attainment", type=float, default=0.99, help="share of requests that must meet TTFT and TPOT (default 0.99)")
     t.add_argument("--space", default=None, help="YAML/JSON file: setting -> list of values (default: a built-in space)")
     for name, flag in SPACE_FLAGS.items():
-        t.add_argument(flag, dest=f"space_{name}", default=None, help=f"values of {name}, comma-separated (overrides --space)")
+        sep = "';'-separated lists of ' '-separated sizes" if name == "cudagraph_capture_sizes" else "comma-separated"
+        t.add_argument(flag, dest=f"space_{name}", default=None, help=f"values of {name}, {sep} (overrides --space)")
     t.add_argument("--max-configs", type=int, default=8, help="configurations sampled from the grid at most (default 8)")
     t.add_argument("--window-s", type=float, default=30.0, help="first round's window per configuration, s (default 30)")
     t.add_argument("--eta", type=int, default=2, help="successive halving: keep 1/ETA per round, windows ETA x longer (default 2)")
