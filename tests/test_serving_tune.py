@@ -727,3 +727,11 @@ def test_a_meter_that_never_gives_a_figure_is_not_measured_twice_per_window(tmp_
     ts_run.execute(_opts(tmp_path, [2, 8]))
     assert len(fake.calls) == 6  # 2 search windows and 2 ABBA pairs, each once
     assert "measuring the window again" not in capsys.readouterr().out
+
+
+def test_a_winner_not_shown_to_save_is_printed_as_the_best_configuration_not_as_advice(tmp_path, fake, capsys):
+    fake.table["defaults"] = _figs(tpj=3.0)  # the winner (max_num_seqs=8, 3 tok/J) ties with vLLM's defaults
+    assert ts_run.execute(_opts(tmp_path, [2, 8])) == 0
+    out = capsys.readouterr().out
+    assert "verdict: no difference shown" in out
+    assert "the search's best configuration, not shown to save against vLLM's defaults:" in out

@@ -349,6 +349,8 @@ def _execute(opts: TuneServingOptions) -> int:
             f"({rec['energy_label']}, {f['pairs']} pair(s)); SLO attainment {_att(f['slo_attainment']['winner'])} vs {_att(f['slo_attainment']['defaults'])}"
         )
         print(f"[tune-serving] verdict: {f['verdict']}")
+        if not str(f["verdict"]).startswith("winner saves"):  # a command line alone reads as advice to switch
+            print("[tune-serving] the search's best configuration, not shown to save against vLLM's defaults:")
         print(rec["winner"]["command"])
     return rc
 
