@@ -157,3 +157,9 @@ def test_nothing_to_recommend_says_what_the_rules_saw_in_text_and_json(tmp_path)
 
 def test_a_result_given_twice_is_one_run():
     assert run([RESULT, RESULT], []) == run([RESULT], [])
+
+
+def test_no_clock_privilege_advice_for_a_run_without_a_gpu():
+    facts = {**facts_from_result(json.load(open(RESULT))), "clock_backend": "dry-run"}
+    assert "clocks" in [r.key for r in advise({**facts, "energy_source": "measured"})]
+    assert "clocks" not in [r.key for r in advise({**facts, "energy_source": "simulated"})]  # the CPU build

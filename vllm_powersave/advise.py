@@ -311,7 +311,8 @@ def advise(facts: dict[str, Any]) -> list[Recommendation]:
             )
         )
     clocks = (facts.get("savings") or {}).get("clocks") or ("dry-run" if facts.get("clock_backend") == "dry-run" else None)
-    if clocks == "dry-run":
+    # Simulated energy means no GPU behind the run (the CPU build): no privilege would let a clock act.
+    if clocks == "dry-run" and facts.get("energy_source") != "simulated":
         changes = _num(facts.get("clock_changes")) or 0.0
         loop = _num(facts.get("closed_loop_decisions")) or 0.0
         out.append(
