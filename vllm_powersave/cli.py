@@ -431,22 +431,30 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
 
 
+def _shape_names() -> str:
+    from .sim.shapes import SHAPES
+
+    return ", ".join(sorted(SHAPES))
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="vllm-powersave", description=__doc__.replace("``", ""))
     sub = p.add_subparsers(dest="cmd", required=True)
 
     m = sub.add_parser("make-model", help="write an offline Hugging Face model directory with random weights")
     m.add_argument("dir")
-    m.add_argument("--shape", default="qwen2-tiny")
-    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--shape", default="qwen2-tiny", help=f"model architecture and size (default %(default)s): {_shape_names()}")
+    m.add_argument("--seed", type=int, default=0, help="seed of the random weights (default %(default)s)")
     m.add_argument("--no-weights", action="store_true", help="config + tokenizer only (serve with --load-format dummy)")
     m.add_argument("--weights", action="store_true", help="write weights even for shapes over 2 GB (default: only small shapes)")
-    m.add_argument("--overwrite", action="store_true")
+    m.add_argument("--overwrite", action="store_true", help="replace an existing model directory")
     m.set_defaults(fn=_cmd_make_model)
 
     c = sub.add_parser("compare", help="serve a model with the plugin off and on, load-test both, print one table")
     c.add_argument("--model", default=None, help="local HF model directory (default: generate --shape in .models/)")
-    c.add_argument("--shape", default="qwen2-tiny")
+    c.add_argument(
+        "--shape", default="qwen2-tiny", help=f"shape generated when no --model is given (default %(default)s): {_shape_names()}"
+    )
     c.add_argument("--num-prompts", type=int, default=400)
     c.add_argument("--concurrency", type=int, default=16)
     c.add_argument("--input-len", type=int, default=128)
