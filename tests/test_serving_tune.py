@@ -735,3 +735,12 @@ def test_a_winner_not_shown_to_save_is_printed_as_the_best_configuration_not_as_
     out = capsys.readouterr().out
     assert "verdict: no difference shown" in out
     assert "the search's best configuration, not shown to save against vLLM's defaults:" in out
+
+
+def test_every_configuration_of_the_default_gpu_space_gets_its_own_window_files():
+    from vllm_powersave.serving_tune.space import configurations, default_space
+
+    keys = [c.key for c in configurations(default_space(gpu=True).searched(), 10_000)]
+    labels = {ts_run.window_label(f"search/r0/{k}") for k in keys}
+    assert len(keys) == 216 and len(labels) == len(keys) and max(map(len, labels)) <= 120
+    assert ts_run.window_label("final/p1/defaults") == "final-p1-defaults"  # short ones read as before

@@ -8,6 +8,7 @@ the closest and by how much it misses); 1 a failure while measuring (what was me
 
 from __future__ import annotations
 
+import hashlib
 import sys
 import time
 from dataclasses import dataclass, field
@@ -128,7 +129,7 @@ class Session:
             raise Stopped
         t0 = time.monotonic()
         started = utc_now()
-        label = step_id.replace("/", "-").replace("=", "").replace(",", "_").replace(":", "-")[:120]
+        label = window_label(step_id)
         try:
             figs, restarted, runs = self._measure_with_energy(config, window_s, seed, label)
         except Refused as err:
@@ -174,6 +175,16 @@ class Session:
             self.cost = CostModel(start_s=max(1.0, extra - self.cost.overhead_s), overhead_s=self.cost.overhead_s)
         else:
             self.cost = CostModel(start_s=self.cost.start_s, overhead_s=extra)
+
+
+def window_label(step_id: str) -> str:
+    """A file-name-safe label of a step, unique per step: a long one is cut to 120 characters and
+    ends in a hash of the whole id (cut alone, configurations differing only at the end, e.g.
+    ``closed_loop_budget_pct=off`` and ``=1``, shared one file and overwrote each other's)."""
+    label = step_id.replace("/", "-").replace("=", "").replace(",", "_").replace(":", "-")
+    if len(label) <= 120:
+        return label
+    return label[:111] + "-" + hashlib.sha1(step_id.encode()).hexdigest()[:8]
 
 
 def step_line(m: Measurement, v: Verdict) -> str:
