@@ -253,3 +253,22 @@ def test_a_gpu_faster_than_its_first_fit_while_the_knee_rises_is_caught_by_a_fre
         d.run(4000)
         over = sum(1 for slowdown, _ in d.log[n0:] if slowdown > 0.01)
         assert over < 100, (seed, over)
+
+
+def test_the_default_clock_slope_is_fitted_on_steps_of_one_gpu_state():
+    # Another job slows every step by 30 % for 5 s of every 20 s while the context only grows:
+    # the slope of the default-clock fit (step time against context) stays that of one GPU
+    # state. Fitted over kept steps of both states it reached 30-160 times the true slope
+    # (the tenant's level shift read as context growth), which biased the predicted default
+    # step time of every probe and re-check extrapolated along it.
+    for seed in (0, 1, 2):
+        tuner = DecodeClockTuner(_loop_settings(), H200.sm_clocks_mhz)
+        d = SharedGpu(tuner, noise=0.01, seed=seed).run(3000)
+        last = None
+        for _ in range(20_000):
+            d.run(1)
+            fit = tuner.buckets[64].fit
+            if fit is not last:  # each refit
+                last = fit
+                true_ms_per_token = 1e-5 * d.gpu_factor()
+                assert fit.ms_per_ctx_token < 3 * true_ms_per_token, (seed, fit)
