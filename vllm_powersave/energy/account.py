@@ -240,7 +240,7 @@ class _SpanSplit:
 class _RestExcess:
     """A single period's positive ``jump_j`` with ``rest_s`` seconds of the GPU's rest after the
     work that ended at ``end_s``: the rest's excess over ``idle_w`` is idle's, the remainder the
-    steps' (:meth:`PhaseEnergyAccount._rest_excess_j`)."""
+    steps' (:meth:`PhaseEnergyAccount._rest_excess`)."""
 
     jump_j: float
     idle_w: float
@@ -377,8 +377,7 @@ class _IntervalWalk:
         """vLLM reported the batch drained at ``te`` (its empty step): the work ended there. Under
         ``gpu_runs_ahead`` the gap from the last step's host end to ``te`` is that step's GPU
         time (work for the meter's hint); either way its joules are the tail's, no request's, as
-        before. From ``te`` on the GPU
-        rests: idle, however much it still draws (perf boost held, clocks falling back:
+        before. From ``te`` on the GPU rests: idle, however much it still draws (perf boost held, clocks falling back:
         docs/request-energy.md, "The gap after a step, and the tail")."""
         self.drained = True
         self.tail_pending = self.tail_pending or self.pending
@@ -613,7 +612,7 @@ class PhaseEnergyAccount:
         hint = getattr(self.meter, "hint_load", None)
         if hint is None:
             return
-        spans = [s for r in self._recent for s in r.busy_spans]
+        spans = self._recent_spans()
         # A step still running at the tick runs on through the meter's read (end: inf); work that
         # vLLM reported drained at the tick has ended (the walk rests from there).
         running = walk.phase != "idle"
@@ -714,8 +713,7 @@ class PhaseEnergyAccount:
         a, d_j, tp, ext_j = c.span_t0_s, c.span_j, c.read_t0_s, c.ext_j
         if a is None or d_j is None or tp is None or ext_j is None or not a <= tp <= c.t_s or c.t_s - a <= 1.5 * period_s:
             return None
-        old = [(x, y) for r in self._recent for x, y in r.busy_spans]
-        b1 = sum(_overlap(x, y, a, tp) for x, y in old)
+        b1 = sum(_overlap(x, y, a, tp) for x, y in self._recent_spans())
         b2 = sum(_overlap(x, y, tp, c.t_s) for x, y in spans)
         q1, q2 = max(0.0, tp - a - b1), max(0.0, c.t_s - tp - b2)
         idle_w = self.idle_power_w
@@ -724,7 +722,8 @@ class PhaseEnergyAccount:
         # The GPU's rest after the work (perf boost held, clocks falling back) draws more than the
         # idle power learnt before it: the instant reading prices it (an upper bound while it
         # lags the falling power; :class:`_RestHold` settles it once the counter measured the rest).
-        end = max((y for x, y in (*old, *spans) if x < c.t_s and y > a), default=a)
+        end = self._work_end(a, c.t_s, spans)
+        end = a if end is None else end
         r1, r2 = max(0.0, tp - max(a, end)), max(0.0, c.t_s - max(tp, end))
         split = _SpanSplit(d_j, idle_w, q1, q2, r1, r2, b1, b2, end)
         return _PeriodStep(a, CounterStep(tp, split.part1_j(self._rest_power_w(idle_w)) - ext_j), split if r1 + r2 > 0 else None)
@@ -737,11 +736,19 @@ class PhaseEnergyAccount:
         if idle_w is None or jump_j <= 0:
             return None
         t0, t1 = p.t0_s, p.step.t_s
-        ends = [y for r in self._recent for x, y in r.busy_spans if x < t1 and y > t0]
-        ends += [y for x, y in spans if x < t1 and y > t0]
-        if not ends or max(ends) >= t1:
+        end = self._work_end(t0, t1, spans)
+        if end is None or end >= t1:
             return None
-        return _RestExcess(jump_j, idle_w, t1 - max(t0, max(ends)), max(ends))
+        return _RestExcess(jump_j, idle_w, t1 - max(t0, end), end)
+
+    def _recent_spans(self) -> list[tuple[float, float]]:
+        """The busy spans of the kept ticks (the last counter periods), oldest first."""
+        return [s for r in self._recent for s in r.busy_spans]
+
+    def _work_end(self, t0: float, t1: float, spans: tuple) -> float | None:
+        """When the last work overlapping ``(t0, t1)`` ended, among the kept ticks' spans and
+        this tick's ``spans``; ``None`` where none overlaps."""
+        return max((y for x, y in (*self._recent_spans(), *spans) if x < t1 and y > t0), default=None)
 
     def _rest_power_w(self, idle_w: float) -> float:
         """The GPU's power at rest after its work: the instant reading taken with the last energy
@@ -770,7 +777,7 @@ class PhaseEnergyAccount:
         them, out of this tick's idle (never more than it booked). Holds end there, or when new
         work comes. Returns the joules moved."""
         moved = 0.0
-        work = [(x, y) for r in self._recent for x, y in r.busy_spans] + list(spans)
+        work = self._recent_spans() + list(spans)
         for h in list(self._holds):
             end = h.split.end_s
             rest_w = None
