@@ -111,8 +111,12 @@ _KNEE_ABOVE_STEPS = 512
 #: fit's own error (~0.7 % from 192 steps at 8 % noise) a threshold of 10 fired every few
 #: thousand steps on a clock with no slowdown.
 _KNEE_GUARD_H = 20.0
+#: Default-clock steps a bucket keeps for its fit (one search's baseline and reference windows).
+_BASE_STEPS = 256
 #: Default-clock steps a knee-mode bucket keeps for its fit's slope (several reference windows).
 _KNEE_BASE_STEPS = 1024
+#: A normal distribution's sigma over its median absolute deviation (robust spreads).
+_MAD_TO_SIGMA = 1.4826
 #: Confirmed alarms (one candidate step each) a knee-mode bucket takes between scheduled
 #: re-locates before it gives the model up (:meth:`DecodeClockTuner._knee_refuted`).
 _KNEE_MAX_OFF = 2
@@ -257,7 +261,7 @@ class _Bucket:
         self.edge = edge
         self.state = "baseline"  # baseline | probe | ref | hold | check
         self.need = baseline_n
-        self.base: deque[StepSample] = deque(maxlen=256)  # at the default clock
+        self.base: deque[StepSample] = deque(maxlen=_BASE_STEPS)  # at the default clock
         self.fit: LineFit | None = None
         self.target = 1.0
         self.floor = 0  # lowest candidate index allowed in the next search
@@ -355,7 +359,7 @@ def _fit_pass(xs: list[float], ys: list[float], slope_hint: float, fixed: bool =
         a, slope = statistics.median(ys), 0.0
     rel = [y / (a + slope * x) - 1.0 for x, y in zip(xs, ys)]
     med = statistics.median(rel)
-    return a, slope, 1.4826 * statistics.median(abs(r - med) for r in rel)
+    return a, slope, _MAD_TO_SIGMA * statistics.median(abs(r - med) for r in rel)
 
 
 class DecodeClockTuner:
@@ -1451,7 +1455,7 @@ class DecodeClockTuner:
         fit this bucket (e.g. steps near the compute ridge slow at every clock). The bucket keeps
         the default clock and retries by the one test only (knee mode off until a reset)."""
         b.knee_mode, b.k_refuted, b.k_phase = False, True, ""
-        b.base = deque(b.base, maxlen=256)
+        b.base = deque(b.base, maxlen=_BASE_STEPS)
         b.state, b.held, b.probe = "hold", len(self.cands), None
         b.t_searched = now_s
         self._clear_windows(b)
@@ -1462,7 +1466,7 @@ class DecodeClockTuner:
         """The reference window that opened knee mode says the noise is low enough for the one
         test after all (the 12 baseline steps overstated it): the search instead."""
         b.knee_mode, b.k_phase = False, ""
-        b.base = deque(b.base, maxlen=256)
+        b.base = deque(b.base, maxlen=_BASE_STEPS)
         b.n_win = self._window(b)
         b.ref_prev = b.ref_prev[-self._ref_n(b) :]
         b.lo, b.hi, b.probes = b.floor, len(self.cands), 0
@@ -1514,7 +1518,7 @@ class DecodeClockTuner:
         line = _fit_line(b.ref_prev, b.fit.ms_per_ctx_token) if len(b.ref_prev) >= 2 else b.fit
         ratios = [ms / line.ms_at(c) for c, ms in b.samples]
         med = statistics.median(ratios)
-        own = 1.4826 * statistics.median(abs(r / med - 1.0) for r in ratios)
+        own = _MAD_TO_SIGMA * statistics.median(abs(r / med - 1.0) for r in ratios)
         sigma = max(b.fit.sigma, own, 1e-3)
         se = _MEDIAN_SE * sigma * med * math.sqrt(1.0 / len(ratios) + 1.0 / max(1, len(b.ref_prev)))
         z = self.s.noise_z
