@@ -19,6 +19,7 @@ from vllm_powersave.serving_tune.report import pareto_front, pareto_points
 
 from .lib.cli import one_line_errors
 from .lib.device import write_record
+from .lib.stats import rounded
 
 NAME = "h200-tune-serving"
 #: The twin's hand-written part starts at this heading and survives a rebuild.
@@ -58,11 +59,11 @@ def load_entry(load: str, ts: dict[str, Any], calls: list[dict[str, Any]]) -> di
             {
                 "key": c["key"],
                 "window_s": w.get("window_s"),
-                "tok_per_j": _r(w.get("output_tokens_per_joule")),
+                "tok_per_j": rounded(w.get("output_tokens_per_joule")),
                 "energy": w.get("energy_label"),
-                "output_tok_s": _r(w.get("output_throughput"), 1),
-                "p99_tpot_ms": _r(w.get("p99_tpot_ms"), 2),
-                "p99_ttft_ms": _r(w.get("p99_ttft_ms"), 1),
+                "output_tok_s": rounded(w.get("output_throughput"), 1),
+                "p99_tpot_ms": rounded(w.get("p99_tpot_ms"), 2),
+                "p99_ttft_ms": rounded(w.get("p99_ttft_ms"), 1),
                 "slo_met": w.get("slo_met"),
             }
             for c in ts.get("configurations", [])
@@ -75,10 +76,6 @@ def load_entry(load: str, ts: dict[str, Any], calls: list[dict[str, Any]]) -> di
             "three_pairs": final.get("pairs", 0) >= 3,
         },
     }
-
-
-def _r(x: Any, nd: int = 4) -> Any:
-    return round(x, nd) if isinstance(x, float) else x
 
 
 def _verdict(status: str, goal: bool) -> str:

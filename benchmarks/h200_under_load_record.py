@@ -93,7 +93,7 @@ def load_entry(point: str, pairs: list[dict]) -> dict:
             "device": p.get("device"),
             "order": p["order"],
             "started_utc": p[p["order"][0]].get("started_utc"),
-            **{k: _r(v) for k, v in f.items()},
+            **{k: stats.rounded(v) for k, v in f.items()},
         }
         for p, f in zip(pairs, figs)
     ]
@@ -104,10 +104,6 @@ def _devices(pairs: list[dict]) -> str | None:
     """The device names the pairs ran on, joined (one name where all ran on one kind)."""
     names = [str(p["device"]) for p in pairs if p.get("device")]
     return " + ".join(dict.fromkeys(names)) or None
-
-
-def _r(x: Any) -> Any:
-    return round(x, 4) if isinstance(x, float) else x
 
 
 def build(raws: list[dict], rate_raws: list[dict] | None = None) -> dict:
@@ -236,7 +232,7 @@ def rate_entries(rate_raws: list[dict]) -> list[dict]:
                 "device": p.get("device"),
                 "file": p["file"],
                 "order": p["order"].split(","),
-                **{k: _r(f.get(k)) for k in ("thr", "tokj", "tpot", "ttft_d")},
+                **{k: stats.rounded(f.get(k)) for k in ("thr", "tokj", "tpot", "ttft_d")},
             }
             for p, f in both
         ]
@@ -276,9 +272,9 @@ def product_compare(cmp: dict, lease: str) -> dict:
         "lease": lease,
         "command": "vllm-powersave compare --rates inf --concurrency 64 --input-len 512 --output-len 256 --num-prompts 400 --order off,on",
         "api_servers": {"stock": off.get("api_server_count"), "defaults": on.get("api_server_count")},
-        **{k: _r(v) for k, v in figs.items()},
-        "output_throughput": {"stock": _r(off.get("output_throughput")), "defaults": _r(on.get("output_throughput"))},
-        "median_itl_ms": {"stock": _r(off.get("median_itl_ms")), "defaults": _r(on.get("median_itl_ms"))},
+        **{k: stats.rounded(v) for k, v in figs.items()},
+        "output_throughput": {"stock": stats.rounded(off.get("output_throughput")), "defaults": stats.rounded(on.get("output_throughput"))},
+        "median_itl_ms": {"stock": stats.rounded(off.get("median_itl_ms")), "defaults": stats.rounded(on.get("median_itl_ms"))},
     }
 
 

@@ -7,7 +7,7 @@ import math
 
 from vllm_powersave.intervals import T975, mean_ci95, t975
 
-__all__ = ["T975", "mean_ci", "mean_ci95", "t975"]
+__all__ = ["T975", "mean_ci", "mean_ci95", "rounded", "t975"]
 
 
 def mean_ci(xs: list[float | None]) -> tuple[float | None, list[float] | None]:
@@ -17,3 +17,8 @@ def mean_ci(xs: list[float | None]) -> tuple[float | None, list[float] | None]:
         return (v[0] if v else None), None
     m, lo, hi = mean_ci95(v)
     return m, [lo, hi]
+
+
+def rounded(x: object, nd: int = 4) -> object:
+    """A float rounded to ``nd`` places for a record; anything else (None, an int) as it is."""
+    return round(x, nd) if isinstance(x, float) else x
