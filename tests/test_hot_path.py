@@ -340,7 +340,7 @@ class ReferenceAccount(PhaseEnergyAccount):
 
     def _cut(self, st, te, at_tick):
         """Pieces of ``[st.t, te]`` and what becomes of a gap left pending earlier."""
-        t, phase, end_t, req, ctx, steady, drained = st
+        t, phase, end_t, req, ctx, steady, drained = st[:7]
         if phase == "idle":
             return [("idle", te - t)] if te > t else [], None
         if end_t is None:
@@ -366,24 +366,26 @@ class ReferenceAccount(PhaseEnergyAccount):
                     st[2] = te
                 elif ev == "":
                     finished.extend(ev_fin)
-                    if st[1] != "idle" and st[2] is not None:  # drained: the time so far is the tail's, then idle
+                    if st[1] != "idle" and st[2] is not None and st[7] is not None:
+                        st[7] = st[7] - set(ev_fin)  # the last step's requests not yet reported
+                    if st[1] != "idle" and st[2] is not None and not st[7]:  # drained: tail, then idle
                         st[6] = True
                         settle = settle or ("tail" if self._pending_j > 0 else None)
                         pieces += self._cut(st, te, False)[0]
-                        st = [te, "idle", None, None, None, False, False]
+                        st = [te, "idle", None, None, None, False, False, None]
                 else:
                     cut, what = self._cut(st, te, False)
                     pieces += cut
                     if self._pending_j > 0 and settle is None and what is not None:
                         settle = what if what == "tail" else ("req", st[3], st[4])
-                    st = [te, ev, None, ev_req, ev_ctx, ev_steady, False]
+                    st = [te, ev, None, ev_req, ev_ctx, ev_steady, False, frozenset(ev_req) if ev_req else None]
                     finished.extend(ev_fin or ())
             cut, what = self._cut(st, t_now, True)
             pieces += cut
             if what == "tail" and self._pending_j > 0 and settle is None:
                 settle = "tail"
             if st[1] != "idle" and st[2] is not None and t_now - st[2] >= self.idle_after_s:
-                st = [t_now, "idle", None, None, None, False, False]
+                st = [t_now, "idle", None, None, None, False, False, None]
             busy = [p for k, p in pieces if k == "busy"]
             gaps = [p for k, p in pieces if k == "gap"]
             idle_s = sum(p for k, p in pieces if k == "idle")
