@@ -169,15 +169,24 @@ def split_ablation_arm(raw: dict) -> list[dict]:
     """A file whose order ran an ``ablation`` arm beside plain ``defaults`` servers, as two files:
     the defaults servers with the stock servers run next to them, and the ablation servers (named
     defaults, their settings as the file's ``defaults_settings``) with theirs, so that each pair
-    stays adjacent in time (S D A S pairs S-D and A-S). Other files are returned as they are."""
+    stays adjacent in time (S D A S pairs S-D and A-S). An arm server with no stock server beside it
+    (S A D, where the call's time limit cut the trailing stock) takes the one two places away, with
+    only the other arm's server between: a stock server may then be the reference of both
+    comparisons, never of two pairs in one. Other files are returned as they are."""
     servers = raw.get("servers") or []
     if not any(s.get("arm") == "ablation" for s in servers):
         return [raw]
     method = raw.get("method") or {}
 
-    def beside(arm: str) -> list[dict]:  # the arm's servers and the stock servers run next to one of them
-        near = {j for i, s in enumerate(servers) if s.get("arm") == arm for j in (i - 1, i + 1)}
-        return [s for i, s in enumerate(servers) if s.get("arm") == arm or (s.get("arm") == "stock" and i in near)]
+    def is_stock(j: int) -> bool:
+        return 0 <= j < len(servers) and servers[j].get("arm") == "stock"
+
+    def beside(arm: str) -> list[dict]:  # the arm's servers and the stock servers nearest to each
+        near: set[int] = set()
+        for i in (i for i, s in enumerate(servers) if s.get("arm") == arm):
+            adjacent = {j for j in (i - 1, i + 1) if is_stock(j)}
+            near |= adjacent or {next((j for j in (i - 2, i + 2) if is_stock(j)), -1)}
+        return [s for i, s in enumerate(servers) if s.get("arm") == arm or i in near]
 
     plain = {**raw, "method": {**method, "defaults_settings": {}}, "servers": beside("defaults")}
     abl_servers = [{**s, "arm": "defaults"} if s.get("arm") == "ablation" else s for s in beside("ablation")]

@@ -232,6 +232,20 @@ def test_an_ablation_arm_in_one_order_splits_into_the_rate_load_and_its_ablation
     assert abl["pair_list"][0]["order"] == ["defaults", "stock"] and [x["lease"] for x in r["runs"]] == ["L1"]
 
 
+@pytest.mark.parametrize("order", [("stock", "ablation", "defaults"), ("defaults", "ablation", "stock")])
+def test_a_cut_abba_order_pairs_both_arms_with_the_one_stock_server(order):
+    """S A D (the trailing stock cut by the call's limit) and D A S: the defaults server has no
+    stock beside it, and takes the one two places away, which also pairs with the ablation."""
+    tokj = {"stock": 1.0, "defaults": 1.25, "ablation": 0.5}
+    servers = [{**_server("stock" if a == "stock" else "defaults", i, tokj[a]), "arm": a} for i, a in enumerate(order)]
+    method = {"defaults_observe": "none", "defaults_settings": {"cuda_perf_boost": "off"}}
+    r = rec.build([], [{"_file": "defaults-A.json", "gpu": 0, "lease": "L1", "method": method, "servers": servers}])
+    (load,) = r["loads"]
+    assert load["pairs"] == 1 and load["j_per_out_token_ratio"]["mean"] == pytest.approx(0.8)
+    (abl,) = r["ablations"]
+    assert abl["pairs"] == 1 and abl["j_per_out_token_ratio"]["mean"] == pytest.approx(2.0)
+
+
 def test_a_server_left_unpaired_at_a_leases_end_does_not_take_the_next_leases_stock():
     h100, h200 = {"name": "NVIDIA H100 80GB HBM3"}, {"name": "NVIDIA H200"}
     raws = [
