@@ -618,3 +618,25 @@ def test_step_records_drained_in_batches_equal_feeding_every_step(monkeypatch, t
     assert inline_r[1]["prefill"] >= 3 and inline_r[1]["mixed"] > 10 and inline_r[1]["decode"] > 10 and inline_r[1]["idle"] == 0
     for a, b in zip(inline_r, batched_r):
         assert a == b
+
+
+def test_empty_steps_do_not_move_the_end_of_the_last_batchs_work(monkeypatch, tmp_path):
+    """vLLM runs empty steps (nothing scheduled) while it waits; they report finished requests
+    only. Their ends are no work's end: a batch with a request never reported would otherwise
+    never reach idle_after_s while they run (docs/request-energy.md)."""
+    nvml = FakeNvmlDevices(uuids=("GPU-aaaa-0000", "GPU-bbbb-1111"))
+    rt = make_runtime(monkeypatch, tmp_path, nvml)
+    calls = []
+    monkeypatch.setattr(rt.account, "on_step_end", lambda t=None: calls.append("end"))
+    monkeypatch.setattr(rt.account, "on_finished", lambda fin, t=None: calls.append(set(fin)))
+    try:
+        rt.on_step_start(sched({"a": 1, "b": 1}))
+        rt.on_step_end()
+        for fin in ({"a"}, (), ()):  # "a" reported; "b" never (aborted without a report)
+            rt.on_step_start(sched({}, finished=fin))
+            rt.on_step_end()
+        rt.on_step_start(sched({"c": 1}))  # the next step's record makes the empty ones final
+        rt.drain_steps()
+        assert calls == ["end", {"a"}, set(), set()]
+    finally:
+        rt.close()

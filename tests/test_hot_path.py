@@ -364,16 +364,23 @@ class ReferenceAccount(PhaseEnergyAccount):
                 te = max(te, st[0])
                 if ev is None:
                     st[2] = te
-                elif ev == "":
-                    finished.extend(ev_fin)
-                    if st[1] != "idle" and st[2] is not None and st[7] is not None:
-                        st[7] = st[7] - set(ev_fin)  # the last step's requests not yet reported
-                    if st[1] != "idle" and st[2] is not None and not st[7]:  # drained: tail, then idle
-                        st[6] = True
+                    if st[1] != "idle" and st[6] and st[7] is not None and not st[7]:  # reported before its end
                         settle = settle or ("tail" if self._pending_j > 0 else None)
                         pieces += self._cut(st, te, False)[0]
                         st = [te, "idle", None, None, None, False, False, None]
+                elif ev == "":
+                    finished.extend(ev_fin)
+                    if st[1] != "idle" and st[7] is not None:
+                        st[7] = st[7] - set(ev_fin)  # the last step's requests not yet reported
+                    if st[1] != "idle" and not st[7]:  # drained: tail, then idle (at the step's end)
+                        st[6] = True
+                        if st[2] is not None:
+                            settle = settle or ("tail" if self._pending_j > 0 else None)
+                            pieces += self._cut(st, te, False)[0]
+                            st = [te, "idle", None, None, None, False, False, None]
                 else:
+                    if not st[6] and st[7] is not None and not st[7] - set(ev_fin or ()):
+                        st[6] = True  # every request of the step before the gap has finished
                     cut, what = self._cut(st, te, False)
                     pieces += cut
                     if self._pending_j > 0 and settle is None and what is not None:

@@ -334,11 +334,16 @@ class _IntervalWalk:
                 te = self.t
             if ev is None:
                 self.end_t = te
+                if self.drained and self.left is not None and not self.left and self.phase != "idle":
+                    self._to_rest(te)  # every request was reported before the step's end came
                 continue
             if ev == "":  # finished ids only: no new step
                 self.finished.extend(ev_fin)  # type: ignore[arg-type]
-                if self.phase != "idle" and self.end_t is not None and self._drains(ev_fin):
-                    self._to_rest(te)
+                if self.phase != "idle" and self._drains(ev_fin):
+                    if self.end_t is None:
+                        self.drained = True  # the work ends with the step's end, still to come
+                    else:
+                        self._to_rest(te)
                 continue
             self._to_step(te, ev_fin)
             self.t, self.phase, self.end_t, self.req, self.ctx, self.steady, self.drained = te, ev, None, ev_req, ev_ctx, ev_steady, False
@@ -420,9 +425,10 @@ class _IntervalWalk:
                 self._idle(g0, te)
                 self.tail_pending = self.tail_pending or self.pending
                 return
-            if not self.drained and req and ev_fin and not req.keys() - set(ev_fin):  # type: ignore[call-overload]
-                # Every request of the step before the gap finished in it (vLLM reports them with
-                # the next step): the gap after their last step is no one's.
+            left = self.left
+            if not self.drained and left is not None and not left - set(ev_fin or ()):  # type: ignore[call-overload]
+                # Every request of the step before the gap has finished (vLLM reports them with
+                # the next step, some perhaps with an empty step before): the gap is no one's.
                 self.drained = True
             to = "tail" if self.drained else "req"
             if te > g0:
@@ -643,6 +649,9 @@ class PhaseEnergyAccount:
         self.available = False
         self._unknown.update(self.request_j)
         self.request_j.clear()
+        if not self.per_request:  # the events carry request ids for the drain rule only
+            self._t, self._state = t_now, state
+            return
         for piece in (*pieces.busy, *pieces.gaps):
             if piece.req_tokens:
                 self._unknown.update(piece.req_tokens)

@@ -348,11 +348,12 @@ class NvmlEnergyMeter(EnergyMeter):
         (docs/results/h200-request-energy.md). One such reading at the read that ends a burst
         extended the counter at ~1,440 W and booked the burst up to 1.76 x its energy (simulated,
         tests/test_energy_bursts_h200.py); the counter's next step takes the excess back only from
-        what came after."""
+        what came after. The bound takes off only what lies above the limit: under a 470 W burst
+        the same reading still books up to 1.275 x (docs/request-energy.md)."""
         if not self.interpolate or p is None:
             return 0.0
-        rate = max(0.0, self._interp_power_w(p))
-        return min(rate, self._limit_w) if self._limit_w is not None else rate
+        rate, limit_w = max(0.0, self._interp_power_w(p)), self._limit_w  # one read: a sync may replace it
+        return min(rate, limit_w) if limit_w is not None else rate
 
     def _estimate_j(self, t: float, p: float | None) -> float:
         since = self._since_update(t)

@@ -93,7 +93,10 @@ class StepDrain:
                     self._time_closed_loop_step(rec, t_end, info)
                 if info is WARMUP:
                     continue  # vLLM's kernel warm-up on a serving worker: no served work
-                if acc is not None and t_end is not None:
+                # An empty step (nothing scheduled) reports finished requests only; its end is
+                # no work's end, and would keep a batch that vLLM has not reported drained from
+                # ever reaching idle_after_s while vLLM runs empty steps (docs/request-energy.md).
+                if acc is not None and t_end is not None and getattr(info, "phase", None) != "idle":
                     acc.on_step_end(t_end)
                 if info is FAILED:
                     continue
