@@ -121,7 +121,7 @@ def build(raws: list[dict], rate_raws: list[dict] | None = None) -> dict:
     dev = next((r.get("device") for r in raws if r.get("device")), {})
     main_loads = [load_entry(k[0], ps) for k, ps in by_point.items() if k[1:] == ("stock", "defaults")]
     rate_loads, rate_ablations = rate_loads_and_ablations(rate_raws or [])
-    measured_rates = {f"rate {e['rate']:g} req/s" for e in rate_loads}
+    measured_rates = {f"rate {e['rate']:g} req/s" for e in rate_loads if e["kind"] == "rate"}
     return {
         "name": "h200-under-load",
         "measured": True,
@@ -194,10 +194,13 @@ def split_ablation_arm(raw: dict) -> list[dict]:
 
 
 def rate_entries(rate_raws: list[dict]) -> list[dict]:
-    """``loads`` entries of kind ``rate`` from ``h200_defaults.py`` raw files (each with ``lease``
-    and ``_file`` set): that job's adjacent stock/defaults servers and its per-rate pair figures
-    (``h200_defaults_record``), under this record's names. J per output token is the inverse of
-    its tokens per joule (over its fixed span where both arms have one)."""
+    """``loads`` entries from ``h200_defaults.py`` raw files (each with ``lease`` and ``_file``
+    set): that job's adjacent stock/defaults servers and their pair figures per window
+    (``h200_defaults_record``), under this record's names. Poisson windows make entries of kind
+    ``rate``; closed-loop windows (``sat``) entries of kind ``saturation`` named for their
+    concurrency and lengths with ``one-server``: one server on the GPU at a time, full GPU
+    memory, so perf boost's idle behaviour shows, unlike the side-by-side saturation rows. J per
+    output token is the inverse of tokens per joule (over the fixed span where both arms have one)."""
     by_file = {r["_file"]: r for r in rate_raws}
     by_lease: dict[str, list[dict]] = {}
     for r in rate_raws:  # servers of different leases never ran next to each other: pair within one
@@ -211,42 +214,62 @@ def rate_entries(rate_raws: list[dict]) -> list[dict]:
         p["lease"] = "+".join(dict.fromkeys(str(r.get("lease")) for r in raws_of))
         p["device"] = devices[0] if devices else None
         pairs.append(p)
-    rates = sorted(
-        {w["request_rate"] for p in pairs for a in ("stock", "defaults") for w in p[a]["windows"] if w["request_rate"] != "sat"}, key=float
+    groups: dict[tuple, list[tuple[dict, dict]]] = {}
+    for p in pairs:
+        method = (by_file.get(p["file"].split("+")[0]) or {}).get("method") or {}
+        for rate in {w["request_rate"] for a in ("stock", "defaults") for w in p[a]["windows"]}:
+            if (f := defaults_record.pair_figures(p, rate)) is not None:
+                groups.setdefault(_window_key(rate, method), []).append((p, f))
+    return [_entry(key, both, by_file) for key, both in sorted(groups.items(), key=lambda kv: (kv[0][0] == "saturation", kv[0][1:]))]
+
+
+def _window_key(rate: str, method: dict) -> tuple:
+    """The entry a window belongs to: ``("rate", rate)``, or ``("saturation", concurrency,
+    input, output)`` for a closed-loop window (the defaults of ``h200_defaults.py`` where the file
+    does not say)."""
+    if rate != "sat":
+        return ("rate", float(rate))
+    return (
+        "saturation",
+        int(method.get("sat_concurrency") or 64),
+        int(method.get("input_len") or 512),
+        int(method.get("output_len") or 256),
     )
-    out = []
-    for rate in rates:
-        both = [(p, f) for p in pairs if (f := defaults_record.pair_figures(p, rate)) is not None]
-        if not both:
-            continue
-        figs = [f for _, f in both]
-        entry: dict[str, Any] = {"name": f"rate-{float(rate):g}", "kind": "rate", "rate": float(rate), "pairs": len(figs)}
-        entry["api_server_count_stock"] = max((p["stock"].get("api_servers") or 1 for p, _ in both), default=1)
-        entry["api_server_count_defaults"] = max((p["defaults"].get("api_servers") or 1 for p, _ in both), default=1)
-        entry["throughput_ratio"] = mean_ci([f.get("thr") for f in figs])
-        entry["j_per_out_token_ratio"] = mean_ci([1.0 / f["tokj"] if f.get("tokj") else None for f in figs])
-        entry["p99_tpot_ratio"] = mean_ci([f.get("tpot") for f in figs])
-        entry["p50_ttft_delta_ms"] = mean_ci([f.get("ttft_d") for f in figs], 2)
-        entry["starvation_j"] = {"stock": None, "defaults": None}  # rate windows read no starvation counter
-        entry["energy_window"] = "fixed span" if all(f.get("span") for f in figs) else "harness window"
-        entry["device"] = _devices([p for p, _ in both])
-        methods = [(by_file.get(p["file"].split("+")[0]) or {}).get("method") or {} for p, _ in both]
-        entry["serve_args"] = next((m.get("serve_args") for m in methods if m.get("serve_args")), None)
-        # The defaults arm of h200_defaults.py may turn on observation settings (step trace,
-        # per-request energy) beside the defaults: the record says which, since they are not free.
-        entry["defaults_observe"] = sorted({m.get("defaults_observe") or "none" for m in methods})
-        entry["pair_list"] = [
-            {
-                "lease": p.get("lease"),
-                "device": p.get("device"),
-                "file": p["file"],
-                "order": p["order"].split(","),
-                **{k: stats.rounded(f.get(k)) for k in ("thr", "tokj", "tpot", "ttft_d")},
-            }
-            for p, f in both
-        ]
-        out.append(entry)
-    return out
+
+
+def _entry(key: tuple, both: list[tuple[dict, dict]], by_file: dict) -> dict:
+    """One ``loads`` entry from its pairs' figures (:func:`rate_entries`)."""
+    figs = [f for _, f in both]
+    if key[0] == "rate":
+        entry: dict[str, Any] = {"name": f"rate-{key[1]:g}", "kind": "rate", "rate": key[1], "pairs": len(figs)}
+    else:
+        _, conc, n_in, n_out = key
+        entry = {"name": f"c{conc}-one-server-{n_in}-{n_out}", "kind": "saturation", "concurrency": conc, "pairs": len(figs)}
+    entry["api_server_count_stock"] = max((p["stock"].get("api_servers") or 1 for p, _ in both), default=1)
+    entry["api_server_count_defaults"] = max((p["defaults"].get("api_servers") or 1 for p, _ in both), default=1)
+    entry["throughput_ratio"] = mean_ci([f.get("thr") for f in figs])
+    entry["j_per_out_token_ratio"] = mean_ci([1.0 / f["tokj"] if f.get("tokj") else None for f in figs])
+    entry["p99_tpot_ratio"] = mean_ci([f.get("tpot") for f in figs])
+    entry["p50_ttft_delta_ms"] = mean_ci([f.get("ttft_d") for f in figs], 2)
+    entry["starvation_j"] = {"stock": None, "defaults": None}  # these windows read no starvation counter
+    entry["energy_window"] = "fixed span" if all(f.get("span") for f in figs) else "harness window"
+    entry["device"] = _devices([p for p, _ in both])
+    methods = [(by_file.get(p["file"].split("+")[0]) or {}).get("method") or {} for p, _ in both]
+    entry["serve_args"] = next((m.get("serve_args") for m in methods if m.get("serve_args")), None)
+    # The defaults arm of h200_defaults.py may turn on observation settings (step trace,
+    # per-request energy) beside the defaults: the record says which, since they are not free.
+    entry["defaults_observe"] = sorted({m.get("defaults_observe") or "none" for m in methods})
+    entry["pair_list"] = [
+        {
+            "lease": p.get("lease"),
+            "device": p.get("device"),
+            "file": p["file"],
+            "order": p["order"].split(","),
+            **{k: stats.rounded(f.get(k)) for k in ("thr", "tokj", "tpot", "ttft_d")},
+        }
+        for p, f in both
+    ]
+    return entry
 
 
 def merge(old: dict, new: dict) -> dict:

@@ -141,10 +141,10 @@ def _window(rate, tps, tokj, ttft, tpot):
             "span": {"energy_j": 100.0, "out_tok_per_j": tokj, "avg_power_w": 100.0, "gpu_idle_share": 0.5, "seconds": 15.0}}  # fmt: skip
 
 
-def _server(arm, pos, tokj):
+def _server(arm, pos, tokj, sat_tokj=None):
+    windows = [_window("0.5", 64.0, tokj, 30.0, 8.0)] + ([_window("sat", 6000.0, sat_tokj, 90.0, 11.0)] if sat_tokj else [])
     return {"arm": arm, "pos": pos, "label": f"{arm}{pos}", "api_servers": 4 if arm == "defaults" else 1,
-            "idle": {"avg_power_w": 80.0 if arm == "defaults" else 130.0},
-            "windows": [_window("0.5", 64.0, tokj, 30.0, 8.0), _window("sat", 6000.0, 9.0, 90.0, 11.0)]}  # fmt: skip
+            "idle": {"avg_power_w": 80.0 if arm == "defaults" else 130.0}, "windows": windows}  # fmt: skip
 
 
 def test_poisson_rates_from_the_one_server_job_become_rate_loads_with_the_issues_fields():
@@ -256,3 +256,23 @@ def test_a_server_left_unpaired_at_a_leases_end_does_not_take_the_next_leases_st
     (e,) = rec.build([], raws)["loads"]
     assert [(p["lease"], p["device"]) for p in e["pair_list"]] == [("L1", h100["name"]), ("L2", h200["name"])]
     assert e["device"] == "NVIDIA H100 80GB HBM3 + NVIDIA H200"
+
+
+def test_closed_loop_windows_of_the_one_server_job_become_their_own_saturation_entries():
+    """h200_defaults.py's ``sat`` windows (one server on the GPU at a time, so perf boost's
+    behaviour shows) are saturation entries of their own, never averaged with the side-by-side
+    rows, and their ablations likewise."""
+    method = {"sat_concurrency": 64, "input_len": 512, "output_len": 256, "defaults_settings": {"cuda_perf_boost": "off"}}
+    servers = [
+        _server("stock", 0, 1.0, sat_tokj=9.0),
+        {**_server("defaults", 1, 1.0, sat_tokj=10.0), "arm": "ablation"},
+        _server("defaults", 2, 1.0, sat_tokj=9.0),
+        _server("stock", 3, 1.0, sat_tokj=9.0),
+    ]
+    r = rec.build([], [{"_file": "defaults-A.json", "gpu": 0, "lease": "L1", "method": method, "servers": servers}])
+    sat = {e["name"]: e for e in r["loads"] if e["kind"] == "saturation"}
+    assert list(sat) == ["c64-one-server-512-256"] and sat["c64-one-server-512-256"]["concurrency"] == 64
+    assert sat["c64-one-server-512-256"]["j_per_out_token_ratio"]["mean"] == pytest.approx(1.0)
+    abl = {e["name"]: e for e in r["ablations"]}
+    assert abl["c64-one-server-512-256-cuda_perf_boost=off"]["j_per_out_token_ratio"]["mean"] == pytest.approx(0.9)
+    assert "c64-one-server-512-256" in rec.markdown(r, None)
