@@ -9,7 +9,7 @@ clock switches, 3-8 % step noise, outlier steps, a co-tenant, bursty bucket chan
 impossible SLO. A static oracle (the lowest static decode clock keeping >= 99.5 % of decode steps
 in budget, found on the first seed; known only to the simulation) is shown where one exists.
 
-Usage: ``python -m benchmarks.sim_closed_loop_adversarial [--seeds 5] [--jobs 2] [--out docs/results]``
+Usage: ``python -m benchmarks.sim_closed_loop_adversarial [--seeds 5] [--first-seed 0] [--jobs 2] [--only NAME ...] [--out docs/results]``
 """
 
 from __future__ import annotations
@@ -217,17 +217,18 @@ def _summed(counts: list[dict[str, int]]) -> dict[str, int]:
     return dict(sorted(tot.items(), key=lambda kv: -kv[1]))
 
 
-def run(seeds: int, jobs: int, only: list[str] | None) -> dict[str, Any]:
+def run(seeds: int, jobs: int, only: list[str] | None, first_seed: int = 0) -> dict[str, Any]:
     t0 = time.time()
     cases = [c for c in CASES if not only or c.name in only]
-    work = [(c.name, s, False) for c in cases for s in range(seeds)] + [(c.name, 0, True) for c in cases if c.oracle]
+    seed_list = range(first_seed, first_seed + seeds)
+    work = [(c.name, s, False) for c in cases for s in seed_list] + [(c.name, 0, True) for c in cases if c.oracle]
     work.sort(key=lambda w: -next(c.duration_s for c in cases if c.name == w[0]))  # long ones first
     results: dict[tuple[str, int, bool], Any] = {}
     with ProcessPoolExecutor(max_workers=jobs) as ex:
         for (name, seed, is_oracle), (_, _, res) in zip(work, ex.map(_job, work)):
             results[(name, seed, is_oracle)] = res
             print(f"simulated: {name} seed {seed}{' oracle' if is_oracle else ''}: {json.dumps(res)[:160]}", flush=True)
-    scenarios = [summarize(c, [results[(c.name, s, False)] for s in range(seeds)], results.get((c.name, 0, True))) for c in cases]
+    scenarios = [summarize(c, [results[(c.name, s, False)] for s in seed_list], results.get((c.name, 0, True))) for c in cases]
     return {
         "what": "closed-loop decode SM clock under adversarial conditions (drift, faulty clocks, noise, outliers, co-tenant), simulated H200",
         "simulated": True,
@@ -235,7 +236,7 @@ def run(seeds: int, jobs: int, only: list[str] | None) -> dict[str, Any]:
         "date_utc": utc_now(),
         "where": "CPU machine (no GPU); simulated NVIDIA H200",
         "script": "python -m benchmarks.sim_closed_loop_adversarial",
-        "args": {"seeds": seeds, "budget_pct": BUDGET_PCT, "model_shape": "qwen2.5-7b"},
+        "args": {"seeds": seeds, "first_seed": first_seed, "budget_pct": BUDGET_PCT, "model_shape": "qwen2.5-7b"},
         "judge": "each memory-bound decode step against the noise-free stock-clock step on the same GPU state: in budget if <= 1 % slower",
         "oracle": "lowest static decode clock (knee of the worst GPU state, then +60 MHz steps) with >= 99.5 % in budget on seed 0",
         "scenarios": scenarios,
@@ -243,11 +244,16 @@ def run(seeds: int, jobs: int, only: list[str] | None) -> dict[str, Any]:
     }
 
 
+def _first(o: dict[str, Any]) -> str:
+    first = o["args"].get("first_seed", 0)
+    return f" --first-seed {first}" if first else ""
+
+
 def markdown(o: dict[str, Any]) -> str:
     L = [
         "# Closed-loop decode clock under adversarial conditions (SIMULATED)\n",
         f"- **Everything here is simulated** ({o['label']}).",
-        f"- What ran: `{o['script']} --seeds {o['args']['seeds']}` on {o['where']}, {o['date_utc']} (UTC), runtime {o['runtime_s']} s.",
+        f"- What ran: `{o['script']} --seeds {o['args']['seeds']}{_first(o)}` on {o['where']}, {o['date_utc']} (UTC), runtime {o['runtime_s']} s.",
         f"- Judge: {o['judge']}. Oracle: {o['oracle']} (known only to the simulation).",
         "- Loop settings: defaults (1 % budget, read-back, one test, tracking), idle preset 345 MHz, 6 ms configured switch latency.\n",
         "| scenario | what | seeds | in budget min | in budget median | decode energy median | oracle | checks |",
@@ -265,7 +271,8 @@ def markdown(o: dict[str, Any]) -> str:
         "Cause of each decode step over the budget: `after_idle` (started at the idle clock before the raise landed), "
         "`raise_pending` (started below the clock asked for: a raise still landing or lost), `switch_in_step` (a switch "
         "landed inside it), `mixed` (prompt tokens rode along), else what the loop's clock was for: `probe`, `step_down` "
-        "(a retry below the held clock), `held` (a held clock before a drift was caught), `reference`/`baseline` "
+        "(a retry below the held clock), `held` (a held clock before a drift was caught), `tenant` (another process "
+        "on the GPU, seen in NVML's process list: the held clock one step up, unmeasured), `reference`/`baseline` "
         "(default-clock windows), `other_bucket` (the batch left the active bucket fewer than `bucket_dwell_steps` ago). "
         "Decode steps by phase: the share of decode steps run for each (reference windows cost energy).\n",
         "| scenario | out of budget | causes | decode steps by loop phase |",
@@ -285,13 +292,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.sim_closed_loop_adversarial", description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--first-seed", type=int, default=0, help="seeds first..first+seeds-1 (the oracle stays on seed 0)")
     ap.add_argument("--only", nargs="*", help="scenario names (default: all)")
     ap.add_argument("--out", default=str(REPO / "docs/results"))
     ns = ap.parse_args(argv)
-    if ns.seeds < 1 or ns.jobs < 1:
-        print("error: --seeds and --jobs must be >= 1", file=sys.stderr)
+    if ns.seeds < 1 or ns.jobs < 1 or ns.first_seed < 0:
+        print("error: --seeds and --jobs must be >= 1, --first-seed >= 0", file=sys.stderr)
         return 2
-    o = run(ns.seeds, ns.jobs, ns.only)
+    o = run(ns.seeds, ns.jobs, ns.only, ns.first_seed)
     # The hand-written reading stays across reruns.
     write_record(Path(ns.out), "sim-closed-loop-adversarial", o, markdown(o), keep_from="\n## Reading")
     print(markdown(o))

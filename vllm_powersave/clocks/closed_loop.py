@@ -138,6 +138,22 @@ _KNEE_CTX_SHARE = 0.03
 _STATE_SHIFT = 1.25
 #: Floor of a predicted default-clock step time (ms), far below any real decode step.
 _MIN_PREDICTED_MS = 1e-6
+#: Another process on the GPU (:meth:`DecodeClockTuner.observe_gpu_tenants`; docs/closed-loop.md,
+#: "Another process on the GPU"). After the count of other compute processes changes, steps stay
+#: out of the fits and tests ``_TENANT_SETTLE_S``: a step that straddles the change, and the
+#: caller's polling lag (the runtime reads NVML's process list every ~0.5 s).
+_TENANT_SETTLE_S = 0.5
+#: While another process is there nothing is measured, so a held clock runs this many supported
+#: clocks above the lowest one known to pass: room for a knee drifting up unseen meanwhile
+#: (drifting knee with a co-tenant, simulated H200, held clocks of the bucket's own last 10 s:
+#: 99.03 % in budget at 0 steps, 99.64 % at 1; docs/results/sim-closed-loop-adversarial.md).
+_TENANT_GUARD_STEPS = 1
+#: A held clock is trusted while another process is there only where it was measured in the
+#: last ``_TENANT_FRESH_S`` before that process came, in its bucket or (the knee being the
+#: memory's, one per GPU, as in knee mode) in any bucket's hold; else the default clock runs.
+#: Trusted however old, a bucket back after ~50 s held a clock the drifting knee had passed
+#: (99.32 % in budget), and at 20 s 99.36 % (same record).
+_TENANT_FRESH_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,6 +270,14 @@ class KneeBound:
     bucket: int
 
 
+@dataclass(frozen=True, slots=True)
+class HeldSeen:
+    """The last held clock measured on this GPU (any bucket): when, and its candidate index."""
+
+    t_s: float
+    index: int
+
+
 class _Bucket:
     """State of one batch-size bucket (owned by the tuner)."""
 
@@ -303,6 +327,7 @@ class _Bucket:
         self.noise: deque[float] = deque(maxlen=5)  # own spreads of the last clean reference windows
         self.early_reject = False  # the probe awaiting its closing reference was stopped early
         self.t_left = -math.inf  # when the batch last left this bucket
+        self.t_measured = -math.inf  # its last step measured as the active bucket's
         self.from_prior = False  # the running probe is at a prior (a clock known to pass nearby)
         self.lo_before = 0  # the search interval's lower end before the last verdict
         self.voided: int | None = None  # the last clock whose early stop was voided (probed again)
@@ -408,6 +433,13 @@ class DecodeClockTuner:
         self.knee_due_s = math.inf
         self._knee_every_s = 0.0
         self._margin0 = settings.margin_pct / 100.0
+        #: Other compute processes on this GPU (:meth:`observe_gpu_tenants`; ``None``: unknown).
+        self.tenants: int | None = None
+        self._tenant_t = -math.inf  # when that count last changed (s)
+        self._tenant_at = -math.inf  # the latest time it or a step was fed (s)
+        self._tenant_came = -math.inf  # when the count last rose from 0 (s)
+        self._gpu_held = HeldSeen(-math.inf, len(self.cands))
+        self.n_tenant_steps = 0  # measured steps left out because another process shared the GPU
 
     # -- public ------------------------------------------------------------------------------
     def bucket_of(self, batch: int) -> int:
@@ -428,6 +460,8 @@ class DecodeClockTuner:
         b = self.buckets.get(bucket)
         if b is None or b.state in ("baseline", "ref", "check") or self.off_reason is not None:
             return None
+        if self._tenant_now() and b.state in ("probe", "hold"):
+            return self._tenant_clock(b)
         if b.state == "probe" and b.probe is not None:
             return None if b.raising else self.cands[b.probe]
         return None if b.held >= len(self.cands) else self.cands[b.held]
@@ -437,7 +471,8 @@ class DecodeClockTuner:
         replay's out-of-budget causes): ``off``; ``other_bucket`` (the active bucket's clock: the
         batch left it fewer than ``bucket_dwell_steps`` steps ago); ``baseline`` or ``reference``
         (default-clock windows: a search's or a re-check's); ``probe``; ``step_down`` (a retry's
-        probe below the held clock); ``held`` (a clock below the default); ``default``."""
+        probe below the held clock); ``tenant`` (another process shares the GPU: the held clock,
+        unmeasured, :meth:`observe_gpu_tenants`); ``held`` (a clock below the default); ``default``."""
         if self.off_reason is not None or self.active is None:
             return "off"
         if self.bucket_of(batch) != self.active:
@@ -447,6 +482,8 @@ class DecodeClockTuner:
             return "baseline"
         if b.state in ("ref", "check"):
             return "reference"
+        if b.state in ("probe", "hold") and self._tenant_now():
+            return "tenant"
         if b.state == "probe":
             return "step_down" if b.lowering_from is not None else "probe"
         return "default" if b.held >= len(self.cands) else "held"
@@ -461,10 +498,52 @@ class DecodeClockTuner:
             b.state, b.held, b.probe = "hold", len(self.cands), None
         self._emit(now_s, "off", None, 0, reason=reason)
 
+    def observe_gpu_tenants(self, now_s: float, others: int | None) -> None:
+        """Feed how many *other* compute processes share this GPU now (NVML's process list:
+        :meth:`~vllm_powersave.device.nvml.NvmlGpu.other_compute_processes`); ``None``: unknown
+        (no NVML, a driver without the call), and the loop behaves as without this signal.
+
+        While the count is non-zero, and for ``_TENANT_SETTLE_S`` after it changes, a step-time
+        shift is taken as the other process's doing: steps are not measured (no back-off, no probe
+        verdict, no reference window raised by them, no fit), the held clock stays (one supported
+        clock up, :meth:`_tenant_clock`), and a running probe pauses. The stated assumption (docs/closed-loop.md, "Another process on
+        the GPU"): another process slows every clock alike, stock included, so a clock in budget
+        without it stays in budget with it; one that slows some clocks more goes unchecked while
+        it is there.
+        """
+        if others is not None and self.tenants is not None and others != self.tenants:
+            self._tenant_t = now_s
+        if others and not self.tenants:
+            self._tenant_came = now_s
+        self.tenants = others
+        self._tenant_at = max(self._tenant_at, now_s)
+
+    def _tenant_now(self, now_s: float | None = None) -> bool:
+        """Another process shares the GPU, or the count changed under ``_TENANT_SETTLE_S`` ago."""
+        if self.tenants is None:
+            return False
+        t = self._tenant_at if now_s is None else now_s
+        return self.tenants > 0 or t - self._tenant_t < _TENANT_SETTLE_S
+
+    def _tenant_clock(self, b: _Bucket) -> int | None:
+        """The clock while another process shares the GPU (nothing is measured then): a running
+        probe pauses, and the lowest clock known to pass (the held one, or the search's upper end
+        after a back-off) runs ``_TENANT_GUARD_STEPS`` supported clocks higher, so that a knee
+        drifting up meanwhile, unseen, has that much room (docs/closed-loop.md, "Another process
+        on the GPU")."""
+        i = max(b.held, b.hi) if b.state == "probe" else b.held
+        if b.t_measured < self._tenant_came - _TENANT_FRESH_S:
+            if self._gpu_held.t_s < self._tenant_came - _TENANT_FRESH_S:
+                return None
+            i = max(i, self._gpu_held.index)
+        i = min(len(self.cands), i + _TENANT_GUARD_STEPS)
+        return None if i >= len(self.cands) else self.cands[i]
+
     def reset(self, now_s: float, reason: str = "reset") -> None:
         """Forget every bucket (the model or the GPU changed): baselines and searches start over."""
         self.buckets.clear()
         self.knee, self.knee_due_s, self._knee_every_s = None, math.inf, 0.0
+        self._gpu_held = HeldSeen(-math.inf, len(self.cands))
         self.active, self._pending, self._pending_n = None, None, 0
         self._emit(now_s, "reset", None, 0, reason=reason)
 
@@ -496,9 +575,17 @@ class DecodeClockTuner:
         self._choose_bucket(now_s, edge, batch)
         if tokens is not None and tokens != batch:
             return self._clock_now()  # not a measurement, and no sign that a probe clock did not take
+        self._tenant_at = max(self._tenant_at, now_s)
+        if self._tenant_now(now_s):
+            self.n_tenant_steps += 1
+            return self._clock_now()  # another process's doing, not the clock's: nothing measured
         if ran_at_mhz == self.default_mhz:
             ran_at_mhz = None
         b = self._bucket(edge)
+        if edge == self.active:
+            b.t_measured = now_s
+            if b.state == "hold":
+                self._gpu_held = HeldSeen(now_s, b.held)
         if edge != self.active:
             # Free baseline data for a bucket that is not driving the clock.
             if ran_at_mhz is None and b.state == "baseline":
@@ -540,6 +627,8 @@ class DecodeClockTuner:
             "probes_total": self.n_probes,
             "backoffs_total": self.n_backoffs,
             "checks_total": self.n_checks,
+            "gpu_tenants": self.tenants,
+            "tenant_steps_total": self.n_tenant_steps,
             "decisions_total": self.n_records,
             "off_reason": self.off_reason,
             "read_back_mhz": self.read_back_mhz,

@@ -438,6 +438,13 @@ class ClockController:
                 self._retarget("decode", ClockPreset() if mhz is None else ClockPreset(sm_clock_mhz=mhz))
         return mhz
 
+    def observe_gpu_tenants(self, now_s: float, others: int | None) -> None:
+        """Tell the closed loop how many other compute processes share the GPU (``None``:
+        unknown); see :meth:`DecodeClockTuner.observe_gpu_tenants`. ``now_s`` on the same clock
+        as :meth:`observe_decode_step`'s. Call it from the thread that calls that method."""
+        if self.closed_loop is not None:
+            self.closed_loop.observe_gpu_tenants(now_s, others)
+
     def _retarget(self, phase: str, target: ClockPreset) -> None:
         """Replace one phase's target (the closed loop's decode clock); decide() applies it."""
         self._all_targets[phase] = target

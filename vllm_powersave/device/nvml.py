@@ -184,6 +184,7 @@ class NvmlGpu:
         self._supported_mem: tuple[int, ...] | None = None
         self._supported_sm: tuple[int, ...] | None = None
         self._instant_ok = True
+        self._procs_failed = False  # the process list failed once (logged)
 
     def __repr__(self) -> str:
         return f"NvmlGpu({self.uuid!r})"
@@ -355,6 +356,25 @@ class NvmlGpu:
 
     def temperature_c(self) -> int:
         return int(self._call("nvmlDeviceGetTemperature", self._const("NVML_TEMPERATURE_GPU", NVML_TEMPERATURE_GPU), handle=self._chip()))
+
+    def other_compute_processes(self, own_pids: frozenset[int]) -> int | None:
+        """How many compute processes other than ``own_pids`` hold a context on this GPU
+        (``nvmlDeviceGetComputeRunningProcesses``; visible without privilege, NVML API reference,
+        "Device Queries"), or ``None`` where NVML cannot say: the call missing from the binding or
+        the driver, any NVML error, or none of ``own_pids`` in the list (a PID namespace, as in a
+        container, where NVML lists host pids: every process would look like another's). Never
+        raises; the first failure is logged at debug."""
+        try:
+            procs = self._call("nvmlDeviceGetComputeRunningProcesses")
+            pids = {int(p.pid) for p in procs}
+        except Exception as exc:
+            if not self._procs_failed:
+                self._procs_failed = True
+                log.debug("powersave: NVML process list unavailable on %s (%s): co-tenants unknown", self.uuid, exc)
+            return None
+        if not pids & own_pids:
+            return None
+        return len(pids - own_pids)
 
     def clock_event_reasons_mask(self) -> int:
         """NVML's clocks-event-reasons bitmask (see :data:`CLOCK_EVENT_REASONS`)."""

@@ -32,7 +32,7 @@ from ..sim.gpu import SPECS, ModelCost, SimulatedGpu
 from ..starvation import FrontendBusyReader, StarvationWatch
 from ..stats_contract import WorkerSnapshot, snapshot_name
 from .drain import StepDrain
-from .publisher import Publisher, WorkerIdentity
+from .publisher import Publisher, WorkerIdentity, tenant_watch
 from .step import CudaPeak, StepHandoff, StepPath, StepTiming
 
 log = logging.getLogger("vllm.powersave")
@@ -75,6 +75,7 @@ class Metering(NamedTuple):
     sim: SimulatedGpu | None
     sim_stock: SimulatedGpu | None
     model_cost: ModelCost | None
+    gpu: NvmlGpu | None = None  # the NVML device (process list for the closed loop), where NVML opened
 
 
 def boost_for(on_gpu: bool, gpu_id: str, release_after_s: float) -> BoostController | None:
@@ -154,7 +155,7 @@ def open_metering(
         if settings.clocks.backend == "simulated" and settings.clocks.presets:
             sim_stock = SimulatedGpu(sim.spec)
         meter = SimulatedEnergyMeter(sim, ident.gpu_id, shadow=sim_stock)
-    return Metering(meter, sim, sim_stock, model_cost)
+    return Metering(meter, sim, sim_stock, model_cost, gpu)
 
 
 def clock_controller(runner: Any, settings: PowersaveSettings, choice: ClockChoice, backend: ClockBackend, gpu_id: str) -> ClockController:
@@ -375,6 +376,8 @@ def assemble(
         done_requests=done_requests,
         frontend=frontend,
         starvation=starvation,
+        # Another process on the GPU, for the closed loop (docs/closed-loop.md, "Another process on the GPU").
+        tenants=tenant_watch(metering.gpu) if timing.active else None,
     )
     return step, drain, publisher
 

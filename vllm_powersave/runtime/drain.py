@@ -51,6 +51,19 @@ class StepDrain:
     # Finished steps held for the closed loop until the engine thread has read their GPU time (oldest first).
     _timed_steps: deque[tuple[StepRecord, float, Any]] = field(default_factory=deque, init=False)
 
+    def observe_gpu_tenants(self, now_s: float, others: int | None) -> None:
+        """How many other compute processes share the GPU (``TenantWatch``), to the closed loop
+        under the drain's lock, so that it is fed from one thread at a time, before the steps
+        still held here (those ended before ``now_s``: docs/closed-loop.md, "Another process on
+        the GPU"). A fault leaves the count unknown, never stops serving."""
+        if not self.timing.active:
+            return
+        with self._lock:
+            try:
+                self.clocks.observe_gpu_tenants(now_s, others)
+            except Exception as exc:
+                vllm_compat.fault_once("gpu_tenants", exc, "feeding the co-tenant count", "the closed loop runs without it")
+
     def drain_steps(self, final: bool = False) -> None:
         """Feed the step records appended by :meth:`StepPath.on_step_start` to the energy account, the
         step trace and the simulator, oldest first (any thread; serialised by a lock the step hook

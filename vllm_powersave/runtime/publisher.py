@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import atexit
 import logging
+import math
 import os
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from .. import envs, ray_relay, vllm_compat
 from ..clocks import ClockController
@@ -45,6 +46,9 @@ log = logging.getLogger("vllm.powersave")
 CLOSE_JOIN_S = 5.0
 #: Requests finished: the publisher attributes and writes them at once, but at most this often (s).
 FLUSH_MIN_S = 0.01
+#: NVML's process list (another job on the GPU, for the closed loop) is read at most this often (s):
+#: the closed loop leaves steps within ``_TENANT_SETTLE_S`` (0.5 s) of a change out of its tests.
+TENANT_POLL_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,44 @@ class WorkerIdentity:
     device_index: int
     on_gpu: bool
     gpu_id: str
+
+
+@dataclass(eq=False)
+class TenantWatch:
+    """Other compute processes on this worker's GPU, from NVML's process list, for the closed
+    loop (docs/closed-loop.md, "Another process on the GPU"): ``read()`` gives the count or
+    ``None`` (unknown), called at most every ``every_s`` (the list is a driver query)."""
+
+    read: Callable[[], int | None]
+    every_s: float = TENANT_POLL_S
+    _next_s: float = field(default=-math.inf, init=False)
+
+    def poll(self, now_s: float) -> TenantCount | None:
+        """The count read now, or ``None`` where the last read is under ``every_s`` old."""
+        if now_s < self._next_s:
+            return None
+        self._next_s = now_s + self.every_s
+        try:
+            return TenantCount(self.read())
+        except Exception as exc:  # the reader maps NVML errors itself; anything else: unknown
+            log.debug("powersave: co-tenant count failed: %s", exc)
+            return TenantCount(None)
+
+
+@dataclass(frozen=True)
+class TenantCount:
+    """One read of :class:`TenantWatch`: other compute processes on the GPU (``None``: unknown)."""
+
+    others: int | None
+
+
+def tenant_watch(gpu: Any, own_pids: frozenset[int] | None = None) -> TenantWatch | None:
+    """The watch over ``gpu`` (an :class:`~vllm_powersave.device.NvmlGpu`; ``None``: no watch),
+    counting every process but this one and its parent (the engine that started this worker)."""
+    if gpu is None:
+        return None
+    pids = own_pids if own_pids is not None else frozenset({os.getpid(), os.getppid()})
+    return TenantWatch(lambda: gpu.other_compute_processes(pids))
 
 
 @dataclass(eq=False)
@@ -89,6 +131,7 @@ class Publisher:
     done_requests: deque[tuple[str, float | None]]
     frontend: FrontendBusyReader | None
     starvation: StarvationWatch | None
+    tenants: TenantWatch | None = None
     trace_path: Path | None = field(init=False)
     _gauge_cache: dict[str, Any] | None = field(default=None, init=False)
     _gauge_t: float = field(default=0.0, init=False)
@@ -287,6 +330,15 @@ class Publisher:
         tmp.write_text(text)
         tmp.replace(self.stats_path)  # atomic: the API server never reads half a file
 
+    def poll_tenants(self, now_s: float) -> None:
+        """Feed the closed loop how many other processes share the GPU (at most every
+        ``TENANT_POLL_S``), on the monotonic clock of the step records."""
+        if self.tenants is None:
+            return
+        read = self.tenants.poll(now_s)
+        if read is not None:
+            self.drain.observe_gpu_tenants(now_s, read.others)
+
     # -- thread -------------------------------------------------------------------------------
     def start(self) -> None:
         """Write the first snapshot (series exist from the first step on, not one period later),
@@ -345,6 +397,7 @@ class Publisher:
                         sample()  # periodic reads only: energy/meters.py says why
                 if self.boost is not None:
                     self.boost.tick()
+                self.poll_tenants(now)
                 if self.starvation is not None and self.account is not None and self.frontend is not None and self.frontend.available:
                     self.starvation.check(self.account.idle_busy_s, self.account.busy_s, self.account.idle_busy_j, self.frontend.frontends)
                 if time.monotonic() - self.handoff.last_step_s >= self.settings.energy.idle_after_s:

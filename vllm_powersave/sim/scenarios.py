@@ -63,9 +63,14 @@ class GpuDrift:
     def time_factor(self, t: float) -> float:
         """Factor on every step's time and energy at ``t`` (thermal slowdown, another tenant)."""
         k = 1.0 + (self.slow_to - 1.0) * self.progress(t)
-        if self.cotenant_every_s > 0 and (t % self.cotenant_every_s) < self.cotenant_for_s:
+        if self.tenants_at(t):
             k *= self.cotenant_factor
         return k
+
+    def tenants_at(self, t: float) -> int:
+        """Other compute processes on the GPU at ``t``: the co-tenant, visible in NVML's process
+        list while it runs (``nvmlDeviceGetComputeRunningProcesses``)."""
+        return int(self.cotenant_every_s > 0 and (t % self.cotenant_every_s) < self.cotenant_for_s)
 
     def worst_knee_mhz(self, spec: GpuSpec) -> int:
         """The highest knee the drift reaches (what a static clock must stay above)."""

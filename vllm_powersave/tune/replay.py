@@ -192,6 +192,10 @@ def _replay_step(run: _ReplayRun, s: Step, mb_tokens: int, on_step: Callable[[Cl
         out["other_j"] += e
     # The engine thread's wall time of the step, as the controller would measure it (read back at its end).
     run.now[0] = t
+    if sc is not None:
+        # The co-tenant is in NVML's process list while it runs: seen at the step's start and end.
+        ctl.observe_gpu_tenants(start, sc.drift.tenants_at(start))
+        ctl.observe_gpu_tenants(t, sc.drift.tenants_at(t))
     ctl.observe_decode_step(t, s.decode, true_s * noise * 1e3, mb, s.ctx, s.tokens)
     if on_step is not None:
         on_step(ctl, t)
