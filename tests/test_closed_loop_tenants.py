@@ -12,7 +12,7 @@ from test_closed_loop_tracking import _loop_settings
 
 from vllm_powersave.clocks.closed_loop import DecodeClockTuner
 from vllm_powersave.device import NvmlGpu
-from vllm_powersave.runtime.publisher import TenantWatch
+from vllm_powersave.runtime.publisher import TenantWatch, tenant_watch
 from vllm_powersave.sim.gpu import H200
 
 #: What a test feeds the tuner as the count of other processes: the tenant's presence, or None.
@@ -150,3 +150,18 @@ def test_the_tenant_watch_reads_at_most_every_half_second_and_maps_faults_to_unk
     got = [w.poll(t) for t in (0.0, 0.1, 0.49, 0.5, 0.9, 1.0)]
     assert [None if g is None else g.others for g in got] == [1, None, None, 1, None, None]
     assert got[5] is not None and got[5].others is None and len(reads) == 3
+
+
+def test_the_perf_boost_helpers_own_context_is_no_tenant():
+    """cuda_perf_boost "auto" holds a side CUDA context in a helper process while the engine is
+    busy: NVML lists it on this GPU, and counted as another job it would stop the loop's
+    measurements under load. The watch leaves out the helper's current PID (it restarts)."""
+    holder = SimpleNamespace(pid=300)
+    boost = SimpleNamespace(holder=holder)
+    gpu = NvmlGpu(_Procs(pids=(100, 300)), 0, "GPU-aaaa-0000")
+    watch = tenant_watch(gpu, own_pids=frozenset({100}), boost=boost)
+    assert watch.poll(0.0).others == 0
+    holder.pid = 301  # a restarted helper; the old PID is a stranger's now
+    gpu.nvml.pids = (100, 300, 301)
+    assert watch.poll(1.0).others == 1
+    assert tenant_watch(gpu, own_pids=frozenset({100})).poll(0.0).others == 2

@@ -377,7 +377,7 @@ def assemble(
         frontend=frontend,
         starvation=starvation,
         # Another process on the GPU, for the closed loop (docs/closed-loop.md, "Another process on the GPU").
-        tenants=tenant_watch(metering.gpu) if timing.active else None,
+        tenants=tenant_watch(metering.gpu, boost=boost) if timing.active else None,
     )
     return step, drain, publisher
 

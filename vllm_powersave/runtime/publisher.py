@@ -95,13 +95,21 @@ class TenantCount:
     others: int | None
 
 
-def tenant_watch(gpu: Any, own_pids: frozenset[int] | None = None) -> TenantWatch | None:
+def tenant_watch(gpu: Any, own_pids: frozenset[int] | None = None, boost: Any = None) -> TenantWatch | None:
     """The watch over ``gpu`` (an :class:`~vllm_powersave.device.NvmlGpu`; ``None``: no watch),
-    counting every process but this one and its parent (the engine that started this worker)."""
+    counting every process but this one, its parent (the engine that started this worker) and
+    the perf-boost helper of ``boost`` (a :class:`~vllm_powersave.clocks.BoostController`), whose
+    side CUDA context NVML lists on this GPU while it holds the boost, under load all the time:
+    counted, it would read as a co-tenant and stop the closed loop's measurements."""
     if gpu is None:
         return None
-    pids = own_pids if own_pids is not None else frozenset({os.getpid(), os.getppid()})
-    return TenantWatch(lambda: gpu.other_compute_processes(pids))
+    base = own_pids if own_pids is not None else frozenset({os.getpid(), os.getppid()})
+
+    def read() -> int | None:
+        helper_pid = getattr(getattr(boost, "holder", None), "pid", None)  # it restarts with a new PID
+        return gpu.other_compute_processes(base | {helper_pid} if isinstance(helper_pid, int) else base)
+
+    return TenantWatch(read)
 
 
 @dataclass(eq=False)
