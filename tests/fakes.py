@@ -18,6 +18,16 @@ from pathlib import Path
 from types import SimpleNamespace
 
 
+class Clock:
+    """A monotonic clock the test moves by hand: ``clock.t`` seconds (``clock()`` reads it)."""
+
+    def __init__(self, t: float = 0.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
 class NVMLError(Exception):
     def __init__(self, value: int) -> None:
         super().__init__(f"NVML error {value}")

@@ -6,17 +6,10 @@ whichever steps reported them."""
 from __future__ import annotations
 
 import pytest
+from fakes import Clock
 
 from vllm_powersave.energy import PhaseEnergyAccount
 from vllm_powersave.energy.meters import EnergyMeter
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 class SteadyMeter(EnergyMeter):

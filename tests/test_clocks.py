@@ -5,20 +5,12 @@ import subprocess
 import sys
 
 import pytest
-from fakes import FakeNvml
+from fakes import Clock, FakeNvml
 
 from vllm_powersave.clocks import ClockController, DryRunClockBackend, LeaseStore, NvmlClockBackend, SimulatedClockBackend
 from vllm_powersave.device import NvmlGpu
 from vllm_powersave.settings import load_settings
 from vllm_powersave.sim.gpu import SimulatedGpu
-
-
-class Clock:
-    def __init__(self):
-        self.t = 100.0
-
-    def __call__(self):
-        return self.t
 
 
 def _settings(tmp_path, **clocks):
@@ -39,13 +31,13 @@ def _ctl(tmp_path, nvml, clock, **kw):
 
 
 def test_presets_snap_to_supported_clocks(tmp_path):
-    ctl = _ctl(tmp_path, FakeNvml(), Clock())
+    ctl = _ctl(tmp_path, FakeNvml(), Clock(100.0))
     assert ctl.presets["decode"].sm_clock_mhz == 1200  # 1210 is not supported; highest below is 1200
     ctl.close()
 
 
 def test_dwell_lowers_only_after_min_dwell_and_raises_at_once(tmp_path):
-    nvml, clock = FakeNvml(), Clock()
+    nvml, clock = FakeNvml(), Clock(100.0)
     ctl = _ctl(tmp_path, nvml, clock)
     ctl.on_phase("decode")  # first decode step: wants lower, dwell starts
     assert nvml.calls == []
@@ -72,7 +64,7 @@ def test_dwell_lowers_only_after_min_dwell_and_raises_at_once(tmp_path):
 
 
 def test_restore_on_close_and_lease_lifecycle(tmp_path):
-    nvml, clock = FakeNvml(), Clock()
+    nvml, clock = FakeNvml(), Clock(100.0)
     ctl = _ctl(tmp_path, nvml, clock, min_dwell_ms=0)
     ctl.on_phase("decode")
     lease = tmp_path / "leases" / "GPU-test.json"
@@ -85,7 +77,7 @@ def test_restore_on_close_and_lease_lifecycle(tmp_path):
 
 
 def test_permission_denied_falls_back_to_dry_run_with_one_warning(tmp_path, caplog):
-    nvml, clock = FakeNvml(no_permission=True), Clock()
+    nvml, clock = FakeNvml(no_permission=True), Clock(100.0)
     ctl = _ctl(tmp_path, nvml, clock, min_dwell_ms=0)
     with caplog.at_level(logging.WARNING, logger="vllm.powersave.clocks"):
         ctl.on_phase("decode")
@@ -100,7 +92,7 @@ def test_permission_denied_falls_back_to_dry_run_with_one_warning(tmp_path, capl
 
 
 def test_nvml_fault_stops_control_resets_once_and_keeps_going(tmp_path):
-    nvml, clock = FakeNvml(), Clock()
+    nvml, clock = FakeNvml(), Clock(100.0)
     ctl = _ctl(tmp_path, nvml, clock, min_dwell_ms=0)
     ctl.on_phase("decode")
     nvml.fail_set = 999
@@ -120,7 +112,7 @@ def test_stale_lease_of_dead_process_is_reset_at_start(tmp_path):
     p.write_text(json.dumps({"gpu": "GPU-test", "pid": int(dead.stdout), "sm_clock_mhz": 1200}))
     nvml = FakeNvml()
     nvml.locked = (1200, 1200)
-    ctl = _ctl(tmp_path, nvml, Clock())
+    ctl = _ctl(tmp_path, nvml, Clock(100.0))
     # The lease does not say whether memory was locked too: both are reset (NotSupported is fine).
     assert nvml.calls == [("reset",), ("reset_mem",)] and nvml.locked is None
     assert not p.exists()
@@ -153,7 +145,7 @@ def test_async_apply_coalesces_to_latest_target(tmp_path):
             _time.sleep(0.05)
             super().nvmlDeviceResetGpuLockedClocks(h)
 
-    nvml, clock = SlowNvml(), Clock()
+    nvml, clock = SlowNvml(), Clock(100.0)
     ctl = ClockController(
         NvmlClockBackend(NvmlGpu(nvml, "h0")),
         _settings(tmp_path, min_dwell_ms=0),
@@ -226,7 +218,7 @@ def test_watchdog_resets_clocks_of_a_sigkilled_owner(tmp_path):
 
 
 def test_failed_reset_keeps_lease_and_close_retries(tmp_path):
-    nvml, clock = FakeNvml(), Clock()
+    nvml, clock = FakeNvml(), Clock(100.0)
     ctl = _ctl(tmp_path, nvml, clock, min_dwell_ms=0)
     ctl.on_phase("decode")
     nvml.fail_set = 999
@@ -242,7 +234,7 @@ def test_close_racing_a_pending_reset_leaves_no_lock(tmp_path):
     import time as _time
 
     for _ in range(20):
-        nvml, clock = FakeNvml(), Clock()
+        nvml, clock = FakeNvml(), Clock(100.0)
         ctl = ClockController(
             NvmlClockBackend(NvmlGpu(nvml, "h0")),
             _settings(tmp_path, min_dwell_ms=0),
@@ -273,7 +265,7 @@ def test_slow_set_finishing_after_close_started_is_undone(tmp_path):
         _settings(tmp_path, min_dwell_ms=0),
         gpu_id="GPU-s",
         asynchronous=True,
-        clock=Clock(),
+        clock=Clock(100.0),
         watchdog=False,
     )
     ctl.on_phase("decode")
@@ -299,7 +291,7 @@ def test_stale_lease_whose_reset_fails_is_kept(tmp_path):
     (d / "GPU-test.json").write_text(json.dumps({"gpu": "GPU-test", "pid": -5}))
     nvml = FakeNvml()
     nvml.fail_set = 999
-    ctl = _ctl(tmp_path, nvml, Clock())
+    ctl = _ctl(tmp_path, nvml, Clock(100.0))
     assert (d / "GPU-test.json").exists()
     nvml.fail_set = None
     ctl.close()

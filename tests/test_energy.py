@@ -1,20 +1,12 @@
 import json
 
 import pytest
-from fakes import FakeNvml, metrics_text
+from fakes import Clock, FakeNvml, metrics_text
 
 from vllm_powersave.device import NvmlGpu
 from vllm_powersave.energy import NvmlEnergyMeter, PhaseEnergyAccount, SimulatedEnergyMeter
 from vllm_powersave.metrics import PowersaveCollector
 from vllm_powersave.sim.gpu import H200, ModelCost, SimulatedGpu, StepWork, simulate_step
-
-
-class Clock:
-    def __init__(self):
-        self.t = 0.0
-
-    def __call__(self):
-        return self.t
 
 
 def test_nvml_meter_deltas_reset_and_fault():

@@ -15,20 +15,12 @@ import math
 import random
 
 import pytest
-from fakes import FakeNvmlDevices
+from fakes import Clock, FakeNvmlDevices
 
 from vllm_powersave.device import NvmlGpu
 from vllm_powersave.energy import NvmlEnergyMeter, PhaseEnergyAccount
 
 IDLE_W, BURST_W = 80.0, 600.0
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 class LaggingBurstGpu(FakeNvmlDevices):

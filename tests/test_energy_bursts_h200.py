@@ -23,7 +23,7 @@ import random
 from dataclasses import dataclass, replace
 
 import pytest
-from fakes import FakeNvmlDevices, NVMLError
+from fakes import Clock, FakeNvmlDevices, NVMLError
 
 from vllm_powersave.device import NvmlGpu
 from vllm_powersave.energy import NvmlEnergyMeter, PhaseEnergyAccount
@@ -51,14 +51,6 @@ class BurstShape:
 
 
 H200 = BurstShape()
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def _ramp_j(s: BurstShape, a: float, t: float) -> float:

@@ -8,7 +8,7 @@ import sys
 from types import SimpleNamespace
 
 import pytest
-from fakes import FakeNvmlDevices, metrics_text
+from fakes import Clock, FakeNvmlDevices, metrics_text
 
 from vllm_powersave import runtime as rt_mod
 from vllm_powersave import vllm_compat
@@ -232,14 +232,6 @@ def test_tensor_parallel_ranks_sum_to_engine_and_requests(monkeypatch, tmp_path)
     steady_j = sum(v for k, v in m.items() if k.startswith("powersave_steady_energy_joules_total{"))
     assert 0 < steady_j < engine
     assert m['powersave_tokens_per_joule{kind="total",source="measured",window="steady"}'] == pytest.approx(35 / steady_j, rel=1e-6)
-
-
-class Clock:
-    def __init__(self):
-        self.t = 0.0
-
-    def __call__(self):
-        return self.t
 
 
 def test_requests_plus_idle_equal_measured_total_within_1_percent_with_interpolation():

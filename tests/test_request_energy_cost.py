@@ -8,7 +8,7 @@ import random
 import statistics
 
 import pytest
-from fakes import FakeNvml, FakeNvmlDevices
+from fakes import Clock, FakeNvml, FakeNvmlDevices
 
 from vllm_powersave.device import NvmlGpu
 from vllm_powersave.energy import NvmlEnergyMeter, PhaseEnergyAccount, SimulatedEnergyMeter
@@ -16,14 +16,6 @@ from vllm_powersave.energy.request_cost import RequestCostModel, step_weights
 from vllm_powersave.sim.gpu import H200, ModelCost, SimulatedGpu, simulate_step
 
 SHAPE = "qwen2.5-7b"
-
-
-class Clock:
-    def __init__(self):
-        self.t = 0.0
-
-    def __call__(self):
-        return self.t
 
 
 class ExactMeter:

@@ -3,17 +3,9 @@
 import asyncio
 import json
 
-from tests.fakes import metrics_text
+from tests.fakes import Clock, metrics_text
 from vllm_powersave.energy.account import PhaseEnergyAccount
 from vllm_powersave.starvation import BusyTracker, FrontendBusyMiddleware, FrontendBusyReader, StarvationWatch
-
-
-class Clock:
-    def __init__(self, t=0.0):
-        self.t = t
-
-    def __call__(self):
-        return self.t
 
 
 class Meter:
