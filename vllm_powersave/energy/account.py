@@ -540,6 +540,11 @@ class PhaseEnergyAccount:
         #: The counter's power (W) over intervals of idle only (moving average); until the first,
         #: what the meter knows (the simulated GPU's), else None (intervals then split by time).
         self.idle_power_w: float | None = meter.idle_power_w() if hasattr(meter, "idle_power_w") else None
+        #: The counter's power (W) over spans of rest only right after work (the perf boost held,
+        #: clocks falling back: ~127 W against 73 W idle on the H100, docs/results/
+        #: h200-request-energy.md), as measured by :meth:`_settle_rest` (moving average); None
+        #: until the first, then the idle power stands in.
+        self.rest_power_w: float | None = None
         self._t = clock()
         self._state = _Cursor(self._t, "idle", None, None, None, False, False)
         e0 = meter.energy_j()
@@ -817,6 +822,8 @@ class PhaseEnergyAccount:
                 if any(y > end for _, y in spans):
                     self._holds.remove(h)
                 continue
+            prev = self.rest_power_w
+            self.rest_power_w = rest_w if prev is None else prev + _IDLE_POWER_EMA * (rest_w - prev)
             self._holds.remove(h)
             if rest_w >= h.rest_w:
                 continue
@@ -901,10 +908,25 @@ class PhaseEnergyAccount:
                 # An interval of idle only: the counter's idle power, for the edges of later intervals.
                 w = d_e / idle_s
                 self.idle_power_w = w if idle_w is None else idle_w + _IDLE_POWER_EMA * (w - idle_w)
+            elif busy_s == 0 and gap_s > 0 and idle_s > 0 and priced_s == quiet_s and idle_w is not None:
+                return self._gap_then_rest_rates(d_e, gap_s, idle_s, idle_w)
         else:  # only gaps, on a meter that does not price them: whatever it reports is theirs
             quiet_w = busy_w = 0.0
         gap_w = quiet_w if priced_s == quiet_s else (d_e / gap_s if busy_s + priced_s <= 0 else 0.0)
         return _Rates(quiet_w, busy_w, gap_w)
+
+    def _gap_then_rest_rates(self, d_e: float, gap_s: float, idle_s: float, idle_w: float) -> _Rates:
+        """A tick of the gap after the last step and the idle after vLLM's drain, no step: under
+        async scheduling that gap is the GPU finishing the batch, and the idle is its rest. Where
+        the tick drew more than rest would, the idle is priced at the rest power and the gap gets
+        the remainder; at one average price the rest took up to 0.4 of a prefill burst's energy
+        when the tick came 0.125 s after the drain (H100 step trace, docs/results/
+        h200-request-energy.md)."""
+        rest_w = max(idle_w, self.rest_power_w or idle_w)
+        avg_w = d_e / (gap_s + idle_s)
+        if avg_w <= rest_w:
+            return _Rates(avg_w, avg_w, avg_w)
+        return _Rates(rest_w, avg_w, (d_e - rest_w * idle_s) / gap_s)
 
     def _settle_pending(self, pieces: TickPieces, weights: _StepWeights) -> None:
         """A gap left pending by an earlier interval is settled by what followed it in this one
