@@ -77,6 +77,12 @@ NULL_PROMPT_TOKENS, BURST_SEED = 8, 1000
 #: 10 Hz counter interpolation is good to a few J at idle edges; 4 x 1,900-token prefills on a 7B
 #: model drew ~150 J on an H100, docs/results/h200-request-energy.md).
 MIN_BURST_TRUTH_J = 10.0
+#: Bursts segment: each span's cut starts this long before its request (deep idle on both spans),
+#: and its end power is the counter's slope over this last stretch of the cut (s).
+BURST_LEAD_S, END_POWER_S = 0.1, 0.4
+#: Bursts segment: a pair whose cuts end more than this apart in power (W) ended in different
+#: power states (one in the post-request clock hold, one past it) and is not judged by the cut.
+END_POWER_MATCH_W = 10.0
 
 
 # --- the plugin's figures: /metrics and stats_dir ----------------------------------------------------
@@ -113,10 +119,12 @@ def snap_between(m0: SnapMark, m1: SnapMark) -> dict | None:
 
 def burst_pair_figures(burst: dict, null: dict, idle_w: float | None) -> dict:
     """A burst span against its null-request span (each ``{span_s, busy_s, counter_j,
-    plugin_phases_j}``). The burst's true energy is the counter's difference between the spans
-    (their small length difference at ``idle_w``): the tail above deep idle that follows any
-    request cancels. The plugin's is its busy (non-idle) joules' difference. Also each span's
-    joules above deep idle that the plugin booked as idle (``idle_above_deep_j``)."""
+    plugin_phases_j}``, and ``cut`` where recorded). The burst's true energy is the counter's
+    difference between the spans (their small length difference at ``idle_w``): the tail above deep
+    idle that follows any request cancels. The plugin's is its busy (non-idle) joules' difference.
+    Also each span's joules above deep idle that the plugin booked as idle (``idle_above_deep_j``).
+    The phase truth (``phase_over_truth``) is the cut's where both spans have one
+    (:func:`cut_phase_truth`), else the whole spans' (``truth_method`` says which)."""
     out: dict[str, Any] = {"burst": burst, "null": null, "true_busy_j": None, "plugin_busy_j": None, "busy_over_truth": None}
     if None in (burst["counter_j"], null["counter_j"], burst["plugin_phases_j"], null["plugin_phases_j"], idle_w):
         return {**out, "note": "a span without counter or plugin energy"}
@@ -124,6 +132,7 @@ def burst_pair_figures(burst: dict, null: dict, idle_w: float | None) -> dict:
     truth = burst["counter_j"] - null["counter_j"] - idle_w * (burst["span_s"] - null["span_s"])
     plugin = busy["burst"] - busy["null"]
     out.update(true_busy_j=truth, plugin_busy_j=plugin)
+    out["idle_above_deep_j"] = {k: x["counter_j"] - idle_w * x["span_s"] - busy[k] for k, x in (("burst", burst), ("null", null))}
     if truth < MIN_BURST_TRUTH_J:
         # Under a few joules the difference is the counter's and sampler's error, not a burst.
         return {**out, "note": f"burst's true energy {truth:.1f} J below {MIN_BURST_TRUTH_J:g} J: not judged"}
@@ -134,11 +143,35 @@ def burst_pair_figures(burst: dict, null: dict, idle_w: float | None) -> dict:
     # end at deep idle), and the null's own work (one 8-token step, ~1 J) is left out; the burst's
     # own booking is set against it, not less the null's, which holds whatever part of the null's
     # gap its ticks happened to book (docs/results/h200-request-energy.md).
-    phase_truth = truth + idle_w * ((burst["busy_s"] or 0.0) - (null["busy_s"] or 0.0))
-    out.update(true_phase_j=phase_truth, plugin_phase_j=busy["burst"], null_plugin_busy_j=busy["null"])
-    out["phase_over_truth"] = busy["burst"] / phase_truth
-    out["idle_above_deep_j"] = {k: x["counter_j"] - idle_w * x["span_s"] - busy[k] for k, x in (("burst", burst), ("null", null))}
+    to_idle = truth + idle_w * ((burst["busy_s"] or 0.0) - (null["busy_s"] or 0.0))
+    out.update(plugin_phase_j=busy["burst"], null_plugin_busy_j=busy["null"], true_phase_to_idle_j=to_idle)
+    out["phase_over_truth_to_idle"] = busy["burst"] / to_idle
+    cut = cut_phase_truth(burst, null, busy["null"])
+    if cut is None:
+        return {**out, "truth_method": "spans to deep idle", "true_phase_j": to_idle, "phase_over_truth": out["phase_over_truth_to_idle"]}
+    out.update(truth_method="cut in the post-request hold", cut=cut, true_phase_j=cut.get("true_phase_j"))
+    out["phase_over_truth"] = busy["burst"] / cut["true_phase_j"] if cut.get("true_phase_j") else None
     return out
+
+
+def cut_phase_truth(burst: dict, null: dict, null_work_j: float) -> dict | None:
+    """The burst's phase energy from each span's ``cut``: the counter from ``BURST_LEAD_S`` before its
+    request to a fixed time after it, a point inside the GPU's post-request clock hold for both
+    (~1.5-2.1 s at ~127 W on the H100, docs/results/h200-request-energy.md). Ending the spans at deep
+    idle instead adds the hold's length, which varies by whole 0.5 s steps from request to request
+    (+-27 J against a ~130 J burst), to the truth. With equal cuts the difference is the burst's work
+    less the null's, less the hold power over the burst's extra busy time; those two are added back
+    (the null's work at the plugin's booking of it, 4-7 J). None where a span has no cut; a note and
+    no truth where the cuts end in different power states."""
+    cb, cn = burst.get("cut"), null.get("cut")
+    if not cb or not cn or None in (cb.get("counter_j"), cn.get("counter_j"), cb.get("end_power_w"), cn.get("end_power_w")):
+        return None
+    out = {"cut_s": cb.get("cut_s"), "end_power_w": [cb["end_power_w"], cn["end_power_w"]], "null_work_j": null_work_j}
+    if abs(cb["end_power_w"] - cn["end_power_w"]) > END_POWER_MATCH_W:
+        return {**out, "note": f"cuts end {cb['end_power_w']:.0f} W vs {cn['end_power_w']:.0f} W: different power states, not judged"}
+    hold_w = (cb["end_power_w"] + cn["end_power_w"]) / 2.0
+    extra_busy_s = (burst["busy_s"] or 0.0) - (null["busy_s"] or 0.0)
+    return {**out, "hold_w": hold_w, "true_phase_j": cb["counter_j"] - cn["counter_j"] + hold_w * extra_busy_s + null_work_j}
 
 
 def snap_energy(snap: dict | None) -> dict | None:
@@ -307,6 +340,7 @@ class Server:
         ratios = sorted(r["busy_over_truth"] for r in runs if r.get("busy_over_truth") is not None)
         log(f"[{self.label}] bursts: busy / truth {[round(x, 3) for x in ratios]}, cross-check {cross}")
         out = {"n": ns.burst_n, "conc": ns.burst_conc, "input_len": ns.burst_in, "idle_w": idle_w, "span_s": ns.burst_span_s}
+        out["cut_s"] = BURST_LEAD_S + ns.burst_cut_s
         return {**out, "method": "null-request control", "runs": runs, "crosscheck": cross}
 
     def _burst_span(self, kind: str, seed: int) -> dict:
@@ -326,6 +360,20 @@ class Server:
             "busy_s": h["res"].get("duration"),
             "counter_j": self.sampler.energy_between(mark0.perf, mark1.perf),
             "plugin_phases_j": snap_between(mark0, mark1),
+            "cut": self._burst_cut(h["t0"]),
+        }
+
+    def _burst_cut(self, t_req: float | None) -> dict | None:
+        """The counter from ``BURST_LEAD_S`` before the request at ``t_req`` to ``--burst-cut-s`` after
+        it, and the power over the cut's last ``END_POWER_S`` (:func:`cut_phase_truth`)."""
+        if t_req is None:
+            return None
+        a, b = t_req - BURST_LEAD_S, t_req + self.ns.burst_cut_s
+        end_j = self.sampler.energy_between(b - END_POWER_S, b)
+        return {
+            "cut_s": BURST_LEAD_S + self.ns.burst_cut_s,
+            "counter_j": self.sampler.energy_between(a, b),
+            "end_power_w": None if end_j is None else end_j / END_POWER_S,
         }
 
     def release(self, idle_w: float | None) -> dict:
@@ -728,6 +776,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--burst-in", type=int, default=1900, help="bursts segment: prompt tokens (one output token each)")
     ap.add_argument(
         "--burst-span-s", type=float, default=3.0, help="bursts segment: each span, from before its request into the next idle spell (s)"
+    )
+    ap.add_argument(
+        "--burst-cut-s",
+        type=float,
+        default=1.2,
+        help="bursts segment: each span's truth cut ends this long after its request, inside the post-request clock hold (s)",
     )
     ap.add_argument("--release-n", type=int, default=8, help="release segment: requests, one at a time")
     ap.add_argument("--release-gap-s", type=float, default=4.0, help="release segment: seconds between request starts")

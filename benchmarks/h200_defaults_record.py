@@ -309,8 +309,13 @@ def bursts_block(raws: list[dict]) -> list[dict]:
         # The phase-energy truth (burst_pair_figures): recomputed from the spans, so older raw files get it too.
         pairs = [burst_pair_figures(x["burst"], x["null"], b.get("idle_w")) for x in b["runs"] if "burst" in x and "null" in x]
         phase = [x["phase_over_truth"] for x in pairs if x.get("phase_over_truth") is not None]
+        o["truth_method"] = sorted({x["truth_method"] for x in pairs if x.get("truth_method")})
         o["phase_over_truth"] = spread_plain(phase)
         o["phase_over_truth_runs"] = [r(x) for x in phase]
+        to_idle = [x["phase_over_truth_to_idle"] for x in pairs if x.get("phase_over_truth_to_idle") is not None]
+        o["phase_over_truth_to_idle"] = spread_plain(to_idle)
+        o["plugin_phase_j"] = spread_plain([x["plugin_phase_j"] for x in pairs if x.get("plugin_phase_j") is not None])
+        o["not_judged"] = [x["cut"]["note"] for x in pairs if (x.get("cut") or {}).get("note")]
         o["phase_within_5pct"] = None if not phase else all(abs(x - 1.0) <= 0.05 for x in phase)
         out.append(o)
     return out
@@ -479,7 +484,9 @@ def request_energy_md(reqe: dict, title: str, drop: float) -> list[str]:
             f"\nPrefill bursts between idle spells ({b['file']} {b['server']}: {b['n']} bursts of {b['conc']} x {b['input_len']} "
             f"prompt tokens; {BURST_TRUTH[b.get('method', 'deep-idle baseline')]}): the plugin's busy J over the truth {json.dumps(b['busy_over_truth'])}; "
             f"all within 5 %: {b['within_5pct']}; against the phase-energy truth (the burst's own booking over the difference plus "
-            f"idle power x its extra busy time) {json.dumps(b.get('phase_over_truth'))}, all within 5 %: {b.get('phase_within_5pct')}; "
+            f"the power displaced by its extra busy time; {', '.join(b.get('truth_method') or ['spans to deep idle'])}) "
+            f"{json.dumps(b.get('phase_over_truth'))}, all within 5 %: {b.get('phase_within_5pct')}; the plugin's burst booking "
+            f"{json.dumps(b.get('plugin_phase_j'))} J; not judged: {b.get('not_judged') or 'none'}; "
             f"cross-check gauge {json.dumps(b['crosscheck'])}."
         )
     return md

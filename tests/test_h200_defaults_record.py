@@ -282,14 +282,17 @@ def test_every_burst_and_null_request_has_its_own_seed_in_alternating_order(monk
     class FakeServer(job.Server):
         def harness(self, name, **kw):
             calls.append((name, kw["seed"], kw["num_prompts"], kw["input_len"]))
-            return {"res": {"duration": 0.001}}
+            return {"res": {"duration": 0.001}, "t0": time.perf_counter()}
 
         def mark(self):
             return job.SnapMark(time.time(), time.perf_counter(), {"energy_j": {"prefill": 0.0, "idle": 0.0}})
 
     monkeypatch.setattr(job.load, "scrape", lambda port: ({}, ""))
-    ns = argparse.Namespace(burst_n=3, burst_gap_s=0.0, burst_span_s=0.001, burst_conc=4, burst_in=1900)
+    ns = argparse.Namespace(burst_n=3, burst_gap_s=0.0, burst_span_s=0.001, burst_conc=4, burst_in=1900, burst_cut_s=1.2)
     out = FakeServer(ns, FakeSampler(), 0, "d0", None, None).bursts(70.0)
+    # Each span's cut: from 0.1 s before its request to 1.2 s after, with the power over its last 0.4 s.
+    assert out["cut_s"] == pytest.approx(1.3) and out["runs"][0]["burst"]["cut"]["counter_j"] == pytest.approx(70.0 * 1.3)
+    assert out["runs"][0]["null"]["cut"]["end_power_w"] == pytest.approx(70.0)
     assert [c[0][:4] for c in calls] == ["null", "burs", "burs", "null", "null", "burs"]
     seeds = [c[1] for c in calls if c[0].startswith("burst")]
     assert len(set(seeds)) == 3 and all(c[2:] == (4, 1900) for c in calls if c[0].startswith("burst"))
@@ -369,3 +372,43 @@ def test_a_bursts_phase_truth_adds_the_idle_power_its_longer_busy_time_displaced
     assert f["true_phase_j"] == pytest.approx(135.0 + 80.0 * 0.15)
     assert f["plugin_phase_j"] == pytest.approx(160.0) and f["null_plugin_busy_j"] == pytest.approx(25.0)
     assert f["phase_over_truth"] == pytest.approx(160.0 / 147.0)
+
+
+def _held_span(busy_j, busy_s, hold_s, cut_s=1.3, span_s=3.0, idle_w=72.0, hold_w=127.0, lead_s=0.1):
+    """A span whose request starts ``lead_s`` into its cut: ``busy_j`` over ``busy_s``, then the
+    post-request clock hold at ``hold_w`` for ``hold_s``, then deep idle. The plugin books the work
+    and calls the hold idle. The cut ends inside the hold where ``hold_s`` reaches past it."""
+    in_cut_hold = min(hold_s, cut_s - lead_s - busy_s)
+    cut_j = idle_w * lead_s + busy_j + hold_w * in_cut_hold + idle_w * max(0.0, cut_s - lead_s - busy_s - hold_s)
+    rest_s = span_s - busy_s - hold_s
+    counter_j = busy_j + hold_w * hold_s + idle_w * rest_s
+    end_w = hold_w if hold_s >= cut_s - lead_s - busy_s else idle_w
+    return {
+        "span_s": span_s, "busy_s": busy_s, "counter_j": counter_j,
+        "plugin_phases_j": {"prefill": busy_j, "decode": 0.0, "idle": counter_j - busy_j},
+        "cut": {"cut_s": cut_s, "counter_j": cut_j, "end_power_w": end_w},
+    }  # fmt: skip
+
+
+def test_a_bursts_truth_is_cut_inside_the_post_request_hold_so_the_holds_length_drops_out():
+    """The H100's clock hold after a request lasted 1.5 or 2.1 s at ~127 W (docs/results/
+    h200-request-energy.md): spans to deep idle add that +-30 J to a ~130 J burst's truth. Cut at the
+    same time after each request, inside the hold, the truth is the burst's own work."""
+    from benchmarks.h200_defaults import burst_pair_figures
+
+    burst, null = _held_span(130.0, 0.2, 1.5), _held_span(5.0, 0.05, 2.1)
+    f = burst_pair_figures(burst, null, 72.0)
+    assert f["truth_method"] == "cut in the post-request hold"
+    assert f["phase_over_truth"] == pytest.approx(1.0)
+    assert abs(f["phase_over_truth_to_idle"] - 1.0) > 0.15  # the spans to deep idle carry the holds' difference
+    swapped = burst_pair_figures(_held_span(130.0, 0.2, 2.1), _held_span(5.0, 0.05, 1.5), 72.0)
+    assert swapped["phase_over_truth"] == pytest.approx(1.0) and swapped["cut"]["hold_w"] == pytest.approx(127.0)
+
+
+def test_a_burst_whose_cut_ends_in_another_power_state_than_its_nulls_is_not_judged():
+    from benchmarks.h200_defaults import burst_pair_figures
+
+    f = burst_pair_figures(_held_span(130.0, 0.2, 1.5), _held_span(5.0, 0.05, 0.5), 72.0)  # the null's hold ended before its cut
+    assert f["phase_over_truth"] is None and "different power states" in f["cut"]["note"]
+    old = burst_pair_figures({**_held_span(130.0, 0.2, 1.5), "cut": None}, _held_span(5.0, 0.05, 1.5), 72.0)
+    assert old["truth_method"] == "spans to deep idle" and old["phase_over_truth"] == old["phase_over_truth_to_idle"]
