@@ -17,6 +17,7 @@ import os
 import re
 import shlex
 import shutil
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -117,14 +118,25 @@ def snap_between(m0: SnapMark, m1: SnapMark) -> dict | None:
     return None if e0 is None or e1 is None else {k: e1[k] - e0.get(k, 0.0) for k in e1}
 
 
-def burst_pair_figures(burst: dict, null: dict, idle_w: float | None) -> dict:
+def null_work_j(runs: list[dict]) -> float | None:
+    """The null request's own work: the median of the plugin's busy joules over the segment's null
+    spans (the same 8-token request each time). One null's booking can hold a counter jump booked
+    back onto its step (17.9 J against 2.4-5.1 J on the H100, docs/results/h200-request-energy.md)."""
+    js = [
+        sum(v for p, v in x["null"]["plugin_phases_j"].items() if p != "idle") for x in runs if (x.get("null") or {}).get("plugin_phases_j")
+    ]
+    return statistics.median(js) if js else None
+
+
+def burst_pair_figures(burst: dict, null: dict, idle_w: float | None, null_work: float | None = None) -> dict:
     """A burst span against its null-request span (each ``{span_s, busy_s, counter_j,
     plugin_phases_j}``, and ``cut`` where recorded). The burst's true energy is the counter's
     difference between the spans (their small length difference at ``idle_w``): the tail above deep
     idle that follows any request cancels. The plugin's is its busy (non-idle) joules' difference.
     Also each span's joules above deep idle that the plugin booked as idle (``idle_above_deep_j``).
     The phase truth (``phase_over_truth``) is the cut's where both spans have one
-    (:func:`cut_phase_truth`), else the whole spans' (``truth_method`` says which)."""
+    (:func:`cut_phase_truth`, the null's work at ``null_work``, else at this null's booking),
+    else the whole spans' (``truth_method`` says which)."""
     out: dict[str, Any] = {"burst": burst, "null": null, "true_busy_j": None, "plugin_busy_j": None, "busy_over_truth": None}
     if None in (burst["counter_j"], null["counter_j"], burst["plugin_phases_j"], null["plugin_phases_j"], idle_w):
         return {**out, "note": "a span without counter or plugin energy"}
@@ -146,7 +158,7 @@ def burst_pair_figures(burst: dict, null: dict, idle_w: float | None) -> dict:
     to_idle = truth + idle_w * ((burst["busy_s"] or 0.0) - (null["busy_s"] or 0.0))
     out.update(plugin_phase_j=busy["burst"], null_plugin_busy_j=busy["null"], true_phase_to_idle_j=to_idle)
     out["phase_over_truth_to_idle"] = busy["burst"] / to_idle
-    cut = cut_phase_truth(burst, null, busy["null"])
+    cut = cut_phase_truth(burst, null, busy["null"] if null_work is None else null_work)
     if cut is None:
         return {**out, "truth_method": "spans to deep idle", "true_phase_j": to_idle, "phase_over_truth": out["phase_over_truth_to_idle"]}
     out.update(truth_method="cut in the post-request hold", cut=cut, true_phase_j=cut.get("true_phase_j"))
@@ -161,7 +173,7 @@ def cut_phase_truth(burst: dict, null: dict, null_work_j: float) -> dict | None:
     idle instead adds the hold's length, which varies by whole 0.5 s steps from request to request
     (+-27 J against a ~130 J burst), to the truth. With equal cuts the difference is the burst's work
     less the null's, less the hold power over the burst's extra busy time; those two are added back
-    (the null's work at the plugin's booking of it, 4-7 J). None where a span has no cut; a note and
+    (the null's work at the plugin's booking of it, 2-5 J). None where a span has no cut; a note and
     no truth where the cuts end in different power states."""
     cb, cn = burst.get("cut"), null.get("cut")
     if not cb or not cn or None in (cb.get("counter_j"), cn.get("counter_j"), cb.get("end_power_w"), cn.get("end_power_w")):
@@ -334,7 +346,9 @@ class Server:
         for i in range(ns.burst_n):
             order = ("null", "burst") if i % 2 == 0 else ("burst", "null")
             spans = {kind: self._burst_span(kind, BURST_SEED + i) for kind in order}
-            runs.append({"order": list(order), **burst_pair_figures(spans["burst"], spans["null"], idle_w)})
+            runs.append({"order": list(order), **spans})
+        work = null_work_j(runs)
+        runs = [{"order": x["order"], **burst_pair_figures(x["burst"], x["null"], idle_w, work)} for x in runs]
         m, _ = load.scrape(self.port)
         cross = {k: v for k, v in m.items() if k.startswith("powersave_energy_crosscheck")}
         ratios = sorted(r["busy_over_truth"] for r in runs if r.get("busy_over_truth") is not None)

@@ -412,3 +412,17 @@ def test_a_burst_whose_cut_ends_in_another_power_state_than_its_nulls_is_not_jud
     assert f["phase_over_truth"] is None and "different power states" in f["cut"]["note"]
     old = burst_pair_figures({**_held_span(130.0, 0.2, 1.5), "cut": None}, _held_span(5.0, 0.05, 1.5), 72.0)
     assert old["truth_method"] == "spans to deep idle" and old["phase_over_truth"] == old["phase_over_truth_to_idle"]
+
+
+def test_the_nulls_work_is_the_median_of_the_segments_null_bookings():
+    """One null span's booking held a counter jump booked back onto its step (17.9 J against
+    2.4-5.1 J on the H100): the truth adds the median null booking, not that one."""
+    from benchmarks.h200_defaults import burst_pair_figures, null_work_j
+
+    runs = [{"burst": _held_span(130.0, 0.2, 1.5), "null": _held_span(w, 0.05, 2.1)} for w in (3.0, 4.0, 5.0)]
+    runs[2]["burst"]["plugin_phases_j"]["prefill"] = 116.0  # this burst's last 14 J landed in its null's span
+    runs[2]["null"]["plugin_phases_j"]["prefill"] = 18.0
+    assert null_work_j(runs) == pytest.approx(4.0)
+    own = burst_pair_figures(runs[2]["burst"], runs[2]["null"], 72.0)
+    med = burst_pair_figures(runs[2]["burst"], runs[2]["null"], 72.0, null_work_j(runs))
+    assert med["cut"]["null_work_j"] == pytest.approx(4.0) and med["true_phase_j"] < own["true_phase_j"] - 13.0
