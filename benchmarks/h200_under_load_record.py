@@ -58,6 +58,17 @@ def pair_figures(p: dict) -> dict[str, float | None]:
     }
 
 
+#: Pairs a ``loads`` entry needs (the record's contract: 6 adjacent pairs at a saturation point,
+#: 3 at a rate); an entry with fewer goes to ``probes``, shown but claiming nothing.
+MIN_PAIRS = {"saturation": 6, "rate": 3}
+
+
+def split_probes(entries: list[dict]) -> tuple[list[dict], list[dict]]:
+    """``(loads, probes)``: entries with the pairs their kind needs (:data:`MIN_PAIRS`), and the rest."""
+    enough = [e for e in entries if e.get("pairs", 0) >= MIN_PAIRS.get(e.get("kind"), 3)]
+    return enough, [e for e in entries if e not in enough]
+
+
 def mean_ci(xs: list[float | None], nd: int = 4) -> dict[str, Any]:
     """``{"mean", "ci95"}`` over the finite values, rounded (no interval below 2 values)."""
     m, ci = stats.mean_ci(xs)
@@ -121,7 +132,8 @@ def build(raws: list[dict], rate_raws: list[dict] | None = None) -> dict:
     dev = next((r.get("device") for r in raws if r.get("device")), {})
     main_loads = [load_entry(k[0], ps) for k, ps in by_point.items() if k[1:] == ("stock", "defaults")]
     rate_loads, rate_ablations = rate_loads_and_ablations(rate_raws or [])
-    measured_rates = {f"rate {e['rate']:g} req/s" for e in rate_loads if e["kind"] == "rate"}
+    loads, probes = split_probes(main_loads + rate_loads)
+    measured_rates = {f"rate {e['rate']:g} req/s" for e in loads + probes if e["kind"] == "rate"}
     return {
         "name": "h200-under-load",
         "measured": True,
@@ -141,7 +153,8 @@ def build(raws: list[dict], rate_raws: list[dict] | None = None) -> dict:
             }
             for r in [*raws, *(rate_raws or [])]
         ],
-        "loads": main_loads + rate_loads,
+        "loads": loads,
+        "probes": probes,
         "ablations": [load_entry(k[0], ps) for k, ps in by_point.items() if k[1:] != ("stock", "defaults")] + rate_ablations,
         "not_yet_measured": [x for x in PLANNED if x not in measured_rates],
     }
@@ -278,17 +291,22 @@ def merge(old: dict, new: dict) -> dict:
     out of git, so a later lease adds to the committed record this way."""
     out = dict(new)
     old_dev = (old.get("device") or {}).get("name")
-    for key in ("loads", "ablations"):
-        names = {e["name"] for e in new.get(key, [])}
+    for key in ("loads", "probes", "ablations"):
+        names = (
+            {e["name"] for k in ("loads", "probes") for e in new.get(k, [])}
+            if key != "ablations"
+            else {e["name"] for e in new.get(key, [])}
+        )
         kept = [{**e, "device": e.get("device") or old_dev} for e in old.get(key, []) if e["name"] not in names]
         out[key] = kept + new.get(key, [])
+    out["loads"], out["probes"] = split_probes(out["loads"] + out["probes"])
     seen = {(r.get("lease"), r.get("tag")) for r in new["runs"]}
     kept_runs = [{**r, "device": r.get("device") or old_dev} for r in old.get("runs", []) if (r.get("lease"), r.get("tag")) not in seen]
     out["runs"] = kept_runs + new["runs"]
     out["product_compare"] = new.get("product_compare") or old.get("product_compare")
     for k in ("device", "shape", "serve_args"):
         out[k] = new.get(k) or old.get(k)
-    measured = {f"rate {e['rate']:g} req/s" for e in out["loads"] if e.get("kind") == "rate"}
+    measured = {f"rate {e['rate']:g} req/s" for e in out["loads"] + out["probes"] if e.get("kind") == "rate"}
     out["not_yet_measured"] = [x for x in PLANNED if x not in measured]
     return {k: v for k, v in out.items() if v is not None}
 
@@ -320,7 +338,7 @@ def _fmt(ci: dict, nd: int = 3) -> str:
 
 def _rate_notes(rec: dict) -> list[str]:
     """One line on how the rate loads ran: serve flags and any observation settings of the defaults arm."""
-    rates = [e for e in rec["loads"] if e.get("kind") == "rate" and "defaults_observe" in e]
+    rates = [e for e in rec["loads"] + rec.get("probes", []) if e.get("kind") == "rate" and "defaults_observe" in e]
     if not rates:
         return []
     observe = sorted({x for e in rates for x in e["defaults_observe"]})
@@ -363,6 +381,14 @@ def markdown(rec: dict, png: str | None) -> str:
         f"Not yet measured here: {', '.join(rec['not_yet_measured']) or 'nothing'} (one server at a time, `benchmarks/h200_defaults.py`).",
         "Raw per-pair figures: `pair_list` in the JSON twin. How to rerun: docs/benchmarks.md.",
     ]
+    if rec.get("probes"):
+        lines += ["", "Probes: fewer pairs than a load needs (6 at saturation, 3 at a rate), so no claim (measured).", ""]
+        lines += ["| load | device | pairs | throughput | J per output token | p99 TPOT | p50 TTFT Δ ms |", "|---|---|---|---|---|---|---|"]
+        lines += [
+            f"| {e['name']} | {e.get('device') or '?'} | {e['pairs']} | {_fmt(e['throughput_ratio'])} | {_fmt(e['j_per_out_token_ratio'])} | "
+            f"{_fmt(e['p99_tpot_ratio'])} | {_fmt(e['p50_ttft_delta_ms'], 1)} |"
+            for e in rec["probes"]
+        ]
     if rec.get("ablations"):
         lines += ["", "Ablations: each arm over its reference (first column of the pair), same ABBA pairs (measured).", ""]
         lines += [

@@ -10,6 +10,11 @@ from benchmarks import h200_under_load as job
 from benchmarks import h200_under_load_record as rec
 
 
+def _rows(r: dict) -> list[dict]:
+    """The record's loads and probes together (a probe is a load with fewer pairs than a claim needs)."""
+    return r["loads"] + r.get("probes", [])
+
+
 def test_the_job_refuses_to_start_without_the_dry_run_guard(monkeypatch, capsys):
     monkeypatch.delenv("POWERSAVE_FORCE_DRY_RUN", raising=False)
     with pytest.raises(SystemExit) as exc:
@@ -51,7 +56,7 @@ def test_a_load_entry_has_the_issues_fields_with_pair_means_and_intervals():
         for i in range(6)
     ]  # fmt: skip
     r = rec.build([{**_raw(pairs), "lease": "L1"}])
-    (e,) = r["loads"]
+    (e,) = _rows(r)
     assert (e["name"], e["kind"], e["concurrency"], e["pairs"]) == ("c64-streamed-512-256", "saturation", 64, 6)
     assert (e["api_server_count_stock"], e["api_server_count_defaults"]) == (1, 4)
     assert e["throughput_ratio"]["mean"] == pytest.approx(1.225, abs=1e-4)
@@ -67,7 +72,7 @@ def test_a_load_entry_has_the_issues_fields_with_pair_means_and_intervals():
 
 def test_a_half_pair_cut_by_the_time_limit_is_left_out():
     pairs = [{"point": "c256", "pair": 1, "order": ["stock", "defaults"], "stock": _run(1.0, 1.0, 1.0, 1.0, 1)}]
-    assert rec.build([_raw(pairs)])["loads"] == []
+    assert _rows(rec.build([_raw(pairs)])) == []
 
 
 def test_the_markdown_twin_says_measured_names_leases_and_what_is_not_yet_measured(tmp_path):
@@ -129,7 +134,7 @@ def test_ablation_pairs_go_to_their_own_entries_not_to_the_loads():
         for i in range(3)
     ]  # fmt: skip
     r = rec.build([{**_raw(pairs), "arms": {"stock": None, "meter-only": {"savings": "off"}}, "lease": "L"}])
-    assert r["loads"] == []
+    assert _rows(r) == []
     (a,) = r["ablations"]
     assert (a["name"], a["variant"], a["reference"], a["pairs"]) == ("c256-streamed-128-128-meter-only", "meter-only", "stock", 3)
     assert a["settings"] == {"savings": "off"} and a["throughput_ratio"]["mean"] == pytest.approx(0.99)
@@ -156,7 +161,7 @@ def test_poisson_rates_from_the_one_server_job_become_rate_loads_with_the_issues
          "servers": [_server("defaults", 0, 1.25), _server("stock", 1, 1.0)]},
     ]  # fmt: skip
     r = rec.build([], raws)
-    (e,) = r["loads"]
+    (e,) = _rows(r)
     assert e["device"] == "NVIDIA H100 80GB HBM3" and [p["device"] for p in e["pair_list"]] == [h100["name"]] * 2
     assert e["defaults_observe"] == ["trace,reqenergy"] and e["serve_args"] == "--max-num-seqs 256"
     assert [(x["lease"], x["device"], x["started_utc"]) for x in r["runs"]][0] == ("L2", h100["name"], "2026-12-05T21:25:47Z")
@@ -179,12 +184,12 @@ def test_a_later_lease_adds_its_loads_to_the_committed_record_without_the_old_ra
     ]  # fmt: skip
     old["device"] = {"name": "NVIDIA H200"}
     merged = rec.merge(old, rec.build([], raws))
-    assert [e["name"] for e in merged["loads"]] == ["c64-streamed-512-256", "rate-0.5"]
-    assert merged["loads"][0]["device"] == "NVIDIA H200"  # an older load keeps the device it ran on
+    assert [e["name"] for e in _rows(merged)] == ["c64-streamed-512-256", "rate-0.5"]
+    assert _rows(merged)[0]["device"] == "NVIDIA H200"  # an older load keeps the device it ran on
     assert [r["lease"] for r in merged["runs"]] == ["lease-1", "lease-2"] and merged["shape"] == "qwen2.5-7b"
     assert "rate 0.5 req/s" not in merged["not_yet_measured"]
     again = rec.merge(merged, rec.build([{**_raw(c64), "lease": "lease-1"}]))  # a rebuilt load replaces its old entry
-    assert [e["name"] for e in again["loads"]] == ["rate-0.5", "c64-streamed-512-256"]
+    assert [e["name"] for e in _rows(again)] == ["rate-0.5", "c64-streamed-512-256"]
 
 
 def test_a_pair_across_two_gpus_is_refused_and_a_rates_only_record_merges_and_prints():
@@ -193,10 +198,10 @@ def test_a_pair_across_two_gpus_is_refused_and_a_rates_only_record_merges_and_pr
         {"_file": "defaults-A.json", "gpu": 0, "lease": "L1", "device": h100, "servers": [_server("stock", 0, 1.0)]},
         {"_file": "defaults-B.json", "gpu": 0, "lease": "L2", "device": h200, "servers": [_server("defaults", 0, 1.25)]},
     ]
-    assert rec.build([], raws)["loads"] == []  # stock on the H100, defaults on the H200: no pair
+    assert _rows(rec.build([], raws)) == []  # stock on the H100, defaults on the H200: no pair
     nameless = [{"_file": "defaults-C.json", "gpu": 0, "lease": "L3", "servers": [_server("stock", 0, 1.0), _server("defaults", 1, 1.25)]}]
     r = rec.build([], nameless)
-    assert r["loads"][0]["device"] is None and "None" not in rec.markdown(r, None)
+    assert _rows(r)[0]["device"] is None and "None" not in rec.markdown(r, None)
     merged = rec.merge(r, rec.build([], nameless))
     assert "rate-0.5" in rec.markdown(merged, None)
 
@@ -208,7 +213,7 @@ def test_a_rate_run_with_defaults_settings_is_an_ablation_not_averaged_into_the_
         {"_file": "defaults-B.json", "gpu": 0, "lease": "L1", "method": boost_on, "servers": [_server("stock", 0, 1.0), _server("defaults", 1, 0.5)]},
     ]  # fmt: skip
     r = rec.build([], raws)
-    (load,) = [e for e in r["loads"] if e["name"] == "rate-0.5"]
+    (load,) = [e for e in _rows(r) if e["name"] == "rate-0.5"]
     assert load["pairs"] == 1 and load["j_per_out_token_ratio"]["mean"] == pytest.approx(0.8)
     (abl,) = r["ablations"]
     assert abl["name"] == "rate-0.5-cuda_perf_boost=on" and abl["settings"] == {"cuda_perf_boost": "on"}
@@ -225,7 +230,7 @@ def test_an_ablation_arm_in_one_order_splits_into_the_rate_load_and_its_ablation
         _server("stock", 3, 1.0),
     ]
     r = rec.build([], [{"_file": "defaults-A.json", "gpu": 0, "lease": "L1", "method": method, "servers": servers}])
-    (load,) = r["loads"]
+    (load,) = _rows(r)
     assert load["pairs"] == 1 and load["j_per_out_token_ratio"]["mean"] == pytest.approx(0.8)
     (abl,) = r["ablations"]
     assert abl["name"] == "rate-0.5-cuda_perf_boost=on" and abl["j_per_out_token_ratio"]["mean"] == pytest.approx(2.0)
@@ -240,7 +245,7 @@ def test_a_cut_abba_order_pairs_both_arms_with_the_one_stock_server(order):
     servers = [{**_server("stock" if a == "stock" else "defaults", i, tokj[a]), "arm": a} for i, a in enumerate(order)]
     method = {"defaults_observe": "none", "defaults_settings": {"cuda_perf_boost": "off"}}
     r = rec.build([], [{"_file": "defaults-A.json", "gpu": 0, "lease": "L1", "method": method, "servers": servers}])
-    (load,) = r["loads"]
+    (load,) = _rows(r)
     assert load["pairs"] == 1 and load["j_per_out_token_ratio"]["mean"] == pytest.approx(0.8)
     (abl,) = r["ablations"]
     assert abl["pairs"] == 1 and abl["j_per_out_token_ratio"]["mean"] == pytest.approx(2.0)
@@ -253,7 +258,7 @@ def test_a_server_left_unpaired_at_a_leases_end_does_not_take_the_next_leases_st
         {"_file": "defaults-B.json", "gpu": 0, "lease": "L1", "device": h100, "servers": [_server("defaults", 0, 1.25)]},
         {"_file": "defaults-C.json", "gpu": 0, "lease": "L2", "device": h200, "servers": [_server("stock", 0, 1.0), _server("defaults", 1, 1.25)]},
     ]  # fmt: skip
-    (e,) = rec.build([], raws)["loads"]
+    (e,) = _rows(rec.build([], raws))
     assert [(p["lease"], p["device"]) for p in e["pair_list"]] == [("L1", h100["name"]), ("L2", h200["name"])]
     assert e["device"] == "NVIDIA H100 80GB HBM3 + NVIDIA H200"
 
@@ -270,9 +275,24 @@ def test_closed_loop_windows_of_the_one_server_job_become_their_own_saturation_e
         _server("stock", 3, 1.0, sat_tokj=9.0),
     ]
     r = rec.build([], [{"_file": "defaults-A.json", "gpu": 0, "lease": "L1", "method": method, "servers": servers}])
-    sat = {e["name"]: e for e in r["loads"] if e["kind"] == "saturation"}
+    sat = {e["name"]: e for e in _rows(r) if e["kind"] == "saturation"}
     assert list(sat) == ["c64-one-server-512-256"] and sat["c64-one-server-512-256"]["concurrency"] == 64
     assert sat["c64-one-server-512-256"]["j_per_out_token_ratio"]["mean"] == pytest.approx(1.0)
     abl = {e["name"]: e for e in r["ablations"]}
     assert abl["c64-one-server-512-256-cuda_perf_boost=off"]["j_per_out_token_ratio"]["mean"] == pytest.approx(0.9)
     assert "c64-one-server-512-256" in rec.markdown(r, None)
+
+
+def test_a_load_with_fewer_pairs_than_a_claim_needs_is_a_probe_not_a_load():
+    """Every ``loads`` entry carries a 95 % interval over the pairs the record's contract asks (6 at
+    a saturation point, 3 at a rate); two S D S sets at one-server saturation are shown as a probe."""
+    method = {"sat_concurrency": 64, "input_len": 512, "output_len": 256}
+    servers = [_server("stock", 0, 1.0, sat_tokj=9.0), _server("defaults", 1, 1.0, sat_tokj=9.0), _server("stock", 2, 1.0, sat_tokj=9.0)]
+    raws = [{"_file": f"defaults-{x}.json", "gpu": 0, "lease": f"L{x}", "method": method, "servers": servers} for x in "AB"]
+    r = rec.build([], raws)
+    probes = {e["name"]: e for e in r["probes"]}
+    assert probes["c64-one-server-512-256"]["pairs"] == 2 and "c64-one-server-512-256" not in {e["name"] for e in r["loads"]}
+    assert all(e["pairs"] >= rec.MIN_PAIRS[e["kind"]] and e["throughput_ratio"]["ci95"] for e in r["loads"])
+    assert "Probes:" in rec.markdown(r, None)
+    more = rec.merge(r, rec.build([], [{**raws[0], "_file": "defaults-C.json", "lease": "LC"}]))
+    assert [e["name"] for e in more["probes"]].count("c64-one-server-512-256") == 1  # a rebuilt probe replaces the old one
