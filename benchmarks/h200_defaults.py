@@ -597,6 +597,9 @@ def check_args(ns: argparse.Namespace, order: list[str]) -> str | None:
         return "--order: the ablation arm needs --defaults-settings (the settings it runs with)"
     if bad := [x for x in (ns.segments + "," + ns.segments_last).split(",") if x and x not in SEGMENTS]:
         return f"--segments: unknown segment {bad[0]!r} ({', '.join(SEGMENTS)})"
+    if not END_POWER_S < ns.burst_cut_s < ns.burst_span_s - BURST_LEAD_S:
+        # The cut needs its end-power stretch, and must end inside the span (whose counter rows it reads).
+        return f"--burst-cut-s: {ns.burst_cut_s:g} must lie between {END_POWER_S:g} and --burst-span-s less {BURST_LEAD_S:g} s"
     try:
         reqe_shapes(ns)
     except ValueError as exc:

@@ -426,3 +426,12 @@ def test_the_nulls_work_is_the_median_of_the_segments_null_bookings():
     own = burst_pair_figures(runs[2]["burst"], runs[2]["null"], 72.0)
     med = burst_pair_figures(runs[2]["burst"], runs[2]["null"], 72.0, null_work_j(runs))
     assert med["cut"]["null_work_j"] == pytest.approx(4.0) and med["true_phase_j"] < own["true_phase_j"] - 13.0
+
+
+def test_a_burst_cut_outside_its_span_is_refused_with_one_line():
+    from benchmarks import h200_defaults as job
+
+    assert job.check_args(job.parse_args(["--gpu", "0"]), ["defaults"]) is None
+    for bad in ("0.2", "2.95", "-1"):
+        line = job.check_args(job.parse_args(["--gpu", "0", "--burst-cut-s", bad]), ["defaults"])
+        assert line is not None and line.startswith("--burst-cut-s: ") and "\n" not in line
