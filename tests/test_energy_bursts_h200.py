@@ -284,3 +284,26 @@ def test_the_rest_power_is_learnt_from_the_counter_after_work():
                 acc.on_finished(["r"], t=t)
         acc.tick()
     assert acc.rest_power_w == pytest.approx(120.0, rel=0.05)
+
+
+def test_each_tick_hands_the_trace_its_counter_steps_and_powers():
+    """The step trace's tick lines say what the meter saw (docs/request-energy.md): the account
+    passes each tick's counter steps, instant power and learnt rest power to ``on_tick``."""
+    clock = Clock()
+    gpu = BurstGpu(clock, [2.0], phase=0.03)
+    clock.t = 0.5
+    meter = NvmlEnergyMeter(NvmlGpu(gpu, 0, "GPU-h"), clock=clock)
+    ticks = []
+    acc = PhaseEnergyAccount(meter, idle_after_s=0.25, clock=clock, gpu_runs_ahead=True, on_tick=ticks.append)
+
+    def sleep(s: float) -> None:
+        clock.t += s
+
+    while clock.t < 3.0:
+        clock.t += 0.25
+        if clock.t >= meter.sync_due:
+            meter.sync_counter_phase(sleep=sleep)
+        acc.tick()
+    steps = [c for t in ticks for c in t.counter_steps]
+    assert len(steps) >= 8 and all(a.t_s < b.t_s for a, b in zip(steps, steps[1:]))  # one per read at least, in order
+    assert all(t.power_w is not None and t.power_w > 0 for t in ticks)

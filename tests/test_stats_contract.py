@@ -82,6 +82,20 @@ def test_tick_and_boost_trace_lines_name_their_kind_and_keep_the_steps_clock():
     tick = json.loads(tick_line(TickRecord(10.1234567, 10.3, 42.0, 0.15, 0.02, 0.0, 0.0, ["r1"])))
     assert list(tick) == ["tick"] and tick["tick"]["t0_s"] == 10.123457 and tick["tick"]["finished"] == ["r1"]
     assert json.loads(boost_line(BoostSwitch(5.5, False, 70.0))) == {"boost": {"t_s": 5.5, "held": False, "ms": 70.0}}
+    assert tick["tick"]["counter_steps"] == [] and tick["tick"]["power_w"] is None
+
+
+def test_a_tick_line_carries_the_counter_steps_and_powers_behind_its_booking():
+    """Where a burst's joules went is read from the trace: each tick's instant and rest power and
+    the counter steps its reads saw (time, jump, the span they close)."""
+    from vllm_powersave.energy.account import TickRecord
+    from vllm_powersave.energy.meters import CounterStep
+    from vllm_powersave.stats_contract import tick_line
+
+    rec = TickRecord(1.0, 1.25, 30.0, 0.1, 0.0, 0.15, 11.0, [], 2.5, 431.27, 127.04, (CounterStep(1.2, 12.61234567, 1.1, 40.0),))
+    d = json.loads(tick_line(rec))["tick"]
+    assert (d["power_w"], d["rest_power_w"]) == (431.3, 127.0)
+    assert d["counter_steps"] == [{"t_s": 1.2, "jump_j": 12.612346, "span_t0_s": 1.1, "span_j": 40.0, "read_t0_s": None, "ext_j": None}]
 
 
 def test_rank_decisions_of_a_trace_with_ticks_boosts_and_decisions_are_its_steps_only(tmp_path):

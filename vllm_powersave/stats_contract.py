@@ -267,10 +267,16 @@ def tick_line(tick: Any) -> str:
     """One energy tick (``energy.account.TickRecord``) as a trace line ``{"tick": {...}}``: its span
     (s, the steps' clock), the meter's joules, step / gap / idle seconds, idle joules and the ids
     of the requests it made final (their lines in ``requests-rank<N>.jsonl``), and the joules of
-    counter steps it booked back over the periods they close (``booked_back_j``)."""
+    counter steps it booked back over the periods they close (``booked_back_j``); the instant and
+    learnt rest power (W) and the counter steps its reads saw (``counter_steps``: each step's time,
+    jump and the span it closes, docs/request-energy.md), so that a trace shows where a burst's
+    joules went."""
     d = tick._asdict()
     for k in ("t0_s", "t1_s", "energy_j", "busy_s", "gap_s", "idle_s", "idle_j", "booked_back_j"):
         d[k] = round(d[k], 6)
+    for k in ("power_w", "rest_power_w"):
+        d[k] = None if d.get(k) is None else round(d[k], 1)
+    d["counter_steps"] = [{f: v if v is None else round(v, 6) for f, v in c._asdict().items()} for c in d.get("counter_steps") or ()]
     return json.dumps({TICK_KEY: d}) + "\n"
 
 

@@ -91,6 +91,12 @@ class TickRecord(NamedTuple):
     #: Joules of counter steps seen in this tick that went back to the periods they close (in
     #: ``energy_j``, not priced in this tick): see :meth:`PhaseEnergyAccount._book_back`.
     booked_back_j: float = 0.0
+    #: The instant power read with the tick's energy read, and the rest power learnt so far (W):
+    #: with ``counter_steps`` they let a step trace say where a burst's joules went.
+    power_w: float | None = None
+    rest_power_w: float | None = None
+    #: The counter steps this tick's reads saw (``energy.meters.CounterStep``, oldest first).
+    counter_steps: tuple = ()
 
 
 class StepEvent(NamedTuple):
@@ -705,7 +711,10 @@ class PhaseEnergyAccount:
         done = self._finish_requests(pieces.finished)
         if self.on_tick is not None:
             gap_s = pieces.quiet_s - pieces.idle_s
-            self.on_tick(TickRecord(self._t, t_now, d_e, pieces.busy_s, gap_s, pieces.idle_s, idle_j, done, back_j))
+            p_w = getattr(self.meter, "last_power_w", None)
+            p_w = p_w if isinstance(p_w, float) else None
+            rec = TickRecord(self._t, t_now, d_e, pieces.busy_s, gap_s, pieces.idle_s, idle_j, done, back_j)
+            self.on_tick(rec._replace(power_w=p_w, rest_power_w=self.rest_power_w, counter_steps=tuple(drained)))
         self._t, self._e = t_now, e_now
 
     def _period_steps(self, t_now: float, d_e: float, period_s: float, spans: tuple, drained: list) -> list[_PeriodStep]:
