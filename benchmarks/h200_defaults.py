@@ -130,25 +130,47 @@ def null_work_j(runs: list[dict]) -> float | None:
 
 def burst_pair_figures(burst: dict, null: dict, idle_w: float | None, null_work: float | None = None) -> dict:
     """A burst span against its null-request span (each ``{span_s, busy_s, counter_j,
-    plugin_phases_j}``, and ``cut`` where recorded). The burst's true energy is the counter's
-    difference between the spans (their small length difference at ``idle_w``): the tail above deep
-    idle that follows any request cancels. The plugin's is its busy (non-idle) joules' difference.
-    Also each span's joules above deep idle that the plugin booked as idle (``idle_above_deep_j``).
-    The phase truth (``phase_over_truth``) is the cut's where both spans have one
-    (:func:`cut_phase_truth`, the null's work at ``null_work``, else at this null's booking),
-    else the whole spans' (``truth_method`` says which)."""
+    plugin_phases_j}``, and ``cut`` where recorded). The plugin's figure is the burst span's busy
+    (non-idle) joules; the truth that judges it (``phase_over_truth``) is the cut's where both
+    spans have one (:func:`cut_phase_truth`, the null's work at ``null_work``, else at this null's
+    booking), else the whole spans' (:func:`spans_truth`; ``truth_method`` says which). A pair
+    whose judging truth is under ``MIN_BURST_TRUTH_J`` or missing is not judged (``note``)."""
     out: dict[str, Any] = {"burst": burst, "null": null, "true_busy_j": None, "plugin_busy_j": None, "busy_over_truth": None}
-    if None in (burst["counter_j"], null["counter_j"], burst["plugin_phases_j"], null["plugin_phases_j"], idle_w):
+    out["phase_over_truth"] = None
+    if burst["plugin_phases_j"] is None or null["plugin_phases_j"] is None:
         return {**out, "note": "a span without counter or plugin energy"}
     busy = {k: sum(v for p, v in x["plugin_phases_j"].items() if p != "idle") for k, x in (("burst", burst), ("null", null))}
-    truth = burst["counter_j"] - null["counter_j"] - idle_w * (burst["span_s"] - null["span_s"])
-    plugin = busy["burst"] - busy["null"]
-    out.update(true_busy_j=truth, plugin_busy_j=plugin)
-    out["idle_above_deep_j"] = {k: x["counter_j"] - idle_w * x["span_s"] - busy[k] for k, x in (("burst", burst), ("null", null))}
+    out.update(plugin_phase_j=busy["burst"], null_plugin_busy_j=busy["null"], **spans_truth(burst, null, idle_w, busy))
+    cut = cut_phase_truth(burst, null, busy["null"] if null_work is None else null_work)
+    if cut is not None:
+        out.update(truth_method="cut in the post-request hold", cut=cut, true_phase_j=cut.get("true_phase_j"))
+        if cut.get("note"):
+            return out
+    elif out.get("true_phase_to_idle_j") is not None:
+        out.update(truth_method="spans to deep idle", true_phase_j=out["true_phase_to_idle_j"])
+    truth = out.get("true_phase_j")
+    if truth is None:
+        return {**out, "note": out.get("spans_note") or "a span without counter or plugin energy"}
     if truth < MIN_BURST_TRUTH_J:
         # Under a few joules the difference is the counter's and sampler's error, not a burst.
         return {**out, "note": f"burst's true energy {truth:.1f} J below {MIN_BURST_TRUTH_J:g} J: not judged"}
-    out["busy_over_truth"] = plugin / truth
+    return {**out, "phase_over_truth": busy["burst"] / truth}
+
+
+def spans_truth(burst: dict, null: dict, idle_w: float | None, busy: dict[str, float]) -> dict:
+    """The truth of spans run to deep idle: the counter's difference between them (their small
+    length difference at ``idle_w``), so that the tail above deep idle that follows any request
+    cancels, against the plugin's busy-joule difference (``busy_over_truth``); the phase truth adds
+    the idle power the burst's longer busy time displaced (``true_phase_to_idle_j``); and each
+    span's joules above deep idle that the plugin booked as idle. Empty without counter energy."""
+    if burst["counter_j"] is None or null["counter_j"] is None or idle_w is None:
+        return {}
+    truth = burst["counter_j"] - null["counter_j"] - idle_w * (burst["span_s"] - null["span_s"])
+    out: dict[str, Any] = {"true_busy_j": truth, "plugin_busy_j": busy["burst"] - busy["null"]}
+    out["idle_above_deep_j"] = {k: x["counter_j"] - idle_w * x["span_s"] - busy[k] for k, x in (("burst", burst), ("null", null))}
+    if truth < MIN_BURST_TRUTH_J:
+        return {**out, "spans_note": f"burst's true energy {truth:.1f} J below {MIN_BURST_TRUTH_J:g} J: not judged"}
+    out["busy_over_truth"] = out["plugin_busy_j"] / truth
     # Phase energy is what the GPU draws while the phase's work runs, baseline included; its rest
     # after the work is idle (docs/request-energy.md, short bursts). The difference above removes
     # the idle power the burst's longer busy time displaced from the end of its span (the spans
@@ -156,14 +178,7 @@ def burst_pair_figures(burst: dict, null: dict, idle_w: float | None, null_work:
     # own booking is set against it, not less the null's, which holds whatever part of the null's
     # gap its ticks happened to book (docs/results/h200-request-energy.md).
     to_idle = truth + idle_w * ((burst["busy_s"] or 0.0) - (null["busy_s"] or 0.0))
-    out.update(plugin_phase_j=busy["burst"], null_plugin_busy_j=busy["null"], true_phase_to_idle_j=to_idle)
-    out["phase_over_truth_to_idle"] = busy["burst"] / to_idle
-    cut = cut_phase_truth(burst, null, busy["null"] if null_work is None else null_work)
-    if cut is None:
-        return {**out, "truth_method": "spans to deep idle", "true_phase_j": to_idle, "phase_over_truth": out["phase_over_truth_to_idle"]}
-    out.update(truth_method="cut in the post-request hold", cut=cut, true_phase_j=cut.get("true_phase_j"))
-    out["phase_over_truth"] = busy["burst"] / cut["true_phase_j"] if cut.get("true_phase_j") else None
-    return out
+    return {**out, "true_phase_to_idle_j": to_idle, "phase_over_truth_to_idle": busy["burst"] / to_idle}
 
 
 def cut_phase_truth(burst: dict, null: dict, null_work_j: float) -> dict | None:
@@ -597,7 +612,8 @@ def check_args(ns: argparse.Namespace, order: list[str]) -> str | None:
         return "--order: the ablation arm needs --defaults-settings (the settings it runs with)"
     if bad := [x for x in (ns.segments + "," + ns.segments_last).split(",") if x and x not in SEGMENTS]:
         return f"--segments: unknown segment {bad[0]!r} ({', '.join(SEGMENTS)})"
-    if not END_POWER_S < ns.burst_cut_s < ns.burst_span_s - BURST_LEAD_S:
+    bursts = "bursts" in (ns.segments + "," + ns.segments_last).split(",")
+    if bursts and not END_POWER_S < ns.burst_cut_s < ns.burst_span_s - BURST_LEAD_S:
         # The cut needs its end-power stretch, and must end inside the span (whose counter rows it reads).
         return f"--burst-cut-s: {ns.burst_cut_s:g} must lie between {END_POWER_S:g} and --burst-span-s less {BURST_LEAD_S:g} s"
     try:

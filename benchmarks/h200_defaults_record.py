@@ -317,7 +317,7 @@ def bursts_block(raws: list[dict]) -> list[dict]:
         to_idle = [x["phase_over_truth_to_idle"] for x in pairs if x.get("phase_over_truth_to_idle") is not None]
         o["phase_over_truth_to_idle"] = spread_plain(to_idle)
         o["plugin_phase_j"] = spread_plain([x["plugin_phase_j"] for x in pairs if x.get("plugin_phase_j") is not None])
-        o["not_judged"] = [x["cut"]["note"] for x in pairs if (x.get("cut") or {}).get("note")]
+        o["not_judged"] = [n for x in pairs if (n := x.get("note") or (x.get("cut") or {}).get("note"))]
         o["phase_within_5pct"] = None if not phase else all(abs(x - 1.0) <= 0.05 for x in phase)
         out.append(o)
     return out

@@ -291,15 +291,15 @@ def merge(old: dict, new: dict) -> dict:
     out of git, so a later lease adds to the committed record this way."""
     out = dict(new)
     old_dev = (old.get("device") or {}).get("name")
-    for key in ("loads", "probes", "ablations"):
-        names = (
-            {e["name"] for k in ("loads", "probes") for e in new.get(k, [])}
-            if key != "ablations"
-            else {e["name"] for e in new.get(key, [])}
-        )
+    # A rebuilt entry replaces the old one of its name, except that a probe never replaces a load:
+    # its few pairs would drop the load's claim (the raw files behind the load stay out of git).
+    new_loads, new_probes = ({e["name"] for e in new.get(k, [])} for k in ("loads", "probes"))
+    replaced = {"loads": new_loads, "probes": new_loads | new_probes, "ablations": {e["name"] for e in new.get("ablations", [])}}
+    for key, names in replaced.items():
         kept = [{**e, "device": e.get("device") or old_dev} for e in old.get(key, []) if e["name"] not in names]
         out[key] = kept + new.get(key, [])
-    out["loads"], out["probes"] = split_probes(out["loads"] + out["probes"])
+    out["loads"], short = split_probes(out["loads"])
+    out["probes"] = out["probes"] + short
     seen = {(r.get("lease"), r.get("tag")) for r in new["runs"]}
     kept_runs = [{**r, "device": r.get("device") or old_dev} for r in old.get("runs", []) if (r.get("lease"), r.get("tag")) not in seen]
     out["runs"] = kept_runs + new["runs"]

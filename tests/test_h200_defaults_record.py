@@ -431,7 +431,32 @@ def test_the_nulls_work_is_the_median_of_the_segments_null_bookings():
 def test_a_burst_cut_outside_its_span_is_refused_with_one_line():
     from benchmarks import h200_defaults as job
 
-    assert job.check_args(job.parse_args(["--gpu", "0"]), ["defaults"]) is None
+    assert job.check_args(job.parse_args(["--gpu", "0", "--segments", "idle,bursts"]), ["defaults"]) is None
     for bad in ("0.2", "2.95", "-1"):
-        line = job.check_args(job.parse_args(["--gpu", "0", "--burst-cut-s", bad]), ["defaults"])
+        line = job.check_args(job.parse_args(["--gpu", "0", "--segments", "idle,bursts", "--burst-cut-s", bad]), ["defaults"])
         assert line is not None and line.startswith("--burst-cut-s: ") and "\n" not in line
+    # Without the bursts segment the cut is never used: a short span for other segments is fine.
+    assert job.check_args(job.parse_args(["--gpu", "0", "--segments", "reqenergy", "--burst-span-s", "1.0"]), ["defaults"]) is None
+
+
+def test_a_burst_is_judged_by_the_minimum_on_the_truth_that_judges_it():
+    """The 10 J floor applies to the truth that judges the pair: a 30 J burst whose null held its
+    clocks 0.6 s longer reads -19 J on the spans to deep idle but 30 J on the cut, and is judged;
+    a 6 J burst whose own hold ran longer reads 23 J on the spans but 6 J on the cut, and is not."""
+    from benchmarks.h200_defaults import burst_pair_figures
+
+    small = burst_pair_figures(_held_span(30.0, 0.2, 1.5), _held_span(5.0, 0.05, 2.1), 72.0)
+    assert small["true_busy_j"] < 0 and small["phase_over_truth"] == pytest.approx(1.0)
+    tiny = burst_pair_figures(_held_span(6.0, 0.2, 2.1), _held_span(5.0, 0.05, 1.5), 72.0)
+    assert tiny["true_busy_j"] >= 10.0 and tiny.get("phase_over_truth") is None and "not judged" in tiny["note"]
+
+
+def test_the_bursts_block_lists_every_pair_it_did_not_judge():
+    from benchmarks.h200_defaults_record import bursts_block
+
+    runs = [{"burst": _held_span(130.0, 0.2, 1.5), "null": _held_span(5.0, 0.05, 1.5)} for _ in range(3)]
+    runs[2]["burst"]["counter_j"] = None  # the sampler missed this span, and its cut
+    runs[2]["burst"]["cut"] = None
+    b = {"n": 3, "conc": 4, "input_len": 1900, "idle_w": 72.0, "method": "null-request control", "runs": runs}
+    (o,) = bursts_block([{"_file": "f.json", "servers": [{"label": "d0", "bursts": b}]}])
+    assert o["phase_over_truth"]["n"] == 2 and o["not_judged"] == ["a span without counter or plugin energy"]

@@ -296,3 +296,17 @@ def test_a_load_with_fewer_pairs_than_a_claim_needs_is_a_probe_not_a_load():
     assert "Probes:" in rec.markdown(r, None)
     more = rec.merge(r, rec.build([], [{**raws[0], "_file": "defaults-C.json", "lease": "LC"}]))
     assert [e["name"] for e in more["probes"]].count("c64-one-server-512-256") == 1  # a rebuilt probe replaces the old one
+
+
+def test_merging_a_one_pair_probe_keeps_the_committed_load_of_that_name():
+    """A later lease with one pair at 0.5 req/s adds a probe; the committed 6-pair load stays."""
+
+    def raw(name, lease, n):
+        servers = [s for i in range(n) for s in (_server("stock", 2 * i, 1.0), _server("defaults", 2 * i + 1, 1.1))]
+        return {"_file": name, "gpu": 0, "lease": lease, "method": {"defaults_observe": "none"}, "servers": servers}
+
+    committed = rec.build([], [raw("defaults-A.json", "L1", 6)])
+    assert [(e["name"], e["pairs"]) for e in committed["loads"]] == [("rate-0.5", 6)]
+    merged = rec.merge(committed, rec.build([], [raw("defaults-B.json", "L2", 1)]))
+    assert [(e["name"], e["pairs"]) for e in merged["loads"]] == [("rate-0.5", 6)]
+    assert [(e["name"], e["pairs"]) for e in merged["probes"]] == [("rate-0.5", 1)]
