@@ -280,6 +280,11 @@ def _overlap(a: float, b: float, lo: float, hi: float) -> float:
     return max(0.0, min(b, hi) - max(a, lo))
 
 
+def _moving_average(prev_w: float | None, w: float) -> float:
+    """The idle and rest powers' moving average: ``w`` first, then ``_IDLE_POWER_EMA`` of each new reading."""
+    return w if prev_w is None else prev_w + _IDLE_POWER_EMA * (w - prev_w)
+
+
 def _add(book: dict, key: Any, joules: float) -> None:
     book[key] = book.get(key, 0.0) + joules
 
@@ -711,10 +716,10 @@ class PhaseEnergyAccount:
         done = self._finish_requests(pieces.finished)
         if self.on_tick is not None:
             gap_s = pieces.quiet_s - pieces.idle_s
-            p_w = getattr(self.meter, "last_power_w", None)
-            p_w = p_w if isinstance(p_w, float) else None
-            rec = TickRecord(self._t, t_now, d_e, pieces.busy_s, gap_s, pieces.idle_s, idle_j, done, back_j)
-            self.on_tick(rec._replace(power_w=p_w, rest_power_w=self.rest_power_w, counter_steps=tuple(drained)))
+            self.on_tick(
+                TickRecord(self._t, t_now, d_e, pieces.busy_s, gap_s, pieces.idle_s, idle_j, done, back_j,
+                           self._instant_power_w(), self.rest_power_w, tuple(drained))
+            )  # fmt: skip
         self._t, self._e = t_now, e_now
 
     def _period_steps(self, t_now: float, d_e: float, period_s: float, spans: tuple, drained: list) -> list[_PeriodStep]:
@@ -791,12 +796,17 @@ class PhaseEnergyAccount:
         this tick's ``spans``; ``None`` where none overlaps."""
         return max((y for x, y in (*self._recent_spans(), *spans) if x < t1 and y > t0), default=None)
 
+    def _instant_power_w(self) -> float | None:
+        """The instant reading taken with the meter's last energy read (W); None where it has none."""
+        p = getattr(self.meter, "last_power_w", None)
+        return p if isinstance(p, float) and math.isfinite(p) else None
+
     def _rest_power_w(self, idle_w: float) -> float:
         """The GPU's power at rest after its work: the instant reading taken with the last energy
         read, never below the idle power (it lags the power by tens of ms,
         docs/results/h200-energy-meter.md (c): soon after the work it reads high)."""
-        p = getattr(self.meter, "last_power_w", None)
-        return max(idle_w, p) if isinstance(p, float) and math.isfinite(p) else idle_w
+        p = self._instant_power_w()
+        return idle_w if p is None else max(idle_w, p)
 
     def _hold_rest(self, p: _PeriodStep, split: _SpanSplit | _RestExcess) -> None:
         """Keep what the steps of ``p`` hold, for :meth:`_settle_rest`."""
@@ -831,8 +841,7 @@ class PhaseEnergyAccount:
                 if any(y > end for _, y in spans):
                     self._holds.remove(h)
                 continue
-            prev = self.rest_power_w
-            self.rest_power_w = rest_w if prev is None else prev + _IDLE_POWER_EMA * (rest_w - prev)
+            self.rest_power_w = _moving_average(self.rest_power_w, rest_w)
             self._holds.remove(h)
             if rest_w >= h.rest_w:
                 continue
@@ -916,7 +925,7 @@ class PhaseEnergyAccount:
             if busy_s == 0 and gap_s <= 0 and idle_s >= _IDLE_POWER_MIN_S and span_s > 0:
                 # An interval of idle only: the counter's idle power, for the edges of later intervals.
                 w = d_e / idle_s
-                self.idle_power_w = w if idle_w is None else idle_w + _IDLE_POWER_EMA * (w - idle_w)
+                self.idle_power_w = _moving_average(idle_w, w)
             elif busy_s == 0 and gap_s > 0 and idle_s > 0 and priced_s == quiet_s and idle_w is not None:
                 return self._gap_then_rest_rates(d_e, gap_s, idle_s, idle_w)
         else:  # only gaps, on a meter that does not price them: whatever it reports is theirs
