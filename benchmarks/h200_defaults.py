@@ -118,14 +118,25 @@ def snap_between(m0: SnapMark, m1: SnapMark) -> dict | None:
     return None if e0 is None or e1 is None else {k: e1[k] - e0.get(k, 0.0) for k in e1}
 
 
+def busy_j(phases_j: dict[str, float]) -> float:
+    """The plugin's non-idle joules among a span's phase joules."""
+    return sum(v for p, v in phases_j.items() if p != "idle")
+
+
 def null_work_j(runs: list[dict]) -> float | None:
     """The null request's own work: the median of the plugin's busy joules over the segment's null
     spans (the same 8-token request each time). One null's booking can hold a counter jump booked
     back onto its step (17.9 J against 2.4-5.1 J on the H100, docs/results/h200-request-energy.md)."""
-    js = [
-        sum(v for p, v in x["null"]["plugin_phases_j"].items() if p != "idle") for x in runs if (x.get("null") or {}).get("plugin_phases_j")
-    ]
+    js = [busy_j(x["null"]["plugin_phases_j"]) for x in runs if (x.get("null") or {}).get("plugin_phases_j")]
     return statistics.median(js) if js else None
+
+
+def judge_bursts(runs: list[dict], idle_w: float | None) -> list[dict]:
+    """Each ``{order, burst, null}`` run's :func:`burst_pair_figures` (figures computed before, as
+    an older raw file holds, are not carried over), the null's work at the segment's median null
+    booking (:func:`null_work_j`)."""
+    work = null_work_j(runs)
+    return [{"order": x.get("order"), **burst_pair_figures(x["burst"], x["null"], idle_w, work)} for x in runs]
 
 
 def burst_pair_figures(burst: dict, null: dict, idle_w: float | None, null_work: float | None = None) -> dict:
@@ -139,7 +150,7 @@ def burst_pair_figures(burst: dict, null: dict, idle_w: float | None, null_work:
     out["phase_over_truth"] = None
     if burst["plugin_phases_j"] is None or null["plugin_phases_j"] is None:
         return {**out, "note": "a span without counter or plugin energy"}
-    busy = {k: sum(v for p, v in x["plugin_phases_j"].items() if p != "idle") for k, x in (("burst", burst), ("null", null))}
+    busy = {k: busy_j(x["plugin_phases_j"]) for k, x in (("burst", burst), ("null", null))}
     out.update(plugin_phase_j=busy["burst"], null_plugin_busy_j=busy["null"], **spans_truth(burst, null, idle_w, busy))
     cut = cut_phase_truth(burst, null, busy["null"] if null_work is None else null_work)
     if cut is not None:
@@ -362,8 +373,7 @@ class Server:
             order = ("null", "burst") if i % 2 == 0 else ("burst", "null")
             spans = {kind: self._burst_span(kind, BURST_SEED + i) for kind in order}
             runs.append({"order": list(order), **spans})
-        work = null_work_j(runs)
-        runs = [{"order": x["order"], **burst_pair_figures(x["burst"], x["null"], idle_w, work)} for x in runs]
+        runs = judge_bursts(runs, idle_w)
         m, _ = load.scrape(self.port)
         cross = {k: v for k, v in m.items() if k.startswith("powersave_energy_crosscheck")}
         ratios = sorted(r["busy_over_truth"] for r in runs if r.get("busy_over_truth") is not None)
@@ -610,10 +620,10 @@ def check_args(ns: argparse.Namespace, order: list[str]) -> str | None:
         return f"--order: unknown arm {bad[0]!r} ({', '.join(ARMS)})"
     if "ablation" in order and not ns.defaults_settings:
         return "--order: the ablation arm needs --defaults-settings (the settings it runs with)"
-    if bad := [x for x in (ns.segments + "," + ns.segments_last).split(",") if x and x not in SEGMENTS]:
+    segments = (ns.segments + "," + ns.segments_last).split(",")
+    if bad := [x for x in segments if x and x not in SEGMENTS]:
         return f"--segments: unknown segment {bad[0]!r} ({', '.join(SEGMENTS)})"
-    bursts = "bursts" in (ns.segments + "," + ns.segments_last).split(",")
-    if bursts and not END_POWER_S < ns.burst_cut_s < ns.burst_span_s - BURST_LEAD_S:
+    if "bursts" in segments and not END_POWER_S < ns.burst_cut_s < ns.burst_span_s - BURST_LEAD_S:
         # The cut needs its end-power stretch, and must end inside the span (whose counter rows it reads).
         return f"--burst-cut-s: {ns.burst_cut_s:g} must lie between {END_POWER_S:g} and --burst-span-s less {BURST_LEAD_S:g} s"
     try:

@@ -25,7 +25,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from benchmarks.h200_defaults import burst_pair_figures, null_work_j
+from benchmarks.h200_defaults import judge_bursts
 from benchmarks.lib.cli import one_line_errors
 from benchmarks.lib.device import write_record
 from benchmarks.lib.stats import mean_ci
@@ -307,9 +307,7 @@ def bursts_block(raws: list[dict]) -> list[dict]:
         if b.get("lease") or raw.get("_lease"):
             o["lease"] = b.get("lease") or raw["_lease"]
         # The phase-energy truth (burst_pair_figures): recomputed from the spans, so older raw files get it too.
-        runs = [x for x in b["runs"] if "burst" in x and "null" in x]
-        work = null_work_j(runs)
-        pairs = [burst_pair_figures(x["burst"], x["null"], b.get("idle_w"), work) for x in runs]
+        pairs = judge_bursts([x for x in b["runs"] if "burst" in x and "null" in x], b.get("idle_w"))
         phase = [x["phase_over_truth"] for x in pairs if x.get("phase_over_truth") is not None]
         o["truth_method"] = sorted({x["truth_method"] for x in pairs if x.get("truth_method")})
         o["phase_over_truth"] = spread_plain(phase)
