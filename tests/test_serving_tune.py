@@ -222,6 +222,8 @@ def test_the_budget_leaves_room_for_the_final_pairs():
     b = Budget(total_s=450.0, spent_before_s=100.0)  # 100 s went to an earlier run of the search
     assert b.allows(100.0, cost.pairs_s(3, 30.0)) is False and b.allows(10.0, 300.0) is True
     assert b.pairs_that_fit(3, 30.0, cost) == 2 and Budget(1.0).pairs_that_fit(3, 30.0, cost) == 1
+    # a resumed search prices only the pairs it still has to measure (2 done: the third costs 140 s)
+    assert b.pairs_that_fit(3, 30.0, cost, done=2) == 3 and Budget(1.0).pairs_that_fit(3, 30.0, cost, done=2) == 2
 
 
 # --- state -----------------------------------------------------------------------------------------
@@ -344,6 +346,19 @@ def test_a_stopped_search_resumes_without_measuring_anything_again(tmp_path, fak
     assert len(steps) == len(set(steps)) == 2 + 4
     fake.calls = []
     assert ts_run.execute(_opts(tmp_path, [2, 8])) == 0 and fake.calls == []  # all done: nothing measured again
+
+
+def test_a_resumed_search_prices_the_final_pairs_at_the_server_starts_it_measured(tmp_path, fake):
+    # A resume that forgot the measured starts priced each at the 60 s (CPU) or 120 s (GPU) guess and
+    # cut the final pairs from 3 to 2 in a budget that held 3 (docs/results/h200-tune-serving.md).
+    assert ts_run.execute(_opts(tmp_path, [2, 8], stop_after=2)) == ts_run.EXIT_STOPPED
+    s = ts_run.Session(_opts(tmp_path, [2, 8], budget_s=200.0))  # 3 pairs at the guessed 60 s starts: 312 s
+    try:
+        assert s.start(6) == 2
+        assert s.cost.start_s < 5.0  # the fake's servers start at once
+        assert s.budget.pairs_that_fit(3, 2.0, s.cost) == 3
+    finally:
+        s.close()
 
 
 def test_an_unmeetable_slo_ends_with_the_closest_configuration_and_its_miss(tmp_path, fake, capsys):

@@ -93,6 +93,8 @@ class Session:
             print(f"[tune-serving] stopped vllm serve process group {group}, left running by a killed earlier run", flush=True)
         found = self.state.open()
         self.budget = Budget(self.opts.budget_s, self.state.spent_s())
+        for m in self.state.measurements.values():  # a resumed search prices what is left at the starts it saw
+            self._learn(m.wall_s, m.window_s, m.restarted)
         if self.opts.progress:
             from tqdm import tqdm
 
@@ -264,7 +266,7 @@ def _note_best(s: Session, scored: list[Scored]) -> None:
 def run_pairs(s: Session, winner: Config, window_s: float) -> list[dict[str, Measurement]]:
     """ABBA pairs of ``winner`` against vLLM's defaults (pair 1 winner first, pair 2 defaults first, ...)."""
     done = {m.pair for m in s.state.measurements.values() if m.phase == "final"}
-    n = max(len(done), s.budget.pairs_that_fit(s.opts.pairs, window_s, s.cost))
+    n = s.budget.pairs_that_fit(s.opts.pairs, window_s, s.cost, done=len(done))
     arms = {"winner": winner, "defaults": Config()}
     pairs = []
     for i in range(1, n + 1):

@@ -106,9 +106,10 @@ class Budget:
         """Whether a step of ``cost_s`` still leaves ``reserve_s`` (the final pairs) in the budget."""
         return cost_s + reserve_s <= self.left_s()
 
-    def pairs_that_fit(self, wanted: int, window_s: float, cost: CostModel) -> int:
-        """The most final pairs (at least 1, at most ``wanted``) that fit in what is left."""
-        n = wanted
-        while n > 1 and cost.pairs_s(n, window_s) > self.left_s():
+    def pairs_that_fit(self, wanted: int, window_s: float, cost: CostModel, done: int = 0) -> int:
+        """The most final pairs (at least 1 and ``done``, at most ``wanted``) whose pairs still to
+        measure, beyond the ``done`` ones a resumed search has, fit in what is left."""
+        n = max(wanted, done)
+        while n > max(1, done) and cost.pairs_s(n - done, window_s) > self.left_s():
             n -= 1
         return n
