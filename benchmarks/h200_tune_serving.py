@@ -40,7 +40,7 @@ import sys
 import time
 from pathlib import Path
 
-from .lib.device import log, make_model, require_dry_run, utc_now, write_json_atomic
+from .lib.device import gpu_name, log, make_model, require_dry_run, utc_now, write_json_atomic
 from .lib.serve import NO_MULTICAST, SERVER_ENV
 
 #: The loads: tune-serving's traffic and SLO flags, and the space searched (YAML written per load).
@@ -98,13 +98,18 @@ def write_space(load: str, path: Path) -> Path:
     return path
 
 
-def resume(from_dir: Path | None, out: Path) -> int:
-    """Copy an earlier call's ``state.jsonl`` into ``out``; the lines it holds (0: a fresh search)."""
+def resume(from_dir: Path | None, out: Path, gpu: str) -> int:
+    """Copy an earlier call's ``state.jsonl`` into ``out``; the lines it holds (0: a fresh search).
+    A search measured on another kind of GPU is refused: its windows and these would not compare."""
     if from_dir is None:
         return 0
     src = from_dir / "state.jsonl"
     if not src.is_file():
         raise SystemExit(f"error: --resume-from {from_dir}: no state.jsonl there")
+    calls = json.loads((from_dir / "calls.json").read_text()) if (from_dir / "calls.json").is_file() else []
+    other = sorted({c["gpu"] for c in calls if c.get("gpu") and c["gpu"] != gpu})
+    if other:
+        raise SystemExit(f"error: --resume-from {from_dir}: its windows ran on {other[0]}, this GPU is {gpu}")
     out.mkdir(parents=True, exist_ok=True)
     for name in ("state.jsonl", "calls.json"):  # the finished windows, and the earlier calls' wall times
         if (from_dir / name).is_file() and (from_dir / name).resolve() != (out / name).resolve():
@@ -149,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     require_dry_run()  # first: nothing may touch a GPU before this
     ns = parse_args(argv)
     out = Path(ns.out) / f"ts-{ns.load}"
-    found = resume(ns.resume_from, out)
+    gpu = gpu_name()
+    found = resume(ns.resume_from, out, gpu)
     model = make_model(ns.shape, Path(ns.shapes_dir), Path(ns.tok_dir))
     space = write_space(ns.load, out / "space.yaml")
     site = ":".join(p for p in (ns.plugin_site, ns.stock_site) if p)
@@ -162,7 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     rc = run_call(cmd, env, ns.call_budget_s, out / "tune-serving.log")
     calls = out / "calls.json"
     prior = json.loads(calls.read_text()) if calls.exists() else []
-    prior.append({"load": ns.load, "started_utc": utc_now(), "wall_s": round(time.monotonic() - t0, 1), "exit": rc, "shape": ns.shape})
+    prior.append(
+        {"load": ns.load, "started_utc": utc_now(), "wall_s": round(time.monotonic() - t0, 1), "exit": rc, "shape": ns.shape, "gpu": gpu}
+    )
     write_json_atomic(calls, prior, indent=1)
     log(
         f"{ns.load}: tune-serving exit {rc} ({'done' if rc == 0 else 'rerun with --resume-from ' + str(out) if rc == 3 else 'see the log'})"

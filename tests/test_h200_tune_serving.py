@@ -42,11 +42,22 @@ def test_a_later_call_resumes_from_the_earlier_calls_state(tmp_path):
     earlier.mkdir()
     (earlier / "state.jsonl").write_text('{"kind": "header"}\n{"kind": "measurement"}\n')
     (earlier / "calls.json").write_text("[]")
-    assert job.resume(earlier, tmp_path / "call2") == 2
+    assert job.resume(earlier, tmp_path / "call2", "NVIDIA H200") == 2
     assert (tmp_path / "call2" / "state.jsonl").read_text() == (earlier / "state.jsonl").read_text()
-    assert job.resume(None, tmp_path / "x") == 0
+    assert job.resume(None, tmp_path / "x", "NVIDIA H200") == 0
     with pytest.raises(SystemExit, match="no state.jsonl"):
-        job.resume(tmp_path / "nothing", tmp_path / "y")
+        job.resume(tmp_path / "nothing", tmp_path / "y", "NVIDIA H200")
+
+
+def test_a_search_measured_on_another_kind_of_gpu_is_not_resumed(tmp_path):
+    earlier = tmp_path / "call1"
+    earlier.mkdir()
+    (earlier / "state.jsonl").write_text('{"kind": "header"}\n')
+    (earlier / "calls.json").write_text(json.dumps([{"load": "c128", "gpu": "NVIDIA H100 80GB HBM3"}]))
+    with pytest.raises(SystemExit, match="ran on NVIDIA H100 80GB HBM3, this GPU is NVIDIA H200"):
+        job.resume(earlier, tmp_path / "call2", "NVIDIA H200")
+    assert not (tmp_path / "call2").exists()  # nothing copied
+    assert job.resume(earlier, tmp_path / "call3", "NVIDIA H100 80GB HBM3") == 1
 
 
 def _ts(ratio, att_w, att_d, wall_s, pairs=3):
