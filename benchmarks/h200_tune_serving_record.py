@@ -27,9 +27,25 @@ KEEP_FROM = "## Reading"
 #: The issue's goal per load.
 GOAL_RATIO = 1.10
 GOAL_MIN = 20.0
+#: How the goal column names each part of the goal a finished search missed (or could not judge).
+MISSED = {
+    "tok_per_j_ratio_ge_1_10": f"tok/J below x{GOAL_RATIO:.2f}",
+    "slo_attainment_not_worse": "SLO attainment worse",
+    "tuning_within_20_min": f"tuning over {GOAL_MIN:g} min",
+    "three_pairs": "fewer than 3 pairs",
+    "on_the_h200": "not on the H200",
+}
 
 
-def load_entry(load: str, ts: dict[str, Any], calls: list[dict[str, Any]]) -> dict[str, Any]:
+def device_of(calls: list[dict[str, Any]], fallback: str) -> str:
+    """The GPU a load's calls ran on (``calls.json`` names it since calls could land on another kind
+    than asked); ``fallback`` for calls that predate the field. A resume across kinds is refused by
+    the job, so more than one name here is a hand-assembled directory, said as such."""
+    names = sorted({c["gpu"] for c in calls if c.get("gpu")})
+    return fallback if not names else names[0] if len(names) == 1 else "mixed: " + ", ".join(names)
+
+
+def load_entry(load: str, ts: dict[str, Any], calls: list[dict[str, Any]], device: str) -> dict[str, Any]:
     """One load: the issue's fields from a ``tune-serving.json`` and the device calls it took."""
     final = ts.get("final") or {}
     att = final.get("slo_attainment") or {}
@@ -38,6 +54,7 @@ def load_entry(load: str, ts: dict[str, Any], calls: list[dict[str, Any]]) -> di
     w_att, d_att = (att.get("winner") or {}).get("mean"), (att.get("defaults") or {}).get("mean")
     return {
         "load": load,
+        "device": device,
         "traffic": ts["traffic"]["description"],
         "slo": ts["slo"]["description"],
         "status": ts["status"],
@@ -74,15 +91,17 @@ def load_entry(load: str, ts: dict[str, Any], calls: list[dict[str, Any]]) -> di
             "slo_attainment_not_worse": None if w_att is None or d_att is None else w_att >= d_att,
             "tuning_within_20_min": None if wall_s is None else wall_s <= GOAL_MIN * 60,
             "three_pairs": final.get("pairs", 0) >= 3,
+            "on_the_h200": "H200" in device,
         },
     }
 
 
-def _verdict(status: str, goal: bool) -> str:
-    """The goal column: met or not for a finished search, pending for one a resume continues
-    (``stopped``), and no, with why, for one that ended otherwise (``slo_unmet`` is final)."""
+def _verdict(status: str, goal: dict[str, bool | None]) -> str:
+    """The goal column: met, or no with the parts missed, for a finished search; pending for one a
+    resume continues (``stopped``); no, with why, for one that ended otherwise (``slo_unmet`` is final)."""
     if status == "done":
-        return "yes" if goal else "no"
+        missed = [k for k, v in goal.items() if not v]
+        return "yes" if not missed else "no: " + ", ".join(MISSED.get(k, k) for k in missed)
     return "pending (stopped: resume with --resume-from)" if status == "stopped" else f"no ({status})"
 
 
@@ -95,13 +114,14 @@ def build(loads: dict[str, Path], device: str) -> tuple[dict[str, Any], dict[str
     raw = {k: json.loads((d / "tune-serving.json").read_text()) for k, d in loads.items()}
     calls = {k: json.loads((d / "calls.json").read_text()) if (d / "calls.json").exists() else [] for k, d in loads.items()}
     labels = sorted({r["energy_label"] for r in raw.values()})
+    devices = {k: device_of(calls[k], device) for k in loads}
     rec = {
         "name": NAME,
         "issue": 32,
-        "device": device,
+        "device": next(iter(set(devices.values()))) if len(set(devices.values())) == 1 else "per load (see each load)",
         "energy": labels[0] if len(labels) == 1 else "mixed: " + ", ".join(labels),
         "what": "vllm-powersave tune-serving per load: the winner vs vLLM's defaults in ABBA pairs (tok_per_j_ratio = winner / defaults)",
-        "loads": [load_entry(k, raw[k], calls[k]) for k in loads],
+        "loads": [load_entry(k, raw[k], calls[k], devices[k]) for k in loads],
     }
     return rec, raw
 
@@ -120,17 +140,16 @@ def markdown(rec: dict[str, Any]) -> str:
         f"Device: {rec['device']}. {rec['what']}. Made by `benchmarks/h200_tune_serving.py`; "
         f"goal ≥ ×{GOAL_RATIO:.2f} tokens per joule at equal or better SLO attainment, ≤ {GOAL_MIN:g} min of tuning per load.",
         "",
-        "| load | SLO | winner | pairs | tok/J ratio (95 % CI) | SLO attainment winner / defaults | tuning wall time | goal met |",
-        "|---|---|---|---|---|---|---|---|",
+        "| load | device | SLO | winner | pairs | tok/J ratio (95 % CI) | SLO attainment winner / defaults | tuning wall time | goal met |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for e in rec["loads"]:
         a = e["slo_attainment"]
-        goal = all(v for v in e["goal"].values() if v is not None) and None not in e["goal"].values()
-        verdict = _verdict(e["status"], goal)
+        verdict = _verdict(e["status"], e["goal"])
         winner = "none" if e["winner"] is None else f"best so far: `{e['winner']}`" if e["status"] == "stopped" else f"`{e['winner']}`"
         wall = "n/a" if e["tuning_wall_time_s"] is None else f"{e['tuning_wall_time_s'] / 60:.1f} min ({e['device_calls']} calls)"
         lines.append(
-            f"| {e['traffic']} | {e['slo']} | {winner} | {e['pairs']} | {_mci(e['tok_per_j_ratio'])} ({e['energy']}) | "
+            f"| {e['traffic']} | {e['device']} | {e['slo']} | {winner} | {e['pairs']} | {_mci(e['tok_per_j_ratio'])} ({e['energy']}) | "
             f"{_mci(a['winner'])} / {_mci(a['defaults'])} | {wall} | {verdict} |"
         )
     lines += [""]
@@ -185,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--load", action="append", required=True, help="LOAD=DIR (a ts-<load> directory), repeatable")
     ap.add_argument("--out-dir", default="docs/results")
-    ap.add_argument("--device", default="NVIDIA H200")
+    ap.add_argument("--device", default="NVIDIA H200", help="the GPU of loads whose calls.json does not name one")
     ns = ap.parse_args(argv)
     bad = [x for x in ns.load if "=" not in x or not x.split("=", 1)[0]]
     if bad:

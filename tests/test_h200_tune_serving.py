@@ -82,24 +82,30 @@ def test_the_record_has_the_issues_fields_per_load_and_judges_the_goal(tmp_path)
     for load, ts in (("rate4", _ts(1.12, 1.0, 0.99, 1100.0)), ("c128", _ts(1.05, 0.98, 0.99, 1300.0, pairs=2))):
         (tmp_path / load).mkdir()
         (tmp_path / load / "tune-serving.json").write_text(json.dumps(ts))
-        (tmp_path / load / "calls.json").write_text(json.dumps([{"wall_s": 500}, {"wall_s": 600}]))
+        gpu = {} if load == "rate4" else {"gpu": "NVIDIA H100 80GB HBM3"}  # rate4's calls predate the field
+        (tmp_path / load / "calls.json").write_text(json.dumps([{"wall_s": 500} | gpu, {"wall_s": 600} | gpu]))
     r, raw = rec.build({"rate4": tmp_path / "rate4", "c128": tmp_path / "c128"}, "NVIDIA H200")
     a, b = r["loads"]
     assert r["energy"] == "measured" and a["tok_per_j_ratio"]["mean"] == 1.12 and a["device_calls"] == 2
+    assert (a["device"], b["device"], r["device"]) == ("NVIDIA H200", "NVIDIA H100 80GB HBM3", "per load (see each load)")
     assert a["goal"] == {
         "tok_per_j_ratio_ge_1_10": True,
         "slo_attainment_not_worse": True,
         "tuning_within_20_min": True,
         "three_pairs": True,
+        "on_the_h200": True,
     }
     assert b["goal"] == {
         "tok_per_j_ratio_ge_1_10": False,
         "slo_attainment_not_worse": False,
         "tuning_within_20_min": False,
         "three_pairs": False,
+        "on_the_h200": False,
     }
     md = rec.markdown(r)
-    assert "| 1.120 (1.100–1.140) (measured) |" in md and md.count("| yes |") == 1 and md.count("| no |") == 1
+    assert "| 1.120 (1.100–1.140) (measured) |" in md and md.count("| yes |") == 1
+    assert ("| no: tok/J below x1.10, SLO attainment worse, tuning over 20 min, fewer than 3 pairs, not on the H200 |") in md
+    assert "| NVIDIA H100 80GB HBM3 |" in md
     assert rec.plot(raw, tmp_path / "p.png") and (tmp_path / "p.png").stat().st_size > 0
 
 
