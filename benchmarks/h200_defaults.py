@@ -131,6 +131,17 @@ def null_work_j(runs: list[dict]) -> float | None:
     return statistics.median(js) if js else None
 
 
+def bursts_line(runs: list[dict]) -> str:
+    """The job's log line on a bursts segment: the judged ratios (``phase_over_truth``, what the
+    record judges), and how many pairs were not judged."""
+    judged = sorted(r["phase_over_truth"] for r in runs if r.get("phase_over_truth") is not None)
+    inside = sum(abs(x - 1.0) <= 0.05 for x in judged)
+    return (
+        f"bursts: phase booking / truth {[round(x, 3) for x in judged]} ({inside} of {len(judged)} within 5 %), "
+        f"{len(runs) - len(judged)} not judged"
+    )
+
+
 def judge_bursts(runs: list[dict], idle_w: float | None) -> list[dict]:
     """Each ``{order, burst, null}`` run's :func:`burst_pair_figures` (figures computed before, as
     an older raw file holds, are not carried over), the null's work at the segment's median null
@@ -376,8 +387,7 @@ class Server:
         runs = judge_bursts(runs, idle_w)
         m, _ = load.scrape(self.port)
         cross = {k: v for k, v in m.items() if k.startswith("powersave_energy_crosscheck")}
-        ratios = sorted(r["busy_over_truth"] for r in runs if r.get("busy_over_truth") is not None)
-        log(f"[{self.label}] bursts: busy / truth {[round(x, 3) for x in ratios]}, cross-check {cross}")
+        log(f"[{self.label}] {bursts_line(runs)}, cross-check {cross}")
         out = {"n": ns.burst_n, "conc": ns.burst_conc, "input_len": ns.burst_in, "idle_w": idle_w, "span_s": ns.burst_span_s}
         out["cut_s"] = BURST_LEAD_S + ns.burst_cut_s
         return {**out, "method": "null-request control", "runs": runs, "crosscheck": cross}

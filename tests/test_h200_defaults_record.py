@@ -460,3 +460,12 @@ def test_the_bursts_block_lists_every_pair_it_did_not_judge():
     b = {"n": 3, "conc": 4, "input_len": 1900, "idle_w": 72.0, "method": "null-request control", "runs": runs}
     (o,) = bursts_block([{"_file": "f.json", "servers": [{"label": "d0", "bursts": b}]}])
     assert o["phase_over_truth"]["n"] == 2 and o["not_judged"] == ["a span without counter or plugin energy"]
+
+
+def test_the_bursts_log_line_prints_the_judged_ratios_and_the_pairs_not_judged():
+    from benchmarks.h200_defaults import bursts_line
+
+    runs = [{"phase_over_truth": 1.067, "busy_over_truth": 1.32}, {"phase_over_truth": 0.99, "busy_over_truth": 0.83}]
+    runs.append({"phase_over_truth": None, "busy_over_truth": 1.2, "note": "different power states"})
+    line = bursts_line(runs)
+    assert "[0.99, 1.067] (1 of 2 within 5 %)" in line and "1 not judged" in line and "1.32" not in line
