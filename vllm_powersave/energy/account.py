@@ -64,7 +64,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from ..settings import PHASES
-from .meters import CounterStep, EnergyMeter
+from .meters import CounterStep, EnergyMeter, LoadHint
 from .request_cost import RequestCostModel, step_weights
 
 #: An interval of idle only this long or longer updates the idle power estimate (s).
@@ -73,6 +73,10 @@ _IDLE_POWER_MIN_S = 0.02
 _IDLE_POWER_EMA = 0.3
 #: Rest holds kept for the counter to settle (:class:`_RestHold`); a burst leaves one or two.
 _REST_HOLDS_MAX = 8
+#: Seconds after work that the meter's extension prices at the learnt rest power: inside the
+#: 1.5-2.1 s the H100 held ~121 W after any request (docs/results/h200-request-energy.md), and
+#: past the counter period and a late tick that can hold the work's last sliver.
+REST_PRICE_S = 0.5
 
 
 class TickRecord(NamedTuple):
@@ -657,7 +661,11 @@ class PhaseEnergyAccount:
         # vLLM reported drained at the tick has ended (the walk rests from there).
         running = walk.phase != "idle"
         spans.extend((a, math.inf if running and b >= t_now else b) for a, b in walk.spans)
-        hint(spans, self.idle_power_w)
+        if self.idle_power_w is None:
+            hint(None)
+            return
+        rest_w = max(self.idle_power_w, self.rest_power_w) if self.rest_power_w is not None else None
+        hint(LoadHint(tuple(spans), self.idle_power_w, rest_w, REST_PRICE_S))
 
     def _stop_attribution(self, pieces: TickPieces, t_now: float, state: _Cursor) -> None:
         """The meter became unavailable (a fault): nothing more is attributed; requests that finish

@@ -87,6 +87,54 @@ class _Bracket(NamedTuple):
         return self.hi_s - self.lo_s
 
 
+def _merged_overlap_s(spans: list[tuple[float, float]], t0: float, t1: float) -> float:
+    """Seconds of ``[t0, t1]`` that the union of ``spans`` covers."""
+    cut = sorted((max(a, t0), min(b, t1)) for a, b in spans if b > t0 and a < t1)
+    total, end = 0.0, t0
+    for a, b in cut:
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+class LoadHint(NamedTuple):
+    """What the account tells a meter before a read (:meth:`EnergyMeter.hint_load`): when work ran
+    (``end`` inf: it runs now), the GPU's power without work, and its power at rest just after
+    work (``rest_w`` for ``rest_s`` after each span's end; ``None``: no rest price)."""
+
+    busy_spans: tuple[tuple[float, float], ...]
+    quiet_w: float
+    rest_w: float | None = None
+    rest_s: float = 0.0
+
+    @property
+    def busy_now(self) -> bool:
+        return any(b == math.inf for _, b in self.busy_spans)
+
+    def busy_s(self, t0: float, t1: float) -> float:
+        return _merged_overlap_s(list(self.busy_spans), t0, t1)
+
+    def quiet_j(self, t0: float, t1: float) -> float:
+        """Joules of ``[t0, t1]`` without work: at ``rest_w`` within ``rest_s`` of a span's end,
+        else at ``quiet_w``."""
+        busy = list(self.busy_spans)
+        quiet_s = (t1 - t0) - _merged_overlap_s(busy, t0, t1)
+        if self.rest_w is None or self.rest_s <= 0:
+            return quiet_s * self.quiet_w
+        windows = [(b, b + self.rest_s) for _, b in busy if math.isfinite(b)]
+        rest_s = _merged_overlap_s(windows, t0, t1) - _merged_overlap_s(
+            [(max(a, w0), min(b, w1)) for a, b in busy for w0, w1 in windows if min(b, w1) > max(a, w0)], t0, t1
+        )
+        rest_s = min(quiet_s, max(0.0, rest_s))
+        return rest_s * self.rest_w + (quiet_s - rest_s) * self.quiet_w
+
+    def quiet_w_at(self, t: float) -> float:
+        """The quiet power at ``t`` (the rate a read extends the counter with where no work runs)."""
+        after_work = self.rest_w is not None and any(b <= t < b + self.rest_s for _, b in self.busy_spans if math.isfinite(b))
+        return self.rest_w if after_work else self.quiet_w  # type: ignore[return-value]
+
+
 class EnergyMeter(ABC):
     """Cumulative energy of one GPU since the meter was created."""
 
@@ -127,11 +175,10 @@ class EnergyMeter(ABC):
     def on_idle(self, seconds: float) -> None:  # noqa: B027 - optional hook
         """Told that the engine was idle for ``seconds``; only a simulated meter needs this."""
 
-    def hint_load(self, busy_spans: list[tuple[float, float]], quiet_w: float | None) -> None:  # noqa: B027 - optional hook
-        """Told, before a read, when work ran on the GPU lately: ``(start, end)`` spans (the
-        meter's clock; ``end`` inf: work runs now), and what the GPU draws
-        without work (W; ``None``: unknown). Only a meter that extends a stepping counter between
-        its steps needs this."""
+    def hint_load(self, hint: LoadHint | None) -> None:  # noqa: B027 - optional hook
+        """Told, before a read, when work ran on the GPU lately and what it draws without work
+        (:class:`LoadHint`; ``None``: unknown). Only a meter that extends a stepping counter
+        between its steps needs this."""
 
     def idle_power_w(self) -> float | None:
         """The GPU's idle power (W) where the meter knows it without measuring; ``None`` for a
@@ -308,7 +355,7 @@ class NvmlEnergyMeter(EnergyMeter):
         self._t_power = -1.0
         self._step_avg_w: float | None = None  # the counter's last step: its energy / its period
         self._limit_w = self._read_limit_w()
-        self._load: tuple[list[tuple[float, float]], float] | None = None  # hint_load's, for the next read
+        self._load: LoadHint | None = None  # hint_load's, for the next read
         self._offset_j = 0.0
         self._offset_j = self._estimate_j(self._t_read, self._read_power())
         self._reported = 0.0
@@ -364,9 +411,13 @@ class NvmlEnergyMeter(EnergyMeter):
         # measured, not at the last step's or the instant power, which lags the load by tens of
         # ms (docs/results/h200-energy-meter.md (c)): a burst starting or ending inside the
         # counter's period would otherwise spread its power over the idle beside it.
+        # Just after work the GPU rests above its idle power for a while (its clocks fall back, the
+        # perf boost releases: 121 W against 70 W for 1.5-2.1 s on the H100,
+        # docs/results/h200-request-energy.md); extended at idle there, the counter's next step
+        # corrected it with a positive jump that the period's last sliver of work took.
         t_u = t - since
-        busy_s = min(since, sum(max(0.0, min(b, t) - max(a, t_u)) for a, b in load[0]))
-        return (self._acc_mj / 1000.0 + busy_s * self._rate(p) + (since - busy_s) * load[1]) - self._offset_j
+        busy_s = min(since, load.busy_s(t_u, t))
+        return (self._acc_mj / 1000.0 + busy_s * self._rate(p) + load.quiet_j(t_u, t)) - self._offset_j
 
     def _interp_power_w(self, p: float) -> float:
         """The power to extend the counter's last step with: the average of that step, unless the
@@ -560,8 +611,8 @@ class NvmlEnergyMeter(EnergyMeter):
                 span = (self._t_u_out, c_j - self._c_out_j, self._t_out, before - self._c_out_j)
                 self._counter_steps.append(CounterStep(t_u, self._reported - predicted, *span))
             load, self._load = self._load, None
-            busy_now = load is None or any(b == math.inf for _, b in load[0])
-            self._t_out, self._rate_w = t, self._rate(p) if busy_now else load[1]  # type: ignore[index]
+            busy_now = load is None or load.busy_now
+            self._t_out, self._rate_w = t, self._rate(p) if busy_now else load.quiet_w_at(t)  # type: ignore[union-attr]
             self._c_out_j, self._t_u_out = c_j, t_u
             self._last_read = (t, self._reported, p)
             return self._reported
@@ -583,10 +634,12 @@ class NvmlEnergyMeter(EnergyMeter):
     def crosscheck(self) -> EnergyCrossCheck:
         return self._crosscheck
 
-    def hint_load(self, busy_spans: list[tuple[float, float]], quiet_w: float | None) -> None:
+    def hint_load(self, hint: LoadHint | None) -> None:
         with self._lock:
-            ok = quiet_w is not None and self.interpolate and math.isfinite(quiet_w) and quiet_w >= 0
-            self._load = (list(busy_spans), quiet_w) if ok else None  # type: ignore[assignment]
+            ok = hint is not None and self.interpolate and math.isfinite(hint.quiet_w) and hint.quiet_w >= 0
+            if ok and hint.rest_w is not None and not (math.isfinite(hint.rest_w) and hint.rest_w >= 0):  # type: ignore[union-attr]
+                hint = hint._replace(rest_w=None)  # type: ignore[union-attr]
+            self._load = hint if ok else None
 
     def drain_counter_steps(self) -> list[CounterStep]:
         with self._lock:
