@@ -284,9 +284,11 @@ def test_tp2_across_two_ray_nodes_ranks_agree_and_energy_reaches_the_api_server(
     assert snaps[0]["ray_node_id"] and snaps[1]["ray_node_id"] and snaps[0]["ray_node_id"] != snaps[1]["ray_node_id"]
     # Same steps, same phases, same clock decisions, in the same order.
     traces = rank_decisions(stats)
-    assert len(traces[0]) > 6 * 40
-    n = min(len(traces[0]), len(traces[1]))  # the newest step may still sit in one rank's buffer
-    assert n >= len(traces[0]) - 1 and traces[0][:n] == traces[1][:n]
+    # Each rank's newest lines may still sit in its buffer when Ray stops the workers (their last
+    # relay flush is not waited for; about 1 run in 3-4 lost a few steps of one rank): both ranks
+    # must hold every request's steps and agree over what both wrote.
+    n = min(len(traces[0]), len(traces[1]))
+    assert n > 6 * 40 and traces[0][:n] == traces[1][:n]
     assert any(t[3] == 1200 for t in traces[0])
     # /metrics: per-rank labels; the engine's energy is the sum of the ranks', phase by phase.
     per_gpu, engine = energy_series(text)
