@@ -98,6 +98,13 @@ def _merged_overlap_s(spans: list[tuple[float, float]], t0: float, t1: float) ->
     return total
 
 
+class _ReadSpan(NamedTuple):
+    """When an energy read was called and when it returned (the meter's clock, s)."""
+
+    start_s: float
+    end_s: float
+
+
 class LoadHint(NamedTuple):
     """What the account tells a meter before a read (:meth:`EnergyMeter.hint_load`): when work ran
     (``end`` inf: it runs now), the GPU's power without work, and its power at rest just after
@@ -336,8 +343,10 @@ class NvmlEnergyMeter(EnergyMeter):
         self.counter_wraps = 0
         self.faults = 0
         self.unavailable_reason = None
+        t_call = clock()
         self._last_mj = gpu.total_energy_mj()  # raises: caller falls back
         self._t_read = clock()
+        self._read_span = _ReadSpan(min(t_call, self._t_read), self._t_read)  # the last read's call and return
         self._acc_mj = 0.0  # counter energy since start (anomalies bridged)
         # When the counter steps: a time it stepped at (learnt by sync_counter_phase), else the
         # bracket (lo, hi] of the last step seen between two reads.
@@ -434,23 +443,30 @@ class NvmlEnergyMeter(EnergyMeter):
             return p
         return avg
 
-    def _observe_update(self, t_prev: float, t: float, changed: bool) -> None:
-        """Keep the bracket of the last step and check the learnt phase against this pair of reads."""
+    def _observe_update(self, prev: _ReadSpan, now: _ReadSpan, changed: bool) -> None:
+        """Keep the bracket of the last step and check the learnt phase against this pair of reads.
+
+        A read's value was taken somewhere between its call and its return (``_ReadSpan``): under
+        load the return waits on the GIL behind the engine thread for milliseconds, and judged by
+        its return time alone a read taken just before a step looked taken after it, so the phase
+        was lost at each load's start and relearnt only seconds later (7 s of a 20 s segment in the
+        H100 step trace, docs/results/h200-request-energy.md), with every jump left in its tick."""
         T = self.period
+        t_prev, t = prev.end_s, now.end_s
         if changed:
             self._bracket = _Bracket(max(t_prev, t - T), t)
         if self._phase_t is None:
             return
-        k_prev, k_now = self._period_index(t_prev), self._period_index(t)
-        tol = 0.003  # s: poll resolution plus jitter
-        if changed and k_now == k_prev:
-            nearest = min(abs(t - (self._phase_t + (k_now + 1) * T)), abs(t_prev - (self._phase_t + k_now * T)))
-            ok = nearest <= tol
-        elif not changed and k_now > k_prev:
-            first = self._phase_t + (k_prev + 1) * T
-            ok = first - t_prev <= tol or (k_now == k_prev + 1 and t - first <= tol)
-        else:
-            ok = True
+        # Poll resolution plus jitter, and how far the phase may have drifted since the sync that
+        # learnt it: the period is known to period_sigma_s, and syncs are spaced to let the phase
+        # drift up to a quarter period (sync_counter_phase), far past 3 ms.
+        since_sync_s = 0.0 if self._last_sync_t is None else max(0.0, t - self._last_sync_t)
+        drift_s = self.period_sigma_s * since_sync_s / T
+        tol = 0.003 + drift_s
+        if changed:  # some step boundary may lie between the two values
+            ok = self._boundary_in(prev.start_s - tol, now.end_s + tol)
+        else:  # no step boundary surely lies between them
+            ok = not self._boundary_in(prev.end_s + tol, now.start_s - tol)
         if not ok:  # the counter does not step where the learnt phase says: relearn it soon
             self._phase_t = None
             # At once after a one-off; a counter that keeps contradicting its phase (a period other
@@ -459,6 +475,10 @@ class NvmlEnergyMeter(EnergyMeter):
             self.sync_due = t + min(self.sync_every_s, 0.5 * (2**self._losses_in_a_row - 1))
             self._losses_in_a_row += 1
             self.phase_losses += 1
+
+    def _boundary_in(self, a: float, b: float) -> bool:
+        """Whether a counter step falls in ``(a, b]`` by the learnt phase (which must be known)."""
+        return b > a and self._period_index(b) > self._period_index(a)
 
     def _period_index(self, t: float) -> int:
         """Which counter period ``t`` falls in, by the learnt phase (which must be known)."""
@@ -504,15 +524,20 @@ class NvmlEnergyMeter(EnergyMeter):
         T = self.period
         steps: list[_Bracket] = []  # the polls that saw the counter step
         try:
-            c_prev, t_prev = self.gpu.total_energy_mj(), self.clock()
-            deadline = t_prev + 2.5 * T
+            # A step lies after the previous poll's value, taken no earlier than that poll's call,
+            # and no later than this poll's return: under load the returns wait on the GIL, and a
+            # bracket between returns placed the phase late by that wait (see _observe_update).
+            call_prev = self.clock()
+            c_prev = self.gpu.total_energy_mj()
+            deadline = self.clock() + 2.5 * T
             want = 2 if self._phase_t is None else 1
             while len(steps) < want and self.clock() < deadline:
                 sleep(poll_s)
+                call = self.clock()
                 c, t = self.gpu.total_energy_mj(), self.clock()
                 if c != c_prev:
-                    steps.append(_Bracket(t_prev, t))
-                c_prev, t_prev = c, t
+                    steps.append(_Bracket(call_prev, t))
+                c_prev, call_prev = c, call
         except Exception as exc:
             log.debug("powersave: counter phase sync failed on GPU %s: %s", self.gpu_id, exc)
             return False  # the next energy read reports the fault
@@ -541,7 +566,7 @@ class NvmlEnergyMeter(EnergyMeter):
         self.sync_due = self.clock() + min(self.sync_every_s, 0.25 * T / self.period_sigma_s * T)
         return True
 
-    def _step(self, now_mj: int, t: float) -> None:
+    def _step(self, now_mj: int, t: float, t_call: float | None = None) -> None:
         d = now_mj - self._last_mj
         dt = max(t - self._t_read, 0.0)
         limit_mj = MAX_PLAUSIBLE_W * (dt + 2 * self.period) * 1000.0
@@ -585,14 +610,16 @@ class NvmlEnergyMeter(EnergyMeter):
                 # Only a single period's: an average over several spans whatever load changes lay
                 # between the reads (a burst and the idle after it), which is no guess for the next.
                 self._step_avg_w = d / 1000.0 / (steps * self.period) if steps == 1 else None
-        self._observe_update(self._t_read, t, now_mj != self._last_mj)
-        self._last_mj, self._t_read = now_mj, t
+        now = _ReadSpan(t if t_call is None else min(t_call, t), t)
+        self._observe_update(self._read_span, now, now_mj != self._last_mj)
+        self._last_mj, self._t_read, self._read_span = now_mj, t, now
 
     # -- interface ---------------------------------------------------------------------------
     def energy_j(self) -> float | None:
         with self._lock:
             if self.unavailable_reason is not None:
                 return None
+            t_call = self.clock()
             try:
                 now = self.gpu.total_energy_mj()
             except Exception as exc:
@@ -602,7 +629,7 @@ class NvmlEnergyMeter(EnergyMeter):
             t = self.clock()
             p = self._read_power() if self.interpolate else self._power
             stepped = now != self._last_mj
-            self._step(now, t)
+            self._step(now, t, t_call)
             before = self._reported
             self._reported = max(before, self._estimate_j(t, p))
             c_j, t_u = self._acc_mj / 1000.0 - self._offset_j, t - self._since_update(t)
