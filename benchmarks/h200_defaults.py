@@ -365,9 +365,15 @@ class Server:
         # Non-idle energy charged to no request over the segment (after a batch's last step until idle
         # is detected): the snapshot's field and the /metrics counter, each as a delta.
         seg["tail_j"] = load.diff((mark0.snap or {}).get(REQUEST_TAIL_SNAPSHOT), (mark1.snap or {}).get(REQUEST_TAIL_SNAPSHOT))
+        seg["counter_phase_losses"] = load.diff(
+            (mark0.snap or {}).get("counter_phase_losses"), (mark1.snap or {}).get("counter_phase_losses")
+        )
         seg["tail_j_metrics"] = load.diff(load.series_sum(m0, REQUEST_TAIL_METRIC), load.series_sum(m1, REQUEST_TAIL_METRIC))
         phases = seg["plugin_energy_j_by_phase"]
-        log(f"[{self.label}] request energy: {len(seg['lines'])} lines, counter {seg['counter_j']} J, plugin {phases}")
+        log(
+            f"[{self.label}] request energy: {len(seg['lines'])} lines, counter {seg['counter_j']} J, plugin {phases}, "
+            f"counter phase losses {seg['counter_phase_losses']}"
+        )
         return seg
 
     def bursts(self, idle_w: float | None) -> dict:

@@ -273,6 +273,9 @@ def request_energy(raws: list[dict], drop: float) -> dict:
             **pick(seg, "concurrency input_len output_len request_rate batch_p5_p50_p95 prompts"),
         )
         o.update({key: next((x.get(key) for x in lines), None) for key in ("source", "method")})
+        # Counter phase losses over the segment (a lost phase leaves each counter jump in its tick:
+        # docs/request-energy.md, placing a step); None in raw files that predate the field.
+        o["counter_phase_losses"] = seg.get("counter_phase_losses")
         o["steady_rule"] = f"lines in finish order, first and last {drop:.0%} dropped"
         o.update(steady=spread(js[k : len(js) - k] if len(js) > 2 * k else js), all=spread(js), requests_sum_j=r(req_sum, 3))
         o.update(idle_j=r(idle_j, 3), plugin_total_j=r(sum(phases.values()), 3) if phases else None)
@@ -462,6 +465,11 @@ def defaults_md(rec: dict, label: str, png: str | None) -> list[str]:
     return md
 
 
+def _losses(n: float | None) -> str:
+    """The counter phase losses of a segment, where recorded."""
+    return "" if n is None else f", {int(n)} phase loss{'' if n == 1 else 'es'}"
+
+
 def request_energy_md(reqe: dict, title: str, drop: float) -> list[str]:
     md = [
         f"# Per-request energy of identical requests at a steady batch ({title})\n",
@@ -475,7 +483,7 @@ def request_energy_md(reqe: dict, title: str, drop: float) -> list[str]:
         st = s["steady"] or {}
         other = {k: v for k, v in s["tail_idle_split"].items() if k not in ("idle_j", "note") and v is not None}
         md.append(
-            f"| {s['file']} {s['server']} {s.get('input_len')}/{s.get('output_len')} @ {s.get('request_rate')} req/s | {s['source']} / {s['method']} | {st.get('n')} | {fmt(st.get('median_j'))} | {fmt(st.get('p5_over_median'))} / 1 / "
+            f"| {s['file']} {s['server']} {s.get('input_len')}/{s.get('output_len')} @ {s.get('request_rate')} req/s | {s['source']} / {s['method']}{_losses(s.get('counter_phase_losses'))} | {st.get('n')} | {fmt(st.get('median_j'))} | {fmt(st.get('p5_over_median'))} / 1 / "
             f"{fmt(st.get('p95_over_median'))} / {fmt(st.get('max_over_median'))} | {fmt(s['requests_plus_idle_over_counter'], 4)} | "
             f"{fmt(s['requests_sum_j'], 1)} | {fmt(s['idle_j'], 1)} | {fmt(s['counter_j'], 1)} | {json.dumps(other) if other else '–'} |"
         )

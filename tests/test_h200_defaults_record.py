@@ -469,3 +469,12 @@ def test_the_bursts_log_line_prints_the_judged_ratios_and_the_pairs_not_judged()
     runs.append({"phase_over_truth": None, "busy_over_truth": 1.2, "note": "different power states"})
     line = bursts_line(runs)
     assert "[0.99, 1.067] (1 of 2 within 5 %)" in line and "1 not judged" in line and "1.32" not in line
+
+
+def test_a_segments_counter_phase_losses_are_recorded_where_the_raw_file_has_them():
+    with_losses = {**_reqe_run(256, 64, 40.0, [1.0] * 10, idle_j=5.0, tail_j=1.0, counter_j=16.0), "counter_phase_losses": 3}
+    older = _reqe_run(1024, 32, 10.0, [1.0] * 10, idle_j=5.0, tail_j=1.0, counter_j=16.0)  # predates the field
+    reqe = rec.request_energy([raw([server("defaults", 80, [], reqenergy_runs=[with_losses, older])])], drop=0.0)
+    assert [s["counter_phase_losses"] for s in reqe["segments"]] == [3, None]
+    md = "\n".join(rec.request_energy_md(reqe, "measured", 0.0))
+    assert "energy-counter, 3 phase losses |" in md and md.count("phase loss") == 1
