@@ -740,3 +740,42 @@ def test_reads_that_return_late_under_load_keep_the_counters_phase():
         meter.energy_j()
         steps += len(meter.drain_counter_steps())
     assert meter.phase_losses == 0 and steps >= 190  # the counter's steps placed throughout
+
+
+def test_a_wrong_phase_is_caught_after_a_sync_that_saw_no_step():
+    """The check allows the drift the period's uncertainty gives since the last sync, capped at the
+    quarter period syncs are spaced for: a sync that sees no step keeps the old one's time, and
+    uncapped the allowance passed half a period within seconds, after which no read could
+    contradict the phase (a phase made 30 ms wrong went unnoticed for 20 s)."""
+
+    class FreezeGpu(CounterGpu):
+        frozen = None
+
+        def raw_mj(self):
+            return self.frozen if self.frozen is not None else super().raw_mj()
+
+    clock = Clock()
+    gpu = FreezeGpu(clock, [(0.0, 300.0)], period=0.1, phase=0.0123)
+    clock.t = 0.5
+    meter = NvmlEnergyMeter(NvmlGpu(gpu, 0, "GPU-x"), clock=clock, counter_period_s=0.1)
+
+    def sleep(s):
+        clock.t += s
+
+    while clock.t < 1.0:
+        if clock.t >= meter.sync_due:
+            meter.sync_counter_phase(sleep=sleep)
+        clock.t += 0.016
+        meter.energy_j()
+    gpu.frozen = gpu.raw_mj()  # the counter holds through a whole sync: it sees no step
+    assert not meter.sync_counter_phase(sleep=sleep)
+    gpu.frozen = None
+    for _ in range(300):
+        clock.t += 0.016
+        meter.energy_j()
+    assert meter.phase_losses == 0
+    meter._phase_t += 0.045  # noqa: SLF001 - the learnt phase, wrong on purpose (beyond a quarter period + 3 ms)
+    for _ in range(20):
+        clock.t += 0.016
+        meter.energy_j()
+    assert meter.phase_losses == 1

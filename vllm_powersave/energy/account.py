@@ -560,6 +560,10 @@ class PhaseEnergyAccount:
         #: h200-request-energy.md), as measured by :meth:`_settle_rest` (moving average); None
         #: until the first, then the idle power stands in.
         self.rest_power_w: float | None = None
+        # What the last hint told the meter (LoadHint): when the last work ended, and the rest
+        # price it extends the counter with after work (None: the idle price).
+        self._last_work_end_s: float | None = None
+        self._hint_rest_w: float | None = None
         self._t = clock()
         self._state = _Cursor(self._t, "idle", None, None, None, False, False)
         e0 = meter.energy_j()
@@ -661,11 +665,16 @@ class PhaseEnergyAccount:
         # vLLM reported drained at the tick has ended (the walk rests from there).
         running = walk.phase != "idle"
         spans.extend((a, math.inf if running and b >= t_now else b) for a, b in walk.spans)
+        ends = [b for _, b in spans if math.isfinite(b)]
+        if ends and (self._last_work_end_s is None or max(ends) > self._last_work_end_s):
+            self._last_work_end_s = max(ends)
         if self.idle_power_w is None:
+            self._hint_rest_w = None
             hint(None)
             return
         rest_w = max(self.idle_power_w, self.rest_power_w) if self.rest_power_w is not None else None
-        hint(LoadHint(tuple(spans), self.idle_power_w, rest_w, REST_PRICE_S))
+        self._hint_rest_w = rest_w
+        hint(LoadHint(tuple(spans), self.idle_power_w, rest_w, REST_PRICE_S, self._last_work_end_s))
 
     def _stop_attribution(self, pieces: TickPieces, t_now: float, state: _Cursor) -> None:
         """The meter became unavailable (a fault): nothing more is attributed; requests that finish
@@ -784,7 +793,7 @@ class PhaseEnergyAccount:
 
     def _rest_excess(self, p: _PeriodStep, spans: tuple) -> _RestExcess | None:
         """Of a counter step's positive jump, what the GPU's rest after the work in its period
-        drew above the idle price the meter extended it with (:meth:`_rest_power_w`) is idle's,
+        drew above the price the meter extended it with (:meth:`_rest_power_w`) is idle's,
         not the steps'. ``None`` where the period holds no work, or no rest after it."""
         idle_w, jump_j = self.idle_power_w, p.step.jump_j
         if idle_w is None or jump_j <= 0:
@@ -793,7 +802,10 @@ class PhaseEnergyAccount:
         end = self._work_end(t0, t1, spans)
         if end is None or end >= t1:
             return None
-        return _RestExcess(jump_j, idle_w, t1 - max(t0, end), end)
+        # Where the meter extended the rest at the rest price it was hinted (LoadHint), only the
+        # rest's excess over that price is in the jump: over the idle price, it was taken twice.
+        base_w = idle_w if self._hint_rest_w is None else max(idle_w, self._hint_rest_w)
+        return _RestExcess(jump_j, base_w, t1 - max(t0, end), end)
 
     def _recent_spans(self) -> list[tuple[float, float]]:
         """The busy spans of the kept ticks (the last counter periods), oldest first."""

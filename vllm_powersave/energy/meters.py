@@ -114,6 +114,15 @@ class LoadHint(NamedTuple):
     quiet_w: float
     rest_w: float | None = None
     rest_s: float = 0.0
+    #: When the last work ended (the account remembers it past the spans it keeps, which cover
+    #: about two counter periods): its rest window counts too.
+    last_work_end_s: float | None = None
+
+    def _rest_windows(self) -> list[tuple[float, float]]:
+        ends = [b for _, b in self.busy_spans if math.isfinite(b)]
+        if self.last_work_end_s is not None and math.isfinite(self.last_work_end_s):
+            ends.append(self.last_work_end_s)
+        return [(b, b + self.rest_s) for b in ends]
 
     @property
     def busy_now(self) -> bool:
@@ -129,7 +138,7 @@ class LoadHint(NamedTuple):
         quiet_s = (t1 - t0) - _merged_overlap_s(busy, t0, t1)
         if self.rest_w is None or self.rest_s <= 0:
             return quiet_s * self.quiet_w
-        windows = [(b, b + self.rest_s) for _, b in busy if math.isfinite(b)]
+        windows = self._rest_windows()
         rest_s = _merged_overlap_s(windows, t0, t1) - _merged_overlap_s(
             [(max(a, w0), min(b, w1)) for a, b in busy for w0, w1 in windows if min(b, w1) > max(a, w0)], t0, t1
         )
@@ -138,7 +147,7 @@ class LoadHint(NamedTuple):
 
     def quiet_w_at(self, t: float) -> float:
         """The quiet power at ``t`` (the rate a read extends the counter with where no work runs)."""
-        after_work = self.rest_w is not None and any(b <= t < b + self.rest_s for _, b in self.busy_spans if math.isfinite(b))
+        after_work = self.rest_w is not None and any(a <= t < b for a, b in self._rest_windows())
         return self.rest_w if after_work else self.quiet_w  # type: ignore[return-value]
 
 
@@ -461,7 +470,7 @@ class NvmlEnergyMeter(EnergyMeter):
         # learnt it: the period is known to period_sigma_s, and syncs are spaced to let the phase
         # drift up to a quarter period (sync_counter_phase), far past 3 ms.
         since_sync_s = 0.0 if self._last_sync_t is None else max(0.0, t - self._last_sync_t)
-        drift_s = self.period_sigma_s * since_sync_s / T
+        drift_s = min(0.25 * T, self.period_sigma_s * since_sync_s / T)  # a sync that failed keeps the old one's
         tol = 0.003 + drift_s
         if changed:  # some step boundary may lie between the two values
             ok = self._boundary_in(prev.start_s - tol, now.end_s + tol)
