@@ -361,6 +361,27 @@ def test_a_resumed_search_prices_the_final_pairs_at_the_server_starts_it_measure
         s.close()
 
 
+def test_a_resumed_search_prices_a_window_measured_twice_per_window(tmp_path):
+    """A window measured again (no energy figure the first time) records both runs' wall time; the
+    live cost model learnt from it per window, and a resume must too (it learnt twice the overhead,
+    and fewer final pairs fitted)."""
+    opts = _opts(tmp_path, [2, 8])
+    state = StateFile(opts.plan.out_dir / ts_run.STATE_NAME, opts.header())
+    state.lock()
+    state.open()
+    once = Measurement("search/r0/max_num_seqs=2", "search", "max_num_seqs=2", 60.0, 0, _figs(), 130.0, True, "t", round=0)
+    twice = dataclasses.replace(once, step="search/r0/max_num_seqs=8", key="max_num_seqs=8", wall_s=140.0, restarted=False, runs=2)
+    state.add(once)
+    state.add(twice)
+    state.unlock()
+    s = ts_run.Session(opts)
+    try:
+        s.start(6)
+        assert s.cost.overhead_s == pytest.approx(10.0)  # 140 s / 2 windows - 60 s
+    finally:
+        s.close()
+
+
 def test_an_unmeetable_slo_ends_with_the_closest_configuration_and_its_miss(tmp_path, fake, capsys):
     rc = ts_run.execute(_opts(tmp_path, [2, 8, 32], slo=Slo(tpot_ms=10.0, itl_ms=1.0)))  # every window's p99 ITL is 6 ms
     assert rc == ts_run.EXIT_SLO_UNMET

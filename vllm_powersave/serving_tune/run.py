@@ -94,7 +94,7 @@ class Session:
         found = self.state.open()
         self.budget = Budget(self.opts.budget_s, self.state.spent_s())
         for m in self.state.measurements.values():  # a resumed search prices what is left at the starts it saw
-            self._learn(m.wall_s, m.window_s, m.restarted)
+            self._learn(m.wall_s / m.runs, m.window_s, m.restarted)
         if self.opts.progress:
             from tqdm import tqdm
 
@@ -140,7 +140,7 @@ class Session:
             print(f"error: vllm serve refused configuration {config.key}: {err} (skipped; nothing measured is lost)", file=sys.stderr)
             return None
         wall = time.monotonic() - t0
-        m = Measurement(step_id, where.pop("phase"), config.key, window_s, seed, figs, wall, restarted, started, **where)
+        m = Measurement(step_id, where.pop("phase"), config.key, window_s, seed, figs, wall, restarted, started, **where, runs=runs)
         self.state.add(m)
         self.new_steps += 1
         self._learn(wall / runs, window_s, restarted)  # the cost model is per window

@@ -63,6 +63,7 @@ class Measurement:
     round: int | None = None
     pair: int | None = None
     arm: str | None = None
+    runs: int = 1  # windows measured for it: 2 where the first came back without an energy figure
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": "measurement", **asdict(self)}
