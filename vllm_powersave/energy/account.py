@@ -938,6 +938,9 @@ class PhaseEnergyAccount:
         # draws power there (a simulated GPU does not: its steps cost their modelled work only).
         priced_s = quiet_s if getattr(self.meter, "powered_between_steps", True) else idle_s
         if busy_s > 0 and priced_s > 0 and idle_w is not None:
+            rest_s = self._rest_after_work_s(pieces, span_s) if d_e > 0 else 0.0
+            if rest_s > 0:
+                return self._steps_then_rest_rates(pieces, d_e, priced_s, rest_s, idle_w, priced_s == quiet_s)
             quiet_w = min(idle_w, d_e / priced_s) if d_e > 0 else d_e / (busy_s + priced_s)
             busy_w = (d_e - quiet_w * priced_s) / busy_s
         elif busy_s + priced_s > 0:
@@ -952,6 +955,33 @@ class PhaseEnergyAccount:
             quiet_w = busy_w = 0.0
         gap_w = quiet_w if priced_s == quiet_s else (d_e / gap_s if busy_s + priced_s <= 0 else 0.0)
         return _Rates(quiet_w, busy_w, gap_w)
+
+    def _rest_after_work_s(self, pieces: TickPieces, span_s: float) -> float:
+        """Seconds of the tick's idle after its last work (vLLM's drain), where a rest power above
+        the idle power has been learnt; 0 otherwise."""
+        if self.rest_power_w is None or self.idle_power_w is None or self.rest_power_w <= self.idle_power_w:
+            return 0.0
+        ends = [b for _, b in pieces.busy_spans if math.isfinite(b)]
+        if not ends or pieces.idle_s <= 0:
+            return 0.0
+        return min(pieces.idle_s, max(0.0, self._t + span_s - max(ends)))
+
+    def _steps_then_rest_rates(
+        self, pieces: TickPieces, d_e: float, priced_s: float, rest_s: float, idle_w: float, gaps_priced: bool
+    ) -> _Rates:
+        """A tick of steps whose idle follows vLLM's drain: that idle is the GPU's rest after the
+        work, priced at the learnt rest power (``rest_s`` of it; any idle before the work at the
+        idle power), the gaps after steps at the idle power, the steps the remainder; the quiet
+        time never more than the tick's joules. At the idle price a tick that came 0.125 s after
+        the drain gave the steps the rest's excess: a prefill burst booked 1.07 (H100-shaped fake,
+        tests/test_energy_bursts_h200.py)."""
+        rest_w = max(idle_w, self.rest_power_w or idle_w)
+        idle_s, busy_s = pieces.idle_s, pieces.busy_s
+        idle_j = rest_w * rest_s + idle_w * (idle_s - rest_s)
+        gap_j = idle_w * (priced_s - idle_s) if gaps_priced else 0.0
+        f = min(1.0, d_e / (idle_j + gap_j)) if idle_j + gap_j > 0 else 1.0
+        busy_w = (d_e - f * (idle_j + gap_j)) / busy_s
+        return _Rates(f * idle_j / idle_s, busy_w, f * idle_w if gaps_priced else 0.0)
 
     def _gap_then_rest_rates(self, d_e: float, gap_s: float, idle_s: float, idle_w: float) -> _Rates:
         """A tick of the gap after the last step and the idle after vLLM's drain, no step: under
