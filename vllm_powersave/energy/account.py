@@ -560,8 +560,7 @@ class PhaseEnergyAccount:
         #: h200-request-energy.md), as measured by :meth:`_settle_rest` (moving average); None
         #: until the first, then the idle power stands in.
         self.rest_power_w: float | None = None
-        # What the last hint told the meter (LoadHint): when the last work ended, and the rest
-        # price it extends the counter with after work (None: the idle price).
+        # The last LoadHint's end of work and rest price (None: the meter extends at the idle price).
         self._last_work_end_s: float | None = None
         self._hint_rest_w: float | None = None
         self._t = clock()
