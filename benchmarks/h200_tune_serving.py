@@ -40,7 +40,8 @@ import sys
 import time
 from pathlib import Path
 
-from .lib.device import gpu_name, log, make_model, require_dry_run, utc_now, write_json_atomic
+from .lib import load
+from .lib.device import log, make_model, require_dry_run, utc_now, write_json_atomic
 from .lib.serve import NO_MULTICAST, SERVER_ENV
 
 #: The loads: tune-serving's traffic and SLO flags, and the space searched (YAML written per load).
@@ -154,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     require_dry_run()  # first: nothing may touch a GPU before this
     ns = parse_args(argv)
     out = Path(ns.out) / f"ts-{ns.load}"
-    gpu = gpu_name()
+    gpu = load.device_facts(0)["name"]  # a lease asked for one kind may come back another
     found = resume(ns.resume_from, out, gpu)
     model = make_model(ns.shape, Path(ns.shapes_dir), Path(ns.tok_dir))
     space = write_space(ns.load, out / "space.yaml")

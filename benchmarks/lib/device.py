@@ -48,21 +48,6 @@ def write_record(out: Path, name: str, rec: dict, md: str, keep_from: str | None
     twin.write_text(md + "".join(kept))
 
 
-def gpu_name(index: int = 0) -> str:
-    """The GPU's product name by a read-only ``nvidia-smi`` query ("unknown" where there is none):
-    a lease asked for one kind may come back another, and a record names the card it ran on."""
-    import subprocess
-
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", str(index)], capture_output=True, text=True, timeout=30
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return "unknown"
-    name = out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else ""
-    return name or "unknown"
-
-
 def utc_now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
