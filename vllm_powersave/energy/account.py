@@ -671,7 +671,7 @@ class PhaseEnergyAccount:
             self._hint_rest_w = None
             hint(None)
             return
-        rest_w = max(self.idle_power_w, self.rest_power_w) if self.rest_power_w is not None else None
+        rest_w = self._learnt_rest_w(self.idle_power_w) if self.rest_power_w is not None else None
         self._hint_rest_w = rest_w
         hint(LoadHint(tuple(spans), self.idle_power_w, rest_w, REST_PRICE_S, self._last_work_end_s))
 
@@ -955,10 +955,15 @@ class PhaseEnergyAccount:
         gap_w = quiet_w if priced_s == quiet_s else (d_e / gap_s if busy_s + priced_s <= 0 else 0.0)
         return _Rates(quiet_w, busy_w, gap_w)
 
+    def _learnt_rest_w(self, idle_w: float) -> float:
+        """The rest power the counter measured after work, never below ``idle_w``; ``idle_w``
+        until one is measured (unlike :meth:`_rest_power_w`, the instant reading)."""
+        return idle_w if self.rest_power_w is None else max(idle_w, self.rest_power_w)
+
     def _rest_after_work_s(self, pieces: TickPieces, span_s: float) -> float:
         """Seconds of the tick's idle after its last work (vLLM's drain), where a rest power above
         the idle power has been learnt; 0 otherwise."""
-        if self.rest_power_w is None or self.idle_power_w is None or self.rest_power_w <= self.idle_power_w:
+        if self.idle_power_w is None or self._learnt_rest_w(self.idle_power_w) <= self.idle_power_w:
             return 0.0
         ends = [b for _, b in pieces.busy_spans if math.isfinite(b)]
         if not ends or pieces.idle_s <= 0:
@@ -974,7 +979,7 @@ class PhaseEnergyAccount:
         time never more than the tick's joules. At the idle price a tick that came 0.125 s after
         the drain gave the steps the rest's excess: a prefill burst booked 1.07 (H100-shaped fake,
         tests/test_energy_bursts_h200.py)."""
-        rest_w = max(idle_w, self.rest_power_w or idle_w)
+        rest_w = self._learnt_rest_w(idle_w)
         idle_s, busy_s = pieces.idle_s, pieces.busy_s
         idle_j = rest_w * rest_s + idle_w * (idle_s - rest_s)
         gap_j = idle_w * (priced_s - idle_s) if gaps_priced else 0.0
@@ -989,7 +994,7 @@ class PhaseEnergyAccount:
         the remainder; at one average price the rest took up to 0.4 of a prefill burst's energy
         when the tick came 0.125 s after the drain (H100 step trace, docs/results/
         h200-request-energy.md)."""
-        rest_w = max(idle_w, self.rest_power_w or idle_w)
+        rest_w = self._learnt_rest_w(idle_w)
         avg_w = d_e / (gap_s + idle_s)
         if avg_w <= rest_w:
             return _Rates(avg_w, avg_w, avg_w)

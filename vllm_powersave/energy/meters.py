@@ -575,7 +575,7 @@ class NvmlEnergyMeter(EnergyMeter):
         self.sync_due = self.clock() + min(self.sync_every_s, 0.25 * T / self.period_sigma_s * T)
         return True
 
-    def _step(self, now_mj: int, t: float, t_call: float | None = None) -> None:
+    def _step(self, now_mj: int, t: float, t_call: float) -> None:
         d = now_mj - self._last_mj
         dt = max(t - self._t_read, 0.0)
         limit_mj = MAX_PLAUSIBLE_W * (dt + 2 * self.period) * 1000.0
@@ -619,7 +619,7 @@ class NvmlEnergyMeter(EnergyMeter):
                 # Only a single period's: an average over several spans whatever load changes lay
                 # between the reads (a burst and the idle after it), which is no guess for the next.
                 self._step_avg_w = d / 1000.0 / (steps * self.period) if steps == 1 else None
-        now = _ReadSpan(t if t_call is None else min(t_call, t), t)
+        now = _ReadSpan(min(t_call, t), t)
         self._observe_update(self._read_span, now, now_mj != self._last_mj)
         self._last_mj, self._t_read, self._read_span = now_mj, t, now
 
