@@ -779,3 +779,17 @@ def test_a_wrong_phase_is_caught_after_a_sync_that_saw_no_step():
         clock.t += 0.016
         meter.energy_j()
     assert meter.phase_losses == 1
+
+
+def test_a_raw_counter_meter_reports_no_instant_power_with_its_reads():
+    """A meter that reads the raw counter (interpolate=False) reads no power with it: its last
+    reading is the one taken when it started, and the account would price a GPU's rest with it."""
+    nvml, clock = FakeNvml(energy_mj=0), Clock()
+    raw = NvmlEnergyMeter(NvmlGpu(nvml, "h"), clock=clock, interpolate=False)
+    live = NvmlEnergyMeter(NvmlGpu(nvml, "h"), clock=clock)
+    clock.t += 1.0
+    nvml.energy_mj += 100_000
+    nvml.power_mw = 120_000
+    assert raw.energy_j() is not None and live.energy_j() is not None
+    assert raw.last_power_w is None
+    assert live.last_power_w == pytest.approx(120.0)

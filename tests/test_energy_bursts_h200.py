@@ -247,13 +247,14 @@ def test_a_tick_that_comes_late_after_the_drain_still_gives_the_gpus_last_work_t
     """One tick then holds the gap after the last step (the GPU finishing the batch under async
     scheduling) and the rest after vLLM's drain; at one average price the rest took the work's
     joules: 0.747-1.046 at 0.125 s (the H100 read 0.638 in such a burst). The rest is priced at
-    the rest power the counter measured after earlier work: 0.997-1.082 over 0.05-0.2 s late;
-    above 1.05 only a server's first burst (its rest power not yet measured, the idle power stands
-    in: up to 1.111)."""
+    the rest power the counter measured after earlier work: 0.997-1.025 over 0.05-0.2 s late after
+    a server's first burst. The first, its rest power not yet measured, took the idle power for
+    it: up to 1.111; priced at the instant reading where the tick came 0.1 s or more after the
+    drain (the reading has settled near the rest power by then), 0.985-1.054."""
     per_seed = [burst_ratios(seed, replace(H200, late_flush_s=late_s)) for seed in range(4)]
     assert min(x for r in per_seed for x in r) >= 0.95, per_seed
-    assert max(x for r in per_seed for x in r[1:]) <= 1.06, per_seed
-    assert max(r[0] for r in per_seed) <= 1.12, per_seed
+    assert max(x for r in per_seed for x in r[1:]) <= 1.03, per_seed
+    assert max(r[0] for r in per_seed) <= 1.06, per_seed
 
 
 def test_the_rest_power_is_learnt_from_the_counter_after_work():
@@ -393,8 +394,21 @@ def test_a_late_tick_that_also_holds_the_last_step_prices_the_rest_after_the_dra
     the drain (the GPU's rest) at the idle power, and the steps took the rest's excess: 68 of 240
     H100-shaped bursts outside 5 %, one traced at 1.072. Priced at the learnt rest power: 1.009 for
     that burst, and once the server has learnt its rest power (from its third burst on) every burst
-    within 5 % (0.994-1.017); the first two, before it, up to 1.125 (simulated)."""
+    within 5 % (0.994-1.017); the first two, before it, up to 1.125 at the idle price, 1.084 since
+    the settled instant reading prices a late tick's rest (simulated)."""
     per_seed = [burst_ratios(seed, replace(H100, late_flush_s=0.125)) for seed in range(40)]
     assert min(x for r in per_seed for x in r) >= 0.95, per_seed
     assert max(abs(x - 1) for r in per_seed for x in r[2:]) <= 0.05, per_seed
-    assert max(x for r in per_seed for x in r[:2]) <= 1.13, per_seed
+    assert max(x for r in per_seed for x in r[:2]) <= 1.09, per_seed
+
+
+@pytest.mark.parametrize("late_s", [0.125, 0.2])
+def test_a_servers_first_burst_prices_a_late_ticks_rest_at_the_settled_instant_reading(late_s):
+    """Before the counter has measured a rest power, the rest after the drain in a tick 0.125 s or
+    0.2 s late was priced at the idle power: 39 of 40 H100-shaped first bursts above 1.05 (up to
+    1.143). At the instant reading, settled that long after the work and capped by the tick's
+    average power: 12 of 40, up to 1.118 (simulated). Open: those 12, whose rest lies in the tick
+    that holds the work, under 0.1 s after it, where the reading still lags the work's power."""
+    firsts = [burst_ratios(seed, replace(H100, late_flush_s=late_s))[0] for seed in range(40)]
+    assert sum(abs(x - 1) > 0.05 for x in firsts) <= 13, firsts
+    assert 0.95 <= min(firsts) and max(firsts) <= 1.12, firsts

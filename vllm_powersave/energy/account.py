@@ -77,6 +77,11 @@ _REST_HOLDS_MAX = 8
 #: 1.5-2.1 s the H100 held ~121 W after any request (docs/results/h200-request-energy.md), and
 #: past the counter period and a late tick that can hold the work's last sliver.
 REST_PRICE_S = 0.5
+#: Before a rest power is learnt, the instant reading prices the rest after the drain only where
+#: the tick came this long after it (s): the reading lags the falling power by tens of ms
+#: (docs/results/h200-energy-meter.md), so this late it reads near the rest power, and sooner it
+#: still reads near the work's and would take the steps' joules.
+_SETTLED_READ_S = 0.1
 
 
 class TickRecord(NamedTuple):
@@ -937,7 +942,8 @@ class PhaseEnergyAccount:
         # draws power there (a simulated GPU does not: its steps cost their modelled work only).
         priced_s = quiet_s if getattr(self.meter, "powered_between_steps", True) else idle_s
         if busy_s > 0 and priced_s > 0 and idle_w is not None:
-            rest_s = self._rest_after_work_s(pieces, span_s) if d_e > 0 else 0.0
+            avg_w = d_e / (busy_s + priced_s)
+            rest_s = self._rest_after_work_s(pieces, span_s, avg_w) if d_e > 0 else 0.0
             if rest_s > 0:
                 return self._steps_then_rest_rates(pieces, d_e, priced_s, rest_s, idle_w, priced_s == quiet_s)
             quiet_w = min(idle_w, d_e / priced_s) if d_e > 0 else d_e / (busy_s + priced_s)
@@ -960,15 +966,27 @@ class PhaseEnergyAccount:
         until one is measured (unlike :meth:`_rest_power_w`, the instant reading)."""
         return idle_w if self.rest_power_w is None else max(idle_w, self.rest_power_w)
 
-    def _rest_after_work_s(self, pieces: TickPieces, span_s: float) -> float:
-        """Seconds of the tick's idle after its last work (vLLM's drain), where a rest power above
-        the idle power has been learnt; 0 otherwise."""
-        if self.idle_power_w is None or self._learnt_rest_w(self.idle_power_w) <= self.idle_power_w:
+    def _rest_after_work_s(self, pieces: TickPieces, span_s: float, avg_w: float) -> float:
+        """Seconds of the tick's idle after its last work (vLLM's drain), where the rest there
+        has a price above the idle power (:meth:`_tick_rest_w`); 0 otherwise."""
+        if self.idle_power_w is None:
             return 0.0
         ends = [b for _, b in pieces.busy_spans if math.isfinite(b)]
         if not ends or pieces.idle_s <= 0:
             return 0.0
-        return min(pieces.idle_s, max(0.0, self._t + span_s - max(ends)))
+        rest_s = min(pieces.idle_s, max(0.0, self._t + span_s - max(ends)))
+        return rest_s if self._tick_rest_w(self.idle_power_w, rest_s, avg_w) > self.idle_power_w else 0.0
+
+    def _tick_rest_w(self, idle_w: float, rest_s: float, avg_w: float) -> float:
+        """The price of a tick's ``rest_s`` seconds of rest after the drain: the learnt rest power;
+        before one is learnt, the instant reading where the tick came :data:`_SETTLED_READ_S` or
+        more after the drain (the first bursts of a server booked up to 1.125 at the idle price,
+        H100-shaped fake, tests/test_energy_bursts_h200.py), never above the tick's average power
+        ``avg_w`` (a rest draws less than work: a reading off the counter stays out), else the
+        idle power."""
+        if self.rest_power_w is not None or rest_s < _SETTLED_READ_S:
+            return self._learnt_rest_w(idle_w)
+        return max(idle_w, min(self._rest_power_w(idle_w), avg_w))
 
     def _steps_then_rest_rates(
         self, pieces: TickPieces, d_e: float, priced_s: float, rest_s: float, idle_w: float, gaps_priced: bool
@@ -979,8 +997,8 @@ class PhaseEnergyAccount:
         time never more than the tick's joules. At the idle price a tick that came 0.125 s after
         the drain gave the steps the rest's excess: a prefill burst booked 1.07 (H100-shaped fake,
         tests/test_energy_bursts_h200.py)."""
-        rest_w = self._learnt_rest_w(idle_w)
         idle_s, busy_s = pieces.idle_s, pieces.busy_s
+        rest_w = self._tick_rest_w(idle_w, rest_s, d_e / (busy_s + priced_s))
         idle_j = rest_w * rest_s + idle_w * (idle_s - rest_s)
         gap_j = idle_w * (priced_s - idle_s) if gaps_priced else 0.0
         f = min(1.0, d_e / (idle_j + gap_j)) if idle_j + gap_j > 0 else 1.0
@@ -994,8 +1012,8 @@ class PhaseEnergyAccount:
         the remainder; at one average price the rest took up to 0.4 of a prefill burst's energy
         when the tick came 0.125 s after the drain (H100 step trace, docs/results/
         h200-request-energy.md)."""
-        rest_w = self._learnt_rest_w(idle_w)
         avg_w = d_e / (gap_s + idle_s)
+        rest_w = self._tick_rest_w(idle_w, idle_s, avg_w)
         if avg_w <= rest_w:
             return _Rates(avg_w, avg_w, avg_w)
         return _Rates(rest_w, avg_w, (d_e - rest_w * idle_s) / gap_s)

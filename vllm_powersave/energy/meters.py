@@ -685,8 +685,9 @@ class NvmlEnergyMeter(EnergyMeter):
 
     @property
     def last_power_w(self) -> float | None:
-        """The instant power (W) read with the last energy read (no NVML read of its own)."""
-        return self._last_read[2] if self._last_read is not None else None
+        """The instant power (W) read with the last energy read (no NVML read of its own); None
+        on a meter that reads the raw counter (``interpolate=False``): it reads no power with it."""
+        return self._last_read[2] if self._last_read is not None and self.interpolate else None
 
     def power_w(self) -> float | None:
         # The tick reads instant power with the counter; reuse a reading younger than 50 ms.
