@@ -8,6 +8,7 @@ from vllm_powersave.energy import NvmlEnergyMeter, PhaseEnergyAccount, Simulated
 from vllm_powersave.energy.meters import LoadHint
 from vllm_powersave.metrics import PowersaveCollector
 from vllm_powersave.sim.gpu import H200, ModelCost, SimulatedGpu, StepWork, simulate_step
+from vllm_powersave.stats_contract import tick_line
 
 
 def test_nvml_meter_deltas_reset_and_fault():
@@ -833,3 +834,36 @@ def test_a_read_between_an_early_phases_step_and_the_counters_places_the_step_it
     (t0, e0), (t1, e1) = reads[0], reads[-1]
     assert e1 - e0 == pytest.approx(400.0 * (t1 - t0), abs=1.0)
     assert all(b[1] - a[1] == pytest.approx(400.0 * (b[0] - a[0]), abs=2.0) for a, b in zip(reads, reads[1:]))
+
+
+def test_the_ticks_request_gains_sum_to_each_requests_figure():
+    """A trace decomposes a request's figure: what each request gained in each tick (its steps'
+    pricing and the counter's jumps booked back over its periods) sums to the joules reported for
+    it, and a tick's line carries them."""
+    clock = Clock()
+    gpu = CounterGpu(clock, [(0.0, 300.0), (1.0, 500.0)], period=0.1, phase=0.037)
+    clock.t = 0.5
+    meter = NvmlEnergyMeter(NvmlGpu(gpu, 0, "GPU-x"), clock=clock, counter_period_s=0.1)
+    assert meter.sync_counter_phase(sleep=lambda s: setattr(clock, "t", clock.t + s))
+    ticks, done = [], {}
+    acc = PhaseEnergyAccount(
+        meter, idle_after_s=0.25, clock=clock, per_request=True, on_tick=ticks.append, on_request_done=done.__setitem__
+    )
+    live = ["r0", "r1", "r2"]
+    for i in range(60):  # 15 ms decode steps; a request leaves and one joins every 10 steps
+        acc.on_step("decode", req_tokens=dict.fromkeys(live, 1), finished=[live.pop(0)] if i % 10 == 9 else None)
+        clock.t += 0.015
+        acc.on_step_end()
+        if i % 10 == 9:
+            live.append(f"r{i // 10 + 3}")
+        if i % 3 == 2:
+            acc.tick()
+    gained: dict = {}
+    for x in ticks:
+        for rid, j in x.request_j:
+            gained[rid] = gained.get(rid, 0.0) + j
+    assert len(done) >= 5 and any(x.booked_back_j for x in ticks)
+    assert all(gained[rid] == pytest.approx(j, rel=1e-9) for rid, j in done.items())
+    assert any(j < 0 or x.booked_back_j and j > 0 for x in ticks for _, j in x.request_j)
+    line = json.loads(tick_line(next(x for x in ticks if x.request_j)))
+    assert set(line["tick"]["request_j"]) <= set(gained) and line["tick"]["request_j"]

@@ -411,7 +411,8 @@ class PowersaveSettings(_Strict):
     #: (``{"boost": {"t_s", "held", "ms"}}``, on the steps' clock; ``ms`` null where the boost was
     #: lost without a release: helper death, shutdown) and each energy tick (``{"tick":
     #: ...}``: the counter's joules over its span, step / gap / idle seconds, the requests it closed,
-    #: the instant and learnt rest power, and the counter steps its reads saw).
+    #: the instant and learnt rest power, the counter steps its reads saw, and what each request
+    #: in flight gained in it, ``request_j``).
     trace_steps: bool = False
     #: API-server processes of ``vllm serve`` when its command line sets no ``--api-server-count``.
     #: "auto": up to 4 per local engine, within the usable CPU cores (one left per engine process);

@@ -270,13 +270,15 @@ def tick_line(tick: Any) -> str:
     counter steps it booked back over the periods they close (``booked_back_j``); the instant and
     learnt rest power (W) and the counter steps its reads saw (``counter_steps``: each step's time,
     jump and the span it closes, docs/request-energy.md), so that a trace shows where a burst's
-    joules went."""
+    joules went; and what each request in flight gained in it (``request_j``: id -> J), so that a
+    trace shows which ticks made a request's figure."""
     d = tick._asdict()
     for k in ("t0_s", "t1_s", "energy_j", "busy_s", "gap_s", "idle_s", "idle_j", "booked_back_j"):
         d[k] = round(d[k], 6)
     for k in ("power_w", "rest_power_w"):
         d[k] = None if d.get(k) is None else round(d[k], 1)
     d["counter_steps"] = [{f: v if v is None else round(v, 6) for f, v in c._asdict().items()} for c in d.get("counter_steps") or ()]
+    d["request_j"] = {str(rid): round(j, 4) for rid, j in d.get("request_j") or ()}
     return json.dumps({TICK_KEY: d}) + "\n"
 
 

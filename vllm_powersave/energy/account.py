@@ -106,6 +106,10 @@ class TickRecord(NamedTuple):
     rest_power_w: float | None = None
     #: The counter steps this tick's reads saw (``energy.meters.CounterStep``, oldest first).
     counter_steps: tuple = ()
+    #: ``(request id, joules)`` each request in flight gained in this tick (its steps' pricing and
+    #: the counter steps booked back over its periods; negative where a jump took some back): a
+    #: request's figure is the sum over the ticks, so a trace shows which ticks made an outlier.
+    request_j: tuple = ()
 
 
 class StepEvent(NamedTuple):
@@ -282,6 +286,14 @@ class _RestHold:
     held_j: float
     parts: dict
     booked_j: float
+
+
+def _gains(before: dict | None, after: dict) -> tuple:
+    """``(request id, joules)`` for each request in ``after`` whose figure moved since ``before``
+    (``()`` where no snapshot was taken: no one reads the ticks)."""
+    if before is None:
+        return ()
+    return tuple((rid, j - before.get(rid, 0.0)) for rid, j in after.items() if j != before.get(rid, 0.0))
 
 
 def _overlap(a: float, b: float, lo: float, hi: float) -> float:
@@ -709,6 +721,7 @@ class PhaseEnergyAccount:
             period_s = 0.0
         drain = getattr(self.meter, "drain_counter_steps", None)  # meters without a stepping counter: none
         drained = drain() if drain else []
+        before_j = dict(self.request_j) if self.on_tick is not None else None  # for the trace's request_j
         steps = self._period_steps(t_now, d_e, period_s, pieces.busy_spans, drained)
         back_j = sum(p.step.jump_j for p in steps)
         book: dict = {}
@@ -734,12 +747,13 @@ class PhaseEnergyAccount:
                 self._hold_rest(p, rest)
         while len(self._recent) > 1 and self._recent[0].t1_s < t_now - 2 * period_s:
             self._recent.popleft()
+        gained = _gains(before_j, self.request_j)
         done = self._finish_requests(pieces.finished)
         if self.on_tick is not None:
             gap_s = pieces.quiet_s - pieces.idle_s
             self.on_tick(
                 TickRecord(self._t, t_now, d_e, pieces.busy_s, gap_s, pieces.idle_s, idle_j, done, back_j,
-                           self._instant_power_w(), self.rest_power_w, tuple(drained))
+                           self._instant_power_w(), self.rest_power_w, tuple(drained), gained)
             )  # fmt: skip
         self._t, self._e = t_now, e_now
 
