@@ -1,0 +1,47 @@
+"""benchmarks/request_trace.py: a request-energy segment's spread read back from a step trace,
+by where each request finished in the counter's period, and its outliers tick by tick."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+
+from benchmarks import request_trace as rt
+from vllm_powersave.energy.account import TickRecord
+from vllm_powersave.energy.meters import CounterStep
+from vllm_powersave.stats_contract import tick_line
+
+
+def _files(tmp_path, with_gains: bool = True):
+    """Ten requests, one made final per 0.1 s tick; r7 gained 4 J more than the others, in a tick
+    whose read saw a counter step of +3 J."""
+    lines, energy = [], {}
+    for i in range(10):
+        rid, t0 = f"r{i}", 1.0 + 0.1 * i
+        gains = ((rid, 10.0 + (4.0 if i == 7 else 0.0)),) if with_gains else ()
+        steps = (CounterStep(t0 + 0.03, 3.0 if i == 7 else 0.1, t0 - 0.07, 40.0),)
+        lines.append(tick_line(TickRecord(t0, t0 + 0.1, 40.0, 0.1, 0.0, 0.0, 0.0, [rid], 0.0, None, None, steps, gains)).strip())
+        energy[rid] = 10.0 + (4.0 if i == 7 else 0.0)
+    trace = tmp_path / "defaults0-trace-rank0.jsonl.gz"
+    trace.write_bytes(gzip.compress("\n".join(lines).encode()))
+    raw = {"servers": [{"reqenergy_runs": [{"lines": [{"request_id": r, "energy_j": j} for r, j in energy.items()]}]}]}
+    return trace, raw
+
+
+def test_the_outliers_are_told_with_the_ticks_that_gave_them_joules(tmp_path):
+    trace, raw = _files(tmp_path)
+    out = rt.report(rt.trace_lines(trace, None), rt.segment_lines(raw, 0), top=1)
+    assert out.startswith("6 steady requests over their median")  # the middle 60 % of ten
+    assert "r7: 1.400 of the median" in out and "gain +14.000 J" in out and "steps 1.730 +3.0 J" in out
+    assert "70-90" not in out and "60-80 ms after a step: n   6" in out  # each finished 70 ms after a step
+
+
+def test_a_trace_without_request_gains_says_so_and_a_missing_segment_is_one_line(tmp_path):
+    trace, raw = _files(tmp_path, with_gains=False)
+    out = rt.report(rt.trace_lines(trace, None), rt.segment_lines(raw, 0), top=1)
+    assert "carry no request_j" in out and "gain +" not in out
+    with pytest.raises(ValueError, match="--segment 3: the file has 1 request-energy segment"):
+        rt.segment_lines(raw, 3)
+    assert json.loads(tick_line(TickRecord(0.0, 0.1, 1.0, 0.1, 0.0, 0.0, 0.0, [])))["tick"]["request_j"] == {}
