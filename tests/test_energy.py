@@ -867,3 +867,51 @@ def test_the_ticks_request_gains_sum_to_each_requests_figure():
     assert any(j < 0 or x.booked_back_j and j > 0 for x in ticks for _, j in x.request_j)
     line = json.loads(tick_line(next(x for x in ticks if x.request_j)))
     assert set(line["tick"]["request_j"]) <= set(gained) and line["tick"]["request_j"]
+
+
+def _busy_reads(meter, clock, gpu, times):
+    """Reads at ``times`` under the account's hint of work throughout: each one's error against the
+    truth since the first (J)."""
+    busy, out = LoadHint(((0.0, math.inf),), 70.0, None, 0.5, None), []
+    for t in times:
+        clock.t = t
+        meter.hint_load(busy)
+        out.append((meter.energy_j(), gpu.true_j(t)))
+    return [(e - out[0][0]) - (j - out[0][1]) for e, j in out]
+
+
+@pytest.mark.parametrize("late_s", [0.001, 0.002])
+def test_a_read_just_after_a_step_with_a_late_phase_counts_its_period_once(late_s):
+    """A read 3.5 ms after a counter step and the next 0.7 ms after the following one, the phase
+    1-2 ms late: the second read saw the step. A tie-break between the steps either side of the
+    bracket took the one before it and counted a period twice (+39 J)."""
+    clock = Clock()
+    gpu = CounterGpu(clock, [(0.0, 400.0)], period=0.1, phase=0.037)
+    clock.t = 0.5
+    meter = NvmlEnergyMeter(NvmlGpu(gpu, 0, "GPU-x"), clock=clock, counter_period_s=0.1)
+    assert meter.sync_counter_phase(sleep=lambda s: setattr(clock, "t", clock.t + s))
+    meter._phase_t = 0.037 + late_s  # noqa: SLF001 - the learnt phase, made late on purpose
+    k = math.ceil((clock.t - 0.037) / 0.1)
+    errors = _busy_reads(meter, clock, gpu, [0.037 + k * 0.1 + dt for dt in (0.05, 0.1035, 0.2007, 0.25)])
+    assert max(abs(x) for x in errors) < 1.0, errors
+
+
+@pytest.mark.parametrize("wrap", [False, True])
+def test_a_power_drop_or_a_counter_wrap_at_a_read_after_a_step_counts_no_period_twice(wrap):
+    """The joules decide a step only where they fall short at the previous read's rate and at the
+    power read now alike, over at most two periods, and only for a counter delta that is no
+    anomaly: a drop from 700 to 350 W under work, read 1 ms after a step two periods on, counted a
+    period twice (+34.8 J), and so did a counter wrap at a step (+40 J)."""
+    clock = Clock()
+    segments = [(0.0, 700.0), (1.188, 350.0)] if not wrap else [(0.0, 400.0)]
+    gpu = CounterGpu(clock, segments, period=0.1, phase=0.037)
+    if wrap:  # the 32-bit counter wraps at the 1.037 s step
+        base = (1 << 32) - 20_000 - int(round(gpu.true_j(0.937) * 1000))
+        gpu.raw_mj = lambda: (base + int(round(gpu.true_j(0.037 + math.floor((clock.t - 0.037) / 0.1) * 0.1) * 1000))) % (1 << 32)
+    clock.t = 0.5
+    meter = NvmlEnergyMeter(NvmlGpu(gpu, 0, "GPU-x"), clock=clock, counter_period_s=0.1)
+    assert meter.sync_counter_phase(sleep=lambda s: setattr(clock, "t", clock.t + s))
+    times = [0.887, 1.038, 1.087, 1.187] if wrap else [1.087, 1.137, 1.187, 1.338, 1.388, 1.487, 1.9]
+    errors = _busy_reads(meter, clock, gpu, times)
+    assert max(abs(x) for x in errors) < 1.0, errors
+    assert meter.counter_wraps == (1 if wrap else 0)

@@ -496,7 +496,7 @@ class NvmlEnergyMeter(EnergyMeter):
         since_sync_s = 0.0 if self._last_sync_t is None else max(0.0, t - self._last_sync_t)
         return 0.003 + min(0.25 * T, self.period_sigma_s * since_sync_s / T)  # a sync that failed keeps the old one's
 
-    def _place_step(self, now: _ReadSpan, d_j: float) -> int | None:
+    def _place_step(self, now: _ReadSpan, d_j: float, p: float | None) -> int | None:
         """How many of the learnt phase's steps lie between the previous read's value (which held
         step ``_seen_step_t``) and the value read in ``now``, ``d_j`` joules past it, where the
         joules place the last one; None where time places it (:meth:`_since_update`).
@@ -505,18 +505,21 @@ class NvmlEnergyMeter(EnergyMeter):
         after, a phase a few ms early booked a period's joules as missing at one step and back at
         the next (-34 J and +49 J over 3 ms, reads in step with the counter in the H100 step trace,
         docs/results/h200-request-energy.md). There the step is taken as not yet seen where the
-        joules read fall short of that many periods at the previous read's rate by half a period,
-        under steady work only: where work ended since the previous read, the joules fall short
-        because the power fell (a burst's end, tests/test_energy_bursts.py). Only that one step, never a later one: a phase that is late is the bracket's to correct."""
-        self._joules_placed_t = None
-        if self._phase_t is None or self._seen_step_t is None:
+        joules read fall half a period short of that many periods, at the previous read's rate
+        and at the power read now alike (a power that fell since would fall short too), over at
+        most two periods, under steady work only (where work ended since the previous read, the
+        joules fall short because the power fell: a burst's end, tests/test_energy_bursts.py).
+        Only that one step, never a later one: a phase that is late is the bracket's to correct."""
+        if self._phase_t is None or self._seen_step_t is None or p is None:
             return None
         T, tol = self.period, self._phase_tol_s(now.end_s)
         k0 = round((self._seen_step_t - self._phase_t) / T)
         n = self._period_index(now.end_s) - k0  # by time: every step the phase puts before the return
         sure = self._period_index(now.start_s - tol) - k0  # steps surely before the value was taken
         last_t = self._phase_t + (k0 + n) * T
-        if n > max(1, sure) and last_t > now.start_s - tol and self._steady_work(now) and d_j < (n - 0.5) * self._rate_w * T:
+        if not (max(1, sure) < n <= 2 and last_t > now.start_s - tol and self._steady_work(now)):
+            return None
+        if d_j < (n - 0.5) * min(self._rate_w, p) * T:
             self._joules_placed_t = last_t - T
             return n - 1
         return None
@@ -557,9 +560,12 @@ class NvmlEnergyMeter(EnergyMeter):
         # last step in, moved into that bracket.
         # The one before ``last`` too: a read just past a step the phase expects (a phase a few ms
         # early) whose value did not change still holds the bracket's step, not the bracket's end.
-        # Distances within the phase's tolerance are none (a bracket one period wide can hold two).
-        last, tol = t - (t - self._phase_t) % T, self._phase_tol_s(t)
-        step = min((last, last + T, last - T), key=lambda c: max(0.0, abs(c - min(max(c, lo), hi)) - tol))
+        last = t - (t - self._phase_t) % T
+        if last > hi + self._phase_tol_s(t):
+            # A read past a step the phase expects whose value has not changed since ``hi`` (a
+            # phase a few ms early) still holds the bracket's step, not the bracket's end.
+            return t - min(max(last - T, lo), hi)
+        step = last if abs(last - min(max(last, lo), hi)) <= abs(last + T - min(max(last + T, lo), hi)) else last + T
         return t - min(max(step, lo), hi)
 
     def sync_counter_phase(self, poll_s: float = 0.001, sleep: Callable[[float], None] = time.sleep) -> bool:
@@ -621,11 +627,12 @@ class NvmlEnergyMeter(EnergyMeter):
         self.sync_due = self.clock() + min(self.sync_every_s, 0.25 * T / self.period_sigma_s * T)
         return True
 
-    def _step(self, now_mj: int, t: float, t_call: float) -> None:
+    def _step(self, now_mj: int, t: float, t_call: float, p: float | None = None) -> None:
         d = now_mj - self._last_mj
         now = _ReadSpan(min(t_call, t), t)
         self._observe_update(self._read_span, now, d != 0)
-        placed = self._place_step(now, d / 1000.0) if d != 0 else None
+        if d != 0:
+            self._joules_placed_t = None  # a new step: time places it unless _place_step does
         dt = max(t - self._t_read, 0.0)
         limit_mj = MAX_PLAUSIBLE_W * (dt + 2 * self.period) * 1000.0
         bridge = (self._power or 0.0) * dt * 1000.0
@@ -664,7 +671,7 @@ class NvmlEnergyMeter(EnergyMeter):
             self._acc_mj += d
             if d > 0:
                 # The steps between the two reads: as placed, by the learnt phase, else by the elapsed time.
-                steps = placed or self._steps_between(self._t_read, t)
+                steps = self._place_step(now, d / 1000.0, p) or self._steps_between(self._t_read, t)
                 # Only a single period's: an average over several spans whatever load changes lay
                 # between the reads (a burst and the idle after it), which is no guess for the next.
                 self._step_avg_w = d / 1000.0 / (steps * self.period) if steps == 1 else None
@@ -685,7 +692,7 @@ class NvmlEnergyMeter(EnergyMeter):
             t = self.clock()
             p = self._read_power() if self.interpolate else self._power
             stepped = now != self._last_mj
-            self._step(now, t, t_call)
+            self._step(now, t, t_call, p)
             before = self._reported
             self._reported = max(before, self._estimate_j(t, p))
             c_j, t_u = self._acc_mj / 1000.0 - self._offset_j, t - self._since_update(t)
