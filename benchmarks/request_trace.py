@@ -39,7 +39,10 @@ class Finished:
 
 def segment_lines(raw: dict, segment: int) -> dict[str, float]:
     """``request id -> J`` of one request-energy segment of an h200_defaults raw file."""
-    runs = raw["servers"][0].get("reqenergy_runs") or []
+    servers = raw.get("servers") or []
+    if not servers:
+        raise ValueError("the run file has no server: pass the defaults-*.json of an h200_defaults run")
+    runs = servers[0].get("reqenergy_runs") or []
     if not 0 <= segment < len(runs):
         raise ValueError(f"--segment {segment}: the file has {len(runs)} request-energy segment(s)")
     return {x["request_id"]: x["energy_j"] for x in runs[segment]["lines"] if x.get("energy_j") is not None}
@@ -116,8 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--server", help="the server's label in the tarball (default: the first with a trace)")
     ap.add_argument("--top", type=int, default=3, help="lowest and highest requests shown tick by tick")
     a = ap.parse_args(argv)
+    lines = trace_lines(a.trace, a.server)  # the trace first: its path is the first argument
     energy_j = segment_lines(json.loads(a.raw.read_text()), a.segment)
-    print(report(trace_lines(a.trace, a.server), energy_j, a.top))
+    print(report(lines, energy_j, a.top))
     return 0
 
 

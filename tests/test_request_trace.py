@@ -44,4 +44,6 @@ def test_a_trace_without_request_gains_says_so_and_a_missing_segment_is_one_line
     assert "carry no request_j" in out and "gain +" not in out
     with pytest.raises(ValueError, match="--segment 3: the file has 1 request-energy segment"):
         rt.segment_lines(raw, 3)
+    with pytest.raises(ValueError, match="the run file has no server"):
+        rt.segment_lines({"servers": []}, 0)
     assert json.loads(tick_line(TickRecord(0.0, 0.1, 1.0, 0.1, 0.0, 0.0, 0.0, [])))["tick"]["request_j"] == {}
