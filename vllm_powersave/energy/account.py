@@ -956,10 +956,10 @@ class PhaseEnergyAccount:
         # draws power there (a simulated GPU does not: its steps cost their modelled work only).
         priced_s = quiet_s if getattr(self.meter, "powered_between_steps", True) else idle_s
         if busy_s > 0 and priced_s > 0 and idle_w is not None:
-            avg_w = d_e / (busy_s + priced_s)
-            rest_s = self._rest_after_work_s(pieces, span_s, avg_w) if d_e > 0 else 0.0
-            if rest_s > 0:
-                return self._steps_then_rest_rates(pieces, d_e, priced_s, rest_s, idle_w, priced_s == quiet_s)
+            rest_s = self._rest_after_work_s(pieces, span_s) if d_e > 0 else 0.0
+            rest_w = self._tick_rest_w(idle_w, rest_s, d_e / (busy_s + priced_s))
+            if rest_s > 0 and rest_w > idle_w:
+                return self._steps_then_rest_rates(pieces, d_e, priced_s, rest_s, rest_w, idle_w, priced_s == quiet_s)
             quiet_w = min(idle_w, d_e / priced_s) if d_e > 0 else d_e / (busy_s + priced_s)
             busy_w = (d_e - quiet_w * priced_s) / busy_s
         elif busy_s + priced_s > 0:
@@ -980,16 +980,12 @@ class PhaseEnergyAccount:
         until one is measured (unlike :meth:`_rest_power_w`, the instant reading)."""
         return idle_w if self.rest_power_w is None else max(idle_w, self.rest_power_w)
 
-    def _rest_after_work_s(self, pieces: TickPieces, span_s: float, avg_w: float) -> float:
-        """Seconds of the tick's idle after its last work (vLLM's drain), where the rest there
-        has a price above the idle power (:meth:`_tick_rest_w`); 0 otherwise."""
-        if self.idle_power_w is None:
-            return 0.0
+    def _rest_after_work_s(self, pieces: TickPieces, span_s: float) -> float:
+        """Seconds of the tick's idle after its last work (vLLM's drain); 0 where it has none."""
         ends = [b for _, b in pieces.busy_spans if math.isfinite(b)]
         if not ends or pieces.idle_s <= 0:
             return 0.0
-        rest_s = min(pieces.idle_s, max(0.0, self._t + span_s - max(ends)))
-        return rest_s if self._tick_rest_w(self.idle_power_w, rest_s, avg_w) > self.idle_power_w else 0.0
+        return min(pieces.idle_s, max(0.0, self._t + span_s - max(ends)))
 
     def _tick_rest_w(self, idle_w: float, rest_s: float, avg_w: float) -> float:
         """The price of a tick's ``rest_s`` seconds of rest after the drain: the learnt rest power;
@@ -1003,16 +999,15 @@ class PhaseEnergyAccount:
         return max(idle_w, min(self._rest_power_w(idle_w), avg_w))
 
     def _steps_then_rest_rates(
-        self, pieces: TickPieces, d_e: float, priced_s: float, rest_s: float, idle_w: float, gaps_priced: bool
+        self, pieces: TickPieces, d_e: float, priced_s: float, rest_s: float, rest_w: float, idle_w: float, gaps_priced: bool
     ) -> _Rates:
         """A tick of steps whose idle follows vLLM's drain: that idle is the GPU's rest after the
-        work, priced at the learnt rest power (``rest_s`` of it; any idle before the work at the
+        work, priced at ``rest_w`` (:meth:`_tick_rest_w`; ``rest_s`` of it; any idle before the work at the
         idle power), the gaps after steps at the idle power, the steps the remainder; the quiet
         time never more than the tick's joules. At the idle price a tick that came 0.125 s after
         the drain gave the steps the rest's excess: a prefill burst booked 1.07 (H100-shaped fake,
         tests/test_energy_bursts_h200.py)."""
         idle_s, busy_s = pieces.idle_s, pieces.busy_s
-        rest_w = self._tick_rest_w(idle_w, rest_s, d_e / (busy_s + priced_s))
         idle_j = rest_w * rest_s + idle_w * (idle_s - rest_s)
         gap_j = idle_w * (priced_s - idle_s) if gaps_priced else 0.0
         f = min(1.0, d_e / (idle_j + gap_j)) if idle_j + gap_j > 0 else 1.0

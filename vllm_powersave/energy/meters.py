@@ -558,8 +558,6 @@ class NvmlEnergyMeter(EnergyMeter):
         # would count a whole period twice (a step already in the counter, and the phase's ~T
         # since it) or not at all. So the phase's step nearest to the bracket the reads saw the
         # last step in, moved into that bracket.
-        # The one before ``last`` too: a read just past a step the phase expects (a phase a few ms
-        # early) whose value did not change still holds the bracket's step, not the bracket's end.
         last = t - (t - self._phase_t) % T
         if last > hi + self._phase_tol_s(t):
             # A read past a step the phase expects whose value has not changed since ``hi`` (a
