@@ -797,6 +797,18 @@ def test_a_raw_counter_meter_reports_no_instant_power_with_its_reads():
     assert live.last_power_w == pytest.approx(120.0)
 
 
+#: The account's hint of work throughout (the meter's reads under a steady batch).
+_BUSY = LoadHint(((0.0, math.inf),), 70.0, None, 0.5, None)
+
+
+def _synced_meter(gpu, clock):
+    """A meter on ``gpu`` from 0.5 s, its counter's phase learnt by a sync."""
+    clock.t = 0.5
+    meter = NvmlEnergyMeter(NvmlGpu(gpu, 0, "GPU-x"), clock=clock, counter_period_s=0.1)
+    assert meter.sync_counter_phase(sleep=lambda s: setattr(clock, "t", clock.t + s))
+    return meter
+
+
 def test_a_read_between_an_early_phases_step_and_the_counters_places_the_step_it_saw():
     """Requests finishing every 100 ms put reads in step with a 100 ms counter (1024 / 32 prompts at
     10 req/s, H100 step trace, docs/results/h200-request-energy.md). With the learnt phase 2 ms early
@@ -806,26 +818,19 @@ def test_a_read_between_an_early_phases_step_and_the_counters_places_the_step_it
     and 1.39 of the median. Which step a read saw is now decided by the joules it saw."""
     clock = Clock()
     gpu = CounterGpu(clock, [(0.0, 400.0)], period=0.1, phase=0.037)
-
-    def sleep(s):
-        clock.t += s
-
-    clock.t = 0.5
-    meter = NvmlEnergyMeter(NvmlGpu(gpu, 0, "GPU-x"), clock=clock, counter_period_s=0.1)
-    assert meter.sync_counter_phase(sleep=sleep)
+    meter = _synced_meter(gpu, clock)
     meter._phase_t -= 0.002  # noqa: SLF001 - the learnt phase, made early on purpose
     k = math.ceil((clock.t - 0.037) / 0.1) + 1
     clock.t = 0.037 + (k - 1) * 0.1 + 0.05  # a read mid-period places the step it holds by time
     meter.energy_j()
     reads = []
-    busy = LoadHint(((0.0, math.inf),), 70.0, None, 0.5, None)  # the account's hint: work throughout
     for i in range(30):  # reads 1 ms after the early phase's steps, a few also 40 ms after
         clock.t = 0.037 + (k + i) * 0.1 - 0.002 + 0.001
-        meter.hint_load(busy)
+        meter.hint_load(_BUSY)
         reads.append((clock.t, meter.energy_j()))
         if i % 3 == 0:
             clock.t += 0.04
-            meter.hint_load(busy)
+            meter.hint_load(_BUSY)
             reads.append((clock.t, meter.energy_j()))
     steps = meter.drain_counter_steps()
     assert meter.phase_losses == 0 and len(steps) >= 28
@@ -842,9 +847,7 @@ def test_the_ticks_request_gains_sum_to_each_requests_figure():
     it, and a tick's line carries them."""
     clock = Clock()
     gpu = CounterGpu(clock, [(0.0, 300.0), (1.0, 500.0)], period=0.1, phase=0.037)
-    clock.t = 0.5
-    meter = NvmlEnergyMeter(NvmlGpu(gpu, 0, "GPU-x"), clock=clock, counter_period_s=0.1)
-    assert meter.sync_counter_phase(sleep=lambda s: setattr(clock, "t", clock.t + s))
+    meter = _synced_meter(gpu, clock)
     ticks, done = [], {}
     acc = PhaseEnergyAccount(
         meter, idle_after_s=0.25, clock=clock, per_request=True, on_tick=ticks.append, on_request_done=done.__setitem__
@@ -872,10 +875,10 @@ def test_the_ticks_request_gains_sum_to_each_requests_figure():
 def _busy_reads(meter, clock, gpu, times):
     """Reads at ``times`` under the account's hint of work throughout: each one's error against the
     truth since the first (J)."""
-    busy, out = LoadHint(((0.0, math.inf),), 70.0, None, 0.5, None), []
+    out = []
     for t in times:
         clock.t = t
-        meter.hint_load(busy)
+        meter.hint_load(_BUSY)
         out.append((meter.energy_j(), gpu.true_j(t)))
     return [(e - out[0][0]) - (j - out[0][1]) for e, j in out]
 
@@ -887,9 +890,7 @@ def test_a_read_just_after_a_step_with_a_late_phase_counts_its_period_once(late_
     bracket took the one before it and counted a period twice (+39 J)."""
     clock = Clock()
     gpu = CounterGpu(clock, [(0.0, 400.0)], period=0.1, phase=0.037)
-    clock.t = 0.5
-    meter = NvmlEnergyMeter(NvmlGpu(gpu, 0, "GPU-x"), clock=clock, counter_period_s=0.1)
-    assert meter.sync_counter_phase(sleep=lambda s: setattr(clock, "t", clock.t + s))
+    meter = _synced_meter(gpu, clock)
     meter._phase_t = 0.037 + late_s  # noqa: SLF001 - the learnt phase, made late on purpose
     k = math.ceil((clock.t - 0.037) / 0.1)
     errors = _busy_reads(meter, clock, gpu, [0.037 + k * 0.1 + dt for dt in (0.05, 0.1035, 0.2007, 0.25)])
@@ -908,9 +909,7 @@ def test_a_power_drop_or_a_counter_wrap_at_a_read_after_a_step_counts_no_period_
     if wrap:  # the 32-bit counter wraps at the 1.037 s step
         base = (1 << 32) - 20_000 - int(round(gpu.true_j(0.937) * 1000))
         gpu.raw_mj = lambda: (base + int(round(gpu.true_j(0.037 + math.floor((clock.t - 0.037) / 0.1) * 0.1) * 1000))) % (1 << 32)
-    clock.t = 0.5
-    meter = NvmlEnergyMeter(NvmlGpu(gpu, 0, "GPU-x"), clock=clock, counter_period_s=0.1)
-    assert meter.sync_counter_phase(sleep=lambda s: setattr(clock, "t", clock.t + s))
+    meter = _synced_meter(gpu, clock)
     times = [0.887, 1.038, 1.087, 1.187] if wrap else [1.087, 1.137, 1.187, 1.338, 1.388, 1.487, 1.9]
     errors = _busy_reads(meter, clock, gpu, times)
     assert max(abs(x) for x in errors) < 1.0, errors
