@@ -271,9 +271,10 @@ def tick_line(tick: Any) -> str:
     learnt rest power (W) and the counter steps its reads saw (``counter_steps``: each step's time,
     jump and the span it closes, docs/request-energy.md), so that a trace shows where a burst's
     joules went; and what each request in flight gained in it (``request_j``: id -> J), so that a
-    trace shows which ticks made a request's figure."""
+    trace shows which ticks made a request's figure; and how long after the tick began its read's
+    value was taken (``read_lag_s``; ``t1_s`` is that time)."""
     d = tick._asdict()
-    for k in ("t0_s", "t1_s", "energy_j", "busy_s", "gap_s", "idle_s", "idle_j", "booked_back_j"):
+    for k in ("t0_s", "t1_s", "energy_j", "busy_s", "gap_s", "idle_s", "idle_j", "booked_back_j", "read_lag_s"):
         d[k] = round(d[k], 6)
     for k in ("power_w", "rest_power_w"):
         d[k] = None if d.get(k) is None else round(d[k], 1)

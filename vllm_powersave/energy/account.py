@@ -77,6 +77,9 @@ _REST_HOLDS_MAX = 8
 #: 1.5-2.1 s the H100 held ~121 W after any request (docs/results/h200-request-energy.md), and
 #: past the counter period and a late tick that can hold the work's last sliver.
 REST_PRICE_S = 0.5
+#: A meter's read returning later than this after the tick began, or an event stamped this far
+#: after the read, is on another clock (a test's), not late: the tick's own time stands (s).
+_READ_LAG_MAX_S = 1.0
 #: Before a rest power is learnt, the instant reading prices the rest after the drain only where
 #: the tick came this long after it (s): the reading lags the falling power by tens of ms
 #: (docs/results/h200-energy-meter.md), so this late it reads near the rest power, and sooner it
@@ -110,6 +113,9 @@ class TickRecord(NamedTuple):
     #: the counter steps booked back over its periods; negative where a jump took some back): a
     #: request's figure is the sum over the ticks, so a trace shows which ticks made an outlier.
     request_j: tuple = ()
+    #: How long after the tick began the meter's value was taken (s; ``t1_s`` is that time):
+    #: :meth:`PhaseEnergyAccount._read_time`.
+    read_lag_s: float = 0.0
 
 
 class StepEvent(NamedTuple):
@@ -358,9 +364,11 @@ class _IntervalWalk:
         self.spans: list[tuple[float, float]] = []  # TickPieces.busy_spans
 
     def walk(self, events: deque[StepEvent], t_now: float) -> TickPieces:
-        """Consume ``events`` and close the interval at ``t_now``."""
+        """Consume ``events`` up to ``t_now`` and close the interval there."""
         pop = events.popleft
         while events:
+            if t_now < events[0].t_s < t_now + _READ_LAG_MAX_S:
+                break  # the engine went on while the meter was read: the next tick's
             te, ev, ev_req, ev_fin, ev_steady, ev_ctx = pop()
             if te < self.t:  # noqa: PLR1730 - te = max(te, t) without the call
                 te = self.t
@@ -383,8 +391,10 @@ class _IntervalWalk:
             if ev_fin:
                 self.finished.extend(ev_fin)  # type: ignore[arg-type]
         self._close(t_now)
-        busy_s = sum(b[0] for b in self.busy)
-        quiet_s = self.idle_s + sum(g[0] for g in self.gaps)
+        # The open gap after a step still running on the GPU is work (_price), not quiet time.
+        running_s = sum(g.seconds for g in self.gaps if self.runs_on(g))
+        busy_s = sum(b[0] for b in self.busy) + running_s
+        quiet_s = self.idle_s + sum(g[0] for g in self.gaps) - running_s
         return TickPieces(
             self.busy,
             self.gaps,
@@ -398,6 +408,16 @@ class _IntervalWalk:
             self.phase,
             tuple(self.spans),
         )
+
+    def runs_on(self, gap: GapPiece) -> bool:
+        """Whether ``gap`` is the open gap after the step launched last while the GPU runs ahead
+        of the host (vLLM's async scheduling): the GPU still runs that step there, so it is
+        priced as work. At the idle price, a tick that ended in it (a read returning
+        milliseconds after the tick began lands there about a quarter of the time: host gaps of
+        ~1.3 ms between ~3.5 ms host spans in the H100 step trace, docs/results/
+        h200-request-energy.md) gave those milliseconds' energy to the other steps of the tick.
+        Whose it is stays pending: the step's requests if another step follows, else the tail."""
+        return self.gpu_runs_ahead and gap.to == "pending"
 
     def cursor(self, t_now: float) -> _Cursor:
         """The account's cursor after the walk closed the interval at ``t_now``."""
@@ -646,25 +666,44 @@ class PhaseEnergyAccount:
 
     # -- background ----------------------------------------------------------------------------
     def tick(self) -> None:
-        """Read the meter once and attribute the energy since the previous tick to phases and requests."""
+        """Read the meter once and attribute the energy since the previous tick to phases and
+        requests, up to when the meter's value was taken (:meth:`_read_time`)."""
         if self.feed is not None:
             self.feed()
         with self._lock:
-            t_now = self.clock()
+            t_call = self.clock()
+            # What the meter is told before its read: the steps so far, walked on a copy (the
+            # events stay for the walk up to the read's time).
+            ahead = _IntervalWalk(self._state, self.idle_after_s, self.gpu_runs_ahead, self._pending_j > 0, None)
+            ahead_idle_s = ahead.walk(deque(self._events), t_call).idle_s
+            if ahead_idle_s > 0:
+                self.meter.on_idle(ahead_idle_s)  # a simulated meter adds idle power for it
+            self._hint_load(ahead, t_call)
+            e_now = self.meter.energy_j() if self.available else None
+            t_now = self._read_time(t_call)
             walk = _IntervalWalk(self._state, self.idle_after_s, self.gpu_runs_ahead, self._pending_j > 0, self.busy)
             pieces = walk.walk(self._events, t_now)
-            if pieces.idle_s > 0:
-                self.meter.on_idle(pieces.idle_s)  # a simulated meter adds idle power for it
-            self._hint_load(walk, t_now)
-            e_now = self.meter.energy_j() if self.available else None
             if e_now is None:
                 self._stop_attribution(pieces, t_now, walk.cursor(t_now))
                 return
-            self._attribute(pieces, t_now, e_now)
+            self._attribute(pieces, t_now, e_now, t_now - t_call)
             self._state = walk.cursor(t_now)
             self._window.append(_WindowSample(t_now, self.total_j(), self.tokens["prefill"], self.tokens["decode"]))
             while len(self._window) > 2 and t_now - self._window[1].t_s >= self.window_s:
                 self._window.popleft()
+
+    def _read_time(self, t_call: float) -> float:
+        """Where the tick's span ends: when the meter's value was taken (``read_t_s``), which
+        under load came 4-14 ms after the tick began at ``t_call``, the longest just after the
+        counter's update. Priced over the span up to
+        ``t_call``, a value read later gave that tick the milliseconds after it and the next tick
+        too little: 0.96-1.06 of the median by where a prompt fell against the counter's step
+        (H100 step trace, docs/results/h200-request-energy.md). A read time before ``t_call`` or
+        more than :data:`_READ_LAG_MAX_S` after it is another clock's: ``t_call`` then."""
+        t_read = getattr(self.meter, "read_t_s", None)
+        if t_read is None or not t_call <= t_read <= t_call + _READ_LAG_MAX_S:
+            return t_call
+        return t_read
 
     def _hint_load(self, walk: _IntervalWalk, t_now: float) -> None:
         """Tell the meter when the steps ran over the last counter periods, and the idle power
@@ -712,9 +751,10 @@ class PhaseEnergyAccount:
         self._t = t_now
         self._state = state
 
-    def _attribute(self, pieces: TickPieces, t_now: float, e_now: float) -> None:
+    def _attribute(self, pieces: TickPieces, t_now: float, e_now: float, read_lag_s: float = 0.0) -> None:
         """Split the meter's joules since the last tick over ``pieces``, book the counter steps back
-        over the periods they close, and report the requests the tick made final."""
+        over the periods they close, and report the requests the tick made final (``read_lag_s``:
+        for the trace)."""
         d_e = e_now - self._e
         period_s = getattr(self.meter, "counter_period_s", 0.0)
         if not 0.0 < period_s < math.inf:  # no period to book over (and none to keep ticks for)
@@ -753,7 +793,7 @@ class PhaseEnergyAccount:
             gap_s = pieces.quiet_s - pieces.idle_s
             self.on_tick(
                 TickRecord(self._t, t_now, d_e, pieces.busy_s, gap_s, pieces.idle_s, idle_j, done, back_j,
-                           self._instant_power_w(), self.rest_power_w, tuple(drained), gained)
+                           self._instant_power_w(), self.rest_power_w, tuple(drained), gained, read_lag_s)
             )  # fmt: skip
         self._t, self._e = t_now, e_now
 
@@ -934,7 +974,7 @@ class PhaseEnergyAccount:
                 self.tail_j += j
                 _add(book, "tail", j)
         for seconds, ph, req, ctx, steady, to in pieces.gaps:
-            j = rates.gap_w * seconds
+            j = (rates.busy_w if to == "pending" and self.gpu_runs_ahead else rates.gap_w) * seconds  # _IntervalWalk.runs_on
             self._book_phase(ph, seconds, j, steady, book)
             if not self.per_request:
                 continue

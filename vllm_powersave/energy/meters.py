@@ -209,6 +209,12 @@ class EnergyMeter(ABC):
         """Seconds between counter steps; 0 for meters whose reads are exact at any time."""
         return 0.0
 
+    @property
+    def read_t_s(self) -> float | None:
+        """When the last :meth:`energy_j` value was taken (the meter's clock, s): the energy up to
+        then. ``None`` where it is the time of the call (no read that takes time)."""
+        return None
+
     def drain_counter_steps(self) -> list[CounterStep]:
         """The counter steps seen by reads since the last call (oldest first); none for meters
         without a stepping counter."""
@@ -718,6 +724,12 @@ class NvmlEnergyMeter(EnergyMeter):
     @property
     def counter_period_s(self) -> float:
         return self.period
+
+    @property
+    def read_t_s(self) -> float | None:
+        # The value is the counter extended to the NVML call's return (_estimate_j at that t),
+        # which under load comes 4-14 ms after the caller asked (docs/request-energy.md).
+        return self._t_out
 
     @property
     def crosscheck(self) -> EnergyCrossCheck:
