@@ -8,8 +8,9 @@ made them final ended) over their median; that spread by where each request fini
 counter's period (reads in step with the counter show as a slope across the bins, docs/
 request-energy.md, placing a step); and for the ``--top`` lowest and highest requests each tick
 that gave them joules: its span, joules, what the request gained there, and the counter steps its
-reads saw. The per-tick gains need tick lines with ``request_j`` (written since the account
-reports them); without them the ticks are not listed. It reads the files only.
+reads saw; and how late the ticks' counter reads came (``read_lag_s``). The per-tick gains need
+tick lines with ``request_j`` (written since the account reports them); without them the ticks are
+not listed. It reads the files only.
 """
 
 from __future__ import annotations
@@ -74,6 +75,19 @@ def by_period_phase(rows: list[Finished], step_times: list[float]) -> list[str]:
     return out
 
 
+def read_lags(rows: list[Finished], ticks: list[dict]) -> list[str]:
+    """How late the ticks' counter reads came over the steady requests' span (``read_lag_s``,
+    written since a tick ends at its read: docs/request-energy.md); none for older traces."""
+    t0, t1 = min(f.t_s for f in rows), max(f.t_s for f in rows)
+    lags = sorted(1000.0 * t["read_lag_s"] for t in ticks if "read_lag_s" in t and t0 <= t["t1_s"] <= t1)
+    if not lags:
+        return []
+    n = len(lags)
+    return [
+        f"counter reads after their tick began ({n} ticks): p50 {lags[n // 2]:.1f} ms  p95 {lags[max(0, int(0.95 * n) - 1)]:.1f} ms  max {lags[-1]:.1f} ms"
+    ]
+
+
 def request_ticks(request_id: str, ticks: list[dict]) -> list[str]:
     """The ticks that gave ``request_id`` joules, with the counter steps their reads saw."""
     out = []
@@ -99,6 +113,7 @@ def report(lines: list[dict], energy_j: dict[str, float], top: int) -> str:
         f"min {ratios[0]:.3f}  max {ratios[-1]:.3f}",
         "by the time since the counter's last step when the request was made final:",
         *by_period_phase(rows, sorted(c["t_s"] for t in ticks for c in t.get("counter_steps") or ())),
+        *read_lags(rows, ticks),
     ]
     has_gains = any(t.get("request_j") for t in ticks)
     ranked = sorted(rows, key=lambda f: f.ratio)
