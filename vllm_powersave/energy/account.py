@@ -5,11 +5,13 @@ milliseconds (measured on the H200 test machine: two queries per step made vLLM 
 small batches). So the hook only timestamps steps; a background ``tick()`` (every ~0.1-0.25 s)
 reads the meter once and splits the energy of the interval since the previous tick over phases.
 
-Method (per tick interval ``[t_prev, t_now]``): each step owns the time from its start to its end
-(busy); the gap from its end to the next step's start is quiet time in the step's phase, except that
-a gap longer than ``idle_after_s`` is idle; intervals with no step at all are idle. Under vLLM's
-async scheduling on a GPU (``gpu_runs_ahead``) the GPU runs a step in the gap after its host end, so
-a gap the next step follows is busy time of the step. The interval's
+Method (per tick interval ``[t_prev, t_now]``, ``t_now`` when the meter's value was taken, which
+under load is milliseconds after the tick began: :meth:`PhaseEnergyAccount._read_time`): each step
+owns the time from its start to its end (busy); the gap from its end to the next step's start is
+quiet time in the step's phase, except that a gap longer than ``idle_after_s`` is idle; intervals
+with no step at all are idle. Under vLLM's async scheduling on a GPU (``gpu_runs_ahead``) the GPU
+runs a step in the gap after its host end, so a gap the next step follows is busy time of the step,
+and so is the open gap after the step launched last. The interval's
 energy is split over these pieces: quiet time (idle and gaps) is priced at the idle power the
 counter showed over recent intervals of idle only (a moving average; never more than the interval's
 energy), and the steps share the rest in proportion to their time. (Gaps only where the meter's GPU
