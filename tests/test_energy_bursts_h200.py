@@ -27,6 +27,7 @@ from fakes import Clock, FakeNvmlDevices, NVMLError
 
 from vllm_powersave.device import NvmlGpu
 from vllm_powersave.energy import NvmlEnergyMeter, PhaseEnergyAccount
+from vllm_powersave.energy.meters import LoadHint
 
 
 @dataclass(frozen=True, slots=True)
@@ -412,3 +413,65 @@ def test_a_servers_first_burst_prices_a_late_ticks_rest_at_the_settled_instant_r
     firsts = [burst_ratios(seed, replace(H100, late_flush_s=late_s))[0] for seed in range(40)]
     assert sum(abs(x - 1) > 0.05 for x in firsts) <= 13, firsts
     assert 0.95 <= min(firsts) and max(firsts) <= 1.12, firsts
+
+
+class LateReturnGpu(BurstGpu):
+    """The counter's value is taken when a read is called; the call returns 3 ms later."""
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, h):
+        mj = super().nvmlDeviceGetTotalEnergyConsumption(h)
+        self.clock.t += 0.003
+        return mj
+
+
+def test_a_read_taken_before_the_counter_stepped_but_returning_after_it_teaches_no_rest_power():
+    """After a burst the GPU rests at 120 W. One read is called 1 ms before the counter's update
+    and returns 2 ms after it, with the value from before: taken as having seen the step, it left
+    the step for the next read, as a span of 2 ms holding the period's 12 J. Learnt from that span,
+    the rest power read 23,471 W on an H100 (docs/results/h200-request-energy.md), and the meter
+    then extended every quiet read at it. A span that short is no counter period."""
+    clock = Clock()
+    gpu = LateReturnGpu(clock, [2.0], phase=0.03)
+    clock.t = 0.5
+    meter = NvmlEnergyMeter(NvmlGpu(gpu, 0, "GPU-h"), clock=clock)
+    acc = PhaseEnergyAccount(meter, idle_after_s=0.25, clock=clock, gpu_runs_ahead=True)
+    events = [(2.0, "step"), (2.045, "end"), (2.205, "fin")]
+    ticks = sorted({0.5 + 0.25 * k for k in range(1, 14) if k != 7} | {2.205, 2.225, 2.329, 2.4})
+
+    def sleep(s: float) -> None:
+        clock.t += s
+
+    for t in ticks:
+        clock.t = max(clock.t, t)
+        if clock.t >= meter.sync_due:
+            meter.sync_counter_phase(sleep=sleep)
+        while events and events[0][0] <= clock.t:
+            te, kind = events.pop(0)
+            if kind == "step":
+                acc.on_step("prefill", prefill_tokens=1900, req_tokens={"r": 1900}, t=te)
+            elif kind == "end":
+                acc.on_step_end(t=te)
+            else:
+                acc.on_finished(["r"], t=te)
+        acc.tick()
+    assert acc.rest_power_w is None or acc.rest_power_w < 200.0, acc.rest_power_w
+
+
+def test_a_quiet_price_above_the_power_limit_extends_the_counter_at_the_limit():
+    """The account hints the meter a rest price; one above the enforced power limit (700 W here)
+    is no rest, and the meter extends the counter at the limit at most (at 23,471 W a read 50 ms
+    after the counter's step returned 1,174 J more than the counter had)."""
+    clock = Clock()
+    gpu = BurstGpu(clock, [], phase=0.03)
+    clock.t = 0.5
+    meter = NvmlEnergyMeter(NvmlGpu(gpu, 0, "GPU-h"), clock=clock)
+
+    def sleep(s: float) -> None:
+        clock.t += s
+
+    assert meter.sync_counter_phase(sleep=sleep)
+    clock.t = 1.031  # just after the counter's step at 1.03
+    e0 = meter.energy_j()
+    meter.hint_load(LoadHint((), quiet_w=80.0, rest_w=23_470.9, rest_s=0.5, last_work_end_s=1.0))
+    clock.t = 1.081
+    assert meter.energy_j() - e0 <= 700.0 * 0.055  # ~52 ms since the counter stepped

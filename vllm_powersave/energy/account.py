@@ -909,12 +909,24 @@ class PhaseEnergyAccount:
         work comes. Returns the joules moved."""
         moved = 0.0
         work = self._recent_spans() + list(spans)
+        # A span shorter than half a counter period is no period: a read called before the
+        # counter's update and returning after it, taken as having seen that step, leaves it to the
+        # next read as a span of milliseconds holding the period's joules (23,471 W on an H100,
+        # docs/results/h200-request-energy.md).
+        min_span_s = 0.5 * getattr(self.meter, "counter_period_s", 0.0)
         for h in list(self._holds):
             end = h.split.end_s
             rest_w = None
             for c in drained:
                 a, t1, j = c.span_t0_s, c.t_s, c.span_j
-                if a is None or j is None or a < end or t1 - a <= 0 or any(_overlap(x, y, a, t1) > 0 for x, y in work):
+                if (
+                    a is None
+                    or j is None
+                    or a < end
+                    or t1 - a <= min_span_s
+                    or t1 - a <= 0
+                    or any(_overlap(x, y, a, t1) > 0 for x, y in work)
+                ):
                     continue
                 rest_w = j / (t1 - a)
             if rest_w is None:

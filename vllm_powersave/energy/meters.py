@@ -740,6 +740,13 @@ class NvmlEnergyMeter(EnergyMeter):
             ok = hint is not None and self.interpolate and math.isfinite(hint.quiet_w) and hint.quiet_w >= 0
             if ok and hint.rest_w is not None and not (math.isfinite(hint.rest_w) and hint.rest_w >= 0):  # type: ignore[union-attr]
                 hint = hint._replace(rest_w=None)  # type: ignore[union-attr]
+            if ok and self._limit_w is not None:
+                # Quiet power above the power limit is no rest: a rest price of 23,471 W extended
+                # every quiet read after it on an H100 (docs/results/h200-request-energy.md).
+                hint = hint._replace(  # type: ignore[union-attr]
+                    quiet_w=min(hint.quiet_w, self._limit_w),  # type: ignore[union-attr]
+                    rest_w=None if hint.rest_w is None else min(hint.rest_w, self._limit_w),  # type: ignore[union-attr]
+                )
             self._load = hint if ok else None
 
     def drain_counter_steps(self) -> list[CounterStep]:
