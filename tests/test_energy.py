@@ -841,6 +841,50 @@ def test_a_read_between_an_early_phases_step_and_the_counters_places_the_step_it
     assert all(b[1] - a[1] == pytest.approx(400.0 * (b[0] - a[0]), abs=2.0) for a, b in zip(reads, reads[1:]))
 
 
+class SlowReadGpu(CounterGpu):
+    """The counter's value is taken when a read is called; the call returns ``lag_s`` later."""
+
+    lag_s = 0.0
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, h):
+        mj = super().nvmlDeviceGetTotalEnergyConsumption(h)
+        self.clock.t += self.lag_s
+        return mj
+
+
+def test_a_read_whose_value_predates_the_step_it_returned_after_leaves_that_step_to_the_next_read():
+    """Requests finishing every 100 ms put reads in step with the counter (1024 / 32 prompts at
+    10 req/s), and under load a read returned 4-18 ms after its call (H100 step trace, 16:11Z,
+    docs/results/h200-request-energy.md). A read called 1 ms before the counter's update returns
+    after it with the value from before; the next read then sees that update. Bracketed after the
+    first read's return, the update was placed at the next read's return, next to the following
+    update: -48.8 J there, +50.2 J booked over the 2 ms to the next step, and the requests beside
+    read 0.64 and 1.36 of the median (-47.5 / +47.5 J in every other period here). The update lies
+    after the first read's call."""
+    clock = Clock()
+    gpu = SlowReadGpu(clock, [(0.0, 500.0)], period=0.1, phase=0.034)
+    meter = _synced_meter(gpu, clock)
+    k = math.ceil((clock.t - 0.034) / 0.1) + 1
+    clock.t = 0.034 + (k - 1) * 0.1 + 0.05  # a read mid-period places the step it holds by time
+    meter.energy_j()
+    reads = []
+    for i in range(20):
+        base = 0.034 + (k + i) * 0.1
+        # across the update, in every other period mid-period (the publisher's own ticks), and
+        # 2 ms before the next update
+        calls = (base - 0.001, base + 0.05, base + 0.094) if i % 2 else (base - 0.001, base + 0.094)
+        for call, lag in ((c, 0.004) for c in calls):
+            clock.t, gpu.lag_s = call, lag
+            meter.hint_load(_BUSY)
+            reads.append((clock.t + lag, meter.energy_j()))
+    steps = meter.drain_counter_steps()
+    assert meter.phase_losses == 0 and len(steps) >= 18
+    assert max(abs(s.jump_j) for s in steps[1:]) < 5.0, [round(s.jump_j, 1) for s in steps]
+    assert all(abs((s.t_s - 0.034) / 0.1 - round((s.t_s - 0.034) / 0.1)) < 0.03 for s in steps), [round(s.t_s, 4) for s in steps]
+    (t0, e0), (t1, e1) = reads[0], reads[-1]
+    assert e1 - e0 == pytest.approx(500.0 * (t1 - t0), abs=5.0)
+
+
 def test_the_ticks_request_gains_sum_to_each_requests_figure():
     """A trace decomposes a request's figure: what each request gained in each tick (its steps'
     pricing and the counter's jumps booked back over its periods) sums to the joules reported for

@@ -72,8 +72,8 @@ class CounterStep(NamedTuple):
 
 
 class _Bracket(NamedTuple):
-    """Where a counter step was seen: after the read at ``lo_s`` and at or before the read at
-    ``hi_s`` (the meter's clock, s)."""
+    """Where a counter step was seen: after ``lo_s`` (a read's call, or a poll's) and at or before
+    ``hi_s`` (the next read's return) (the meter's clock, s)."""
 
     lo_s: float
     hi_s: float
@@ -471,9 +471,14 @@ class NvmlEnergyMeter(EnergyMeter):
         was lost at each load's start and relearnt only seconds later (7 s of a 20 s segment in the
         H100 step trace, docs/results/h200-request-energy.md), with every jump left in its tick."""
         T = self.period
-        t_prev, t = prev.end_s, now.end_s
+        t = now.end_s
         if changed:
-            self._bracket = _Bracket(max(t_prev, t - T), t)
+            # After the previous value was taken, which may have been as early as that read's
+            # call: a read called just before the counter's update returned after it with the
+            # value from before, and bracketed from its return the update was placed a period
+            # late, at the next read (-48.8 J there, +50.2 J over the 2 ms to the next step: H100
+            # step trace, 16:11Z, docs/results/h200-request-energy.md).
+            self._bracket = _Bracket(max(prev.start_s, t - T), t)
         if self._phase_t is None:
             return
         # Poll resolution plus jitter, and how far the phase may have drifted since the sync that
