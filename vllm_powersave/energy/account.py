@@ -58,6 +58,7 @@ the total); ``busy_s`` sums the busy time of every tick (the denominator of the 
 from __future__ import annotations
 
 import math
+import statistics
 import threading
 import time
 from collections import deque
@@ -200,6 +201,9 @@ class TickPieces:
     #: When the GPU had work: ``(start, end)`` of each busy piece and of each gap between two
     #: steps while serving (the steps' clock, s).
     busy_spans: tuple = ()
+    #: The request tokens of the step that owns the time at the tick's end (it goes on in the
+    #: next tick); ``None`` where the time is idle or the batch drained.
+    open_req: dict | None = None
 
 
 class _Rates(NamedTuple):
@@ -337,6 +341,78 @@ class _StepWeights:
         return w
 
 
+class StepWait(NamedTuple):
+    """A step's wait in a tick (:class:`_HostWaits`): the share of its time there that was waiting,
+    and its requests' cost-model weights (seconds)."""
+
+    wait_share: float
+    weights: dict
+
+
+class _HostWaits:
+    """A step's time beyond its work: the engine thread stalled while the GPU waited for it
+    (docs/request-energy.md, "Host waits").
+
+    A step's joules are its time's (host start to the next step's start) at the tick's price, split
+    over its requests by their modelled work (:class:`.request_cost.RequestCostModel`). Where the
+    engine thread stalls, the step's time grows while the GPU, done with the step, waits: on an H100
+    the same 265-token prefill among 18 decodes took 9-24 ms of host time, and its request read
+    0.99 of the median at 9-12 ms and 1.18 at 21-24 ms (256 in / 64 out, 16:11Z step trace,
+    docs/results/h200-request-energy.md). The time beyond ``scale`` x the modelled step time is
+    waiting, which every request of the step did alike: its joules are split equally. ``scale``
+    is the median of complete steps' time over their modelled time (the device against the model's
+    ceilings: 1.25 for the H100's decode steps there, ~1.03 for those prefills), trusted once
+    :data:`MIN_STEPS` steps were seen. Only the split over requests changes: a step's joules, and
+    so its phase's, stay its time's."""
+
+    #: Complete steps seen before the scale is trusted, and the most kept.
+    MIN_STEPS = 32
+    MAX_STEPS = 256
+
+    __slots__ = ("ratios", "open_req", "open_s")
+
+    def __init__(self) -> None:
+        self.ratios: deque[float] = deque(maxlen=self.MAX_STEPS)
+        # The step still going on at the last tick's end, and its seconds up to then.
+        self.open_req: dict | None = None
+        self.open_s = 0.0
+
+    def scale(self) -> float | None:
+        if len(self.ratios) < self.MIN_STEPS:
+            return None
+        return statistics.median(self.ratios)
+
+    def waits(self, pieces: TickPieces, weights: _StepWeights, runs_ahead: bool) -> dict[int, StepWait]:
+        """``id(step's request tokens) -> StepWait`` for this tick's steps that waited; learns the
+        scale from the complete ones. A step's time: its busy pieces and, under ``runs_ahead``,
+        its open gap (the GPU runs the step there)."""
+        steps: dict[int, list] = {}
+        running = [g for g in pieces.gaps if runs_ahead and g.to == "pending"]
+        for piece in (*pieces.busy, *running):
+            if piece.req_tokens and piece.req_ctx is not None:
+                entry = steps.setdefault(id(piece.req_tokens), [piece.req_tokens, piece.req_ctx, 0.0])
+                entry[2] += piece.seconds
+        k, out = self.scale(), {}
+        open_req, open_s = None, 0.0
+        for key, (req, ctx, seconds) in steps.items():
+            w = weights(req, ctx)
+            model_s = sum(w.values()) if w else 0.0
+            prior_s = self.open_s if req is self.open_req else 0.0
+            total_s = prior_s + seconds
+            if req is pieces.open_req:
+                open_req, open_s = req, total_s
+            elif model_s > 0:
+                self.ratios.append(total_s / model_s)
+            if k is None or model_s <= 0 or seconds <= 0:
+                continue
+            work_s = k * model_s
+            wait_s = max(0.0, total_s - work_s) - max(0.0, prior_s - work_s)
+            if wait_s > 0:
+                out[key] = StepWait(min(1.0, wait_s / seconds), w)
+        self.open_req, self.open_s = open_req, open_s
+        return out
+
+
 class _IntervalWalk:
     """Cuts a tick's interval into :class:`TickPieces` by walking the step events from the
     account's cursor: each step owns the time from its start to its end (busy), the gap after its
@@ -409,6 +485,7 @@ class _IntervalWalk:
             self.finished,
             self.phase,
             tuple(self.spans),
+            self.req if self.phase != "idle" and not self.drained else None,
         )
 
     def runs_on(self, gap: GapPiece) -> bool:
@@ -586,6 +663,7 @@ class PhaseEnergyAccount:
         self.finished_request_j = 0.0
         self.finished_requests = 0
         self.cost = cost
+        self._host_waits = _HostWaits()  # a step's time beyond its work, split equally
         #: Energy of non-idle time charged to no request (module docstring: the tail).
         self.tail_j = 0.0
         #: Energy of the gap after the last step while it is open: to its step's requests if the
@@ -979,11 +1057,18 @@ class PhaseEnergyAccount:
             self.time_s["idle"] += idle_s
             _add(book, "idle", rates.quiet_w * idle_s)
         weights = _StepWeights(self.cost)  # a step's busy piece and its gap share one weighting
+        waits: dict[int, StepWait] = {}
         if self.per_request:
             self._settle_pending(pieces, weights)
+            if self.cost is not None:
+                waits = self._host_waits.waits(pieces, weights, self.gpu_runs_ahead)
         for seconds, ph, req, ctx, steady in pieces.busy:
             j = rates.busy_w * seconds
             self._book_phase(ph, seconds, j, steady, book)
+            wait = waits.get(id(req))
+            if wait is not None:  # the waiting share to all its requests alike
+                self._share_wait(j * wait.wait_share, wait, book)
+                j *= 1.0 - wait.wait_share
             if self.per_request and not self._share(self.request_j, j, weights(req, ctx), book):
                 self.tail_j += j
                 _add(book, "tail", j)
@@ -999,6 +1084,12 @@ class PhaseEnergyAccount:
                 self.tail_j += j
                 _add(book, "tail", j)
         return rates.quiet_w * idle_s if idle_s > 0 else 0.0
+
+    def _share_wait(self, joules: float, wait: StepWait, book: dict) -> None:
+        """A step's wait to its requests, equally: each waited alike (:class:`_HostWaits`)."""
+        if not self._share(self.request_j, joules, dict.fromkeys(wait.weights, 1.0), book):
+            self.tail_j += joules
+            _add(book, "tail", joules)
 
     def _rates(self, pieces: TickPieces, d_e: float, span_s: float) -> _Rates:
         """The tick's prices: quiet time at the idle power (never more than the tick's joules),
