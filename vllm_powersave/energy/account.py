@@ -775,11 +775,11 @@ class PhaseEnergyAccount:
     def _read_time(self, t_call: float) -> float:
         """Where the tick's span ends: when the meter's value was taken (``read_t_s``), which
         under load came 4-14 ms after the tick began at ``t_call``, the longest just after the
-        counter's update. Priced over the span up to
-        ``t_call``, a value read later gave that tick the milliseconds after it and the next tick
-        too little: 0.96-1.06 of the median by where a prompt fell against the counter's step
-        (H100 step trace, docs/results/h200-request-energy.md). A read time before ``t_call`` or
-        more than :data:`_READ_LAG_MAX_S` after it is another clock's: ``t_call`` then."""
+        counter's update. Priced over the span up to ``t_call``, a value read later gave that
+        tick the milliseconds after it and the next tick too little: 0.96-1.06 of the median by
+        where a prompt fell against the counter's step (H100 step trace, docs/results/
+        h200-request-energy.md). A read time before ``t_call`` or more than
+        :data:`_READ_LAG_MAX_S` after it is another clock's: ``t_call`` then."""
         t_read = getattr(self.meter, "read_t_s", None)
         if t_read is None or not t_call <= t_read <= t_call + _READ_LAG_MAX_S:
             return t_call
