@@ -475,3 +475,26 @@ def test_a_quiet_price_above_the_power_limit_extends_the_counter_at_the_limit():
     meter.hint_load(LoadHint((), quiet_w=80.0, rest_w=23_470.9, rest_s=0.5, last_work_end_s=1.0))
     clock.t = 1.081
     assert meter.energy_j() - e0 <= 700.0 * 0.055  # ~52 ms since the counter stepped
+
+
+def test_a_read_time_that_is_no_number_leaves_the_tick_at_its_own_time():
+    """A meter of another shape whose ``read_t_s`` is a method, a string or NaN: the tick ends at
+    its own time, as for a meter without one (a comparison with it raised on every tick)."""
+    for odd in (lambda: 1.0, "1.0", float("nan"), None):
+        clock = Clock()
+
+        class Meter:
+            read_t_s = odd
+
+            def energy_j(self):
+                return 100.0 * clock.t
+
+            def on_idle(self, seconds):
+                pass
+
+        acc = PhaseEnergyAccount(Meter(), clock=clock)
+        for k in range(1, 4):
+            clock.t = 0.1 * k
+            acc.on_step("decode", decode_tokens=1, t=clock.t - 0.05)
+            acc.tick()
+        assert acc.total_j() == pytest.approx(30.0)

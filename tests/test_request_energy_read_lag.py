@@ -36,16 +36,18 @@ def read_lag_s(t_call: float, lag_after_step_s: float, lag_s: float) -> float:
 
 
 class LaggedReads(TraceCounterGpu):
-    """The fake counter GPU whose energy read first lets the engine's events up to the read's
-    return reach the account (the engine thread runs while the publisher waits on the read)."""
+    """The fake counter GPU whose energy read returns ``lag_s(t_call)`` after its call, with the
+    value from the call (the engine's steps go on meanwhile; the account's ``feed`` delivers them
+    as the worker runtime's drain does)."""
 
-    def __init__(self, clock: Clock, rng: random.Random, deliver: Callable[[float], None]) -> None:
+    def __init__(self, clock: Clock, rng: random.Random, lag_s: Callable[[float], float]) -> None:
         super().__init__(clock, rng)
-        self.deliver = deliver
+        self.lag_s = lag_s
 
     def nvmlDeviceGetTotalEnergyConsumption(self, h):
-        self.deliver(self.clock())
-        return super().nvmlDeviceGetTotalEnergyConsumption(h)
+        mj = super().nvmlDeviceGetTotalEnergyConsumption(h)
+        self.clock.t += self.lag_s(self.clock.t)
+        return mj
 
 
 class EngineEvents:
@@ -74,21 +76,27 @@ def serve_at_a_constant_rate(lag_after_step_s: float, lag_s: float, *, n_request
     engine thread stalls 4-12 ms after launching them while the GPU, done with the step, draws
     150 W."""
     rng = random.Random(seed)
-    aclock, rclock, gpu_sim = Clock(), Clock(), SimulatedGpu()
+    clock, gpu_sim = Clock(), SimulatedGpu()
     cost, mc = RequestCostModel.for_shape(SHAPE), ModelCost.for_shape(SHAPE)
     events = EngineEvents()
-    gpu = LaggedReads(rclock, random.Random(seed + 1), events.deliver)
-    aclock.t = rclock.t = 0.5
-    meter = NvmlEnergyMeter(NvmlGpu(gpu, 0, "GPU-x"), clock=rclock, counter_period_s=_PERIOD_S)
+    gpu = LaggedReads(clock, random.Random(seed + 1), lambda t_call: read_lag_s(t_call, lag_after_step_s, lag_s))
+    clock.t = 0.5
+    meter = NvmlEnergyMeter(NvmlGpu(gpu, 0, "GPU-x"), clock=clock, counter_period_s=_PERIOD_S)
     done, truth = {}, {}
-    acc = PhaseEnergyAccount(meter, clock=aclock, per_request=True, cost=cost, on_request_done=done.__setitem__, gpu_runs_ahead=True)
+    acc = PhaseEnergyAccount(
+        meter,
+        clock=clock,
+        per_request=True,
+        cost=cost,
+        on_request_done=done.__setitem__,
+        gpu_runs_ahead=True,
+        feed=lambda: events.deliver(clock.t),
+    )
 
     def tick(t_call: float) -> None:
-        t_call = max(t_call, rclock.t)  # a tick begins once the previous read returned
-        events.deliver(t_call)
-        aclock.t, rclock.t = t_call, t_call + read_lag_s(t_call, lag_after_step_s, lag_s)
-        if rclock.t >= meter.sync_due:
-            sync_while_running(gpu, meter, rclock)
+        clock.t = max(t_call, clock.t)  # a tick begins once the previous read returned
+        if clock.t >= meter.sync_due:
+            sync_while_running(gpu, meter, clock)
         acc.tick()
 
     for k in range(15):  # idle first: the idle power, and the counter's phase

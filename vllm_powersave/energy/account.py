@@ -607,7 +607,8 @@ class PhaseEnergyAccount:
         idle_after_s: seconds without a step after which time counts as idle.
         clock: monotonic seconds (tests inject one).
         feed: called at the start of each :meth:`tick`, before the lock, to deliver pending step
-            events (the worker runtime batches the step hook's records, ``runtime/drain.py`` ``StepDrain.drain_steps``).
+            events (the worker runtime batches the step hook's records, ``runtime/drain.py``
+            ``StepDrain.drain_steps``), and again after a read that returned later (its steps).
         cost: the model whose request costs split a step's energy (per-request energy; without it,
             or for a step without request contexts, the split is by scheduled tokens).
         on_tick: called with a :class:`TickRecord` after each attributed tick, on the ticking
@@ -761,6 +762,11 @@ class PhaseEnergyAccount:
             self._hint_load(ahead, t_call)
             e_now = self.meter.energy_j() if self.available else None
             t_now = self._read_time(t_call)
+            if t_now > t_call and self.feed is not None:
+                # The steps the engine started while the meter was read: the span now runs to
+                # the read's time, so they are in it (fed only later, a step's start would be
+                # moved to the next tick's start and its time given to the step before).
+                self.feed()
             walk = _IntervalWalk(self._state, self.idle_after_s, self.gpu_runs_ahead, self._pending_j > 0, self.busy)
             pieces = walk.walk(self._events, t_now)
             if e_now is None:
@@ -781,9 +787,9 @@ class PhaseEnergyAccount:
         h200-request-energy.md). A read time before ``t_call`` or more than
         :data:`_READ_LAG_MAX_S` after it is another clock's: ``t_call`` then."""
         t_read = getattr(self.meter, "read_t_s", None)
-        if t_read is None or not t_call <= t_read <= t_call + _READ_LAG_MAX_S:
-            return t_call
-        return t_read
+        if type(t_read) not in (float, int) or not t_call <= t_read <= t_call + _READ_LAG_MAX_S:
+            return t_call  # not a time (a meter of another shape), or another clock's
+        return float(t_read)
 
     def _hint_load(self, walk: _IntervalWalk, t_now: float) -> None:
         """Tell the meter when the steps ran over the last counter periods, and the idle power
