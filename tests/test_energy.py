@@ -958,3 +958,32 @@ def test_a_power_drop_or_a_counter_wrap_at_a_read_after_a_step_counts_no_period_
     errors = _busy_reads(meter, clock, gpu, times)
     assert max(abs(x) for x in errors) < 1.0, errors
     assert meter.counter_wraps == (1 if wrap else 0)
+
+
+def test_a_step_stamped_with_no_time_keeps_the_figures_finite():
+    """A step event whose time is NaN or infinite (a broken clock) is taken at the cursor: an
+    infinite stamp made every total NaN from then on."""
+    for bad in (math.inf, math.nan, -math.inf):
+        clock = Clock()
+        meter = ExactMeterJ(clock)
+        acc = PhaseEnergyAccount(meter, clock=clock, per_request=True)
+        for k in range(1, 6):
+            acc.on_step("decode", decode_tokens=1, req_tokens={"r": 1}, t=bad if k == 2 else clock.t)
+            clock.t += 0.1
+            acc.on_step_end(clock.t - 0.01)
+            acc.tick()
+        assert math.isfinite(acc.total_j()) and acc.total_j() == pytest.approx(meter.energy_j())
+        assert all(math.isfinite(v) for v in acc.energy_j.values())
+
+
+class ExactMeterJ:
+    """100 W since 0 on ``clock``."""
+
+    def __init__(self, clock):
+        self.clock = clock
+
+    def energy_j(self):
+        return 100.0 * self.clock.t
+
+    def on_idle(self, seconds):
+        pass

@@ -448,7 +448,7 @@ class _IntervalWalk:
             if t_now < events[0].t_s < t_now + _READ_LAG_MAX_S:
                 break  # the engine went on while the meter was read: the next tick's
             te, ev, ev_req, ev_fin, ev_steady, ev_ctx = pop()
-            if te < self.t:  # noqa: PLR1730 - te = max(te, t) without the call
+            if not te >= self.t or te == math.inf:  # earlier than the cursor, or not a time
                 te = self.t
             if ev is None:
                 self.end_t = te
