@@ -639,9 +639,7 @@ class PhaseEnergyAccount:
         #: step's own time. Edges (the open gap after the last step, idle) keep the idle price.
         self.gpu_runs_ahead = gpu_runs_ahead
         self.busy = busy
-        self.idle_busy_j = 0.0
-        self.idle_busy_s = 0.0
-        self.busy_s = 0.0
+        self.idle_busy_j = self.idle_busy_s = self.busy_s = 0.0
         self.feed = feed
         self.idle_after_s = idle_after_s
         self.clock = clock
