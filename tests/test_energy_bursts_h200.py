@@ -120,6 +120,25 @@ def _chunks_s(shape: BurstShape) -> list[float]:
     return [0.15 * j for j in range(1, 10) if 0.15 * (j + 1) < shape.work_s]
 
 
+def tick_at(acc: PhaseEnergyAccount, meter: NvmlEnergyMeter, clock: Clock, events: list, t: float) -> None:
+    """One tick of the account at ``t`` (later where the previous read returned after it): the
+    counter's phase synced when due, then the engine's ``events`` up to then fed, oldest first
+    (``(t, kind, arg)``: a prefill ``step`` of request tokens ``arg``, a step's ``end``, ``fin``
+    of request ids ``arg``)."""
+    clock.t = max(clock.t, t)
+    if clock.t >= meter.sync_due:
+        meter.sync_counter_phase(sleep=lambda s: setattr(clock, "t", clock.t + s))
+    while events and events[0][0] <= clock.t:
+        te, kind, arg = events.pop(0)
+        if kind == "step":
+            acc.on_step("prefill", prefill_tokens=sum(arg.values()), req_tokens=arg, t=te)
+        elif kind == "end":
+            acc.on_step_end(t=te)
+        else:
+            acc.on_finished(arg, t=te)
+    acc.tick()
+
+
 def burst_ratios(seed: int, shape: BurstShape = H200, per_request: bool = True) -> list[float]:
     """Bursts 5-5.3 s apart over 30 s, each with distinct requests; returns each burst's booked
     prefill over the exact energy of its work."""
@@ -143,24 +162,10 @@ def burst_ratios(seed: int, shape: BurstShape = H200, per_request: bool = True) 
     events.sort(key=lambda e: e[0])
     flushes = sorted(t + shape.late_flush_s for t, kind, _ in events if kind == "fin")
 
-    def sleep(s: float) -> None:
-        clock.t += s
-
     seen = []  # (t, prefill J) at each tick
     next_tick = clock.t + shape.tick_s
     while clock.t < 31:
-        clock.t = min([next_tick, *[f for f in flushes if f > clock.t]])
-        if clock.t >= meter.sync_due:
-            meter.sync_counter_phase(sleep=sleep)
-        while events and events[0][0] <= clock.t:
-            te, kind, arg = events.pop(0)
-            if kind == "step":
-                acc.on_step("prefill", prefill_tokens=sum(arg.values()), req_tokens=arg, t=te)
-            elif kind == "end":
-                acc.on_step_end(t=te)
-            else:
-                acc.on_finished(arg, t=te)
-        acc.tick()
+        tick_at(acc, meter, clock, events, min([next_tick, *[f for f in flushes if f > clock.t]]))
         seen.append((clock.t, acc.energy_j["prefill"]))
         if clock.t >= next_tick:
             next_tick = clock.t + shape.tick_s
@@ -267,24 +272,9 @@ def test_the_rest_power_is_learnt_from_the_counter_after_work():
     meter = NvmlEnergyMeter(NvmlGpu(gpu, 0, "GPU-h"), clock=clock)
     acc = PhaseEnergyAccount(meter, idle_after_s=0.25, clock=clock, gpu_runs_ahead=True)
     assert acc.rest_power_w is None
-    events = [(2.0, "step"), (2.045, "end"), (2.205, "fin")]
-
-    def sleep(s: float) -> None:
-        clock.t += s
-
+    events = [(2.0, "step", {"r": 1900}), (2.045, "end", None), (2.205, "fin", ["r"])]
     while clock.t < 3.5:
-        clock.t = min([clock.t + 0.25, *[t for t, _ in events if t > clock.t]])
-        if clock.t >= meter.sync_due:
-            meter.sync_counter_phase(sleep=sleep)
-        while events and events[0][0] <= clock.t:
-            t, kind = events.pop(0)
-            if kind == "step":
-                acc.on_step("prefill", prefill_tokens=1900, req_tokens={"r": 1900}, t=t)
-            elif kind == "end":
-                acc.on_step_end(t=t)
-            else:
-                acc.on_finished(["r"], t=t)
-        acc.tick()
+        tick_at(acc, meter, clock, events, min([clock.t + 0.25, *[t for t, *_ in events if t > clock.t]]))
     assert acc.rest_power_w == pytest.approx(120.0, rel=0.05)
 
 
@@ -435,25 +425,9 @@ def test_a_read_taken_before_the_counter_stepped_but_returning_after_it_teaches_
     clock.t = 0.5
     meter = NvmlEnergyMeter(NvmlGpu(gpu, 0, "GPU-h"), clock=clock)
     acc = PhaseEnergyAccount(meter, idle_after_s=0.25, clock=clock, gpu_runs_ahead=True)
-    events = [(2.0, "step"), (2.045, "end"), (2.205, "fin")]
-    ticks = sorted({0.5 + 0.25 * k for k in range(1, 14) if k != 7} | {2.205, 2.225, 2.329, 2.4})
-
-    def sleep(s: float) -> None:
-        clock.t += s
-
-    for t in ticks:
-        clock.t = max(clock.t, t)
-        if clock.t >= meter.sync_due:
-            meter.sync_counter_phase(sleep=sleep)
-        while events and events[0][0] <= clock.t:
-            te, kind = events.pop(0)
-            if kind == "step":
-                acc.on_step("prefill", prefill_tokens=1900, req_tokens={"r": 1900}, t=te)
-            elif kind == "end":
-                acc.on_step_end(t=te)
-            else:
-                acc.on_finished(["r"], t=te)
-        acc.tick()
+    events = [(2.0, "step", {"r": 1900}), (2.045, "end", None), (2.205, "fin", ["r"])]
+    for t in sorted({0.5 + 0.25 * k for k in range(1, 14) if k != 7} | {2.205, 2.225, 2.329, 2.4}):
+        tick_at(acc, meter, clock, events, t)
     assert acc.rest_power_w is None or acc.rest_power_w < 200.0, acc.rest_power_w
 
 
@@ -509,18 +483,7 @@ def test_a_rest_span_that_holds_the_bursts_work_teaches_no_rest_power():
     ticks = sorted({0.5 + 0.25 * k for k in range(1, 40) if not 2.2 < 0.5 + 0.25 * k < 2.6} | {2.185, 2.435, 2.6, 5.42, 8.42})
     seen = []
     for t in ticks:
-        clock.t = max(clock.t, t)
-        if clock.t >= meter.sync_due:
-            meter.sync_counter_phase(sleep=lambda s: setattr(clock, "t", clock.t + s))
-        while events and events[0][0] <= clock.t:
-            te, kind, arg = events.pop(0)
-            if kind == "step":
-                acc.on_step("prefill", prefill_tokens=1900, req_tokens=arg, t=te)
-            elif kind == "end":
-                acc.on_step_end(t=te)
-            else:
-                acc.on_finished(arg, t=te)
-        acc.tick()
+        tick_at(acc, meter, clock, events, t)
         seen.append((clock.t, acc.energy_j["prefill"]))
         assert acc.rest_power_w is None or acc.rest_power_w < 200.0, (clock.t, acc.rest_power_w)
     for a in starts[1:]:
