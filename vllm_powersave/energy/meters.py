@@ -427,8 +427,12 @@ class NvmlEnergyMeter(EnergyMeter):
         the same reading still books up to 1.275 x (docs/request-energy.md)."""
         if not self.interpolate or p is None:
             return 0.0
-        rate, limit_w = max(0.0, self._interp_power_w(p)), self._limit_w  # one read: a sync may replace it
-        return min(rate, limit_w) if limit_w is not None else rate
+        return self._under_limit(max(0.0, self._interp_power_w(p)))
+
+    def _under_limit(self, w: float) -> float:
+        """``w`` (W), no more than the enforced power limit where one is known."""
+        limit_w = self._limit_w  # one read: a sync may replace it
+        return min(w, limit_w) if limit_w is not None else w
 
     def _estimate_j(self, t: float, p: float | None) -> float:
         since = self._since_update(t)
@@ -743,16 +747,17 @@ class NvmlEnergyMeter(EnergyMeter):
     def hint_load(self, hint: LoadHint | None) -> None:
         with self._lock:
             ok = hint is not None and self.interpolate and math.isfinite(hint.quiet_w) and hint.quiet_w >= 0
-            if ok and hint.rest_w is not None and not (math.isfinite(hint.rest_w) and hint.rest_w >= 0):  # type: ignore[union-attr]
-                hint = hint._replace(rest_w=None)  # type: ignore[union-attr]
-            if ok and self._limit_w is not None:
-                # Quiet power above the power limit is no rest: a rest price of 23,471 W extended
-                # every quiet read after it on an H100 (docs/results/h200-request-energy.md).
-                hint = hint._replace(  # type: ignore[union-attr]
-                    quiet_w=min(hint.quiet_w, self._limit_w),  # type: ignore[union-attr]
-                    rest_w=None if hint.rest_w is None else min(hint.rest_w, self._limit_w),  # type: ignore[union-attr]
-                )
-            self._load = hint if ok else None
+            if not ok:
+                self._load = None
+                return
+            rest_w = hint.rest_w  # type: ignore[union-attr]
+            rest_ok = rest_w is not None and math.isfinite(rest_w) and rest_w >= 0
+            # Quiet power above the power limit is no rest: a rest price of 23,471 W extended
+            # every quiet read after it on an H100 (docs/results/h200-request-energy.md).
+            self._load = hint._replace(  # type: ignore[union-attr]
+                quiet_w=self._under_limit(hint.quiet_w),  # type: ignore[union-attr]
+                rest_w=self._under_limit(rest_w) if rest_ok else None,  # type: ignore[arg-type]
+            )
 
     def drain_counter_steps(self) -> list[CounterStep]:
         with self._lock:
