@@ -341,6 +341,17 @@ class _StepWeights:
         return w
 
 
+def _runs_on(gap: GapPiece, gpu_runs_ahead: bool) -> bool:
+    """Whether ``gap`` is the open gap after the step launched last while the GPU runs ahead of
+    the host (vLLM's async scheduling): the GPU still runs that step there, so it is priced as
+    work. At the idle price, a tick that ended in it (a read returning milliseconds after the tick
+    began lands there about a quarter of the time: host gaps of ~1.3 ms between ~3.5 ms host
+    spans in the H100 step trace, docs/results/h200-request-energy.md) gave those milliseconds'
+    energy to the other steps of the tick. Whose it is stays pending: the step's requests if
+    another step follows, else the tail."""
+    return gpu_runs_ahead and gap.to == "pending"
+
+
 class StepWait(NamedTuple):
     """A step's wait in a tick (:class:`_HostWaits`): the share of its time there that was waiting,
     and its requests' cost-model weights (seconds)."""
@@ -387,7 +398,7 @@ class _HostWaits:
         scale from the complete ones. A step's time: its busy pieces and, under ``runs_ahead``,
         its open gap (the GPU runs the step there)."""
         steps: dict[int, list] = {}
-        running = [g for g in pieces.gaps if runs_ahead and g.to == "pending"]
+        running = [g for g in pieces.gaps if _runs_on(g, runs_ahead)]
         for piece in (*pieces.busy, *running):
             if piece.req_tokens and piece.req_ctx is not None:
                 entry = steps.setdefault(id(piece.req_tokens), [piece.req_tokens, piece.req_ctx, 0.0])
@@ -470,7 +481,7 @@ class _IntervalWalk:
                 self.finished.extend(ev_fin)  # type: ignore[arg-type]
         self._close(t_now)
         # The open gap after a step still running on the GPU is work (_price), not quiet time.
-        running_s = sum(g.seconds for g in self.gaps if self.runs_on(g))
+        running_s = sum(g.seconds for g in self.gaps if _runs_on(g, self.gpu_runs_ahead))
         busy_s = sum(b[0] for b in self.busy) + running_s
         quiet_s = self.idle_s + sum(g[0] for g in self.gaps) - running_s
         return TickPieces(
@@ -487,16 +498,6 @@ class _IntervalWalk:
             tuple(self.spans),
             self.req if self.phase != "idle" and not self.drained else None,
         )
-
-    def runs_on(self, gap: GapPiece) -> bool:
-        """Whether ``gap`` is the open gap after the step launched last while the GPU runs ahead
-        of the host (vLLM's async scheduling): the GPU still runs that step there, so it is
-        priced as work. At the idle price, a tick that ended in it (a read returning
-        milliseconds after the tick began lands there about a quarter of the time: host gaps of
-        ~1.3 ms between ~3.5 ms host spans in the H100 step trace, docs/results/
-        h200-request-energy.md) gave those milliseconds' energy to the other steps of the tick.
-        Whose it is stays pending: the step's requests if another step follows, else the tail."""
-        return self.gpu_runs_ahead and gap.to == "pending"
 
     def cursor(self, t_now: float) -> _Cursor:
         """The account's cursor after the walk closed the interval at ``t_now``."""
@@ -593,9 +594,9 @@ class _IntervalWalk:
                 self.phase, self.end_t, self.req, self.ctx, self.steady, self.drained = "idle", None, None, None, False, False
                 self.left = None
             elif t_now > g0:
-                to = "tail" if self.drained else "pending"
-                self.gaps.append(GapPiece(t_now - g0, self.phase, self.req, self.ctx, self.steady, to))
-                if to == "pending" and self.gpu_runs_ahead:  # the GPU may still run the step launched last
+                gap = GapPiece(t_now - g0, self.phase, self.req, self.ctx, self.steady, "tail" if self.drained else "pending")
+                self.gaps.append(gap)
+                if _runs_on(gap, self.gpu_runs_ahead):  # the GPU may still run the step launched last
                     self.spans.append((g0, t_now))
 
 
@@ -1084,8 +1085,9 @@ class PhaseEnergyAccount:
             if self.per_request and not self._share(self.request_j, j, weights(req, ctx), book):
                 self.tail_j += j
                 _add(book, "tail", j)
-        for seconds, ph, req, ctx, steady, to in pieces.gaps:
-            j = (rates.busy_w if to == "pending" and self.gpu_runs_ahead else rates.gap_w) * seconds  # _IntervalWalk.runs_on
+        for gap in pieces.gaps:
+            seconds, ph, req, ctx, steady, to = gap
+            j = (rates.busy_w if _runs_on(gap, self.gpu_runs_ahead) else rates.gap_w) * seconds
             self._book_phase(ph, seconds, j, steady, book)
             if not self.per_request:
                 continue

@@ -485,9 +485,6 @@ class NvmlEnergyMeter(EnergyMeter):
             self._bracket = _Bracket(max(prev.start_s, t - T), t)
         if self._phase_t is None:
             return
-        # Poll resolution plus jitter, and how far the phase may have drifted since the sync that
-        # learnt it: the period is known to period_sigma_s, and syncs are spaced to let the phase
-        # drift up to a quarter period (sync_counter_phase), far past 3 ms.
         tol = self._phase_tol_s(t)
         if changed:  # some step boundary may lie between the two values
             ok = self._boundary_in(prev.start_s - tol, now.end_s + tol)
