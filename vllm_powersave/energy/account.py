@@ -435,7 +435,7 @@ class _IntervalWalk:
     __slots__ = (
         "t", "phase", "end_t", "req", "ctx", "steady", "drained", "left",
         "idle_after_s", "gpu_runs_ahead", "pending", "fe_busy",
-        "busy", "gaps", "idle_s", "idle_busy_s", "resolved", "tail_pending", "finished", "spans",
+        "busy", "gaps", "idle_s", "idle_busy_s", "resolved", "tail_pending", "finished", "spans", "drain_gaps",
     )  # fmt: skip
 
     def __init__(
@@ -451,6 +451,7 @@ class _IntervalWalk:
         self.tail_pending = False  # the pending gap turned out to be a tail
         self.finished: list = []
         self.spans: list[tuple[float, float]] = []  # TickPieces.busy_spans
+        self.drain_gaps: list[tuple[float, float]] = []  # of spans, the gaps vLLM's drain closed
 
     def walk(self, events: deque[StepEvent], t_now: float) -> TickPieces:
         """Consume ``events`` up to ``t_now`` and close the interval there."""
@@ -535,8 +536,9 @@ class _IntervalWalk:
         self.tail_pending = self.tail_pending or self.pending
         n = len(self.gaps)
         self._to_step(te, None)
-        if self.gpu_runs_ahead and len(self.gaps) > n:  # the meter's hint: the GPU worked there
+        if self.gpu_runs_ahead and len(self.gaps) > n:  # the GPU worked there, up to some time before te
             self.spans.append((te - self.gaps[-1].seconds, te))
+            self.drain_gaps.append(self.spans[-1])
         self.t, self.phase, self.end_t, self.req, self.ctx, self.steady, self.drained = te, "idle", None, None, None, False, False
         self.left = None
 
@@ -694,6 +696,7 @@ class PhaseEnergyAccount:
         self._last_step_t = -math.inf
         #: Steps whose rest after the work waits for the counter to measure it (_settle_rest).
         self._holds: deque[_RestHold] = deque(maxlen=_REST_HOLDS_MAX)
+        self._drain_gaps: deque[tuple[float, float]] = deque(maxlen=8)
         self._lock = threading.Lock()  # serialises tick() callers, never taken by the hot path
 
     # -- hot path (no meter access, no lock) ---------------------------------------------------
@@ -771,6 +774,7 @@ class PhaseEnergyAccount:
             if e_now is None:
                 self._stop_attribution(pieces, t_now, walk.cursor(t_now))
                 return
+            self._drain_gaps.extend(walk.drain_gaps)
             self._attribute(pieces, t_now, e_now, t_now - t_call)
             self._state = walk.cursor(t_now)
             self._window.append(_WindowSample(t_now, self.total_j(), self.tokens["prefill"], self.tokens["decode"]))
@@ -796,15 +800,21 @@ class PhaseEnergyAccount:
         an instant reading that lags the power by tens of ms (docs/results/h200-energy-meter.md
         (c)), books the idle beside a short burst as the burst's, and the correction comes with
         a later read, after the burst. The gaps between steps while serving count as work, and so
-        does the open gap after the last step under ``gpu_runs_ahead`` (the GPU may still run it)."""
+        does the open gap after the last step under ``gpu_runs_ahead`` (the GPU may still run it).
+        Not a gap vLLM's drain closed: the GPU ended its work somewhere inside it (on an H100, ~4 ms
+        after the counter's step where the drain came 26 ms after it, docs/results/
+        h200-request-energy.md), and extended at the work's power to the drain, the counter's
+        next step took the excess back from the idle after it, as a phase cannot give joules back
+        (a burst booked 1.135). At the quiet price the counter's next step adds what the GPU
+        still worked, over that gap (:meth:`_book_back`)."""
         hint = getattr(self.meter, "hint_load", None)
         if hint is None:
             return
-        spans = self._recent_spans()
+        spans = [s for s in self._recent_spans() if s not in self._drain_gaps]
         # A step still running at the tick runs on through the meter's read (end: inf); work that
         # vLLM reported drained at the tick has ended (the walk rests from there).
         running = walk.phase != "idle"
-        spans.extend((a, math.inf if running and b >= t_now else b) for a, b in walk.spans)
+        spans.extend((a, math.inf if running and b >= t_now else b) for a, b in walk.spans if (a, b) not in walk.drain_gaps)
         ends = [b for _, b in spans if math.isfinite(b)]
         if ends and (self._last_work_end_s is None or max(ends) > self._last_work_end_s):
             self._last_work_end_s = max(ends)
