@@ -861,8 +861,7 @@ class PhaseEnergyAccount:
         back_j = sum(p.step.jump_j for p in steps)
         book: dict = {}
         idle_j = self._price(pieces, energy_j=d_e - back_j, span_s=t_now - self._t, book=book)
-        if self._holds:
-            idle_j -= self._settle_rest(drained, pieces.busy_spans, book)
+        holds = list(self._holds)  # settled after the jumps, which take back from this tick first
         fe_busy = self.busy
         if fe_busy is not None:
             self.busy_s += fe_busy(self._t, t_now)
@@ -880,6 +879,11 @@ class PhaseEnergyAccount:
             idle_j += self._book_back(p.t0_s, p.step.t_s, p.step.jump_j - rest_j, pieces.phase, book)
             if rest is not None:
                 self._hold_rest(p, rest)
+        if holds:
+            # After the jumps: a negative one takes back from this tick's idle, and an earlier
+            # hold's rest settled out of that idle first left it short (the idle counter then
+            # fell by up to 7.6 J in a fuzzed burst fake, tests/test_energy_bursts_h200.py).
+            idle_j -= self._settle_rest(drained, pieces.busy_spans, book, holds)
         while len(self._recent) > 1 and self._recent[0].t1_s < t_now - 2 * period_s:
             self._recent.popleft()
         gained = _gains(before_j, self.request_j)
@@ -995,11 +999,11 @@ class PhaseEnergyAccount:
         if booked > 0:
             self._holds.append(_RestHold(split, rest_w, held_j, parts, booked))
 
-    def _settle_rest(self, drained: list, spans: tuple, book: dict) -> float:
+    def _settle_rest(self, drained: list, spans: tuple, book: dict, holds: list[_RestHold]) -> float:
         """A counter span of rest only after a held step's work (:class:`_RestHold`) measures the
         rest's power; where it is below the price the steps were given, they get what it leaves
-        them, out of this tick's idle (never more than it booked). Holds end there, or when new
-        work comes. Returns the joules moved."""
+        them, out of this tick's idle (never more than it has left). Holds (of ``holds``, those kept
+        before this tick's counter steps) end there, or when new work comes. Returns the joules moved."""
         moved = 0.0
         work = self._recent_spans() + list(spans)
         # A span shorter than half a counter period is no period: a read called before the
@@ -1007,7 +1011,7 @@ class PhaseEnergyAccount:
         # next read as a span of milliseconds holding the period's joules (23,471 W on an H100,
         # docs/results/h200-request-energy.md).
         min_span_s = 0.5 * getattr(self.meter, "counter_period_s", 0.0)
-        for h in list(self._holds):
+        for h in holds:
             end = h.split.end_s
             rest_w = None
             for c in drained:
@@ -1024,7 +1028,7 @@ class PhaseEnergyAccount:
                 rest_w = j / (t1 - a)
             if rest_w is None:
                 if any(y > end for _, y in spans):
-                    self._holds.remove(h)
+                    self._drop_hold(h)
                 continue
             if rest_w > h.rest_w:
                 # Above the instant reading the rest was priced at, which lags the falling power
@@ -1032,10 +1036,10 @@ class PhaseEnergyAccount:
                 # update with the value from before left a full period of a burst's work to the
                 # span after the drain: 650 W learnt for a GPU resting at 125 W (H100-shaped fake,
                 # tests/test_energy_bursts_h200.py).
-                self._holds.remove(h)
+                self._drop_hold(h)
                 continue
             self.rest_power_w = _moving_average(self.rest_power_w, rest_w)
-            self._holds.remove(h)
+            self._drop_hold(h)
             if rest_w >= h.rest_w:
                 continue
             if isinstance(h.split, _SpanSplit):
@@ -1051,6 +1055,10 @@ class PhaseEnergyAccount:
             book["idle"] -= owed
             moved += owed
         return moved
+
+    def _drop_hold(self, h: _RestHold) -> None:
+        if h in self._holds:  # a hold kept before this tick may have made way for newer ones (maxlen)
+            self._holds.remove(h)
 
     def _finish_requests(self, finished: list) -> list:
         """Report the requests in ``finished`` still in flight with their final joules; returns their ids."""
