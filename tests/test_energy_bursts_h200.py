@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import pytest
@@ -159,30 +160,50 @@ def _burst_events(starts: list[float], shape: BurstShape) -> tuple[list, list[fl
     return events, sorted(t + shape.late_flush_s for t, kind, _ in events if kind == "fin")
 
 
-def burst_ratios(seed: int, shape: BurstShape = H200, per_request: bool = True) -> list[float]:
-    """Bursts 5-5.3 s apart over 30 s, each with distinct requests; returns each burst's booked
-    prefill over the exact energy of its work."""
-    rng, clock = random.Random(seed), Clock()
-    starts = [2.0 + 5 * i + rng.uniform(0, 0.3) for i in range(6)]
-    gpu = BurstGpu(clock, starts, phase=rng.uniform(0, 0.1), shape=shape)
-    clock.t = 0.5
-    meter = NvmlEnergyMeter(NvmlGpu(gpu, 0, "GPU-h"), clock=clock)
-    acc = PhaseEnergyAccount(meter, idle_after_s=0.25, clock=clock, per_request=per_request, gpu_runs_ahead=True)
-    events, flushes = _burst_events(starts, shape)
+@dataclass
+class BurstRun:
+    """``n`` bursts 5-5.3 s apart on the fake GPU, each with distinct requests, and the account
+    ticking over them (every ``shape.tick_s`` and at each flush of vLLM's finishes)."""
 
-    seen = []  # (t, prefill J) at each tick
-    next_tick = clock.t + shape.tick_s
-    while clock.t < 31:
-        tick_at(acc, meter, clock, events, min([next_tick, *[f for f in flushes if f > clock.t]]))
-        seen.append((clock.t, acc.energy_j["prefill"]))
-        if clock.t >= next_tick:
-            next_tick = clock.t + shape.tick_s
-    assert acc.total_j() == pytest.approx(meter.energy_j(), abs=1e-6)  # nothing lost or made up
+    shape: BurstShape
+    starts: list[float]
+    gpu: BurstGpu
+    clock: Clock
+    meter: NvmlEnergyMeter
+    acc: PhaseEnergyAccount
+
+    @classmethod
+    def build(cls, seed: int, shape: BurstShape, n: int, per_request: bool = True) -> BurstRun:
+        rng, clock = random.Random(seed), Clock()
+        starts = [2.0 + 5 * i + rng.uniform(0, 0.3) for i in range(n)]
+        gpu = BurstGpu(clock, starts, phase=rng.uniform(0, 0.1), shape=shape)
+        clock.t = 0.5
+        meter = NvmlEnergyMeter(NvmlGpu(gpu, 0, "GPU-h"), clock=clock)
+        acc = PhaseEnergyAccount(meter, idle_after_s=0.25, clock=clock, per_request=per_request, gpu_runs_ahead=True)
+        return cls(shape, starts, gpu, clock, meter, acc)
+
+    def ticks(self, until_s: float) -> Iterator[float]:
+        """Tick up to ``until_s``; yields the clock after each tick."""
+        events, flushes = _burst_events(self.starts, self.shape)
+        clock, next_tick = self.clock, self.clock.t + self.shape.tick_s
+        while clock.t < until_s:
+            tick_at(self.acc, self.meter, clock, events, min([next_tick, *[f for f in flushes if f > clock.t]]))
+            yield clock.t
+            if clock.t >= next_tick:
+                next_tick = clock.t + self.shape.tick_s
+
+
+def burst_ratios(seed: int, shape: BurstShape = H200, per_request: bool = True) -> list[float]:
+    """Six bursts over 30 s (:class:`BurstRun`); returns each burst's booked prefill over the
+    exact energy of its work."""
+    run = BurstRun.build(seed, shape, 6, per_request)
+    seen = [(t, run.acc.energy_j["prefill"]) for t in run.ticks(31.0)]  # (t, prefill J) at each tick
+    assert run.acc.total_j() == pytest.approx(run.meter.energy_j(), abs=1e-6)  # nothing lost or made up
     ratios = []
-    for a in starts:
+    for a in run.starts:
         before = [j for t, j in seen if t <= a][-1]
         after = [j for t, j in seen if t <= a + 4.5][-1]
-        ratios.append((after - before) / (gpu.true_j(a + shape.work_s) - gpu.true_j(a)))
+        ratios.append((after - before) / (run.gpu.true_j(a + shape.work_s) - run.gpu.true_j(a)))
     return ratios
 
 
@@ -554,24 +575,14 @@ def _fuzzed_shape(rng: random.Random) -> BurstShape:
 
 
 def _published_drops(seed: int) -> list[tuple[float, str, float]]:
-    """Bursts of a fuzzed shape (:func:`_fuzzed_shape`); every fall of a published counter (the
-    phases, the tail, steady state) from one tick to the next, and the balance checked."""
-    shape = _fuzzed_shape(random.Random(seed))
-    rng, clock = random.Random(seed), Clock()
-    starts = [2.0 + 5 * i + rng.uniform(0, 0.3) for i in range(5)]
-    gpu = BurstGpu(clock, starts, phase=rng.uniform(0, 0.1), shape=shape)
-    clock.t = 0.5
-    meter = NvmlEnergyMeter(NvmlGpu(gpu, 0, "GPU-h"), clock=clock)
-    acc = PhaseEnergyAccount(meter, idle_after_s=0.25, clock=clock, per_request=True, gpu_runs_ahead=True)
-    events, flushes = _burst_events(starts, shape)
-    drops, prev, next_tick = [], None, clock.t + shape.tick_s
-    while clock.t < 26:
-        tick_at(acc, meter, clock, events, min([next_tick, *[f for f in flushes if f > clock.t]]))
+    """Five bursts of a fuzzed shape (:func:`_fuzzed_shape`); every fall of a published counter
+    (the phases, the tail, steady state) from one tick to the next, and the balance checked."""
+    run = BurstRun.build(seed, _fuzzed_shape(random.Random(seed)), 5)
+    acc, drops, prev = run.acc, [], None
+    for t in run.ticks(26.0):
         now = {**acc.energy_j, "tail": acc.tail_j, "steady": acc.steady_j}
-        drops += [(clock.t, k, now[k] - prev[k]) for k in now if prev is not None and now[k] < prev[k] - 1e-9]
+        drops += [(t, k, now[k] - prev[k]) for k in now if prev is not None and now[k] < prev[k] - 1e-9]
         prev = now
-        if clock.t >= next_tick:
-            next_tick = clock.t + shape.tick_s
     assert acc.total_j() == pytest.approx(acc._e, abs=1e-6)  # everything read is booked once
     return drops
 
