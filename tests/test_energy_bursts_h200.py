@@ -362,6 +362,26 @@ def test_a_drain_reported_well_after_the_gpus_work_books_the_burst_within_5_perc
     assert max(abs(x - 1) for x in ratios) <= 0.05, (min(ratios), max(ratios))
 
 
+@pytest.mark.parametrize("phase_known", [True, False], ids=["phase-known", "phase-unknown"])
+def test_a_drains_gap_is_work_in_the_meters_hint_only_where_no_counter_step_corrects_it(phase_known):
+    """With the counter's phase known the meter reports its steps, and the next one books what the
+    GPU still worked in a drain's gap back over it: the gap is hinted as quiet. Without the phase
+    no step is reported, and hinted as quiet the GPU's last work went to idle: bursts read
+    0.49-1.28 of their work against 0.70-1.28 (H100-shaped fake, drain 20 ms after the work)."""
+    run = BurstRun.build(3, replace(H100, drain_lag_s=0.02), 2)
+    if not phase_known:
+        run.meter.sync_due = math.inf  # never synced: the phase stays unknown
+    hints: list[LoadHint] = []
+    real_hint = run.meter.hint_load
+    run.meter.hint_load = lambda h: (hints.append(h), real_hint(h))  # type: ignore[method-assign]
+    for _ in run.ticks(9.0):
+        pass
+    assert run.meter.counter_phase_known is phase_known
+    drains = [a + run.shape.work_s + run.shape.drain_lag_s for a in run.starts]
+    hinted = [s for h in hints if h is not None for s in h.busy_spans if any(abs(s[1] - d) < 1e-9 for d in drains)]
+    assert bool(hinted) is not phase_known, hinted[:3]
+
+
 def test_the_meter_extends_the_quiet_time_just_after_work_at_the_rest_power():
     """:class:`LoadHint`: ``rest_w`` for ``rest_s`` after each span's end, ``quiet_w`` after that
     and before work; a span still running has no rest after it."""

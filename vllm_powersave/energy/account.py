@@ -696,7 +696,8 @@ class PhaseEnergyAccount:
         self._last_step_t = -math.inf
         #: Steps whose rest after the work waits for the counter to measure it (_settle_rest).
         self._holds: deque[_RestHold] = deque(maxlen=_REST_HOLDS_MAX)
-        self._drain_gaps: deque[tuple[float, float]] = deque(maxlen=8)
+        #: Of the kept ticks' busy spans, the gaps vLLM's drain closed (_hint_load); pruned with them.
+        self._drain_gaps: list[tuple[float, float]] = []
         self._lock = threading.Lock()  # serialises tick() callers, never taken by the hot path
 
     # -- hot path (no meter access, no lock) ---------------------------------------------------
@@ -810,11 +811,17 @@ class PhaseEnergyAccount:
         hint = getattr(self.meter, "hint_load", None)
         if hint is None:
             return
-        spans = [s for s in self._recent_spans() if s not in self._drain_gaps]
+        # A drain's gap is left to the counter's next step only where the meter reports its steps
+        # (its phase known): else nothing books the GPU's last work there back, and bursts read
+        # 0.49-1.28 of their work against 0.70-1.28 with the gap hinted as work (H100-shaped fake
+        # without a phase, tests/test_energy_bursts_h200.py).
+        phase_known = getattr(self.meter, "counter_phase_known", False) is True
+        drain_gaps = (*self._drain_gaps, *walk.drain_gaps) if phase_known else ()
+        spans = [s for s in self._recent_spans() if s not in drain_gaps]
         # A step still running at the tick runs on through the meter's read (end: inf); work that
         # vLLM reported drained at the tick has ended (the walk rests from there).
         running = walk.phase != "idle"
-        spans.extend((a, math.inf if running and b >= t_now else b) for a, b in walk.spans if (a, b) not in walk.drain_gaps)
+        spans.extend((a, math.inf if running and b >= t_now else b) for a, b in walk.spans if (a, b) not in drain_gaps)
         ends = [b for _, b in spans if math.isfinite(b)]
         if ends and (self._last_work_end_s is None or max(ends) > self._last_work_end_s):
             self._last_work_end_s = max(ends)
@@ -886,6 +893,9 @@ class PhaseEnergyAccount:
             idle_j -= self._settle_rest(drained, pieces.busy_spans, book, holds)
         while len(self._recent) > 1 and self._recent[0].t1_s < t_now - 2 * period_s:
             self._recent.popleft()
+        if self._drain_gaps:
+            kept = set(self._recent_spans())
+            self._drain_gaps = [g for g in self._drain_gaps if g in kept]
         gained = _gains(before_j, self.request_j)
         done = self._finish_requests(pieces.finished)
         if self.on_tick is not None:

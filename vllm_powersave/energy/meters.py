@@ -221,6 +221,12 @@ class EnergyMeter(ABC):
         return []
 
     @property
+    def counter_phase_known(self) -> bool:
+        """Whether the meter knows when its counter steps, and so reports the steps
+        (:meth:`drain_counter_steps`) that correct its extension; False for meters without one."""
+        return False
+
+    @property
     def crosscheck(self) -> EnergyCrossCheck | None:
         """The counter against the integral of instant power (:mod:`.crosscheck`); ``None`` for
         meters whose energy is not a counter (power sampling is that integral; the model)."""
@@ -730,6 +736,10 @@ class NvmlEnergyMeter(EnergyMeter):
     @property
     def counter_period_s(self) -> float:
         return self.period
+
+    @property
+    def counter_phase_known(self) -> bool:
+        return self._phase_t is not None
 
     @property
     def read_t_s(self) -> float | None:
