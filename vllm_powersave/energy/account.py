@@ -1379,6 +1379,11 @@ class PhaseEnergyAccount:
     def total_j(self) -> float:
         return sum(self.energy_j.values())
 
+    @property
+    def read_j(self) -> float:
+        """The meter's joules as of the last tick's read: what :meth:`total_j` books, all of it once."""
+        return self._e
+
     def window(self) -> dict[str, float]:
         """Energy (J), tokens and seconds over the sliding window (oldest kept tick to the last tick).
 
