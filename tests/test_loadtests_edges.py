@@ -227,11 +227,18 @@ def test_a_busy_client_loop_is_reported_once_as_the_bottleneck(server_factory, c
             h.cancel()
 
     res = asyncio.run(busy_client())
-    assert res["client_bottleneck"] is True
     assert res["client_loop_lag_p99_ms"] > res["client_bottleneck_threshold_ms"]
     assert res["client_loop_lag_max_ms"] >= 10.0
-    warnings = [x for x in capsys.readouterr().err.splitlines() if "client is the bottleneck" in x]
-    assert len(warnings) == 1 and warnings[0].startswith("warning: ")
+    err = capsys.readouterr().err
+    warnings = [x for x in err.splitlines() if "client is the bottleneck" in x]
+    # On an oversubscribed host (a full test suite beside other jobs: the loop waited for a CPU
+    # 87 % of the window) the same lag is the host's, and the verdict says so instead.
+    if res["client_cpu_contended"]:
+        assert res["client_bottleneck"] is False and not warnings
+        assert "waited for a CPU" in err
+    else:
+        assert res["client_bottleneck"] is True
+        assert len(warnings) == 1 and warnings[0].startswith("warning: ")
 
 
 def test_bottleneck_verdict_and_its_single_warning_follow_the_measured_lag(server_factory, capsys) -> None:
