@@ -476,15 +476,15 @@ def request_energy_md(reqe: dict, title: str, drop: float) -> list[str]:
         "- Requests of equal length (distinct random prompts, no prefix-cache hits, `ignore_eos`) at a fixed concurrency through "
         "the defaults server; the plugin's per-request lines (`requests-rank<N>.jsonl`) against the NVML counter over the "
         f"same span (plugin snapshot to snapshot). Steady batch: lines in finish order, first and last {drop:.0%} dropped.\n",
-        "| run | source / method | n (steady) | median J | p5 / p50 / p95 / max over median | requests + idle over counter | requests J | "
-        "idle J | counter J | other parts J |\n|---|---|---|---|---|---|---|---|---|---|",
+        "| run | device | source / method | n (steady) | median J | p5 / p50 / p95 / max over median | requests + idle (+ tail) over counter | requests J | "
+        "idle J | counter J | other parts J |\n|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in reqe["segments"]:
         st = s["steady"] or {}
         other = {k: v for k, v in s["tail_idle_split"].items() if k not in ("idle_j", "note") and v is not None}
         md.append(
-            f"| {s['file']} {s['server']} {s.get('input_len')}/{s.get('output_len')} @ {s.get('request_rate')} req/s | {s['source']} / {s['method']}{_losses(s.get('counter_phase_losses'))} | {st.get('n')} | {fmt(st.get('median_j'))} | {fmt(st.get('p5_over_median'))} / 1 / "
-            f"{fmt(st.get('p95_over_median'))} / {fmt(st.get('max_over_median'))} | {fmt(s['requests_plus_idle_over_counter'], 4)} | "
+            f"| {s['file']} {s['server']} {s.get('input_len')}/{s.get('output_len')} @ {s.get('request_rate')} req/s | {s.get('device') or '–'} | {s['source']} / {s['method']}{_losses(s.get('counter_phase_losses'))} | {st.get('n')} | {fmt(st.get('median_j'))} | {fmt(st.get('p5_over_median'))} / 1 / "
+            f"{fmt(st.get('p95_over_median'))} / {fmt(st.get('max_over_median'))} | {fmt(s['requests_plus_idle_over_counter'], 4)} ({fmt(s.get('requests_plus_idle_plus_tail_over_counter'), 4)}) | "
             f"{fmt(s['requests_sum_j'], 1)} | {fmt(s['idle_j'], 1)} | {fmt(s['counter_j'], 1)} | {json.dumps(other) if other else '–'} |"
         )
     for b in reqe.get("bursts") or []:
