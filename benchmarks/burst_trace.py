@@ -1,7 +1,8 @@
 """Where each prefill burst's joules went, from a server's step trace: its steps, the energy ticks
 around it and the counter steps those ticks' reads saw.
 
-    python -m benchmarks.burst_trace OUT/servers-gpu0-*.tar.gz [--server defaults0] [--min-prefill 1000]
+    python -m benchmarks.burst_trace OUT/servers-gpu0-*.tar.gz [--server defaults0] [--min-prefill 1000] \
+        [--raw OUT/defaults-gpu0-*.json]
 
 The bursts segment of ``benchmarks/h200_defaults.py`` judges each burst's booking against the
 counter (docs/request-energy.md, short bursts); where one misses, this prints what the account saw:
@@ -9,7 +10,8 @@ per burst, the step lines (phase, prefill tokens, host start and end), then each
 before the burst to ``--after-s`` past its last step (joules, step / gap / idle seconds, joules
 booked as idle and back over earlier periods, requests made final, instant and rest power) with the
 counter steps its reads saw. Tick lines before the counter-step fields existed print without them.
-It reads the trace only; nothing is written.
+With ``--raw`` (the run's JSON) each burst of the segment's size is headed with its pair's figures
+(phase booking over the truth, both in J), matched in order. It reads files only; nothing is written.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .h200_defaults import judge_bursts
 from .lib.cli import one_line_errors
 
 TRACE_SUFFIX = "-trace-rank0.jsonl.gz"
@@ -85,14 +88,45 @@ def tick_row(t: dict) -> str:
     return "\n".join([row, *steps])
 
 
-def report(lines: list[dict], min_prefill: int, after_s: float) -> str:
-    """Each burst's steps and the ticks from the one before it to ``after_s`` past its end."""
+@dataclass(frozen=True)
+class PairFigures:
+    """The bursts segment of a run's JSON: each pair's judged figures in order, and the prefill
+    tokens of one burst (``conc`` x ``input_len``)."""
+
+    pairs: list[dict]
+    tokens: int
+
+    @classmethod
+    def load(cls, path: Path, server: str | None) -> PairFigures:
+        raw = json.loads(path.read_text())
+        found = [s for s in raw.get("servers", []) if s.get("bursts") and (server is None or s.get("label") == server)]
+        if not found:
+            raise ValueError(f"--raw {path}: no bursts segment{f' of server {server!r}' if server else ''}")
+        b = found[0]["bursts"]
+        runs = [x for x in b["runs"] if "burst" in x and "null" in x]
+        return cls(judge_bursts(runs, b.get("idle_w")), int(b["conc"]) * int(b["input_len"]))
+
+    def line(self, k: int) -> str:
+        """The ``k``-th pair's figures, for its burst's header."""
+        if k >= len(self.pairs):
+            return "; no pair in --raw"
+        p = self.pairs[k]
+        if p.get("phase_over_truth") is None:
+            return f"; pair {k}: not judged ({p.get('note') or (p.get('cut') or {}).get('note')})"
+        return f"; pair {k}: phase / truth {p['phase_over_truth']:.3f} ({p['plugin_phase_j']:.1f} J / {p['true_phase_j']:.1f} J)"
+
+
+def report(lines: list[dict], min_prefill: int, after_s: float, figures: PairFigures | None = None) -> str:
+    """Each burst's steps and the ticks from the one before it to ``after_s`` past its end, with
+    its pair's ``figures`` where given (the bursts within 10 % of their size, in order)."""
     ticks = [x["tick"] for x in lines if "tick" in x]
-    out = []
+    out, k = [], 0
     for i, b in enumerate(find_bursts(lines, min_prefill)):
-        out.append(
-            f"burst {i}: {len(b.steps)} step(s), {sum(s.get('prefill') or 0 for s in b.steps)} prefill tokens, host {b.t0_s:.3f}-{b.t1_s:.3f} s"
-        )
+        tokens = sum(s.get("prefill") or 0 for s in b.steps)
+        head = ""
+        if figures is not None and abs(tokens - figures.tokens) <= 0.1 * figures.tokens:
+            head, k = figures.line(k), k + 1
+        out.append(f"burst {i}: {len(b.steps)} step(s), {tokens} prefill tokens, host {b.t0_s:.3f}-{b.t1_s:.3f} s{head}")
         out += [
             f"  step {s['phase']} {s.get('prefill')} tokens, {s.get('reqs')} request(s), {s['t']:.3f}-{s.get('t_end') or s['t']:.3f}"
             for s in b.steps
@@ -109,8 +143,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--server", help="the server's label in the tarball (default: the first with a trace)")
     ap.add_argument("--min-prefill", type=int, default=1000, help="prefill tokens that make a step a burst's")
     ap.add_argument("--after-s", type=float, default=1.0, help="ticks shown past a burst's last step (s)")
+    ap.add_argument("--raw", type=Path, help="the run's JSON (defaults-gpu*.json): each burst's pair figures in its header")
     a = ap.parse_args(argv)
-    print(report(trace_lines(a.trace, a.server), a.min_prefill, a.after_s))
+    figures = PairFigures.load(a.raw, a.server) if a.raw is not None else None
+    print(report(trace_lines(a.trace, a.server), a.min_prefill, a.after_s, figures))
     return 0
 
 

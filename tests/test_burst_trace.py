@@ -53,3 +53,47 @@ def test_a_servers_tarball_is_read_by_server_label_and_a_missing_one_is_one_line
     assert bt.main([str(tar_path), "--server", "stock0"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "no step trace of server 'stock0'" in err
+
+
+def _raw(tmp_path):
+    def span(prefill_j, counter_j, cut_j, end_w, busy_s):
+        cut = {"cut_s": 1.3, "counter_j": cut_j, "end_power_w": end_w}
+        return {
+            "span_s": 3.0,
+            "busy_s": busy_s,
+            "counter_j": counter_j,
+            "plugin_phases_j": {"prefill": prefill_j, "idle": 300.0},
+            "cut": cut,
+        }
+
+    null = span(2.0, 324.0, 156.0, 125.0, 0.04)
+    runs = [
+        {"order": ["null", "burst"], "burst": span(130.0, 440.0, 270.0, 125.0, 0.2), "null": null},
+        {"order": ["burst", "null"], "burst": span(131.0, 441.0, 271.0, 150.0, 0.2), "null": null},
+    ]
+    bursts = {"n": 2, "conc": 4, "input_len": 1900, "idle_w": 72.0, "runs": runs}
+    path = tmp_path / "defaults-gpu0-1.json"
+    path.write_text(json.dumps({"servers": [{"label": "defaults0", "bursts": bursts}]}))
+    return path
+
+
+def test_with_the_runs_json_each_burst_of_the_segments_size_is_headed_by_its_pairs_figures(tmp_path):
+    """Pairs match bursts of conc x input_len prompt tokens (within 10 %) in order; the null
+    request's 8 tokens and any other burst are no pair's. The truth: cut difference 114 J, hold
+    125 W x 0.16 s extra busy time, the null's work 2 J: 136 J against a 130 J booking."""
+    trace = tmp_path / "defaults0-trace-rank0.jsonl.gz"
+    trace.write_bytes(gzip.compress("\n".join(_trace()).encode()))
+    out = bt.report(bt.trace_lines(trace, None), 1000, 1.0, bt.PairFigures.load(_raw(tmp_path), None))
+    heads = [x for x in out.splitlines() if x.startswith("burst ")]
+    assert heads[0].endswith("; pair 0: phase / truth 0.956 (130.0 J / 136.0 J)"), heads[0]
+    assert "; pair 1: not judged (cuts end 150 W vs 125 W" in heads[1], heads[1]
+
+
+def test_a_runs_json_without_a_bursts_segment_is_one_line(tmp_path, capsys):
+    trace = tmp_path / "defaults0-trace-rank0.jsonl.gz"
+    trace.write_bytes(gzip.compress("\n".join(_trace()).encode()))
+    raw = tmp_path / "defaults-gpu0-2.json"
+    raw.write_text(json.dumps({"servers": [{"label": "defaults0"}]}))
+    assert bt.main([str(trace), "--raw", str(raw)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "no bursts segment" in err
