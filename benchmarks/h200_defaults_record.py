@@ -536,6 +536,8 @@ def main(argv: list[str] | None = None) -> int:
         reqe["bursts"] = [b for b in json.loads(older.read_text()).get("bursts", []) if b.get("file") not in files] + reqe["bursts"]
     sim = any(seg.get("source") == "simulated" for seg in reqe["segments"])
     reqe.update(what=REQE_WHAT, measured=measured and not sim, simulated=sim, **common)
+    # The record keeps older files' segments: its devices are all of theirs, not only this call's.
+    reqe["devices"] = sorted({*devices, *(seg["device"] for seg in reqe["segments"] if seg.get("device"))})
     md = request_energy_md(reqe, f"{'simulated per-request figures; ' if sim else ''}{label}", ns.steady_drop)
     write(out / f"{ns.reqe_name}.json", reqe, md, keep_from=REQE_KEEP_FROM)
     print(f"wrote {out}/{ns.reqe_name}.json/.md ({len(reqe['segments'])} segment(s))")

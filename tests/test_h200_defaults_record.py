@@ -192,6 +192,19 @@ def test_request_energy_only_keeps_the_older_segments_before_the_new(tmp_path):
     assert [s["file"] for s in json.loads((tmp_path / "h200-request-energy.json").read_text())["segments"]] == ["old.json", "new.json"]
 
 
+def test_a_request_energy_record_names_the_devices_of_every_segment_it_keeps(tmp_path):
+    """The record keeps older files' segments; its ``devices`` named only the last call's GPU (an
+    H100 record of 30 H100 and 7 H200 segments said H100 alone)."""
+    run = _reqe_run(128, 256, 8.0, [2.0] * 5, 1.0, 0.0, 11.0)
+    for name, gpu in (("old.json", "NVIDIA H200"), ("new.json", "NVIDIA H100 80GB HBM3")):
+        r = raw([server("defaults", 80, [], reqenergy_runs=[run])], name="x") | {"device": {"name": gpu}}
+        (tmp_path / name).write_text(json.dumps(r))
+        rec.main([str(tmp_path / name), "--out-dir", str(tmp_path), "--reqe-only", "--steady-drop", "0"])
+    out = json.loads((tmp_path / "h200-request-energy.json").read_text())
+    assert out["devices"] == ["NVIDIA H100 80GB HBM3", "NVIDIA H200"]
+    assert [s["device"] for s in out["segments"]] == ["NVIDIA H200", "NVIDIA H100 80GB HBM3"]
+
+
 def test_the_request_energy_twin_keeps_its_hand_written_runs_and_findings(tmp_path):
     run = _reqe_run(128, 256, 8.0, [2.0] * 5, 1.0, 0.0, 11.0)
     (f := tmp_path / "a.json").write_text(json.dumps(raw([server("defaults", 80, [], reqenergy_runs=[run])], name="x")))
