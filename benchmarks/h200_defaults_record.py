@@ -470,6 +470,21 @@ def _losses(n: float | None) -> str:
     return "" if n is None else f", {int(n)} phase loss{'' if n == 1 else 'es'}"
 
 
+def newest_line(segments: list[dict]) -> str:
+    """The newest run's segments against the targets (:func:`reqe_checks`), one line for the top."""
+    if not segments:
+        return "- Newest run: none recorded.\n"
+    newest = [s for s in segments if s["file"] == segments[-1]["file"]]
+    checks = [c for s in newest for c in (s.get("checks") or {}).values()]
+    verdict = "all met" if checks and all(c is True for c in checks) else "not all met"
+    shapes = ", ".join(f"{s.get('input_len')}/{s.get('output_len')}" for s in newest)
+    return (
+        f"- Newest run: {newest[0]['file']} ({newest[0].get('device') or 'device not recorded'}, {newest[0].get('date_utc') or 'date not recorded'}), "
+        f"{len(newest)} segment(s) ({shapes}): p5 >= 0.90, p95 <= 1.10, max <= 1.30 over the median and requests + idle + tail within "
+        f"1 % of the counter: {verdict} (`checks` in each segment of the JSON twin).\n"
+    )
+
+
 def request_energy_md(reqe: dict, title: str, drop: float) -> list[str]:
     md = [
         f"# Per-request energy of identical requests at a steady batch ({title})\n",
@@ -479,6 +494,7 @@ def request_energy_md(reqe: dict, title: str, drop: float) -> list[str]:
         "| run | device | source / method | n (steady) | median J | p5 / p50 / p95 / max over median | requests + idle (+ tail) over counter | requests J | "
         "idle J | counter J | other parts J |\n|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    md[2:2] = [newest_line(reqe["segments"])]
     for s in reqe["segments"]:
         st = s["steady"] or {}
         other = {k: v for k, v in s["tail_idle_split"].items() if k not in ("idle_j", "note") and v is not None}

@@ -491,3 +491,14 @@ def test_a_segments_counter_phase_losses_are_recorded_where_the_raw_file_has_the
     assert [s["counter_phase_losses"] for s in reqe["segments"]] == [3, None]
     md = "\n".join(rec.request_energy_md(reqe, "measured", 0.0))
     assert "energy-counter, 3 phase losses |" in md and md.count("phase loss") == 1
+
+
+def test_the_request_energy_twin_opens_with_the_newest_runs_verdict_on_the_targets():
+    ok = {"p5_ge_0_90": True, "p95_le_1_10": True, "max_le_1_30": True, "sum_within_1pct": True}
+    seg = {"file": "a.json", "device": "NVIDIA H200", "date_utc": "T1", "input_len": 256, "output_len": 64, "checks": ok}
+    newer = [seg | {"file": "b.json", "device": "NVIDIA H100 80GB HBM3"}, seg | {"file": "b.json", "input_len": 1024, "output_len": 32}]
+    line = rec.newest_line([seg, *newer])
+    assert "b.json (NVIDIA H100 80GB HBM3, T1), 2 segment(s) (256/64, 1024/32)" in line and ": all met" in line
+    newer[1] = newer[1] | {"checks": ok | {"max_le_1_30": False}}
+    assert ": not all met" in rec.newest_line([seg, *newer])
+    assert rec.newest_line([]).startswith("- Newest run: none")
