@@ -382,6 +382,19 @@ def test_a_drains_gap_is_work_in_the_meters_hint_only_where_no_counter_step_corr
     assert bool(hinted) is not phase_known, hinted[:3]
 
 
+@pytest.mark.parametrize("tick_s", [0.05, 0.1, 0.25])
+def test_the_idle_power_is_learnt_from_the_counter_whatever_the_ticks_spacing(tick_s):
+    """Learnt from ticks of idle only, a tick shorter than the counter's period held mostly the
+    meter's extension at the idle power it was hinted, and learnt that price back: after a burst's
+    rest at 125 W the H100-shaped GPU idled at 70 W for 2.7 s and was still priced at 125 W with
+    ticks 50 ms apart, and its bursts read 0.954-1.000 (0.972-1.009 learnt from the counter's
+    spans; simulated)."""
+    run = BurstRun.build(0, replace(H100, tick_s=tick_s), 2)
+    for _ in run.ticks(run.starts[1] - 0.05):
+        pass
+    assert run.acc.idle_power_w == pytest.approx(H100.idle_w, abs=2.0)
+
+
 def test_the_meter_extends_the_quiet_time_just_after_work_at_the_rest_power():
     """:class:`LoadHint`: ``rest_w`` for ``rest_s`` after each span's end, ``quiet_w`` after that
     and before work; a span still running has no rest after it."""

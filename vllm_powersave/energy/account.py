@@ -864,6 +864,7 @@ class PhaseEnergyAccount:
         drain = getattr(self.meter, "drain_counter_steps", None)  # meters without a stepping counter: none
         drained = drain() if drain else []
         before_j = dict(self.request_j) if self.on_tick is not None else None  # for the trace's request_j
+        self._learn_idle_power(drained, pieces.busy_spans, period_s)
         steps = self._period_steps(t_now, d_e, period_s, pieces.busy_spans, drained)
         back_j = sum(p.step.jump_j for p in steps)
         book: dict = {}
@@ -905,6 +906,29 @@ class PhaseEnergyAccount:
                            self._instant_power_w(), self.rest_power_w, tuple(drained), gained, read_lag_s)
             )  # fmt: skip
         self._t, self._e = t_now, e_now
+
+    def _counter_learns_idle(self) -> bool:
+        """Whether the idle power is learnt from the counter's own spans (:meth:`_learn_idle_power`)
+        rather than from a tick's joules: where the meter reports its steps."""
+        return getattr(self.meter, "counter_phase_known", False) is True
+
+    def _learn_idle_power(self, drained: list, spans: tuple, period_s: float) -> None:
+        """The idle power from each counter span of quiet time only (no work in it) of at least half
+        a period: the counter's joules, not the meter's extension. Learnt from a tick of idle only,
+        a tick shorter than the counter's period is mostly the extension at the idle power it was
+        hinted, so it learnt that price back: a GPU resting at 125 W after work and then idling at
+        70 W stayed priced at 125 W with ticks 50 ms apart (H100-shaped fake,
+        tests/test_energy_bursts_h200.py)."""
+        if not self._counter_learns_idle() or not 0.0 < period_s:
+            return
+        work = self._recent_spans() + list(spans)
+        for c in drained:
+            a, j = c.span_t0_s, c.span_j
+            if a is None or j is None or not math.isfinite(j) or not c.t_s - a >= 0.5 * period_s:
+                continue
+            if any(_overlap(x, y, a, c.t_s) > 0 for x, y in work):
+                continue
+            self.idle_power_w = _moving_average(self.idle_power_w, max(0.0, j) / (c.t_s - a))
 
     def _period_steps(self, t_now: float, d_e: float, period_s: float, spans: tuple, drained: list) -> list[_PeriodStep]:
         """The counter steps to book back: a counter step's jump belongs to the ~100 ms period it
@@ -1151,7 +1175,7 @@ class PhaseEnergyAccount:
             busy_w = (d_e - quiet_w * priced_s) / busy_s
         elif busy_s + priced_s > 0:
             quiet_w = busy_w = d_e / (busy_s + priced_s)
-            if busy_s == 0 and gap_s <= 0 and idle_s >= _IDLE_POWER_MIN_S and span_s > 0:
+            if busy_s == 0 and gap_s <= 0 and idle_s >= _IDLE_POWER_MIN_S and span_s > 0 and not self._counter_learns_idle():
                 # An interval of idle only: the counter's idle power, for the edges of later intervals.
                 w = d_e / idle_s
                 self.idle_power_w = _moving_average(idle_w, w)
