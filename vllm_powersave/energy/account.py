@@ -815,7 +815,7 @@ class PhaseEnergyAccount:
         # (its phase known): else nothing books the GPU's last work there back, and bursts read
         # 0.49-1.28 of their work against 0.70-1.28 with the gap hinted as work (H100-shaped fake
         # without a phase, tests/test_energy_bursts_h200.py).
-        phase_known = getattr(self.meter, "counter_phase_known", False) is True
+        phase_known = self._counter_phase_known()
         drain_gaps = (*self._drain_gaps, *walk.drain_gaps) if phase_known else ()
         spans = [s for s in self._recent_spans() if s not in drain_gaps]
         # A step still running at the tick runs on through the meter's read (end: inf); work that
@@ -907,10 +907,24 @@ class PhaseEnergyAccount:
             )  # fmt: skip
         self._t, self._e = t_now, e_now
 
-    def _counter_learns_idle(self) -> bool:
-        """Whether the idle power is learnt from the counter's own spans (:meth:`_learn_idle_power`)
-        rather than from a tick's joules: where the meter reports its steps."""
+    def _counter_phase_known(self) -> bool:
+        """Whether the meter knows when its counter steps and so reports the steps: then a drain's
+        gap is left to them (:meth:`_hint_load`) and the idle power is learnt from the counter's
+        own spans (:meth:`_learn_idle_power`) rather than from a tick's joules."""
         return getattr(self.meter, "counter_phase_known", False) is True
+
+    def _quiet_span_w(self, c: CounterStep, work: list, min_span_s: float) -> float | None:
+        """The counter's power (W) over the span a step closes (``c.span_t0_s`` to ``c.t_s``) where
+        that span is at least ``min_span_s`` long and holds none of ``work``; else None. A shorter
+        span is no period: a read called before the counter's update and returning after it, taken
+        as having seen that step, leaves it to the next read as a span of milliseconds holding the
+        period's joules (23,471 W on an H100, docs/results/h200-request-energy.md)."""
+        a, t1, j = c.span_t0_s, c.t_s, c.span_j
+        if a is None or j is None or not math.isfinite(j) or not t1 - a >= min_span_s or not t1 - a > 0:
+            return None
+        if any(_overlap(x, y, a, t1) > 0 for x, y in work):
+            return None
+        return j / (t1 - a)
 
     def _learn_idle_power(self, drained: list, spans: tuple, period_s: float) -> None:
         """The idle power from each counter span of quiet time only (no work in it) of at least half
@@ -919,16 +933,13 @@ class PhaseEnergyAccount:
         hinted, so it learnt that price back: a GPU resting at 125 W after work and then idling at
         70 W stayed priced at 125 W with ticks 50 ms apart (H100-shaped fake,
         tests/test_energy_bursts_h200.py)."""
-        if not self._counter_learns_idle() or not 0.0 < period_s:
+        if not self._counter_phase_known() or not 0.0 < period_s:
             return
         work = self._recent_spans() + list(spans)
         for c in drained:
-            a, j = c.span_t0_s, c.span_j
-            if a is None or j is None or not math.isfinite(j) or not c.t_s - a >= 0.5 * period_s:
-                continue
-            if any(_overlap(x, y, a, c.t_s) > 0 for x, y in work):
-                continue
-            self.idle_power_w = _moving_average(self.idle_power_w, max(0.0, j) / (c.t_s - a))
+            w = self._quiet_span_w(c, work, 0.5 * period_s)
+            if w is not None:
+                self.idle_power_w = _moving_average(self.idle_power_w, max(0.0, w))
 
     def _period_steps(self, t_now: float, d_e: float, period_s: float, spans: tuple, drained: list) -> list[_PeriodStep]:
         """The counter steps to book back: a counter step's jump belongs to the ~100 ms period it
@@ -1040,26 +1051,14 @@ class PhaseEnergyAccount:
         before this tick's counter steps) end there, or when new work comes. Returns the joules moved."""
         moved = 0.0
         work = self._recent_spans() + list(spans)
-        # A span shorter than half a counter period is no period: a read called before the
-        # counter's update and returning after it, taken as having seen that step, leaves it to the
-        # next read as a span of milliseconds holding the period's joules (23,471 W on an H100,
-        # docs/results/h200-request-energy.md).
         min_span_s = 0.5 * getattr(self.meter, "counter_period_s", 0.0)
         for h in holds:
             end = h.split.end_s
             rest_w = None
             for c in drained:
-                a, t1, j = c.span_t0_s, c.t_s, c.span_j
-                if (
-                    a is None
-                    or j is None
-                    or a < end
-                    or t1 - a <= min_span_s
-                    or t1 - a <= 0
-                    or any(_overlap(x, y, a, t1) > 0 for x, y in work)
-                ):
-                    continue
-                rest_w = j / (t1 - a)
+                w = self._quiet_span_w(c, work, min_span_s) if c.span_t0_s is not None and c.span_t0_s >= end else None
+                if w is not None:  # a span of rest only after the held step's work
+                    rest_w = w
             if rest_w is None:
                 if any(y > end for _, y in spans):
                     self._drop_hold(h)
@@ -1175,7 +1174,7 @@ class PhaseEnergyAccount:
             busy_w = (d_e - quiet_w * priced_s) / busy_s
         elif busy_s + priced_s > 0:
             quiet_w = busy_w = d_e / (busy_s + priced_s)
-            if busy_s == 0 and gap_s <= 0 and idle_s >= _IDLE_POWER_MIN_S and span_s > 0 and not self._counter_learns_idle():
+            if busy_s == 0 and gap_s <= 0 and idle_s >= _IDLE_POWER_MIN_S and span_s > 0 and not self._counter_phase_known():
                 # An interval of idle only: the counter's idle power, for the edges of later intervals.
                 w = d_e / idle_s
                 self.idle_power_w = _moving_average(idle_w, w)
