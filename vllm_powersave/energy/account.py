@@ -1134,8 +1134,7 @@ class PhaseEnergyAccount:
                 self._share_wait(j * wait.wait_share, wait, book)
                 j *= 1.0 - wait.wait_share
             if self.per_request and not self._share(self.request_j, j, weights(req, ctx), book):
-                self.tail_j += j
-                _add(book, "tail", j)
+                self._to_tail(j, book)
         for gap in pieces.gaps:
             seconds, ph, req, ctx, steady, to = gap
             j = (rates.busy_w if _runs_on(gap, self.gpu_runs_ahead) else rates.gap_w) * seconds
@@ -1146,15 +1145,18 @@ class PhaseEnergyAccount:
                 self._pending_j += j
                 _add(book, "pending", j)
             elif to == "tail" or not self._share(self.request_j, j, weights(req, ctx), book):
-                self.tail_j += j
-                _add(book, "tail", j)
+                self._to_tail(j, book)
         return rates.quiet_w * idle_s if idle_s > 0 else 0.0
 
     def _share_wait(self, joules: float, wait: StepWait, book: dict) -> None:
         """A step's wait to its requests, equally: each waited alike (:class:`_HostWaits`)."""
         if not self._share(self.request_j, joules, dict.fromkeys(wait.weights, 1.0), book):
-            self.tail_j += joules
-            _add(book, "tail", joules)
+            self._to_tail(joules, book)
+
+    def _to_tail(self, joules: float, book: dict) -> None:
+        """Non-idle ``joules`` no request owns: to the tail (module docstring), and to ``book``."""
+        self.tail_j += joules
+        _add(book, "tail", joules)
 
     def _rates(self, pieces: TickPieces, d_e: float, span_s: float) -> _Rates:
         """The tick's prices: quiet time at the idle power (never more than the tick's joules),
@@ -1282,8 +1284,7 @@ class PhaseEnergyAccount:
         self.energy_j[phase] += joules
         book[phase] = book.get(phase, 0.0) + joules
         if phase != "idle" and self.per_request:
-            self.tail_j += joules
-            book["tail"] = book.get("tail", 0.0) + joules
+            self._to_tail(joules, book)
         return joules if phase == "idle" else 0.0
 
     def _in_period(self, t0: float, t1: float):
