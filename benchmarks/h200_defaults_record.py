@@ -491,10 +491,10 @@ def request_energy_md(reqe: dict, title: str, drop: float) -> list[str]:
         "- Requests of equal length (distinct random prompts, no prefix-cache hits, `ignore_eos`) at a fixed concurrency through "
         "the defaults server; the plugin's per-request lines (`requests-rank<N>.jsonl`) against the NVML counter over the "
         f"same span (plugin snapshot to snapshot). Steady batch: lines in finish order, first and last {drop:.0%} dropped.\n",
+        newest_line(reqe["segments"]),
         "| run | device | source / method | n (steady) | median J | p5 / p50 / p95 / max over median | requests + idle (+ tail) over counter | requests J | "
         "idle J | counter J | other parts J |\n|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    md[2:2] = [newest_line(reqe["segments"])]
     for s in reqe["segments"]:
         st = s["steady"] or {}
         other = {k: v for k, v in s["tail_idle_split"].items() if k not in ("idle_j", "note") and v is not None}
