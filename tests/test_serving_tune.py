@@ -647,6 +647,29 @@ def test_a_budget_too_small_for_one_window_names_budget_min(tmp_path, fake, caps
     assert json.loads((tmp_path / "out" / "tune-serving.json").read_text())["status"] == "budget_too_small"
 
 
+def test_a_search_the_budget_stops_after_a_round_names_that_round_and_what_it_skipped(tmp_path, fake, monkeypatch):
+    """A search stopped between rounds once reported "not measured: " with nothing after it, since
+    every skipped configuration had a window from round 0 (docs/results/h200-tune-serving.md)."""
+    from vllm_powersave.serving_tune import search
+
+    clock = {"s": 0.0}
+    monkeypatch.setattr(search.time, "monotonic", lambda: clock["s"])
+    real = FakeMeasurer.measure
+
+    def slow_last_window(self, config, window_s, seed, label):
+        if config.key == "max_num_seqs=16" and seed == 0:
+            clock["s"] += 310.0  # round 0's last window leaves no room for round 1 beside the pairs
+        return real(self, config, window_s, seed, label)
+
+    monkeypatch.setattr(FakeMeasurer, "measure", slow_last_window)
+    assert ts_run.execute(_opts(tmp_path, [2, 8, 32, 16], budget_s=330.0)) == 0
+    assert not [c for c in fake.calls if c[1] == 4.0 and c[2] < 1000]  # no round-1 window
+    rec = json.loads((tmp_path / "out" / "tune-serving.json").read_text())
+    assert rec["search"]["stopped_round"] == 1 and rec["search"]["not_measured"] == ["max_num_seqs=8", "max_num_seqs=16"]
+    md = (tmp_path / "out" / "tune-serving.md").read_text()
+    assert "(stopped by the budget in round 1; not measured there: `max_num_seqs=8`, `max_num_seqs=16`)" in md
+
+
 @pytest.mark.parametrize(
     ("ratio", "winner_met", "defaults_met", "starts"),
     [

@@ -61,6 +61,7 @@ def build_record(
             "budget_min": round(o.budget_s / 60.0, 2),
             "budget_stopped": outcome.budget_stopped,
             "not_measured": outcome.unmeasured,
+            "stopped_round": outcome.stopped_round,
             "wall_time_s": round(s.budget.spent_s(), 1),
             "windows_reused_from_state": s.reused,
             "windows_measured_this_run": s.new_steps,

@@ -24,6 +24,14 @@ def _pct(d: dict[str, Any] | None) -> str:
     return f"{100 * d['mean']:.1f} %" + (f" (95 % CI {100 * ci[0]:.1f}–{100 * ci[1]:.1f} %)" if ci else "")
 
 
+def _budget_stop(s: dict[str, Any]) -> str:
+    if not s["budget_stopped"]:
+        return ""
+    where = "" if s.get("stopped_round") is None else f" in round {s['stopped_round']}"
+    skipped = ", ".join(f"`{k}`" for k in s["not_measured"]) or "none"
+    return f" (stopped by the budget{where}; not measured there: {skipped})"
+
+
 def header_lines(r: dict[str, Any]) -> list[str]:
     s = r["search"]
     lines = [
@@ -34,8 +42,7 @@ def header_lines(r: dict[str, Any]) -> list[str]:
         f"- Model: `{r['model']}`",
         f"- Traffic: {r['traffic']['description']}",
         f"- SLO: {r['slo']['description']}",
-        f"- Search: {s['method']}; budget {s['budget_min']:g} min, wall time {s['wall_time_s']:.0f} s"
-        + (" (stopped by the budget; not measured: " + ", ".join(s["not_measured"]) + ")" if s["budget_stopped"] else ""),
+        f"- Search: {s['method']}; budget {s['budget_min']:g} min, wall time {s['wall_time_s']:.0f} s" + _budget_stop(s),
         f"- Windows measured in this run: {s['windows_measured_this_run']}; reused from the state file: {s['windows_reused_from_state']}",
         "- Space: " + ("; ".join(f"`{k}` {v}" for k, v in r["space"].items()) or "(none)"),
     ]

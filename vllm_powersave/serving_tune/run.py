@@ -212,8 +212,9 @@ class SearchOutcome:
 
     rounds: list[Round] = field(default_factory=list)
     ranking: list[Scored] = field(default_factory=list)
-    unmeasured: list[str] = field(default_factory=list)
+    unmeasured: list[str] = field(default_factory=list)  # the stopped round's configurations it did not measure
     budget_stopped: bool = False
+    stopped_round: int | None = None  # the round the budget stopped; the ranking is the last finished round's
     last_window_s: float = 0.0
     needed_s: float = 0.0  # where the budget stopped the search: the next window and the final pairs, estimated
 
@@ -241,7 +242,8 @@ def run_search(s: Session) -> SearchOutcome:
             step_id = f"search/r{rnd.index}/{key}"
             if step_id not in s.state.measurements and not s.budget.allows(s.step_cost_s(by_key[key], rnd.window_s), reserve):
                 out.budget_stopped, out.needed_s = True, s.step_cost_s(by_key[key], rnd.window_s) + reserve
-                out.unmeasured = [k for k in rnd.keys if f"search/r{rnd.index}/{k}" not in s.state.measurements and k not in latest]
+                out.stopped_round = rnd.index
+                out.unmeasured = [k for k in rnd.keys if f"search/r{rnd.index}/{k}" not in s.state.measurements]
                 break
             m = s.step(step_id, by_key[key], rnd.window_s, rnd.seed, phase="search", round=rnd.index)
             if m is not None:
