@@ -3,7 +3,9 @@ against vLLM's defaults in ABBA pairs, SLO attainment for both, and the tuning w
 
 ``python -m benchmarks.h200_tune_serving_record --load rate4=DIR --load c128=DIR [--out-dir docs/results]``
 writes ``h200-tune-serving.{json,md,png}`` (the plot: tokens per joule against p99 TPOT per load,
-the SLO marked). ``DIR`` is a ``ts-<load>`` directory (``tune-serving.json``, ``calls.json``). Every
+the SLO marked). ``DIR`` is a ``ts-<load>`` directory (``tune-serving.json``, ``calls.json``).
+``--keep LOAD`` keeps that load's entry of the record already in ``--out-dir`` as it stands: a load
+finished in an earlier session whose state directory (raw data, not in git) is gone. Every
 figure keeps the label tune-serving gave it: measured on a GPU, simulated without one (a CPU smoke
 run of this builder says so in the record's ``energy`` and title).
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +60,7 @@ def load_entry(load: str, ts: dict[str, Any], calls: list[dict[str, Any]], devic
         "device": device,
         "traffic": ts["traffic"]["description"],
         "slo": ts["slo"]["description"],
+        "slo_limits": {k: v for k, v in ts["slo"].items() if k != "description"},
         "status": ts["status"],
         "energy": ts["energy_label"],
         "winner": (ts.get("winner") or {}).get("key"),
@@ -109,21 +113,64 @@ def _cell(v: Any) -> str:
     return "n/a" if v is None else f"{v:g}" if isinstance(v, float) else str(v)
 
 
-def build(loads: dict[str, Path], device: str) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
-    """The record, and each load's ``tune-serving.json`` (for the plot)."""
+@dataclass(frozen=True)
+class PlotPanel:
+    """One load's panel: each configuration's latest search window as ``(key, p99 TPOT ms, tok/J, SLO met)``."""
+
+    load: str
+    title: str
+    points: list[tuple[str, float, float, bool]]
+    winner_key: str | None
+    slo_tpot_ms: float | None
+    energy: str
+
+
+def panel_of_run(load: str, r: dict[str, Any]) -> PlotPanel:
+    """The panel from a ``tune-serving.json``."""
+    return PlotPanel(
+        load, r["traffic"]["description"], pareto_points(r), (r.get("winner") or {}).get("key"), r["slo"].get("tpot_ms"), r["energy_label"]
+    )
+
+
+def panel_of_entry(e: dict[str, Any]) -> PlotPanel:
+    """The panel from a kept record entry: its search windows, the latest per configuration."""
+    latest = {w["key"]: w for w in e["search_windows"] if w.get("p99_tpot_ms") is not None and w.get("tok_per_j") is not None}
+    pts = [(k, w["p99_tpot_ms"], w["tok_per_j"], bool(w["slo_met"])) for k, w in latest.items()]
+    return PlotPanel(e["load"], e["traffic"], pts, e["winner"], (e.get("slo_limits") or {}).get("tpot_ms"), e["energy"])
+
+
+def kept_entries(path: Path, keep: list[str]) -> dict[str, dict[str, Any]]:
+    """The ``keep`` loads' entries of the record at ``path``; one line naming a load it lacks."""
+    if not keep:
+        return {}
+    if not path.exists():
+        raise SystemExit(f"error: --keep {keep[0]}: no record at {path} to keep it from")
+    have = {e["load"]: e for e in json.loads(path.read_text())["loads"]}
+    missing = [k for k in keep if k not in have]
+    if missing:
+        raise SystemExit(f"error: --keep {missing[0]}: {path} has no such load (it has: {', '.join(have) or 'none'})")
+    return {k: have[k] for k in keep}
+
+
+def build(loads: dict[str, Path], device: str, kept: dict[str, dict[str, Any]] | None = None) -> tuple[dict[str, Any], list[PlotPanel]]:
+    """The record, and a plot panel per load; ``kept`` loads' entries are taken as they stand."""
+    kept = kept or {}
     raw = {k: json.loads((d / "tune-serving.json").read_text()) for k, d in loads.items()}
     calls = {k: json.loads((d / "calls.json").read_text()) if (d / "calls.json").exists() else [] for k, d in loads.items()}
-    labels = sorted({r["energy_label"] for r in raw.values()})
-    devices = {k: device_of(calls[k], device) for k in loads}
+    entries = {**{k: load_entry(k, raw[k], calls[k], device_of(calls[k], device)) for k in loads}, **kept}
+    order = list(loads) + [k for k in kept if k not in loads]
+    devices = {entries[k]["device"] for k in order}
+    labels = sorted({entries[k]["energy"] for k in order})
     rec = {
         "name": NAME,
         "issue": 32,
-        "device": next(iter(set(devices.values()))) if len(set(devices.values())) == 1 else "per load (see each load)",
+        "device": next(iter(devices)) if len(devices) == 1 else "per load (see each load)",
         "energy": labels[0] if len(labels) == 1 else "mixed: " + ", ".join(labels),
         "what": "vllm-powersave tune-serving per load: the winner vs vLLM's defaults in ABBA pairs (tok_per_j_ratio = winner / defaults)",
-        "loads": [load_entry(k, raw[k], calls[k], devices[k]) for k in loads],
+        "loads": [entries[k] for k in order],
     }
-    return rec, raw
+    panels = [panel_of_entry(entries[k]) if k in kept else panel_of_run(k, raw[k]) for k in order]
+    return rec, panels
 
 
 def _mci(d: dict[str, Any] | None, fmt: str = ".3f") -> str:
@@ -172,26 +219,26 @@ def markdown(rec: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot(raw: dict[str, dict[str, Any]], path: Path) -> bool:
+def plot(panels: list[PlotPanel], path: Path) -> bool:
     """One panel per load: tokens per joule against p99 TPOT, Pareto front, winner, SLO."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(raw), figsize=(6 * len(raw), 4.2), squeeze=False)
-    for ax, (load, r) in zip(axes[0], raw.items()):
-        pts = pareto_points(r)
-        ax.scatter([p[1] for p in pts], [p[2] for p in pts], c=["tab:blue" if p[3] else "tab:orange" for p in pts])
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.2), squeeze=False)
+    for ax, p in zip(axes[0], panels):
+        pts = p.points
+        ax.scatter([q[1] for q in pts], [q[2] for q in pts], c=["tab:blue" if q[3] else "tab:orange" for q in pts])
         front = pareto_front(pts)
-        ax.plot([p[1] for p in front], [p[2] for p in front], "--", color="grey")
-        win = [p for p in pts if p[0] == (r.get("winner") or {}).get("key")]
-        ax.scatter([p[1] for p in win], [p[2] for p in win], s=200, facecolors="none", edgecolors="red", label="winner")
-        if r["slo"].get("tpot_ms"):
-            ax.axvline(r["slo"]["tpot_ms"], color="red", linestyle=":", label=f"SLO p99 TPOT {r['slo']['tpot_ms']:g} ms")
-        ax.set_title(f"{load}: {r['traffic']['description'][:60]}", fontsize=8)
+        ax.plot([q[1] for q in front], [q[2] for q in front], "--", color="grey")
+        win = [q for q in pts if q[0] == p.winner_key]
+        ax.scatter([q[1] for q in win], [q[2] for q in win], s=200, facecolors="none", edgecolors="red", label="winner")
+        if p.slo_tpot_ms:
+            ax.axvline(p.slo_tpot_ms, color="red", linestyle=":", label=f"SLO p99 TPOT {p.slo_tpot_ms:g} ms")
+        ax.set_title(f"{p.load}: {p.title[:60]}", fontsize=8)
         ax.set_xlabel("p99 TPOT, ms (measured)")
-        ax.set_ylabel(f"output tokens per joule ({r['energy_label']})")
+        ax.set_ylabel(f"output tokens per joule ({p.energy})")
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -202,18 +249,24 @@ def plot(raw: dict[str, dict[str, Any]], path: Path) -> bool:
 @one_line_errors
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--load", action="append", required=True, help="LOAD=DIR (a ts-<load> directory), repeatable")
+    ap.add_argument("--load", action="append", default=[], help="LOAD=DIR (a ts-<load> directory), repeatable")
+    ap.add_argument("--keep", action="append", default=[], help="LOAD: keep its entry of the record in --out-dir as it stands, repeatable")
     ap.add_argument("--out-dir", default="docs/results")
     ap.add_argument("--device", default="NVIDIA H200", help="the GPU of loads whose calls.json does not name one")
     ns = ap.parse_args(argv)
     bad = [x for x in ns.load if "=" not in x or not x.split("=", 1)[0]]
     if bad:
         ap.error(f"--load {bad[0]!r}: expected LOAD=DIR, e.g. rate4=runs/h200-ts/ts-rate4")
+    if not ns.load and not ns.keep:
+        ap.error("give at least one --load LOAD=DIR or --keep LOAD")
     loads = {x.split("=", 1)[0]: Path(x.split("=", 1)[1]) for x in ns.load}
-    rec, raw = build(loads, ns.device)
+    both = sorted(set(loads) & set(ns.keep))
+    if both:
+        ap.error(f"--keep {both[0]}: also given as --load; keep it or rebuild it, not both")
     out = Path(ns.out_dir)
+    rec, panels = build(loads, ns.device, kept_entries(out / f"{NAME}.json", ns.keep))
     write_record(out, NAME, rec, markdown(rec), keep_from=KEEP_FROM)
-    plot(raw, out / f"{NAME}.png")
+    plot(panels, out / f"{NAME}.png")
     print(f"wrote {out / NAME}.json, .md and .png")
     return 0
 

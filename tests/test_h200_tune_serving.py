@@ -84,7 +84,7 @@ def test_the_record_has_the_issues_fields_per_load_and_judges_the_goal(tmp_path)
         (tmp_path / load / "tune-serving.json").write_text(json.dumps(ts))
         gpu = {} if load == "rate4" else {"gpu": "NVIDIA H100 80GB HBM3"}  # rate4's calls predate the field
         (tmp_path / load / "calls.json").write_text(json.dumps([{"wall_s": 500} | gpu, {"wall_s": 600} | gpu]))
-    r, raw = rec.build({"rate4": tmp_path / "rate4", "c128": tmp_path / "c128"}, "NVIDIA H200")
+    r, panels = rec.build({"rate4": tmp_path / "rate4", "c128": tmp_path / "c128"}, "NVIDIA H200")
     a, b = r["loads"]
     assert r["energy"] == "measured" and a["tok_per_j_ratio"]["mean"] == 1.12 and a["device_calls"] == 2
     assert (a["device"], b["device"], r["device"]) == ("NVIDIA H200", "NVIDIA H100 80GB HBM3", "per load (see each load)")
@@ -106,7 +106,33 @@ def test_the_record_has_the_issues_fields_per_load_and_judges_the_goal(tmp_path)
     assert "| 1.120 (1.100–1.140) (measured) |" in md and md.count("| yes |") == 1
     assert ("| no: tok/J below x1.10, SLO attainment worse, tuning over 20 min, fewer than 3 pairs, not on the H200 |") in md
     assert "| NVIDIA H100 80GB HBM3 |" in md
-    assert rec.plot(raw, tmp_path / "p.png") and (tmp_path / "p.png").stat().st_size > 0
+    assert rec.plot(panels, tmp_path / "p.png") and (tmp_path / "p.png").stat().st_size > 0
+    assert a["slo_limits"] == {"tpot_ms": 50.0} and panels[0].slo_tpot_ms == 50.0
+
+
+def test_a_load_finished_in_an_earlier_session_is_kept_as_it_stands(tmp_path, capsys):
+    """A load's state directory is raw data, gone with the session that measured it; rebuilding the
+    record for the other load must keep its entry (and its plot panel) unchanged."""
+    for load in ("rate4", "c128"):
+        (tmp_path / load).mkdir()
+        (tmp_path / load / "tune-serving.json").write_text(json.dumps(_ts(1.05 if load == "c128" else 0.99, 1.0, 1.0, 900.0)))
+    out = tmp_path / "results"
+    assert rec.main(["--load", f"rate4={tmp_path / 'rate4'}", "--load", f"c128={tmp_path / 'c128'}", "--out-dir", str(out)]) == 0
+    before = json.loads((out / f"{rec.NAME}.json").read_text())
+    (tmp_path / "rate4" / "tune-serving.json").write_text(json.dumps(_ts(1.01, 1.0, 1.0, 950.0)))
+    assert rec.main(["--load", f"rate4={tmp_path / 'rate4'}", "--keep", "c128", "--out-dir", str(out)]) == 0
+    after = json.loads((out / f"{rec.NAME}.json").read_text())
+    assert [e["load"] for e in after["loads"]] == ["rate4", "c128"] and after["loads"][1] == before["loads"][1]
+    assert after["loads"][0]["tok_per_j_ratio"]["mean"] == 1.01 and (out / f"{rec.NAME}.png").stat().st_size > 0
+    panel = rec.panel_of_entry(after["loads"][1])
+    assert panel.points == [("cuda_perf_boost=auto", 30.0, 5.0, True), ("cuda_perf_boost=on", 30.0, 5.0, True)]
+    assert panel.slo_tpot_ms == 50.0 and panel.winner_key == "cuda_perf_boost=auto"
+    with pytest.raises(SystemExit, match=r"--keep rate8: .* has no such load \(it has: rate4, c128\)"):
+        rec.main(["--keep", "rate8", "--out-dir", str(out)])
+    with pytest.raises(SystemExit):
+        rec.main(["--load", f"c128={tmp_path / 'c128'}", "--keep", "c128", "--out-dir", str(out)])
+    assert "keep it or rebuild it, not both" in capsys.readouterr().err
+    assert json.loads((out / f"{rec.NAME}.json").read_text()) == after  # refused: nothing rewritten
 
 
 def test_a_stopped_search_is_recorded_as_pending_with_its_measured_windows(tmp_path):
