@@ -121,6 +121,41 @@ def fit_lags(steps: list[Step], periods: list[Period]) -> list[LagFit]:
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class SegmentLag:
+    """The best-fitting lag over one request-energy segment, beside the fit at 0 ms."""
+
+    periods: int
+    best_lag_ms: int
+    r2_best: float
+    r2_at_0: float
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {
+            "periods": self.periods,
+            "best_lag_ms": self.best_lag_ms,
+            "r2_best": round(self.r2_best, 3),
+            "r2_at_0": round(self.r2_at_0, 3),
+        }
+
+
+def segment_lag(lines: list[dict], request_ids: set[str]) -> SegmentLag | None:
+    """The lag fit over the span of the ticks that gave ``request_ids`` joules or made them final;
+    None where that span holds fewer than ``MIN_PERIODS`` counter periods."""
+    ticks = [x["tick"] for x in lines if "tick" in x]
+    mine = [t for t in ticks if request_ids & (set(t.get("request_j") or ()) | set(t.get("finished") or ()))]
+    steps, periods = steps_and_periods(lines)
+    if not mine or not steps:
+        return None
+    t0, t1 = min(t["t0_s"] for t in mine), max(t["t1_s"] for t in mine)
+    inside = [p for p in periods if t0 <= p.t0_s and p.t1_s <= t1]
+    if len(inside) < MIN_PERIODS:
+        return None
+    fits = fit_lags(steps, inside)
+    best = max(fits, key=lambda f: f.r2)
+    return SegmentLag(len(inside), best.lag_ms, best.r2, next(f for f in fits if f.lag_ms == 0).r2)
+
+
 def report(lines: list[dict]) -> str:
     steps, periods = steps_and_periods(lines)
     if not steps or not periods:

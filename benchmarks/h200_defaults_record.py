@@ -25,6 +25,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from benchmarks.burst_trace import trace_lines
+from benchmarks.counter_lag import segment_lag
 from benchmarks.h200_defaults import judge_bursts
 from benchmarks.lib.cli import one_line_errors
 from benchmarks.lib.device import write_record
@@ -75,7 +77,27 @@ def load(path: str) -> dict:
     p = Path(path)
     d = json.loads(gzip.decompress(p.read_bytes()) if p.suffix == ".gz" else p.read_bytes())
     d["_file"] = p.name
+    tar = p.with_name(p.name.replace("defaults-", "servers-", 1).removesuffix(".gz").removesuffix(".json") + ".tar.gz")
+    d["_servers_tar"] = str(tar) if tar.exists() else None
     return d
+
+
+def counter_lag_of(raw: dict, server: str, seg: dict, cache: dict) -> dict | None:
+    """The counter's lag over a segment (``benchmarks/counter_lag.py``), from the server's step trace
+    in the raw file's servers tarball beside it; None without one (raw files do not outlive a
+    session, so the record keeps the figure)."""
+    if not raw.get("_servers_tar"):
+        return None
+    key = (raw["_servers_tar"], server)
+    if key not in cache:
+        try:
+            cache[key] = trace_lines(Path(raw["_servers_tar"]), server)
+        except (ValueError, OSError):
+            cache[key] = None  # no trace of that server (the trace is on in the defaults arm only)
+    if cache[key] is None:
+        return None
+    lag = segment_lag(cache[key], {x["request_id"] for x in seg["lines"] if x.get("request_id")})
+    return None if lag is None else lag.as_dict()
 
 
 def ok(w: dict | None) -> bool:
@@ -252,7 +274,7 @@ def reqe_runs(s: dict) -> list[dict]:
 
 
 def request_energy(raws: list[dict], drop: float) -> dict:
-    segs = []
+    segs, traces = [], {}
     for raw, s, seg in ((raw, s, seg) for raw in raws for s in raw["servers"] for seg in reqe_runs(s)):
         lines = seg["lines"]
         js = [x["energy_j"] for x in lines if isinstance(x.get("energy_j"), (int, float))]
@@ -292,6 +314,7 @@ def request_energy(raws: list[dict], drop: float) -> dict:
             "request_energy_j_tail delta; tail_j_metrics: powersave_request_tail_energy_joules_total delta); *_j: per-request parts summed",
         }
         o["checks"] = reqe_checks(o)
+        o["counter_lag"] = counter_lag_of(raw, s["label"], seg, traces)
         segs.append({**o, "harness_out_tok_s": seg["harness"].get("output_throughput"), "span_s": r(seg.get("span_s"), 3)})
     return {"segments": segs, "bursts": bursts_block(raws)}
 
@@ -478,10 +501,16 @@ def newest_line(segments: list[dict]) -> str:
     checks = [c for s in newest for c in (s.get("checks") or {}).values()]
     verdict = "all met" if checks and all(c is True for c in checks) else "not all met"
     shapes = ", ".join(f"{s.get('input_len')}/{s.get('output_len')}" for s in newest)
+    lags = [
+        f"{s.get('input_len')}/{s.get('output_len')} {g['best_lag_ms']:+d} ms (R² {g['r2_best']:.3f} against {g['r2_at_0']:.3f} at 0 ms)"
+        for s in newest
+        if (g := s.get("counter_lag"))
+    ]
+    lag_note = f" Counter periods fit the steps' work best at (`benchmarks/counter_lag.py`): {', '.join(lags)}." if lags else ""
     return (
         f"- Newest run: {newest[0]['file']} ({newest[0].get('device') or 'device not recorded'}, {newest[0].get('date_utc') or 'date not recorded'}), "
         f"{len(newest)} segment(s) ({shapes}): p5 >= 0.90, p95 <= 1.10, max <= 1.30 over the median and requests + idle + tail within "
-        f"1 % of the counter: {verdict} (`checks` in each segment of the JSON twin).\n"
+        f"1 % of the counter: {verdict} (`checks` in each segment of the JSON twin).{lag_note}\n"
     )
 
 

@@ -502,3 +502,41 @@ def test_the_request_energy_twin_opens_with_the_newest_runs_verdict_on_the_targe
     newer[1] = newer[1] | {"checks": ok | {"max_le_1_30": False}}
     assert ": not all met" in rec.newest_line([seg, *newer])
     assert rec.newest_line([]).startswith("- Newest run: none")
+
+
+def test_each_segment_keeps_the_counter_lag_its_trace_shows_where_the_servers_tarball_is_beside(tmp_path):
+    """Raw files do not outlive a session; the record keeps each segment's counter-lag fit from the
+    servers tarball beside the raw file (docs/request-energy.md, the counter's lag)."""
+    import gzip
+    import io
+    import tarfile
+
+    from test_counter_lag import _energy_j, _serving
+
+    from vllm_powersave.energy.account import TickRecord
+    from vllm_powersave.energy.meters import CounterStep
+    from vllm_powersave.stats_contract import TraceLine, tick_line
+
+    steps, lines, b = _serving(seed=1), [], 1.037
+    lines += [TraceLine(s, "prefill" if p else "decode", p, 0 if p else 2, 2, 2048, 2, None, t).to_json() for s, t, p in steps]
+    while b + 0.1 < steps[-1][1]:
+        step = CounterStep(b + 0.1, 0.0, b, _energy_j(steps, b - 0.02, b + 0.08))  # covers up to 20 ms before its step
+        gains = (("r0", 1.0),) if b < 1.1 else ()
+        done = ["r9"] if b + 0.2 >= steps[-1][1] else []
+        lines.append(tick_line(TickRecord(b + 0.1, b + 0.11, 1.0, 0.01, 0.0, 0.0, 0.0, done, 0.0, None, None, (step,), gains, 0.004)))
+        b += 0.1
+    trace = gzip.compress("".join(lines).encode())
+    with tarfile.open(tmp_path / "servers-gpu0-1.tar.gz", "w:gz") as tar:
+        info = tarfile.TarInfo("defaults-trace-rank0.jsonl.gz")
+        info.size = len(trace)
+        tar.addfile(info, io.BytesIO(trace))
+    run = _reqe_run(1024, 32, 10.0, [1.0] * 10, idle_j=5.0, tail_j=1.0, counter_j=16.0)
+    (tmp_path / "defaults-gpu0-1.json").write_text(json.dumps(raw([server("defaults", 80, [], reqenergy_runs=[run])], name="x")))
+    (tmp_path / "defaults-gpu0-2.json").write_text(json.dumps(raw([server("defaults", 80, [], reqenergy_runs=[run])], name="y")))
+    lagged, bare = (rec.request_energy([rec.load(str(tmp_path / f"defaults-gpu0-{k}.json"))], 0.0)["segments"][0] for k in (1, 2))
+    g = lagged["counter_lag"]
+    assert abs(g["best_lag_ms"] - 20) <= 5 and g["r2_best"] > g["r2_at_0"] + 0.1 and g["periods"] >= 150
+    assert bare["counter_lag"] is None  # no tarball beside it
+    line = rec.newest_line([lagged])
+    assert f"1024/32 {g['best_lag_ms']:+d} ms (R² {g['r2_best']:.3f} against {g['r2_at_0']:.3f} at 0 ms)" in line
+    assert "counter_lag.py" not in rec.newest_line([bare])
