@@ -22,6 +22,7 @@ import bisect
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from .burst_trace import trace_lines
 from .lib.cli import one_line_errors
@@ -32,6 +33,9 @@ LAGS_MS = tuple(range(-30, 101, 5))
 STRETCH_GAP_S = 2.0
 #: Stretches with fewer counter periods than this are not fitted.
 MIN_PERIODS = 30
+#: Lags whose R² is within this of the best are ties; the one nearest 0 ms is reported, so a fit
+#: that no lag improves reads 0 ms, not the first lag tried.
+R2_TIE = 0.001
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +57,21 @@ class Period:
     energy_j: float
 
 
+class Stretch(NamedTuple):
+    """A span of serving: steps closer than ``STRETCH_GAP_S`` (s)."""
+
+    t0_s: float
+    t1_s: float
+
+
+class WindowWork(NamedTuple):
+    """The work within a window: seconds of steps, prefill tokens and decode rows (a fit's row)."""
+
+    busy_s: float
+    prefill_tokens: float
+    decode_rows: float
+
+
 @dataclass(frozen=True, slots=True)
 class LagFit:
     """The fit of the periods' joules to the work in windows shifted back by ``lag_ms``."""
@@ -71,7 +90,8 @@ def steps_and_periods(lines: list[dict]) -> tuple[list[Step], list[Period]]:
     seen: dict[float, Period] = {}
     for t in (x["tick"] for x in lines if "tick" in x):
         for c in t.get("counter_steps") or ():
-            seen[round(c["t_s"], 6)] = Period(c["span_t0_s"], c["t_s"], c["span_j"])
+            if c.get("span_t0_s") is not None and c.get("span_j") is not None:  # a step without its span says nothing here
+                seen[round(c["t_s"], 6)] = Period(c["span_t0_s"], c["t_s"], c["span_j"])
     periods = sorted(seen.values(), key=lambda p: p.t1_s)
     if not periods:
         return steps, []
@@ -79,18 +99,18 @@ def steps_and_periods(lines: list[dict]) -> tuple[list[Step], list[Period]]:
     return steps, [p for p in periods if abs((p.t1_s - p.t0_s) - typical_s) <= 0.05 * typical_s]
 
 
-def stretches(steps: list[Step]) -> list[tuple[float, float]]:
+def stretches(steps: list[Step]) -> list[Stretch]:
     """The spans of serving: runs of steps closer than ``STRETCH_GAP_S``."""
-    out: list[tuple[float, float]] = []
+    out: list[Stretch] = []
     for s in steps:
-        if out and s.t0_s - out[-1][1] <= STRETCH_GAP_S:
-            out[-1] = (out[-1][0], max(out[-1][1], s.t1_s))
+        if out and s.t0_s - out[-1].t1_s <= STRETCH_GAP_S:
+            out[-1] = Stretch(out[-1].t0_s, max(out[-1].t1_s, s.t1_s))
         else:
-            out.append((s.t0_s, s.t1_s))
+            out.append(Stretch(s.t0_s, s.t1_s))
     return out
 
 
-def work_in(steps: list[Step], starts: list[float], a: float, b: float) -> tuple[float, float, float]:
+def work_in(steps: list[Step], starts: list[float], a: float, b: float) -> WindowWork:
     """Seconds of steps, prefill tokens and decode rows within [a, b], each step's spread over its span."""
     i = max(0, bisect.bisect_left(starts, a) - 1)
     busy_s = prefill = decode = 0.0
@@ -100,15 +120,18 @@ def work_in(steps: list[Step], starts: list[float], a: float, b: float) -> tuple
         share = overlap_s / max(s.t1_s - s.t0_s, 1e-6)
         busy_s, prefill, decode = busy_s + overlap_s, prefill + s.prefill * share, decode + s.decode * share
         i += 1
-    return busy_s, prefill, decode
+    return WindowWork(busy_s, prefill, decode)
 
 
 def fit_lags(steps: list[Step], periods: list[Period]) -> list[LagFit]:
-    """R² and RMSE of the least-squares fit of each period's joules to its shifted window's work."""
+    """R² and RMSE of the least-squares fit of each period's joules to its shifted window's work;
+    none where the periods' joules do not vary (nothing to explain)."""
     import numpy as np
 
     starts = [s.t0_s for s in steps]
     y = np.array([p.energy_j for p in periods])
+    if len(y) < 2 or float(y.var()) <= 1e-12:
+        return []
     out = []
     for lag_ms in LAGS_MS:
         shift_s = lag_ms / 1000.0
@@ -116,9 +139,14 @@ def fit_lags(steps: list[Step], periods: list[Period]) -> list[LagFit]:
         x1 = np.c_[np.ones(len(x)), x]
         coef, *_ = np.linalg.lstsq(x1, y, rcond=None)
         resid = y - x1 @ coef
-        var = float(y.var())
-        out.append(LagFit(lag_ms, 1.0 - float(resid.var()) / var if var > 0 else 0.0, float(np.sqrt((resid**2).mean()))))
+        out.append(LagFit(lag_ms, 1.0 - float(resid.var()) / float(y.var()), float(np.sqrt((resid**2).mean()))))
     return out
+
+
+def best_fit(fits: list[LagFit]) -> LagFit:
+    """The best-fitting lag; among lags within ``R2_TIE`` of it, the one nearest 0 ms."""
+    top = max(f.r2 for f in fits)
+    return min((f for f in fits if f.r2 >= top - R2_TIE), key=lambda f: abs(f.lag_ms))
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,13 +157,15 @@ class SegmentLag:
     best_lag_ms: int
     r2_best: float
     r2_at_0: float
+    r2_by_lag_ms: dict[int, float]
 
-    def as_dict(self) -> dict[str, float | int]:
+    def as_dict(self) -> dict[str, object]:
         return {
             "periods": self.periods,
             "best_lag_ms": self.best_lag_ms,
             "r2_best": round(self.r2_best, 3),
             "r2_at_0": round(self.r2_at_0, 3),
+            "r2_by_lag_ms": {str(k): round(v, 3) for k, v in self.r2_by_lag_ms.items()},
         }
 
 
@@ -149,24 +179,26 @@ def segment_lag(lines: list[dict], request_ids: set[str]) -> SegmentLag | None:
         return None
     t0, t1 = min(t["t0_s"] for t in mine), max(t["t1_s"] for t in mine)
     inside = [p for p in periods if t0 <= p.t0_s and p.t1_s <= t1]
-    if len(inside) < MIN_PERIODS:
+    fits = fit_lags(steps, inside) if len(inside) >= MIN_PERIODS else []
+    if not fits:
         return None
-    fits = fit_lags(steps, inside)
-    best = max(fits, key=lambda f: f.r2)
-    return SegmentLag(len(inside), best.lag_ms, best.r2, next(f for f in fits if f.lag_ms == 0).r2)
+    best = best_fit(fits)
+    return SegmentLag(len(inside), best.lag_ms, best.r2, next(f for f in fits if f.lag_ms == 0).r2, {f.lag_ms: f.r2 for f in fits})
 
 
 def report(lines: list[dict]) -> str:
     steps, periods = steps_and_periods(lines)
-    if not steps or not periods:
-        raise ValueError("the trace has no steps with an end time or no counter steps: nothing to fit")
+    if not steps:
+        raise ValueError("the trace has no step with an end time (t_end): nothing to fit")
+    if not periods:
+        raise ValueError("the trace has no counter steps with their spans: nothing to fit")
     out = []
     for t0, t1 in stretches(steps):
         inside = [p for p in periods if t0 <= p.t0_s and p.t1_s <= t1]
-        if len(inside) < MIN_PERIODS:
+        fits = fit_lags(steps, inside) if len(inside) >= MIN_PERIODS else []
+        if not fits:
             continue
-        fits = fit_lags(steps, inside)
-        best = max(fits, key=lambda f: f.r2)
+        best = best_fit(fits)
         at0 = next(f for f in fits if f.lag_ms == 0)
         out.append(
             f"stretch {t0:.1f}-{t1:.1f} s, {len(inside)} periods: best lag {best.lag_ms:+d} ms "
@@ -174,7 +206,7 @@ def report(lines: list[dict]) -> str:
         )
         out += [f"    lag {f.lag_ms:+4d} ms: R² {f.r2:.3f}  RMSE {f.rmse_j:5.2f} J" for f in fits]
     if not out:
-        raise ValueError(f"no stretch of serving in the trace holds {MIN_PERIODS} counter periods")
+        raise ValueError(f"no stretch of serving in the trace holds {MIN_PERIODS} counter periods whose joules vary")
     return "\n".join(out)
 
 

@@ -62,7 +62,7 @@ def test_the_lag_of_a_counter_that_covers_the_energy_up_to_a_time_before_its_ste
     lines = cl.trace_lines(_trace(tmp_path, lag_ms / 1000.0), None)
     steps, periods = cl.steps_and_periods(lines)
     fits = cl.fit_lags(steps, periods)
-    best = max(fits, key=lambda f: f.r2)
+    best = cl.best_fit(fits)
     assert abs(best.lag_ms - lag_ms) <= 5, [(f.lag_ms, round(f.r2, 3)) for f in fits]
     assert best.r2 > 0.9
     if lag_ms >= 20:
@@ -79,9 +79,9 @@ def test_the_report_names_each_stretch_of_serving_and_its_best_lag(tmp_path):
 def test_a_trace_without_counter_steps_says_so_in_one_line(tmp_path, capsys):
     path = tmp_path / "t.jsonl"
     path.write_text(TraceLine(1.0, "decode", 0, 2, 2, 10, 2, None, 1.01).to_json())
-    assert cl.main([str(path)]) != 0
+    assert cl.main([str(path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "no counter steps" in err[0]
+    assert len(err) == 1 and "no counter steps with their spans" in err[0]
 
 
 def test_the_trace_reader_keeps_only_periods_of_the_typical_length(tmp_path):
@@ -90,3 +90,37 @@ def test_the_trace_reader_keeps_only_periods_of_the_typical_length(tmp_path):
     lines.append(json.loads(tick_line(long)))  # a read that saw three periods at once
     _, periods = cl.steps_and_periods(lines)
     assert periods and all(abs(p.t1_s - p.t0_s - 0.1) < 0.005 for p in periods)
+
+
+def test_periods_whose_joules_do_not_vary_give_no_lag_rather_than_the_first_one_tried(tmp_path):
+    lines = [json.loads(x) for x in gzip.decompress(_trace(tmp_path, 0.0).read_bytes()).decode().splitlines()]
+    for x in lines:
+        for c in (x.get("tick") or {}).get("counter_steps") or ():
+            c["span_j"] = 50.0
+    steps, periods = cl.steps_and_periods(lines)
+    assert cl.fit_lags(steps, periods) == []
+    assert cl.segment_lag(lines, {"r0"}) is None
+    with pytest.raises(ValueError, match="joules vary"):
+        cl.report(lines)
+
+
+def test_lags_that_fit_alike_report_the_one_nearest_0_ms():
+    fits = [cl.LagFit(-30, 0.5, 1.0), cl.LagFit(-5, 0.5003, 1.0), cl.LagFit(0, 0.5, 1.0), cl.LagFit(25, 0.4, 1.0)]
+    assert cl.best_fit(fits).lag_ms == 0
+    assert cl.best_fit([*fits, cl.LagFit(25, 0.6, 0.9)]).lag_ms == 25
+
+
+def test_a_counter_step_without_its_span_is_left_out_of_the_fit(tmp_path):
+    lines = [json.loads(x) for x in gzip.decompress(_trace(tmp_path, 0.02).read_bytes()).decode().splitlines()]
+    n = len(cl.steps_and_periods(lines)[1])
+    ticks = [x["tick"] for x in lines if "tick" in x]
+    ticks[3]["counter_steps"][0]["span_t0_s"] = None  # declared Optional in CounterStep
+    assert len(cl.steps_and_periods(lines)[1]) == n - 1
+
+
+def test_a_trace_without_step_end_times_says_so_in_one_line(tmp_path, capsys):
+    path = tmp_path / "t.jsonl"
+    path.write_text(TraceLine(1.0, "decode", 0, 2, 2, 10, 2, None, None).to_json())
+    assert cl.main([str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no step with an end time (t_end)" in err[0]
