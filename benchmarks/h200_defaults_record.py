@@ -20,6 +20,8 @@ import gzip
 import json
 import math
 import statistics
+import sys
+import tarfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -77,8 +79,10 @@ def load(path: str) -> dict:
     p = Path(path)
     d = json.loads(gzip.decompress(p.read_bytes()) if p.suffix == ".gz" else p.read_bytes())
     d["_file"] = p.name
-    tar = p.with_name(p.name.replace("defaults-", "servers-", 1).removesuffix(".gz").removesuffix(".json") + ".tar.gz")
-    d["_servers_tar"] = str(tar) if tar.exists() else None
+    # The job writes defaults-<run>.json beside servers-<run>.tar.gz (benchmarks/h200_defaults.py).
+    stem = p.name.removesuffix(".gz").removesuffix(".json")
+    tar = p.with_name("servers-" + stem.removeprefix("defaults-") + ".tar.gz") if stem.startswith("defaults-") else None
+    d["_servers_tar"] = str(tar) if tar is not None and tar.exists() else None
     return d
 
 
@@ -92,7 +96,10 @@ def counter_lag_of(raw: dict, server: str, seg: dict, cache: dict) -> dict | Non
     if key not in cache:
         try:
             cache[key] = trace_lines(Path(raw["_servers_tar"]), server)
-        except (ValueError, OSError):
+        except (OSError, EOFError, tarfile.TarError, json.JSONDecodeError) as e:  # cut short by a lease's end
+            print(f"note: {raw['_servers_tar']}: unreadable ({type(e).__name__}): no counter-lag fit", file=sys.stderr)
+            cache[key] = None
+        except ValueError:
             cache[key] = None  # no trace of that server (the trace is on in the defaults arm only)
     if cache[key] is None:
         return None

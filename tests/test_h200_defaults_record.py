@@ -1,5 +1,6 @@
 """benchmarks/h200_defaults_record.py: pairing, the idle-power bound and the request-energy spread."""
 
+import gzip
 import json
 import subprocess
 import sys
@@ -507,12 +508,12 @@ def test_the_request_energy_twin_opens_with_the_newest_runs_verdict_on_the_targe
 def test_each_segment_keeps_the_counter_lag_its_trace_shows_where_the_servers_tarball_is_beside(tmp_path):
     """Raw files do not outlive a session; the record keeps each segment's counter-lag fit from the
     servers tarball beside the raw file (docs/request-energy.md, the counter's lag)."""
-    import gzip
     import io
     import tarfile
 
     from test_counter_lag import _energy_j, _serving
 
+    from benchmarks import counter_lag as cl
     from vllm_powersave.energy.account import TickRecord
     from vllm_powersave.energy.meters import CounterStep
     from vllm_powersave.stats_contract import TraceLine, tick_line
@@ -536,7 +537,31 @@ def test_each_segment_keeps_the_counter_lag_its_trace_shows_where_the_servers_ta
     lagged, bare = (rec.request_energy([rec.load(str(tmp_path / f"defaults-gpu0-{k}.json"))], 0.0)["segments"][0] for k in (1, 2))
     g = lagged["counter_lag"]
     assert abs(g["best_lag_ms"] - 20) <= 5 and g["r2_best"] > g["r2_at_0"] + 0.1 and g["periods"] >= 150
+    assert g["r2_by_lag_ms"]["0"] == g["r2_at_0"] and len(g["r2_by_lag_ms"]) == len(cl.LAGS_MS)
     assert bare["counter_lag"] is None  # no tarball beside it
     line = rec.newest_line([lagged])
     assert f"1024/32 {g['best_lag_ms']:+d} ms (R² {g['r2_best']:.3f} against {g['r2_at_0']:.3f} at 0 ms)" in line
     assert "counter_lag.py" not in rec.newest_line([bare])
+
+
+@pytest.mark.parametrize("damage", ["cut", "not-a-tar"])
+def test_a_damaged_servers_tarball_leaves_the_record_whole_with_one_note(tmp_path, capsys, damage):
+    """A tarball copied only in part (a lease ending mid-copy) loses its lag fit, not the record."""
+    run = _reqe_run(1024, 32, 10.0, [1.0] * 10, idle_j=5.0, tail_j=1.0, counter_j=16.0)
+    (tmp_path / "defaults-gpu0-1.json").write_text(json.dumps(raw([server("defaults", 80, [], reqenergy_runs=[run])], name="x")))
+    good = gzip.compress(b"x" * 4000)
+    (tmp_path / "servers-gpu0-1.tar.gz").write_bytes(good[: len(good) // 2] if damage == "cut" else b"plain text")
+    assert rec.main([str(tmp_path / "defaults-gpu0-1.json"), "--out-dir", str(tmp_path / "o"), "--reqe-only"]) == 0
+    seg = json.loads((tmp_path / "o" / "h200-request-energy.json").read_text())["segments"][0]
+    assert seg["counter_lag"] is None
+    notes = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("note:")]
+    assert len(notes) == 1 and "servers-gpu0-1.tar.gz: unreadable" in notes[0]
+
+
+def test_a_raw_file_of_another_name_looks_for_no_tarball(tmp_path):
+    (tmp_path / "run.json").write_text(json.dumps(raw([])))
+    (tmp_path / "run.tar.gz").write_bytes(b"unrelated")
+    (tmp_path / "defaults-a.json.gz").write_bytes(gzip.compress(json.dumps(raw([])).encode()))
+    (tmp_path / "servers-a.tar.gz").write_bytes(b"beside")
+    assert rec.load(str(tmp_path / "run.json"))["_servers_tar"] is None
+    assert rec.load(str(tmp_path / "defaults-a.json.gz"))["_servers_tar"] == str(tmp_path / "servers-a.tar.gz")
