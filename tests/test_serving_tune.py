@@ -647,6 +647,31 @@ def test_a_budget_too_small_for_one_window_names_budget_min(tmp_path, fake, caps
     assert json.loads((tmp_path / "out" / "tune-serving.json").read_text())["status"] == "budget_too_small"
 
 
+def test_a_round_cut_short_ranks_its_configurations_by_the_round_before(tmp_path, fake, monkeypatch):
+    """Round 1 measured max_num_seqs=8 (a window of other requests, read low) before the budget
+    stopped it; set against max_num_seqs=16's round-0 window, that chose 16 from two windows of
+    different requests. The round before measured both on the same requests: 8 stays ahead."""
+    from vllm_powersave.serving_tune import search
+
+    clock = {"s": 0.0}
+    monkeypatch.setattr(search.time, "monotonic", lambda: clock["s"])
+    real = FakeMeasurer.measure
+
+    def slow_round_1(self, config, window_s, seed, label):
+        figs, restarted = real(self, config, window_s, seed, label)
+        if seed == 1:
+            clock["s"] += 300.0  # round 1's first window leaves no room for its second
+            figs = dataclasses.replace(figs, output_tokens_per_joule=0.5)
+        return figs, restarted
+
+    monkeypatch.setattr(FakeMeasurer, "measure", slow_round_1)
+    assert ts_run.execute(_opts(tmp_path, [2, 8, 32, 16], budget_s=420.0)) == 0
+    assert [c[0] for c in fake.calls if c[2] == 1] == ["max_num_seqs=8"]
+    rec = json.loads((tmp_path / "out" / "tune-serving.json").read_text())
+    assert rec["search"]["stopped_round"] == 1 and rec["search"]["not_measured"] == ["max_num_seqs=16"]
+    assert rec["winner"]["key"] == "max_num_seqs=8"
+
+
 def test_a_search_the_budget_stops_after_a_round_names_that_round_and_what_it_skipped(tmp_path, fake, monkeypatch):
     """A search stopped between rounds once reported "not measured: " with nothing after it, since
     every skipped configuration had a window from round 0 (docs/results/h200-tune-serving.md)."""
