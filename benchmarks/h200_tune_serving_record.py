@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -139,26 +140,47 @@ def panel_of_entry(e: dict[str, Any]) -> PlotPanel:
     return PlotPanel(e["load"], e["traffic"], pts, e["winner"], (e.get("slo_limits") or {}).get("tpot_ms"), e["energy"])
 
 
-def kept_entries(path: Path, keep: list[str]) -> dict[str, dict[str, Any]]:
-    """The ``keep`` loads' entries of the record at ``path``; one line naming a load it lacks."""
-    if not keep:
-        return {}
-    if not path.exists():
-        raise SystemExit(f"error: --keep {keep[0]}: no record at {path} to keep it from")
-    have = {e["load"]: e for e in json.loads(path.read_text())["loads"]}
-    missing = [k for k in keep if k not in have]
-    if missing:
-        raise SystemExit(f"error: --keep {missing[0]}: {path} has no such load (it has: {', '.join(have) or 'none'})")
+#: What the twin and the plot read of a kept entry (``slo_limits`` is optional: no SLO line without it).
+KEPT_FIELDS = (
+    "load", "device", "traffic", "slo", "status", "energy", "winner", "command", "closest_misses", "pairs",
+    "tok_per_j_ratio", "slo_attainment", "tuning_wall_time_s", "device_calls", "calls_utc", "search_windows", "goal",
+)  # fmt: skip
+
+
+class KeepError(Exception):
+    """A ``--keep`` the record cannot serve; its message is the one line to print."""
+
+
+def prior_loads(path: Path) -> list[dict[str, Any]]:
+    """The load entries of the record already at ``path`` (none where there is no record)."""
+    return list(json.loads(path.read_text()).get("loads") or []) if path.exists() else []
+
+
+def kept_entries(path: Path, prior: list[dict[str, Any]], keep: list[str]) -> dict[str, dict[str, Any]]:
+    """The ``keep`` loads' entries of the record at ``path`` (``prior``: its loads), each whole."""
+    if keep and not path.exists():
+        raise KeepError(f"--keep {keep[0]}: no record at {path} to keep it from")
+    have = {e.get("load"): e for e in prior}
+    for k in keep:
+        if k not in have:
+            raise KeepError(f"--keep {k}: {path} has no such load (it has: {', '.join(map(str, have)) or 'none'})")
+        lacking = [f for f in KEPT_FIELDS if f not in have[k]]
+        if lacking:
+            raise KeepError(f"--keep {k}: its entry in {path} lacks {lacking[0]!r}: rebuild it with --load {k}=DIR")
     return {k: have[k] for k in keep}
 
 
-def build(loads: dict[str, Path], device: str, kept: dict[str, dict[str, Any]] | None = None) -> tuple[dict[str, Any], list[PlotPanel]]:
-    """The record, and a plot panel per load; ``kept`` loads' entries are taken as they stand."""
+def build(
+    loads: dict[str, Path], device: str, kept: dict[str, dict[str, Any]] | None = None, prior_order: list[str] | None = None
+) -> tuple[dict[str, Any], list[PlotPanel]]:
+    """The record, and a plot panel per load; ``kept`` loads' entries are taken as they stand. Loads
+    keep their place in the record before (``prior_order``); new ones follow."""
     kept = kept or {}
     raw = {k: json.loads((d / "tune-serving.json").read_text()) for k, d in loads.items()}
     calls = {k: json.loads((d / "calls.json").read_text()) if (d / "calls.json").exists() else [] for k, d in loads.items()}
     entries = {**{k: load_entry(k, raw[k], calls[k], device_of(calls[k], device)) for k in loads}, **kept}
-    order = list(loads) + [k for k in kept if k not in loads]
+    given = list(loads) + [k for k in kept if k not in loads]
+    order = [k for k in prior_order or [] if k in given] + [k for k in given if k not in (prior_order or [])]
     devices = {entries[k]["device"] for k in order}
     labels = sorted({entries[k]["energy"] for k in order})
     rec = {
@@ -171,6 +193,10 @@ def build(loads: dict[str, Path], device: str, kept: dict[str, dict[str, Any]] |
     }
     panels = [panel_of_entry(entries[k]) if k in kept else panel_of_run(k, raw[k]) for k in order]
     return rec, panels
+
+
+def rec_loads(rec: dict[str, Any]) -> list[str]:
+    return [e["load"] for e in rec["loads"]]
 
 
 def _mci(d: dict[str, Any] | None, fmt: str = ".3f") -> str:
@@ -264,7 +290,20 @@ def main(argv: list[str] | None = None) -> int:
     if both:
         ap.error(f"--keep {both[0]}: also given as --load; keep it or rebuild it, not both")
     out = Path(ns.out_dir)
-    rec, panels = build(loads, ns.device, kept_entries(out / f"{NAME}.json", ns.keep))
+    path = out / f"{NAME}.json"
+    prior = prior_loads(path)
+    try:
+        kept = kept_entries(path, prior, ns.keep)
+    except KeepError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    rec, panels = build(loads, ns.device, kept, [e.get("load") for e in prior])
+    for e in prior:
+        if e.get("load") not in rec_loads(rec):
+            print(f"note: {e.get('load')}: in the record before, neither --load nor --keep now: dropped", file=sys.stderr)
+    for e in kept.values():
+        if not e.get("slo_limits"):
+            print(f"note: {e['load']}: the kept entry has no slo_limits: its panel has no SLO line", file=sys.stderr)
     write_record(out, NAME, rec, markdown(rec), keep_from=KEEP_FROM)
     plot(panels, out / f"{NAME}.png")
     print(f"wrote {out / NAME}.json, .md and .png")

@@ -127,12 +127,41 @@ def test_a_load_finished_in_an_earlier_session_is_kept_as_it_stands(tmp_path, ca
     panel = rec.panel_of_entry(after["loads"][1])
     assert panel.points == [("cuda_perf_boost=auto", 30.0, 5.0, True), ("cuda_perf_boost=on", 30.0, 5.0, True)]
     assert panel.slo_tpot_ms == 50.0 and panel.winner_key == "cuda_perf_boost=auto"
-    with pytest.raises(SystemExit, match=r"--keep rate8: .* has no such load \(it has: rate4, c128\)"):
-        rec.main(["--keep", "rate8", "--out-dir", str(out)])
+    capsys.readouterr()
+    assert rec.main(["--keep", "rate8", "--out-dir", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--keep rate8: " in err[0] and "has no such load (it has: rate4, c128)" in err[0]
+    assert rec.main(["--keep", "c128", "--out-dir", str(tmp_path / "empty")]) == 2
+    assert "no record at" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         rec.main(["--load", f"c128={tmp_path / 'c128'}", "--keep", "c128", "--out-dir", str(out)])
     assert "keep it or rebuild it, not both" in capsys.readouterr().err
     assert json.loads((out / f"{rec.NAME}.json").read_text()) == after  # refused: nothing rewritten
+
+
+def test_a_rebuild_keeps_the_loads_order_and_says_what_it_kept_short_or_dropped(tmp_path, capsys):
+    for load in ("rate4", "c128"):
+        (tmp_path / load).mkdir()
+        (tmp_path / load / "tune-serving.json").write_text(json.dumps(_ts(1.0, 1.0, 1.0, 900.0)))
+    out = tmp_path / "results"
+    assert rec.main(["--load", f"rate4={tmp_path / 'rate4'}", "--load", f"c128={tmp_path / 'c128'}", "--out-dir", str(out)]) == 0
+    assert rec.main(["--load", f"c128={tmp_path / 'c128'}", "--keep", "rate4", "--out-dir", str(out)]) == 0
+    assert [e["load"] for e in json.loads((out / f"{rec.NAME}.json").read_text())["loads"]] == ["rate4", "c128"]
+    capsys.readouterr()
+    assert rec.main(["--load", f"c128={tmp_path / 'c128'}", "--out-dir", str(out)]) == 0
+    assert "note: rate4: in the record before, neither --load nor --keep now: dropped" in capsys.readouterr().err
+    assert rec.main(["--load", f"rate4={tmp_path / 'rate4'}", "--load", f"c128={tmp_path / 'c128'}", "--out-dir", str(out)]) == 0
+    record = json.loads((out / f"{rec.NAME}.json").read_text())
+    assert [e["load"] for e in record["loads"]] == ["c128", "rate4"]  # c128 was alone in the record before
+    del record["loads"][0]["slo_limits"]  # an entry written before the field
+    (out / f"{rec.NAME}.json").write_text(json.dumps(record))
+    assert rec.main(["--load", f"rate4={tmp_path / 'rate4'}", "--keep", "c128", "--out-dir", str(out)]) == 0
+    assert "note: c128: the kept entry has no slo_limits: its panel has no SLO line" in capsys.readouterr().err
+    del record["loads"][0]["search_windows"]
+    (out / f"{rec.NAME}.json").write_text(json.dumps(record))
+    assert rec.main(["--load", f"rate4={tmp_path / 'rate4'}", "--keep", "c128", "--out-dir", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--keep c128: its entry in" in err[0] and "lacks 'search_windows'" in err[0]
 
 
 def test_a_stopped_search_is_recorded_as_pending_with_its_measured_windows(tmp_path):
