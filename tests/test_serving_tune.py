@@ -672,6 +672,28 @@ def test_a_round_cut_short_ranks_its_configurations_by_the_round_before(tmp_path
     assert rec["winner"]["key"] == "max_num_seqs=8"
 
 
+def test_a_round_cut_short_does_not_undo_a_window_that_missed_the_slo(tmp_path, fake, monkeypatch):
+    """max_num_seqs=8 met the SLO in round 0 and missed it in its round-1 window before the budget
+    stopped the round: ranked by round 0 alone it would still win and go to the final pairs."""
+    from vllm_powersave.serving_tune import search
+
+    clock = {"s": 0.0}
+    monkeypatch.setattr(search.time, "monotonic", lambda: clock["s"])
+    real = FakeMeasurer.measure
+
+    def missing_in_round_1(self, config, window_s, seed, label):
+        figs, restarted = real(self, config, window_s, seed, label)
+        if seed == 1:
+            clock["s"] += 300.0
+            figs = dataclasses.replace(figs, good=0)  # no request met the SLO in this window
+        return figs, restarted
+
+    monkeypatch.setattr(FakeMeasurer, "measure", missing_in_round_1)
+    assert ts_run.execute(_opts(tmp_path, [2, 8, 32, 16], budget_s=420.0)) == 0
+    rec = json.loads((tmp_path / "out" / "tune-serving.json").read_text())
+    assert rec["search"]["stopped_round"] == 1 and rec["winner"]["key"] == "max_num_seqs=16"
+
+
 def test_a_search_the_budget_stops_after_a_round_names_that_round_and_what_it_skipped(tmp_path, fake, monkeypatch):
     """A search stopped between rounds once reported "not measured: " with nothing after it, since
     every skipped configuration had a window from round 0 (docs/results/h200-tune-serving.md)."""

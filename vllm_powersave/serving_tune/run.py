@@ -8,6 +8,7 @@ the closest and by how much it misses); 1 a failure while measuring (what was me
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import sys
 import time
@@ -262,15 +263,22 @@ def run_search(s: Session) -> SearchOutcome:
 def final_ranking(out: SearchOutcome, by_round: dict[int, dict[str, Scored]], latest: dict[str, Scored]) -> list[Scored]:
     """The last round's configurations, ranked. A round the budget cut short after round 0 ranks
     them by the round before's windows: one seed (the same requests) and one length for all, where
-    their latest windows would set a longer window of other requests against a shorter one (request
-    mixes alone moved tokens per joule by up to 12 % between windows, docs/results/h200-tune-serving.md)."""
+    their latest windows would set a longer window of other requests against a shorter one (vLLM's
+    defaults read 2.05-2.31 tokens per joule over three pairs of other requests and times,
+    docs/results/h200-tune-serving.md). A configuration whose window in the cut round missed the
+    SLO keeps that verdict: a miss is not undone by an older window."""
     last = out.rounds[-1]
     if out.budget_stopped and last.index > 0:
-        prev = by_round.get(last.index - 1, {})
-        ranked = rank([prev[k] for k in last.keys if k in prev])
+        prev, cut = by_round.get(last.index - 1, {}), by_round.get(last.index, {})
+        ranked = rank([_with_later_miss(prev[k], cut.get(k)) for k in last.keys if k in prev])
         if ranked:
             return ranked
     return rank([latest[k] for k in last.keys if k in latest]) or rank(list(latest.values()))
+
+
+def _with_later_miss(earlier: Scored, later: Scored | None) -> Scored:
+    """``earlier``, with ``later``'s verdict where that window missed the SLO."""
+    return earlier if later is None or later.verdict.met else dataclasses.replace(earlier, verdict=later.verdict)
 
 
 def _note_best(s: Session, scored: list[Scored]) -> None:

@@ -9,7 +9,9 @@ target). A round's configurations share one seed, so they see the same requests.
 The budget (:class:`Budget`) covers the whole command, search and final pairs: before each
 measurement its cost is estimated (server start where one is needed, the window, the measured
 overhead around it) and the search stops where the measurement would leave too little for the
-final pairs. A round cut short ranks each survivor by its latest window.
+final pairs. A round cut short after round 0 ranks its configurations by the round before's
+windows, the same requests for all, except that one whose window in the cut round missed the SLO
+ranks as missing it (``run.final_ranking``).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from .slo import Verdict
 
 @dataclass(frozen=True)
 class Scored:
-    """One configuration's latest window, as the search ranks it."""
+    """One configuration's window, as the search ranks it: its tokens per joule and SLO verdict."""
 
     key: str
     round: int
