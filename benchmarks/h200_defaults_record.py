@@ -23,6 +23,7 @@ import statistics
 import sys
 import tarfile
 import time
+import zlib
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -96,7 +97,14 @@ def counter_lag_of(raw: dict, server: str, seg: dict, cache: dict) -> dict | Non
     if key not in cache:
         try:
             cache[key] = trace_lines(Path(raw["_servers_tar"]), server)
-        except (OSError, EOFError, tarfile.TarError, json.JSONDecodeError) as e:  # cut short by a lease's end
+        except (
+            OSError,
+            EOFError,
+            zlib.error,
+            tarfile.TarError,
+            json.JSONDecodeError,
+            UnicodeDecodeError,
+        ) as e:  # cut short by a lease's end
             print(f"note: {raw['_servers_tar']}: unreadable ({type(e).__name__}): no counter-lag fit", file=sys.stderr)
             cache[key] = None
         except ValueError:

@@ -544,13 +544,24 @@ def test_each_segment_keeps_the_counter_lag_its_trace_shows_where_the_servers_ta
     assert "counter_lag.py" not in rec.newest_line([bare])
 
 
-@pytest.mark.parametrize("damage", ["cut", "not-a-tar"])
+@pytest.mark.parametrize("damage", ["cut", "not-a-tar", "bad-deflate"])
 def test_a_damaged_servers_tarball_leaves_the_record_whole_with_one_note(tmp_path, capsys, damage):
     """A tarball copied only in part (a lease ending mid-copy) loses its lag fit, not the record."""
     run = _reqe_run(1024, 32, 10.0, [1.0] * 10, idle_j=5.0, tail_j=1.0, counter_j=16.0)
     (tmp_path / "defaults-gpu0-1.json").write_text(json.dumps(raw([server("defaults", 80, [], reqenergy_runs=[run])], name="x")))
     good = gzip.compress(b"x" * 4000)
-    (tmp_path / "servers-gpu0-1.tar.gz").write_bytes(good[: len(good) // 2] if damage == "cut" else b"plain text")
+    if damage == "bad-deflate":  # a whole tarball whose trace member's deflate data is corrupt (zlib.error)
+        import io
+        import tarfile
+
+        inner = gzip.compress(b'{"t": 1.0}\n' * 2000)
+        inner = inner[:12] + b"\x00\xff" * 10 + inner[32:]
+        with tarfile.open(tmp_path / "servers-gpu0-1.tar.gz", "w:gz") as tar:
+            info = tarfile.TarInfo("defaults-trace-rank0.jsonl.gz")
+            info.size = len(inner)
+            tar.addfile(info, io.BytesIO(inner))
+    else:
+        (tmp_path / "servers-gpu0-1.tar.gz").write_bytes(good[: len(good) // 2] if damage == "cut" else b"plain text")
     assert rec.main([str(tmp_path / "defaults-gpu0-1.json"), "--out-dir", str(tmp_path / "o"), "--reqe-only"]) == 0
     seg = json.loads((tmp_path / "o" / "h200-request-energy.json").read_text())["segments"][0]
     assert seg["counter_lag"] is None
