@@ -71,6 +71,10 @@ def load_entry(load: str, ts: dict[str, Any], calls: list[dict[str, Any]], devic
         "tok_per_j_ratio": ratio,
         "throughput_ratio": final.get("throughput_ratio"),
         "p99_tpot_ratio": final.get("p99_tpot_ratio"),
+        "pair_tok_per_j": [
+            {arm: rounded((p.get(arm) or {}).get("output_tokens_per_joule")) for arm in ("winner", "defaults")}
+            for p in final.get("pair_list") or []
+        ],
         "slo_attainment": {"winner": att.get("winner"), "defaults": att.get("defaults")},
         "tuning_wall_time_s": wall_s,
         "device_calls": len(calls),
@@ -151,9 +155,21 @@ class KeepError(Exception):
     """A ``--keep`` the record cannot serve; its message is the one line to print."""
 
 
-def prior_loads(path: Path) -> list[dict[str, Any]]:
-    """The load entries of the record already at ``path`` (none where there is no record)."""
-    return list(json.loads(path.read_text()).get("loads") or []) if path.exists() else []
+def prior_loads(path: Path, keep: list[str]) -> list[dict[str, Any]]:
+    """The load entries of the record already at ``path`` (none where there is no record). One that
+    cannot be read is rebuilt without (one note), unless a ``--keep`` needs it."""
+    if not path.exists():
+        return []
+    try:
+        loads = json.loads(path.read_text())["loads"]
+        if not isinstance(loads, list) or not all(isinstance(e, dict) for e in loads):
+            raise ValueError("'loads' is not a list of entries")
+        return loads
+    except (ValueError, KeyError, TypeError) as e:
+        if keep:
+            raise KeepError(f"--keep {keep[0]}: the record at {path} cannot be read ({type(e).__name__}: {e})") from None
+        print(f"note: {path}: the record there cannot be read ({type(e).__name__}); rebuilt from --load alone", file=sys.stderr)
+        return []
 
 
 def kept_entries(path: Path, prior: list[dict[str, Any]], keep: list[str]) -> dict[str, dict[str, Any]]:
@@ -291,8 +307,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--keep {both[0]}: also given as --load; keep it or rebuild it, not both")
     out = Path(ns.out_dir)
     path = out / f"{NAME}.json"
-    prior = prior_loads(path)
     try:
+        prior = prior_loads(path, ns.keep)
         kept = kept_entries(path, prior, ns.keep)
     except KeepError as e:
         print(f"error: {e}", file=sys.stderr)

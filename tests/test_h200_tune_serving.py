@@ -74,6 +74,7 @@ def _ts(ratio, att_w, att_d, wall_s, pairs=3):
             "pairs": pairs,
             "tok_per_j_ratio": {"mean": ratio, "ci95": [ratio - 0.02, ratio + 0.02]},
             "slo_attainment": {"winner": {"mean": att_w, "ci95": None}, "defaults": {"mean": att_d, "ci95": None}},
+            "pair_list": [{"winner": {"output_tokens_per_joule": 5.5}, "defaults": {"output_tokens_per_joule": 5.0}}],
         },
     }
 
@@ -108,6 +109,7 @@ def test_the_record_has_the_issues_fields_per_load_and_judges_the_goal(tmp_path)
     assert "| NVIDIA H100 80GB HBM3 |" in md
     assert rec.plot(panels, tmp_path / "p.png") and (tmp_path / "p.png").stat().st_size > 0
     assert a["slo_limits"] == {"tpot_ms": 50.0} and panels[0].slo_tpot_ms == 50.0
+    assert a["pair_tok_per_j"] == [{"winner": 5.5, "defaults": 5.0}]  # each pair's arms, beside the ratio
 
 
 def test_a_load_finished_in_an_earlier_session_is_kept_as_it_stands(tmp_path, capsys):
@@ -137,6 +139,13 @@ def test_a_load_finished_in_an_earlier_session_is_kept_as_it_stands(tmp_path, ca
         rec.main(["--load", f"c128={tmp_path / 'c128'}", "--keep", "c128", "--out-dir", str(out)])
     assert "keep it or rebuild it, not both" in capsys.readouterr().err
     assert json.loads((out / f"{rec.NAME}.json").read_text()) == after  # refused: nothing rewritten
+    (out / f"{rec.NAME}.json").write_text('{"loads": [')  # cut short
+    assert rec.main(["--load", f"rate4={tmp_path / 'rate4'}", "--keep", "c128", "--out-dir", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--keep c128: the record at" in err[0] and "cannot be read (JSONDecodeError" in err[0]
+    assert rec.main(["--load", f"rate4={tmp_path / 'rate4'}", "--out-dir", str(out)]) == 0
+    assert "rebuilt from --load alone" in capsys.readouterr().err
+    assert [e["load"] for e in json.loads((out / f"{rec.NAME}.json").read_text())["loads"]] == ["rate4"]
 
 
 def test_a_rebuild_keeps_the_loads_order_and_says_what_it_kept_short_or_dropped(tmp_path, capsys):
