@@ -932,3 +932,39 @@ def test_counter_steps_a_meter_cannot_mean_stay_in_their_tick_and_later_steps_st
         prev = now
     # Of ~16 sound steps in the second half (none where the period itself is not a period).
     assert (sum(1 for r in ticks[200:] if r.booked_back_j) > 12) == ("period" not in bad)
+
+
+@pytest.mark.parametrize("learnt_at, tick_at", [(345, None), (None, 345)])
+def test_a_clock_lock_that_changes_the_simulated_idle_power_leaves_the_steps_their_joules(learnt_at, tick_at):
+    """The simulated GPU books a tick's idle at its idle power at the read, which a clock lock (the
+    idle preset) changes; the account priced that idle at the power it had learnt before the lock
+    changed, and the difference went to or from the steps: in tests/test_e2e.py a batch of 8
+    requests read 0 J after the idle preset's lock, and here they read 4.3x their work the other
+    way round."""
+    gpu, clock = SimulatedGpu(), Clock()
+    done = {}
+    acc = PhaseEnergyAccount(
+        SimulatedEnergyMeter(gpu), idle_after_s=0.25, clock=clock, per_request=True, on_request_done=lambda r, j: done.__setitem__(r, j)
+    )
+    mc = ModelCost.for_shape("qwen2-tiny")
+    gpu.set_sm_clock(learnt_at)
+    for _ in range(10):  # idle: the account learns the idle power
+        clock.t += 0.1
+        acc.tick()
+    gpu.set_sm_clock(tick_at)
+    clock.t += 0.03  # idle before the batch, in the batch's tick
+    rids = [f"r{i}" for i in range(8)]
+    acc.on_step("prefill", req_tokens=dict.fromkeys(rids, 50))
+    work_j = gpu.run(mc.step_work(400, 8, 0, mc.vocab_params)).energy_j
+    clock.t += 0.018
+    acc.on_step_end()
+    for k in range(16):
+        acc.on_step("decode", req_tokens=dict.fromkeys(rids, 1))
+        work_j += gpu.run(mc.step_work(8, 8, 8 * (50 + k), mc.vocab_params)).energy_j
+        clock.t += 0.003
+        acc.on_step_end()
+        clock.t += 0.0005
+    acc.on_step("decode", req_tokens={}, finished=rids)
+    acc.tick()
+    assert sorted(done) == rids
+    assert sum(done.values()) == pytest.approx(work_j, rel=1e-6)  # the steps' simulated work, no idle in it

@@ -1158,10 +1158,22 @@ class PhaseEnergyAccount:
         self.tail_j += joules
         _add(book, "tail", joules)
 
+    def _quiet_price_w(self) -> float | None:
+        """The idle power quiet time is priced at. A meter that books idle time itself (the
+        simulated GPU, told by ``on_idle`` just before its read) prices it at its idle power now:
+        a clock lock changes that power (the idle preset), the learnt average lags it, and the
+        difference moved the tick's step joules to idle (a batch of 8 requests read 0 J in
+        tests/test_e2e.py) or from it."""
+        if not getattr(self.meter, "powered_between_steps", True) and hasattr(self.meter, "idle_power_w"):
+            live = self.meter.idle_power_w()
+            if live is not None:
+                return live
+        return self.idle_power_w
+
     def _rates(self, pieces: TickPieces, d_e: float, span_s: float) -> _Rates:
         """The tick's prices: quiet time at the idle power (never more than the tick's joules),
         the steps the rest by time; an interval of idle only updates the idle power."""
-        idle_w = self.idle_power_w
+        idle_w = self._quiet_price_w()
         idle_s, busy_s, quiet_s = pieces.idle_s, pieces.busy_s, pieces.quiet_s
         gap_s = quiet_s - idle_s
         # Quiet time priced at the idle power: idle, and the gaps after steps where the meter's GPU
