@@ -149,62 +149,77 @@ def best_fit(fits: list[LagFit]) -> LagFit:
     return min((f for f in fits if f.r2 >= top - R2_TIE), key=lambda f: abs(f.lag_ms))
 
 
+class Trace(NamedTuple):
+    """A step trace read once: its steps, its counter periods and its tick records."""
+
+    steps: list[Step]
+    periods: list[Period]
+    ticks: list[dict]
+
+
+def read_trace(lines: list[dict]) -> Trace:
+    steps, periods = steps_and_periods(lines)
+    return Trace(steps, periods, [x["tick"] for x in lines if "tick" in x])
+
+
 @dataclass(frozen=True, slots=True)
-class SegmentLag:
-    """The best-fitting lag over one request-energy segment, beside the fit at 0 ms."""
+class SpanLag:
+    """The lag fits over the counter periods of one span: the best lag, beside the fit at 0 ms."""
 
     periods: int
-    best_lag_ms: int
-    r2_best: float
-    r2_at_0: float
-    r2_by_lag_ms: dict[int, float]
+    fits: tuple[LagFit, ...]
+
+    @property
+    def best(self) -> LagFit:
+        return best_fit(list(self.fits))
+
+    @property
+    def at_0(self) -> LagFit:
+        return next(f for f in self.fits if f.lag_ms == 0)
 
     def as_dict(self) -> dict[str, object]:
         return {
             "periods": self.periods,
-            "best_lag_ms": self.best_lag_ms,
-            "r2_best": round(self.r2_best, 3),
-            "r2_at_0": round(self.r2_at_0, 3),
-            "r2_by_lag_ms": {str(k): round(v, 3) for k, v in self.r2_by_lag_ms.items()},
+            "best_lag_ms": self.best.lag_ms,
+            "r2_best": round(self.best.r2, 3),
+            "r2_at_0": round(self.at_0.r2, 3),
+            "r2_by_lag_ms": {str(f.lag_ms): round(f.r2, 3) for f in self.fits},
         }
 
 
-def segment_lag(lines: list[dict], request_ids: set[str]) -> SegmentLag | None:
-    """The lag fit over the span of the ticks that gave ``request_ids`` joules or made them final;
-    None where that span holds fewer than ``MIN_PERIODS`` counter periods."""
-    ticks = [x["tick"] for x in lines if "tick" in x]
-    mine = [t for t in ticks if request_ids & (set(t.get("request_j") or ()) | set(t.get("finished") or ()))]
-    steps, periods = steps_and_periods(lines)
-    if not mine or not steps:
+def span_lag(trace: Trace, t0_s: float, t1_s: float) -> SpanLag | None:
+    """The fits over the periods within [t0_s, t1_s]; None where they are fewer than
+    ``MIN_PERIODS`` or their joules do not vary."""
+    inside = [p for p in trace.periods if t0_s <= p.t0_s and p.t1_s <= t1_s]
+    fits = fit_lags(trace.steps, inside) if len(inside) >= MIN_PERIODS else []
+    return SpanLag(len(inside), tuple(fits)) if fits else None
+
+
+def segment_lag(trace: Trace, request_ids: set[str]) -> SpanLag | None:
+    """The fits over the span of the ticks that gave ``request_ids`` joules or made them final."""
+    mine = [t for t in trace.ticks if request_ids & (set(t.get("request_j") or ()) | set(t.get("finished") or ()))]
+    if not mine or not trace.steps:
         return None
-    t0, t1 = min(t["t0_s"] for t in mine), max(t["t1_s"] for t in mine)
-    inside = [p for p in periods if t0 <= p.t0_s and p.t1_s <= t1]
-    fits = fit_lags(steps, inside) if len(inside) >= MIN_PERIODS else []
-    if not fits:
-        return None
-    best = best_fit(fits)
-    return SegmentLag(len(inside), best.lag_ms, best.r2, next(f for f in fits if f.lag_ms == 0).r2, {f.lag_ms: f.r2 for f in fits})
+    return span_lag(trace, min(t["t0_s"] for t in mine), max(t["t1_s"] for t in mine))
 
 
 def report(lines: list[dict]) -> str:
-    steps, periods = steps_and_periods(lines)
-    if not steps:
+    trace = read_trace(lines)
+    if not trace.steps:
         raise ValueError("the trace has no step with an end time (t_end): nothing to fit")
-    if not periods:
+    if not trace.periods:
         raise ValueError("the trace has no counter steps with their spans: nothing to fit")
     out = []
-    for t0, t1 in stretches(steps):
-        inside = [p for p in periods if t0 <= p.t0_s and p.t1_s <= t1]
-        fits = fit_lags(steps, inside) if len(inside) >= MIN_PERIODS else []
-        if not fits:
+    for t0, t1 in stretches(trace.steps):
+        lag = span_lag(trace, t0, t1)
+        if lag is None:
             continue
-        best = best_fit(fits)
-        at0 = next(f for f in fits if f.lag_ms == 0)
+        best, at0 = lag.best, lag.at_0
         out.append(
-            f"stretch {t0:.1f}-{t1:.1f} s, {len(inside)} periods: best lag {best.lag_ms:+d} ms "
+            f"stretch {t0:.1f}-{t1:.1f} s, {lag.periods} periods: best lag {best.lag_ms:+d} ms "
             f"(R² {best.r2:.3f}, RMSE {best.rmse_j:.2f} J) against 0 ms (R² {at0.r2:.3f}, RMSE {at0.rmse_j:.2f} J)"
         )
-        out += [f"    lag {f.lag_ms:+4d} ms: R² {f.r2:.3f}  RMSE {f.rmse_j:5.2f} J" for f in fits]
+        out += [f"    lag {f.lag_ms:+4d} ms: R² {f.r2:.3f}  RMSE {f.rmse_j:5.2f} J" for f in lag.fits]
     if not out:
         raise ValueError(f"no stretch of serving in the trace holds {MIN_PERIODS} counter periods whose joules vary")
     return "\n".join(out)

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.burst_trace import trace_lines
-from benchmarks.counter_lag import segment_lag
+from benchmarks.counter_lag import read_trace, segment_lag
 from benchmarks.h200_defaults import judge_bursts
 from benchmarks.lib.cli import one_line_errors
 from benchmarks.lib.device import write_record
@@ -96,7 +96,7 @@ def counter_lag_of(raw: dict, server: str, seg: dict, cache: dict) -> dict | Non
     key = (raw["_servers_tar"], server)
     if key not in cache:
         try:
-            cache[key] = trace_lines(Path(raw["_servers_tar"]), server)
+            cache[key] = read_trace(trace_lines(Path(raw["_servers_tar"]), server))
         except (
             OSError,
             EOFError,

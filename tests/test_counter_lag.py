@@ -99,7 +99,7 @@ def test_periods_whose_joules_do_not_vary_give_no_lag_rather_than_the_first_one_
             c["span_j"] = 50.0
     steps, periods = cl.steps_and_periods(lines)
     assert cl.fit_lags(steps, periods) == []
-    assert cl.segment_lag(lines, {"r0"}) is None
+    assert cl.segment_lag(cl.read_trace(lines), {"r0"}) is None
     with pytest.raises(ValueError, match="joules vary"):
         cl.report(lines)
 
