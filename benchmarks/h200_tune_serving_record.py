@@ -195,8 +195,8 @@ def build(
     raw = {k: json.loads((d / "tune-serving.json").read_text()) for k, d in loads.items()}
     calls = {k: json.loads((d / "calls.json").read_text()) if (d / "calls.json").exists() else [] for k, d in loads.items()}
     entries = {**{k: load_entry(k, raw[k], calls[k], device_of(calls[k], device)) for k in loads}, **kept}
-    given = list(loads) + [k for k in kept if k not in loads]
-    order = [k for k in prior_order or [] if k in given] + [k for k in given if k not in (prior_order or [])]
+    given, prior_order = [*loads, *kept], prior_order or []
+    order = [k for k in prior_order if k in given] + [k for k in given if k not in prior_order]
     devices = {entries[k]["device"] for k in order}
     labels = sorted({entries[k]["energy"] for k in order})
     rec = {
@@ -209,10 +209,6 @@ def build(
     }
     panels = [panel_of_entry(entries[k]) if k in kept else panel_of_run(k, raw[k]) for k in order]
     return rec, panels
-
-
-def rec_loads(rec: dict[str, Any]) -> list[str]:
-    return [e["load"] for e in rec["loads"]]
 
 
 def _mci(d: dict[str, Any] | None, fmt: str = ".3f") -> str:
@@ -315,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rec, panels = build(loads, ns.device, kept, [e.get("load") for e in prior])
     for e in prior:
-        if e.get("load") not in rec_loads(rec):
+        if e.get("load") not in loads and e.get("load") not in kept:
             print(f"note: {e.get('load')}: in the record before, neither --load nor --keep now: dropped", file=sys.stderr)
     for e in kept.values():
         if not e.get("slo_limits"):
