@@ -647,24 +647,31 @@ def test_a_budget_too_small_for_one_window_names_budget_min(tmp_path, fake, caps
     assert json.loads((tmp_path / "out" / "tune-serving.json").read_text())["status"] == "budget_too_small"
 
 
-def test_a_round_cut_short_ranks_its_configurations_by_the_round_before(tmp_path, fake, monkeypatch):
-    """Round 1 measured max_num_seqs=8 (a window of other requests, read low) before the budget
-    stopped it; set against max_num_seqs=16's round-0 window, that chose 16 from two windows of
-    different requests. The round before measured both on the same requests: 8 stays ahead."""
+def _budget_clock(monkeypatch, when, seconds: float, **figures) -> None:
+    """The budget's clock advances ``seconds`` in each window for which ``when(config, seed)`` holds,
+    whose figures are replaced by ``figures``; the other windows take no time."""
     from vllm_powersave.serving_tune import search
 
     clock = {"s": 0.0}
     monkeypatch.setattr(search.time, "monotonic", lambda: clock["s"])
     real = FakeMeasurer.measure
 
-    def slow_round_1(self, config, window_s, seed, label):
+    def measure(self, config, window_s, seed, label):
         figs, restarted = real(self, config, window_s, seed, label)
-        if seed == 1:
-            clock["s"] += 300.0  # round 1's first window leaves no room for its second
-            figs = dataclasses.replace(figs, output_tokens_per_joule=0.5)
+        if when(config, seed):
+            clock["s"] += seconds
+            figs = dataclasses.replace(figs, **figures)
         return figs, restarted
 
-    monkeypatch.setattr(FakeMeasurer, "measure", slow_round_1)
+    monkeypatch.setattr(FakeMeasurer, "measure", measure)
+
+
+def test_a_round_cut_short_ranks_its_configurations_by_the_round_before(tmp_path, fake, monkeypatch):
+    """Round 1 measured max_num_seqs=8 (a window of other requests, read low) before the budget
+    stopped it; set against max_num_seqs=16's round-0 window, that chose 16 from two windows of
+    different requests. The round before measured both on the same requests: 8 stays ahead."""
+    # round 1's first window leaves no room for its second, and reads low
+    _budget_clock(monkeypatch, lambda config, seed: seed == 1, 300.0, output_tokens_per_joule=0.5)
     assert ts_run.execute(_opts(tmp_path, [2, 8, 32, 16], budget_s=420.0)) == 0
     assert [c[0] for c in fake.calls if c[2] == 1] == ["max_num_seqs=8"]
     rec = json.loads((tmp_path / "out" / "tune-serving.json").read_text())
@@ -675,20 +682,7 @@ def test_a_round_cut_short_ranks_its_configurations_by_the_round_before(tmp_path
 def test_a_round_cut_short_does_not_undo_a_window_that_missed_the_slo(tmp_path, fake, monkeypatch):
     """max_num_seqs=8 met the SLO in round 0 and missed it in its round-1 window before the budget
     stopped the round: ranked by round 0 alone it would still win and go to the final pairs."""
-    from vllm_powersave.serving_tune import search
-
-    clock = {"s": 0.0}
-    monkeypatch.setattr(search.time, "monotonic", lambda: clock["s"])
-    real = FakeMeasurer.measure
-
-    def missing_in_round_1(self, config, window_s, seed, label):
-        figs, restarted = real(self, config, window_s, seed, label)
-        if seed == 1:
-            clock["s"] += 300.0
-            figs = dataclasses.replace(figs, good=0)  # no request met the SLO in this window
-        return figs, restarted
-
-    monkeypatch.setattr(FakeMeasurer, "measure", missing_in_round_1)
+    _budget_clock(monkeypatch, lambda config, seed: seed == 1, 300.0, good=0)  # no request met the SLO there
     assert ts_run.execute(_opts(tmp_path, [2, 8, 32, 16], budget_s=420.0)) == 0
     rec = json.loads((tmp_path / "out" / "tune-serving.json").read_text())
     assert rec["search"]["stopped_round"] == 1 and rec["winner"]["key"] == "max_num_seqs=16"
@@ -697,18 +691,8 @@ def test_a_round_cut_short_does_not_undo_a_window_that_missed_the_slo(tmp_path, 
 def test_a_search_the_budget_stops_after_a_round_names_that_round_and_what_it_skipped(tmp_path, fake, monkeypatch):
     """A search stopped between rounds once reported "not measured: " with nothing after it, since
     every skipped configuration had a window from round 0 (docs/results/h200-tune-serving.md)."""
-    from vllm_powersave.serving_tune import search
-
-    clock = {"s": 0.0}
-    monkeypatch.setattr(search.time, "monotonic", lambda: clock["s"])
-    real = FakeMeasurer.measure
-
-    def slow_last_window(self, config, window_s, seed, label):
-        if config.key == "max_num_seqs=16" and seed == 0:
-            clock["s"] += 310.0  # round 0's last window leaves no room for round 1 beside the pairs
-        return real(self, config, window_s, seed, label)
-
-    monkeypatch.setattr(FakeMeasurer, "measure", slow_last_window)
+    # round 0's last window leaves no room for round 1 beside the pairs
+    _budget_clock(monkeypatch, lambda config, seed: config.key == "max_num_seqs=16" and seed == 0, 310.0)
     assert ts_run.execute(_opts(tmp_path, [2, 8, 32, 16], budget_s=330.0)) == 0
     assert not [c for c in fake.calls if c[1] == 4.0 and c[2] < 1000]  # no round-1 window
     rec = json.loads((tmp_path / "out" / "tune-serving.json").read_text())
