@@ -250,6 +250,18 @@ def _window_key(rate: str, method: dict) -> tuple:
     )
 
 
+def _window_starvation_j(both: list[tuple[dict, dict]], arm: str, key: tuple) -> float | None:
+    """Mean idle-while-busy joules of ``arm``'s windows that make entry ``key``: the plugin's
+    starvation counter as the harness read it at each window's edges. None where no window holds
+    it: stock publishes no such counter, and windows recorded before it was kept lack it."""
+
+    def of_entry(rate: str) -> bool:
+        return rate == "sat" if key[0] == "saturation" else rate != "sat" and float(rate) == key[1]
+
+    found = [w.get("gpu_idle_while_busy_energy_j") for p, _ in both for w in p[arm]["windows"] if of_entry(str(w["request_rate"]))]
+    return mean_ci(found, 2)["mean"]
+
+
 def _entry(key: tuple, both: list[tuple[dict, dict]], by_file: dict) -> dict:
     """One ``loads`` entry from its pairs' figures (:func:`rate_entries`)."""
     figs = [f for _, f in both]
@@ -264,7 +276,7 @@ def _entry(key: tuple, both: list[tuple[dict, dict]], by_file: dict) -> dict:
     entry["j_per_out_token_ratio"] = mean_ci([1.0 / f["tokj"] if f.get("tokj") else None for f in figs])
     entry["p99_tpot_ratio"] = mean_ci([f.get("tpot") for f in figs])
     entry["p50_ttft_delta_ms"] = mean_ci([f.get("ttft_d") for f in figs], 2)
-    entry["starvation_j"] = {"stock": None, "defaults": None}  # these windows read no starvation counter
+    entry["starvation_j"] = {arm: _window_starvation_j(both, arm, key) for arm in ("stock", "defaults")}
     entry["energy_window"] = "fixed span" if all(f.get("span") for f in figs) else "harness window"
     entry["device"] = _devices([p for p, _ in both])
     methods = [(by_file.get(p["file"].split("+")[0]) or {}).get("method") or {} for p, _ in both]

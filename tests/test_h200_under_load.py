@@ -174,6 +174,22 @@ def test_poisson_rates_from_the_one_server_job_become_rate_loads_with_the_issues
     assert "rate 0.5 req/s" not in r["not_yet_measured"] and "rate 2 req/s" in r["not_yet_measured"]
 
 
+def test_a_rate_loads_starvation_is_the_defaults_windows_counter_and_null_for_stock():
+    from benchmarks.lib import load
+
+    assert "gpu_idle_while_busy_energy_j" in load.summary({"gpu_idle_while_busy_energy_j": 3.5})
+    stock, defaults = _server("stock", 0, 1.0, sat_tokj=10.0), _server("defaults", 1, 1.25, sat_tokj=11.0)
+    for w, j in zip(defaults["windows"], (2.0, 40.0)):  # 0.5 req/s, then the closed loop
+        w["gpu_idle_while_busy_energy_j"] = j
+    defaults2 = {**_server("defaults", 2, 1.25, sat_tokj=11.0), "pos": 2}
+    defaults2["windows"][0]["gpu_idle_while_busy_energy_j"] = 4.0
+    raws = [{"_file": "defaults-A.json", "gpu": 0, "lease": "L", "device": {"name": "H"}, "method": {},
+             "servers": [stock, defaults, defaults2, _server("stock", 3, 1.0, sat_tokj=10.0)]}]  # fmt: skip
+    by_name = {e["name"]: e for e in _rows(rec.build([], raws)) + rec.build([], raws).get("probes", [])}
+    assert by_name["rate-0.5"]["starvation_j"] == {"stock": None, "defaults": 3.0}
+    assert by_name["c64-one-server-512-256"]["starvation_j"] == {"stock": None, "defaults": 40.0}
+
+
 def test_a_later_lease_adds_its_loads_to_the_committed_record_without_the_old_raw_files():
     c64 = [
         {"point": "c64", "pair": 1, "order": ["stock", "defaults"], "stock": _run(7000.0, 0.09, 8.0, 50.0, 1), "defaults": _run(7150.0, 0.088, 8.0, 40.0, 4)}

@@ -21,6 +21,8 @@ SUMMARY_KEYS = tuple(
     "mean_ttft_ms median_ttft_ms p90_ttft_ms p99_ttft_ms mean_tpot_ms median_tpot_ms p90_tpot_ms p99_tpot_ms median_itl_ms p99_itl_ms "
     "median_e2el_ms gpu_energy_j gpu_avg_power_w gpu_energy_per_output_token_j output_tokens_per_joule total_tokens_per_joule "
     "energy_source energy_window_s energy_window_edge_s energy_note steady_state_duration_s steady_state_output_tokens_per_joule "
+    # the plugin's starvation counter (idle while requests wait), read at the window's edges
+    "gpu_idle_while_busy_energy_j "
     # the harness's own client check, kept so that its threshold can be judged against GPU runs
     "client_loop_lag_p99_ms client_bottleneck_threshold_ms client_bottleneck client_cpu_contended".split()
 )
