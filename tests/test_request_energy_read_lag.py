@@ -37,16 +37,22 @@ def read_lag_s(t_call: float, lag_after_step_s: float, lag_s: float) -> float:
 
 class LaggedReads(TraceCounterGpu):
     """The fake counter GPU whose energy read returns ``lag_s(t_call)`` after its call, with the
-    value from the call (the engine's steps go on meanwhile; the account's ``feed`` delivers them
-    as the worker runtime's drain does)."""
+    value from the call, or from the return with ``value_at="return"`` (where inside a slow NVML
+    read the driver takes the value is not known; the engine's steps go on meanwhile; the
+    account's ``feed`` delivers them as the worker runtime's drain does)."""
 
-    def __init__(self, clock: Clock, rng: random.Random, lag_s: Callable[[float], float]) -> None:
+    def __init__(self, clock: Clock, rng: random.Random, lag_s: Callable[[float], float], value_at: str = "call") -> None:
         super().__init__(clock, rng)
         self.lag_s = lag_s
+        self.value_at = value_at
 
     def nvmlDeviceGetTotalEnergyConsumption(self, h):
+        lag_s = self.lag_s(self.clock.t)
+        if self.value_at == "return":
+            self.clock.t += lag_s
+            return super().nvmlDeviceGetTotalEnergyConsumption(h)
         mj = super().nvmlDeviceGetTotalEnergyConsumption(h)
-        self.clock.t += self.lag_s(self.clock.t)
+        self.clock.t += lag_s
         return mj
 
 
@@ -66,7 +72,9 @@ class EngineEvents:
             heapq.heappop(self._q)[2]()
 
 
-def serve_at_a_constant_rate(lag_after_step_s: float, lag_s: float, *, n_requests=320, rate=40.0, prompt=256, out=64, seed=0, stall_p=0.0):
+def serve_at_a_constant_rate(
+    lag_after_step_s: float, lag_s: float, *, n_requests=320, rate=40.0, prompt=256, out=64, seed=0, stall_p=0.0, value_at="call"
+):
     """Identical requests arriving every ``1 / rate`` s (four per counter period, so their prompts
     keep their place against the counter's step) on the simulated H200, metered through a 100 ms
     counter. The account ticks at request finishes (at most every 10 ms) and every 100 ms; each
@@ -79,7 +87,7 @@ def serve_at_a_constant_rate(lag_after_step_s: float, lag_s: float, *, n_request
     clock, gpu_sim = Clock(), SimulatedGpu()
     cost, mc = RequestCostModel.for_shape(SHAPE), ModelCost.for_shape(SHAPE)
     events = EngineEvents()
-    gpu = LaggedReads(clock, random.Random(seed + 1), lambda t_call: read_lag_s(t_call, lag_after_step_s, lag_s))
+    gpu = LaggedReads(clock, random.Random(seed + 1), lambda t_call: read_lag_s(t_call, lag_after_step_s, lag_s), value_at)
     clock.t = 0.5
     meter = NvmlEnergyMeter(NvmlGpu(gpu, 0, "GPU-x"), clock=clock, counter_period_s=_PERIOD_S)
     done, truth = {}, {}
@@ -201,3 +209,18 @@ def test_a_stall_of_the_engine_thread_is_shared_by_the_steps_requests():
     (lo, hi), (elo, ehi) = _p5_p95(rel), _p5_p95(err)
     assert 0.92 < lo and hi < 1.08 and max(rel) < 1.15, (lo, hi, max(rel))
     assert 0.94 < elo and ehi < 1.06, (elo, ehi)
+
+
+@pytest.mark.xfail(strict=True, reason="not yet placed: docs/request-energy.md, 'Not yet placed: reads that straddle the counter's step'")
+@pytest.mark.parametrize("value_at", ["call", "return"])
+def test_long_prompts_drifting_through_the_counter_period_each_keep_their_energy(value_at):
+    """1,024-token prompts with 32 outputs at 9.7 req/s: about one prompt per counter period, its
+    place against the counter's step drifting 3 ms per request, reads 13 ms late just after the
+    step and 5 ms elsewhere. A read that lands within a few ms of the step, against a phase the
+    sync learnt from reads as slow, misses or doubles a period: a -66 J jump, then +66 J booked
+    over a span of no width (trace in docs/request-energy.md). A few requests in a row then read
+    0.34-0.86 of their truth, one up to 1.8 (simulated); the H100's 1,024 / 32 segments read p5
+    0.87-0.93 of the median (docs/results/h200-request-energy.md)."""
+    _, err, acc = serve_at_a_constant_rate(0.013, 0.005, n_requests=150, rate=9.7, prompt=1024, out=32, value_at=value_at)
+    assert acc.meter.phase_losses == 0
+    assert 0.9 <= min(err) and max(err) <= 1.1, (min(err), max(err))
