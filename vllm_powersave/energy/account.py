@@ -500,13 +500,6 @@ class _IntervalWalk:
             self.req if self.phase != "idle" and not self.drained else None,
         )
 
-    def works_at_close(self) -> bool:
-        """Whether the GPU works where the walk closed: a step still running on the host, or,
-        under ``gpu_runs_ahead``, the open gap after the step launched last (:func:`_runs_on`)."""
-        if self.phase == "idle" or self.drained:
-            return False
-        return self.end_t is None or self.gpu_runs_ahead
-
     def cursor(self, t_now: float) -> _Cursor:
         """The account's cursor after the walk closed the interval at ``t_now``."""
         return _Cursor(t_now, self.phase, self.end_t, self.req, self.ctx, self.steady, self.drained, self.left)
@@ -829,12 +822,6 @@ class PhaseEnergyAccount:
         # vLLM reported drained at the tick has ended (the walk rests from there).
         running = walk.phase != "idle"
         spans.extend((a, math.inf if running and b >= t_now else b) for a, b in walk.spans if (a, b) not in drain_gaps)
-        if walk.works_at_close() and not any(b == math.inf for _, b in spans):
-            # A tick that begins where the last read ended walks no time, so no span says the
-            # step launched last still runs: extended at the quiet price, the counter's next
-            # step took a period's work back as a jump (+61 J), booked on the period's other
-            # requests (docs/request-energy.md, "Reads that straddle the counter's step").
-            spans.append((t_now, math.inf))
         ends = [b for _, b in spans if math.isfinite(b)]
         if ends and (self._last_work_end_s is None or max(ends) > self._last_work_end_s):
             self._last_work_end_s = max(ends)

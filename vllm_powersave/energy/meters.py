@@ -98,18 +98,6 @@ def _merged_overlap_s(spans: list[tuple[float, float]], t0: float, t1: float) ->
     return total
 
 
-def _period_power_w(rate_w: float, power_w: float) -> float:
-    """The power to count a read's counter periods by: the geometric mean of the previous read's
-    rate (a period's average) and the instant power read now. Either alone misjudges a swing of
-    a third against the half period the count allows: the instant power swings x0.6-1.5 with the
-    kernels running at the read (on the min of the two, one period read as two and a request
-    0.34 of its truth, simulated, tests/test_request_energy_read_lag.py), and a period's average
-    falls by as much where prefills stop. A x0.6 swing in one moves their mean by x0.77."""
-    if rate_w > 0 and power_w > 0:
-        return math.sqrt(rate_w * power_w)
-    return max(rate_w, power_w, 0.0)
-
-
 class _ReadSpan(NamedTuple):
     """When an energy read was called and when it returned (the meter's clock, s)."""
 
@@ -531,43 +519,32 @@ class NvmlEnergyMeter(EnergyMeter):
         step ``_seen_step_t``) and the value read in ``now``, ``d_j`` joules past it, where the
         joules place the last one; None where time places it (:meth:`_since_update`).
 
-        A read near a step the phase expects may hold one step more or fewer than the phase
-        says: its value was taken somewhere between its call and its return, 5-14 ms apart under
-        load, and the sync that learnt the phase brackets a step as widely. Taken by the phase, a
-        period's joules went missing at one step and came back at the next (-34 J and +49 J over
-        3 ms in the H100 step trace, docs/results/h200-request-energy.md; a request at 0.32 of
-        its truth in the fake with 1,024-token prompts drifting through the period,
-        tests/test_request_energy_read_lag.py). Under steady work the joules count the periods:
-        a step the phase puts inside the read's span is taken as not yet seen where they fall
-        half a period short of that many periods, and the step after the read's return (within
-        the phase's tolerance) as seen where they pass one more by half a period; over at most
-        two periods either way. Where work ended since the previous read the joules fall short
-        because the power fell (a burst's end, tests/test_energy_bursts.py): time places it."""
-        if self._phase_t is None or self._seen_step_t is None or p is None or not self._steady_work(now):
+        A read within the phase's tolerance after a step may have been taken before it: taken as
+        after, a phase a few ms early booked a period's joules as missing at one step and back at
+        the next (-34 J and +49 J over 3 ms, reads in step with the counter in the H100 step trace,
+        docs/results/h200-request-energy.md). There the step is taken as not yet seen where the
+        joules read fall half a period short of that many periods, at the previous read's rate
+        and at the power read now alike (a power that fell since would fall short too), over at
+        most two periods, under steady work only (where work ended since the previous read, the
+        joules fall short because the power fell: a burst's end, tests/test_energy_bursts.py).
+        Only that one step, never a later one: a phase that is late is the bracket's to correct."""
+        if self._phase_t is None or self._seen_step_t is None or p is None:
             return None
         T, tol = self.period, self._phase_tol_s(now.end_s)
         k0 = round((self._seen_step_t - self._phase_t) / T)
         n = self._period_index(now.end_s) - k0  # by time: every step the phase puts before the return
         sure = self._period_index(now.start_s - tol) - k0  # steps surely before the value was taken
         last_t = self._phase_t + (k0 + n) * T
-        period_j = _period_power_w(self._rate_w, p) * T
-        # One period more, not several, with work through the period the rate was measured over:
-        # a burst's start reads more joules than a rate partly idle, and there the phase is right
-        # (tests/test_energy_bursts.py).
-        one_more = (n + 0.5) * period_j < d_j < (n + 1.5) * period_j and self._steady_work(now, since_s=now.end_s - 3 * T)
-        if n < 2 and last_t + T - now.end_s <= tol and one_more:
-            # The step came before the value, taken somewhere in the read's span: placed at its call.
-            self._joules_placed_t = min(last_t + T, now.start_s)
-            return n + 1
-        if max(1, sure) < n <= 2 and last_t > now.start_s - tol and d_j < (n - 0.5) * period_j:
+        if not (max(1, sure) < n <= 2 and last_t > now.start_s - tol and self._steady_work(now)):
+            return None
+        if d_j < (n - 0.5) * min(self._rate_w, p) * T:
             self._joules_placed_t = last_t - T
             return n - 1
         return None
 
-    def _steady_work(self, now: _ReadSpan, since_s: float | None = None) -> bool:
-        """Whether the account's hint says the GPU worked through the time since the previous read
-        (or since ``since_s``, where earlier)."""
-        load, t0 = self._load, self._read_span.end_s if since_s is None else min(since_s, self._read_span.end_s)
+    def _steady_work(self, now: _ReadSpan) -> bool:
+        """Whether the account's hint says the GPU worked through the time since the previous read."""
+        load, t0 = self._load, self._read_span.end_s
         return load is not None and now.end_s > t0 and load.busy_s(t0, now.end_s) >= 0.9 * (now.end_s - t0)
 
     def _boundary_in(self, a: float, b: float) -> bool:
