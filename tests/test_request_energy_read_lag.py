@@ -102,7 +102,9 @@ def serve_at_a_constant_rate(
     )
 
     def tick(t_call: float) -> None:
-        clock.t = max(t_call, clock.t)  # a tick begins once the previous read returned
+        # A tick begins once the previous read returned, a moment later: a walk of no time at all
+        # tells the meter of no running step, which no real clock gives.
+        clock.t = max(t_call, clock.t + 1e-6)
         if clock.t >= meter.sync_due:
             sync_while_running(gpu, meter, clock)
         acc.tick()
@@ -212,14 +214,14 @@ def test_a_stall_of_the_engine_thread_is_shared_by_the_steps_requests():
 
 
 @pytest.mark.xfail(strict=True, reason="not yet placed: docs/request-energy.md, 'Not yet placed: reads that straddle the counter's step'")
-@pytest.mark.parametrize(("value_at", "lag_s"), [("call", 0.005), ("call", 0.013), ("return", 0.013)])
+@pytest.mark.parametrize(("value_at", "lag_s"), [("call", 0.005), ("return", 0.013)])
 def test_long_prompts_drifting_through_the_counter_period_each_keep_their_energy(value_at, lag_s):
     """1,024-token prompts with 32 outputs at 9.7 req/s: about one prompt per counter period, its
     place against the counter's step drifting 3 ms per request, reads ``lag_s`` late just after
     the step and 5 ms elsewhere. A read that lands within a few ms of the step, against a phase the
     sync learnt from reads as slow, misses or doubles a period: a -66 J jump, then +66 J booked
     over a span of no width (trace in docs/request-energy.md). A few requests in a row then read
-    0.32-0.86 of their truth, one up to 1.8 (simulated); the H100's 1,024 / 32 segments read p5
+    0.32-0.34 of their truth, one up to 1.83 (simulated); the H100's 1,024 / 32 segments read p5
     0.87-0.93 of the median (docs/results/h200-request-energy.md)."""
     _, err, acc = serve_at_a_constant_rate(lag_s, 0.005, n_requests=150, rate=9.7, prompt=1024, out=32, value_at=value_at)
     assert acc.meter.phase_losses == 0
