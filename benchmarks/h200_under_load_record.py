@@ -250,15 +250,17 @@ def _window_key(rate: str, method: dict) -> tuple:
     )
 
 
-def _window_starvation_j(both: list[tuple[dict, dict]], arm: str, key: tuple) -> float | None:
-    """Mean idle-while-busy joules of ``arm``'s windows that make entry ``key``: the plugin's
-    starvation counter as the harness read it at each window's edges. None where no window holds
-    it: stock publishes no such counter, and windows recorded before it was kept lack it."""
-
-    def of_entry(rate: str) -> bool:
-        return rate == "sat" if key[0] == "saturation" else rate != "sat" and float(rate) == key[1]
-
-    found = [w.get("gpu_idle_while_busy_energy_j") for p, _ in both for w in p[arm]["windows"] if of_entry(str(w["request_rate"]))]
+def _window_starvation_j(both: list[tuple[dict, dict]], methods: list[dict], arm: str, key: tuple) -> float | None:
+    """Mean idle-while-busy joules of ``arm``'s windows that make entry ``key`` (:func:`_window_key`
+    with each pair's method): the plugin's starvation counter as the harness read it at each
+    window's edges. None where no window holds it: stock publishes no such counter, and windows
+    recorded before it was kept lack it."""
+    found = [
+        w.get("gpu_idle_while_busy_energy_j")
+        for (p, _), method in zip(both, methods)
+        for w in p[arm]["windows"]
+        if _window_key(w["request_rate"], method) == key
+    ]
     return mean_ci(found, 2)["mean"]
 
 
@@ -276,10 +278,10 @@ def _entry(key: tuple, both: list[tuple[dict, dict]], by_file: dict) -> dict:
     entry["j_per_out_token_ratio"] = mean_ci([1.0 / f["tokj"] if f.get("tokj") else None for f in figs])
     entry["p99_tpot_ratio"] = mean_ci([f.get("tpot") for f in figs])
     entry["p50_ttft_delta_ms"] = mean_ci([f.get("ttft_d") for f in figs], 2)
-    entry["starvation_j"] = {arm: _window_starvation_j(both, arm, key) for arm in ("stock", "defaults")}
+    methods = [(by_file.get(p["file"].split("+")[0]) or {}).get("method") or {} for p, _ in both]
+    entry["starvation_j"] = {arm: _window_starvation_j(both, methods, arm, key) for arm in ("stock", "defaults")}
     entry["energy_window"] = "fixed span" if all(f.get("span") for f in figs) else "harness window"
     entry["device"] = _devices([p for p, _ in both])
-    methods = [(by_file.get(p["file"].split("+")[0]) or {}).get("method") or {} for p, _ in both]
     entry["serve_args"] = next((m.get("serve_args") for m in methods if m.get("serve_args")), None)
     # The defaults arm of h200_defaults.py may turn on observation settings (step trace,
     # per-request energy) beside the defaults: the record says which, since they are not free.
