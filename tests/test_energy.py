@@ -941,6 +941,36 @@ def test_a_read_just_after_a_step_with_a_late_phase_counts_its_period_once(late_
     assert max(abs(x) for x in errors) < 1.0, errors
 
 
+@pytest.mark.parametrize("rise_at_s", [1.6, 1.637, 1.65, 1.7])
+def test_a_power_that_doubles_under_work_is_not_taken_for_a_late_phase(rise_at_s):
+    """Reads 1 ms before each counter step under work, the power rising from 350 to 700 W: the
+    first period at the new power holds twice the joules of the counter's earlier periods, as a
+    read that saw one step more than the phase says would. Taken as that, it lost the period
+    (-69 J); the interpolation's own lag at the rise is what is left (up to a third of a period at
+    the new power)."""
+    clock = Clock()
+    gpu = CounterGpu(clock, [(0.0, 350.0), (rise_at_s, 700.0)], period=0.1, phase=0.037)
+    meter = _synced_meter(gpu, clock)
+    k = math.ceil((clock.t - 0.037) / 0.1) + 1
+    errors = _busy_reads(meter, clock, gpu, [0.037 + (k + i) * 0.1 - 0.001 for i in range(20)])
+    assert min(errors) > -36.0 and max(errors) < 1.0, errors
+
+
+def test_one_instant_reading_far_below_the_average_under_work_does_not_price_the_extension():
+    """Under a steady batch single instant readings swing far from the average (H200: 0 to
+    1,270 W, docs/results/h200-request-energy.md). One reading at a quarter of the counter's
+    400 W, after one near it, extended the counter 50 ms at 100 W: -15 J on that read."""
+    clock = Clock()
+    gpu = CounterGpu(clock, [(0.0, 400.0)], period=0.1, phase=0.037)
+    meter = _synced_meter(gpu, clock)
+    k = math.ceil((clock.t - 0.037) / 0.1) + 1
+    times = [0.037 + (k + i) * 0.1 + 0.05 for i in range(6)]
+    true_power_at = gpu.power_at
+    gpu.power_at = lambda t: 100.0 if t == times[4] else true_power_at(t)
+    errors = _busy_reads(meter, clock, gpu, times)
+    assert max(abs(x) for x in errors) < 1.0, errors
+
+
 @pytest.mark.parametrize("wrap", [False, True])
 def test_a_power_drop_or_a_counter_wrap_at_a_read_after_a_step_counts_no_period_twice(wrap):
     """The joules decide a step only where they fall short at the previous read's rate and at the
