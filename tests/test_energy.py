@@ -945,9 +945,10 @@ def test_a_read_just_after_a_step_with_a_late_phase_counts_its_period_once(late_
 def test_a_power_that_doubles_under_work_is_not_taken_for_a_late_phase(rise_at_s):
     """Reads 1 ms before each counter step under work, the power rising from 350 to 700 W: the
     first period at the new power holds twice the joules of the counter's earlier periods, as a
-    read that saw one step more than the phase says would. Taken as that, it lost the period
-    (-69 J); the interpolation's own lag at the rise is what is left (up to a third of a period at
-    the new power)."""
+    read that saw one step more than the phase says would. A rule that took it for that lost the
+    period (-69 J, docs/request-energy.md, "Reads that straddle the counter's step"); the
+    interpolation's own lag at the rise is what is left (up to a third of a period at the new
+    power)."""
     clock = Clock()
     gpu = CounterGpu(clock, [(0.0, 350.0), (rise_at_s, 700.0)], period=0.1, phase=0.037)
     meter = _synced_meter(gpu, clock)
@@ -956,17 +957,19 @@ def test_a_power_that_doubles_under_work_is_not_taken_for_a_late_phase(rise_at_s
     assert min(errors) > -36.0 and max(errors) < 1.0, errors
 
 
-def test_one_instant_reading_far_below_the_average_under_work_does_not_price_the_extension():
-    """Under a steady batch single instant readings swing far from the average (H200: 0 to
-    1,270 W, docs/results/h200-request-energy.md). One reading at a quarter of the counter's
-    400 W, after one near it, extended the counter 50 ms at 100 W: -15 J on that read."""
+def test_reads_two_periods_apart_after_a_fall_under_work_count_both_periods():
+    """650 W read 1 ms after every counter step, then 300 W read every second step: two periods
+    at 300 W (60 J) are one period at the older 650 W periods. Weighed against those, every other
+    read was taken as one step short (+60 J, then nothing over the next 200 ms) for as long as the
+    reads kept in step, since reads two periods apart add no period to weigh against. The
+    reference is only kept from single periods that time placed, and two instant readings in a row
+    at under half of it say the power itself fell."""
     clock = Clock()
-    gpu = CounterGpu(clock, [(0.0, 400.0)], period=0.1, phase=0.037)
+    gpu = CounterGpu(clock, [(0.0, 650.0), (2.5, 300.0)], period=0.1, phase=0.037)
     meter = _synced_meter(gpu, clock)
     k = math.ceil((clock.t - 0.037) / 0.1) + 1
-    times = [0.037 + (k + i) * 0.1 + 0.05 for i in range(6)]
-    true_power_at = gpu.power_at
-    gpu.power_at = lambda t: 100.0 if t == times[4] else true_power_at(t)
+    times = [t for t in (0.037 + (k + i) * 0.1 + 0.001 for i in range(40)) if t < 2.54]
+    times += [times[-1] + 0.2 * (i + 1) for i in range(15)]
     errors = _busy_reads(meter, clock, gpu, times)
     assert max(abs(x) for x in errors) < 1.0, errors
 

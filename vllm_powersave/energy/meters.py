@@ -298,11 +298,6 @@ class _NvmlReader:
 LOAD_CHANGE_RATIO = 2.5
 
 
-def _same_load(w: float, avg_w: float) -> bool:
-    """Whether a reading of ``w`` W is within :data:`LOAD_CHANGE_RATIO` of the average ``avg_w``."""
-    return 1 / LOAD_CHANGE_RATIO <= w / avg_w <= LOAD_CHANGE_RATIO
-
-
 class NvmlEnergyMeter(EnergyMeter):
     """``nvmlDeviceGetTotalEnergyConsumption``, interpolated between its steps.
 
@@ -395,8 +390,8 @@ class NvmlEnergyMeter(EnergyMeter):
         self._power_before: float | None = None  # the instant reading before the last one, W
         self._t_power = -1.0
         self._step_avg_w: float | None = None  # the counter's last step: its energy / its period
-        # The last single-period steps' averages (W) under steady work: what a period holds by the
-        # counter's own joules, which _place_step weighs a read's joules against.
+        # The last single-period steps' averages (W) under steady work since work last paused, as
+        # time placed them: what a period holds by the counter's own joules (_one_period_short).
         self._work_period_w: deque[float] = deque(maxlen=5)
         self._limit_w = self._read_limit_w()
         self._load: LoadHint | None = None  # hint_load's, for the next read
@@ -431,7 +426,7 @@ class NvmlEnergyMeter(EnergyMeter):
             return None
         return w if math.isfinite(w) and w > 0 else None
 
-    def _rate(self, p: float | None, worked: bool = False) -> float:
+    def _rate(self, p: float | None) -> float:
         """The power (W) the counter is extended with after its last step.
 
         Never above the enforced power limit: the GPU holds its average power under it, while
@@ -440,11 +435,10 @@ class NvmlEnergyMeter(EnergyMeter):
         extended the counter at ~1,440 W and booked the burst up to 1.76 x its energy (simulated,
         tests/test_energy_bursts_h200.py); the counter's next step takes the excess back only from
         what came after. The bound takes off only what lies above the limit: under a 470 W burst
-        the same reading still books up to 1.275 x (docs/request-energy.md). ``worked``: the
-        account's hint says work ran through the time since the counter's last step."""
+        the same reading still books up to 1.275 x (docs/request-energy.md)."""
         if not self.interpolate or p is None:
             return 0.0
-        return self._under_limit(max(0.0, self._interp_power_w(p, worked)))
+        return self._under_limit(max(0.0, self._interp_power_w(p)))
 
     def _under_limit(self, w: float) -> float:
         """``w`` (W), no more than the enforced power limit where one is known."""
@@ -466,10 +460,9 @@ class NvmlEnergyMeter(EnergyMeter):
         # corrected it with a positive jump that the period's last sliver of work took.
         t_u = t - since
         busy_s = min(since, load.busy_s(t_u, t))
-        rate_w = self._rate(p, worked=busy_s >= 0.9 * since)
-        return (self._acc_mj / 1000.0 + busy_s * rate_w + load.quiet_j(t_u, t)) - self._offset_j
+        return (self._acc_mj / 1000.0 + busy_s * self._rate(p) + load.quiet_j(t_u, t)) - self._offset_j
 
-    def _interp_power_w(self, p: float, worked: bool = False) -> float:
+    def _interp_power_w(self, p: float) -> float:
         """The power to extend the counter's last step with: the average of that step, unless the
         instant power says the load changed since (beyond :data:`LOAD_CHANGE_RATIO`).
 
@@ -478,17 +471,11 @@ class NvmlEnergyMeter(EnergyMeter):
         re-anchors the estimate: extending by instant power jumps by (average - instant) x period
         at each step, tens of joules, which short ticks pass on to the few requests they split
         over. The last step's average changes little under steady load; at an idle/busy edge the
-        instant power is the better guess, as before. Where work ran through (``worked``), one
-        reading beyond the ratio after one within it is taken as such a swing: a single 0.4 x
-        reading extended 90 ms at it and booked -45 J on one tick (simulated,
-        tests/test_request_energy_read_lag.py); a load that changed reads so again next time."""
+        instant power is the better guess, as before."""
         avg = self._step_avg_w
-        if avg is None or avg <= 0:
+        if avg is None or avg <= 0 or not (1 / LOAD_CHANGE_RATIO <= p / avg <= LOAD_CHANGE_RATIO):
             return p
-        before = self._power_before
-        if _same_load(p, avg) or (worked and before is not None and _same_load(before, avg)):
-            return avg
-        return p
+        return avg
 
     def _observe_update(self, prev: _ReadSpan, now: _ReadSpan, changed: bool) -> None:
         """Keep the bracket of the last step and check the learnt phase against this pair of reads.
@@ -537,14 +524,14 @@ class NvmlEnergyMeter(EnergyMeter):
         step ``_seen_step_t``) and the value read in ``now``, ``d_j`` joules past it, where the
         joules place the last one; None where time places it (:meth:`_since_update`).
 
-        A read within the phase's tolerance of a step may hold one period fewer or more than the
-        phase says: the value may have been taken before the step, or after it where the phase is
-        a few ms late. Taken by the phase, a read one period short booked a period's joules as
-        missing at one step and back at the next (-34 J and +49 J over 3 ms in the H100 step
-        trace, docs/results/h200-request-energy.md), and one period long twice a period's joules.
-        Only under steady work (where work ended since the previous read the joules fall short
-        because the power fell: a burst's end, tests/test_energy_bursts.py), and only the step
-        next to the read: a phase that is late is the bracket's to correct."""
+        A read within the phase's tolerance after a step may have been taken before it: taken as
+        after, a phase a few ms early booked a period's joules as missing at one step and back at
+        the next (-34 J and +49 J over 3 ms, reads in step with the counter in the H100 step trace,
+        docs/results/h200-request-energy.md). There the step is taken as not yet seen where the
+        joules say one period fewer (:meth:`_one_period_short`), over at most two periods, under
+        steady work only (where work ended since the previous read, the joules fall short because
+        the power fell: a burst's end, tests/test_energy_bursts.py). Only that one step, never a
+        later one: a phase that is late is the bracket's to correct."""
         if self._phase_t is None or self._seen_step_t is None or p is None or not self._steady_work(now):
             return None
         T, tol = self.period, self._phase_tol_s(now.end_s)
@@ -552,37 +539,32 @@ class NvmlEnergyMeter(EnergyMeter):
         n = self._period_index(now.end_s) - k0  # by time: every step the phase puts before the return
         sure = self._period_index(now.start_s - tol) - k0  # steps surely before the value was taken
         last_t = self._phase_t + (k0 + n) * T
-        if max(1, sure) < n <= 2 and last_t > now.start_s - tol and self._joules_say(d_j, n - 1, n, p):
+        if max(1, sure) < n <= 2 and last_t > now.start_s - tol and self._one_period_short(d_j, n, p):
             self._joules_placed_t = last_t - T
             return n - 1
-        if 1 <= n + 1 <= 2 and last_t + T < now.end_s + tol and self._joules_say(d_j, n + 1, n, p):
-            self._joules_placed_t = min(last_t + T, now.end_s)
-            return n + 1
         return None
 
-    def _joules_say(self, d_j: float, m: int, n: int, p: float) -> bool:
-        """Whether ``d_j`` joules are ``m`` periods of work rather than the ``n`` the phase says.
+    def _one_period_short(self, d_j: float, n: int, p: float) -> bool:
+        """Whether ``d_j`` joules are ``n - 1`` periods of work rather than the ``n`` the phase says.
 
-        Weighed against the counter's own periods under work (the median of the last five, and the
-        last one), not the instant power: under a steady batch the H200's single readings swing
-        from a third to 2.3 x the median (docs/results/h200-request-energy.md), and one low
-        reading passed a one-short read as two periods (-66 J, then +66 J, simulated,
-        tests/test_request_energy_read_lag.py). The joules must fit ``m`` periods to 20 % and miss
-        ``n`` by over 35 %: a fall from 700 to 350 W under work two periods before the read is 1.26
-        periods (tests/test_energy.py). A power that doubled under work reads as one period too
-        many at the counter's older periods; the last period's average and two instant readings in
-        a row above 1.5 x tell it from a step the phase put late (the first read after such a rise
-        lost a period, -69 J, simulated, tests/test_energy.py). Where fewer than three periods are
+        Weighed against the counter's own single periods under work since work last paused (the
+        median of the last five, and the last one), not the instant power: under a steady batch
+        the H200's single readings swing from a third to 2.3 x the median
+        (docs/results/h200-request-energy.md), and one low reading passed a one-short read as two
+        periods (-66 J, then +66 J, simulated, tests/test_request_energy_read_lag.py). The joules
+        must fit ``n - 1`` periods to 20 % and miss ``n`` by over 35 % (a fall from 700 to 350 W
+        under work two periods before the read is 1.26 periods, tests/test_energy.py), and two
+        instant readings in a row under half the median say the power itself fell (300 W read
+        two periods apart after 650 W, tests/test_energy.py). Where fewer than three periods are
         known, the joules must fall half a period short at the previous read's rate and at the
         power read now alike, as before those periods are seen."""
         T = self.period
         if len(self._work_period_w) < 3:
-            return m < n and d_j < (n - 0.5) * min(self._rate_w, p) * T
+            return d_j < (n - 0.5) * min(self._rate_w, p) * T
         ref_w = statistics.median(self._work_period_w)
-        fits = all(abs(d_j / (w * T * m) - 1.0) <= 0.2 for w in (ref_w, self._work_period_w[-1]))
-        off_n = n == 0 or abs(d_j / (ref_w * T * n) - 1.0) > 0.35
-        power_moved = all(w is not None and w > 1.5 * ref_w for w in (p, self._power_before))
-        return fits and off_n and (m < n or not power_moved)
+        fits = all(abs(d_j / (w * T * (n - 1)) - 1.0) <= 0.2 for w in (ref_w, self._work_period_w[-1]))
+        fell = all(w is not None and w < 0.5 * ref_w for w in (p, self._power_before))
+        return fits and abs(d_j / (ref_w * T * n) - 1.0) > 0.35 and not fell
 
     def _steady_work(self, now: _ReadSpan) -> bool:
         """Whether the account's hint says the GPU worked through the time since the previous read."""
@@ -733,8 +715,11 @@ class NvmlEnergyMeter(EnergyMeter):
                 # Only a single period's: an average over several spans whatever load changes lay
                 # between the reads (a burst and the idle after it), which is no guess for the next.
                 self._step_avg_w = d / 1000.0 / (steps * self.period) if steps == 1 else None
-                if self._step_avg_w is not None and self._steady_work(now):
+                # Not a step the joules placed: a reference that took it would confirm the next such.
+                if self._step_avg_w is not None and self._steady_work(now) and self._joules_placed_t is None:
                     self._work_period_w.append(self._step_avg_w)
+        if not self._steady_work(now):
+            self._work_period_w.clear()  # work paused: the next periods may hold another load
         self._last_mj, self._t_read, self._read_span = now_mj, t, now
 
     # -- interface ---------------------------------------------------------------------------
@@ -763,8 +748,7 @@ class NvmlEnergyMeter(EnergyMeter):
                 self._counter_steps.append(CounterStep(t_u, self._reported - predicted, *span))
             load, self._load = self._load, None
             busy_now = load is None or load.busy_now
-            worked = load is not None and load.busy_s(t_u, t) >= 0.9 * (t - t_u)
-            self._t_out, self._rate_w = t, self._rate(p, worked) if busy_now else load.quiet_w_at(t)  # type: ignore[union-attr]
+            self._t_out, self._rate_w = t, self._rate(p) if busy_now else load.quiet_w_at(t)  # type: ignore[union-attr]
             self._c_out_j, self._t_u_out = c_j, t_u
             self._last_read = (t, self._reported, p)
             return self._reported
