@@ -168,6 +168,9 @@ def test_start_line_names_each_saving_and_why(monkeypatch):
         load_settings({}, env={}), on_gpu=True, env={"POWERSAVE_FORCE_DRY_RUN": "1"}
     )
     assert startup_line(load_settings({"savings": "off"}, env={}), on_gpu=True, env=env).startswith("powersave: metering only")
+    assert startup_line(load_settings({"savings": "off"}, env={}), on_gpu=True, env=env).endswith("energy still measured")
+    # No GPU: the energy is the simulated GPU's, never called measured.
+    assert startup_line(load_settings({"savings": "off"}, env={}), on_gpu=False, env=env).endswith("energy still metered (simulated)")
     assert "perf-boost n/a (no GPU)" in startup_line(load_settings({}, env={}), on_gpu=False, env=env)
 
 

@@ -105,10 +105,12 @@ def savings_state(
     return out
 
 
-def start_line(state: dict[str, dict[str, str]], metering_only: bool = False) -> str:
-    """The one start line naming each saving, its state and why."""
+def start_line(state: dict[str, dict[str, str]], metering_only: bool = False, energy_source: str = "measured") -> str:
+    """The one start line naming each saving, its state and why. ``energy_source``: "measured",
+    or "simulated" where no GPU meters it (the simulated GPU's figures are never called measured)."""
     if metering_only:
-        return "powersave: metering only (savings: off): CUDA boost, clocks and LM head left as stock; energy still measured"
+        metered = "measured" if energy_source == "measured" else f"metered ({energy_source})"
+        return f"powersave: metering only (savings: off): CUDA boost, clocks and LM head left as stock; energy still {metered}"
     names = {"perf_boost": "perf-boost", "clocks": "clocks", "chunking": "chunking"}
     parts = [f"{names.get(k, k)} {v['state']} ({v['why']})" for k, v in state.items()]
     return "powersave: savings: " + "; ".join(parts)
@@ -123,5 +125,6 @@ def startup_line(settings: Any, on_gpu: bool, env: dict[str, str] | None = None,
 
     choice = probe_and_select(settings, on_gpu, env)
     state = savings_state(settings, choice, {"disabled": None}, on_gpu)
-    line = start_line(state, metering_only=getattr(settings, "savings", "auto") == "off")
+    energy_source = "measured" if on_gpu else "simulated"
+    line = start_line(state, metering_only=getattr(settings, "savings", "auto") == "off", energy_source=energy_source)
     return line + (f"; {frontend.describe()}" if frontend is not None else "")
