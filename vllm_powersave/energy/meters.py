@@ -519,10 +519,11 @@ class NvmlEnergyMeter(EnergyMeter):
         since_sync_s = 0.0 if self._last_sync_t is None else max(0.0, t - self._last_sync_t)
         return 0.003 + min(0.25 * T, self.period_sigma_s * since_sync_s / T)  # a sync that failed keeps the old one's
 
-    def _place_step(self, now: _ReadSpan, d_j: float, p: float | None) -> int | None:
+    def _place_step(self, now: _ReadSpan, d_j: float, p: float | None, steady: bool) -> int | None:
         """How many of the learnt phase's steps lie between the previous read's value (which held
         step ``_seen_step_t``) and the value read in ``now``, ``d_j`` joules past it, where the
-        joules place the last one; None where time places it (:meth:`_since_update`).
+        joules place the last one; None where time places it (:meth:`_since_update`). ``steady``:
+        :meth:`_steady_work` for ``now``.
 
         A read within the phase's tolerance after a step may have been taken before it: taken as
         after, a phase a few ms early booked a period's joules as missing at one step and back at
@@ -532,7 +533,7 @@ class NvmlEnergyMeter(EnergyMeter):
         steady work only (where work ended since the previous read, the joules fall short because
         the power fell: a burst's end, tests/test_energy_bursts.py). Only that one step, never a
         later one: a phase that is late is the bracket's to correct."""
-        if self._phase_t is None or self._seen_step_t is None or p is None or not self._steady_work(now):
+        if self._phase_t is None or self._seen_step_t is None or p is None or not steady:
             return None
         T, tol = self.period, self._phase_tol_s(now.end_s)
         k0 = round((self._seen_step_t - self._phase_t) / T)
@@ -670,6 +671,7 @@ class NvmlEnergyMeter(EnergyMeter):
     def _step(self, now_mj: int, t: float, t_call: float, p: float | None = None) -> None:
         d = now_mj - self._last_mj
         now = _ReadSpan(min(t_call, t), t)
+        steady = self._steady_work(now)  # against the previous read's span: before it is replaced
         self._observe_update(self._read_span, now, d != 0)
         if d != 0:
             self._joules_placed_t = None  # a new step: time places it unless _place_step does
@@ -711,14 +713,14 @@ class NvmlEnergyMeter(EnergyMeter):
             self._acc_mj += d
             if d > 0:
                 # The steps between the two reads: as placed, by the learnt phase, else by the elapsed time.
-                steps = self._place_step(now, d / 1000.0, p) or self._steps_between(self._t_read, t)
+                steps = self._place_step(now, d / 1000.0, p, steady) or self._steps_between(self._t_read, t)
                 # Only a single period's: an average over several spans whatever load changes lay
                 # between the reads (a burst and the idle after it), which is no guess for the next.
                 self._step_avg_w = d / 1000.0 / (steps * self.period) if steps == 1 else None
                 # Not a step the joules placed: a reference that took it would confirm the next such.
-                if self._step_avg_w is not None and self._steady_work(now) and self._joules_placed_t is None:
+                if self._step_avg_w is not None and steady and self._joules_placed_t is None:
                     self._work_period_w.append(self._step_avg_w)
-        if not self._steady_work(now):
+        if not steady:
             self._work_period_w.clear()  # work paused: the next periods may hold another load
         self._last_mj, self._t_read, self._read_span = now_mj, t, now
 
