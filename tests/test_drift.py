@@ -57,8 +57,12 @@ def plugin(monkeypatch):
     # A registry without the LogitsProcessor an earlier test's register() left in this process.
     monkeypatch.setattr(custom_op, "op_registry_oot", {k: v for k, v in custom_op.op_registry_oot.items() if k != "LogitsProcessor"})
     monkeypatch.setenv("POWERSAVE_ENABLED", "1")
-    # A chunking table, so that the LM-head hook is wanted (lm_head_hook_needed).
-    monkeypatch.setenv("POWERSAVE_SETTINGS_JSON", json.dumps({"chunking": {"table": [{"min_rows": 64, "chunks": 2}]}}))
+    # A chunking table, so that the LM-head hook is wanted (lm_head_hook_needed), and a TPOT
+    # target, so that decode pacing is.
+    monkeypatch.setenv(
+        "POWERSAVE_SETTINGS_JSON",
+        json.dumps({"chunking": {"table": [{"min_rows": 64, "chunks": 2}]}, "decode_pacing": {"tpot_target_ms": 30}}),
+    )
     return monkeypatch
 
 
@@ -98,7 +102,7 @@ def test_drift_inventory_installs_every_available_feature_without_warnings(plugi
     assert _warnings(caplog) == []
     assert vllm_compat.installed_features() == AVAILABLE
     assert vllm_compat.disabled_features() == {}
-    assert {"cli_flag", "settings", "lm_head", "step_v1", "arrival", "lookahead", "app", "metrics_mp", "frontend"} <= AVAILABLE
+    assert {"cli_flag", "settings", "lm_head", "step_v1", "arrival", "lookahead", "app", "metrics_mp", "frontend", "pacing"} <= AVAILABLE
 
 
 @pytest.mark.parametrize("how", ["removed", "renamed", "signature"])

@@ -90,6 +90,23 @@ def activate() -> None:
     vllm_compat.install_step_hooks(runtime.on_step_start, runtime.on_step_end)
     # EngineCore side: look-ahead facts stamped on each SchedulerOutput, arrival ramp.
     vllm_compat.install_scheduler_hooks(runtime.on_arrival)
+    target_ms = decode_pacing_target_ms()
+    if target_ms is not None:
+        from .pacing import DecodePacer
+
+        if vllm_compat.install_pacing_hook(DecodePacer(target_ms)):
+            log.info("powersave: decode pacing on: decode-only steps spaced to %.1f ms while nothing waits", target_ms)
+
+
+def decode_pacing_target_ms(env: dict[str, str] | None = None) -> float | None:
+    """``decode_pacing.tpot_target_ms`` of this server's settings (``None``: off, and where the
+    settings cannot be read: pacing is a saving that changes latency, so it never runs unasked)."""
+    from .settings import settings_from_env
+
+    try:
+        return settings_from_env(env).decode_pacing.tpot_target_ms
+    except Exception:
+        return None
 
 
 def prompt_logprob_hook_needed(env: dict[str, str] | None = None) -> bool:

@@ -56,7 +56,7 @@ def savings_state(
     lost: dict[str, str] | None = None,
     installed: set[str] | None = None,
 ) -> dict[str, dict[str, str]]:
-    """``{saving: {"state", "basis", "why"}}`` for ``perf_boost``, ``clocks`` and ``chunking``.
+    """``{saving: {"state", "basis", "why"}}`` for ``perf_boost``, ``clocks``, ``chunking`` and ``decode_pacing``.
 
     ``boost``: the booster's snapshot (``disabled`` set when its helper failed) or ``None``;
     ``clock_disabled``: the clock controller's ``disabled_reason`` (a backend that faulted);
@@ -102,7 +102,19 @@ def savings_state(
         out["chunking"] = {"state": "off", "basis": "", "why": "no table"}
     else:
         out["chunking"] = {"state": "on", "basis": "measured", "why": f"{len(c.table)} rules"}
+    out["decode_pacing"] = _pacing_state(settings, lost)
     return out
+
+
+def _pacing_state(settings: Any, lost: dict[str, str]) -> dict[str, str]:
+    """Decode pacing's entry: off without a TPOT target or without its hook (vLLM drift)."""
+    pacing = getattr(settings, "decode_pacing", None)
+    target_ms = getattr(pacing, "tpot_target_ms", None)
+    if target_ms is None:
+        return {"state": "off", "basis": "", "why": "no TPOT target"}
+    if "pacing" in lost:
+        return {"state": "off", "basis": "", "why": _lost_why(lost, ("pacing",)) or "pacing hook missing"}
+    return {"state": "on", "basis": "predicted", "why": f"decode steps spaced to {target_ms:g} ms"}
 
 
 def start_line(state: dict[str, dict[str, str]], metering_only: bool = False, energy_source: str = "measured") -> str:
@@ -111,7 +123,7 @@ def start_line(state: dict[str, dict[str, str]], metering_only: bool = False, en
     if metering_only:
         metered = "measured" if energy_source == "measured" else f"metered ({energy_source})"
         return f"powersave: metering only (savings: off): CUDA boost, clocks and LM head left as stock; energy still {metered}"
-    names = {"perf_boost": "perf-boost", "clocks": "clocks", "chunking": "chunking"}
+    names = {"perf_boost": "perf-boost", "clocks": "clocks", "chunking": "chunking", "decode_pacing": "decode pacing"}
     parts = [f"{names.get(k, k)} {v['state']} ({v['why']})" for k, v in state.items()]
     return "powersave: savings: " + "; ".join(parts)
 

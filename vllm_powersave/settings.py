@@ -363,6 +363,19 @@ class TunedFor(_Strict):
     allow_mismatch: bool = False
 
 
+class DecodePacingSettings(_Strict):
+    """Decode pacing (``pacing/pacer.py``, docs/decode-pacing.md): off unless a TPOT target is set."""
+
+    #: Space decode-only engine steps at least this far apart (ms) while no request waits in the
+    #: scheduler's queue, no running request has prompt tokens left and the batch is below
+    #: ``max_num_seqs``; an arriving request ends a gap at once (TTFT +0.5 ms at most). Under
+    #: open-loop arrivals the batch then grows with the period and each step's weight reads serve
+    #: more tokens; under closed-loop clients at a fixed concurrency it only adds idle time, so
+    #: measure it on your traffic (``vllm-powersave tune-serving``) before keeping it. Set it below
+    #: your TPOT SLO: a request's TPOT comes out at about this value. Default: off.
+    tpot_target_ms: float | None = Field(default=None, gt=0.0, le=1000.0, allow_inf_nan=False)
+
+
 class PowersaveSettings(_Strict):
     """All plugin settings (``--additional-config '{"powersave": {...}}'``)."""
 
@@ -371,6 +384,7 @@ class PowersaveSettings(_Strict):
     chunking: ChunkingSettings = Field(default_factory=ChunkingSettings)
     clocks: ClockSettings = Field(default_factory=ClockSettings)
     energy: EnergySettings = Field(default_factory=EnergySettings)
+    decode_pacing: DecodePacingSettings = Field(default_factory=DecodePacingSettings)
     #: Optional YAML/JSON file with further settings (inline keys win).
     config_file: str | None = Field(default=None, min_length=1)
     #: Directory where worker processes publish their figures for the API server's /metrics.
@@ -458,6 +472,9 @@ class PowersaveSettings(_Strict):
             if chunking.get("table") and chunking.get("enabled", True):
                 raise ValueError("chunking.table conflicts with savings 'off' (metering only): drop one of them")
             chunking = {**chunking, "enabled": False}
+        pacing = data.get("decode_pacing") or {}
+        if isinstance(pacing, dict) and pacing.get("tpot_target_ms") is not None:
+            raise ValueError("decode_pacing.tpot_target_ms conflicts with savings 'off' (metering only): drop one of them")
         servers = data.get("api_server_count", "vllm")
         if servers != "vllm":
             raise ValueError(f"api_server_count {servers!r} conflicts with savings 'off' (metering only): drop one of them")

@@ -40,6 +40,10 @@ Touch points (module: symbol):
   look-ahead) and ``schedule`` (attaches ``powersave_lookahead``: the scheduler's timestamp and the
   waiting queue's size to the ``SchedulerOutput`` before it is broadcast to the workers); reads
   ``waiting`` (``len``, iteration) and ``Request.num_prompt_tokens`` / ``num_computed_tokens``;
+* ``vllm.v1.engine.core.EngineCoreProc._process_input_queue`` (decode pacing, EngineCore process):
+  held before it runs; reads the core's ``input_queue.empty()`` and ``scheduler`` (``running``,
+  ``waiting``, ``max_num_running_reqs``, each running ``Request``'s ``num_prompt_tokens`` /
+  ``num_computed_tokens``);
 * runner ``use_async_scheduling`` or ``scheduler_config.async_scheduling`` (host one step ahead);
 * Ray executor (``--distributed-executor-backend ray``): the environment variables
   ``VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY`` / ``VLLM_RAY_EXTRA_ENV_VARS_TO_COPY`` (read by
@@ -135,6 +139,7 @@ _LP = "vllm.model_executor.layers.logits_processor"
 _V1, _V2 = "vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu.model_runner"
 _SCHED = "vllm.v1.core.sched.scheduler"
 _SAMPLER = "vllm.v1.sample.sampler"
+_CORE = "vllm.v1.engine.core"
 
 #: What each feature is, as the drift warning names it.
 FEATURES: dict[str, str] = {
@@ -149,6 +154,7 @@ FEATURES: dict[str, str] = {
     "app": "per-request energy in API responses",
     "metrics_mp": "/metrics with several API servers (--api-server-count > 1)",
     "frontend": "API-server pool sizing (api_server_count: auto; vLLM's own count stays)",
+    "pacing": "decode pacing (decode_pacing.tpot_target_ms; decode steps run unspaced)",
 }
 
 #: Every attribute the plugin's hooks need (one inventory: the drift tests are built from it).
@@ -167,6 +173,7 @@ HOOKS: tuple[Hook, ...] = (
     Hook("step_v2", _V2, "GPUModelRunner", "sample_tokens", ("",), optional=True),
     Hook("arrival", _SCHED, "Scheduler", "add_request", ("", "request")),
     Hook("lookahead", _SCHED, "Scheduler", "schedule", ("",)),
+    Hook("pacing", _CORE, "EngineCoreProc", "_process_input_queue", ("",)),
     Hook("app", "vllm.entrypoints.launchers.api_server.entry", "", "build_app", ("args",), group="app"),
     Hook("app", "vllm.entrypoints.openai.api_server", "", "build_app", ("args",), group="app"),
     Hook("metrics_mp", "prometheus_client.multiprocess", "MultiProcessCollector", "__init__", ("", "registry")),
@@ -1238,6 +1245,43 @@ def _lookahead_enabled() -> bool:
 def step_lookahead(scheduler_output: Any) -> tuple[float, int, int] | None:
     """``(scheduler time s, waiting requests, waiting prompt tokens)`` of a step, if stamped."""
     return getattr(scheduler_output, LOOKAHEAD_ATTR, None)
+
+
+def pace_facts(scheduler: Any) -> Any:
+    """What the V1 scheduler holds before the next step, as a :class:`~.pacing.PaceFacts`."""
+    from .pacing import PaceFacts
+
+    running = scheduler.running
+    pending = any(map(operator.lt, map(_COMPUTED_TOKENS, running), map(_PROMPT_TOKENS, running)))
+    return PaceFacts(len(running), len(scheduler.waiting), int(scheduler.max_num_running_reqs), pending)
+
+
+def install_pacing_hook(pacer: Any) -> bool:
+    """Hold the engine core's busy loop for ``pacer`` (a :class:`~.pacing.DecodePacer`) before it
+    takes new requests and steps (EngineCore process). Returns ``False`` where the hook is missing
+    (one warning, decode steps unspaced). A pacer that faults is dropped for good with one logged
+    traceback: the loop then runs as vLLM's own."""
+    if require("pacing") is None:
+        return False
+    from vllm.v1.engine.core import EngineCoreProc
+
+    def make(orig: Callable[..., Any]) -> Callable[..., Any]:
+        live = [pacer]
+
+        def _process_input_queue(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if live:
+                try:
+                    live[0].hold(pace_facts(self.scheduler), self.input_queue.empty)
+                except Exception as exc:  # pacing is a saving: never break the engine loop for it
+                    live.clear()
+                    fault_once("pacing", exc, "decode pacing", "decode steps run unspaced from now on")
+            return orig(self, *args, **kwargs)
+
+        return _process_input_queue
+
+    _patch(EngineCoreProc, "_process_input_queue", "core._process_input_queue", make)
+    _INSTALLED.add("pacing")
+    return True
 
 
 def async_scheduling(runner: Any) -> bool:

@@ -77,7 +77,7 @@ def _flag_values(name: str, text: str) -> list[Any]:
     for part in (p.strip() for p in text.split(",")):
         if name == "async_scheduling" and part in ("on", "off"):
             out.append(part == "on")
-        elif name == "closed_loop_budget_pct" and part == "off":
+        elif name in ("closed_loop_budget_pct", "decode_pacing_tpot_ms") and part == "off":
             out.append(None)
         else:
             out.append(yaml.safe_load(part) if part else part)
@@ -91,7 +91,7 @@ def space_of(ns: argparse.Namespace, gpu: bool) -> SpaceSpec:
     spec = load_space_file(ns.space) if ns.space else None
     flags = {n: getattr(ns, f"space_{n}") for n in SETTINGS if getattr(ns, f"space_{n}") is not None}
     if not flags:
-        return spec or default_space(gpu)
+        return spec or default_space(gpu, getattr(ns, "slo_tpot_ms", None))
     data = {k: v for k, v in (spec.model_dump() if spec else {}).items() if v is not None}
     for name, text in flags.items():
         try:

@@ -30,9 +30,10 @@ SETTINGS = (
     "cudagraph_capture_sizes",
     "cuda_perf_boost",
     "closed_loop_budget_pct",
+    "decode_pacing_tpot_ms",
 )
 #: Settings that are plugin settings (``--additional-config``), not ``vllm serve`` flags.
-PLUGIN_SETTINGS = ("cuda_perf_boost", "closed_loop_budget_pct")
+PLUGIN_SETTINGS = ("cuda_perf_boost", "closed_loop_budget_pct", "decode_pacing_tpot_ms")
 #: Settings that set GPU clocks (skipped where clocks may not be set).
 CLOCK_SETTINGS = ("closed_loop_budget_pct",)
 #: Settings that need a CUDA GPU to act at all.
@@ -58,6 +59,8 @@ class SpaceSpec(BaseModel):
     cuda_perf_boost: list[Literal["on", "off", "auto"]] | None = Field(default=None, min_length=1)
     #: Closed-loop decode clock's slowdown budget, percent; ``null`` is the closed loop off.
     closed_loop_budget_pct: list[float | None] | None = Field(default=None, min_length=1)
+    #: Decode pacing's TPOT target, ms (pacing/pacer.py); ``null`` is pacing off.
+    decode_pacing_tpot_ms: list[float | None] | None = Field(default=None, min_length=1)
 
     def searched(self) -> dict[str, list[Any]]:
         """``setting -> values`` of the settings in the space, in :data:`SETTINGS` order."""
@@ -70,6 +73,7 @@ _BOUNDS: dict[str, tuple[float, float]] = {
     "max_num_batched_tokens": (1, 10_000_000),
     "api_server_count": (1, 64),
     "closed_loop_budget_pct": (0.0, 100.0),
+    "decode_pacing_tpot_ms": (0.1, 1000.0),
 }
 
 
@@ -110,12 +114,20 @@ def load_space_file(path: str | Path) -> SpaceSpec:
     return parse_space(data, where)
 
 
-def default_space(gpu: bool) -> SpaceSpec:
+#: Decode pacing's targets in the built-in space, as shares of the TPOT SLO: a request's TPOT comes
+#: out at about the target (docs/decode-pacing.md), so these keep a margin for prefill steps.
+PACING_SHARES_OF_SLO = (0.4, 0.7)
+
+
+def default_space(gpu: bool, slo_tpot_ms: float | None = None) -> SpaceSpec:
     """The space searched when none is given: batch limits on any machine, the front end, async
-    scheduling and the plugin's savings on a GPU."""
+    scheduling and the plugin's savings on a GPU; with a TPOT SLO, decode pacing off and at
+    :data:`PACING_SHARES_OF_SLO` of it."""
+    pacing = [None, *(round(share * slo_tpot_ms, 1) for share in PACING_SHARES_OF_SLO)] if slo_tpot_ms else None
     if not gpu:
-        return SpaceSpec(max_num_seqs=[64, 8], max_num_batched_tokens=[4096, 1024])
+        return SpaceSpec(max_num_seqs=[64, 8], max_num_batched_tokens=[4096, 1024], decode_pacing_tpot_ms=pacing)
     return SpaceSpec(
+        decode_pacing_tpot_ms=pacing,
         max_num_seqs=[256, 128, 512],
         max_num_batched_tokens=[8192, 2048, 16384],
         api_server_count=[1, 4],
@@ -188,6 +200,8 @@ class Config:
         if "closed_loop_budget_pct" in d:
             budget = d["closed_loop_budget_pct"]
             out["clocks"] = {"mode": "off"} if budget is None else {"mode": "closed_loop", "closed_loop": {"slowdown_budget_pct": budget}}
+        if d.get("decode_pacing_tpot_ms") is not None:
+            out["decode_pacing"] = {"tpot_target_ms": d["decode_pacing_tpot_ms"]}
         if out and "api_server_count" not in d:
             out["api_server_count"] = "vllm"  # the plugin would size the front end itself: keep vLLM's count
         return out

@@ -1,0 +1,185 @@
+"""Decode pacing (pacing/pacer.py): decode-only steps spaced to a TPOT target while nothing waits;
+arrivals and prefills never held; the busy-loop hook on vLLM's own EngineCoreProc."""
+
+import logging
+import queue
+import types
+
+import pytest
+
+from vllm_powersave.pacing import DecodePacer, PaceFacts
+from vllm_powersave.settings import PowersaveSettings, SettingsError, load_settings
+
+DECODE = PaceFacts(running=8, waiting=0, max_running=256, prefill_pending=False)
+
+
+class FakeTime:
+    """A clock that only moves when the pacer sleeps (and when a test says so)."""
+
+    def __init__(self):
+        self.now = 100.0
+        self.slept = []
+
+    def clock(self):
+        return self.now
+
+    def sleep(self, s):
+        self.slept.append(s)
+        self.now += s
+
+
+def _pacer(ms=30.0):
+    t = FakeTime()
+    return DecodePacer(ms, clock=t.clock, sleep=t.sleep), t
+
+
+def test_a_decode_step_is_held_until_the_tpot_target_since_the_last_step():
+    p, t = _pacer(30.0)
+    assert p.hold(DECODE, lambda: True) == 0.0  # the first step after start goes at once
+    t.now += 0.008  # the step took 8 ms
+    held = p.hold(DECODE, lambda: True)
+    assert held == pytest.approx(0.022)
+    assert p.stats.held_steps == 1 and p.stats.held_s == pytest.approx(0.022)
+    t.now += 0.040  # a step longer than the target: no gap after it
+    assert p.hold(DECODE, lambda: True) == 0.0
+
+
+@pytest.mark.parametrize(
+    "facts",
+    [
+        PaceFacts(running=8, waiting=1, max_running=256, prefill_pending=False),
+        PaceFacts(running=8, waiting=0, max_running=256, prefill_pending=True),
+        PaceFacts(running=256, waiting=0, max_running=256, prefill_pending=False),
+        PaceFacts(running=0, waiting=0, max_running=256, prefill_pending=False),
+    ],
+    ids=["a-request-waits", "a-prefill-is-pending", "the-batch-is-full", "nothing-runs"],
+)
+def test_no_step_is_held_while_pacing_cannot_grow_the_batch_or_would_delay_a_prefill(facts):
+    p, t = _pacer(30.0)
+    p.hold(DECODE, lambda: True)
+    t.now += 0.005
+    assert p.hold(facts, lambda: True) == 0.0
+    assert t.slept == [] and p.stats.held_steps == 0
+
+
+def test_an_arriving_request_ends_the_gap_within_one_poll():
+    p, t = _pacer(100.0)
+    p.hold(DECODE, lambda: True)
+    t.now += 0.005
+    polls = iter([True, True, True, False])  # the queue gets a request on the fourth look
+    held = p.hold(DECODE, lambda: next(polls))
+    assert held == pytest.approx(2 * 0.0005)  # two polls slept, then woken: not the 95 ms due
+    assert p.stats.woken_early == 1
+
+
+def test_a_request_already_queued_is_never_held():
+    p, t = _pacer(100.0)
+    p.hold(DECODE, lambda: True)
+    t.now += 0.005
+    assert p.hold(DECODE, lambda: False) == 0.0 and t.slept == []
+
+
+def test_the_first_step_after_an_idle_spell_goes_at_once():
+    p, t = _pacer(30.0)
+    p.hold(DECODE, lambda: True)
+    t.now += 0.005
+    p.hold(PaceFacts(0, 0, 256, False), lambda: True)  # the batch drained: the engine idles
+    t.now += 0.001
+    assert p.hold(DECODE, lambda: True) == 0.0
+
+
+def test_tpot_target_is_bounded_and_savings_off_refuses_it():
+    assert PowersaveSettings().decode_pacing.tpot_target_ms is None  # off by default
+    with pytest.raises(SettingsError, match="decode_pacing.tpot_target_ms"):
+        load_settings({"decode_pacing": {"tpot_target_ms": 0}})
+    with pytest.raises(SettingsError, match="decode_pacing.tpot_target_ms.*savings 'off'"):
+        load_settings({"savings": "off", "decode_pacing": {"tpot_target_ms": 30}})
+    with pytest.raises(ValueError):
+        DecodePacer(0.0)
+
+
+def test_the_start_line_names_decode_pacing_and_its_basis():
+    from vllm_powersave.savings import savings_state, start_line
+
+    choice = types.SimpleNamespace(controller="off", backend="dry-run", reason="clocks off")
+    on = PowersaveSettings.model_validate({"decode_pacing": {"tpot_target_ms": 35}})
+    state = savings_state(on, choice, None, on_gpu=False)
+    assert state["decode_pacing"] == {"state": "on", "basis": "predicted", "why": "decode steps spaced to 35 ms"}
+    assert "decode pacing on (decode steps spaced to 35 ms)" in start_line(state)
+    lost = savings_state(on, choice, None, on_gpu=False, lost={"pacing": "gone"})
+    assert lost["decode_pacing"]["state"] == "off" and "gone" in lost["decode_pacing"]["why"]
+    assert savings_state(PowersaveSettings(), choice, None, on_gpu=False)["decode_pacing"]["state"] == "off"
+
+
+# -- the hook on vLLM's own busy loop ---------------------------------------------------------
+vllm_core = pytest.importorskip("vllm.v1.engine.core")
+
+
+class _Req:
+    def __init__(self, prompt, computed):
+        self.num_prompt_tokens, self.num_computed_tokens = prompt, computed
+
+
+def _core(running, waiting=(), inputs=()):
+    """A stand-in engine core: vLLM's real ``_process_input_queue`` runs on it."""
+    q = queue.Queue()
+    for item in inputs:
+        q.put(item)
+    handled = []
+    core = types.SimpleNamespace(
+        scheduler=types.SimpleNamespace(running=list(running), waiting=list(waiting), max_num_running_reqs=256),
+        input_queue=q,
+        aborts_queue=queue.Queue(),
+        process_input_queue_block=True,
+        has_work=lambda: True,
+        is_running=lambda: True,
+        _notify_idle_state_callbacks=lambda: None,
+        _handle_client_request=lambda *req: handled.append(req),
+    )
+    return core, handled
+
+
+@pytest.fixture
+def hooked(monkeypatch):
+    from vllm_powersave import vllm_compat
+
+    monkeypatch.setattr(vllm_compat, "_PATCHED", set())
+    monkeypatch.setattr(vllm_compat, "_INSTALLED", set())
+    monkeypatch.setattr(vllm_core.EngineCoreProc, "_process_input_queue", vllm_core.EngineCoreProc._process_input_queue)
+    p, t = _pacer(30.0)
+    assert vllm_compat.install_pacing_hook(p)
+    return p, t, vllm_core.EngineCoreProc._process_input_queue
+
+
+def test_the_hook_holds_vllms_loop_then_runs_it_and_reads_the_schedulers_state(hooked):
+    p, t, loop = hooked
+    core, _ = _core([_Req(100, 105), _Req(50, 60)])
+    loop(core)
+    t.now += 0.004
+    loop(core)
+    assert p.stats.held_steps == 1 and p.stats.held_s == pytest.approx(0.026)
+    prefilling, _ = _core([_Req(100, 105), _Req(4000, 2048)])  # a chunked prefill half done
+    t.now += 0.004
+    loop(prefilling)
+    assert p.stats.held_steps == 1
+    arrived, handled = _core([_Req(100, 105)], inputs=[("ADD", "req-1")])
+    t.now += 0.004
+    loop(arrived)
+    assert p.stats.held_steps == 1 and handled == [("ADD", "req-1")]  # vLLM's loop took it at once
+
+
+def test_a_pacer_that_faults_is_dropped_with_one_log_and_the_loop_runs_on(hooked, caplog):
+    p, t, loop = hooked
+    broken, handled = _core([_Req(100, 105)], inputs=[("ADD", "a")])
+    del broken.scheduler.max_num_running_reqs  # a scheduler that drifted
+    with caplog.at_level(logging.ERROR, logger="vllm.powersave"):
+        loop(broken)
+        broken.input_queue.put(("ADD", "b"))
+        loop(broken)
+    assert handled == [("ADD", "a"), ("ADD", "b")]
+    assert sum("decode pacing" in r.getMessage() for r in caplog.records) == 1
+    good, _ = _core([_Req(100, 105)])
+    loop(good)
+    t.now += 0.004
+    loop(good)
+    assert p.stats.held_steps == 0  # dropped for good
