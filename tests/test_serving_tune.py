@@ -49,6 +49,28 @@ def test_a_configuration_becomes_serve_flags_and_plugin_settings():
     assert Config().key == "defaults" and Config().serve_flags() == [] and Config().plugin_settings() == {}
 
 
+def test_decode_pacing_is_searched_on_any_machine_and_reaches_the_server_as_a_valid_setting(tmp_path):
+    import json
+
+    from vllm_powersave.serving_tune.measure import ServePlan
+    from vllm_powersave.settings import load_settings
+
+    paced, off = Config((("decode_pacing_tpot_ms", 35.0),)), Config((("decode_pacing_tpot_ms", None),))
+    assert paced.key == "decode_pacing_tpot_ms=35" and off.key == "decode_pacing_tpot_ms=off"
+    assert paced.plugin_settings() == {"decode_pacing": {"tpot_target_ms": 35.0}, "api_server_count": "vllm"}
+    assert off.plugin_settings() == {}  # off: vLLM's defaults, the plugin not loaded on a GPU
+    values, skipped = applicable(default_space(gpu=False, slo_tpot_ms=50.0), MachineFacts(False, False, "no GPU"))
+    assert values["decode_pacing_tpot_ms"] == [None, 20.0, 35.0] and "decode_pacing_tpot_ms" not in skipped
+    assert "decode_pacing_tpot_ms" not in default_space(gpu=True).searched()  # no TPOT SLO: no target to derive
+    for gpu in (False, True):
+        args = ServePlan(tmp_path, (), gpu, tmp_path).serve_args(paced)
+        settings = load_settings(json.loads(args[args.index("--additional-config") + 1])["powersave"], env={})
+        assert settings.decode_pacing.tpot_target_ms == 35.0
+        assert settings.cuda_perf_boost == ("on" if not gpu else "auto")  # the CPU meter keeps stock values
+    cpu_off = ServePlan(tmp_path, (), False, tmp_path).serve_args(off)
+    assert load_settings(json.loads(cpu_off[cpu_off.index("--additional-config") + 1])["powersave"], env={}).savings == "off"
+
+
 def test_a_configuration_flag_replaces_the_base_arguments_value():
     base = ["--host", "127.0.0.1", "--max-num-seqs", "64", "--enforce-eager", "--async-scheduling"]
     assert override(base, ["--max-num-seqs", "8", "--no-async-scheduling"]) == [

@@ -5,7 +5,7 @@ any other configuration stops it and starts the new one: every searched setting 
 front-end argument that takes effect only at start. Energy: on a GPU, the local NVML counter for
 every configuration alike (stock vLLM publishes no energy of its own), ``measured``; without one,
 every server runs the plugin as a meter only (savings off) pricing its engine steps on the simulated
-H200, and the figures say ``simulated``.
+H200, and the figures say ``simulated``; decode pacing, which needs no GPU, runs there too.
 """
 
 from __future__ import annotations
@@ -34,6 +34,10 @@ class MeasureError(RuntimeError):
     """A window could not be measured (the load test failed); one line."""
 
 
+#: What ``savings: "off"`` means (settings.py), for a meter that also runs a saving that needs no GPU.
+STOCK_SAVINGS: dict[str, Any] = {"cuda_perf_boost": "on", "chunking": {"enabled": False}, "api_server_count": "vllm"}
+
+
 @dataclass(frozen=True)
 class ServePlan:
     """How every server of a search is started."""
@@ -53,7 +57,10 @@ class ServePlan:
             sim: dict[str, Any] = {"meter": "simulated"}
             if self.sim_shape:
                 sim["simulated_model_shape"] = self.sim_shape
-            meter = {"savings": "off", "clocks": {"backend": "simulated"}, "energy": sim}
+            meter: dict[str, Any] = {"savings": "off", "clocks": {"backend": "simulated"}, "energy": sim}
+            pacing = config.plugin_settings().get("decode_pacing")
+            if pacing:  # acts on any machine: the meter's stock values spelled out, pacing on
+                meter = {**STOCK_SAVINGS, "clocks": {"mode": "off", "backend": "simulated"}, "energy": sim, "decode_pacing": pacing}
             return args + ["--additional-config", json.dumps({"powersave": meter})]
         plugin = config.plugin_settings()
         if plugin:
