@@ -763,6 +763,20 @@ def test_the_winner_command_leaves_out_the_harness_only_flags():
     ]
 
 
+def test_the_winner_command_carries_what_the_search_applied_on_this_machine(tmp_path):
+    from vllm_powersave.serving_tune.report import winner_command
+
+    paced = Config((("max_num_seqs", 8), ("cuda_perf_boost", "auto"), ("decode_pacing_tpot_ms", 35.0)))
+    cpu = winner_command(ServePlan(tmp_path / "m", ("--host", "127.0.0.1"), False, tmp_path), paced)
+    assert cpu.endswith(
+        """--max-num-seqs 8 --plugin powersave --additional-config '{"powersave": {"decode_pacing": {"tpot_target_ms": 35.0}, "api_server_count": "vllm"}}'"""
+    )
+    gpu = winner_command(ServePlan(tmp_path / "m", ("--host", "127.0.0.1"), True, tmp_path), paced)
+    assert '"cuda_perf_boost": "auto"' in gpu and '"decode_pacing": {"tpot_target_ms": 35.0}' in gpu
+    boost_only = winner_command(ServePlan(tmp_path / "m", (), False, tmp_path), Config((("cuda_perf_boost", "auto"),)))
+    assert "--plugin" not in boost_only  # not applied without a GPU: not advised either
+
+
 def test_a_final_pair_line_names_the_arm_once_and_the_winner_its_configuration():
     from vllm_powersave.serving_tune.run import step_line
 

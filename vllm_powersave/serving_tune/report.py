@@ -41,6 +41,8 @@ def mean_ci(xs: list[float | None], nd: int = 4) -> dict[str, Any]:
 #: Flags the harness sets for its own servers (loopback, the model name its client asks for), which
 #: an operator's server would not copy.
 HARNESS_ONLY_FLAGS = ("--host", "--port", "--served-model-name")
+#: Plugin settings that act without a GPU, and so were applied to a search's CPU servers.
+NO_GPU_PLUGIN_SETTINGS = ("decode_pacing",)
 
 
 def winner_command(plan: ServePlan, config: Config) -> str:
@@ -49,7 +51,10 @@ def winner_command(plan: ServePlan, config: Config) -> str:
     served = drop_flags(override(plan.base_args, config.serve_flags()), HARNESS_ONLY_FLAGS)
     args = ["vllm", "serve", str(plan.model), *served]
     plugin = config.plugin_settings()
-    if plugin and plan.gpu:
+    if plugin and not plan.gpu:  # without a GPU only what needs none was applied (measure.ServePlan)
+        plugin = {k: v for k, v in plugin.items() if k in NO_GPU_PLUGIN_SETTINGS}
+        plugin = {**plugin, "api_server_count": "vllm"} if plugin else plugin
+    if plugin:
         args += ["--plugin", "powersave", "--additional-config", json.dumps({"powersave": plugin})]
     return shlex.join(args)
 
