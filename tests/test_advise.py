@@ -163,3 +163,36 @@ def test_no_clock_privilege_advice_for_a_run_without_a_gpu():
     facts = {**facts_from_result(json.load(open(RESULT))), "clock_backend": "dry-run"}
     assert "clocks" in [r.key for r in advise({**facts, "energy_source": "measured"})]
     assert "clocks" not in [r.key for r in advise({**facts, "energy_source": "simulated"})]  # the CPU build
+
+
+def _open_loop(**over):
+    facts = {
+        "energy_j": 10_000.0,
+        "energy_source": "measured",
+        "energy_by_phase_j": {"decode": 7_000.0, "prefill": 1_500.0, "idle": 1_500.0},
+        "request_rate": 4.0,
+        "p50_tpot_ms": 7.3,
+    }
+    return {**facts, **over}
+
+
+def test_an_open_loop_decode_heavy_run_is_pointed_at_decode_pacing():
+    (rec,) = [r for r in advise(_open_loop()) if r.key == "decode_pacing"]
+    assert "decode_pacing.tpot_target_ms" in rec.action and "tune-serving" in rec.action
+    assert "4 req/s, 70 % of the run's energy in decode, nothing waiting; TPOT p50 7.3 ms now" in rec.measurement
+    assert rec.evidence == "simulated" and rec.effect == "predicted" and rec.saving_share is None
+
+
+@pytest.mark.parametrize(
+    "over",
+    [
+        {"max_concurrency": 128},  # a closed loop: the batch cannot grow with the period
+        {"request_rate": None},
+        {"energy_by_phase_j": {"decode": 3_000.0, "prefill": 7_000.0}},
+        {"waiting": 3.0},
+        {"savings": {"decode_pacing": "on"}},
+    ],
+    ids=["closed-loop", "no-rate", "prefill-heavy", "a-queue", "already-on"],
+)
+def test_no_decode_pacing_advice_where_it_cannot_grow_the_batch_or_already_runs(over):
+    assert "decode_pacing" not in [r.key for r in advise(_open_loop(**over))]

@@ -21,6 +21,10 @@ Rules (the figures they rest on):
   docs/results/h200-under-load.md), and auto's idle saving has nothing to save there (predicted).
 * **Batch limit**: most of the run at the batch limit (steady state) with requests waiting:
   raise ``--max-num-seqs`` (no estimate: depends on memory and model).
+* **Decode pacing**: an open-loop run (a request rate, no concurrency cap) that spent most of its
+  energy in decode with nothing waiting, and pacing off: try ``decode_pacing.tpot_target_ms`` below
+  the TPOT SLO (predicted x1.8-2.3 tokens per joule at 1-8 req/s on the simulated H200,
+  docs/results/sim-decode-pacing.md; no estimate for this run: it depends on the batch it reaches).
 * **Clocks**: clock decisions recorded but not applied (dry-run): give the server clock permission
   or a zeusd; the saving is the controller's prediction where one is published.
 """
@@ -41,6 +45,8 @@ from .starvation import suggested_api_servers
 MIN_STARVATION_SHARE = 0.02
 MIN_IDLE_SHARE = 0.03
 MIN_STEADY_SHARE = 0.5
+#: Decode pacing is worth trying where decode took at least this share of the run's energy.
+MIN_DECODE_SHARE = 0.5
 
 
 #: A run's own load-generator check (loadtests): it belongs to the result it was made in.
@@ -230,6 +236,9 @@ def facts_from_result(r: dict[str, Any]) -> dict[str, Any]:
         "output_throughput": r.get("output_throughput"),
         **{k: r.get(k) for k in CLIENT_KEYS},
         "api_servers": r.get("api_server_count"),
+        "request_rate": r.get("request_rate"),
+        "max_concurrency": r.get("max_concurrency"),
+        "p50_tpot_ms": r.get("p50_tpot_ms"),
         "cuda_perf_boost": (result_perf_boost(r) or (None, None))[1],
     }
     if f["energy_by_phase_j"].get("idle") is None and r.get("gpu_idle_energy_j") is not None:
@@ -310,6 +319,9 @@ def advise(facts: dict[str, Any]) -> list[Recommendation]:
                 None,
             )
         )
+    pacing = _decode_pacing(facts, e, src)
+    if pacing is not None:
+        out.append(pacing)
     clocks = (facts.get("savings") or {}).get("clocks") or ("dry-run" if facts.get("clock_backend") == "dry-run" else None)
     # Simulated energy means no GPU behind the run (the CPU build): no privilege would let a clock act.
     if clocks == "dry-run" and facts.get("energy_source") != "simulated":
@@ -328,6 +340,28 @@ def advise(facts: dict[str, Any]) -> list[Recommendation]:
             )
         )
     return sorted(out, key=lambda r: (r.saving_share is None, -(r.saving_share or 0.0)))
+
+
+def _decode_pacing(facts: dict[str, Any], e: float | None, src: str) -> Recommendation | None:
+    """Decode pacing for an open-loop, decode-heavy run without a queue (docs/decode-pacing.md)."""
+    rate, decode_j = _num(facts.get("request_rate")), _num((facts.get("energy_by_phase_j") or {}).get("decode"))
+    open_loop = rate is not None and rate > 0 and facts.get("max_concurrency") is None
+    if not (open_loop and e and decode_j is not None and decode_j / e >= MIN_DECODE_SHARE):
+        return None
+    if (facts.get("waiting") or 0) > 0 or (facts.get("savings") or {}).get("decode_pacing") == "on":
+        return None
+    tpot = _num(facts.get("p50_tpot_ms"))
+    now = f"; TPOT p50 {tpot:.1f} ms now" if tpot is not None else ""
+    return Recommendation(
+        "decode_pacing",
+        "Try decode pacing at a TPOT target under your SLO (decode_pacing.tpot_target_ms, e.g. 0.7x the SLO), "
+        "and keep it only if vllm-powersave tune-serving measures it ahead on your traffic",
+        f"open-loop arrivals at {rate:g} req/s, {100 * decode_j / e:.0f} % of the run's energy in decode, nothing waiting{now}; "
+        "simulated H200, 1-8 req/s: x1.8-2.3 tokens per joule at 20-35 ms (docs/results/sim-decode-pacing.md)",
+        "simulated",
+        "predicted",
+        None,
+    )
 
 
 def _modes(mode: Any) -> set[str] | None:
