@@ -125,7 +125,7 @@ def test_metering_only_switch_keeps_every_saving_stock(monkeypatch, tmp_path):
     try:
         assert rt.boost is None and rt.clock_choice.controller == "off"
         sv = rt.snapshot()["savings"]
-        assert {k: v["state"] for k, v in sv.items()} == {"perf_boost": "off", "clocks": "off", "chunking": "off"}
+        assert {k: v["state"] for k, v in sv.items()} == {"perf_boost": "off", "clocks": "off", "chunking": "off", "decode_pacing": "off"}
     finally:
         rt.close()
 
@@ -160,7 +160,7 @@ def test_start_line_names_each_saving_and_why(monkeypatch):
     assert line == (
         "powersave: savings: perf-boost auto (idle power, measured -35 % on H200); clocks dry-run "
         "(closed loop; no clock permission: predicted only); "
-        "chunking off (no table)"
+        "chunking off (no table); decode pacing off (no TPOT target)"
     )
     monkeypatch.setattr(mode_mod, "clock_permission", lambda: YES)
     assert "clocks closed_loop (closed loop; running as root)" in startup_line(load_settings({}, env={}), on_gpu=True, env=env)
