@@ -3,7 +3,7 @@
 The API server logs one line at start (the first API-server process only), e.g.::
 
     powersave: savings: perf-boost auto (idle power, measured -35 % on H200); clocks dry-run
-    (no clock permission: predicted only); chunking off (no table)
+    (no clock permission: predicted only); chunking off (no table); decode pacing off (no TPOT target)
 
 from the settings and the same permission probe the workers run (nothing is set); every worker
 then publishes what it actually got in its snapshot (``savings``), exported as
