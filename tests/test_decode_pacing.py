@@ -145,6 +145,7 @@ def hooked(monkeypatch):
 
     monkeypatch.setattr(vllm_compat, "_PATCHED", set())
     monkeypatch.setattr(vllm_compat, "_INSTALLED", set())
+    monkeypatch.setattr(vllm_compat, "_PACER", [])
     monkeypatch.setattr(vllm_core.EngineCoreProc, "_process_input_queue", vllm_core.EngineCoreProc._process_input_queue)
     p, t = _pacer(30.0)
     assert vllm_compat.install_pacing_hook(p)
@@ -166,6 +167,7 @@ def test_the_hook_holds_vllms_loop_then_runs_it_and_reads_the_schedulers_state(h
     t.now += 0.004
     loop(arrived)
     assert p.stats.held_steps == 1 and handled == [("ADD", "req-1")]  # vLLM's loop took it at once
+    assert tuple(p.figures()) == (30.0, 1, pytest.approx(0.026), 0)
 
 
 def test_a_pacer_that_faults_is_dropped_with_one_log_and_the_loop_runs_on(hooked, caplog):
@@ -183,3 +185,6 @@ def test_a_pacer_that_faults_is_dropped_with_one_log_and_the_loop_runs_on(hooked
     t.now += 0.004
     loop(good)
     assert p.stats.held_steps == 0  # dropped for good
+    from vllm_powersave import vllm_compat
+
+    assert vllm_compat._PACER == []  # and its figures no longer ride on the steps

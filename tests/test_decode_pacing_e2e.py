@@ -33,6 +33,18 @@ def _decode_steps(trace, timeout_s=30.0):
         time.sleep(0.2)
 
 
+def _held_steps(url, timeout_s=30.0):
+    """``powersave_decode_pacing_held_steps_total`` once the worker has published a held step."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+            lines = [ln for ln in r.read().decode().splitlines() if ln.startswith("powersave_decode_pacing_held_steps_total")]
+        held = sum(float(ln.rsplit(" ", 1)[1]) for ln in lines)
+        if held > 0 or time.monotonic() > deadline:
+            return held
+        time.sleep(0.2)
+
+
 def test_a_served_request_decodes_at_the_tpot_target(tmp_path):
     from vllm_powersave.modelgen import make_model
 
@@ -46,11 +58,13 @@ def test_a_served_request_decodes_at_the_tpot_target(tmp_path):
         out = _post(srv.base_url + "/v1/completions", {"model": "model", "prompt": "hello", "max_tokens": 24, "ignore_eos": True})
         assert out["usage"]["completion_tokens"] == 24
         steps = _decode_steps(stats / "trace-rank0.jsonl")
+        held = _held_steps(srv.base_url)
     finally:
         srv.stop()
     starts = [s["t"] for s in steps]
     gaps_ms = [(b - a) * 1000.0 for a, b in zip(starts, starts[1:])]
     assert len(gaps_ms) >= 15, steps
+    assert held >= 15  # /metrics counts the held steps
     # Held to the target (a loaded host can only make steps later, never earlier).
     assert min(gaps_ms) >= TARGET_MS * 0.95, gaps_ms
     assert statistics.median(gaps_ms) < TARGET_MS * 3, gaps_ms  # held, not stalled

@@ -47,6 +47,7 @@ def plugin(monkeypatch):
     monkeypatch.setattr(vllm_compat, "_PATCHED", set())
     monkeypatch.setattr(vllm_compat, "_DISABLED", {})
     monkeypatch.setattr(vllm_compat, "_INSTALLED", set())
+    monkeypatch.setattr(vllm_compat, "_PACER", [])
     monkeypatch.setattr(vllm_powersave, "_STATE", {"registered": False, "active": False})
     for h in PRESENT:
         owner = vllm_compat._owner(h)

@@ -93,6 +93,8 @@ BAD = [
     ('{"gpu": "GPU-b", "tokens": {"decode": true}}', "'tokens'"),
     ('{"gpu": "GPU-b", "cuda_boost": "yes"}', "'cuda_boost'"),
     ('{"gpu": "GPU-b", "cuda_boost": {"held": true, "switches": NaN}}', "'cuda_boost'"),
+    ('{"gpu": "GPU-b", "decode_pacing": {"held_s": "long"}}', "'decode_pacing'"),
+    ('{"gpu": "GPU-b", "decode_pacing": [1]}', "'decode_pacing'"),
     ('{"gpu": ["GPU-b"]}', "'gpu'"),
     ('{"gpu": "GPU-b", "energy_available": true, "window": {"seconds": 5, "energy_j": NaN}}', "'window'"),
     ('{"gpu": "GPU-b", "energy_available": true, "steady": {"seconds": 5, "tokens": {"decode": -3}}}', "'steady.tokens'"),
@@ -194,6 +196,7 @@ def test_a_full_snapshot_fills_every_family_of_the_table(tmp_path):
         "request_energy_j_finished": 8.5,
         "request_energy_j_tail": 0.75,
         "savings": {"clocks": {"state": "on", "basis": "measured"}},
+        "decode_pacing": {"tpot_target_ms": 30.0, "held_steps": 4, "held_s": 0.1, "woken_early": 1},
     }
     (tmp_path / "rank0.json").write_text(json.dumps(full))
     exposed = {fam.name for fam in text_string_to_metric_families(scrape(tmp_path)) if fam.samples}
@@ -207,3 +210,12 @@ def test_metrics_export_the_read_back_sm_clock_and_unconfirmed_switches(tmp_path
     got = samples(scrape(tmp_path))
     assert got[("powersave_closed_loop_read_back_sm_clock_mhz", (("backend", "simulated"), ("gpu", "GPU-a")))] == 1035.0
     assert got[("powersave_closed_loop_unconfirmed_switches_total", (("gpu", "GPU-a"),))] == 3.0
+
+
+def test_metrics_export_what_decode_pacing_held(tmp_path):
+    snap = {**GOOD, "decode_pacing": {"tpot_target_ms": 30.0, "held_steps": 7, "held_s": 0.125, "woken_early": 2}}
+    (tmp_path / "rank0.json").write_text(json.dumps(snap))
+    got = samples(scrape(tmp_path))
+    assert got[("powersave_decode_pacing_held_steps_total", (("gpu", "GPU-a"),))] == 7.0
+    assert got[("powersave_decode_pacing_held_seconds_total", (("gpu", "GPU-a"),))] == 0.125
+    assert got[("powersave_decode_pacing_woken_early_total", (("gpu", "GPU-a"),))] == 2.0

@@ -98,6 +98,9 @@ def snapshot_problem(s: Any) -> str | None:
     cb = s.get("cuda_boost")
     if cb is not None and (not isinstance(cb, dict) or (cb.get("switches") is not None and not _num_ok(cb["switches"]))):
         return f"'cuda_boost' = {_short(cb)}"
+    pacing = s.get("decode_pacing")
+    if pacing is not None and (not isinstance(pacing, dict) or not all(_num_ok(v) for v in pacing.values())):
+        return f"'decode_pacing' = {_short(pacing)}"
     return None
 
 
@@ -322,6 +325,18 @@ FAMILIES: tuple[FamilySpec, ...] = (
         "MHz",
         ("gpu", "backend"),
     ),
+    # Decode pacing (pacing/pacer.py, docs/decode-pacing.md).
+    FamilySpec(
+        "powersave_decode_pacing_held_seconds", _C, "Decode pacing: time the engine loop was held before a decode step", "s", ("gpu",)
+    ),
+    FamilySpec("powersave_decode_pacing_held_steps", _C, "Decode pacing: decode steps held to the TPOT target", "count", ("gpu",)),
+    FamilySpec(
+        "powersave_decode_pacing_woken_early",
+        _C,
+        "Decode pacing: holds cut short by an arriving request",
+        "count",
+        ("gpu",),
+    ),
     FamilySpec(
         "powersave_closed_loop_unconfirmed_switches",
         _C,
@@ -437,6 +452,11 @@ def _add_rank(sc: _Scrape, s: WorkerSnapshot) -> bool:
     cl = s.get("closed_loop")
     if isinstance(cl, dict):
         _add_closed_loop(sc, r, cl)
+    pacing = s.get("decode_pacing")
+    if isinstance(pacing, dict):
+        sc.add("decode_pacing_held_seconds", [r.gpu], float(pacing.get("held_s") or 0.0))
+        sc.add("decode_pacing_held_steps", [r.gpu], float(pacing.get("held_steps") or 0))
+        sc.add("decode_pacing_woken_early", [r.gpu], float(pacing.get("woken_early") or 0))
     sv = s.get("savings")
     for name, st in sv.items() if isinstance(sv, dict) else ():
         if isinstance(st, dict):

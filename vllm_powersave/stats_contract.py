@@ -128,6 +128,7 @@ class WorkerSnapshot(TypedDict, total=False):
     # savings on, off or failed and why (savings.py); clocks.mode's controller (clocks/mode.py)
     clock_mode: str
     closed_loop: dict[str, Any] | None  # clocks/closed_loop.py DecodeClockTuner.snapshot()
+    decode_pacing: dict[str, Any] | None  # pacing/pacer.py DecodePacer.snapshot(), where it runs in this process
     savings: dict[str, dict[str, str]]
     # front-end starvation (starvation.py); absent where no API server's busy file is readable
     idle_while_busy_j: float

@@ -1136,6 +1136,10 @@ def runner_model_cost(runner: Any) -> dict[str, float]:
 #: ``SchedulerOutput`` is a plain dataclass, pickled whole to every worker, so every TP/PP rank
 #: receives the same tuple.
 LOOKAHEAD_ATTR = "powersave_lookahead"
+#: Attribute of each ``SchedulerOutput`` carrying the decode pacer's figures
+#: (:class:`~.pacing.PaceFigures`) where a pacer holds the engine loop (EngineCore process).
+PACING_ATTR = "powersave_pacing"
+_PACER: list[Any] = []  # the pacer installed in this process (install_pacing_hook)
 #: Prompt tokens are summed over at most this many waiting requests (bounded per-step cost).
 LOOKAHEAD_MAX_REQS = 64
 
@@ -1184,6 +1188,8 @@ def install_scheduler_hooks(on_arrival: Callable[[int], None], count_tokens: boo
                     if count:
                         tokens = waiting_prompt_tokens(waiting)
                 setattr(out, LOOKAHEAD_ATTR, (time.monotonic(), n, tokens))
+                if _PACER:  # the pacer holds this process's loop: its figures ride to the workers
+                    setattr(out, PACING_ATTR, _PACER[0].figures())
             except Exception as exc:  # never break scheduling for a hint
                 _safe(_raise, exc)
             return out
@@ -1274,12 +1280,14 @@ def install_pacing_hook(pacer: Any) -> bool:
                     live[0].hold(pace_facts(self.scheduler), self.input_queue.empty)
                 except Exception as exc:  # pacing is a saving: never break the engine loop for it
                     live.clear()
+                    _PACER.clear()
                     fault_once("pacing", exc, "decode pacing", "decode steps run unspaced from now on")
             return orig(self, *args, **kwargs)
 
         return _process_input_queue
 
-    _patch(EngineCoreProc, "_process_input_queue", "core._process_input_queue", make)
+    if _patch(EngineCoreProc, "_process_input_queue", "core._process_input_queue", make):
+        _PACER[:] = [pacer]
     _INSTALLED.add("pacing")
     return True
 

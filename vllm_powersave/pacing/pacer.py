@@ -24,6 +24,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 #: How often a held engine looks at its input queue (s): the most a new request's TTFT can grow.
 POLL_S = 0.0005
@@ -98,3 +99,16 @@ class DecodePacer:
         # Only steps with a batch start a period: after an idle spell the first step goes at once.
         self._last_step_t = now if facts.running > 0 else None
         return now - start
+
+    def figures(self) -> "PaceFigures":
+        """What it did so far, stamped on each step's ``SchedulerOutput`` for the workers to publish."""
+        return PaceFigures(self.period_s * 1000.0, self.stats.held_steps, self.stats.held_s, self.stats.woken_early)
+
+
+class PaceFigures(NamedTuple):
+    """A pacer's figures as they travel to the workers (a tuple: it rides on every step)."""
+
+    tpot_target_ms: float
+    held_steps: int
+    held_s: float
+    woken_early: int

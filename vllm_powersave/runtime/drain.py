@@ -22,6 +22,8 @@ from ..sim.gpu import ModelCost, SimulatedGpu
 from ..stats_contract import TraceLine
 from .step import FAILED, WARMUP, StepHandoff, StepRecord, StepTiming
 
+_PACING_ATTR = vllm_compat.PACING_ATTR
+
 
 @dataclass(eq=False)
 class StepDrain:
@@ -50,6 +52,16 @@ class StepDrain:
     _drained_start: StepRecord | None = field(default=None, init=False)  # the record whose start was fed last
     # Finished steps held for the closed loop until the engine thread has read their GPU time (oldest first).
     _timed_steps: deque[tuple[StepRecord, float, Any]] = field(default_factory=deque, init=False)
+    # The decode pacer's figures as last stamped on a step (vllm_compat.PACING_ATTR), if one runs.
+    _pacing: tuple[float, int, float, int] | None = field(default=None, init=False)
+
+    def pacing_snapshot(self) -> dict[str, float | int] | None:
+        """The engine's decode pacing figures as the last drained step carried them (``None``: no
+        pacer, or no step yet)."""
+        p = self._pacing
+        if p is None:
+            return None
+        return {"tpot_target_ms": p[0], "held_steps": p[1], "held_s": p[2], "woken_early": p[3]}
 
     def observe_gpu_tenants(self, now_s: float, others: int | None) -> None:
         """How many other compute processes share the GPU (``TenantWatch``), to the closed loop
@@ -187,6 +199,9 @@ class StepDrain:
         """One record's start: prompt-logprob rows, the account's step, the simulator's work."""
         so = rec.so
         rec.so = None  # the SchedulerOutput is not kept past this point
+        pacing = getattr(so, _PACING_ATTR, None)
+        if pacing is not None:
+            self._pacing = pacing
         info = rec.info
         if info is None:
             if vllm_compat.is_warmup_step(so):

@@ -277,6 +277,7 @@ class Publisher:
                 else None
             ),
             "savings": self.savings(),
+            "decode_pacing": self.drain.pacing_snapshot(),
             **self.starvation_snapshot(),
             "ray_node_id": self.relay.node_id if self.relay is not None else None,
         }
