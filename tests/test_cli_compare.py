@@ -99,3 +99,30 @@ def test_the_report_keys_each_run_with_its_own_rate_so_no_rate_capped_run_is_fla
     assert _suspect_runs(results, rate_of) == {"off (run 8) @ saturation": 240.0 / 706.0}
     one, _ = _keyed_runs([("off", {}), ("on", {})], [math.inf, math.inf], n_configs=2)
     assert list(one) == ["off", "on"]  # one run per config: the config's label alone
+
+
+def test_plugin_config_reaches_the_on_server_only_and_bad_ones_stop_with_one_line(tmp_path, capsys):
+    import json
+
+    from vllm_powersave.cli import _configs, main
+    from vllm_powersave.settings import load_settings
+
+    pacing = {"decode_pacing": {"tpot_target_ms": 35}}
+    for gpu in (True, False):
+        (_, _, off_args), (_, desc, on_args) = _configs(gpu=gpu, clock_backend=None, plugin_config=pacing)
+        on = load_settings(json.loads(on_args[on_args.index("--additional-config") + 1])["powersave"], env={})
+        assert on.decode_pacing.tpot_target_ms == 35.0 and '--plugin-config {"decode_pacing"' in desc
+        assert "decode_pacing" not in " ".join(off_args)
+    out = str(tmp_path / "runs")
+    for value, line in (
+        ("{not json", "error: --plugin-config = '{not json': not a JSON object of powersave settings"),
+        ("[1]", "error: --plugin-config = '[1]': not a JSON object of powersave settings"),
+        (
+            '{"decode_pacing": {"tpot_target_ms": -1}}',
+            "error: --plugin-config: powersave setting 'decode_pacing.tpot_target_ms' = -1: Input should be greater than 0",
+        ),
+    ):
+        assert main(["compare", "--plugin-config", value, "--out", out]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == line, err
+    assert not (tmp_path / "runs").exists()  # nothing made, written or started

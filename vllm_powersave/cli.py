@@ -59,17 +59,27 @@ def _cmd_make_model(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _configs(gpu: bool, clock_backend: str | None, sim_shape: str | None = None) -> list[tuple[str, str, list[str]]]:
-    """(label, description, extra serve args) for the off and on servers."""
+def _configs(
+    gpu: bool, clock_backend: str | None, sim_shape: str | None = None, plugin_config: dict[str, Any] | None = None
+) -> list[tuple[str, str, list[str]]]:
+    """(label, description, extra serve args) for the off and on servers; ``plugin_config``
+    (``--plugin-config``) is merged into the on server's settings."""
+    from .settings import merge_settings
+
+    more = plugin_config or {}
+    named = f" + --plugin-config {json.dumps(more)}" if more else ""
     if gpu:
         # The plugin's defaults: perf boost auto, clocks by permission (dry-run where the machine
         # forces it: POWERSAVE_FORCE_DRY_RUN=1), no chunk table. --clock-backend overrides clocks.
-        on: dict[str, Any] = {"clocks": {"backend": clock_backend}} if clock_backend else {}
+        on: dict[str, Any] = merge_settings({"clocks": {"backend": clock_backend}} if clock_backend else {}, more)
         return [
             ("off", "stock vLLM (energy: NVML on this machine, measured)", []),
             (
                 "on",
-                "vLLM + powersave defaults (perf boost auto; clocks " + (clock_backend or "by permission, dry-run without it") + ")",
+                "vLLM + powersave defaults (perf boost auto; clocks "
+                + (clock_backend or "by permission, dry-run without it")
+                + ")"
+                + named,
                 ["--plugin", "powersave", "--additional-config", json.dumps({"powersave": on})],
             ),
         ]
@@ -78,7 +88,7 @@ def _configs(gpu: bool, clock_backend: str | None, sim_shape: str | None = None)
     # only the "on" server applies the (simulated) presets.
     sim = {"meter": "simulated", "simulated_model_shape": sim_shape} if sim_shape else {"meter": "simulated"}
     base = {"savings": "off", "clocks": {"backend": "simulated"}, "energy": sim}
-    on = {"config_file": str(PRESET_DIR / "h200-simulated.yaml"), "energy": sim}
+    on = merge_settings({"config_file": str(PRESET_DIR / "h200-simulated.yaml"), "energy": sim}, more)
     as_what = f"an H200 running a {sim_shape}-shaped model through the same steps" if sim_shape else "an H200"
     return [
         (
@@ -88,7 +98,7 @@ def _configs(gpu: bool, clock_backend: str | None, sim_shape: str | None = None)
         ),
         (
             "on",
-            f"vLLM + powersave, h200-simulated clock presets (energy simulated for {as_what})",
+            f"vLLM + powersave, h200-simulated clock presets (energy simulated for {as_what}){named}",
             ["--plugin", "powersave", "--additional-config", json.dumps({"powersave": on})],
         ),
     ]
@@ -110,6 +120,33 @@ def _read_snapshot(stats_dir: Path) -> WorkerSnapshot:
         return snapshot_from_json((stats_dir / snapshot_name(0)).read_text())
     except (OSError, ValueError):
         return {}
+
+
+def _plugin_config(text: str | None) -> tuple[dict[str, Any] | None, str | None]:
+    """``--plugin-config``'s JSON object, or the one line saying why it is not one."""
+    if text is None:
+        return None, None
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        return None, f"--plugin-config = {text[:120]!r}: not a JSON object of powersave settings"
+    return value, None
+
+
+def _on_settings_error(on_args: list[str]) -> str | None:
+    """The on server's settings checked as the server would (one line naming field and value)."""
+    from .settings import SettingsError, load_settings
+
+    if "--additional-config" not in on_args:
+        return None
+    settings = json.loads(on_args[on_args.index("--additional-config") + 1])["powersave"]
+    try:
+        load_settings(settings, env={})
+    except SettingsError as exc:
+        return f"--plugin-config: {exc}"
+    return None
 
 
 def _compare_arg_error(ns: argparse.Namespace, order: list[str], configs: dict) -> str | None:
@@ -143,10 +180,11 @@ def _cmd_compare(ns: argparse.Namespace) -> int:
     rates = parse_rates(ns.rates)
     gpu = not cpu_only()
     sim_shape = None if ns.sim_shape == "served" else ns.sim_shape
-    configs = {c[0]: c for c in _configs(gpu, ns.clock_backend, sim_shape)}
+    plugin_config, err = _plugin_config(ns.plugin_config)
+    configs = {c[0]: c for c in _configs(gpu, ns.clock_backend, sim_shape, plugin_config)}
     order = [x.strip() for x in ns.order.split(",") if x.strip()]
     # Every flag checked before a model is made, a folder written or a server started.
-    if err := _compare_arg_error(ns, order, configs):
+    if err := err or _on_settings_error(configs["on"][2]) or _compare_arg_error(ns, order, configs):
         print(f"error: {err}", file=sys.stderr)
         return 2
     model = _compare_model(ns)
@@ -463,6 +501,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--clock-backend", choices=["dry-run", "nvml"], default=None, help="GPU machines only; default dry-run")
+    c.add_argument(
+        "--plugin-config",
+        default=None,
+        help="JSON of powersave settings merged into the 'on' server's, e.g. '{\"decode_pacing\": {\"tpot_target_ms\": 35}}'",
+    )
     c.add_argument(
         "--order",
         default="off,on,on,off",

@@ -605,10 +605,11 @@ def _read_file(path: str, field: str) -> dict[str, Any]:
     return data
 
 
-def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+def merge_settings(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """``over`` on top of ``base``, mapping by mapping (a leaf of ``over`` wins)."""
     out = dict(base)
     for k, v in over.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        out[k] = merge_settings(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out
 
 
@@ -623,11 +624,11 @@ def load_settings(inline: dict[str, Any] | None = None, env: dict[str, str] | No
     data: dict[str, Any] = {}
     config_file = envs.config_file(env)
     if config_file:
-        data = _merge(data, _read_file(config_file, ENV_CONFIG_FILE))
+        data = merge_settings(data, _read_file(config_file, ENV_CONFIG_FILE))
     inline = dict(inline or {})
     if inline.get("config_file"):
-        data = _merge(data, _read_file(str(inline["config_file"]), "config_file"))
-    data = _merge(data, inline)
+        data = merge_settings(data, _read_file(str(inline["config_file"]), "config_file"))
+    data = merge_settings(data, inline)
     try:
         return PowersaveSettings.model_validate(data)
     except ValidationError as err:
