@@ -50,8 +50,8 @@ LOADS = {
         "traffic": ["--rate", "4", "--input-len", "128:1024", "--output-len", "32:512"],
         "slo": ["--slo-ttft-ms", "2000", "--slo-tpot-ms", "50", "--slo-attainment", "0.99"],
         # Decode pacing off (vLLM's defaults: the plugin not loaded) and at 0.7 of the TPOT SLO
-        # (the built-in space's larger share; 20 and 35 ms read within 1 % of each other in 20 s
-        # windows on the simulated H200, results/sim-decode-pacing.md). An earlier search of
+        # (the built-in space's larger share, ahead of 20 ms on the simulated H200:
+        # results/sim-decode-pacing.md). An earlier search of
         # max_num_batched_tokens x cuda_perf_boost read all four within 1.3 % here
         # (results/h200-tune-serving.md).
         "space": {"decode_pacing_tpot_ms": [None, 35.0]},
