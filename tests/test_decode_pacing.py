@@ -92,6 +92,9 @@ def test_tpot_target_is_bounded_and_savings_off_refuses_it():
     assert PowersaveSettings().decode_pacing.tpot_target_ms is None  # off by default
     with pytest.raises(SettingsError, match="decode_pacing.tpot_target_ms"):
         load_settings({"decode_pacing": {"tpot_target_ms": 0}})
+    for bad in (True, "50", 0.01):  # strict: no booleans or strings read as numbers; 0.1 ms at least
+        with pytest.raises(SettingsError, match="decode_pacing.tpot_target_ms"):
+            load_settings({"decode_pacing": {"tpot_target_ms": bad}})
     with pytest.raises(SettingsError, match="decode_pacing.tpot_target_ms.*savings 'off'"):
         load_settings({"savings": "off", "decode_pacing": {"tpot_target_ms": 30}})
     with pytest.raises(ValueError):
@@ -116,8 +119,12 @@ vllm_core = pytest.importorskip("vllm.v1.engine.core")
 
 
 class _Req:
-    def __init__(self, prompt, computed):
-        self.num_prompt_tokens, self.num_computed_tokens = prompt, computed
+    """A running request as the scheduler holds it: decoding unless ``computed`` says otherwise."""
+
+    def __init__(self, prompt, out=4, computed=None):
+        self.num_prompt_tokens, self.num_output_tokens = prompt, out
+        self.num_tokens = prompt + out
+        self.num_computed_tokens = self.num_tokens - 1 if computed is None else computed
 
 
 def _core(running, waiting=(), inputs=()):
@@ -154,37 +161,82 @@ def hooked(monkeypatch):
 
 def test_the_hook_holds_vllms_loop_then_runs_it_and_reads_the_schedulers_state(hooked):
     p, t, loop = hooked
-    core, _ = _core([_Req(100, 105), _Req(50, 60)])
+    core, _ = _core([_Req(100), _Req(50)])
     loop(core)
     t.now += 0.004
     loop(core)
     assert p.stats.held_steps == 1 and p.stats.held_s == pytest.approx(0.026)
-    prefilling, _ = _core([_Req(100, 105), _Req(4000, 2048)])  # a chunked prefill half done
-    t.now += 0.004
-    loop(prefilling)
-    assert p.stats.held_steps == 1
-    arrived, handled = _core([_Req(100, 105)], inputs=[("ADD", "req-1")])
+    arrived, handled = _core([_Req(100)], inputs=[("ADD", "req-1")])
     t.now += 0.004
     loop(arrived)
     assert p.stats.held_steps == 1 and handled == [("ADD", "req-1")]  # vLLM's loop took it at once
-    assert tuple(p.figures()) == (30.0, 1, pytest.approx(0.026), 0)
+    assert tuple(p.figures()) == (30.0, 1, pytest.approx(0.026), 0, None)
 
 
-def test_a_pacer_that_faults_is_dropped_with_one_log_and_the_loop_runs_on(hooked, caplog):
+@pytest.mark.parametrize(
+    "newcomer",
+    [
+        _Req(4000, out=0, computed=2048),  # a chunked prefill half done
+        _Req(100, out=0, computed=100),  # prefilled, its first token not collected yet (async scheduling)
+        _Req(100, out=30, computed=64),  # preempted, recomputing prompt and output in chunks
+    ],
+    ids=["chunked-prefill", "first-token-under-async-scheduling", "preempted-recompute"],
+)
+def test_a_step_that_still_owes_a_request_its_prefill_or_first_token_is_never_held(hooked, newcomer):
     p, t, loop = hooked
-    broken, handled = _core([_Req(100, 105)], inputs=[("ADD", "a")])
+    core, _ = _core([_Req(100), newcomer])
+    loop(core)
+    t.now += 0.004
+    loop(core)
+    assert p.stats.held_steps == 0
+
+
+def test_with_a_queue_or_a_full_batch_the_requests_are_not_even_read(hooked):
+    p, t, loop = hooked
+    queued, handled = _core([object(), object()], waiting=[object()], inputs=[("ADD", "x")])  # no request fields at all
+    loop(queued)
+    t.now += 0.004
+    loop(queued)
+    assert p.stats.held_steps == 0 and p.off_reason is None and handled == [("ADD", "x")]
+
+
+def test_a_scheduler_that_drifted_turns_pacing_off_with_one_warning_and_the_loop_runs_on(hooked, caplog):
+    from vllm_powersave import vllm_compat
+
+    p, t, loop = hooked
+    broken, handled = _core([_Req(100)], inputs=[("ADD", "a")])
     del broken.scheduler.max_num_running_reqs  # a scheduler that drifted
-    with caplog.at_level(logging.ERROR, logger="vllm.powersave"):
+    with caplog.at_level(logging.WARNING, logger="vllm.powersave"):
         loop(broken)
         broken.input_queue.put(("ADD", "b"))
         loop(broken)
     assert handled == [("ADD", "a"), ("ADD", "b")]
-    assert sum("decode pacing" in r.getMessage() for r in caplog.records) == 1
-    good, _ = _core([_Req(100, 105)])
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "decode pacing" in warnings[0] and "max_num_running_reqs" in warnings[0]
+    assert "pacing" in vllm_compat.disabled_features() and p.off_reason.startswith("vLLM's scheduler drifted")
+    good, _ = _core([_Req(100)])
     loop(good)
     t.now += 0.004
     loop(good)
-    assert p.stats.held_steps == 0  # dropped for good
-    from vllm_powersave import vllm_compat
+    assert p.stats.held_steps == 0  # off for good
+    assert vllm_compat._PACER == [p] and p.figures().off_reason == p.off_reason  # the reason rides on the steps
 
-    assert vllm_compat._PACER == []  # and its figures no longer ride on the steps
+
+def test_a_pacer_fault_turns_it_off_with_one_traceback(hooked, caplog, monkeypatch):
+    p, t, loop = hooked
+    monkeypatch.setattr(p, "gap_s", lambda now, facts: 1 / 0)
+    core, _ = _core([_Req(100)])
+    with caplog.at_level(logging.ERROR, logger="vllm.powersave"):
+        loop(core)
+        loop(core)
+    assert sum("decode pacing" in r.getMessage() for r in caplog.records) == 1
+    assert p.off_reason == "fault (ZeroDivisionError)"
+
+
+def test_a_pacer_that_turned_off_shows_failed_in_the_savings_state():
+    from vllm_powersave.savings import savings_state
+
+    choice = types.SimpleNamespace(controller="off", backend="dry-run", reason="clocks off")
+    on = PowersaveSettings.model_validate({"decode_pacing": {"tpot_target_ms": 35}})
+    state = savings_state(on, choice, None, on_gpu=False, pacing_off="fault (ZeroDivisionError)")
+    assert state["decode_pacing"] == {"state": "failed", "basis": "", "why": "fault (ZeroDivisionError): decode steps unspaced"}

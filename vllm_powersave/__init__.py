@@ -94,8 +94,7 @@ def activate() -> None:
     if target_ms is not None:
         from .pacing import DecodePacer
 
-        if vllm_compat.install_pacing_hook(DecodePacer(target_ms)):
-            log.info("powersave: decode pacing on: decode-only steps spaced to %.1f ms while nothing waits", target_ms)
+        vllm_compat.install_pacing_hook(DecodePacer(target_ms))  # logs once where it paces
 
 
 def decode_pacing_target_ms(env: dict[str, str] | None = None) -> float | None:

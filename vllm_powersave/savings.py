@@ -55,6 +55,7 @@ def savings_state(
     clock_kind: str | None = None,
     lost: dict[str, str] | None = None,
     installed: set[str] | None = None,
+    pacing_off: str | None = None,
 ) -> dict[str, dict[str, str]]:
     """``{saving: {"state", "basis", "why"}}`` for ``perf_boost``, ``clocks``, ``chunking`` and ``decode_pacing``.
 
@@ -102,18 +103,21 @@ def savings_state(
         out["chunking"] = {"state": "off", "basis": "", "why": "no table"}
     else:
         out["chunking"] = {"state": "on", "basis": "measured", "why": f"{len(c.table)} rules"}
-    out["decode_pacing"] = _pacing_state(settings, lost)
+    out["decode_pacing"] = _pacing_state(settings, lost, pacing_off)
     return out
 
 
-def _pacing_state(settings: Any, lost: dict[str, str]) -> dict[str, str]:
-    """Decode pacing's entry: off without a TPOT target or without its hook (vLLM drift)."""
+def _pacing_state(settings: Any, lost: dict[str, str], off_reason: str | None) -> dict[str, str]:
+    """Decode pacing's entry: off without a TPOT target or without its hook (vLLM drift), failed
+    where the engine's pacer turned itself off (``off_reason``, carried on the steps)."""
     pacing = getattr(settings, "decode_pacing", None)
     target_ms = getattr(pacing, "tpot_target_ms", None)
     if target_ms is None:
         return {"state": "off", "basis": "", "why": "no TPOT target"}
     if "pacing" in lost:
         return {"state": "off", "basis": "", "why": _lost_why(lost, ("pacing",)) or "pacing hook missing"}
+    if off_reason:
+        return {"state": "failed", "basis": "", "why": f"{off_reason}: decode steps unspaced"}
     return {"state": "on", "basis": "predicted", "why": f"decode steps spaced to {target_ms:g} ms"}
 
 

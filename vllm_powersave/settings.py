@@ -373,7 +373,7 @@ class DecodePacingSettings(_Strict):
     #: more tokens; under closed-loop clients at a fixed concurrency it only adds idle time, so
     #: measure it on your traffic (``vllm-powersave tune-serving``) before keeping it. Set it below
     #: your TPOT SLO: a request's TPOT comes out at about this value. Default: off.
-    tpot_target_ms: float | None = Field(default=None, gt=0.0, le=1000.0, allow_inf_nan=False)
+    tpot_target_ms: float | None = Field(default=None, ge=0.1, le=1000.0, allow_inf_nan=False, strict=True)
 
 
 class PowersaveSettings(_Strict):

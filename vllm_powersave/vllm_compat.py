@@ -42,8 +42,8 @@ Touch points (module: symbol):
   ``waiting`` (``len``, iteration) and ``Request.num_prompt_tokens`` / ``num_computed_tokens``;
 * ``vllm.v1.engine.core.EngineCoreProc._process_input_queue`` (decode pacing, EngineCore process):
   held before it runs; reads the core's ``input_queue.empty()`` and ``scheduler`` (``running``,
-  ``waiting``, ``max_num_running_reqs``, each running ``Request``'s ``num_prompt_tokens`` /
-  ``num_computed_tokens``);
+  ``waiting``, ``max_num_running_reqs``, each running ``Request``'s ``num_computed_tokens`` /
+  ``num_tokens`` / ``num_output_tokens``);
 * runner ``use_async_scheduling`` or ``scheduler_config.async_scheduling`` (host one step ahead);
 * Ray executor (``--distributed-executor-backend ray``): the environment variables
   ``VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY`` / ``VLLM_RAY_EXTRA_ENV_VARS_TO_COPY`` (read by
@@ -1211,6 +1211,9 @@ def _raise(exc: Exception) -> None:
 
 _PROMPT_TOKENS = operator.attrgetter("num_prompt_tokens")
 _COMPUTED_TOKENS = operator.attrgetter("num_computed_tokens")
+_NUM_TOKENS = operator.attrgetter("num_tokens")
+_OUTPUT_TOKENS = operator.attrgetter("num_output_tokens")
+_PLUS_ONE = (1).__add__
 
 
 def waiting_prompt_tokens(waiting: Any) -> int:
@@ -1258,36 +1261,49 @@ def pace_facts(scheduler: Any) -> Any:
     from .pacing import PaceFacts
 
     running = scheduler.running
-    pending = any(map(operator.lt, map(_COMPUTED_TOKENS, running), map(_PROMPT_TOKENS, running)))
-    return PaceFacts(len(running), len(scheduler.waiting), int(scheduler.max_num_running_reqs), pending)
+    n, waiting, cap = len(running), len(scheduler.waiting), int(scheduler.max_num_running_reqs)
+    if waiting or not n or n >= cap:  # no hold whatever the requests hold: no scan
+        return PaceFacts(n, waiting, cap, False)
+    # Decoding: num_computed_tokens == num_tokens - 1 (the last sampled token is not computed yet;
+    # one ahead under async scheduling). Fewer: a prefill or a preempted request's recompute.
+    pending = 0 in map(_OUTPUT_TOKENS, running) or any(
+        map(operator.lt, map(_PLUS_ONE, map(_COMPUTED_TOKENS, running)), map(_NUM_TOKENS, running))
+    )
+    return PaceFacts(n, waiting, cap, pending)
 
 
 def install_pacing_hook(pacer: Any) -> bool:
     """Hold the engine core's busy loop for ``pacer`` (a :class:`~.pacing.DecodePacer`) before it
     takes new requests and steps (EngineCore process). Returns ``False`` where the hook is missing
-    (one warning, decode steps unspaced). A pacer that faults is dropped for good with one logged
-    traceback: the loop then runs as vLLM's own."""
+    (one warning, decode steps unspaced). A pacer that faults turns off for good (a scheduler
+    attribute gone or changed: the drift warning; anything else: one logged traceback), the loop
+    then runs as vLLM's own, and the workers publish the reason (``PaceFigures.off_reason``)."""
     if require("pacing") is None:
         return False
     from vllm.v1.engine.core import EngineCoreProc
 
     def make(orig: Callable[..., Any]) -> Callable[..., Any]:
-        live = [pacer]
+        first = [True]
 
         def _process_input_queue(self: Any, *args: Any, **kwargs: Any) -> Any:
-            if live:
+            if pacer.off_reason is None:
+                if first:
+                    first.clear()
+                    log.info("powersave: decode pacing active in this engine loop (TPOT target %.1f ms)", pacer.period_s * 1e3)
                 try:
-                    live[0].hold(pace_facts(self.scheduler), self.input_queue.empty)
+                    pacer.hold(pace_facts(self.scheduler), self.input_queue.empty)
+                except (AttributeError, TypeError) as exc:  # the scheduler or its requests changed shape
+                    pacer.turn_off(f"vLLM's scheduler drifted ({type(exc).__name__}: {exc})")
+                    _drift_off("pacing", f"{type(exc).__name__}: {exc}")
                 except Exception as exc:  # pacing is a saving: never break the engine loop for it
-                    live.clear()
-                    _PACER.clear()
+                    pacer.turn_off(f"fault ({type(exc).__name__})")
                     fault_once("pacing", exc, "decode pacing", "decode steps run unspaced from now on")
             return orig(self, *args, **kwargs)
 
         return _process_input_queue
 
     if _patch(EngineCoreProc, "_process_input_queue", "core._process_input_queue", make):
-        _PACER[:] = [pacer]
+        _PACER[:] = [pacer]  # its figures, the off reason included, ride on every step
     _INSTALLED.add("pacing")
     return True
 

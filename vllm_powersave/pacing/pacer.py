@@ -37,12 +37,15 @@ class PaceFacts:
     running: int  # requests in the running batch
     waiting: int  # requests in the scheduler's waiting queue
     max_running: int  # the batch limit (vLLM's max_num_seqs)
-    prefill_pending: bool  # a running request still has prompt tokens to compute
+    # A running request still has tokens to compute before it decodes (a chunked prefill, or a
+    # preempted request's recompute), or has no output yet: under async scheduling its first
+    # token is collected by the next loop iteration, which a hold would delay.
+    prefill_pending: bool
 
 
 @dataclass
 class PaceStats:
-    """What the pacer did, for /metrics and the trace."""
+    """What the pacer did (exported on /metrics as ``powersave_decode_pacing_*``)."""
 
     held_steps: int = 0
     held_s: float = 0.0
@@ -69,6 +72,11 @@ class DecodePacer:
         self._clock = clock
         self._sleep = sleep
         self._last_step_t: float | None = None  # when the previous step was let go
+        self.off_reason: str | None = None  # set once by turn_off: the pacer holds nothing after
+
+    def turn_off(self, reason: str) -> None:
+        """Stop holding for good (a fault, or vLLM's scheduler drifted), keeping the figures."""
+        self.off_reason = reason
 
     def gap_s(self, now: float, facts: PaceFacts) -> float:
         """Seconds to hold the next step (0: let it go now)."""
@@ -82,6 +90,8 @@ class DecodePacer:
         """Hold the engine until the period since the last step has passed, an input arrives or
         nothing is left to pace; returns the seconds held."""
         start = self._clock()
+        if self.off_reason is not None:
+            return 0.0
         gap = self.gap_s(start, facts) if queue_empty() else 0.0
         if gap > 0.0:
             deadline = start + gap
@@ -102,7 +112,7 @@ class DecodePacer:
 
     def figures(self) -> "PaceFigures":
         """What it did so far, stamped on each step's ``SchedulerOutput`` for the workers to publish."""
-        return PaceFigures(self.period_s * 1000.0, self.stats.held_steps, self.stats.held_s, self.stats.woken_early)
+        return PaceFigures(self.period_s * 1000.0, self.stats.held_steps, self.stats.held_s, self.stats.woken_early, self.off_reason)
 
 
 class PaceFigures(NamedTuple):
@@ -112,3 +122,4 @@ class PaceFigures(NamedTuple):
     held_steps: int
     held_s: float
     woken_early: int
+    off_reason: str | None = None  # the pacer turned itself off, and why

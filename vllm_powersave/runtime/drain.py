@@ -53,7 +53,7 @@ class StepDrain:
     # Finished steps held for the closed loop until the engine thread has read their GPU time (oldest first).
     _timed_steps: deque[tuple[StepRecord, float, Any]] = field(default_factory=deque, init=False)
     # The decode pacer's figures as last stamped on a step (vllm_compat.PACING_ATTR), if one runs.
-    _pacing: tuple[float, int, float, int] | None = field(default=None, init=False)
+    _pacing: Any = field(default=None, init=False)  # pacing.PaceFigures
 
     def pacing_snapshot(self) -> dict[str, float | int] | None:
         """The engine's decode pacing figures as the last drained step carried them (``None``: no
@@ -62,6 +62,11 @@ class StepDrain:
         if p is None:
             return None
         return {"tpot_target_ms": p[0], "held_steps": p[1], "held_s": p[2], "woken_early": p[3]}
+
+    def pacing_off_reason(self) -> str | None:
+        """Why the engine's pacer turned itself off, as the last drained step said (else ``None``)."""
+        p = self._pacing
+        return p[4] if p is not None and len(p) > 4 else None
 
     def observe_gpu_tenants(self, now_s: float, others: int | None) -> None:
         """How many other compute processes share the GPU (``TenantWatch``), to the closed loop

@@ -164,6 +164,7 @@ class Publisher:
             self.clocks.backend.kind,
             vllm_compat.disabled_features(),
             vllm_compat.installed_features(),
+            pacing_off=self.drain.pacing_off_reason(),
         )
 
     def starvation_snapshot(self) -> dict[str, Any]:

@@ -21,8 +21,9 @@ from .space import Config, drop_flags, override
 from .state import Measurement
 
 SIM_NOTE = (
-    "Energy SIMULATED: no GPU here; each server ran the plugin as a meter only (savings off), pricing the engine "
-    "steps this CPU ran on the simulated H200. Throughput and latency are measured on this CPU."
+    "Energy SIMULATED: no GPU here; each server ran the plugin as a meter (no saving but decode pacing where a "
+    "configuration sets it), pricing the engine steps this CPU ran on the simulated H200. Throughput and latency "
+    "are measured on this CPU."
 )
 GPU_NOTE = "Energy measured by the local NVML energy counter, alike for every configuration; latency and throughput measured."
 
