@@ -119,7 +119,7 @@ def test_plugin_config_reaches_the_on_server_only_and_bad_ones_stop_with_one_lin
         ("[1]", "error: --plugin-config = '[1]': not a JSON object of powersave settings"),
         (
             '{"decode_pacing": {"tpot_target_ms": -1}}',
-            "error: --plugin-config: powersave setting 'decode_pacing.tpot_target_ms' = -1: Input should be greater than 0",
+            "error: --plugin-config: powersave setting 'decode_pacing.tpot_target_ms' = -1: Input should be greater than or equal to 0.1",
         ),
     ):
         assert main(["compare", "--plugin-config", value, "--out", out]) == 2
