@@ -180,7 +180,8 @@ def test_an_open_loop_decode_heavy_run_is_pointed_at_decode_pacing():
     (rec,) = [r for r in advise(_open_loop()) if r.key == "decode_pacing"]
     assert "decode_pacing.tpot_target_ms" in rec.action and "tune-serving" in rec.action
     assert "4 req/s, 70 % of the run's energy in decode, nothing waiting; TPOT p50 7.3 ms now" in rec.measurement
-    assert rec.evidence == "simulated" and rec.effect == "predicted" and rec.saving_share is None
+    assert rec.evidence == "measured" and rec.effect == "predicted" and rec.saving_share is None
+    assert "h200-decode-pacing.md" in rec.measurement
 
 
 @pytest.mark.parametrize(

@@ -23,8 +23,9 @@ Rules (the figures they rest on):
   raise ``--max-num-seqs`` (no estimate: depends on memory and model).
 * **Decode pacing**: an open-loop run (a request rate, no concurrency cap) that spent most of its
   energy in decode with nothing waiting, and pacing off: try ``decode_pacing.tpot_target_ms`` below
-  the TPOT SLO (predicted x1.8-2.3 tokens per joule at 1-8 req/s on the simulated H200,
-  docs/results/sim-decode-pacing.md; no estimate for this run: it depends on the batch it reaches).
+  the TPOT SLO (measured x1.48 and x1.51 tokens per joule at 4 req/s on the H200, one pair and one
+  search window, docs/results/h200-decode-pacing.md; x1.8-2.3 at 1-8 req/s on the simulated H200;
+  no estimate for this run: it depends on the batch it reaches).
 * **Clocks**: clock decisions recorded but not applied (dry-run): give the server clock permission
   or a zeusd; the saving is the controller's prediction where one is published.
 """
@@ -357,8 +358,9 @@ def _decode_pacing(facts: dict[str, Any], e: float | None, src: str) -> Recommen
         "Try decode pacing at a TPOT target under your SLO (decode_pacing.tpot_target_ms, e.g. 0.7x the SLO), "
         "and keep it only if vllm-powersave tune-serving measures it ahead on your traffic",
         f"open-loop arrivals at {rate:g} req/s, {100 * decode_j / e:.0f} % of the run's energy in decode, nothing waiting{now}; "
-        "simulated H200, 1-8 req/s: x1.8-2.3 tokens per joule at 20-35 ms (docs/results/sim-decode-pacing.md)",
-        "simulated",
+        "H200, 4 req/s, 35 ms: x1.48 and x1.51 tokens per joule for the same requests, one pair and one search "
+        "window (docs/results/h200-decode-pacing.md, not settled); simulated H200, 1-8 req/s: x1.8-2.3",
+        "measured",
         "predicted",
         None,
     )
