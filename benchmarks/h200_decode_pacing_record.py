@@ -7,7 +7,7 @@ joules), its energy, duration and latency, and the paced/stock ratio per pair of
 Energy is the NVML counter on the GPU (measured). Fewer than 6 pairs settle no claim (the house
 rule); the record says how many there are.
 
-Usage: ``python -m benchmarks.h200_decode_pacing_record STATE_DIR --device "NVIDIA H200" --lease "..."``
+Usage: ``python -m benchmarks.h200_decode_pacing_record STATE_DIR --device "NVIDIA H200" --lease "..." [--out-dir docs/results]``
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from benchmarks.lib.cli import one_line_errors
 from benchmarks.lib.device import utc_now, write_record
 
 NAME = "h200-decode-pacing"
@@ -103,12 +104,13 @@ def markdown(rec: dict[str, Any]) -> str:
     return head + rows + ratios + reading + f"\n{rec['status']}\n"
 
 
+@one_line_errors
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("state_dir", type=Path)
     ap.add_argument("--device", required=True)
     ap.add_argument("--lease", required=True)
-    ap.add_argument("--out", type=Path, default=Path("docs/results"))
+    ap.add_argument("--out-dir", type=Path, default=Path("docs/results"))
     ns = ap.parse_args(argv)
     ws = windows(ns.state_dir / "state.jsonl")
     ratios = same_request_ratios(ws)
@@ -134,7 +136,9 @@ def main(argv: list[str] | None = None) -> int:
         ),
         "scripts": ["benchmarks/h200_tune_serving.py", "benchmarks/h200_decode_pacing_record.py"],
     }
-    write_record(ns.out, NAME, rec, markdown(rec))
+    if not ws:
+        raise ValueError(f"{ns.state_dir / 'state.jsonl'} holds no finished window")
+    write_record(ns.out_dir, NAME, rec, markdown(rec))
     print(markdown(rec))
     return 0
 

@@ -39,7 +39,7 @@ def test_the_record_pairs_windows_of_the_same_requests_and_says_none_is_settled(
         "same_tokens": True,
         "duration_s": [33.0, 20.0],
     }
-    assert main([str(tmp_path), "--device", "NVIDIA H200", "--lease", "L", "--out", str(tmp_path / "out")]) == 0
+    assert main([str(tmp_path), "--device", "NVIDIA H200", "--lease", "L", "--out-dir", str(tmp_path / "out")]) == 0
     rec = json.loads((tmp_path / "out" / "h200-decode-pacing.json").read_text())
     assert rec["measured"] is True and rec["pairs"] == 0 and "no claim settled" in rec["status"]
     assert "x1.5" in (tmp_path / "out" / "h200-decode-pacing.md").read_text()

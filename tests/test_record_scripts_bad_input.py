@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks import h200_defaults_record, h200_tune_serving_record, h200_under_load_record
+from benchmarks import h200_decode_pacing_record, h200_defaults_record, h200_tune_serving_record, h200_under_load_record
 
 
 @pytest.fixture
@@ -23,6 +23,7 @@ def bad(tmp_path):
         (h200_defaults_record, ["{d}/empty.json", "--lease", "X"], "no field 'servers'"),
         (h200_defaults_record, ["{d}/missing.json"], "FileNotFoundError"),
         (h200_tune_serving_record, ["--load", "rate4={d}"], "FileNotFoundError"),
+        (h200_decode_pacing_record, ["{d}", "--device", "D", "--lease", "L"], "FileNotFoundError"),
     ],
 )
 def test_a_bad_raw_input_ends_with_one_line_and_writes_nothing(bad, capsys, script, argv, why):
