@@ -17,6 +17,7 @@ from vllm_powersave.energy import PhaseEnergyAccount
 from vllm_powersave.energy.meters import NvmlEnergyMeter
 from vllm_powersave.request_energy import RequestEnergyIndex
 from vllm_powersave.settings import PowersaveSettings
+from vllm_powersave.sim.gpu import H200
 
 CODES = {"NotSupported": 3, "NoPermission": 4, "GpuIsLost": 15, "Unknown": 999}
 
@@ -632,3 +633,31 @@ def test_empty_steps_do_not_move_the_end_of_the_last_batchs_work(monkeypatch, tm
         assert calls == ["end", {"a"}, set(), set()]
     finally:
         rt.close()
+
+
+def test_the_simulated_gpu_prices_a_decode_pacing_hold_as_idle_time(monkeypatch, tmp_path):
+    # The simulated GPU prices each step's modelled work and leaves the host's gaps free; a hold of
+    # the decode pacer is GPU idle time a real GPU pays loaded-idle power for (docs/decode-pacing.md).
+    from vllm_powersave.pacing import PaceFigures
+
+    monkeypatch.setattr(vllm_compat, "runner_identity", lambda r: {"rank": 0, "device_type": "cpu", "device_index": None})
+    runner = SimpleNamespace(rank=0, scheduler_config=SimpleNamespace(max_num_seqs=8, async_scheduling=False))
+    settings = {"stats_dir": str(tmp_path), "energy": {"meter": "simulated", "simulated_model_shape": "qwen2.5-7b", "idle_after_s": 0.25}}
+
+    def run(held_s):
+        rt = rt_mod.WorkerRuntime(runner, PowersaveSettings.model_validate(settings))
+        try:
+            for i, held in enumerate(held_s):
+                so = sched({"a": 1, "b": 1})
+                setattr(so, vllm_compat.PACING_ATTR, PaceFigures(35.0, i, held, 0))
+                rt.on_step_start(so)
+                rt.on_step_end()
+            rt.drain_steps(final=True)
+            return rt.sim.energy_j, rt.snapshot()["decode_pacing"]
+        finally:
+            rt.close()
+
+    unpaced_j, _ = run([0.0, 0.0, 0.0, 0.0])
+    paced_j, snap = run([0.0, 0.03, 0.06, 0.06 + 0.9])  # two 30 ms holds, then one longer than idle_after_s
+    assert paced_j - unpaced_j == pytest.approx(H200.p_idle_w * (0.03 + 0.03 + 0.25), rel=1e-9)
+    assert snap == {"tpot_target_ms": 35.0, "held_steps": 3, "held_s": pytest.approx(0.96), "woken_early": 0}

@@ -352,6 +352,7 @@ def assemble(
         steady_batch=settings.energy.steady_batch or vllm_compat.runner_max_num_seqs(runner),
         per_request=account is not None and account.per_request,
         memory_bound_max_tokens=settings.clocks.memory_bound_max_tokens,
+        hold_cap_s=settings.energy.idle_after_s,
     )
     peak = CudaPeak(ident.on_gpu, ident.device_index)
     step = step_path(settings, clocks, boost, drain, peak)

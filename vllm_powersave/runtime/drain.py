@@ -48,6 +48,9 @@ class StepDrain:
     steady_batch: int | None
     per_request: bool
     memory_bound_max_tokens: int
+    # A decode pacer's hold is idle GPU time the simulated GPU must price (it prices steps, not
+    # the host's gaps); a hold past idle_after_s is priced as idle by the account already.
+    hold_cap_s: float = 0.25
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
     _drained_start: StepRecord | None = field(default=None, init=False)  # the record whose start was fed last
     # Finished steps held for the closed loop until the engine thread has read their GPU time (oldest first).
@@ -62,6 +65,12 @@ class StepDrain:
         if p is None:
             return None
         return {"tpot_target_ms": p[0], "held_steps": p[1], "held_s": p[2], "woken_early": p[3]}
+
+    def _price_hold(self, sim: SimulatedGpu, seconds: float) -> None:
+        """The simulated GPU (and its stock-clock twin) idle for a pacing hold before this step."""
+        sim.idle(seconds)
+        if self.sim_stock is not None:
+            self.sim_stock.idle(seconds)
 
     def pacing_off_reason(self) -> str | None:
         """Why the engine's pacer turned itself off, as the last drained step said (else ``None``)."""
@@ -206,7 +215,10 @@ class StepDrain:
         rec.so = None  # the SchedulerOutput is not kept past this point
         pacing = getattr(so, _PACING_ATTR, None)
         if pacing is not None:
+            held_s = pacing[2] - (self._pacing[2] if self._pacing is not None else 0.0)
             self._pacing = pacing
+            if held_s > 0 and sim is not None:
+                self._price_hold(sim, min(held_s, self.hold_cap_s))
         info = rec.info
         if info is None:
             if vllm_compat.is_warmup_step(so):
