@@ -221,7 +221,7 @@ def _markdown(rows: list[dict], ns: argparse.Namespace) -> str:
         "while each step's energy hardly does, so tokens per joule rise with the target; the tokens per second "
         "stay the arrival rate's (the 1-2 % short is the larger backlog still in flight when the window ends). "
         "In the closed loop the batch is the concurrency whatever the period: gaps cost throughput and add idle "
-        "energy, so pacing loses. Measured figures, where they exist, are in results/h200-tune-serving.md.\n"
+        "energy, so pacing loses. The measured figures are in results/h200-decode-pacing.md.\n"
     )
     return head + body + reading
 

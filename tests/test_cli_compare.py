@@ -121,6 +121,11 @@ def test_plugin_config_reaches_the_on_server_only_and_bad_ones_stop_with_one_lin
             '{"decode_pacing": {"tpot_target_ms": -1}}',
             "error: --plugin-config: powersave setting 'decode_pacing.tpot_target_ms' = -1: Input should be greater than or equal to 0.1",
         ),
+        (
+            '{"savings": "off", "decode_pacing": {"tpot_target_ms": 35}}',  # not the CPU arm's presets: the user's own field
+            "error: --plugin-config: powersave settings: decode_pacing.tpot_target_ms 35 conflicts with savings 'off' "
+            "(metering only): drop one of them",
+        ),
     ):
         assert main(["compare", "--plugin-config", value, "--out", out]) == 2
         err = capsys.readouterr().err.strip()

@@ -183,8 +183,10 @@ def _cmd_compare(ns: argparse.Namespace) -> int:
     plugin_config, err = _plugin_config(ns.plugin_config)
     configs = {c[0]: c for c in _configs(gpu, ns.clock_backend, sim_shape, plugin_config)}
     order = [x.strip() for x in ns.order.split(",") if x.strip()]
-    # Every flag checked before a model is made, a folder written or a server started.
-    if err := err or _on_settings_error(configs["on"][2]) or _compare_arg_error(ns, order, configs):
+    # Every flag checked before a model is made, a folder written or a server started: the user's
+    # settings alone first (a contradiction of their own names their field), then as merged.
+    own = ["--additional-config", json.dumps({"powersave": plugin_config})] if plugin_config else []
+    if err := err or _on_settings_error(own) or _on_settings_error(configs["on"][2]) or _compare_arg_error(ns, order, configs):
         print(f"error: {err}", file=sys.stderr)
         return 2
     model = _compare_model(ns)

@@ -474,7 +474,8 @@ class PowersaveSettings(_Strict):
             chunking = {**chunking, "enabled": False}
         pacing = data.get("decode_pacing") or {}
         if isinstance(pacing, dict) and pacing.get("tpot_target_ms") is not None:
-            raise ValueError("decode_pacing.tpot_target_ms conflicts with savings 'off' (metering only): drop one of them")
+            target = pacing["tpot_target_ms"]
+            raise ValueError(f"decode_pacing.tpot_target_ms {target!r} conflicts with savings 'off' (metering only): drop one of them")
         servers = data.get("api_server_count", "vllm")
         if servers != "vllm":
             raise ValueError(f"api_server_count {servers!r} conflicts with savings 'off' (metering only): drop one of them")
