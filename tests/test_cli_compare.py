@@ -77,6 +77,7 @@ def test_savings_section_says_what_was_measured_and_what_predicted():
     runs = [("off", 0.5, off), ("on", 0.5, on), ("on", 0.5, on), ("off", 0.5, off), ("off", float("inf"), off), ("on", float("inf"), on)]
     cpu = savings_section(runs, gpu=False)
     assert "### 0.5 req/s" in cpu and "### saturation" in cpu
+    assert "## Savings: simulated and predicted" in cpu and "measured and predicted" not in cpu  # nothing measured here
     # No identical-steps figure: no saving is claimed; the run-to-run change is named as such.
     assert "- J / output token, clock presets vs stock clocks: n/a (no identical-steps figure in these runs)" in cpu
     assert "not the presets' effect): presets runs vs stock-clocks runs -10.0 % J / output token (simulated, mean of 2 and 2 runs)" in cpu

@@ -180,7 +180,7 @@ def savings_section(runs: list[tuple[str, float, dict[str, Any]]], gpu: bool, co
     cli's identical-steps figures by run (``on (run 2)`` -> ``saving_pct``), the CPU's saving.
     """
     src = "measured" if gpu else "simulated"
-    lines = ["", "## Savings: measured and predicted", ""]
+    lines = ["", "## Savings: measured and predicted" if gpu else "## Savings: simulated and predicted", ""]
     if not gpu:
         lines.append(
             "No GPU here: every joule below is *simulated* (an H200 running the same engine steps); perf boost "
