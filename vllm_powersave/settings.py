@@ -367,7 +367,7 @@ class DecodePacingSettings(_Strict):
     """Decode pacing (``pacing/pacer.py``, docs/decode-pacing.md): off unless a TPOT target is set."""
 
     #: Space decode-only engine steps at least this far apart (ms) while no request waits in the
-    #: scheduler's queue, no running request has prompt tokens left and the batch is below
+    #: scheduler's queue, no running request is owed its prefill or first token and the batch is below
     #: ``max_num_seqs``; an arriving request ends a gap at once (TTFT +0.5 ms at most). Under
     #: open-loop arrivals the batch then grows with the period and each step's weight reads serve
     #: more tokens; under closed-loop clients at a fixed concurrency it only adds idle time, so

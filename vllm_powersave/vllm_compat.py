@@ -70,6 +70,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from . import envs, frontend
+from .pacing import PaceFacts
 from .phases import ReqSched, StepInfo, classify, classify_counts
 
 log = logging.getLogger("vllm.powersave")
@@ -1256,10 +1257,8 @@ def step_lookahead(scheduler_output: Any) -> tuple[float, int, int] | None:
     return getattr(scheduler_output, LOOKAHEAD_ATTR, None)
 
 
-def pace_facts(scheduler: Any) -> Any:
+def pace_facts(scheduler: Any) -> PaceFacts:
     """What the V1 scheduler holds before the next step, as a :class:`~.pacing.PaceFacts`."""
-    from .pacing import PaceFacts
-
     running = scheduler.running
     n, waiting, cap = len(running), len(scheduler.waiting), int(scheduler.max_num_running_reqs)
     if waiting or not n or n >= cap:  # no hold whatever the requests hold: no scan

@@ -15,8 +15,8 @@ pacer therefore never holds a step while a request waits in the scheduler's queu
 full, and ``tune-serving`` measures it against the user's own traffic before recommending it.
 
 The pacer never delays a prefill: a request that arrives during a gap wakes the engine at once
-(the input queue is polled every :data:`POLL_S`), and a step that still has prompt tokens to
-compute is never held.
+(the input queue is polled every :data:`POLL_S`), and no step is held while a running request is
+still owed its prefill or its first token (:class:`PaceFacts`).
 """
 
 from __future__ import annotations
@@ -89,9 +89,9 @@ class DecodePacer:
     def hold(self, facts: PaceFacts, queue_empty: Callable[[], bool]) -> float:
         """Hold the engine until the period since the last step has passed, an input arrives or
         nothing is left to pace; returns the seconds held."""
-        start = self._clock()
         if self.off_reason is not None:
             return 0.0
+        start = self._clock()
         gap = self.gap_s(start, facts) if queue_empty() else 0.0
         if gap > 0.0:
             deadline = start + gap

@@ -18,6 +18,7 @@ from .. import vllm_compat
 from ..clocks import ClockController
 from ..device.step_timer import WALL, SimulatedStepTimer
 from ..energy import PhaseEnergyAccount
+from ..pacing import PaceFigures
 from ..sim.gpu import ModelCost, SimulatedGpu
 from ..stats_contract import TraceLine
 from .step import FAILED, WARMUP, StepHandoff, StepRecord, StepTiming
@@ -56,15 +57,15 @@ class StepDrain:
     # Finished steps held for the closed loop until the engine thread has read their GPU time (oldest first).
     _timed_steps: deque[tuple[StepRecord, float, Any]] = field(default_factory=deque, init=False)
     # The decode pacer's figures as last stamped on a step (vllm_compat.PACING_ATTR), if one runs.
-    _pacing: Any = field(default=None, init=False)  # pacing.PaceFigures
+    _pacing: PaceFigures | None = field(default=None, init=False)
 
     def pacing_snapshot(self) -> dict[str, float | int] | None:
         """The engine's decode pacing figures as the last drained step carried them (``None``: no
-        pacer, or no step yet)."""
+        pacer, or no step yet); the off reason goes to the savings state instead."""
         p = self._pacing
         if p is None:
             return None
-        return {"tpot_target_ms": p[0], "held_steps": p[1], "held_s": p[2], "woken_early": p[3]}
+        return {"tpot_target_ms": p.tpot_target_ms, "held_steps": p.held_steps, "held_s": p.held_s, "woken_early": p.woken_early}
 
     def _price_hold(self, sim: SimulatedGpu, seconds: float) -> None:
         """The simulated GPU (and its stock-clock twin) idle for a pacing hold before this step."""
@@ -74,8 +75,7 @@ class StepDrain:
 
     def pacing_off_reason(self) -> str | None:
         """Why the engine's pacer turned itself off, as the last drained step said (else ``None``)."""
-        p = self._pacing
-        return p[4] if p is not None and len(p) > 4 else None
+        return self._pacing.off_reason if self._pacing is not None else None
 
     def observe_gpu_tenants(self, now_s: float, others: int | None) -> None:
         """How many other compute processes share the GPU (``TenantWatch``), to the closed loop
@@ -215,7 +215,7 @@ class StepDrain:
         rec.so = None  # the SchedulerOutput is not kept past this point
         pacing = getattr(so, _PACING_ATTR, None)
         if pacing is not None:
-            held_s = pacing[2] - (self._pacing[2] if self._pacing is not None else 0.0)
+            held_s = pacing.held_s - (self._pacing.held_s if self._pacing is not None else 0.0)
             self._pacing = pacing
             if held_s > 0 and sim is not None:
                 self._price_hold(sim, min(held_s, self.hold_cap_s))
