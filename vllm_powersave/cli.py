@@ -135,15 +135,18 @@ def _plugin_config(text: str | None) -> tuple[dict[str, Any] | None, str | None]
     return value, None
 
 
-def _on_settings_error(on_args: list[str]) -> str | None:
-    """The on server's settings checked as the server would (one line naming field and value)."""
+def _plugin_config_error(plugin_config: dict[str, Any] | None, on_args: list[str]) -> str | None:
+    """``--plugin-config`` checked as the server would (one line naming field and value): alone
+    first, so that a contradiction of the user's own names their field, then as merged into the on
+    server's settings (``on_args``: its extra serve args)."""
     from .settings import SettingsError, load_settings
 
-    if "--additional-config" not in on_args:
+    if not plugin_config:
         return None
-    settings = json.loads(on_args[on_args.index("--additional-config") + 1])["powersave"]
+    merged = json.loads(on_args[on_args.index("--additional-config") + 1])["powersave"]
     try:
-        load_settings(settings, env={})
+        load_settings(plugin_config, env={})
+        load_settings(merged, env={})
     except SettingsError as exc:
         return f"--plugin-config: {exc}"
     return None
@@ -183,10 +186,8 @@ def _cmd_compare(ns: argparse.Namespace) -> int:
     plugin_config, err = _plugin_config(ns.plugin_config)
     configs = {c[0]: c for c in _configs(gpu, ns.clock_backend, sim_shape, plugin_config)}
     order = [x.strip() for x in ns.order.split(",") if x.strip()]
-    # Every flag checked before a model is made, a folder written or a server started: the user's
-    # settings alone first (a contradiction of their own names their field), then as merged.
-    own = ["--additional-config", json.dumps({"powersave": plugin_config})] if plugin_config else []
-    if err := err or _on_settings_error(own) or _on_settings_error(configs["on"][2]) or _compare_arg_error(ns, order, configs):
+    # Every flag checked before a model is made, a folder written or a server started.
+    if err := err or _plugin_config_error(plugin_config, configs["on"][2]) or _compare_arg_error(ns, order, configs):
         print(f"error: {err}", file=sys.stderr)
         return 2
     model = _compare_model(ns)
