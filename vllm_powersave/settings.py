@@ -363,6 +363,15 @@ class TunedFor(_Strict):
     allow_mismatch: bool = False
 
 
+#: The stock value of every saving, which ``savings: "off"`` (metering only) fills in.
+METERING_ONLY: dict[str, Any] = {
+    "cuda_perf_boost": "on",
+    "clocks": {"mode": "off"},
+    "chunking": {"enabled": False},
+    "api_server_count": "vllm",
+}
+
+
 class DecodePacingSettings(_Strict):
     """Decode pacing (``pacing/pacer.py``, docs/decode-pacing.md): off unless a TPOT target is set."""
 
@@ -466,12 +475,12 @@ class PowersaveSettings(_Strict):
                 raise ValueError(f"clocks.mode {mode!r} conflicts with savings 'off' (metering only): drop one of them")
             if clocks.get("presets"):
                 raise ValueError("clocks.presets conflicts with savings 'off' (metering only): drop one of them")
-            clocks = {**clocks, "mode": "off"}
+            clocks = {**clocks, **METERING_ONLY["clocks"]}
         chunking = data.get("chunking") or {}
         if isinstance(chunking, dict):
             if chunking.get("table") and chunking.get("enabled", True):
                 raise ValueError("chunking.table conflicts with savings 'off' (metering only): drop one of them")
-            chunking = {**chunking, "enabled": False}
+            chunking = {**chunking, **METERING_ONLY["chunking"]}
         pacing = data.get("decode_pacing") or {}
         if isinstance(pacing, dict) and pacing.get("tpot_target_ms") is not None:
             target = pacing["tpot_target_ms"]
@@ -479,7 +488,7 @@ class PowersaveSettings(_Strict):
         servers = data.get("api_server_count", "vllm")
         if servers != "vllm":
             raise ValueError(f"api_server_count {servers!r} conflicts with savings 'off' (metering only): drop one of them")
-        data.update(cuda_perf_boost="on", clocks=clocks, chunking=chunking, api_server_count="vllm")
+        data.update(METERING_ONLY, clocks=clocks, chunking=chunking)
         return data
 
     @model_validator(mode="after")

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..settings import METERING_ONLY, merge_settings
 from .slo import Slo, attainment_of
 from .space import Config, override
 from .state import Figures
@@ -32,10 +33,6 @@ class Refused(RuntimeError):
 
 class MeasureError(RuntimeError):
     """A window could not be measured (the load test failed); one line."""
-
-
-#: What ``savings: "off"`` means (settings.py), for a meter that also runs a saving that needs no GPU.
-STOCK_SAVINGS: dict[str, Any] = {"cuda_perf_boost": "on", "chunking": {"enabled": False}, "api_server_count": "vllm"}
 
 
 @dataclass(frozen=True)
@@ -60,7 +57,7 @@ class ServePlan:
             meter: dict[str, Any] = {"savings": "off", "clocks": {"backend": "simulated"}, "energy": sim}
             pacing = config.plugin_settings().get("decode_pacing")
             if pacing:  # acts on any machine: the meter's stock values spelled out, pacing on
-                meter = {**STOCK_SAVINGS, "clocks": {"mode": "off", "backend": "simulated"}, "energy": sim, "decode_pacing": pacing}
+                meter = merge_settings(METERING_ONLY, {"clocks": {"backend": "simulated"}, "energy": sim, "decode_pacing": pacing})
             return args + ["--additional-config", json.dumps({"powersave": meter})]
         plugin = config.plugin_settings()
         if plugin:
