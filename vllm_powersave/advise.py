@@ -320,7 +320,7 @@ def advise(facts: dict[str, Any]) -> list[Recommendation]:
                 None,
             )
         )
-    pacing = _decode_pacing(facts, e, src)
+    pacing = _decode_pacing(facts, e)
     if pacing is not None:
         out.append(pacing)
     clocks = (facts.get("savings") or {}).get("clocks") or ("dry-run" if facts.get("clock_backend") == "dry-run" else None)
@@ -343,7 +343,7 @@ def advise(facts: dict[str, Any]) -> list[Recommendation]:
     return sorted(out, key=lambda r: (r.saving_share is None, -(r.saving_share or 0.0)))
 
 
-def _decode_pacing(facts: dict[str, Any], e: float | None, src: str) -> Recommendation | None:
+def _decode_pacing(facts: dict[str, Any], e: float | None) -> Recommendation | None:
     """Decode pacing for an open-loop, decode-heavy run without a queue (docs/decode-pacing.md)."""
     rate, decode_j = _num(facts.get("request_rate")), _num((facts.get("energy_by_phase_j") or {}).get("decode"))
     open_loop = rate is not None and rate > 0 and facts.get("max_concurrency") is None
