@@ -27,6 +27,7 @@ SETTINGS = (
     "max_num_batched_tokens",
     "api_server_count",
     "async_scheduling",
+    "stream_interval",
     "cudagraph_capture_sizes",
     "cuda_perf_boost",
     "closed_loop_budget_pct",
@@ -54,6 +55,9 @@ class SpaceSpec(BaseModel):
     max_num_batched_tokens: list[StrictInt] | None = Field(default=None, min_length=1)
     api_server_count: list[StrictInt] | None = Field(default=None, min_length=1)
     async_scheduling: list[bool] | None = Field(default=None, min_length=1)
+    #: Output tokens the API server gathers per streamed chunk (vLLM's ``--stream-interval``): fewer
+    #: chunks cost the front end less per token, while each chunk's gap (the ITL a client sees) grows.
+    stream_interval: list[StrictInt] | None = Field(default=None, min_length=1)
     #: Each value is one list of batch sizes vLLM captures CUDA graphs for.
     cudagraph_capture_sizes: list[list[StrictInt]] | None = Field(default=None, min_length=1)
     cuda_perf_boost: list[Literal["on", "off", "auto"]] | None = Field(default=None, min_length=1)
@@ -72,6 +76,7 @@ _BOUNDS: dict[str, tuple[float, float]] = {
     "max_num_seqs": (1, 65536),
     "max_num_batched_tokens": (1, 10_000_000),
     "api_server_count": (1, 64),
+    "stream_interval": (1, 4096),
     "closed_loop_budget_pct": (0.0, 100.0),
     "decode_pacing_tpot_ms": (0.1, 1000.0),
 }
