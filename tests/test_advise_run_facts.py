@@ -110,6 +110,15 @@ def test_perf_boost_on_is_advised_only_to_runs_that_ran_auto(tmp_path, capsys, m
     assert "perf_boost_on" not in [r["key"] for r in _advise_json(tmp_path, capsys, **fields)]
 
 
+def test_a_paced_run_is_not_told_to_keep_cuda_boost_on_for_want_of_idle_time():
+    from vllm_powersave.advise import advise
+
+    # 20 J of 22,000 idle on a server that ran auto: without pacing, perf boost "on" is advised.
+    busy = {"energy_j": 22000.0, "energy_by_phase_j": {"decode": 21000.0, "idle": 20.0}, "cuda_perf_boost": "auto"}
+    assert "perf_boost_on" in [r.key for r in advise(busy)]
+    assert "perf_boost_on" not in [r.key for r in advise({**busy, "savings": {"decode_pacing": "on"}})]
+
+
 def test_an_auto_run_with_idle_time_keeps_auto(tmp_path, capsys):
     # The fixture idled 6,000 J of 22,159 (27 %): auto's idle saving is worth more there.
     assert "perf_boost_on" not in [r["key"] for r in _advise_json(tmp_path, capsys, cuda_perf_boost="auto")]

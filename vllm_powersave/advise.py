@@ -413,7 +413,9 @@ def _perf_boost_on(facts: dict[str, Any], e: float | None, iwb_j: float | None, 
     quiet = _quiet_idle_j(facts, iwb_j)
     if not e or quiet is None or _modes(facts.get("cuda_perf_boost")) != {"auto"}:
         return None
-    if quiet / e >= PERF_BOOST_ON_MAX_IDLE_SHARE:
+    # Decode pacing's holds keep the engine's busy time up while the GPU waits between paced steps
+    # (docs/decode-pacing.md): little idle there does not mean a busy GPU.
+    if quiet / e >= PERF_BOOST_ON_MAX_IDLE_SHARE or (facts.get("savings") or {}).get("decode_pacing") == "on":
         return None
     return Recommendation(
         "perf_boost_on",
