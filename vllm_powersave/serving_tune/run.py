@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -68,17 +67,7 @@ class Stopped(Exception):
 
 def verdict_of(m: Measurement, slo: Slo) -> Verdict:
     f = m.figures
-    return judge(f.good, f.sent, {"ttft": f.p99_ttft_ms, "tpot": f.p99_tpot_ms, "itl": client_itl_ms(m.key, f.p99_itl_ms)}, slo)
-
-
-def client_itl_ms(key: str, p99_itl_ms: float | None) -> float | None:
-    """The p99 ITL a client sees under configuration ``key``. The harness spreads a chunk's gap over
-    the tokens it carries (loadtests/README.md, ``itl_method``); with ``stream_interval`` N the API
-    server sends N tokens per chunk, so a client waits about N such intervals between chunks."""
-    match = re.search(r"(?:^|,)stream_interval=(\d+)(?:,|$)", key)
-    if p99_itl_ms is None or match is None:
-        return p99_itl_ms
-    return p99_itl_ms * int(match.group(1))
+    return judge(f.good, f.sent, {"ttft": f.p99_ttft_ms, "tpot": f.p99_tpot_ms, "itl": f.p99_itl_ms}, slo)
 
 
 def energy_label(source: str | None) -> str:
