@@ -7,7 +7,9 @@ joules), its energy, duration and latency, and the paced/stock ratio per pair of
 Energy is the NVML counter on the GPU (measured). Fewer than 6 pairs settle no claim (the house
 rule); the record says how many there are.
 
-Usage: ``python -m benchmarks.h200_decode_pacing_record STATE_DIR --device "NVIDIA H200" --lease "..." [--out-dir docs/results]``
+Usage: ``python -m benchmarks.h200_decode_pacing_record STATE_DIR --device "NVIDIA H200" --lease "..." [--out-dir docs/results]
+[--name h100-decode-pacing]`` (``--name``: the record's file name, one per GPU kind: runs on different
+GPUs do not pool).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 
 from benchmarks.lib.cli import one_line_errors
 from benchmarks.lib.device import utc_now, write_record
+from vllm_powersave.intervals import mean_ci95
 
 NAME = "h200-decode-pacing"
 
@@ -75,9 +78,29 @@ def same_request_ratios(ws: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def pair_interval(ratios: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The pairs' tokens-per-joule ratio: mean and 95 % t interval (``None`` below 2 pairs)."""
+    xs = [r["tok_per_j_ratio"] for r in ratios if r["kind"] == "pair"]
+    if len(xs) < 2:
+        return None
+    mean, lo, hi = mean_ci95(xs)
+    return {"mean": round(mean, 3), "ci95": [round(lo, 3), round(hi, 3)], "n": len(xs)}
+
+
+def status(ratios: list[dict[str, Any]]) -> str:
+    """What the record settles: at least 6 adjacent pairs with a 95 % interval (the house rule)."""
+    pairs = sum(r["kind"] == "pair" for r in ratios)
+    head = f"{pairs} ABBA pair(s) and {len(ratios) - pairs} same-request search window(s)"
+    ci = pair_interval(ratios)
+    ci_text = f"; pairs x{ci['mean']} (95 % CI {ci['ci95'][0]}-{ci['ci95'][1]})" if ci else ""
+    if pairs >= 6:
+        return head + ci_text + "."
+    return head + ci_text + ": fewer than 6 adjacent pairs, so no claim is settled."
+
+
 def markdown(rec: dict[str, Any]) -> str:
     head = (
-        f"# {NAME}: decode pacing (35 ms) against vLLM's defaults at Poisson 4 req/s (measured)\n\n"
+        f"# {rec['name']}: decode pacing (35 ms) against vLLM's defaults at Poisson 4 req/s (measured)\n\n"
         f"{rec['what']} Device: {rec['device']}; lease {rec['lease']}. Energy: NVML counter (measured). "
         f"Recorded {rec['recorded_utc'][:10]}.\n\n"
         "| window | config | requests | output tokens | GPU J | tok/J | duration s | p99 TTFT ms | p99 TPOT ms | SLO attainment |\n"
@@ -111,11 +134,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", required=True)
     ap.add_argument("--lease", required=True)
     ap.add_argument("--out-dir", type=Path, default=Path("docs/results"))
+    ap.add_argument("--name", default=NAME, help="the record's file name (default %(default)s)")
     ns = ap.parse_args(argv)
     ws = windows(ns.state_dir / "state.jsonl")
     ratios = same_request_ratios(ws)
     pairs = sum(r["kind"] == "pair" for r in ratios)
     rec = {
+        "name": ns.name,
         "what": (
             "`vllm-powersave tune-serving` (benchmarks/h200_tune_serving.py --load rate4): qwen2.5-7b shape (dummy "
             "weights), vLLM 0.25, Poisson 4 req/s, input uniform 128-1024 and output uniform 32-512 tokens, streamed, "
@@ -130,15 +155,13 @@ def main(argv: list[str] | None = None) -> int:
         "windows": ws,
         "ratios": ratios,
         "pairs": pairs,
-        "status": (
-            f"{pairs} ABBA pair(s) and {len(ratios) - pairs} same-request search window(s): a first measurement, "
-            "no claim settled (that takes at least 6 adjacent pairs with a 95 % interval)."
-        ),
+        "pair_tok_per_j_ratio": pair_interval(ratios),
+        "status": status(ratios),
         "scripts": ["benchmarks/h200_tune_serving.py", "benchmarks/h200_decode_pacing_record.py"],
     }
     if not ws:
         raise ValueError(f"{ns.state_dir / 'state.jsonl'} holds no finished window")
-    write_record(ns.out_dir, NAME, rec, markdown(rec))
+    write_record(ns.out_dir, ns.name, rec, markdown(rec))
     print(markdown(rec))
     return 0
 

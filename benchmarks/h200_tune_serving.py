@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     calls = out / "calls.json"
     prior = json.loads(calls.read_text()) if calls.exists() else []
     prior.append(
-        {"load": ns.load, "started_utc": utc_now(), "wall_s": round(time.monotonic() - t0, 1), "exit": rc, "shape": ns.shape, "gpu": gpu}
+        {"load": ns.load, "ended_utc": utc_now(), "wall_s": round(time.monotonic() - t0, 1), "exit": rc, "shape": ns.shape, "gpu": gpu}
     )
     write_json_atomic(calls, prior, indent=1)
     log(

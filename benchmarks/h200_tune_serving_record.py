@@ -78,7 +78,7 @@ def load_entry(load: str, ts: dict[str, Any], calls: list[dict[str, Any]], devic
         "slo_attainment": {"winner": att.get("winner"), "defaults": att.get("defaults")},
         "tuning_wall_time_s": wall_s,
         "device_calls": len(calls),
-        "calls_utc": [c.get("started_utc") for c in calls],
+        "calls_utc": [c.get("ended_utc") or c.get("started_utc") for c in calls],  # older files named the end time started_utc
         "configurations": len(ts.get("configurations", [])),
         "skipped_settings": ts.get("skipped_settings", {}),
         "search_windows": [

@@ -41,5 +41,30 @@ def test_the_record_pairs_windows_of_the_same_requests_and_says_none_is_settled(
     }
     assert main([str(tmp_path), "--device", "NVIDIA H200", "--lease", "L", "--out-dir", str(tmp_path / "out")]) == 0
     rec = json.loads((tmp_path / "out" / "h200-decode-pacing.json").read_text())
-    assert rec["measured"] is True and rec["pairs"] == 0 and "no claim settled" in rec["status"]
+    assert rec["measured"] is True and rec["pairs"] == 0 and "no claim is settled" in rec["status"]
+    assert rec["pair_tok_per_j_ratio"] is None
     assert "x1.5" in (tmp_path / "out" / "h200-decode-pacing.md").read_text()
+
+
+def test_pairs_get_a_95_percent_interval_and_six_of_them_settle_the_claim():
+    from benchmarks.h200_decode_pacing_record import pair_interval, status
+
+    def pair(x):
+        return {"kind": "pair", "tok_per_j_ratio": x}
+
+    three = [pair(1.4), pair(1.5), pair(1.3)]
+    assert pair_interval(three) == {"mean": 1.4, "ci95": [1.152, 1.648], "n": 3}
+    assert "fewer than 6 adjacent pairs" in status(three) and "x1.4 (95 % CI 1.152-1.648)" in status(three)
+    assert "fewer than 6" not in status(three * 2) and status(three * 2).startswith("6 ABBA pair(s)")
+
+
+def test_a_record_of_another_gpu_gets_its_own_name(tmp_path, capsys):
+    lines = [_m("final/p1/winner", "decode_pacing_tpot_ms=35", 1001, 2.5, 400.0, 30.0)]
+    (tmp_path / "state.jsonl").write_text(json.dumps(lines[0]) + "\n")
+    out = tmp_path / "out"
+    assert (
+        main([str(tmp_path), "--device", "NVIDIA H100 80GB HBM3", "--lease", "L", "--out-dir", str(out), "--name", "h100-decode-pacing"])
+        == 0
+    )
+    assert sorted(p.name for p in out.iterdir()) == ["h100-decode-pacing.json", "h100-decode-pacing.md"]
+    assert (out / "h100-decode-pacing.md").read_text().startswith("# h100-decode-pacing: ")
