@@ -26,6 +26,7 @@ Run on the GPU machine::
 
     POWERSAVE_FORCE_DRY_RUN=1 python3 -m benchmarks.h200_tune_serving --load rate4 --call-budget-s 560
     POWERSAVE_FORCE_DRY_RUN=1 python3 -m benchmarks.h200_tune_serving --load rate4 --resume-from runs/h200-ts/ts-rate4
+    POWERSAVE_FORCE_DRY_RUN=1 python3 -m benchmarks.h200_tune_serving --load rate4 --resume-from DIR --pairs 6 --budget-min 30
 """
 
 from __future__ import annotations
@@ -69,8 +70,8 @@ LOADS = {
         },
     },
 }
-#: Search flags common to both loads (see the module docstring).
-SEARCH = ["--window-s", "20", "--eta", "2", "--max-configs", "4", "--pairs", "3", "--budget-min", "20", "--warmups", "8"]
+#: Search flags common to both loads (see the module docstring); ``--pairs`` and ``--budget-min`` follow this script's own.
+SEARCH = ["--window-s", "20", "--eta", "2", "--max-configs", "4", "--warmups", "8"]
 
 
 def tune_cmd(ns: argparse.Namespace, load: str, model: Path, out: Path, space: Path) -> list[str]:
@@ -91,6 +92,7 @@ def tune_cmd(ns: argparse.Namespace, load: str, model: Path, out: Path, space: P
         *spec["traffic"],
         *spec["slo"],
         *SEARCH,
+        *("--pairs", str(ns.pairs), "--budget-min", f"{ns.budget_min:g}"),
         *spec.get("search", []),
         *serve,
         "--startup-timeout",
@@ -155,6 +157,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--resume-from", type=Path, default=None, help="an earlier call's ts-<load> directory")
     ap.add_argument("--call-budget-s", type=float, default=560.0, help="interrupt the search after this many s (device call limit)")
     ap.add_argument("--start-timeout-s", type=float, default=600.0)
+    # A resumed search may ask for more pairs than it started with (the count is not part of what
+    # makes it the same search): 6 adjacent pairs settle a claim, the issue's table needs 3.
+    ap.add_argument("--pairs", type=int, default=3, help="final ABBA pairs, winner vs vLLM's defaults (default 3)")
+    ap.add_argument("--budget-min", type=float, default=20.0, help="tune-serving's budget for search and pairs, min (default 20)")
     return ap.parse_args(argv)
 
 

@@ -29,6 +29,10 @@ def test_each_load_is_a_tune_serving_command_the_parser_and_space_reader_accept(
     assert cmd[1:4] == ["-m", "vllm_powersave.cli", "tune-serving"]
     parsed = build_parser().parse_args(cmd[3:])
     assert parsed.budget_min == 20.0 and parsed.pairs == 3 and parsed.space == str(space)
+    more = build_parser().parse_args(
+        job.tune_cmd(job.parse_args(["--load", load, "--pairs", "6", "--budget-min", "30"]), load, tmp_path, tmp_path, space)[3:]
+    )
+    assert (more.pairs, more.budget_min) == (6, 30.0)
     assert parsed.serve_arg[:4] == ["--max-model-len", "2048", "--load-format", "dummy"]
     assert load_space_file(space).searched() == job.LOADS[load]["space"]
     if load == "rate4":

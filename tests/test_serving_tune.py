@@ -377,6 +377,20 @@ def test_a_stopped_search_resumes_without_measuring_anything_again(tmp_path, fak
     assert ts_run.execute(_opts(tmp_path, [2, 8])) == 0 and fake.calls == []  # all done: nothing measured again
 
 
+def test_a_finished_search_resumed_with_more_pairs_measures_only_the_new_pairs(tmp_path, fake):
+    import dataclasses
+
+    assert ts_run.execute(_opts(tmp_path, [2, 8])) == 0
+    done = [c for c in fake.calls if c[2] >= 1000]
+    assert len(done) == 4  # 2 pairs
+    fake.calls = []
+    assert ts_run.execute(dataclasses.replace(_opts(tmp_path, [2, 8]), pairs=4)) == 0
+    assert [c[2] for c in fake.calls] == [1003, 1003, 1004, 1004]  # pairs 3 and 4, nothing before them again
+    assert [c[0] for c in fake.calls] == ["max_num_seqs=8", "defaults", "defaults", "max_num_seqs=8"]  # still ABBA
+    rec = json.loads((tmp_path / "out" / "tune-serving.json").read_text())
+    assert len(rec["final"]["pair_list"]) == 4
+
+
 def test_a_resumed_search_prices_the_final_pairs_at_the_server_starts_it_measured(tmp_path, fake):
     # A resume that forgot the measured starts priced each at the 60 s (CPU) or 120 s (GPU) guess and
     # cut the final pairs from 3 to 2 in a budget that held 3 (docs/results/h200-tune-serving.md).
