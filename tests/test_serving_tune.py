@@ -391,6 +391,49 @@ def test_a_finished_search_resumed_with_more_pairs_measures_only_the_new_pairs(t
     assert len(rec["final"]["pair_list"]) == 4
 
 
+def _clocked(monkeypatch, fake, longer=None):
+    """The fake measurer on a fake clock: each window costs its length, 10 s around it and 60 s per
+    server start; ``longer``: figures of a configuration in windows of 4 s or more."""
+    import types
+
+    from vllm_powersave.serving_tune import search as ts_search
+
+    clock = [0.0]
+    t = types.SimpleNamespace(monotonic=lambda: clock[0])
+    monkeypatch.setattr(ts_run, "time", t)
+    monkeypatch.setattr(ts_search, "time", t)
+    measure = fake.measure
+
+    def timed(self, config, window_s, seed, label):
+        clock[0] += window_s + 10 + (60 if self.needs_restart(config) else 0)
+        figs, restarted = measure(self, config, window_s, seed, label)
+        return ((longer or {}).get(config.key, figs) if window_s >= 4 else figs), restarted
+
+    monkeypatch.setattr(fake, "measure", timed)
+
+
+def test_a_resume_with_a_larger_budget_extends_the_pairs_of_the_winner_they_were_measured_for(tmp_path, fake, monkeypatch):
+    # 560 s cuts round 1 after max_num_seqs=8: the pairs are of 8. A resume with 3x the budget would
+    # finish round 1, where 16 reads best, and paired 16 with the windows measured for 8.
+    _clocked(monkeypatch, fake, longer={"max_num_seqs=16": _figs(tpj=4.0)})
+    assert ts_run.execute(dataclasses.replace(_opts(tmp_path, [2, 8, 32, 16]), budget_s=560.0)) == 0
+    rec = json.loads((tmp_path / "out" / "tune-serving.json").read_text())
+    assert rec["search"]["budget_stopped"] and rec["winner"]["key"] == "max_num_seqs=8"
+    fake.calls = []
+    assert ts_run.execute(dataclasses.replace(_opts(tmp_path, [2, 8, 32, 16]), budget_s=3 * 560.0, pairs=4)) == 0
+    assert {c[0] for c in fake.calls} == {"max_num_seqs=8", "defaults"} and all(c[2] >= 1003 for c in fake.calls)
+    assert json.loads((tmp_path / "out" / "tune-serving.json").read_text())["winner"]["key"] == "max_num_seqs=8"
+
+
+def test_pairs_the_budget_cannot_hold_are_said(tmp_path, fake, monkeypatch, capsys):
+    _clocked(monkeypatch, fake)
+    assert ts_run.execute(dataclasses.replace(_opts(tmp_path, [2, 8]), budget_s=400.0)) == 0
+    capsys.readouterr()
+    assert ts_run.execute(dataclasses.replace(_opts(tmp_path, [2, 8]), budget_s=400.0, pairs=6)) == 0
+    assert "budget: 2 of 6 final pair(s) fit" in capsys.readouterr().out
+    assert json.loads((tmp_path / "out" / "tune-serving.json").read_text())["search"]["pairs_asked"] == 6
+
+
 def test_a_resumed_search_prices_the_final_pairs_at_the_server_starts_it_measured(tmp_path, fake):
     # A resume that forgot the measured starts priced each at the 60 s (CPU) or 120 s (GPU) guess and
     # cut the final pairs from 3 to 2 in a budget that held 3 (docs/results/h200-tune-serving.md).

@@ -59,6 +59,7 @@ def build_record(
             "eta": o.eta,
             "rounds": [{"round": r.index, "window_s": r.window_s, "seed": r.seed, "configs": list(r.keys)} for r in outcome.rounds],
             "budget_min": round(o.budget_s / 60.0, 2),
+            "pairs_asked": o.pairs,
             "budget_stopped": outcome.budget_stopped,
             "not_measured": outcome.unmeasured,
             "stopped_round": outcome.stopped_round,

@@ -19,7 +19,7 @@ from .measure import MeasureError, Measurer, Refused, ServePlan, stop_leftover_s
 from .search import Budget, CostModel, Round, Scored, first_round, next_round, rank, survivors
 from .slo import Slo, Verdict, judge
 from .space import Config
-from .state import STATE_NAME, Figures, Measurement, Rejection, StateFile
+from .state import STATE_NAME, Figures, Measurement, Rejection, StateError, StateFile
 from .traffic import Traffic
 
 EXIT_STOPPED = 3
@@ -235,6 +235,9 @@ def run_search(s: Session) -> SearchOutcome:
     out = SearchOutcome()
     latest: dict[str, Scored] = {}
     by_round: dict[int, dict[str, Scored]] = {}
+    # Once final pairs are measured the search is over: a resume (more --pairs, a larger
+    # --budget-min) does not measure further search windows, which could pick another winner.
+    paired = any(m.phase == "final" for m in s.state.measurements.values())
     while rnd is not None:
         out.rounds.append(rnd)
         out.last_window_s = rnd.window_s
@@ -242,7 +245,7 @@ def run_search(s: Session) -> SearchOutcome:
         reserve = s.cost.pairs_s(opts.pairs, rnd.window_s)
         for key in rnd.keys:
             step_id = f"search/r{rnd.index}/{key}"
-            if step_id not in s.state.measurements and not s.budget.allows(s.step_cost_s(by_key[key], rnd.window_s), reserve):
+            if step_id not in s.state.measurements and (paired or not s.budget.allows(s.step_cost_s(by_key[key], rnd.window_s), reserve)):
                 out.budget_stopped, out.needed_s = True, s.step_cost_s(by_key[key], rnd.window_s) + reserve
                 out.stopped_round = rnd.index
                 out.unmeasured = [k for k in rnd.keys if f"search/r{rnd.index}/{k}" not in s.state.measurements]
@@ -290,9 +293,18 @@ def _note_best(s: Session, scored: list[Scored]) -> None:
 
 def run_pairs(s: Session, winner: Config, window_s: float) -> list[dict[str, Measurement]]:
     """ABBA pairs of ``winner`` against vLLM's defaults (pair 1 winner first, pair 2 defaults first, ...)."""
-    done = {m.pair for m in s.state.measurements.values() if m.phase == "final"}
-    n = s.budget.pairs_that_fit(s.opts.pairs, window_s, s.cost, done=len(done))
     arms = {"winner": winner, "defaults": Config()}
+    finals = [m for m in s.state.measurements.values() if m.phase == "final"]
+    for m in finals:  # a resume whose search went further (a larger --budget-min) may pick another winner
+        if m.key != arms.get(m.arm or "", Config()).key or m.window_s != window_s:
+            raise StateError(
+                f"{s.state.path}: pair {m.pair} was measured for {m.key} ({m.window_s:g} s windows), the search now "
+                f"pairs {arms.get(m.arm or '', Config()).key} ({window_s:g} s): its pairs would mix; use another --out"
+            )
+    done = {m.pair for m in finals}
+    n = s.budget.pairs_that_fit(s.opts.pairs, window_s, s.cost, done=len(done))
+    if n < s.opts.pairs:
+        s.say(f"[tune-serving] budget: {n} of {s.opts.pairs} final pair(s) fit in what is left (raise --budget-min for more)")
     pairs = []
     for i in range(1, n + 1):
         order = ("winner", "defaults") if i % 2 == 1 else ("defaults", "winner")
