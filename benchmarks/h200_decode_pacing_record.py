@@ -70,6 +70,7 @@ def same_request_ratios(ws: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     "seed": seed,
                     "kind": "search" if p["step"].startswith("search") else "pair",
                     "tok_per_j_ratio": round(p["tok_per_j"] / s["tok_per_j"], 3),
+                    "tok_per_j_ratio_raw": round(p["tok_per_j"] / s["tok_per_j"], 6),
                     "energy_ratio": round(p["gpu_energy_j"] / s["gpu_energy_j"], 3),
                     "same_tokens": p["output_tokens"] == s["output_tokens"],
                     "duration_s": [p["duration_s"], s["duration_s"]],
@@ -80,7 +81,7 @@ def same_request_ratios(ws: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def pair_interval(ratios: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The pairs' tokens-per-joule ratio: mean and 95 % t interval (``None`` below 2 pairs)."""
-    xs = [r["tok_per_j_ratio"] for r in ratios if r["kind"] == "pair"]
+    xs = [r.get("tok_per_j_ratio_raw", r["tok_per_j_ratio"]) for r in ratios if r["kind"] == "pair"]
     if len(xs) < 2:
         return None
     mean, lo, hi = mean_ci95(xs)
@@ -136,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out-dir", type=Path, default=Path("docs/results"))
     ap.add_argument("--name", default=NAME, help="the record's file name (default %(default)s)")
     ns = ap.parse_args(argv)
+    if not ns.name or ns.name != Path(ns.name).name or ns.name.startswith("."):
+        raise ValueError(f"--name = {ns.name!r}: a file name, not empty and without a folder")
     ws = windows(ns.state_dir / "state.jsonl")
     ratios = same_request_ratios(ws)
     pairs = sum(r["kind"] == "pair" for r in ratios)

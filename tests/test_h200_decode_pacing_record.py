@@ -35,6 +35,7 @@ def test_the_record_pairs_windows_of_the_same_requests_and_says_none_is_settled(
         "seed": 0,
         "kind": "search",
         "tok_per_j_ratio": 1.5,
+        "tok_per_j_ratio_raw": 1.5,
         "energy_ratio": 0.667,
         "same_tokens": True,
         "duration_s": [33.0, 20.0],
@@ -68,3 +69,30 @@ def test_a_record_of_another_gpu_gets_its_own_name(tmp_path, capsys):
     )
     assert sorted(p.name for p in out.iterdir()) == ["h100-decode-pacing.json", "h100-decode-pacing.md"]
     assert (out / "h100-decode-pacing.md").read_text().startswith("# h100-decode-pacing: ")
+
+
+def test_a_bad_name_is_one_line_and_nothing_is_written(tmp_path, capsys):
+    (tmp_path / "state.jsonl").write_text(json.dumps(_m("final/p1/winner", "decode_pacing_tpot_ms=35", 1001, 2.5, 400.0, 30.0)) + "\n")
+    for name in ("", "a/b", "../x", ".hidden"):
+        assert main([str(tmp_path), "--device", "D", "--lease", "L", "--out-dir", str(tmp_path / "out"), "--name", name]) == 2
+        assert len(capsys.readouterr().err.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists() and not (tmp_path / "x.json").exists()
+
+
+def test_the_pairs_interval_is_of_the_unrounded_ratios():
+    from benchmarks.h200_decode_pacing_record import pair_interval, same_request_ratios
+
+    ws = [
+        {
+            "step": f"final/p{i}/{arm}",
+            "seed": 1000 + i,
+            "paced": arm == "winner",
+            "tok_per_j": t,
+            "gpu_energy_j": 1.0,
+            "output_tokens": 1,
+            "duration_s": 1.0,
+        }
+        for i, pair in enumerate([(3.0797, 2.1967), (3.4073, 2.3932), (3.0157, 2.1769)], start=1)
+        for arm, t in zip(("winner", "defaults"), pair)
+    ]
+    assert pair_interval(same_request_ratios(ws))["ci95"] == [1.356, 1.452]  # the rounded ratios gave 1.355

@@ -202,3 +202,15 @@ def test_only_a_stopped_search_is_pending_and_a_missing_winner_reads_none(tmp_pa
     (tmp_path / "rate4" / "tune-serving.json").write_text(json.dumps(ts))
     md = rec.markdown(rec.build({"rate4": tmp_path / "rate4"}, "NVIDIA H200")[0])
     assert f"| {verdict} |" in md and shown in md and "`None`" not in md
+
+
+def test_pairs_past_the_third_extend_a_run_and_do_not_count_as_tuning_time():
+    from benchmarks.h200_tune_serving_record import tuning_wall_s
+
+    ts = _ts(1.4, 1.0, 1.0, 1000.0, pairs=6)
+    pair = {"winner": {"wall_s": 60.0}, "defaults": {"wall_s": 40.0}}
+    ts["final"]["pair_list"] = [pair] * 6
+    assert tuning_wall_s(ts) == 700.0  # 1,000 s less pairs 4-6 (3 x 100 s)
+    ts["final"]["pair_list"] = [pair] * 3
+    assert tuning_wall_s(ts) == 1000.0
+    assert tuning_wall_s({"search": {}}) is None

@@ -21,7 +21,7 @@ def one_line_errors(main: Callable[[list[str] | None], int]) -> Callable[[list[s
             why = f"not JSON, or cut short ({e})"
         except KeyError as e:
             why = f"no field {e} where the record needs one"
-        except (OSError, ValueError, TypeError, IndexError, AttributeError) as e:
+        except (OSError, ValueError, TypeError, IndexError, AttributeError, ArithmeticError) as e:
             why = f"{type(e).__name__}: {e}"
         script = Path(getattr(sys.modules.get(main.__module__), "__file__", None) or main.__module__).stem
         print(f"error: {script}: the raw input cannot be read: {why}; nothing written", file=sys.stderr)
