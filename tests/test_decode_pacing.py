@@ -170,7 +170,7 @@ def test_the_hook_holds_vllms_loop_then_runs_it_and_reads_the_schedulers_state(h
     t.now += 0.004
     loop(arrived)
     assert p.stats.held_steps == 1 and handled == [("ADD", "req-1")]  # vLLM's loop took it at once
-    assert tuple(p.figures()) == (30.0, 1, pytest.approx(0.026), 0, None)
+    assert tuple(p.figures()) == (30.0, 1, pytest.approx(0.026), 0, None, False, 0)
 
 
 @pytest.mark.parametrize(
@@ -240,3 +240,67 @@ def test_a_pacer_that_turned_off_shows_failed_in_the_savings_state():
     on = PowersaveSettings.model_validate({"decode_pacing": {"tpot_target_ms": 35}})
     state = savings_state(on, choice, None, on_gpu=False, pacing_off="fault (ZeroDivisionError)")
     assert state["decode_pacing"] == {"state": "failed", "basis": "", "why": "fault (ZeroDivisionError): decode steps unspaced"}
+
+
+# --- closed-loop clients (pacer.ClosedLoopGuard) ---------------------------------------------------
+
+
+def _drive(p, t, arrivals, step_s=0.007):
+    """Steps of a batch of 8 at a 30 ms target; ``arrivals(i)``: (a request finished before step
+    i's hold, seconds into the hold when a new one arrives, or None for none)."""
+    load = 8
+    p.hold(PaceFacts(load, 0, 256, False), lambda: True)
+    for i in range(400):
+        t.now += step_s
+        finished, after_s = arrivals(i)
+        load -= 1 if finished and load > 2 else 0  # a finished request leaves before the next hold
+        start = t.now
+        p.hold(PaceFacts(load, 0, 256, False), lambda: after_s is None or t.now - start < after_s)
+        load += 1 if after_s is not None else 0  # an arrival joins after the hold it cut short
+
+
+def test_arrivals_one_round_trip_after_each_finished_request_pause_pacing_and_it_looks_again_later():
+    from vllm_powersave.pacing.pacer import COUPLING_WAKES, PAUSE_S
+
+    p, t = _pacer(30.0)
+    _drive(p, t, lambda i: (i % 3 == 0, 0.004) if i % 3 == 0 else (False, None))  # closed loop: 4 ms after each end
+    assert p.guard.pauses == 1 and p.figures().paused and p.figures().closed_loop_pauses == 1
+    notice = p.guard.take_notice()
+    assert f"{COUPLING_WAKES} of the last {COUPLING_WAKES} arrivals" in notice and "paused for 30 s" in notice
+    assert p.guard.take_notice() is None  # said once per pause
+    held = p.stats.held_steps
+    t.now += 1.0
+    p.hold(DECODE, lambda: True)
+    assert p.stats.held_steps == held  # paused: no hold
+    t.now += PAUSE_S[0]
+    p.hold(DECODE, lambda: True)  # the pause ran out: pacing again, the loop judged afresh
+    t.now += 0.007
+    p.hold(DECODE, lambda: True)
+    assert p.stats.held_steps == held + 1 and not p.figures().paused
+    _drive(p, t, lambda i: (i % 3 == 0, 0.004) if i % 3 == 0 else (False, None))
+    assert p.guard.pauses == 2 and "paused for 60 s" in p.guard.take_notice()  # the loop persists: twice as long
+
+
+@pytest.mark.parametrize("finish_every", [1, 3])
+def test_open_loop_arrivals_anywhere_in_a_gap_never_pause_pacing(finish_every):
+    import random
+
+    rng = random.Random(7)
+    p, t = _pacer(30.0)
+    # Poisson-like: an arrival in half the gaps, at a uniform time; requests finish at every step (a
+    # high rate) or every third, independently of the arrivals.
+    _drive(p, t, lambda i: (i % finish_every == 0, rng.uniform(0.0, 0.023) if rng.random() < 0.5 else None))
+    assert p.stats.woken_early > 150 and p.guard.pauses == 0 and not p.figures().paused
+
+
+def test_the_hook_logs_a_pause_once(hooked, caplog):
+    from vllm_powersave.pacing.pacer import COUPLING_WAKES
+
+    p, t, loop = hooked
+    for _ in range(COUPLING_WAKES):
+        p.guard.observe_wake(True, t.now)
+    core, _ = _core([_Req(100)])
+    with caplog.at_level(logging.INFO):
+        loop(core)
+        loop(core)
+    assert sum("decode pacing paused for 30 s" in r.getMessage() for r in caplog.records) == 1

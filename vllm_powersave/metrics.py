@@ -338,6 +338,20 @@ FAMILIES: tuple[FamilySpec, ...] = (
         ("gpu",),
     ),
     FamilySpec(
+        "powersave_decode_pacing_paused",
+        _G,
+        "Decode pacing: 1 while paused because arrivals follow finished requests (closed-loop clients)",
+        "1/0",
+        ("gpu",),
+    ),
+    FamilySpec(
+        "powersave_decode_pacing_closed_loop_pauses",
+        _C,
+        "Decode pacing: pauses for closed-loop clients",
+        "count",
+        ("gpu",),
+    ),
+    FamilySpec(
         "powersave_closed_loop_unconfirmed_switches",
         _C,
         "Closed-loop decode clock: clock switches not read back within switch_confirm_ms (each re-sent, or the loop turned off)",
@@ -457,6 +471,8 @@ def _add_rank(sc: _Scrape, s: WorkerSnapshot) -> bool:
         sc.add("decode_pacing_held_seconds", [r.gpu], float(pacing.get("held_s") or 0.0))
         sc.add("decode_pacing_held_steps", [r.gpu], float(pacing.get("held_steps") or 0))
         sc.add("decode_pacing_woken_early", [r.gpu], float(pacing.get("woken_early") or 0))
+        sc.add("decode_pacing_paused", [r.gpu], float(pacing.get("paused") or 0))
+        sc.add("decode_pacing_closed_loop_pauses", [r.gpu], float(pacing.get("closed_loop_pauses") or 0))
     sv = s.get("savings")
     for name, st in sv.items() if isinstance(sv, dict) else ():
         if isinstance(st, dict):

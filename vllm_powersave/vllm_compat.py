@@ -1291,6 +1291,8 @@ def install_pacing_hook(pacer: Any) -> bool:
                     log.info("powersave: decode pacing active in this engine loop (TPOT target %.1f ms)", pacer.period_s * 1e3)
                 try:
                     pacer.hold(pace_facts(self.scheduler), self.input_queue.empty)
+                    if pacer.guard.notice is not None:  # a closed-loop pause started: said once per pause
+                        log.info("%s", pacer.guard.take_notice())
                 except (AttributeError, TypeError) as exc:  # the scheduler or its requests changed shape
                     pacer.turn_off(f"vLLM's scheduler drifted ({type(exc).__name__}: {exc})")
                     _drift_off("pacing", f"{type(exc).__name__}: {exc}")

@@ -3,6 +3,6 @@
 See :mod:`.pacer` and docs/decode-pacing.md.
 """
 
-from .pacer import DecodePacer, PaceFacts, PaceFigures, PaceStats
+from .pacer import ClosedLoopGuard, DecodePacer, PaceFacts, PaceFigures, PaceStats
 
-__all__ = ["DecodePacer", "PaceFacts", "PaceFigures", "PaceStats"]
+__all__ = ["ClosedLoopGuard", "DecodePacer", "PaceFacts", "PaceFigures", "PaceStats"]

@@ -65,7 +65,14 @@ class StepDrain:
         p = self._pacing
         if p is None:
             return None
-        return {"tpot_target_ms": p.tpot_target_ms, "held_steps": p.held_steps, "held_s": p.held_s, "woken_early": p.woken_early}
+        return {
+            "tpot_target_ms": p.tpot_target_ms,
+            "held_steps": p.held_steps,
+            "held_s": p.held_s,
+            "woken_early": p.woken_early,
+            "paused": int(p.paused),
+            "closed_loop_pauses": p.closed_loop_pauses,
+        }
 
     def _price_hold(self, sim: SimulatedGpu, seconds: float) -> None:
         """The simulated GPU (and its stock-clock twin) idle for a pacing hold before this step."""
