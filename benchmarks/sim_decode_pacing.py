@@ -128,7 +128,7 @@ class _NoGuard:
     def paused(self, now: float) -> bool:
         return False
 
-    def observe_wake(self, coupled: bool, now: float) -> None:
+    def observe_hold(self, after_finish: bool, woken: bool, now: float) -> None:
         pass
 
 
@@ -150,7 +150,8 @@ def simulate(
         pacer.guard = _NoGuard()  # type: ignore[assignment]
     cost = ModelCost.for_shape(SHAPE)
     while eng.now_s < duration_s:
-        eng.arrive()
+        if pacer is None or not (eng.running or eng.waiting):
+            eng.arrive()  # a paced engine takes its inputs after the hold, as vLLM's loop does
         if not eng.running and not eng.waiting:
             eng.idle(max(0.0, eng.pending[0].arrival_s - eng.now_s))
             continue
@@ -158,6 +159,7 @@ def simulate(
             facts = PaceFacts(len(eng.running), len(eng.waiting), MAX_SEQS, any(r.computed < r.prompt for r in eng.running))
             pacer.hold(facts, lambda: not (eng.pending and eng.pending[0].arrival_s <= eng.now_s))
             eng.arrive()
+            pacer.after_intake(len(eng.running) + len(eng.waiting))
         _step(eng, cost)
     return _figures(load, target_ms, eng)
 

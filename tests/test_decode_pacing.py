@@ -245,60 +245,94 @@ def test_a_pacer_that_turned_off_shows_failed_in_the_savings_state():
 # --- closed-loop clients (pacer.ClosedLoopGuard) ---------------------------------------------------
 
 
-def _drive(p, t, arrivals, step_s=0.007):
+def _drive(p, t, arrivals, step_s=0.007, steps=400):
     """Steps of a batch of 8 at a 30 ms target; ``arrivals(i)``: (a request finished before step
     i's hold, seconds into the hold when a new one arrives, or None for none)."""
     load = 8
     p.hold(PaceFacts(load, 0, 256, False), lambda: True)
-    for i in range(400):
+    p.after_intake(load)
+    for i in range(steps):
         t.now += step_s
         finished, after_s = arrivals(i)
         load -= 1 if finished and load > 2 else 0  # a finished request leaves before the next hold
         start = t.now
         p.hold(PaceFacts(load, 0, 256, False), lambda: after_s is None or t.now - start < after_s)
         load += 1 if after_s is not None else 0  # an arrival joins after the hold it cut short
+        p.after_intake(load)
+
+
+def _closed_loop(i):
+    return (i % 3 == 0, 0.004) if i % 3 == 0 else (False, None)  # 4 ms after each end, never else
 
 
 def test_arrivals_one_round_trip_after_each_finished_request_pause_pacing_and_it_looks_again_later():
-    from vllm_powersave.pacing.pacer import COUPLING_WAKES, PAUSE_S
+    from vllm_powersave.pacing.pacer import PAUSE_S
 
     p, t = _pacer(30.0)
-    _drive(p, t, lambda i: (i % 3 == 0, 0.004) if i % 3 == 0 else (False, None))  # closed loop: 4 ms after each end
+    _drive(p, t, _closed_loop)
     assert p.guard.pauses == 1 and p.figures().paused and p.figures().closed_loop_pauses == 1
     notice = p.guard.take_notice()
-    assert f"{COUPLING_WAKES} of the last {COUPLING_WAKES} arrivals" in notice and "paused for 30 s" in notice
+    assert "paused for 30 s" in notice and "holds after a finished request" in notice
     assert p.guard.take_notice() is None  # said once per pause
     held = p.stats.held_steps
     t.now += 1.0
     p.hold(DECODE, lambda: True)
     assert p.stats.held_steps == held  # paused: no hold
     t.now += PAUSE_S[0]
-    p.hold(DECODE, lambda: True)  # the pause ran out: pacing again, the loop judged afresh
+    assert not p.figures().paused  # the pause ran out, whether or not a loop has looked since
+    p.hold(DECODE, lambda: True)  # pacing again, the loop judged afresh
     t.now += 0.007
     p.hold(DECODE, lambda: True)
     assert p.stats.held_steps == held + 1 and not p.figures().paused
-    _drive(p, t, lambda i: (i % 3 == 0, 0.004) if i % 3 == 0 else (False, None))
+    _drive(p, t, _closed_loop)
     assert p.guard.pauses == 2 and "paused for 60 s" in p.guard.take_notice()  # the loop persists: twice as long
 
 
 @pytest.mark.parametrize("finish_every", [1, 3])
-def test_open_loop_arrivals_anywhere_in_a_gap_never_pause_pacing(finish_every):
+@pytest.mark.parametrize("rate", [8.0, 50.0, 150.0])
+def test_open_loop_poisson_arrivals_never_pause_pacing(finish_every, rate):
     import random
 
     rng = random.Random(7)
     p, t = _pacer(30.0)
-    # Poisson-like: an arrival in half the gaps, at a uniform time; requests finish at every step (a
-    # high rate) or every third, independently of the arrivals.
-    _drive(p, t, lambda i: (i % finish_every == 0, rng.uniform(0.0, 0.023) if rng.random() < 0.5 else None))
+    # Poisson: the first arrival after a hold starts is exponential (early in the gap at high rates);
+    # requests finish at every step or every third, independently of the arrivals (as many of them).
+    _drive(p, t, lambda i: (i % finish_every == 0, rng.expovariate(rate) if rng.random() < 1 / finish_every else None), steps=3000)
     assert p.stats.woken_early > 150 and p.guard.pauses == 0 and not p.figures().paused
 
 
+def test_a_hold_cut_short_by_an_abort_is_no_arrival_and_the_abort_counts_as_a_finish():
+    p, t = _pacer(30.0)
+    p.hold(DECODE, lambda: True)
+    p.after_intake(8)
+    t.now += 0.007
+    start = t.now
+    p.hold(DECODE, lambda: t.now - start < 0.001)  # a stop string's abort lands 1 ms in
+    p.after_intake(7)  # the loop took it: one request fewer
+    assert p.guard.finished == [0, 0] and p.guard.control == [0, 0]
+    t.now += 0.007
+    start = t.now
+    p.hold(PaceFacts(7, 0, 256, False), lambda: t.now - start < 0.004)  # the client's next request
+    p.after_intake(8)
+    assert p.guard.finished == [1, 1]  # after a finish (the abort), woken
+
+
+def test_a_pacer_turned_off_during_a_pause_does_not_read_paused():
+    p, t = _pacer(30.0)
+    _drive(p, t, _closed_loop)
+    assert p.figures().paused
+    p.turn_off("fault (ZeroDivisionError)")
+    assert not p.figures().paused
+
+
 def test_the_hook_logs_a_pause_once(hooked, caplog):
-    from vllm_powersave.pacing.pacer import COUPLING_WAKES
+    from vllm_powersave.pacing.pacer import CONTROL_HOLDS, FINISHED_HOLDS
 
     p, t, loop = hooked
-    for _ in range(COUPLING_WAKES):
-        p.guard.observe_wake(True, t.now)
+    for _ in range(CONTROL_HOLDS):
+        p.guard.observe_hold(False, False, t.now)
+    for _ in range(FINISHED_HOLDS):
+        p.guard.observe_hold(True, True, t.now)
     core, _ = _core([_Req(100)])
     with caplog.at_level(logging.INFO):
         loop(core)

@@ -1285,21 +1285,31 @@ def install_pacing_hook(pacer: Any) -> bool:
         first = [True]
 
         def _process_input_queue(self: Any, *args: Any, **kwargs: Any) -> Any:
+            held = False
             if pacer.off_reason is None:
                 if first:
                     first.clear()
                     log.info("powersave: decode pacing active in this engine loop (TPOT target %.1f ms)", pacer.period_s * 1e3)
                 try:
                     pacer.hold(pace_facts(self.scheduler), self.input_queue.empty)
-                    if pacer.guard.notice is not None:  # a closed-loop pause started: said once per pause
-                        log.info("%s", pacer.guard.take_notice())
+                    held = True
                 except (AttributeError, TypeError) as exc:  # the scheduler or its requests changed shape
                     pacer.turn_off(f"vLLM's scheduler drifted ({type(exc).__name__}: {exc})")
                     _drift_off("pacing", f"{type(exc).__name__}: {exc}")
                 except Exception as exc:  # pacing is a saving: never break the engine loop for it
                     pacer.turn_off(f"fault ({type(exc).__name__})")
                     fault_once("pacing", exc, "decode pacing", "decode steps run unspaced from now on")
-            return orig(self, *args, **kwargs)
+            out = orig(self, *args, **kwargs)
+            if held:  # what the loop took tells the closed-loop guard an arrival from an abort
+                try:
+                    sched = self.scheduler
+                    pacer.after_intake(len(sched.running) + len(sched.waiting))
+                    if pacer.guard.notice is not None:  # a closed-loop pause started: said once per pause
+                        log.info("%s", pacer.guard.take_notice())
+                except Exception as exc:  # pacing is a saving: never break the engine loop for it
+                    pacer.turn_off(f"fault ({type(exc).__name__})")
+                    fault_once("pacing", exc, "decode pacing", "decode steps run unspaced from now on")
+            return out
 
         return _process_input_queue
 

@@ -23,7 +23,6 @@ still owed its prefill or its first token (:class:`PaceFacts`).
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -45,12 +44,13 @@ class PaceFacts:
     prefill_pending: bool
 
 
-#: Closed-loop detection (:class:`ClosedLoopGuard`): early wakes judged together, the share of them
-#: that must follow a finished request to pause pacing, and how soon after the step such an arrival
-#: comes (a client's round trip through the API server; the gap's first half at most).
-COUPLING_WAKES = 32
-COUPLED_SHARE = 0.8
-COUPLING_MAX_S = 0.015
+#: Closed-loop detection (:class:`ClosedLoopGuard`): holds judged together, after a finished request
+#: and after none (the control), the share of the first that an arrival must cut short, and the
+#: most the control's share may be, to pause pacing.
+FINISHED_HOLDS = 32
+CONTROL_HOLDS = 32
+WOKEN_SHARE = 0.5
+CONTROL_MAX = 0.1
 #: The first pause (s); each pause that ends in another doubles it, up to the last value.
 PAUSE_S = (30.0, 600.0)
 
@@ -61,15 +61,17 @@ class ClosedLoopGuard:
 
     A closed-loop client sends its next request when its last one ends, so the batch stays at the
     number of clients whatever the period, and a gap only costs throughput (x0.67 and x0.45 at 20 and
-    35 ms on the simulated H200 with 128 clients, docs/results/sim-decode-pacing.md). Such arrivals come one round
-    trip after a request finishes; open-loop arrivals fall anywhere in a gap. So each hold that an
-    arrival cuts short is *coupled* when a request finished just before it and the arrival came in
-    the gap's first half, within :data:`COUPLING_MAX_S`; open-loop traffic couples at most half its
-    wakes in expectation. When :data:`COUPLED_SHARE` of the last :data:`COUPLING_WAKES` wakes are
-    coupled, pacing pauses for :data:`PAUSE_S` (doubling while the loop persists), then looks again.
+    35 ms on the simulated H200 with 128 clients, docs/results/sim-decode-pacing.md). Such arrivals
+    come one round trip after a request finishes, open-loop arrivals whenever: a Poisson arrival is as
+    likely to cut short a hold that follows a finished request as one that follows none. So the guard
+    counts, for the holds after a finish and (the control) the holds after none, how many an arriving
+    request cut short; when at least :data:`WOKEN_SHARE` of :data:`FINISHED_HOLDS` holds after a
+    finish were, and at most :data:`CONTROL_MAX` of :data:`CONTROL_HOLDS` holds after none, pacing
+    pauses for :data:`PAUSE_S` (doubling while the loop persists), then looks again.
     """
 
-    wakes: deque[bool] = field(default_factory=lambda: deque(maxlen=COUPLING_WAKES))
+    finished: list[int] = field(default_factory=lambda: [0, 0])  # holds after a finish, and those woken
+    control: list[int] = field(default_factory=lambda: [0, 0])  # holds after none, and those woken
     paused_until: float | None = None
     pause_s: float = PAUSE_S[0]
     pauses: int = 0
@@ -83,28 +85,35 @@ class ClosedLoopGuard:
         if now < self.paused_until:
             return True
         self.paused_until = None
-        self.wakes.clear()
+        self._clear()
         return False
 
-    def observe_wake(self, coupled: bool, now: float) -> None:
-        """One hold cut short by an arrival; pauses pacing when the loop's share is reached."""
-        self.wakes.append(coupled)
-        if len(self.wakes) < COUPLING_WAKES:
+    def _clear(self) -> None:
+        self.finished[:] = [0, 0]
+        self.control[:] = [0, 0]
+
+    def observe_hold(self, after_finish: bool, woken: bool, now: float) -> None:
+        """One hold that ran: whether a request left the engine since the last hold, and whether an
+        arriving request cut it short; pauses pacing when the loop's signature is reached."""
+        tally = self.finished if after_finish else self.control
+        tally[0] += 1
+        tally[1] += woken
+        (nf, wf), (nc, wc) = self.finished, self.control
+        if nf < FINISHED_HOLDS or nc < CONTROL_HOLDS:
             return
-        share = sum(self.wakes) / len(self.wakes)
-        if share < COUPLED_SHARE:
+        self._clear()
+        share, control = wf / nf, wc / nc
+        if share < WOKEN_SHARE or control > CONTROL_MAX:
             self.pause_s = PAUSE_S[0]  # open-loop arrivals: a later loop starts from the first pause
-            self.wakes.clear()
             return
         self.pauses += 1
         self.paused_until = now + self.pause_s
         self.notice = (
-            f"powersave: decode pacing paused for {self.pause_s:.0f} s: {sum(self.wakes)} of the last {len(self.wakes)} "
-            f"arrivals came within {COUPLING_MAX_S * 1e3:.0f} ms of a finished request (closed-loop clients, where "
-            "pacing cannot grow the batch and only costs throughput)"
+            f"powersave: decode pacing paused for {self.pause_s:.0f} s: arrivals cut short {wf} of {nf} holds after a "
+            f"finished request but {wc} of {nc} after none (closed-loop clients, where pacing cannot grow the batch "
+            "and only costs throughput)"
         )
         self.pause_s = min(2.0 * self.pause_s, PAUSE_S[1])
-        self.wakes.clear()
 
     def take_notice(self) -> str | None:
         msg, self.notice = self.notice, None
@@ -140,7 +149,10 @@ class DecodePacer:
         self._clock = clock
         self._sleep = sleep
         self._last_step_t: float | None = None  # when the previous step was let go
-        self._prev_load: int | None = None  # running + waiting at the previous loop
+        self._post_load: int | None = None  # running + waiting once the previous loop took its inputs
+        self._hold_load = 0  # running + waiting at this loop's hold
+        self._aborted = False  # the previous loop's inputs removed requests (aborts: stop strings, disconnects)
+        self._held: tuple[bool, bool, float] | None = None  # this loop's hold, judged once its inputs are known
         self.guard = ClosedLoopGuard()
         self.off_reason: str | None = None  # set once by turn_off: the pacer holds nothing after
 
@@ -163,25 +175,38 @@ class DecodePacer:
             return 0.0
         start = self._clock()
         load = facts.running + facts.waiting
-        finished = self._prev_load is not None and load < self._prev_load  # a request ended since the last loop
-        self._prev_load = load
+        # A request left in the step since the last loop took its inputs, or was aborted by them.
+        finished = self._aborted or (self._post_load is not None and load < self._post_load)
+        self._hold_load, self._post_load, self._aborted, self._held = load, None, False, None
         gap = self.gap_s(start, facts) if queue_empty() and not self.guard.paused(start) else 0.0
         now = start
         if gap > 0.0:
             deadline = start + gap
+            woken = False
             while now < deadline:
                 if not queue_empty():
                     self.stats.woken_early += 1
-                    self.guard.observe_wake(finished and now - start <= min(COUPLING_MAX_S, gap / 2.0), now)
-                    self._prev_load = load + 1  # the arrival joins after this hold: the next loop counts it
+                    woken = True
                     break
                 self._sleep(min(POLL_S, deadline - now))
                 now = self._clock()
             self.stats.held_steps += 1
             self.stats.held_s += now - start
+            self._held = (finished, woken, now)
         # Only steps with a batch start a period: after an idle spell the first step goes at once.
         self._last_step_t = now if facts.running > 0 else None
         return now - start
+
+    def after_intake(self, load: int) -> None:
+        """The engine took its inputs after :meth:`hold`; ``load``: running + waiting now. What was
+        taken tells an arrival (the load grew) from an abort or a utility call."""
+        grew, held = load - self._hold_load, self._held
+        self._post_load, self._aborted, self._held = load, load < self._hold_load, None
+        if held is not None:
+            after_finish, woken, now = held
+            if woken and grew <= 0:
+                return  # cut short by something else than a request: the hold tells nothing
+            self.guard.observe_hold(after_finish, woken, now)
 
     def figures(self) -> "PaceFigures":
         """What it did so far, stamped on each step's ``SchedulerOutput`` for the workers to publish."""
@@ -191,7 +216,7 @@ class DecodePacer:
             self.stats.held_s,
             self.stats.woken_early,
             self.off_reason,
-            self.guard.paused_until is not None,
+            self.off_reason is None and self.guard.paused_until is not None and self._clock() < self.guard.paused_until,
             self.guard.pauses,
         )
 
