@@ -934,3 +934,17 @@ def test_every_configuration_of_the_default_gpu_space_gets_its_own_window_files(
     labels = {ts_run.window_label(f"search/r0/{k}") for k in keys}
     assert len(keys) == 216 and len(labels) == len(keys) and max(map(len, labels)) <= 120
     assert ts_run.window_label("final/p1/defaults") == "final-p1-defaults"  # short ones read as before
+
+
+def test_a_saturation_window_prepares_requests_enough_to_last_its_length():
+    from vllm_powersave.serving_tune.measure import MAX_WINDOW_REQUESTS, MIN_TPOT_S, saturation_requests
+
+    # 4 streams of 16-token outputs for 5 s: the old count (48) ran out after ~0.6 s on 2 cores.
+    n = saturation_requests(4, 5.0, 16, 16)
+    assert n / 4 * 16 * MIN_TPOT_S >= 5.0
+    assert saturation_requests(128, 20.0, 256, 256) >= 128 * (2 * 20 + 2) * 0.9  # a 7B at 128 streams: as before
+    assert saturation_requests(10_000, 600.0, 1, 1) == MAX_WINDOW_REQUESTS
+
+
+def test_a_ratio_interval_of_few_pairs_is_not_shown_below_zero():
+    assert ts_run._ratio_text({"mean": 0.924, "ci95": [-1.869, 3.718]}) == "0.924 (95 % CI 0.000–3.718)"

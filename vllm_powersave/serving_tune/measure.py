@@ -149,7 +149,7 @@ class Measurer:
         inputs = self.plan.out_dir / "inputs"
         if t.kind == "saturation":
             conc = int(t.concurrency or 1)
-            n = min(20000, int(conc * (2 * window_s + 2)))
+            n = saturation_requests(conc, window_s, t.output_len.lo, t.output_len.hi)
             data = write_loadtests_dataset(closed_loop_lengths(n, t.input_len, t.output_len, seed), inputs / f"{label}.jsonl", seed)
             cfg = BenchConfig(**common, dataset=f"jsonl:{data}", num_prompts=n, max_concurrency=conc, duration_s=window_s)
         else:
@@ -165,6 +165,19 @@ class Measurer:
         if self._server is not None:
             self._server.stop()
         self._server, self._args = None, None
+
+
+#: The fastest decode a saturation window plans for (s per output token): a window that ran out of
+#: requests would end early and measure less than ``--window-s`` (2 cores, the tiny model: ~3 ms).
+MIN_TPOT_S = 0.002
+MAX_WINDOW_REQUESTS = 20000
+
+
+def saturation_requests(concurrency: int, window_s: float, out_lo: int, out_hi: int) -> int:
+    """Requests to prepare for a closed-loop window: enough for each stream to keep busy for
+    ``window_s`` at :data:`MIN_TPOT_S` per token (the run stops starting them at ``window_s``)."""
+    per_request_s = max(MIN_TPOT_S * (out_lo + out_hi) / 2.0, 1e-3)
+    return min(MAX_WINDOW_REQUESTS, int(concurrency * (window_s / per_request_s + 2)))
 
 
 def leftover_servers(log_dir: Path) -> list[int]:

@@ -407,7 +407,8 @@ def _execute(opts: TuneServingOptions) -> int:
 
 def _ratio_text(d: dict[str, Any]) -> str:
     ci = d.get("ci95")
-    return "n/a" if d.get("mean") is None else f"{d['mean']:.3f}" + (f" (95 % CI {ci[0]:.3f}-{ci[1]:.3f})" if ci else "")
+    # A ratio is positive: a t interval of few pairs that reaches below 0 is shown from 0.
+    return "n/a" if d.get("mean") is None else f"{d['mean']:.3f}" + (f" (95 % CI {max(ci[0], 0.0):.3f}–{ci[1]:.3f})" if ci else "")
 
 
 def _att(d: dict[str, Any]) -> str:
