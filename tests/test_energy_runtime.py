@@ -660,4 +660,11 @@ def test_the_simulated_gpu_prices_a_decode_pacing_hold_as_idle_time(monkeypatch,
     unpaced_j, _ = run([0.0, 0.0, 0.0, 0.0])
     paced_j, snap = run([0.0, 0.03, 0.06, 0.06 + 0.9])  # two 30 ms holds, then one longer than idle_after_s
     assert paced_j - unpaced_j == pytest.approx(H200.p_idle_w * (0.03 + 0.03 + 0.25), rel=1e-9)
-    assert snap == {"tpot_target_ms": 35.0, "held_steps": 3, "held_s": pytest.approx(0.96), "woken_early": 0}
+    assert snap == {
+        "tpot_target_ms": 35.0,
+        "held_steps": 3,
+        "held_s": pytest.approx(0.96),
+        "woken_early": 0,
+        "paused": 0,
+        "closed_loop_pauses": 0,
+    }
