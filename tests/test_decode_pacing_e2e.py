@@ -71,3 +71,38 @@ def test_a_served_request_decodes_at_the_tpot_target(tmp_path):
     text = log.read_text()
     assert "decode pacing on (decode steps spaced to 60 ms)" in text
     assert text.count("decode pacing active in this engine loop (TPOT target 60.0 ms)") == 1  # only where it paces
+
+
+def _pacing_metric(url, name):
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        lines = [ln for ln in r.read().decode().splitlines() if ln.startswith(name + "{")]
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in lines)
+
+
+def test_closed_loop_clients_pause_pacing_and_metrics_and_the_log_say_so(tmp_path):
+    # Four clients that send their next request as the last ends: the batch stays at 4 whatever the
+    # period, so the pacer's closed-loop guard pauses it (pacing/pacer.py ClosedLoopGuard).
+    from loadtests import BenchConfig, run
+    from vllm_powersave.modelgen import make_model
+
+    model = make_model(tmp_path / "qwen2-tiny", "qwen2-tiny")
+    cfg = {"powersave": {"stats_dir": str(tmp_path / "stats"), "decode_pacing": {"tpot_target_ms": 40.0}}}
+    log = tmp_path / "server.log"
+    srv = VllmServer(default_serve_args(str(model)) + ["--plugin", "powersave", "--additional-config", json.dumps(cfg)], log_path=log)
+    srv.start()
+    try:
+        bench = BenchConfig(
+            base_url=srv.base_url, model="model", max_concurrency=4, num_prompts=5000, duration_s=25.0,
+            input_len=32, output_len=64, energy="none", progress=False,
+        )  # fmt: skip
+        result = run(bench)
+        assert result["completed"] > 100
+        deadline = time.monotonic() + 10.0  # the workers publish what the engine stamped on its steps
+        while _pacing_metric(srv.base_url, "powersave_decode_pacing_closed_loop_pauses_total") < 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        pauses = _pacing_metric(srv.base_url, "powersave_decode_pacing_closed_loop_pauses_total")
+        held = _pacing_metric(srv.base_url, "powersave_decode_pacing_held_steps_total")
+    finally:
+        srv.stop()
+    assert pauses >= 1 and held > 32, (pauses, held)
+    assert log.read_text().count("decode pacing paused for 30 s: arrivals cut short") == 1
