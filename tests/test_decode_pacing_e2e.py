@@ -93,10 +93,12 @@ def test_closed_loop_clients_pause_pacing_and_metrics_and_the_log_say_so(tmp_pat
     try:
         bench = BenchConfig(
             base_url=srv.base_url, model="model", max_concurrency=4, num_prompts=5000, duration_s=25.0,
-            input_len=32, output_len=64, energy="none", progress=False,
+            input_len=32, output_len=16, energy="none", progress=False,
         )  # fmt: skip
+        # 16 tokens at 40 ms: a request ends every ~0.16 s paced, so the guard's 32 holds after a
+        # finish come within ~6 s of the 25 s even on a loaded host.
         result = run(bench)
-        assert result["completed"] > 100
+        assert result["completed"] >= 32
         deadline = time.monotonic() + 10.0  # the workers publish what the engine stamped on its steps
         while _pacing_metric(srv.base_url, "powersave_decode_pacing_closed_loop_pauses_total") < 1 and time.monotonic() < deadline:
             time.sleep(0.2)
