@@ -56,6 +56,23 @@ PAUSE_S = (30.0, 600.0)
 
 
 @dataclass
+class HoldTally:
+    """Holds of one kind (after a finished request, or after none) and how many an arrival cut short."""
+
+    holds: int = 0
+    woken: int = 0
+
+
+@dataclass(frozen=True)
+class HeldStep:
+    """A hold of this loop, judged by the guard once the loop's intake is known."""
+
+    after_finish: bool  # a request left the engine since the last loop took its inputs
+    woken: bool  # something arrived on the input queue before the hold ran out
+    at_s: float  # when the hold ended (the pacer's clock)
+
+
+@dataclass
 class ClosedLoopGuard:
     """Pauses pacing while its clients form a closed loop.
 
@@ -70,8 +87,8 @@ class ClosedLoopGuard:
     pauses for :data:`PAUSE_S` (doubling while the loop persists), then looks again.
     """
 
-    finished: list[int] = field(default_factory=lambda: [0, 0])  # holds after a finish, and those woken
-    control: list[int] = field(default_factory=lambda: [0, 0])  # holds after none, and those woken
+    finished: HoldTally = field(default_factory=HoldTally)  # holds after a finished request
+    control: HoldTally = field(default_factory=HoldTally)  # holds after none
     paused_until: float | None = None
     pause_s: float = PAUSE_S[0]
     pauses: int = 0
@@ -89,16 +106,15 @@ class ClosedLoopGuard:
         return False
 
     def _clear(self) -> None:
-        self.finished[:] = [0, 0]
-        self.control[:] = [0, 0]
+        self.finished, self.control = HoldTally(), HoldTally()
 
     def observe_hold(self, after_finish: bool, woken: bool, now: float) -> None:
         """One hold that ran: whether a request left the engine since the last hold, and whether an
         arriving request cut it short; pauses pacing when the loop's signature is reached."""
         tally = self.finished if after_finish else self.control
-        tally[0] += 1
-        tally[1] += woken
-        (nf, wf), (nc, wc) = self.finished, self.control
+        tally.holds += 1
+        tally.woken += woken
+        (nf, wf), (nc, wc) = (self.finished.holds, self.finished.woken), (self.control.holds, self.control.woken)
         if nf < FINISHED_HOLDS or nc < CONTROL_HOLDS:
             return
         self._clear()
@@ -152,7 +168,7 @@ class DecodePacer:
         self._post_load: int | None = None  # running + waiting once the previous loop took its inputs
         self._hold_load = 0  # running + waiting at this loop's hold
         self._aborted = False  # the previous loop's inputs removed requests (aborts: stop strings, disconnects)
-        self._held: tuple[bool, bool, float] | None = None  # this loop's hold, judged once its inputs are known
+        self._held: HeldStep | None = None  # this loop's hold, judged once its inputs are known
         self.guard = ClosedLoopGuard()
         self.off_reason: str | None = None  # set once by turn_off: the pacer holds nothing after
 
@@ -192,7 +208,7 @@ class DecodePacer:
                 now = self._clock()
             self.stats.held_steps += 1
             self.stats.held_s += now - start
-            self._held = (finished, woken, now)
+            self._held = HeldStep(finished, woken, now)
         # Only steps with a batch start a period: after an idle spell the first step goes at once.
         self._last_step_t = now if facts.running > 0 else None
         return now - start
@@ -203,10 +219,9 @@ class DecodePacer:
         grew, held = load - self._hold_load, self._held
         self._post_load, self._aborted, self._held = load, load < self._hold_load, None
         if held is not None:
-            after_finish, woken, now = held
-            if woken and grew <= 0:
+            if held.woken and grew <= 0:
                 return  # cut short by something else than a request: the hold tells nothing
-            self.guard.observe_hold(after_finish, woken, now)
+            self.guard.observe_hold(held.after_finish, held.woken, held.at_s)
 
     def figures(self) -> "PaceFigures":
         """What it did so far, stamped on each step's ``SchedulerOutput`` for the workers to publish."""
