@@ -266,6 +266,28 @@ def _closed_loop(i):
     return (i % 3 == 0, 0.004) if i % 3 == 0 else (False, None)  # 4 ms after each end, never else
 
 
+def test_clients_whose_round_trip_outlasts_the_gap_pause_pacing_from_the_next_loops_intake():
+    # Each client's next request lands during the step after the finish: it is in the queue when
+    # the next loop starts (no hold there), so no hold is ever cut short by it.
+    p, t = _pacer(30.0)
+    load, pending = 8, False
+    p.hold(PaceFacts(load, 0, 256, False), lambda: True)
+    p.after_intake(load)
+    for i in range(600):
+        t.now += 0.007
+        finished = i % 3 == 0 and load > 2
+        load -= finished
+        queued = pending
+        p.hold(PaceFacts(load, 0, 256, False), lambda: not queued)
+        load += queued
+        p.after_intake(load)
+        pending = finished
+        if p.guard.pauses:
+            break
+    assert p.stats.woken_early == 0 and p.guard.pauses == 1
+    assert "1 loop(s) after a held step that followed a finished request" in p.guard.take_notice()
+
+
 def test_arrivals_one_round_trip_after_each_finished_request_pause_pacing_and_it_looks_again_later():
     from vllm_powersave.pacing.pacer import PAUSE_S
 

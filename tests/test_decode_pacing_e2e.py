@@ -107,4 +107,4 @@ def test_closed_loop_clients_pause_pacing_and_metrics_and_the_log_say_so(tmp_pat
     finally:
         srv.stop()
     assert pauses >= 1 and held > 32, (pauses, held)
-    assert log.read_text().count("decode pacing paused for 30 s: arrivals cut short") == 1
+    assert log.read_text().count("decode pacing paused for 30 s: requests arrived") == 1

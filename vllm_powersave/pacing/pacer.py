@@ -23,6 +23,7 @@ still owed its prefill or its first token (:class:`PaceFacts`).
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -53,6 +54,9 @@ WOKEN_SHARE = 0.5
 CONTROL_MAX = 0.1
 #: The first pause (s); each pause that ends in another doubles it, up to the last value.
 PAUSE_S = (30.0, 600.0)
+#: Loops after a finish in which a client's next request may reach the intake: a round trip as long
+#: as the gap lands in the next loop's intake, not in the hold after the finish.
+LAGS = (1, 2)
 
 
 @dataclass
@@ -61,6 +65,14 @@ class HoldTally:
 
     holds: int = 0
     woken: int = 0
+
+
+@dataclass(frozen=True)
+class LoopTrace:
+    """What an earlier loop of the engine saw, for arrivals that come loops after a finish."""
+
+    held: bool  # the pacer held that loop's step
+    after_finish: bool  # a request had left the engine since the loop before
 
 
 @dataclass(frozen=True)
@@ -89,6 +101,12 @@ class ClosedLoopGuard:
 
     finished: HoldTally = field(default_factory=HoldTally)  # holds after a finished request
     control: HoldTally = field(default_factory=HoldTally)  # holds after none
+    #: Per lag (:data:`LAGS`): loops ``lag`` after a held loop with a finish, and after one without,
+    #: and in how many a request arrived (``woken`` counts arrivals here).
+    lagged: dict[int, tuple[HoldTally, HoldTally]] = field(default_factory=dict)
+    #: Lags whose last verdict was open-loop since the last pause (0: the holds themselves); all of
+    #: them: the pause starts again from the first length.
+    open_verdicts: set[int] = field(default_factory=set)
     paused_until: float | None = None
     pause_s: float = PAUSE_S[0]
     pauses: int = 0
@@ -107,29 +125,43 @@ class ClosedLoopGuard:
 
     def _clear(self) -> None:
         self.finished, self.control = HoldTally(), HoldTally()
+        self.lagged.clear()
 
     def observe_hold(self, after_finish: bool, woken: bool, now: float) -> None:
         """One hold that ran: whether a request left the engine since the last hold, and whether an
         arriving request cut it short; pauses pacing when the loop's signature is reached."""
-        tally = self.finished if after_finish else self.control
+        self._judge(0, self.finished, self.control, after_finish, woken, now)
+
+    def observe_lagged(self, lag: int, after_finish: bool, arrived: bool, now: float) -> None:
+        """A loop ``lag`` loops after a held one: whether that one followed a finish, and whether a
+        request arrived in this loop's intake (a client whose round trip outlasts the gap)."""
+        finished, control = self.lagged.setdefault(lag, (HoldTally(), HoldTally()))
+        self._judge(lag, finished, control, after_finish, arrived, now)
+
+    def _judge(self, lag: int, finished: HoldTally, control: HoldTally, after_finish: bool, woken: bool, now: float) -> None:
+        tally = finished if after_finish else control
         tally.holds += 1
         tally.woken += woken
-        (nf, wf), (nc, wc) = (self.finished.holds, self.finished.woken), (self.control.holds, self.control.woken)
-        if nf < FINISHED_HOLDS or nc < CONTROL_HOLDS:
+        if finished.holds < FINISHED_HOLDS or control.holds < CONTROL_HOLDS:
             return
-        self._clear()
-        share, control = wf / nf, wc / nc
-        if share < WOKEN_SHARE or control > CONTROL_MAX:
-            self.pause_s = PAUSE_S[0]  # open-loop arrivals: a later loop starts from the first pause
+        (nf, wf), (nc, wc) = (finished.holds, finished.woken), (control.holds, control.woken)
+        finished.holds = finished.woken = control.holds = control.woken = 0
+        if wf / nf < WOKEN_SHARE or wc / nc > CONTROL_MAX:
+            self.open_verdicts.add(lag)
+            if self.open_verdicts >= {0, *LAGS}:  # open-loop arrivals: a later loop starts from the first pause
+                self.pause_s = PAUSE_S[0]
             return
         self.pauses += 1
         self.paused_until = now + self.pause_s
+        when = "in holds after a finished request" if lag == 0 else f"{lag} loop(s) after a held step that followed a finished request"
         self.notice = (
-            f"powersave: decode pacing paused for {self.pause_s:.0f} s: arrivals cut short {wf} of {nf} holds after a "
-            f"finished request but {wc} of {nc} after none (closed-loop clients, where pacing cannot grow the batch "
-            "and only costs throughput)"
+            f"powersave: decode pacing paused for {self.pause_s:.0f} s: requests arrived {wf} of {nf} times {when} "
+            f"but {wc} of {nc} times after none (closed-loop clients, where pacing cannot grow the batch and only "
+            "costs throughput)"
         )
         self.pause_s = min(2.0 * self.pause_s, PAUSE_S[1])
+        self.open_verdicts.clear()
+        self._clear()
 
     def take_notice(self) -> str | None:
         msg, self.notice = self.notice, None
@@ -169,6 +201,8 @@ class DecodePacer:
         self._hold_load = 0  # running + waiting at this loop's hold
         self._aborted = False  # the previous loop's inputs removed requests (aborts: stop strings, disconnects)
         self._held: HeldStep | None = None  # this loop's hold, judged once its inputs are known
+        self._after_finish = False  # this loop's hold came after a finished request
+        self._recent: deque[LoopTrace] = deque(maxlen=max(LAGS))  # the loops before this one, newest last
         self.guard = ClosedLoopGuard()
         self.off_reason: str | None = None  # set once by turn_off: the pacer holds nothing after
 
@@ -194,6 +228,7 @@ class DecodePacer:
         # A request left in the step since the last loop took its inputs, or was aborted by them.
         finished = self._aborted or (self._post_load is not None and load < self._post_load)
         self._hold_load, self._post_load, self._aborted, self._held = load, None, False, None
+        self._after_finish = finished
         gap = self.gap_s(start, facts) if queue_empty() and not self.guard.paused(start) else 0.0
         now = start
         if gap > 0.0:
@@ -218,10 +253,15 @@ class DecodePacer:
         taken tells an arrival (the load grew) from an abort or a utility call."""
         grew, held = load - self._hold_load, self._held
         self._post_load, self._aborted, self._held = load, load < self._hold_load, None
-        if held is not None:
-            if held.woken and grew <= 0:
-                return  # cut short by something else than a request: the hold tells nothing
+        # Cut short by something else than a request (an abort, a utility call): the hold tells nothing.
+        if held is not None and not (held.woken and grew <= 0):
             self.guard.observe_hold(held.after_finish, held.woken, held.at_s)
+        if any(past.held for past in self._recent):
+            now = self._clock()
+            for lag, past in enumerate(reversed(self._recent), start=1):
+                if past.held:
+                    self.guard.observe_lagged(lag, past.after_finish, grew > 0, now)
+        self._recent.append(LoopTrace(held is not None, self._after_finish))
 
     def figures(self) -> "PaceFigures":
         """What it did so far, stamped on each step's ``SchedulerOutput`` for the workers to publish."""
