@@ -161,9 +161,20 @@ def simulate(
         pacer.guard = _NoGuard()  # type: ignore[assignment]
     cost = ModelCost.for_shape(SHAPE)
     while eng.now_s < duration_s:
+        if pacer is not None and not (eng.running or eng.waiting) and eng.pending:
+            # vLLM's idle engine: the pacer's hook runs at load 0, then the intake blocks until the
+            # next request arrives and takes it in, however long that was.
+            pacer.hold(PaceFacts(0, 0, MAX_SEQS, False), lambda: not (eng.pending and eng.pending[0].arrival_s <= eng.now_s))
+            eng.idle(max(0.0, eng.pending[0].arrival_s - eng.now_s))
+            eng.arrive()
+            pacer.after_intake(len(eng.running) + len(eng.waiting))
+            _step(eng, cost)
+            continue
         if pacer is None or not (eng.running or eng.waiting):
             eng.arrive()  # a paced engine takes its inputs after the hold, as vLLM's loop does
         if not eng.running and not eng.waiting:
+            if not eng.pending:
+                break
             eng.idle(max(0.0, eng.pending[0].arrival_s - eng.now_s))
             continue
         if pacer is not None:

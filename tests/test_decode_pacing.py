@@ -361,3 +361,24 @@ def test_the_hook_logs_a_pause_once(hooked, caplog):
         loop(core)
         loop(core)
     assert sum("decode pacing paused for 30 s" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_an_arrival_after_an_idle_spell_is_no_arrival_loops_after_the_last_held_step():
+    # Open loop: every 3 s two requests, the second one loop behind, 64 tokens each. The second ends
+    # one step after the first, in a held loop after a finish; then the engine drains and vLLM's
+    # intake blocks (hold at load 0) until the next pair, seconds later.
+    p, t = _pacer(20.0)
+    for _ in range(40):
+        p.hold(PaceFacts(0, 0, 256, False), lambda: True)
+        t.now += 3.0  # idle until the next pair
+        p.after_intake(1)
+        t.now += 0.02
+        p.hold(PaceFacts(1, 0, 256, False), lambda: True)
+        p.after_intake(2)
+        for i in range(64):
+            t.now += 0.008
+            load = 2 if i < 62 else (1 if i == 62 else 0)
+            if load:
+                p.hold(PaceFacts(load, 0, 256, False), lambda: True)
+                p.after_intake(load)
+    assert p.guard.pauses == 0, p.guard.take_notice()

@@ -94,9 +94,11 @@ class ClosedLoopGuard:
     come one round trip after a request finishes, open-loop arrivals whenever: a Poisson arrival is as
     likely to cut short a hold that follows a finished request as one that follows none. So the guard
     counts, for the holds after a finish and (the control) the holds after none, how many an arriving
-    request cut short; when at least :data:`WOKEN_SHARE` of :data:`FINISHED_HOLDS` holds after a
-    finish were, and at most :data:`CONTROL_MAX` of :data:`CONTROL_HOLDS` holds after none, pacing
-    pauses for :data:`PAUSE_S` (doubling while the loop persists), then looks again.
+    request cut short, and (a round trip longer than the gap) in how many loops one and two
+    (:data:`LAGS`) after a held one a request arrived in the intake; when, in any of these, at
+    least :data:`WOKEN_SHARE` of :data:`FINISHED_HOLDS` cases after a finish saw an arrival and at
+    most :data:`CONTROL_MAX` of :data:`CONTROL_HOLDS` cases after none, pacing pauses for
+    :data:`PAUSE_S` (doubling while the loop persists), then looks again.
     """
 
     finished: HoldTally = field(default_factory=HoldTally)  # holds after a finished request
@@ -256,7 +258,11 @@ class DecodePacer:
         # Cut short by something else than a request (an abort, a utility call): the hold tells nothing.
         if held is not None and not (held.woken and grew <= 0):
             self.guard.observe_hold(held.after_finish, held.woken, held.at_s)
-        if any(past.held for past in self._recent):
+        if self._hold_load == 0:
+            # Nothing ran: vLLM's intake blocked until the next request, however long the engine sat
+            # idle, so this arrival is no loop "after" the held steps before it.
+            self._recent.clear()
+        elif any(past.held for past in self._recent):
             now = self._clock()
             for lag, past in enumerate(reversed(self._recent), start=1):
                 if past.held:
