@@ -332,12 +332,12 @@ def test_a_hold_cut_short_by_an_abort_is_no_arrival_and_the_abort_counts_as_a_fi
     start = t.now
     p.hold(DECODE, lambda: t.now - start < 0.001)  # a stop string's abort lands 1 ms in
     p.after_intake(7)  # the loop took it: one request fewer
-    assert p.guard.finished == HoldTally() and p.guard.control == HoldTally()
+    assert p.guard.tally(0) == (HoldTally(), HoldTally())
     t.now += 0.007
     start = t.now
     p.hold(PaceFacts(7, 0, 256, False), lambda: t.now - start < 0.004)  # the client's next request
     p.after_intake(8)
-    assert p.guard.finished == HoldTally(holds=1, woken=1)  # after a finish (the abort), woken
+    assert p.guard.tally(0)[0] == HoldTally(holds=1, woken=1)  # after a finish (the abort), woken
 
 
 def test_a_pacer_turned_off_during_a_pause_does_not_read_paused():

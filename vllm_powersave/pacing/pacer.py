@@ -101,11 +101,9 @@ class ClosedLoopGuard:
     :data:`PAUSE_S` (doubling while the loop persists), then looks again.
     """
 
-    finished: HoldTally = field(default_factory=HoldTally)  # holds after a finished request
-    control: HoldTally = field(default_factory=HoldTally)  # holds after none
-    #: Per lag (:data:`LAGS`): loops ``lag`` after a held loop with a finish, and after one without,
-    #: and in how many a request arrived (``woken`` counts arrivals here).
-    lagged: dict[int, tuple[HoldTally, HoldTally]] = field(default_factory=dict)
+    #: Per lag: (after a finished request, after none). Lag 0: holds, and how many an arrival cut
+    #: short; lags :data:`LAGS`: loops that many after a held one, and in how many a request arrived.
+    tallies: dict[int, tuple[HoldTally, HoldTally]] = field(default_factory=dict)
     #: Lags whose last verdict was open-loop since the last pause (0: the holds themselves); all of
     #: them: the pause starts again from the first length.
     open_verdicts: set[int] = field(default_factory=set)
@@ -126,21 +124,24 @@ class ClosedLoopGuard:
         return False
 
     def _clear(self) -> None:
-        self.finished, self.control = HoldTally(), HoldTally()
-        self.lagged.clear()
+        self.tallies.clear()
+
+    def tally(self, lag: int) -> tuple[HoldTally, HoldTally]:
+        """The counts of ``lag`` so far: (after a finished request, after none)."""
+        return self.tallies.setdefault(lag, (HoldTally(), HoldTally()))
 
     def observe_hold(self, after_finish: bool, woken: bool, now: float) -> None:
         """One hold that ran: whether a request left the engine since the last hold, and whether an
         arriving request cut it short; pauses pacing when the loop's signature is reached."""
-        self._judge(0, self.finished, self.control, after_finish, woken, now)
+        self._judge(0, after_finish, woken, now)
 
     def observe_lagged(self, lag: int, after_finish: bool, arrived: bool, now: float) -> None:
         """A loop ``lag`` loops after a held one: whether that one followed a finish, and whether a
         request arrived in this loop's intake (a client whose round trip outlasts the gap)."""
-        finished, control = self.lagged.setdefault(lag, (HoldTally(), HoldTally()))
-        self._judge(lag, finished, control, after_finish, arrived, now)
+        self._judge(lag, after_finish, arrived, now)
 
-    def _judge(self, lag: int, finished: HoldTally, control: HoldTally, after_finish: bool, woken: bool, now: float) -> None:
+    def _judge(self, lag: int, after_finish: bool, woken: bool, now: float) -> None:
+        finished, control = self.tally(lag)
         tally = finished if after_finish else control
         tally.holds += 1
         tally.woken += woken
