@@ -171,7 +171,7 @@ def test_the_hook_holds_vllms_loop_then_runs_it_and_reads_the_schedulers_state(h
     t.now += 0.004
     loop(arrived)
     assert p.stats.held_steps == 1 and handled == [("ADD", "req-1")]  # vLLM's loop took it at once
-    assert tuple(p.figures()) == (30.0, 1, pytest.approx(0.026), 0, None, False, 0)
+    assert tuple(p.figures()) == (30.0, 1, pytest.approx(0.026), 0, None, False, 0, 0)
 
 
 @pytest.mark.parametrize(
@@ -322,6 +322,48 @@ def test_open_loop_poisson_arrivals_never_pause_pacing(finish_every, rate):
     # requests finish at every step or every third, independently of the arrivals (as many of them).
     _drive(p, t, lambda i: (i % finish_every == 0, rng.expovariate(rate) if rng.random() < 1 / finish_every else None), steps=3000)
     assert p.stats.woken_early > 150 and p.guard.pauses == 0 and not p.figures().paused
+
+
+def _constant_rate_open_loop(p, t, seconds, period_s=0.1):
+    """Open-loop arrivals every ``period_s`` whatever the engine does; with fixed lengths the request
+    before each one finishes 20 ms earlier, so finishes sit at a fixed phase before arrivals."""
+    load, end, next_s, finished_for = 8, t.now + seconds, t.now + period_s, None
+    p.hold(PaceFacts(load, 0, 256, False), lambda: True)
+    p.after_intake(load)
+    while t.now < end:
+        t.now += 0.007
+        if t.now >= next_s - 0.02 and finished_for != next_s:
+            load, finished_for = load - 1, next_s
+        p.hold(PaceFacts(load, 0, 256, False), lambda: t.now < next_s)
+        if t.now >= next_s:
+            load, next_s = load + 1, next_s + period_s
+        p.after_intake(load)
+
+
+def test_open_loop_arrivals_whose_finishes_line_up_with_them_get_their_pause_withdrawn():
+    from vllm_powersave.pacing.pacer import HOLDOFF_S, PROBE_S
+
+    p, t = _pacer(30.0)
+    _constant_rate_open_loop(p, t, seconds=20.0)
+    assert p.guard.pauses == 1 and p.guard.withdrawn == 1  # paused, then withdrawn; held off since
+    first, again = p.guard.take_notice(), p.guard.take_notice()  # the withdrawal's line replaced the pause's
+    assert again is None and "did not speed up while paused" in first and "against 10.00 paced" in first
+    assert f"resumed {PROBE_S:.0f} s into its 30 s pause" in first and f"not judged again for {HOLDOFF_S[0]:.0f} s" in first
+    assert not p.figures().paused and p.figures().pauses_withdrawn == 1
+    held = p.stats.held_steps
+    _constant_rate_open_loop(p, t, seconds=1.0)
+    assert p.stats.held_steps > held + 20  # pacing again
+    _constant_rate_open_loop(p, t, seconds=40.0)  # the hold-off ran out: judged again, paused, withdrawn
+    assert p.guard.pauses == 2 and p.guard.withdrawn == 2
+    assert "not judged again for 60 s" in p.guard.take_notice()
+
+
+def test_a_closed_loop_pause_stands_once_its_probe_sees_arrivals_speed_up():
+    p, t = _pacer(30.0)
+    _drive(p, t, _closed_loop, steps=1200)  # the loop goes on while paused: unheld steps every 7 ms
+    assert p.guard.pauses == 1 and p.guard.withdrawn == 0
+    assert p.guard.probe is None and p.figures().paused  # decided: it stands
+    assert "paused for 30 s" in p.guard.take_notice()
 
 
 def test_a_hold_cut_short_by_an_abort_is_no_arrival_and_the_abort_counts_as_a_finish():

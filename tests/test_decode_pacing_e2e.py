@@ -104,7 +104,11 @@ def test_closed_loop_clients_pause_pacing_and_metrics_and_the_log_say_so(tmp_pat
             time.sleep(0.2)
         pauses = _pacing_metric(srv.base_url, "powersave_decode_pacing_closed_loop_pauses_total")
         held = _pacing_metric(srv.base_url, "powersave_decode_pacing_held_steps_total")
+        withdrawn = _pacing_metric(srv.base_url, "powersave_decode_pacing_pauses_withdrawn_total")
     finally:
         srv.stop()
     assert pauses >= 1 and held > 32, (pauses, held)
-    assert log.read_text().count("decode pacing paused for 30 s: requests arrived") == 1
+    text = log.read_text()
+    assert text.count("decode pacing paused for 30 s: requests arrived") == 1
+    # Unpaced, the clients' requests come faster (the pause's probe, 3 s in): the pause stands.
+    assert withdrawn == 0 and "decode pacing resumed" not in text

@@ -667,4 +667,5 @@ def test_the_simulated_gpu_prices_a_decode_pacing_hold_as_idle_time(monkeypatch,
         "woken_early": 0,
         "paused": 0,
         "closed_loop_pauses": 0,
+        "pauses_withdrawn": 0,
     }

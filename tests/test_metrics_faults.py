@@ -213,7 +213,15 @@ def test_metrics_export_the_read_back_sm_clock_and_unconfirmed_switches(tmp_path
 
 
 def test_metrics_export_what_decode_pacing_held(tmp_path):
-    pacing = {"tpot_target_ms": 30.0, "held_steps": 7, "held_s": 0.125, "woken_early": 2, "paused": 1, "closed_loop_pauses": 3}
+    pacing = {
+        "tpot_target_ms": 30.0,
+        "held_steps": 7,
+        "held_s": 0.125,
+        "woken_early": 2,
+        "paused": 1,
+        "closed_loop_pauses": 3,
+        "pauses_withdrawn": 2,
+    }
     snap = {**GOOD, "decode_pacing": pacing}
     (tmp_path / "rank0.json").write_text(json.dumps(snap))
     got = samples(scrape(tmp_path))
@@ -222,3 +230,4 @@ def test_metrics_export_what_decode_pacing_held(tmp_path):
     assert got[("powersave_decode_pacing_woken_early_total", (("gpu", "GPU-a"),))] == 2.0
     assert got[("powersave_decode_pacing_paused", (("gpu", "GPU-a"),))] == 1.0
     assert got[("powersave_decode_pacing_closed_loop_pauses_total", (("gpu", "GPU-a"),))] == 3.0
+    assert got[("powersave_decode_pacing_pauses_withdrawn_total", (("gpu", "GPU-a"),))] == 2.0

@@ -57,6 +57,20 @@ PAUSE_S = (30.0, 600.0)
 #: Loops after a finish in which a client's next request may reach the intake: a round trip as long
 #: as the gap lands in the next loop's intake, not in the hold after the finish.
 LAGS = (1, 2)
+#: A pause's probe (:class:`PauseProbe`): the arrival rate while paused must rise by this factor
+#: over the rate while paced for the loop to be confirmed. Closed-loop clients speed up with the
+#: engine (x2.2 at 35 ms with 128 clients on the simulated H200, docs/results/sim-decode-pacing.md);
+#: open-loop arrivals keep their rate, however their finishes line up with them.
+RISE_MIN = 1.10
+#: The paced rate is read over at most this window (s) before the pause; the probe decides after at
+#: least :data:`PROBE_S` of the pause and :data:`PROBE_ARRIVALS` arrivals in each window.
+PACED_WINDOW_S = 5.0
+PROBE_S = 3.0
+PROBE_ARRIVALS = 8
+#: After a pause withdrawn by its probe the guard judges no holds for this long (s), doubling while
+#: pauses keep being withdrawn, up to the last value.
+HOLDOFF_S = (30.0, 240.0)
+ARRIVALS_KEPT = 4096
 
 
 @dataclass
@@ -84,6 +98,15 @@ class HeldStep:
     at_s: float  # when the hold ended (the pacer's clock)
 
 
+@dataclass(frozen=True)
+class PauseProbe:
+    """A pause under test: whether arrivals speed up while the engine runs unpaced."""
+
+    started_s: float  # when the pause started (the pacer's clock)
+    length_s: float  # the pause's length as announced
+    paced_per_s: float  # the arrival rate over the window before it, while paced
+
+
 @dataclass
 class ClosedLoopGuard:
     """Pauses pacing while its clients form a closed loop.
@@ -99,6 +122,12 @@ class ClosedLoopGuard:
     least :data:`WOKEN_SHARE` of :data:`FINISHED_HOLDS` cases after a finish saw an arrival and at
     most :data:`CONTROL_MAX` of :data:`CONTROL_HOLDS` cases after none, pacing pauses for
     :data:`PAUSE_S` (doubling while the loop persists), then looks again.
+
+    Open-loop arrivals at a near-constant rate with fixed output lengths can put each finish at a fixed
+    phase against the next arrival and mimic that signature (docs/decode-pacing.md). A pause therefore
+    tests itself (:class:`PauseProbe`): a closed loop's arrivals speed up once the steps are no longer
+    held, an open loop's do not; a pause whose arrivals have not risen by :data:`RISE_MIN` after
+    :data:`PROBE_S` is withdrawn, and the guard judges nothing for :data:`HOLDOFF_S`.
     """
 
     #: Per lag: (after a finished request, after none). Lag 0: holds, and how many an arrival cut
@@ -110,8 +139,15 @@ class ClosedLoopGuard:
     paused_until: float | None = None
     pause_s: float = PAUSE_S[0]
     pauses: int = 0
-    #: A line for the log, set when a pause starts (:meth:`take_notice` hands it over once).
+    #: A line for the log, set when a pause starts or is withdrawn (:meth:`take_notice` hands it over once).
     notice: str | None = None
+    #: Arrival times (s), paced or paused, newest last: the probe compares the two rates.
+    arrivals_s: deque[float] = field(default_factory=lambda: deque(maxlen=ARRIVALS_KEPT))
+    paced_since_s: float | None = None  # the first hold of this spell of pacing
+    probe: PauseProbe | None = None  # the running pause's test, if the paced rate could be read
+    holdoff_until_s: float | None = None  # no hold is judged before this
+    holdoff_s: float = HOLDOFF_S[0]
+    withdrawn: int = 0  # pauses the probe found open-loop arrivals in
 
     def paused(self, now: float) -> bool:
         """Whether pacing is paused now; a pause that has run out ends here."""
@@ -119,7 +155,7 @@ class ClosedLoopGuard:
             return False
         if now < self.paused_until:
             return True
-        self.paused_until = None
+        self.paused_until, self.probe, self.paced_since_s = None, None, None
         self._clear()
         return False
 
@@ -133,14 +169,62 @@ class ClosedLoopGuard:
     def observe_hold(self, after_finish: bool, woken: bool, now: float) -> None:
         """One hold that ran: whether a request left the engine since the last hold, and whether an
         arriving request cut it short; pauses pacing when the loop's signature is reached."""
+        if self.paced_since_s is None:
+            self.paced_since_s = now
         self._judge(0, after_finish, woken, now)
+
+    def observe_arrivals(self, count: int, now: float) -> None:
+        """``count`` requests reached the engine's intake at ``now``; a pause under test is decided
+        once its probe has seen enough of them."""
+        self.arrivals_s.extend([now] * max(0, count))
+        probe = self.probe
+        if probe is None or self.paused_until is None or now - probe.started_s < PROBE_S:
+            return
+        seen, paused_per_s = self._rate_since(probe.started_s)
+        if seen < PROBE_ARRIVALS or paused_per_s is None:
+            return
+        self.probe = None
+        if paused_per_s >= RISE_MIN * probe.paced_per_s:
+            self.holdoff_s = HOLDOFF_S[0]  # a closed loop: the pause stands
+            return
+        self.withdrawn += 1
+        self.paused_until, self.paced_since_s, self.pause_s = None, None, probe.length_s
+        self.holdoff_until_s = now + self.holdoff_s
+        self.notice = (
+            f"powersave: decode pacing resumed {now - probe.started_s:.0f} s into its {probe.length_s:.0f} s pause: "
+            f"arrivals did not speed up while paused ({paused_per_s:.2f} req/s against {probe.paced_per_s:.2f} paced; "
+            f"a closed loop's would), so they are open-loop; not judged again for {self.holdoff_s:.0f} s"
+        )
+        self.holdoff_s = min(2.0 * self.holdoff_s, HOLDOFF_S[1])
 
     def observe_lagged(self, lag: int, after_finish: bool, arrived: bool, now: float) -> None:
         """A loop ``lag`` loops after a held one: whether that one followed a finish, and whether a
         request arrived in this loop's intake (a client whose round trip outlasts the gap)."""
         self._judge(lag, after_finish, arrived, now)
 
+    def _rate_since(self, start_s: float) -> tuple[int, float | None]:
+        """Arrivals at or after ``start_s``, and their rate: gaps over the span from the first to the
+        last (exact for a constant rate, whatever the window's phase; None: no span)."""
+        n, first_s = 0, None
+        for t in reversed(self.arrivals_s):
+            if t < start_s:
+                break
+            n, first_s = n + 1, t
+        if first_s is None or self.arrivals_s[-1] <= first_s:
+            return n, None
+        return n, (n - 1) / (self.arrivals_s[-1] - first_s)
+
+    def _paced_rate(self, now: float) -> float | None:
+        """Arrivals per second over the paced window before ``now`` (None: too short or too few)."""
+        start = max(now - PACED_WINDOW_S, self.paced_since_s if self.paced_since_s is not None else now)
+        if len(self.arrivals_s) == self.arrivals_s.maxlen:
+            start = max(start, self.arrivals_s[0])
+        n, per_s = self._rate_since(start)
+        return per_s if n >= PROBE_ARRIVALS and now - start >= PROBE_S / 3 else None
+
     def _judge(self, lag: int, after_finish: bool, woken: bool, now: float) -> None:
+        if self.holdoff_until_s is not None and now < self.holdoff_until_s:
+            return
         finished, control = self.tally(lag)
         tally = finished if after_finish else control
         tally.holds += 1
@@ -156,6 +240,8 @@ class ClosedLoopGuard:
             return
         self.pauses += 1
         self.paused_until = now + self.pause_s
+        paced_per_s = self._paced_rate(now)
+        self.probe = None if paced_per_s is None else PauseProbe(now, self.pause_s, paced_per_s)
         when = "in holds after a finished request" if lag == 0 else f"{lag} loop(s) after a held step that followed a finished request"
         self.notice = (
             f"powersave: decode pacing paused for {self.pause_s:.0f} s: requests arrived {wf} of {nf} times {when} "
@@ -256,6 +342,8 @@ class DecodePacer:
         taken tells an arrival (the load grew) from an abort or a utility call."""
         grew, held = load - self._hold_load, self._held
         self._post_load, self._aborted, self._held = load, load < self._hold_load, None
+        now = self._clock()
+        self.guard.observe_arrivals(grew, now)
         # Cut short by something else than a request (an abort, a utility call): the hold tells nothing.
         if held is not None and not (held.woken and grew <= 0):
             self.guard.observe_hold(held.after_finish, held.woken, held.at_s)
@@ -264,7 +352,6 @@ class DecodePacer:
             # idle, so this arrival is no loop "after" the held steps before it.
             self._recent.clear()
         elif any(past.held for past in self._recent):
-            now = self._clock()
             for lag, past in enumerate(reversed(self._recent), start=1):
                 if past.held:
                     self.guard.observe_lagged(lag, past.after_finish, grew > 0, now)
@@ -280,6 +367,7 @@ class DecodePacer:
             self.off_reason,
             self.off_reason is None and self.guard.paused_until is not None and self._clock() < self.guard.paused_until,
             self.guard.pauses,
+            self.guard.withdrawn,
         )
 
 
@@ -293,3 +381,4 @@ class PaceFigures(NamedTuple):
     off_reason: str | None = None  # the pacer turned itself off, and why
     paused: bool = False  # paused by the closed-loop guard right now
     closed_loop_pauses: int = 0
+    pauses_withdrawn: int = 0  # pauses withdrawn: arrivals did not speed up (open-loop traffic)

@@ -72,6 +72,7 @@ class StepDrain:
             "woken_early": p.woken_early,
             "paused": int(p.paused),
             "closed_loop_pauses": p.closed_loop_pauses,
+            "pauses_withdrawn": p.pauses_withdrawn,
         }
 
     def _price_hold(self, sim: SimulatedGpu, seconds: float) -> None:
