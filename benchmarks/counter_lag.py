@@ -82,7 +82,7 @@ class LagFit:
 
 
 def steps_and_periods(lines: list[dict]) -> tuple[list[Step], list[Period]]:
-    """The trace's steps (those with an end time) and its counter periods of a typical length."""
+    """The trace's steps (those with an end time) and its counter periods."""
     steps = sorted(
         (Step(x["t"], x["t_end"], x.get("prefill") or 0, x.get("decode") or 0) for x in lines if "phase" in x and x.get("t_end")),
         key=lambda s: s.t0_s,
@@ -92,11 +92,17 @@ def steps_and_periods(lines: list[dict]) -> tuple[list[Step], list[Period]]:
         for c in t.get("counter_steps") or ():
             if c.get("span_t0_s") is not None and c.get("span_j") is not None:  # a step without its span says nothing here
                 seen[round(c["t_s"], 6)] = Period(c["span_t0_s"], c["t_s"], c["span_j"])
-    periods = sorted(seen.values(), key=lambda p: p.t1_s)
+    return steps, sorted(seen.values(), key=lambda p: p.t1_s)
+
+
+def typical(periods: list[Period]) -> list[Period]:
+    """The periods of the typical length among ``periods`` (within 5 %): taken per span, since the
+    H100's counter steps every 0.1 s under work but every 0.2-0.3 s at idle (the 2026-12-07 trace of
+    docs/results/h200-request-energy.md), so a whole run's median can miss serving's periods."""
     if not periods:
-        return steps, []
+        return []
     typical_s = statistics.median(p.t1_s - p.t0_s for p in periods)
-    return steps, [p for p in periods if abs((p.t1_s - p.t0_s) - typical_s) <= 0.05 * typical_s]
+    return [p for p in periods if abs((p.t1_s - p.t0_s) - typical_s) <= 0.05 * typical_s]
 
 
 def stretches(steps: list[Step]) -> list[Stretch]:
@@ -190,7 +196,7 @@ class SpanLag:
 def span_lag(trace: Trace, t0_s: float, t1_s: float) -> SpanLag | None:
     """The fits over the periods within [t0_s, t1_s]; None where they are fewer than
     ``MIN_PERIODS`` or their joules do not vary."""
-    inside = [p for p in trace.periods if t0_s <= p.t0_s and p.t1_s <= t1_s]
+    inside = typical([p for p in trace.periods if t0_s <= p.t0_s and p.t1_s <= t1_s])
     fits = fit_lags(trace.steps, inside) if len(inside) >= MIN_PERIODS else []
     return SpanLag(len(inside), tuple(fits)) if fits else None
 

@@ -224,7 +224,9 @@ def build(
     return rec, panels
 
 
-def _mci(d: dict[str, Any] | None, fmt: str = ".3f") -> str:
+def _mci(d: dict[str, Any] | None, fmt: str = ".4f") -> str:
+    # As many places as tune-serving.json keeps (4): fewer would round a rounded figure (1.31848
+    # kept as 1.3185 would print 1.319, not the interval's 1.318).
     if not d or d.get("mean") is None:
         return "n/a"
     ci = d.get("ci95")

@@ -23,7 +23,7 @@ Rules (the figures they rest on):
   raise ``--max-num-seqs`` (no estimate: depends on memory and model).
 * **Decode pacing**: an open-loop run (a request rate, no concurrency cap) that spent most of its
   energy in decode with nothing waiting, and pacing off: try ``decode_pacing.tpot_target_ms`` below
-  the TPOT SLO (measured x1.40 tokens per joule at 4 req/s on an H100 over 3 pairs,
+  the TPOT SLO (measured x1.37 tokens per joule at 4 req/s on an H100 over 6 pairs,
   docs/results/h100-decode-pacing.md; x1.48 and x1.51 on the H200, one pair and one search window;
   x1.8-2.3 at 1-8 req/s on the simulated H200;
   no estimate for this run: it depends on the batch it reaches).
@@ -359,7 +359,7 @@ def _decode_pacing(facts: dict[str, Any], e: float | None) -> Recommendation | N
         "Try decode pacing at a TPOT target under your SLO (decode_pacing.tpot_target_ms, e.g. 0.7x the SLO), "
         "and keep it only if vllm-powersave tune-serving measures it ahead on your traffic",
         f"open-loop arrivals at {rate:g} req/s, {100 * decode_j / e:.0f} % of the run's energy in decode, nothing waiting{now}; "
-        "4 req/s, 35 ms: x1.40 (1.36-1.45) tokens per joule for the same requests over 3 pairs on an H100 "
+        "4 req/s, 35 ms: x1.37 (1.32-1.41) tokens per joule for the same requests over 6 pairs on an H100 "
         "(docs/results/h100-decode-pacing.md), x1.48 and x1.51 in one pair and one window on the H200 "
         "(h200-decode-pacing.md); not settled; simulated H200, 1-8 req/s: x1.8-2.3",
         "measured",
