@@ -324,6 +324,17 @@ def test_open_loop_poisson_arrivals_never_pause_pacing(finish_every, rate):
     assert p.stats.woken_early > 150 and p.guard.pauses == 0 and not p.figures().paused
 
 
+def test_a_few_clients_in_a_closed_loop_pause_pacing_after_eight_finishes_if_every_one_saw_an_arrival():
+    # 4 clients at 35 ms finish a request every ~2.4 s: 32 finishes took 76 s on the simulated H200.
+    p, t = _pacer(30.0)
+    _drive(p, t, lambda i: (i % 10 == 0, 0.004) if i % 10 == 0 else (False, None), steps=85)
+    assert p.guard.pauses == 1 and "requests arrived 8 of 8 times" in p.guard.take_notice()
+    # One finish in eight without a client behind it: no early verdict, the count goes on to 32.
+    p, t = _pacer(30.0)
+    _drive(p, t, lambda i: (i % 10 == 0, 0.004 if i != 40 else None) if i % 10 == 0 else (False, None), steps=85)
+    assert p.guard.pauses == 0 and p.guard.tally(0)[0] == HoldTally(holds=9, woken=8)
+
+
 def _constant_rate_open_loop(p, t, seconds, period_s=0.1):
     """Open-loop arrivals every ``period_s`` whatever the engine does; with fixed lengths the request
     before each one finishes 20 ms earlier, so finishes sit at a fixed phase before arrivals."""
