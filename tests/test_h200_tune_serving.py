@@ -108,7 +108,7 @@ def test_the_record_has_the_issues_fields_per_load_and_judges_the_goal(tmp_path)
         "on_the_h200": False,
     }
     md = rec.markdown(r)
-    assert "| 1.120 (1.100–1.140) (measured) |" in md and md.count("| yes |") == 1
+    assert "| 1.1200 (1.1000–1.1400) (measured) |" in md and md.count("| yes |") == 1
     assert ("| no: tok/J below x1.10, SLO attainment worse, tuning over 20 min, fewer than 3 pairs, not on the H200 |") in md
     assert "| NVIDIA H100 80GB HBM3 |" in md
     assert rec.plot(panels, tmp_path / "p.png") and (tmp_path / "p.png").stat().st_size > 0
