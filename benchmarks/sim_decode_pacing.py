@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from benchmarks.lib.device import utc_now, write_record
-from vllm_powersave.pacing import DecodePacer, PaceFacts
+from vllm_powersave.pacing import ClosedLoopGuard, DecodePacer, PaceFacts
 from vllm_powersave.sim.gpu import H200, ModelCost, simulate_step
 
 SHAPE = "qwen2.5-7b"
@@ -121,21 +121,10 @@ def _retire(eng: Engine) -> None:
             bisect.insort(eng.pending, Req(eng.now_s + eng.client_rtt_s, prompt, out), key=lambda q: q.arrival_s)
 
 
-class _NoGuard:
-    """The pacer without its closed-loop guard (the ``-unguarded`` load): never paused."""
+class _NoGuard(ClosedLoopGuard):
+    """The pacer without its closed-loop guard (the ``-unguarded`` load): judges nothing, never pauses."""
 
-    notice = None
-
-    def paused(self, now: float) -> bool:
-        return False
-
-    def observe_hold(self, after_finish: bool, woken: bool, now: float) -> None:
-        pass
-
-    def observe_lagged(self, lag: int, after_finish: bool, arrived: bool, now: float) -> None:
-        pass
-
-    def observe_arrivals(self, count: int, now: float) -> None:
+    def _judge(self, lag: int, after_finish: bool, woken: bool, now: float) -> None:
         pass
 
 
@@ -165,7 +154,7 @@ def simulate(
     eng = Engine(reqs, closed_loop=concurrency, rng=rng, client_rtt_s=client_rtt_s)
     pacer = DecodePacer(target_ms, clock=lambda: eng.now_s, sleep=eng.idle) if target_ms else None
     if pacer is not None and not guard:
-        pacer.guard = _NoGuard()  # type: ignore[assignment]
+        pacer.guard = _NoGuard()
     cost = ModelCost.for_shape(SHAPE)
     while eng.now_s < duration_s:
         if pacer is not None and not (eng.running or eng.waiting) and eng.pending:
@@ -174,7 +163,7 @@ def simulate(
             pacer.hold(PaceFacts(0, 0, MAX_SEQS, False), lambda: not (eng.pending and eng.pending[0].arrival_s <= eng.now_s))
             eng.idle(max(0.0, eng.pending[0].arrival_s - eng.now_s))
             eng.arrive()
-            pacer.after_intake(len(eng.running) + len(eng.waiting))
+            pacer.after_intake(len(eng.running), len(eng.waiting))
             _step(eng, cost)
             continue
         if pacer is None or not (eng.running or eng.waiting):
@@ -188,7 +177,7 @@ def simulate(
             facts = PaceFacts(len(eng.running), len(eng.waiting), MAX_SEQS, any(r.computed < r.prompt for r in eng.running))
             pacer.hold(facts, lambda: not (eng.pending and eng.pending[0].arrival_s <= eng.now_s))
             eng.arrive()
-            pacer.after_intake(len(eng.running) + len(eng.waiting))
+            pacer.after_intake(len(eng.running), len(eng.waiting))
         _step(eng, cost)
     row = _figures(load, target_ms, eng)
     if pacer is not None and guard:
@@ -248,6 +237,8 @@ class GuardSweep:
     paused: int  # configurations with at least one pause
     standing: int  # ... with a pause its probe did not withdraw
     withdrawn_all: int  # ... whose every pause was withdrawn
+    pauses: int  # pauses over all configurations
+    withdrawn: int  # ... of them withdrawn by their probe
 
 
 def guard_sweep(duration_s: float, seed: int, closed: bool) -> GuardSweep:
@@ -257,7 +248,7 @@ def guard_sweep(duration_s: float, seed: int, closed: bool) -> GuardSweep:
         loads = [dict(concurrency=c, client_rtt_s=rtt) for c in (4, 16, 64, 128) for rtt in (0.005, 0.01, 0.02, 0.04)]
     else:
         loads = [dict(rate=float(r), fixed_lengths=(i, o)) for r in (2, 4, 8, 16) for i in (256, 1024) for o in (64, 128, 256)]
-    paused = standing = withdrawn_all = configs = 0
+    paused = standing = withdrawn_all = configs = pauses_n = withdrawn_n = 0
     for load in loads:
         for target in (20.0, 35.0):
             kw = {"rate": None, "concurrency": None, **load}
@@ -267,7 +258,8 @@ def guard_sweep(duration_s: float, seed: int, closed: bool) -> GuardSweep:
             paused += pauses > 0
             standing += pauses > withdrawn
             withdrawn_all += pauses > 0 and pauses == withdrawn
-    return GuardSweep(configs, paused, standing, withdrawn_all)
+            pauses_n, withdrawn_n = pauses_n + pauses, withdrawn_n + withdrawn
+    return GuardSweep(configs, paused, standing, withdrawn_all, pauses_n, withdrawn_n)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -364,11 +356,15 @@ def _sweep_markdown(sweeps: dict, ns: argparse.Namespace) -> str:
         "fixed_rate_open_loop": "open loop at a constant 2-16 req/s, fixed lengths (input 256 or 1,024, output 64-256)",
         "closed_loop": "closed loops of 4-128 clients, round trips 5-40 ms",
     }
-    lines = "".join(f"| {what[k]} | {v['configs']} | {v['paused']} | {v['standing']} | {v['withdrawn_all']} |\n" for k, v in sweeps.items())
+    lines = "".join(
+        f"| {what[k]} | {v['configs']} | {v['paused']} | {v['standing']} | {v['withdrawn_all']} | {v['pauses']} ({v['withdrawn']}) |\n"
+        for k, v in sweeps.items()
+    )
     return (
         f"\nGuard sweeps (simulated, `--sweep-s {ns.sweep_s:g}`, targets 20 and 35 ms): configurations, how many "
-        "paused, how many kept a pause standing, how many had every pause withdrawn by its probe.\n\n"
-        "| loads | configurations | paused | a pause stood | all withdrawn |\n|---|---|---|---|---|\n" + lines
+        "paused, how many kept a pause standing, how many had every pause withdrawn by its probe, and all pauses (withdrawn).\n\n"
+        "| loads | configurations | paused | a pause stood | all withdrawn | pauses (withdrawn) |\n"
+        "|---|---|---|---|---|---|\n" + lines
     )
 
 

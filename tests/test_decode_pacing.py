@@ -377,6 +377,97 @@ def test_a_closed_loop_pause_stands_once_its_probe_sees_arrivals_speed_up():
     assert "paused for 30 s" in p.guard.take_notice()
 
 
+def _paced(g, t0_s, seconds, per_s):
+    """Guard-level traffic: a quiet hold and one arrival every 1/per_s s from t0_s; returns the end."""
+    n = int(seconds * per_s)
+    for i in range(n):
+        g.observe_hold(False, False, t0_s + i / per_s)
+        g.observe_arrivals(1, t0_s + i / per_s)
+    return t0_s + n / per_s
+
+
+def _signature(g, now_s):
+    """The closed-loop signature, all at ``now_s``: 32 quiet holds after none, 32 woken after a finish."""
+    from vllm_powersave.pacing.pacer import CONTROL_HOLDS, FINISHED_HOLDS
+
+    for _ in range(CONTROL_HOLDS):
+        g.observe_hold(False, False, now_s)
+    for _ in range(FINISHED_HOLDS):
+        g.observe_hold(True, True, now_s)
+
+
+def test_a_probe_ends_with_its_pause_when_too_few_arrivals_came_in_it():
+    from vllm_powersave.pacing import ClosedLoopGuard
+
+    g = ClosedLoopGuard()
+    end = _paced(g, 0.0, 6.0, 10.0)
+    _signature(g, end)
+    assert g.pauses == 1 and g.probe is not None
+    g.observe_arrivals(1, end + 1.0)
+    for i in range(10):  # the engine sat idle past the pause's end; then new traffic
+        g.observe_arrivals(1, end + 41.0 + 0.01 * i)
+    assert g.probe is None and g.withdrawn == 0 and "resumed" not in (g.take_notice() or "")
+
+
+def test_an_idle_engine_in_a_pause_leaves_the_pause_standing_untested():
+    p, t = _pacer(30.0)
+    end = _paced(p.guard, t.now, 6.0, 10.0)
+    t.now = end
+    _signature(p.guard, end)
+    assert p.guard.probe is not None
+    p.hold(PaceFacts(0, 0, 256, False), lambda: True)  # the batch drained: vLLM's intake blocks
+    t.now += 2.0
+    p.after_intake(0, 1)  # the next request, 2 s later
+    assert p.guard.probe is None and p.figures().paused and p.guard.withdrawn == 0
+
+
+def test_an_arrival_taken_with_an_abort_in_one_intake_is_still_an_arrival():
+    p, t = _pacer(30.0)
+    p.hold(DECODE, lambda: True)
+    p.after_intake(8, 0)
+    t.now += 0.007
+    p.hold(DECODE, lambda: False)  # queued: a stop string's abort and a client's next request
+    p.after_intake(7, 1)  # one request left the running queue, one joined the waiting queue
+    assert list(p.guard.arrivals_s) == [t.now]
+    t.now += 0.007
+    p.hold(PaceFacts(7, 1, 256, False), lambda: True)
+    assert p._after_finish  # the abort still counts as a finish for the next hold
+
+
+def test_requests_that_come_in_groups_read_their_true_rate():
+    from vllm_powersave.pacing import ClosedLoopGuard
+
+    g = ClosedLoopGuard()
+    for k in range(4):  # ten at once every 1.5 s: 6.67 req/s
+        g.observe_arrivals(10, 1.5 * k)
+    assert g._rate_since(0.0) == (40, pytest.approx(30 / 4.5))
+    assert g._rate_since(1.0)[1] == pytest.approx(20 / 3.0)
+
+
+def test_a_pause_that_follows_a_pause_run_out_is_not_probed():
+    from vllm_powersave.pacing import ClosedLoopGuard
+    from vllm_powersave.pacing.pacer import PAUSE_S
+
+    g = ClosedLoopGuard()
+    end = _paced(g, 0.0, 6.0, 10.0)
+    _signature(g, end)
+    g.probe = None  # say the probe saw the loop speed up: the pause stands
+    assert not g.paused(end + PAUSE_S[0])  # it ran out; pacing resumes, its rate not yet settled
+    end = _paced(g, end + PAUSE_S[0], 6.0, 10.0)
+    _signature(g, end)
+    assert g.pauses == 2 and g.probe is None
+
+
+def test_a_hold_off_ends_when_the_arrival_rate_moves():
+    p, t = _pacer(30.0)
+    _constant_rate_open_loop(p, t, seconds=20.0)
+    assert p.guard.withdrawn == 1 and p.guard.holdoff_until_s is not None
+    _constant_rate_open_loop(p, t, seconds=7.0)  # the same open loop: the hold-off runs on
+    assert p.guard.holdoff_until_s is not None
+    _constant_rate_open_loop(p, t, seconds=7.0, period_s=0.05)  # twice the rate: new traffic
+    assert p.guard.holdoff_until_s is None
+
+
 def test_a_hold_cut_short_by_an_abort_is_no_arrival_and_the_abort_counts_as_a_finish():
     p, t = _pacer(30.0)
     p.hold(DECODE, lambda: True)

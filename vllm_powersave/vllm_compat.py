@@ -1303,7 +1303,7 @@ def install_pacing_hook(pacer: Any) -> bool:
             if held:  # what the loop took tells the closed-loop guard an arrival from an abort
                 try:
                     sched = self.scheduler
-                    pacer.after_intake(len(sched.running) + len(sched.waiting))
+                    pacer.after_intake(len(sched.running), len(sched.waiting))
                     if pacer.guard.notice is not None:  # a closed-loop pause started: said once per pause
                         log.info("%s", pacer.guard.take_notice())
                 except Exception as exc:  # pacing is a saving: never break the engine loop for it

@@ -67,14 +67,20 @@ LAGS = (1, 2)
 #: engine (x2.2 at 35 ms with 128 clients on the simulated H200, docs/results/sim-decode-pacing.md);
 #: open-loop arrivals keep their rate, however their finishes line up with them.
 RISE_MIN = 1.10
-#: The paced rate is read over at most this window (s) before the pause; the probe decides after at
-#: least :data:`PROBE_S` of the pause and :data:`PROBE_ARRIVALS` arrivals in each window.
+#: The paced rate is read over at most this window (s) before the pause, at least a third of
+#: :data:`PROBE_S`; the probe decides after at least :data:`PROBE_S` of the pause and
+#: :data:`PROBE_ARRIVALS` arrivals in each window. A pause with no such window stands untested, and
+#: so does one that comes after a pause ran out: a closed loop's rate takes about one request's
+#: life to settle once pacing resumes, and its rise would read low.
 PACED_WINDOW_S = 5.0
 PROBE_S = 3.0
 PROBE_ARRIVALS = 8
 #: After a pause withdrawn by its probe the guard judges no holds for this long (s), doubling while
-#: pauses keep being withdrawn, up to the last value.
-HOLDOFF_S = (30.0, 240.0)
+#: pauses keep being withdrawn, up to the last value. An idle engine ends it, and so does an arrival
+#: rate over the last :data:`PACED_WINDOW_S` that moved by more than :data:`HOLDOFF_SHIFT` either way
+#: from the open loop's (checked once a second): new traffic is judged.
+HOLDOFF_S = (30.0, 120.0)
+HOLDOFF_SHIFT = 1.25
 ARRIVALS_KEPT = 4096
 
 
@@ -149,8 +155,12 @@ class ClosedLoopGuard:
     #: Arrival times (s), paced or paused, newest last: the probe compares the two rates.
     arrivals_s: deque[float] = field(default_factory=lambda: deque(maxlen=ARRIVALS_KEPT))
     paced_since_s: float | None = None  # the first hold of this spell of pacing
+    resumed: bool = False  # this spell of pacing began when a pause ran out
     probe: PauseProbe | None = None  # the running pause's test, if the paced rate could be read
     holdoff_until_s: float | None = None  # no hold is judged before this
+    holdoff_from_s: float = 0.0  # when the last hold-off began
+    holdoff_per_s: float = 0.0  # the open loop's arrival rate then
+    rate_checked_s: float = 0.0  # when a hold-off last compared the arrival rate with it
     holdoff_s: float = HOLDOFF_S[0]
     withdrawn: int = 0  # pauses the probe found open-loop arrivals in
 
@@ -160,7 +170,7 @@ class ClosedLoopGuard:
             return False
         if now < self.paused_until:
             return True
-        self.paused_until, self.probe, self.paced_since_s = None, None, None
+        self.paused_until, self.probe, self.paced_since_s, self.resumed = None, None, None, True
         self._clear()
         return False
 
@@ -182,8 +192,13 @@ class ClosedLoopGuard:
         """``count`` requests reached the engine's intake at ``now``; a pause under test is decided
         once its probe has seen enough of them."""
         self.arrivals_s.extend([now] * max(0, count))
+        if self.holdoff_until_s is not None and now - self.rate_checked_s >= 1.0:
+            self._end_holdoff_on_shift(now)
         probe = self.probe
         if probe is None or self.paused_until is None or now - probe.started_s < PROBE_S:
+            return
+        if now >= self.paused_until:  # the pause ran out before enough arrivals came: untested
+            self.probe = None
             return
         seen, paused_per_s = self._rate_since(probe.started_s)
         if seen < PROBE_ARRIVALS or paused_per_s is None:
@@ -193,8 +208,8 @@ class ClosedLoopGuard:
             self.holdoff_s = HOLDOFF_S[0]  # a closed loop: the pause stands
             return
         self.withdrawn += 1
-        self.paused_until, self.paced_since_s, self.pause_s = None, None, probe.length_s
-        self.holdoff_until_s = now + self.holdoff_s
+        self.paused_until, self.paced_since_s, self.pause_s, self.resumed = None, None, probe.length_s, False
+        self.holdoff_until_s, self.holdoff_from_s, self.holdoff_per_s = now + self.holdoff_s, now, paused_per_s
         self.notice = (
             f"powersave: decode pacing resumed {now - probe.started_s:.0f} s into its {probe.length_s:.0f} s pause: "
             f"arrivals did not speed up while paused ({paused_per_s:.2f} req/s against {probe.paced_per_s:.2f} paced; "
@@ -202,30 +217,51 @@ class ClosedLoopGuard:
         )
         self.holdoff_s = min(2.0 * self.holdoff_s, HOLDOFF_S[1])
 
+    def _end_holdoff_on_shift(self, now: float) -> None:
+        """End a hold-off whose traffic changed: the rate over the last window left the open loop's
+        by more than :data:`HOLDOFF_SHIFT` (a closed loop that replaced it changes the rate as a rule)."""
+        self.rate_checked_s = now
+        if now >= self.holdoff_until_s or now - self.holdoff_from_s < PACED_WINDOW_S:
+            return
+        n, per_s = self._rate_since(now - PACED_WINDOW_S)
+        if per_s is not None and n >= PROBE_ARRIVALS and not (1 / HOLDOFF_SHIFT <= per_s / self.holdoff_per_s <= HOLDOFF_SHIFT):
+            self.holdoff_until_s = None
+
+    def observe_idle(self) -> None:
+        """The engine ran out of requests: a probe's rates would span the idle time and whatever load
+        comes next, so the running pause stands untested; a hold-off ends (new traffic is judged)."""
+        self.probe, self.paced_since_s, self.resumed = None, None, False
+        self.holdoff_until_s, self.holdoff_s = None, HOLDOFF_S[0]
+
     def observe_lagged(self, lag: int, after_finish: bool, arrived: bool, now: float) -> None:
         """A loop ``lag`` loops after a held one: whether that one followed a finish, and whether a
         request arrived in this loop's intake (a client whose round trip outlasts the gap)."""
         self._judge(lag, after_finish, arrived, now)
 
     def _rate_since(self, start_s: float) -> tuple[int, float | None]:
-        """Arrivals at or after ``start_s``, and their rate: gaps over the span from the first to the
-        last (exact for a constant rate, whatever the window's phase; None: no span)."""
-        n, first_s = 0, None
+        """Arrivals at or after ``start_s``, and their rate: those after the first instant over the
+        span from it to the last (exact for a constant rate whatever the window's phase, and for
+        requests that come in groups; None: no span)."""
+        n, first_s, at_first = 0, None, 0
         for t in reversed(self.arrivals_s):
             if t < start_s:
                 break
-            n, first_s = n + 1, t
+            n, at_first = n + 1, (at_first + 1 if t == first_s else 1)
+            first_s = t
         if first_s is None or self.arrivals_s[-1] <= first_s:
             return n, None
-        return n, (n - 1) / (self.arrivals_s[-1] - first_s)
+        return n, (n - at_first) / (self.arrivals_s[-1] - first_s)
 
     def _paced_rate(self, now: float) -> float | None:
-        """Arrivals per second over the paced window before ``now`` (None: too short or too few)."""
-        start = max(now - PACED_WINDOW_S, self.paced_since_s if self.paced_since_s is not None else now)
-        if len(self.arrivals_s) == self.arrivals_s.maxlen:
-            start = max(start, self.arrivals_s[0])
+        """Arrivals per second over the paced window before ``now`` (None: a spell that began when a
+        pause ran out, too short, too few arrivals, or arrivals beyond those kept)."""
+        if self.paced_since_s is None or self.resumed:
+            return None
+        start = max(now - PACED_WINDOW_S, self.paced_since_s)
+        if now - start < PROBE_S / 3 or (len(self.arrivals_s) == self.arrivals_s.maxlen and self.arrivals_s[0] > start):
+            return None
         n, per_s = self._rate_since(start)
-        return per_s if n >= PROBE_ARRIVALS and now - start >= PROBE_S / 3 else None
+        return per_s if n >= PROBE_ARRIVALS else None
 
     def _judge(self, lag: int, after_finish: bool, woken: bool, now: float) -> None:
         if self.holdoff_until_s is not None and now < self.holdoff_until_s:
@@ -295,7 +331,7 @@ class DecodePacer:
         self._sleep = sleep
         self._last_step_t: float | None = None  # when the previous step was let go
         self._post_load: int | None = None  # running + waiting once the previous loop took its inputs
-        self._hold_load = 0  # running + waiting at this loop's hold
+        self._hold_running = self._hold_waiting = 0  # running and waiting at this loop's hold
         self._aborted = False  # the previous loop's inputs removed requests (aborts: stop strings, disconnects)
         self._held: HeldStep | None = None  # this loop's hold, judged once its inputs are known
         self._after_finish = False  # this loop's hold came after a finished request
@@ -324,7 +360,8 @@ class DecodePacer:
         load = facts.running + facts.waiting
         # A request left in the step since the last loop took its inputs, or was aborted by them.
         finished = self._aborted or (self._post_load is not None and load < self._post_load)
-        self._hold_load, self._post_load, self._aborted, self._held = load, None, False, None
+        self._hold_running, self._hold_waiting = facts.running, facts.waiting
+        self._post_load, self._aborted, self._held = None, False, None
         self._after_finish = finished
         gap = self.gap_s(start, facts) if queue_empty() and not self.guard.paused(start) else 0.0
         now = start
@@ -345,24 +382,30 @@ class DecodePacer:
         self._last_step_t = now if facts.running > 0 else None
         return now - start
 
-    def after_intake(self, load: int) -> None:
-        """The engine took its inputs after :meth:`hold`; ``load``: running + waiting now. What was
-        taken tells an arrival (the load grew) from an abort or a utility call."""
-        grew, held = load - self._hold_load, self._held
-        self._post_load, self._aborted, self._held = load, load < self._hold_load, None
+    def after_intake(self, running: int, waiting: int = 0) -> None:
+        """The engine took its inputs after :meth:`hold`; ``running`` and ``waiting``: the scheduler's
+        queues now. vLLM puts a new request in the waiting queue and an abort (a stop string, a
+        disconnect) takes one out, of the running queue as a rule: counted apart, an arrival is not
+        hidden by an abort taken in the same loop."""
+        arrived = max(0, waiting - self._hold_waiting) + max(0, running - self._hold_running)
+        aborted = running < self._hold_running or waiting < self._hold_waiting
+        held, idle = self._held, self._hold_running + self._hold_waiting == 0
+        self._post_load, self._aborted, self._held = running + waiting, aborted, None
         now = self._clock()
-        self.guard.observe_arrivals(grew, now)
+        if idle:
+            self.guard.observe_idle()
+        self.guard.observe_arrivals(arrived, now)
         # Cut short by something else than a request (an abort, a utility call): the hold tells nothing.
-        if held is not None and not (held.woken and grew <= 0):
+        if held is not None and not (held.woken and arrived == 0):
             self.guard.observe_hold(held.after_finish, held.woken, held.at_s)
-        if self._hold_load == 0:
+        if idle:
             # Nothing ran: vLLM's intake blocked until the next request, however long the engine sat
             # idle, so this arrival is no loop "after" the held steps before it.
             self._recent.clear()
         elif any(past.held for past in self._recent):
             for lag, past in enumerate(reversed(self._recent), start=1):
                 if past.held:
-                    self.guard.observe_lagged(lag, past.after_finish, grew > 0, now)
+                    self.guard.observe_lagged(lag, past.after_finish, arrived > 0, now)
         self._recent.append(LoopTrace(held is not None, self._after_finish))
 
     def figures(self) -> "PaceFigures":
