@@ -392,8 +392,10 @@ def _signature(g, now_s):
 
     for _ in range(CONTROL_HOLDS):
         g.observe_hold(False, False, now_s)
-    for _ in range(FINISHED_HOLDS):
-        g.observe_hold(True, True, now_s)
+    pauses = g.pauses
+    for _ in range(FINISHED_HOLDS):  # no hold runs once paused
+        if g.pauses == pauses:
+            g.observe_hold(True, True, now_s)
 
 
 def test_a_probe_ends_with_its_pause_when_too_few_arrivals_came_in_it():
@@ -444,18 +446,59 @@ def test_requests_that_come_in_groups_read_their_true_rate():
     assert g._rate_since(1.0)[1] == pytest.approx(20 / 3.0)
 
 
-def test_a_pause_that_follows_a_pause_run_out_is_not_probed():
+def test_a_pause_soon_after_a_pause_ran_out_stands_untested_and_a_later_one_is_probed_once_settled():
     from vllm_powersave.pacing import ClosedLoopGuard
-    from vllm_powersave.pacing.pacer import PAUSE_S
+    from vllm_powersave.pacing.pacer import PACED_WINDOW_S, PAUSE_S
 
     g = ClosedLoopGuard()
     end = _paced(g, 0.0, 6.0, 10.0)
     _signature(g, end)
     g.probe = None  # say the probe saw the loop speed up: the pause stands
-    assert not g.paused(end + PAUSE_S[0])  # it ran out; pacing resumes, its rate not yet settled
-    end = _paced(g, end + PAUSE_S[0], 6.0, 10.0)
+    resumed = end + PAUSE_S[0]
+    assert not g.paused(resumed)  # it ran out; pacing resumes, a closed loop's rate still settling
+    end = _paced(g, resumed, 3.0, 10.0)
     _signature(g, end)
-    assert g.pauses == 2 and g.probe is None
+    assert g.pauses == 2 and g.probe is None  # 3 s after: no settled window, untested
+    g.paused_until = None  # (as if that pause ran out too, at once)
+    g.resumed_s = end
+    end = _paced(g, end, 8.0, 10.0)
+    _signature(g, end)
+    assert g.pauses == 3 and g.probe is not None
+    assert g.probe.paced_per_s == pytest.approx(10.0)  # read over the window from 5 s after resuming
+    assert end - (g.resumed_s or 0.0) >= PACED_WINDOW_S
+
+
+def test_a_light_loads_short_idle_gaps_do_not_cancel_a_probe_but_a_long_idle_does():
+    p, t = _pacer(30.0)
+    end = _paced(p.guard, t.now, 6.0, 10.0)
+    t.now = end
+    _signature(p.guard, end)
+    p.hold(PaceFacts(0, 0, 256, False), lambda: True)
+    t.now += 0.3  # a gap between a light load's requests
+    p.after_intake(0, 1)
+    assert p.guard.probe is not None
+    p.hold(PaceFacts(0, 0, 256, False), lambda: True)
+    t.now += 5.0  # between two runs
+    p.after_intake(0, 1)
+    assert p.guard.probe is None and p.figures().paused
+
+
+def test_traffic_switching_between_open_loop_rates_it_has_probed_keeps_its_hold_off():
+    p, t = _pacer(30.0)
+    _constant_rate_open_loop(p, t, seconds=20.0)  # 10 req/s: paused, withdrawn
+    _constant_rate_open_loop(p, t, seconds=45.0, period_s=0.05)  # 20 req/s: hold-off ended, paused, withdrawn
+    assert p.guard.withdrawn == 2 and p.guard.holdoff_until_s is not None
+    _constant_rate_open_loop(p, t, seconds=7.0)  # back to 10 req/s: an open loop it has seen
+    assert p.guard.holdoff_until_s is not None
+
+
+def test_requests_whose_kv_a_connector_holds_count_as_waiting():
+    from vllm_powersave import vllm_compat
+
+    sched = types.SimpleNamespace(running=[object()], waiting=[], kv_holding_waiting=[object()], max_num_running_reqs=256)
+    assert vllm_compat.pace_facts(sched).waiting == 1  # vLLM 0.32: a ready request, no hold
+    del sched.kv_holding_waiting  # vLLM 0.25 has no such queue
+    assert vllm_compat.waiting_requests(sched) == 0
 
 
 def test_a_hold_off_ends_when_the_arrival_rate_moves():
@@ -465,7 +508,10 @@ def test_a_hold_off_ends_when_the_arrival_rate_moves():
     _constant_rate_open_loop(p, t, seconds=7.0)  # the same open loop: the hold-off runs on
     assert p.guard.holdoff_until_s is not None
     _constant_rate_open_loop(p, t, seconds=7.0, period_s=0.05)  # twice the rate: new traffic
-    assert p.guard.holdoff_until_s is None
+    # The hold-off ended 5 s in, and the new traffic was judged at once: paused, probed over its own
+    # rate only (not the 10 req/s before the shift), withdrawn.
+    assert p.guard.pauses == 2 and p.guard.withdrawn == 2
+    assert list(p.guard.open_rates_per_s) == [pytest.approx(10.0, rel=0.01), pytest.approx(20.0, rel=0.01)]
 
 
 def test_a_hold_cut_short_by_an_abort_is_no_arrival_and_the_abort_counts_as_a_finish():

@@ -42,8 +42,9 @@ Touch points (module: symbol):
   ``waiting`` (``len``, iteration) and ``Request.num_prompt_tokens`` / ``num_computed_tokens``;
 * ``vllm.v1.engine.core.EngineCoreProc._process_input_queue`` (decode pacing, EngineCore process):
   held before it runs; reads the core's ``input_queue.empty()`` and ``scheduler`` (``running``,
-  ``waiting``, ``max_num_running_reqs``, each running ``Request``'s ``num_computed_tokens`` /
-  ``num_tokens`` / ``num_output_tokens``);
+  ``waiting``, ``kv_holding_waiting`` where it exists (0.32: requests whose KV a connector
+  holds; absent in 0.25), ``max_num_running_reqs``, each running ``Request``'s
+  ``num_computed_tokens`` / ``num_tokens`` / ``num_output_tokens``);
 * runner ``use_async_scheduling`` or ``scheduler_config.async_scheduling`` (host one step ahead);
 * Ray executor (``--distributed-executor-backend ray``): the environment variables
   ``VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY`` / ``VLLM_RAY_EXTRA_ENV_VARS_TO_COPY`` (read by
@@ -1257,10 +1258,16 @@ def step_lookahead(scheduler_output: Any) -> tuple[float, int, int] | None:
     return getattr(scheduler_output, LOOKAHEAD_ATTR, None)
 
 
+def waiting_requests(scheduler: Any) -> int:
+    """Requests the V1 scheduler has not started: its waiting queue, plus (vLLM 0.32) those whose KV
+    a connector holds, which vLLM's own ``get_request_counts`` counts as waiting too."""
+    return len(scheduler.waiting) + len(getattr(scheduler, "kv_holding_waiting", ()))
+
+
 def pace_facts(scheduler: Any) -> PaceFacts:
     """What the V1 scheduler holds before the next step, as a :class:`~.pacing.PaceFacts`."""
     running = scheduler.running
-    n, waiting, cap = len(running), len(scheduler.waiting), int(scheduler.max_num_running_reqs)
+    n, waiting, cap = len(running), waiting_requests(scheduler), int(scheduler.max_num_running_reqs)
     if waiting or not n or n >= cap:  # no hold whatever the requests hold: no scan
         return PaceFacts(n, waiting, cap, False)
     # Decoding: num_computed_tokens == num_tokens - 1 (the last sampled token is not computed yet;
@@ -1303,7 +1310,7 @@ def install_pacing_hook(pacer: Any) -> bool:
             if held:  # what the loop took tells the closed-loop guard an arrival from an abort
                 try:
                     sched = self.scheduler
-                    pacer.after_intake(len(sched.running), len(sched.waiting))
+                    pacer.after_intake(len(sched.running), waiting_requests(sched))
                     if pacer.guard.notice is not None:  # a closed-loop pause started: said once per pause
                         log.info("%s", pacer.guard.take_notice())
                 except Exception as exc:  # pacing is a saving: never break the engine loop for it

@@ -69,9 +69,9 @@ LAGS = (1, 2)
 RISE_MIN = 1.10
 #: The paced rate is read over at most this window (s) before the pause, at least a third of
 #: :data:`PROBE_S`; the probe decides after at least :data:`PROBE_S` of the pause and
-#: :data:`PROBE_ARRIVALS` arrivals in each window. A pause with no such window stands untested, and
-#: so does one that comes after a pause ran out: a closed loop's rate takes about one request's
-#: life to settle once pacing resumes, and its rise would read low.
+#: :data:`PROBE_ARRIVALS` arrivals in each window. A pause with no such window stands untested.
+#: After a pause ran out the window starts :data:`PACED_WINDOW_S` after pacing resumed: a closed
+#: loop's rate takes about one request's life to settle, and its rise would read low before.
 PACED_WINDOW_S = 5.0
 PROBE_S = 3.0
 PROBE_ARRIVALS = 8
@@ -81,6 +81,12 @@ PROBE_ARRIVALS = 8
 #: from the open loop's (checked once a second): new traffic is judged.
 HOLDOFF_S = (30.0, 120.0)
 HOLDOFF_SHIFT = 1.25
+#: Open-loop rates whose pauses were withdrawn, kept so that traffic switching between them does not
+#: end each hold-off (and pay a probe) at every switch.
+OPEN_RATES_KEPT = 4
+#: An idle spell longer than this (s) ends a probe and a hold-off (new traffic is judged afresh);
+#: shorter ones are the gaps between a light load's requests.
+IDLE_RESET_S = 1.0
 ARRIVALS_KEPT = 4096
 
 
@@ -155,7 +161,9 @@ class ClosedLoopGuard:
     #: Arrival times (s), paced or paused, newest last: the probe compares the two rates.
     arrivals_s: deque[float] = field(default_factory=lambda: deque(maxlen=ARRIVALS_KEPT))
     paced_since_s: float | None = None  # the first hold of this spell of pacing
-    resumed: bool = False  # this spell of pacing began when a pause ran out
+    resumed_s: float | None = None  # when the last pause ran out, if this spell began then
+    #: Arrival rates (req/s) of open loops whose pauses were withdrawn, newest last.
+    open_rates_per_s: deque[float] = field(default_factory=lambda: deque(maxlen=OPEN_RATES_KEPT))
     probe: PauseProbe | None = None  # the running pause's test, if the paced rate could be read
     holdoff_until_s: float | None = None  # no hold is judged before this
     holdoff_from_s: float = 0.0  # when the last hold-off began
@@ -170,7 +178,7 @@ class ClosedLoopGuard:
             return False
         if now < self.paused_until:
             return True
-        self.paused_until, self.probe, self.paced_since_s, self.resumed = None, None, None, True
+        self.paused_until, self.probe, self.paced_since_s, self.resumed_s = None, None, None, now
         self._clear()
         return False
 
@@ -208,7 +216,8 @@ class ClosedLoopGuard:
             self.holdoff_s = HOLDOFF_S[0]  # a closed loop: the pause stands
             return
         self.withdrawn += 1
-        self.paused_until, self.paced_since_s, self.pause_s, self.resumed = None, None, probe.length_s, False
+        self.paused_until, self.paced_since_s, self.pause_s, self.resumed_s = None, None, probe.length_s, None
+        self.open_rates_per_s.append(paused_per_s)
         self.holdoff_until_s, self.holdoff_from_s, self.holdoff_per_s = now + self.holdoff_s, now, paused_per_s
         self.notice = (
             f"powersave: decode pacing resumed {now - probe.started_s:.0f} s into its {probe.length_s:.0f} s pause: "
@@ -224,13 +233,19 @@ class ClosedLoopGuard:
         if now >= self.holdoff_until_s or now - self.holdoff_from_s < PACED_WINDOW_S:
             return
         n, per_s = self._rate_since(now - PACED_WINDOW_S)
-        if per_s is not None and n >= PROBE_ARRIVALS and not (1 / HOLDOFF_SHIFT <= per_s / self.holdoff_per_s <= HOLDOFF_SHIFT):
-            self.holdoff_until_s = None
+        if per_s is None or n < PROBE_ARRIVALS:
+            return
+        if not any(1 / HOLDOFF_SHIFT <= per_s / r <= HOLDOFF_SHIFT for r in self.open_rates_per_s):
+            # New traffic: a probe's paced window starts here, not over the traffic before the shift.
+            self.holdoff_until_s, self.paced_since_s = None, now
 
-    def observe_idle(self) -> None:
-        """The engine ran out of requests: a probe's rates would span the idle time and whatever load
-        comes next, so the running pause stands untested; a hold-off ends (new traffic is judged)."""
-        self.probe, self.paced_since_s, self.resumed = None, None, False
+    def observe_idle(self, idle_s: float) -> None:
+        """The engine sat idle ``idle_s`` before its next request. Past :data:`IDLE_RESET_S` a probe's
+        rates would span the idle time and whatever load comes next, so the running pause stands
+        untested, and a hold-off ends (new traffic is judged afresh)."""
+        if idle_s <= IDLE_RESET_S:
+            return
+        self.probe, self.paced_since_s, self.resumed_s = None, None, None
         self.holdoff_until_s, self.holdoff_s = None, HOLDOFF_S[0]
 
     def observe_lagged(self, lag: int, after_finish: bool, arrived: bool, now: float) -> None:
@@ -253,11 +268,12 @@ class ClosedLoopGuard:
         return n, (n - at_first) / (self.arrivals_s[-1] - first_s)
 
     def _paced_rate(self, now: float) -> float | None:
-        """Arrivals per second over the paced window before ``now`` (None: a spell that began when a
-        pause ran out, too short, too few arrivals, or arrivals beyond those kept)."""
-        if self.paced_since_s is None or self.resumed:
+        """Arrivals per second over the paced window before ``now`` (None: too short, too few
+        arrivals, or arrivals beyond those kept)."""
+        if self.paced_since_s is None:
             return None
-        start = max(now - PACED_WINDOW_S, self.paced_since_s)
+        settled_s = self.paced_since_s if self.resumed_s is None else max(self.paced_since_s, self.resumed_s + PACED_WINDOW_S)
+        start = max(now - PACED_WINDOW_S, settled_s)
         if now - start < PROBE_S / 3 or (len(self.arrivals_s) == self.arrivals_s.maxlen and self.arrivals_s[0] > start):
             return None
         n, per_s = self._rate_since(start)
@@ -332,6 +348,7 @@ class DecodePacer:
         self._last_step_t: float | None = None  # when the previous step was let go
         self._post_load: int | None = None  # running + waiting once the previous loop took its inputs
         self._hold_running = self._hold_waiting = 0  # running and waiting at this loop's hold
+        self._hold_start_s = 0.0  # when this loop's hold began (an idle engine's: when it went idle)
         self._aborted = False  # the previous loop's inputs removed requests (aborts: stop strings, disconnects)
         self._held: HeldStep | None = None  # this loop's hold, judged once its inputs are known
         self._after_finish = False  # this loop's hold came after a finished request
@@ -360,7 +377,7 @@ class DecodePacer:
         load = facts.running + facts.waiting
         # A request left in the step since the last loop took its inputs, or was aborted by them.
         finished = self._aborted or (self._post_load is not None and load < self._post_load)
-        self._hold_running, self._hold_waiting = facts.running, facts.waiting
+        self._hold_running, self._hold_waiting, self._hold_start_s = facts.running, facts.waiting, start
         self._post_load, self._aborted, self._held = None, False, None
         self._after_finish = finished
         gap = self.gap_s(start, facts) if queue_empty() and not self.guard.paused(start) else 0.0
@@ -393,7 +410,7 @@ class DecodePacer:
         self._post_load, self._aborted, self._held = running + waiting, aborted, None
         now = self._clock()
         if idle:
-            self.guard.observe_idle()
+            self.guard.observe_idle(now - self._hold_start_s)
         self.guard.observe_arrivals(arrived, now)
         # Cut short by something else than a request (an abort, a utility call): the hold tells nothing.
         if held is not None and not (held.woken and arrived == 0):
