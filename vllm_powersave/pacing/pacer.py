@@ -137,8 +137,9 @@ class ClosedLoopGuard:
     request cut short, and (a round trip longer than the gap) in how many loops one and two
     (:data:`LAGS`) after a held one a request arrived in the intake; when, in any of these, at
     least :data:`WOKEN_SHARE` of :data:`FINISHED_HOLDS` cases after a finish saw an arrival and at
-    most :data:`CONTROL_MAX` of :data:`CONTROL_HOLDS` cases after none, pacing pauses for
-    :data:`PAUSE_S` (doubling while the loop persists), then looks again.
+    most :data:`CONTROL_MAX` of :data:`CONTROL_HOLDS` cases after none (or, sooner, all of the first
+    :data:`EARLY_HOLDS` cases after a finish), pacing pauses for :data:`PAUSE_S` (doubling while the
+    loop persists), then looks again.
 
     Open-loop arrivals at a near-constant rate with fixed output lengths can put each finish at a fixed
     phase against the next arrival and mimic that signature (docs/decode-pacing.md). A pause therefore
@@ -167,7 +168,6 @@ class ClosedLoopGuard:
     probe: PauseProbe | None = None  # the running pause's test, if the paced rate could be read
     holdoff_until_s: float | None = None  # no hold is judged before this
     holdoff_from_s: float = 0.0  # when the last hold-off began
-    holdoff_per_s: float = 0.0  # the open loop's arrival rate then
     rate_checked_s: float = 0.0  # when a hold-off last compared the arrival rate with it
     holdoff_s: float = HOLDOFF_S[0]
     withdrawn: int = 0  # pauses the probe found open-loop arrivals in
@@ -218,7 +218,7 @@ class ClosedLoopGuard:
         self.withdrawn += 1
         self.paused_until, self.paced_since_s, self.pause_s, self.resumed_s = None, None, probe.length_s, None
         self.open_rates_per_s.append(paused_per_s)
-        self.holdoff_until_s, self.holdoff_from_s, self.holdoff_per_s = now + self.holdoff_s, now, paused_per_s
+        self.holdoff_until_s, self.holdoff_from_s = now + self.holdoff_s, now
         self.notice = (
             f"powersave: decode pacing resumed {now - probe.started_s:.0f} s into its {probe.length_s:.0f} s pause: "
             f"arrivals did not speed up while paused ({paused_per_s:.2f} req/s against {probe.paced_per_s:.2f} paced; "
