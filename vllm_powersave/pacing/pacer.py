@@ -199,7 +199,8 @@ class ClosedLoopGuard:
     def observe_arrivals(self, count: int, now: float) -> None:
         """``count`` requests reached the engine's intake at ``now``; a pause under test is decided
         once its probe has seen enough of them."""
-        self.arrivals_s.extend([now] * max(0, count))
+        if count > 0:  # most engine loops take no request: no list built for them
+            self.arrivals_s.extend([now] * count)
         if self.holdoff_until_s is not None and now - self.rate_checked_s >= 1.0:
             self._end_holdoff_on_shift(now)
         probe = self.probe
