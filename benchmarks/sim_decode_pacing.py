@@ -156,11 +156,15 @@ def simulate(
     if pacer is not None and not guard:
         pacer.guard = _NoGuard()
     cost = ModelCost.for_shape(SHAPE)
+
+    def queue_empty() -> bool:  # vLLM's input queue: empty until the next request has arrived
+        return not (eng.pending and eng.pending[0].arrival_s <= eng.now_s)
+
     while eng.now_s < duration_s:
         if pacer is not None and not (eng.running or eng.waiting) and eng.pending:
             # vLLM's idle engine: the pacer's hook runs at load 0, then the intake blocks until the
             # next request arrives and takes it in, however long that was.
-            pacer.hold(PaceFacts(0, 0, MAX_SEQS, False), lambda: not (eng.pending and eng.pending[0].arrival_s <= eng.now_s))
+            pacer.hold(PaceFacts(0, 0, MAX_SEQS, False), queue_empty)
             eng.idle(max(0.0, eng.pending[0].arrival_s - eng.now_s))
             eng.arrive()
             pacer.after_intake(len(eng.running), len(eng.waiting))
@@ -175,7 +179,7 @@ def simulate(
             continue
         if pacer is not None:
             facts = PaceFacts(len(eng.running), len(eng.waiting), MAX_SEQS, any(r.computed < r.prompt for r in eng.running))
-            pacer.hold(facts, lambda: not (eng.pending and eng.pending[0].arrival_s <= eng.now_s))
+            pacer.hold(facts, queue_empty)
             eng.arrive()
             pacer.after_intake(len(eng.running), len(eng.waiting))
         _step(eng, cost)

@@ -539,13 +539,8 @@ def test_a_pacer_turned_off_during_a_pause_does_not_read_paused():
 
 
 def test_the_hook_logs_a_pause_once(hooked, caplog):
-    from vllm_powersave.pacing.pacer import CONTROL_HOLDS, FINISHED_HOLDS
-
     p, t, loop = hooked
-    for _ in range(CONTROL_HOLDS):
-        p.guard.observe_hold(False, False, t.now)
-    for _ in range(FINISHED_HOLDS):
-        p.guard.observe_hold(True, True, t.now)
+    _signature(p.guard, t.now)
     core, _ = _core([_Req(100)])
     with caplog.at_level(logging.INFO):
         loop(core)

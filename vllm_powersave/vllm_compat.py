@@ -1311,7 +1311,7 @@ def install_pacing_hook(pacer: Any) -> bool:
                 try:
                     sched = self.scheduler
                     pacer.after_intake(len(sched.running), waiting_requests(sched))
-                    if pacer.guard.notice is not None:  # a closed-loop pause started: said once per pause
+                    if pacer.guard.notice is not None:  # a pause started or was withdrawn: said once each
                         log.info("%s", pacer.guard.take_notice())
                 except Exception as exc:  # pacing is a saving: never break the engine loop for it
                     pacer.turn_off(f"fault ({type(exc).__name__})")
