@@ -49,6 +49,10 @@ from .lib.serve import NO_MULTICAST, SERVER_ENV, check_port_free, stop, tcp_list
 POINTS = {
     "c64": dict(max_concurrency=64, input_len=512, output_len=256, num_prompts=400),
     "c256": dict(max_concurrency=256, input_len=128, output_len=128, num_prompts=1536),
+    # A light closed loop, where decode pacing's closed-loop guard must give the throughput back
+    # (docs/decode-pacing.md): 12 rounds of 16 clients, so a window holds the guard's first
+    # pause (after 3-19 s in the simulator) and the unpaced rounds after it.
+    "c16": dict(max_concurrency=16, input_len=512, output_len=256, num_prompts=192),
 }
 #: Arms: extra ``vllm serve`` flags; stock has no plugin on its path at all.
 ARMS = {"stock": [], "defaults": ["--plugin", "powersave"]}
@@ -61,6 +65,9 @@ ABLATIONS = {
     "boost-only-1api": {"api_server_count": 1, "cuda_perf_boost": "on", "clocks": {"mode": "off"}, "chunking": {"enabled": False}},
     "no-clocks-1api": {"api_server_count": 1, "clocks": {"mode": "off"}},
     "no-watch-1api": {"api_server_count": 1, "energy": {"starvation_watch": False}},
+    # Decode pacing at the rate4 winner's target (docs/results/h100-decode-pacing.md) on a closed
+    # loop, paired with the defaults (``--arms defaults,pacing-35``): what its guard costs.
+    "pacing-35": {"decode_pacing": {"tpot_target_ms": 35.0}},
 }
 for _name in ABLATIONS:
     ARMS[_name] = ARMS["defaults"]
