@@ -65,8 +65,12 @@ def test_a_served_request_decodes_at_the_tpot_target(tmp_path):
     gaps_ms = [(b - a) * 1000.0 for a, b in zip(starts, starts[1:])]
     assert len(gaps_ms) >= 15, steps
     assert held >= 15  # /metrics counts the held steps
-    # Held to the target (a loaded host can only make steps later, never earlier).
-    assert min(gaps_ms) >= TARGET_MS * 0.95, gaps_ms
+    # Held to the target. The pacer lets a step go a period after it let the last one go; the trace
+    # stamps a step after its scheduling, which a loaded host delays by a varying few ms, so one
+    # gap can read short by the jitter of its first step (56.1 ms at 60 on a busy 2-core host),
+    # while the mean over the run can read short only by one step's jitter over all the gaps.
+    assert statistics.fmean(gaps_ms) >= TARGET_MS * 0.97, gaps_ms
+    assert min(gaps_ms) >= TARGET_MS * 0.8, gaps_ms
     assert statistics.median(gaps_ms) < TARGET_MS * 3, gaps_ms  # held, not stalled
     text = log.read_text()
     assert "decode pacing on (decode steps spaced to 60 ms)" in text
