@@ -567,3 +567,15 @@ def test_an_arrival_after_an_idle_spell_is_no_arrival_loops_after_the_last_held_
                 p.hold(PaceFacts(load, 0, 256, False), lambda: True)
                 p.after_intake(load)
     assert p.guard.pauses == 0, p.guard.take_notice()
+
+
+def test_the_simulated_sweeps_report_when_the_guard_first_paused_and_poisson_never_pauses():
+    from benchmarks.sim_decode_pacing import SWEEPS, guard_sweep, simulate
+
+    closed = simulate("c16", None, 16, 35.0, 20.0, 1)
+    assert closed["closed_loop_pauses"] >= 1 and 0.0 < closed["first_pause_s"] < 20.0
+    open_loop = simulate("rate8", 8.0, None, 35.0, 20.0, 1)
+    assert open_loop["closed_loop_pauses"] == 0 and open_loop["first_pause_s"] is None
+    assert "poisson" in SWEEPS
+    sweep = guard_sweep(20.0, 1, "poisson")
+    assert (sweep.configs, sweep.paused, sweep.first_pause_s) == (14, 0, None)
