@@ -197,3 +197,11 @@ def test_an_open_loop_decode_heavy_run_is_pointed_at_decode_pacing():
 )
 def test_no_decode_pacing_advice_where_it_cannot_grow_the_batch_or_already_runs(over):
     assert "decode_pacing" not in [r.key for r in advise(_open_loop(**over))]
+
+
+def test_nothing_to_recommend_says_which_idle_rule_it_checked():
+    from vllm_powersave.advise import _nothing_because
+
+    busy = {"energy_j": 1000.0, "idle_while_busy_j": 0.0, "energy_by_phase_j": {"idle": 426.0}, "cuda_perf_boost": "auto"}
+    why = _nothing_because(busy)
+    assert "idle 42.6 % of the energy (holding the boost on pays only below" in why and "advice below" not in why

@@ -501,7 +501,9 @@ def _nothing_because(facts: dict[str, Any]) -> str:
         parts.append(f"front-end starvation {100 * iwb_j / e:.1f} % of the energy (advice from {100 * MIN_STARVATION_SHARE:.0f} %)")
     quiet = _quiet_idle_j(facts, iwb_j)
     if e and quiet is not None:
-        cut = MIN_IDLE_SHARE if modes is None or "on" in modes else PERF_BOOST_ON_MAX_IDLE_SHARE
-        side = "from" if cut == MIN_IDLE_SHARE else "below"
-        parts.append(f"idle {100 * quiet / e:.1f} % of the energy (advice {side} {100 * cut:.0f} %)")
+        share = f"idle {100 * quiet / e:.1f} % of the energy"
+        if modes is None or "on" in modes:
+            parts.append(f"{share} (idle advice from {100 * MIN_IDLE_SHARE:.0f} %)")
+        else:  # the one idle rule left: hold the boost on, which pays only where the GPU is hardly idle
+            parts.append(f"{share} (holding the boost on pays only below {100 * PERF_BOOST_ON_MAX_IDLE_SHARE:.0f} %)")
     return "; ".join(parts)
