@@ -26,6 +26,7 @@ from benchmarks.lib.device import write_record
 LOADS = {
     "c64": dict(name="c64-streamed-512-256", kind="saturation", concurrency=64),
     "c256": dict(name="c256-streamed-128-128", kind="saturation", concurrency=256),
+    "c16": dict(name="c16-streamed-512-256", kind="saturation", concurrency=16),
 }
 #: Loads the issue asks for that no raw file here holds yet (they need one server at a time: the
 #: side-by-side job keeps a CUDA context up, which hides perf boost's idle saving).
