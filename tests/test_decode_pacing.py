@@ -584,3 +584,55 @@ def test_the_simulated_sweeps_report_when_the_guard_first_paused_and_poisson_nev
     assert "poisson" in SWEEPS
     sweep = guard_sweep(20.0, 1, "poisson")
     assert (sweep.configs, sweep.paused, sweep.first_pause_s) == (14, 0, None)
+
+
+def test_clients_with_equal_output_lengths_that_finish_together_pause_pacing_at_their_first_finish():
+    # 16 clients sending 512 / 256 tokens, as a benchmark's fixed lengths: their prefills split over
+    # two steps, so two groups of 8 finish together each round, every ~9 s at 35 ms. Counted as one
+    # case per hold, 4 cases took 28 s on an H100 (docs/results/h100-decode-pacing-closed-loop.md).
+    p, t = _pacer(30.0)
+    load = 16
+    p.hold(PaceFacts(load, 0, 256, False), lambda: True)
+    p.after_intake(load)
+    for i in range(1, 150):
+        t.now += 0.007
+        left = 8 if i % 100 == 0 else 0
+        load -= left
+        start = t.now
+        p.hold(PaceFacts(load, 0, 256, False), lambda: not (left and t.now - start >= 0.004))
+        load += left  # their next requests arrived 4 ms into the hold
+        p.after_intake(load)
+    assert p.guard.pauses == 1 and "requests arrived 4 of 4 times in holds after a finished request" in p.guard.take_notice()
+
+
+def test_clients_that_all_finish_together_and_return_within_a_gap_pause_pacing():
+    # Every client finishes in the same step (equal lengths, one prefill step): the engine empties
+    # and waits for their next requests, which come 4 ms later; no hold follows the finish.
+    p, t = _pacer(30.0)
+    load = 16
+    p.hold(PaceFacts(load, 0, 256, False), lambda: True)
+    p.after_intake(load)
+    for i in range(1, 400):
+        t.now += 0.007
+        if i % 50 == 0:
+            p.hold(PaceFacts(0, 0, 256, False), lambda: True)  # all 16 left: the intake blocks
+            t.now += 0.004
+            p.after_intake(0, load)
+            continue
+        p.hold(PaceFacts(load, 0, 256, False), lambda: True)
+        p.after_intake(load)
+    assert p.guard.pauses == 1 and "4 of 4 times" in p.guard.take_notice()
+    # The same idle spells with the next request a second later (open-loop traffic): no pause.
+    p, t = _pacer(30.0)
+    p.hold(PaceFacts(load, 0, 256, False), lambda: True)
+    p.after_intake(load)
+    for i in range(1, 400):
+        t.now += 0.007
+        if i % 50 == 0:
+            p.hold(PaceFacts(0, 0, 256, False), lambda: True)
+            t.now += 1.0
+            p.after_intake(0, load)
+            continue
+        p.hold(PaceFacts(load, 0, 256, False), lambda: True)
+        p.after_intake(load)
+    assert p.guard.pauses == 0
