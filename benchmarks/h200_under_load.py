@@ -51,7 +51,7 @@ POINTS = {
     "c256": dict(max_concurrency=256, input_len=128, output_len=128, num_prompts=1536),
     # A light closed loop, where decode pacing's closed-loop guard must give the throughput back
     # (docs/decode-pacing.md): 12 rounds of 16 clients, so a window holds the guard's first
-    # pause (after 2-13 s in the simulator) and the unpaced rounds after it.
+    # pause (after 21-37 s in the simulator at these fixed lengths) and the unpaced rounds after it.
     "c16": dict(max_concurrency=16, input_len=512, output_len=256, num_prompts=192),
 }
 #: Arms: extra ``vllm serve`` flags; stock has no plugin on its path at all.

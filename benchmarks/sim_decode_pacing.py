@@ -125,7 +125,7 @@ def _retire(eng: Engine) -> None:
 class _NoGuard(ClosedLoopGuard):
     """The pacer without its closed-loop guard (the ``-unguarded`` load): judges nothing, never pauses."""
 
-    def _judge(self, lag: int, after_finish: int, woken: bool, now: float) -> None:
+    def _judge(self, lag: int, after_finish: bool, woken: bool, now: float) -> None:
         pass
 
 
@@ -371,9 +371,10 @@ def _markdown(rows: list[dict], ns: argparse.Namespace) -> str:
         "all three counts a few seconds after a pause ran out can start the next pause from 30 s again "
         "(c128-rtt20 at 35 ms: 7 pauses, x0.947; x0.91-0.955 over seeds 1-4, against x0.935-0.966 with "
         "8 finishes). Closed loops with a benchmark's fixed 512 / 256 tokens (the sweep's last 8 configurations) "
-        "finish in groups: 4 and 16 clients paused after 6.6-42 s, 64 only after 141-143 s (a group's clients "
-        "are back in the queue before the next hold, so no hold follows a finish; x0.93-0.96 throughput over "
-        "300 s), 128 never held a step, and one pause of 16 clients at 20 ms was withdrawn by its probe. "
+        "finish together, each round one case (a finish that empties the engine, the next request back within "
+        "a period): 4 and 16 clients paused after 21-37 s (x0.71-0.82 throughput over 300 s; never before that "
+        "case was counted), 64 and 128 after 18-31 s; at 35 ms the probe, seeing arrivals come in rounds, "
+        "withdrew 2 of 5 pauses at 64 clients and 12 of 14 at 128 (x0.785, x0.60). "
         "Constant-rate arrivals with fixed "
         "lengths (const8-fixed) put each finish at a fixed phase before an arrival and mimic that signature; "
         "the pause's probe sees their rate unchanged while unpaced and withdraws it after 3 s (the guard before "

@@ -586,53 +586,59 @@ def test_the_simulated_sweeps_report_when_the_guard_first_paused_and_poisson_nev
     assert (sweep.configs, sweep.paused, sweep.first_pause_s) == (14, 0, None)
 
 
-def test_clients_with_equal_output_lengths_that_finish_together_pause_pacing_at_their_first_finish():
-    # 16 clients sending 512 / 256 tokens, as a benchmark's fixed lengths: their prefills split over
-    # two steps, so two groups of 8 finish together each round, every ~9 s at 35 ms. Counted as one
-    # case per hold, 4 cases took 28 s on an H100 (docs/results/h100-decode-pacing-closed-loop.md).
+def test_one_woken_hold_after_a_group_of_finishes_does_not_pause_pacing():
+    # Open-loop requests sent in groups with fixed lengths also finish in groups: a hold after 4
+    # finishes that one arrival cuts short is one case, not 4 (counted as 4, bursty open-loop loads
+    # paused in 21 of 48 simulated runs, most pauses standing 30-60 s).
     p, t = _pacer(30.0)
-    load = 16
+    load = 8
     p.hold(PaceFacts(load, 0, 256, False), lambda: True)
     p.after_intake(load)
-    for i in range(1, 150):
+    for _ in range(40):  # quiet holds after no finish: the control
         t.now += 0.007
-        left = 8 if i % 100 == 0 else 0
-        load -= left
-        start = t.now
-        p.hold(PaceFacts(load, 0, 256, False), lambda: not (left and t.now - start >= 0.004))
-        load += left  # their next requests arrived 4 ms into the hold
-        p.after_intake(load)
-    assert p.guard.pauses == 1 and "requests arrived 4 of 4 times in holds after a finished request" in p.guard.take_notice()
-
-
-def test_clients_that_all_finish_together_and_return_within_a_gap_pause_pacing():
-    # Every client finishes in the same step (equal lengths, one prefill step): the engine empties
-    # and waits for their next requests, which come 4 ms later; no hold follows the finish.
-    p, t = _pacer(30.0)
-    load = 16
-    p.hold(PaceFacts(load, 0, 256, False), lambda: True)
-    p.after_intake(load)
-    for i in range(1, 400):
-        t.now += 0.007
-        if i % 50 == 0:
-            p.hold(PaceFacts(0, 0, 256, False), lambda: True)  # all 16 left: the intake blocks
-            t.now += 0.004
-            p.after_intake(0, load)
-            continue
         p.hold(PaceFacts(load, 0, 256, False), lambda: True)
         p.after_intake(load)
-    assert p.guard.pauses == 1 and "4 of 4 times" in p.guard.take_notice()
-    # The same idle spells with the next request a second later (open-loop traffic): no pause.
-    p, t = _pacer(30.0)
+    t.now += 0.007
+    load -= 4
+    start = t.now
+    p.hold(PaceFacts(load, 0, 256, False), lambda: t.now - start < 0.004)
+    p.after_intake(load + 1)
+    assert p.guard.pauses == 0 and p.guard.tally(0)[0] == HoldTally(holds=1, woken=1)
+
+
+def _emptying_rounds(p, t, rounds, back_s, load=16):
+    """Clients that all finish in one step (equal lengths): vLLM runs one empty step, then its
+    intake blocks until their next requests, ``back_s`` later; 49 paced steps between rounds."""
     p.hold(PaceFacts(load, 0, 256, False), lambda: True)
     p.after_intake(load)
-    for i in range(1, 400):
+    for _ in range(rounds):
+        for _ in range(49):
+            t.now += 0.007
+            p.hold(PaceFacts(load, 0, 256, False), lambda: True)
+            p.after_intake(load)
         t.now += 0.007
-        if i % 50 == 0:
-            p.hold(PaceFacts(0, 0, 256, False), lambda: True)
-            t.now += 1.0
-            p.after_intake(0, load)
-            continue
-        p.hold(PaceFacts(load, 0, 256, False), lambda: True)
-        p.after_intake(load)
-    assert p.guard.pauses == 0
+        p.hold(PaceFacts(0, 0, 256, False), lambda: True)  # finished ids still to send: no block
+        p.after_intake(0)
+        t.now += 0.001
+        p.hold(PaceFacts(0, 0, 256, False), lambda: True)  # the intake blocks
+        t.now += back_s
+        p.after_intake(0, load)
+
+
+def test_clients_that_all_finish_together_and_come_back_within_a_gap_pause_pacing():
+    # No hold follows such a finish; counted as none, 16 clients of 512 / 256 tokens were paced for
+    # 27-28 s on an H100 (docs/results/h100-decode-pacing-closed-loop.md) and 4 never paused in
+    # simulation.
+    from vllm_powersave.pacing.pacer import EARLY_HOLDS
+
+    p, t = _pacer(30.0)
+    _emptying_rounds(p, t, EARLY_HOLDS, back_s=0.004)
+    assert p.guard.pauses == 1 and f"{EARLY_HOLDS} of {EARLY_HOLDS} times" in p.guard.take_notice()
+    # The next requests a second later (open-loop traffic that emptied the engine): never woken.
+    p, t = _pacer(30.0)
+    _emptying_rounds(p, t, 40, back_s=0.5)
+    assert p.guard.pauses == 0 and 0 in p.guard.open_verdicts  # 32 cases, none woken: an open-loop verdict
+    # An engine idle past IDLE_RESET_S is not a case at all.
+    p, t = _pacer(30.0)
+    _emptying_rounds(p, t, 3, back_s=2.0)
+    assert p.guard.tally(0)[0] == HoldTally(holds=0, woken=0)

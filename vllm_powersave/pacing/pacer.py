@@ -57,8 +57,7 @@ CONTROL_MAX = 0.1
 #: cases took 76 s at 4 clients on the simulated H200 (8 cases: 11-19 s; 4: 7-13 s, and a 25 s
 #: closed loop of 16 clients keeps x0.81 of its throughput instead of x0.74,
 #: docs/results/sim-decode-pacing.md). Poisson arrivals quiet enough for the control do all 4 with
-#: a chance under 0.1 ** 4 (a hold after several finishes counts several cases, but at rates that
-#: quiet a step rarely ends two requests), and a pause's probe withdraws what it mistook within 3 s.
+#: a chance under 0.1 ** 4, and a pause's probe withdraws what it mistook within 3 s.
 EARLY_HOLDS = 4
 #: The first pause (s); each pause that ends in another doubles it, up to the last value.
 PAUSE_S = (30.0, 600.0)
@@ -106,14 +105,14 @@ class LoopTrace:
     """What an earlier loop of the engine saw, for arrivals that come loops after a finish."""
 
     held: bool  # the pacer held that loop's step
-    after_finish: int  # requests that had left the engine since the loop before (0: none)
+    after_finish: bool  # a request had left the engine since the loop before
 
 
 @dataclass(frozen=True)
 class HeldStep:
     """A hold of this loop, judged by the guard once the loop's intake is known."""
 
-    after_finish: int  # requests that left the engine since the last loop took its inputs (0: none)
+    after_finish: bool  # a request left the engine since the last loop took its inputs
     woken: bool  # something arrived on the input queue before the hold ran out
     at_s: float  # when the hold ended (the pacer's clock)
 
@@ -192,9 +191,9 @@ class ClosedLoopGuard:
         """The counts of ``lag`` so far: (after a finished request, after none)."""
         return self.tallies.setdefault(lag, (HoldTally(), HoldTally()))
 
-    def observe_hold(self, after_finish: int, woken: bool, now: float) -> None:
-        """One hold that ran: how many requests left the engine since the last hold (0: none), and
-        whether an arriving request cut it short; pauses pacing when the loop's signature is reached."""
+    def observe_hold(self, after_finish: bool, woken: bool, now: float) -> None:
+        """One hold that ran: whether a request left the engine since the last hold, and whether an
+        arriving request cut it short; pauses pacing when the loop's signature is reached."""
         if self.paced_since_s is None:
             self.paced_since_s = now
         self._judge(0, after_finish, woken, now)
@@ -252,8 +251,8 @@ class ClosedLoopGuard:
         self.probe, self.paced_since_s, self.resumed_s = None, None, None
         self.holdoff_until_s, self.holdoff_s = None, HOLDOFF_S[0]
 
-    def observe_lagged(self, lag: int, after_finish: int, arrived: bool, now: float) -> None:
-        """A loop ``lag`` loops after a held one: how many finishes that one followed, and whether a
+    def observe_lagged(self, lag: int, after_finish: bool, arrived: bool, now: float) -> None:
+        """A loop ``lag`` loops after a held one: whether that one followed a finish, and whether a
         request arrived in this loop's intake (a client whose round trip outlasts the gap)."""
         self._judge(lag, after_finish, arrived, now)
 
@@ -283,16 +282,13 @@ class ClosedLoopGuard:
         n, per_s = self._rate_since(start)
         return per_s if n >= PROBE_ARRIVALS else None
 
-    def _judge(self, lag: int, after_finish: int, woken: bool, now: float) -> None:
+    def _judge(self, lag: int, after_finish: bool, woken: bool, now: float) -> None:
         if self.holdoff_until_s is not None and now < self.holdoff_until_s:
             return
         finished, control = self.tally(lag)
         tally = finished if after_finish else control
-        # A hold after k finished requests is k cases (up to EARLY_HOLDS): closed-loop clients with
-        # equal output lengths finish together, and their 16 next requests are 16 cases, not one.
-        cases = min(after_finish, EARLY_HOLDS) if after_finish else 1
-        tally.holds += cases
-        tally.woken += cases if woken else 0
+        tally.holds += 1
+        tally.woken += woken
         if control.holds < CONTROL_HOLDS or finished.holds < EARLY_HOLDS:
             return
         early = finished.woken == finished.holds and control.woken <= CONTROL_MAX * control.holds
@@ -358,7 +354,8 @@ class DecodePacer:
         self._hold_start_s = 0.0  # when this loop's hold began (an idle engine's: when it went idle)
         self._aborted = False  # the previous loop's inputs removed requests (aborts: stop strings, disconnects)
         self._held: HeldStep | None = None  # this loop's hold, judged once its inputs are known
-        self._after_finish = 0  # requests finished before this loop's hold
+        self._after_finish = False  # this loop's hold came after a finished request
+        self._emptied_s: float | None = None  # when a finish left the engine empty, until a request came
         self._recent: deque[LoopTrace] = deque(maxlen=max(LAGS))  # the loops before this one, newest last
         self.guard = ClosedLoopGuard()
         self.off_reason: str | None = None  # set once by turn_off: the pacer holds nothing after
@@ -382,12 +379,15 @@ class DecodePacer:
             return 0.0
         start = self._clock()
         load = facts.running + facts.waiting
-        # Requests that left in the step since the last loop took its inputs, or were aborted by them.
-        left = self._post_load - load if self._post_load is not None and load < self._post_load else 0
-        finished = max(left, int(self._aborted))
+        # A request left in the step since the last loop took its inputs, or was aborted by them.
+        finished = self._aborted or (self._post_load is not None and load < self._post_load)
         self._hold_running, self._hold_waiting, self._hold_start_s = facts.running, facts.waiting, start
         self._post_load, self._aborted, self._held = None, False, None
         self._after_finish = finished
+        if load > 0:
+            self._emptied_s = None
+        elif finished and self._emptied_s is None:
+            self._emptied_s = start
         gap = self.gap_s(start, facts) if queue_empty() and not self.guard.paused(start) else 0.0
         now = start
         if gap > 0.0:
@@ -419,10 +419,7 @@ class DecodePacer:
         now = self._clock()
         if idle:
             self.guard.observe_idle(now - self._hold_start_s)
-            if self._after_finish and arrived:
-                # The last requests left and the engine waited for the next: clients with equal
-                # output lengths empty it together, and come back within a gap as a hold's would.
-                self.guard.observe_hold(self._after_finish, now - self._hold_start_s <= self.period_s, now)
+            self._judge_emptied(arrived, now)
         self.guard.observe_arrivals(arrived, now)
         # Cut short by something else than a request (an abort, a utility call): the hold tells nothing.
         if held is not None and not (held.woken and arrived == 0):
@@ -436,6 +433,18 @@ class DecodePacer:
                 if past.held:
                     self.guard.observe_lagged(lag, past.after_finish, arrived > 0, now)
         self._recent.append(LoopTrace(held is not None, self._after_finish))
+
+    def _judge_emptied(self, arrived: int, now: float) -> None:
+        """A finish that left the engine empty is a case after a finish, woken when the next request
+        came within a period: clients with a benchmark's equal lengths finish together, and no hold
+        follows their finish (docs/results/h100-decode-pacing-closed-loop.md). vLLM runs one empty
+        step after the last finish before its intake blocks, so the spell is timed from the first
+        empty loop; past :data:`IDLE_RESET_S` it is an idle engine, judged by nothing."""
+        if not arrived or self._emptied_s is None:
+            return
+        waited_s, self._emptied_s = now - self._emptied_s, None
+        if waited_s <= IDLE_RESET_S:
+            self.guard.observe_hold(True, waited_s <= self.period_s, now)
 
     def figures(self) -> "PaceFigures":
         """What it did so far, stamped on each step's ``SchedulerOutput`` for the workers to publish."""
