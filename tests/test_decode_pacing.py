@@ -642,3 +642,8 @@ def test_clients_that_all_finish_together_and_come_back_within_a_gap_pause_pacin
     p, t = _pacer(30.0)
     _emptying_rounds(p, t, 3, back_s=2.0)
     assert p.guard.tally(0)[0] == HoldTally(holds=0, woken=0)
+    # Nor is one while pacing is paused (no hold is judged then either).
+    p, t = _pacer(30.0)
+    p.guard.paused_until = t.now + 100.0
+    _emptying_rounds(p, t, 5, back_s=0.004)
+    assert p.guard.tally(0)[0] == HoldTally(holds=0, woken=0)

@@ -439,11 +439,12 @@ class DecodePacer:
         came within a period: clients with a benchmark's equal lengths finish together, and no hold
         follows their finish (docs/results/h100-decode-pacing-closed-loop.md). vLLM runs one empty
         step after the last finish before its intake blocks, so the spell is timed from the first
-        empty loop; past :data:`IDLE_RESET_S` it is an idle engine, judged by nothing."""
+        empty loop; past :data:`IDLE_RESET_S` it is an idle engine, judged by nothing. While paused
+        nothing is judged, as no hold runs then."""
         if not arrived or self._emptied_s is None:
             return
         waited_s, self._emptied_s = now - self._emptied_s, None
-        if waited_s <= IDLE_RESET_S:
+        if waited_s <= IDLE_RESET_S and not self.guard.paused(now):
             self.guard.observe_hold(True, waited_s <= self.period_s, now)
 
     def figures(self) -> "PaceFigures":
