@@ -54,8 +54,8 @@ WOKEN_SHARE = 0.5
 CONTROL_MAX = 0.1
 #: Cases after a finish enough for a verdict when every one saw an arrival (and the control is
 #: quiet): a closed loop of a few clients finishes a request every few seconds when paced, and 32
-#: cases took 76 s at 4 clients on the simulated H200 (8 cases: 11-19 s; 4: 7-13 s, and a 25 s
-#: closed loop of 16 clients keeps x0.81 of its throughput instead of x0.74,
+#: cases took 76 s at 4 clients on the simulated H200 (8 cases: 11-19 s; 4: 7-13 s, and 4 clients
+#: keep x0.90 of their throughput at 35 ms over 300 s instead of x0.80,
 #: docs/results/sim-decode-pacing.md). Poisson arrivals quiet enough for the control do all 4 with
 #: a chance under 0.1 ** 4, and a pause's probe withdraws what it mistook within 3 s.
 EARLY_HOLDS = 4
