@@ -164,6 +164,10 @@ def simulate(
         return not (eng.pending and eng.pending[0].arrival_s <= eng.now_s)
 
     while eng.now_s < duration_s:
+        # Either intake below may start a pause (an emptied engine's on the idle path): read it at
+        # the next loop, at most one step after it began.
+        if first_pause_s is None and pacer is not None and pacer.guard.pauses:
+            first_pause_s = round(eng.now_s, 1)
         if pacer is not None and not (eng.running or eng.waiting) and eng.pending:
             # vLLM's idle engine: the pacer's hook runs at load 0, then the intake blocks until the
             # next request arrives and takes it in, however long that was.
@@ -185,8 +189,6 @@ def simulate(
             pacer.hold(facts, queue_empty)
             eng.arrive()
             pacer.after_intake(len(eng.running), len(eng.waiting))
-            if first_pause_s is None and pacer.guard.pauses:
-                first_pause_s = round(eng.now_s, 1)
         _step(eng, cost)
     row = _figures(load, target_ms, eng)
     if pacer is not None and guard:
