@@ -591,15 +591,9 @@ def test_one_woken_hold_after_a_group_of_finishes_does_not_pause_pacing():
     # finishes that one arrival cuts short is one case, not 4 (counted as 4, bursty open-loop loads
     # paused in 21 of 48 simulated runs, most pauses standing 30-60 s).
     p, t = _pacer(30.0)
-    load = 8
-    p.hold(PaceFacts(load, 0, 256, False), lambda: True)
-    p.after_intake(load)
-    for _ in range(40):  # quiet holds after no finish: the control
-        t.now += 0.007
-        p.hold(PaceFacts(load, 0, 256, False), lambda: True)
-        p.after_intake(load)
+    _drive(p, t, lambda i: (False, None), steps=40)  # quiet holds after no finish, at 8: the control
     t.now += 0.007
-    load -= 4
+    load = 8 - 4
     start = t.now
     p.hold(PaceFacts(load, 0, 256, False), lambda: t.now - start < 0.004)
     p.after_intake(load + 1)
