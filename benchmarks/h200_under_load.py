@@ -129,11 +129,12 @@ def start_arm(ns: argparse.Namespace, arm: Arm, model: Path) -> None:
 
 def run_one(ns: argparse.Namespace, arm: Arm, point: str, seed: int) -> dict:
     """One measured window of ``point`` against ``arm`` (streamed; local NVML; same client for both)."""
+    started_utc = utc_now()
     w = load.run_window(arm.port, f"{arm.label}-{point}", seed=seed, energy="nvml", gpus=[0], stream=True, **POINTS[point])
     res = w["res"]
     out = load.summary(res)
     out.update(
-        started_utc=utc_now(),
+        started_utc=started_utc,
         api_servers=arm.api_servers(),
         idle_while_busy_j=res.get("gpu_idle_while_busy_energy_j"),
         idle_while_busy_share=res.get("idle_while_busy_share"),

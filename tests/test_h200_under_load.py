@@ -40,6 +40,21 @@ def test_the_log_tells_how_many_api_servers_ran_and_what_the_plugin_chose(tmp_pa
     assert job.Arm("stock", 1, tmp_path / "missing.log").api_servers() is None
 
 
+def test_a_window_is_stamped_when_it_starts_not_when_it_ends(monkeypatch, tmp_path):
+    # Pairing a window with the guard's log lines needs its start; stamped after, it read 22-44 s late.
+    now = ["2026-12-07T16:44:00Z"]
+
+    def window(*args, **kwargs):
+        now[0] = "2026-12-07T16:44:44Z"  # the window took 44 s
+        return {"res": {}}
+
+    monkeypatch.setattr(job, "utc_now", lambda: now[0])
+    monkeypatch.setattr(job.load, "run_window", window)
+    monkeypatch.setattr(job.load, "summary", lambda res: {})
+    arm = job.Arm("defaults", 8300, tmp_path / "server.log")
+    assert job.run_one(job.argparse.Namespace(), arm, "c16", seed=1)["started_utc"] == "2026-12-07T16:44:00Z"
+
+
 def _run(tps, jpt, tpot, ttft, servers, starved=None):
     return {"output_throughput": tps, "gpu_energy_per_output_token_j": jpt, "p99_tpot_ms": tpot, "median_ttft_ms": ttft,
             "api_servers": servers, "idle_while_busy_j": starved, "started_utc": "2026-12-04T19:30:00Z"}  # fmt: skip
