@@ -620,9 +620,8 @@ def _emptying_rounds(p, t, rounds, back_s, load=16):
 
 
 def test_clients_that_all_finish_together_and_come_back_within_a_gap_pause_pacing():
-    # No hold follows such a finish; counted as none, 16 clients of 512 / 256 tokens were paced for
-    # 27-28 s on an H100 (docs/results/h100-decode-pacing-closed-loop.md) and 4 never paused in
-    # simulation.
+    # No hold follows such a finish; counted as none, fixed-length clients that finish in one step
+    # never paused in simulation (docs/decode-pacing.md).
     from vllm_powersave.pacing.pacer import EARLY_HOLDS
 
     p, t = _pacer(30.0)

@@ -436,11 +436,11 @@ class DecodePacer:
 
     def _judge_emptied(self, arrived: int, now: float) -> None:
         """A finish that left the engine empty is a case after a finish, woken when the next request
-        came within a period: clients with a benchmark's equal lengths finish together, and no hold
-        follows their finish (docs/results/h100-decode-pacing-closed-loop.md). vLLM runs one empty
-        step after the last finish before its intake blocks, so the spell is timed from the first
-        empty loop; past :data:`IDLE_RESET_S` it is an idle engine, judged by nothing. While paused
-        nothing is judged, as no hold runs then."""
+        came within a period: clients with a benchmark's equal lengths may finish together, and no
+        hold follows their finish (without this case they never paused in the simulator,
+        docs/decode-pacing.md). vLLM runs one empty step after the last finish before its intake
+        blocks, so the spell is timed from the first empty loop; past :data:`IDLE_RESET_S` it is an
+        idle engine, judged by nothing. While paused nothing is judged, as no hold runs then."""
         if not arrived or self._emptied_s is None:
             return
         waited_s, self._emptied_s = now - self._emptied_s, None
