@@ -139,13 +139,19 @@ def simulate(
     guard: bool = True,
     client_rtt_s: float = CLIENT_RTT_S,
     fixed_lengths: tuple[int, int] | None = None,
+    group: int = 1,
 ) -> dict:
     """One load at one pacing target: the figures of the requests that finished. ``fixed_lengths``
-    (input, output): every request that long, and open-loop arrivals at exactly ``rate`` per second."""
+    (input, output): every request that long, and open-loop arrivals at exactly ``rate`` per second
+    unless ``group`` > 1: groups of that many requests at once, the groups Poisson at ``rate``."""
     rng = random.Random(seed)
     reqs, t = [], 0.0
     if concurrency is not None:
         reqs = [Req(0.0, *(fixed_lengths or _lengths(rng))) for _ in range(concurrency)]
+    elif group > 1:
+        while t < duration_s:
+            t += rng.expovariate(rate)
+            reqs.extend(Req(t, *(fixed_lengths or _lengths(rng))) for _ in range(group))
     elif fixed_lengths is not None:
         reqs = [Req(i / rate, *fixed_lengths) for i in range(1, int(duration_s * rate) + 1)]
     else:
@@ -256,7 +262,7 @@ class GuardSweep:
 
 #: The guard sweeps: open-loop arrivals at a constant rate with fixed lengths (which can mimic a
 #: closed loop), closed loops, and Poisson arrivals (which must never pause).
-SWEEPS = ("fixed_rate_open_loop", "closed_loop", "poisson")
+SWEEPS = ("fixed_rate_open_loop", "closed_loop", "poisson", "grouped_open_loop")
 
 
 def _sweep_loads(kind: str) -> list[dict]:
@@ -266,13 +272,18 @@ def _sweep_loads(kind: str) -> list[dict]:
         return mixed + [dict(concurrency=c, fixed_lengths=(512, 256)) for c in (4, 16, 64, 128)]
     if kind == "poisson":
         return [dict(rate=float(r)) for r in (1, 2, 4, 8, 16, 32, 64)]
+    if kind == "grouped_open_loop":
+        # A benchmark sending requests in groups: equal lengths in a group finish together, as a
+        # closed loop's round does, but the next group comes whenever.
+        groups = [(4, 0.5), (4, 2.0), (16, 0.25), (16, 1.0), (64, 0.1), (64, 0.25)]
+        return [dict(rate=g_per_s, group=n, fixed_lengths=lengths) for n, g_per_s in groups for lengths in ((512, 256), (256, 64))]
     return [dict(rate=float(r), fixed_lengths=(i, o)) for r in (2, 4, 8, 16) for i in (256, 1024) for o in (64, 128, 256)]
 
 
 def guard_sweep(duration_s: float, seed: int, kind: str) -> GuardSweep:
     """One of :data:`SWEEPS` at 20 and 35 ms: constant 2-16 req/s with fixed lengths (input 256 or
     1,024, output 64-256), closed loops (4-128 clients, 5-40 ms round trips, or 512 / 256 tokens
-    each), or Poisson 1-64 req/s."""
+    each), Poisson 1-64 req/s, or groups of 4-64 equal requests whose groups come Poisson."""
     paused = standing = withdrawn_all = configs = pauses_n = withdrawn_n = 0
     firsts = []
     for load in _sweep_loads(kind):
@@ -393,6 +404,7 @@ def _sweep_markdown(sweeps: dict, ns: argparse.Namespace) -> str:
         "fixed_rate_open_loop": "open loop at a constant 2-16 req/s, fixed lengths (input 256 or 1,024, output 64-256)",
         "closed_loop": "closed loops of 4-128 clients, round trips 5-40 ms; and 512 / 256 tokens each, 5 ms",
         "poisson": "open loop, Poisson arrivals at 1-64 req/s (input 128-1024, output 32-512)",
+        "grouped_open_loop": "open loop in groups of 4-64 equal requests (512 / 256 or 256 / 64), groups Poisson at 0.1-2 per s",
     }
 
     def first(v: dict) -> str:

@@ -584,6 +584,10 @@ def test_the_simulated_sweeps_report_when_the_guard_first_paused_and_poisson_nev
     assert "poisson" in SWEEPS
     sweep = guard_sweep(20.0, 1, "poisson")
     assert (sweep.configs, sweep.paused, sweep.first_pause_s) == (14, 0, None)
+    # Open-loop requests in groups of equal ones: whole groups arrive, finish together, never pause.
+    grouped = simulate("g16", 1.0, None, 35.0, 20.0, 1, fixed_lengths=(256, 64), group=16)
+    assert grouped["requests"] % 16 == 0 and grouped["requests"] > 0 and grouped["closed_loop_pauses"] == 0
+    assert "grouped_open_loop" in SWEEPS
 
 
 def test_one_woken_hold_after_a_group_of_finishes_does_not_pause_pacing():
