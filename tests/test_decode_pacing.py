@@ -644,3 +644,98 @@ def test_clients_that_all_finish_together_and_come_back_within_a_gap_pause_pacin
     p.guard.paused_until = t.now + 100.0
     _emptying_rounds(p, t, 5, back_s=0.004)
     assert p.guard.tally(0)[0] == HoldTally(holds=0, woken=0)
+
+
+def _round(g, start_s, clients=128, per_step=16, step_s=0.19, until_s=None):
+    """One round of a closed loop with equal lengths: its clients come back in groups of
+    ``per_step``, one group per chunked-prefill step, from ``start_s`` (those before ``until_s``)."""
+    for k in range(clients // per_step):
+        at_s = start_s + k * step_s
+        if until_s is not None and at_s >= until_s:
+            return
+        g.observe_arrivals(per_step, at_s)
+
+
+def test_a_closed_loop_whose_arrivals_come_in_rounds_keeps_its_pause():
+    # 128 clients of 512 / 256 tokens: a round every 10 s at 35 ms, every 3 s unpaced, each spread
+    # over 1.5 s. Read over 5 s, the paced rate was a round's spread (84 req/s), and the probe
+    # withdrew 12 of 14 such pauses (docs/results/sim-decode-pacing.md).
+    from vllm_powersave.pacing import ClosedLoopGuard
+
+    g = ClosedLoopGuard()
+    g.observe_hold(False, False, 0.0)
+    for k in range(3):
+        _round(g, 10.0 * k)
+    _round(g, 30.0, until_s=30.6)  # the fourth round has begun when the signature is reached
+    _signature(g, 30.6)
+    assert g.pauses == 1 and g.probe is not None and g.probe.in_rounds
+    assert g.probe.paced_per_s == pytest.approx(128 / 10.0)  # three whole rounds
+    _round(g, 30.0)  # the rest of that round, then rounds every 3 s while paused
+    for k in range(1, 4):
+        _round(g, 30.0 + 3.0 * k)
+    assert g.withdrawn == 0 and g.probe is None and g.paused(40.0)  # decided: 42.7 req/s, it stands
+
+
+def test_an_open_loop_in_groups_whose_rate_holds_while_paused_gets_its_pause_withdrawn():
+    from vllm_powersave.pacing import ClosedLoopGuard
+
+    g = ClosedLoopGuard()
+    g.observe_hold(False, False, 0.0)
+    for k in range(6):  # 16 requests every 2 s, spread over 0.57 s: 8 req/s
+        _round(g, 2.0 * k, clients=16, per_step=4)
+    _signature(g, 10.6)
+    assert g.probe is not None and g.probe.in_rounds and g.probe.paced_per_s == pytest.approx(8.0)
+    for k in range(6, 10):  # the same groups while paused
+        _round(g, 2.0 * k, clients=16, per_step=4)
+    assert g.withdrawn == 1 and not g.paused(19.0) and "did not speed up" in g.take_notice()
+
+
+def test_rounds_before_an_idle_spell_do_not_shape_how_the_next_traffic_is_read():
+    from vllm_powersave.pacing import ClosedLoopGuard
+
+    g = ClosedLoopGuard()
+    g.observe_hold(False, False, 0.0)
+    for k in range(4):
+        _round(g, 10.0 * k)
+    g.observe_idle(8.0, 40.0)  # the loop stopped; 8 s later new traffic, 10 req/s at a constant rate
+    end = _paced(g, 40.0, 6.0, 10.0)
+    assert g._paced_rate(end) == (pytest.approx(10.0, rel=0.02), False)
+
+
+def test_the_round_rate_matches_a_direct_count_over_any_arrivals():
+    # Differential: the one-pass scan against round starts and counts taken the slow way.
+    import random
+
+    from vllm_powersave.pacing import ClosedLoopGuard
+    from vllm_powersave.pacing.pacer import ROUND_GAP_S
+
+    rng = random.Random(7)
+    for _ in range(200):
+        g, t = ClosedLoopGuard(), 0.0
+        for _ in range(rng.randint(1, 60)):
+            t += rng.choice([0.0, 0.01, 0.2, 0.6, 3.0]) * rng.random() * 2
+            g.observe_arrivals(rng.randint(1, 3), t)
+        times = list(g.arrivals_s)
+        start = rng.uniform(-1.0, t)
+        starts = [x for i, x in enumerate(times) if x >= start and (i == 0 or x - times[i - 1] > ROUND_GAP_S)]
+        n, per_s = g._rate_in_rounds(start)
+        if len(starts) < 2:
+            assert (n, per_s) == (0, None)
+            continue
+        direct = sum(1 for x in times if starts[0] <= x < starts[-1])
+        assert n == direct and per_s == pytest.approx(direct / (starts[-1] - starts[0]))
+
+
+def test_a_probe_reads_its_rates_once_per_arrival_not_every_loop(monkeypatch):
+    from vllm_powersave.pacing import ClosedLoopGuard
+
+    g = ClosedLoopGuard()
+    end = _paced(g, 0.0, 6.0, 10.0)
+    _signature(g, end)
+    reads = []
+    real = g._rate_since
+    monkeypatch.setattr(g, "_rate_since", lambda s: reads.append(s) or real(s))
+    g.observe_arrivals(1, end + 3.5)  # past PROBE_S: read (too few arrivals yet)
+    for i in range(50):  # engine loops that took nothing
+        g.observe_arrivals(0, end + 3.5 + 0.01 * i)
+    assert len(reads) == 1 and g.probe is not None

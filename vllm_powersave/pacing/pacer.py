@@ -77,6 +77,18 @@ RISE_MIN = 1.10
 PACED_WINDOW_S = 5.0
 PROBE_S = 3.0
 PROBE_ARRIVALS = 8
+#: Arrivals in rounds: clients with equal lengths that start together come back together, a round
+#: of 512 / 256 tokens at 35 ms every 10 s with 128 clients (each round's requests spread over 1.5 s
+#: by chunked prefill) on the simulated H200, 3 s unpaced. A window shorter than a round holds part
+#: of one, whose rate is that of its spread, not of the loop: the probe withdrew 12 of 14 pauses
+#: there (docs/results/sim-decode-pacing.md). A silence longer than :data:`ROUND_GAP_S` between
+#: arrivals starts a round; where such silences fill at least :data:`ROUNDS_SHARE` of the last
+#: :data:`ROUNDS_WINDOW_S` (paced or not, since the last idle spell), rates are read from round start
+#: to round start: over the paced window's whole rounds (none: the pause stands untested) and, while
+#: paused, once a whole round has passed.
+ROUND_GAP_S = 0.5
+ROUNDS_SHARE = 0.5
+ROUNDS_WINDOW_S = 60.0
 #: After a pause withdrawn by its probe the guard judges no holds for this long (s), doubling while
 #: pauses keep being withdrawn, up to the last value. An idle engine ends it, and so does an arrival
 #: rate over the last :data:`PACED_WINDOW_S` that moved by more than :data:`HOLDOFF_SHIFT` either way
@@ -124,6 +136,19 @@ class PauseProbe:
     started_s: float  # when the pause started (the pacer's clock)
     length_s: float  # the pause's length as announced
     paced_per_s: float  # the arrival rate over the window before it, while paced
+    in_rounds: bool = False  # paced arrivals came in rounds: rates are read from round start to round start
+
+
+@dataclass
+class RoundScan:
+    """Arrivals since a time, read as rounds: those that end a silence longer than
+    :data:`ROUND_GAP_S` (oldest first), and the silences' and the arrivals' own span."""
+
+    starts_s: list[float] = field(default_factory=list)
+    from_start: list[int] = field(default_factory=list)  # per start: the arrivals scanned from it to the last
+    silent_s: float = 0.0  # silences between the arrivals scanned
+    span_s: float = 0.0  # from the first arrival scanned to the last
+    arrivals: int = 0
 
 
 @dataclass
@@ -173,6 +198,8 @@ class ClosedLoopGuard:
     rate_checked_s: float = 0.0  # when a hold-off last compared the arrival rate with it
     holdoff_s: float = HOLDOFF_S[0]
     withdrawn: int = 0  # pauses the probe found open-loop arrivals in
+    probe_read_s: float | None = None  # the last arrival the probe's rates were read at
+    traffic_since_s: float = 0.0  # when the last idle spell past IDLE_RESET_S ended: what came before is other traffic
 
     def paused(self, now: float) -> bool:
         """Whether pacing is paused now; a pause that has run out ends here."""
@@ -211,7 +238,11 @@ class ClosedLoopGuard:
         if now >= self.paused_until:  # the pause ran out before enough arrivals came: untested
             self.probe = None
             return
-        seen, paused_per_s = self._rate_since(probe.started_s)
+        last_s = self.arrivals_s[-1] if self.arrivals_s else None
+        if last_s == self.probe_read_s:  # rates move only with arrivals: read once per arrival
+            return
+        self.probe_read_s = last_s
+        seen, paused_per_s = self._rate_in_rounds(probe.started_s) if probe.in_rounds else self._rate_since(probe.started_s)
         if seen < PROBE_ARRIVALS or paused_per_s is None:
             return
         self.probe = None
@@ -242,12 +273,13 @@ class ClosedLoopGuard:
             # New traffic: a probe's paced window starts here, not over the traffic before the shift.
             self.holdoff_until_s, self.paced_since_s = None, now
 
-    def observe_idle(self, idle_s: float) -> None:
+    def observe_idle(self, idle_s: float, now: float) -> None:
         """The engine sat idle ``idle_s`` before its next request. Past :data:`IDLE_RESET_S` a probe's
         rates would span the idle time and whatever load comes next, so the running pause stands
         untested, and a hold-off ends (new traffic is judged afresh)."""
         if idle_s <= IDLE_RESET_S:
             return
+        self.traffic_since_s = now
         self.probe, self.paced_since_s, self.resumed_s = None, None, None
         self.holdoff_until_s, self.holdoff_s = None, HOLDOFF_S[0]
 
@@ -270,17 +302,59 @@ class ClosedLoopGuard:
             return n, None
         return n, (n - at_first) / (self.arrivals_s[-1] - first_s)
 
-    def _paced_rate(self, now: float) -> float | None:
+    def _scan_rounds(self, start_s: float) -> "RoundScan":
+        """The arrivals at or after ``start_s`` read as rounds (:data:`ROUND_GAP_S`)."""
+        scan, later = RoundScan(), None
+        for t in reversed(self.arrivals_s):  # newest first
+            if later is not None and later - t > ROUND_GAP_S:
+                scan.starts_s.append(later)
+                scan.from_start.append(scan.arrivals)
+                scan.silent_s += later - t if t >= start_s else 0.0
+            if t < start_s:
+                break
+            later, scan.arrivals = t, scan.arrivals + 1
+        else:  # the oldest kept arrival: a round start only if nothing was dropped before it
+            if later is not None and len(self.arrivals_s) < self.arrivals_s.maxlen:
+                scan.starts_s.append(later)
+                scan.from_start.append(scan.arrivals)
+        scan.starts_s.reverse()
+        scan.from_start.reverse()
+        if later is not None:
+            scan.span_s = self.arrivals_s[-1] - later
+        return scan
+
+    def _rate_in_rounds(self, start_s: float) -> tuple[int, float | None]:
+        """Arrivals from the first round start at or after ``start_s`` up to the last, and their rate
+        (None: fewer than two round starts, so no whole round)."""
+        scan = self._scan_rounds(start_s)
+        starts = scan.starts_s
+        if len(starts) < 2:
+            return 0, None
+        n = scan.from_start[0] - scan.from_start[-1]
+        return n, n / (starts[-1] - starts[0])
+
+    def _in_rounds(self, start_s: float) -> bool:
+        """Whether the arrivals since ``start_s`` came in rounds: two whole rounds or more, of more
+        than one request each on average, their silences :data:`ROUNDS_SHARE` of the time or more."""
+        scan = self._scan_rounds(start_s)
+        if len(scan.starts_s) < 3 or scan.arrivals < 2 * len(scan.starts_s):
+            return False
+        return scan.silent_s >= ROUNDS_SHARE * scan.span_s
+
+    def _paced_rate(self, now: float) -> tuple[float | None, bool]:
         """Arrivals per second over the paced window before ``now`` (None: too short, too few
-        arrivals, or arrivals beyond those kept)."""
+        arrivals, or arrivals beyond those kept), and whether they came in rounds."""
         if self.paced_since_s is None:
-            return None
+            return None, False
         settled_s = self.paced_since_s if self.resumed_s is None else max(self.paced_since_s, self.resumed_s + PACED_WINDOW_S)
+        if self._in_rounds(max(now - ROUNDS_WINDOW_S, self.traffic_since_s)):
+            n, per_s = self._rate_in_rounds(max(settled_s, now - ROUNDS_WINDOW_S))
+            return (per_s if n >= PROBE_ARRIVALS else None), True
         start = max(now - PACED_WINDOW_S, settled_s)
         if now - start < PROBE_S / 3 or (len(self.arrivals_s) == self.arrivals_s.maxlen and self.arrivals_s[0] > start):
-            return None
+            return None, False
         n, per_s = self._rate_since(start)
-        return per_s if n >= PROBE_ARRIVALS else None
+        return (per_s if n >= PROBE_ARRIVALS else None), False
 
     def _judge(self, lag: int, after_finish: bool, woken: bool, now: float) -> None:
         if self.holdoff_until_s is not None and now < self.holdoff_until_s:
@@ -303,8 +377,8 @@ class ClosedLoopGuard:
             return
         self.pauses += 1
         self.paused_until = now + self.pause_s
-        paced_per_s = self._paced_rate(now)
-        self.probe = None if paced_per_s is None else PauseProbe(now, self.pause_s, paced_per_s)
+        paced_per_s, in_rounds = self._paced_rate(now)
+        self.probe = None if paced_per_s is None else PauseProbe(now, self.pause_s, paced_per_s, in_rounds)
         when = "in holds after a finished request" if lag == 0 else f"{lag} loop(s) after a held step that followed a finished request"
         self.notice = (
             f"powersave: decode pacing paused for {self.pause_s:.0f} s: requests arrived {wf} of {nf} times {when} "
@@ -418,7 +492,7 @@ class DecodePacer:
         self._post_load, self._aborted, self._held = running + waiting, aborted, None
         now = self._clock()
         if idle:
-            self.guard.observe_idle(now - self._hold_start_s)
+            self.guard.observe_idle(now - self._hold_start_s, now)
             self._judge_emptied(arrived, now)
         self.guard.observe_arrivals(arrived, now)
         # Cut short by something else than a request (an abort, a utility call): the hold tells nothing.
