@@ -82,12 +82,18 @@ PROBE_ARRIVALS = 8
 #: by chunked prefill) on the simulated H200, 3 s unpaced. A window shorter than a round holds part
 #: of one, whose rate is that of its spread, not of the loop: the probe withdrew 12 of 14 pauses
 #: there (docs/results/sim-decode-pacing.md). A silence longer than :data:`ROUND_GAP_S` between
-#: arrivals starts a round; where such silences fill at least :data:`ROUNDS_SHARE` of the last
-#: :data:`ROUNDS_WINDOW_S` (paced or not, since the last idle spell), rates are read from round start
-#: to round start: over the paced window's whole rounds (none: the pause stands untested) and, while
-#: paused, once a whole round has passed.
+#: arrivals starts a round. Where the last :data:`ROUNDS_READ` rounds up to now (the one under way
+#: included, since the last idle spell, within :data:`ROUNDS_WINDOW_S`) lasted :data:`ROUND_MIN_S` or
+#: more on average (shorter ones a 5 s window reads well), held more than one request each and
+#: silences for at least :data:`ROUNDS_SHARE` of their time, rates are read from round start to
+#: round start: the paced one over the fewest last whole rounds of the paced window that hold
+#: :data:`PROBE_ARRIVALS` (none: the pause stands untested), the paused one once whole rounds have
+#: passed, or as any other traffic's if none have within a paced round (a closed loop's unpaced
+#: rounds are shorter).
 ROUND_GAP_S = 0.5
 ROUNDS_SHARE = 0.5
+ROUNDS_READ = 3
+ROUND_MIN_S = 1.0
 ROUNDS_WINDOW_S = 60.0
 #: After a pause withdrawn by its probe the guard judges no holds for this long (s), doubling while
 #: pauses keep being withdrawn, up to the last value. An idle engine ends it, and so does an arrival
@@ -136,18 +142,17 @@ class PauseProbe:
     started_s: float  # when the pause started (the pacer's clock)
     length_s: float  # the pause's length as announced
     paced_per_s: float  # the arrival rate over the window before it, while paced
-    in_rounds: bool = False  # paced arrivals came in rounds: rates are read from round start to round start
+    round_s: float | None = None  # paced arrivals came in rounds this long (s): rates read round start to round start
 
 
 @dataclass
 class RoundScan:
     """Arrivals since a time, read as rounds: those that end a silence longer than
-    :data:`ROUND_GAP_S` (oldest first), and the silences' and the arrivals' own span."""
+    :data:`ROUND_GAP_S` (oldest first), and the silences between them."""
 
     starts_s: list[float] = field(default_factory=list)
     from_start: list[int] = field(default_factory=list)  # per start: the arrivals scanned from it to the last
     silent_s: float = 0.0  # silences between the arrivals scanned
-    span_s: float = 0.0  # from the first arrival scanned to the last
     arrivals: int = 0
 
 
@@ -242,7 +247,8 @@ class ClosedLoopGuard:
         if last_s == self.probe_read_s:  # rates move only with arrivals: read once per arrival
             return
         self.probe_read_s = last_s
-        seen, paused_per_s = self._rate_in_rounds(probe.started_s) if probe.in_rounds else self._rate_since(probe.started_s)
+        in_rounds = probe.round_s is not None and now - probe.started_s < max(PROBE_S, probe.round_s)
+        seen, paused_per_s = self._rate_in_rounds(probe.started_s) if in_rounds else self._rate_since(probe.started_s)
         if seen < PROBE_ARRIVALS or paused_per_s is None:
             return
         self.probe = None
@@ -319,8 +325,6 @@ class ClosedLoopGuard:
                 scan.from_start.append(scan.arrivals)
         scan.starts_s.reverse()
         scan.from_start.reverse()
-        if later is not None:
-            scan.span_s = self.arrivals_s[-1] - later
         return scan
 
     def _rate_in_rounds(self, start_s: float) -> tuple[int, float | None]:
@@ -333,28 +337,42 @@ class ClosedLoopGuard:
         n = scan.from_start[0] - scan.from_start[-1]
         return n, n / (starts[-1] - starts[0])
 
-    def _in_rounds(self, start_s: float) -> bool:
-        """Whether the arrivals since ``start_s`` came in rounds: two whole rounds or more, of more
-        than one request each on average, their silences :data:`ROUNDS_SHARE` of the time or more."""
-        scan = self._scan_rounds(start_s)
-        if len(scan.starts_s) < 3 or scan.arrivals < 2 * len(scan.starts_s):
+    def _in_rounds(self, now: float) -> bool:
+        """Whether the last :data:`ROUNDS_READ` rounds up to ``now`` (the one under way included)
+        came as rounds: :data:`ROUND_MIN_S` long or more on average, more than one request each,
+        silences at least :data:`ROUNDS_SHARE` of the time."""
+        starts = self._scan_rounds(max(now - ROUNDS_WINDOW_S, self.traffic_since_s)).starts_s
+        if len(starts) < ROUNDS_READ or (starts[-1] - starts[-ROUNDS_READ]) / (ROUNDS_READ - 1) < ROUND_MIN_S:
             return False
-        return scan.silent_s >= ROUNDS_SHARE * scan.span_s
+        recent = self._scan_rounds(starts[-ROUNDS_READ])
+        under_way_s = now - self.arrivals_s[-1]  # a silence under way counts too
+        silent_s = recent.silent_s + (under_way_s if under_way_s > ROUND_GAP_S else 0.0)
+        return recent.arrivals >= 2 * ROUNDS_READ and silent_s >= ROUNDS_SHARE * (now - starts[-ROUNDS_READ])
 
-    def _paced_rate(self, now: float) -> tuple[float | None, bool]:
+    def _paced_rate_in_rounds(self, start_s: float) -> tuple[float | None, float]:
+        """The rate over the fewest last whole rounds since ``start_s`` that hold
+        :data:`PROBE_ARRIVALS` (None: none do), and the rounds' mean length (s)."""
+        scan = self._scan_rounds(start_s)
+        starts, counts = scan.starts_s, scan.from_start
+        for i in range(len(starts) - 2, -1, -1):
+            n, span_s = counts[i] - counts[-1], starts[-1] - starts[i]
+            if n >= PROBE_ARRIVALS:
+                return n / span_s, span_s / (len(starts) - 1 - i)
+        return None, ROUND_MIN_S
+
+    def _paced_rate(self, now: float) -> tuple[float | None, float | None]:
         """Arrivals per second over the paced window before ``now`` (None: too short, too few
-        arrivals, or arrivals beyond those kept), and whether they came in rounds."""
+        arrivals, or arrivals beyond those kept), and the rounds' length if they came in rounds."""
         if self.paced_since_s is None:
-            return None, False
+            return None, None
         settled_s = self.paced_since_s if self.resumed_s is None else max(self.paced_since_s, self.resumed_s + PACED_WINDOW_S)
-        if self._in_rounds(max(now - ROUNDS_WINDOW_S, self.traffic_since_s)):
-            n, per_s = self._rate_in_rounds(max(settled_s, now - ROUNDS_WINDOW_S))
-            return (per_s if n >= PROBE_ARRIVALS else None), True
+        if self._in_rounds(now):
+            return self._paced_rate_in_rounds(max(settled_s, now - ROUNDS_WINDOW_S, self.traffic_since_s))
         start = max(now - PACED_WINDOW_S, settled_s)
         if now - start < PROBE_S / 3 or (len(self.arrivals_s) == self.arrivals_s.maxlen and self.arrivals_s[0] > start):
-            return None, False
+            return None, None
         n, per_s = self._rate_since(start)
-        return (per_s if n >= PROBE_ARRIVALS else None), False
+        return (per_s if n >= PROBE_ARRIVALS else None), None
 
     def _judge(self, lag: int, after_finish: bool, woken: bool, now: float) -> None:
         if self.holdoff_until_s is not None and now < self.holdoff_until_s:
@@ -377,8 +395,8 @@ class ClosedLoopGuard:
             return
         self.pauses += 1
         self.paused_until = now + self.pause_s
-        paced_per_s, in_rounds = self._paced_rate(now)
-        self.probe = None if paced_per_s is None else PauseProbe(now, self.pause_s, paced_per_s, in_rounds)
+        paced_per_s, round_s = self._paced_rate(now)
+        self.probe = None if paced_per_s is None else PauseProbe(now, self.pause_s, paced_per_s, round_s)
         when = "in holds after a finished request" if lag == 0 else f"{lag} loop(s) after a held step that followed a finished request"
         self.notice = (
             f"powersave: decode pacing paused for {self.pause_s:.0f} s: requests arrived {wf} of {nf} times {when} "
