@@ -247,8 +247,12 @@ class ClosedLoopGuard:
         if last_s == self.probe_read_s:  # rates move only with arrivals: read once per arrival
             return
         self.probe_read_s = last_s
-        in_rounds = probe.round_s is not None and now - probe.started_s < max(PROBE_S, probe.round_s)
-        seen, paused_per_s = self._rate_in_rounds(probe.started_s) if in_rounds else self._rate_since(probe.started_s)
+        if probe.round_s is None:
+            seen, paused_per_s = self._rate_since(probe.started_s)
+        else:  # round to round; as any traffic's if a paced round passed without a whole round
+            seen, paused_per_s = self._rate_in_rounds(probe.started_s)
+            if paused_per_s is None and now - probe.started_s >= max(PROBE_S, probe.round_s):
+                seen, paused_per_s = self._rate_since(probe.started_s)
         if seen < PROBE_ARRIVALS or paused_per_s is None:
             return
         self.probe = None
