@@ -312,7 +312,7 @@ class ClosedLoopGuard:
             return n, None
         return n, (n - at_first) / (self.arrivals_s[-1] - first_s)
 
-    def _scan_rounds(self, start_s: float) -> "RoundScan":
+    def _scan_rounds(self, start_s: float) -> RoundScan:
         """The arrivals at or after ``start_s`` read as rounds (:data:`ROUND_GAP_S`)."""
         scan, later = RoundScan(), None
         for t in reversed(self.arrivals_s):  # newest first
