@@ -148,12 +148,11 @@ class PauseProbe:
 @dataclass
 class RoundScan:
     """Arrivals since a time, read as rounds: those that end a silence longer than
-    :data:`ROUND_GAP_S` (oldest first), and the silences between them."""
+    :data:`ROUND_GAP_S` (oldest first), and per start what came with it."""
 
     starts_s: list[float] = field(default_factory=list)
     from_start: list[int] = field(default_factory=list)  # per start: the arrivals scanned from it to the last
-    silent_s: float = 0.0  # silences between the arrivals scanned
-    arrivals: int = 0
+    silence_s: list[float] = field(default_factory=list)  # per start: the silence it ended (0: unknown)
 
 
 @dataclass
@@ -314,21 +313,22 @@ class ClosedLoopGuard:
 
     def _scan_rounds(self, start_s: float) -> RoundScan:
         """The arrivals at or after ``start_s`` read as rounds (:data:`ROUND_GAP_S`)."""
-        scan, later = RoundScan(), None
+        scan, later, arrivals = RoundScan(), None, 0
         for t in reversed(self.arrivals_s):  # newest first
             if later is not None and later - t > ROUND_GAP_S:
                 scan.starts_s.append(later)
-                scan.from_start.append(scan.arrivals)
-                scan.silent_s += later - t if t >= start_s else 0.0
+                scan.from_start.append(arrivals)
+                scan.silence_s.append(later - t)
             if t < start_s:
                 break
-            later, scan.arrivals = t, scan.arrivals + 1
+            later, arrivals = t, arrivals + 1
         else:  # the oldest kept arrival: a round start only if nothing was dropped before it
             if later is not None and len(self.arrivals_s) < self.arrivals_s.maxlen:
                 scan.starts_s.append(later)
-                scan.from_start.append(scan.arrivals)
-        scan.starts_s.reverse()
-        scan.from_start.reverse()
+                scan.from_start.append(arrivals)
+                scan.silence_s.append(0.0)
+        for column in (scan.starts_s, scan.from_start, scan.silence_s):
+            column.reverse()
         return scan
 
     def _rate_in_rounds(self, start_s: float) -> tuple[int, float | None]:
@@ -341,28 +341,33 @@ class ClosedLoopGuard:
         n = scan.from_start[0] - scan.from_start[-1]
         return n, n / (starts[-1] - starts[0])
 
-    def _in_rounds(self, now: float) -> bool:
-        """Whether the last :data:`ROUNDS_READ` rounds up to ``now`` (the one under way included)
-        came as rounds: :data:`ROUND_MIN_S` long or more on average, more than one request each,
-        silences at least :data:`ROUNDS_SHARE` of the time."""
-        starts = self._scan_rounds(max(now - ROUNDS_WINDOW_S, self.traffic_since_s)).starts_s
+    def _rounds(self, now: float) -> RoundScan | None:
+        """The rounds since the last idle spell, within :data:`ROUNDS_WINDOW_S`, if the last
+        :data:`ROUNDS_READ` of them up to ``now`` (the one under way included) came as rounds:
+        :data:`ROUND_MIN_S` long or more on average, more than one request each, silences at least
+        :data:`ROUNDS_SHARE` of the time; None otherwise."""
+        scan = self._scan_rounds(max(now - ROUNDS_WINDOW_S, self.traffic_since_s))
+        starts = scan.starts_s
         if len(starts) < ROUNDS_READ or (starts[-1] - starts[-ROUNDS_READ]) / (ROUNDS_READ - 1) < ROUND_MIN_S:
-            return False
-        recent = self._scan_rounds(starts[-ROUNDS_READ])
+            return None
         under_way_s = now - self.arrivals_s[-1]  # a silence under way counts too
-        silent_s = recent.silent_s + (under_way_s if under_way_s > ROUND_GAP_S else 0.0)
-        return recent.arrivals >= 2 * ROUNDS_READ and silent_s >= ROUNDS_SHARE * (now - starts[-ROUNDS_READ])
+        # The silences since the first of them are those its later round starts ended.
+        silent_s = sum(scan.silence_s[1 - ROUNDS_READ :]) + (under_way_s if under_way_s > ROUND_GAP_S else 0.0)
+        if scan.from_start[-ROUNDS_READ] < 2 * ROUNDS_READ or silent_s < ROUNDS_SHARE * (now - starts[-ROUNDS_READ]):
+            return None
+        return scan
 
-    def _paced_rate_in_rounds(self, start_s: float) -> tuple[float | None, float]:
-        """The rate over the fewest last whole rounds since ``start_s`` that hold
-        :data:`PROBE_ARRIVALS` (None: none do), and the rounds' mean length (s)."""
-        scan = self._scan_rounds(start_s)
-        starts, counts = scan.starts_s, scan.from_start
+    @staticmethod
+    def _paced_rate_in_rounds(scan: RoundScan, start_s: float) -> tuple[float | None, float | None]:
+        """The rate over the fewest last whole rounds of ``scan`` from ``start_s`` on that hold
+        :data:`PROBE_ARRIVALS`, and the rounds' mean length (s); (None, None): none do."""
+        first = next((i for i, t in enumerate(scan.starts_s) if t >= start_s), len(scan.starts_s))
+        starts, counts = scan.starts_s[first:], scan.from_start[first:]
         for i in range(len(starts) - 2, -1, -1):
             n, span_s = counts[i] - counts[-1], starts[-1] - starts[i]
             if n >= PROBE_ARRIVALS:
                 return n / span_s, span_s / (len(starts) - 1 - i)
-        return None, ROUND_MIN_S
+        return None, None
 
     def _paced_rate(self, now: float) -> tuple[float | None, float | None]:
         """Arrivals per second over the paced window before ``now`` (None: too short, too few
@@ -370,8 +375,9 @@ class ClosedLoopGuard:
         if self.paced_since_s is None:
             return None, None
         settled_s = self.paced_since_s if self.resumed_s is None else max(self.paced_since_s, self.resumed_s + PACED_WINDOW_S)
-        if self._in_rounds(now):
-            return self._paced_rate_in_rounds(max(settled_s, now - ROUNDS_WINDOW_S, self.traffic_since_s))
+        rounds = self._rounds(now)
+        if rounds is not None:
+            return self._paced_rate_in_rounds(rounds, settled_s)
         start = max(now - PACED_WINDOW_S, settled_s)
         if now - start < PROBE_S / 3 or (len(self.arrivals_s) == self.arrivals_s.maxlen and self.arrivals_s[0] > start):
             return None, None
