@@ -190,6 +190,86 @@ class _UnixHTTPServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer
     daemon_threads = True
 
 
+class _FakeZeusdHandler(http.server.BaseHTTPRequestHandler):
+    """One request to a :class:`FakeZeusd` (``fake``: set on the subclass each FakeZeusd makes)."""
+
+    protocol_version = "HTTP/1.1"
+    fake: "FakeZeusd"
+
+    def log_message(self, *args):  # quiet; client_address is '' on a Unix socket
+        pass
+
+    def _reply(self, status: int, body: object = None) -> None:
+        data = b"" if body is None else json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        if data:  # an empty write after the headers can meet a client that already read them and closed (EPIPE)
+            self.wfile.write(data)
+
+    def _handle(self, method: str) -> None:
+        url = urllib.parse.urlsplit(self.path)
+        params = dict(urllib.parse.parse_qsl(url.query))
+        auth = self.headers.get("Authorization")
+        self.fake.requests.append((method, url.path, params, auth))
+        if method == "GET" and url.path == "/discover":
+            return self._reply(200, self._discover())
+        if self.fake.token is not None and auth != f"Bearer {self.fake.token}":
+            return self._reply(401, {"error": "missing or invalid token"})
+        if method == "GET" and url.path in ("/gpu/get_cumulative_energy", "/gpu/get_power"):
+            return self._read(url.path, params)
+        return self._control(method, url.path, params)
+
+    def _discover(self) -> dict:
+        fake = self.fake
+        return {
+            "gpus": [
+                {"id": i, "name": "NVIDIA H200", "pci_address": a, "cumulative_energy_available": True} for i, a in enumerate(fake.pci)
+            ],
+            "cpus": [],
+            "enabled_api_groups": ["gpu-control"] if fake.control_enabled else [],
+            "auth_required": fake.token is not None,
+        }
+
+    def _read(self, path: str, params: dict) -> None:
+        fake = self.fake
+        if not fake.read_enabled:
+            return self._reply(404)
+        ids = [int(x) for x in params["gpu_ids"].split(",")] if "gpu_ids" in params else range(len(fake.gpus))
+        if path == "/gpu/get_power":
+            power_mw = {str(i): fake.gpus[i].nvmlDeviceGetPowerUsage(f"h{i}") for i in ids}
+            return self._reply(200, {"timestamp_ms": int(time.time() * 1000), "power_mw": power_mw})
+        return self._reply(200, {str(i): {"energy_mj": fake.gpus[i].nvmlDeviceGetTotalEnergyConsumption(f"h{i}")} for i in ids})
+
+    def _control(self, method: str, path: str, params: dict) -> None:
+        fns = {
+            "/gpu/set_gpu_locked_clocks": "nvmlDeviceSetGpuLockedClocks",
+            "/gpu/reset_gpu_locked_clocks": "nvmlDeviceResetGpuLockedClocks",
+            "/gpu/set_mem_locked_clocks": "nvmlDeviceSetMemoryLockedClocks",
+            "/gpu/reset_mem_locked_clocks": "nvmlDeviceResetMemoryLockedClocks",
+        }
+        if method != "POST" or path not in fns or not self.fake.control_enabled:
+            return self._reply(404)
+        errors = {}
+        status = 200
+        for gid in (int(x) for x in params["gpu_ids"].split(",")):
+            nv = self.fake.gpus[gid]
+            args = (int(params["min_clock_mhz"]), int(params["max_clock_mhz"])) if "min_clock_mhz" in params else ()
+            try:
+                getattr(nv, fns[path])(f"h{gid}", *args)
+            except NVMLError as exc:
+                code = {4: 403, 3: 400}.get(exc.value, 500)
+                errors[str(gid)] = f"NVML error {exc.value}" + (" NotSupported" if exc.value == 3 else "")
+                status = max(status, code)
+        return self._reply(status, {"errors": errors} if errors else None)
+
+    def do_GET(self):
+        self._handle("GET")
+
+    def do_POST(self):
+        self._handle("POST")
+
+
 class FakeZeusd:
     """zeusd's GPU API (0.4+, ``docs/zeusd/api.md``) over a Unix socket, backed by FakeNvml GPUs.
 
@@ -218,88 +298,13 @@ class FakeZeusd:
         self.token = token
         self.control_enabled = control_enabled
         self.requests: list[tuple] = []
-        fake = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args):  # quiet; client_address is '' on a Unix socket
-                pass
-
-            def _reply(self, status: int, body: object = None) -> None:
-                data = b"" if body is None else json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                if data:  # an empty write after the headers can meet a client that already read them and closed (EPIPE)
-                    self.wfile.write(data)
-
-            def _handle(self, method: str) -> None:
-                url = urllib.parse.urlsplit(self.path)
-                params = dict(urllib.parse.parse_qsl(url.query))
-                auth = self.headers.get("Authorization")
-                fake.requests.append((method, url.path, params, auth))
-                if method == "GET" and url.path == "/discover":
-                    return self._reply(
-                        200,
-                        {
-                            "gpus": [
-                                {"id": i, "name": "NVIDIA H200", "pci_address": a, "cumulative_energy_available": True}
-                                for i, a in enumerate(fake.pci)
-                            ],
-                            "cpus": [],
-                            "enabled_api_groups": ["gpu-control"] if fake.control_enabled else [],
-                            "auth_required": fake.token is not None,
-                        },
-                    )
-                if fake.token is not None and auth != f"Bearer {fake.token}":
-                    return self._reply(401, {"error": "missing or invalid token"})
-                if method == "GET" and url.path in ("/gpu/get_cumulative_energy", "/gpu/get_power"):
-                    if not fake.read_enabled:
-                        return self._reply(404)
-                    ids = [int(x) for x in params["gpu_ids"].split(",")] if "gpu_ids" in params else range(len(fake.gpus))
-                    if url.path == "/gpu/get_power":
-                        return self._reply(
-                            200,
-                            {
-                                "timestamp_ms": int(time.time() * 1000),
-                                "power_mw": {str(i): fake.gpus[i].nvmlDeviceGetPowerUsage(f"h{i}") for i in ids},
-                            },
-                        )
-                    return self._reply(200, {str(i): {"energy_mj": fake.gpus[i].nvmlDeviceGetTotalEnergyConsumption(f"h{i}")} for i in ids})
-                fns = {
-                    "/gpu/set_gpu_locked_clocks": "nvmlDeviceSetGpuLockedClocks",
-                    "/gpu/reset_gpu_locked_clocks": "nvmlDeviceResetGpuLockedClocks",
-                    "/gpu/set_mem_locked_clocks": "nvmlDeviceSetMemoryLockedClocks",
-                    "/gpu/reset_mem_locked_clocks": "nvmlDeviceResetMemoryLockedClocks",
-                }
-                if method != "POST" or url.path not in fns or not fake.control_enabled:
-                    return self._reply(404)
-                errors = {}
-                status = 200
-                for gid in (int(x) for x in params["gpu_ids"].split(",")):
-                    nv = fake.gpus[gid]
-                    args = (int(params["min_clock_mhz"]), int(params["max_clock_mhz"])) if "min_clock_mhz" in params else ()
-                    try:
-                        getattr(nv, fns[url.path])(f"h{gid}", *args)
-                    except NVMLError as exc:
-                        code = {4: 403, 3: 400}.get(exc.value, 500)
-                        errors[str(gid)] = f"NVML error {exc.value}" + (" NotSupported" if exc.value == 3 else "")
-                        status = max(status, code)
-                return self._reply(status, {"errors": errors} if errors else None)
-
-            def do_GET(self):
-                self._handle("GET")
-
-            def do_POST(self):
-                self._handle("POST")
-
+        handler = type("Handler", (_FakeZeusdHandler,), {"fake": self})
         if self.socket_path is None:
-            self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+            self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
             self._server.daemon_threads = True
             self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
         else:
-            self._server = _UnixHTTPServer(self.socket_path, Handler)
+            self._server = _UnixHTTPServer(self.socket_path, handler)
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
 
     def __enter__(self) -> "FakeZeusd":

@@ -91,6 +91,37 @@ class EngineEvents:
             heapq.heappop(self._q)[2]()
 
 
+@dataclass
+class _LaggedRig:
+    """A per-request account on a 100 ms counter whose reads return late (:class:`LaggedReads`)."""
+
+    clock: Clock
+    gpu: LaggedReads
+    meter: NvmlEnergyMeter
+    acc: PhaseEnergyAccount
+    events: EngineEvents
+    cost: RequestCostModel
+    done: dict
+
+    @classmethod
+    def build(cls, lag_after_step_s: float, lag_s: float, seed: int, value_at: str, swing) -> _LaggedRig:
+        clock, cost, events, done = Clock(), RequestCostModel.for_shape(SHAPE), EngineEvents(), {}
+        readings = random.Random(seed + 1) if swing is None else SpikyReadings(random.Random(seed + 7), *swing)
+        gpu = LaggedReads(clock, readings, lambda t_call: read_lag_s(t_call, lag_after_step_s, lag_s), value_at)
+        clock.t = 0.5
+        meter = NvmlEnergyMeter(NvmlGpu(gpu, 0, "GPU-x"), clock=clock, counter_period_s=_PERIOD_S)
+        acc = PhaseEnergyAccount(
+            meter,
+            clock=clock,
+            per_request=True,
+            cost=cost,
+            on_request_done=done.__setitem__,
+            gpu_runs_ahead=True,
+            feed=lambda: events.deliver(clock.t),
+        )
+        return cls(clock, gpu, meter, acc, events, cost, done)
+
+
 def serve_at_a_constant_rate(
     lag_after_step_s: float,
     lag_s: float,
@@ -114,23 +145,10 @@ def serve_at_a_constant_rate(
     150 W. ``swing``: instant readings at x(lo, hi) of the trace's power, a share at
     x(spike_lo, spike_hi) (:class:`SpikyReadings`)."""
     rng = random.Random(seed)
-    clock, gpu_sim = Clock(), SimulatedGpu()
-    cost, mc = RequestCostModel.for_shape(SHAPE), ModelCost.for_shape(SHAPE)
-    events = EngineEvents()
-    readings = random.Random(seed + 1) if swing is None else SpikyReadings(random.Random(seed + 7), *swing)
-    gpu = LaggedReads(clock, readings, lambda t_call: read_lag_s(t_call, lag_after_step_s, lag_s), value_at)
-    clock.t = 0.5
-    meter = NvmlEnergyMeter(NvmlGpu(gpu, 0, "GPU-x"), clock=clock, counter_period_s=_PERIOD_S)
-    done, truth = {}, {}
-    acc = PhaseEnergyAccount(
-        meter,
-        clock=clock,
-        per_request=True,
-        cost=cost,
-        on_request_done=done.__setitem__,
-        gpu_runs_ahead=True,
-        feed=lambda: events.deliver(clock.t),
-    )
+    gpu_sim, mc = SimulatedGpu(), ModelCost.for_shape(SHAPE)
+    rig = _LaggedRig.build(lag_after_step_s, lag_s, seed, value_at, swing)
+    clock, gpu, meter, acc, events, cost, done = rig.clock, rig.gpu, rig.meter, rig.acc, rig.events, rig.cost, rig.done
+    truth = {}
 
     def tick(t_call: float) -> None:
         # A tick begins once the previous read returned, a moment later: a walk of no time at all
