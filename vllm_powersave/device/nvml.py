@@ -175,11 +175,11 @@ class NvmlGpu:
         uuid: the device's UUID (``GPU-...`` or ``MIG-...``): its label in metrics and leases.
     """
 
-    def __init__(self, nvml: Any, handle: Any, uuid: str = "0") -> None:
+    def __init__(self, nvml: Any, handle: Any, uuid: str = "0", *, is_mig: bool | None = None) -> None:
         self.nvml = nvml
         self.handle = handle
         self.uuid = uuid
-        self._mig: bool | None = None
+        self._mig: bool | None = is_mig  # None: asked of NVML on first use
         self._parent: NvmlGpu | None = None
         self._supported_mem: tuple[int, ...] | None = None
         self._supported_sm: tuple[int, ...] | None = None
@@ -277,9 +277,7 @@ class NvmlGpu:
             return self
         if self._parent is None:
             h = self._call("nvmlDeviceGetDeviceHandleFromMigDeviceHandle")
-            p = NvmlGpu(self.nvml, h, _text(self._call("nvmlDeviceGetUUID", handle=h)))
-            p._mig = False
-            self._parent = p
+            self._parent = NvmlGpu(self.nvml, h, _text(self._call("nvmlDeviceGetUUID", handle=h)), is_mig=False)
         return self._parent
 
     # -- energy and power --------------------------------------------------------------------------
