@@ -38,6 +38,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -588,6 +589,9 @@ def _engine_add(acc: dict[str, float], energy_j: float, prefill: float, decode: 
 
 
 _REGISTERED: dict[str, PowersaveCollector] = {}
+# Keys of _REGISTERED already on each registry, kept here rather than as an attribute of a
+# prometheus_client object that is not ours.
+_ADDED_TO: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
 
 
 def register_collector(stats_dir: str | Path, version: str = "") -> PowersaveCollector:
@@ -608,10 +612,7 @@ def register_collector(stats_dir: str | Path, version: str = "") -> PowersaveCol
 def add_to_registry(registry: Any) -> None:
     """Register every collector of this process on ``registry`` once (the multiprocess registries
     ``/metrics`` is answered from with ``--api-server-count > 1``)."""
-    mine = getattr(registry, "_powersave_collectors", None)
-    if mine is None:
-        mine = set()
-        registry._powersave_collectors = mine
+    mine = _ADDED_TO.setdefault(registry, set())
     for key, col in _REGISTERED.items():
         if key not in mine:
             registry.register(col)
