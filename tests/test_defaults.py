@@ -138,6 +138,18 @@ def test_metering_only_switch_keeps_every_saving_stock(monkeypatch, tmp_path):
             {"savings": "off", "clocks": {"mode": "closed_loop"}},
             "powersave settings: clocks.mode 'closed_loop' conflicts with savings 'off'",
         ),
+        (
+            {"savings": "off", "clocks": {"closed_loop": {"enabled": True}}},
+            "powersave settings: clocks.closed_loop.enabled true conflicts with savings 'off'",
+        ),
+        (
+            {"per_request_energy": True, "energy": {"meter": "off"}},
+            "powersave settings: per_request_energy true needs an energy meter, energy.meter is 'off'",
+        ),
+        (
+            {"clocks": {"closed_loop": {"probe_steps": 3000, "probe_steps_max": 10}}},
+            "powersave setting 'clocks.closed_loop' = {'probe_steps': 3000, 'probe_steps_max': 10}: probe_steps 3000 exceeds",
+        ),
         ({"savings": "maybe"}, "powersave setting 'savings' = 'maybe'"),
         ({"clocks": {"mode": "turbo"}}, "powersave setting 'clocks.mode' = 'turbo'"),
         ({"clocks": {"backend": "magic"}}, "powersave setting 'clocks.backend' = 'magic'"),

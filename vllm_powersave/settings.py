@@ -225,6 +225,14 @@ class ClosedLoopSettings(_Strict):
             raise ValueError(f"must be distinct positive batch sizes, got {list(b)}")
         return tuple(sorted(b))
 
+    @model_validator(mode="after")
+    def _probe_window(self) -> "ClosedLoopSettings":
+        if self.probe_steps > self.probe_steps_max:
+            raise ValueError(
+                f"probe_steps {self.probe_steps} exceeds probe_steps_max {self.probe_steps_max}: raise the maximum or lower the start"
+            )
+        return self
+
 
 class ClockSettings(_Strict):
     """Per-phase SM clock presets and how they are applied.
@@ -475,6 +483,9 @@ class PowersaveSettings(_Strict):
                 raise ValueError(f"clocks.mode {mode!r} conflicts with savings 'off' (metering only): drop one of them")
             if clocks.get("presets"):
                 raise ValueError("clocks.presets conflicts with savings 'off' (metering only): drop one of them")
+            loop = clocks.get("closed_loop")
+            if isinstance(loop, dict) and loop.get("enabled") is True:
+                raise ValueError("clocks.closed_loop.enabled true conflicts with savings 'off' (metering only): drop one of them")
             clocks = {**clocks, **METERING_ONLY["clocks"]}
         chunking = data.get("chunking") or {}
         if isinstance(chunking, dict):
@@ -490,6 +501,12 @@ class PowersaveSettings(_Strict):
             raise ValueError(f"api_server_count {servers!r} conflicts with savings 'off' (metering only): drop one of them")
         data.update(METERING_ONLY, clocks=clocks, chunking=chunking)
         return data
+
+    @model_validator(mode="after")
+    def _per_request_needs_a_meter(self) -> "PowersaveSettings":
+        if self.per_request_energy and self.energy.meter == "off":
+            raise ValueError("per_request_energy true needs an energy meter, energy.meter is 'off': drop one of them")
+        return self
 
     @model_validator(mode="after")
     def _simulated_needs_sim_meter(self) -> "PowersaveSettings":
