@@ -278,6 +278,21 @@ def test_the_state_file_refuses_another_search_and_drops_a_cut_last_line(tmp_pat
         StateFile(path, {"window_s": 5.0, "configs": ["a"]}).open()
 
 
+@pytest.mark.parametrize("line", ["[1]", '{"kind": "measurement", "step": "x"}', '{"kind": "rejection"}', '"text"'])
+def test_a_state_line_that_is_json_but_no_record_stops_with_one_line_and_keeps_the_file(tmp_path, line):
+    path = tmp_path / "state.jsonl"
+    st = StateFile(path, {"window_s": 3.0})
+    st.open()
+    st.add(Measurement("search/r0/a", "search", "a", 3.0, 0, _figs(), 12.0, True, "now", round=0))
+    with open(path, "a") as f:
+        f.write(line + "\n" + '{"kind": "note"}\n')  # an edited line, then another: not the cut last write
+    before = path.read_text()
+    with pytest.raises(StateError) as err:
+        StateFile(path, {"window_s": 3.0}).open()
+    assert "line 3 is not a tune-serving record" in str(err.value) and "\n" not in str(err.value)
+    assert path.read_text() == before  # nothing measured is lost
+
+
 # --- the driver, against a fake measurer -------------------------------------------------------------
 
 

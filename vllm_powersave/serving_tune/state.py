@@ -147,15 +147,24 @@ class StateFile:
                     self._truncate_last(lines[: i - 1])
                     break
                 raise StateError(f"{self.path}: line {i} is not JSON: the file was edited; use another --out") from None
+            self._read_record(i, obj)
+        else:
+            if not text.endswith("\n"):  # a whole last line whose newline was cut: the next line must not join it
+                self._append_raw("\n")
+        return len(self.measurements) + len(self.rejections)
+
+    def _read_record(self, i: int, obj: Any) -> None:
+        """Line ``i`` of the state, parsed: a measurement or a rejection (other kinds are skipped)."""
+        try:
             if obj.get("kind") == "measurement":
                 m = Measurement.from_json(obj)
                 self.measurements[m.step] = m
             elif obj.get("kind") == "rejection":
                 self.rejections[obj["key"]] = Rejection(obj["key"], obj["reason"], obj.get("wall_s", 0.0))
-        else:
-            if not text.endswith("\n"):  # a whole last line whose newline was cut: the next line must not join it
-                self._append_raw("\n")
-        return len(self.measurements) + len(self.rejections)
+        except (AttributeError, KeyError, TypeError, ValueError) as exc:
+            raise StateError(
+                f"{self.path}: line {i} is not a tune-serving record ({type(exc).__name__}): the file was edited; use another --out"
+            ) from None
 
     def _check_same_search(self, old: dict[str, Any]) -> None:
         for k in sorted(set(old) | set(self.header)):
