@@ -321,3 +321,13 @@ def test_big_qwen_tokenizer_smaller_than_vocab(tmp_path):
     assert len(tok) == SHAPES["qwen2.5-0.5b"]["_tokenizer_vocab"] <= cfg.vocab_size == 151936
     assert cfg.hidden_size == 896 and cfg.num_hidden_layers == 24
     assert math.isclose(cfg.rope_parameters["rope_theta"], 1e6)
+
+
+def test_make_model_into_a_path_that_cannot_be_made_stops_with_one_line(tmp_path, capsys):
+    from vllm_powersave.cli import main
+
+    (tmp_path / "x.json").write_text("{}")
+    assert main(["make-model", str(tmp_path / "x.json" / "sub"), "--shape", "qwen2-tiny"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: make-model: cannot write ") and "x.json/sub" in err and err.count("\n") == 1
+    assert (tmp_path / "x.json").read_text() == "{}"

@@ -54,7 +54,10 @@ def _cmd_make_model(ns: argparse.Namespace) -> int:
     from .modelgen import make_model
 
     weights = False if ns.no_weights else (True if ns.weights else None)
-    out = make_model(Path(ns.dir), ns.shape, seed=ns.seed, weights=weights, overwrite=ns.overwrite)
+    try:
+        out = make_model(Path(ns.dir), ns.shape, seed=ns.seed, weights=weights, overwrite=ns.overwrite)
+    except OSError as err:  # a path that cannot be made or written: one line, as for any bad input
+        raise ValueError(f"make-model: cannot write {ns.dir!r}: {err.strerror or type(err).__name__}") from None
     print(f"wrote {ns.shape} model to {out}")
     return 0
 
