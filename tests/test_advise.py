@@ -205,3 +205,13 @@ def test_nothing_to_recommend_says_which_idle_rule_it_checked():
     busy = {"energy_j": 1000.0, "idle_while_busy_j": 0.0, "energy_by_phase_j": {"idle": 426.0}, "cuda_perf_boost": "auto"}
     why = _nothing_because(busy)
     assert "idle 42.6 % of the energy (holding the boost on pays only below" in why and "advice below" not in why
+
+
+def test_nothing_to_recommend_labels_shares_of_simulated_energy():
+    from vllm_powersave.advise import RunAdvice
+
+    facts = {"energy_j": 1000.0, "idle_while_busy_j": 2.0, "energy_by_phase_j": {"idle": 998.0}, "cuda_perf_boost": "auto"}
+    measured = RunAdvice(None, [], {**facts, "energy_source": "measured"}).text()
+    simulated = RunAdvice(None, [], {**facts, "energy_source": "simulated"}).text()
+    assert "0.2 % of the energy" in measured and "simulated" not in measured
+    assert "0.2 % of the simulated energy" in simulated and "idle 99.6 % of the simulated energy" in simulated

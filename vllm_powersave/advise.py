@@ -495,13 +495,15 @@ def _nothing_because(facts: dict[str, Any]) -> str:
     if modes and "on" not in modes:
         parts.append(f"perf boost already {','.join(sorted(modes))}")
     e, iwb_j = _num(facts.get("energy_j")), _num(facts.get("idle_while_busy_j"))
+    # Shares of simulated joules say so: a model's number is never shown as a measurement.
+    energy = "the simulated energy" if facts.get("energy_source") == "simulated" else "the energy"
     if not e:
         parts.append("no usable energy total in these figures")
     if e and iwb_j is not None:
-        parts.append(f"front-end starvation {100 * iwb_j / e:.1f} % of the energy (advice from {100 * MIN_STARVATION_SHARE:.0f} %)")
+        parts.append(f"front-end starvation {100 * iwb_j / e:.1f} % of {energy} (advice from {100 * MIN_STARVATION_SHARE:.0f} %)")
     quiet = _quiet_idle_j(facts, iwb_j)
     if e and quiet is not None:
-        share = f"idle {100 * quiet / e:.1f} % of the energy"
+        share = f"idle {100 * quiet / e:.1f} % of {energy}"
         if modes is None or "on" in modes:
             parts.append(f"{share} (idle advice from {100 * MIN_IDLE_SHARE:.0f} %)")
         else:  # the one idle rule left: hold the boost on, which pays only where the GPU is hardly idle
