@@ -887,6 +887,21 @@ def test_traffic_longer_than_the_servers_max_model_len_is_refused_before_anythin
     assert not (tmp_path / "o" / "state.jsonl").exists()
 
 
+def test_a_trace_longer_than_the_models_context_is_refused_before_anything_starts(tiny_config, tmp_path, capsys):
+    import json
+
+    ctx = json.loads((tiny_config / "config.json").read_text())["max_position_embeddings"]
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(json.dumps({"arrival_s": 0.0, "input_len": ctx, "output_len": 5}) + "\n")
+    args = ["tune-serving", "--model", str(tiny_config), "--trace", str(trace), "--max-num-seqs", "2,8", "--out", str(tmp_path / "o")]
+    rc, _, err = _cli(args, capsys)
+    assert rc == 2 and err.strip().splitlines() == [
+        f"error: --trace: the longest request needs {ctx + 5} tokens, over the model's context of {ctx} "
+        f"(max_position_embeddings in {tiny_config / 'config.json'})"
+    ]
+    assert not (tmp_path / "o" / "state.jsonl").exists()
+
+
 def test_a_csv_trace_with_a_byte_order_mark_parses(tmp_path):
     trace = tmp_path / "t.csv"
     trace.write_bytes("\ufeffarrival_s,input_len,output_len\n0.5,16,8\n0.0,32,4\n".encode())

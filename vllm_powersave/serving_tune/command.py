@@ -187,6 +187,27 @@ def _check_fits(traffic: Any, serve_args: tuple[str, ...], flag: str) -> None:
         )
 
 
+def _check_context(model: Path, traffic: Any, flag: str) -> None:
+    """Refuse traffic whose longest request exceeds the model's context (``max_position_embeddings``
+    in its ``config.json``): vLLM would refuse every server, one configuration after another.
+    Silent where the config cannot tell (none, no such field, or RoPE scaling that extends it)."""
+    import json
+
+    cfg = Path(model) / "config.json"
+    try:
+        c = json.loads(cfg.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return
+    ctx = c.get("max_position_embeddings") if isinstance(c, dict) else None
+    if type(ctx) is not int or c.get("rope_scaling"):
+        return
+    need = traffic.longest_request_tokens()
+    if need > ctx:
+        raise ValueError(
+            f"{flag}: the longest request needs {need} tokens, over the model's context of {ctx} (max_position_embeddings in {cfg})"
+        )
+
+
 def options_from(ns: argparse.Namespace) -> Any:
     """Every input checked (one ``ValueError`` line naming the flag and value) before anything starts."""
     from ..serving import cpu_only, default_serve_args
@@ -221,7 +242,9 @@ def options_from(ns: argparse.Namespace) -> Any:
         startup_timeout_s=ns.startup_timeout,
         warmups=ns.warmups,
     )
-    _check_fits(traffic, plan.base_args, "--trace" if ns.trace is not None else "--input-len/--output-len")
+    flag = "--trace" if ns.trace is not None else "--input-len/--output-len"
+    _check_context(model, traffic, flag)
+    _check_fits(traffic, plan.base_args, flag)
     configs = tuple(configurations(values, ns.max_configs, ns.seed))
     return TuneServingOptions(
         plan=plan,
