@@ -85,6 +85,15 @@ def test_advise_result_that_is_not_json_is_one_line(tmp_path, capsys):
     assert err.startswith(f"error: --result = {str(bad)!r}: not JSON") and "\n" not in err
 
 
+def test_advise_names_the_metrics_file_that_is_not_prometheus_text_and_a_directory_given_as_result(tmp_path, capsys):
+    junk = tmp_path / "junk.txt"
+    junk.write_text("this is { not prometheus\n")
+    assert main(["advise", "--metrics", str(junk)]) == 2
+    assert capsys.readouterr().err.strip() == f"error: --metrics = {str(junk)!r}: not Prometheus text (ValueError)"
+    assert main(["advise", "--result", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == f"error: --result = {str(tmp_path)!r}: a directory, not a file"
+
+
 def test_advise_energy_by_phase_that_is_not_an_object_is_one_line(tmp_path, capsys):
     bad = tmp_path / "r.json"
     bad.write_text(json.dumps({**json.load(open(RESULT)), "energy_by_phase_j": [1, 2]}))

@@ -99,7 +99,7 @@ class Recommendation:
 def load_result(path: str) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():
-        raise AdviseError(f"--result = {path!r}: file not found")
+        raise AdviseError(f"--result = {path!r}: {'a directory, not a file' if p.is_dir() else 'file not found'}")
     try:
         data = json.loads(p.read_text())
     except (OSError, ValueError, RecursionError) as exc:
@@ -171,15 +171,16 @@ def load_metrics(source: str, timeout_s: float = 10.0) -> str:
             with urllib.request.urlopen(url, timeout=timeout_s) as resp:  # noqa: S310 - the operator's own server
                 return resp.read().decode("utf-8", "replace")
         except Exception as exc:
-            raise AdviseError(f"--metrics = {source!r}: cannot scrape ({type(exc).__name__}: {exc})") from None
+            raise AdviseError(f"--metrics = {source!r}: cannot scrape {url} ({type(exc).__name__}: {exc})") from None
     p = Path(source)
     if not p.is_file():
         raise AdviseError(f"--metrics = {source!r}: neither a http(s) URL nor a file")
     return p.read_text(errors="replace")
 
 
-def facts_from_metrics(text: str) -> dict[str, Any]:
-    """The figures advise uses from a /metrics text (sums over GPUs)."""
+def facts_from_metrics(text: str, source: str = "") -> dict[str, Any]:
+    """The figures advise uses from a /metrics text (sums over GPUs); ``source``: where it came from,
+    for the error line."""
     from prometheus_client.parser import text_string_to_metric_families
 
     f: dict[str, Any] = {"energy_by_phase_j": {}}
@@ -188,7 +189,7 @@ def facts_from_metrics(text: str) -> dict[str, Any]:
     try:
         fams = list(text_string_to_metric_families(text))
     except Exception as exc:
-        raise AdviseError(f"--metrics: not Prometheus text ({type(exc).__name__})") from None
+        raise AdviseError(f"--metrics = {source!r}: not Prometheus text ({type(exc).__name__})") from None
     for fam in fams:
         for s in fam.samples:
             n, lab, v = s.name, s.labels, float(s.value)
@@ -441,7 +442,7 @@ def run(results: list[str], metrics: list[str], api_servers: int | None = None, 
         raise AdviseError(f"--api-servers = {api_servers}: must be >= 1")
     base: dict[str, Any] = {"api_servers": 1}
     for m in metrics:
-        for k, v in facts_from_metrics(load_metrics(m)).items():
+        for k, v in facts_from_metrics(load_metrics(m), m).items():
             base.setdefault(k, v)
     results = list(dict.fromkeys(results))  # a file given twice is one run
     loaded = [(r, facts_from_result(load_result(r))) for r in results]  # every file checked before any advice
