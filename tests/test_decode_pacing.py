@@ -8,7 +8,7 @@ import types
 import pytest
 
 from vllm_powersave.pacing import DecodePacer, PaceFacts
-from vllm_powersave.pacing.pacer import HoldTally
+from vllm_powersave.pacing.pacer import CHECK_AFTER_S, HoldTally
 from vllm_powersave.settings import PowersaveSettings, SettingsError, load_settings
 
 DECODE = PaceFacts(running=8, waiting=0, max_running=256, prefill_pending=False)
@@ -171,7 +171,7 @@ def test_the_hook_holds_vllms_loop_then_runs_it_and_reads_the_schedulers_state(h
     t.now += 0.004
     loop(arrived)
     assert p.stats.held_steps == 1 and handled == [("ADD", "req-1")]  # vLLM's loop took it at once
-    assert tuple(p.figures()) == (30.0, 1, pytest.approx(0.026), 0, None, False, 0, 0)
+    assert tuple(p.figures()) == (30.0, 1, pytest.approx(0.026), 0, None, False, 0, 0, 0)
 
 
 @pytest.mark.parametrize(
@@ -320,8 +320,11 @@ def test_open_loop_poisson_arrivals_never_pause_pacing(finish_every, rate):
     p, t = _pacer(30.0)
     # Poisson: the first arrival after a hold starts is exponential (early in the gap at high rates);
     # requests finish at every step or every third, independently of the arrivals (as many of them).
-    _drive(p, t, lambda i: (i % finish_every == 0, rng.expovariate(rate) if rng.random() < 1 / finish_every else None), steps=3000)
-    assert p.stats.woken_early > 150 and p.guard.pauses == 0 and not p.figures().paused
+    # Arrivals tied to loops speed up with them, as a closed loop's do: the holds' verdict alone is
+    # judged, before the first scheduled check (CHECK_AFTER_S; checks: test_scheduled_check_*).
+    _drive(p, t, lambda i: (i % finish_every == 0, rng.expovariate(rate) if rng.random() < 1 / finish_every else None), steps=1900)
+    assert t.now - 100.0 < CHECK_AFTER_S[0] and p.guard.checks == 0
+    assert p.stats.woken_early > 100 and p.guard.pauses == 0 and not p.figures().paused
 
 
 def test_a_few_clients_in_a_closed_loop_pause_pacing_after_a_few_finishes_if_every_one_saw_an_arrival():
@@ -604,13 +607,13 @@ def test_one_woken_hold_after_a_group_of_finishes_does_not_pause_pacing():
     assert p.guard.pauses == 0 and p.guard.tally(0)[0] == HoldTally(holds=1, woken=1)
 
 
-def _emptying_rounds(p, t, rounds, back_s, load=16):
+def _emptying_rounds(p, t, rounds, back_s, load=16, steps=49):
     """Clients that all finish in one step (equal lengths): vLLM runs one empty step, then its
-    intake blocks until their next requests, ``back_s`` later; 49 paced steps between rounds."""
+    intake blocks until their next requests, ``back_s`` later; ``steps`` paced steps between rounds."""
     p.hold(PaceFacts(load, 0, 256, False), lambda: True)
     p.after_intake(load)
     for _ in range(rounds):
-        for _ in range(49):
+        for _ in range(steps):
             t.now += 0.007
             p.hold(PaceFacts(load, 0, 256, False), lambda: True)
             p.after_intake(load)
@@ -631,9 +634,12 @@ def test_clients_that_all_finish_together_and_come_back_within_a_gap_pause_pacin
     p, t = _pacer(30.0)
     _emptying_rounds(p, t, EARLY_HOLDS, back_s=0.004)
     assert p.guard.pauses == 1 and f"{EARLY_HOLDS} of {EARLY_HOLDS} times" in p.guard.take_notice()
-    # The next requests a second later (open-loop traffic that emptied the engine): never woken.
+    # The next requests half a second later (as open-loop traffic that emptied the engine): never
+    # woken. Shorter rounds keep this inside the first scheduled check (CHECK_AFTER_S), which would
+    # find these loop-tied arrivals speed up unpaced.
     p, t = _pacer(30.0)
-    _emptying_rounds(p, t, 40, back_s=0.5)
+    _emptying_rounds(p, t, 40, back_s=0.5, steps=20)
+    assert t.now - 100.0 < CHECK_AFTER_S[0] and p.guard.checks == 0
     assert p.guard.pauses == 0 and 0 in p.guard.open_verdicts  # 32 cases, none woken: an open-loop verdict
     # An engine idle past IDLE_RESET_S is not a case at all.
     p, t = _pacer(30.0)
@@ -789,3 +795,104 @@ def test_short_rounds_read_while_paused_are_read_round_to_round_too():
     for k in range(10, 16):
         _round(g, 1.2 * k, clients=24, per_step=6, step_s=0.1)
     assert g.withdrawn == 1 and "did not speed up" in g.take_notice()
+
+
+# --- scheduled checks: clients that think before their next request --------------------------------
+
+
+def _poisson_in_time(p, t, rate, seconds, seed=3):
+    """Open-loop Poisson arrivals in time, whatever the engine's loops do, at the pacer's target:
+    steps of 7 ms, a request finishing every third step."""
+    import random
+
+    rng = random.Random(seed)
+    next_s, load, i, end = t.now + rng.expovariate(rate), 8, 0, t.now + seconds
+    while t.now < end:
+        t.now += 0.007
+        i += 1
+        load -= 1 if i % 3 == 0 and load > 2 else 0
+        p.hold(PaceFacts(load, 0, 256, False), lambda: next_s > t.now)
+        came = 0
+        while next_s <= t.now:
+            came, next_s = came + 1, next_s + rng.expovariate(rate)
+        load += came
+        p.after_intake(load)
+
+
+def _thinking_clients(p, t, seconds, clients=16, think_s=(0.3, 2.0), tokens=60, seed=5):
+    """A closed loop whose clients think ``think_s`` (uniform) after each request of ``tokens``
+    decode steps of 7 ms before sending the next."""
+    import random
+
+    rng = random.Random(seed)
+    left, back, end = [tokens] * clients, [], t.now + seconds
+    while t.now < end:
+        t.now += 0.007
+        left = [n - 1 for n in left]
+        back += [t.now + rng.uniform(*think_s) for n in left if n == 0]
+        left = [n for n in left if n > 0]
+        p.hold(PaceFacts(len(left), 0, 256, False), lambda: min(back, default=float("inf")) > t.now)
+        came = sum(b <= t.now for b in back)
+        back = [b for b in back if b > t.now]
+        left += [tokens] * came
+        p.after_intake(len(left))
+
+
+def test_a_scheduled_check_resumes_pacing_where_open_loop_arrivals_keep_their_rate():
+    from vllm_powersave.pacing.pacer import CHECK_S
+
+    p, t = _pacer(30.0)
+    _poisson_in_time(p, t, 8.0, CHECK_AFTER_S[0] + 1.0)
+    assert p.guard.checks == 1 and p.guard.probe is not None and p.guard.probe.check and p.figures().paused
+    held = p.stats.held_steps
+    _poisson_in_time(p, t, 8.0, CHECK_S + 4.0, seed=4)
+    assert not p.figures().paused and p.stats.held_steps > held  # decided within a few seconds: paced again
+    assert p.guard.pauses == 0 and p.guard.take_notice() is None
+    assert p.guard.check_after_s == 2 * CHECK_AFTER_S[0]  # the next check waits twice as long
+    assert p.figures().closed_loop_checks == 1
+
+
+def test_clients_that_think_before_their_next_request_pause_pacing_at_a_scheduled_check():
+    # Their next request comes seconds after a finish, in no loop near it: the holds show no
+    # signature, and pacing cost such loops x0.26-0.44 throughput at 35 ms (simulated H200).
+    p, t = _pacer(30.0)
+    _thinking_clients(p, t, CHECK_AFTER_S[0] - 1.0)
+    assert p.guard.checks == 0 and p.guard.pauses == 0  # nothing in the holds
+    _thinking_clients(p, t, 10.0, seed=6)
+    assert p.guard.checks == 1 and p.guard.pauses == 1 and p.figures().paused
+    notice = p.guard.take_notice()
+    assert "paused for 30 s" in notice and "check without pacing" in notice
+    # The loop persists: the next check comes 15 s into pacing, and its pause is twice as long, though
+    # the holds' own verdicts read open-loop arrivals meanwhile.
+    _thinking_clients(p, t, 30.0 + 15.0 + 10.0, seed=7)
+    assert p.guard.checks == 2 and p.guard.pauses == 2 and "paused for 60 s" in p.guard.take_notice()
+
+
+def test_a_check_that_finds_no_closed_loop_starts_a_later_loops_pause_from_the_first_length():
+    from vllm_powersave.pacing.pacer import CHECK_MAX_S, PAUSE_S
+
+    p, t = _pacer(30.0)
+    _thinking_clients(p, t, CHECK_AFTER_S[0] + 10.0)
+    assert p.guard.pauses == 1 and p.guard.pause_s == 2 * PAUSE_S[0]
+    t.now += PAUSE_S[0]
+    # The clients left; open-loop traffic, checked 15 s in, for CHECK_MAX_S at most.
+    _poisson_in_time(p, t, 8.0, 15.0 + CHECK_MAX_S + 1.0)
+    assert p.guard.checks == 2 and p.guard.pauses == 1 and p.guard.pause_s == PAUSE_S[0] and not p.figures().paused
+
+
+def test_the_checks_poisson_tail_is_exact_and_holds_at_thousands_of_arrivals():
+    from vllm_powersave.pacing.pacer import _upper_tail
+
+    assert _upper_tail(3, 4, 0.5) == pytest.approx(5 / 16)
+    assert _upper_tail(0, 5, 0.3) == 1.0
+    assert _upper_tail(1, 2, 0.25) == pytest.approx(1 - 0.75**2)
+    assert 0.0 < _upper_tail(1300, 2000, 0.5) < 1e-30  # no overflow in the logs
+
+
+def test_simulated_thinking_clients_pause_pacing_and_poisson_arrivals_are_checked_but_never_paused():
+    from benchmarks.sim_decode_pacing import simulate
+
+    thinking = simulate("think", None, 16, 35.0, 120.0, 0, think_s=(0.3, 2.0))
+    assert thinking["closed_loop_pauses"] >= 1 and CHECK_AFTER_S[0] <= thinking["first_pause_s"] < CHECK_AFTER_S[0] + 10.0
+    poisson = simulate("rate4", 4.0, None, 35.0, 120.0, 0)
+    assert poisson["closed_loop_checks"] >= 1 and poisson["closed_loop_pauses"] == 0

@@ -25,7 +25,7 @@ Rules (the figures they rest on):
   energy in decode with nothing waiting, and pacing off: try ``decode_pacing.tpot_target_ms`` below
   the TPOT SLO (measured x1.37 tokens per joule at 4 req/s on an H100 over 6 pairs,
   docs/results/h100-decode-pacing.md; x1.48 and x1.51 on the H200, one pair and one search window;
-  x1.8-2.3 at 1-8 req/s on the simulated H200;
+  x1.7-2.2 at 1-8 req/s over 300 s on the simulated H200;
   no estimate for this run: it depends on the batch it reaches).
 * **Clocks**: clock decisions recorded but not applied (dry-run): give the server clock permission
   or a zeusd; the saving is the controller's prediction where one is published.
@@ -362,7 +362,7 @@ def _decode_pacing(facts: dict[str, Any], e: float | None) -> Recommendation | N
         f"open-loop arrivals at {rate:g} req/s, {100 * decode_j / e:.0f} % of the run's energy in decode, nothing waiting{now}; "
         "4 req/s, 35 ms: x1.37 (1.32-1.41) tokens per joule for the same requests over 6 pairs on an H100 "
         "(docs/results/h100-decode-pacing.md), x1.48 and x1.51 in one pair and one window on the H200 "
-        "(h200-decode-pacing.md); not settled; simulated H200, 1-8 req/s: x1.8-2.3",
+        "(h200-decode-pacing.md); not settled; simulated H200, 1-8 req/s over 300 s: x1.7-2.2",
         "measured",
         "predicted",
         None,

@@ -360,6 +360,13 @@ FAMILIES: tuple[FamilySpec, ...] = (
         ("gpu",),
     ),
     FamilySpec(
+        "powersave_decode_pacing_closed_loop_checks",
+        _C,
+        "Decode pacing: scheduled checks (pacing lifted for a few seconds to see whether arrivals speed up)",
+        "count",
+        ("gpu",),
+    ),
+    FamilySpec(
         "powersave_closed_loop_unconfirmed_switches",
         _C,
         "Closed-loop decode clock: clock switches not read back within switch_confirm_ms (each re-sent, or the loop turned off)",
@@ -482,6 +489,7 @@ def _add_rank(sc: _Scrape, s: WorkerSnapshot) -> bool:
         sc.add("decode_pacing_paused", [r.gpu], float(pacing.get("paused") or 0))
         sc.add("decode_pacing_closed_loop_pauses", [r.gpu], float(pacing.get("closed_loop_pauses") or 0))
         sc.add("decode_pacing_pauses_withdrawn", [r.gpu], float(pacing.get("pauses_withdrawn") or 0))
+        sc.add("decode_pacing_closed_loop_checks", [r.gpu], float(pacing.get("closed_loop_checks") or 0))
     sv = s.get("savings")
     for name, st in sv.items() if isinstance(sv, dict) else ():
         if isinstance(st, dict):

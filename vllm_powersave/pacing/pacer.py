@@ -22,6 +22,7 @@ still owed its prefill or its first token (:class:`PaceFacts`).
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -108,6 +109,33 @@ OPEN_RATES_KEPT = 4
 #: shorter ones are the gaps between a light load's requests.
 IDLE_RESET_S = 1.0
 ARRIVALS_KEPT = 4096
+#: Scheduled checks: clients that think 0.3-2 s before their next request leave no signature in the
+#: holds (their arrivals come seconds after a finish, not in the next loop), yet pacing cost them
+#: x0.26-0.44 throughput and x0.70-0.83 tokens per joule at 35 ms on the simulated H200
+#: (docs/results/sim-decode-pacing.md). So after :data:`CHECK_AFTER_S` of pacing (doubling after
+#: each check that finds an open loop, up to the last value) pacing is lifted as a check: the
+#: arrivals over the last :data:`CHECK_PACED_S` paced (at least :data:`CHECK_MIN_PACED_S` and
+#: :data:`PROBE_ARRIVALS` of them) are set against those since. From :data:`CHECK_CONFIRM_S` in, a
+#: rise of :data:`CHECK_RISE` or more that arrivals of one rate give with a chance under
+#: :data:`CHECK_P` (and :data:`PROBE_ARRIVALS` arrivals) makes the check a pause; from :data:`CHECK_S`
+#: in, with :data:`CHECK_ARRIVALS` arrivals in both windows and a rate under :data:`CHECK_OPEN_BELOW`
+#: times the paced one, pacing resumes, as it does after an idle spell or :data:`CHECK_MAX_S` without
+#: a verdict. A closed loop's next check comes :data:`CHECK_SOON_S` after its pause ends. What a
+#: check costs open-loop traffic (a few seconds unpaced, then the batch regrowing): x2.284 against
+#: x2.351 tokens per joule at 4 req/s and 35 ms over 1800 s, simulated (same record).
+CHECK_AFTER_S = (60.0, 600.0)
+CHECK_SOON_S = 15.0
+CHECK_PACED_S = 20.0
+CHECK_MIN_PACED_S = 10.0
+CHECK_CONFIRM_S = 4.0
+CHECK_S = 6.0
+CHECK_MAX_S = 30.0
+CHECK_RISE = 1.25
+CHECK_OPEN_BELOW = 1.2
+CHECK_P = 0.001
+CHECK_ARRIVALS = 24
+#: A check reads its arrivals at most this often (s): each read scans them, on the engine's thread.
+CHECK_READ_S = 0.25
 
 
 @dataclass
@@ -143,6 +171,10 @@ class PauseProbe:
     length_s: float  # the pause's length as announced
     paced_per_s: float  # the arrival rate over the window before it, while paced
     round_s: float | None = None  # paced arrivals came in rounds this long (s): rates read round start to round start
+    check: bool = False  # a scheduled check (CHECK_AFTER_S), not a pause the holds' signature started
+    paced_arrivals: int = 0  # a check's arrivals over its paced window
+    paced_sq: int = 0  # ... the sum of squares of the arrivals per loop that took any
+    paced_span_s: float = 0.0  # ... and that window's length (s)
 
 
 @dataclass
@@ -177,6 +209,9 @@ class ClosedLoopGuard:
     tests itself (:class:`PauseProbe`): a closed loop's arrivals speed up once the steps are no longer
     held, an open loop's do not; a pause whose arrivals have not risen by :data:`RISE_MIN` after
     :data:`PROBE_S` is withdrawn, and the guard judges nothing for :data:`HOLDOFF_S`.
+
+    Clients that think before their next request leave no signature in the holds; a scheduled
+    check (:data:`CHECK_AFTER_S`) lifts pacing and becomes a pause where arrivals rise.
     """
 
     #: Per lag: (after a finished request, after none). Lag 0: holds, and how many an arrival cut
@@ -204,6 +239,12 @@ class ClosedLoopGuard:
     withdrawn: int = 0  # pauses the probe found open-loop arrivals in
     probe_read_s: float | None = None  # the last arrival the probe's rates were read at
     traffic_since_s: float = 0.0  # when the last idle spell past IDLE_RESET_S ended: what came before is other traffic
+    check_after_s: float = CHECK_AFTER_S[0]  # pacing (s) before the next scheduled check
+    #: The last pause came from a check: its loop leaves no signature, so the holds' open-loop
+    #: verdicts do not shorten the next pause; a check that finds an open loop does.
+    pause_from_check: bool = False
+    checks: int = 0  # scheduled checks run
+    checked_s: float | None = None  # when the last check ended or was put off: the next counts from here
 
     def paused(self, now: float) -> bool:
         """Whether pacing is paused now; a pause that has run out ends here."""
@@ -211,7 +252,13 @@ class ClosedLoopGuard:
             return False
         if now < self.paused_until:
             return True
-        self.paused_until, self.probe, self.paced_since_s, self.resumed_s = None, None, None, now
+        # A check without a verdict within CHECK_MAX_S ends as an open loop's, whose rate needs no
+        # settling after it (a closed loop's does, after its pause).
+        resumed_s = now
+        if self.probe is not None and self.probe.check:
+            self._found_open_by_check(now)
+            resumed_s = self.resumed_s
+        self.paused_until, self.probe, self.paced_since_s, self.resumed_s = None, None, None, resumed_s
         self._clear()
         return False
 
@@ -228,6 +275,10 @@ class ClosedLoopGuard:
         if self.paced_since_s is None:
             self.paced_since_s = now
         self._judge(0, after_finish, woken, now)
+        since_s = self.paced_since_s if self.checked_s is None else max(self.paced_since_s, self.checked_s)
+        if self.paused_until is None and now - since_s >= self.check_after_s:
+            if self.holdoff_until_s is None or now >= self.holdoff_until_s:
+                self._start_check(now)
 
     def observe_arrivals(self, count: int, now: float) -> None:
         """``count`` requests reached the engine's intake at ``now``; a pause under test is decided
@@ -240,10 +291,18 @@ class ClosedLoopGuard:
         if probe is None or self.paused_until is None or now - probe.started_s < PROBE_S:
             return
         if now >= self.paused_until:  # the pause ran out before enough arrivals came: untested
+            if probe.check:
+                self.paused(now)
             self.probe = None
             return
         last_s = self.arrivals_s[-1] if self.arrivals_s else None
         if last_s == self.probe_read_s:  # rates move only with arrivals: read once per arrival
+            return
+        if probe.check:
+            if last_s is not None and self.probe_read_s is not None and 0.0 <= last_s - self.probe_read_s < CHECK_READ_S:
+                return
+            self.probe_read_s = last_s
+            self._decide_check(probe, now)
             return
         self.probe_read_s = last_s
         if probe.round_s is None:
@@ -289,6 +348,9 @@ class ClosedLoopGuard:
         if idle_s <= IDLE_RESET_S:
             return
         self.traffic_since_s = now
+        if self.probe is not None and self.probe.check:  # a light load's gaps: no closed loop to find
+            self.paused_until = None
+            self._found_open_by_check(now)
         self.probe, self.paced_since_s, self.resumed_s = None, None, None
         self.holdoff_until_s, self.holdoff_s = None, HOLDOFF_S[0]
 
@@ -296,6 +358,86 @@ class ClosedLoopGuard:
         """A loop ``lag`` loops after a held one: whether that one followed a finish, and whether a
         request arrived in this loop's intake (a client whose round trip outlasts the gap)."""
         self._judge(lag, after_finish, arrived, now)
+
+    def _double_check_after(self) -> None:
+        self.check_after_s = min(max(2.0 * self.check_after_s, CHECK_AFTER_S[0]), CHECK_AFTER_S[1])
+
+    def _found_open_by_check(self, now: float) -> None:
+        """A check found no closed loop: the next check waits twice as long, and a later loop's
+        pause starts from the first length."""
+        self.checked_s = now
+        self._double_check_after()
+        if self.pause_from_check:
+            self.pause_s, self.pause_from_check = PAUSE_S[0], False
+
+    def _arrivals_since(self, start_s: float) -> tuple[int, int]:
+        """Arrivals at or after ``start_s``, and the sum of squares of those per loop that took any."""
+        n = sq = run = 0
+        last = None
+        for t in reversed(self.arrivals_s):
+            if t < start_s:
+                break
+            if t != last:
+                sq, run = sq + run * run, 0
+            n, run, last = n + 1, run + 1, t
+        return n, sq + run * run
+
+    def _start_check(self, now: float) -> None:
+        """Lift pacing as a scheduled check, if the paced window can be read; else the next check
+        comes later (a load this light has little to lose)."""
+        start = max(now - CHECK_PACED_S, now if self.paced_since_s is None else self.paced_since_s, self.traffic_since_s)
+        if self.resumed_s is not None:
+            start = max(start, self.resumed_s + PACED_WINDOW_S)
+        if len(self.arrivals_s) == self.arrivals_s.maxlen:
+            start = max(start, self.arrivals_s[0])
+        if now - start < CHECK_MIN_PACED_S:
+            return
+        paced, sq = self._arrivals_since(start)
+        if paced < PROBE_ARRIVALS:
+            self.checked_s = now
+            self._double_check_after()
+            return
+        self.checks += 1
+        self.paused_until = now + CHECK_MAX_S
+        span_s = now - start
+        self.probe = PauseProbe(now, self.pause_s, paced / span_s, check=True, paced_arrivals=paced, paced_sq=sq, paced_span_s=span_s)
+
+    def _decide_check(self, probe: PauseProbe, now: float) -> None:
+        """A check's verdict, once its arrivals tell (:data:`CHECK_RISE`, :data:`CHECK_P`)."""
+        since_s = now - probe.started_s
+        if since_s < CHECK_CONFIRM_S:
+            return
+        n, sq = self._arrivals_since(probe.started_s)
+        per_s = n / since_s
+        if n >= PROBE_ARRIVALS and per_s >= CHECK_RISE * probe.paced_per_s and self._rise_chance(probe, n, sq, since_s) < CHECK_P:
+            self.probe, self.paused_until = None, probe.started_s + probe.length_s
+            self.pauses += 1
+            self.pause_s = min(2.0 * self.pause_s, PAUSE_S[1])
+            self.check_after_s, self.holdoff_s, self.pause_from_check = CHECK_SOON_S, HOLDOFF_S[0], True
+            self.open_verdicts.clear()
+            self._clear()
+            self.notice = (
+                f"powersave: decode pacing paused for {probe.length_s:.0f} s: arrivals rose from {probe.paced_per_s:.2f} to "
+                f"{per_s:.2f} per s in a {since_s:.0f} s check without pacing (closed-loop clients that think before their "
+                "next request, where pacing cannot grow the batch much and costs throughput)"
+            )
+        elif since_s >= CHECK_S and n + probe.paced_arrivals >= CHECK_ARRIVALS and per_s < CHECK_OPEN_BELOW * probe.paced_per_s:
+            # Open-loop arrivals keep their rate through the check: no settling after it, or a pause the
+            # holds start a few seconds later would stand untested (PACED_WINDOW_S).
+            self.probe, self.paused_until, self.paced_since_s = None, None, None
+            self._found_open_by_check(now)
+
+    @staticmethod
+    def _rise_chance(probe: PauseProbe, n: int, sq: int, since_s: float) -> float:
+        """The chance that arrivals of one rate put ``n`` or more of them in the check: each of a
+        Poisson process's falls there with the check's share of the time. Requests that come
+        together (a loop takes several, a client sends a group) are not independent draws, so the
+        counts are divided by their dispersion (the sum of squares over the sum per loop: 1 for
+        Poisson arrivals one per loop, a group's size for groups)."""
+        total = n + probe.paced_arrivals
+        dispersion = max(1.0, (sq + probe.paced_sq) / total)
+        share = since_s / (since_s + probe.paced_span_s)
+        return _upper_tail(round(n / dispersion), round(total / dispersion), share)
 
     def _rate_since(self, start_s: float) -> tuple[int, float | None]:
         """Arrivals at or after ``start_s``, and their rate: those after the first instant over the
@@ -400,11 +542,13 @@ class ClosedLoopGuard:
         finished.holds = finished.woken = control.holds = control.woken = 0
         if wf / nf < WOKEN_SHARE or wc / nc > CONTROL_MAX:
             self.open_verdicts.add(lag)
-            if self.open_verdicts >= {0, *LAGS}:  # open-loop arrivals: a later loop starts from the first pause
+            if (
+                self.open_verdicts >= {0, *LAGS} and not self.pause_from_check
+            ):  # open-loop arrivals: a later loop starts from the first pause
                 self.pause_s = PAUSE_S[0]
             return
         self.pauses += 1
-        self.paused_until = now + self.pause_s
+        self.paused_until, self.pause_from_check = now + self.pause_s, False
         paced_per_s, round_s = self._paced_rate(now)
         self.probe = None if paced_per_s is None else PauseProbe(now, self.pause_s, paced_per_s, round_s)
         when = "in holds after a finished request" if lag == 0 else f"{lag} loop(s) after a held step that followed a finished request"
@@ -420,6 +564,18 @@ class ClosedLoopGuard:
     def take_notice(self) -> str | None:
         msg, self.notice = self.notice, None
         return msg
+
+
+def _upper_tail(k: int, n: int, p: float) -> float:
+    """P(X >= k) for X ~ Binomial(n, p), 0 < p < 1 (in logs: n reaches thousands at high rates)."""
+    if k <= 0:
+        return 1.0
+    if k > n:
+        return 0.0
+    log_p, log_q, log_n = math.log(p), math.log1p(-p), math.lgamma(n + 1)
+    terms = [log_n - math.lgamma(i + 1) - math.lgamma(n - i + 1) + i * log_p + (n - i) * log_q for i in range(k, n + 1)]
+    top = max(terms)
+    return math.exp(top) * sum(math.exp(x - top) for x in terms)
 
 
 @dataclass
@@ -560,6 +716,7 @@ class DecodePacer:
             self.off_reason is None and self.guard.paused_until is not None and self._clock() < self.guard.paused_until,
             self.guard.pauses,
             self.guard.withdrawn,
+            self.guard.checks,
         )
 
 
@@ -574,3 +731,4 @@ class PaceFigures(NamedTuple):
     paused: bool = False  # paused by the closed-loop guard right now
     closed_loop_pauses: int = 0
     pauses_withdrawn: int = 0  # pauses withdrawn: arrivals did not speed up (open-loop traffic)
+    closed_loop_checks: int = 0  # scheduled checks run (pacing lifted to see whether arrivals speed up)

@@ -73,6 +73,7 @@ class StepDrain:
             "paused": int(p.paused),
             "closed_loop_pauses": p.closed_loop_pauses,
             "pauses_withdrawn": p.pauses_withdrawn,
+            "closed_loop_checks": p.closed_loop_checks,
         }
 
     def _price_hold(self, sim: SimulatedGpu, seconds: float) -> None:
