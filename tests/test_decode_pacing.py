@@ -858,21 +858,32 @@ def test_clients_that_think_before_their_next_request_pause_pacing_at_a_schedule
     p, t = _pacer(30.0)
     _thinking_clients(p, t, CHECK_AFTER_S[0] - 1.0)
     assert p.guard.checks == 0 and p.guard.pauses == 0  # nothing in the holds
-    _thinking_clients(p, t, 10.0, seed=6)
+    _thinking_clients(p, t, 20.0, seed=6)  # a rise in the check, then a fall paced again (the recheck)
     assert p.guard.checks == 1 and p.guard.pauses == 1 and p.figures().paused
     notice = p.guard.take_notice()
-    assert "paused for 30 s" in notice and "check without pacing" in notice
+    assert "paused for 30 s" in notice and "check without pacing and fell back" in notice
     # The loop persists: the next check comes 15 s into pacing, and its pause is twice as long, though
     # the holds' own verdicts read open-loop arrivals meanwhile.
-    _thinking_clients(p, t, 30.0 + 15.0 + 10.0, seed=7)
+    _thinking_clients(p, t, 30.0 + 15.0 + 25.0, seed=7)
     assert p.guard.checks == 2 and p.guard.pauses == 2 and "paused for 60 s" in p.guard.take_notice()
+
+
+def test_open_loop_arrivals_whose_rate_steps_up_during_a_check_resume_pacing_after_the_recheck():
+    # The rise alone looked like a closed loop (Poisson alternating 2 and 6 req/s every 60 s lost
+    # x2.31 -> x1.69-1.89 tokens per joule to such pauses, simulated): paced again, the rate holds.
+    p, t = _pacer(30.0)
+    _poisson_in_time(p, t, 3.0, CHECK_AFTER_S[0] + 0.5)
+    assert p.guard.checks == 1 and p.guard.probe is not None and p.guard.probe.check
+    _poisson_in_time(p, t, 9.0, 30.0, seed=8)  # three times the rate from the check's start on
+    assert p.guard.pauses == 0 and p.guard.recheck is None and not p.figures().paused
+    assert p.guard.check_after_s == 2 * CHECK_AFTER_S[0] and p.guard.take_notice() is None
 
 
 def test_a_check_that_finds_no_closed_loop_starts_a_later_loops_pause_from_the_first_length():
     from vllm_powersave.pacing.pacer import CHECK_MAX_S, PAUSE_S
 
     p, t = _pacer(30.0)
-    _thinking_clients(p, t, CHECK_AFTER_S[0] + 10.0)
+    _thinking_clients(p, t, CHECK_AFTER_S[0] + 20.0)
     assert p.guard.pauses == 1 and p.guard.pause_s == 2 * PAUSE_S[0]
     t.now += PAUSE_S[0]
     # The clients left; open-loop traffic, checked 15 s in, for CHECK_MAX_S at most.
@@ -893,6 +904,18 @@ def test_simulated_thinking_clients_pause_pacing_and_poisson_arrivals_are_checke
     from benchmarks.sim_decode_pacing import simulate
 
     thinking = simulate("think", None, 16, 35.0, 120.0, 0, think_s=(0.3, 2.0))
-    assert thinking["closed_loop_pauses"] >= 1 and CHECK_AFTER_S[0] <= thinking["first_pause_s"] < CHECK_AFTER_S[0] + 10.0
+    assert thinking["closed_loop_pauses"] >= 1 and CHECK_AFTER_S[0] <= thinking["first_pause_s"] < CHECK_AFTER_S[0] + 25.0
     poisson = simulate("rate4", 4.0, None, 35.0, 120.0, 0)
     assert poisson["closed_loop_checks"] >= 1 and poisson["closed_loop_pauses"] == 0
+
+
+def test_a_long_idle_spell_ends_the_checks_back_off_and_a_light_loads_gaps_do_not():
+    from vllm_powersave.pacing import ClosedLoopGuard
+    from vllm_powersave.pacing.pacer import CHECK_RESET_IDLE_S
+
+    g = ClosedLoopGuard()
+    g.check_after_s = CHECK_AFTER_S[1]  # backed off after open-loop checks
+    g.observe_idle(2.0, 100.0)  # a gap between a light load's requests
+    assert g.check_after_s == CHECK_AFTER_S[1]
+    g.observe_idle(CHECK_RESET_IDLE_S + 1.0, 200.0)  # the traffic stopped: whatever comes next is new
+    assert g.check_after_s == CHECK_AFTER_S[0]
