@@ -898,6 +898,10 @@ def test_the_checks_poisson_tail_is_exact_and_holds_at_thousands_of_arrivals():
     assert _upper_tail(0, 5, 0.3) == 1.0
     assert _upper_tail(1, 2, 0.25) == pytest.approx(1 - 0.75**2)
     assert 0.0 < _upper_tail(1300, 2000, 0.5) < 1e-30  # no overflow in the logs
+    from math import comb
+
+    exact = sum(comb(1000, i) * 0.35**i * 0.65 ** (1000 - i) for i in range(400, 1001))
+    assert _upper_tail(400, 1000, 0.35) == pytest.approx(exact, rel=1e-9)  # the sum stops early, not short
 
 
 def test_simulated_thinking_clients_pause_pacing_and_poisson_arrivals_are_checked_but_never_paused():

@@ -635,8 +635,16 @@ def _upper_tail(k: int, n: int, p: float) -> float:
     if k > n:
         return 0.0
     log_p, log_q, log_n = math.log(p), math.log1p(-p), math.lgamma(n + 1)
-    terms = [log_n - math.lgamma(i + 1) - math.lgamma(n - i + 1) + i * log_p + (n - i) * log_q for i in range(k, n + 1)]
-    top = max(terms)
+    terms: list[float] = []
+    top = -math.inf
+    for i in range(k, n + 1):
+        x = log_n - math.lgamma(i + 1) - math.lgamma(n - i + 1) + i * log_p + (n - i) * log_q
+        terms.append(x)
+        top = max(top, x)
+        # Past the mode the terms only fall: stop once they are below e^-40 of the largest (the sum
+        # of thousands of them took 0.4-2 ms on the engine's thread, an adversarial review).
+        if i > n * p and x < top - 40.0:
+            break
     return math.exp(top) * sum(math.exp(x - top) for x in terms)
 
 
