@@ -189,10 +189,25 @@ class PauseProbe:
     length_s: float  # the pause's length as announced
     paced_per_s: float  # the arrival rate over the window before it, while paced
     round_s: float | None = None  # paced arrivals came in rounds this long (s): rates read round start to round start
-    check: bool = False  # a scheduled check (CHECK_AFTER_S), not a pause the holds' signature started
-    paced_arrivals: int = 0  # a check's arrivals over its paced window
-    paced_sq: int = 0  # ... the sum of squares of the arrivals per loop that took any
-    paced_span_s: float = 0.0  # ... and that window's length (s)
+    #: A scheduled check's (:data:`CHECK_AFTER_S`) paced window; None: a pause the holds' signature started.
+    paced: ArrivalCount | None = None
+
+    @property
+    def check(self) -> bool:
+        return self.paced is not None
+
+
+@dataclass(frozen=True)
+class ArrivalCount:
+    """Arrivals over a window, for a check's tests (:func:`_undispersed`)."""
+
+    arrivals: int
+    sq: int  # the sum of squares of the arrivals per loop that took any
+    span_s: float  # the window's length (s)
+
+    @property
+    def per_s(self) -> float:
+        return self.arrivals / self.span_s
 
 
 @dataclass(frozen=True)
@@ -200,10 +215,7 @@ class Recheck:
     """A check whose arrivals rose while unpaced, paced again: a closed loop's arrivals fall back."""
 
     started_s: float  # when pacing resumed for it
-    lifted_per_s: float  # the arrival rate while the check lifted pacing
-    lifted_arrivals: int  # ... its arrivals
-    lifted_sq: int  # ... the sum of squares of its arrivals per loop that took any
-    lifted_span_s: float  # ... and how long it lifted pacing (s)
+    lifted: ArrivalCount  # the arrivals while the check lifted pacing
     paced_per_s: float  # the rate over the paced window before the check
     length_s: float  # the pause to announce if the loop is confirmed
 
@@ -409,8 +421,8 @@ class ClosedLoopGuard:
         if self.pause_from_check:
             self.pause_s, self.pause_from_check = PAUSE_S[0], False
 
-    def _arrivals_since(self, start_s: float) -> tuple[int, int]:
-        """Arrivals at or after ``start_s``, and the sum of squares of those per loop that took any."""
+    def _arrivals_since(self, start_s: float, now: float) -> ArrivalCount:
+        """The arrivals at or after ``start_s``, over the window from it to ``now``."""
         n = sq = run = 0
         last = None
         for t in reversed(self.arrivals_s):
@@ -419,7 +431,7 @@ class ClosedLoopGuard:
             if t != last:
                 sq, run = sq + run * run, 0
             n, run, last = n + 1, run + 1, t
-        return n, sq + run * run
+        return ArrivalCount(n, sq + run * run, now - start_s)
 
     def _start_check(self, now: float) -> None:
         """Lift pacing as a scheduled check, if the paced window can be read; else the next check
@@ -431,28 +443,27 @@ class ClosedLoopGuard:
             start = max(start, self.arrivals_s[0])
         if now - start < CHECK_MIN_PACED_S:
             return
-        paced, sq = self._arrivals_since(start)
-        if paced < PROBE_ARRIVALS:
+        paced = self._arrivals_since(start, now)
+        if paced.arrivals < PROBE_ARRIVALS:
             self.checked_s = now
             self._double_check_after()
             return
         self.checks += 1
         self.paused_until = now + CHECK_MAX_S
-        span_s = now - start
-        self.probe = PauseProbe(now, self.pause_s, paced / span_s, check=True, paced_arrivals=paced, paced_sq=sq, paced_span_s=span_s)
+        self.probe = PauseProbe(now, self.pause_s, paced.per_s, paced=paced)
 
     def _decide_check(self, probe: PauseProbe, now: float) -> None:
         """A check's verdict, once its arrivals tell (:data:`CHECK_RISE`, :data:`CHECK_P`)."""
         since_s = now - probe.started_s
         if since_s < CHECK_CONFIRM_S:
             return
-        n, sq = self._arrivals_since(probe.started_s)
-        per_s = n / since_s
-        if n >= PROBE_ARRIVALS and per_s >= CHECK_RISE * probe.paced_per_s and self._rise_chance(probe, n, sq, since_s) < CHECK_P:
+        lifted, paced = self._arrivals_since(probe.started_s, now), probe.paced
+        per_s = lifted.per_s
+        if lifted.arrivals >= PROBE_ARRIVALS and per_s >= CHECK_RISE * probe.paced_per_s and _more_here_chance(lifted, paced) < CHECK_P:
             # Paced again: a closed loop's arrivals fall back, a rate that stepped up does not.
             self.probe, self.paused_until, self.recheck_read_s = None, None, now
-            self.recheck = Recheck(now, per_s, n, sq, since_s, probe.paced_per_s, probe.length_s)
-        elif since_s >= CHECK_S and n + probe.paced_arrivals >= CHECK_ARRIVALS and per_s < CHECK_OPEN_BELOW * probe.paced_per_s:
+            self.recheck = Recheck(now, lifted, probe.paced_per_s, probe.length_s)
+        elif since_s >= CHECK_S and lifted.arrivals + paced.arrivals >= CHECK_ARRIVALS and per_s < CHECK_OPEN_BELOW * probe.paced_per_s:
             # Open-loop arrivals keep their rate through the check: no settling after it, or a pause the
             # holds start a few seconds later would stand untested (PACED_WINDOW_S).
             self.probe, self.paused_until, self.paced_since_s = None, None, None
@@ -463,15 +474,9 @@ class ClosedLoopGuard:
         since_s = now - rc.started_s
         if since_s < RECHECK_S:
             return
-        span_s = since_s - RECHECK_SETTLE_S
-        n, sq = self._arrivals_since(rc.started_s + RECHECK_SETTLE_S)
-        per_s = n / span_s
-        total = n + rc.lifted_arrivals
-        dispersion = max(1.0, (sq + rc.lifted_sq) / total)
-        k, big_n = round(n / dispersion), round(total / dispersion)
-        share = span_s / (span_s + rc.lifted_span_s)
-        # P(at most k of the arrivals fall here) for arrivals of one rate: the upper tail of the rest.
-        fell = per_s * CHECK_RISE <= rc.lifted_per_s and _upper_tail(big_n - k, big_n, 1.0 - share) < RECHECK_P
+        paced = self._arrivals_since(rc.started_s + RECHECK_SETTLE_S, now)
+        per_s = paced.per_s
+        fell = per_s * CHECK_RISE <= rc.lifted.per_s and _fewer_here_chance(paced, rc.lifted) < RECHECK_P
         if fell:
             self.recheck, self.paused_until = None, now + rc.length_s
             self.pauses += 1
@@ -481,25 +486,13 @@ class ClosedLoopGuard:
             self._clear()
             self.notice = (
                 f"powersave: decode pacing paused for {rc.length_s:.0f} s: arrivals rose from {rc.paced_per_s:.2f} to "
-                f"{rc.lifted_per_s:.2f} per s in a check without pacing and fell back to {per_s:.2f} paced again "
+                f"{rc.lifted.per_s:.2f} per s in a check without pacing and fell back to {per_s:.2f} paced again "
                 "(closed-loop clients that think before their next request, where pacing cannot grow the batch much "
                 "and costs throughput)"
             )
-        elif since_s >= RECHECK_MAX_S or per_s >= CHECK_OPEN_BELOW**-1 * rc.lifted_per_s:
+        elif since_s >= RECHECK_MAX_S or per_s >= CHECK_OPEN_BELOW**-1 * rc.lifted.per_s:
             self.recheck = None
             self._found_open_by_check(now)
-
-    @staticmethod
-    def _rise_chance(probe: PauseProbe, n: int, sq: int, since_s: float) -> float:
-        """The chance that arrivals of one rate put ``n`` or more of them in the check: each of a
-        Poisson process's falls there with the check's share of the time. Requests that come
-        together (a loop takes several, a client sends a group) are not independent draws, so the
-        counts are divided by their dispersion (the sum of squares over the sum per loop: 1 for
-        Poisson arrivals one per loop, a group's size for groups)."""
-        total = n + probe.paced_arrivals
-        dispersion = max(1.0, (sq + probe.paced_sq) / total)
-        share = since_s / (since_s + probe.paced_span_s)
-        return _upper_tail(round(n / dispersion), round(total / dispersion), share)
 
     def _rate_since(self, start_s: float) -> tuple[int, float | None]:
         """Arrivals at or after ``start_s``, and their rate: those after the first instant over the
@@ -626,6 +619,30 @@ class ClosedLoopGuard:
     def take_notice(self) -> str | None:
         msg, self.notice = self.notice, None
         return msg
+
+
+def _undispersed(here: ArrivalCount, other: ArrivalCount) -> tuple[int, int]:
+    """``here``'s arrivals and both windows' together, divided by their dispersion (the sum of
+    squares over the sum per loop: 1 for Poisson arrivals one per loop, a group's size for groups):
+    requests that come together (a loop takes several, a client sends a group) are not independent
+    draws."""
+    total = here.arrivals + other.arrivals
+    dispersion = max(1.0, (here.sq + other.sq) / total)
+    return round(here.arrivals / dispersion), round(total / dispersion)
+
+
+def _more_here_chance(here: ArrivalCount, other: ArrivalCount) -> float:
+    """The chance that arrivals of one rate put as many as ``here``'s or more in its window: each
+    of a Poisson process's falls there with the window's share of the time."""
+    k, n = _undispersed(here, other)
+    return _upper_tail(k, n, here.span_s / (here.span_s + other.span_s))
+
+
+def _fewer_here_chance(here: ArrivalCount, other: ArrivalCount) -> float:
+    """The chance that arrivals of one rate put as few as ``here``'s or fewer in its window: the
+    upper tail of the rest, in ``other``'s."""
+    k, n = _undispersed(here, other)
+    return _upper_tail(n - k, n, 1.0 - here.span_s / (here.span_s + other.span_s))
 
 
 def _upper_tail(k: int, n: int, p: float) -> float:
