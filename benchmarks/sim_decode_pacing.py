@@ -270,7 +270,7 @@ class GuardSweep:
     withdrawn_all: int  # ... whose every pause was withdrawn
     pauses: int  # pauses over all configurations
     withdrawn: int  # ... of them withdrawn by their probe
-    checks: int  # scheduled checks over all configurations (a check that saw arrivals rise is also a pause)
+    checks: int  # scheduled checks over all configurations (a check whose arrivals rose, then fell back once paced again, is also a pause)
     first_pause_s: tuple[float, float] | None = None  # earliest and latest first pause over the paused ones
 
 
@@ -448,7 +448,7 @@ def _sweep_markdown(sweeps: dict, ns: argparse.Namespace) -> str:
     return (
         f"\nGuard sweeps (simulated, `--sweep-s {ns.sweep_s:g}`, targets 20 and 35 ms): configurations, how many "
         "paused, how many kept a pause standing, how many had every pause withdrawn by its probe, all pauses (withdrawn), "
-        "scheduled checks (a check that saw arrivals rise is a pause too), and the earliest and latest first pause (s into "
+        "scheduled checks (a check whose arrivals rose, then fell back once paced again, is a pause too), and the earliest and latest first pause (s into "
         "the load).\n\n"
         "| loads | configurations | paused | a pause stood | all withdrawn | pauses (withdrawn) | checks | first pause s |\n"
         "|---|---|---|---|---|---|---|---|\n" + lines
