@@ -293,7 +293,8 @@ def test_step_racing_a_release_keeps_the_boost():
     "value,needle",
     [
         (float("nan"), "finite"),
-        ("inf", "finite"),
+        (float("inf"), "finite"),
+        ("inf", "valid number"),
         (0.01, "greater than or equal to 0.25"),
         (-1, "greater than or equal to 0.25"),
         ("2 s", "valid number"),

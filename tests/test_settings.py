@@ -185,3 +185,27 @@ def test_did_you_mean_reaches_settings_below_dicts_lists_and_optionals(inline, l
     with pytest.raises(SettingsError) as exc:
         load_settings(inline, env={})
     assert str(exc.value) == line
+
+
+@pytest.mark.parametrize(
+    "inline, field, value",
+    [
+        ({"energy": {"idle_after_s": True}}, "energy.idle_after_s", "True"),
+        ({"energy": {"tick_s": "0.5"}}, "energy.tick_s", "'0.5'"),
+        ({"per_request_energy": 1}, "per_request_energy", "1"),
+        ({"energy": {"steady_batch": 2.5}}, "energy.steady_batch", "2.5"),
+        ({"chunking": {"table": [{"min_rows": 8, "chunks": True}]}}, "chunking.table.0.chunks", "True"),
+        ({"energy": {"steady_batch": 10**9}}, "energy.steady_batch", "1000000000"),
+    ],
+)
+def test_a_value_of_the_wrong_type_or_past_its_bound_is_refused_not_coerced(inline, field, value):
+    with pytest.raises(SettingsError) as ei:
+        load_settings(inline, env={})
+    msg = str(ei.value)
+    assert "\n" not in msg and f"'{field}' = {value}:" in msg
+
+
+def test_strict_types_still_take_an_int_for_a_float_and_a_list_for_a_sequence():
+    s = load_settings({"energy": {"tick_s": 1}, "clocks": {"closed_loop": {"batch_buckets": [1, 16, 64]}}}, env={})
+    assert s.energy.tick_s == 1.0 and s.clocks.closed_loop.batch_buckets == (1, 16, 64)
+    assert settings_from_env({ENV_SETTINGS_JSON: s.model_dump_json()}) == s

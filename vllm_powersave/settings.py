@@ -31,7 +31,10 @@ class SettingsError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: a YAML ``true`` is not a 1.0 s period and a quoted "0.5" is not a number; pydantic's
+    # lax mode would take both silently (https://docs.pydantic.dev/latest/concepts/strict_mode/).
+    # Strict mode still takes an int where a float is asked; sequences opt back in to lists below.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class ChunkRule(_Strict):
@@ -54,7 +57,7 @@ class ChunkingSettings(_Strict):
     #: False: never chunk, whatever ``table`` says.
     enabled: bool = True
     #: Rules keyed on the rows reaching the LM head; empty: one chunk (vLLM's own call) everywhere.
-    table: tuple[ChunkRule, ...] = ()
+    table: tuple[ChunkRule, ...] = Field(default=(), strict=False)
     #: Prompt logprobs with no table rule for their rows, on a GPU: rows per chunk are sized so that
     #: one chunk's temporaries (its logits, vLLM's float32 log-softmax and upcast, the rank
     #: comparison: ``vocab x (dtype bytes + 12)`` per row) take at most this share of free device
@@ -186,7 +189,7 @@ class ClosedLoopSettings(_Strict):
     #: Lowest SM clock the loop may probe, MHz (``None``: the GPU's lowest supported clock).
     min_sm_clock_mhz: int | None = Field(default=None, ge=100, le=5000)
     #: Decode batch-size buckets (lower edges, requests). A step belongs to the highest edge <= its batch.
-    batch_buckets: tuple[int, ...] = (1, 8, 32, 64, 128, 256, 512)
+    batch_buckets: tuple[int, ...] = Field(default=(1, 8, 32, 64, 128, 256, 512), strict=False)
     #: Steps a new bucket must persist before its clock is used (batch sizes fluctuate at an edge).
     bucket_dwell_steps: int = Field(default=8, ge=1, le=10_000)
     #: Re-measure the default-clock baseline of a held bucket this often, s (0: never), and whenever
@@ -336,7 +339,7 @@ class EnergySettings(_Strict):
     sample_period_s: float = Field(default=0.05, ge=0.005, le=10.0, allow_inf_nan=False)
     #: Steady state = steps whose running batch has at least this many requests (ML.ENERGY's
     #: window); default: the engine's max_num_seqs.
-    steady_batch: int | None = Field(default=None, ge=1)
+    steady_batch: int | None = Field(default=None, ge=1, le=65_536)
     #: With per_request_energy: how long a non-streaming completion, or the final usage chunk of a
     #: stream (``stream_options.include_usage``), waits for its energy before it is sent without it
     #: (``usage.energy_status`` "pending", no x-powersave-energy-j header; ms; 0 = never wait).
