@@ -111,6 +111,9 @@ def test_settings_that_cannot_act_here_are_skipped_with_a_reason():
         ({"cudagraph_capture_sizes": [[]]}, "non-empty list of batch sizes"),
         ({"cuda_perf_boost": ["max"]}, "field 'cuda_perf_boost'"),
         ({"stream_interval": [0]}, "field 'stream_interval' = 0: must be in [1, 4096]"),
+        ({"async_scheduling": [1]}, "field 'async_scheduling' = [1]: Input should be a valid boolean"),
+        ({"async_scheduling": ["yes"]}, "field 'async_scheduling' = ['yes']: Input should be a valid boolean"),
+        ({"closed_loop_budget_pct": ["5"]}, "field 'closed_loop_budget_pct' = ['5']: Input should be a valid number"),
     ],
 )
 def test_a_bad_space_is_one_line_naming_the_field_and_value(data, needle):

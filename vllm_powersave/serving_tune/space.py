@@ -46,10 +46,11 @@ class SpaceError(ValueError):
 
 
 class SpaceSpec(BaseModel):
-    """The values to try per setting (``--space FILE`` or the flags); ``None``: not searched. Counts
-    are strict integers: ``true`` or ``"8"`` is refused, not read as 1 or 8."""
+    """The values to try per setting (``--space FILE`` or the flags); ``None``: not searched. Types
+    are strict: ``true`` or ``"8"`` is refused as a count, ``1`` or ``"yes"`` as a boolean and
+    ``"5"`` as a percent (an integer is taken where a float is asked)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     max_num_seqs: list[StrictInt] | None = Field(default=None, min_length=1)
     max_num_batched_tokens: list[StrictInt] | None = Field(default=None, min_length=1)
