@@ -287,7 +287,7 @@ def _sweep_loads(kind: str) -> list[dict]:
     if kind == "thinking_closed_loop":
         return [dict(concurrency=c, think_s=think) for c in (4, 16, 64, 128) for think in ((0.3, 2.0), (1.0, 5.0))]
     if kind == "poisson":
-        return [dict(rate=float(r)) for r in (1, 2, 4, 8, 16, 32, 64)]
+        return [dict(rate=float(r)) for r in (0.5, 1, 2, 4, 8, 16, 32, 64)]
     if kind == "grouped_open_loop":
         # A benchmark sending requests in groups: equal lengths in a group finish together, as a
         # closed loop's round does, but the next group comes whenever.
@@ -416,12 +416,16 @@ def _markdown(rows: list[dict], ns: argparse.Namespace) -> str:
         "are in results/h100-decode-pacing.md and results/h200-decode-pacing.md. "
         "Clients that think before their next request (c64-think, the thinking sweep) show no signature in "
         "the holds; a scheduled check after 60 s of pacing lifts it, sees their arrivals rise, paces again and "
-        "sees them fall back, and becomes a pause: over the sweep's 16 configurations x0.245-0.856 throughput, "
-        "median x0.753 (x0.245-0.647, median x0.427, without checks; 4 clients that think 1-5 s come too seldom "
-        "for a check); 64 clients over 1800 s: x0.917 throughput and x0.986 tokens per joule (x0.324 and x0.757 "
-        "without). Open-loop traffic pays for each check with a few seconds unpaced and the batch regrowing: over "
-        "these 300 s windows rate1-rate8 read x1.885-2.201 at 35 ms (x2.005-2.324 without checks); over 1800 s "
-        "rate1 and rate4 read x2.115 and x2.284 (x2.192 and x2.351).\n"
+        "sees them fall back, and becomes a pause: over the sweep's 16 configurations x0.496-0.856 throughput, "
+        "median x0.753 (x0.245-0.647, median x0.427, without checks). A light load's paced window widens to 40 or "
+        "60 s until it holds 24 arrivals, and a short idle spell ends a check only where arrivals did not rise: "
+        "4 clients that think 0.3-2 s kept x0.787 throughput and x0.958 tokens per joule over 1800 s at 35 ms "
+        "(x0.464 and x0.841 with a 20 s window that an idle spell ended). 64 clients over 1800 s: x0.917 "
+        "throughput and x0.986 tokens per joule (x0.324 and x0.757 without checks). Open-loop traffic pays for "
+        "each check with a few seconds unpaced and the batch regrowing: over these 300 s windows rate1-rate8 read "
+        "x1.885-2.201 at 35 ms (x2.005-2.324 without checks); over 1800 s rate0.5, rate1 and rate4 read x1.719, "
+        "x2.115 and x2.284 (x2.192 and x2.351 for rate1 and rate4 without checks; rate0.5 x1.746 with the 20 s "
+        "window).\n"
     )
     return head + body + reading
 
@@ -432,7 +436,7 @@ def _sweep_markdown(sweeps: dict, ns: argparse.Namespace) -> str:
     what = {
         "fixed_rate_open_loop": "open loop at a constant 2-16 req/s, fixed lengths (input 256 or 1,024, output 64-256)",
         "closed_loop": "closed loops of 4-128 clients, round trips 5-40 ms; and 512 / 256 tokens each, 5 ms",
-        "poisson": "open loop, Poisson arrivals at 1-64 req/s (input 128-1024, output 32-512)",
+        "poisson": "open loop, Poisson arrivals at 0.5-64 req/s (input 128-1024, output 32-512)",
         "grouped_open_loop": "open loop in groups of 4-64 equal requests (512 / 256 or 256 / 64), groups Poisson at 0.1-2 per s",
         "thinking_closed_loop": "closed loops of 4-128 clients that think 0.3-2 s or 1-5 s (uniform) before each next request",
     }

@@ -114,18 +114,20 @@ ARRIVALS_KEPT = 4096
 #: x0.26-0.44 throughput and x0.70-0.83 tokens per joule at 35 ms on the simulated H200
 #: (docs/results/sim-decode-pacing.md). So after :data:`CHECK_AFTER_S` of pacing (doubling after
 #: each check that finds an open loop, up to the last value) pacing is lifted as a check: the
-#: arrivals over the last :data:`CHECK_PACED_S` paced (at least :data:`CHECK_MIN_PACED_S` and
-#: :data:`PROBE_ARRIVALS` of them) are set against those since. From :data:`CHECK_CONFIRM_S` in, a
+#: arrivals over the last :data:`CHECK_PACED_S` paced (the first span that holds
+#: :data:`CHECK_ARRIVALS` of them, else the widest: 4 clients paced at 35 ms send ~0.37 a second;
+#: at least :data:`CHECK_MIN_PACED_S` and :data:`PROBE_ARRIVALS` of them) are set against those since. From :data:`CHECK_CONFIRM_S` in, a
 #: rise of :data:`CHECK_RISE` or more that arrivals of one rate give with a chance under
 #: :data:`CHECK_P` (and :data:`PROBE_ARRIVALS` arrivals) starts a recheck (:data:`RECHECK_S`); from :data:`CHECK_S`
 #: in, with :data:`CHECK_ARRIVALS` arrivals in both windows and a rate under :data:`CHECK_OPEN_BELOW`
-#: times the paced one, pacing resumes, as it does after an idle spell or :data:`CHECK_MAX_S` without
-#: a verdict. A closed loop's next check comes :data:`CHECK_SOON_S` after its pause ends. What a
+#: times the paced one, pacing resumes, as it does after :data:`CHECK_MAX_S` without a verdict or an
+#: idle spell past :data:`IDLE_RESET_S` once :data:`CHECK_S` in with no rise so far (a light open load;
+#: few thinking clients idle the engine too, but come back faster). A closed loop's next check comes :data:`CHECK_SOON_S` after its pause ends. What a
 #: check costs open-loop traffic (a few seconds unpaced, then the batch regrowing): x2.284 against
 #: x2.351 tokens per joule at 4 req/s and 35 ms over 1800 s, simulated (same record).
 CHECK_AFTER_S = (60.0, 600.0)
 CHECK_SOON_S = 15.0
-CHECK_PACED_S = 20.0
+CHECK_PACED_S = (20.0, 40.0, 60.0)
 CHECK_MIN_PACED_S = 10.0
 CHECK_CONFIRM_S = 4.0
 CHECK_S = 6.0
@@ -397,7 +399,13 @@ class ClosedLoopGuard:
         if idle_s <= IDLE_RESET_S:
             return
         self.traffic_since_s = now
-        if (self.probe is not None and self.probe.check) or self.recheck is not None:  # a light load's gaps: no closed loop
+        checking = (self.probe is not None and self.probe.check) or self.recheck is not None
+        if checking and idle_s <= CHECK_RESET_IDLE_S and (self.recheck is not None or self._rising(self.probe, now)):
+            # Few clients that think leave the engine idle between requests, as a light open load
+            # does, but their arrivals rose once pacing was lifted: the check goes on (its counts
+            # span the idle time either way). A light open load's unchanged rate ends it here.
+            return
+        if checking:  # new traffic: no verdict on the old
             self.paused_until, self.recheck = None, None
             self._found_open_by_check(now)
         if idle_s > CHECK_RESET_IDLE_S:  # new traffic: checked as soon as any
@@ -436,14 +444,18 @@ class ClosedLoopGuard:
     def _start_check(self, now: float) -> None:
         """Lift pacing as a scheduled check, if the paced window can be read; else the next check
         comes later (a load this light has little to lose)."""
-        start = max(now - CHECK_PACED_S, now if self.paced_since_s is None else self.paced_since_s, self.traffic_since_s)
+        earliest = max(now if self.paced_since_s is None else self.paced_since_s, self.traffic_since_s)
         if self.resumed_s is not None:
-            start = max(start, self.resumed_s + PACED_WINDOW_S)
+            earliest = max(earliest, self.resumed_s + PACED_WINDOW_S)
         if len(self.arrivals_s) == self.arrivals_s.maxlen:
-            start = max(start, self.arrivals_s[0])
-        if now - start < CHECK_MIN_PACED_S:
+            earliest = max(earliest, self.arrivals_s[0])
+        if now - earliest < CHECK_MIN_PACED_S:
             return
-        paced = self._arrivals_since(start, now)
+        # A light load's window widens: the more paced arrivals, the smaller a rise the check can tell.
+        for span_s in CHECK_PACED_S:
+            paced = self._arrivals_since(max(now - span_s, earliest), now)
+            if paced.arrivals >= CHECK_ARRIVALS:
+                break
         if paced.arrivals < PROBE_ARRIVALS:
             self.checked_s = now
             self._double_check_after()
@@ -451,6 +463,13 @@ class ClosedLoopGuard:
         self.checks += 1
         self.paused_until = now + CHECK_MAX_S
         self.probe = PauseProbe(now, self.pause_s, paced.per_s, paced=paced)
+
+    def _rising(self, probe: PauseProbe, now: float) -> bool:
+        """Whether a check's arrivals so far come at :data:`CHECK_RISE` times the paced rate or more
+        (taken as so in its first :data:`CHECK_S`)."""
+        if now - probe.started_s < CHECK_S:  # unpaced, the requests in flight finish before their clients come back
+            return True
+        return self._arrivals_since(probe.started_s, now).per_s >= CHECK_RISE * probe.paced_per_s
 
     def _decide_check(self, probe: PauseProbe, now: float) -> None:
         """A check's verdict, once its arrivals tell (:data:`CHECK_RISE`, :data:`CHECK_P`)."""
