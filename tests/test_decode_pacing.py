@@ -171,7 +171,7 @@ def test_the_hook_holds_vllms_loop_then_runs_it_and_reads_the_schedulers_state(h
     t.now += 0.004
     loop(arrived)
     assert p.stats.held_steps == 1 and handled == [("ADD", "req-1")]  # vLLM's loop took it at once
-    assert tuple(p.figures()) == (30.0, 1, pytest.approx(0.026), 0, None, False, 0, 0, 0)
+    assert tuple(p.figures()) == (30.0, 1, pytest.approx(0.026), 0, None, False, 0, 0, 0, False)
 
 
 @pytest.mark.parametrize(
@@ -843,10 +843,11 @@ def test_a_scheduled_check_resumes_pacing_where_open_loop_arrivals_keep_their_ra
 
     p, t = _pacer(30.0)
     _poisson_in_time(p, t, 8.0, CHECK_AFTER_S[0] + 1.0)
-    assert p.guard.checks == 1 and p.guard.probe is not None and p.guard.probe.check and p.figures().paused
+    assert p.guard.checks == 1 and p.guard.probe is not None and p.guard.probe.check
+    assert p.figures().checking and not p.figures().paused  # /metrics tells a check from a pause
     held = p.stats.held_steps
     _poisson_in_time(p, t, 8.0, CHECK_S + 4.0, seed=4)
-    assert not p.figures().paused and p.stats.held_steps > held  # decided within a few seconds: paced again
+    assert not p.figures().paused and not p.figures().checking and p.stats.held_steps > held  # decided within a few seconds: paced again
     assert p.guard.pauses == 0 and p.guard.take_notice() is None
     assert p.guard.check_after_s == 2 * CHECK_AFTER_S[0]  # the next check waits twice as long
     assert p.figures().closed_loop_checks == 1
@@ -859,7 +860,7 @@ def test_clients_that_think_before_their_next_request_pause_pacing_at_a_schedule
     _thinking_clients(p, t, CHECK_AFTER_S[0] - 1.0)
     assert p.guard.checks == 0 and p.guard.pauses == 0  # nothing in the holds
     _thinking_clients(p, t, 20.0, seed=6)  # a rise in the check, then a fall paced again (the recheck)
-    assert p.guard.checks == 1 and p.guard.pauses == 1 and p.figures().paused
+    assert p.guard.checks == 1 and p.guard.pauses == 1 and p.figures().paused and not p.figures().checking
     notice = p.guard.take_notice()
     assert "paused for 30 s" in notice and "check without pacing and fell back" in notice
     # The loop persists: the next check comes 15 s into pacing, and its pause is twice as long, though

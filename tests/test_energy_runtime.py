@@ -669,4 +669,5 @@ def test_the_simulated_gpu_prices_a_decode_pacing_hold_as_idle_time(monkeypatch,
         "closed_loop_pauses": 0,
         "pauses_withdrawn": 0,
         "closed_loop_checks": 0,
+        "checking": 0,
     }

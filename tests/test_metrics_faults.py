@@ -222,6 +222,7 @@ def test_metrics_export_what_decode_pacing_held(tmp_path):
         "closed_loop_pauses": 3,
         "pauses_withdrawn": 2,
         "closed_loop_checks": 4,
+        "checking": 0,
     }
     snap = {**GOOD, "decode_pacing": pacing}
     (tmp_path / "rank0.json").write_text(json.dumps(snap))
@@ -233,3 +234,8 @@ def test_metrics_export_what_decode_pacing_held(tmp_path):
     assert got[("powersave_decode_pacing_closed_loop_pauses_total", (("gpu", "GPU-a"),))] == 3.0
     assert got[("powersave_decode_pacing_pauses_withdrawn_total", (("gpu", "GPU-a"),))] == 2.0
     assert got[("powersave_decode_pacing_closed_loop_checks_total", (("gpu", "GPU-a"),))] == 4.0
+    assert got[("powersave_decode_pacing_checking", (("gpu", "GPU-a"),))] == 0.0
+    (tmp_path / "rank0.json").write_text(json.dumps({**snap, "decode_pacing": {**pacing, "paused": 0, "checking": 1}}))
+    got = samples(scrape(tmp_path))
+    assert got[("powersave_decode_pacing_checking", (("gpu", "GPU-a"),))] == 1.0
+    assert got[("powersave_decode_pacing_paused", (("gpu", "GPU-a"),))] == 0.0

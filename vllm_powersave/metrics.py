@@ -346,6 +346,13 @@ FAMILIES: tuple[FamilySpec, ...] = (
         ("gpu",),
     ),
     FamilySpec(
+        "powersave_decode_pacing_checking",
+        _G,
+        "Decode pacing: 1 while a scheduled check lifts pacing to see whether arrivals speed up",
+        "1/0",
+        ("gpu",),
+    ),
+    FamilySpec(
         "powersave_decode_pacing_closed_loop_pauses",
         _C,
         "Decode pacing: pauses for closed-loop clients",
@@ -487,6 +494,7 @@ def _add_rank(sc: _Scrape, s: WorkerSnapshot) -> bool:
         sc.add("decode_pacing_held_steps", [r.gpu], float(pacing.get("held_steps") or 0))
         sc.add("decode_pacing_woken_early", [r.gpu], float(pacing.get("woken_early") or 0))
         sc.add("decode_pacing_paused", [r.gpu], float(pacing.get("paused") or 0))
+        sc.add("decode_pacing_checking", [r.gpu], float(pacing.get("checking") or 0))
         sc.add("decode_pacing_closed_loop_pauses", [r.gpu], float(pacing.get("closed_loop_pauses") or 0))
         sc.add("decode_pacing_pauses_withdrawn", [r.gpu], float(pacing.get("pauses_withdrawn") or 0))
         sc.add("decode_pacing_closed_loop_checks", [r.gpu], float(pacing.get("closed_loop_checks") or 0))

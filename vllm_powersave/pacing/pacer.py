@@ -813,16 +813,20 @@ class DecodePacer:
 
     def figures(self) -> "PaceFigures":
         """What it did so far, stamped on each step's ``SchedulerOutput`` for the workers to publish."""
+        g = self.guard
+        lifted = self.off_reason is None and g.paused_until is not None and self._clock() < g.paused_until
+        checking = lifted and g.probe is not None and g.probe.check
         return PaceFigures(
             self.period_s * 1000.0,
             self.stats.held_steps,
             self.stats.held_s,
             self.stats.woken_early,
             self.off_reason,
-            self.off_reason is None and self.guard.paused_until is not None and self._clock() < self.guard.paused_until,
-            self.guard.pauses,
-            self.guard.withdrawn,
-            self.guard.checks,
+            lifted and not checking,
+            g.pauses,
+            g.withdrawn,
+            g.checks,
+            checking,
         )
 
 
@@ -838,3 +842,4 @@ class PaceFigures(NamedTuple):
     closed_loop_pauses: int = 0
     pauses_withdrawn: int = 0  # pauses withdrawn: arrivals did not speed up (open-loop traffic)
     closed_loop_checks: int = 0  # scheduled checks run (pacing lifted to see whether arrivals speed up)
+    checking: bool = False  # pacing lifted right now by a scheduled check (not a pause)

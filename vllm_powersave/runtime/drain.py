@@ -74,6 +74,7 @@ class StepDrain:
             "closed_loop_pauses": p.closed_loop_pauses,
             "pauses_withdrawn": p.pauses_withdrawn,
             "closed_loop_checks": p.closed_loop_checks,
+            "checking": int(p.checking),
         }
 
     def _price_hold(self, sim: SimulatedGpu, seconds: float) -> None:
