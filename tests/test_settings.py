@@ -191,7 +191,8 @@ def test_did_you_mean_reaches_settings_below_dicts_lists_and_optionals(inline, l
     "inline, field, value",
     [
         ({"energy": {"idle_after_s": True}}, "energy.idle_after_s", "True"),
-        ({"energy": {"tick_s": "0.5"}}, "energy.tick_s", "'0.5'"),
+        ({"energy": {"tick_s": "fast"}}, "energy.tick_s", "'fast'"),
+        ({"per_request_energy": "yes"}, "per_request_energy", "'yes'"),
         ({"per_request_energy": 1}, "per_request_energy", "1"),
         ({"energy": {"steady_batch": 2.5}}, "energy.steady_batch", "2.5"),
         ({"chunking": {"table": [{"min_rows": 8, "chunks": True}]}}, "chunking.table.0.chunks", "True"),
@@ -203,6 +204,18 @@ def test_a_value_of_the_wrong_type_or_past_its_bound_is_refused_not_coerced(inli
         load_settings(inline, env={})
     msg = str(ei.value)
     assert "\n" not in msg and f"'{field}' = {value}:" in msg
+
+
+def test_numbers_and_booleans_written_as_text_are_read_as_such(tmp_path):
+    # vLLM's dotted form passes list items and a capital True as strings; YAML 1.1 reads 5e-3 as one.
+    s = load_settings(
+        {"per_request_energy": "True", "energy": {"tick_s": "0.5"}, "clocks": {"closed_loop": {"batch_buckets": ["1", "8", "32"]}}},
+        env={},
+    )
+    assert s.per_request_energy is True and s.energy.tick_s == 0.5 and s.clocks.closed_loop.batch_buckets == (1, 8, 32)
+    (f := tmp_path / "p.yaml").write_text("clocks:\n  closed_loop:\n    sprt_alpha: 5e-3\n")
+    assert load_settings({}, env={"POWERSAVE_CONFIG": str(f)}).clocks.closed_loop.sprt_alpha == 0.005
+    assert load_settings({"stats_dir": "123"}, env={}).stats_dir == "123"  # a text field keeps its text
 
 
 def test_strict_types_still_take_an_int_for_a_float_and_a_list_for_a_sequence():

@@ -14,6 +14,9 @@ started.
 from __future__ import annotations
 
 import json
+import re
+import types
+import typing
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
@@ -30,11 +33,55 @@ class SettingsError(ValueError):
     """An invalid powersave setting; ``str(err)`` is one line naming field and value."""
 
 
+_INT_TEXT = re.compile(r"[-+]?[0-9]+")
+_FLOAT_TEXT = re.compile(r"[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?")
+_SCALARS = (int, float, bool)
+
+
+def _scalar_kind(annotation: Any) -> type | None:
+    """``int``, ``float`` or ``bool`` where a field holds one of them (or it or None)."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        annotation = args[0] if len(args) == 1 else None
+    return annotation if annotation in _SCALARS else None
+
+
+def _from_text(value: Any, kind: type) -> Any:
+    """A number or boolean written as text, as the value it spells; anything else as it came."""
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    if kind is bool:
+        return {"true": True, "false": False}.get(text.lower(), value)
+    if _INT_TEXT.fullmatch(text) or (kind is float and _FLOAT_TEXT.fullmatch(text)):
+        return kind(text)
+    return value
+
+
 class _Strict(BaseModel):
-    # strict: a YAML ``true`` is not a 1.0 s period and a quoted "0.5" is not a number; pydantic's
-    # lax mode would take both silently (https://docs.pydantic.dev/latest/concepts/strict_mode/).
-    # Strict mode still takes an int where a float is asked; sequences opt back in to lists below.
+    # strict: a YAML ``true`` is not a 1.0 s period and ``1`` is not a boolean; pydantic's lax mode
+    # would take both silently (https://docs.pydantic.dev/latest/concepts/strict_mode/). Strict mode
+    # still takes an int where a float is asked; sequences opt back in to lists below.
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _scalars_written_as_text(cls, data: Any) -> Any:
+        """Numbers and booleans that arrive as text are read as such: vLLM's dotted form
+        (``--additional-config.powersave.clocks.closed_loop.batch_buckets+ 1,8,32``) passes its list
+        items and a ``True`` as strings, and YAML 1.1 reads ``5e-3`` as one."""
+        if not isinstance(data, dict):
+            return data
+        out = dict(data)
+        for name, field in cls.model_fields.items():
+            ann, value = field.annotation, out.get(name)
+            if typing.get_origin(ann) is tuple and isinstance(value, (list, tuple)):
+                args = typing.get_args(ann)
+                if len(args) == 2 and args[1] is Ellipsis and args[0] in _SCALARS:
+                    out[name] = [_from_text(v, args[0]) for v in value]
+            elif (kind := _scalar_kind(ann)) is not None and name in out:
+                out[name] = _from_text(value, kind)
+        return out
 
 
 class ChunkRule(_Strict):

@@ -62,8 +62,9 @@ Give them as YAML or JSON, bare or under a `powersave:` key. Sources, later ones
 An unknown key or an invalid value stops the server before any engine process starts, with one
 line that names the field and the value, e.g.
 `error: powersave setting 'energy.idle_after_s' = -1: Input should be greater than 0`.
-Types are strict: `true` is not a number, `"0.5"` is not a number and `1` is not a boolean (an
-integer is taken where a float is asked). Units follow the field name (`_ms`, `_s`, `_mhz`, ...).
+Types are strict: `true` is not a number and `1` is not a boolean (an integer is taken where a
+float is asked, and a number or `true`/`false` written as text, as vLLM's dotted
+`--additional-config.powersave.KEY VALUE` form passes them, is read as one). Units follow the field name (`_ms`, `_s`, `_mhz`, ...).
 `null` means "not set" (the description says what happens then).
 """
 
