@@ -124,7 +124,9 @@ ARRIVALS_KEPT = 4096
 #: idle spell past :data:`IDLE_RESET_S` once :data:`CHECK_S` in with no rise so far (a light open load;
 #: few thinking clients idle the engine too, but come back faster). A closed loop's next check comes :data:`CHECK_SOON_S` after its pause ends. What a
 #: check costs open-loop traffic (a few seconds unpaced, then the batch regrowing): x2.284 against
-#: x2.351 tokens per joule at 4 req/s and 35 ms over 1800 s, simulated (same record).
+#: x2.351 tokens per joule at 4 req/s and 35 ms over 1800 s, simulated (same record); a light load of
+#: long outputs pays more, its checks running to CHECK_MAX_S (x2.17-2.25 against x2.41-2.45 at 0.2
+#: req/s of 1,500-3,000 tokens), a price docs/decode-pacing.md weighs against 2 thinking clients'.
 CHECK_AFTER_S = (60.0, 600.0)
 CHECK_SOON_S = 15.0
 CHECK_PACED_S = (20.0, 40.0, 60.0)
