@@ -632,22 +632,30 @@ def _one_line(err: ValidationError) -> str:
     return f"powersave setting {_short(loc)} = {_short(first.get('input'))}: {msg}{more}"
 
 
-def _yaml12_loader() -> type:
-    """PyYAML's SafeLoader with YAML 1.2's booleans: only true/false. Under YAML 1.1 a bare
+def yaml12_loader() -> type:
+    """PyYAML's SafeLoader with YAML 1.2's booleans and numbers. Under YAML 1.1 a bare
     ``off``/``on``/``yes``/``no`` is a boolean, so ``savings: off`` would reach the settings as
-    ``False`` while every mode field here takes the string (docs/settings.md spells them bare)."""
-    import re
-
+    ``False`` while every mode field here takes the string (docs/settings.md spells them bare);
+    ``1:30`` is 90 and ``010`` is 8, while ``5e-3`` is text. Here only true/false are booleans,
+    ``010`` is 10, ``5e-3`` is 0.005 and ``1:30`` stays text."""
     import yaml
 
     class Yaml12Loader(yaml.SafeLoader):
         pass
 
+    dropped = {"tag:yaml.org,2002:bool", "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"}
     Yaml12Loader.yaml_implicit_resolvers = {
-        first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:bool"]
+        first: [(tag, rx) for tag, rx in resolvers if tag not in dropped]
         for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
     }
     Yaml12Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+    Yaml12Loader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(r"^[-+]?[0-9]+$"), list("-+0123456789"))
+    Yaml12Loader.add_constructor("tag:yaml.org,2002:int", lambda loader, node: int(loader.construct_scalar(node)))
+    Yaml12Loader.add_implicit_resolver(
+        "tag:yaml.org,2002:float",
+        re.compile(r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
+        list("-+0123456789."),
+    )
     return Yaml12Loader
 
 
@@ -665,7 +673,7 @@ def _read_file(path: str, field: str) -> dict[str, Any]:
         if p.suffix.lower() in (".yaml", ".yml"):
             import yaml
 
-            data = yaml.load(text, Loader=_yaml12_loader())  # a SafeLoader subclass: no arbitrary objects
+            data = yaml.load(text, Loader=yaml12_loader())  # a SafeLoader subclass: no arbitrary objects
         else:
             data = json.loads(text)
     except Exception as exc:  # parse errors differ per format; keep the first line only
