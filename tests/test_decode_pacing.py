@@ -93,9 +93,11 @@ def test_tpot_target_is_bounded_and_savings_off_refuses_it():
     assert PowersaveSettings().decode_pacing.tpot_target_ms is None  # off by default
     with pytest.raises(SettingsError, match="decode_pacing.tpot_target_ms"):
         load_settings({"decode_pacing": {"tpot_target_ms": 0}})
-    for bad in (True, "50", 0.01):  # strict: no booleans or strings read as numbers; 0.1 ms at least
+    for bad in (True, "fast", 0.01):  # strict: no booleans or words read as numbers; 0.1 ms at least
         with pytest.raises(SettingsError, match="decode_pacing.tpot_target_ms"):
             load_settings({"decode_pacing": {"tpot_target_ms": bad}})
+    # vLLM's dotted --additional-config.powersave.decode_pacing.tpot_target_ms form may pass text.
+    assert load_settings({"decode_pacing": {"tpot_target_ms": "50"}}).decode_pacing.tpot_target_ms == 50.0
     with pytest.raises(SettingsError, match="decode_pacing.tpot_target_ms.*savings 'off'"):
         load_settings({"savings": "off", "decode_pacing": {"tpot_target_ms": 30}})
     with pytest.raises(ValueError):
