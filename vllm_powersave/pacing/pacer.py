@@ -115,18 +115,20 @@ ARRIVALS_KEPT = 4096
 #: (docs/results/sim-decode-pacing.md). So after :data:`CHECK_AFTER_S` of pacing (doubling after
 #: each check that finds an open loop, up to the last value) pacing is lifted as a check: the
 #: arrivals over the last :data:`CHECK_PACED_S` paced (the first span that holds
-#: :data:`CHECK_ARRIVALS` of them, else the widest: 4 clients paced at 35 ms send ~0.37 a second;
-#: at least :data:`CHECK_MIN_PACED_S` and :data:`PROBE_ARRIVALS` of them) are set against those since. From :data:`CHECK_CONFIRM_S` in, a
-#: rise of :data:`CHECK_RISE` or more that arrivals of one rate give with a chance under
-#: :data:`CHECK_P` (and :data:`PROBE_ARRIVALS` arrivals) starts a recheck (:data:`RECHECK_S`); from :data:`CHECK_S`
-#: in, with :data:`CHECK_ARRIVALS` arrivals in both windows and a rate under :data:`CHECK_OPEN_BELOW`
-#: times the paced one, pacing resumes, as it does after :data:`CHECK_MAX_S` without a verdict or an
-#: idle spell past :data:`IDLE_RESET_S` once :data:`CHECK_S` in with no rise so far (a light open load;
-#: few thinking clients idle the engine too, but come back faster). A closed loop's next check comes :data:`CHECK_SOON_S` after its pause ends. What a
-#: check costs open-loop traffic (a few seconds unpaced, then the batch regrowing): x2.284 against
-#: x2.351 tokens per joule at 4 req/s and 35 ms over 1800 s, simulated (same record); a light load of
-#: long outputs pays more, its checks running to CHECK_MAX_S (x2.17-2.25 against x2.41-2.45 at 0.2
-#: req/s of 1,500-3,000 tokens), a price docs/decode-pacing.md weighs against 2 thinking clients'.
+#: :data:`CHECK_ARRIVALS` of them, else the widest: 4 clients paced at 35 ms send ~0.37 a second; at
+#: least :data:`CHECK_MIN_PACED_S` and :data:`PROBE_ARRIVALS` of them) are set against those since.
+#: From :data:`CHECK_CONFIRM_S` in, a rise of :data:`CHECK_RISE` or more that arrivals of one rate
+#: give with a chance under :data:`CHECK_P` (and :data:`PROBE_ARRIVALS` arrivals) starts a recheck
+#: (:data:`RECHECK_S`); from :data:`CHECK_S` in, with :data:`CHECK_ARRIVALS` arrivals in both
+#: windows and a rate under :data:`CHECK_OPEN_BELOW` times the paced one, pacing resumes, as it does
+#: after :data:`CHECK_MAX_S` without a verdict or an idle spell past :data:`IDLE_RESET_S` once
+#: :data:`CHECK_S` in with no rise so far (a light open load; few thinking clients idle the engine
+#: too, but come back faster). A closed loop's next check comes :data:`CHECK_SOON_S` after its pause
+#: ends. What a check costs open-loop traffic (a few seconds unpaced, then the batch regrowing):
+#: x2.284 against x2.351 tokens per joule at 4 req/s and 35 ms over 1800 s, simulated (same record);
+#: a light load of long outputs pays more, its checks running to CHECK_MAX_S (x2.17-2.25 against
+#: x2.41-2.45 at 0.2 req/s of 1,500-3,000 tokens), a price docs/decode-pacing.md weighs against 2
+#: thinking clients'.
 CHECK_AFTER_S = (60.0, 600.0)
 CHECK_SOON_S = 15.0
 CHECK_PACED_S = (20.0, 40.0, 60.0)
