@@ -501,17 +501,15 @@ class ClosedLoopGuard:
         per_s = paced.per_s
         fell = per_s * CHECK_RISE <= rc.lifted.per_s and _fewer_here_chance(paced, rc.lifted) < RECHECK_P
         if fell:
-            self.recheck, self.paused_until = None, now + rc.length_s
-            self.pauses += 1
-            self.pause_s = min(2.0 * self.pause_s, PAUSE_S[1])
+            self.recheck = None
             self.check_after_s, self.holdoff_s, self.pause_from_check = CHECK_SOON_S, HOLDOFF_S[0], True
-            self.open_verdicts.clear()
-            self._clear()
-            self.notice = (
+            self._begin_pause(
+                now,
+                rc.length_s,
                 f"powersave: decode pacing paused for {rc.length_s:.0f} s: arrivals rose from {rc.paced_per_s:.2f} to "
                 f"{rc.lifted.per_s:.2f} per s in a check without pacing and fell back to {per_s:.2f} paced again "
                 "(closed-loop clients that think before their next request, where pacing cannot grow the batch much "
-                "and costs throughput)"
+                "and costs throughput)",
             )
         elif since_s >= RECHECK_MAX_S or per_s >= CHECK_OPEN_BELOW**-1 * rc.lifted.per_s:
             self.recheck = None
@@ -620,24 +618,32 @@ class ClosedLoopGuard:
         finished.holds = finished.woken = control.holds = control.woken = 0
         if wf / nf < WOKEN_SHARE or wc / nc > CONTROL_MAX:
             self.open_verdicts.add(lag)
-            if (
-                self.open_verdicts >= {0, *LAGS} and not self.pause_from_check
-            ):  # open-loop arrivals: a later loop starts from the first pause
+            # Open-loop arrivals: a later loop starts from the first pause.
+            if self.open_verdicts >= {0, *LAGS} and not self.pause_from_check:
                 self.pause_s = PAUSE_S[0]
             return
-        self.pauses += 1
-        self.paused_until, self.pause_from_check, self.recheck = now + self.pause_s, False, None
+        length_s = self.pause_s
         paced_per_s, round_s = self._paced_rate(now)
-        self.probe = None if paced_per_s is None else PauseProbe(now, self.pause_s, paced_per_s, round_s)
+        self.probe = None if paced_per_s is None else PauseProbe(now, length_s, paced_per_s, round_s)
+        self.pause_from_check, self.recheck = False, None
         when = "in holds after a finished request" if lag == 0 else f"{lag} loop(s) after a held step that followed a finished request"
-        self.notice = (
-            f"powersave: decode pacing paused for {self.pause_s:.0f} s: requests arrived {wf} of {nf} times {when} "
+        self._begin_pause(
+            now,
+            length_s,
+            f"powersave: decode pacing paused for {length_s:.0f} s: requests arrived {wf} of {nf} times {when} "
             f"but {wc} of {nc} times after none (closed-loop clients, where pacing cannot grow the batch and only "
-            "costs throughput)"
+            "costs throughput)",
         )
+
+    def _begin_pause(self, now: float, length_s: float, notice: str) -> None:
+        """Pause pacing for ``length_s`` and log ``notice``; the loop's next pause is twice as long,
+        and the holds' counts start afresh."""
+        self.pauses += 1
+        self.paused_until = now + length_s
         self.pause_s = min(2.0 * self.pause_s, PAUSE_S[1])
         self.open_verdicts.clear()
         self._clear()
+        self.notice = notice
 
     def take_notice(self) -> str | None:
         msg, self.notice = self.notice, None
