@@ -299,7 +299,8 @@ def _sweep_loads(kind: str) -> list[dict]:
 def guard_sweep(duration_s: float, seed: int, kind: str) -> GuardSweep:
     """One of :data:`SWEEPS` at 20 and 35 ms: constant 2-16 req/s with fixed lengths (input 256 or
     1,024, output 64-256), closed loops (4-128 clients, 5-40 ms round trips, or 512 / 256 tokens
-    each), Poisson 1-64 req/s, or groups of 4-64 equal requests whose groups come Poisson."""
+    each), Poisson 0.5-64 req/s, groups of 4-64 equal requests whose groups come Poisson, or closed
+    loops of 4-128 clients that think 0.3-2 s or 1-5 s."""
     paused = standing = withdrawn_all = configs = pauses_n = withdrawn_n = checks_n = 0
     firsts = []
     for load in _sweep_loads(kind):

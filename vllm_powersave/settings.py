@@ -632,7 +632,7 @@ def _one_line(err: ValidationError) -> str:
     return f"powersave setting {_short(loc)} = {_short(first.get('input'))}: {msg}{more}"
 
 
-def yaml12_loader() -> type:
+def _yaml12_loader() -> type:
     """PyYAML's SafeLoader with YAML 1.2's booleans and numbers. Under YAML 1.1 a bare
     ``off``/``on``/``yes``/``no`` is a boolean, so ``savings: off`` would reach the settings as
     ``False`` while every mode field here takes the string (docs/settings.md spells them bare);
@@ -673,7 +673,7 @@ def _read_file(path: str, field: str) -> dict[str, Any]:
         if p.suffix.lower() in (".yaml", ".yml"):
             import yaml
 
-            data = yaml.load(text, Loader=yaml12_loader())  # a SafeLoader subclass: no arbitrary objects
+            data = yaml.load(text, Loader=_yaml12_loader())  # a SafeLoader subclass: no arbitrary objects
         else:
             data = json.loads(text)
     except Exception as exc:  # parse errors differ per format; keep the first line only
