@@ -127,8 +127,8 @@ ARRIVALS_KEPT = 4096
 #: ends. What a check costs open-loop traffic (a few seconds unpaced, then the batch regrowing):
 #: x2.284 against x2.351 tokens per joule at 4 req/s and 35 ms over 1800 s, simulated (same record);
 #: a light load of long outputs pays more, its checks running to CHECK_MAX_S (x2.17-2.25 against
-#: x2.41-2.45 at 0.2 req/s of 1,500-3,000 tokens), a price docs/decode-pacing.md weighs against 2
-#: thinking clients'.
+#: x2.41-2.45 at 0.2 req/s of 1,500-3,000 tokens, simulated), a price docs/decode-pacing.md weighs
+#: against 2 thinking clients'.
 CHECK_AFTER_S = (60.0, 600.0)
 CHECK_SOON_S = 15.0
 CHECK_PACED_S = (20.0, 40.0, 60.0)
